@@ -1,0 +1,32 @@
+# `make demo` and `make test` do all set-up on a fresh machine.
+PY ?= python3
+VENV ?= .venv
+VPY := $(VENV)/bin/python
+EXTRAS ?= dev,serve
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test venv clean bench-cpu
+
+$(VPY):
+	$(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+
+# torch: keep an importable one; otherwise install the pinned CPU wheel.
+$(STAMP): $(VPY) pyproject.toml
+	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q torch==2.13.0
+	$(VPY) -m pip install -q -e ".[$(EXTRAS)]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(VPY) -m rlhfkit.cli.quickstart
+
+test: $(STAMP)
+	$(VPY) -m pytest -q -n 2 --durations=15 tests
+
+bench-cpu: $(STAMP)
+	$(VPY) bench/train_throughput.py --device cpu
+
+clean:
+	rm -rf $(VENV) runs

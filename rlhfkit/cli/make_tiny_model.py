@@ -1,0 +1,35 @@
+"""Build a tiny random causal LM and a character-level tokenizer, offline.
+
+    python -m rlhfkit.cli.make_tiny_model --save_path ./tiny [--arch llama|qwen2] [--hidden_size 128]
+"""
+
+from __future__ import annotations
+
+from rlhfkit.config.flags import FlagParser
+from rlhfkit.models.tiny import TinyModelSpec, make_tiny_model
+
+
+def build_parser() -> FlagParser:
+    p = FlagParser("make_tiny_model", __doc__ or "")
+    p.flag("--save_path", type=str, required=True)
+    p.flag("--arch", type=str, default="llama", choices=["llama", "qwen2"])
+    p.flag("--hidden_size", type=int, default=128)
+    p.flag("--num_hidden_layers", "--num_layers", type=int, default=4)
+    p.flag("--num_attention_heads", type=int, default=4)
+    p.flag("--num_key_value_heads", type=int, default=None)
+    p.flag("--intermediate_size", type=int, default=None)
+    p.flag("--max_position_embeddings", type=int, default=512)
+    p.flag("--tie_word_embeddings", action="store_true")
+    p.flag("--seed", type=int, default=0)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse(argv)
+    spec = TinyModelSpec(**{k: v for k, v in vars(args).items() if k != "save_path"})
+    path = make_tiny_model(args.save_path, spec)
+    print(f"tiny {spec.arch} model and tokenizer written to {path}")
+
+
+if __name__ == "__main__":
+    main()

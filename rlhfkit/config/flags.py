@@ -1,0 +1,190 @@
+"""The flag table: OpenRLHF's flat flag names, their newer dotted aliases, and our defaults.
+
+Each CLI builds one `FlagParser` and adds the groups it needs (`add_model_flags`, ...).
+A flag is declared once with all of its names; the first name is the flat one and
+gives the `dest`. Unknown flags fail with the closest valid name:
+
+    $ python -m rlhfkit.cli.train_sft --lerning_rate 1e-5
+    train_sft: error: unknown flag --lerning_rate (did you mean --learning_rate?)
+
+`parse()` returns an `argparse.Namespace`; `rlhfkit.config.configs` turns it into the
+typed per-component configs, so components never see the namespace itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import os
+import sys
+from typing import Any, Sequence
+
+
+class FlagParser(argparse.ArgumentParser):
+    """argparse with exact-match flags, dotted aliases and close-match suggestions."""
+
+    def __init__(self, prog: str, description: str = "") -> None:
+        super().__init__(prog=prog, description=description, allow_abbrev=False)
+
+    def flag(self, *names: str, **kw: Any) -> argparse.Action:
+        """Add one flag. The first name is the flat one; later names are aliases."""
+        if "dest" not in kw:
+            kw["dest"] = names[0].lstrip("-").replace(".", "_").replace("-", "_")
+        return self.add_argument(*names, **kw)
+
+    def has_flag(self, name: str) -> bool:
+        return name in self._option_string_actions
+
+    def valid_names(self) -> list[str]:
+        return [s for s in self._option_string_actions if s.startswith("--")]
+
+    def parse(self, argv: Sequence[str] | None = None) -> argparse.Namespace:
+        argv = list(sys.argv[1:] if argv is None else argv)
+        ns, unknown = self.parse_known_args(argv)
+        flags = [u.split("=", 1)[0] for u in unknown if u.startswith("-")]
+        if flags:
+            msgs = []
+            for f in flags:
+                close = difflib.get_close_matches(f, self.valid_names(), n=1, cutoff=0.6)
+                hint = f" (did you mean {close[0]}?)" if close else ""
+                msgs.append(f"unknown flag {f}{hint}")
+            self.error("; ".join(msgs))
+        if unknown:
+            self.error(f"unexpected arguments: {' '.join(unknown)}")
+        return ns
+
+
+def str2bool(v: str) -> bool:
+    if v.lower() in ("1", "true", "yes", "y", "on"):
+        return True
+    if v.lower() in ("0", "false", "no", "n", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean, got {v!r}")
+
+
+# ----------------------------------------------------------------------------- groups
+
+
+def add_model_flags(p: FlagParser, default_dtype: str = "bf16") -> None:
+    p.flag("--pretrain", "--model.model_name_or_path", "--actor.model_name_or_path",
+           type=str, default=None, help="HF model directory (or hub id when online)")
+    p.flag("--param_dtype", "--ds.param_dtype", type=str, default=default_dtype,
+           choices=["bf16", "fp16", "fp32"], help="parameter/compute dtype (bf16 falls back to fp32 on CPU only if asked)")
+    p.flag("--bf16", dest="param_dtype", action="store_const", const="bf16", help="alias of --param_dtype bf16")
+    p.flag("--attn_implementation", "--ds.attn_implementation", type=str, default="sdpa",
+           help="sdpa (default), eager, flash_attention_2 (when installed)")
+    p.flag("--flash_attn", dest="attn_implementation", action="store_const", const="flash_attention_2",
+           help="alias of --attn_implementation flash_attention_2")
+    p.flag("--gradient_checkpointing", "--model.gradient_checkpointing_enable",
+           "--actor.gradient_checkpointing_enable", action="store_true")
+    p.flag("--gradient_checkpointing_use_reentrant", "--model.gradient_checkpointing_reentrant",
+           "--actor.gradient_checkpointing_reentrant", action="store_true")
+    p.flag("--lora_rank", "--ds.lora.rank", type=int, default=0)
+    p.flag("--lora_alpha", "--ds.lora.alpha", type=int, default=16)
+    p.flag("--target_modules", "--ds.lora.target_modules", type=str, nargs="*", default=["all-linear"])
+    p.flag("--lora_dropout", "--ds.lora.dropout", type=float, default=0.0)
+    p.flag("--load_in_4bit", "--ds.load_in_4bit", action="store_true")
+    p.flag("--disable_fast_tokenizer", "--data.disable_fast_tokenizer", action="store_true")
+    p.flag("--use_liger_kernel", "--ds.use_liger_kernel", action="store_true",
+           help="accepted for compatibility; liger kernels are used when installed")
+    p.flag("--aux_loss_coef", "--model.aux_loss_coef", type=float, default=0.0)
+
+
+def add_data_flags(p: FlagParser, *, max_len: int = 2048, max_samples: int = 1_000_000,
+                   input_template: str | None = None) -> None:
+    p.flag("--dataset", "--data.dataset", type=str, default=None,
+           help="comma-separated files, folders or dataset names")
+    p.flag("--dataset_probs", "--data.dataset_probs", type=str, default=None,
+           help="comma-separated sampling probabilities, one per --dataset entry")
+    p.flag("--dataset_split", "--data.dataset_split", type=str, default="train")
+    p.flag("--eval_dataset", "--eval.dataset", type=str, default=None)
+    p.flag("--eval_split", "--eval.split", type=str, default="train")
+    p.flag("--input_key", "--data.input_key", type=str, default="input")
+    p.flag("--output_key", "--data.output_key", type=str, default=None)
+    p.flag("--input_template", "--data.input_template", type=str, default=input_template)
+    p.flag("--apply_chat_template", "--data.apply_chat_template", action="store_true")
+    p.flag("--tokenizer_chat_template", "--data.tokenizer_chat_template", type=str, default=None)
+    p.flag("--max_len", "--data.max_len", type=int, default=max_len)
+    p.flag("--max_samples", "--data.max_samples", type=int, default=max_samples)
+    p.flag("--dataloader_num_workers", "--data.dataloader_num_workers", type=int, default=0)
+
+
+def add_train_flags(p: FlagParser, *, train_batch_size: int = 128, micro_train_batch_size: int = 8,
+                    max_epochs: int = 2, learning_rate: float = 5e-6) -> None:
+    p.flag("--train_batch_size", "--train.batch_size", type=int, default=train_batch_size,
+           help="global samples per optimizer step")
+    p.flag("--micro_train_batch_size", "--train.micro_batch_size", type=int, default=micro_train_batch_size,
+           help="samples per forward/backward per rank")
+    p.flag("--max_epochs", "--train.max_epochs", type=int, default=max_epochs)
+    p.flag("--seed", "--train.seed", type=int, default=42)
+    p.flag("--full_determinism", "--train.full_determinism_enable", action="store_true")
+    p.flag("--learning_rate", "--adam.lr", type=float, default=learning_rate)
+    p.flag("--adam_betas", "--adam.betas", type=float, nargs=2, default=[0.9, 0.95])
+    p.flag("--adam_eps", "--adam.eps", type=float, default=1e-8)
+    p.flag("--l2", "--adam.weight_decay", type=float, default=0.0)
+    p.flag("--optim", type=str, default="adam", choices=["adam"], help="adam (AdamW)")
+    p.flag("--lr_scheduler", type=str, default="cosine_with_min_lr")
+    p.flag("--lr_warmup_ratio", type=float, default=0.03)
+    p.flag("--min_lr_ratio", type=float, default=0.1)
+    p.flag("--max_norm", type=float, default=1.0, help="gradient clipping (0 disables)")
+
+
+def add_backend_flags(p: FlagParser) -> None:
+    p.flag("--backend", type=str, default="fsdp2", choices=["fsdp2", "deepspeed"])
+    p.flag("--zero_stage", "--ds.zero_stage", type=int, default=2, choices=[0, 1, 2, 3],
+           help="0: replicate; 1/2: shard grads+optimizer; 3: shard everything")
+    p.flag("--local_rank", type=int, default=-1)
+    p.flag("--adam_offload", "--ds.adam_offload", action="store_true")
+    p.flag("--packing_samples", "--ds.packing_samples", action="store_true")
+    p.flag("--ring_attn_size", "--ds.ring_attn_size", type=int, default=1)
+    p.flag("--ring_head_stride", "--ds.ring_attn_head_stride", type=int, default=1)
+    p.flag("--ds_tensor_parallel_size", "--ds.tensor_parallel_size", type=int, default=1)
+    p.flag("--zpg", "--ds.zpg", type=int, default=1)
+    p.flag("--overlap_comm", "--ds.overlap_comm", action="store_true")
+    p.flag("--grad_accum_dtype", "--ds.grad_accum_dtype", type=str, default=None)
+    p.flag("--deepcompile", "--ds.deepcompile", action="store_true")
+    p.flag("--use_universal_ckpt", "--ds.use_universal_ckpt", action="store_true")
+    p.flag("--device", type=str, default=None, help="cpu or cuda (default: cuda when available)")
+
+
+def add_ckpt_flags(p: FlagParser, *, ckpt_path: str = "./ckpt/checkpoints") -> None:
+    p.flag("--save_path", "--ckpt.output_dir", type=str, default="./ckpt",
+           help="final Hugging Face model directory")
+    p.flag("--run_dir", type=str, default=None,
+           help="metrics.jsonl, config.json and plots (default: --save_path)")
+    p.flag("--save_steps", "--ckpt.save_steps", type=int, default=-1)
+    p.flag("--ckpt_path", "--ckpt.path", type=str, default=ckpt_path)
+    p.flag("--max_ckpt_num", "--ckpt.max_num", type=int, default=3)
+    p.flag("--max_ckpt_mem", "--ckpt.max_mem", type=float, default=1e8)
+    p.flag("--load_checkpoint", "--ckpt.load_enable", action="store_true")
+    p.flag("--save_hf_ckpt", "--ckpt.save_hf", action="store_true")
+    p.flag("--disable_ds_ckpt", "--ckpt.disable_ds", action="store_true")
+
+
+def add_logging_flags(p: FlagParser, *, wandb_project: str = "rlhfkit") -> None:
+    p.flag("--logging_steps", "--logger.logging_steps", type=int, default=1)
+    p.flag("--eval_steps", "--eval.steps", type=int, default=-1, help="-1: once per epoch")
+    p.flag("--use_wandb", "--logger.wandb.key", type=str, default=None,
+           help="wandb API key (or 'True' to use the logged-in account)")
+    p.flag("--wandb_org", "--logger.wandb.org", type=str, default=None)
+    p.flag("--wandb_group", "--logger.wandb.group", type=str, default=None)
+    p.flag("--wandb_project", "--logger.wandb.project", type=str, default=wandb_project)
+    p.flag("--wandb_run_name", "--logger.wandb.run_name", type=str, default=None)
+    p.flag("--use_tensorboard", "--logger.tensorboard_dir", type=str, default=None)
+    p.flag("--disable_progress", action="store_true", help="no progress bar")
+
+
+def run_dir_of(args: argparse.Namespace) -> str:
+    return args.run_dir or args.save_path
+
+
+def write_resolved_config(args: argparse.Namespace, run_dir: str, name: str = "config.json") -> str:
+    """Write every flag's final value as JSON into the run directory."""
+    os.makedirs(run_dir, exist_ok=True)
+    path = os.path.join(run_dir, name)
+    data = {k: v for k, v in sorted(vars(args).items()) if k not in ("use_wandb",)}
+    data["use_wandb"] = bool(getattr(args, "use_wandb", None))
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2, default=str)
+    return path

@@ -1,0 +1,150 @@
+"""Records that cross layers (DESIGN.md section 3).
+
+Shapes use B = batch rows, L = padded row length, T = total packed tokens.
+
+    data  --PromptSample-->  agents  --GenerationRequest-->  engine
+    engine --Completion-->   agents  --Trajectory-->         algo
+    algo  --ExperienceBatch--> losses / roles
+
+Every field is typed; no dicts with magic keys travel inside the framework.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class PromptSample:
+    """One prompt from a prompt dataset.
+
+    `prompt` is the already-templated text fed to the tokenizer (chat template or
+    `--input_template` applied); `label` is the `--label_key` column, passed untouched
+    to `reward_func` and agents.
+    """
+
+    prompt: str
+    label: Any = None
+    datasource: str = "default"
+    index: int = 0
+
+
+@dataclass
+class SamplingParams:
+    """Sampling settings for one request (a subset of vLLM's SamplingParams)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 1024
+    min_new_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+    n: int = 1
+    logprobs: bool = True
+
+    def replace(self, **kw: Any) -> "SamplingParams":
+        d = dict(self.__dict__)
+        d.update(kw)
+        return SamplingParams(**d)
+
+
+@dataclass
+class GenerationRequest:
+    """Prompt token ids in; `params.n` completions come back for it."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    request_id: int = 0
+
+
+@dataclass
+class Completion:
+    """One generated continuation.
+
+    `logprobs[i]` is the engine's log-probability of `token_ids[i]` under the
+    sampling distribution's *unprocessed* model logits scaled by temperature.
+    `finish_reason` is "stop" (eos / stop token / stop string) or "length".
+    """
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float] | None
+    finish_reason: str
+    request_id: int = 0
+
+
+@dataclass
+class Trajectory:
+    """A finished episode (single- or multi-turn), token in and token out.
+
+    token_ids: prompt + actions + environment feedback, in order.
+    action_mask: 1 where the policy produced the token (loss is taken there), same length
+        as `token_ids`; the prompt and environment feedback are 0.
+    rollout_logprobs: engine log-probs aligned with `token_ids` (0 where action_mask is 0).
+    reward: the scalar reward used for advantages; score: the raw score (dynamic filtering,
+        pass@k). truncated: generation stopped by length.
+    """
+
+    token_ids: list[int]
+    action_mask: list[int]
+    rollout_logprobs: list[float]
+    prompt_len: int
+    reward: float = 0.0
+    score: float = 0.0
+    truncated: bool = False
+    prompt: str = ""
+    response: str = ""
+    label: Any = None
+    group_index: int = 0
+    extra_logs: dict[str, float] = field(default_factory=dict)
+    policy_version: int = 0
+
+
+@dataclass
+class ExperienceBatch:
+    """A padded batch of trajectories ready for log-prob passes and losses.
+
+    All tensors are `[B, L]` and right padded. Position `t` of `*_logprobs`, `values`,
+    `advantages`, `returns` and `loss_mask` refers to the prediction of token `t + 1` from
+    token `t` shifted so that index `t` lines up with `input_ids[:, t]` being *predicted*:
+    i.e. `logprobs[:, t] = log p(input_ids[:, t] | input_ids[:, :t])`, with `logprobs[:, 0] = 0`.
+    `loss_mask[:, t]` is 1 where `input_ids[:, t]` is an action token.
+
+    `num_loss_tokens` is the global (all ranks, all micro-batches of an optimizer step)
+    count of loss tokens; losses divide by it so results do not depend on micro-batching.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    loss_mask: torch.Tensor
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    rollout_logprobs: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    rewards: torch.Tensor | None = None  # [B] scalar reward per row
+    num_loss_tokens: float | None = None
+    num_samples: float | None = None
+
+    def to(self, device: torch.device | str) -> "ExperienceBatch":
+        out = {}
+        for k, v in self.__dict__.items():
+            out[k] = v.to(device) if isinstance(v, torch.Tensor) else v
+        return ExperienceBatch(**out)
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def select(self, idx: torch.Tensor | list[int]) -> "ExperienceBatch":
+        """Rows `idx` of every tensor (counts are left as they are)."""
+        out = {}
+        for k, v in self.__dict__.items():
+            out[k] = v[idx] if isinstance(v, torch.Tensor) else v
+        return ExperienceBatch(**out)
