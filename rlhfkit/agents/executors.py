@@ -1,0 +1,197 @@
+"""The two built-in executors: single-turn (generate once, then a reward source) and multi-turn
+(an ``AgentInstance`` environment). Both are token in, token out: the transcript's token ids are
+never re-tokenized, so what the policy trains on is exactly what the engine sampled.
+
+Multi-turn episode (one sample):
+
+    reset({"observation": prompt, "label"})  -> observation text -> tokenize once -> ids  (mask 0)
+    loop until done, max_steps, or len(ids) == max_length:
+        engine.agenerate(ids, max_new = min(max_new_tokens, max_length - len(ids)))
+                                             -> action ids                  (mask 1, engine logprobs)
+        step({"observation_text", "action_text", "label", "sampling_params"})
+                                             -> feedback text, reward, done, next sampling params
+        ids += action ids + tokenize(feedback)  (feedback: mask 0, logprob 0; cut at max_length)
+    -> Trajectory(reward = sum of step rewards, score = last step's "scores" or that sum,
+                  extra_logs = last step's, truncated = not done or last action hit its length limit)
+
+As in OpenRLHF, the environment feedback of the final step is appended too (masked out).
+Single-turn: the prompt is tokenized (no special tokens added) and left-truncated to leave
+``max_new_tokens`` of room; one generation; ``reward_func``/HTTP/RM gives reward and score for the
+decoded prompt + response (special tokens kept), merged into batches by ``BatchingRewardSource``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from rlhfkit.agents.base import (AgentConfig, AgentExecutorBase, EpisodeError, call_user,
+                                 check_reset_result, check_step_result, coerce_sampling_params,
+                                 create_agent_instance)
+from rlhfkit.agents.reward_func import BatchingRewardSource, make_reward_source, split_reward_output
+from rlhfkit.types import GenerationRequest, SamplingParams, Trajectory
+
+logger = logging.getLogger(__name__)
+
+
+def encode(tokenizer: Any, text: str) -> list[int]:
+    """Text -> token ids without special tokens (BOS etc. must already be in the text)."""
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def fit_prompt(ids: list[int], max_length: int, max_new_tokens: int, source: str) -> list[int]:
+    """Left-truncate the prompt so that ``max_new_tokens`` still fit in ``max_length``."""
+    room = max_length - max_new_tokens
+    if len(ids) > room:
+        logger.warning("%s: prompt of %d tokens left-truncated to %d (--max_len %d, --generate_max_len %d)",
+                       source, len(ids), room, max_length, max_new_tokens)
+        ids = ids[len(ids) - room:]
+    return ids
+
+
+async def generate_action(executor: AgentExecutorBase, engine: Any, prompt_ids: list[int],
+                          params: SamplingParams, budget: int) -> tuple[list[int], list[float], str]:
+    """One completion for ``prompt_ids`` with at most ``budget`` new tokens -> (ids, logprobs, finish)."""
+    limit = min(params.max_new_tokens, budget)
+    request = GenerationRequest(list(prompt_ids), params.replace(n=1, max_new_tokens=limit),
+                                request_id=executor.next_request_id())
+    outs = await engine.agenerate(request)
+    if not outs:
+        raise RuntimeError(f"engine returned no completion for request {request.request_id}")
+    c = outs[0]
+    ids = list(c.token_ids)
+    if len(ids) > limit:
+        raise RuntimeError(f"engine returned {len(ids)} tokens for max_new_tokens={limit}")
+    logps = [0.0] * len(ids) if c.logprobs is None else [float(x) for x in c.logprobs]
+    if len(logps) != len(ids):
+        raise RuntimeError(f"engine returned {len(logps)} logprobs for {len(ids)} tokens")
+    return ids, logps, c.finish_reason
+
+
+@dataclass
+class Transcript:
+    """Token ids of an episode with their action mask and rollout log-probs (same lengths)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    action_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+    def add(self, ids: Sequence[int], is_action: bool, logprobs: Sequence[float] | None = None) -> None:
+        self.token_ids.extend(ids)
+        self.action_mask.extend([int(is_action)] * len(ids))
+        self.logprobs.extend(logprobs if is_action and logprobs is not None else [0.0] * len(ids))
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+# ----------------------------------------------------------------------------- multi-turn
+
+
+@dataclass
+class _Tally:
+    reward: float = 0.0
+    score: float | None = None
+    extra_logs: dict[str, float] = field(default_factory=dict)
+    done: bool = False
+    steps: int = 0
+    last_finish: str = ""
+
+
+async def run_multi_turn(ex: AgentExecutorBase, prompt: str, label: Any, params: SamplingParams,
+                         max_length: int, tok: Any, engine: Any) -> Trajectory:
+    """The multi-turn loop drawn in the module docstring."""
+    src, timeout = ex.source_name, ex.config.step_timeout_s
+    agent = await create_agent_instance(ex.agent_instance_cls, timeout)
+    reset = await call_user(agent.reset, {"observation": prompt, "label": label},
+                            what="reset()", timeout_s=timeout)
+    obs_text = check_reset_result(reset)
+    tr = Transcript()
+    tr.add(fit_prompt(encode(tok, obs_text), max_length, params.max_new_tokens, src), is_action=False)
+    prompt_len, t = len(tr), _Tally()
+    while not t.done and (ex.max_steps is None or t.steps < ex.max_steps) and len(tr) < max_length:
+        action, logps, t.last_finish = await generate_action(ex, engine, tr.token_ids, params, max_length - len(tr))
+        tr.add(action, is_action=True, logprobs=logps)
+        action_text = tok.decode(action, skip_special_tokens=True)
+        states = {"observation_text": obs_text, "action_text": action_text, "label": label,
+                  "sampling_params": params}
+        res = check_step_result(await call_user(agent.step, states, what="step()", timeout_s=timeout), src)
+        t.steps += 1
+        t.reward += res.reward
+        t.score, t.extra_logs, t.done = res.score, res.extra_logs, res.done
+        obs_text = obs_text + action_text + res.feedback
+        tr.add(encode(tok, res.feedback)[: max_length - len(tr)], is_action=False)
+        params = coerce_sampling_params(res.sampling_params, params, src)
+    return Trajectory(
+        token_ids=tr.token_ids, action_mask=tr.action_mask, rollout_logprobs=tr.logprobs,
+        prompt_len=prompt_len, reward=t.reward, score=t.reward if t.score is None else t.score,
+        truncated=(not t.done) or t.last_finish == "length", prompt=prompt,
+        response=tok.decode(tr.token_ids[prompt_len:], skip_special_tokens=False), label=label,
+        extra_logs=t.extra_logs,
+    )
+
+
+class MultiTurnAgentExecutor(AgentExecutorBase):
+    """Episodes against an ``AgentInstance`` environment (a new instance per sample).
+
+    ``class AgentExecutor(MultiTurnAgentExecutor): def __init__(self): super().__init__(AgentInstance)``
+    """
+
+    def __init__(self, agent_instance_cls: type, *args: Any, **kwargs: Any) -> None:
+        if agent_instance_cls is None:
+            raise TypeError("MultiTurnAgentExecutor needs an AgentInstance class")
+        super().__init__(agent_instance_cls, *args, **kwargs)
+
+
+# ----------------------------------------------------------------------------- single-turn
+
+
+class SingleTurnAgentExecutor(AgentExecutorBase):
+    """Generate once, then score with a reward source.
+
+    ``remote_rm_url`` (OpenRLHF's argument) is a ``reward_func`` .py file or HTTP URL(s); or pass a
+    ``reward_source`` (e.g. the RL loop's reward model) to the constructor or ``setup``. Without
+    either, trajectories keep reward 0.0 and ``self.scores_rewards`` is False: the caller must
+    fill the rewards.
+    """
+
+    def __init__(self, remote_rm_url: str | list[str] | None = None, reward_source: Any = None) -> None:
+        super().__init__()
+        self.remote_rm_url = remote_rm_url
+        self._own_source = reward_source
+
+    def setup(self, engine: Any, tokenizer: Any, config: AgentConfig, reward_source: Any = None,
+              source_name: str | None = None) -> "SingleTurnAgentExecutor":
+        source = reward_source or self._own_source
+        if source is None and self.remote_rm_url:
+            source = make_reward_source(self.remote_rm_url, timeout_s=config.reward_timeout_s)
+        if source is not None and config.reward_batch_size > 1 and not isinstance(source, BatchingRewardSource):
+            source = BatchingRewardSource(source, max_batch_size=config.reward_batch_size)
+        name = source_name or getattr(source, "name", None) or "SingleTurnAgentExecutor"
+        super().setup(engine, tokenizer, config, reward_source=source, source_name=name)
+        self.scores_rewards = source is not None
+        return self
+
+    async def execute(self, prompt: str, label: Any, sampling_params: SamplingParams,
+                      max_length: int | None = None, hf_tokenizer: Any = None, llm_engine: Any = None,
+                      images: Any = None) -> Trajectory:
+        tok, engine = hf_tokenizer or self.hf_tokenizer, llm_engine or self.llm_engine
+        max_length = max_length or self.max_length
+        ids = fit_prompt(encode(tok, prompt), max_length, sampling_params.max_new_tokens, self.source_name)
+        action, logps, finish = await generate_action(self, engine, ids, sampling_params, max_length - len(ids))
+        tr = Transcript()
+        tr.add(ids, is_action=False)
+        tr.add(action, is_action=True, logprobs=logps)
+        traj = Trajectory(token_ids=tr.token_ids, action_mask=tr.action_mask, rollout_logprobs=tr.logprobs,
+                          prompt_len=len(ids), truncated=finish == "length", prompt=prompt,
+                          response=tok.decode(action, skip_special_tokens=True), label=label)
+        if self.reward_source is not None:
+            query = tok.decode(tr.token_ids, skip_special_tokens=False)
+            out = await call_user(self.reward_source, [query], [prompt], [label], what="reward", timeout_s=None)
+            traj.reward, traj.score, traj.extra_logs = split_reward_output(out, 1, self.source_name)[0]
+        return traj
+
+
+__all__ = ["SingleTurnAgentExecutor", "MultiTurnAgentExecutor", "Transcript", "run_multi_turn",
+           "generate_action", "encode", "fit_prompt", "EpisodeError"]

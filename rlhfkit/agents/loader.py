@@ -1,0 +1,121 @@
+"""Loading user Python files: ``--agent_func_path`` agent files and (via ``import_user_file``)
+``--remote_rm_url`` reward_func files.
+
+An agent file written for OpenRLHF works once its import line reads
+``from rlhfkit.agents import ...`` instead of ``from openrlhf.utils.agent import ...``. It defines
+
+    class AgentInstance(AgentInstanceBase): ...            # the environment
+    class AgentExecutor(MultiTurnAgentExecutor):           # optional; or AgentExecutorBase with execute()
+        def __init__(self): super().__init__(AgentInstance)
+
+A file with only ``AgentInstance`` gets ``MultiTurnAgentExecutor(AgentInstance)``. An executor whose
+``__init__`` takes arguments (older OpenRLHF: ``max_steps, max_length, llm_engine, hf_tokenizer,
+result_queue``) receives them by name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import inspect
+import os
+import sys
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+from rlhfkit.agents.base import AgentConfig, AgentExecutorBase, AgentInstanceBase
+from rlhfkit.agents.executors import MultiTurnAgentExecutor
+
+AGENT_FLAG = "--agent_func_path"
+
+
+def import_user_file(path: str, flag: str) -> ModuleType:
+    """Import a user's ``.py`` file as a fresh module; errors name the flag and the file."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{flag} {path}: no such file")
+    if not path.endswith(".py"):
+        raise ValueError(f"{flag} {path}: expected a .py file")
+    path = os.path.abspath(path)
+    stem = os.path.splitext(os.path.basename(path))[0]
+    name = f"rlhfkit_user_{stem}_{hashlib.sha1(path.encode()).hexdigest()[:8]}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    folder = os.path.dirname(path)
+    sys.path.insert(0, folder)  # sibling helper modules of the user file can be imported
+    try:
+        spec.loader.exec_module(module)
+    except ModuleNotFoundError as e:
+        del sys.modules[name]
+        hint = ""
+        if (e.name or "").startswith("openrlhf"):
+            hint = (" -- replace `from openrlhf.utils.agent import ...` with `from rlhfkit.agents import ...`")
+        raise ImportError(f"{flag} {path}: {e}{hint}") from e
+    except Exception as e:
+        del sys.modules[name]
+        raise ImportError(f"{flag} {path}: importing the file failed: {type(e).__name__}: {e}") from e
+    finally:
+        if folder in sys.path:
+            sys.path.remove(folder)
+    return module
+
+
+@dataclass
+class AgentFile:
+    """What an agent file defines."""
+
+    path: str
+    module: ModuleType
+    executor_cls: type | None
+    instance_cls: type | None
+
+
+def _class_attr(module: ModuleType, name: str, base: type, path: str) -> type | None:
+    obj = getattr(module, name, None)
+    if obj is None:
+        return None
+    if not (isinstance(obj, type) and issubclass(obj, base)):
+        raise TypeError(f"{AGENT_FLAG} {path}: {name} must be a class inheriting rlhfkit.agents.{base.__name__}, "
+                        f"got {obj!r}")
+    return obj
+
+
+def load_agent_file(path: str) -> AgentFile:
+    """Import ``path`` and find ``AgentExecutor`` and/or ``AgentInstance``."""
+    module = import_user_file(path, AGENT_FLAG)
+    executor_cls = _class_attr(module, "AgentExecutor", AgentExecutorBase, path)
+    instance_cls = _class_attr(module, "AgentInstance", AgentInstanceBase, path)
+    if executor_cls is None and instance_cls is None:
+        raise AttributeError(f"{AGENT_FLAG} {path} must define class AgentExecutor(AgentExecutorBase) "
+                             f"or class AgentInstance(AgentInstanceBase)")
+    return AgentFile(path=path, module=module, executor_cls=executor_cls, instance_cls=instance_cls)
+
+
+def instantiate_executor(cls: type, path: str, supplied: dict[str, Any]) -> AgentExecutorBase:
+    """Call ``cls(...)`` passing the arguments its ``__init__`` names from ``supplied``."""
+    kwargs = {}
+    for p in list(inspect.signature(cls.__init__).parameters.values())[1:]:
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        if p.name in supplied:
+            kwargs[p.name] = supplied[p.name]
+        elif p.default is p.empty:
+            raise TypeError(f"{AGENT_FLAG} {path}: {cls.__name__}.__init__ needs {p.name!r}; rlhfkit passes "
+                            f"only {sorted(supplied)}")
+    return cls(**kwargs)
+
+
+def build_agent_executor(path: str, engine: Any, tokenizer: Any, config: AgentConfig,
+                         reward_source: Any = None) -> AgentExecutorBase:
+    """Load an agent file and return its executor, set up and ready for ``run_episodes``."""
+    spec = load_agent_file(path)
+    if spec.executor_cls is not None:
+        supplied = {"max_steps": None, "max_length": config.max_length, "llm_engine": engine,
+                    "hf_tokenizer": tokenizer, "result_queue": None}
+        if spec.instance_cls is not None:
+            supplied["agent_instance_cls"] = spec.instance_cls
+        executor = instantiate_executor(spec.executor_cls, path, supplied)
+    else:
+        executor = MultiTurnAgentExecutor(spec.instance_cls)
+    return executor.setup(engine, tokenizer, config, reward_source=reward_source, source_name=path)

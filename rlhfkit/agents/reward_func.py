@@ -1,0 +1,266 @@
+"""Reward sources: the ``RewardSource`` protocol, the Python ``reward_func`` file, batching, and
+the ``--remote_rm_url`` factory.
+
+    --remote_rm_url /path/reward_func.py         -> PythonRewardSource (here)
+    --remote_rm_url http://host:5000/get_reward  -> the HTTP client of ``remote_reward.py``
+    reward model                                 -> the RL loop's own RewardSource
+
+A ``reward_func`` file (OpenRLHF format) defines
+
+    def reward_func(queries, prompts, labels):      # or `async def`
+        # queries: prompt + response text (special tokens kept); prompts; labels (--label_key)
+        return {"rewards": B values, "scores": B values (optional, default rewards),
+                "extra_logs": {name: one value or B values} (optional)}
+
+or returns the B rewards alone (tensor / list). Values may be torch tensors. A sync function
+runs in a daemon thread, an async one on the event loop; both under ``timeout_s``. A thread
+that runs past its time limit cannot be stopped: it is abandoned (the sample fails).
+
+Failures (exception, time limit, bad return value) raise ``EpisodeError`` naming the file; the
+executor applies ``--reward_failure``. ``BatchingRewardSource`` merges concurrent per-sample
+calls into one batch call: under ``drop`` a failing batch call drops all of its samples.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import os
+import threading
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+
+from rlhfkit.agents.base import EpisodeError
+from rlhfkit.agents.reward_types import RewardOutput
+
+logger = logging.getLogger(__name__)
+
+FLAG = "--remote_rm_url"
+
+
+@runtime_checkable
+class RewardSource(Protocol):
+    """Scores a batch; ``len(out.rewards) == len(out.scores) == len(queries)``."""
+
+    async def __call__(self, queries: list[str], prompts: list[str], labels: list[Any]) -> RewardOutput:
+        ...
+
+
+# ----------------------------------------------------------------------------- checking values
+
+_KNOWN_KEYS = {"rewards", "scores", "extra_logs"}
+
+
+def parse_reward_return(raw: Any, n: int, source: str) -> RewardOutput:
+    """Check what ``reward_func`` returned for a batch of ``n`` and build a RewardOutput."""
+    if isinstance(raw, RewardOutput):
+        return check_reward_output(raw, n, source)
+    if not isinstance(raw, dict):
+        if raw is None or isinstance(raw, (str, bytes)):
+            raise EpisodeError(f"{source}: reward_func must return a dict with 'rewards' or the rewards "
+                               f"themselves (tensor / list), got {type(raw).__name__}")
+        raw = {"rewards": raw}
+    unknown = set(raw) - _KNOWN_KEYS
+    if unknown:  # OpenRLHF ignores other keys; say so, since a typo ('score') loses data
+        logger.warning("%s: reward_func's dict has keys that are ignored: %s (known: rewards, scores, "
+                       "extra_logs)", source, sorted(map(str, unknown)))
+    try:
+        return RewardOutput.from_mapping(raw, n, source)
+    except ValueError as e:
+        raise EpisodeError(str(e)) from e
+
+
+def check_reward_output(out: Any, n: int, source: str) -> RewardOutput:
+    """Validate any source's answer for a batch of ``n`` (lengths, finite numbers, extra_logs)."""
+    if not isinstance(out, RewardOutput):
+        raise EpisodeError(f"{source}: reward source returned {type(out).__name__}, expected RewardOutput")
+    try:
+        return RewardOutput.from_mapping(out.to_dict(), n, source)
+    except ValueError as e:
+        raise EpisodeError(str(e)) from e
+
+
+def split_reward_output(out: Any, n: int, source: str) -> list[tuple[float, float, dict[str, float]]]:
+    """Per-sample (reward, score, extra_logs) from a batch RewardOutput."""
+    out = check_reward_output(out, n, source)
+    return [(out.rewards[i], out.scores[i], out.sample_logs(i)) for i in range(n)]
+
+
+def slice_reward_output(out: RewardOutput, start: int, end: int) -> RewardOutput:
+    """Samples ``start:end``; shared (single-number) extra_logs stay shared."""
+    logs = {k: (v[start:end] if isinstance(v, list) else v) for k, v in out.extra_logs.items()}
+    return RewardOutput(rewards=out.rewards[start:end], scores=out.scores[start:end], extra_logs=logs)
+
+
+# ----------------------------------------------------------------------------- the Python file
+
+
+def load_reward_func(path: str) -> Callable[..., Any]:
+    """Import ``path`` and return its ``reward_func(queries, prompts, labels)``."""
+    from rlhfkit.agents.loader import import_user_file
+
+    module = import_user_file(path, FLAG)
+    fn = getattr(module, "reward_func", None)
+    if not callable(fn):
+        raise AttributeError(f"{FLAG} {path} must define reward_func(queries, prompts, labels)")
+    try:
+        inspect.signature(fn).bind([], [], [])
+    except TypeError as e:
+        raise TypeError(f"{FLAG} {path}: reward_func must accept (queries, prompts, labels): {e}") from None
+    except ValueError:  # no signature (builtins): call and see
+        pass
+    return fn
+
+
+def _in_daemon_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+    """Run ``fn(*args)`` in a daemon thread; the future completes on the calling loop."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if fut.done():
+            return
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+
+    def work() -> None:
+        try:
+            result, error = fn(*args), None
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
+            result, error = None, e
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the loop has closed: nobody is waiting any more
+            pass
+
+    threading.Thread(target=work, name="reward_func", daemon=True).start()
+    return fut
+
+
+class PythonRewardSource:
+    """A ``reward_func`` (from a file path or a callable) as a RewardSource."""
+
+    def __init__(self, func_or_path: str | os.PathLike | Callable[..., Any], timeout_s: float | None = 300.0,
+                 name: str | None = None) -> None:
+        if isinstance(func_or_path, (str, os.PathLike)):
+            self.name = str(func_or_path)
+            self.func = load_reward_func(self.name)
+        else:
+            self.func = func_or_path
+            self.name = name or getattr(func_or_path, "__qualname__", "reward_func")
+        self.timeout_s = timeout_s
+
+    async def __call__(self, queries: Sequence[str], prompts: Sequence[str], labels: Sequence[Any]) -> RewardOutput:
+        n = len(queries)
+        if len(prompts) != n or len(labels) != n:
+            raise ValueError(f"queries/prompts/labels lengths differ: {n}, {len(prompts)}, {len(labels)}")
+        raw = await self._run(list(queries), list(prompts), list(labels))
+        return parse_reward_return(raw, n, self.name)
+
+    async def _run(self, queries: list[str], prompts: list[str], labels: list[Any]) -> Any:
+        try:
+            async with asyncio.timeout(self.timeout_s) as cm:
+                if inspect.iscoroutinefunction(self.func):
+                    raw = await self.func(queries, prompts, labels)
+                else:
+                    raw = await _in_daemon_thread(self.func, queries, prompts, labels)
+                if inspect.isawaitable(raw):
+                    raw = await raw
+            return raw
+        except TimeoutError as e:
+            if cm.expired():
+                raise EpisodeError(f"{self.name}: reward_func did not return within {self.timeout_s} s") from None
+            raise EpisodeError(f"{self.name}: reward_func raised TimeoutError: {e}") from e
+        except Exception as e:
+            raise EpisodeError(f"{self.name}: reward_func raised {type(e).__name__}: {e}") from e
+
+
+# ----------------------------------------------------------------------------- batching
+
+
+class BatchingRewardSource:
+    """Merge concurrent calls into batch calls of at most ``max_batch_size`` samples.
+
+    A call waits ``max_wait_s`` (0: one turn of the event loop) for others to join its batch.
+    If the batch call fails, every caller in it gets the error.
+    """
+
+    def __init__(self, source: Any, max_batch_size: int = 64, max_wait_s: float = 0.0) -> None:
+        self.source, self.max_batch_size, self.max_wait_s = source, max_batch_size, max_wait_s
+        self.name = getattr(source, "name", type(source).__name__)
+        self._pending: list[tuple[list, list, list, asyncio.Future]] = []
+        self._timer: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    async def __call__(self, queries: Sequence[str], prompts: Sequence[str], labels: Sequence[Any]) -> RewardOutput:
+        fut = asyncio.get_running_loop().create_future()
+        self._pending.append((list(queries), list(prompts), list(labels), fut))
+        if sum(len(p[0]) for p in self._pending) >= self.max_batch_size:
+            self._flush()
+        elif self._timer is None or self._timer.done():
+            self._timer = self._spawn(self._flush_later())
+        return await fut
+
+    def _spawn(self, coro: Any) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _flush_later(self) -> None:
+        await asyncio.sleep(self.max_wait_s)
+        self._flush()
+
+    def _flush(self) -> None:
+        batch, self._pending = self._pending, []
+        if batch:
+            self._spawn(self._run(batch))
+
+    async def _run(self, batch: list[tuple[list, list, list, asyncio.Future]]) -> None:
+        q = [x for b in batch for x in b[0]]
+        p = [x for b in batch for x in b[1]]
+        lab = [x for b in batch for x in b[2]]
+        try:
+            out = check_reward_output(await self.source(q, p, lab), len(q), self.name)
+        except Exception as e:
+            err = e if len(batch) == 1 else EpisodeError(f"{e} (in a batched reward call of {len(q)} samples)")
+            for *_, fut in batch:
+                if not fut.done():
+                    fut.set_exception(err)
+            return
+        start = 0
+        for queries, _, _, fut in batch:
+            if not fut.done():
+                fut.set_result(slice_reward_output(out, start, start + len(queries)))
+            start += len(queries)
+
+
+# ----------------------------------------------------------------------------- factory
+
+
+def make_reward_source(remote_rm_url: str | Sequence[str], timeout_s: float | None = 300.0) -> Any:
+    """``--remote_rm_url``: one ``.py`` file -> PythonRewardSource; URL(s) (comma-separated) -> HTTP."""
+    urls = [u.strip() for u in remote_rm_url.split(",")] if isinstance(remote_rm_url, str) else list(remote_rm_url)
+    urls = [u for u in urls if u]
+    if not urls:
+        raise ValueError(f"{FLAG} is empty")
+    if any(u.endswith(".py") for u in urls):
+        if len(urls) > 1:
+            raise ValueError(f"{FLAG}: give one reward_func .py file or HTTP URLs, not both: {urls}")
+        return PythonRewardSource(urls[0], timeout_s=timeout_s)
+    return HTTPRewardSource(urls, timeout_s=timeout_s)
+
+
+class HTTPRewardSource:
+    """The HTTP client of ``remote_reward.py`` as a RewardSource (round robin, retries)."""
+
+    def __init__(self, urls: Sequence[str], timeout_s: float | None = 180.0, **client_kw: Any) -> None:
+        from rlhfkit.agents.remote_reward import RemoteRewardClient
+
+        self.client = RemoteRewardClient(list(urls), timeout_s=timeout_s or 180.0, **client_kw)
+        self.name = "reward server " + ",".join(urls)
+
+    async def __call__(self, queries: Sequence[str], prompts: Sequence[str], labels: Sequence[Any]) -> RewardOutput:
+        return await self.client.get_rewards(queries, prompts, labels)
