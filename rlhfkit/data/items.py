@@ -1,0 +1,144 @@
+"""Tokenized dataset items and the prompt + response joining rule they share.
+
+Items hold plain lists; `rlhfkit.data.collate` turns them into tensors. A `loss_mask[t] = 1`
+marks token `t` as trained on, i.e. its log-prob `log p(ids[t] | ids[:t])` enters the loss
+(docs/architecture.md); `loss_mask[0]` is therefore always 0, since token 0 is not predicted.
+
+Joining rule (SFT, DPO/RM, KTO):
+
+    ids       = prompt_ids + response_ids + [eos]      (eos only if the response does not end with it)
+    loss_mask = [0] * len(prompt_ids) + [1] * (len(ids) - len(prompt_ids))
+    ids, loss_mask cut to max_len; None when no response token survives.
+
+Prompt and response are encoded separately and the ids concatenated, so the mask boundary is
+exact (OpenRLHF encodes the joined text and uses the prompt's token count, which can be off by
+one when a merge crosses the boundary) and the ids are what an RL rollout would produce.
+Unlike OpenRLHF, a truncated response does not get its last token overwritten with EOS: a cut
+response is trained as a cut response, not taught to stop mid-sentence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from torch.utils.data import Dataset
+
+from rlhfkit.data.io import Row
+from rlhfkit.data.templates import encode, require_chat_template, set_chat_template
+
+
+@dataclass
+class SFTItem:
+    """One SFT sample: `input_ids [L]`, `loss_mask [L]`."""
+
+    input_ids: list[int]
+    loss_mask: list[int]
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+@dataclass
+class PreferenceItem:
+    """One preference pair (reward model, DPO): chosen and rejected sequences, optional margin."""
+
+    chosen_ids: list[int]
+    chosen_loss_mask: list[int]
+    rejected_ids: list[int]
+    rejected_loss_mask: list[int]
+    margin: float = 0.0
+
+    def __len__(self) -> int:
+        return len(self.chosen_ids) + len(self.rejected_ids)
+
+
+@dataclass
+class UnpairedItem:
+    """One KTO sample: a prompt + response sequence and whether the response is desirable.
+
+    `prompt_len` splits `input_ids` into prompt and response, so mismatched pairs for KTO's KL
+    estimate can be built (`rlhfkit.data.preference.kto_mismatched`).
+    """
+
+    input_ids: list[int]
+    loss_mask: list[int]
+    label: bool
+    prompt_len: int
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+@dataclass
+class PRMItem:
+    """One process-reward sample: `input_ids [L]` and `labels [L]`, -100 except at step ends.
+
+    Hard labels are token ids of the `--reward_tokens`; soft labels are floats (`soft=True`).
+    """
+
+    input_ids: list[int]
+    labels: list[float] | list[int]
+    soft: bool = False
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+def join_prompt_response(prompt_ids: list[int], response_ids: list[int], eos_id: int | None,
+                         max_len: int) -> tuple[list[int], list[int]] | None:
+    """`(ids, loss_mask)` by the joining rule above, or None when the response is cut away."""
+    response_ids = list(response_ids)
+    if eos_id is not None and (not response_ids or response_ids[-1] != eos_id):
+        response_ids.append(eos_id)
+    ids = (list(prompt_ids) + response_ids)[:max_len]
+    mask = ([0] * len(prompt_ids) + [1] * len(response_ids))[:max_len]
+    if mask:
+        mask[0] = 0
+    if not any(mask):
+        return None
+    return ids, mask
+
+
+class TokenizedDataset(Dataset):
+    """Items built once from rows by `encode_row` (None drops a row, counted in `num_dropped`).
+
+    `chat_flag` names the flag that needs the tokenizer's chat template (None: not needed);
+    `chat_template` (`--tokenizer_chat_template`) replaces the tokenizer's template first.
+    """
+
+    def __init__(self, rows: Sequence[Row], tokenizer: Any, chat_template: str | None,
+                 chat_flag: str | None) -> None:
+        self.tokenizer = tokenizer
+        set_chat_template(tokenizer, chat_template)
+        if chat_flag:
+            require_chat_template(tokenizer, chat_flag)
+        self.eos_id: int | None = tokenizer.eos_token_id
+        self.items: list[Any] = []
+        self.num_dropped = 0
+        for row in rows:
+            item = self.encode_row(row)
+            if item is None:
+                self.num_dropped += 1
+            else:
+                self.items.append(item)
+
+    def encode_row(self, row: Row) -> Any:
+        """One row -> one item, or None to drop it."""
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, idx: int) -> Any:
+        return self.items[idx]
+
+    @property
+    def lengths(self) -> list[int]:
+        """Token count of each item (for token-budget batching)."""
+        return [len(it) for it in self.items]
+
+    def _join(self, prompt: str, response: str, max_len: int) -> tuple[list[int], list[int]] | None:
+        """Encode prompt and response (trailing newlines stripped) and join them."""
+        return join_prompt_response(encode(self.tokenizer, prompt),
+                                    encode(self.tokenizer, response.rstrip("\n")), self.eos_id, max_len)

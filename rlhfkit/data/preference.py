@@ -1,0 +1,168 @@
+"""Preference datasets: paired (reward model, DPO) and unpaired (KTO).
+
+Paired rows, as OpenRLHF's reward dataset reads them:
+
+* with `--prompt_key`: the prompt column plus `--chosen_key` / `--rejected_key` responses
+  (strings, or message lists under `--apply_chat_template`; `--input_template` formats a string
+  prompt);
+* without it: chosen and rejected are whole texts (empty prompt), or, under
+  `--apply_chat_template`, whole conversations whose last message is the assistant answer (the
+  earlier messages form the prompt, which gets loss mask 0);
+* an optional `margin` column (float, default 0) for the margin loss.
+
+Unpaired rows (KTO, Ethayarajh et al. 2024): `--input_key` prompt, `--output_key` response and a
+boolean `--label_key` (desirable or not). `kto_mismatched` builds the (prompt_i, response_{i+1})
+pairs whose log-ratios estimate KTO's reference point z0 = KL(pi || pi_ref).
+
+Both use the joining and truncation rule of `rlhfkit.data.items`; a pair is dropped (and counted)
+when either side has no response token left within `--max_len`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from rlhfkit.data.io import DataError, Row
+from rlhfkit.data.items import PreferenceItem, SFTItem, TokenizedDataset, UnpairedItem, join_prompt_response
+from rlhfkit.data.templates import PromptFormat, check_input_template, chat_prompt_response, encode, to_messages
+
+
+@dataclass
+class PreferenceDataConfig:
+    """Paired preference data flags (names match the flag dests)."""
+
+    prompt_key: str | None = None
+    chosen_key: str = "chosen"
+    rejected_key: str = "rejected"
+    input_template: str | None = None
+    apply_chat_template: bool = False
+    tokenizer_chat_template: str | None = None
+    max_len: int = 512
+
+    def __post_init__(self) -> None:
+        check_input_template(self.input_template)
+        if self.max_len < 2:
+            raise DataError(f"--max_len must be at least 2, got {self.max_len}")
+
+
+class PreferenceDataset(TokenizedDataset):
+    """Chosen/rejected pairs -> `PreferenceItem`."""
+
+    def __init__(self, rows: Sequence[Row], tokenizer: Any, config: PreferenceDataConfig) -> None:
+        self.config = config
+        self.format = PromptFormat(config.input_template, config.apply_chat_template)
+        super().__init__(rows, tokenizer, config.tokenizer_chat_template,
+                         "--apply_chat_template" if config.apply_chat_template else None)
+
+    def _side(self, row: Row, key: str, flag: str) -> tuple[str, str]:
+        """(prompt text, response text) of one side."""
+        cfg = self.config
+        value = row.get(key, flag)
+        if cfg.prompt_key:
+            prompt = row.get(cfg.prompt_key, "--prompt_key")
+            return self.format.prompt_and_response(self.tokenizer, prompt, value, row, (cfg.prompt_key, key))
+        if not cfg.apply_chat_template:
+            if not isinstance(value, str):
+                raise row.error(f"key {key!r} ({flag}) must be a string without --apply_chat_template, "
+                                f"got {type(value).__name__}")
+            return "", value
+        msgs = to_messages(value, row, key, role="assistant")
+        if msgs[-1]["role"] != "assistant":
+            raise row.error(f"key {key!r} ({flag}) must end with an assistant message")
+        return chat_prompt_response(self.tokenizer, msgs[:-1], msgs[-1:], row)
+
+    def encode_row(self, row: Row) -> PreferenceItem | None:
+        cfg = self.config
+        chosen = self._join(*self._side(row, cfg.chosen_key, "--chosen_key"), cfg.max_len)
+        rejected = self._join(*self._side(row, cfg.rejected_key, "--rejected_key"), cfg.max_len)
+        margin = row.opt("margin", 0.0)
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)):
+            raise row.error(f"key 'margin' must be a number, got {type(margin).__name__}")
+        if chosen is None or rejected is None:
+            return None
+        return PreferenceItem(chosen[0], chosen[1], rejected[0], rejected[1], float(margin))
+
+
+def preference_rows(items: Sequence[PreferenceItem]) -> list[SFTItem]:
+    """The 2B sequences of B pairs for one forward pass: all chosen first, then all rejected."""
+    return ([SFTItem(it.chosen_ids, it.chosen_loss_mask) for it in items]
+            + [SFTItem(it.rejected_ids, it.rejected_loss_mask) for it in items])
+
+
+# ----------------------------------------------------------------------------- KTO
+
+
+@dataclass
+class UnpairedDataConfig:
+    """Unpaired (KTO) data flags."""
+
+    input_key: str = "input"
+    output_key: str | None = "output"
+    label_key: str = "label"
+    input_template: str | None = None
+    apply_chat_template: bool = False
+    tokenizer_chat_template: str | None = None
+    max_len: int = 2048
+
+    def __post_init__(self) -> None:
+        check_input_template(self.input_template)
+        if not self.output_key:
+            raise DataError("KTO data needs --output_key (the response column)")
+        if self.max_len < 2:
+            raise DataError(f"--max_len must be at least 2, got {self.max_len}")
+
+
+_TRUE = ("true", "1", "yes", "y", "desirable", "good")
+_FALSE = ("false", "0", "no", "n", "undesirable", "bad")
+
+
+def parse_label(value: Any, row: Row, key: str) -> bool:
+    """A boolean label: bool, 0/1, or a word like 'true'/'false' (CSV files give strings)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+        return value.strip().lower() in _TRUE
+    raise row.error(f"key {key!r} (--label_key) must be a boolean (true/false or 1/0), got {value!r}")
+
+
+class UnpairedDataset(TokenizedDataset):
+    """Prompt + response + desirable label -> `UnpairedItem`."""
+
+    def __init__(self, rows: Sequence[Row], tokenizer: Any, config: UnpairedDataConfig) -> None:
+        self.config = config
+        self.format = PromptFormat(config.input_template, config.apply_chat_template)
+        super().__init__(rows, tokenizer, config.tokenizer_chat_template,
+                         "--apply_chat_template" if config.apply_chat_template else None)
+
+    def encode_row(self, row: Row) -> UnpairedItem | None:
+        cfg = self.config
+        assert cfg.output_key is not None
+        label = parse_label(row.get(cfg.label_key, "--label_key"), row, cfg.label_key)
+        prompt, response = self.format.prompt_and_response(
+            self.tokenizer, row.get(cfg.input_key, "--input_key"), row.get(cfg.output_key, "--output_key"),
+            row, (cfg.input_key, cfg.output_key))
+        prompt_ids = encode(self.tokenizer, prompt)
+        joined = join_prompt_response(prompt_ids, encode(self.tokenizer, response.rstrip("\n")),
+                                      self.eos_id, cfg.max_len)
+        if joined is None:
+            return None
+        return UnpairedItem(joined[0], joined[1], label, prompt_len=len(prompt_ids))
+
+
+def kto_mismatched(items: Sequence[UnpairedItem], max_len: int) -> list[SFTItem]:
+    """Sequences (prompt of item i, response of item i+1 mod B) for KTO's KL reference point."""
+    out = []
+    n = len(items)
+    for i, it in enumerate(items):
+        other = items[(i + 1) % n]
+        prompt = it.input_ids[: it.prompt_len]
+        response = other.input_ids[other.prompt_len:]
+        ids = (prompt + response)[:max_len]
+        mask = ([0] * len(prompt) + [1] * len(response))[:max_len]
+        if mask:
+            mask[0] = 0
+        out.append(SFTItem(ids, mask))
+    return out

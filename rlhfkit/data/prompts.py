@@ -1,0 +1,72 @@
+"""Prompt dataset for RL: rows -> `rlhfkit.types.PromptSample`.
+
+Each sample's `prompt` is the final text given to the tokenizer: the `--input_key` value run
+through `--apply_chat_template` (a string becomes one user message; a message list is used as
+is; the generation prompt is added) or `--input_template`. `label` is the `--label_key` value,
+passed untouched to `reward_func` and agents; `datasource` is the row's `datasource` column
+(default "default"), used to split evaluation metrics per source, as in OpenRLHF.
+
+With `max_prompt_len`, prompts longer than that many tokens are dropped and counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from rlhfkit.data.io import DataError, Row
+from rlhfkit.data.items import TokenizedDataset
+from rlhfkit.data.templates import PromptFormat, check_input_template, encode
+from rlhfkit.types import PromptSample
+
+
+@dataclass
+class PromptDataConfig:
+    """Prompt data flags (names match the flag dests)."""
+
+    input_key: str = "input"
+    label_key: str | None = None
+    input_template: str | None = None
+    apply_chat_template: bool = False
+    tokenizer_chat_template: str | None = None
+    max_prompt_len: int | None = None
+
+    def __post_init__(self) -> None:
+        check_input_template(self.input_template)
+        if self.max_prompt_len is not None and self.max_prompt_len < 1:
+            raise DataError(f"--prompt_max_len must be positive, got {self.max_prompt_len}")
+
+
+class PromptDataset(TokenizedDataset):
+    """`PromptSample`s; `samples[i].index == i`."""
+
+    def __init__(self, rows: Sequence[Row], tokenizer: Any, config: PromptDataConfig) -> None:
+        self.config = config
+        self.format = PromptFormat(config.input_template, config.apply_chat_template)
+        super().__init__(rows, tokenizer, config.tokenizer_chat_template,
+                         "--apply_chat_template" if config.apply_chat_template else None)
+
+    def __getitem__(self, idx: int) -> PromptSample:
+        return self.items[idx]
+
+    @property
+    def samples(self) -> list[PromptSample]:
+        return self.items
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(encode(self.tokenizer, s.prompt)) for s in self.items]
+
+    def encode_row(self, row: Row) -> PromptSample | None:
+        cfg = self.config
+        prompt = self.format.prompt_text(self.tokenizer, row.get(cfg.input_key, "--input_key"), row, cfg.input_key)
+        if cfg.max_prompt_len is not None and len(encode(self.tokenizer, prompt)) > cfg.max_prompt_len:
+            return None
+        label = row.get(cfg.label_key, "--label_key") if cfg.label_key else None
+        source = row.opt("datasource", "default")
+        return PromptSample(prompt=prompt, label=label, datasource=str(source), index=len(self.items))
+
+
+def build_prompt_samples(rows: Sequence[Row], tokenizer: Any, config: PromptDataConfig) -> list[PromptSample]:
+    """The prompt dataset's samples as a plain list."""
+    return PromptDataset(rows, tokenizer, config).samples
