@@ -1,0 +1,57 @@
+"""Shared CLI plumbing: error reporting, seeding, run directory, metrics logger.
+
+`cli_main(fn)` turns the errors a user can cause (bad data, bad flags, missing files) into
+one clear line on stderr and a non-zero exit, instead of a traceback; set
+`RLHFKIT_TRACEBACK=1` to see the traceback anyway.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import traceback
+from typing import Callable
+
+import numpy as np
+import torch
+
+from rlhfkit.config.flags import run_dir_of, write_resolved_config
+from rlhfkit.data.io import DataError
+from rlhfkit.trainers.metrics import MetricsLogger, NullLogger, WandbSettings
+
+
+class UsageError(ValueError):
+    """A bad combination of flags, named in the message."""
+
+
+def cli_main(prog: str, fn: Callable[[], None]) -> None:
+    try:
+        fn()
+    except (DataError, UsageError, FileNotFoundError, ValueError) as e:
+        if os.environ.get("RLHFKIT_TRACEBACK"):
+            traceback.print_exc()
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        raise SystemExit(1)
+
+
+def set_seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def make_logger(args: argparse.Namespace, rank: int, plot_keys: tuple[str, ...] | None = None):
+    """The run's metrics logger (rank 0) after writing the resolved config; NullLogger elsewhere."""
+    if rank != 0:
+        return NullLogger()
+    run_dir = run_dir_of(args)
+    write_resolved_config(args, run_dir)
+    wandb = None
+    if getattr(args, "use_wandb", None):
+        wandb = WandbSettings(key=args.use_wandb, project=args.wandb_project, org=args.wandb_org,
+                              group=args.wandb_group, run_name=args.wandb_run_name)
+    kw = {} if plot_keys is None else {"plot_keys": plot_keys}
+    return MetricsLogger(run_dir, tensorboard_dir=args.use_tensorboard, wandb=wandb,
+                         config={k: str(v) for k, v in vars(args).items() if k != "use_wandb"}, **kw)

@@ -1,0 +1,60 @@
+"""The `rlhfkit` console script: one subcommand per CLI module.
+
+    rlhfkit sft --pretrain ... == python -m rlhfkit.cli.train_sft --pretrain ...
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import runpy
+import sys
+
+COMMANDS = {
+    "sft": "train_sft",
+    "rm": "train_rm",
+    "dpo": "train_dpo",
+    "kto": "train_kto",
+    "prm": "train_prm",
+    "kd": "train_kd",
+    "ppo": "train_ppo",
+    "ppo_ray": "train_ppo_ray",
+    "serve_rm": "serve_rm",
+    "batch_inference": "batch_inference",
+    "lora_combiner": "lora_combiner",
+    "chat": "interactive_chat",
+    "make_tiny_model": "make_tiny_model",
+    "quickstart": "quickstart",
+}
+
+
+def _available() -> dict[str, str]:
+    return {k: v for k, v in COMMANDS.items() if importlib.util.find_spec(f"rlhfkit.cli.{v}") is not None}
+
+
+def usage() -> str:
+    lines = ["usage: rlhfkit <command> [flags]", "", "commands:"]
+    for k, v in _available().items():
+        lines.append(f"  {k:<16} python -m rlhfkit.cli.{v}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return
+    cmd, rest = argv[0], argv[1:]
+    module = COMMANDS.get(cmd) or (cmd if cmd in COMMANDS.values() else None)
+    if module is None or module not in _available().values():
+        import difflib
+
+        close = difflib.get_close_matches(cmd, list(_available()), n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        print(f"rlhfkit: unknown command '{cmd}'{hint}\n\n{usage()}", file=sys.stderr)
+        raise SystemExit(2)
+    sys.argv = [f"rlhfkit {cmd}", *rest]
+    runpy.run_module(f"rlhfkit.cli.{module}", run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""Flags of the RL commands (train_ppo, train_ppo_ray): OpenRLHF's flat names + dotted aliases.
+
+Defaults follow OpenRLHF where a user would expect them (see the shared reference, section 2.1).
+Placement and engine flags (`--*_num_nodes`, `--vllm_*`, `--colocate_*`, `--*_enable_sleep`) are
+declared here for both commands; `train_ppo` (one process / torchrun) reports them as not taking
+effect instead of dropping them silently.
+"""
+
+from __future__ import annotations
+
+from rlhfkit.config.flags import (FlagParser, add_backend_flags, add_ckpt_flags, add_logging_flags,
+                                  add_model_flags)
+
+ESTIMATORS = ["gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo"]
+ROLES = ["actor", "ref", "critic", "reward"]
+
+
+def add_rl_flags(p: FlagParser) -> None:
+    add_model_flags(p)
+    add_backend_flags(p)
+    add_ckpt_flags(p, ckpt_path="./ckpt/checkpoints_ppo")
+    add_logging_flags(p, wandb_project="rlhfkit_train_ppo")
+    _models(p)
+    _data(p)
+    _rollout(p)
+    _train(p)
+    _algo(p)
+    _reward(p)
+    _placement(p)
+    _eval(p)
+
+
+def _models(p: FlagParser) -> None:
+    p.flag("--reward_pretrain", "--reward.model_name_or_path", type=str, default=None,
+           help="reward model path(s), comma-separated")
+    p.flag("--critic_pretrain", "--critic.model_name_or_path", type=str, default=None)
+    p.flag("--ref_pretrain", "--ref.model_name_or_path", type=str, default=None, help="default: --pretrain")
+    p.flag("--remote_rm_url", "--reward.remote_url", type=str, default=None,
+           help="http(s) reward server URL(s), comma-separated, or a .py file defining reward_func")
+    p.flag("--agent_func_path", "--train.agent_func_path", type=str, default=None)
+    p.flag("--value_head_prefix", "--ds.value_head_prefix", "--value_prefix_head", type=str, default="score")
+    p.flag("--ref_reward_offload", action="store_true")
+    p.flag("--ref_offload", "--ref.offload", action="store_true")
+    p.flag("--reward_offload", "--reward.offload", action="store_true")
+    p.flag("--rollout_engine", type=str, default="builtin", choices=["builtin", "hf", "vllm"])
+
+
+def _data(p: FlagParser) -> None:
+    p.flag("--prompt_data", "--data.prompt_dataset", type=str, default=None)
+    p.flag("--prompt_data_probs", "--data.prompt_probs", type=str, default=None)
+    p.flag("--prompt_split", "--data.prompt_split", type=str, default="train")
+    p.flag("--input_key", "--data.input_key", type=str, default="input")
+    p.flag("--label_key", "--data.label_key", type=str, default=None)
+    p.flag("--input_template", "--data.input_template", type=str, default=None)
+    p.flag("--apply_chat_template", "--data.apply_chat_template", action="store_true")
+    p.flag("--tokenizer_chat_template", "--data.tokenizer_chat_template", type=str, default=None)
+    p.flag("--max_samples", "--data.max_samples", type=int, default=int(1e8))
+    p.flag("--max_len", "--data.max_len", type=int, default=None, help="prompt + response token budget")
+    p.flag("--prompt_max_len", type=int, default=1024)
+    p.flag("--dataloader_num_workers", "--data.dataloader_num_workers", type=int, default=0)
+
+
+def _rollout(p: FlagParser) -> None:
+    p.flag("--rollout_batch_size", "--rollout.batch_size", type=int, default=1024, help="prompts per RL step")
+    p.flag("--n_samples_per_prompt", "--rollout.n_samples_per_prompt", type=int, default=1)
+    p.flag("--micro_rollout_batch_size", "--rollout.micro_batch_size", type=int, default=8)
+    p.flag("--generate_max_len", "--max_new_tokens", "--rollout.max_new_tokens", type=int, default=1024)
+    p.flag("--temperature", "--rollout.temperature", type=float, default=1.0)
+    p.flag("--top_p", "--rollout.top_p", type=float, default=1.0)
+    p.flag("--top_k", "--rollout.top_k", type=int, default=-1)
+    p.flag("--rollout_max_tokens_per_gpu", "--rollout.max_tokens_per_gpu", type=int, default=None)
+    p.flag("--vllm_generate_batch_size", "--rollout.vllm_generate_batch_size", type=int, default=None)
+
+
+def _train(p: FlagParser) -> None:
+    p.flag("--train_batch_size", "--train.batch_size", type=int, default=128)
+    p.flag("--micro_train_batch_size", "--train.micro_batch_size", type=int, default=1)
+    p.flag("--max_epochs", "--train.max_epochs", type=int, default=1)
+    p.flag("--num_episodes", "--train.num_episodes", type=int, default=1)
+    p.flag("--max_steps", type=int, default=None, help="stop after this many RL steps")
+    p.flag("--seed", "--train.seed", type=int, default=42)
+    p.flag("--full_determinism", "--train.full_determinism_enable", action="store_true")
+    p.flag("--use_dynamic_batch", "--train.dynamic_batch_enable", action="store_true")
+    p.flag("--train_max_tokens_per_gpu", "--train.max_tokens_per_gpu", type=int, default=16192)
+    p.flag("--actor_learning_rate", "--actor.adam.lr", type=float, default=1e-6)
+    p.flag("--critic_learning_rate", "--critic.adam.lr", type=float, default=9e-6)
+    p.flag("--adam_betas", "--actor.adam.betas", type=float, nargs=2, default=[0.9, 0.95])
+    p.flag("--adam_eps", "--actor.adam.eps", type=float, default=1e-8)
+    p.flag("--l2", "--actor.adam.weight_decay", type=float, default=0.0)
+    p.flag("--lr_scheduler", "--actor.lr_scheduler", type=str, default="cosine_with_min_lr")
+    p.flag("--lr_warmup_ratio", "--actor.lr_warmup_ratio", type=float, default=0.03)
+    p.flag("--min_lr_ratio", "--actor.min_lr_ratio", type=float, default=0.1)
+    p.flag("--max_norm", "--actor.max_norm", type=float, default=1.0)
+    p.flag("--freezing_actor_steps", "--critic.freezing_steps", type=int, default=-1)
+    p.flag("--save_value_network", "--critic.save_value_network", action="store_true")
+    p.flag("--async_train", "--train.async_enable", action="store_true")
+    p.flag("--async_queue_size", "--train.async_queue_size", type=int, default=1)
+    p.flag("--partial_rollout", "--train.partial_rollout_enable", action="store_true")
+    p.flag("--enable_ema", "--train.enable_ema", action="store_true")
+    p.flag("--ema_beta", "--train.ema_beta", type=float, default=0.992)
+    p.flag("--reward_failure", type=str, default="stop", choices=["stop", "drop"],
+           help="what a reward_func / agent exception does: stop the run, or drop the sample (counted)")
+    p.flag("--reward_timeout", type=float, default=300.0, help="seconds for one reward_func / agent step call")
+
+
+def _algo(p: FlagParser) -> None:
+    p.flag("--advantage_estimator", "--algo.advantage.estimator", type=str, default="gae", choices=ESTIMATORS)
+    p.flag("--gamma", "--algo.advantage.gamma", type=float, default=1.0)
+    p.flag("--lambd", "--algo.advantage.lambd", type=float, default=1.0)
+    p.flag("--no_advantage_std_norm", "--algo.advantage.no_std_norm", action="store_true")
+    p.flag("--init_kl_coef", "--algo.kl.init_coef", type=float, default=0.01)
+    p.flag("--kl_target", "--algo.kl.target", type=float, default=None)
+    p.flag("--kl_horizon", "--algo.kl.horizon", type=int, default=10000)
+    p.flag("--kl_estimator", "--algo.kl.estimator", type=str, default="k1", choices=["k1", "k2", "k3"])
+    p.flag("--use_kl_loss", "--algo.kl.use_loss", action="store_true")
+    p.flag("--policy_loss_type", "--actor.policy_loss_type", type=str, default="ppo", choices=["ppo", "gspo"])
+    p.flag("--eps_clip", "--actor.eps_clip", type=float, default=0.2)
+    p.flag("--eps_clip_low_high", "--actor.eps_clip_low_high", type=float, nargs=2, default=None)
+    p.flag("--clip_eps_low", type=float, default=None, help="alias: lower clip (sets --eps_clip_low_high[0])")
+    p.flag("--clip_eps_high", type=float, default=None, help="alias: upper clip (sets --eps_clip_low_high[1])")
+    p.flag("--dual_clip", "--actor.dual_clip", type=float, default=None)
+    p.flag("--value_clip", "--critic.value_clip", type=float, default=0.5)
+    p.flag("--entropy_loss_coef", "--actor.entropy_coef", type=float, default=None)
+    p.flag("--dynamic_filtering", "--algo.dynamic_filtering_enable", action="store_true")
+    p.flag("--dynamic_filtering_reward_range", "--algo.dynamic_filtering_range", type=float, nargs=2,
+           default=[0.0, 1.0])
+    p.flag("--enable_vllm_is_correction", "--algo.advantage.is_correction_enable", action="store_true")
+    p.flag("--vllm_is_truncated_threshold", "--algo.advantage.is_correction_threshold", type=float, nargs=2,
+           default=[0.5, 5.0])
+    p.flag("--vllm_is_correction_type", "--algo.advantage.is_correction_type", type=str, default="tis",
+           choices=["tis", "icepop", "seq-mask-tis"])
+    p.flag("--use_icepop", action="store_true", help="alias of --vllm_is_correction_type icepop")
+
+
+def _reward(p: FlagParser) -> None:
+    p.flag("--normalize_reward", "--reward.normalize_enable", action="store_true")
+    p.flag("--reward_clip_range", "--reward.clip_range", type=float, nargs=2, default=[-10.0, 10.0])
+    p.flag("--overlong_buffer_len", "--reward.overlong_buffer_len", type=int, default=None)
+    p.flag("--overlong_penalty_factor", "--reward.overlong_penalty_factor", type=float, default=1.0)
+    p.flag("--stop_properly_penalty_coef", "--reward.stop_properly_penalty_coef", type=float, default=None)
+
+
+def _placement(p: FlagParser) -> None:
+    for role in ROLES:
+        p.flag(f"--{role}_num_nodes", f"--{role}.num_nodes", type=int, default=1)
+        p.flag(f"--{role}_num_gpus_per_node", f"--{role}.num_gpus_per_node", type=int, default=1)
+    p.flag("--vllm_num_engines", "--vllm.num_engines", type=int, default=1)
+    p.flag("--vllm_tensor_parallel_size", "--vllm.tensor_parallel_size", type=int, default=1)
+    p.flag("--vllm_sync_backend", "--vllm.sync_backend", type=str, default="nccl")
+    p.flag("--vllm_sync_with_ray", "--vllm.sync_with_ray", action="store_true")
+    p.flag("--vllm_gpu_memory_utilization", "--vllm.gpu_memory_utilization", type=float, default=0.95)
+    p.flag("--vllm_enable_sleep", "--vllm.enable_sleep", action="store_true")
+    p.flag("--enable_prefix_caching", "--vllm.enable_prefix_caching", action="store_true")
+    p.flag("--enforce_eager", "--vllm.enforce_eager", action="store_true")
+    p.flag("--colocate_all_models", "--train.colocate_all", action="store_true")
+    p.flag("--colocate_actor_ref", "--train.colocate_actor_ref", action="store_true")
+    p.flag("--colocate_critic_reward", "--train.colocate_critic_reward", action="store_true")
+    p.flag("--deepspeed_enable_sleep", "--ds.enable_sleep", action="store_true")
+
+
+def _eval(p: FlagParser) -> None:
+    p.flag("--eval_dataset", "--eval.dataset", type=str, default=None)
+    p.flag("--eval_split", "--eval.split", type=str, default="train")
+    p.flag("--eval_temperature", "--eval.temperature", type=float, default=0.6)
+    p.flag("--eval_n_samples_per_prompt", "--eval.n_samples_per_prompt", type=int, default=4)
+    p.flag("--eval_max_samples", type=int, default=None)
+    p.flag("--best_metric_key", "--ckpt.best_metric_key", type=str, default="")
+
+
+# Flags that only take effect under train_ppo_ray: (dest, default) pairs.
+RAY_ONLY = [f"{r}_num_nodes" for r in ROLES] + [f"{r}_num_gpus_per_node" for r in ROLES] + [
+    "vllm_num_engines", "vllm_tensor_parallel_size", "vllm_sync_backend", "vllm_sync_with_ray",
+    "vllm_gpu_memory_utilization", "vllm_enable_sleep", "enable_prefix_caching", "enforce_eager",
+    "colocate_all_models", "colocate_actor_ref", "colocate_critic_reward", "deepspeed_enable_sleep",
+    "async_train", "async_queue_size", "partial_rollout",
+]

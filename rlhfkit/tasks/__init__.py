@@ -1,0 +1,1 @@
+"""Built-in verifiable tasks for the quickstart and tests (generated offline)."""

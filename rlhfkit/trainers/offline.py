@@ -1,0 +1,184 @@
+"""The offline training loop shared by SFT, reward models, DPO, KTO, PRM and distillation.
+
+One loop, many tasks. A task knows how to collate items, count its loss units and compute a
+loss; the loop owns batching, gradient accumulation, logging, evaluation and checkpoints:
+
+    dataset items --sampler(epoch, seed, rank)--> global batch of `train_batch_size`
+        -> this rank's share, split into micro-batches of `micro_train_batch_size`
+        -> count = all_reduce(sum task.count(micro))          (global loss denominator)
+        -> for each micro: loss = task.loss(micro, count); backend.backward(loss)
+        -> backend.optimizer_step()  -> log / eval / checkpoint
+
+Dividing every micro-batch loss by the *global* count makes the update independent of
+micro-batching and of the number of ranks.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from rlhfkit.backend.dist import DistInfo, all_reduce_sum
+from rlhfkit.trainers.metrics import MetricsLogger, NullLogger
+
+
+class OfflineTask(Protocol):
+    """What a paradigm (SFT, RM, DPO, ...) plugs into the loop."""
+
+    def collate(self, items: Sequence[Any]) -> Any: ...
+
+    def count(self, batch: Any) -> float:
+        """Loss units in `batch` (tokens or samples); summed over the whole step for normalisation."""
+        ...
+
+    def loss(self, model: torch.nn.Module, batch: Any, global_count: float) -> tuple[torch.Tensor, dict[str, float]]: ...
+
+    def eval_metrics(self, model: torch.nn.Module, batches: list[Any]) -> dict[str, float]: ...
+
+
+@dataclass
+class LoopConfig:
+    train_batch_size: int
+    micro_train_batch_size: int
+    max_epochs: int = 1
+    seed: int = 42
+    logging_steps: int = 1
+    eval_steps: int = -1  # -1: at the end of every epoch
+    save_steps: int = -1
+    ckpt_path: str = "./ckpt/checkpoints"
+    max_ckpt_num: int = 3
+    load_checkpoint: bool = False
+    show_progress: bool = True
+    max_steps: int | None = None  # stop early (tests, demos)
+
+
+@dataclass
+class LoopState:
+    step: int = 0  # optimizer steps done
+    epoch: int = 0
+    batch_in_epoch: int = 0  # global batches of `epoch` already consumed
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+def epoch_order(n: int, epoch: int, seed: int) -> list[int]:
+    """The sample order of one epoch: a permutation seeded by (seed, epoch)."""
+    g = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    return torch.randperm(n, generator=g).tolist()
+
+
+def steps_per_epoch(n: int, train_batch_size: int) -> int:
+    return n // train_batch_size
+
+
+def rank_share(global_idx: list[int], dist: DistInfo) -> list[int]:
+    per = len(global_idx) // dist.world_size
+    return global_idx[dist.rank * per:(dist.rank + 1) * per]
+
+
+def train_offline(task: OfflineTask, backend, train_items: Sequence[Any], cfg: LoopConfig, dist: DistInfo,
+                  logger: MetricsLogger | NullLogger, eval_items: Sequence[Any] | None = None,
+                  on_step_end=None) -> LoopState:
+    """Run the loop; returns the final state (history holds every logged record)."""
+    n = len(train_items)
+    spe = steps_per_epoch(n, cfg.train_batch_size)
+    if spe == 0:
+        raise ValueError(f"the dataset has {n} samples, fewer than --train_batch_size ({cfg.train_batch_size})")
+    accum = _grad_accum(cfg, dist)
+    state = LoopState()
+    if cfg.load_checkpoint:
+        client = backend.load_checkpoint(cfg.ckpt_path)
+        if client is not None:
+            state.step, state.epoch, state.batch_in_epoch = client["step"], client["epoch"], client["batch_in_epoch"]
+            if dist.rank == 0:
+                print(f"resumed from {cfg.ckpt_path} at step {state.step} (epoch {state.epoch})")
+    total = spe * cfg.max_epochs if cfg.max_steps is None else min(cfg.max_steps, spe * cfg.max_epochs)
+    bar = tqdm(total=total, initial=state.step, disable=not (cfg.show_progress and dist.rank == 0),
+               desc="train", dynamic_ncols=True)
+    done = state.step >= total
+    while not done and state.epoch < cfg.max_epochs:
+        order = epoch_order(n, state.epoch, cfg.seed)
+        for b in range(state.batch_in_epoch, spe):
+            idx = rank_share(order[b * cfg.train_batch_size:(b + 1) * cfg.train_batch_size], dist)
+            micro = [task.collate([train_items[i] for i in idx[j:j + cfg.micro_train_batch_size]])
+                     for j in range(0, len(idx), cfg.micro_train_batch_size)]
+            assert len(micro) == accum
+            t0 = time.time()
+            metrics = _train_step(task, backend, micro)
+            state.step += 1
+            state.batch_in_epoch = b + 1
+            metrics["step_time"] = time.time() - t0
+            metrics["epoch"] = state.epoch
+            bar.update(1)
+            bar.set_postfix(loss=f"{metrics.get('loss', float('nan')):.4f}")
+            last_of_epoch = b + 1 == spe
+            if eval_items and (_due(state.step, cfg.eval_steps) or (cfg.eval_steps < 0 and last_of_epoch)):
+                metrics.update(evaluate(task, backend, eval_items, cfg.micro_train_batch_size, dist))
+            if state.step % max(cfg.logging_steps, 1) == 0 or "eval_loss" in metrics:
+                state.history.append({"step": state.step, **metrics})
+                logger.log(state.step, metrics, console=not cfg.show_progress)
+            if _due(state.step, cfg.save_steps):
+                ep, bi = (state.epoch + 1, 0) if last_of_epoch else (state.epoch, state.batch_in_epoch)
+                backend.save_checkpoint(cfg.ckpt_path, f"global_step{state.step}",
+                                        {"step": state.step, "epoch": ep, "batch_in_epoch": bi}, cfg.max_ckpt_num)
+            if on_step_end is not None:
+                on_step_end(state, metrics)
+            if state.step >= total:
+                done = True
+                break
+        if not done:
+            state.epoch += 1
+            state.batch_in_epoch = 0
+    bar.close()
+    return state
+
+
+def _due(step: int, every: int) -> bool:
+    return every > 0 and step % every == 0
+
+
+def _grad_accum(cfg: LoopConfig, dist: DistInfo) -> int:
+    per = cfg.micro_train_batch_size * dist.world_size
+    if cfg.train_batch_size % per != 0:
+        raise ValueError(
+            f"--train_batch_size ({cfg.train_batch_size}) must be a multiple of --micro_train_batch_size "
+            f"({cfg.micro_train_batch_size}) x world size ({dist.world_size}) = {per}")
+    return cfg.train_batch_size // per
+
+
+def _train_step(task: OfflineTask, backend, micro: list[Any]) -> dict[str, float]:
+    backend.train()
+    local = sum(float(task.count(mb)) for mb in micro)
+    global_count = float(all_reduce_sum(torch.tensor(local, dtype=torch.float64)).item())
+    if global_count <= 0:
+        raise ValueError("an optimizer step has no loss tokens: every sample was fully masked/truncated "
+                         "(check --max_len and the data)")
+    sums: dict[str, float] = {}
+    for mb in micro:
+        loss, m = task.loss(backend.model, mb, global_count)
+        backend.backward(loss)
+        for k, v in m.items():
+            sums[k] = sums.get(k, 0.0) + float(v)
+    # task metrics are already normalised by the global count: sum them over micro-batches and ranks
+    keys = sorted(sums)
+    vec = all_reduce_sum(torch.tensor([sums[k] for k in keys], dtype=torch.float64))
+    out = {k: float(v) for k, v in zip(keys, vec.tolist())}
+    out.update(backend.optimizer_step())
+    return out
+
+
+@torch.no_grad()
+def evaluate(task: OfflineTask, backend, items: Sequence[Any], micro_batch_size: int, dist: DistInfo
+             ) -> dict[str, float]:
+    """Eval metrics over this rank's share of `items` (the task reduces across ranks)."""
+    backend.eval()
+    share = list(range(dist.rank, len(items), dist.world_size))
+    batches = [task.collate([items[i] for i in share[j:j + micro_batch_size]])
+               for j in range(0, len(share), micro_batch_size)]
+    out = task.eval_metrics(backend.model, batches)
+    backend.train()
+    return {k: (v if math.isfinite(v) else float("nan")) for k, v in out.items()}

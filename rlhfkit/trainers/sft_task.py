@@ -1,0 +1,56 @@
+"""SFT as an offline task: token NLL on response tokens, normalised by the global token count.
+
+Items come from `rlhfkit.data.sft` (`input_ids`, `loss_mask`); batches are padded or, with
+`--packing_samples`, packed into one row whose positions restart per sample.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from rlhfkit.backend.dist import all_reduce_sum
+from rlhfkit.data.collate import PackedBatch, PaddedBatch, pack_batch, pad_batch
+from rlhfkit.losses.sft import sft_loss
+from rlhfkit.models.forward import token_logprobs
+
+
+Batch = PaddedBatch | PackedBatch
+
+
+@dataclass
+class SFTTask:
+    pad_token_id: int
+    packing: bool = False
+    device: torch.device | str = "cpu"
+
+    def collate(self, items: Sequence[Any]) -> Batch:
+        batch = pack_batch(items) if self.packing else pad_batch(items, self.pad_token_id)
+        return batch.to(self.device)
+
+    def count(self, batch: Batch) -> float:
+        return float(batch.num_loss_tokens)
+
+    def _logprobs(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+        return token_logprobs(model, batch.input_ids, attention_mask=getattr(batch, "attention_mask", None),
+                              position_ids=getattr(batch, "position_ids", None))
+
+    def loss(self, model: torch.nn.Module, batch: Batch, global_count: float
+             ) -> tuple[torch.Tensor, dict[str, float]]:
+        lp = self._logprobs(model, batch)
+        loss, _ = sft_loss(lp, batch.loss_mask, global_count)
+        # additive: summed over micro-batches and ranks it is the step's token-mean NLL
+        return loss, {"loss": float(loss.detach())}
+
+    def eval_metrics(self, model: torch.nn.Module, batches: list[Batch]) -> dict[str, float]:
+        nll = torch.zeros((), dtype=torch.float64)
+        cnt = torch.zeros((), dtype=torch.float64)
+        for b in batches:
+            lp = self._logprobs(model, b)
+            mask = b.loss_mask.to(lp.dtype)
+            nll += -(lp * mask).sum().double().cpu()
+            cnt += mask.sum().double().cpu()
+        tot = all_reduce_sum(torch.stack([nll, cnt]))
+        return {"eval_loss": float(tot[0] / tot[1].clamp(min=1))}
