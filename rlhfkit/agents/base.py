@@ -378,6 +378,11 @@ class AgentExecutorBase(ABC):
         return await run_multi_turn(self, prompt, label, sampling_params, max_length or self.max_length,
                                     hf_tokenizer or self.hf_tokenizer, llm_engine or self.llm_engine)
 
+    def reseed(self, seed: int | None) -> None:
+        """Base seed for the next ``run_episodes`` call; episode k then samples with ``seed + k``."""
+        self.config.sampling_params = self.config.sampling_params.replace(seed=seed)
+        self._episode_ids = itertools.count()
+
     def next_request_id(self) -> int:
         return next(self._request_ids)
 

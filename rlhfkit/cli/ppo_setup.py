@@ -1,0 +1,248 @@
+"""Flags -> RL components for train_ppo (and train_ppo_ray): checks, roles, engine, executors.
+
+This is the one place where the RL command's namespace is read; everything it builds takes its
+own config object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rlhfkit.agents.base import AgentConfig
+from rlhfkit.algo.advantages import AdvantageConfig, get_advantage_estimator
+from rlhfkit.algo.experience import RewardShapingConfig
+from rlhfkit.algo.kl import make_kl_controller
+from rlhfkit.backend.dist import DistInfo
+from rlhfkit.backend.fsdp2 import FSDP2Backend
+from rlhfkit.cli.common import UsageError
+from rlhfkit.config.configs import BackendConfig, ModelConfig, OptimConfig, from_args
+from rlhfkit.config.rl_flags import RAY_ONLY
+from rlhfkit.losses.policy import PolicyLossConfig
+from rlhfkit.roles.actor import ActorRole, UpdateConfig
+from rlhfkit.roles.critic import CriticRole, RewardModelRole
+from rlhfkit.roles.group import LocalGroup
+from rlhfkit.trainers.rl import RLLoopConfig
+from rlhfkit.types import SamplingParams
+
+
+def resolve_flags(args: argparse.Namespace, world_size: int) -> None:
+    """Fill derived defaults and reject inconsistent settings with the flags' names."""
+    if not args.pretrain:
+        raise UsageError("--pretrain is required (the policy's Hugging Face directory)")
+    if not args.prompt_data:
+        raise UsageError("--prompt_data is required")
+    if args.clip_eps_low is not None or args.clip_eps_high is not None:
+        lo = args.clip_eps_low if args.clip_eps_low is not None else args.eps_clip
+        hi = args.clip_eps_high if args.clip_eps_high is not None else args.eps_clip
+        args.eps_clip_low_high = [lo, hi]
+    if args.use_icepop:
+        args.enable_vllm_is_correction, args.vllm_is_correction_type = True, "icepop"
+    if args.ref_reward_offload:
+        args.ref_offload = args.reward_offload = True
+    if args.max_len is None:
+        args.max_len = args.prompt_max_len + args.generate_max_len
+    if args.agent_func_path and args.remote_rm_url:
+        raise UsageError("--agent_func_path and --remote_rm_url are exclusive: the agent's step() gives the reward")
+    has_reward = bool(args.remote_rm_url or args.agent_func_path or args.reward_pretrain)
+    if not has_reward:
+        raise UsageError("no reward: pass --reward_pretrain, --remote_rm_url (URL or reward_func .py) "
+                         "or --agent_func_path")
+    spec = get_advantage_estimator(args.advantage_estimator)
+    if spec.group and args.n_samples_per_prompt <= 1:
+        raise UsageError(f"--advantage_estimator {args.advantage_estimator} needs --n_samples_per_prompt > 1")
+    if args.dynamic_filtering:
+        if args.n_samples_per_prompt <= 1:
+            raise UsageError("--dynamic_filtering needs --n_samples_per_prompt > 1")
+        if not (args.remote_rm_url or args.agent_func_path):
+            raise UsageError("--dynamic_filtering needs --remote_rm_url or --agent_func_path (0-1 scores)")
+    if args.critic_pretrain and args.advantage_estimator != "gae":
+        print(f"note: --critic_pretrain is unused with --advantage_estimator {args.advantage_estimator} (no critic)")
+    per = args.micro_train_batch_size * world_size
+    if args.train_batch_size % per:
+        raise UsageError(f"--train_batch_size ({args.train_batch_size}) must be a multiple of "
+                         f"--micro_train_batch_size ({args.micro_train_batch_size}) x world size ({world_size})")
+    total = args.rollout_batch_size * args.n_samples_per_prompt
+    if total % args.train_batch_size and not args.dynamic_filtering:
+        raise UsageError(f"--rollout_batch_size x --n_samples_per_prompt ({total}) must be a multiple of "
+                         f"--train_batch_size ({args.train_batch_size})")
+    if args.rollout_batch_size % world_size:
+        raise UsageError(f"--rollout_batch_size ({args.rollout_batch_size}) must be a multiple of the world size "
+                         f"({world_size})")
+    if args.generate_max_len >= args.max_len:
+        raise UsageError(f"--generate_max_len ({args.generate_max_len}) must be below --max_len ({args.max_len})")
+
+
+def note_ray_only_flags(args: argparse.Namespace, parser: Any, prog: str) -> None:
+    """One line naming the placement/engine flags that only train_ppo_ray uses."""
+    set_flags = [d for d in RAY_ONLY if getattr(args, d) != parser.get_default(d)]
+    if set_flags:
+        names = ", ".join("--" + d for d in set_flags)
+        print(f"note: {prog} runs in one process per rank; {names} take effect in train_ppo_ray only")
+
+
+def actor_update_cfg(args: argparse.Namespace) -> UpdateConfig:
+    return UpdateConfig(train_batch_size=args.train_batch_size, micro_train_batch_size=args.micro_train_batch_size,
+                        max_epochs=args.max_epochs, seed=args.seed, temperature=args.temperature,
+                        use_kl_loss=args.use_kl_loss, kl_estimator=args.kl_estimator)
+
+
+def optimizer_steps(args: argparse.Namespace, num_prompts: int) -> int:
+    steps = (num_prompts // args.rollout_batch_size) * args.num_episodes
+    if args.max_steps:
+        steps = min(steps, args.max_steps)
+    per_step = -(-args.rollout_batch_size * args.n_samples_per_prompt // args.train_batch_size)
+    return max(1, steps * per_step * args.max_epochs)
+
+
+def backend_cfg(args: argparse.Namespace) -> BackendConfig:
+    return from_args(BackendConfig, args)
+
+
+def build_policy(args: argparse.Namespace, dist: DistInfo, num_steps: int):
+    from rlhfkit.models.loader import load_causal_lm
+
+    model = load_causal_lm(from_args(ModelConfig, args), master_dtype="fp32")
+    optim = from_args(OptimConfig, args, learning_rate=args.actor_learning_rate)
+    backend = FSDP2Backend(model, backend_cfg(args), optim, num_steps, dist)
+    loss_cfg = PolicyLossConfig.from_flags(
+        policy_loss_type=args.policy_loss_type, eps_clip=args.eps_clip, eps_clip_low_high=args.eps_clip_low_high,
+        dual_clip=args.dual_clip, enable_vllm_is_correction=args.enable_vllm_is_correction,
+        vllm_is_correction_type=args.vllm_is_correction_type,
+        vllm_is_truncated_threshold=args.vllm_is_truncated_threshold, entropy_loss_coef=args.entropy_loss_coef)
+    role = ActorRole(backend, dist, loss_cfg, actor_update_cfg(args), args.micro_rollout_batch_size)
+    return LocalGroup(role, "policy"), backend
+
+
+def build_ref(args: argparse.Namespace, dist: DistInfo):
+    if args.init_kl_coef <= 0:
+        return None
+    from rlhfkit.models.loader import load_causal_lm
+
+    cfg = from_args(ModelConfig, args, lora_rank=0, gradient_checkpointing=False)
+    model = load_causal_lm(cfg, path=args.ref_pretrain or args.pretrain, flag="--ref_pretrain")
+    backend = FSDP2Backend(model, backend_cfg(args), None, 0, dist)
+    return LocalGroup(ActorRole(backend, dist, micro_rollout_batch_size=args.micro_rollout_batch_size), "ref")
+
+
+def critic_path(args: argparse.Namespace) -> str:
+    if args.critic_pretrain:
+        return args.critic_pretrain
+    if args.reward_pretrain:
+        return args.reward_pretrain.split(",")[0]
+    return args.pretrain
+
+
+def build_critic(args: argparse.Namespace, dist: DistInfo, num_steps: int):
+    if args.advantage_estimator != "gae":
+        return None, None
+    from rlhfkit.models.value import checkpoint_keys, load_value_model
+
+    path = critic_path(args)
+    fresh = f"{args.value_head_prefix}.weight" not in checkpoint_keys(path)
+    model = load_value_model(path, args.value_head_prefix, init_value_head=fresh, dtype=torch.float32,
+                             normalize_reward=False, cfg=from_args(ModelConfig, args, pretrain=path),
+                             flag="--critic_pretrain")
+    optim = from_args(OptimConfig, args, learning_rate=args.critic_learning_rate)
+    backend = FSDP2Backend(model, backend_cfg(args), optim, num_steps, dist)
+    upd = actor_update_cfg(args)
+    role = CriticRole(backend, dist, upd, args.value_clip, args.micro_rollout_batch_size)
+    return LocalGroup(role, "critic"), backend
+
+
+def build_reward_model(args: argparse.Namespace, dist: DistInfo):
+    if not args.reward_pretrain or args.remote_rm_url or args.agent_func_path:
+        return None
+    from rlhfkit.models.loader import resolve_dtype
+    from rlhfkit.models.value import load_value_model
+
+    dtype = resolve_dtype(args.param_dtype) if dist.device.startswith("cuda") else torch.float32
+    models = [load_value_model(p, args.value_head_prefix, dtype=dtype, normalize_reward=args.normalize_reward,
+                               attn_implementation=args.attn_implementation, device=dist.device,
+                               flag="--reward_pretrain")
+              for p in args.reward_pretrain.split(",") if p]
+    return LocalGroup(RewardModelRole(models, dist, args.micro_rollout_batch_size), "reward")
+
+
+def build_engine_for(args: argparse.Namespace, tokenizer: Any, dist: DistInfo):
+    from rlhfkit.rollout import build_engine
+
+    gpu = dist.device.startswith("cuda")
+    dtype = (torch.bfloat16 if args.param_dtype == "bf16" else torch.float16 if args.param_dtype == "fp16"
+             else torch.float32) if gpu else torch.float32
+    opts: dict[str, Any] = {}
+    if args.rollout_engine == "builtin":
+        opts = {"max_model_len": args.max_len}
+    return build_engine(args.rollout_engine, args.pretrain, tokenizer, device=dist.device, dtype=dtype, **opts)
+
+
+def agent_config(args: argparse.Namespace, temperature: float) -> AgentConfig:
+    sp = SamplingParams(temperature=temperature, top_p=args.top_p, top_k=args.top_k,
+                        max_new_tokens=args.generate_max_len, seed=args.seed)
+    return AgentConfig(max_length=args.max_len, sampling_params=sp, step_timeout_s=args.reward_timeout,
+                       reward_timeout_s=args.reward_timeout, reward_failure=args.reward_failure)
+
+
+def build_executor(args: argparse.Namespace, engine: Any, tokenizer: Any, temperature: float):
+    from rlhfkit.agents.executors import SingleTurnAgentExecutor
+    from rlhfkit.agents.loader import build_agent_executor
+    from rlhfkit.agents.reward_func import make_reward_source
+
+    cfg = agent_config(args, temperature)
+    if args.agent_func_path:
+        return build_agent_executor(args.agent_func_path, engine, tokenizer, cfg)
+    source = make_reward_source(args.remote_rm_url, args.reward_timeout) if args.remote_rm_url else None
+    return SingleTurnAgentExecutor().setup(engine, tokenizer, cfg, reward_source=source)
+
+
+def loop_config(args: argparse.Namespace) -> RLLoopConfig:
+    return RLLoopConfig(
+        rollout_batch_size=args.rollout_batch_size, n_samples_per_prompt=args.n_samples_per_prompt,
+        num_episodes=args.num_episodes, max_steps=args.max_steps, seed=args.seed, temperature=args.temperature,
+        init_kl_coef=args.init_kl_coef, kl_estimator=args.kl_estimator, use_kl_loss=args.use_kl_loss,
+        dynamic_filtering=args.dynamic_filtering,
+        dynamic_filtering_reward_range=tuple(args.dynamic_filtering_reward_range),
+        freezing_actor_steps=args.freezing_actor_steps, logging_steps=args.logging_steps,
+        eval_steps=args.eval_steps, eval_temperature=args.eval_temperature,
+        eval_n_samples_per_prompt=args.eval_n_samples_per_prompt, save_steps=args.save_steps,
+        ckpt_path=args.ckpt_path, max_ckpt_num=args.max_ckpt_num, load_checkpoint=args.load_checkpoint,
+        show_progress=not args.disable_progress)
+
+
+def advantage_config(args: argparse.Namespace) -> AdvantageConfig:
+    return from_args(AdvantageConfig, args, reward_clip_range=tuple(args.reward_clip_range))
+
+
+def shaping_config(args: argparse.Namespace) -> RewardShapingConfig:
+    return from_args(RewardShapingConfig, args)
+
+
+def kl_controller(args: argparse.Namespace):
+    return make_kl_controller(args.init_kl_coef, args.kl_target, args.kl_horizon)
+
+
+@dataclass
+class RLCheckpointer:
+    """Saves/loads the trainable roles' checkpoints under one root (actor/, critic/)."""
+
+    policy_backend: Any
+    critic_backend: Any = None
+    save_hf: bool = False
+    tokenizer: Any = None
+
+    def save(self, root: str, tag: str, client: dict, max_keep: int) -> None:
+        self.policy_backend.save_checkpoint(os.path.join(root, "actor"), tag, client, max_keep)
+        if self.critic_backend is not None:
+            self.critic_backend.save_checkpoint(os.path.join(root, "critic"), tag, client, max_keep)
+        if self.save_hf:
+            self.policy_backend.save_hf(os.path.join(root, f"{tag}_hf"), self.tokenizer)
+
+    def load(self, root: str) -> dict | None:
+        client = self.policy_backend.load_checkpoint(os.path.join(root, "actor"))
+        if client is not None and self.critic_backend is not None:
+            self.critic_backend.load_checkpoint(os.path.join(root, "critic"))
+        return client

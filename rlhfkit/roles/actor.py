@@ -1,0 +1,179 @@
+"""The policy (actor) and reference roles: a causal LM + backend with log-prob passes and PPO updates.
+
+    forward_logprobs(batch)   -> [B, L] log pi(token_t | tokens_<t), no grad, in micro-batches
+    train_on(batch)           -> metrics; `max_epochs` passes over the batch in mini-batches of
+                                 `train_batch_size` (global samples per optimizer step), each
+                                 split into `micro_train_batch_size` micro-batches
+    weights()                 -> iterator of full (unsharded) `(name, tensor)` for the engine
+
+Each optimizer step's losses divide by the step's global action-token count (all ranks), so a
+step is the same whatever the micro-batching and the number of ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+from rlhfkit.backend.dist import DistInfo, all_reduce_sum
+from rlhfkit.losses.kl import kl_loss
+from rlhfkit.losses.policy import PolicyLossConfig, policy_loss
+from rlhfkit.models.forward import token_logprobs
+from rlhfkit.types import ExperienceBatch
+
+
+@dataclass
+class UpdateConfig:
+    """How one role trains on a rollout (flags in brackets)."""
+
+    train_batch_size: int  # global samples per optimizer step [--train_batch_size]
+    micro_train_batch_size: int  # [--micro_train_batch_size]
+    max_epochs: int = 1  # [--max_epochs]
+    seed: int = 42
+    temperature: float = 1.0  # log-probs use the sampling temperature [--temperature]
+    use_kl_loss: bool = False  # [--use_kl_loss]
+    kl_estimator: str = "k1"  # [--kl_estimator]
+    compute_entropy: bool = True
+
+
+def global_max(x: int) -> int:
+    """Max of `x` over ranks (x itself without a process group)."""
+    import torch.distributed as tdist
+
+    if not (tdist.is_available() and tdist.is_initialized()):
+        return x
+    t = torch.tensor([x], dtype=torch.long)
+    tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def dummy_like(batch: ExperienceBatch) -> ExperienceBatch:
+    """A one-row batch with nothing to train on, so a rank with no rows still joins the collectives."""
+    if batch.batch_size:
+        d = batch.select([0])
+    else:
+        z = torch.zeros((1, 2), dtype=torch.long)
+        d = ExperienceBatch(input_ids=z.clone(), attention_mask=torch.ones_like(z), loss_mask=z.clone(),
+                            **{k: torch.zeros((1, 2)) for k in ("old_logprobs", "ref_logprobs", "rollout_logprobs",
+                                                                "values", "returns", "advantages")
+                               if getattr(batch, k) is not None})
+    d.loss_mask = torch.zeros_like(d.loss_mask)
+    return d
+
+
+def micro_batches(batch: ExperienceBatch, size: int, aligned: bool = True) -> Iterator[tuple[ExperienceBatch, int]]:
+    """`(micro_batch, real_rows)` pairs of at most `size` rows.
+
+    With `aligned`, every rank yields the same number of micro-batches (the max over ranks), padding
+    with empty (fully masked) ones: sharded models need the same number of forward/backward passes
+    on every rank.
+    """
+    n = -(-batch.batch_size // size)
+    if aligned:
+        n = global_max(n)
+    for i in range(n):
+        rows = list(range(i * size, min((i + 1) * size, batch.batch_size)))
+        yield (trim(batch.select(rows)), len(rows)) if rows else (dummy_like(batch), 0)
+
+
+def trim(batch: ExperienceBatch) -> ExperienceBatch:
+    """Drop the padding columns that no row of this (right-padded) batch uses."""
+    used = int(batch.attention_mask.sum(-1).max().item()) if batch.batch_size else 0
+    if used == batch.input_ids.shape[1]:
+        return batch
+    out = {k: (v[:, :used] if isinstance(v, torch.Tensor) and v.dim() == 2 else v) for k, v in batch.__dict__.items()}
+    return ExperienceBatch(**out)
+
+
+def mini_batches(batch: ExperienceBatch, train_batch_size: int, epoch: int, seed: int) -> list[ExperienceBatch]:
+    """This rank's rows shuffled by (seed, epoch) and cut into as many mini-batches as the *global*
+    rollout needs (ceil(global rows / train_batch_size)), the same number on every rank."""
+    g = torch.Generator().manual_seed(seed * 7919 + epoch)
+    order = torch.randperm(batch.batch_size, generator=g).tolist()
+    total = int(all_reduce_sum(torch.tensor(float(batch.batch_size), dtype=torch.float64)).item())
+    n = max(1, -(-total // train_batch_size))
+    k, r = divmod(len(order), n)
+    out, start = [], 0
+    for i in range(n):
+        end = start + k + (1 if i < r else 0)
+        out.append(batch.select(order[start:end]))
+        start = end
+    return out
+
+
+def average(records: list[dict[str, float]]) -> dict[str, float]:
+    keys = {k for r in records for k in r}
+    return {k: sum(r[k] for r in records if k in r) / max(1, sum(1 for r in records if k in r)) for k in keys}
+
+
+class ActorRole:
+    """Policy (trainable) or reference (frozen: `backend.optimizer is None`) model."""
+
+    def __init__(self, backend: Any, dist: DistInfo, loss_cfg: PolicyLossConfig | None = None,
+                 update_cfg: UpdateConfig | None = None, micro_rollout_batch_size: int = 8) -> None:
+        self.backend, self.dist = backend, dist
+        self.loss_cfg, self.update_cfg = loss_cfg, update_cfg
+        self.micro_rollout_batch_size = micro_rollout_batch_size
+        self.device = torch.device(dist.device)
+
+    @torch.no_grad()
+    def forward_logprobs(self, batch: ExperienceBatch, temperature: float = 1.0) -> torch.Tensor:
+        self.backend.eval()
+        out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
+        row = 0
+        for mb, real in micro_batches(batch, self.micro_rollout_batch_size):
+            mb = mb.to(self.device)
+            lp = token_logprobs(self.backend.model, mb.input_ids, attention_mask=mb.attention_mask,
+                                temperature=temperature)
+            out[row:row + real, :lp.shape[1]] = (lp.float() * mb.attention_mask).cpu()[:real]
+            row += real
+        return out
+
+    def train_on(self, batch: ExperienceBatch, kl_coef: float = 0.0) -> dict[str, float]:
+        """PPO epochs over `batch` (this rank's rows); returns metrics averaged over steps."""
+        cfg = self.update_cfg
+        assert cfg is not None and self.loss_cfg is not None, "a reference model does not train"
+        self.backend.train()
+        records = []
+        for epoch in range(cfg.max_epochs):
+            for mini in mini_batches(batch, cfg.train_batch_size, epoch, cfg.seed):
+                records.append(self._step(mini, kl_coef))
+        return average(records)
+
+    def _step(self, mini: ExperienceBatch, kl_coef: float) -> dict[str, float]:
+        cfg = self.update_cfg
+        counts = all_reduce_sum(torch.tensor([float(mini.loss_mask.sum()), float((mini.loss_mask.sum(-1) > 0).sum())],
+                                             dtype=torch.float64))
+        num_tokens, num_seqs = float(counts[0]), float(counts[1])
+        sums: dict[str, float] = {}
+        n_micro = 0
+        for mb, _ in micro_batches(mini, cfg.micro_train_batch_size):
+            mb = mb.to(self.device)
+            lp, ent = token_logprobs(self.backend.model, mb.input_ids, attention_mask=mb.attention_mask,
+                                     temperature=cfg.temperature, return_entropy=cfg.compute_entropy)
+            loss, m = policy_loss(lp, mb.old_logprobs, mb.advantages, mb.loss_mask, self.loss_cfg,
+                                  num_tokens=num_tokens, num_sequences=num_seqs,
+                                  rollout_logprobs=mb.rollout_logprobs, entropy=ent)
+            if cfg.use_kl_loss and mb.ref_logprobs is not None and kl_coef > 0:
+                kl_l, km = kl_loss(lp, mb.ref_logprobs, mb.loss_mask, estimator=cfg.kl_estimator,
+                                   num_tokens=num_tokens)
+                loss = loss + kl_coef * kl_l
+                m.update(km)
+            self.backend.backward(loss)
+            for k, v in m.items():
+                sums[k] = sums.get(k, 0.0) + v
+            n_micro += 1
+        out = {k: v / max(n_micro, 1) for k, v in sums.items()}
+        # losses are global-count normalised: their micro-batch sum is the step's loss
+        for k in ("policy_loss", "kl_loss"):
+            if k in sums:
+                out[k] = sums[k]
+        stats = self.backend.optimizer_step()
+        out["grad_norm"] = stats.get("grad_norm", float("nan"))
+        out["actor_lr"] = stats.get("lr", float("nan"))
+        return out
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.backend.named_full_params()

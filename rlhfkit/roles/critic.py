@@ -1,0 +1,102 @@
+"""Critic and reward-model roles: a backbone + `score` head giving per-token values.
+
+Alignment (docs/architecture.md): `values[:, t]` is V of the state *before* token t, i.e. the
+head applied to the hidden state at position t - 1, so it lines up with `logprobs[:, t]` and
+`loss_mask[:, t]`. The reward model's score is the head at the last non-padding token.
+
+    critic.forward_values(batch)   -> [B, L]
+    critic.train_on(batch)         -> metrics (clipped value loss, global token count per step)
+    reward.forward_rewards(batch)  -> [B]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rlhfkit.backend.dist import DistInfo, all_reduce_sum
+from rlhfkit.losses.value import value_loss
+from rlhfkit.models.value import reward_at_last_token
+from rlhfkit.roles.actor import UpdateConfig, average, micro_batches, mini_batches
+from rlhfkit.types import ExperienceBatch
+
+
+def shift_values(raw: torch.Tensor) -> torch.Tensor:
+    """Per-position head outputs [B, L] -> values aligned with predicted tokens (V_t = head(h_{t-1}))."""
+    out = torch.zeros_like(raw)
+    out[:, 1:] = raw[:, :-1]
+    return out
+
+
+class CriticRole:
+    def __init__(self, backend: Any, dist: DistInfo, update_cfg: UpdateConfig | None, value_clip: float | None,
+                 micro_rollout_batch_size: int = 8) -> None:
+        self.backend, self.dist, self.update_cfg = backend, dist, update_cfg
+        self.value_clip = value_clip
+        self.micro_rollout_batch_size = micro_rollout_batch_size
+        self.device = torch.device(dist.device)
+
+    def _values(self, mb: ExperienceBatch) -> torch.Tensor:
+        raw = self.backend.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask)
+        return shift_values(raw) * mb.attention_mask
+
+    @torch.no_grad()
+    def forward_values(self, batch: ExperienceBatch) -> torch.Tensor:
+        self.backend.eval()
+        out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
+        row = 0
+        for mb, real in micro_batches(batch, self.micro_rollout_batch_size):
+            v = self._values(mb.to(self.device)).float().cpu()[:real]
+            out[row:row + real, :v.shape[1]] = v
+            row += real
+        return out
+
+    def train_on(self, batch: ExperienceBatch) -> dict[str, float]:
+        cfg = self.update_cfg
+        assert cfg is not None
+        self.backend.train()
+        records = []
+        for epoch in range(cfg.max_epochs):
+            for mini in mini_batches(batch, cfg.train_batch_size, epoch, cfg.seed + 1):
+                num_tokens = float(all_reduce_sum(torch.tensor(float(mini.loss_mask.sum()), dtype=torch.float64)))
+                sums: dict[str, float] = {}
+                n = 0
+                for mb, _ in micro_batches(mini, cfg.micro_train_batch_size):
+                    mb = mb.to(self.device)
+                    loss, m = value_loss(self._values(mb), mb.values, mb.returns, mb.loss_mask,
+                                         value_clip=self.value_clip, num_tokens=num_tokens)
+                    self.backend.backward(loss)
+                    for k, v in m.items():
+                        sums[k] = sums.get(k, 0.0) + v
+                    n += 1
+                rec = {k: v / max(n, 1) for k, v in sums.items()}
+                rec["critic_loss"] = sums.get("critic_loss", 0.0)
+                stats = self.backend.optimizer_step()
+                rec["critic_grad_norm"] = stats.get("grad_norm", float("nan"))
+                records.append(rec)
+        out = average(records)
+        out["value_loss"] = out.pop("critic_loss", float("nan"))
+        return out
+
+
+class RewardModelRole:
+    """One or several frozen reward models; the reward is the sum of their scores."""
+
+    def __init__(self, models: list[Any], dist: DistInfo, micro_batch_size: int = 8) -> None:
+        self.models, self.dist = models, dist
+        self.micro_batch_size = micro_batch_size
+        self.device = torch.device(dist.device)
+
+    @torch.no_grad()
+    def forward_rewards(self, batch: ExperienceBatch) -> torch.Tensor:
+        out = []
+        for mb, real in micro_batches(batch, self.micro_batch_size, aligned=False):
+            mb = mb.to(self.device)
+            total = torch.zeros(mb.batch_size, device=self.device)
+            for m in self.models:
+                m.eval()
+                total = total + reward_at_last_token(m(input_ids=mb.input_ids, attention_mask=mb.attention_mask),
+                                                     mb.attention_mask).float()
+            out.append(total.cpu()[:real])
+        return torch.cat(out) if out else torch.zeros(0)

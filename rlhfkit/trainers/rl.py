@@ -1,0 +1,302 @@
+"""The online RL loop (PPO, REINFORCE++, RLOO, GRPO, ...), written once against role groups.
+
+    prompts (this rank's share of --rollout_batch_size)
+      -> executor.run_episodes(prompts, n)  [engine generates; reward_func / HTTP / agent scores]
+      -> dynamic filtering (whole groups)   [--dynamic_filtering]
+      -> pad into an ExperienceBatch
+      -> reward.call("forward_rewards")     [reward model, when no reward source scored it]
+      -> length penalties
+      -> policy.call("forward_logprobs") = old, ref.call(...) = ref, critic.call("forward_values")
+      -> KL (in reward or as loss), advantages / returns    (rlhfkit.algo)
+      -> critic.call("train_on"), policy.call("train_on")   (max_epochs x mini-batches)
+      -> engine.update_weights(policy.call("weights"))
+
+Under torchrun every rank runs this loop on its own prompts; roles reduce their loss counts over
+ranks. A Ray placement gives groups whose `call` fans out to actors; the loop does not change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from rlhfkit.algo.advantages import AdvantageConfig
+from rlhfkit.algo.experience import (RewardShapingConfig, apply_length_penalties, finish_experience,
+                                     pad_trajectories)
+from rlhfkit.algo.filters import dynamic_filter
+from rlhfkit.algo.passk import pass_at_k_from_scores
+from rlhfkit.backend.dist import DistInfo, all_reduce_sum
+from rlhfkit.trainers.offline import epoch_order
+from rlhfkit.types import PromptSample, Trajectory
+
+
+@dataclass
+class RLLoopConfig:
+    rollout_batch_size: int  # global prompts per step
+    n_samples_per_prompt: int = 1
+    num_episodes: int = 1
+    max_steps: int | None = None
+    seed: int = 42
+    temperature: float = 1.0
+    init_kl_coef: float = 0.0
+    kl_estimator: str = "k1"
+    use_kl_loss: bool = False
+    dynamic_filtering: bool = False
+    dynamic_filtering_reward_range: tuple[float, float] = (0.0, 1.0)
+    max_filter_rounds: int = 8
+    freezing_actor_steps: int = -1
+    skip_zero_advantage_steps: bool = True
+    logging_steps: int = 1
+    eval_steps: int = -1
+    eval_temperature: float = 0.6
+    eval_n_samples_per_prompt: int = 4
+    save_steps: int = -1
+    ckpt_path: str = "./ckpt/checkpoints_ppo"
+    max_ckpt_num: int = 3
+    load_checkpoint: bool = False
+    show_progress: bool = True
+
+
+@dataclass
+class RLState:
+    step: int = 0
+    episode: int = 0
+    batch_in_episode: int = 0
+    kl_coef: float = 0.0
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+class RLTrainer:
+    def __init__(self, cfg: RLLoopConfig, adv_cfg: AdvantageConfig, shaping: RewardShapingConfig, *,
+                 policy: Any, engine: Any, executor: Any, prompts: Sequence[PromptSample], dist: DistInfo,
+                 logger: Any, pad_token_id: int, kl_ctl: Any, ref: Any = None, critic: Any = None,
+                 reward_model: Any = None, eval_executor: Any = None, eval_prompts: Sequence[PromptSample] = (),
+                 checkpointer: Any = None) -> None:
+        self.cfg, self.adv_cfg, self.shaping = cfg, adv_cfg, shaping
+        self.policy, self.ref, self.critic, self.reward_model = policy, ref, critic, reward_model
+        self.engine, self.executor, self.eval_executor = engine, executor, eval_executor
+        self.prompts, self.eval_prompts = list(prompts), list(eval_prompts)
+        self.dist, self.logger, self.pad_token_id = dist, logger, pad_token_id
+        self.kl_ctl, self.checkpointer = kl_ctl, checkpointer
+        if cfg.rollout_batch_size % dist.world_size:
+            raise ValueError(f"--rollout_batch_size ({cfg.rollout_batch_size}) must be a multiple of the world size "
+                             f"({dist.world_size})")
+        self.per_rank = cfg.rollout_batch_size // dist.world_size
+        self.batches_per_episode = len(self.prompts) // cfg.rollout_batch_size
+        if self.batches_per_episode == 0:
+            raise ValueError(f"--prompt_data has {len(self.prompts)} prompts, fewer than --rollout_batch_size "
+                             f"({cfg.rollout_batch_size})")
+        self.state = RLState(kl_coef=kl_ctl.value)
+        self.num_dropped = 0
+
+    # ------------------------------------------------------------------ prompts
+
+    def total_steps(self) -> int:
+        total = self.batches_per_episode * self.cfg.num_episodes
+        return total if self.cfg.max_steps is None else min(total, self.cfg.max_steps)
+
+    def _next_prompts(self) -> tuple[list[PromptSample], int]:
+        """This rank's prompts of the next global batch, and the global index of its first one."""
+        s, c = self.state, self.cfg
+        if s.batch_in_episode >= self.batches_per_episode:
+            s.episode, s.batch_in_episode = s.episode + 1, 0
+        order = epoch_order(len(self.prompts), s.episode, c.seed)
+        start = s.batch_in_episode * c.rollout_batch_size + self.dist.rank * self.per_rank
+        s.batch_in_episode += 1
+        return [self.prompts[i] for i in order[start:start + self.per_rank]], start
+
+    # ------------------------------------------------------------------ rollout
+
+    def _reseed(self, executor: Any, salt: int, first_global: int, n: int) -> None:
+        """Per-episode seeds that depend on (seed, step, global sample index) only, so runs are
+        reproducible across resumes and equal for any number of ranks."""
+        base = (self.cfg.seed * 1_000_003 + salt * 10_007) % (2**31 - 1)
+        executor.reseed(base + first_global * n)
+
+    def _generate(self, executor: Any, prompts: list[PromptSample], n: int, salt: int, first_global: int):
+        self._reseed(executor, salt, first_global, n)
+        return asyncio.run(executor.run_episodes(prompts, n))
+
+    def rollout(self) -> tuple[list[Trajectory], dict[str, float]]:
+        """Trajectories of this rank's prompts (and refills under dynamic filtering)."""
+        c, n = self.cfg, self.cfg.n_samples_per_prompt
+        kept: list[Trajectory] = []
+        passed = seen = dropped = 0
+        for r in range(c.max_filter_rounds if c.dynamic_filtering else 1):
+            prompts, first = self._next_prompts() if r == 0 else self._refill_prompts()
+            out = self._generate(self.executor, prompts, n, self.state.step * 131 + r, first)
+            dropped += out.num_dropped
+            trajs = out.trajectories
+            if not c.dynamic_filtering:
+                kept = trajs
+                break
+            groups = _complete_groups(trajs, n)
+            seen += len(groups)
+            if groups:
+                scores = torch.tensor([t.score for g in groups for t in g], dtype=torch.float32)
+                res = dynamic_filter(scores, n, tuple(c.dynamic_filtering_reward_range))
+                for gi in res.kept_groups.tolist():
+                    kept.extend(groups[gi])
+                passed += len(res.kept_groups)
+            need = self.per_rank * n
+            if int(all_reduce_sum(torch.tensor(float(len(kept) >= need))).item()) == self.dist.world_size:
+                kept = kept[:need]
+                break
+        self.num_dropped += dropped
+        metrics = {"dropped_samples": float(dropped)}
+        if c.dynamic_filtering:
+            metrics["dynamic_filtering_pass_rate"] = passed / max(seen, 1)
+        return kept, metrics
+
+    def _refill_prompts(self) -> tuple[list[PromptSample], int]:
+        if self.state.batch_in_episode >= self.batches_per_episode:
+            self.state.episode, self.state.batch_in_episode = self.state.episode + 1, 0
+        return self._next_prompts()
+
+    # ------------------------------------------------------------------ one step
+
+    def train_step(self) -> dict[str, float]:
+        t = {}
+        t0 = time.perf_counter()
+        trajs, metrics = self.rollout()
+        t["generate"] = time.perf_counter() - t0
+        if not trajs:
+            raise RuntimeError("no trajectory survived this step (all dropped or filtered); "
+                               "check --reward_failure / --dynamic_filtering_reward_range")
+        batch = pad_trajectories(trajs, self.pad_token_id)
+        t1 = time.perf_counter()
+        if self.reward_model is not None:
+            batch.rewards = self.reward_model.call("forward_rewards", batch)
+            for tr, r in zip(trajs, batch.rewards.tolist()):
+                tr.score = tr.reward = r
+        t["reward"] = time.perf_counter() - t1
+        resp_len = batch.loss_mask.sum(-1).float()
+        truncated = torch.tensor([float(tr.truncated) for tr in trajs])
+        raw_reward = batch.rewards.clone()
+        batch.rewards = apply_length_penalties(batch.rewards, resp_len, truncated.bool(), self.shaping)
+        t2 = time.perf_counter()
+        batch.old_logprobs = self.policy.call("forward_logprobs", batch, self.cfg.temperature)
+        if self.ref is not None:
+            batch.ref_logprobs = self.ref.call("forward_logprobs", batch, self.cfg.temperature)
+        if self.critic is not None:
+            batch.values = self.critic.call("forward_values", batch)
+        t["logprobs"] = time.perf_counter() - t2
+        batch, exp_m = finish_experience(batch, self.adv_cfg, self.kl_ctl.value, self.cfg.kl_estimator,
+                                         kl_in_reward=not self.cfg.use_kl_loss)
+        t3 = time.perf_counter()
+        train_m: dict[str, float] = {}
+        if self.critic is not None:
+            train_m.update(self.critic.call("train_on", batch))
+        if self.state.step >= self.cfg.freezing_actor_steps:
+            if self._has_signal(batch):
+                train_m.update(self.policy.call("train_on", batch, self.kl_ctl.value))
+            else:
+                train_m["skipped_zero_advantage"] = 1.0
+        t["train"] = time.perf_counter() - t3
+        t4 = time.perf_counter()
+        self.engine.update_weights(self.policy.call("weights"))
+        t["weight_sync"] = time.perf_counter() - t4
+        self.kl_ctl.update(exp_m.get("kl", 0.0), self.cfg.rollout_batch_size * self.cfg.n_samples_per_prompt)
+        metrics.update(self._rollout_metrics(trajs, raw_reward, resp_len, truncated))
+        metrics.update(exp_m)
+        metrics.update(train_m)
+        metrics["kl_coef"] = self.kl_ctl.value
+        step_time = sum(t.values())
+        metrics.update({f"time/{k}": v for k, v in t.items()})
+        metrics["time/step"] = step_time
+        metrics["generate_share"] = t["generate"] / max(step_time, 1e-9)
+        return metrics
+
+    def _has_signal(self, batch) -> bool:
+        """False when every advantage is 0 and no KL / entropy term could move the policy."""
+        if not self.cfg.skip_zero_advantage_steps or self.cfg.use_kl_loss:
+            return True
+        mag = float((batch.advantages.abs() * batch.loss_mask).sum())
+        return float(all_reduce_sum(torch.tensor(mag, dtype=torch.float64))) > 0
+
+    def _rollout_metrics(self, trajs, raw_reward, resp_len, truncated) -> dict[str, float]:
+        """Global means over ranks of the rollout statistics."""
+        n = float(len(trajs))
+        sums = torch.tensor([n, float(raw_reward.sum()), float((raw_reward ** 2).sum()), float(resp_len.sum()),
+                             float(truncated.sum())], dtype=torch.float64)
+        extra_keys = sorted({k for tr in trajs for k in tr.extra_logs})
+        extra = torch.tensor([sum(float(tr.extra_logs.get(k, 0.0)) for tr in trajs) for k in extra_keys],
+                             dtype=torch.float64)
+        tot = all_reduce_sum(torch.cat([sums, extra]))
+        cnt = max(float(tot[0]), 1.0)
+        mean = float(tot[1]) / cnt
+        out = {"reward": mean, "reward_std": math.sqrt(max(float(tot[2]) / cnt - mean * mean, 0.0)),
+               "response_length": float(tot[3]) / cnt, "truncated_rate": float(tot[4]) / cnt}
+        out.update({k: float(v) / cnt for k, v in zip(extra_keys, tot[5:].tolist())})
+        return out
+
+    # ------------------------------------------------------------------ evaluation
+
+    def evaluate(self) -> dict[str, float]:
+        if not self.eval_prompts or self.eval_executor is None:
+            return {}
+        n = self.cfg.eval_n_samples_per_prompt
+        share = self.eval_prompts[self.dist.rank::self.dist.world_size]
+        out = self._generate(self.eval_executor, share, n, 99_991, self.dist.rank * n)
+        groups = _complete_groups(out.trajectories, n)
+        scores = torch.tensor([t.score for g in groups for t in g], dtype=torch.float32)
+        rewards = torch.tensor([t.reward for g in groups for t in g], dtype=torch.float32)
+        p1 = pass_at_k_from_scores(scores, n, 1) * len(groups) if groups else 0.0
+        pk = pass_at_k_from_scores(scores, n, n) * len(groups) if groups else 0.0
+        tot = all_reduce_sum(torch.tensor([float(len(groups)), float(rewards.sum()), float(rewards.numel()), p1, pk],
+                                          dtype=torch.float64))
+        g = max(float(tot[0]), 1.0)
+        return {"eval_reward": float(tot[1]) / max(float(tot[2]), 1.0), "eval_pass1": float(tot[3]) / g,
+                f"eval_pass{n}": float(tot[4]) / g}
+
+    # ------------------------------------------------------------------ the loop
+
+    def fit(self) -> RLState:
+        c, s = self.cfg, self.state
+        if c.load_checkpoint and self.checkpointer is not None:
+            client = self.checkpointer.load(c.ckpt_path)
+            if client is not None:
+                s.step, s.episode, s.batch_in_episode = client["step"], client["episode"], client["batch_in_episode"]
+                self.kl_ctl.load_state_dict(client["kl_ctl"])
+                self.engine.update_weights(self.policy.call("weights"))
+                if self.dist.rank == 0:
+                    print(f"resumed from {c.ckpt_path} at step {s.step}")
+        total = self.total_steps()
+        bar = tqdm(total=total, initial=s.step, disable=not (c.show_progress and self.dist.rank == 0),
+                   desc="rl", dynamic_ncols=True)
+        if s.step == 0 and c.eval_steps > 0:
+            self._log(0, self.evaluate())
+        while s.step < total:
+            m = self.train_step()
+            s.step += 1
+            bar.update(1)
+            bar.set_postfix(reward=f"{m['reward']:.3f}")
+            if c.eval_steps > 0 and (s.step % c.eval_steps == 0 or s.step == total):
+                m.update(self.evaluate())
+            if s.step % max(c.logging_steps, 1) == 0 or s.step == total:
+                self._log(s.step, m)
+            if c.save_steps > 0 and s.step % c.save_steps == 0 and self.checkpointer is not None:
+                self.checkpointer.save(c.ckpt_path, f"global_step{s.step}",
+                                       {"step": s.step, "episode": s.episode, "batch_in_episode": s.batch_in_episode,
+                                        "kl_ctl": self.kl_ctl.state_dict()}, c.max_ckpt_num)
+        bar.close()
+        return s
+
+    def _log(self, step: int, m: dict[str, float]) -> None:
+        if not m:
+            return
+        self.state.history.append({"step": step, **m})
+        self.logger.log(step, m, console=not self.cfg.show_progress)
+
+
+def _complete_groups(trajs: list[Trajectory], n: int) -> list[list[Trajectory]]:
+    """Trajectories grouped by prompt, keeping only groups that still hold all n samples."""
+    groups = [list(g) for _, g in itertools.groupby(trajs, key=lambda t: t.group_index)]
+    return [g for g in groups if len(g) == n]
