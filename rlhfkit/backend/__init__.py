@@ -1,1 +1,25 @@
-"""rlhfkit."""
+"""Training backends: the `TrainBackend` protocol, FSDP2 (default), optimizer and LR schedules,
+checkpoints and HF export.
+
+    dist = init_distributed(backend_cfg.device)
+    backend = FSDP2Backend(model, backend_cfg, optim_cfg, num_training_steps, dist)
+"""
+
+from rlhfkit.backend.base import TrainBackend
+from rlhfkit.backend.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from rlhfkit.backend.dist import (
+    DistInfo,
+    all_reduce_sum,
+    barrier,
+    broadcast_object,
+    init_distributed,
+    is_rank0,
+)
+from rlhfkit.backend.fsdp2 import FSDP2Backend
+from rlhfkit.backend.optim import SCHEDULES, build_optimizer, build_scheduler, register_schedule
+
+__all__ = [
+    "TrainBackend", "FSDP2Backend", "DistInfo", "init_distributed", "all_reduce_sum", "barrier",
+    "broadcast_object", "is_rank0", "build_optimizer", "build_scheduler", "SCHEDULES",
+    "register_schedule", "save_checkpoint", "load_checkpoint", "latest_checkpoint",
+]

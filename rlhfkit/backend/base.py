@@ -1,0 +1,76 @@
+"""The `TrainBackend` protocol: what roles and trainers may ask of a training backend.
+
+A backend owns one model, its optimizer and LR schedule, and the way they are spread over
+ranks (FSDP2 by default). One optimizer step with gradient accumulation over k micro-batches:
+
+    for i, micro in enumerate(micro_batches):                 # k per rank
+        loss, metrics = loss_fn(backend.model(...), micro)   # divided by the GLOBAL count
+        backend.backward(loss, sync_grads=(i == k - 1))
+    stats = backend.optimizer_step()                          # clip, step, zero, LR schedule
+
+`backward` makes gradients the *sum* over ranks, so the sum of micro-losses divided by the global
+token / sample count gives the same update as one big batch on one rank (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from rlhfkit.backend.dist import DistInfo
+
+
+@runtime_checkable
+class TrainBackend(Protocol):
+    model: nn.Module
+    """The module to call for forward passes (sharded / autocast-wrapped as configured)."""
+    dist: DistInfo
+    device: torch.device
+    compute_dtype: torch.dtype
+
+    def backward(self, loss: torch.Tensor, sync_grads: bool = True) -> None:
+        """Backpropagate `loss`; `sync_grads=False` for all but the last micro-batch of a step."""
+        ...
+
+    def optimizer_step(self) -> dict[str, float]:
+        """Clip to --max_norm, step (skipped on a non-finite norm), zero grads, step the LR.
+
+        Returns {"grad_norm", "lr", "skipped"}; "lr" is the rate this step used.
+        """
+        ...
+
+    def train(self) -> None: ...
+
+    def eval(self) -> None: ...
+
+    def unwrap(self) -> nn.Module:
+        """The underlying HF module (under FSDP2 its parameters are DTensor shards)."""
+        ...
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full fp32 CPU state dict on rank 0, `{}` on other ranks (all ranks must call)."""
+        ...
+
+    def named_full_params(self, bucket_bytes: int = ...,
+                          dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor) for weight sync to a rollout engine (all ranks iterate)."""
+        ...
+
+    def save_hf(self, path: str, tokenizer: Any = None, dtype: torch.dtype | None = None) -> None:
+        """Hugging Face directory (config, safetensors, tokenizer); rank 0 writes."""
+        ...
+
+    def save_checkpoint(self, ckpt_root: str, tag: str, client_state: dict | None,
+                        max_keep: int) -> str: ...
+
+    def load_checkpoint(self, ckpt_root: str) -> dict | None: ...
+
+    def offload_states(self) -> None:
+        """Move parameters, gradients and optimizer states to CPU (sleep)."""
+        ...
+
+    def reload_states(self) -> None:
+        """Move them back to the training device (wake up)."""
+        ...

@@ -1,0 +1,271 @@
+"""Resumable training checkpoints: atomic, safetensors weights, `weights_only` loads.
+
+Layout of `<ckpt_root>/<tag>/` (all but the RNG files written by rank 0):
+
+    model.safetensors     full (unsharded) fp32 model state; tied tensors stored once
+    optim.pt              full optimizer state keyed by parameter name (DCP state-dict API)
+    trainer.pt            LR scheduler state and the fp16 loss scaler
+    rng_<rank>.pt         python / numpy / torch CPU / CUDA generator states of each rank
+    client_state.json     the caller's JSON-able state (step, data position, ...)
+    meta.json             written last: tag, save index, world size
+
+Saving writes everything to `<tag>.tmp`, then `os.replace`s it to `<tag>` and rewrites the
+`latest` file (via `latest.tmp` + `os.replace`), so a crash at any point leaves `latest` naming a
+complete checkpoint. `<tag>.tmp` leftovers are never loaded and are removed by the next save.
+Only the `max_keep` newest checkpoints (by save index) are kept.
+
+Loading reads `latest` (falling back to the newest complete checkpoint if it names a missing
+one), loads every file with `torch.load(weights_only=True)` and, when sharded, gives rank 0's
+full state to all ranks with `broadcast_from_rank0`. A shared filesystem is assumed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from rlhfkit.backend import dist as D
+
+log = logging.getLogger(__name__)
+
+LATEST = "latest"
+META = "meta.json"
+TMP_SUFFIX = ".tmp"
+
+
+# ----------------------------------------------------------------------------- tensors
+
+
+def save_tensors(path: str, sd: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+    """safetensors file of `sd`; tensors sharing memory are stored once and recorded as aliases."""
+    out: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    by_view: dict[tuple, str] = {}
+    storages: set[int] = set()
+    for name, t in sd.items():
+        t = t.detach()
+        key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        if t.numel() and key in by_view:
+            aliases[name] = by_view[key]
+            continue
+        by_view[key] = name
+        sptr = t.untyped_storage().data_ptr()
+        t = t.contiguous()
+        if t.numel() and sptr in storages:
+            t = t.clone()
+        storages.add(sptr)
+        out[name] = t.cpu()
+    meta = dict(metadata or {})
+    meta["rlhfkit_aliases"] = json.dumps(aliases)
+    save_file(out, path, metadata=meta)
+
+
+def load_tensors(path: str) -> dict[str, torch.Tensor]:
+    """Inverse of `save_tensors` (aliases restored as the same tensor)."""
+    from safetensors import safe_open
+
+    sd = load_file(path)
+    with safe_open(path, framework="pt") as f:
+        aliases = json.loads((f.metadata() or {}).get("rlhfkit_aliases", "{}"))
+    for name, target in aliases.items():
+        sd[name] = sd[target]
+    return sd
+
+
+# ----------------------------------------------------------------------------- RNG
+
+
+def rng_state() -> dict[str, Any]:
+    """Generator states as tensors and plain values (loadable with weights_only=True)."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        cuda = state["cuda"]
+        if len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda)
+        else:
+            log.warning("checkpoint has %d CUDA generator states, this host has %d GPUs: not restored",
+                        len(cuda), torch.cuda.device_count())
+
+
+# ----------------------------------------------------------------------------- layout
+
+
+def _atomic_write_text(path: str, text: str) -> None:
+    tmp = path + TMP_SUFFIX
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _read_meta(path: str) -> dict | None:
+    try:
+        with open(os.path.join(path, META)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def list_checkpoints(ckpt_root: str) -> list[tuple[int, str]]:
+    """(save index, tag) of every complete checkpoint under `ckpt_root`, oldest first."""
+    if not os.path.isdir(ckpt_root):
+        return []
+    found = []
+    for name in os.listdir(ckpt_root):
+        path = os.path.join(ckpt_root, name)
+        if name.endswith(TMP_SUFFIX) or not os.path.isdir(path):
+            continue
+        meta = _read_meta(path)
+        if meta is not None:
+            found.append((int(meta.get("index", 0)), name))
+    return sorted(found)
+
+
+def latest_checkpoint(ckpt_root: str) -> str | None:
+    """Path of the checkpoint named by `latest` (or the newest complete one), else None."""
+    try:
+        with open(os.path.join(ckpt_root, LATEST)) as f:
+            tag = f.read().strip()
+    except OSError:
+        tag = ""
+    if tag and not tag.endswith(TMP_SUFFIX) and _read_meta(os.path.join(ckpt_root, tag)) is not None:
+        return os.path.join(ckpt_root, tag)
+    found = list_checkpoints(ckpt_root)
+    if tag:
+        log.warning("%s/latest names %r, which is not a complete checkpoint", ckpt_root, tag)
+    return os.path.join(ckpt_root, found[-1][1]) if found else None
+
+
+def _rotate(ckpt_root: str, max_keep: int, keep_tag: str) -> None:
+    found = [tag for _, tag in list_checkpoints(ckpt_root)]
+    while len(found) > max_keep:
+        tag = found.pop(0)
+        if tag != keep_tag:
+            shutil.rmtree(os.path.join(ckpt_root, tag), ignore_errors=True)
+
+
+def _clear_stale_tmp(ckpt_root: str) -> None:
+    for name in os.listdir(ckpt_root):
+        path = os.path.join(ckpt_root, name)
+        if name.endswith(TMP_SUFFIX) and os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- save / load
+
+
+def _full_opts() -> StateDictOptions:
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def save_checkpoint(backend, ckpt_root: str, tag: str, client_state: dict | None,
+                    max_keep: int) -> str:
+    """Save model, optimizer, scheduler, RNG and `client_state` as `<ckpt_root>/<tag>` (all ranks call)."""
+    if max_keep < 1:
+        raise ValueError(f"--max_ckpt_num must be >= 1, got {max_keep}")
+    if not tag or "/" in tag or tag == LATEST or tag.endswith(TMP_SUFFIX):
+        raise ValueError(f"bad checkpoint tag {tag!r}")
+    try:
+        client_json = json.dumps(client_state or {}, indent=2)
+    except TypeError as e:
+        raise TypeError(f"checkpoint client_state must be JSON-serialisable: {e}") from None
+    tmp, final = os.path.join(ckpt_root, tag + TMP_SUFFIX), os.path.join(ckpt_root, tag)
+    rank0 = D.is_rank0()
+    if rank0:
+        os.makedirs(ckpt_root, exist_ok=True)
+        _clear_stale_tmp(ckpt_root)
+        os.makedirs(tmp)
+    D.barrier()
+    model_sd = backend.full_state_dict()
+    optim_sd = get_optimizer_state_dict(backend.model, backend.optimizer, options=_full_opts())
+    torch.save(rng_state(), os.path.join(tmp, f"rng_{D.get_rank()}.pt"))
+    if rank0:
+        save_tensors(os.path.join(tmp, "model.safetensors"), model_sd)
+        torch.save(optim_sd, os.path.join(tmp, "optim.pt"))
+        torch.save(backend.trainer_state(), os.path.join(tmp, "trainer.pt"))
+        with open(os.path.join(tmp, "client_state.json"), "w") as f:
+            f.write(client_json)
+    del model_sd, optim_sd
+    D.barrier()
+    if rank0:
+        index = max([i for i, _ in list_checkpoints(ckpt_root)], default=-1) + 1
+        meta = {"tag": tag, "index": index, "world_size": D.get_world_size(), "time": time.time()}
+        with open(os.path.join(tmp, META), "w") as f:
+            json.dump(meta, f)
+        _publish(ckpt_root, tag, tmp, final)
+        _rotate(ckpt_root, max_keep, keep_tag=tag)
+    D.barrier()
+    return final
+
+
+def _publish(ckpt_root: str, tag: str, tmp: str, final: str) -> None:
+    """Move the finished `<tag>.tmp` into place, then point `latest` at it."""
+    old = None
+    if os.path.exists(final):
+        old = final + ".old" + TMP_SUFFIX
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _atomic_write_text(os.path.join(ckpt_root, LATEST), tag)
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def load_checkpoint(backend, ckpt_root: str) -> dict | None:
+    """Restore the latest checkpoint into `backend`; its client state, or None if there is none."""
+    path = D.broadcast_object(latest_checkpoint(ckpt_root) if D.is_rank0() else None)
+    if path is None:
+        return None
+    sharded = backend.is_sharded
+    opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=sharded)
+    load_here = D.is_rank0() or not sharded
+    model_sd = load_tensors(os.path.join(path, "model.safetensors")) if load_here else {}
+    set_model_state_dict(backend.model, model_sd, options=opts)
+    del model_sd
+    optim_sd = torch.load(os.path.join(path, "optim.pt"), weights_only=True) if load_here else {}
+    set_optimizer_state_dict(backend.model, backend.optimizer, optim_sd, options=opts)
+    del optim_sd
+    backend.load_trainer_state(torch.load(os.path.join(path, "trainer.pt"), weights_only=True))
+    rng_file = os.path.join(path, f"rng_{D.get_rank()}.pt")
+    if not os.path.exists(rng_file):
+        log.warning("%s has no RNG state for rank %d; using rank 0's", path, D.get_rank())
+        rng_file = os.path.join(path, "rng_0.pt")
+    set_rng_state(torch.load(rng_file, weights_only=True))
+    with open(os.path.join(path, "client_state.json")) as f:
+        client_state = json.load(f)
+    D.barrier()
+    return client_state

@@ -1,0 +1,296 @@
+"""`FSDP2Backend`: the default `TrainBackend` (PyTorch FSDP2, nothing extra to install).
+
+    model (HF causal LM, fp32 master weights)
+      |  one process, no process group: plain module on the device (+ autocast on CUDA)
+      |  process group (torchrun / Ray): fully_shard per decoder block + root (sharding.py)
+      v
+    backend.model(...) -> loss / global count -> backend.backward(loss, sync_grads)
+      -> backend.optimizer_step(): global grad norm, clip, AdamW, zero, LR schedule
+
+Precision (precision.py): fp32 master weights and optimizer states; compute in `--param_dtype`
+(FSDP2 MixedPrecisionPolicy with fp32 gradient reduction when sharded, autocast in one CUDA
+process, fp32 on CPU unless `cpu_low_precision=True`); fp16 uses a dynamic loss scale.
+
+Gradient accumulation: `backward(loss, sync_grads=False)` skips the gradient reduction
+(`set_requires_gradient_sync(False)`) for stages 0-2 until the last micro-batch. Stage 3 keeps
+reducing every micro-batch, so gradients stay sharded (memory is what stage 3 is chosen for).
+
+`--adam_offload` on CUDA uses FSDP2's CPUOffloadPolicy (parameters, gradients and the AdamW
+step on CPU); it needs a process group, so a single GPU runs it under
+`torchrun --nproc_per_node 1`. On CPU it changes nothing.
+
+An inference-only backend (`optim_cfg=None`, e.g. a reference or reward model) casts the
+weights to the compute dtype (no master copy is needed) and has no optimizer.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from rlhfkit.backend import checkpoint as ckpt
+from rlhfkit.backend import dist as D
+from rlhfkit.backend.dist import DistInfo
+from rlhfkit.backend.optim import build_optimizer, build_scheduler
+from rlhfkit.backend.precision import DynamicLossScaler, compute_dtype_for, parse_dtype
+from rlhfkit.backend.sharding import (
+    apply_fsdp2,
+    build_mesh,
+    clip_grads,
+    global_grad_norm,
+    iter_full_param_buckets,
+    sum_gradients_by_loss_scale,
+)
+from rlhfkit.config.configs import BackendConfig, OptimConfig
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BUCKET_BYTES = 512 * 2**20
+
+
+def _validate(cfg: BackendConfig) -> None:
+    if cfg.backend != "fsdp2":
+        raise ValueError(f"FSDP2Backend got --backend {cfg.backend!r}")
+    if cfg.zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"--zero_stage must be 0, 1, 2 or 3, got {cfg.zero_stage}")
+
+
+def _cast_params(model: nn.Module, dtype: torch.dtype, trainable_only: bool) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point() and p.dtype != dtype and (p.requires_grad or not trainable_only):
+                p.data = p.data.to(dtype)
+
+
+def _autocast_forward(model: nn.Module, device_type: str, dtype: torch.dtype) -> None:
+    """Run `model.forward` (and so `model(...)` and `generate`) under autocast(dtype)."""
+    orig = model.forward
+
+    @functools.wraps(orig)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(device_type, dtype=dtype):
+            return orig(*args, **kwargs)
+
+    model.forward = forward  # type: ignore[method-assign]
+
+
+def _set_config_dtype(path: str, dtype: torch.dtype) -> None:
+    """Record the saved weights' dtype in config.json (save_pretrained writes the live model's)."""
+    cfg_file = os.path.join(path, "config.json")
+    with open(cfg_file) as f:
+        cfg = json.load(f)
+    name = str(dtype).replace("torch.", "")
+    for key in ("dtype", "torch_dtype"):
+        if key in cfg or key == "dtype":
+            cfg[key] = name
+    with open(cfg_file, "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+
+
+class FSDP2Backend:
+    """Wraps one model with its optimizer and LR schedule; see the module docstring."""
+
+    def __init__(self, model: nn.Module, backend_cfg: BackendConfig, optim_cfg: OptimConfig | None,
+                 num_training_steps: int, dist: DistInfo, *, cpu_low_precision: bool = False) -> None:
+        _validate(backend_cfg)
+        self.cfg, self.optim_cfg, self.dist = backend_cfg, optim_cfg, dist
+        self.device = torch.device(dist.device)
+        self.param_dtype = parse_dtype(backend_cfg.param_dtype)
+        self.compute_dtype = compute_dtype_for(self.param_dtype, self.device, cpu_low_precision)
+        self.is_sharded = dist.has_process_group
+        self.trainable = optim_cfg is not None
+        self._loss_multiplier = 1.0
+        self._unsynced = False
+        self._offloaded = False
+        if backend_cfg.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        master = torch.float32 if self.trainable else self.compute_dtype
+        _cast_params(model, master, trainable_only=self.trainable)
+        self.model = self._shard(model) if self.is_sharded else self._place(model)
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler = None
+        self.loss_scaler: DynamicLossScaler | None = None
+        if self.trainable:
+            self.optimizer = build_optimizer(self.model, optim_cfg)
+            self.scheduler = build_scheduler(self.optimizer, optim_cfg, num_training_steps)
+            if self.compute_dtype == torch.float16:
+                self.loss_scaler = DynamicLossScaler()
+
+    # ------------------------------------------------------------------ wrapping
+
+    def _place(self, model: nn.Module) -> nn.Module:
+        if self.cfg.adam_offload and self.device.type == "cuda":
+            raise ValueError("--adam_offload needs a process group (FSDP2 CPUOffloadPolicy): "
+                             "launch with torchrun --nproc_per_node 1 for one GPU")
+        model = model.to(self.device)
+        if self.trainable and self.compute_dtype != torch.float32:
+            _autocast_forward(model, self.device.type, self.compute_dtype)
+        return model
+
+    def _shard(self, model: nn.Module) -> nn.Module:
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+        mesh = build_mesh(self.device.type, self.dist.world_size, self.cfg.zero_stage)
+        low = self.compute_dtype if self.compute_dtype != torch.float32 else None
+        mp = MixedPrecisionPolicy(param_dtype=low if self.trainable else None,
+                                  reduce_dtype=torch.float32)
+        offload = None
+        if self.cfg.adam_offload and self.device.type == "cuda":
+            offload = CPUOffloadPolicy(pin_memory=True)
+        elif self.cfg.adam_offload:
+            log.info("--adam_offload on CPU: states are already in CPU memory; nothing to offload")
+        apply_fsdp2(model, mesh, self.cfg.zero_stage, mp, offload)
+        if offload is None:
+            model.to(self.device)  # buffers not managed by FSDP (e.g. rotary tables)
+        if not sum_gradients_by_loss_scale(model):
+            self._loss_multiplier = float(self.dist.world_size)
+        return model
+
+    # ------------------------------------------------------------------ training
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.model(*args, **kwargs)
+
+    def train(self) -> None:
+        self.model.train()
+
+    def eval(self) -> None:
+        self.model.eval()
+
+    def unwrap(self) -> nn.Module:
+        return self.model
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"]) if self.optimizer else 0.0
+
+    def _require_optimizer(self) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            raise RuntimeError("this backend was built without an optimizer (optim_cfg=None)")
+        return self.optimizer
+
+    def backward(self, loss: torch.Tensor, sync_grads: bool = True) -> None:
+        """loss.backward(); gradients end up summed over ranks once `sync_grads` is True."""
+        self._require_optimizer()
+        if self.is_sharded:
+            self.model.set_requires_gradient_sync(sync_grads or self.cfg.zero_stage == 3)
+        self._unsynced = not sync_grads and self.is_sharded and self.cfg.zero_stage != 3
+        scale = self._loss_multiplier * (self.loss_scaler.scale if self.loss_scaler else 1.0)
+        (loss * scale if scale != 1.0 else loss).backward()
+
+    def _params(self) -> list[nn.Parameter]:
+        return [p for g in self._require_optimizer().param_groups for p in g["params"]]
+
+    def optimizer_step(self) -> dict[str, float]:
+        """Global grad norm -> (skip if non-finite) clip to --max_norm -> AdamW -> zero -> LR step."""
+        opt = self._require_optimizer()
+        if self._unsynced:
+            raise RuntimeError("optimizer_step after backward(sync_grads=False): the last micro-batch "
+                               "of an optimizer step must call backward(loss, sync_grads=True)")
+        params = self._params()
+        if self.loss_scaler is not None:
+            inv = 1.0 / self.loss_scaler.scale
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(inv)
+        norm = global_grad_norm(params)
+        finite = bool(torch.isfinite(norm))
+        lr = self.lr
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(finite)
+        if finite:
+            if self.optim_cfg.max_norm > 0:
+                clip_grads(params, self.optim_cfg.max_norm, norm)
+            opt.step()
+            self.scheduler.step()
+        else:
+            log.warning("non-finite gradient norm (%s): optimizer step skipped", float(norm))
+        opt.zero_grad(set_to_none=True)
+        return {"grad_norm": float(norm), "lr": lr, "skipped": 0.0 if finite else 1.0}
+
+    # ------------------------------------------------------------------ weights out
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full CPU state dict on rank 0 (`{}` elsewhere); all ranks call. May alias CPU params."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(self.model, options=opts)
+
+    def full_param_buckets(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                           dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Lists of (name, full tensor) of at most `bucket_bytes`; all ranks iterate."""
+        return iter_full_param_buckets(self.model, bucket_bytes, dtype)
+
+    def named_full_params(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                          dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, full tensor) pairs for weight sync, gathered in buckets; all ranks iterate."""
+        for bucket in self.full_param_buckets(bucket_bytes, dtype):
+            yield from bucket
+
+    def save_hf(self, path: str, tokenizer: Any = None, dtype: torch.dtype | None = None) -> None:
+        """HF directory; weights in `dtype` (default: the compute dtype). Rank 0 writes."""
+        sd = self.full_state_dict()
+        if D.is_rank0():
+            dtype = dtype or self.compute_dtype
+            sd = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in sd.items()}
+            self.unwrap().save_pretrained(path, state_dict=sd, safe_serialization=True)
+            _set_config_dtype(path, dtype)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(path)
+        D.barrier()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def trainer_state(self) -> dict[str, Any]:
+        return {"scheduler": self.scheduler.state_dict() if self.scheduler else None,
+                "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler else None}
+
+    def load_trainer_state(self, state: dict[str, Any]) -> None:
+        if self.scheduler is not None and state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if self.loss_scaler is not None and state.get("loss_scaler") is not None:
+            self.loss_scaler.load_state_dict(state["loss_scaler"])
+
+    def save_checkpoint(self, ckpt_root: str, tag: str, client_state: dict | None,
+                        max_keep: int) -> str:
+        self._require_optimizer()
+        return ckpt.save_checkpoint(self, ckpt_root, tag, client_state, max_keep)
+
+    def load_checkpoint(self, ckpt_root: str) -> dict | None:
+        self._require_optimizer()
+        return ckpt.load_checkpoint(self, ckpt_root)
+
+    # ------------------------------------------------------------------ sleep / wake
+
+    def _move_optimizer_state(self, device: torch.device | str) -> None:
+        if self.optimizer is None:
+            return
+        for state in self.optimizer.state.values():
+            for k, v in state.items():
+                if isinstance(v, torch.Tensor) and not (k == "step" and v.device.type == "cpu"):
+                    state[k] = v.to(device, non_blocking=True)
+
+    def offload_states(self) -> None:
+        """Parameters, gradients and optimizer states to CPU (no-op when already there)."""
+        if self._offloaded or self.device.type == "cpu" or self.cfg.adam_offload:
+            return
+        self.model.to("cpu")
+        self._move_optimizer_state("cpu")
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        self._offloaded = True
+
+    def reload_states(self) -> None:
+        if not self._offloaded:
+            return
+        self.model.to(self.device)
+        self._move_optimizer_state(self.device)
+        torch.cuda.synchronize()
+        self._offloaded = False

@@ -1,0 +1,140 @@
+"""FSDP2 wrapping (per decoder block and root), global gradient norms, full-weight iteration.
+
+`--zero_stage` on FSDP2 (`torch.distributed.fsdp.fully_shard`):
+
+    3    1-D mesh (world,), reshard_after_forward=True: parameters, gradients and optimizer
+         states are sharded; blocks are all-gathered again for backward.
+    1/2  1-D mesh (world,), reshard_after_forward=False: gradients and optimizer states are
+         sharded, the gathered parameters stay between forward and backward (no re-gather).
+    0    2-D mesh (replicate=world, shard=1): FSDP2's hybrid mode with a shard group of one rank
+         is plain replication (every rank holds full parameters, gradients and optimizer
+         states; gradients are all-reduced), i.e. DDP. We use it instead of DDP /
+         `_composable.replicate` so that every stage has the same DTensor parameters, the same
+         gradient clipping and the same distributed state-dict code.
+
+Gradients are *summed* over ranks (the caller's loss is already divided by the global count,
+docs/architecture.md): every FSDP module gets `set_gradient_divide_factor(1.0)` and
+`set_force_sum_reduction_for_comms(True)`, so collectives use plain SUM (gloo has no
+PREMUL_SUM). On a torch without those methods, `sum_gradients_by_loss_scale` says the loss
+must be multiplied by the world size instead.
+
+Transformer blocks are found from the HF model's `_no_split_modules` class names (searching
+wrapped models such as peft's too); failing that, the children of the first `nn.ModuleList`
+named `layers`, `h`, `blocks` or `block`.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # torch < 2.5
+    from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
+
+_LAYER_LIST_NAMES = ("layers", "h", "blocks", "block")
+
+
+def _no_split_class_names(model: nn.Module) -> set[str]:
+    names: set[str] = set()
+    for m in model.modules():
+        for n in getattr(m, "_no_split_modules", None) or []:
+            names.add(n)
+    return names
+
+
+def find_blocks(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks to shard one by one (in module order)."""
+    names = _no_split_class_names(model)
+    blocks = [m for m in model.modules() if names and type(m).__name__ in names]
+    if blocks:
+        return blocks
+    for name, m in model.named_modules():
+        if isinstance(m, nn.ModuleList) and name.rsplit(".", 1)[-1] in _LAYER_LIST_NAMES:
+            return list(m)
+    return []
+
+
+def build_mesh(device_type: str, world_size: int, zero_stage: int) -> DeviceMesh:
+    """1-D sharding mesh for stages 1-3; (world, 1) replicate x shard mesh for stage 0."""
+    if zero_stage == 0:
+        return init_device_mesh(device_type, (world_size, 1), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
+
+
+def apply_fsdp2(model: nn.Module, mesh: DeviceMesh, zero_stage: int,
+                mp_policy: MixedPrecisionPolicy, offload_policy=None) -> nn.Module:
+    """`fully_shard` each block, then the root; gradients summed over ranks. Returns `model`."""
+    reshard = zero_stage == 3
+    kw = {"mesh": mesh, "mp_policy": mp_policy}
+    if offload_policy is not None:
+        kw["offload_policy"] = offload_policy
+    for block in find_blocks(model):
+        fully_shard(block, reshard_after_forward=reshard, **kw)
+    # The root's parameters (embeddings, final norm, head) are needed right away by backward,
+    # so they are never resharded after forward (they are resharded after backward).
+    fully_shard(model, reshard_after_forward=False, **kw)
+    return model
+
+
+def sum_gradients_by_loss_scale(model: nn.Module) -> bool:
+    """Make FSDP sum gradients over ranks. False when torch lacks the API (scale the loss)."""
+    mods = [m for m in model.modules() if hasattr(m, "set_requires_gradient_sync")]
+    if not all(hasattr(m, "set_gradient_divide_factor") for m in mods):
+        return False
+    for m in mods:
+        m.set_gradient_divide_factor(1.0)
+        if hasattr(m, "set_force_sum_reduction_for_comms"):
+            m.set_force_sum_reduction_for_comms(True)
+    return True
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value (collective over its mesh); plain tensors unchanged."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def global_grad_norm(params: list[nn.Parameter]) -> torch.Tensor:
+    """2-norm of all gradients over all ranks (DTensor shards reduced over the mesh)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    return full(norm).float()
+
+
+def clip_grads(params: list[nn.Parameter], max_norm: float, total_norm: torch.Tensor) -> None:
+    """Scale gradients by min(1, max_norm / (total_norm + 1e-6))."""
+    torch.nn.utils.clip_grads_with_norm_([p for p in params if p.grad is not None],
+                                         max_norm, total_norm)
+
+
+def iter_full_param_buckets(model: nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None
+                            ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Lists of (name, full tensor) of at most `bucket_bytes` (a larger tensor goes alone).
+
+    Every rank must iterate to the end (each DTensor is all-gathered). Names are the module's
+    (HF names for an HF model); tied parameters appear once. `dtype` casts (e.g. to the
+    engine's bf16) right after gathering.
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, p in model.named_parameters():
+        t = full(p.detach())
+        if dtype is not None and t.dtype != dtype:
+            t = t.to(dtype)
+        nbytes = t.numel() * t.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += nbytes
+    if bucket:
+        yield bucket
