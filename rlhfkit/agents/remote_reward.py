@@ -1,0 +1,158 @@
+"""Async client for HTTP reward servers (`serve_rm` or anything speaking OpenRLHF's protocol).
+
+    POST <url>  {"query": [full prompt+response texts], "prompts": [...], "labels": [...]}
+           ->  {"rewards": [...], "scores": [...], "extra_logs": {...}}
+
+`RemoteRewardClient(urls)` sends each call to the next URL (round robin); a failed attempt (connection
+error, timeout, HTTP 5xx / 408 / 429) is retried on the next URL after an exponential backoff
+(backoff_s * 2**attempt, capped at max_backoff_s), up to `max_retries` retries. Other 4xx answers are
+the request's fault and fail at once. Once retries are spent the error names every URL tried and the
+last failure. Answers are validated by `RewardOutput.from_mapping` (lengths, numbers).
+
+OpenRLHF's client makes 5 attempts one second apart and, on failure, leaves the sample without a
+reward; here failures raise `RewardServerError`, and the caller's failure policy decides.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, Sequence
+
+from rlhfkit.agents.reward_types import RewardOutput
+
+RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+
+
+class RewardServerError(RuntimeError):
+    """A reward server could not give rewards (after retries, or a request it rejects)."""
+
+
+class _Retryable(Exception):
+    pass
+
+
+def _aiohttp() -> Any:
+    try:
+        import aiohttp
+    except ImportError:  # pragma: no cover - aiohttp is in the serve/dev extras
+        raise ImportError("the HTTP reward client needs aiohttp: pip install 'rlhfkit[serve]'") from None
+    return aiohttp
+
+
+class RemoteRewardClient:
+    """Round-robin, retrying client for one or more reward server URLs (each the full endpoint URL)."""
+
+    def __init__(self, urls: Sequence[str] | str, timeout_s: float = 180.0, max_retries: int = 5,
+                 backoff_s: float = 1.0, max_backoff_s: float = 30.0) -> None:
+        urls = [u.strip() for u in urls.split(",")] if isinstance(urls, str) else [u.strip() for u in urls]
+        urls = [u for u in urls if u]
+        if not urls:
+            raise ValueError("--remote_rm_url: no reward server URL given")
+        bad = [u for u in urls if not u.startswith(("http://", "https://"))]
+        if bad:
+            raise ValueError(f"--remote_rm_url: not an http(s) URL: {bad}")
+        if timeout_s <= 0 or max_retries < 0 or backoff_s < 0:
+            raise ValueError(f"reward client: need timeout_s > 0, max_retries >= 0, backoff_s >= 0; "
+                             f"got {timeout_s}, {max_retries}, {backoff_s}")
+        self.urls = urls
+        self.timeout_s, self.max_retries = float(timeout_s), int(max_retries)
+        self.backoff_s, self.max_backoff_s = float(backoff_s), float(max_backoff_s)
+        self._next = 0
+        self._session: Any = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # ------------------------------------------------------------------ session
+    def _get_session(self) -> Any:
+        """One aiohttp session per event loop (a session cannot move between loops)."""
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._session.closed or self._loop is not loop:
+            aiohttp = _aiohttp()
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+            self._loop = loop
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None and not self._session.closed and self._loop is asyncio.get_running_loop():
+            await self._session.close()
+        self._session = None
+
+    async def __aenter__(self) -> "RemoteRewardClient":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------------ calls
+    async def get_rewards(self, queries: Sequence[str], prompts: Sequence[str] | None = None,
+                          labels: Sequence[Any] | None = None) -> RewardOutput:
+        """Rewards for `queries` (full prompt + response texts); prompts/labels are passed along."""
+        payload = _payload(queries, prompts, labels)
+        n = len(payload["query"])
+        start = self._next
+        self._next = (self._next + 1) % len(self.urls)
+        errors: list[tuple[str, str]] = []  # (url, failure)
+        for attempt in range(self.max_retries + 1):
+            url = self.urls[(start + attempt) % len(self.urls)]
+            try:
+                data = await self._post(url, payload)
+                return RewardOutput.from_mapping(data, n, f"reward server {url}")
+            except _Retryable as e:
+                errors.append((url, str(e)))
+            if attempt < self.max_retries:
+                await asyncio.sleep(min(self.backoff_s * 2 ** attempt, self.max_backoff_s))
+        tried = ", ".join(dict.fromkeys(u for u, _ in errors))
+        raise RewardServerError(f"reward server {tried} failed {len(errors)} times "
+                                f"(max_retries={self.max_retries}); last error from {errors[-1][0]}: {errors[-1][1]}")
+
+    async def __call__(self, queries: Sequence[str], prompts: Sequence[str] | None = None,
+                       labels: Sequence[Any] | None = None, **kwargs: Any) -> dict[str, Any]:
+        """reward_func-style call: the same as `get_rewards` but returns the protocol's dict."""
+        return (await self.get_rewards(queries, prompts, labels)).to_dict()
+
+    async def _post(self, url: str, payload: dict[str, Any]) -> Any:
+        """One attempt; raises _Retryable for transient failures, RewardServerError for final ones."""
+        aiohttp = _aiohttp()
+        try:
+            async with self._get_session().post(url, json=payload) as resp:
+                body = await resp.read()
+                status = resp.status
+        except asyncio.TimeoutError:
+            raise _Retryable(f"no answer within {self.timeout_s:g} s") from None
+        except aiohttp.ClientError as e:
+            raise _Retryable(f"{type(e).__name__}: {e}") from None
+        text = body.decode("utf-8", errors="replace")
+        if status in RETRY_STATUSES:
+            raise _Retryable(f"HTTP {status}: {text[:300]}")
+        if status >= 400:
+            raise RewardServerError(f"reward server {url} rejected the request: HTTP {status}: {text[:500]}")
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            raise RewardServerError(f"reward server {url} answered HTTP {status} with non-JSON: {text[:300]!r}") from None
+
+
+def _payload(queries: Sequence[str], prompts: Sequence[str] | None,
+             labels: Sequence[Any] | None) -> dict[str, Any]:
+    queries = list(queries)
+    if not all(isinstance(q, str) for q in queries):
+        raise TypeError("reward client: every query must be a string")
+    payload: dict[str, Any] = {"query": queries}
+    for name, values in (("prompts", prompts), ("labels", labels)):
+        if values is not None:
+            values = list(values)
+            if len(values) != len(queries):
+                raise ValueError(f"reward client: {len(values)} {name} for {len(queries)} queries")
+            payload[name] = values
+    return payload
+
+
+def get_rewards_sync(urls: Sequence[str] | str, queries: Sequence[str], prompts: Sequence[str] | None = None,
+                     labels: Sequence[Any] | None = None, **client_kw: Any) -> RewardOutput:
+    """Blocking one-off call (scripts, batch inference): a fresh client and event loop."""
+
+    async def _run() -> RewardOutput:
+        async with RemoteRewardClient(urls, **client_kw) as client:
+            return await client.get_rewards(queries, prompts, labels)
+
+    return asyncio.run(_run())

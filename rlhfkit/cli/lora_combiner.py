@@ -1,0 +1,41 @@
+"""Merge a LoRA adapter into its base model and save a plain Hugging Face model directory.
+
+    python -m rlhfkit.cli.lora_combiner --model_path BASE --lora_path ADAPTER --output_path OUT \\
+        [--is_rm] [--param_dtype bf16]
+
+With `--is_rm` the base is loaded as a reward model (backbone + `score` head; the trained head comes
+from the adapter) and the output loads with `AutoModelForSequenceClassification(num_labels=1)`,
+keeping `value_head_prefix`, `normalize_reward`, `mean` and `std` in its config.json.
+The tokenizer is taken from the adapter directory when it has one, else from the base.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from rlhfkit.config.flags import FlagParser
+
+
+def build_parser() -> FlagParser:
+    p = FlagParser("lora_combiner", "Merge a LoRA adapter into its base model.")
+    p.flag("--model_path", type=str, required=True, help="base model directory")
+    p.flag("--lora_path", type=str, required=True, help="peft adapter directory")
+    p.flag("--output_path", type=str, required=True, help="where the merged model is written")
+    p.flag("--is_rm", action="store_true", help="the base is a reward model (sequence classification)")
+    p.flag("--param_dtype", "--ds.param_dtype", type=str, default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.flag("--bf16", dest="param_dtype", action="store_const", const="bf16", help="alias of --param_dtype bf16")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> str:
+    from rlhfkit.models.lora import merge_lora
+
+    args = build_parser().parse(argv)
+    out = merge_lora(args.model_path, args.lora_path, args.output_path, is_rm=args.is_rm,
+                     param_dtype=args.param_dtype)
+    print(f"lora_combiner: merged {args.lora_path} into {args.model_path} -> {out}")
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""LoRA merge (lora_combiner): merged weights are W + alpha/r * B A; merged outputs equal the adapted model's."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from rlhfkit.cli.lora_combiner import main as combiner
+from rlhfkit.config.configs import ModelConfig
+from rlhfkit.models.loader import load_causal_lm, load_tokenizer
+from rlhfkit.models.value import load_value_model, reward_at_last_token, save_value_model
+
+RANK, ALPHA = 4, 8
+
+
+def _randomise_adapters(model) -> None:
+    """Train-free adapter: B is 0 at init, so give every A and B random values."""
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_A" in n or "lora_B" in n:
+                p.normal_(0.0, 0.2)
+
+
+def _batch(tok):
+    return tok(["the reward is", "12+34=46", "x"], return_tensors="pt", padding=True)
+
+
+def test_merge_causal_lm(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    cfg = ModelConfig(pretrain=tiny_model_dir, param_dtype="fp32", lora_rank=RANK, lora_alpha=ALPHA)
+    peft_model = load_causal_lm(cfg).eval()
+    _randomise_adapters(peft_model)
+    adapter, out = str(tmp_path / "adapter"), str(tmp_path / "merged")
+    peft_model.save_pretrained(adapter)
+    combiner(["--model_path", tiny_model_dir, "--lora_path", adapter, "--output_path", out,
+              "--param_dtype", "fp32"])
+
+    merged = AutoModelForCausalLM.from_pretrained(out).eval()
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    q = peft_model.base_model.model.model.layers[0].self_attn.q_proj
+    expected = base.model.layers[0].self_attn.q_proj.weight + (ALPHA / RANK) * q.lora_B["default"].weight @ \
+        q.lora_A["default"].weight
+    torch.testing.assert_close(merged.model.layers[0].self_attn.q_proj.weight, expected)
+    tok = load_tokenizer(out)
+    b = _batch(tok)
+    with torch.no_grad():
+        got, want = merged(**b).logits, peft_model(**b).logits
+        assert not torch.allclose(want, base(**b).logits, atol=1e-3)  # the adapter changes the outputs
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_merge_reward_model(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    cfg = ModelConfig(pretrain=tiny_model_dir, param_dtype="fp32", lora_rank=RANK, lora_alpha=ALPHA)
+    rm = load_value_model(tiny_model_dir, init_value_head=True, cfg=cfg).eval()
+    _randomise_adapters(rm)
+    tok = load_tokenizer(tiny_model_dir)
+    adapter, out = str(tmp_path / "adapter"), str(tmp_path / "merged")
+    save_value_model(rm, adapter, tok, mean=0.5, std=1.5)  # adapter + head + reward config
+    assert os.path.isfile(os.path.join(adapter, "adapter_config.json"))
+    combiner(["--model_path", tiny_model_dir, "--lora_path", adapter, "--output_path", out, "--is_rm",
+              "--param_dtype", "fp32"])
+
+    with open(os.path.join(out, "config.json")) as f:
+        saved = json.load(f)
+    assert (saved["mean"], saved["std"], saved["value_head_prefix"]) == (0.5, 1.5, "score")
+    ref = AutoModelForSequenceClassification.from_pretrained(out, num_labels=1).eval()
+    b = _batch(tok)
+    with torch.no_grad():
+        want = reward_at_last_token(rm(**b), b["attention_mask"])
+        got = ref(**b).logits.squeeze(-1)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_merge_errors(tiny_model_dir, tmp_path):
+    with pytest.raises(FileNotFoundError, match="--lora_path .* no adapter_config.json"):
+        combiner(["--model_path", tiny_model_dir, "--lora_path", str(tmp_path), "--output_path", str(tmp_path / "o")])
+    with pytest.raises(FileNotFoundError, match="--model_path"):
+        combiner(["--model_path", str(tmp_path / "x"), "--lora_path", str(tmp_path), "--output_path", "o"])
