@@ -44,7 +44,7 @@ def load_sft_items(args, tokenizer, spec: str, split: str, probs: str | None):
     return ds.items
 
 
-def run(args) -> None:
+def run(args, on_step_end=None) -> None:
     if not args.pretrain:
         raise ValueError("--pretrain is required (a local Hugging Face model directory)")
     if not args.dataset:
@@ -69,7 +69,7 @@ def run(args) -> None:
                            num_training_steps=max(num_steps, 1), dist=dist)
     logger = make_logger(args, dist.rank)
     task = SFTTask(pad_token_id=tokenizer.pad_token_id, packing=args.packing_samples, device=dist.device)
-    train_offline(task, backend, train_items, loop, dist, logger, eval_items)
+    train_offline(task, backend, train_items, loop, dist, logger, eval_items, on_step_end=on_step_end)
     backend.save_hf(args.save_path, tokenizer)
     logger.close()
     if dist.rank == 0:

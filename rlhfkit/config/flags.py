@@ -70,7 +70,7 @@ def add_model_flags(p: FlagParser, default_dtype: str = "bf16") -> None:
     p.flag("--pretrain", "--model.model_name_or_path", "--actor.model_name_or_path",
            type=str, default=None, help="HF model directory (or hub id when online)")
     p.flag("--param_dtype", "--ds.param_dtype", type=str, default=default_dtype,
-           choices=["bf16", "fp16", "fp32"], help="parameter/compute dtype (bf16 falls back to fp32 on CPU only if asked)")
+           choices=["bf16", "fp16", "fp32"], help="compute dtype on GPU (master weights stay fp32); CPU training computes in fp32")
     p.flag("--bf16", dest="param_dtype", action="store_const", const="bf16", help="alias of --param_dtype bf16")
     p.flag("--attn_implementation", "--ds.attn_implementation", type=str, default="sdpa",
            help="sdpa (default), eager, flash_attention_2 (when installed)")
@@ -179,7 +179,7 @@ def run_dir_of(args: argparse.Namespace) -> str:
     return args.run_dir or args.save_path
 
 
-def write_resolved_config(args: argparse.Namespace, run_dir: str, name: str = "config.json") -> str:
+def write_resolved_config(args: argparse.Namespace, run_dir: str, name: str = "run_config.json") -> str:
     """Write every flag's final value as JSON into the run directory."""
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, name)

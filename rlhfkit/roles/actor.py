@@ -108,6 +108,16 @@ def average(records: list[dict[str, float]]) -> dict[str, float]:
     return {k: sum(r[k] for r in records if k in r) / max(1, sum(1 for r in records if k in r)) for k in keys}
 
 
+def reduce_over_ranks(metrics: dict[str, float], sum_keys: tuple[str, ...], world_size: int) -> dict[str, float]:
+    """This rank's metrics -> the global ones: `sum_keys` (losses already divided by a global count,
+    so each rank holds a part) are summed over ranks, the others (local means) averaged."""
+    if world_size == 1:
+        return metrics
+    keys = sorted(metrics)
+    tot = all_reduce_sum(torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)).tolist()
+    return {k: v if k in sum_keys else v / world_size for k, v in zip(keys, tot)}
+
+
 class ActorRole:
     """Policy (trainable) or reference (frozen: `backend.optimizer is None`) model."""
 
@@ -140,7 +150,7 @@ class ActorRole:
         for epoch in range(cfg.max_epochs):
             for mini in mini_batches(batch, cfg.train_batch_size, epoch, cfg.seed):
                 records.append(self._step(mini, kl_coef))
-        return average(records)
+        return reduce_over_ranks(average(records), ("policy_loss", "kl_loss"), self.dist.world_size)
 
     def _step(self, mini: ExperienceBatch, kl_coef: float) -> dict[str, float]:
         cfg = self.update_cfg
@@ -160,7 +170,7 @@ class ActorRole:
                 kl_l, km = kl_loss(lp, mb.ref_logprobs, mb.loss_mask, estimator=cfg.kl_estimator,
                                    num_tokens=num_tokens)
                 loss = loss + kl_coef * kl_l
-                m.update(km)
+                m["kl_loss"] = km["kl_loss"]  # its "kl" (a micro-batch mean) would hide the loop's rollout `kl`
             self.backend.backward(loss)
             for k, v in m.items():
                 sums[k] = sums.get(k, 0.0) + v

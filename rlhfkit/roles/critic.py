@@ -18,7 +18,7 @@ import torch
 from rlhfkit.backend.dist import DistInfo, all_reduce_sum
 from rlhfkit.losses.value import value_loss
 from rlhfkit.models.value import reward_at_last_token
-from rlhfkit.roles.actor import UpdateConfig, average, micro_batches, mini_batches
+from rlhfkit.roles.actor import UpdateConfig, average, micro_batches, mini_batches, reduce_over_ranks
 from rlhfkit.types import ExperienceBatch
 
 
@@ -75,7 +75,7 @@ class CriticRole:
                 stats = self.backend.optimizer_step()
                 rec["critic_grad_norm"] = stats.get("grad_norm", float("nan"))
                 records.append(rec)
-        out = average(records)
+        out = reduce_over_ranks(average(records), ("critic_loss",), self.dist.world_size)
         out["value_loss"] = out.pop("critic_loss", float("nan"))
         return out
 

@@ -158,9 +158,9 @@ def _train_step(task: OfflineTask, backend, micro: list[Any]) -> dict[str, float
         raise ValueError("an optimizer step has no loss tokens: every sample was fully masked/truncated "
                          "(check --max_len and the data)")
     sums: dict[str, float] = {}
-    for mb in micro:
+    for i, mb in enumerate(micro):
         loss, m = task.loss(backend.model, mb, global_count)
-        backend.backward(loss)
+        backend.backward(loss, sync_grads=i == len(micro) - 1)
         for k, v in m.items():
             sums[k] = sums.get(k, 0.0) + float(v)
     # task metrics are already normalised by the global count: sum them over micro-batches and ranks

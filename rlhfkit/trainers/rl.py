@@ -3,6 +3,7 @@
     prompts (this rank's share of --rollout_batch_size)
       -> executor.run_episodes(prompts, n)  [engine generates; reward_func / HTTP / agent scores]
       -> dynamic filtering (whole groups)   [--dynamic_filtering]
+         (group estimators also leave out a group that lost a sample under --reward_failure drop)
       -> pad into an ExperienceBatch
       -> reward.call("forward_rewards")     [reward model, when no reward source scored it]
       -> length penalties
@@ -12,7 +13,7 @@
       -> engine.update_weights(policy.call("weights"))
 
 Under torchrun every rank runs this loop on its own prompts; roles reduce their loss counts over
-ranks. A Ray placement gives groups whose `call` fans out to actors; the loop does not change.
+ranks, and every logged metric is reduced over ranks (rank 0 logs the global values). A Ray placement gives groups whose `call` fans out to actors; the loop does not change.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from rlhfkit.algo.advantages import AdvantageConfig
+from rlhfkit.algo.advantages import AdvantageConfig, get_advantage_estimator
 from rlhfkit.algo.experience import (RewardShapingConfig, apply_length_penalties, finish_experience,
                                      pad_trajectories)
 from rlhfkit.algo.filters import dynamic_filter
@@ -94,6 +95,7 @@ class RLTrainer:
             raise ValueError(f"--prompt_data has {len(self.prompts)} prompts, fewer than --rollout_batch_size "
                              f"({cfg.rollout_batch_size})")
         self.state = RLState(kl_coef=kl_ctl.value)
+        self.group_estimator = get_advantage_estimator(adv_cfg.advantage_estimator).group
         self.num_dropped = 0
 
     # ------------------------------------------------------------------ prompts
@@ -128,7 +130,7 @@ class RLTrainer:
         """Trajectories of this rank's prompts (and refills under dynamic filtering)."""
         c, n = self.cfg, self.cfg.n_samples_per_prompt
         kept: list[Trajectory] = []
-        passed = seen = dropped = 0
+        passed = seen = dropped = incomplete = 0
         for r in range(c.max_filter_rounds if c.dynamic_filtering else 1):
             prompts, first = self._next_prompts() if r == 0 else self._refill_prompts()
             out = self._generate(self.executor, prompts, n, self.state.step * 131 + r, first)
@@ -136,6 +138,10 @@ class RLTrainer:
             trajs = out.trajectories
             if not c.dynamic_filtering:
                 kept = trajs
+                if out.num_dropped and n > 1 and self.group_estimator:
+                    # a group missing a dropped sample would shift every later row into the wrong group
+                    kept = [t for g in _complete_groups(trajs, n) for t in g]
+                    incomplete += len(trajs) - len(kept)
                 break
             groups = _complete_groups(trajs, n)
             seen += len(groups)
@@ -149,10 +155,14 @@ class RLTrainer:
             if int(all_reduce_sum(torch.tensor(float(len(kept) >= need))).item()) == self.dist.world_size:
                 kept = kept[:need]
                 break
-        self.num_dropped += dropped
-        metrics = {"dropped_samples": float(dropped)}
+        dropped, incomplete, passed, seen = all_reduce_sum(
+            torch.tensor([dropped, incomplete, passed, seen], dtype=torch.float64)).tolist()
+        self.num_dropped += int(dropped)
+        metrics = {"dropped_samples": dropped}
+        if incomplete:
+            metrics["incomplete_group_samples"] = incomplete
         if c.dynamic_filtering:
-            metrics["dynamic_filtering_pass_rate"] = passed / max(seen, 1)
+            metrics["dynamic_filtering_pass_rate"] = passed / max(seen, 1.0)
         return kept, metrics
 
     def _refill_prompts(self) -> tuple[list[PromptSample], int]:
@@ -167,8 +177,10 @@ class RLTrainer:
         t0 = time.perf_counter()
         trajs, metrics = self.rollout()
         t["generate"] = time.perf_counter() - t0
-        if not trajs:
-            raise RuntimeError("no trajectory survived this step (all dropped or filtered); "
+        # decided on every rank together: a rank raising alone would leave the others in a collective
+        if int(all_reduce_sum(torch.tensor(float(not trajs))).item()):
+            raise RuntimeError(f"step {self.state.step + 1}: no trajectory survived on "
+                               f"{'this rank' if not trajs else 'some rank'} (all dropped or filtered); "
                                "check --reward_failure / --dynamic_filtering_reward_range")
         batch = pad_trajectories(trajs, self.pad_token_id)
         t1 = time.perf_counter()
@@ -190,6 +202,7 @@ class RLTrainer:
         t["logprobs"] = time.perf_counter() - t2
         batch, exp_m = finish_experience(batch, self.adv_cfg, self.kl_ctl.value, self.cfg.kl_estimator,
                                          kl_in_reward=not self.cfg.use_kl_loss)
+        exp_m = _global_experience_metrics(exp_m, batch)
         t3 = time.perf_counter()
         train_m: dict[str, float] = {}
         if self.critic is not None:
@@ -204,9 +217,14 @@ class RLTrainer:
         self.engine.update_weights(self.policy.call("weights"))
         t["weight_sync"] = time.perf_counter() - t4
         self.kl_ctl.update(exp_m.get("kl", 0.0), self.cfg.rollout_batch_size * self.cfg.n_samples_per_prompt)
+        shaped = exp_m.pop("reward", None)
+        if self.shaping.overlong_buffer_len or self.shaping.stop_properly_penalty_coef is not None:
+            metrics["shaped_reward"] = shaped  # after length penalties; `reward` is the raw one
         metrics.update(self._rollout_metrics(trajs, raw_reward, resp_len, truncated))
         metrics.update(exp_m)
         metrics.update(train_m)
+        if "ppo_clip_ratio" in train_m:
+            metrics["clip_ratio"] = train_m["ppo_clip_ratio"]  # the issue's name for it
         metrics["kl_coef"] = self.kl_ctl.value
         step_time = sum(t.values())
         metrics.update({f"time/{k}": v for k, v in t.items()})
@@ -294,6 +312,27 @@ class RLTrainer:
             return
         self.state.history.append({"step": step, **m})
         self.logger.log(step, m, console=not self.cfg.show_progress)
+
+
+EXPERIENCE_KEYS = ("reward", "group_reward_std", "return", "advantage", "kl")
+ROW_WEIGHTED = ("reward", "group_reward_std")  # per-row means; the others are per action token
+
+
+def _global_experience_metrics(local: dict[str, float], batch) -> dict[str, float]:
+    """Rank-local means of `finish_experience` -> means over the whole global batch.
+
+    Rows (reward, group_reward_std) or action tokens (return, advantage, kl) weight each rank's
+    mean, so the result equals the one-process value and every rank gets the same `kl` (the
+    adaptive KL controller must move identically on all ranks). The reduced keys are a fixed
+    list, so a rank lacking one (e.g. group_reward_std after a drop) still joins the collective."""
+    rows, tokens = float(batch.batch_size), float(batch.loss_mask.sum())
+    w = [(rows if k in ROW_WEIGHTED else tokens) if k in local else 0.0 for k in EXPERIENCE_KEYS]
+    vals = [local.get(k, 0.0) * wk for k, wk in zip(EXPERIENCE_KEYS, w)]
+    tot = all_reduce_sum(torch.tensor(vals + w, dtype=torch.float64)).tolist()
+    n = len(EXPERIENCE_KEYS)
+    out = {k: v for k, v in local.items() if k not in EXPERIENCE_KEYS}
+    out.update({k: tot[i] / max(tot[n + i], 1e-12) for i, k in enumerate(EXPERIENCE_KEYS) if tot[n + i] > 0})
+    return out
 
 
 def _complete_groups(trajs: list[Trajectory], n: int) -> list[list[Trajectory]]:

@@ -1,0 +1,109 @@
+"""`torchrun --nproc_per_node 2 -m rlhfkit.cli.train_ppo` (gloo, CPU) == one process, same global batch.
+
+GRPO (group_norm), 4 prompts x 2 samples per step, train_batch_size = 8 (one optimizer step per RL
+step), the builtin engine. Each rank generates its half of the prompts; a sample's seed depends
+only on (seed, step, global sample index), and the engine draws a seeded request's randomness
+from its own generator, so both runs sample the same tokens. Every loss divides by the global
+token count and FSDP2 sums gradients over ranks, so the updates agree up to float32 summation order.
+
+Tolerances:
+- reward, reward_std, response_length, truncated_rate: 1e-6. These are functions of the sampled
+  tokens; one differing token changes the reward by >= 1/(6 x 8) ~ 0.02.
+- policy_loss, kl_loss, kl, advantage, grad_norm: rel 1e-4 (abs 1e-6 near 0). The two runs add the
+  same fp32 terms in a different order (two partial sums all-reduced vs one sum), an error of about
+  1e-7 relative per reduction, carried through 3 Adam steps.
+- final weights: 1e-5 absolute, while 3 steps at lr 1e-3 move them by ~2e-3 (checked > 1e-3): Adam's
+  update m / sqrt(v) is scale-free, so gradient errors of ~1e-6 relative give ~lr x 1e-6 per step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlhfkit.cli import train_ppo
+from rlhfkit.tasks.addition import addition_splits
+
+pytestmark = pytest.mark.distributed
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+REWARD_FILE = '''
+def reward_func(queries, prompts, labels):
+    rewards = []
+    for q, p in zip(queries, prompts):
+        c = q[len(p):]
+        rewards.append(sum(ord(ch) % 2 == 0 for ch in c) / max(len(c), 1))
+    return {"rewards": rewards, "scores": rewards, "extra_logs": {"even_frac": rewards}}
+'''
+SAMPLE_KEYS = ["reward", "reward_std", "response_length", "truncated_rate", "even_frac"]
+TRAIN_KEYS = ["policy_loss", "kl_loss", "kl", "advantage", "grad_norm"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def flags(model: str, d: str, save: str) -> list[str]:
+    return ["--pretrain", model, "--remote_rm_url", os.path.join(d, "reward.py"),
+            "--prompt_data", os.path.join(d, "prompts.jsonl"), "--input_key", "input", "--label_key", "label",
+            "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "2", "--rollout_batch_size", "4",
+            "--train_batch_size", "8", "--micro_train_batch_size", "2", "--generate_max_len", "6",
+            "--prompt_max_len", "16", "--max_steps", "3", "--init_kl_coef", "0.01", "--use_kl_loss",
+            "--actor_learning_rate", "1e-3", "--lr_warmup_ratio", "0", "--rollout_engine", "builtin",
+            "--save_path", save, "--disable_progress", "--device", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> str:
+    d = str(tmp_path_factory.mktemp("rl_torchrun"))
+    rows, _ = addition_splits(12, 2, seed=7)  # 3 steps of 4 prompts
+    with open(os.path.join(d, "prompts.jsonl"), "w") as f:
+        f.writelines(json.dumps({"input": r["input"], "label": r["label"]}) + "\n" for r in rows)
+    with open(os.path.join(d, "reward.py"), "w") as f:
+        f.write(REWARD_FILE)
+    return d
+
+
+def read(save: str) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    with open(os.path.join(save, "metrics.jsonl")) as f:
+        recs = [json.loads(line) for line in f]
+    return recs, load_file(os.path.join(save, "model.safetensors"))
+
+
+def test_two_ranks_match_one_process(tiny_model_dir, data_dir):
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    two = os.path.join(data_dir, "two_ranks")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(_free_port()), "-m", "rlhfkit.cli.train_ppo", *flags(tiny_model_dir, data_dir, two)]
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    one = os.path.join(data_dir, "one_process")  # runs while torchrun starts up
+    train_ppo.main(flags(tiny_model_dir, data_dir, one))
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out[-3000:] + err[-5000:]
+
+    (r1, w1), (r2, w2) = read(one), read(two)
+    assert [r["step"] for r in r1] == [r["step"] for r in r2] == [1, 2, 3]
+    for a, b in zip(r1, r2):
+        for k in SAMPLE_KEYS:
+            assert b[k] == pytest.approx(a[k], abs=1e-6), f"step {a['step']} {k}: sampled tokens differ"
+        for k in TRAIN_KEYS:
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), f"step {a['step']} {k}: {b[k]} != {a[k]}"
+    assert max(abs(r["policy_loss"]) for r in r1) > 1e-3, "policy_loss ~ 0 at every step: a vacuous comparison"
+    w0 = load_file(os.path.join(tiny_model_dir, "model.safetensors"))
+    assert max(float((w1[k] - w0[k]).abs().max()) for k in w0) > 1e-3
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], atol=1e-5, rtol=0, msg=k)
