@@ -79,6 +79,7 @@ class AdvantageInputs:
     values: Tensor | None = None
     n: int = 1
     clip_range: tuple[float, float] | None = (-10.0, 10.0)
+    reduce: Callable[[Tensor], Tensor] | None = None  # sums over ranks (batch whitening)
 
     def token_rewards(self, scalar: Tensor) -> Tensor:
         """`[B, L]` shaped rewards: clip(scalar) at the last action token minus beta * KL."""
@@ -154,7 +155,7 @@ def group_reward_std(rewards: Tensor, n: int) -> Tensor:
 
 
 def _whiten(adv: Tensor, inp: AdvantageInputs, cfg: AdvantageConfig) -> Tensor:
-    return whiten(adv, inp.loss_mask, scale=not cfg.no_advantage_std_norm)
+    return whiten(adv, inp.loss_mask, scale=not cfg.no_advantage_std_norm, reduce=inp.reduce)
 
 
 @register_advantage_estimator("gae", needs_critic=True)
@@ -221,7 +222,8 @@ class AdvantageResult:
 
 def compute_advantages(cfg: AdvantageConfig, rewards: Tensor, loss_mask: Tensor, *,
                        kl: Tensor | None = None, kl_coef: float = 0.0,
-                       values: Tensor | None = None) -> AdvantageResult:
+                       values: Tensor | None = None,
+                       reduce: Callable[[Tensor], Tensor] | None = None) -> AdvantageResult:
     """Advantages and returns of a whole rollout with the estimator named in `cfg`.
 
     Args:
@@ -231,12 +233,13 @@ def compute_advantages(cfg: AdvantageConfig, rewards: Tensor, loss_mask: Tensor,
         kl: `[B, L]` per-token KL for reward shaping (None with `--use_kl_loss` / no ref model).
         kl_coef: the KL controller's current beta.
         values: `[B, L]` critic values, needed by `gae`.
+        reduce: sums a tensor over data-parallel ranks, so batch whitening uses the global batch.
     """
     if loss_mask.dim() != 2 or loss_mask.shape[0] != rewards.shape[0]:
         raise ValueError(f"loss_mask must be [B, L] with B = {rewards.shape[0]}, got {tuple(loss_mask.shape)}")
     spec = get_advantage_estimator(cfg.advantage_estimator)
     n = cfg.n_samples_per_prompt
-    inp = AdvantageInputs(rewards, loss_mask, kl, kl_coef, values, n, cfg.reward_clip_range)
+    inp = AdvantageInputs(rewards, loss_mask, kl, kl_coef, values, n, cfg.reward_clip_range, reduce)
     adv, ret = spec.fn(inp, cfg)
     stats = [rewards.float().mean(), masked_mean(ret, loss_mask), masked_mean(adv, loss_mask)]
     names = ["reward", "return", "advantage"]

@@ -65,7 +65,7 @@ def apply_length_penalties(rewards: torch.Tensor, response_lengths: torch.Tensor
 
 
 def finish_experience(batch: ExperienceBatch, adv_cfg: AdvantageConfig, kl_coef: float, kl_estimator: str,
-                      kl_in_reward: bool) -> tuple[ExperienceBatch, dict[str, float]]:
+                      kl_in_reward: bool, reduce=None) -> tuple[ExperienceBatch, dict[str, float]]:
     """Fill `advantages` and `returns` (and a per-token KL into the reward when `kl_in_reward`)."""
     mask = batch.loss_mask.float()
     kl = None
@@ -76,7 +76,7 @@ def finish_experience(batch: ExperienceBatch, adv_cfg: AdvantageConfig, kl_coef:
         if kl_in_reward:
             kl = kl_all
     res = compute_advantages(adv_cfg, batch.rewards, batch.loss_mask, kl=kl, kl_coef=kl_coef if kl_in_reward else 0.0,
-                             values=batch.values)
+                             values=batch.values, reduce=reduce)
     batch.advantages, batch.returns = res.advantages, res.returns
     metrics.update({k: v for k, v in res.metrics.items() if k != "kl"})
     return batch, metrics

@@ -7,6 +7,8 @@ do not lose precision in sums.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 Tensor = torch.Tensor
@@ -36,17 +38,24 @@ def masked_var(x: Tensor, mask: Tensor) -> Tensor:
     return masked_mean((_as_float(x) - mean) ** 2, mask)
 
 
-def whiten(x: Tensor, mask: Tensor, *, scale: bool = True, min_var: float = 1e-8) -> Tensor:
+def whiten(x: Tensor, mask: Tensor, *, scale: bool = True, min_var: float = 1e-8,
+           reduce: Callable[[Tensor], Tensor] | None = None) -> Tensor:
     """Batch whitening over every masked element: `(x - mu) / sigma`, zero off the mask.
 
     mu and sigma^2 are the masked mean and biased variance over the *whole* tensor (all
     rows), sigma^2 clamped to >= `min_var` (sigma >= 1e-4 by default, as OpenRLHF).
-    `scale=False` only centres (`--no_advantage_std_norm`).
+    `scale=False` only centres (`--no_advantage_std_norm`). `reduce` sums a tensor over ranks
+    (e.g. an all-reduce), so that mu and sigma are those of the global batch.
     """
     xf = _as_float(x)
     m = mask.to(xf.dtype)
-    mean = masked_mean(xf, m)
-    out = xf - mean
+    stats = torch.stack([(xf * m).sum(), (xf * xf * m).sum(), m.sum()]).double()
+    if reduce is not None:
+        stats = reduce(stats)
+    n = stats[2].clamp(min=1.0)
+    mean = stats[0] / n
+    out = xf - mean.to(xf.dtype)
     if scale:
-        out = out * masked_var(xf, m).clamp(min=min_var).rsqrt()
+        var = (stats[1] / n - mean * mean).clamp(min=min_var)
+        out = out * var.rsqrt().to(xf.dtype)
     return (out * m).to(x.dtype)

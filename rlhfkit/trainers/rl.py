@@ -201,7 +201,7 @@ class RLTrainer:
             batch.values = self.critic.call("forward_values", batch)
         t["logprobs"] = time.perf_counter() - t2
         batch, exp_m = finish_experience(batch, self.adv_cfg, self.kl_ctl.value, self.cfg.kl_estimator,
-                                         kl_in_reward=not self.cfg.use_kl_loss)
+                                         kl_in_reward=not self.cfg.use_kl_loss, reduce=all_reduce_sum)
         exp_m = _global_experience_metrics(exp_m, batch)
         t3 = time.perf_counter()
         train_m: dict[str, float] = {}
