@@ -1,0 +1,203 @@
+"""Rollout throughput: builtin engine vs HF `generate` (dynamic and static cache), and the roofline.
+
+    python bench/rollout.py --model qwen2-0.5b-shape --batch 64,256 --shapes 128x256,512x1024 --out rollout_h100.json
+    python bench/rollout.py --model tiny --device cpu --batch 4 --shapes 16x32          # CPU smoke test
+
+Every engine generates `batch` sequences of `new` tokens from random `prompt`-token prompts,
+sampling at temperature 1 with eos ignored, so all run to the same length; tokens/s counts new
+tokens over wall time (prefill included). Each engine is warmed up first (compilation, CUDA graph
+capture). The roofline of one decode step is the bytes it must read from HBM, weights once plus
+the KV cache of every sequence at the mean context (prompt + new / 2), over the HBM bandwidth:
+
+    roofline tokens/s = batch / ((weight_bytes + batch * kv_bytes_per_token * ctx) / bandwidth)
+
+Prints one JSON line: model, device, and per (batch, shape) the tokens/s of each engine,
+`speedup_vs_hf`, `speedup_vs_hf_static`, `roofline_tok_s` and the builtin's `roofline_fraction`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from rlhfkit.rollout.builtin import BuiltinEngine, BuiltinEngineConfig  # noqa: E402
+from rlhfkit.types import GenerationRequest, SamplingParams  # noqa: E402
+
+HBM_TBPS = {"H200": 4.8, "H100": 3.35}
+MODELS = {
+    "qwen2-0.5b-shape": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                             num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                             tie_word_embeddings=True, rope_theta=1000000.0),
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True),
+}
+
+
+def build_model(name: str, device: torch.device, dtype: torch.dtype):
+    """A random model of a known shape (offline), or an HF directory."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    if name in MODELS:
+        cfg = Qwen2Config(**MODELS[name], rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device)
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def prompts_for(batch: int, plen: int, vocab: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(plen * 7919 + batch)
+    return torch.randint(10, vocab, (batch, plen), generator=g)
+
+
+def run_builtin(model, device, dtype, ids: torch.Tensor, new: int, args) -> dict:
+    batch, plen = ids.shape
+    cfg = BuiltinEngineConfig(max_num_seqs=batch, max_model_len=plen + new, sync_every=args.sync_every,
+                              max_prefill_tokens=args.max_prefill_tokens, compile=None if args.compile else False,
+                              cuda_graphs=None if args.cuda_graphs else False,
+                              decode_attention=args.decode_attention)
+    engine = BuiltinEngine(model, None, device=device, dtype=dtype, config=cfg, eos_token_ids=[])
+    t0 = time.perf_counter()
+    engine.warmup(batch)
+    warm = time.perf_counter() - t0
+    sp = SamplingParams(temperature=1.0, max_new_tokens=new, seed=None)
+    reqs = [GenerationRequest(row.tolist(), sp, i) for i, row in enumerate(ids)]
+    engine.generate(reqs[: min(batch, 8)])  # first prefill / allocator warm-up
+    sync(device)
+    t0 = time.perf_counter()
+    outs = engine.generate(reqs)
+    sync(device)
+    dt = time.perf_counter() - t0
+    assert all(len(o[0].token_ids) == new for o in outs), "builtin: a sequence stopped early"
+    res = {"builtin_tok_s": batch * new / dt, "builtin_s": dt, "builtin_warmup_s": warm,
+           "builtin_ms_per_step": 1000 * dt / new, "builtin_graphs": engine.runner.captures,
+           "builtin_compiled": engine.runner.compiled, "builtin_prefill_calls": engine.stats.prefill_calls}
+    if engine.runner.compile_error:
+        res["builtin_compile_error"] = engine.runner.compile_error
+    engine.sleep(2)
+    del engine
+    return res
+
+
+def run_hf(model, device, ids: torch.Tensor, new: int, static: bool) -> dict:
+    """HF `generate` tokens/s; `new` may be shorter than the builtin's (--hf_max_new), which can only
+    flatter HF (its per-token cost grows with the context)."""
+    from transformers import GenerationConfig
+
+    gen = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new,
+                           eos_token_id=None, pad_token_id=0, cache_implementation="static" if static else None)
+    ids = ids.to(device)
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        # the static cache compiles for its exact length: warm it with the same run; plain: a short one
+        warm_gen = gen if static else GenerationConfig(**{**gen.to_dict(), "max_new_tokens": 16})
+        t0 = time.perf_counter()
+        model.generate(input_ids=ids, attention_mask=mask, generation_config=warm_gen)
+        sync(device)
+        warm = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen)
+        sync(device)
+        dt = time.perf_counter() - t0
+    assert out.shape[1] == ids.shape[1] + new
+    name = "hf_static" if static else "hf"
+    return {f"{name}_tok_s": ids.shape[0] * new / dt, f"{name}_s": dt, f"{name}_warmup_s": warm}
+
+
+def roofline(model, dtype: torch.dtype, batch: int, plen: int, new: int, tbps: float | None) -> dict:
+    if not tbps:
+        return {}
+    elem = torch.empty((), dtype=dtype).element_size()
+    weight_bytes = sum(p.numel() for p in model.parameters()) * elem  # tied embeddings counted once
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * elem
+    step_bytes = weight_bytes + batch * kv_per_token * (plen + new / 2)
+    step_s = step_bytes / (tbps * 1e12)
+    return {"roofline_tok_s": batch / step_s, "roofline_ms_per_step": 1000 * step_s,
+            "weight_bytes": weight_bytes, "kv_bytes_per_token": kv_per_token}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="qwen2-0.5b-shape", help="qwen2-0.5b-shape | tiny | an HF model directory")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, help="bfloat16 (GPU default) | float32 (CPU default)")
+    ap.add_argument("--batch", default="64,256", help="comma-separated batch sizes")
+    ap.add_argument("--shapes", default="128x256,512x1024", help="comma-separated PROMPTxNEW")
+    ap.add_argument("--engines", default="builtin,hf,hf_static", help="subset of builtin,hf,hf_static")
+    ap.add_argument("--hbm_tbps", type=float, default=None, help="HBM bandwidth in TB/s (default: by GPU name)")
+    ap.add_argument("--hf_max_new", type=int, default=None,
+                    help="cap the HF baselines' new tokens (saves time; can only overstate HF's tokens/s)")
+    ap.add_argument("--sync_every", type=int, default=16)
+    ap.add_argument("--decode_attention", default="sdpa", choices=["sdpa", "matmul"])
+    ap.add_argument("--max_prefill_tokens", type=int, default=32768)
+    ap.add_argument("--no_compile", dest="compile", action="store_false")
+    ap.add_argument("--no_cuda_graphs", dest="cuda_graphs", action="store_false")
+    ap.add_argument("--threads", type=int, default=1, help="CPU threads (CPU runs only)")
+    ap.add_argument("--out", default=None, help="write the JSON here (a bare name goes to bench/results/)")
+    args = ap.parse_args(argv)
+
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    engines = args.engines.split(",")
+    unknown = set(engines) - {"builtin", "hf", "hf_static"}
+    if unknown:
+        raise SystemExit(f"--engines: unknown {sorted(unknown)}")
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads)
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    tbps = args.hbm_tbps or next((v for k, v in HBM_TBPS.items() if k in gpu), None)
+    model = build_model(args.model, device, dtype)
+    results = []
+    for shape in args.shapes.split(","):
+        plen, new = (int(x) for x in shape.lower().split("x"))
+        for batch in (int(b) for b in args.batch.split(",")):
+            ids = prompts_for(batch, plen, model.config.vocab_size)
+            row: dict = {"batch": batch, "prompt_len": plen, "new_tokens": new}
+            if "builtin" in engines:
+                row.update(run_builtin(model, device, dtype, ids, new, args))
+            for name in ("hf", "hf_static"):
+                if name in engines:
+                    hf_new = min(new, args.hf_max_new or new)
+                    row.update(run_hf(model, device, ids, hf_new, static=name == "hf_static"))
+                    row[f"{name}_new_tokens"] = hf_new
+            for name in ("hf", "hf_static"):
+                if "builtin_tok_s" in row and f"{name}_tok_s" in row:
+                    row[f"speedup_vs_{name}"] = row["builtin_tok_s"] / row[f"{name}_tok_s"]
+            row.update(roofline(model, dtype, batch, plen, new, tbps))
+            if "roofline_tok_s" in row and "builtin_tok_s" in row:
+                row["roofline_fraction"] = row["builtin_tok_s"] / row["roofline_tok_s"]
+            results.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+    report = {"bench": "rollout", "model": args.model, "device": gpu, "dtype": str(dtype).replace("torch.", ""),
+              "hbm_tbps": tbps, "torch": torch.__version__, "compile": args.compile,
+              "decode_attention": args.decode_attention,
+              "cuda_graphs": args.cuda_graphs and device.type == "cuda", "results": results}
+    line = json.dumps(report)
+    print(line)
+    if args.out:
+        path = args.out if os.path.dirname(args.out) else os.path.join(os.path.dirname(__file__), "results", args.out)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(line + "\n")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,13 @@
+"""The builtin rollout engine: slot KV cache, continuous batching, CUDA-graph decode (DESIGN.md section 5).
+
+    weights.py   HF config/state dict -> ModelSpec + fused engine weights; HF name -> tensor view
+    model.py     functional prefill / decode over the slot KV cache
+    sampling.py  per-slot device state; temperature / top-k / top-p / min-new sampling + log-probs
+    scheduler.py continuous batching policy (slots, admission, buckets, compaction)
+    runner.py    decode step: eager, torch.compile'd, CUDA graphs per bucket
+    engine.py    BuiltinEngine: the RolloutEngine protocol, sync and async
+"""
+
+from rlhfkit.rollout.builtin.engine import BuiltinEngine, BuiltinEngineConfig
+
+__all__ = ["BuiltinEngine", "BuiltinEngineConfig"]

@@ -1,0 +1,414 @@
+"""BuiltinEngine: the fast rollout engine (RolloutEngine protocol) for HF Llama/Qwen2/Qwen3/Mistral.
+
+One engine step (`_step`, under the engine lock):
+
+    inbox -> scheduler.waiting                       (requests from generate() / agenerate())
+    admit: while slots are free, prefill waiting prompts (one prefill per request, its K/V
+           copied to the request's n sample slots) and sample each sample's first token
+    decode: `steps` decode steps over rows 0..B-1 (graph replays on GPU; no host sync)
+    sync:  read done flags and lengths; finished rows -> Completion, slot freed;
+           rows with stop strings are decoded and cut on the host
+    compact: move high slots down when the batch can shrink
+
+`steps` is `sync_every`, shortened so that no sequence runs past its max_new_tokens between syncs:
+length finishes are seen at once; a row that hits eos stops on the device and its slot idles
+until the next sync (at most `sync_every - 1` steps). `generate()` drives steps in the caller's
+thread; `agenerate()` hands the request to a background thread that steps while any work is
+pending, so concurrent agent episodes share one batch.
+
+Memory: the KV cache is preallocated, 2 x layers x max_num_seqs x kv_heads x max_model_len x
+head_dim elements; `sleep()` frees it (and the decode graphs), `wake_up()` reallocates it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+
+from rlhfkit.rollout.builtin.model import DecoderModel, KVCache
+from rlhfkit.rollout.builtin.runner import DecodeRunner
+from rlhfkit.rollout.builtin.sampling import SlotState
+from rlhfkit.rollout.builtin.scheduler import (Admission, RequestState, SlotScheduler, batch_bucket,
+                                                length_bucket)
+from rlhfkit.rollout.builtin.weights import copy_named_tensors, load_from_hf_model, rope_tables
+from rlhfkit.rollout.engine_utils import (EngineStats, Waiter, eos_ids_of, make_decode, validate_request)
+from rlhfkit.rollout.stops import finish_completion, stop_string_cut
+from rlhfkit.types import Completion, GenerationRequest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BuiltinEngineConfig:
+    """Sizes and switches of the builtin engine (KV cache = 2 x layers x slots x kv_heads x len x dim)."""
+
+    max_num_seqs: int = 64
+    max_model_len: int | None = None  # default: min(max_position_embeddings, 2048)
+    max_prefill_tokens: int = 16384
+    sync_every: int = 16
+    cuda_graphs: bool | None = None  # default: on for CUDA devices
+    compile: bool | None = None  # torch.compile the decode step; default: on for CUDA devices
+    max_stop_ids: int = 8
+    seed: int = 0
+    decode_attention: str = "sdpa"  # or "matmul" (two batched matmuls; no SDPA kernel)
+
+    def validate(self) -> None:
+        for name in ("max_num_seqs", "max_prefill_tokens", "sync_every", "max_stop_ids"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"BuiltinEngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+
+
+class BuiltinEngine:
+    """Continuous-batching engine over its own copy of an HF model's weights.
+
+    Example:
+        engine = BuiltinEngine(hf_model, tokenizer, device="cuda", dtype=torch.bfloat16)
+        [[c]] = engine.generate([GenerationRequest([1, 2, 3], SamplingParams(max_new_tokens=8))])
+    """
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any = None, *, device: str | torch.device | None = None,
+                 dtype: torch.dtype | None = None, config: BuiltinEngineConfig | None = None,
+                 eos_token_ids: list[int] | None = None):
+        self.config = config or BuiltinEngineConfig()
+        self.config.validate()
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = dtype or next(model.parameters()).dtype
+        self.tokenizer = tokenizer
+        self._decode_text = make_decode(tokenizer)
+        self.eos_token_ids = eos_ids_of(model, tokenizer) if eos_token_ids is None else list(eos_token_ids)
+        self.spec, weights = load_from_hf_model(model, self.dtype, self.device)
+        cfg = self.config
+        self.max_model_len = cfg.max_model_len or min(self.spec.max_position_embeddings, 2048)
+        if self.spec.sliding_window is not None and self.max_model_len > self.spec.sliding_window:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's sliding window "
+                             f"{self.spec.sliding_window}, which the builtin engine does not implement")
+        cos, sin = rope_tables(model.config, self.spec, self.max_model_len, self.dtype, self.device)
+        self.model = DecoderModel(self.spec, weights, cos, sin, cfg.decode_attention)
+        on_cuda = self.device.type == "cuda"
+        self._graphs = on_cuda if cfg.cuda_graphs is None else cfg.cuda_graphs
+        self._compile = on_cuda if cfg.compile is None else cfg.compile
+        if self._graphs and not on_cuda:
+            raise ValueError("BuiltinEngineConfig.cuda_graphs needs a CUDA device")
+        self.stats = EngineStats()
+        self._rng = torch.Generator().manual_seed(cfg.seed)
+        self._lock = threading.RLock()
+        self._inbox: queue.SimpleQueue[RequestState] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._worker: threading.Thread | None = None
+        self._closing = False
+        self._sleep_level = 0
+        self._allocate_runtime()
+
+    # ---------------------------------------------------------------- memory
+    def _allocate_runtime(self) -> None:
+        cfg = self.config
+        need = KVCache.bytes_needed(self.spec, cfg.max_num_seqs, self.max_model_len, self.dtype)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            if need > free:
+                raise ValueError(f"the KV cache needs {need / 2**30:.1f} GiB ({cfg.max_num_seqs} slots x "
+                                 f"{self.max_model_len} tokens) but {free / 2**30:.1f} GiB are free: lower "
+                                 "max_num_seqs or max_model_len")
+        self.cache = KVCache.allocate(self.spec, cfg.max_num_seqs, self.max_model_len, self.dtype, self.device)
+        self.state = SlotState.allocate(cfg.max_num_seqs, self.max_model_len, cfg.max_stop_ids, self.device)
+        self.sched = SlotScheduler(cfg.max_num_seqs, cfg.max_prefill_tokens)
+        self.runner = DecodeRunner(self.model, self.cache, self.state, self.max_model_len,
+                                   cuda_graphs=self._graphs, compile_step=self._compile)
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache and decode graphs (level 1); level 2 also moves the weights to CPU."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        with self._lock:
+            self._drain_inbox()
+            if self.sched.busy():
+                raise RuntimeError("BuiltinEngine.sleep() called with requests in flight")
+            self.runner.reset()
+            del self.runner, self.cache, self.state
+            if level == 2:
+                self._move_weights(torch.device("cpu"))
+            self._sleep_level = level
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def wake_up(self) -> None:
+        with self._lock:
+            if self._sleep_level == 0:
+                return
+            if self._sleep_level == 2:
+                self._move_weights(self.device)
+            self._sleep_level = 0
+            self._allocate_runtime()
+
+    def _move_weights(self, device: torch.device) -> None:
+        w = self.model.weights
+        w.replace_tensors({k: v.to(device) for k, v in w.tensors().items()})
+        self.model.cos, self.model.sin = self.model.cos.to(device), self.model.sin.to(device)
+
+    def warmup(self, num_rows: int | None = None, filtered: bool = False) -> None:
+        """Compile / capture the decode step for `num_rows` rows (default: all slots) at every KV
+        length bucket up to max_model_len, so that no capture happens while generating."""
+        lens, n = [], 1
+        while not lens or lens[-1] < self.max_model_len:
+            lens.append(length_bucket(n, self.max_model_len))
+            n = lens[-1] + 1
+        rows = batch_bucket(num_rows or self.config.max_num_seqs, self.config.max_num_seqs)
+        with self._lock, torch.inference_mode():
+            if self.sched.busy():
+                raise RuntimeError("BuiltinEngine.warmup() needs an idle engine")
+            self.runner.warmup(rows, lens, filtered)
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the engine's weights in place (graphs stay valid)."""
+        with self._lock:
+            copy_named_tensors(self.model.weights, self.spec, named_tensors)
+            self.stats.weight_updates += 1
+
+    # ---------------------------------------------------------------- public generation API
+    def generate(self, requests: list[GenerationRequest]) -> list[list[Completion]]:
+        waiter = Waiter(len(requests))
+        states = [self._prepare(req, lambda out, i=i: waiter.set(i, out)) for i, req in enumerate(requests)]
+        self._enqueue(states)
+        while not waiter.done.is_set():
+            with self._lock:
+                if waiter.done.is_set():
+                    break
+                self._run_step()
+        return waiter.results()
+
+    async def agenerate(self, request: GenerationRequest) -> list[Completion]:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+
+        def resolve(out: list[Completion] | BaseException) -> None:
+            def _set() -> None:
+                if fut.done():
+                    return
+                if isinstance(out, BaseException):
+                    fut.set_exception(out)
+                else:
+                    fut.set_result(out)
+            loop.call_soon_threadsafe(_set)
+
+        self._enqueue([self._prepare(request, resolve)])
+        self._ensure_worker()
+        return await fut
+
+    def close(self) -> None:
+        self._closing = True
+        self._wake.set()
+        if self._worker is not None:
+            self._worker.join(timeout=10)
+            self._worker = None
+
+    # ---------------------------------------------------------------- submission and worker
+    def _prepare(self, request: GenerationRequest, on_done) -> RequestState:
+        if self._sleep_level:
+            raise RuntimeError("the engine is asleep: call wake_up() before generating")
+        p = request.params
+        validate_request(request, self.spec.vocab_size, self.max_model_len)
+        stop_ids = sorted(set(self.eos_token_ids) | set(p.stop_token_ids))
+        if len(stop_ids) > self.config.max_stop_ids:
+            raise ValueError(f"request {request.request_id}: {len(stop_ids)} stop token ids (eos included) "
+                             f"exceed BuiltinEngineConfig.max_stop_ids={self.config.max_stop_ids}")
+        if p.stop and self._decode_text is None:
+            raise ValueError(f"request {request.request_id}: SamplingParams.stop needs a tokenizer")
+        seed = p.seed if p.seed is not None else int(torch.randint(2**62, (1,), generator=self._rng))
+        filtered = p.top_p < 1.0 or 0 < p.top_k < self.spec.vocab_size
+        return RequestState(request, on_done, seed, stop_ids, filtered)
+
+    def _enqueue(self, states: list[RequestState]) -> None:
+        for st in states:
+            self._inbox.put(st)
+        self._wake.set()
+
+    def _ensure_worker(self) -> None:
+        if self._worker is None or not self._worker.is_alive():
+            self._closing = False
+            self._worker = threading.Thread(target=self._worker_loop, name="rlhfkit-engine", daemon=True)
+            self._worker.start()
+
+    def _worker_loop(self) -> None:
+        while not self._closing:
+            self._wake.wait(timeout=1.0)
+            self._wake.clear()
+            while not self._closing:
+                with self._lock:
+                    self._drain_inbox()
+                    if not self.sched.busy():
+                        break
+                    self._run_step()
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                self.sched.add(self._inbox.get_nowait())
+            except queue.Empty:
+                return
+
+    def _run_step(self) -> None:
+        try:
+            with torch.inference_mode():
+                self._step()
+        except BaseException as exc:  # fail every request in flight rather than hang its caller
+            self._fail_all(exc)
+            raise
+
+    def _fail_all(self, exc: BaseException) -> None:
+        self._drain_inbox()
+        reqs = {id(s.req): s.req for s in self.sched.running.values()}
+        reqs.update({id(r): r for r in self.sched.waiting})
+        self.sched = SlotScheduler(self.config.max_num_seqs, self.config.max_prefill_tokens)
+        self.state.done.fill_(True)
+        for r in reqs.values():
+            r.on_done(exc)
+
+    # ---------------------------------------------------------------- one engine step
+    def _step(self) -> None:
+        self._drain_inbox()
+        had_running = bool(self.sched.running)
+        while True:  # fill every free slot before decoding (one prefill call per token budget)
+            admissions = self.sched.plan_admissions()
+            if not admissions:
+                break
+            self.stats.mid_run_admissions += had_running
+            self._prefill(admissions)
+        self._decode()
+        self._sync()
+        moves = self.sched.plan_compaction()
+        if moves:
+            self._move_slots(moves)
+
+    def _prefill(self, admissions: list[Admission]) -> None:
+        dev = self.device
+        prompts = [a.req.request.prompt_token_ids for a in admissions]
+        plen = max(len(p) for p in prompts)
+        tokens = torch.zeros(len(prompts), plen, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            tokens[i, :len(p)] = torch.tensor(p)
+        lengths = torch.tensor([len(p) for p in prompts])
+        first = torch.tensor([a.slots[0] for a in admissions])
+        logits = self.model.prefill(self.cache, tokens.to(dev), lengths.to(dev), first.to(dev))
+        self.stats.prefill_calls += 1
+        self.stats.prefill_sequences += len(prompts)
+        self.stats.prefill_tokens += int(lengths.sum())
+        src = [a.slots[0] for a in admissions for _ in a.slots[1:]]
+        dst = [s for a in admissions for s in a.slots[1:]]
+        if dst:
+            self.cache.copy_rows(torch.tensor(src, device=dev), torch.tensor(dst, device=dev), plen)
+        slots = [s for a in admissions for s in a.slots]
+        row_of = torch.tensor([i for i, a in enumerate(admissions) for _ in a.slots], device=dev)
+        self._init_slots(admissions)
+        filtered = any(a.req.filtered for a in admissions)
+        self.runner.sample(torch.tensor(slots, device=dev), logits[row_of], filtered)
+
+    def _init_slots(self, admissions: list[Admission]) -> None:
+        """Write the sampling settings and fresh counters of newly admitted slots."""
+        st, vocab = self.state, self.spec.vocab_size
+        rows: dict[str, list] = {k: [] for k in ("slot", "pos", "temp", "top_p", "top_k", "min_new", "max_new",
+                                                 "stop", "valid", "seed")}
+        m = self.config.max_stop_ids
+        for a in admissions:
+            p, req = a.req.request.params, a.req
+            ids = req.stop_ids or [0]
+            for i, slot in enumerate(a.slots):
+                rows["slot"].append(slot)
+                rows["pos"].append(req.prompt_len - 1)
+                rows["temp"].append(p.temperature)
+                rows["top_p"].append(p.top_p)
+                rows["top_k"].append(p.top_k if 0 < p.top_k < vocab else vocab)
+                rows["min_new"].append(p.min_new_tokens)
+                rows["max_new"].append(p.max_new_tokens)
+                rows["stop"].append(ids + [ids[0]] * (m - len(ids)))
+                rows["valid"].append([bool(req.stop_ids)] * m)
+                rows["seed"].append(hash((req.seed, a.first_sample + i)) & (2**63 - 1))
+        dev = self.device
+        idx = torch.tensor(rows["slot"], device=dev)
+        st.pos[idx] = torch.tensor(rows["pos"], device=dev)
+        st.gen[idx] = 0
+        st.done[idx] = False
+        st.temperature[idx] = torch.tensor(rows["temp"], dtype=torch.float32, device=dev)
+        st.top_p[idx] = torch.tensor(rows["top_p"], dtype=torch.float32, device=dev)
+        st.top_k[idx] = torch.tensor(rows["top_k"], device=dev)
+        st.min_new[idx] = torch.tensor(rows["min_new"], device=dev)
+        st.max_new[idx] = torch.tensor(rows["max_new"], device=dev)
+        st.stop_ids[idx] = torch.tensor(rows["stop"], device=dev)
+        st.stop_valid[idx] = torch.tensor(rows["valid"], device=dev)
+        st.seeds[idx] = torch.tensor(rows["seed"], device=dev)
+
+    def _decode(self) -> None:
+        running = self.sched.running
+        left = [seq.steps_left for seq in running.values() if seq.steps_left > 0]
+        if not left:
+            return
+        steps = min(self.config.sync_every, min(left))
+        room = [self.max_model_len - 1 - seq.pos_bound for seq in running.values()
+                if seq.steps_left > 0 and seq.pos_bound < self.max_model_len - 1]
+        if room:
+            steps = max(1, min(steps, min(room)))
+        kv_len = length_bucket(max(seq.pos_bound for seq in running.values()) + steps, self.max_model_len)
+        filtered = any(seq.req.filtered for seq in running.values())
+        self.runner.run(self.sched.decode_rows(), kv_len, filtered, steps)
+        for seq in running.values():
+            seq.gen_bound += steps
+        self.stats.decode_steps += steps
+        self.stats.decode_row_steps += steps * self.sched.decode_rows()
+
+    def _sync(self) -> None:
+        running = self.sched.running
+        if not running:
+            return
+        n = max(running) + 1
+        flags = torch.stack([self.state.done[:n].long(), self.state.gen[:n]]).cpu()
+        done, gen = flags[0].tolist(), flags[1].tolist()
+        for slot, seq in running.items():
+            seq.gen_bound = gen[slot]
+        watch = [s for s in running if done[s] or running[s].req.request.params.stop]
+        if not watch:
+            return
+        width = max(max(gen[s] for s in watch), 1)
+        idx = torch.tensor(watch, device=self.device)
+        toks = self.state.out_tokens[idx, :width].cpu().tolist()
+        lps = self.state.out_logprobs[idx, :width].cpu().tolist()
+        freed = []
+        for slot, t, lp in zip(watch, toks, lps):
+            seq = running[slot]
+            t, lp = t[:gen[slot]], lp[:gen[slot]]
+            if not done[slot]:
+                p = seq.req.request.params
+                keep, seq.checked_chars = stop_string_cut(t, self._decode_text, p.stop, seq.checked_chars,
+                                                          p.min_new_tokens)
+                if keep is None:
+                    continue
+            self._finish(self.sched.release(slot), t, lp)
+            freed.append(slot)
+        if freed:
+            self.state.done[torch.tensor(freed, device=self.device)] = True
+
+    def _finish(self, seq, tokens: list[int], logprobs: list[float]) -> None:
+        req, p = seq.req, seq.req.request.params
+        ids, lps, reason = finish_completion(tokens, logprobs, set(req.stop_ids), p.min_new_tokens, p.stop,
+                                             self._decode_text)
+        req.completions[seq.sample] = Completion(
+            prompt_token_ids=list(req.request.prompt_token_ids), token_ids=ids,
+            logprobs=lps if p.logprobs else None, finish_reason=reason, request_id=req.request.request_id)
+        self.stats.generated_tokens += len(ids)
+        req.remaining -= 1
+        if req.remaining == 0:
+            req.on_done(list(req.completions))
+
+    def _move_slots(self, moves: list[tuple[int, int]]) -> None:
+        src = torch.tensor([m[0] for m in moves], device=self.device)
+        dst = torch.tensor([m[1] for m in moves], device=self.device)
+        longest = max(self.sched.running[d].pos_bound + 1 for _, d in moves)
+        self.cache.copy_rows(src, dst, min(longest, self.max_model_len))
+        self.state.move_rows(src, dst)
+        self.state.done[src] = True
+        self.stats.slot_moves += len(moves)

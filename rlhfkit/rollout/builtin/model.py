@@ -1,0 +1,197 @@
+"""The builtin engine's forward passes: batched prefill and one decode step over a slot KV cache.
+
+KV cache layout (per layer, one tensor each for K and V): `[num_slots, num_kv_heads, max_len, head_dim]`.
+A running sequence owns one slot (row); its token at position p has its K/V at `[slot, :, p]`.
+
+    prefill(tokens [b, P], lengths [b], slots [b])  -> logits of each prompt's last token [b, V]
+        writes K/V of positions 0..P-1 into the rows `slots` (positions past a prompt's length hold
+        padding and are overwritten by decode before they are ever read)
+    decode(tokens [B], pos [B], num_rows=B, kv_len=Lb)  -> logits [B, V]
+        row i = slot i; writes K/V of `tokens` at `pos`, attends over the first `kv_len` positions
+        of its row with key j visible iff j <= pos[i] (an additive 0 / -inf bias)
+
+Decode attention treats the G = num_heads / num_kv_heads query heads that share one KV head as G
+query rows of a single-head problem (`[B, KV, G, D]` against `[B, KV, Lb, D]`), so plain SDPA
+handles grouped-query attention (Ainslie et al. 2023, arXiv 2305.13245) without repeating K/V.
+All ops have static shapes for fixed (B, Lb), which is what lets the engine capture each decode
+step as a CUDA graph. The math mirrors Hugging Face's Llama/Qwen2/Qwen3 modules op for op
+(RMSNorm in fp32, then cast; Zhang & Sennrich 2019, arXiv 1910.07467).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from rlhfkit.rollout.builtin.weights import LayerWeights, ModelSpec, ModelWeights
+
+
+@dataclass
+class KVCache:
+    """One K and one V tensor per layer, each `[num_slots, num_kv_heads, max_len, head_dim]`.
+
+    Separate tensors (not one stacked tensor) so that the decode step's in-place K/V write is a
+    mutation of a whole graph input, which torch.compile performs in place; a write into a view
+    of a stacked tensor would make it copy the layer's whole cache every step.
+    """
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+
+    @classmethod
+    def allocate(cls, spec: ModelSpec, num_slots: int, max_len: int, dtype: torch.dtype,
+                 device: torch.device) -> "KVCache":
+        shape = (num_slots, spec.num_kv_heads, max_len, spec.head_dim)
+
+        def make() -> list[torch.Tensor]:
+            return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
+
+        return cls(make(), make())
+
+    @staticmethod
+    def bytes_needed(spec: ModelSpec, num_slots: int, max_len: int, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * spec.num_layers * num_slots * spec.num_kv_heads * max_len * spec.head_dim * elem
+
+    def copy_rows(self, src: torch.Tensor, dst: torch.Tensor, length: int) -> None:
+        """K/V of positions `< length` from slots `src` to slots `dst` (n-sample fan-out, compaction)."""
+        for k, v in zip(self.k, self.v):
+            k[dst, :, :length] = k[src, :, :length]
+            v[dst, :, :length] = v[src, :, :length]
+
+
+@torch.library.custom_op("rlhfkit::write_kv", mutates_args=("k_cache", "v_cache"))
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor,
+             k: torch.Tensor, v: torch.Tensor) -> None:
+    """`k_cache[rows[i], :, pos[i]] = k[i]` (and v): one token per row into the slot cache.
+
+    A custom op with declared mutations, so torch.compile writes into the cache in place instead
+    of functionalising the scatter into a copy of the whole cache.
+    """
+    k_cache[rows, :, pos] = k
+    v_cache[rows, :, pos] = v
+
+
+@write_kv.register_fake
+def _write_kv_fake(k_cache, v_cache, rows, pos, k, v) -> None:
+    return None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as Hugging Face computes it: normalise in fp32, cast back, scale."""
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE: x * cos + rotate_half(x) * sin, cos/sin broadcast over heads."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _qkv(layer: LayerWeights, spec: ModelSpec, h: torch.Tensor, cos: torch.Tensor,
+         sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Projections of normalised hidden states `h [..., H]` -> q `[..., Hq, D]`, k, v `[..., KV, D]`."""
+    qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+    q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
+    q = q.unflatten(-1, (spec.num_heads, spec.head_dim))
+    k = k.unflatten(-1, (spec.num_kv_heads, spec.head_dim))
+    v = v.unflatten(-1, (spec.num_kv_heads, spec.head_dim))
+    if layer.q_norm is not None:
+        q = rms_norm(q, layer.q_norm, spec.rms_norm_eps)
+        k = rms_norm(k, layer.k_norm, spec.rms_norm_eps)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def _mlp_block(layer: LayerWeights, spec: ModelSpec, x: torch.Tensor) -> torch.Tensor:
+    h = rms_norm(x, layer.post_norm, spec.rms_norm_eps)
+    gate, up = F.linear(h, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
+    return x + F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+
+
+def decode_layer(spec: ModelSpec, layer: LayerWeights, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 x: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 bias: torch.Tensor, scale: float, use_sdpa: bool = True) -> torch.Tensor:
+    """One decoder layer for one token per row: `x [B, H]` -> `[B, H]`, writing K/V at `pos`.
+
+    The same function serves every layer (only the tensors differ), so a torch.compile'd version
+    is compiled once, not once per layer. `bias [B, 1, 1, Lb]` is 0 where a key is visible and
+    -inf elsewhere (built once per step, shared by the layers).
+    `use_sdpa=False` computes attention with two batched matmuls instead of SDPA.
+    """
+    nrows, kv_len = x.shape[0], bias.shape[-1]
+    q, k, v = _qkv(layer, spec, rms_norm(x, layer.input_norm, spec.rms_norm_eps), cos, sin)
+    write_kv(k_cache, v_cache, rows, pos, k, v)
+    keys, values = k_cache[:nrows, :, :kv_len], v_cache[:nrows, :, :kv_len]  # [B, KV, Lb, D]
+    qg = q.view(nrows, spec.num_kv_heads, spec.num_heads // spec.num_kv_heads, spec.head_dim)
+    if use_sdpa:
+        attn = F.scaled_dot_product_attention(qg, keys, values, attn_mask=bias, scale=scale)
+    else:  # explicit: scores in the model dtype, softmax in fp32 (as HF's eager attention)
+        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale + bias.float()
+        attn = torch.matmul(torch.softmax(scores, dim=-1).to(qg.dtype), values)
+    x = x + F.linear(attn.reshape(nrows, spec.q_size), layer.o, layer.o_bias)
+    return _mlp_block(layer, spec, x)
+
+
+def final_logits(spec: ModelSpec, final_norm: torch.Tensor, lm_head: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(rms_norm(x, final_norm, spec.rms_norm_eps), lm_head)
+
+
+class DecoderModel:
+    """Functional decoder over `ModelWeights`; holds the rope tables and the model constants.
+
+    `layer_fn` / `head_fn` default to the eager functions above; the decode runner replaces them
+    with compiled versions.
+    """
+
+    def __init__(self, spec: ModelSpec, weights: ModelWeights, cos: torch.Tensor, sin: torch.Tensor,
+                 decode_attention: str = "sdpa"):
+        if decode_attention not in ("sdpa", "matmul"):
+            raise ValueError(f"decode_attention must be 'sdpa' or 'matmul', got {decode_attention!r}")
+        self.spec, self.weights, self.cos, self.sin = spec, weights, cos, sin
+        self.use_sdpa = decode_attention == "sdpa"
+        self.scale = spec.head_dim ** -0.5
+        self.layer_fn: Callable = decode_layer
+        self.head_fn: Callable = final_logits
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return final_logits(self.spec, self.weights.final_norm, self.weights.lm_head, x)
+
+    def prefill(self, cache: KVCache, tokens: torch.Tensor, lengths: torch.Tensor,
+                slots: torch.Tensor) -> torch.Tensor:
+        """Right-padded prompts `tokens [b, P]`; returns the last real position's logits `[b, V]`."""
+        spec, w = self.spec, self.weights
+        b, plen = tokens.shape
+        cos, sin = self.cos[:plen, None, :], self.sin[:plen, None, :]  # [P, 1, D]
+        x = F.embedding(tokens, w.embed)
+        for li, layer in enumerate(w.layers):
+            q, k, v = _qkv(layer, spec, rms_norm(x, layer.input_norm, spec.rms_norm_eps), cos, sin)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, heads, P, D]
+            cache.k[li][slots, :, :plen] = k
+            cache.v[li][slots, :, :plen] = v
+            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+                                                  enable_gqa=spec.num_heads != spec.num_kv_heads)
+            x = x + F.linear(attn.transpose(1, 2).flatten(2), layer.o, layer.o_bias)
+            x = _mlp_block(layer, spec, x)
+        last = x[torch.arange(b, device=x.device), lengths - 1]
+        return self._logits(last)
+
+    def decode(self, cache: KVCache, tokens: torch.Tensor, pos: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """One token for each of the rows 0..B-1 (row = slot); returns logits `[B, V]` (model dtype)."""
+        w = self.weights
+        rows = torch.arange(tokens.shape[0], device=tokens.device)
+        cos, sin = self.cos[pos][:, None, :], self.sin[pos][:, None, :]  # [B, 1, D]
+        hidden = torch.arange(kv_len, device=tokens.device)[None, :] > pos[:, None]  # [B, Lb]
+        bias = torch.zeros(hidden.shape, dtype=self.cos.dtype, device=tokens.device).masked_fill(hidden, float("-inf"))
+        bias = bias[:, None, None, :]
+        x = F.embedding(tokens, w.embed)
+        for li, layer in enumerate(w.layers):
+            x = self.layer_fn(self.spec, layer, cache.k[li], cache.v[li], x, rows, pos, cos, sin, bias, self.scale,
+                              self.use_sdpa)
+        return self.head_fn(self.spec, w.final_norm, w.lm_head, x)

@@ -1,0 +1,131 @@
+"""Small pieces shared by the rollout engines: request validation, eos ids, decode fn, counters."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from rlhfkit.types import Completion, GenerationRequest
+
+
+@dataclass
+class EngineStats:
+    """Counters an engine keeps (tests read `prefill_sequences` to check prefix sharing)."""
+
+    prefill_calls: int = 0
+    prefill_sequences: int = 0
+    prefill_tokens: int = 0
+    mid_run_admissions: int = 0  # prefill batches admitted while other sequences were decoding
+    decode_steps: int = 0
+    decode_row_steps: int = 0
+    generated_tokens: int = 0
+    slot_moves: int = 0
+    weight_updates: int = 0
+
+
+def validate_request(request: GenerationRequest, vocab_size: int, max_model_len: int | None) -> None:
+    """Raise ValueError naming the request and the field for settings no engine can honour."""
+    p, rid = request.params, request.request_id
+    ids = request.prompt_token_ids
+    if len(ids) == 0:
+        raise ValueError(f"request {rid}: prompt_token_ids is empty")
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        raise ValueError(f"request {rid}: prompt token ids must lie in [0, {vocab_size})")
+    if max_model_len is not None and len(ids) >= max_model_len:
+        raise ValueError(f"request {rid}: prompt of {len(ids)} tokens leaves no room under "
+                         f"max_model_len={max_model_len} (raise --max_len / max_model_len)")
+    checks = [
+        (p.n >= 1, f"n must be >= 1, got {p.n}"),
+        (p.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {p.max_new_tokens}"),
+        (0 <= p.min_new_tokens, f"min_new_tokens must be >= 0, got {p.min_new_tokens}"),
+        (p.temperature >= 0, f"temperature must be >= 0, got {p.temperature}"),
+        (0 < p.top_p <= 1, f"top_p must lie in (0, 1], got {p.top_p}"),
+        (all(0 <= t < vocab_size for t in p.stop_token_ids), "stop_token_ids must be valid token ids"),
+        (all(isinstance(s, str) and s for s in p.stop), "stop must hold non-empty strings"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise ValueError(f"request {rid}: SamplingParams.{msg}")
+
+
+def eos_ids_of(model: Any, tokenizer: Any) -> list[int]:
+    """eos ids from the model's generation config and the tokenizer (union, sorted)."""
+    ids: set[int] = set()
+    gen_cfg = getattr(model, "generation_config", None)
+    for src in (getattr(gen_cfg, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(src, int):
+            ids.add(src)
+        elif isinstance(src, (list, tuple)):
+            ids.update(int(x) for x in src)
+    return sorted(ids)
+
+
+def make_decode(tokenizer: Any) -> Callable[[Sequence[int]], str] | None:
+    """A token-ids -> text function from a tokenizer (or a callable), None without one."""
+    if tokenizer is None:
+        return None
+    if callable(tokenizer) and not hasattr(tokenizer, "decode"):
+        return tokenizer
+    return lambda ids: tokenizer.decode(list(ids), skip_special_tokens=False)
+
+
+class Waiter:
+    """Collects the results of `count` requests completed from any thread."""
+
+    def __init__(self, count: int):
+        self._results: list[list[Completion] | BaseException | None] = [None] * count
+        self._left = count
+        self._lock = threading.Lock()
+        self.done = threading.Event()
+        if count == 0:
+            self.done.set()
+
+    def set(self, i: int, out: list[Completion] | BaseException) -> None:
+        with self._lock:
+            self._results[i] = out
+            self._left -= 1
+            if self._left == 0:
+                self.done.set()
+
+    def results(self) -> list[list[Completion]]:
+        for r in self._results:
+            if isinstance(r, BaseException):
+                raise r
+        return list(self._results)  # type: ignore[arg-type]
+
+
+class ThreadBatchingAsync:
+    """`agenerate` for engines with only a blocking `generate`: the requests that arrive while a
+    batch runs are generated together as the next batch, in a worker thread."""
+
+    _pending: list[tuple[GenerationRequest, asyncio.Future]]
+    _drainer: asyncio.Task | None
+
+    def generate(self, requests: list[GenerationRequest]) -> list[list[Completion]]:
+        raise NotImplementedError
+
+    async def agenerate(self, request: GenerationRequest) -> list[Completion]:
+        if not hasattr(self, "_pending"):
+            self._pending, self._drainer = [], None
+        fut = asyncio.get_running_loop().create_future()
+        self._pending.append((request, fut))
+        if self._drainer is None or self._drainer.done():
+            self._drainer = asyncio.ensure_future(self._drain())
+        return await fut
+
+    async def _drain(self) -> None:
+        while self._pending:
+            await asyncio.sleep(0)  # let concurrent callers enqueue before the batch is cut
+            batch, self._pending = self._pending, []
+            try:
+                outs = await asyncio.to_thread(self.generate, [r for r, _ in batch])
+            except Exception as exc:  # noqa: BLE001 - handed to every waiting caller
+                for _, fut in batch:
+                    if not fut.done():
+                        fut.set_exception(exc)
+                continue
+            for (_, fut), o in zip(batch, outs):
+                if not fut.done():
+                    fut.set_result(o)
