@@ -82,17 +82,24 @@ def baseline_step_fn(model, ids, device):
     return step
 
 
-def rlhfkit_step_fn(model, ids, device, param_dtype: str):
+def rlhfkit_step_fn(model, ids, device, param_dtype: str, fsdp1: bool = False, compile_model: bool = False):
     from rlhfkit.backend.dist import init_distributed
     from rlhfkit.backend.fsdp2 import FSDP2Backend
     from rlhfkit.config.configs import BackendConfig, OptimConfig
     from rlhfkit.trainers.sft_task import SFTTask
 
+    if fsdp1:  # a one-rank process group: FSDP2 mixed precision instead of autocast
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29561")
+    if compile_model:
+        for layer in model.model.layers:
+            layer.compile()
     dist = init_distributed(device)
     backend = FSDP2Backend(model, BackendConfig(param_dtype=param_dtype, device=device, zero_stage=2),
                            OptimConfig(learning_rate=1e-5, lr_warmup_ratio=0.0), num_training_steps=1000, dist=dist)
     task = SFTTask(pad_token_id=0, device=device)
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    from rlhfkit.data.collate import PaddedBatch
+
+    batch = PaddedBatch(input_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=torch.ones_like(ids))
     count = float(ids.numel())
 
     def step():
@@ -112,6 +119,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--attn", default="sdpa")
     ap.add_argument("--skip_baseline", action="store_true")
+    ap.add_argument("--variants", default="autocast", help="comma list of autocast, fsdp1, fsdp1_compile")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     gpu = a.device == "cuda"
@@ -135,18 +143,27 @@ def main() -> None:
         if gpu:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-    model, cfg = build(shape, a.device, torch.float32, a.attn)
-    n_params = sum(p.numel() for p in model.parameters())
-    t = time_steps(rlhfkit_step_fn(model, ids, a.device, "bf16" if gpu else "fp32"), 2, steps, a.device)
-    res.update(n_params=n_params, rlhfkit_tokens_per_s=tokens / t, rlhfkit_step_s=t)
-    if gpu:
-        res["rlhfkit_peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
-    fpt = flops_per_token(cfg, n_params, seq)
-    peak = peak_flops(name)
-    if peak:
-        res["rlhfkit_mfu"] = res["rlhfkit_tokens_per_s"] * fpt / peak
-        if "baseline_tokens_per_s" in res:
-            res["baseline_mfu"] = res["baseline_tokens_per_s"] * fpt / peak
+    for variant in a.variants.split(","):
+        model, cfg = build(shape, a.device, torch.float32, a.attn)
+        n_params = sum(p.numel() for p in model.parameters())
+        step = rlhfkit_step_fn(model, ids, a.device, "bf16" if gpu else "fp32", fsdp1=variant.startswith("fsdp1"),
+                               compile_model=variant.endswith("compile"))
+        t = time_steps(step, 3 if variant.endswith("compile") else 2, steps, a.device)
+        key = "rlhfkit" if variant == a.variants.split(",")[0] else f"rlhfkit_{variant}"
+        res.update({"n_params": n_params, f"{key}_tokens_per_s": tokens / t, f"{key}_step_s": t})
+        if gpu:
+            res[f"{key}_peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
+            torch.cuda.reset_peak_memory_stats()
+        fpt = flops_per_token(cfg, n_params, seq)
+        peak = peak_flops(name)
+        if peak:
+            res[f"{key}_mfu"] = res[f"{key}_tokens_per_s"] * fpt / peak
+            if "baseline_tokens_per_s" in res:
+                res["baseline_mfu"] = res["baseline_tokens_per_s"] * fpt / peak
+        del model, step
+        if gpu:
+            torch.cuda.empty_cache()
+    res["variants"] = a.variants
     if "baseline_tokens_per_s" in res:
         res["speedup_vs_baseline"] = res["rlhfkit_tokens_per_s"] / res["baseline_tokens_per_s"]
     print(json.dumps(res))

@@ -174,9 +174,13 @@ def build_engine_for(args: argparse.Namespace, tokenizer: Any, dist: DistInfo):
     gpu = dist.device.startswith("cuda")
     dtype = (torch.bfloat16 if args.param_dtype == "bf16" else torch.float16 if args.param_dtype == "fp16"
              else torch.float32) if gpu else torch.float32
+    per_rank = args.rollout_batch_size // dist.world_size * args.n_samples_per_prompt
+    seqs = args.rollout_max_num_seqs or min(per_rank, 512)
     opts: dict[str, Any] = {}
     if args.rollout_engine == "builtin":
-        opts = {"max_model_len": args.max_len}
+        opts = {"max_model_len": args.max_len, "max_num_seqs": seqs}
+    elif args.rollout_engine == "hf":
+        opts = {"max_batch_size": seqs}
     return build_engine(args.rollout_engine, args.pretrain, tokenizer, device=dist.device, dtype=dtype, **opts)
 
 

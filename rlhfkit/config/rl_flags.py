@@ -43,6 +43,8 @@ def _models(p: FlagParser) -> None:
     p.flag("--ref_offload", "--ref.offload", action="store_true")
     p.flag("--reward_offload", "--reward.offload", action="store_true")
     p.flag("--rollout_engine", type=str, default="builtin", choices=["builtin", "hf", "vllm"])
+    p.flag("--rollout_max_num_seqs", type=int, default=None,
+           help="sequences the engine decodes at once (default: all samples of a step on this rank, at most 512)")
 
 
 def _data(p: FlagParser) -> None:

@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from rlhfkit.models.fused_logprobs import fusable_head, fused_shifted_logprobs, head_bypassed
+
 PACKED_MASK_MODES = ("auto", "block", "hf")
 DEFAULT_CHUNK_BYTES = 1 << 28  # fp32 bytes of one chunk of rows x vocabulary
 
@@ -195,7 +197,8 @@ def forward_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
 def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                    position_ids: torch.Tensor | None = None, temperature: float = 1.0,
                    return_entropy: bool = False, chunk_size: int | None = None,
-                   packed_mask: str = "auto") -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                   packed_mask: str = "auto", fused: bool = True
+                   ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probs `[B, L]` (fp32) of `input_ids` under `model` with logits divided by `temperature`.
 
     Args:
@@ -205,11 +208,19 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
         return_entropy: also return the entropy `[B, L]` of each predicting distribution.
         chunk_size: rows per fp32 chunk (default: 256 MB of fp32 logits per chunk).
         packed_mask: how packed samples are kept apart (module docstring).
+        fused: project the hidden states through `lm_head` chunk by chunk inside the log-prob
+            kernel (`fused_logprobs.py`: no full-vocabulary logits) when the model allows it.
     Returns:
         logprobs, or (logprobs, entropy); 0 at sample starts and padding.
     """
-    logits = forward_logits(model, input_ids, attention_mask, position_ids, packed_mask)
-    lp, ent = logprobs_from_logits(logits, input_ids, temperature, return_entropy, chunk_size)
+    head = fusable_head(model) if fused else None
+    if head is not None:
+        with head_bypassed(model):
+            hidden = forward_logits(model, input_ids, attention_mask, position_ids, packed_mask)
+        lp, ent = fused_shifted_logprobs(hidden, head.weight, input_ids, temperature, return_entropy, chunk_size)
+    else:
+        logits = forward_logits(model, input_ids, attention_mask, position_ids, packed_mask)
+        lp, ent = logprobs_from_logits(logits, input_ids, temperature, return_entropy, chunk_size)
     keep = _predicted_positions(input_ids, attention_mask, position_ids)
     lp = torch.where(keep, lp, 0.0)
     if not return_entropy:

@@ -1,0 +1,50 @@
+"""Profile one training step (baseline HF loss vs rlhfkit's) and print the top CUDA kernels.
+
+    python bench/profile_train_step.py [--model qwen2-0.5b --batch 8 --seq 2048]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from train_throughput import baseline_step_fn, build, rlhfkit_step_fn  # noqa: E402
+
+
+def profile(step, label: str, rows: int) -> None:
+    from torch.profiler import ProfilerActivity, profile as prof
+
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        step()
+        torch.cuda.synchronize()
+    print(f"===== {label}")
+    print(p.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen2-0.5b")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--rows", type=int, default=18)
+    a = ap.parse_args()
+    ids = torch.randint(0, 1000, (a.batch, a.seq), device="cuda")
+    model, _ = build(a.model, "cuda", torch.bfloat16, "sdpa")
+    profile(baseline_step_fn(model, ids, "cuda"), "baseline", a.rows)
+    del model
+    torch.cuda.empty_cache()
+    model, _ = build(a.model, "cuda", torch.float32, "sdpa")
+    profile(rlhfkit_step_fn(model, ids, "cuda", "bf16"), "rlhfkit", a.rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,489 @@
+"""Time per RL (GRPO) step and its split by phase: rlhfkit's loop next to TRL's GRPOTrainer.
+
+    python bench/rl_step.py --model qwen2-0.5b --prompts 64 --n 8 --new_tokens 256 --trl_prompts 8 64 \
+        --out bench/results/rl_step_h100.json
+    python bench/rl_step.py --model tiny --prompts 8 --n 4 --prompt_len 32 --new_tokens 16 --steps 2 --device cpu
+
+Both sides run in the same process on the same random-init model directory (bench_models.py),
+the same prompts (random letters, `--prompt_len` tokens each, no chat template), the same reward
+(fraction of digit characters in the completion) and the same batch: `prompts x n` completions
+of exactly `--new_tokens` tokens (eos is banned until the limit: rlhfkit's
+`SamplingParams.min_new_tokens`, TRL's `generation_kwargs={"min_new_tokens": ...}`), GRPO
+advantages, no KL term / reference model, one optimizer step per RL step, bf16 compute with
+fp32 master weights, gradient checkpointing on GPU.
+
+rlhfkit: `rlhfkit.cli.train_ppo`'s own flag parsing, checks and `build_trainer`; one
+`trainer.train_step()` per RL step. Phases come from the loop's metrics (time/generate includes
+the reward_func calls, which run inside the agent episodes; time/reward is the reward-model pass).
+Bench-only changes, both recorded in the JSON: the engine's batch (`--max_num_seqs`, default all
+completions of a step, the CLI has no flag for it yet) and min_new_tokens = max_new_tokens.
+
+TRL: `GRPOTrainer` with `per_device_train_batch_size` = the micro batch and
+`gradient_accumulation_steps` = completions / micro batch, so one generation of all completions
+and one optimizer step per trainer step (steps_per_generation defaults to the accumulation). The
+step time is the wall time between consecutive `on_step_end` callbacks; its generation time is
+measured around `_generate_single_turn` (HF `generate`). TRL is imported lazily.
+
+Both sides follow their own algorithm where they differ: rlhfkit runs a separate no-grad pass for
+the old log-probs (phase "logprobs"); TRL, with one optimizer step per generation and
+num_iterations=1, takes the detached current log-probs instead and skips that pass.
+
+The first step of every run is a warm-up (CUDA graphs, compilation) and is not timed; `step_s` is
+the mean over the timed steps (`step_s_median` beside it). With `--trl_prompts` smaller than
+`--prompts` (TRL too slow or too big for the full batch), rlhfkit also runs at each TRL batch and
+`speedup_vs_trl` compares the two at the same batch. One JSON line is printed; with `--out` the
+file is rewritten after every run, so a run cut short keeps what finished (`"complete": false`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_models import SHAPES, make_bench_model, random_prompt  # noqa: E402
+
+for _k, _v in (("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"), ("HF_HUB_DISABLE_TELEMETRY", "1"),
+               ("TOKENIZERS_PARALLELISM", "false"), ("WANDB_DISABLED", "true")):
+    os.environ.setdefault(_k, _v)
+
+PHASES = ("generate", "reward", "logprobs", "train", "weight_sync")
+REWARD_SRC = '''"""Bench reward: the fraction of digit characters in the completion (rlhfkit reward_func API)."""
+
+
+def digit_fraction(text):
+    return sum(c.isdigit() for c in text) / max(len(text), 1)
+
+
+def reward_func(queries, prompts, labels):
+    out = [digit_fraction(q[len(p):] if q.startswith(p) else q) for q, p in zip(queries, prompts)]
+    return {"rewards": out, "scores": out}
+'''
+
+
+# ----------------------------------------------------------------------------- shared helpers
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def micro(total: int, want: int) -> int:
+    """The largest divisor of `total` that is at most `want` (micro batches must divide the batch)."""
+    for m in range(min(total, want), 0, -1):
+        if total % m == 0:
+            return m
+    return 1
+
+
+def mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def median(xs: list[float]) -> float | None:
+    s = sorted(xs)
+    return (s[(len(s) - 1) // 2] + s[len(s) // 2]) / 2 if s else None
+
+
+def write_inputs(work: str, prompts: list[str]) -> tuple[str, str]:
+    """The reward_func file and the prompt jsonl -> their paths."""
+    reward = os.path.join(work, "bench_reward.py")
+    with open(reward, "w") as f:
+        f.write(REWARD_SRC)
+    data = os.path.join(work, f"prompts_{len(prompts)}.jsonl")
+    with open(data, "w") as f:
+        for p in prompts:
+            f.write(json.dumps({"input": p}) + "\n")
+    return reward, data
+
+
+def load_reward_module(path: str) -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_reward", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def free_memory(device: str) -> None:
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_gib(device: str) -> float | None:
+    return round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.startswith("cuda") else None
+
+
+# ----------------------------------------------------------------------------- rlhfkit
+
+def rlhfkit_argv(a: argparse.Namespace, model_dir: str, data: str, reward: str, work: str, prompts: int) -> list[str]:
+    total = prompts * a.n
+    gpu = a.device.startswith("cuda")
+    argv = ["--pretrain", model_dir, "--remote_rm_url", reward, "--prompt_data", data, "--input_key", "input",
+            "--advantage_estimator", "group_norm", "--n_samples_per_prompt", str(a.n),
+            "--rollout_batch_size", str(prompts), "--train_batch_size", str(total),
+            "--micro_train_batch_size", str(micro(total, a.micro_train_batch_size)),
+            "--micro_rollout_batch_size", str(micro(total, a.micro_rollout_batch_size)),
+            "--init_kl_coef", "0", "--generate_max_len", str(a.new_tokens),
+            "--prompt_max_len", str(a.prompt_len + 8), "--max_steps", str(a.steps + 1),
+            "--actor_learning_rate", str(a.lr), "--temperature", "1.0", "--seed", str(a.seed),
+            "--param_dtype", "bf16" if gpu else "fp32", "--device", a.device,
+            "--rollout_engine", a.rollout_engine, "--disable_progress",
+            "--save_path", os.path.join(work, "ckpt"), "--run_dir", os.path.join(work, f"run_{prompts}")]
+    if a.gradient_checkpointing:
+        argv.append("--gradient_checkpointing")
+    return argv
+
+
+class engine_batch:
+    """Bench-only: build the rollout engine with a batch of `max_num_seqs` sequences.
+
+    train_ppo's `build_engine_for` passes no batch size (builtin: 64 sequences, hf: 64 rows);
+    this wraps `rlhfkit.rollout.build_engine` while `build_trainer` runs."""
+
+    def __init__(self, max_num_seqs: int) -> None:
+        self.n = max_num_seqs
+
+    def __enter__(self) -> "engine_batch":
+        import rlhfkit.rollout as R
+
+        self.R, self.orig = R, R.build_engine
+        if self.n > 0:
+            key = {"builtin": "max_num_seqs", "hf": "max_batch_size"}
+
+            def build(name: str, *args: Any, **opts: Any) -> Any:
+                if name in key:
+                    opts.setdefault(key[name], self.n)
+                return self.orig(name, *args, **opts)
+
+            R.build_engine = build
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.R.build_engine = self.orig
+
+
+def engine_batch_size(engine: Any) -> int | None:
+    """The batch the engine was built with (builtin: max_num_seqs; hf: max_batch_size)."""
+    cfg = getattr(engine, "config", None)
+    return getattr(cfg, "max_num_seqs", None) or getattr(engine, "max_batch_size", None)
+
+
+def force_full_length(trainer: Any) -> int:
+    """Bench-only: ban eos until max_new_tokens, so every completion has exactly that many tokens."""
+    cfg = trainer.executor.config
+    cfg.sampling_params = cfg.sampling_params.replace(min_new_tokens=cfg.sampling_params.max_new_tokens)
+    return cfg.sampling_params.min_new_tokens
+
+
+def run_rlhfkit(a: argparse.Namespace, model_dir: str, data: str, reward: str, work: str, prompts: int) -> dict:
+    """Build train_ppo's trainer from its flags; 1 warm-up + `a.steps` timed `train_step()` calls."""
+    from rlhfkit.backend.dist import init_distributed
+    from rlhfkit.cli import ppo_setup
+    from rlhfkit.cli.common import set_seed
+    from rlhfkit.cli.train_ppo import build_parser, build_trainer
+
+    args = build_parser().parse(rlhfkit_argv(a, model_dir, data, reward, work, prompts))
+    dist = init_distributed(args.device)
+    ppo_setup.resolve_flags(args, dist.world_size)
+    set_seed(args.seed)
+    with engine_batch(a.max_num_seqs or prompts * a.n):
+        trainer, _, _, _ = build_trainer(args, dist)
+    try:
+        min_new = force_full_length(trainer)
+        walls, metrics = time_steps(trainer, a.steps, a.device)
+    finally:  # an engine left open keeps its worker thread, weights and KV cache alive
+        close = getattr(trainer.engine, "close", None)
+        if callable(close):
+            close()
+        trainer.logger.close()
+    out = summarize_rlhfkit(walls, metrics, prompts * a.n)
+    out.update(prompts=prompts, completions=prompts * a.n, peak_gpu_gib=peak_gib(a.device), min_new_tokens=min_new,
+               micro_train_batch_size=args.micro_train_batch_size,
+               micro_rollout_batch_size=args.micro_rollout_batch_size,
+               engine_max_num_seqs=engine_batch_size(trainer.engine))
+    return out
+
+
+def time_steps(trainer: Any, steps: int, device: str) -> tuple[list[float], list[dict]]:
+    """One warm-up + `steps` timed `train_step()` calls (as `fit` runs them) -> wall times, metrics."""
+    walls: list[float] = []
+    metrics: list[dict] = []
+    for i in range(steps + 1):
+        sync(device)
+        t0 = time.perf_counter()
+        m = trainer.train_step()
+        trainer.state.step += 1
+        sync(device)
+        if i > 0:
+            walls.append(time.perf_counter() - t0)
+            metrics.append(m)
+    return walls, metrics
+
+
+def summarize_rlhfkit(walls: list[float], metrics: list[dict], completions: int) -> dict:
+    phases = {p: mean([m[f"time/{p}"] for m in metrics]) for p in PHASES}
+    resp = mean([m["response_length"] for m in metrics])
+    gen = phases["generate"]
+    return {
+        "framework": "rlhfkit", "step_s": mean(walls), "step_s_median": median(walls), "step_s_each": walls,
+        "loop_step_s": mean([m["time/step"] for m in metrics]), "phases_s": phases,
+        "generate_share": mean([m["generate_share"] for m in metrics]),
+        "gen_tokens_per_s": completions * resp / gen if gen else None,
+        "response_length": resp, "truncated_rate": mean([m["truncated_rate"] for m in metrics]),
+        "reward": mean([m["reward"] for m in metrics]),
+        "skipped_zero_advantage_steps": sum(int(m.get("skipped_zero_advantage", 0)) for m in metrics),
+    }
+
+
+# ----------------------------------------------------------------------------- TRL
+
+def run_trl(a: argparse.Namespace, model_dir: str, prompts_text: list[str], reward: str, work: str,
+            prompts: int) -> dict:
+    """TRL's GRPOTrainer on the same model, prompts, reward and batch; `a.steps + 1` optimizer steps."""
+    import datasets
+    import transformers
+    import trl
+    from transformers import AutoTokenizer, TrainerCallback
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    gpu = a.device.startswith("cuda")
+    total = prompts * a.n
+    mb = micro(total, a.micro_train_batch_size)
+    digit_fraction = load_reward_module(reward).digit_fraction
+
+    def digit_reward(completions: list[str], **kw: Any) -> list[float]:
+        return [digit_fraction(c) for c in completions]
+
+    cfg = trl.GRPOConfig(
+        output_dir=os.path.join(work, f"trl_{prompts}"), per_device_train_batch_size=mb,
+        gradient_accumulation_steps=total // mb, num_generations=a.n, max_completion_length=a.new_tokens,
+        generation_kwargs={"min_new_tokens": a.new_tokens}, temperature=1.0, beta=0.0, num_iterations=1,
+        learning_rate=a.lr, max_steps=a.steps + 1, bf16=gpu, use_cpu=not gpu,
+        gradient_checkpointing=a.gradient_checkpointing, logging_steps=1, report_to="none", save_strategy="no",
+        shuffle_dataset=False, seed=a.seed, disable_tqdm=True, dataloader_num_workers=0, log_completions=False,
+        model_init_kwargs={"dtype": a.trl_dtype})
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ds = datasets.Dataset.from_dict({"prompt": prompts_text[:prompts * (a.steps + 1)]})
+    trainer = trl.GRPOTrainer(model=model_dir, reward_funcs=[digit_reward], args=cfg, train_dataset=ds,
+                              processing_class=tok)
+    for cb in (PrinterCallback, ProgressCallback):
+        trainer.remove_callback(cb)
+    timer = _TRLTimer(a.device)
+    trainer.add_callback(timer.callback(TrainerCallback))
+    trainer._generate_single_turn = timer.wrap_generate(trainer._generate_single_turn)
+    trainer.train()
+    out = timer.summary(total)
+    out.update(prompts=prompts, completions=total, optimizer_steps=trainer.state.global_step, model_dtype=a.trl_dtype,
+               peak_gpu_gib=peak_gib(a.device), per_device_train_batch_size=mb,
+               gradient_accumulation_steps=total // mb, steps_per_generation=cfg.steps_per_generation,
+               trl_version=trl.__version__, transformers_version=transformers.__version__)
+    del trainer
+    return out
+
+
+class _TRLTimer:
+    """Step ends (wall clock, synchronized) and generation times of a TRL run, plus its logs."""
+
+    def __init__(self, device: str) -> None:
+        self.device, self.ends, self.gen, self.logs = device, [], [], []
+
+    def callback(self, base: type) -> Any:
+        timer = self
+
+        class StepTimer(base):
+            def on_step_end(self, args, state, control, **kw):  # noqa: ANN001
+                sync(timer.device)
+                timer.ends.append(time.perf_counter())
+
+            def on_log(self, args, state, control, logs=None, **kw):  # noqa: ANN001
+                timer.logs.append(dict(logs or {}))
+
+        return StepTimer()
+
+    def wrap_generate(self, fn: Callable) -> Callable:
+        def timed(*args: Any, **kw: Any) -> Any:
+            sync(self.device)
+            t0 = time.perf_counter()
+            out = fn(*args, **kw)
+            sync(self.device)
+            self.gen.append(time.perf_counter() - t0)
+            return out
+
+        return timed
+
+    def summary(self, completions: int) -> dict:
+        steps = [b - e for e, b in zip(self.ends, self.ends[1:])]  # the first step (warm-up) is not timed
+        gen = mean(self.gen[1:])
+        lengths = [g["completions/mean_length"] for g in self.logs[1:] if "completions/mean_length" in g]
+        step = mean(steps)
+        resp = mean(lengths)
+        return {"framework": "trl", "step_s": step, "step_s_median": median(steps), "step_s_each": steps,
+                "generate_s": gen,
+                "generate_calls": len(self.gen),
+                "generate_share": gen / step if gen and step else None,
+                "gen_tokens_per_s": completions * resp / gen if gen and resp else None, "response_length": resp,
+                "reward": mean([g["reward"] for g in self.logs[1:] if "reward" in g])}
+
+
+# ----------------------------------------------------------------------------- driver
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, choices=SHAPES, help="default: qwen2-0.5b on cuda, tiny on cpu")
+    ap.add_argument("--model_dir", default=None, help="where the random model is written (reused if present)")
+    ap.add_argument("--prompts", type=int, default=64, help="prompts per RL step")
+    ap.add_argument("--n", type=int, default=8, help="samples per prompt")
+    ap.add_argument("--prompt_len", type=int, default=128, help="tokens per prompt")
+    ap.add_argument("--new_tokens", type=int, default=256, help="tokens per completion (all run to the limit)")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps (+1 warm-up step)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--rollout_engine", default="builtin", choices=["builtin", "hf"])
+    ap.add_argument("--max_num_seqs", type=int, default=0, help="engine batch; 0: all completions of a step")
+    ap.add_argument("--micro_train_batch_size", type=int, default=16)
+    ap.add_argument("--micro_rollout_batch_size", type=int, default=32)
+    ap.add_argument("--gradient_checkpointing", default="auto", choices=["auto", "on", "off"],
+                    help="both sides; auto: on for cuda")
+    ap.add_argument("--lr", type=float, default=1e-6)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--trl_prompts", type=int, nargs="*", default=None,
+                    help="prompts per step of the TRL runs (default: --prompts); rlhfkit also runs at each")
+    ap.add_argument("--trl_dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="TRL's model weights (float32: TRL's default, fp32 master + bf16 autocast like rlhfkit)")
+    ap.add_argument("--skip_trl", action="store_true")
+    ap.add_argument("--skip_rlhfkit", action="store_true")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    a.model = a.model or ("qwen2-0.5b" if a.device.startswith("cuda") else "tiny")
+    gc_on = {"auto": a.device.startswith("cuda"), "on": True, "off": False}
+    a.gradient_checkpointing = gc_on[a.gradient_checkpointing]
+    a.trl_prompts = [] if a.skip_trl else (a.trl_prompts or [a.prompts])
+    for name in ("prompts", "n", "prompt_len", "new_tokens", "steps"):
+        if getattr(a, name) < 1:
+            raise SystemExit(f"rl_step: --{name} must be >= 1")
+    if a.n < 2:
+        raise SystemExit("rl_step: --n must be >= 2 (GRPO groups)")
+    return a
+
+
+def device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name()
+    import platform
+
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} threads)"
+
+
+def headline(a: argparse.Namespace, runs: list[dict]) -> dict:
+    """Top-level figures: rlhfkit at --prompts; TRL at --prompts if it ran there, else its largest batch."""
+    ok = [r for r in runs if "error" not in r]
+    rk = {r["prompts"]: r for r in ok if r["framework"] == "rlhfkit"}
+    tr = {r["prompts"]: r for r in ok if r["framework"] == "trl"}
+    out: dict[str, Any] = {}
+    base = rk.get(a.prompts)
+    if base:
+        out.update(step_s=base["step_s"], phases_s=base["phases_s"], generate_share=base["generate_share"],
+                   gen_tokens_per_s=base["gen_tokens_per_s"], response_length=base["response_length"])
+    if tr:
+        p = a.prompts if a.prompts in tr else max(tr)
+        out.update(trl_prompts=p, trl_completions=p * a.n, trl_step_s=tr[p]["step_s"],
+                   trl_generate_share=tr[p]["generate_share"])
+        if p in rk and rk[p]["step_s"] and tr[p]["step_s"]:
+            out.update(rlhfkit_step_s_at_trl_batch=rk[p]["step_s"], speedup_vs_trl=tr[p]["step_s"] / rk[p]["step_s"],
+                       speedup_vs_trl_median=tr[p]["step_s_median"] / rk[p]["step_s_median"])
+    return out
+
+
+def _version(dist: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
+def report(a: argparse.Namespace, runs: list[dict], complete: bool) -> dict:
+    res = {"bench": "rl_step", "device": device_name(a.device), "model": a.model, "prompts": a.prompts, "n": a.n,
+           "completions": a.prompts * a.n, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens,
+           "timed_steps": a.steps, "rollout_engine": a.rollout_engine,
+           "compute_dtype": "bf16" if a.device.startswith("cuda") else "fp32", "master_dtype": "fp32",
+           "gradient_checkpointing": a.gradient_checkpointing, "complete": complete,
+           "versions": {d: _version(d) for d in ("torch", "transformers", "accelerate", "trl", "datasets", "pyarrow")}}
+    if not a.device.startswith("cuda"):
+        res["load_avg_1m"] = os.getloadavg()[0]  # CPU timings are only as quiet as the machine was
+    res.update(headline(a, runs))
+    res["runs"] = runs
+    if a.out:
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+            f.write("\n")
+    return res
+
+
+def guarded(fn: Callable[[], dict], framework: str, prompts: int, n: int) -> dict:
+    """A failing run is recorded (error text) instead of losing the other runs' figures."""
+    t0 = time.perf_counter()
+    try:
+        out = fn()
+    except Exception as e:  # noqa: BLE001 - the bench reports and goes on
+        import traceback
+
+        traceback.print_exc()
+        out = {"framework": framework, "prompts": prompts, "completions": prompts * n,
+               "error": f"{type(e).__name__}: {e}"[:2000]}
+    out["run_wall_s"] = time.perf_counter() - t0
+    print(f"[rl_step] {framework} {prompts}x{n}: step_s={out.get('step_s')} error={out.get('error')} "
+          f"(run {out['run_wall_s']:.0f} s)", file=sys.stderr, flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    a = parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="rl_step_") as work:
+        res = run_all(a, work)
+    print(json.dumps(res))
+    return res
+
+
+def run_all(a: argparse.Namespace, work: str) -> dict:
+    """Model, prompts and reward file under `work`; rlhfkit runs (largest batch first), then TRL runs."""
+    import numpy as np
+
+    model_dir = a.model_dir or os.path.join(work, f"model_{a.model}")
+    make_bench_model(model_dir, a.model, device=a.device if a.device.startswith("cuda") else None, seed=a.seed)
+    free_memory(a.device)
+    rng = np.random.default_rng(a.seed)
+    biggest = max([a.prompts] + a.trl_prompts)
+    prompts_text = [random_prompt(rng, a.prompt_len) for _ in range(biggest * (a.steps + 1))]
+    runs: list[dict] = []
+    sizes = [] if a.skip_rlhfkit else sorted({a.prompts, *a.trl_prompts}, reverse=True)
+    for p in sizes:
+        reward, data = write_inputs(work, prompts_text[:p * (a.steps + 1)])
+        runs.append(guarded(lambda: run_rlhfkit(a, model_dir, data, reward, work, p), "rlhfkit", p, a.n))
+        free_memory(a.device)
+        report(a, runs, complete=False)
+    reward, _ = write_inputs(work, prompts_text)
+    for p in sorted(set(a.trl_prompts)):
+        runs.append(guarded(lambda: run_trl(a, model_dir, prompts_text, reward, work, p), "trl", p, a.n))
+        free_memory(a.device)
+        report(a, runs, complete=False)
+    return report(a, runs, complete=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""The fused head + log-prob path equals logits -> log-softmax, values and gradients (fp32)."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlhfkit.models.forward import token_logprobs
+
+
+@pytest.mark.parametrize("temperature,entropy", [(1.0, False), (0.7, True)])
+def test_fused_equals_unfused(tiny_qwen2_dir, temperature, entropy):
+    torch.manual_seed(0)
+    ids = torch.randint(3, 100, (3, 11))
+    mask = torch.ones_like(ids)
+    mask[1, 8:] = 0
+    mask[2, :3] = 0  # left padding too
+    outs = []
+    for fused in (False, True):
+        model = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.float32)
+        res = token_logprobs(model, ids, attention_mask=mask, temperature=temperature, return_entropy=entropy,
+                             fused=fused, chunk_size=5)  # chunks that cut through rows
+        lp, ent = res if entropy else (res, None)
+        w = torch.randn(lp.shape, generator=torch.Generator().manual_seed(1))
+        loss = (lp * w).sum() + (ent.sum() * 0.3 if entropy else 0.0)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        outs.append((lp.detach(), None if ent is None else ent.detach(), grads))
+    (lp0, e0, g0), (lp1, e1, g1) = outs
+    torch.testing.assert_close(lp1, lp0, rtol=1e-5, atol=1e-5)
+    if entropy:
+        torch.testing.assert_close(e1, e0, rtol=1e-5, atol=1e-5)
+    assert g0.keys() == g1.keys() and "lm_head.weight" in g0
+    for k in g0:
+        torch.testing.assert_close(g1[k], g0[k], rtol=1e-4, atol=1e-6, msg=k)
+
+
+def test_head_is_restored_after_a_failing_forward(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    head = model.lm_head
+    with pytest.raises(Exception):
+        token_logprobs(model, torch.tensor([[1, 2, 10_000]]))  # id out of the vocabulary
+    assert model.lm_head is head
