@@ -215,8 +215,9 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     """
     head = fusable_head(model) if fused else None
     if head is not None:
-        with head_bypassed(model):
+        with head_bypassed(model) as tap:
             hidden = forward_logits(model, input_ids, attention_mask, position_ids, packed_mask)
+        hidden = hidden.to(tap.dtype or hidden.dtype)
         lp, ent = fused_shifted_logprobs(hidden, head.weight, input_ids, temperature, return_entropy, chunk_size)
     else:
         logits = forward_logits(model, input_ids, attention_mask, position_ids, packed_mask)

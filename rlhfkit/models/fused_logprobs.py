@@ -90,13 +90,28 @@ def fusable_head(model: torch.nn.Module) -> torch.nn.Linear | None:
     return head
 
 
+class _HiddenTap(torch.nn.Module):
+    """Stands in for `lm_head`: returns the hidden states and remembers their dtype (the model may
+    upcast what it returns as logits; the projection must run in the compute dtype)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dtype: torch.dtype | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.dtype = x.dtype
+        return x
+
+
 @contextmanager
-def head_bypassed(model: torch.nn.Module) -> Iterator[torch.nn.Linear]:
-    """Within the block `model(...)` returns the final hidden states in place of the logits."""
+def head_bypassed(model: torch.nn.Module) -> Iterator[_HiddenTap]:
+    """Within the block `model(...)` returns the final hidden states in place of the logits;
+    `tap.dtype` is the dtype they had when they reached the head."""
     head = model.lm_head
-    model.lm_head = torch.nn.Identity()
+    tap = _HiddenTap()
+    model.lm_head = tap
     try:
-        yield head
+        yield tap
     finally:
         model.lm_head = head
 
