@@ -1,0 +1,167 @@
+"""Plumbing shared by the offline training CLIs (train_rm, train_dpo, train_kto, train_prm, train_kd).
+
+Each CLI is: flags -> `setup` (distributed, seed, tokenizer) -> `load_split_items` (rows ->
+tokenized items, dropped samples reported) -> its model(s) and task -> `train_task` (the offline
+loop of rlhfkit.trainers.offline, then a final evaluation when the last step had none) -> save.
+
+    add_offline_flags(p, ...)        model / data / train / backend / ckpt / logging groups + --max_steps
+    add_pair_key_flags(p)            --prompt_key --chosen_key --rejected_key
+    add_ref_flags(p)                 --ref_pretrain (default --pretrain) --ref_offload
+    loop_config(args)                LoopConfig from the flags (train_sft could use it too)
+    trainable_backend(model, ...)    FSDP2Backend with optimizer and LR schedule
+    frozen_model(path, ...)          FrozenModel: a reference / teacher causal LM, no optimizer
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from rlhfkit.backend.dist import DistInfo, init_distributed
+from rlhfkit.backend.fsdp2 import FSDP2Backend
+from rlhfkit.cli.common import UsageError, set_seed
+from rlhfkit.config.configs import BackendConfig, ModelConfig, OptimConfig, from_args
+from rlhfkit.config.flags import (FlagParser, add_backend_flags, add_ckpt_flags, add_data_flags,
+                                  add_logging_flags, add_model_flags, add_train_flags)
+from rlhfkit.data.io import DataError, Row, load_mixture
+from rlhfkit.models.loader import check_model_dir, load_causal_lm, load_tokenizer
+from rlhfkit.trainers.dpo_task import FrozenModel
+from rlhfkit.trainers.offline import LoopConfig, LoopState, evaluate, train_offline
+
+OFFLINE_PLOT_KEYS = ("loss", "eval_loss", "acc", "eval_acc", "margin", "eval_margin")
+
+
+def add_offline_flags(p: FlagParser, *, max_len: int, train_batch_size: int, micro_train_batch_size: int,
+                      max_epochs: int, learning_rate: float, ckpt_path: str, wandb_project: str,
+                      input_template: str | None = None) -> None:
+    """The flag groups every offline trainer has, with that trainer's OpenRLHF defaults."""
+    add_model_flags(p)
+    add_data_flags(p, max_len=max_len, input_template=input_template)
+    add_train_flags(p, train_batch_size=train_batch_size, micro_train_batch_size=micro_train_batch_size,
+                    max_epochs=max_epochs, learning_rate=learning_rate)
+    add_backend_flags(p)
+    add_ckpt_flags(p, ckpt_path=ckpt_path)
+    add_logging_flags(p, wandb_project=wandb_project)
+    p.flag("--max_steps", type=int, default=None, help="stop after this many optimizer steps")
+
+
+def add_pair_key_flags(p: FlagParser) -> None:
+    """Paired preference columns (reward model, DPO)."""
+    p.flag("--prompt_key", "--data.prompt_key", type=str, default=None,
+           help="prompt column; without it chosen/rejected are whole texts or conversations")
+    p.flag("--chosen_key", "--data.chosen_key", type=str, default="chosen")
+    p.flag("--rejected_key", "--data.rejected_key", type=str, default="rejected")
+
+
+def add_ref_flags(p: FlagParser) -> None:
+    p.flag("--ref_pretrain", "--ref.model_name_or_path", type=str, default=None,
+           help="reference model directory (default: --pretrain)")
+    p.flag("--ref_offload", "--ref.offload", action="store_true",
+           help="keep the reference model in CPU memory between its forward passes")
+
+
+def require(args: argparse.Namespace, *names: str) -> None:
+    """Raise a UsageError naming the first flag in `names` that was not given."""
+    for name in names:
+        if getattr(args, name, None) in (None, ""):
+            raise UsageError(f"--{name} is required")
+
+
+@dataclass
+class OfflineRun:
+    """What a CLI's `run` returns (tests inspect it): the loop state, backend, task and data."""
+
+    state: LoopState
+    backend: Any
+    task: Any
+    tokenizer: Any
+    train_items: Sequence[Any]
+    eval_items: Sequence[Any] | None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def setup(args: argparse.Namespace) -> tuple[DistInfo, Any]:
+    """Check --pretrain/--dataset, start distributed, seed, and load the tokenizer of --pretrain."""
+    require(args, "pretrain", "dataset")
+    check_model_dir(args.pretrain, "--pretrain")
+    dist = init_distributed(args.device)
+    set_seed(args.seed)
+    tokenizer = load_tokenizer(args.pretrain, chat_template=args.tokenizer_chat_template,
+                               use_fast=not args.disable_fast_tokenizer)
+    return dist, tokenizer
+
+
+def load_items(args: argparse.Namespace, spec: str, split: str, probs: str | None,
+               make_dataset: Callable[[list[Row]], Any], flag: str) -> list[Any]:
+    """Rows of `spec` -> the dataset's items; dropped samples are reported, an empty result is an error."""
+    rows = load_mixture(spec, probs, split=split, max_samples=args.max_samples, seed=args.seed)
+    ds = make_dataset(rows)
+    if ds.num_dropped:
+        print(f"{ds.num_dropped} of {len(rows)} samples of {spec} dropped: nothing to train on within --max_len")
+    if not ds.items:
+        raise DataError(f"{flag} {spec}: no usable samples ({len(rows)} rows read, {ds.num_dropped} dropped)")
+    return list(ds.items)
+
+
+def load_split_items(args: argparse.Namespace, make_dataset: Callable[[list[Row]], Any]
+                     ) -> tuple[list[Any], list[Any] | None]:
+    """(train items of --dataset, eval items of --eval_dataset or None)."""
+    train = load_items(args, args.dataset, args.dataset_split, args.dataset_probs, make_dataset, "--dataset")
+    evals = (load_items(args, args.eval_dataset, args.eval_split, None, make_dataset, "--eval_dataset")
+             if args.eval_dataset else None)
+    return train, evals
+
+
+def loop_config(args: argparse.Namespace) -> LoopConfig:
+    return LoopConfig(train_batch_size=args.train_batch_size, micro_train_batch_size=args.micro_train_batch_size,
+                      max_epochs=args.max_epochs, seed=args.seed, logging_steps=args.logging_steps,
+                      eval_steps=args.eval_steps, save_steps=args.save_steps, ckpt_path=args.ckpt_path,
+                      max_ckpt_num=args.max_ckpt_num, load_checkpoint=args.load_checkpoint,
+                      show_progress=not args.disable_progress, max_steps=args.max_steps)
+
+
+def num_training_steps(num_items: int, args: argparse.Namespace) -> int:
+    """Optimizer steps the LR schedule spans (>= 1)."""
+    steps = (num_items // args.train_batch_size) * args.max_epochs
+    if args.max_steps:
+        steps = min(steps, args.max_steps)
+    return max(steps, 1)
+
+
+def trainable_backend(model: torch.nn.Module, args: argparse.Namespace, dist: DistInfo,
+                      num_items: int) -> FSDP2Backend:
+    if args.backend != "fsdp2":
+        raise UsageError(f"--backend {args.backend} is not available for this trainer; use --backend fsdp2")
+    return FSDP2Backend(model, from_args(BackendConfig, args), from_args(OptimConfig, args),
+                        num_training_steps=num_training_steps(num_items, args), dist=dist)
+
+
+def frozen_model(path: str, args: argparse.Namespace, dist: DistInfo, flag: str, offload: bool) -> FrozenModel:
+    """A frozen causal LM (reference / teacher): fp32 weights cast once to the compute dtype, no LoRA."""
+    cfg = ModelConfig(pretrain=path, param_dtype=args.param_dtype, attn_implementation=args.attn_implementation)
+    model = load_causal_lm(cfg, master_dtype="fp32", flag=flag)
+    bcfg = from_args(BackendConfig, args, gradient_checkpointing=False, adam_offload=False)
+    return FrozenModel(FSDP2Backend(model, bcfg, None, num_training_steps=1, dist=dist), offload=offload)
+
+
+def train_task(task: Any, backend: Any, train_items: Sequence[Any], eval_items: Sequence[Any] | None,
+               args: argparse.Namespace, dist: DistInfo, logger: Any) -> LoopState:
+    """The offline loop, then one evaluation at the last step if it did not end with one."""
+    cfg = loop_config(args)
+    state = train_offline(task, backend, train_items, cfg, dist, logger, eval_items)
+    last = state.history[-1] if state.history else {}
+    if eval_items and not (last.get("step") == state.step and "eval_loss" in last):
+        metrics = evaluate(task, backend, eval_items, args.micro_train_batch_size, dist)
+        state.history.append({"step": state.step, **metrics})
+        logger.log(state.step, metrics, console=True)
+    return state
+
+
+def save_model(args: argparse.Namespace, backend: Any, tokenizer: Any, dist: DistInfo) -> None:
+    """Save in Hugging Face format to --save_path."""
+    backend.save_hf(args.save_path, tokenizer)
+    if dist.rank == 0:
+        print(f"model saved to {args.save_path}")

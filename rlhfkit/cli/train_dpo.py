@@ -1,0 +1,68 @@
+"""Direct preference optimisation: `python -m rlhfkit.cli.train_dpo` (OpenRLHF's train_dpo flags).
+
+    torchrun --nproc_per_node 8 -m rlhfkit.cli.train_dpo --pretrain SFT_PATH --dataset prefs.jsonl \
+        --apply_chat_template --chosen_key chosen --rejected_key rejected --beta 0.1 \
+        --train_batch_size 256 --micro_train_batch_size 1 --max_len 8192 --learning_rate 5e-7 \
+        --save_path ./ckpt/dpo
+
+Losses (rlhfkit.losses.preference): DPO (default), cDPO with `--label_smoothing`, IPO with
+`--ipo`, plus `--nll_loss_coef` times the chosen answers' NLL. The reference model is
+`--ref_pretrain` (default: `--pretrain`), frozen; its log-probs are computed per micro-batch
+(rlhfkit.trainers.dpo_task says why); `--ref_offload` keeps it in CPU memory between uses.
+Logged: loss, chosen_reward, rejected_reward, acc, margin (and eval_* on `--eval_dataset`).
+"""
+
+from __future__ import annotations
+
+from rlhfkit.cli.common import cli_main, make_logger
+from rlhfkit.cli.offline_common import (OFFLINE_PLOT_KEYS, OfflineRun, add_offline_flags, add_pair_key_flags,
+                                        add_ref_flags, frozen_model, load_split_items, save_model, setup,
+                                        train_task, trainable_backend)
+from rlhfkit.config.configs import ModelConfig, from_args
+from rlhfkit.config.flags import FlagParser
+from rlhfkit.data.preference import PreferenceDataConfig, PreferenceDataset
+from rlhfkit.models.loader import load_causal_lm
+from rlhfkit.trainers.dpo_task import DPOTask, check_dpo_settings
+
+
+def build_parser() -> FlagParser:
+    p = FlagParser("train_dpo", __doc__ or "")
+    add_offline_flags(p, max_len=512, train_batch_size=128, micro_train_batch_size=8, max_epochs=1,
+                      learning_rate=1e-5, ckpt_path="./ckpt/checkpoints_dpo", wandb_project="rlhfkit_train_dpo")
+    p.set_defaults(eval_split="test")
+    add_pair_key_flags(p)
+    add_ref_flags(p)
+    p.flag("--beta", "--model.beta", type=float, default=0.1, help="DPO temperature beta")
+    p.flag("--ipo", "--model.ipo_enable", action="store_true", help="IPO loss (Azar et al. 2023)")
+    p.flag("--label_smoothing", "--model.label_smoothing", type=float, default=0.0,
+           help="cDPO: probability that a preference label is flipped, in [0, 0.5]")
+    p.flag("--nll_loss_coef", "--model.nll_loss_coef", type=float, default=0.0,
+           help="weight of the chosen answers' NLL (Llama 3.1 / RPO style)")
+    return p
+
+
+def run(args) -> OfflineRun:
+    check_dpo_settings(args.beta, args.label_smoothing, args.ipo, args.nll_loss_coef)
+    dist, tokenizer = setup(args)
+    data_cfg = from_args(PreferenceDataConfig, args)
+    train_items, eval_items = load_split_items(args, lambda rows: PreferenceDataset(rows, tokenizer, data_cfg))
+    ref = frozen_model(args.ref_pretrain or args.pretrain, args, dist,
+                       "--ref_pretrain" if args.ref_pretrain else "--pretrain", args.ref_offload)
+    task = DPOTask(pad_token_id=tokenizer.pad_token_id, ref=ref, beta=args.beta, label_smoothing=args.label_smoothing,
+                   ipo=args.ipo, nll_loss_coef=args.nll_loss_coef, packing=args.packing_samples, device=dist.device)
+    model = load_causal_lm(from_args(ModelConfig, args), master_dtype="fp32")
+    backend = trainable_backend(model, args, dist, len(train_items))
+    logger = make_logger(args, dist.rank, plot_keys=OFFLINE_PLOT_KEYS)
+    state = train_task(task, backend, train_items, eval_items, args, dist, logger)
+    save_model(args, backend, tokenizer, dist)
+    logger.close()
+    return OfflineRun(state, backend, task, tokenizer, train_items, eval_items)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse(argv)
+    cli_main("train_dpo", lambda: run(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""Knowledge distillation: `python -m rlhfkit.cli.train_kd` (OpenRLHF <= 0.9.5's train_kd flags).
+
+    python -m rlhfkit.cli.train_kd --pretrain STUDENT --teacher_model TEACHER --dataset sft.jsonl \
+        --input_key question --output_key response --kd_coef 0.4 --train_batch_size 128 \
+        --micro_train_batch_size 2 --learning_rate 5e-6 --save_path ./ckpt/kd
+
+Loss on response tokens (all tokens with `--pretrain_mode`): (1 - kd_coef) NLL + kd_coef
+KL(teacher || student) (rlhfkit.losses.distill). The teacher is frozen and must share the
+student's vocabulary; `--teacher_offload` keeps it in CPU memory between its forwards. Data is
+read as for train_sft (`--input_key`, `--output_key`, `--input_template`,
+`--apply_chat_template`). Logged: loss, kd_loss, nll_loss (eval_* on `--eval_dataset`).
+"""
+
+from __future__ import annotations
+
+from rlhfkit.cli.common import UsageError, cli_main, make_logger
+from rlhfkit.cli.offline_common import (OfflineRun, add_offline_flags, frozen_model, load_split_items, require,
+                                        save_model, setup, train_task, trainable_backend)
+from rlhfkit.config.configs import ModelConfig, from_args
+from rlhfkit.config.flags import FlagParser
+from rlhfkit.data.sft import SFTDataConfig, SFTDataset
+from rlhfkit.models.loader import load_causal_lm
+from rlhfkit.trainers.kd_task import KDTask
+
+KD_PLOT_KEYS = ("loss", "eval_loss", "kd_loss", "nll_loss")
+
+
+def build_parser() -> FlagParser:
+    p = FlagParser("train_kd", __doc__ or "")
+    add_offline_flags(p, max_len=2048, train_batch_size=128, micro_train_batch_size=8, max_epochs=2,
+                      learning_rate=5e-6, ckpt_path="./ckpt/checkpoints_kd", wandb_project="rlhfkit_train_kd",
+                      input_template="User: {}\nAssistant: ")
+    p.flag("--teacher_model", "--teacher.model_name_or_path", type=str, default=None,
+           help="frozen teacher model directory (same vocabulary as --pretrain)")
+    p.flag("--kd_coef", "--model.kd_coef", type=float, default=0.4, help="weight of the KD term, in [0, 1]")
+    p.flag("--teacher_offload", "--teacher.offload", action="store_true",
+           help="keep the teacher in CPU memory between its forward passes")
+    p.flag("--pretrain_mode", "--model.pretrain_mode_enable", action="store_true",
+           help="loss on every token of the raw text (no template)")
+    return p
+
+
+def run(args) -> OfflineRun:
+    require(args, "teacher_model")
+    if not 0.0 <= args.kd_coef <= 1.0:
+        raise UsageError(f"--kd_coef must be in [0, 1], got {args.kd_coef}")
+    dist, tokenizer = setup(args)
+    data_cfg = from_args(SFTDataConfig, args)
+    train_items, eval_items = load_split_items(args, lambda rows: SFTDataset(rows, tokenizer, data_cfg))
+    teacher = frozen_model(args.teacher_model, args, dist, "--teacher_model", args.teacher_offload)
+    task = KDTask(pad_token_id=tokenizer.pad_token_id, teacher=teacher, kd_coef=args.kd_coef,
+                  packing=args.packing_samples, device=dist.device)
+    model = load_causal_lm(from_args(ModelConfig, args), master_dtype="fp32")
+    backend = trainable_backend(model, args, dist, len(train_items))
+    logger = make_logger(args, dist.rank, plot_keys=KD_PLOT_KEYS)
+    state = train_task(task, backend, train_items, eval_items, args, dist, logger)
+    save_model(args, backend, tokenizer, dist)
+    logger.close()
+    return OfflineRun(state, backend, task, tokenizer, train_items, eval_items)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse(argv)
+    cli_main("train_kd", lambda: run(args))
+
+
+if __name__ == "__main__":
+    main()

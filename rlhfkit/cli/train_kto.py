@@ -1,0 +1,81 @@
+"""KTO on unpaired data: `python -m rlhfkit.cli.train_kto` (OpenRLHF <= 0.9.5's train_kto flags).
+
+    python -m rlhfkit.cli.train_kto --pretrain SFT_PATH --dataset feedback.jsonl \
+        --input_key prompt --output_key response --label_key label --beta 0.01 \
+        --desirable_loss_weight 1.0 --undesirable_loss_weight 1.0 --save_path ./ckpt/kto
+
+Each row holds a prompt (`--input_key`), an answer (`--output_key`) and a boolean label
+(`--label_key`: true = desirable). KTO (Ethayarajh et al. 2024) against a frozen reference
+(`--ref_pretrain`, default `--pretrain`; `--ref_offload`), with the KL reference point estimated
+from mismatched (prompt, other answer) pairs of each micro-batch, so `--micro_train_batch_size`
+must be at least 2 (rlhfkit.trainers.kto_task). To balance classes as the paper suggests, set
+the weights so that w_d * n_desirable / (w_u * n_undesirable) lies in [1, 4/3].
+"""
+
+from __future__ import annotations
+
+from rlhfkit.cli.common import UsageError, cli_main, make_logger
+from rlhfkit.cli.offline_common import (OfflineRun, add_offline_flags, add_ref_flags, frozen_model,
+                                        load_split_items, save_model, setup, train_task, trainable_backend)
+from rlhfkit.config.configs import ModelConfig, from_args
+from rlhfkit.config.flags import FlagParser
+from rlhfkit.data.preference import UnpairedDataConfig, UnpairedDataset
+from rlhfkit.models.loader import load_causal_lm
+from rlhfkit.trainers.kto_task import KTOTask
+
+KTO_PLOT_KEYS = ("loss", "eval_loss", "kl", "signed_reward", "eval_chosen_reward", "eval_rejected_reward")
+
+
+def build_parser() -> FlagParser:
+    p = FlagParser("train_kto", __doc__ or "")
+    add_offline_flags(p, max_len=2048, train_batch_size=128, micro_train_batch_size=8, max_epochs=1,
+                      learning_rate=1e-5, ckpt_path="./ckpt/checkpoints_kto", wandb_project="rlhfkit_train_kto")
+    p.set_defaults(output_key="output")
+    add_ref_flags(p)
+    p.flag("--beta", "--model.beta", type=float, default=0.01, help="KTO beta")
+    p.flag("--desirable_loss_weight", "--model.desirable_loss_weight", type=float, default=1.0)
+    p.flag("--undesirable_loss_weight", "--model.undesirable_loss_weight", type=float, default=1.0)
+    p.flag("--label_key", "--data.label_key", type=str, default="label",
+           help="boolean column: true for a desirable answer")
+    return p
+
+
+def check_settings(args) -> None:
+    if args.micro_train_batch_size < 2:
+        raise UsageError("--micro_train_batch_size must be at least 2 for KTO: the KL reference point pairs "
+                         "each prompt with another answer of the same micro-batch")
+    if args.beta <= 0:
+        raise UsageError(f"--beta must be > 0, got {args.beta}")
+    if args.desirable_loss_weight < 0 or args.undesirable_loss_weight < 0:
+        raise UsageError("--desirable_loss_weight and --undesirable_loss_weight must be >= 0")
+
+
+def run(args) -> OfflineRun:
+    check_settings(args)
+    dist, tokenizer = setup(args)
+    data_cfg = from_args(UnpairedDataConfig, args)
+    train_items, eval_items = load_split_items(args, lambda rows: UnpairedDataset(rows, tokenizer, data_cfg))
+    good = sum(1 for it in train_items if it.label)
+    if dist.rank == 0:
+        print(f"KTO data: {good} desirable, {len(train_items) - good} undesirable answers")
+    ref = frozen_model(args.ref_pretrain or args.pretrain, args, dist,
+                       "--ref_pretrain" if args.ref_pretrain else "--pretrain", args.ref_offload)
+    task = KTOTask(pad_token_id=tokenizer.pad_token_id, ref=ref, max_len=args.max_len, beta=args.beta,
+                   desirable_weight=args.desirable_loss_weight, undesirable_weight=args.undesirable_loss_weight,
+                   packing=args.packing_samples, device=dist.device)
+    model = load_causal_lm(from_args(ModelConfig, args), master_dtype="fp32")
+    backend = trainable_backend(model, args, dist, len(train_items))
+    logger = make_logger(args, dist.rank, plot_keys=KTO_PLOT_KEYS)
+    state = train_task(task, backend, train_items, eval_items, args, dist, logger)
+    save_model(args, backend, tokenizer, dist)
+    logger.close()
+    return OfflineRun(state, backend, task, tokenizer, train_items, eval_items)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse(argv)
+    cli_main("train_kto", lambda: run(args))
+
+
+if __name__ == "__main__":
+    main()

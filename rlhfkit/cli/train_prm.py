@@ -1,0 +1,67 @@
+"""Process reward model training: `python -m rlhfkit.cli.train_prm` (OpenRLHF <= 0.9.5's train_prm flags).
+
+    python -m rlhfkit.cli.train_prm --pretrain PATH --dataset math_shepherd.jsonl \
+        --input_key input --label_key value --placeholder_token "ки" --reward_tokens "+" "-" \
+        --train_batch_size 256 --micro_train_batch_size 8 --learning_rate 1e-6 --save_path ./ckpt/prm
+
+A causal LM is trained so that its logits at each `--placeholder_token` (the end of a reasoning
+step), restricted to `--reward_tokens`, predict the step's label (Math-Shepherd, Wang et al.
+2023): hard labels are reward tokens, soft labels are the probability of the first of exactly
+two reward tokens (rlhfkit.data.prm, rlhfkit.losses.prm). Logged: loss, acc (eval_* on
+`--eval_dataset`). The result is saved as a causal LM.
+"""
+
+from __future__ import annotations
+
+from rlhfkit.cli.common import UsageError, cli_main, make_logger
+from rlhfkit.cli.offline_common import (OFFLINE_PLOT_KEYS, OfflineRun, add_offline_flags, load_split_items,
+                                        save_model, setup, train_task, trainable_backend)
+from rlhfkit.config.configs import ModelConfig, from_args
+from rlhfkit.config.flags import FlagParser
+from rlhfkit.data.prm import PRMDataConfig, PRMDataset
+from rlhfkit.data.templates import token_id
+from rlhfkit.models.loader import load_causal_lm
+from rlhfkit.trainers.prm_task import PRMTask
+
+
+def build_parser() -> FlagParser:
+    p = FlagParser("train_prm", __doc__ or "")
+    add_offline_flags(p, max_len=2048, train_batch_size=128, micro_train_batch_size=1, max_epochs=1,
+                      learning_rate=1e-6, ckpt_path="./ckpt/checkpoints_prm", wandb_project="rlhfkit_train_prm")
+    p.flag("--label_key", "--data.label_key", type=str, default="value",
+           help="column with one label per step (reward tokens, or numbers for soft labels)")
+    p.flag("--placeholder_token", "--data.placeholder_token", type=str, default=None,
+           help="the single token that ends each step, e.g. 'ки' (Math-Shepherd)")
+    p.flag("--reward_tokens", "--data.reward_tokens", type=str, nargs="*", default=None,
+           help="label tokens, e.g. + - (none: labels are scored over the whole vocabulary)")
+    return p
+
+
+def run(args) -> OfflineRun:
+    if not args.placeholder_token:
+        raise UsageError("--placeholder_token is required (the token that ends each step)")
+    dist, tokenizer = setup(args)
+    data_cfg = from_args(PRMDataConfig, args)
+    train_items, eval_items = load_split_items(args, lambda rows: PRMDataset(rows, tokenizer, data_cfg))
+    reward_ids = [token_id(tokenizer, t, "--reward_tokens") for t in args.reward_tokens] if args.reward_tokens else None
+    if any(it.soft for it in train_items + (eval_items or [])) and (reward_ids is None or len(reward_ids) != 2):
+        raise UsageError("soft (numeric) PRM labels need exactly two --reward_tokens (the first is 'correct')")
+    task = PRMTask(pad_token_id=tokenizer.pad_token_id,
+                   placeholder_token_id=token_id(tokenizer, args.placeholder_token, "--placeholder_token"),
+                   reward_token_ids=reward_ids, packing=args.packing_samples, device=dist.device)
+    model = load_causal_lm(from_args(ModelConfig, args), master_dtype="fp32")
+    backend = trainable_backend(model, args, dist, len(train_items))
+    logger = make_logger(args, dist.rank, plot_keys=OFFLINE_PLOT_KEYS)
+    state = train_task(task, backend, train_items, eval_items, args, dist, logger)
+    save_model(args, backend, tokenizer, dist)
+    logger.close()
+    return OfflineRun(state, backend, task, tokenizer, train_items, eval_items)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse(argv)
+    cli_main("train_prm", lambda: run(args))
+
+
+if __name__ == "__main__":
+    main()
