@@ -99,7 +99,9 @@ class _HiddenTap(torch.nn.Module):
         self.dtype: torch.dtype | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.dtype = x.dtype
+        dev = x.device.type
+        # under autocast the residual stream may be fp32 while lm_head would run in the autocast dtype
+        self.dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         return x
 
 
