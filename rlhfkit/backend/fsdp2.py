@@ -83,6 +83,8 @@ def _autocast_forward(model: nn.Module, device_type: str, dtype: torch.dtype) ->
 def _set_config_dtype(path: str, dtype: torch.dtype) -> None:
     """Record the saved weights' dtype in config.json (save_pretrained writes the live model's)."""
     cfg_file = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_file):  # a peft adapter directory has adapter_config.json only
+        return
     with open(cfg_file) as f:
         cfg = json.load(f)
     name = str(dtype).replace("torch.", "")

@@ -174,9 +174,15 @@ def _train_step(task: OfflineTask, backend, micro: list[Any]) -> dict[str, float
 @torch.no_grad()
 def evaluate(task: OfflineTask, backend, items: Sequence[Any], micro_batch_size: int, dist: DistInfo
              ) -> dict[str, float]:
-    """Eval metrics over this rank's share of `items` (the task reduces across ranks)."""
+    """Eval metrics over this rank's share of `items` (the task reduces across ranks).
+
+    Every rank gets ceil(len(items) / world) items, wrapping around as torch's DistributedSampler
+    does (up to world - 1 items are seen twice), so all ranks run the same number of forward
+    passes: sharded models need that to stay in step.
+    """
     backend.eval()
-    share = list(range(dist.rank, len(items), dist.world_size))
+    per = -(-len(items) // dist.world_size)
+    share = [(dist.rank + k * dist.world_size) % len(items) for k in range(per)]
     batches = [task.collate([items[i] for i in share[j:j + micro_batch_size]])
                for j in range(0, len(share), micro_batch_size)]
     out = task.eval_metrics(backend.model, batches)
