@@ -148,10 +148,11 @@ def frozen_model(path: str, args: argparse.Namespace, dist: DistInfo, flag: str,
 
 
 def train_task(task: Any, backend: Any, train_items: Sequence[Any], eval_items: Sequence[Any] | None,
-               args: argparse.Namespace, dist: DistInfo, logger: Any) -> LoopState:
+               args: argparse.Namespace, dist: DistInfo, logger: Any, on_step_end: Callable | None = None
+               ) -> LoopState:
     """The offline loop, then one evaluation at the last step if it did not end with one."""
     cfg = loop_config(args)
-    state = train_offline(task, backend, train_items, cfg, dist, logger, eval_items)
+    state = train_offline(task, backend, train_items, cfg, dist, logger, eval_items, on_step_end=on_step_end)
     last = state.history[-1] if state.history else {}
     if eval_items and not (last.get("step") == state.step and "eval_loss" in last):
         metrics = evaluate(task, backend, eval_items, args.micro_train_batch_size, dist)

@@ -27,11 +27,11 @@ def build_parser() -> FlagParser:
     p.flag("--run_dir", type=str, default="runs/quickstart")
     p.flag("--seed", type=int, default=0)
     p.flag("--digits", type=int, default=2)
-    p.flag("--num_train", type=int, default=4000)
+    p.flag("--num_train", type=int, default=20000)
     p.flag("--num_eval", type=int, default=200)
-    p.flag("--sft_steps", type=int, default=120)
-    p.flag("--rl_steps", type=int, default=60)
-    p.flag("--sft_lr", type=float, default=3e-3)
+    p.flag("--sft_steps", type=int, default=300)
+    p.flag("--rl_steps", type=int, default=100)
+    p.flag("--sft_lr", type=float, default=1e-3)
     p.flag("--rl_lr", type=float, default=1e-4)
     p.flag("--hidden_size", type=int, default=128)
     p.flag("--num_layers", type=int, default=4)
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
         "--pretrain", base, "--dataset", os.path.join(run, "train.jsonl"), "--input_key", "input",
         "--output_key", "output", "--input_template", "{}", "--max_len", "32",
         "--train_batch_size", str(bs), "--micro_train_batch_size", str(bs), "--max_epochs", "100",
-        "--max_steps", str(a.sft_steps), "--learning_rate", str(a.sft_lr), "--lr_warmup_ratio", "0.05",
+        "--max_steps", str(a.sft_steps), "--learning_rate", str(a.sft_lr), "--lr_warmup_ratio", "0.02", "--lr_scheduler", "constant_with_warmup",
         "--param_dtype", "fp32", "--attn_implementation", "eager", "--save_path", sft_dir,
         "--logging_steps", "20", "--seed", str(a.seed), "--device", "cpu"])
     before = greedy_accuracy(sft_dir, held)
