@@ -2,7 +2,7 @@
 PY ?= python3
 VENV ?= .venv
 VPY := $(VENV)/bin/python
-EXTRAS ?= dev,serve
+EXTRAS ?= dev,serve,ray
 STAMP := $(VENV)/.installed
 
 .PHONY: demo test venv clean bench-cpu
@@ -20,7 +20,7 @@ $(STAMP): $(VPY) pyproject.toml
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(VPY) -m rlhfkit.cli.quickstart
+	$(VENV)/bin/rlhfkit quickstart
 
 test: $(STAMP)
 	$(VPY) -m pytest -q -n 2 --durations=15 tests

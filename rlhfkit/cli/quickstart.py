@@ -27,9 +27,13 @@ def build_parser() -> FlagParser:
     p.flag("--run_dir", type=str, default="runs/quickstart")
     p.flag("--seed", type=int, default=0)
     p.flag("--digits", type=int, default=2)
+    p.flag("--plain_order", action="store_true", help="write sums most-significant digit first (harder)")
     p.flag("--num_train", type=int, default=20000)
-    p.flag("--num_eval", type=int, default=200)
-    p.flag("--sft_steps", type=int, default=300)
+    p.flag("--num_eval", type=int, default=200, help="held-out questions (never trained on)")
+    p.flag("--num_val", type=int, default=100, help="validation questions that decide when SFT stops")
+    p.flag("--sft_target", type=float, default=0.3, help="SFT stops at this greedy validation accuracy")
+    p.flag("--sft_min_steps", type=int, default=200)
+    p.flag("--sft_max_steps", type=int, default=800)
     p.flag("--rl_steps", type=int, default=100)
     p.flag("--sft_lr", type=float, default=1e-3)
     p.flag("--rl_lr", type=float, default=1e-4)
@@ -44,15 +48,13 @@ def write_jsonl(path: str, rows: list[dict]) -> None:
             f.write(json.dumps(r) + "\n")
 
 
-def greedy_accuracy(model_dir: str, rows: list[dict]) -> float:
-    """Held-out exact-match accuracy of greedy decoding with the builtin engine."""
-    from rlhfkit.models.loader import load_tokenizer
+def greedy_accuracy(model, tok, rows: list[dict]) -> float:
+    """Exact-match accuracy of greedy decoding with the builtin engine (`model`: a directory or module)."""
     from rlhfkit.rollout import build_engine
     from rlhfkit.tasks.addition import completion_answer
     from rlhfkit.types import GenerationRequest, SamplingParams
 
-    tok = load_tokenizer(model_dir)
-    engine = build_engine("builtin", model_dir, tok, device="cpu")
+    engine = build_engine("builtin", model, tok, device="cpu", max_num_seqs=len(rows))
     sp = SamplingParams(temperature=0.0, max_new_tokens=args_digits_budget(rows))
     reqs = [GenerationRequest(tok(r["input"])["input_ids"], sp, i) for i, r in enumerate(rows)]
     outs = engine.generate(reqs)
@@ -72,9 +74,36 @@ def plot_curve(run_dir: str, rl_dir: str) -> str:
                         ("reward", "eval_pass1")) or ""
 
 
+def quiet() -> list[str]:
+    """Progress bars in a terminal; plain periodic log lines when output goes to a file or pipe."""
+    return [] if sys.stdout.isatty() else ["--disable_progress"]
+
+
+def sft_args(a, base: str, run: str, sft_dir: str) -> list[str]:
+    return [*quiet(), "--pretrain", base, "--dataset", os.path.join(run, "train.jsonl"), "--input_key", "input",
+            "--output_key", "output", "--input_template", "{}", "--max_len", "32",
+            "--train_batch_size", "64", "--micro_train_batch_size", "64", "--max_epochs", "100",
+            "--max_steps", str(a.sft_max_steps), "--learning_rate", str(a.sft_lr), "--lr_warmup_ratio", "0.02",
+            "--lr_scheduler", "constant_with_warmup", "--param_dtype", "fp32", "--attn_implementation", "eager",
+            "--save_path", sft_dir, "--logging_steps", "20", "--seed", str(a.seed), "--device", "cpu"]
+
+
+def rl_args(a, sft_dir: str, run: str, rl_dir: str, reward_file: str, max_new: int) -> list[str]:
+    return [*quiet(), "--pretrain", sft_dir, "--remote_rm_url", reward_file, "--prompt_data", os.path.join(run, "train.jsonl"),
+            "--input_key", "input", "--label_key", "label", "--advantage_estimator", "group_norm",
+            "--n_samples_per_prompt", "8", "--rollout_batch_size", "16", "--train_batch_size", "128",
+            "--micro_train_batch_size", "128", "--micro_rollout_batch_size", "128", "--max_epochs", "1",
+            "--temperature", "1.0", "--generate_max_len", str(max_new), "--prompt_max_len", "16",
+            "--init_kl_coef", "0", "--actor_learning_rate", str(a.rl_lr), "--lr_warmup_ratio", "0",
+            "--lr_scheduler", "constant", "--max_steps", str(a.rl_steps), "--param_dtype", "fp32",
+            "--attn_implementation", "eager", "--save_path", rl_dir, "--logging_steps", "5", "--seed", str(a.seed),
+            "--device", "cpu"]
+
+
 def main(argv: list[str] | None = None) -> None:
     a = build_parser().parse(argv)
     from rlhfkit.cli import train_ppo, train_sft
+    from rlhfkit.models.loader import load_tokenizer
     from rlhfkit.models.tiny import TinyModelSpec, make_tiny_model
     from rlhfkit.tasks.addition import addition_splits
 
@@ -84,45 +113,41 @@ def main(argv: list[str] | None = None) -> None:
     base, sft_dir, rl_dir = (os.path.join(run, d) for d in ("base", "sft", "rl"))
     make_tiny_model(base, TinyModelSpec(hidden_size=a.hidden_size, num_hidden_layers=a.num_layers,
                                         num_attention_heads=4, max_position_embeddings=64, seed=a.seed))
-    train, held = addition_splits(a.num_train, a.num_eval, a.digits, seed=a.seed)
+    tok = load_tokenizer(base)
+    train, held = addition_splits(a.num_train, a.num_val + a.num_eval, a.digits, seed=a.seed,
+                                  reverse_answer=not a.plain_order)
+    val, test = held[:a.num_val], held[a.num_val:]
     write_jsonl(os.path.join(run, "train.jsonl"), train)
-    write_jsonl(os.path.join(run, "eval.jsonl"), held)
+    write_jsonl(os.path.join(run, "eval.jsonl"), test)
     reward_file = os.path.join(run, "reward_func.py")
     with open(reward_file, "w") as f:
         f.write("from rlhfkit.tasks.addition import reward_func  # exact match of the sum\n")
-    print(f"[quickstart] tiny model, {len(train)} train / {len(held)} held-out questions in {run}")
+    print(f"[quickstart] tiny model; {len(train)} train, {len(val)} validation, {len(test)} held-out questions "
+          f"in {run}")
 
-    bs = 64
-    train_sft.main([
-        "--pretrain", base, "--dataset", os.path.join(run, "train.jsonl"), "--input_key", "input",
-        "--output_key", "output", "--input_template", "{}", "--max_len", "32",
-        "--train_batch_size", str(bs), "--micro_train_batch_size", str(bs), "--max_epochs", "100",
-        "--max_steps", str(a.sft_steps), "--learning_rate", str(a.sft_lr), "--lr_warmup_ratio", "0.02", "--lr_scheduler", "constant_with_warmup",
-        "--param_dtype", "fp32", "--attn_implementation", "eager", "--save_path", sft_dir,
-        "--logging_steps", "20", "--seed", str(a.seed), "--device", "cpu"])
-    before = greedy_accuracy(sft_dir, held)
+    def stop_at_target(state, metrics, backend) -> bool:
+        """SFT until greedy validation accuracy reaches --sft_target: a mediocre start for RL."""
+        if state.step < a.sft_min_steps or state.step % 20:
+            return False
+        acc = greedy_accuracy(backend.unwrap(), tok, val)
+        print(f"[quickstart] SFT step {state.step}: validation accuracy {acc:.1%}", flush=True)
+        return acc >= a.sft_target
+
+    train_sft.run(train_sft.build_parser().parse(sft_args(a, base, run, sft_dir)), on_step_end=stop_at_target)
+    before = greedy_accuracy(sft_dir, tok, test)
     print(f"[quickstart] after SFT: held-out greedy accuracy {before:.1%} ({time.time() - t0:.0f}s)")
 
-    train_ppo.main([
-        "--pretrain", sft_dir, "--remote_rm_url", reward_file, "--prompt_data", os.path.join(run, "train.jsonl"),
-        "--input_key", "input", "--label_key", "label", "--advantage_estimator", "group_norm",
-        "--n_samples_per_prompt", "8", "--rollout_batch_size", "16", "--train_batch_size", "128",
-        "--micro_train_batch_size", "128", "--micro_rollout_batch_size", "128", "--max_epochs", "1",
-        "--temperature", "1.0", "--generate_max_len", str(args_digits_budget(held)), "--prompt_max_len", "16",
-        "--init_kl_coef", "0", "--actor_learning_rate", str(a.rl_lr), "--lr_warmup_ratio", "0",
-        "--lr_scheduler", "constant", "--max_steps", str(a.rl_steps), "--param_dtype", "fp32",
-        "--attn_implementation", "eager", "--save_path", rl_dir, "--logging_steps", "5", "--seed", str(a.seed),
-        "--device", "cpu"])
-    after = greedy_accuracy(rl_dir, held)
+    train_ppo.main(rl_args(a, sft_dir, run, rl_dir, reward_file, args_digits_budget(test)))
+    after = greedy_accuracy(rl_dir, tok, test)
     elapsed = time.time() - t0
-    result = {"held_out": len(held), "accuracy_after_sft": before, "accuracy_after_rl": after,
+    result = {"held_out": len(test), "accuracy_after_sft": before, "accuracy_after_rl": after,
               "gain_points": 100 * (after - before), "seconds": elapsed, "seed": a.seed}
     with open(os.path.join(run, "results.json"), "w") as f:
         json.dump(result, f, indent=2)
     png = plot_curve(run, rl_dir)
     print("\n| stage | held-out greedy accuracy |\n| --- | --- |")
     print(f"| after SFT | {before:.1%} |\n| after GRPO | {after:.1%} |")
-    print(f"\n[quickstart] +{100 * (after - before):.1f} points in {elapsed:.0f}s; curves: {png}; "
+    print(f"\n[quickstart] {100 * (after - before):+.1f} points in {elapsed:.0f}s; curves: {png}; "
           f"metrics: {rl_dir}/metrics.jsonl")
     sys.stdout.flush()
 

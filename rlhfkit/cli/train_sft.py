@@ -29,6 +29,7 @@ def build_parser() -> FlagParser:
 
 
 def run(args, on_step_end=None) -> C.OfflineRun:
+    """Train; `on_step_end(state, metrics, backend)` runs after each step (True stops early)."""
     dist, tokenizer = C.setup(args)
     data_cfg = from_args(SFTDataConfig, args)
     train_items, eval_items = C.load_split_items(args, lambda rows: SFTDataset(rows, tokenizer, data_cfg))
@@ -36,7 +37,8 @@ def run(args, on_step_end=None) -> C.OfflineRun:
     backend = C.trainable_backend(model, args, dist, len(train_items))
     logger = make_logger(args, dist.rank)
     task = SFTTask(pad_token_id=tokenizer.pad_token_id, packing=args.packing_samples, device=dist.device)
-    state = C.train_task(task, backend, train_items, eval_items, args, dist, logger, on_step_end=on_step_end)
+    hook = (lambda state, metrics: on_step_end(state, metrics, backend)) if on_step_end else None
+    state = C.train_task(task, backend, train_items, eval_items, args, dist, logger, on_step_end=hook)
     C.save_model(args, backend, tokenizer, dist)
     logger.close()
     return C.OfflineRun(state, backend, task, tokenizer, train_items, eval_items)

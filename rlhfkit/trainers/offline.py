@@ -83,7 +83,11 @@ def rank_share(global_idx: list[int], dist: DistInfo) -> list[int]:
 def train_offline(task: OfflineTask, backend, train_items: Sequence[Any], cfg: LoopConfig, dist: DistInfo,
                   logger: MetricsLogger | NullLogger, eval_items: Sequence[Any] | None = None,
                   on_step_end=None) -> LoopState:
-    """Run the loop; returns the final state (history holds every logged record)."""
+    """Run the loop; returns the final state (history holds every logged record).
+
+    `on_step_end(state, metrics)` runs after every optimizer step; returning True ends training
+    there (early stopping), after which the caller saves as usual.
+    """
     n = len(train_items)
     spe = steps_per_epoch(n, cfg.train_batch_size)
     if spe == 0:
@@ -125,9 +129,8 @@ def train_offline(task: OfflineTask, backend, train_items: Sequence[Any], cfg: L
                 ep, bi = (state.epoch + 1, 0) if last_of_epoch else (state.epoch, state.batch_in_epoch)
                 backend.save_checkpoint(cfg.ckpt_path, f"global_step{state.step}",
                                         {"step": state.step, "epoch": ep, "batch_in_epoch": bi}, cfg.max_ckpt_num)
-            if on_step_end is not None:
-                on_step_end(state, metrics)
-            if state.step >= total:
+            stop = on_step_end(state, metrics) if on_step_end is not None else False
+            if state.step >= total or stop:
                 done = True
                 break
         if not done:

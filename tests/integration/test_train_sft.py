@@ -66,7 +66,7 @@ def test_loss_falls_over_50_steps_and_model_reloads(tiny_model_dir, qa, tmp_path
     train_sft.run(train_sft.build_parser().parse(sft_args(tiny_model_dir, qa[0], out, "--max_epochs", "2",
                                                           "--max_steps", "50", "--eval_dataset", qa[1],
                                                           "--eval_steps", "25", "--param_dtype", "fp32")),
-                  on_step_end=lambda s, m: steps.append(m))
+                  on_step_end=lambda s, m, b: steps.append(m))
     losses = [m["loss"] for m in steps]
     assert len(losses) == 50
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
@@ -99,7 +99,7 @@ def test_killed_then_resumed_equals_uninterrupted(tiny_model_dir, qa, tmp_path):
     part = str(tmp_path / "part")
     ck = str(tmp_path / "ck_part")
 
-    def crash_after_3(state, metrics):
+    def crash_after_3(state, metrics, backend):
         if state.step == 3:  # after the step-2 checkpoint, before the step-4 one
             raise Crash()
 
