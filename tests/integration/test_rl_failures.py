@@ -67,7 +67,7 @@ MARK, LOG = {mark!r}, {log!r}
 
 def reward_func(queries, prompts, labels):
     completion = queries[0][len(prompts[0]):]
-    if labels[0] == MARK or ord(completion[0]) % 4 == 0:
+    if labels[0] == MARK or ord(completion[0]) % 8 == 0:
         with open(LOG, "a") as f:
             f.write(prompts[0] + "\\n")
         raise RuntimeError("cannot score " + prompts[0])
