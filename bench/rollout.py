@@ -2,6 +2,7 @@
 
     python bench/rollout.py --model qwen2-0.5b-shape --batch 64,256 --shapes 128x256,512x1024 --out rollout_h100.json
     python bench/rollout.py --model tiny --device cpu --batch 4 --shapes 16x32          # CPU smoke test
+    python bench/rollout.py --batch 256 --shapes 128x256 --skip_hf --profile              # builtin only, profiled
 
 Every engine generates `batch` sequences of `new` tokens from random `prompt`-token prompts,
 sampling at temperature 1 with eos ignored, so all run to the same length; tokens/s counts new
@@ -13,6 +14,9 @@ the KV cache of every sequence at the mean context (prompt + new / 2), over the 
 
 Prints one JSON line: model, device, and per (batch, shape) the tokens/s of each engine,
 `speedup_vs_hf`, `speedup_vs_hf_static`, `roofline_tok_s` and the builtin's `roofline_fraction`.
+`--profile` (GPU) adds, per row, the builtin's decode step time from CUDA-graph replays at the final
+context, the kernels of one step (count and the costliest, from torch.profiler) and the time of
+one prefill of the whole batch.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rlhfkit.rollout.builtin import BuiltinEngine, BuiltinEngineConfig  # noqa: E402
+from rlhfkit.rollout.builtin.scheduler import batch_bucket, length_bucket  # noqa: E402
 from rlhfkit.types import GenerationRequest, SamplingParams  # noqa: E402
 
 HBM_TBPS = {"H200": 4.8, "H100": 3.35}
@@ -70,15 +75,19 @@ def run_builtin(model, device, dtype, ids: torch.Tensor, new: int, args) -> dict
     cfg = BuiltinEngineConfig(max_num_seqs=batch, max_model_len=plen + new, sync_every=args.sync_every,
                               max_prefill_tokens=args.max_prefill_tokens, compile=None if args.compile else False,
                               cuda_graphs=None if args.cuda_graphs else False,
-                              decode_attention=args.decode_attention)
+                              compile_prefill=None if args.compile_prefill else False,
+                              fast_sampling=args.fast_sampling, decode_attention=args.decode_attention,
+                              compile_mode=args.compile_mode)
     engine = BuiltinEngine(model, None, device=device, dtype=dtype, config=cfg, eos_token_ids=[])
     t0 = time.perf_counter()
     engine.warmup(batch)
-    warm = time.perf_counter() - t0
     sp = SamplingParams(temperature=1.0, max_new_tokens=new, seed=None)
     reqs = [GenerationRequest(row.tolist(), sp, i) for i, row in enumerate(ids)]
-    engine.generate(reqs[: min(batch, 8)])  # first prefill / allocator warm-up
+    # like HF's warm-up: the whole batch, a few tokens (prefill kernels, allocator, cuBLAS heuristics)
+    warm_sp = SamplingParams(temperature=1.0, max_new_tokens=min(new, 16), seed=None)
+    engine.generate([GenerationRequest(r.prompt_token_ids, warm_sp, r.request_id) for r in reqs])
     sync(device)
+    warm = time.perf_counter() - t0
     t0 = time.perf_counter()
     outs = engine.generate(reqs)
     sync(device)
@@ -86,12 +95,123 @@ def run_builtin(model, device, dtype, ids: torch.Tensor, new: int, args) -> dict
     assert all(len(o[0].token_ids) == new for o in outs), "builtin: a sequence stopped early"
     res = {"builtin_tok_s": batch * new / dt, "builtin_s": dt, "builtin_warmup_s": warm,
            "builtin_ms_per_step": 1000 * dt / new, "builtin_graphs": engine.runner.captures,
-           "builtin_compiled": engine.runner.compiled, "builtin_prefill_calls": engine.stats.prefill_calls}
+           "builtin_compiled": engine.runner.compiled, "builtin_prefill_calls": engine.stats.prefill_calls,
+           "builtin_attention": engine.model.attn, "builtin_fast_sampling": engine.runner.fast_sampling}
     if engine.runner.compile_error:
         res["builtin_compile_error"] = engine.runner.compile_error
+    if args.profile and device.type == "cuda":
+        try:
+            res["builtin_profile"] = profile_engine(engine, ids, new)
+        except Exception as exc:  # noqa: BLE001 - the timing above stands without the profile
+            res["builtin_profile_error"] = f"{type(exc).__name__}: {exc}"[:1000]
     engine.sleep(2)
     del engine
     return res
+
+
+def _median_ms(fn, repeat: int = 5) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(repeat):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def _kernel_table(prof, steps: int, top: int) -> dict:
+    rows = []
+    for evt in prof.key_averages():
+        dev_us = getattr(evt, "device_time_total", None)
+        if dev_us is None:
+            dev_us = getattr(evt, "cuda_time_total", 0)
+        if dev_us > 0 and evt.count > 0 and getattr(evt, "device_type", None) is not None \
+                and "CUDA" in str(evt.device_type):
+            rows.append((dev_us / steps, evt.count / steps, evt.key[:100]))
+    rows.sort(reverse=True)
+    return {"kernels_per_step": round(sum(r[1] for r in rows), 1),
+            "kernel_us_per_step": round(sum(r[0] for r in rows), 1),
+            "top": [{"us": round(us, 1), "per_step": round(n, 2), "name": name} for us, n, name in rows[:top]]}
+
+
+def profile_engine(engine: BuiltinEngine, ids: torch.Tensor, new: int, steps: int = 10) -> dict:
+    """Decode step time (graph replays with every row at the final context; a done row costs the
+    same), the kernels of those steps, and one prefill of the whole batch."""
+    from torch.profiler import ProfilerActivity, profile
+
+    batch, plen = ids.shape
+    runner = engine.runner
+    rows = batch_bucket(batch, engine.config.max_num_seqs)
+    kv_len = length_bucket(plen + new, engine.max_model_len)
+    out: dict = {}
+    with torch.inference_mode():
+        runner.run(rows, kv_len, False, 2)
+        out["decode_step_ms_final_ctx"] = _median_ms(lambda: runner.run(rows, kv_len, False, 20)) / 20
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            runner.run(rows, kv_len, False, steps)
+            torch.cuda.synchronize()
+        out["graph_replay"] = _kernel_table(prof, steps, 25)
+        if out["graph_replay"]["kernels_per_step"] == 0:  # kernels inside graphs not reported: profile eagerly
+            snap = runner.state.snapshot()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                runner._call(rows, kv_len, False)
+                torch.cuda.synchronize()
+            runner.state.restore(snap)
+            out["eager_step"] = _kernel_table(prof, 1, 25)
+        dev = engine.device
+        tok, lengths, slots = ids.to(dev), torch.full((batch,), plen, device=dev), torch.arange(batch, device=dev)
+        runner.prefill(engine.cache, tok, lengths, slots)
+        out["prefill_ms"] = _median_ms(lambda: runner.prefill(engine.cache, tok, lengths, slots), 3)
+    return out
+
+
+def attn_sweep(model, dtype: torch.dtype, batch: int, plen: int, new: int) -> list[dict]:
+    """Time the Triton decode attention of one step (all layers, CUDA-graph replays) under several
+    launch configurations, every row at context prompt + new / 2."""
+    from rlhfkit.rollout.builtin import triton_ops
+
+    c = model.config
+    hq, kv = c.num_attention_heads, c.num_key_value_heads
+    d = getattr(c, "head_dim", None) or c.hidden_size // hq
+    max_len, layers, dev = plen + new, c.num_hidden_layers, torch.device("cuda")
+    qkv = torch.randn(batch, (hq + 2 * kv) * d, device=dev, dtype=dtype)
+    q, k, v = qkv.split([hq * d, kv * d, kv * d], dim=-1)
+    q, k, v = q.unflatten(-1, (hq, d)), k.unflatten(-1, (kv, d)), v.unflatten(-1, (kv, d))
+    caches = [torch.randn(batch, kv, max_len, d, device=dev, dtype=dtype) for _ in range(2 * layers)]
+    cos = torch.randn(max_len, d, device=dev, dtype=dtype)
+    pos = torch.full((batch,), plen + new // 2, device=dev)
+    saved, out = dict(triton_ops.ATTN_CONFIG), []
+
+    def step():
+        for i in range(layers):
+            torch.ops.rlhfkit.decode_attention(q, k, v, caches[2 * i], caches[2 * i + 1], cos, cos, pos, d ** -0.5)
+
+    def timed(**cfg) -> dict:
+        triton_ops.ATTN_CONFIG.update(cfg)
+        try:
+            step()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+            graph.replay()
+            us = _median_ms(lambda: [graph.replay() for _ in range(10)]) * 100 / layers
+            row = {**cfg, "us_per_layer": round(us, 2)}
+        except Exception as exc:  # noqa: BLE001 - a configuration the compiler rejects
+            row = {**cfg, "error": f"{type(exc).__name__}: {exc}"[:200]}
+        triton_ops.ATTN_CONFIG.update(saved)
+        out.append(row)
+        return row
+
+    with torch.inference_mode():
+        for block_n in (32, 64, 128):
+            for warps, stages in ((4, 2), (4, 3), (8, 2), (2, 2)):
+                timed(block_n=block_n, num_warps=warps, num_stages=stages)
+        best = min((r for r in out if "us_per_layer" in r), key=lambda r: r["us_per_layer"])
+        for splits in (1, 2, 3, 4, 6):
+            timed(block_n=best["block_n"], num_warps=best["num_warps"], num_stages=best["num_stages"], splits=splits)
+    return out
 
 
 def run_hf(model, device, ids: torch.Tensor, new: int, static: bool) -> dict:
@@ -141,11 +261,20 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batch", default="64,256", help="comma-separated batch sizes")
     ap.add_argument("--shapes", default="128x256,512x1024", help="comma-separated PROMPTxNEW")
     ap.add_argument("--engines", default="builtin,hf,hf_static", help="subset of builtin,hf,hf_static")
+    ap.add_argument("--skip_hf", action="store_true", help="builtin only (same as --engines builtin)")
     ap.add_argument("--hbm_tbps", type=float, default=None, help="HBM bandwidth in TB/s (default: by GPU name)")
     ap.add_argument("--hf_max_new", type=int, default=None,
                     help="cap the HF baselines' new tokens (saves time; can only overstate HF's tokens/s)")
     ap.add_argument("--sync_every", type=int, default=16)
-    ap.add_argument("--decode_attention", default="sdpa", choices=["sdpa", "matmul"])
+    ap.add_argument("--decode_attention", default="auto", choices=["auto", "triton", "sdpa", "matmul"])
+    ap.add_argument("--no_compile_prefill", dest="compile_prefill", action="store_false")
+    ap.add_argument("--compile_mode", default=None, help="torch.compile mode of the decode layer, e.g. "
+                    "max-autotune-no-cudagraphs")
+    ap.add_argument("--attn_sweep", action="store_true", help="time the Triton attention kernel's launch "
+                    "configurations at each batch (prompt + new / 2 context) and print them")
+    ap.add_argument("--no_fast_sampling", dest="fast_sampling", action="store_false",
+                    help="the torch sampler instead of the Triton one")
+    ap.add_argument("--profile", action="store_true", help="add decode / prefill timings and the step's kernels")
     ap.add_argument("--max_prefill_tokens", type=int, default=32768)
     ap.add_argument("--no_compile", dest="compile", action="store_false")
     ap.add_argument("--no_cuda_graphs", dest="cuda_graphs", action="store_false")
@@ -155,7 +284,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    engines = args.engines.split(",")
+    engines = ["builtin"] if args.skip_hf else args.engines.split(",")
     unknown = set(engines) - {"builtin", "hf", "hf_static"}
     if unknown:
         raise SystemExit(f"--engines: unknown {sorted(unknown)}")
@@ -172,6 +301,11 @@ def main(argv: list[str] | None = None) -> dict:
             row: dict = {"batch": batch, "prompt_len": plen, "new_tokens": new}
             if "builtin" in engines:
                 row.update(run_builtin(model, device, dtype, ids, new, args))
+            if args.attn_sweep and device.type == "cuda":
+                try:
+                    row["attn_sweep"] = attn_sweep(model, dtype, batch, plen, new)
+                except Exception as exc:  # noqa: BLE001 - keep the engines' numbers
+                    row["attn_sweep_error"] = f"{type(exc).__name__}: {exc}"[:500]
             for name in ("hf", "hf_static"):
                 if name in engines:
                     hf_new = min(new, args.hf_max_new or new)
@@ -187,7 +321,8 @@ def main(argv: list[str] | None = None) -> dict:
             print(json.dumps(row), file=sys.stderr, flush=True)
     report = {"bench": "rollout", "model": args.model, "device": gpu, "dtype": str(dtype).replace("torch.", ""),
               "hbm_tbps": tbps, "torch": torch.__version__, "compile": args.compile,
-              "decode_attention": args.decode_attention,
+              "decode_attention": args.decode_attention, "compile_prefill": args.compile_prefill,
+              "fast_sampling": args.fast_sampling, "sync_every": args.sync_every, "compile_mode": args.compile_mode,
               "cuda_graphs": args.cuda_graphs and device.type == "cuda", "results": results}
     line = json.dumps(report)
     print(line)

@@ -161,6 +161,25 @@ def train_task(task: Any, backend: Any, train_items: Sequence[Any], eval_items: 
     return state
 
 
+def train_policy(args: argparse.Namespace, dist: DistInfo, tokenizer: Any, task: Any, train_items: Sequence[Any],
+                 eval_items: Sequence[Any] | None, plot_keys: tuple[str, ...] | None = None,
+                 on_step_end: Callable | None = None) -> OfflineRun:
+    """Load --pretrain as the trained causal LM, run the loop with `task`, save it, and report.
+
+    `on_step_end(state, metrics, backend)` runs after every step; returning True stops early.
+    """
+    from rlhfkit.cli.common import make_logger
+
+    model = load_causal_lm(from_args(ModelConfig, args), master_dtype="fp32")
+    backend = trainable_backend(model, args, dist, len(train_items))
+    logger = make_logger(args, dist.rank, plot_keys=plot_keys)
+    hook = (lambda state, metrics: on_step_end(state, metrics, backend)) if on_step_end else None
+    state = train_task(task, backend, train_items, eval_items, args, dist, logger, on_step_end=hook)
+    save_model(args, backend, tokenizer, dist)
+    logger.close()
+    return OfflineRun(state, backend, task, tokenizer, train_items, eval_items)
+
+
 def save_model(args: argparse.Namespace, backend: Any, tokenizer: Any, dist: DistInfo) -> None:
     """Save in Hugging Face format to --save_path."""
     backend.save_hf(args.save_path, tokenizer)

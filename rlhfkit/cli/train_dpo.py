@@ -14,14 +14,21 @@ Logged: loss, chosen_reward, rejected_reward, acc, margin (and eval_* on `--eval
 
 from __future__ import annotations
 
-from rlhfkit.cli.common import cli_main, make_logger
-from rlhfkit.cli.offline_common import (OFFLINE_PLOT_KEYS, OfflineRun, add_offline_flags, add_pair_key_flags,
-                                        add_ref_flags, frozen_model, load_split_items, save_model, setup,
-                                        train_task, trainable_backend)
-from rlhfkit.config.configs import ModelConfig, from_args
+from rlhfkit.cli.common import cli_main
+from rlhfkit.cli.offline_common import (
+    OFFLINE_PLOT_KEYS,
+    OfflineRun,
+    add_offline_flags,
+    add_pair_key_flags,
+    add_ref_flags,
+    frozen_model,
+    load_split_items,
+    setup,
+    train_policy,
+)
+from rlhfkit.config.configs import from_args
 from rlhfkit.config.flags import FlagParser
 from rlhfkit.data.preference import PreferenceDataConfig, PreferenceDataset
-from rlhfkit.models.loader import load_causal_lm
 from rlhfkit.trainers.dpo_task import DPOTask, check_dpo_settings
 
 
@@ -50,13 +57,7 @@ def run(args) -> OfflineRun:
                        "--ref_pretrain" if args.ref_pretrain else "--pretrain", args.ref_offload)
     task = DPOTask(pad_token_id=tokenizer.pad_token_id, ref=ref, beta=args.beta, label_smoothing=args.label_smoothing,
                    ipo=args.ipo, nll_loss_coef=args.nll_loss_coef, packing=args.packing_samples, device=dist.device)
-    model = load_causal_lm(from_args(ModelConfig, args), master_dtype="fp32")
-    backend = trainable_backend(model, args, dist, len(train_items))
-    logger = make_logger(args, dist.rank, plot_keys=OFFLINE_PLOT_KEYS)
-    state = train_task(task, backend, train_items, eval_items, args, dist, logger)
-    save_model(args, backend, tokenizer, dist)
-    logger.close()
-    return OfflineRun(state, backend, task, tokenizer, train_items, eval_items)
+    return train_policy(args, dist, tokenizer, task, train_items, eval_items, plot_keys=OFFLINE_PLOT_KEYS)
 
 
 def main(argv: list[str] | None = None) -> None:

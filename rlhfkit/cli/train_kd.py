@@ -13,13 +13,19 @@ read as for train_sft (`--input_key`, `--output_key`, `--input_template`,
 
 from __future__ import annotations
 
-from rlhfkit.cli.common import UsageError, cli_main, make_logger
-from rlhfkit.cli.offline_common import (OfflineRun, add_offline_flags, frozen_model, load_split_items, require,
-                                        save_model, setup, train_task, trainable_backend)
-from rlhfkit.config.configs import ModelConfig, from_args
+from rlhfkit.cli.common import UsageError, cli_main
+from rlhfkit.cli.offline_common import (
+    OfflineRun,
+    add_offline_flags,
+    frozen_model,
+    load_split_items,
+    require,
+    setup,
+    train_policy,
+)
+from rlhfkit.config.configs import from_args
 from rlhfkit.config.flags import FlagParser
 from rlhfkit.data.sft import SFTDataConfig, SFTDataset
-from rlhfkit.models.loader import load_causal_lm
 from rlhfkit.trainers.kd_task import KDTask
 
 KD_PLOT_KEYS = ("loss", "eval_loss", "kd_loss", "nll_loss")
@@ -50,13 +56,7 @@ def run(args) -> OfflineRun:
     teacher = frozen_model(args.teacher_model, args, dist, "--teacher_model", args.teacher_offload)
     task = KDTask(pad_token_id=tokenizer.pad_token_id, teacher=teacher, kd_coef=args.kd_coef,
                   packing=args.packing_samples, device=dist.device)
-    model = load_causal_lm(from_args(ModelConfig, args), master_dtype="fp32")
-    backend = trainable_backend(model, args, dist, len(train_items))
-    logger = make_logger(args, dist.rank, plot_keys=KD_PLOT_KEYS)
-    state = train_task(task, backend, train_items, eval_items, args, dist, logger)
-    save_model(args, backend, tokenizer, dist)
-    logger.close()
-    return OfflineRun(state, backend, task, tokenizer, train_items, eval_items)
+    return train_policy(args, dist, tokenizer, task, train_items, eval_items, plot_keys=KD_PLOT_KEYS)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -14,13 +14,19 @@ the weights so that w_d * n_desirable / (w_u * n_undesirable) lies in [1, 4/3].
 
 from __future__ import annotations
 
-from rlhfkit.cli.common import UsageError, cli_main, make_logger
-from rlhfkit.cli.offline_common import (OfflineRun, add_offline_flags, add_ref_flags, frozen_model,
-                                        load_split_items, save_model, setup, train_task, trainable_backend)
-from rlhfkit.config.configs import ModelConfig, from_args
+from rlhfkit.cli.common import UsageError, cli_main
+from rlhfkit.cli.offline_common import (
+    OfflineRun,
+    add_offline_flags,
+    add_ref_flags,
+    frozen_model,
+    load_split_items,
+    setup,
+    train_policy,
+)
+from rlhfkit.config.configs import from_args
 from rlhfkit.config.flags import FlagParser
 from rlhfkit.data.preference import UnpairedDataConfig, UnpairedDataset
-from rlhfkit.models.loader import load_causal_lm
 from rlhfkit.trainers.kto_task import KTOTask
 
 KTO_PLOT_KEYS = ("loss", "eval_loss", "kl", "signed_reward", "eval_chosen_reward", "eval_rejected_reward")
@@ -63,13 +69,7 @@ def run(args) -> OfflineRun:
     task = KTOTask(pad_token_id=tokenizer.pad_token_id, ref=ref, max_len=args.max_len, beta=args.beta,
                    desirable_weight=args.desirable_loss_weight, undesirable_weight=args.undesirable_loss_weight,
                    packing=args.packing_samples, device=dist.device)
-    model = load_causal_lm(from_args(ModelConfig, args), master_dtype="fp32")
-    backend = trainable_backend(model, args, dist, len(train_items))
-    logger = make_logger(args, dist.rank, plot_keys=KTO_PLOT_KEYS)
-    state = train_task(task, backend, train_items, eval_items, args, dist, logger)
-    save_model(args, backend, tokenizer, dist)
-    logger.close()
-    return OfflineRun(state, backend, task, tokenizer, train_items, eval_items)
+    return train_policy(args, dist, tokenizer, task, train_items, eval_items, plot_keys=KTO_PLOT_KEYS)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -13,14 +13,19 @@ two reward tokens (rlhfkit.data.prm, rlhfkit.losses.prm). Logged: loss, acc (eva
 
 from __future__ import annotations
 
-from rlhfkit.cli.common import UsageError, cli_main, make_logger
-from rlhfkit.cli.offline_common import (OFFLINE_PLOT_KEYS, OfflineRun, add_offline_flags, load_split_items,
-                                        save_model, setup, train_task, trainable_backend)
-from rlhfkit.config.configs import ModelConfig, from_args
+from rlhfkit.cli.common import UsageError, cli_main
+from rlhfkit.cli.offline_common import (
+    OFFLINE_PLOT_KEYS,
+    OfflineRun,
+    add_offline_flags,
+    load_split_items,
+    setup,
+    train_policy,
+)
+from rlhfkit.config.configs import from_args
 from rlhfkit.config.flags import FlagParser
 from rlhfkit.data.prm import PRMDataConfig, PRMDataset
 from rlhfkit.data.templates import token_id
-from rlhfkit.models.loader import load_causal_lm
 from rlhfkit.trainers.prm_task import PRMTask
 
 
@@ -49,13 +54,7 @@ def run(args) -> OfflineRun:
     task = PRMTask(pad_token_id=tokenizer.pad_token_id,
                    placeholder_token_id=token_id(tokenizer, args.placeholder_token, "--placeholder_token"),
                    reward_token_ids=reward_ids, packing=args.packing_samples, device=dist.device)
-    model = load_causal_lm(from_args(ModelConfig, args), master_dtype="fp32")
-    backend = trainable_backend(model, args, dist, len(train_items))
-    logger = make_logger(args, dist.rank, plot_keys=OFFLINE_PLOT_KEYS)
-    state = train_task(task, backend, train_items, eval_items, args, dist, logger)
-    save_model(args, backend, tokenizer, dist)
-    logger.close()
-    return OfflineRun(state, backend, task, tokenizer, train_items, eval_items)
+    return train_policy(args, dist, tokenizer, task, train_items, eval_items, plot_keys=OFFLINE_PLOT_KEYS)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -10,11 +10,10 @@ Loss on response tokens only (`--pretrain_mode`: all tokens; `--multiturn`: ever
 from __future__ import annotations
 
 from rlhfkit.cli import offline_common as C
-from rlhfkit.cli.common import cli_main, make_logger
-from rlhfkit.config.configs import ModelConfig, from_args
+from rlhfkit.cli.common import cli_main
+from rlhfkit.config.configs import from_args
 from rlhfkit.config.flags import FlagParser
 from rlhfkit.data.sft import SFTDataConfig, SFTDataset
-from rlhfkit.models.loader import load_causal_lm
 from rlhfkit.trainers.sft_task import SFTTask
 
 
@@ -33,15 +32,8 @@ def run(args, on_step_end=None) -> C.OfflineRun:
     dist, tokenizer = C.setup(args)
     data_cfg = from_args(SFTDataConfig, args)
     train_items, eval_items = C.load_split_items(args, lambda rows: SFTDataset(rows, tokenizer, data_cfg))
-    model = load_causal_lm(from_args(ModelConfig, args), master_dtype="fp32")
-    backend = C.trainable_backend(model, args, dist, len(train_items))
-    logger = make_logger(args, dist.rank)
     task = SFTTask(pad_token_id=tokenizer.pad_token_id, packing=args.packing_samples, device=dist.device)
-    hook = (lambda state, metrics: on_step_end(state, metrics, backend)) if on_step_end else None
-    state = C.train_task(task, backend, train_items, eval_items, args, dist, logger, on_step_end=hook)
-    C.save_model(args, backend, tokenizer, dist)
-    logger.close()
-    return C.OfflineRun(state, backend, task, tokenizer, train_items, eval_items)
+    return C.train_policy(args, dist, tokenizer, task, train_items, eval_items, on_step_end=on_step_end)
 
 
 def main(argv: list[str] | None = None) -> None:

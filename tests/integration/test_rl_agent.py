@@ -14,7 +14,6 @@ import importlib.util
 import json
 import os
 
-import pytest
 import torch
 
 from rlhfkit.cli import train_ppo

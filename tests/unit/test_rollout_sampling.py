@@ -6,7 +6,8 @@ import math
 
 import torch
 
-from rlhfkit.rollout.builtin.sampling import SlotState, gumbel_noise, sample_and_advance, sample_tokens
+from rlhfkit.rollout.builtin.sampling import (SlotState, gumbel_noise, hash_uniform, sample_and_advance,
+                                              sample_tokens)
 
 PROBS = torch.tensor([0.1, 0.2, 0.3, 0.4])
 LOGITS = PROBS.log()
@@ -45,6 +46,16 @@ def test_noise_is_a_function_of_seed_counter_and_index():
     # Gumbel(0, 1): mean = Euler's gamma 0.5772, variance = pi^2 / 6
     g = gumbel_noise(torch.arange(64), torch.zeros(64, dtype=torch.long), 4096)
     assert abs(g.mean().item() - 0.5772) < 0.01 and abs(g.var().item() - math.pi ** 2 / 6) < 0.03
+
+
+def test_hash_uniforms_stay_inside_the_unit_interval():
+    """The extreme hashes give u = 2^-24 and 1 - 2^-24 exactly, so the Gumbel noise stays finite
+    (with 24 bits, h = 2^32 - 1 rounded to u = 1.0 and an infinite noise that forced its token)."""
+    u = hash_uniform(torch.tensor([0, 511, 512, 2**32 - 1]))
+    assert u.dtype == torch.float32
+    assert u.tolist() == [2.0**-24, 2.0**-24, 3 * 2.0**-24, 1 - 2.0**-24]
+    g = -torch.log(-torch.log(u))
+    assert torch.isfinite(g).all() and g.max().item() < 16.7
 
 
 def test_greedy_is_argmax_with_raw_logprob():

@@ -1,0 +1,358 @@
+"""RL training with the roles on Ray actors: `python -m rlhfkit.cli.train_ppo_ray`.
+
+The seeds' launch path works as is:
+
+    ray start --head --num-gpus 8
+    ray job submit --address http://127.0.0.1:8265 -- python -m rlhfkit.cli.train_ppo_ray \
+        --actor_num_nodes 1 --actor_num_gpus_per_node 8 --ref_num_nodes 1 --ref_num_gpus_per_node 8 \
+        --vllm_num_engines 4 --colocate_all_models --pretrain PATH --remote_rm_url reward.py ...
+
+or run it directly where a cluster runs (`--ray_address`, $RAY_ADDRESS, the last `ray start` on
+this machine) or where Ray can start locally. Flags are train_ppo's plus the placement ones.
+
+    driver (this process)                               Ray actors
+    RLTrainer (the same loop as train_ppo)  --call-->   RayGroup policy / ref / critic / reward:
+      executor -> RayEngineRouter -------agenerate-->     N ranks each, one torch process group per
+      world size 1: the whole batch                       role (FSDP2 data parallel), batch split by rows
+      weights: policy ranks gather, rank 0 -> object store -> every engine actor
+
+On a machine without GPUs the `--*_num_gpus_per_node` flags count CPU workers (each reserving
+`--ray_num_cpus_per_worker` CPUs). `--async_train` generates the next `--async_queue_size`
+batches in a background thread while the trainer trains; each trajectory records the policy
+version that generated it and `staleness` (trained version - generating version) is logged.
+An actor that dies ends the run within seconds with its role, rank and error.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from rlhfkit.backend.dist import DistInfo
+from rlhfkit.cli import ppo_setup as S
+from rlhfkit.cli.common import UsageError, cli_main, make_logger, set_seed
+from rlhfkit.cli.train_ppo import PLOT_KEYS, build_parser as ppo_parser, load_prompts
+from rlhfkit.trainers.rl import RLState, RLTrainer
+
+PROG = "train_ppo_ray"
+VLLM_ONLY = ("vllm_gpu_memory_utilization", "enable_prefix_caching", "enforce_eager")
+NO_EFFECT = ("vllm_sync_backend", "vllm_sync_with_ray")  # weights always travel through the object store
+
+
+def build_parser():
+    p = ppo_parser()
+    p.prog = PROG
+    p.flag("--ray_address", type=str, default=None,
+           help="cluster to join, or `local` for a new local Ray (default: $RAY_ADDRESS, else the last "
+                "`ray start` on this machine, else a new local Ray)")
+    p.flag("--ray_num_cpus_per_worker", type=float, default=1.0, help="CPUs reserved with each GPU / CPU worker slot")
+    p.flag("--ray_accelerator_resource", type=str, default=None,
+           help="resource that --*_num_gpus_per_node counts (default: GPU if the cluster has GPUs, else CPU)")
+    p.flag("--ray_placement_timeout", type=float, default=60.0, help="seconds to wait for the placement groups")
+    p.flag("--ray_health_interval", type=float, default=5.0, help="seconds between actor health checks")
+    return p
+
+
+# ----------------------------------------------------------------------------- plan and checks
+
+
+def role_shapes(args) -> dict[str, Any]:
+    from rlhfkit.distributed.placement import Shape
+
+    shapes = {"policy": Shape(args.actor_num_nodes, args.actor_num_gpus_per_node, "actor")}
+    if args.init_kl_coef > 0:
+        shapes["ref"] = Shape(args.ref_num_nodes, args.ref_num_gpus_per_node, "ref")
+    if args.advantage_estimator == "gae":
+        shapes["critic"] = Shape(args.critic_num_nodes, args.critic_num_gpus_per_node, "critic")
+    if args.reward_pretrain and not (args.remote_rm_url or args.agent_func_path):
+        shapes["reward"] = Shape(args.reward_num_nodes, args.reward_num_gpus_per_node, "reward")
+    return shapes
+
+
+def check_ray_flags(args, shapes: dict[str, Any]) -> None:
+    from rlhfkit.distributed.placement import plan_pools
+
+    plan_pools(shapes, args.vllm_num_engines, args.vllm_tensor_parallel_size, colocate_all=args.colocate_all_models,
+               colocate_actor_ref=args.colocate_actor_ref, colocate_critic_reward=args.colocate_critic_reward)
+    if args.async_train and args.colocate_all_models:
+        raise UsageError("--async_train generates while the policy trains, but --colocate_all_models puts the "
+                         "engines on the training GPUs: use one or the other")
+    if args.async_train and args.vllm_enable_sleep:
+        raise UsageError("--async_train keeps the engines generating during training: --vllm_enable_sleep "
+                         "would have nothing to free; drop one of them")
+    if args.async_train and args.async_queue_size < 1:
+        raise UsageError(f"--async_queue_size must be >= 1, got {args.async_queue_size}")
+    if args.vllm_tensor_parallel_size > 1:
+        raise UsageError("--vllm_tensor_parallel_size > 1 is not supported by train_ppo_ray yet "
+                         "(one engine runs on one GPU); use more --vllm_num_engines")
+    if args.partial_rollout:
+        raise UsageError("--partial_rollout is not supported yet")
+    if args.vllm_num_engines > args.rollout_batch_size and not args.rollout_max_num_seqs:
+        raise UsageError(f"--vllm_num_engines ({args.vllm_num_engines}) exceeds --rollout_batch_size "
+                         f"({args.rollout_batch_size}): some engines would get no slots; set --rollout_max_num_seqs")
+
+
+def note_no_effect(args, parser) -> None:
+    changed = [d for d in (*VLLM_ONLY, *NO_EFFECT) if getattr(args, d) != parser.get_default(d)]
+    vllm_only = [d for d in changed if d in VLLM_ONLY and args.rollout_engine != "vllm"]
+    none = [d for d in changed if d in NO_EFFECT]
+    if vllm_only:
+        print(f"note: {', '.join('--' + d for d in vllm_only)} take effect with --rollout_engine vllm only")
+    if none:
+        print(f"note: {', '.join('--' + d for d in none)} have no effect: weights go to the engines through "
+              "Ray's object store")
+
+
+# ----------------------------------------------------------------------------- builders (run in actors)
+
+
+def build_role(args, num_steps: int, role: str, dist: DistInfo) -> tuple[Any, Any]:
+    """One rank of `role` (runs inside its Ray actor) -> (role object, backend or None)."""
+    set_seed(args.seed)
+    if role == "policy":
+        group, backend = S.build_policy(args, dist, num_steps)
+        return group.role, backend
+    if role == "ref":
+        group = S.build_ref(args, dist)
+        return group.role, group.role.backend
+    if role == "critic":
+        group, backend = S.build_critic(args, dist, num_steps)
+        return group.role, backend
+    if role == "reward":
+        return S.build_reward_model(args, dist).role, None
+    raise ValueError(f"unknown role {role!r}")
+
+
+def build_engine(args, dist: DistInfo) -> Any:
+    """One rollout engine (runs inside its Ray actor); vLLM also gets the --vllm_* / engine flags."""
+    from rlhfkit.models.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(args.pretrain, chat_template=args.tokenizer_chat_template,
+                               use_fast=not args.disable_fast_tokenizer)
+    if args.rollout_engine != "vllm":
+        return S.build_engine_for(args, tokenizer, dist)
+    import torch
+
+    from rlhfkit.rollout import build_engine as make_engine
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.param_dtype, torch.float32)
+    return make_engine("vllm", args.pretrain, tokenizer, dtype=dtype, seed=args.seed, max_model_len=args.max_len,
+                       gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                       enable_sleep_mode=args.vllm_enable_sleep, enable_prefix_caching=args.enable_prefix_caching,
+                       enforce_eager=args.enforce_eager)
+
+
+def save_critic(path: str, tokenizer: Any, role: Any, backend: Any, dist: DistInfo) -> None:
+    """Runs in every critic rank: the value network as an HF directory (rank 0 writes)."""
+    from rlhfkit.models.value import save_value_model
+
+    sd = backend.full_state_dict()
+    save_value_model(backend.unwrap(), path, tokenizer, state_dict=sd, is_main_process=dist.rank == 0)
+
+
+# ----------------------------------------------------------------------------- the loop over Ray groups
+
+
+@dataclass
+class _Batch:
+    trajs: list
+    metrics: dict
+    cursor: tuple[int, int]
+    version: int
+    seconds: float
+
+
+class RayRLTrainer(RLTrainer):
+    """`RLTrainer` over Ray groups. The step is the parent's; this adds the policy version of each
+    trajectory, engine / sleep timings and, with `async_queue_size > 0`, the background producer:
+    a shallow copy of this trainer with its own `RLState` cursor runs the parent's `rollout()`
+    (same prompt order and sampling seeds as a synchronous run), at most `async_queue_size`
+    batches ahead; consuming a batch moves this trainer's data cursor to it (for checkpoints)."""
+
+    def __init__(self, *args: Any, router: Any, phases: Any, monitor: Any, async_queue_size: int = 0,
+                 **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.router, self.phases, self.monitor = router, phases, monitor
+        self.async_queue_size = async_queue_size
+        self._producer: Any = None
+
+    def rollout(self):
+        if not self.async_queue_size:
+            with self.router.hold_weights() as version:
+                trajs, m = super().rollout()
+            for t in trajs:
+                t.policy_version = version
+            return trajs, m
+        if self._producer is None:
+            self._producer = self._start_producer()
+        item: _Batch = self._producer.get(check=self.monitor.check)
+        self.state.episode, self.state.batch_in_episode = item.cursor
+        stale = [self.state.step - t.policy_version for t in item.trajs] or [0]
+        item.metrics.update(staleness=sum(stale) / len(stale), staleness_max=float(max(stale)),
+                            **{"time/generate_async": item.seconds})
+        return item.trajs, item.metrics
+
+    def _start_producer(self):
+        from rlhfkit.distributed.async_rollout import AsyncRolloutQueue
+
+        gen = copy.copy(self)
+        gen.state = RLState(step=self.state.step, episode=self.state.episode,
+                            batch_in_episode=self.state.batch_in_episode)
+        self.router.version = self.state.step
+
+        def produce(i: int, started) -> _Batch:
+            t0 = time.perf_counter()
+            with self.router.hold_weights() as version:
+                started()
+                trajs, m = RLTrainer.rollout(gen)
+            gen.state.step += 1
+            for t in trajs:
+                t.policy_version = version
+            return _Batch(trajs, m, (gen.state.episode, gen.state.batch_in_episode), version,
+                          time.perf_counter() - t0)
+
+        return AsyncRolloutQueue(produce, self.total_steps() - self.state.step, self.async_queue_size).start()
+
+    def train_step(self) -> dict[str, float]:
+        m = super().train_step()
+        m.update(self.router.take_metrics())
+        m.update({f"time/{k}": v for k, v in self.phases.take_timings().items()})
+        return m
+
+    def fit(self) -> RLState:
+        try:
+            return super().fit()
+        finally:
+            if self._producer is not None:
+                self._producer.close()
+                self._producer = None
+
+
+# ----------------------------------------------------------------------------- run
+
+
+def _weights_dtype(args, accelerator: str) -> str | None:
+    on_gpu = args.device.startswith("cuda") if args.device else accelerator == "GPU"
+    if not on_gpu:
+        return None
+    return {"bf16": "bfloat16", "fp16": "float16"}.get(args.param_dtype)
+
+
+def _exit_after(grace_s: float):
+    """on_failure for the health monitor: end the process if the main thread hasn't within grace_s."""
+    def on_failure(failure) -> None:
+        def later() -> None:
+            time.sleep(grace_s)
+            print(f"{PROG}: error: {failure}", file=sys.stderr, flush=True)
+            os._exit(1)
+        threading.Thread(target=later, daemon=True).start()
+    return on_failure
+
+
+def launch_roles(args, num_steps: int, shapes: dict[str, Any], hard_exit: bool):
+    from rlhfkit.distributed.group import Phases
+    from rlhfkit.distributed.health import HealthMonitor
+    from rlhfkit.distributed.launch import EngineSpec, LaunchConfig, RoleSpec, launch
+    from rlhfkit.distributed.placement import SlotResources, detect_accelerator
+
+    accel = detect_accelerator(args.ray_accelerator_resource)
+    monitor = HealthMonitor(args.ray_health_interval, on_failure=_exit_after(10.0) if hard_exit else None)
+    phases = Phases(engine_sleep=args.vllm_enable_sleep, train_sleep=args.deepspeed_enable_sleep)
+    builder = functools.partial(build_role, args, num_steps)
+    roles = [RoleSpec(name, shape, builder) for name, shape in shapes.items()]
+    engines = EngineSpec(args.vllm_num_engines, args.vllm_tensor_parallel_size, functools.partial(build_engine, args))
+    cfg = LaunchConfig(resources=SlotResources(accel, args.ray_num_cpus_per_worker), device=args.device,
+                       colocate_all=args.colocate_all_models, colocate_actor_ref=args.colocate_actor_ref,
+                       colocate_critic_reward=args.colocate_critic_reward,
+                       placement_timeout_s=args.ray_placement_timeout, unit=args.n_samples_per_prompt,
+                       weights_dtype=_weights_dtype(args, accel))
+    launched = launch(roles, engines, cfg, monitor, phases)
+    for p in launched.placement:
+        print(f"placement: {p['role']} rank {p['rank']} pid {p['pid']} node {p['node_id'][:12]} ({p['ip']}) "
+              f"pool {p['pool']} bundle {p['bundle']} gpus {p['gpu_ids']}", flush=True)
+    return launched, phases
+
+
+def build_ray_trainer(args, launched, phases, tokenizer, prompts, eval_prompts) -> RayRLTrainer:
+    from rlhfkit.distributed.group import GroupBackend
+
+    g, router = launched.groups, launched.router
+    executor = S.build_executor(args, router, tokenizer, args.temperature)
+    eval_executor = S.build_executor(args, router, tokenizer, args.eval_temperature) if eval_prompts else None
+    if eval_prompts and "reward" in g:
+        raise UsageError("--eval_dataset scores with --remote_rm_url or --agent_func_path; "
+                         "evaluation with a reward model is not supported")
+    critic_backend = GroupBackend(g["critic"]) if "critic" in g else None
+    ckpt = S.RLCheckpointer(GroupBackend(g["policy"]), critic_backend, args.save_hf_ckpt, tokenizer)
+    return RayRLTrainer(S.loop_config(args), S.advantage_config(args), S.shaping_config(args), policy=g["policy"],
+                        engine=router, executor=executor, prompts=prompts, dist=DistInfo(),
+                        logger=make_logger(args, 0, PLOT_KEYS), pad_token_id=tokenizer.pad_token_id,
+                        kl_ctl=S.kl_controller(args), ref=g.get("ref"), critic=g.get("critic"),
+                        reward_model=g.get("reward"), eval_executor=eval_executor, eval_prompts=eval_prompts,
+                        checkpointer=ckpt, router=router, phases=phases, monitor=launched.monitor,
+                        async_queue_size=args.async_queue_size if args.async_train else 0)
+
+
+def save_final(args, launched, tokenizer) -> None:
+    from rlhfkit.distributed.group import GroupBackend
+
+    GroupBackend(launched.groups["policy"]).save_hf(args.save_path, tokenizer)
+    if args.save_value_network and "critic" in launched.groups:
+        path = args.save_path.rstrip("/") + "_critic"
+        launched.groups["critic"].run_all("apply", functools.partial(save_critic, path, tokenizer))
+    print(f"policy saved to {args.save_path}")
+
+
+def run(args, parser, hard_exit: bool = False) -> None:
+    from rlhfkit.distributed.launch import connect
+    from rlhfkit.models.loader import load_tokenizer
+
+    shapes = role_shapes(args)
+    S.resolve_flags(args, shapes["policy"].slots)
+    check_ray_flags(args, shapes)
+    note_no_effect(args, parser)
+    set_seed(args.seed)
+    tokenizer = load_tokenizer(args.pretrain, chat_template=args.tokenizer_chat_template,
+                               use_fast=not args.disable_fast_tokenizer)
+    prompts = load_prompts(args, tokenizer, args.prompt_data, args.prompt_split, args.prompt_data_probs,
+                           args.max_samples)
+    eval_prompts = (load_prompts(args, tokenizer, args.eval_dataset, args.eval_split, None,
+                                 args.eval_max_samples or args.max_samples) if args.eval_dataset else [])
+    num_steps = S.optimizer_steps(args, len(prompts))
+    started = connect(args.ray_address)
+    launched = None
+    try:
+        launched, phases = launch_roles(args, num_steps, shapes, hard_exit)
+        trainer = build_ray_trainer(args, launched, phases, tokenizer, prompts, eval_prompts)
+        trainer.fit()
+        trainer.logger.close()
+        save_final(args, launched, tokenizer)
+    finally:
+        if launched is not None:
+            launched.shutdown()
+        if started:
+            import ray
+
+            ray.shutdown()
+
+
+def main(argv: list[str] | None = None, hard_exit: bool = False) -> None:
+    from rlhfkit.distributed.health import RoleFailure
+
+    parser = build_parser()
+    args = parser.parse(argv)
+    try:
+        cli_main(PROG, lambda: run(args, parser, hard_exit))
+    except (RoleFailure, ConnectionError) as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main(hard_exit=True)
