@@ -1,0 +1,181 @@
+"""`RayGroup`: a role group of N Ray actors behind the same `call` as `roles.group.LocalGroup`.
+
+    group.call("forward_logprobs", batch, T)   batch split by rows into N contiguous shards (whole
+                                               prompt groups of `unit` rows), one per rank; the
+                                               ranks' [b_i, L] / [b_i] tensors are concatenated
+    group.call("train_on", batch, kl_coef)     same split; the ranks' metric dicts are averaged
+                                               (roles already reduce them over their process group,
+                                               so every rank holds the global value)
+    group.call("weights")                      -> RayWeights: all ranks gather the full parameters
+                                               together, rank 0 leaves CPU buckets in the object store
+    group.call(other, *args)                   every rank runs it; rank 0's result
+
+The driver's loop sees the whole batch (world size 1 from its point of view); data parallelism
+happens inside the group, whose ranks share one torch process group.
+
+`Phases` implements sleep/wake between the rollout and training phases (`--vllm_enable_sleep`:
+engines sleep while any role group works and wake for generation or a weight update;
+`--deepspeed_enable_sleep`: a group's training states are on the device only during its calls).
+`GroupBackend` lets the loop's checkpointer (which expects a backend) save, load and export
+through the group: every rank takes part, rank 0's answer is returned.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterator
+
+import ray
+import torch
+
+from rlhfkit.distributed.health import ActorLabel, HealthMonitor, wait_all
+from rlhfkit.types import ExperienceBatch
+
+
+def split_rows(num_rows: int, num_shards: int, unit: int) -> list[tuple[int, int]]:
+    """Contiguous [start, end) row ranges, as even as possible in whole units of `unit` rows
+    (single rows when `num_rows` is not a multiple of `unit`)."""
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    unit = unit if unit > 0 and num_rows % unit == 0 else 1
+    base, extra = divmod(num_rows // unit, num_shards)
+    out, start = [], 0
+    for i in range(num_shards):
+        end = start + (base + (1 if i < extra else 0)) * unit
+        out.append((start, end))
+        start = end
+    return out
+
+
+def merge_results(results: list[Any]) -> Any:
+    """Per-rank results of a split call -> one: tensors concatenated by rows, dicts averaged."""
+    first = results[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(results, dim=0)
+    if isinstance(first, dict):
+        keys = {k for r in results for k in r}
+        return {k: sum(float(r[k]) for r in results if k in r) / sum(1 for r in results if k in r)
+                for k in sorted(keys)}
+    if first is None:
+        return None
+    raise TypeError(f"cannot merge per-rank results of type {type(first).__name__}")
+
+
+class RayWeights:
+    """Full policy weights as object-store buckets; iterating yields `(name, tensor)` pairs, so any
+    RolloutEngine accepts it; `RayEngineRouter` hands the refs to its engine actors directly."""
+
+    def __init__(self, refs: list[Any], nbytes: int) -> None:
+        self.refs, self.nbytes = refs, nbytes
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for ref in self.refs:
+            yield from ray.get(ref)
+
+
+class Phases:
+    """Sleep / wake between phases; see the module docstring. `engine` is set by the router."""
+
+    def __init__(self, engine_sleep: bool = False, train_sleep: bool = False) -> None:
+        self.engine_sleep, self.train_sleep = engine_sleep, train_sleep
+        self.engine: Any = None
+        self.timings: dict[str, float] = {}
+
+    def _time(self, key: str, t0: float) -> None:
+        self.timings[key] = self.timings.get(key, 0.0) + time.perf_counter() - t0
+
+    def before_group(self, group: "RayGroup") -> None:
+        t0 = time.perf_counter()
+        if self.engine_sleep and self.engine is not None and not self.engine.asleep:
+            self.engine.sleep()
+            self._time("engine_sleep", t0)
+        if self.train_sleep:
+            t1 = time.perf_counter()
+            group.run_all("reload")
+            self._time("states_reload", t1)
+
+    def after_group(self, group: "RayGroup") -> None:
+        if self.train_sleep:
+            t0 = time.perf_counter()
+            group.run_all("offload")
+            self._time("states_offload", t0)
+
+    def before_rollout(self) -> None:
+        if self.engine_sleep and self.engine is not None and self.engine.asleep:
+            t0 = time.perf_counter()
+            self.engine.wake_up()
+            self._time("engine_wake", t0)
+
+    def take_timings(self) -> dict[str, float]:
+        out, self.timings = self.timings, {}
+        return out
+
+
+class RayGroup:
+    """N actors of one role; see the module docstring."""
+
+    def __init__(self, name: str, actors: list[Any], labels: list[ActorLabel], monitor: HealthMonitor | None = None,
+                 unit: int = 1, phases: Phases | None = None, weights_dtype: str | None = None) -> None:
+        if not actors:
+            raise ValueError(f"role group {name} has no actors")
+        self.name, self.actors, self.labels = name, actors, labels
+        self.monitor, self.unit, self.phases = monitor, unit, phases
+        self.weights_dtype = weights_dtype
+
+    @property
+    def world_size(self) -> int:
+        return len(self.actors)
+
+    def run_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """`method` on every rank with the same arguments; results in rank order."""
+        refs = [getattr(a, method).remote(*args, **kwargs) for a in self.actors]
+        return wait_all(refs, self.labels, self.monitor)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        if self.phases is not None:
+            self.phases.before_group(self)
+        try:
+            return self._call(method, *args, **kwargs)
+        finally:
+            if self.phases is not None:
+                self.phases.after_group(self)
+
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        if method == "weights":
+            refs, nbytes = self.run_all("publish_weights", self.weights_dtype)[0]
+            return RayWeights(refs, nbytes)
+        if args and isinstance(args[0], ExperienceBatch):
+            batch, rest = args[0], args[1:]
+            ranges = split_rows(batch.batch_size, self.world_size, self.unit)
+            refs = [a.call.remote(method, batch.select(list(range(s, e))), *rest, **kwargs)
+                    for a, (s, e) in zip(self.actors, ranges)]
+            return merge_results(wait_all(refs, self.labels, self.monitor))
+        return self.run_all("call", method, *args, **kwargs)[0]
+
+    def __repr__(self) -> str:
+        return f"RayGroup({self.name}, {self.world_size} ranks)"
+
+
+class GroupBackend:
+    """Backend-shaped proxy over a RayGroup, for `RLCheckpointer` (save / load / export)."""
+
+    def __init__(self, group: RayGroup) -> None:
+        self.group = group
+
+    def _all(self, method: str, *args: Any) -> Any:
+        if self.group.phases is not None:
+            self.group.phases.before_group(self.group)
+        try:
+            return self.group.run_all("backend_call", method, *args)[0]
+        finally:
+            if self.group.phases is not None:
+                self.group.phases.after_group(self.group)
+
+    def save_checkpoint(self, ckpt_root: str, tag: str, client_state: dict | None, max_keep: int) -> str:
+        return self._all("save_checkpoint", ckpt_root, tag, client_state, max_keep)
+
+    def load_checkpoint(self, ckpt_root: str) -> dict | None:
+        return self._all("load_checkpoint", ckpt_root)
+
+    def save_hf(self, path: str, tokenizer: Any = None, dtype: torch.dtype | None = None) -> None:
+        self._all("save_hf", path, tokenizer, dtype)

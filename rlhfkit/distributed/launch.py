@@ -1,0 +1,165 @@
+"""Start the Ray side of an RL run: connect, place, create and set up the actors.
+
+    started = connect(address)                      # join a running cluster, else start a local one
+    roles = launch(RoleSpec..., EngineSpec, LaunchConfig, monitor, phases)
+        plan_pools -> check_fits (fails at once) -> create_pool per pool (timed wait)
+        -> actors, slot by slot (colocated actors of a slot share it: 1/k of its resources)
+        -> info (pid, node) -> rank 0's address + a free port -> setup on every actor at once
+           (each role group forms its own torch process group; engines load their weights)
+    roles.groups["policy"].call(...), roles.router.agenerate(...)
+    roles.shutdown()
+
+`launch` reads no flags: the CLI passes the shapes, the builders (picklable callables that turn
+a DistInfo into a role or an engine) and the options.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rlhfkit.distributed.engines import RayEngineRouter
+from rlhfkit.distributed.group import Phases, RayGroup
+from rlhfkit.distributed.health import ActorLabel, HealthMonitor, wait_all
+from rlhfkit.distributed.placement import (ReadyPool, Shape, SlotResources, check_fits, create_pool,
+                                           plan_pools, remove_pools)
+from rlhfkit.distributed.workers import EngineWorker, RoleWorker
+
+
+def connect(address: str | None = None) -> bool:
+    """Join the cluster at `address`, else $RAY_ADDRESS, else the last `ray start` on this machine,
+    else start a local Ray (Ray's own order for `ray.init()`; never "auto", which would join any
+    Ray instance found running on the machine). Returns True when this call initialised Ray (the
+    caller calls `ray.shutdown()`: a disconnect, or the end of the local instance)."""
+    if ray.is_initialized():
+        return False
+    try:
+        ray.init(address=address, include_dashboard=False, log_to_driver=True)
+    except ConnectionError as e:
+        raise ConnectionError(f"{e}\n(--ray_address local starts a new local Ray instead)") from None
+    return True
+
+
+@dataclass
+class RoleSpec:
+    name: str  # policy, ref, critic, reward
+    shape: Shape
+    build: Callable[[str, Any], tuple[Any, Any]]  # (role name, DistInfo) -> (role, backend | None)
+
+
+@dataclass
+class EngineSpec:
+    num_engines: int
+    tensor_parallel_size: int
+    build: Callable[[Any], Any]  # DistInfo -> RolloutEngine
+
+
+@dataclass
+class LaunchConfig:
+    resources: SlotResources = field(default_factory=SlotResources)
+    device: str | None = None
+    colocate_all: bool = False
+    colocate_actor_ref: bool = False
+    colocate_critic_reward: bool = False
+    placement_timeout_s: float = 60.0
+    unit: int = 1  # rows that stay on one rank (samples of one prompt)
+    weights_dtype: str | None = None  # dtype of the weights sent to engines (None: as trained)
+
+
+@dataclass
+class LaunchedRoles:
+    groups: dict[str, RayGroup]
+    router: RayEngineRouter
+    pools: list[ReadyPool]
+    monitor: HealthMonitor
+    placement: list[dict[str, Any]]  # one line per actor: role, rank, pid, node, pool, bundle
+
+    def shutdown(self) -> None:
+        self.monitor.stop()
+        for g in self.groups.values():
+            for a in g.actors:
+                ray.kill(a, no_restart=True)
+        for a in self.router.actors:
+            ray.kill(a, no_restart=True)
+        remove_pools(self.pools)
+
+
+def _create_actors(pool: ReadyPool, roles: dict[str, RoleSpec], engines: EngineSpec,
+                   cfg: LaunchConfig) -> dict[str, list[Any]]:
+    """One actor per member per slot, slot by slot, each with 1/k of its slot."""
+    members = pool.spec.members
+    opts = cfg.resources.actor_options(len(members))
+    out: dict[str, list[Any]] = {m: [] for m in members}
+    for rank, bundle in enumerate(pool.bundle_of_rank):
+        strategy = PlacementGroupSchedulingStrategy(pool.pg, placement_group_bundle_index=bundle)
+        for m in members:
+            if m == "engine":
+                cls = ray.remote(EngineWorker).options(scheduling_strategy=strategy, **opts)
+                out[m].append(cls.remote(rank, engines.build))
+            else:
+                world = pool.spec.shape.slots
+                cls = ray.remote(RoleWorker).options(scheduling_strategy=strategy, max_concurrency=2, **opts)
+                out[m].append(cls.remote(m, rank, world, roles[m].build))
+    return out
+
+
+def launch(roles: list[RoleSpec], engines: EngineSpec, cfg: LaunchConfig, monitor: HealthMonitor,
+           phases: Phases | None = None) -> LaunchedRoles:
+    by_name = {r.name: r for r in roles}
+    pools_spec = plan_pools({r.name: r.shape for r in roles}, engines.num_engines, engines.tensor_parallel_size,
+                            colocate_all=cfg.colocate_all, colocate_actor_ref=cfg.colocate_actor_ref,
+                            colocate_critic_reward=cfg.colocate_critic_reward)
+    check_fits(pools_spec, cfg.resources, wait_s=min(10.0, cfg.placement_timeout_s))
+    pools: list[ReadyPool] = []
+    try:
+        for spec in pools_spec:
+            pools.append(create_pool(spec, cfg.resources, cfg.placement_timeout_s))
+        actors: dict[str, list[Any]] = {}
+        where: dict[str, list[tuple[str, int]]] = {}
+        for pool in pools:
+            for m, lst in _create_actors(pool, by_name, engines, cfg).items():
+                actors[m] = lst
+                where[m] = [(pool.spec.name, b) for b in pool.bundle_of_rank]
+        return _setup(actors, where, pools, cfg, monitor, phases, engines.num_engines)
+    except BaseException:
+        remove_pools(pools)
+        raise
+
+
+def _setup(actors: dict[str, list[Any]], where: dict[str, list[tuple[str, int]]], pools: list[ReadyPool],
+           cfg: LaunchConfig, monitor: HealthMonitor, phases: Phases | None, num_engines: int) -> LaunchedRoles:
+    names = list(actors)
+    flat = [(m, r, a) for m in names for r, a in enumerate(actors[m])]
+    infos = wait_all([a.info.remote() for _, _, a in flat], [ActorLabel(m, r) for m, r, _ in flat], monitor,
+                     timeout=cfg.placement_timeout_s + 120)
+    labels: dict[str, list[ActorLabel]] = {m: [] for m in names}
+    placement = []
+    for (m, r, a), info in zip(flat, infos):
+        label = ActorLabel("engine" if m == "engine" else m, r, info["pid"], info["ip"])
+        labels[m].append(label)
+        monitor.register(a, label)
+        pool, bundle = where[m][r]
+        placement.append({"role": m, "rank": r, "pid": info["pid"], "node_id": info["node_id"], "ip": info["ip"],
+                          "pool": pool, "bundle": bundle, "gpu_ids": info["gpu_ids"]})
+    refs, ref_labels = [], []
+    for m in names:
+        if m == "engine":
+            for r, a in enumerate(actors[m]):
+                refs.append(a.setup.remote(cfg.device, num_engines))
+                ref_labels.append(labels[m][r])
+            continue
+        port = wait_all([actors[m][0].free_port.remote()], labels[m][:1], monitor)[0] if len(actors[m]) > 1 else 0
+        addr = labels[m][0].node or "127.0.0.1"
+        for r, a in enumerate(actors[m]):
+            refs.append(a.setup.remote(addr, port, cfg.device))
+            ref_labels.append(labels[m][r])
+    wait_all(refs, ref_labels, monitor)
+    monitor.start()
+    groups = {m: RayGroup(m, actors[m], labels[m], monitor, unit=cfg.unit, phases=phases,
+                          weights_dtype=cfg.weights_dtype)
+              for m in names if m != "engine"}
+    router = RayEngineRouter(actors["engine"], labels["engine"], monitor, phases)
+    return LaunchedRoles(groups, router, pools, monitor, placement)

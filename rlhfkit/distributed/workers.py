@@ -1,0 +1,180 @@
+"""Ray actor bodies: one rank of a role group (`RoleWorker`) and one rollout engine (`EngineWorker`).
+
+Both are plain classes, made remote by the launcher (`ray.remote(RoleWorker).options(...)`), and
+both take a *builder* callable from the CLI, so this package never reads the flag namespace:
+
+    RoleWorker(role, rank, world_size, build)      build(role, DistInfo) -> (role object, backend | None)
+      .setup(master_addr, master_port, device)     env RANK/WORLD_SIZE/MASTER_* -> init_distributed
+                                                   (gloo on CPU, NCCL + gloo on GPU) -> build
+      .call(method, *args)                         role.forward_logprobs / train_on / forward_values ...
+      .publish_weights(dtype, bucket_bytes)        all ranks gather full params together (FSDP2);
+                                                   rank 0 puts CPU buckets in the object store
+    EngineWorker(index, build)                     build(DistInfo) -> RolloutEngine (async actor)
+      .agenerate / .generate / .update_weights(refs) / .sleep / .wake_up
+
+A group of one rank creates no process group, exactly like one-process train_ppo (so a Ray run
+with single-rank groups executes the same float operations as train_ppo). Role workers run two
+threads so that the health monitor's `ping` is answered while a long call runs; the driver never
+sends a role two calls at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from typing import Any, Callable
+
+import ray
+import torch
+
+from rlhfkit.backend.dist import DistInfo, init_distributed, resolve_device
+
+DEFAULT_BUCKET_BYTES = 256 * 2**20
+
+
+def _node_info() -> dict[str, Any]:
+    ctx = ray.get_runtime_context()
+    return {"pid": os.getpid(), "node_id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(),
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+
+def _quiet_env() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+class RoleWorker:
+    """One rank of policy / ref / critic / reward; see the module docstring."""
+
+    def __init__(self, role: str, rank: int, world_size: int, build: Callable[[str, DistInfo], tuple[Any, Any]]):
+        _quiet_env()
+        self.role_name, self.rank, self.world_size, self._build = role, rank, world_size, build
+        self.role: Any = None
+        self.backend: Any = None
+        self.dist = DistInfo()
+
+    def info(self) -> dict[str, Any]:
+        return _node_info()
+
+    def ping(self) -> int:
+        return os.getpid()
+
+    def free_port(self) -> int:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return int(s.getsockname()[1])
+
+    def setup(self, master_addr: str, master_port: int, device: str | None) -> dict[str, Any]:
+        """Join the group's process group (when world_size > 1) and build the role."""
+        if self.world_size > 1:
+            os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK="0",
+                              MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        self.dist = init_distributed(device)
+        self.role, self.backend = self._build(self.role_name, self.dist)
+        return {"device": self.dist.device, "world_size": self.dist.world_size}
+
+    def _enter(self) -> None:
+        # calls may run on either of the actor's threads; the current CUDA device is per thread
+        if self.dist.device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(self.dist.device))
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        self._enter()
+        return getattr(self.role, method)(*args, **kwargs)
+
+    def publish_weights(self, dtype: str | None = None,
+                        bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> tuple[list[Any], int]:
+        """Full weights in CPU buckets in the object store: (refs, bytes) on rank 0, ([], 0) elsewhere.
+
+        Every rank iterates `role.weights()` to the end: under FSDP2 each parameter is all-gathered."""
+        self._enter()
+        cast = getattr(torch, dtype) if dtype else None
+        refs: list[Any] = []
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = total = 0
+        for name, t in self.role.weights():
+            if self.rank != 0:
+                continue
+            t = t.detach().to("cpu", dtype=cast if cast is not None and t.is_floating_point() else t.dtype)
+            bucket.append((name, t))
+            size += t.numel() * t.element_size()
+            if size >= bucket_bytes:
+                refs.append(ray.put(bucket))
+                total, bucket, size = total + size, [], 0
+        if bucket:
+            refs.append(ray.put(bucket))
+            total += size
+        return refs, total
+
+    def backend_call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        self._enter()
+        return getattr(self.backend, method)(*args, **kwargs)
+
+    def apply(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(role, backend, dist, *args)` inside the actor (e.g. saving the critic as an HF model)."""
+        self._enter()
+        return fn(self.role, self.backend, self.dist, *args)
+
+    def offload(self) -> None:
+        """Training states (or a reward model's weights) to CPU: --deepspeed_enable_sleep."""
+        self._enter()
+        if self.backend is not None:
+            self.backend.offload_states()
+        elif self.dist.device.startswith("cuda"):
+            for m in getattr(self.role, "models", []):
+                m.to("cpu")
+            torch.cuda.empty_cache()
+
+    def reload(self) -> None:
+        self._enter()
+        if self.backend is not None:
+            self.backend.reload_states()
+        elif self.dist.device.startswith("cuda"):
+            for m in getattr(self.role, "models", []):
+                m.to(self.dist.device)
+
+
+class EngineWorker:
+    """One rollout engine (builtin / hf / vllm) as an async actor; requests run concurrently."""
+
+    def __init__(self, index: int, build: Callable[[DistInfo], Any]):
+        _quiet_env()
+        self.index, self._build = index, build
+        self.engine: Any = None
+
+    async def info(self) -> dict[str, Any]:
+        return _node_info()
+
+    async def ping(self) -> int:
+        return os.getpid()
+
+    async def setup(self, device: str | None, num_engines: int) -> dict[str, Any]:
+        dist = DistInfo(rank=self.index, world_size=num_engines, device=resolve_device(device))
+        self.engine = self._build(dist)
+        return {"device": dist.device}
+
+    async def agenerate(self, request: Any) -> Any:
+        return await self.engine.agenerate(request)
+
+    async def generate(self, requests: list[Any]) -> Any:
+        return await asyncio.to_thread(self.engine.generate, requests)
+
+    async def update_weights(self, refs: list[Any]) -> int:
+        """Load the weight buckets `refs` (object store) into the engine; returns the tensor count."""
+        buckets = await asyncio.gather(*refs)
+        pairs = [p for b in buckets for p in b]
+        await asyncio.to_thread(self.engine.update_weights, iter(pairs))
+        return len(pairs)
+
+    async def sleep(self, level: int = 1) -> None:
+        await asyncio.to_thread(self.engine.sleep, level)
+
+    async def wake_up(self) -> None:
+        await asyncio.to_thread(self.engine.wake_up)
+
+    async def close(self) -> None:
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()

@@ -1,0 +1,169 @@
+"""train_ppo_ray on a local Ray (CPU) == one-process train_ppo, for the placements of issue 6.
+
+GRPO (group_norm), 4 prompts x 2 samples per step, train_batch_size 8 (one optimizer step per RL
+step), KL as a loss against a reference model, the builtin engine, 2 steps, tiny Llama.
+
+- separate actors: policy, ref and the engine are three Ray actors on three placement groups;
+- --colocate_all_models (+ --vllm_enable_sleep --deepspeed_enable_sleep): the three share one
+  bundle (a third of it each) and the engine sleeps while the roles work;
+- --async_train: the next batch is generated while the policy trains; staleness is logged.
+
+Tolerances. Each role group has one rank, so the actors run no process group and execute the same
+float operations in the same order as one-process train_ppo (the driver splits nothing; rows go
+to rank 0 unchanged), and the engine samples with the same per-request seeds. Measured: every
+loss, KL, grad norm and the final weights are bit-identical; the only difference is the engine's
+own log-probs (`vllm_kl`, which differs by ~1e-8 because the engine's batch rows are laid out
+differently), and those only enter the loss under --enable_vllm_is_correction (off here). So:
+sampled-token statistics 1e-6 (one differing token moves the reward by >= 1/48), training
+metrics rel 1e-6, weights 1e-6 absolute (they move by > 1e-3 over the run).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlhfkit.cli import train_ppo
+from rlhfkit.tasks.addition import addition_splits
+
+ray = pytest.importorskip("ray")
+from rlhfkit.cli import train_ppo_ray  # noqa: E402
+
+pytestmark = pytest.mark.distributed
+
+REWARD_FILE = '''
+def reward_func(queries, prompts, labels):
+    rewards = []
+    for q, p in zip(queries, prompts):
+        c = q[len(p):]
+        rewards.append(sum(ord(ch) % 2 == 0 for ch in c) / max(len(c), 1))
+    return {"rewards": rewards, "scores": rewards, "extra_logs": {"even_frac": rewards}}
+'''
+SAMPLE_KEYS = ["reward", "reward_std", "response_length", "truncated_rate", "even_frac"]
+TRAIN_KEYS = ["policy_loss", "kl_loss", "kl", "advantage", "grad_norm", "entropy"]
+
+
+def flags(model: str, d: str, save: str, *extra: str) -> list[str]:
+    return ["--pretrain", model, "--remote_rm_url", os.path.join(d, "reward.py"),
+            "--prompt_data", os.path.join(d, "prompts.jsonl"), "--input_key", "input", "--label_key", "label",
+            "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "2", "--rollout_batch_size", "4",
+            "--train_batch_size", "8", "--micro_train_batch_size", "2", "--generate_max_len", "6",
+            "--prompt_max_len", "16", "--max_steps", "2", "--init_kl_coef", "0.01", "--use_kl_loss",
+            "--actor_learning_rate", "1e-3", "--lr_warmup_ratio", "0", "--save_path", save,
+            "--disable_progress", "--device", "cpu", *extra]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> str:
+    d = str(tmp_path_factory.mktemp("rl_ray"))
+    rows, _ = addition_splits(12, 2, seed=7)
+    with open(os.path.join(d, "prompts.jsonl"), "w") as f:
+        f.writelines(json.dumps({"input": r["input"], "label": r["label"]}) + "\n" for r in rows)
+    with open(os.path.join(d, "reward.py"), "w") as f:
+        f.write(REWARD_FILE)
+    return d
+
+
+def read(save: str) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    with open(os.path.join(save, "metrics.jsonl")) as f:
+        recs = [json.loads(line) for line in f]
+    return recs, load_file(os.path.join(save, "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir, data_dir):
+    save = os.path.join(data_dir, "one_process")
+    train_ppo.main(flags(tiny_model_dir, data_dir, save))
+    recs, w = read(save)
+    assert max(abs(r["policy_loss"]) for r in recs) > 1e-3, "policy_loss ~ 0 at every step: a vacuous comparison"
+    w0 = load_file(os.path.join(tiny_model_dir, "model.safetensors"))
+    assert max(float((w[k] - w0[k]).abs().max()) for k in w0) > 1e-3
+    return recs, w
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(address="local", num_cpus=3, include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
+def placement(out: str) -> list[dict]:
+    pat = re.compile(r"placement: (\w+) rank (\d+) pid (\d+) node (\w+) \S+ pool (\S+) bundle (\d+)")
+    return [dict(zip(("role", "rank", "pid", "node", "pool", "bundle"), m.groups())) for m in pat.finditer(out)]
+
+
+def assert_match(ref: list[dict], got: list[dict], steps: list[int]) -> None:
+    assert [r["step"] for r in got] == [1, 2]
+    for a, b in zip(ref, got):
+        if a["step"] not in steps:
+            continue
+        for k in SAMPLE_KEYS:
+            assert b[k] == pytest.approx(a[k], abs=1e-6), f"step {a['step']} {k}: sampled tokens differ"
+        for k in TRAIN_KEYS:
+            assert b[k] == pytest.approx(a[k], rel=1e-6, abs=1e-9), f"step {a['step']} {k}: {b[k]} != {a[k]}"
+
+
+def test_separate_actors_match_one_process(tiny_model_dir, data_dir, reference, local_ray, capsys):
+    save = os.path.join(data_dir, "separate")
+    train_ppo_ray.main(flags(tiny_model_dir, data_dir, save))
+    out = capsys.readouterr().out
+    where = placement(out)
+    assert sorted(p["role"] for p in where) == ["engine", "policy", "ref"], out[-2000:]
+    assert len({p["pid"] for p in where}) == 3 and len({p["pool"] for p in where}) == 3
+    recs, w = read(save)
+    assert_match(reference[0], recs, [1, 2])
+    assert all(r["weight_sync_mb"] > 0.1 and r["time/weight_push"] > 0 for r in recs)
+    for k, v in reference[1].items():
+        torch.testing.assert_close(w[k], v, atol=1e-6, rtol=0, msg=k)
+
+
+def test_colocate_all_with_sleep_matches_one_process(tiny_model_dir, data_dir, reference, local_ray, capsys):
+    save = os.path.join(data_dir, "colocated")
+    train_ppo_ray.main(flags(tiny_model_dir, data_dir, save, "--colocate_all_models", "--vllm_enable_sleep",
+                             "--deepspeed_enable_sleep"))
+    where = placement(capsys.readouterr().out)
+    assert sorted(p["role"] for p in where) == ["engine", "policy", "ref"]
+    assert {(p["pool"], p["bundle"]) for p in where} == {("all", "0")}, where
+    recs, w = read(save)
+    assert_match(reference[0], recs, [1, 2])
+    # the engine slept during each step's training and woke for the weight update
+    assert all(r["time/engine_sleep"] > 0 and r["time/engine_wake"] > 0 for r in recs)
+    for k, v in reference[1].items():
+        torch.testing.assert_close(w[k], v, atol=1e-6, rtol=0, msg=k)
+
+
+def test_async_train_logs_staleness(tiny_model_dir, data_dir, reference, local_ray):
+    save = os.path.join(data_dir, "async")
+    train_ppo_ray.main(flags(tiny_model_dir, data_dir, save, "--async_train", "--async_queue_size", "1"))
+    recs, _ = read(save)
+    # batch 1 comes from the initial policy (as in a synchronous run: identical step 1); batch 2 was
+    # generated while step 1 trained, so by the policy one version behind the one it trains
+    assert [r["staleness"] for r in recs] == [0.0, 1.0]
+    assert [r["staleness_max"] for r in recs] == [0.0, 1.0]
+    assert_match(reference[0], recs, [1])
+    # vllm_kl = mean(rollout logprob - logprob of the policy being trained): ~1e-8 when the engine
+    # has the trained weights (reference), clearly nonzero when batch 2 came from the older policy
+    assert abs(reference[0][1]["vllm_kl"]) < 1e-6
+    assert abs(recs[1]["vllm_kl"]) > 1e-5  # measured 3.8e-4
+    assert all(r["time/generate_async"] > 0 for r in recs)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--async_train", "--colocate_all_models"], "--async_train"),
+    (["--colocate_all_models", "--actor_num_gpus_per_node", "2", "--ref_num_gpus_per_node", "2"],
+     "--vllm_num_engines x --vllm_tensor_parallel_size (1 x 1 = 1) must equal --actor_num_nodes 1 x "
+     "--actor_num_gpus_per_node 2 (2)"),
+    (["--colocate_actor_ref", "--ref_num_gpus_per_node", "2"], "--colocate_actor_ref needs --ref_num_nodes 1 x"),
+    (["--async_train", "--vllm_enable_sleep"], "--vllm_enable_sleep"),
+])
+def test_bad_placement_flags_fail_before_ray_starts(tiny_model_dir, data_dir, capsys, extra, message):
+    with pytest.raises(SystemExit) as e:
+        train_ppo_ray.main(flags(tiny_model_dir, data_dir, os.path.join(data_dir, "bad"), *extra))
+    assert e.value.code == 1
+    assert message in capsys.readouterr().err
