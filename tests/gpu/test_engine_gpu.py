@@ -4,7 +4,9 @@ fp32 (TF32 off): outputs must equal HF's token for token, except where HF's own 
 are within 1e-3 (a near-tie that fused GEMMs may break either way). bf16: divergences must also
 be near-ties of HF's bf16 logits (gap < 0.25), and the log-prob gap against a teacher-forced HF
 forward is measured and printed (and written to $OUT/engine_gpu_parity.json when $OUT is set).
-Also: compile + CUDA graphs vs eager, sampled log-probs, weight update with graphs kept, sleep.
+Also: compile + CUDA graphs vs eager, sampled log-probs, weight update with graphs kept, sleep,
+and the Triton kernels (fused RoPE + K/V write + attention; one-pass Gumbel sampler) against the
+torch implementations they replace, on random inputs.
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ import pytest
 import torch
 
 from rlhfkit.rollout.builtin import BuiltinEngine, BuiltinEngineConfig
+from rlhfkit.rollout.builtin.model import _torch_decode_attention
+from rlhfkit.rollout.builtin.sampling import combine_partials, sample_tokens
+from rlhfkit.rollout.builtin.weights import ModelSpec
 from rlhfkit.types import GenerationRequest, SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -64,8 +69,18 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(10, 151000, (n,), generator=g).tolist() for n in LENGTHS]
 
 
+_HF_CACHE: dict = {}
+
+
 @torch.no_grad()
 def _hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
+    key = (id(model), tuple(prompt), max_new)  # the parity modes share one reference per prompt
+    if key not in _HF_CACHE:
+        _HF_CACHE[key] = _hf_greedy_uncached(model, prompt, max_new)
+    return _HF_CACHE[key]
+
+
+def _hf_greedy_uncached(model, prompt: list[int], max_new: int) -> list[int]:
     ids = torch.tensor([prompt], device="cuda")
     out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new,
                          pad_token_id=0, eos_token_id=None)
@@ -96,11 +111,72 @@ def _greedy_run(model, dtype, **cfg) -> list[list[int]]:
             for i, (p, m) in enumerate(zip(_prompts(), MAX_NEW))]
     outs = [o[0].token_ids for o in engine.generate(reqs)]
     assert engine.stats.mid_run_admissions >= 1
+    assert engine.runner.compile_error is None  # no silent fallback from a fast path
+    assert engine.model.attn == cfg.get("decode_attention", "triton")
     return outs
 
 
+def _rope_tables(length: int, dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    ang = torch.randn(length, dim // 2, device="cuda")
+    return torch.cat([ang.cos()] * 2, -1).to(dtype), torch.cat([ang.sin()] * 2, -1).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,heads,kv_heads,dim,max_len", [(256, 14, 2, 64, 384), (3, 14, 2, 64, 1500),
+                                                             (5, 8, 8, 128, 700), (2, 32, 4, 128, 4096)])
+def test_triton_decode_attention_matches_torch(dtype, rows, heads, kv_heads, dim, max_len):
+    """Fused kernel == RoPE + K/V write + SDPA over each row's own length (the second shape splits
+    the positions over several programs); the cache is written at `pos` and nowhere else."""
+    torch.manual_seed(rows)
+    spec = ModelSpec("qwen2", 100, heads * dim, 1, heads, kv_heads, dim, 4, 1e-6, False, True, max_len)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, device="cuda", dtype=dtype)
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k, v = q.unflatten(-1, (heads, dim)), k.unflatten(-1, (kv_heads, dim)), v.unflatten(-1, (kv_heads, dim))
+    caches = [torch.randn(rows + 1, kv_heads, max_len, dim, device="cuda", dtype=dtype) for _ in range(2)]
+    ref_caches = [c.clone() for c in caches]
+    pos = torch.randint(0, max_len, (rows,), device="cuda")
+    pos[0], pos[-1] = max_len - 1, 0
+    cos, sin = _rope_tables(max_len, dim, dtype)
+    hidden = torch.arange(max_len, device="cuda")[None, :] > pos[:, None]
+    bias = torch.zeros(hidden.shape, dtype=dtype, device="cuda").masked_fill(hidden, float("-inf"))[:, None, None, :]
+    ref = _torch_decode_attention(spec, q, k, v, *ref_caches, pos, cos, sin, bias, dim ** -0.5, True)
+    out = torch.ops.rlhfkit.decode_attention(q, k, v, *caches, cos, sin, pos, dim ** -0.5)
+    ref = ref.reshape(rows, heads, dim).float()
+    rel = ((out.float() - ref).norm() / ref.norm()).item()
+    assert rel < (1e-5 if dtype == torch.float32 else 1e-2), rel
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=5e-2, rtol=2e-2)  # bf16 RoPE rounding
+    for c, r in zip(caches, ref_caches):
+        assert torch.allclose(c.float(), r.float(), **tol)
+
+
+def test_triton_sampler_matches_torch_sampler():
+    """Same tokens as the torch Gumbel-max sampler (the same hash, so at most a float near-tie may
+    differ), log-probs of the temperature-scaled distribution, and banned stop ids never sampled."""
+    torch.manual_seed(0)
+    rows, vocab, m = 512, 151936, 8
+    logits = (torch.randn(rows, vocab, device="cuda") * 4).to(torch.bfloat16)
+    temp = torch.rand(rows, device="cuda") + 0.2
+    temp[:64] = 0.0  # greedy rows
+    seeds = torch.randint(0, 2**62, (rows,), device="cuda")
+    counters = torch.randint(0, 5000, (rows,), device="cuda")
+    stop = torch.randint(0, vocab, (rows, m), device="cuda")
+    ban = torch.rand(rows, m, device="cuda") < 0.3
+    greedy_top = logits.float().argmax(-1)
+    stop[:16, 0], ban[:16, 0] = greedy_top[:16], True  # ban the greedy choice of 16 greedy rows
+    args = (logits, temp, torch.ones(rows, device="cuda"), torch.full((rows,), vocab, device="cuda"), stop, ban,
+            seeds, counters, False)
+    ref_tok, ref_lp = sample_tokens(*args, fast=False)
+    parts = torch.ops.rlhfkit.gumbel_sample_partials(logits, temp, seeds, counters, stop, ban)
+    tok, lp = combine_partials(logits, temp, *parts)
+    assert (tok != ref_tok).sum().item() <= 1
+    assert (lp - ref_lp).abs().max().item() < 1e-3
+    assert not ((tok[:, None] == stop) & ban).any()
+    assert torch.equal(tok[16:64], greedy_top[16:64])
+    assert torch.equal(sample_tokens(*args)[0], tok)  # the dispatching entry point takes the kernel
+
+
 @pytest.mark.parametrize("mode", [dict(), dict(compile=False), dict(compile=False, cuda_graphs=False),
-                                  dict(decode_attention="matmul")])
+                                  dict(decode_attention="sdpa"), dict(decode_attention="matmul")])
 def test_fp32_greedy_parity(fp32_model, mode):
     outs = _greedy_run(fp32_model, torch.float32, **mode)
     exact = 0
@@ -120,6 +196,7 @@ def test_bf16_greedy_parity_and_logprob_gap(bf16_model, fp32_model):
     prompts = _prompts()
     outs = engine.generate([GenerationRequest(p, SamplingParams(temperature=0.0, max_new_tokens=m), i)
                             for i, (p, m) in enumerate(zip(prompts, MAX_NEW))])
+    assert engine.runner.compile_error is None and engine.model.attn == "triton"
     exact, prefix, gaps, lp_bf16, lp_fp32 = 0, [], [], [], []
     for p, m, (c,) in zip(prompts, MAX_NEW, outs):
         ref = _hf_greedy(bf16_model, p, m)
@@ -154,6 +231,7 @@ def test_fp32_sampled_logprobs_match_teacher_forcing(fp32_model):
                 ref = _teacher_logprobs(fp32_model, p, c.token_ids, sp.temperature)
                 assert (torch.tensor(c.logprobs, device="cuda") - ref).abs().max().item() < 1e-3
     assert engine.stats.prefill_sequences == 8  # 2 calls x 4 prompts, the n = 2 samples share it
+    assert engine.runner.compile_error is None  # the compiled torch sampler (top-k / top-p) and the Triton one
 
 
 def test_update_weights_keeps_graphs_and_sleep_frees_memory(bf16_model):

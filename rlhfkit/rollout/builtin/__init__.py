@@ -4,7 +4,8 @@
     model.py     functional prefill / decode over the slot KV cache
     sampling.py  per-slot device state; temperature / top-k / top-p / min-new sampling + log-probs
     scheduler.py continuous batching policy (slots, admission, buckets, compaction)
-    runner.py    decode step: eager, torch.compile'd, CUDA graphs per bucket
+    runner.py    decode step: eager, torch.compile'd, CUDA graphs per bucket; fallbacks
+    triton_ops.py GPU kernels (custom ops): fused RoPE + K/V write + GQA decode attention; one-pass sampler
     engine.py    BuiltinEngine: the RolloutEngine protocol, sync and async
 """
 

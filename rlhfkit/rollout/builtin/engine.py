@@ -31,7 +31,8 @@ from typing import Any, Iterable
 
 import torch
 
-from rlhfkit.rollout.builtin.model import DecoderModel, KVCache
+from rlhfkit.rollout.builtin import triton_ops
+from rlhfkit.rollout.builtin.model import DECODE_ATTENTION, DecoderModel, KVCache
 from rlhfkit.rollout.builtin.runner import DecodeRunner
 from rlhfkit.rollout.builtin.sampling import SlotState
 from rlhfkit.rollout.builtin.scheduler import (Admission, RequestState, SlotScheduler, batch_bucket,
@@ -56,12 +57,34 @@ class BuiltinEngineConfig:
     compile: bool | None = None  # torch.compile the decode step; default: on for CUDA devices
     max_stop_ids: int = 8
     seed: int = 0
-    decode_attention: str = "sdpa"  # or "matmul" (two batched matmuls; no SDPA kernel)
+    compile_prefill: bool | None = None  # torch.compile the prefill layer too; default: as `compile`
+    compile_mode: str | None = None  # torch.compile mode of the decode layer / head, e.g. "max-autotune-no-cudagraphs"
+    # "auto": "triton" (fused RoPE + K/V write + attention kernel) on CUDA when Triton and the head
+    # shape allow, else "sdpa"; "matmul": two batched matmuls (no SDPA kernel)
+    decode_attention: str = "auto"
+    fast_sampling: bool = True  # on CUDA, the one-pass Triton sampler for batches without top-k / top-p
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_prefill_tokens", "sync_every", "max_stop_ids"):
             if getattr(self, name) < 1:
                 raise ValueError(f"BuiltinEngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.decode_attention not in ("auto",) + DECODE_ATTENTION:
+            raise ValueError(f"BuiltinEngineConfig.decode_attention must be one of {('auto',) + DECODE_ATTENTION}, "
+                             f"got {self.decode_attention!r}")
+
+
+def resolve_decode_attention(choice: str, spec, device: torch.device) -> str:
+    """'auto' -> 'triton' on CUDA when Triton is installed and the head shape fits the kernel, else 'sdpa'."""
+    if choice != "auto":
+        if choice == "triton" and not (device.type == "cuda" and triton_ops.available()):
+            raise ValueError("decode_attention='triton' needs a CUDA device and the triton package")
+        if choice == "triton" and not triton_ops.attention_supported(spec.num_heads, spec.num_kv_heads,
+                                                                      spec.head_dim):
+            raise ValueError(f"decode_attention='triton' does not support head_dim={spec.head_dim} with "
+                             f"{spec.num_heads} / {spec.num_kv_heads} heads; use 'sdpa'")
+        return choice
+    fits = triton_ops.attention_supported(spec.num_heads, spec.num_kv_heads, spec.head_dim)
+    return "triton" if device.type == "cuda" and triton_ops.available() and fits else "sdpa"
 
 
 class BuiltinEngine:
@@ -89,10 +112,12 @@ class BuiltinEngine:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's sliding window "
                              f"{self.spec.sliding_window}, which the builtin engine does not implement")
         cos, sin = rope_tables(model.config, self.spec, self.max_model_len, self.dtype, self.device)
-        self.model = DecoderModel(self.spec, weights, cos, sin, cfg.decode_attention)
+        attn = resolve_decode_attention(cfg.decode_attention, self.spec, self.device)
+        self.model = DecoderModel(self.spec, weights, cos, sin, attn)
         on_cuda = self.device.type == "cuda"
         self._graphs = on_cuda if cfg.cuda_graphs is None else cfg.cuda_graphs
         self._compile = on_cuda if cfg.compile is None else cfg.compile
+        self._compile_prefill = self._compile if cfg.compile_prefill is None else cfg.compile_prefill
         if self._graphs and not on_cuda:
             raise ValueError("BuiltinEngineConfig.cuda_graphs needs a CUDA device")
         self.stats = EngineStats()
@@ -119,7 +144,9 @@ class BuiltinEngine:
         self.state = SlotState.allocate(cfg.max_num_seqs, self.max_model_len, cfg.max_stop_ids, self.device)
         self.sched = SlotScheduler(cfg.max_num_seqs, cfg.max_prefill_tokens)
         self.runner = DecodeRunner(self.model, self.cache, self.state, self.max_model_len,
-                                   cuda_graphs=self._graphs, compile_step=self._compile)
+                                   cuda_graphs=self._graphs, compile_step=self._compile,
+                                   compile_prefill=self._compile_prefill, compile_mode=cfg.compile_mode)
+        self.runner.fast_sampling = cfg.fast_sampling
 
     def sleep(self, level: int = 1) -> None:
         """Free the KV cache and decode graphs (level 1); level 2 also moves the weights to CPU."""
@@ -290,12 +317,10 @@ class BuiltinEngine:
         dev = self.device
         prompts = [a.req.request.prompt_token_ids for a in admissions]
         plen = max(len(p) for p in prompts)
-        tokens = torch.zeros(len(prompts), plen, dtype=torch.long)
-        for i, p in enumerate(prompts):
-            tokens[i, :len(p)] = torch.tensor(p)
+        tokens = torch.tensor([list(p) + [0] * (plen - len(p)) for p in prompts], dtype=torch.long)
         lengths = torch.tensor([len(p) for p in prompts])
         first = torch.tensor([a.slots[0] for a in admissions])
-        logits = self.model.prefill(self.cache, tokens.to(dev), lengths.to(dev), first.to(dev))
+        logits = self.runner.prefill(self.cache, tokens.to(dev), lengths.to(dev), first.to(dev))
         self.stats.prefill_calls += 1
         self.stats.prefill_sequences += len(prompts)
         self.stats.prefill_tokens += int(lengths.sum())

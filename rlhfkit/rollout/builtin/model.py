@@ -6,13 +6,19 @@ A running sequence owns one slot (row); its token at position p has its K/V at `
     prefill(tokens [b, P], lengths [b], slots [b])  -> logits of each prompt's last token [b, V]
         writes K/V of positions 0..P-1 into the rows `slots` (positions past a prompt's length hold
         padding and are overwritten by decode before they are ever read)
-    decode(tokens [B], pos [B], num_rows=B, kv_len=Lb)  -> logits [B, V]
-        row i = slot i; writes K/V of `tokens` at `pos`, attends over the first `kv_len` positions
-        of its row with key j visible iff j <= pos[i] (an additive 0 / -inf bias)
+    decode(tokens [B], pos [B], kv_len=Lb)  -> logits [B, V]
+        row i = slot i; writes K/V of `tokens` at `pos`; key j is visible iff j <= pos[i]
 
-Decode attention treats the G = num_heads / num_kv_heads query heads that share one KV head as G
-query rows of a single-head problem (`[B, KV, G, D]` against `[B, KV, Lb, D]`), so plain SDPA
-handles grouped-query attention (Ainslie et al. 2023, arXiv 2305.13245) without repeating K/V.
+Decode attention, three implementations (`DecoderModel.attn`):
+    "triton"  (GPU default) one fused kernel per layer (`triton_ops.decode_attention`): RoPE, K/V
+              write, and attention over each row's own length read from `pos` on the device,
+              so one CUDA graph per batch size serves every context length;
+    "sdpa"    (CPU default) the G = num_heads / num_kv_heads query heads that share one KV head
+              become G query rows of a single-head problem (`[B, KV, G, D]` against
+              `[B, KV, Lb, D]`) under an additive 0 / -inf bias over the first `Lb` (length
+              bucket) positions, so plain SDPA handles grouped-query attention (Ainslie et al.
+              2023, arXiv 2305.13245) without repeating K/V;
+    "matmul"  the same with two batched matmuls.
 All ops have static shapes for fixed (B, Lb), which is what lets the engine capture each decode
 step as a CUDA graph. The math mirrors Hugging Face's Llama/Qwen2/Qwen3 modules op for op
 (RMSNorm in fp32, then cast; Zhang & Sennrich 2019, arXiv 1910.07467).
@@ -110,55 +116,112 @@ def _qkv(layer: LayerWeights, spec: ModelSpec, h: torch.Tensor, cos: torch.Tenso
 
 
 def _mlp_block(layer: LayerWeights, spec: ModelSpec, x: torch.Tensor) -> torch.Tensor:
-    h = rms_norm(x, layer.post_norm, spec.rms_norm_eps)
+    return x + _mlp(layer, spec, rms_norm(x, layer.post_norm, spec.rms_norm_eps))
+
+
+def _mlp(layer: LayerWeights, spec: ModelSpec, h: torch.Tensor) -> torch.Tensor:
     gate, up = F.linear(h, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
-    return x + F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+    return F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+
+
+def _torch_decode_attention(spec: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor,
+                            sin: torch.Tensor, bias: torch.Tensor, scale: float, use_sdpa: bool) -> torch.Tensor:
+    """RoPE, K/V write and attention over the first `kv_len = bias.shape[-1]` positions -> `[B, Hq, D]`."""
+    nrows, kv_len = q.shape[0], bias.shape[-1]
+    cos_p, sin_p = cos[pos][:, None, :], sin[pos][:, None, :]  # [B, 1, D]
+    q, k = apply_rope(q, cos_p, sin_p), apply_rope(k, cos_p, sin_p)
+    write_kv(k_cache, v_cache, torch.arange(nrows, device=q.device), pos, k, v)
+    keys, values = k_cache[:nrows, :, :kv_len], v_cache[:nrows, :, :kv_len]  # [B, KV, Lb, D]
+    qg = q.reshape(nrows, spec.num_kv_heads, spec.num_heads // spec.num_kv_heads, spec.head_dim)
+    if use_sdpa:
+        return F.scaled_dot_product_attention(qg, keys, values, attn_mask=bias, scale=scale)
+    # explicit: scores in the model dtype, softmax in fp32 (as HF's eager attention)
+    scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale + bias.float()
+    return torch.matmul(torch.softmax(scores, dim=-1).to(qg.dtype), values)
 
 
 def decode_layer(spec: ModelSpec, layer: LayerWeights, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 x: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 bias: torch.Tensor, scale: float, use_sdpa: bool = True) -> torch.Tensor:
-    """One decoder layer for one token per row: `x [B, H]` -> `[B, H]`, writing K/V at `pos`.
+                 x: torch.Tensor, delta: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 bias: torch.Tensor | None, scale: float, attn: str = "sdpa") -> tuple[torch.Tensor, torch.Tensor]:
+    """One decoder layer for one token per row; the residual stream enters as `x + delta`.
 
+    Returns `(x', delta')` with the layer's output `x' + delta'` (delta' = the MLP's output): the
+    add is left to the next layer (or the head), where torch.compile fuses it with the RMSNorm
+    that follows it, one kernel fewer per layer. K/V of the new token go to `[row, :, pos[row]]`.
     The same function serves every layer (only the tensors differ), so a torch.compile'd version
-    is compiled once, not once per layer. `bias [B, 1, 1, Lb]` is 0 where a key is visible and
-    -inf elsewhere (built once per step, shared by the layers).
-    `use_sdpa=False` computes attention with two batched matmuls instead of SDPA.
+    is compiled once, not once per layer. `cos`/`sin` are the full rope tables `[L, D]`.
+
+    attn: "triton" (fused RoPE + K/V write + attention kernel over each row's own length; `bias`
+    unused), "sdpa" or "matmul" (attend over the first `Lb` positions under `bias [B, 1, 1, Lb]`,
+    0 where a key is visible and -inf elsewhere, built once per step).
     """
-    nrows, kv_len = x.shape[0], bias.shape[-1]
+    x = x + delta
+    nrows = x.shape[0]
+    qkv = F.linear(rms_norm(x, layer.input_norm, spec.rms_norm_eps), layer.qkv, layer.qkv_bias)
+    q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
+    q = q.unflatten(-1, (spec.num_heads, spec.head_dim))
+    k = k.unflatten(-1, (spec.num_kv_heads, spec.head_dim))
+    v = v.unflatten(-1, (spec.num_kv_heads, spec.head_dim))
+    if layer.q_norm is not None:
+        q = rms_norm(q, layer.q_norm, spec.rms_norm_eps)
+        k = rms_norm(k, layer.k_norm, spec.rms_norm_eps)
+    if attn == "triton":
+        out = torch.ops.rlhfkit.decode_attention(q, k, v, k_cache, v_cache, cos, sin, pos, scale)
+    else:
+        out = _torch_decode_attention(spec, q, k, v, k_cache, v_cache, pos, cos, sin, bias, scale, attn == "sdpa")
+    # the residual add in fp32 (as bf16 + bf16 rounds anyway) keeps inductor from folding it into
+    # an addmm, which would first copy x into the GEMM's output buffer
+    x = (x.float() + F.linear(out.reshape(nrows, spec.q_size), layer.o, layer.o_bias).float()).to(x.dtype)
+    return x, _mlp(layer, spec, rms_norm(x, layer.post_norm, spec.rms_norm_eps))
+
+
+def prefill_layer(spec: ModelSpec, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One decoder layer over right-padded prompts `x [b, P, H]` (causal); returns the layer's
+    output and the post-RoPE keys and values `[b, KV, P, D]` for the cache."""
     q, k, v = _qkv(layer, spec, rms_norm(x, layer.input_norm, spec.rms_norm_eps), cos, sin)
-    write_kv(k_cache, v_cache, rows, pos, k, v)
-    keys, values = k_cache[:nrows, :, :kv_len], v_cache[:nrows, :, :kv_len]  # [B, KV, Lb, D]
-    qg = q.view(nrows, spec.num_kv_heads, spec.num_heads // spec.num_kv_heads, spec.head_dim)
-    if use_sdpa:
-        attn = F.scaled_dot_product_attention(qg, keys, values, attn_mask=bias, scale=scale)
-    else:  # explicit: scores in the model dtype, softmax in fp32 (as HF's eager attention)
-        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale + bias.float()
-        attn = torch.matmul(torch.softmax(scores, dim=-1).to(qg.dtype), values)
-    x = x + F.linear(attn.reshape(nrows, spec.q_size), layer.o, layer.o_bias)
-    return _mlp_block(layer, spec, x)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, heads, P, D]
+    attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                          enable_gqa=spec.num_heads != spec.num_kv_heads)
+    x = x + F.linear(attn.transpose(1, 2).flatten(2), layer.o, layer.o_bias)
+    return _mlp_block(layer, spec, x), k, v
 
 
-def final_logits(spec: ModelSpec, final_norm: torch.Tensor, lm_head: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def final_logits(spec: ModelSpec, final_norm: torch.Tensor, lm_head: torch.Tensor, x: torch.Tensor,
+                 delta: torch.Tensor | None = None) -> torch.Tensor:
+    if delta is not None:
+        x = x + delta
     return F.linear(rms_norm(x, final_norm, spec.rms_norm_eps), lm_head)
+
+
+DECODE_ATTENTION = ("triton", "sdpa", "matmul")
 
 
 class DecoderModel:
     """Functional decoder over `ModelWeights`; holds the rope tables and the model constants.
 
-    `layer_fn` / `head_fn` default to the eager functions above; the decode runner replaces them
-    with compiled versions.
+    `layer_fn` / `head_fn` / `prefill_fn` default to the eager functions above; the decode runner
+    replaces them with compiled versions. `attn` is the decode attention ("triton" needs CUDA).
     """
 
     def __init__(self, spec: ModelSpec, weights: ModelWeights, cos: torch.Tensor, sin: torch.Tensor,
                  decode_attention: str = "sdpa"):
-        if decode_attention not in ("sdpa", "matmul"):
-            raise ValueError(f"decode_attention must be 'sdpa' or 'matmul', got {decode_attention!r}")
+        if decode_attention not in DECODE_ATTENTION:
+            raise ValueError(f"decode_attention must be one of {DECODE_ATTENTION}, got {decode_attention!r}")
+        if decode_attention == "triton" and not cos.is_cuda:
+            raise ValueError("decode_attention='triton' needs a CUDA device")
         self.spec, self.weights, self.cos, self.sin = spec, weights, cos, sin
-        self.use_sdpa = decode_attention == "sdpa"
+        self.attn = decode_attention
         self.scale = spec.head_dim ** -0.5
         self.layer_fn: Callable = decode_layer
         self.head_fn: Callable = final_logits
+        self.prefill_fn: Callable = prefill_layer
+
+    @property
+    def uses_kv_len(self) -> bool:
+        """Whether a decode step depends on the KV length bucket (the triton kernel reads `pos`)."""
+        return self.attn != "triton"
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return final_logits(self.spec, self.weights.final_norm, self.weights.lm_head, x)
@@ -171,27 +234,25 @@ class DecoderModel:
         cos, sin = self.cos[:plen, None, :], self.sin[:plen, None, :]  # [P, 1, D]
         x = F.embedding(tokens, w.embed)
         for li, layer in enumerate(w.layers):
-            q, k, v = _qkv(layer, spec, rms_norm(x, layer.input_norm, spec.rms_norm_eps), cos, sin)
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, heads, P, D]
+            x, k, v = self.prefill_fn(spec, layer, x, cos, sin, self.scale)
             cache.k[li][slots, :, :plen] = k
             cache.v[li][slots, :, :plen] = v
-            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
-                                                  enable_gqa=spec.num_heads != spec.num_kv_heads)
-            x = x + F.linear(attn.transpose(1, 2).flatten(2), layer.o, layer.o_bias)
-            x = _mlp_block(layer, spec, x)
         last = x[torch.arange(b, device=x.device), lengths - 1]
         return self._logits(last)
 
     def decode(self, cache: KVCache, tokens: torch.Tensor, pos: torch.Tensor, kv_len: int) -> torch.Tensor:
-        """One token for each of the rows 0..B-1 (row = slot); returns logits `[B, V]` (model dtype)."""
+        """One token for each of the rows 0..B-1 (row = slot); returns logits `[B, V]` (model dtype).
+
+        `kv_len` (the length bucket) matters only when `uses_kv_len`."""
         w = self.weights
-        rows = torch.arange(tokens.shape[0], device=tokens.device)
-        cos, sin = self.cos[pos][:, None, :], self.sin[pos][:, None, :]  # [B, 1, D]
-        hidden = torch.arange(kv_len, device=tokens.device)[None, :] > pos[:, None]  # [B, Lb]
-        bias = torch.zeros(hidden.shape, dtype=self.cos.dtype, device=tokens.device).masked_fill(hidden, float("-inf"))
-        bias = bias[:, None, None, :]
+        bias = None
+        if self.uses_kv_len:
+            hidden = torch.arange(kv_len, device=tokens.device)[None, :] > pos[:, None]  # [B, Lb]
+            bias = torch.zeros(hidden.shape, dtype=self.cos.dtype, device=tokens.device)
+            bias = bias.masked_fill(hidden, float("-inf"))[:, None, None, :]
         x = F.embedding(tokens, w.embed)
+        delta = torch.zeros_like(x)
         for li, layer in enumerate(w.layers):
-            x = self.layer_fn(self.spec, layer, cache.k[li], cache.v[li], x, rows, pos, cos, sin, bias, self.scale,
-                              self.use_sdpa)
-        return self.head_fn(self.spec, w.final_norm, w.lm_head, x)
+            x, delta = self.layer_fn(self.spec, layer, cache.k[li], cache.v[li], x, delta, pos, self.cos, self.sin,
+                                     bias, self.scale, self.attn)
+        return self.head_fn(self.spec, w.final_norm, w.lm_head, x, delta)
