@@ -40,14 +40,20 @@ def load_prompts(args, tokenizer, spec: str, split: str, probs: str | None, max_
     return build_prompt_samples(rows, tokenizer, cfg)
 
 
-def build_trainer(args, dist):
-    """Everything the loop needs, from the flags; returns (trainer, policy_backend, critic_backend, tokenizer)."""
+def load_tokenizer_and_prompts(args):
+    """(tokenizer, train prompts of --prompt_data, eval prompts of --eval_dataset or [])."""
     tokenizer = load_tokenizer(args.pretrain, chat_template=args.tokenizer_chat_template,
                                use_fast=not args.disable_fast_tokenizer)
     prompts = load_prompts(args, tokenizer, args.prompt_data, args.prompt_split, args.prompt_data_probs,
                            args.max_samples)
     eval_prompts = (load_prompts(args, tokenizer, args.eval_dataset, args.eval_split, None,
                                  args.eval_max_samples or args.max_samples) if args.eval_dataset else [])
+    return tokenizer, prompts, eval_prompts
+
+
+def build_trainer(args, dist):
+    """Everything the loop needs, from the flags; returns (trainer, policy_backend, critic_backend, tokenizer)."""
+    tokenizer, prompts, eval_prompts = load_tokenizer_and_prompts(args)
     num_steps = S.optimizer_steps(args, len(prompts))
     policy, policy_backend = S.build_policy(args, dist, num_steps)
     ref = S.build_ref(args, dist)

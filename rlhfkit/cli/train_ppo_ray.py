@@ -37,7 +37,8 @@ from typing import Any
 from rlhfkit.backend.dist import DistInfo
 from rlhfkit.cli import ppo_setup as S
 from rlhfkit.cli.common import UsageError, cli_main, make_logger, set_seed
-from rlhfkit.cli.train_ppo import PLOT_KEYS, build_parser as ppo_parser, load_prompts
+from rlhfkit.cli.train_ppo import PLOT_KEYS, load_tokenizer_and_prompts
+from rlhfkit.cli.train_ppo import build_parser as ppo_parser
 from rlhfkit.trainers.rl import RLState, RLTrainer
 
 PROG = "train_ppo_ray"
@@ -311,19 +312,13 @@ def save_final(args, launched, tokenizer) -> None:
 
 def run(args, parser, hard_exit: bool = False) -> None:
     from rlhfkit.distributed.launch import connect
-    from rlhfkit.models.loader import load_tokenizer
 
     shapes = role_shapes(args)
     S.resolve_flags(args, shapes["policy"].slots)
     check_ray_flags(args, shapes)
     note_no_effect(args, parser)
     set_seed(args.seed)
-    tokenizer = load_tokenizer(args.pretrain, chat_template=args.tokenizer_chat_template,
-                               use_fast=not args.disable_fast_tokenizer)
-    prompts = load_prompts(args, tokenizer, args.prompt_data, args.prompt_split, args.prompt_data_probs,
-                           args.max_samples)
-    eval_prompts = (load_prompts(args, tokenizer, args.eval_dataset, args.eval_split, None,
-                                 args.eval_max_samples or args.max_samples) if args.eval_dataset else [])
+    tokenizer, prompts, eval_prompts = load_tokenizer_and_prompts(args)
     num_steps = S.optimizer_steps(args, len(prompts))
     started = connect(args.ray_address)
     launched = None
