@@ -222,7 +222,12 @@ class BuiltinEngine:
                     fut.set_exception(out)
                 else:
                     fut.set_result(out)
-            loop.call_soon_threadsafe(_set)
+            if loop.is_closed():  # the caller gave up (e.g. a failed run cancelled its episodes)
+                return
+            try:
+                loop.call_soon_threadsafe(_set)
+            except RuntimeError:  # closed between the check and the call
+                pass
 
         self._enqueue([self._prepare(request, resolve)])
         self._ensure_worker()
