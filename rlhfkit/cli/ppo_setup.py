@@ -88,7 +88,16 @@ def note_ray_only_flags(args: argparse.Namespace, parser: Any, prog: str) -> Non
 def actor_update_cfg(args: argparse.Namespace) -> UpdateConfig:
     return UpdateConfig(train_batch_size=args.train_batch_size, micro_train_batch_size=args.micro_train_batch_size,
                         max_epochs=args.max_epochs, seed=args.seed, temperature=args.temperature,
-                        use_kl_loss=args.use_kl_loss, kl_estimator=args.kl_estimator)
+                        use_kl_loss=args.use_kl_loss, kl_estimator=args.kl_estimator,
+                        max_tokens_per_micro=args.train_max_tokens_per_gpu if args.use_dynamic_batch else None,
+                        packing=args.packing_samples)
+
+
+def rollout_max_tokens(args: argparse.Namespace) -> int | None:
+    """Token budget of the experience-making micro-batches under --use_dynamic_batch."""
+    if not args.use_dynamic_batch:
+        return None
+    return args.rollout_max_tokens_per_gpu or args.train_max_tokens_per_gpu
 
 
 def optimizer_steps(args: argparse.Namespace, num_prompts: int) -> int:
@@ -114,7 +123,8 @@ def build_policy(args: argparse.Namespace, dist: DistInfo, num_steps: int):
         dual_clip=args.dual_clip, enable_vllm_is_correction=args.enable_vllm_is_correction,
         vllm_is_correction_type=args.vllm_is_correction_type,
         vllm_is_truncated_threshold=args.vllm_is_truncated_threshold, entropy_loss_coef=args.entropy_loss_coef)
-    role = ActorRole(backend, dist, loss_cfg, actor_update_cfg(args), args.micro_rollout_batch_size)
+    role = ActorRole(backend, dist, loss_cfg, actor_update_cfg(args), args.micro_rollout_batch_size,
+                     rollout_max_tokens(args), args.packing_samples)
     return LocalGroup(role, "policy"), backend
 
 
@@ -126,7 +136,9 @@ def build_ref(args: argparse.Namespace, dist: DistInfo):
     cfg = from_args(ModelConfig, args, lora_rank=0, gradient_checkpointing=False)
     model = load_causal_lm(cfg, path=args.ref_pretrain or args.pretrain, flag="--ref_pretrain")
     backend = FSDP2Backend(model, backend_cfg(args), None, 0, dist)
-    return LocalGroup(ActorRole(backend, dist, micro_rollout_batch_size=args.micro_rollout_batch_size), "ref")
+    role = ActorRole(backend, dist, micro_rollout_batch_size=args.micro_rollout_batch_size,
+                     rollout_max_tokens=rollout_max_tokens(args), packing=args.packing_samples)
+    return LocalGroup(role, "ref")
 
 
 def critic_path(args: argparse.Namespace) -> str:
@@ -150,7 +162,7 @@ def build_critic(args: argparse.Namespace, dist: DistInfo, num_steps: int):
     optim = from_args(OptimConfig, args, learning_rate=args.critic_learning_rate)
     backend = FSDP2Backend(model, backend_cfg(args), optim, num_steps, dist)
     upd = actor_update_cfg(args)
-    role = CriticRole(backend, dist, upd, args.value_clip, args.micro_rollout_batch_size)
+    role = CriticRole(backend, dist, upd, args.value_clip, args.micro_rollout_batch_size, rollout_max_tokens(args))
     return LocalGroup(role, "critic"), backend
 
 

@@ -36,6 +36,9 @@ class UpdateConfig:
     use_kl_loss: bool = False  # [--use_kl_loss]
     kl_estimator: str = "k1"  # [--kl_estimator]
     compute_entropy: bool = True
+    max_tokens_per_micro: int | None = None  # token-budget micro-batches [--use_dynamic_batch --train_max_tokens_per_gpu]
+    packing: bool = False  # policy/reference passes pack a micro-batch's rows into one [--packing_samples];
+    # the critic and reward model run padded micro-batches
 
 
 def global_max(x: int) -> int:
@@ -63,19 +66,45 @@ def dummy_like(batch: ExperienceBatch) -> ExperienceBatch:
     return d
 
 
-def micro_batches(batch: ExperienceBatch, size: int, aligned: bool = True) -> Iterator[tuple[ExperienceBatch, int]]:
-    """`(micro_batch, real_rows)` pairs of at most `size` rows.
+def micro_batches(batch: ExperienceBatch, size: int, aligned: bool = True,
+                  max_tokens: int | None = None) -> Iterator[tuple[ExperienceBatch, int]]:
+    """`(micro_batch, real_rows)` pairs of consecutive rows: at most `size` rows, or, with
+    `max_tokens` (dynamic batching), as many rows as fit that many real tokens.
 
     With `aligned`, every rank yields the same number of micro-batches (the max over ranks), padding
     with empty (fully masked) ones: sharded models need the same number of forward/backward passes
     on every rank.
     """
-    n = -(-batch.batch_size // size)
-    if aligned:
-        n = global_max(n)
+    if max_tokens:
+        from rlhfkit.data.collate import split_by_token_budget
+
+        groups = split_by_token_budget(batch.attention_mask.sum(-1).tolist(), max_tokens)
+    else:
+        groups = [list(range(i, min(i + size, batch.batch_size))) for i in range(0, batch.batch_size, size)]
+    n = global_max(len(groups)) if aligned else len(groups)
     for i in range(n):
-        rows = list(range(i * size, min((i + 1) * size, batch.batch_size)))
+        rows = groups[i] if i < len(groups) else []
         yield (trim(batch.select(rows)), len(rows)) if rows else (dummy_like(batch), 0)
+
+
+def row_logprobs(model: Any, mb: ExperienceBatch, temperature: float, entropy: bool, packed: bool):
+    """Log-probs (and entropy) `[B, L]` of a right-padded micro-batch; `packed` runs its rows as one
+    packed row (positions restart per sample, no cross-sample attention) and scatters back."""
+    if not packed:
+        return token_logprobs(model, mb.input_ids, attention_mask=mb.attention_mask, temperature=temperature,
+                             return_entropy=entropy)
+    real = mb.attention_mask.bool()
+    lens = real.sum(-1)
+    pos = torch.cat([torch.arange(int(n), device=mb.input_ids.device) for n in lens.tolist()])[None]
+    res = token_logprobs(model, mb.input_ids[real][None], position_ids=pos, temperature=temperature,
+                         return_entropy=entropy)
+    parts = res if entropy else (res,)
+    outs = []
+    for t in parts:
+        full = t.new_zeros(mb.input_ids.shape)
+        full[real] = t[0]
+        outs.append(full)
+    return tuple(outs) if entropy else outs[0]
 
 
 def trim(batch: ExperienceBatch) -> ExperienceBatch:
@@ -122,10 +151,13 @@ class ActorRole:
     """Policy (trainable) or reference (frozen: `backend.optimizer is None`) model."""
 
     def __init__(self, backend: Any, dist: DistInfo, loss_cfg: PolicyLossConfig | None = None,
-                 update_cfg: UpdateConfig | None = None, micro_rollout_batch_size: int = 8) -> None:
+                 update_cfg: UpdateConfig | None = None, micro_rollout_batch_size: int = 8,
+                 rollout_max_tokens: int | None = None, packing: bool = False) -> None:
         self.backend, self.dist = backend, dist
         self.loss_cfg, self.update_cfg = loss_cfg, update_cfg
         self.micro_rollout_batch_size = micro_rollout_batch_size
+        self.rollout_max_tokens = rollout_max_tokens  # [--rollout_max_tokens_per_gpu] with --use_dynamic_batch
+        self.packing = packing
         self.device = torch.device(dist.device)
 
     @torch.no_grad()
@@ -133,10 +165,9 @@ class ActorRole:
         self.backend.eval()
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
         row = 0
-        for mb, real in micro_batches(batch, self.micro_rollout_batch_size):
+        for mb, real in micro_batches(batch, self.micro_rollout_batch_size, max_tokens=self.rollout_max_tokens):
             mb = mb.to(self.device)
-            lp = token_logprobs(self.backend.model, mb.input_ids, attention_mask=mb.attention_mask,
-                                temperature=temperature)
+            lp = row_logprobs(self.backend.model, mb, temperature, False, self.packing)
             out[row:row + real, :lp.shape[1]] = (lp.float() * mb.attention_mask).cpu()[:real]
             row += real
         return out
@@ -159,10 +190,10 @@ class ActorRole:
         num_tokens, num_seqs = float(counts[0]), float(counts[1])
         sums: dict[str, float] = {}
         n_micro = 0
-        for mb, _ in micro_batches(mini, cfg.micro_train_batch_size):
+        for mb, _ in micro_batches(mini, cfg.micro_train_batch_size, max_tokens=cfg.max_tokens_per_micro):
             mb = mb.to(self.device)
-            lp, ent = token_logprobs(self.backend.model, mb.input_ids, attention_mask=mb.attention_mask,
-                                     temperature=cfg.temperature, return_entropy=cfg.compute_entropy)
+            res = row_logprobs(self.backend.model, mb, cfg.temperature, cfg.compute_entropy, cfg.packing)
+            lp, ent = res if cfg.compute_entropy else (res, None)
             loss, m = policy_loss(lp, mb.old_logprobs, mb.advantages, mb.loss_mask, self.loss_cfg,
                                   num_tokens=num_tokens, num_sequences=num_seqs,
                                   rollout_logprobs=mb.rollout_logprobs, entropy=ent)

@@ -31,10 +31,11 @@ def shift_values(raw: torch.Tensor) -> torch.Tensor:
 
 class CriticRole:
     def __init__(self, backend: Any, dist: DistInfo, update_cfg: UpdateConfig | None, value_clip: float | None,
-                 micro_rollout_batch_size: int = 8) -> None:
+                 micro_rollout_batch_size: int = 8, rollout_max_tokens: int | None = None) -> None:
         self.backend, self.dist, self.update_cfg = backend, dist, update_cfg
         self.value_clip = value_clip
         self.micro_rollout_batch_size = micro_rollout_batch_size
+        self.rollout_max_tokens = rollout_max_tokens
         self.device = torch.device(dist.device)
 
     def _values(self, mb: ExperienceBatch) -> torch.Tensor:
@@ -46,7 +47,7 @@ class CriticRole:
         self.backend.eval()
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
         row = 0
-        for mb, real in micro_batches(batch, self.micro_rollout_batch_size):
+        for mb, real in micro_batches(batch, self.micro_rollout_batch_size, max_tokens=self.rollout_max_tokens):
             v = self._values(mb.to(self.device)).float().cpu()[:real]
             out[row:row + real, :v.shape[1]] = v
             row += real
@@ -62,7 +63,7 @@ class CriticRole:
                 num_tokens = float(all_reduce_sum(torch.tensor(float(mini.loss_mask.sum()), dtype=torch.float64)))
                 sums: dict[str, float] = {}
                 n = 0
-                for mb, _ in micro_batches(mini, cfg.micro_train_batch_size):
+                for mb, _ in micro_batches(mini, cfg.micro_train_batch_size, max_tokens=cfg.max_tokens_per_micro):
                     mb = mb.to(self.device)
                     loss, m = value_loss(self._values(mb), mb.values, mb.returns, mb.loss_mask,
                                          value_clip=self.value_clip, num_tokens=num_tokens)
