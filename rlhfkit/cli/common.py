@@ -55,3 +55,21 @@ def make_logger(args: argparse.Namespace, rank: int, plot_keys: tuple[str, ...] 
     kw = {} if plot_keys is None else {"plot_keys": plot_keys}
     return MetricsLogger(run_dir, tensorboard_dir=args.use_tensorboard, wandb=wandb,
                          config={k: str(v) for k, v in vars(args).items() if k != "use_wandb"}, **kw)
+
+
+# DeepSpeed-only flags that OpenRLHF command lines carry; FSDP2 has no equivalent knob.
+DEEPSPEED_ONLY = {"zpg": 1, "overlap_comm": False, "grad_accum_dtype": None, "deepcompile": False,
+                  "use_universal_ckpt": False, "use_liger_kernel": False}
+
+
+def check_backend_flags(args: argparse.Namespace) -> None:
+    """Refuse parallelism we do not implement; name DeepSpeed-only flags that have no effect."""
+    if getattr(args, "ring_attn_size", 1) > 1:
+        raise UsageError("--ring_attn_size > 1 (ring attention / context parallelism) is not supported yet")
+    if getattr(args, "ds_tensor_parallel_size", 1) > 1:
+        raise UsageError("--ds_tensor_parallel_size > 1 (tensor parallel training) is not supported yet")
+    if getattr(args, "backend", "fsdp2") != "fsdp2":
+        raise UsageError(f"--backend {args.backend} is not available yet; use --backend fsdp2")
+    unused = [f"--{d}" for d, default in DEEPSPEED_ONLY.items() if getattr(args, d, default) != default]
+    if unused:
+        print(f"note: {', '.join(unused)} are DeepSpeed settings with no effect under the FSDP2 backend")

@@ -22,7 +22,7 @@ import torch
 
 from rlhfkit.backend.dist import DistInfo, init_distributed
 from rlhfkit.backend.fsdp2 import FSDP2Backend
-from rlhfkit.cli.common import UsageError, set_seed
+from rlhfkit.cli.common import UsageError, check_backend_flags, set_seed
 from rlhfkit.config.configs import BackendConfig, ModelConfig, OptimConfig, from_args
 from rlhfkit.config.flags import (FlagParser, add_backend_flags, add_ckpt_flags, add_data_flags,
                                   add_logging_flags, add_model_flags, add_train_flags)
@@ -86,6 +86,7 @@ class OfflineRun:
 def setup(args: argparse.Namespace) -> tuple[DistInfo, Any]:
     """Check --pretrain/--dataset, start distributed, seed, and load the tokenizer of --pretrain."""
     require(args, "pretrain", "dataset")
+    check_backend_flags(args)
     check_model_dir(args.pretrain, "--pretrain")
     dist = init_distributed(args.device)
     set_seed(args.seed)

@@ -19,7 +19,7 @@ from rlhfkit.algo.experience import RewardShapingConfig
 from rlhfkit.algo.kl import make_kl_controller
 from rlhfkit.backend.dist import DistInfo
 from rlhfkit.backend.fsdp2 import FSDP2Backend
-from rlhfkit.cli.common import UsageError
+from rlhfkit.cli.common import UsageError, check_backend_flags
 from rlhfkit.config.configs import BackendConfig, ModelConfig, OptimConfig, from_args
 from rlhfkit.config.rl_flags import RAY_ONLY
 from rlhfkit.losses.policy import PolicyLossConfig
@@ -36,6 +36,7 @@ def resolve_flags(args: argparse.Namespace, world_size: int) -> None:
         raise UsageError("--pretrain is required (the policy's Hugging Face directory)")
     if not args.prompt_data:
         raise UsageError("--prompt_data is required")
+    check_backend_flags(args)
     if args.clip_eps_low is not None or args.clip_eps_high is not None:
         lo = args.clip_eps_low if args.clip_eps_low is not None else args.eps_clip
         hi = args.clip_eps_high if args.clip_eps_high is not None else args.eps_clip
