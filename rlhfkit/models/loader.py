@@ -181,3 +181,18 @@ def load_value_model(*args: Any, **kwargs: Any) -> Any:
     from rlhfkit.models.value import load_value_model as _load
 
     return _load(*args, **kwargs)
+
+
+def weight_file_keys(path: str, safetensors_name: str, bin_name: str) -> set[str] | None:
+    """Tensor names in `path/safetensors_name` (read from the header) or `path/bin_name`
+    (loaded on the meta device); None when neither file exists."""
+    st = os.path.join(path, safetensors_name)
+    if os.path.isfile(st):
+        from safetensors import safe_open
+
+        with safe_open(st, framework="pt") as f:
+            return set(f.keys())
+    binary = os.path.join(path, bin_name)
+    if os.path.isfile(binary):
+        return set(torch.load(binary, map_location="meta", weights_only=True, mmap=True))
+    return None

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from rlhfkit.config.configs import ModelConfig
+from rlhfkit.models.loader import weight_file_keys
 
 OUTPUT_LAYER_NAMES = ("lm_head",)
 
@@ -109,15 +110,9 @@ def merge_lora(model_path: str, lora_path: str, output_path: str, is_rm: bool = 
 
 def adapter_keys(lora_path: str) -> set[str]:
     """Tensor names in a peft adapter directory."""
-    st = os.path.join(lora_path, "adapter_model.safetensors")
-    if os.path.isfile(st):
-        from safetensors import safe_open
-
-        with safe_open(st, framework="pt") as f:
-            return set(f.keys())
-    binary = os.path.join(lora_path, "adapter_model.bin")
-    if os.path.isfile(binary):
-        return set(torch.load(binary, map_location="meta", weights_only=True, mmap=True))
+    keys = weight_file_keys(lora_path, "adapter_model.safetensors", "adapter_model.bin")
+    if keys is not None:
+        return keys
     raise FileNotFoundError(f"--lora_path {lora_path!r} has no adapter_model.safetensors or adapter_model.bin")
 
 

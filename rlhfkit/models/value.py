@@ -31,7 +31,8 @@ from typing import Any
 import torch
 
 from rlhfkit.config.configs import ModelConfig
-from rlhfkit.models.loader import check_model_dir, finish_model, pretrained_kwargs, resolve_dtype
+from rlhfkit.models.loader import (check_model_dir, finish_model, pretrained_kwargs, resolve_dtype,
+                                   weight_file_keys)
 
 logger = logging.getLogger(__name__)
 
@@ -135,15 +136,9 @@ def checkpoint_keys(path: str) -> set[str]:
     if os.path.isfile(index):
         with open(index) as f:
             return set(json.load(f)["weight_map"])
-    single = os.path.join(path, "model.safetensors")
-    if os.path.isfile(single):
-        from safetensors import safe_open
-
-        with safe_open(single, framework="pt") as f:
-            return set(f.keys())
-    binary = os.path.join(path, "pytorch_model.bin")
-    if os.path.isfile(binary):
-        return set(torch.load(binary, map_location="meta", weights_only=True, mmap=True))
+    keys = weight_file_keys(path, "model.safetensors", "pytorch_model.bin")
+    if keys is not None:
+        return keys
     raise FileNotFoundError(f"{path!r} has no model.safetensors[.index.json] or pytorch_model.bin")
 
 
