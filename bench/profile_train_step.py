@@ -36,14 +36,18 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--rows", type=int, default=18)
+    ap.add_argument("--variants", default="master", help="rlhfkit variants (see train_throughput.py)")
     a = ap.parse_args()
     ids = torch.randint(0, 1000, (a.batch, a.seq), device="cuda")
     model, _ = build(a.model, "cuda", torch.bfloat16, "sdpa")
     profile(baseline_step_fn(model, ids, "cuda"), "baseline", a.rows)
     del model
     torch.cuda.empty_cache()
-    model, _ = build(a.model, "cuda", torch.float32, "sdpa")
-    profile(rlhfkit_step_fn(model, ids, "cuda", "bf16"), "rlhfkit", a.rows)
+    for variant in a.variants.split(","):
+        model, _ = build(a.model, "cuda", torch.float32, "sdpa")
+        profile(rlhfkit_step_fn(model, ids, "cuda", "bf16", variant), f"rlhfkit {variant}", a.rows)
+        del model
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

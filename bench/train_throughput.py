@@ -6,8 +6,9 @@
 Measured in the same process, same data:
   baseline: plain HF model in bf16 + torch.optim.AdamW, full logits + cross-entropy (what a short
             hand-written loop does);
-  rlhfkit:  the SFT task's loss (chunked fp32 log-probs, no full-vocab logits kept) through the
-            FSDP2 backend (fp32 master weights, bf16 compute, fused AdamW, grad clipping).
+  rlhfkit:  the SFT task's loss (fused lm_head + log-prob kernel on GPU, no full-vocab logits
+            kept) through the FSDP2 backend (bf16 module, fp32 master weights in a fused AdamW,
+            grad clipping); other variants (--variants) in the same run.
 MFU = 6 * N * tokens/s (+ attention flops) / peak bf16 flops of the GPU. One JSON line is printed.
 """
 
@@ -82,20 +83,36 @@ def baseline_step_fn(model, ids, device):
     return step
 
 
-def rlhfkit_step_fn(model, ids, device, param_dtype: str, fsdp1: bool = False, compile_model: bool = False):
+VARIANTS = ("master", "autocast", "fsdp1")  # each may take the suffixes _compile and _eagerloss
+
+
+def rlhfkit_step_fn(model, ids, device, param_dtype: str, variant: str = "master"):
+    """One SFT step through FSDP2Backend. Variants (one process):
+    master          bf16 module, fp32 master copies in a fused AdamW (the default)
+    autocast        fp32 module under torch.autocast (--mixed_precision autocast)
+    fsdp1           a one-rank process group: FSDP2 MixedPrecisionPolicy (what N ranks run)
+    *_compile       the same with --torch_compile (each decoder block compiled)
+    *_eagerloss     the fused log-prob kernel's chunks in eager PyTorch instead of compiled kernels."""
     from rlhfkit.backend.dist import init_distributed
     from rlhfkit.backend.fsdp2 import FSDP2Backend
     from rlhfkit.config.configs import BackendConfig, OptimConfig
     from rlhfkit.trainers.sft_task import SFTTask
 
-    if fsdp1:  # a one-rank process group: FSDP2 mixed precision instead of autocast
+    from rlhfkit.models import fused_logprobs
+
+    base, *suffixes = variant.split("_")
+    if base not in VARIANTS or not set(suffixes) <= {"compile", "eagerloss"}:
+        raise ValueError(f"--variants: unknown variant {variant!r}; choose from {', '.join(VARIANTS)} "
+                         "with optional suffixes _compile, _eagerloss")
+    fused_logprobs.COMPILE_CHUNKS = "eagerloss" not in suffixes
+    if base == "fsdp1":
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29561")
-    if compile_model:
-        for layer in model.model.layers:
-            layer.compile()
     dist = init_distributed(device)
-    backend = FSDP2Backend(model, BackendConfig(param_dtype=param_dtype, device=device, zero_stage=2),
-                           OptimConfig(learning_rate=1e-5, lr_warmup_ratio=0.0), num_training_steps=1000, dist=dist)
+    cfg = BackendConfig(param_dtype=param_dtype, device=device, zero_stage=2,
+                        mixed_precision="autocast" if base == "autocast" else "master_weights",
+                        torch_compile="compile" in suffixes)
+    backend = FSDP2Backend(model, cfg, OptimConfig(learning_rate=1e-5, lr_warmup_ratio=0.0),
+                           num_training_steps=1000, dist=dist)
     task = SFTTask(pad_token_id=0, device=device)
     from rlhfkit.data.collate import PaddedBatch
 
@@ -119,7 +136,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--attn", default="sdpa")
     ap.add_argument("--skip_baseline", action="store_true")
-    ap.add_argument("--variants", default="autocast", help="comma list of autocast, fsdp1, fsdp1_compile")
+    ap.add_argument("--variants", default="master", help="comma list of " + ", ".join(VARIANTS))
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     gpu = a.device == "cuda"
@@ -146,9 +163,8 @@ def main() -> None:
     for variant in a.variants.split(","):
         model, cfg = build(shape, a.device, torch.float32, a.attn)
         n_params = sum(p.numel() for p in model.parameters())
-        step = rlhfkit_step_fn(model, ids, a.device, "bf16" if gpu else "fp32", fsdp1=variant.startswith("fsdp1"),
-                               compile_model=variant.endswith("compile"))
-        t = time_steps(step, 3 if variant.endswith("compile") else 2, steps, a.device)
+        step = rlhfkit_step_fn(model, ids, a.device, "bf16" if gpu else "fp32", variant)
+        t = time_steps(step, 3, steps, a.device)
         key = "rlhfkit" if variant == a.variants.split(",")[0] else f"rlhfkit_{variant}"
         res.update({"n_params": n_params, f"{key}_tokens_per_s": tokens / t, f"{key}_step_s": t})
         if gpu:

@@ -32,12 +32,6 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 from rlhfkit.backend import dist as D
 
@@ -188,10 +182,6 @@ def _clear_stale_tmp(ckpt_root: str) -> None:
 # ----------------------------------------------------------------------------- save / load
 
 
-def _full_opts() -> StateDictOptions:
-    return StateDictOptions(full_state_dict=True, cpu_offload=True)
-
-
 def save_checkpoint(backend, ckpt_root: str, tag: str, client_state: dict | None,
                     max_keep: int) -> str:
     """Save model, optimizer, scheduler, RNG and `client_state` as `<ckpt_root>/<tag>` (all ranks call)."""
@@ -211,7 +201,7 @@ def save_checkpoint(backend, ckpt_root: str, tag: str, client_state: dict | None
         os.makedirs(tmp)
     D.barrier()
     model_sd = backend.full_state_dict()
-    optim_sd = get_optimizer_state_dict(backend.model, backend.optimizer, options=_full_opts())
+    optim_sd = backend.optimizer_state_dict()
     torch.save(rng_state(), os.path.join(tmp, f"rng_{D.get_rank()}.pt"))
     if rank0:
         save_tensors(os.path.join(tmp, "model.safetensors"), model_sd)
@@ -250,15 +240,11 @@ def load_checkpoint(backend, ckpt_root: str) -> dict | None:
     path = D.broadcast_object(latest_checkpoint(ckpt_root) if D.is_rank0() else None)
     if path is None:
         return None
-    sharded = backend.is_sharded
-    opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=sharded)
-    load_here = D.is_rank0() or not sharded
+    load_here = D.is_rank0() or not backend.is_sharded
     model_sd = load_tensors(os.path.join(path, "model.safetensors")) if load_here else {}
-    set_model_state_dict(backend.model, model_sd, options=opts)
-    del model_sd
     optim_sd = torch.load(os.path.join(path, "optim.pt"), weights_only=True) if load_here else {}
-    set_optimizer_state_dict(backend.model, backend.optimizer, optim_sd, options=opts)
-    del optim_sd
+    backend.load_full_state(model_sd, optim_sd)
+    del model_sd, optim_sd
     backend.load_trainer_state(torch.load(os.path.join(path, "trainer.pt"), weights_only=True))
     rng_file = os.path.join(path, f"rng_{D.get_rank()}.pt")
     if not os.path.exists(rng_file):

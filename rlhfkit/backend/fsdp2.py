@@ -8,8 +8,11 @@
       -> backend.optimizer_step(): global grad norm, clip, AdamW, zero, LR schedule
 
 Precision (precision.py): fp32 master weights and optimizer states; compute in `--param_dtype`
-(FSDP2 MixedPrecisionPolicy with fp32 gradient reduction when sharded, autocast in one CUDA
-process, fp32 on CPU unless `cpu_low_precision=True`); fp16 uses a dynamic loss scale.
+(FSDP2 MixedPrecisionPolicy with fp32 gradient reduction when sharded; in one CUDA process the
+module itself is cast to the compute dtype and the optimizer steps fp32 copies (master.py), or,
+with `--mixed_precision autocast`, an fp32 module runs under autocast; fp32 on CPU unless
+`cpu_low_precision=True`); fp16 uses a dynamic loss scale. `--torch_compile` compiles every
+transformer block (before sharding, so FSDP2's hooks stay outside the compiled graphs).
 
 Gradient accumulation: `backward(loss, sync_grads=False)` skips the gradient reduction
 (`set_requires_gradient_sync(False)`) for stages 0-2 until the last micro-batch. Stage 3 keeps
@@ -37,12 +40,14 @@ from torch import nn
 from rlhfkit.backend import checkpoint as ckpt
 from rlhfkit.backend import dist as D
 from rlhfkit.backend.dist import DistInfo
-from rlhfkit.backend.optim import build_optimizer, build_scheduler
+from rlhfkit.backend.master import MasterWeights
+from rlhfkit.backend.optim import build_optimizer, build_scheduler, param_groups
 from rlhfkit.backend.precision import DynamicLossScaler, compute_dtype_for, parse_dtype
 from rlhfkit.backend.sharding import (
     apply_fsdp2,
     build_mesh,
     clip_grads,
+    find_blocks,
     global_grad_norm,
     iter_full_param_buckets,
     sum_gradients_by_loss_scale,
@@ -59,6 +64,8 @@ def _validate(cfg: BackendConfig) -> None:
         raise ValueError(f"FSDP2Backend got --backend {cfg.backend!r}")
     if cfg.zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"--zero_stage must be 0, 1, 2 or 3, got {cfg.zero_stage}")
+    if cfg.mixed_precision not in ("master_weights", "autocast"):
+        raise ValueError(f"--mixed_precision must be master_weights or autocast, got {cfg.mixed_precision!r}")
 
 
 def _cast_params(model: nn.Module, dtype: torch.dtype, trainable_only: bool) -> None:
@@ -78,6 +85,15 @@ def _autocast_forward(model: nn.Module, device_type: str, dtype: torch.dtype) ->
             return orig(*args, **kwargs)
 
     model.forward = forward  # type: ignore[method-assign]
+
+
+def _compile_blocks(model: nn.Module) -> None:
+    """torch.compile every transformer block in place (`--torch_compile`)."""
+    blocks = find_blocks(model)
+    if not blocks:
+        raise ValueError("--torch_compile: no transformer blocks found in the model")
+    for block in blocks:
+        block.compile()
 
 
 def _set_config_dtype(path: str, dtype: torch.dtype) -> None:
@@ -114,12 +130,19 @@ class FSDP2Backend:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         master = torch.float32 if self.trainable else self.compute_dtype
         _cast_params(model, master, trainable_only=self.trainable)
+        if backend_cfg.torch_compile:
+            _compile_blocks(model)
+        self.master: MasterWeights | None = None
         self.model = self._shard(model) if self.is_sharded else self._place(model)
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler = None
         self.loss_scaler: DynamicLossScaler | None = None
         if self.trainable:
-            self.optimizer = build_optimizer(self.model, optim_cfg)
+            groups = None
+            if self.master is not None:
+                groups = self.master.param_groups(param_groups(self.model, optim_cfg.l2))
+            self.optimizer = build_optimizer(self.model, optim_cfg, groups=groups,
+                                             fused=self.master is not None and self.device.type == "cuda")
             self.scheduler = build_scheduler(self.optimizer, optim_cfg, num_training_steps)
             if self.compute_dtype == torch.float16:
                 self.loss_scaler = DynamicLossScaler()
@@ -132,7 +155,10 @@ class FSDP2Backend:
                              "launch with torchrun --nproc_per_node 1 for one GPU")
         model = model.to(self.device)
         if self.trainable and self.compute_dtype != torch.float32:
-            _autocast_forward(model, self.device.type, self.compute_dtype)
+            if self.cfg.mixed_precision == "master_weights":
+                self.master = MasterWeights(model, self.compute_dtype)
+            else:
+                _autocast_forward(model, self.device.type, self.compute_dtype)
         return model
 
     def _shard(self, model: nn.Module) -> nn.Module:
@@ -210,6 +236,8 @@ class FSDP2Backend:
             if self.optim_cfg.max_norm > 0:
                 clip_grads(params, self.optim_cfg.max_norm, norm)
             opt.step()
+            if self.master is not None:
+                self.master.copy_to_model()
             self.scheduler.step()
         else:
             log.warning("non-finite gradient norm (%s): optimizer step skipped", float(norm))
@@ -222,8 +250,35 @@ class FSDP2Backend:
         """Full CPU state dict on rank 0 (`{}` elsewhere); all ranks call. May alias CPU params."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+        if self.master is not None:
+            return self.master.model_state_dict(self.model)
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_model_state_dict(self.model, options=opts)
+
+    def optimizer_state_dict(self) -> dict[str, Any]:
+        """Full optimizer state keyed by parameter name, on CPU (rank 0 holds it; all ranks call)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        opt = self._require_optimizer()
+        if self.master is not None:
+            return self.master.optimizer_state_dict(opt)
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_optimizer_state_dict(self.model, opt, options=opts)
+
+    def load_full_state(self, model_sd: dict[str, torch.Tensor], optim_sd: dict[str, Any] | None) -> None:
+        """Load a full model (and optimizer) state; when sharded, rank 0's copy is broadcast."""
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                             set_optimizer_state_dict)
+
+        if self.master is not None:
+            self.master.load_model_state_dict(self.model, model_sd)
+            if optim_sd is not None:
+                self.master.load_optimizer_state_dict(self._require_optimizer(), optim_sd)
+            return
+        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=self.is_sharded)
+        set_model_state_dict(self.model, model_sd, options=opts)
+        if optim_sd is not None:
+            set_optimizer_state_dict(self.model, self._require_optimizer(), optim_sd, options=opts)
 
     def full_param_buckets(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                            dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -284,6 +339,8 @@ class FSDP2Backend:
         if self._offloaded or self.device.type == "cpu" or self.cfg.adam_offload:
             return
         self.model.to("cpu")
+        if self.master is not None:
+            self.master.to("cpu")
         self._move_optimizer_state("cpu")
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -293,6 +350,8 @@ class FSDP2Backend:
         if not self._offloaded:
             return
         self.model.to(self.device)
+        if self.master is not None:
+            self.master.to(self.device)
         self._move_optimizer_state(self.device)
         torch.cuda.synchronize()
         self._offloaded = False

@@ -129,14 +129,17 @@ def _validate(cfg: OptimConfig) -> None:
         raise ValueError(f"--max_norm must be >= 0 (0 disables clipping), got {cfg.max_norm}")
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
-    """AdamW over `model`'s trainable parameters (build it after sharding the model)."""
+def build_optimizer(model: nn.Module, cfg: OptimConfig, groups: list[dict] | None = None,
+                    fused: bool = False) -> torch.optim.AdamW:
+    """AdamW over `model`'s trainable parameters (build it after sharding the model), or over the
+    given `groups` (e.g. fp32 master copies); `fused` picks the single-kernel CUDA implementation."""
     _validate(cfg)
-    groups = param_groups(model, cfg.l2)
+    groups = param_groups(model, cfg.l2) if groups is None else groups
     if not groups:
         raise ValueError("the model has no trainable parameters (requires_grad=False everywhere)")
     betas = (float(cfg.adam_betas[0]), float(cfg.adam_betas[1]))
-    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=betas, eps=cfg.adam_eps)
+    extra = {"fused": True} if fused else {}
+    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=betas, eps=cfg.adam_eps, **extra)
 
 
 def schedule_fn(cfg: OptimConfig, num_training_steps: int) -> Callable[[int], float]:

@@ -65,6 +65,10 @@ class BackendConfig:
     adam_offload: bool = False
     seed: int = 42
     gradient_checkpointing: bool = False
+    # one process, low-precision compute: "master_weights" (module in the compute dtype, fp32
+    # copies in the optimizer) or "autocast" (fp32 module under torch.autocast)
+    mixed_precision: str = "master_weights"
+    torch_compile: bool = False  # torch.compile each transformer block
 
 
 @dataclass

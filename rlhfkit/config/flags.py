@@ -78,6 +78,10 @@ def add_model_flags(p: FlagParser, default_dtype: str = "bf16") -> None:
            help="alias of --attn_implementation flash_attention_2")
     p.flag("--gradient_checkpointing", "--model.gradient_checkpointing_enable",
            "--actor.gradient_checkpointing_enable", action="store_true")
+    p.flag("--mixed_precision", type=str, default="master_weights", choices=["master_weights", "autocast"],
+           help="one process with bf16/fp16 compute: master_weights (module in the compute dtype, fp32 "
+                "copies in the optimizer; default) or autocast (fp32 module under torch.autocast)")
+    p.flag("--torch_compile", action="store_true", help="torch.compile each transformer block of trained models")
     p.flag("--gradient_checkpointing_use_reentrant", "--model.gradient_checkpointing_reentrant",
            "--actor.gradient_checkpointing_reentrant", action="store_true")
     p.flag("--lora_rank", "--ds.lora.rank", type=int, default=0)

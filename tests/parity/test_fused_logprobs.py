@@ -8,7 +8,13 @@ from rlhfkit.models.forward import token_logprobs
 
 
 @pytest.mark.parametrize("temperature,entropy", [(1.0, False), (0.7, True)])
-def test_fused_equals_unfused(tiny_qwen2_dir, temperature, entropy):
+@pytest.mark.parametrize("chunk_kernels", ["eager", "compiled_path"])
+def test_fused_equals_unfused(tiny_qwen2_dir, temperature, entropy, chunk_kernels, monkeypatch):
+    if chunk_kernels == "compiled_path":  # the CUDA code path, with its chunk functions run eagerly
+        from rlhfkit.models import fused_logprobs as fl
+
+        monkeypatch.setattr(fl, "use_compiled_chunks", lambda hidden: True)
+        monkeypatch.setattr(fl, "_compiled", lambda name: {"fwd": fl._fwd_chunk, "bwd": fl._bwd_chunk}[name])
     torch.manual_seed(0)
     ids = torch.randint(3, 100, (3, 11))
     mask = torch.ones_like(ids)

@@ -201,13 +201,17 @@ def test_cpu_defaults_to_fp32_compute_and_offload_is_safe(tiny_model_dir):
     b = FSDP2Backend(model, BackendConfig(param_dtype="bf16"), OptimConfig(), 5, CPU)
     assert b.compute_dtype == torch.float32
     assert all(p.dtype == torch.float32 for p in b.model.parameters())
-    lp = FSDP2Backend(load(tiny_model_dir), BackendConfig(param_dtype="bf16"), OptimConfig(), 5, CPU,
-                      cpu_low_precision=True)
+    lp = FSDP2Backend(load(tiny_model_dir), BackendConfig(param_dtype="bf16", mixed_precision="autocast"),
+                      OptimConfig(), 5, CPU, cpu_low_precision=True)
     assert lp.compute_dtype == torch.bfloat16
     rows = make_rows(model.config.vocab_size, n=2)
     out = lp.model(input_ids=rows["input_ids"]).logits
     assert out.dtype == torch.bfloat16  # forward ran under autocast
     assert all(p.dtype == torch.float32 for p in lp.model.parameters())  # master weights
+    mw = FSDP2Backend(load(tiny_model_dir), BackendConfig(param_dtype="bf16"), OptimConfig(), 5, CPU,
+                      cpu_low_precision=True)  # default: bf16 module, fp32 copies in the optimizer
+    assert all(p.dtype == torch.bfloat16 for p in mw.model.parameters())
+    assert all(p.dtype == torch.float32 for g in mw.optimizer.param_groups for p in g["params"])
     b.offload_states()
     b.reload_states()
     b.backward(token_sum_loss(b.model, rows, 10.0))

@@ -1,0 +1,144 @@
+"""fp32 master weights held beside a low-precision module (one process, no process group).
+
+The module's floating-point parameters are cast to the compute dtype (bf16 / fp16), so forward
+and backward run natively in that dtype, with no autocast casts and a bf16 residual stream, the
+same numerics as the sharded FSDP2 path (`MixedPrecisionPolicy(param_dtype=bf16)`). The optimizer
+never sees those parameters: it steps fp32 copies (the "master weights" of Micikevicius et al.,
+"Mixed Precision Training", 2018), and after each step the copies are written back, rounded, into
+the module.
+
+Gradients: a post-accumulate-grad hook on every trainable parameter adds its low-precision
+gradient into the master's fp32 `.grad` and frees it, so gradient accumulation over micro-batches
+sums in fp32 and the low-precision gradient of a parameter lives only until its hook runs.
+
+State dicts use the parameter names of the module, in the layout of
+`torch.distributed.checkpoint.state_dict` with `full_state_dict=True` (`{"state": {fqn: ...},
+"param_groups": [{..., "params": [fqn, ...]}]}`), so a checkpoint written here loads into a
+sharded run and back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class MasterWeights:
+    """fp32 copies of the trainable parameters of `model`, which is cast to `compute_dtype`."""
+
+    def __init__(self, model: nn.Module, compute_dtype: torch.dtype) -> None:
+        self.compute_dtype = compute_dtype
+        self.params: list[nn.Parameter] = []  # the module's (low-precision) parameters
+        self.masters: list[torch.Tensor] = []  # their fp32 copies, in the same order
+        self.names: list[str] = []
+        self._master_of: dict[int, torch.Tensor] = {}
+        self._hooks = []
+        for name, p in model.named_parameters():  # tied parameters appear once
+            if not p.requires_grad or not p.is_floating_point():
+                continue
+            master = p.detach().to(torch.float32, copy=True)
+            self.params.append(p)
+            self.masters.append(master)
+            self.names.append(name)
+            self._master_of[id(p)] = master
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.is_floating_point() and p.dtype != compute_dtype:
+                    p.data = p.data.to(compute_dtype)
+        for p, m in zip(self.params, self.masters):
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._accumulate_into(m)))
+
+    @staticmethod
+    def _accumulate_into(master: torch.Tensor):
+        def hook(p: torch.Tensor) -> None:
+            g = p.grad
+            if g is None:
+                return
+            if master.grad is None:
+                master.grad = g.to(torch.float32)
+            else:
+                master.grad.add_(g)
+            p.grad = None
+
+        return hook
+
+    # ------------------------------------------------------------------ optimizer side
+
+    def master_of(self, p: torch.Tensor) -> torch.Tensor:
+        return self._master_of[id(p)]
+
+    def param_groups(self, groups: list[dict]) -> list[dict]:
+        """The module's AdamW groups (see optim.param_groups) with each parameter replaced by its master."""
+        return [{**g, "params": [self.master_of(p) for p in g["params"]]} for g in groups]
+
+    @torch.no_grad()
+    def copy_to_model(self) -> None:
+        """Round the masters into the module's parameters (after every optimizer step or load)."""
+        if self.params:
+            torch._foreach_copy_([p.data for p in self.params], self.masters)
+
+    def to(self, device: torch.device | str) -> None:
+        """Move the masters (and their gradients) keeping their identity (the optimizer holds them)."""
+        for m in self.masters:
+            m.data = m.data.to(device, non_blocking=True)
+            if m.grad is not None:
+                m.grad = m.grad.to(device, non_blocking=True)
+
+    # ------------------------------------------------------------------ state dicts
+
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The module's state dict on CPU with every trainable parameter replaced by its fp32 master."""
+        out: dict[str, torch.Tensor] = {}
+        for name, t in model.state_dict(keep_vars=True).items():
+            master = self._master_of.get(id(t))
+            src = master if master is not None else t
+            out[name] = src.detach().cpu()
+        return out
+
+    @torch.no_grad()
+    def load_model_state_dict(self, model: nn.Module, sd: dict[str, torch.Tensor]) -> None:
+        """Load a full state dict (fp32 or any dtype) into masters and module alike."""
+        missing, unexpected = model.load_state_dict(sd, strict=False)
+        missing = [k for k in missing if k in dict(model.named_parameters())]
+        if missing or unexpected:
+            raise KeyError(f"checkpoint weights do not match the model: missing {missing[:5]}, "
+                           f"unexpected {list(unexpected)[:5]}")
+        for name, m in zip(self.names, self.masters):
+            m.copy_(sd[name].to(m.device, torch.float32))
+        self.copy_to_model()
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Full optimizer state keyed by parameter name, on CPU (the DCP full-state-dict layout)."""
+        name_of = {id(m): n for n, m in zip(self.names, self.masters)}
+        sd = optimizer.state_dict()
+        order = [m for g in optimizer.param_groups for m in g["params"]]
+        state = {name_of[id(order[i])]: {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v)
+                                         for k, v in s.items()}
+                 for i, s in sd["state"].items()}
+        groups = []
+        for g, sg in zip(optimizer.param_groups, sd["param_groups"]):
+            groups.append({**{k: v for k, v in sg.items() if k != "params"},
+                           "params": [name_of[id(m)] for m in g["params"]]})
+        return {"state": state, "param_groups": groups}
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
+        name_of = {id(m): n for n, m in zip(self.names, self.masters)}
+        order = [name_of[id(m)] for g in optimizer.param_groups for m in g["params"]]
+        index = {n: i for i, n in enumerate(order)}
+        saved_groups = sd["param_groups"]
+        if [sorted(g["params"]) for g in saved_groups] != [sorted(name_of[id(m)] for m in g["params"])
+                                                            for g in optimizer.param_groups]:
+            raise KeyError("checkpoint optimizer groups do not match the model's trainable parameters")
+        state = {index[n]: s for n, s in sd["state"].items()}
+        groups = [{**{k: v for k, v in sg.items() if k != "params"}, "params": [index[n] for n in g_names]}
+                  for sg, g_names in zip(saved_groups, ([name_of[id(m)] for m in g["params"]]
+                                                        for g in optimizer.param_groups))]
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
