@@ -33,6 +33,9 @@ the mean over the timed steps (`step_s_median` beside it). With `--trl_prompts` 
 `--prompts` (TRL too slow or too big for the full batch), rlhfkit also runs at each TRL batch and
 `speedup_vs_trl` compares the two at the same batch. One JSON line is printed; with `--out` the
 file is rewritten after every run, so a run cut short keeps what finished (`"complete": false`).
+
+`--ray_layout disaggregated|colocated` runs train_ppo_ray's trainer on Ray actors instead (and no
+TRL): step time, phases and weight-sync time / MB / path per layout; see rl_step_ray.py.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_models import SHAPES, make_bench_model, random_prompt  # noqa: E402
+from rl_step_ray import RAY_HEADLINE, add_ray_args, run_ray  # noqa: E402
 
 for _k, _v in (("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"), ("HF_HUB_DISABLE_TELEMETRY", "1"),
                ("TOKENIZERS_PARALLELISM", "false"), ("WANDB_DISABLED", "true")):
@@ -366,11 +370,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--skip_trl", action="store_true")
     ap.add_argument("--skip_rlhfkit", action="store_true")
     ap.add_argument("--out", default=None)
+    add_ray_args(ap)
     a = ap.parse_args(argv)
     a.model = a.model or ("qwen2-0.5b" if a.device.startswith("cuda") else "tiny")
     gc_on = {"auto": a.device.startswith("cuda"), "on": True, "off": False}
     a.gradient_checkpointing = gc_on[a.gradient_checkpointing]
-    a.trl_prompts = [] if a.skip_trl else (a.trl_prompts or [a.prompts])
+    a.trl_prompts = [] if a.skip_trl or a.ray_layout else (a.trl_prompts or [a.prompts])
     for name in ("prompts", "n", "prompt_len", "new_tokens", "steps"):
         if getattr(a, name) < 1:
             raise SystemExit(f"rl_step: --{name} must be >= 1")
@@ -397,6 +402,7 @@ def headline(a: argparse.Namespace, runs: list[dict]) -> dict:
     if base:
         out.update(step_s=base["step_s"], phases_s=base["phases_s"], generate_share=base["generate_share"],
                    gen_tokens_per_s=base["gen_tokens_per_s"], response_length=base["response_length"])
+        out.update({k: base[k] for k in RAY_HEADLINE if k in base})
     if tr:
         p = a.prompts if a.prompts in tr else max(tr)
         out.update(trl_prompts=p, trl_completions=p * a.n, trl_step_s=tr[p]["step_s"],
@@ -419,10 +425,10 @@ def _version(dist: str) -> str | None:
 def report(a: argparse.Namespace, runs: list[dict], complete: bool) -> dict:
     res = {"bench": "rl_step", "device": device_name(a.device), "model": a.model, "prompts": a.prompts, "n": a.n,
            "completions": a.prompts * a.n, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens,
-           "timed_steps": a.steps, "rollout_engine": a.rollout_engine,
+           "timed_steps": a.steps, "rollout_engine": a.rollout_engine, "ray_layout": a.ray_layout,
            "compute_dtype": "bf16" if a.device.startswith("cuda") else "fp32", "master_dtype": "fp32",
            "gradient_checkpointing": a.gradient_checkpointing, "complete": complete,
-           "versions": {d: _version(d) for d in ("torch", "transformers", "accelerate", "trl", "datasets", "pyarrow")}}
+           "versions": {d: _version(d) for d in ("torch", "transformers", "accelerate", "trl", "datasets", "pyarrow", "ray")}}
     if not a.device.startswith("cuda"):
         res["load_avg_1m"] = os.getloadavg()[0]  # CPU timings are only as quiet as the machine was
     res.update(headline(a, runs))
@@ -472,9 +478,10 @@ def run_all(a: argparse.Namespace, work: str) -> dict:
     prompts_text = [random_prompt(rng, a.prompt_len) for _ in range(biggest * (a.steps + 1))]
     runs: list[dict] = []
     sizes = [] if a.skip_rlhfkit else sorted({a.prompts, *a.trl_prompts}, reverse=True)
+    run = run_ray if a.ray_layout else run_rlhfkit
     for p in sizes:
         reward, data = write_inputs(work, prompts_text[:p * (a.steps + 1)])
-        runs.append(guarded(lambda: run_rlhfkit(a, model_dir, data, reward, work, p), "rlhfkit", p, a.n))
+        runs.append(guarded(lambda: run(a, model_dir, data, reward, work, p), "rlhfkit", p, a.n))
         free_memory(a.device)
         report(a, runs, complete=False)
     reward, _ = write_inputs(work, prompts_text)

@@ -14,7 +14,9 @@ this machine) or where Ray can start locally. Flags are train_ppo's plus the pla
     RLTrainer (the same loop as train_ppo)  --call-->   RayGroup policy / ref / critic / reward:
       executor -> RayEngineRouter -------agenerate-->     N ranks each, one torch process group per
       world size 1: the whole batch                       role (FSDP2 data parallel), batch split by rows
-      weights: policy ranks gather, rank 0 -> object store -> every engine actor
+      weights: policy ranks gather; rank 0 broadcasts to the engines (gloo / NCCL group of its
+      own), or each rank passes CUDA IPC handles to the engine on its GPU (colocated), or rank 0
+      -> object store -> every engine actor (--weight_sync, default auto)
 
 On a machine without GPUs the `--*_num_gpus_per_node` flags count CPU workers (each reserving
 `--ray_num_cpus_per_worker` CPUs). `--async_train` generates the next `--async_queue_size`
@@ -43,7 +45,7 @@ from rlhfkit.trainers.rl import RLState, RLTrainer
 
 PROG = "train_ppo_ray"
 VLLM_ONLY = ("vllm_gpu_memory_utilization", "enable_prefix_caching", "enforce_eager")
-NO_EFFECT = ("vllm_sync_backend", "vllm_sync_with_ray")  # weights always travel through the object store
+NO_EFFECT = ("vllm_sync_with_ray",)  # --weight_sync picks the path; torch process groups, not ray.util.collective
 
 
 def build_parser():
@@ -94,6 +96,14 @@ def check_ray_flags(args, shapes: dict[str, Any]) -> None:
                          "(one engine runs on one GPU); use more --vllm_num_engines")
     if args.partial_rollout:
         raise UsageError("--partial_rollout is not supported yet")
+    from rlhfkit.distributed.weight_sync import METHODS
+
+    if getattr(args, "weight_sync", "auto") not in METHODS:
+        raise UsageError(f"--weight_sync {args.weight_sync!r}: choose one of {', '.join(METHODS)}")
+    if getattr(args, "weight_sync_bucket_mb", 256) < 1:
+        raise UsageError(f"--weight_sync_bucket_mb must be >= 1, got {args.weight_sync_bucket_mb}")
+    if args.vllm_sync_backend not in ("nccl", "gloo"):
+        raise UsageError(f"--vllm_sync_backend must be nccl or gloo, got {args.vllm_sync_backend!r}")
     if args.vllm_num_engines > args.rollout_batch_size and not args.rollout_max_num_seqs:
         raise UsageError(f"--vllm_num_engines ({args.vllm_num_engines}) exceeds --rollout_batch_size "
                          f"({args.rollout_batch_size}): some engines would get no slots; set --rollout_max_num_seqs")
@@ -106,8 +116,7 @@ def note_no_effect(args, parser) -> None:
     if vllm_only:
         print(f"note: {', '.join('--' + d for d in vllm_only)} take effect with --rollout_engine vllm only")
     if none:
-        print(f"note: {', '.join('--' + d for d in none)} have no effect: weights go to the engines through "
-              "Ray's object store")
+        print(f"note: {', '.join('--' + d for d in none)} have no effect: --weight_sync picks the weight path")
 
 
 # ----------------------------------------------------------------------------- builders (run in actors)
@@ -272,11 +281,15 @@ def launch_roles(args, num_steps: int, shapes: dict[str, Any], hard_exit: bool):
                        colocate_all=args.colocate_all_models, colocate_actor_ref=args.colocate_actor_ref,
                        colocate_critic_reward=args.colocate_critic_reward,
                        placement_timeout_s=args.ray_placement_timeout, unit=args.n_samples_per_prompt,
-                       weights_dtype=_weights_dtype(args, accel))
+                       weights_dtype=_weights_dtype(args, accel), weight_sync=getattr(args, "weight_sync", "auto"),
+                       weight_sync_bucket_bytes=getattr(args, "weight_sync_bucket_mb", 256) * 2**20,
+                       weight_sync_backend=args.vllm_sync_backend, engine_direct=args.rollout_engine != "vllm")
     launched = launch(roles, engines, cfg, monitor, phases)
     for p in launched.placement:
         print(f"placement: {p['role']} rank {p['rank']} pid {p['pid']} node {p['node_id'][:12]} ({p['ip']}) "
               f"pool {p['pool']} bundle {p['bundle']} gpus {p['gpu_ids']}", flush=True)
+    print(f"weight sync: {launched.weight_sync.describe()}, buckets of "
+          f"{getattr(args, 'weight_sync_bucket_mb', 256)} MB", flush=True)
     return launched, phases
 
 

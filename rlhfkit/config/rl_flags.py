@@ -150,6 +150,12 @@ def _placement(p: FlagParser) -> None:
     p.flag("--vllm_tensor_parallel_size", "--vllm.tensor_parallel_size", type=int, default=1)
     p.flag("--vllm_sync_backend", "--vllm.sync_backend", type=str, default="nccl")
     p.flag("--vllm_sync_with_ray", "--vllm.sync_with_ray", action="store_true")
+    p.flag("--weight_sync", type=str, default="auto", choices=["auto", "object_store", "broadcast", "ipc"],
+           help="policy -> engines weight sync after each step: broadcast (an NCCL group on GPUs, gloo on "
+                "CPU), ipc (CUDA IPC handles, engines colocated with the policy), object_store (Ray's object "
+                "store); auto: ipc when every engine shares a GPU with a policy rank, else broadcast")
+    p.flag("--weight_sync_bucket_mb", type=int, default=256,
+           help="weight sync bucket size in MB (one broadcast / IPC handle each)")
     p.flag("--vllm_gpu_memory_utilization", "--vllm.gpu_memory_utilization", type=float, default=0.95)
     p.flag("--vllm_enable_sleep", "--vllm.enable_sleep", action="store_true")
     p.flag("--enable_prefix_caching", "--vllm.enable_prefix_caching", action="store_true")
@@ -172,6 +178,7 @@ def _eval(p: FlagParser) -> None:
 # Flags that only take effect under train_ppo_ray: (dest, default) pairs.
 RAY_ONLY = [f"{r}_num_nodes" for r in ROLES] + [f"{r}_num_gpus_per_node" for r in ROLES] + [
     "vllm_num_engines", "vllm_tensor_parallel_size", "vllm_sync_backend", "vllm_sync_with_ray",
+    "weight_sync", "weight_sync_bucket_mb",
     "vllm_gpu_memory_utilization", "vllm_enable_sleep", "enable_prefix_caching", "enforce_eager",
     "colocate_all_models", "colocate_actor_ref", "colocate_critic_reward", "deepspeed_enable_sleep",
     "async_train", "async_queue_size", "partial_rollout",

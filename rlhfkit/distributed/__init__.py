@@ -4,6 +4,7 @@
     workers.py        RoleWorker (one rank of policy / ref / critic / reward), EngineWorker
     group.py          RayGroup (the loop's `group.call`), RayWeights, Phases (sleep / wake), GroupBackend
     engines.py        RayEngineRouter: engine actors behind the RolloutEngine protocol, weight sync
+    weight_sync.py    policy -> engines: flat buckets, gloo / NCCL broadcast group, CUDA IPC, the choice
     health.py         RoleFailure, wait_all (bounded waits), HealthMonitor (actor deaths)
     async_rollout.py  AsyncRolloutQueue: rollout in a background thread for --async_train
     launch.py         connect, launch(RoleSpec..., EngineSpec, LaunchConfig) -> LaunchedRoles

@@ -7,7 +7,9 @@
                                                (roles already reduce them over their process group,
                                                so every rank holds the global value)
     group.call("weights")                      -> RayWeights: all ranks gather the full parameters
-                                               together, rank 0 leaves CPU buckets in the object store
+                                               together, rank 0 leaves CPU buckets in the object store;
+                                               with a direct sync (`direct_sync`, weight_sync.py):
+                                               DirectWeights, pushed later by the engine router
     group.call(other, *args)                   every rank runs it; rank 0's result
 
 The driver's loop sees the whole batch (world size 1 from its point of view); data parallelism
@@ -23,6 +25,7 @@ through the group: every rank takes part, rank 0's answer is returned.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from typing import Any, Iterator
 
 import ray
@@ -73,6 +76,37 @@ class RayWeights:
             yield from ray.get(ref)
 
 
+class DirectWeights:
+    """The policy's weights, to be pushed straight to the engines (broadcast / CUDA IPC) when
+    `RayEngineRouter.update_weights` gets them: `push()` runs `push_weights` on every rank (with
+    the training states on the device under --deepspeed_enable_sleep) and merges the ranks' stats.
+    Iterating it (any other consumer) publishes through the object store instead."""
+
+    def __init__(self, group: "RayGroup") -> None:
+        self.group = group
+
+    def push(self) -> dict[str, Any]:
+        g = self.group
+        with (g.phases.states_on_device(g) if g.phases is not None else _nothing()):
+            stats = g.run_all("push_weights", g.weights_dtype, g.sync_bucket_bytes)
+        counts: dict[int, int] = {}
+        for s in stats:
+            counts.update(s["engine_tensors"])
+        return {"method": stats[0]["method"], "bytes": max(s["bytes"] for s in stats), "engine_tensors": counts,
+                "buckets": max(s["buckets"] for s in stats)}
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        g = self.group
+        with (g.phases.states_on_device(g) if g.phases is not None else _nothing()):
+            refs, nbytes = g.run_all("publish_weights", g.weights_dtype)[0]
+        yield from RayWeights(refs, nbytes)
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
 class Phases:
     """Sleep / wake between phases; see the module docstring. `engine` is set by the router."""
 
@@ -89,10 +123,22 @@ class Phases:
         if self.engine_sleep and self.engine is not None and not self.engine.asleep:
             self.engine.sleep()
             self._time("engine_sleep", t0)
+        self._reload(group)
+
+    def _reload(self, group: "RayGroup") -> None:
         if self.train_sleep:
             t1 = time.perf_counter()
             group.run_all("reload")
             self._time("states_reload", t1)
+
+    @contextmanager
+    def states_on_device(self, group: "RayGroup") -> Iterator[None]:
+        """The group's training states on the device (not touching the engines' sleep)."""
+        self._reload(group)
+        try:
+            yield
+        finally:
+            self.after_group(group)
 
     def after_group(self, group: "RayGroup") -> None:
         if self.train_sleep:
@@ -121,6 +167,8 @@ class RayGroup:
         self.name, self.actors, self.labels = name, actors, labels
         self.monitor, self.unit, self.phases = monitor, unit, phases
         self.weights_dtype = weights_dtype
+        self.direct_sync = False  # set by the launcher when the engines take a direct sync
+        self.sync_bucket_bytes = 256 * 2**20
 
     @property
     def world_size(self) -> int:
@@ -132,6 +180,8 @@ class RayGroup:
         return wait_all(refs, self.labels, self.monitor)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        if method == "weights" and self.direct_sync:
+            return DirectWeights(self)
         if self.phases is not None:
             self.phases.before_group(self)
         try:
@@ -142,7 +192,7 @@ class RayGroup:
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         if method == "weights":
-            refs, nbytes = self.run_all("publish_weights", self.weights_dtype)[0]
+            refs, nbytes = self.run_all("publish_weights", self.weights_dtype, self.sync_bucket_bytes)[0]
             return RayWeights(refs, nbytes)
         if args and isinstance(args[0], ExperienceBatch):
             batch, rest = args[0], args[1:]

@@ -6,6 +6,8 @@
         -> actors, slot by slot (colocated actors of a slot share it: 1/k of its resources)
         -> info (pid, node) -> rank 0's address + a free port -> setup on every actor at once
            (each role group forms its own torch process group; engines load their weights)
+        -> weight sync path (weight_sync.choose_method; broadcast: policy rank 0 and the engines
+           form their own group)
     roles.groups["policy"].call(...), roles.router.agenerate(...)
     roles.shutdown()
 
@@ -26,6 +28,8 @@ from rlhfkit.distributed.group import Phases, RayGroup
 from rlhfkit.distributed.health import ActorLabel, HealthMonitor, wait_all
 from rlhfkit.distributed.placement import (ReadyPool, Shape, SlotResources, check_fits, create_pool,
                                            plan_pools, remove_pools)
+from rlhfkit.distributed.weight_sync import DEFAULT_TIMEOUT_S, Endpoint, SyncChoice, choose_method
+from rlhfkit.distributed.weight_sync import connect as connect_sync
 from rlhfkit.distributed.workers import EngineWorker, RoleWorker
 
 
@@ -67,6 +71,11 @@ class LaunchConfig:
     placement_timeout_s: float = 60.0
     unit: int = 1  # rows that stay on one rank (samples of one prompt)
     weights_dtype: str | None = None  # dtype of the weights sent to engines (None: as trained)
+    weight_sync: str = "auto"  # auto | object_store | broadcast | ipc (weight_sync.choose_method)
+    weight_sync_bucket_bytes: int = 256 * 2**20
+    weight_sync_backend: str = "nccl"  # broadcast on GPUs: nccl, or gloo to force CPU buffers
+    weight_sync_timeout_s: float = DEFAULT_TIMEOUT_S
+    engine_direct: bool = True  # False: engines with their own loading path (vLLM) use the object store
 
 
 @dataclass
@@ -76,6 +85,7 @@ class LaunchedRoles:
     pools: list[ReadyPool]
     monitor: HealthMonitor
     placement: list[dict[str, Any]]  # one line per actor: role, rank, pid, node, pool, bundle
+    weight_sync: SyncChoice | None = None
 
     def shutdown(self) -> None:
         self.monitor.stop()
@@ -156,10 +166,39 @@ def _setup(actors: dict[str, list[Any]], where: dict[str, list[tuple[str, int]]]
         for r, a in enumerate(actors[m]):
             refs.append(a.setup.remote(addr, port, cfg.device))
             ref_labels.append(labels[m][r])
-    wait_all(refs, ref_labels, monitor)
+    done = wait_all(refs, ref_labels, monitor)
+    devices = {(lab.role, lab.rank): d["device"] for lab, d in zip(ref_labels, done)}
+    choice = _weight_sync(actors, labels, placement, devices, cfg, monitor)
     monitor.start()
     groups = {m: RayGroup(m, actors[m], labels[m], monitor, unit=cfg.unit, phases=phases,
                           weights_dtype=cfg.weights_dtype)
               for m in names if m != "engine"}
-    router = RayEngineRouter(actors["engine"], labels["engine"], monitor, phases)
-    return LaunchedRoles(groups, router, pools, monitor, placement)
+    groups["policy"].direct_sync = choice.method != "object_store"
+    groups["policy"].sync_bucket_bytes = cfg.weight_sync_bucket_bytes
+    router = RayEngineRouter(actors["engine"], labels["engine"], monitor, phases,
+                             bucket_bytes=cfg.weight_sync_bucket_bytes)
+    router.sync_choice = choice
+    return LaunchedRoles(groups, router, pools, monitor, placement, choice)
+
+
+def _weight_sync(actors: dict[str, list[Any]], labels: dict[str, list[ActorLabel]], placement: list[dict[str, Any]],
+                 devices: dict[tuple[str, int], str], cfg: LaunchConfig, monitor: HealthMonitor) -> SyncChoice:
+    """Choose the policy -> engines weight path from where the actors ended up, and set it up."""
+    where = {(p["role"], p["rank"]): p for p in placement}
+
+    def endpoint(role: str, rank: int) -> Endpoint:
+        p = where[(role, rank)]
+        return Endpoint(p["node_id"], tuple(p["gpu_ids"]), devices[(role, rank)])
+
+    policy = [endpoint("policy", r) for r in range(len(actors["policy"]))]
+    engines = [endpoint("engine", i) for i in range(len(actors["engine"]))]
+    choice = choose_method(cfg.weight_sync, policy, engines, engine_direct=cfg.engine_direct,
+                           backend=cfg.weight_sync_backend)
+
+    def wait(refs: list[Any], who: list[tuple[str, int]]) -> list[Any]:
+        return wait_all(refs, [labels[m][r] for m, r in who], monitor, timeout=cfg.weight_sync_timeout_s + 60)
+
+    connect_sync(choice, actors["policy"], [where[("policy", r)]["ip"] for r in range(len(policy))],
+                 actors["engine"], [where[("engine", i)]["ip"] for i in range(len(engines))], wait,
+                 cfg.weight_sync_timeout_s)
+    return choice

@@ -9,8 +9,12 @@ both take a *builder* callable from the CLI, so this package never reads the fla
       .call(method, *args)                         role.forward_logprobs / train_on / forward_values ...
       .publish_weights(dtype, bucket_bytes)        all ranks gather full params together (FSDP2);
                                                    rank 0 puts CPU buckets in the object store
+      .init_weight_sync(plan) / .push_weights(dtype, bucket_bytes)
+                                                   direct sync (weight_sync.py): all ranks gather,
+                                                   the sending ranks broadcast / pass IPC handles
     EngineWorker(index, build)                     build(DistInfo) -> RolloutEngine (async actor)
       .agenerate / .generate / .update_weights(refs) / .sleep / .wake_up
+      .init_weight_sync(method, group, rank) / .load_bucket(metas, payload)
 
 A group of one rank creates no process group, exactly like one-process train_ppo (so a Ray run
 with single-rank groups executes the same float operations as train_ppo). Role workers run two
@@ -29,6 +33,7 @@ import ray
 import torch
 
 from rlhfkit.backend.dist import DistInfo, init_distributed, resolve_device
+from rlhfkit.distributed.weight_sync import GroupSpec, SenderPlan, TensorMeta, WeightReceiver, WeightSender
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20
 
@@ -54,6 +59,7 @@ class RoleWorker:
         self.role: Any = None
         self.backend: Any = None
         self.dist = DistInfo()
+        self._sender: WeightSender | None = None
 
     def info(self) -> dict[str, Any]:
         return _node_info()
@@ -108,6 +114,19 @@ class RoleWorker:
             total += size
         return refs, total
 
+    def init_weight_sync(self, plan: SenderPlan) -> None:
+        """Join the direct weight sync (broadcast: rank 0 forms the group with the engines)."""
+        self._enter()
+        self._sender = WeightSender(plan, self.dist.device)
+        self._sender.check()
+
+    def push_weights(self, dtype: str | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict[str, Any]:
+        """Every rank iterates the full weights (FSDP2 gathers); senders hand buckets to their engines."""
+        self._enter()
+        if self._sender is None:
+            raise RuntimeError(f"{self.role_name} rank {self.rank}: push_weights before init_weight_sync")
+        return self._sender.push(self.role.weights(), getattr(torch, dtype) if dtype else None, bucket_bytes)
+
     def backend_call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         self._enter()
         return getattr(self.backend, method)(*args, **kwargs)
@@ -143,6 +162,8 @@ class EngineWorker:
         _quiet_env()
         self.index, self._build = index, build
         self.engine: Any = None
+        self.device = "cpu"
+        self._receiver: WeightReceiver | None = None
 
     async def info(self) -> dict[str, Any]:
         return _node_info()
@@ -153,6 +174,7 @@ class EngineWorker:
     async def setup(self, device: str | None, num_engines: int) -> dict[str, Any]:
         dist = DistInfo(rank=self.index, world_size=num_engines, device=resolve_device(device))
         self.engine = self._build(dist)
+        self.device = dist.device
         return {"device": dist.device}
 
     async def agenerate(self, request: Any) -> Any:
@@ -167,6 +189,30 @@ class EngineWorker:
         pairs = [p for b in buckets for p in b]
         await asyncio.to_thread(self.engine.update_weights, iter(pairs))
         return len(pairs)
+
+    async def init_weight_sync(self, method: str, group: GroupSpec | None, rank: int) -> None:
+        """Become a receiver of the direct weight sync (broadcast: join the group as `rank`)."""
+        def join() -> WeightReceiver:
+            r = WeightReceiver(method, self.device, group, rank)
+            r.check()
+            return r
+        self._receiver = await asyncio.to_thread(join)
+
+    async def load_bucket(self, metas: list[TensorMeta], payload: Any) -> int:
+        """Receive one bucket (broadcast: its size; IPC: the handle) and load it; the tensor count."""
+        if self._receiver is None:
+            raise RuntimeError(f"engine {self.index}: load_bucket before init_weight_sync")
+        receiver = self._receiver
+
+        def load() -> int:
+            pairs = receiver.receive(metas, payload)
+            try:
+                self.engine.update_weights(iter(pairs))
+            finally:
+                del pairs
+                receiver.done()
+            return len(metas)
+        return await asyncio.to_thread(load)
 
     async def sleep(self, level: int = 1) -> None:
         await asyncio.to_thread(self.engine.sleep, level)

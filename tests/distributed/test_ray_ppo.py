@@ -6,7 +6,12 @@ step), KL as a loss against a reference model, the builtin engine, 2 steps, tiny
 - separate actors: policy, ref and the engine are three Ray actors on three placement groups;
 - --colocate_all_models (+ --vllm_enable_sleep --deepspeed_enable_sleep): the three share one
   bundle (a third of it each) and the engine sleeps while the roles work;
-- --async_train: the next batch is generated while the policy trains; staleness is logged.
+- --async_train: the next batch is generated while the policy trains; staleness is logged;
+- weight sync: the separate-actors run syncs by `--weight_sync broadcast` (a gloo group of policy
+  rank 0 and the engine); the same run with `--weight_sync object_store` gives identical metrics
+  (but vllm_kl, see below) and weights: both deliver the same bytes. Colocated and async runs use
+  the default (auto: gloo broadcast on CPU). A Ray-level test broadcasts buckets of mixed dtypes
+  (tied tensors included) from a policy actor to 2 engine actors and checks them bit for bit.
 
 Tolerances. Each role group has one rank, so the actors run no process group and execute the same
 float operations in the same order as one-process train_ppo (the driver splits nothing; rows go
@@ -109,18 +114,46 @@ def assert_match(ref: list[dict], got: list[dict], steps: list[int]) -> None:
             assert b[k] == pytest.approx(a[k], rel=1e-6, abs=1e-9), f"step {a['step']} {k}: {b[k]} != {a[k]}"
 
 
-def test_separate_actors_match_one_process(tiny_model_dir, data_dir, reference, local_ray, capsys):
+@pytest.fixture(scope="module")
+def separate_run(tiny_model_dir, data_dir, local_ray):
+    """Policy, ref and engine on their own actors, weights by gloo broadcast: (stdout, metrics, weights)."""
+    import contextlib
+    import io
+
     save = os.path.join(data_dir, "separate")
-    train_ppo_ray.main(flags(tiny_model_dir, data_dir, save))
-    out = capsys.readouterr().out
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        train_ppo_ray.main(flags(tiny_model_dir, data_dir, save, "--weight_sync", "broadcast"))
+    return (buf.getvalue(), *read(save))
+
+
+def test_separate_actors_match_one_process(reference, separate_run):
+    out, recs, w = separate_run
     where = placement(out)
     assert sorted(p["role"] for p in where) == ["engine", "policy", "ref"], out[-2000:]
     assert len({p["pid"] for p in where}) == 3 and len({p["pool"] for p in where}) == 3
-    recs, w = read(save)
+    assert "weight sync: broadcast over gloo" in out
     assert_match(reference[0], recs, [1, 2])
-    assert all(r["weight_sync_mb"] > 0.1 and r["time/weight_push"] > 0 for r in recs)
+    assert all(r["weight_sync_mb"] > 0.1 and r["time/weight_push"] > 0 and r["weight_sync/broadcast"] == 1
+               for r in recs)
     for k, v in reference[1].items():
         torch.testing.assert_close(w[k], v, atol=1e-6, rtol=0, msg=k)
+
+
+def test_object_store_sync_equals_broadcast(tiny_model_dir, data_dir, separate_run, capsys):
+    save = os.path.join(data_dir, "object_store")
+    train_ppo_ray.main(flags(tiny_model_dir, data_dir, save, "--weight_sync", "object_store"))
+    assert "weight sync: object_store" in capsys.readouterr().out
+    _, b_recs, b_w = separate_run
+    recs, w = read(save)
+    assert all(r["weight_sync/object_store"] == 1 and "weight_sync/broadcast" not in r for r in recs)
+    for a, b in zip(b_recs, recs, strict=True):
+        # timings aside, everything is equal except the engine's own log-probs (vllm_kl), which move
+        # by ~1e-8 with the order in which requests reach the engine's batch (see the top)
+        keys = {k for k in a if not k.startswith(("time/", "weight_sync/")) and k not in ("generate_share", "vllm_kl")}
+        assert len(keys) > 15 and {k: a[k] for k in keys} == {k: b[k] for k in keys}
+        assert b["vllm_kl"] == pytest.approx(a["vllm_kl"], abs=1e-6)
+    assert w.keys() == b_w.keys() and all(torch.equal(w[k], b_w[k]) for k in w)
 
 
 def test_colocate_all_with_sleep_matches_one_process(tiny_model_dir, data_dir, reference, local_ray, capsys):
@@ -167,3 +200,64 @@ def test_bad_placement_flags_fail_before_ray_starts(tiny_model_dir, data_dir, ca
         train_ppo_ray.main(flags(tiny_model_dir, data_dir, os.path.join(data_dir, "bad"), *extra))
     assert e.value.code == 1
     assert message in capsys.readouterr().err
+
+
+def test_broadcast_group_delivers_identical_buckets(local_ray):
+    """A policy-like actor (RoleWorker over a fake role) and 2 engine-like actors (EngineWorker
+    over a recording engine) form the gloo group; small buckets force several broadcasts."""
+    from rlhfkit.distributed.weight_sync import Endpoint, choose_method, connect, iter_buckets
+    from rlhfkit.distributed.workers import EngineWorker, RoleWorker
+
+    def tensors() -> list[tuple[str, torch.Tensor]]:
+        g = torch.Generator().manual_seed(3)
+        emb = torch.randn(16, 8, generator=g)
+        return [("model.embed_tokens.weight", emb), ("model.norm.weight", torch.randn(8, generator=g)),
+                ("half", torch.randn(3, 5, generator=g).half()), ("bf", torch.randn(33, generator=g).bfloat16()),
+                ("steps", torch.arange(7, dtype=torch.int64)), ("flag", torch.tensor([True, False])),
+                ("lm_head.weight", emb)]
+
+    class FakeRole:
+        def weights(self):
+            return iter(tensors())
+
+    class Recorder:
+        def __init__(self):
+            self.got, self.calls = {}, 0
+
+        def update_weights(self, named):
+            self.calls += 1
+            self.got.update({n: t.clone() for n, t in named})
+
+        def generate(self, requests):
+            return self.got, self.calls
+
+    def build_role(role, dist):
+        return FakeRole(), None
+
+    def build_engine(dist):
+        return Recorder()
+
+    policy = ray.remote(RoleWorker).options(num_cpus=0, max_concurrency=2).remote("policy", 0, 1, build_role)
+    engines = [ray.remote(EngineWorker).options(num_cpus=0).remote(i, build_engine) for i in range(2)]
+    ray.get([policy.setup.remote("127.0.0.1", 0, "cpu"), *[e.setup.remote("cpu", 2) for e in engines]])
+    cpu = Endpoint("n", (), "cpu")
+    choice = choose_method("broadcast", [cpu], [cpu, cpu])
+    connect(choice, [policy], ["127.0.0.1"], engines, ["127.0.0.1"] * 2,
+            lambda refs, who: ray.get(refs, timeout=60), timeout_s=30)
+    stats = ray.get(policy.push_weights.remote(None, 600), timeout=60)
+    want = tensors()
+    n_buckets = len(list(iter_buckets(iter(want), 600)))
+    assert n_buckets == 3  # bytes rounded to 64: 512 64 | 64 128 64 64 | 512 (the head, alone), by hand
+    assert stats["method"] == "broadcast" and stats["buckets"] == n_buckets
+    assert stats["engine_tensors"] == {0: len(want), 1: len(want)}
+    for got, calls in ray.get([e.generate.remote([]) for e in engines]):
+        assert calls == n_buckets and sorted(got) == sorted(n for n, _ in want)
+        for name, t in want:
+            assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
+    # a second push, cast to bfloat16 (as on GPU): floats arrive rounded, integers untouched
+    ray.get(policy.push_weights.remote("bfloat16", 600), timeout=60)
+    for got, _ in ray.get([e.generate.remote([]) for e in engines]):
+        for name, t in want:
+            assert torch.equal(got[name], t.bfloat16() if t.is_floating_point() else t), name
+    for a in (policy, *engines):
+        ray.kill(a, no_restart=True)

@@ -1,0 +1,169 @@
+"""Ray mode of bench/rl_step.py: the same GRPO step, run by train_ppo_ray's trainer on Ray actors.
+
+    python bench/rl_step.py --ray_layout disaggregated --model qwen2-0.5b --prompts 16 --n 8 --new_tokens 256 \
+        --steps 3 --out rl_step_ray_disaggregated.json
+    python bench/rl_step.py --ray_layout colocated --device cpu --model tiny --prompts 4 --n 2 --new_tokens 8
+
+Layouts (issue 6's GPU runs, on a 2-GPU machine):
+    disaggregated  the policy on 1 GPU (`--actor_num_gpus_per_node 1`), 1 engine on another GPU;
+                   weights by NCCL broadcast (`--weight_sync auto`)
+    colocated      `--colocate_all_models --vllm_enable_sleep --deepspeed_enable_sleep` with
+                   `--actor_num_gpus_per_node 2` (FSDP2 over both GPUs) and 2 engines, one on each
+                   policy GPU; weights by CUDA IPC from the policy rank on the same GPU
+On CPU the slots are CPU workers and the weights go by gloo broadcast.
+
+Same model directory, prompts, reward, batch and flags as the one-process run (rl_step.py's
+`rlhfkit_argv`: no reference model, GRPO, bf16 on GPU, min_new_tokens = max_new_tokens), plus the
+layout's flags. The driver builds the trainer as `train_ppo_ray.run` does (flags, placement, Ray
+groups), runs one warm-up and `--steps` timed `train_step()` calls, and records per step: the wall
+time, the loop's phases (generate, reward, logprobs, train, weight_sync), the Ray phases (engine
+sleep / wake, states reload / offload, `time/weight_push`: the push alone), the synced MB and the
+sync path. Ray is started here (a local instance, whatever $RAY_ADDRESS says) with the GPUs that
+torch sees and `--ray_object_store_gb` of object store; PYTHONPATH carries the repo to the workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from typing import Any
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAYOUTS = ("disaggregated", "colocated")
+RAY_TIMES = ("weight_push", "engine_sleep", "engine_wake", "states_reload", "states_offload")
+RAY_HEADLINE = ("ray_layout", "weight_sync_method", "weight_sync_s", "weight_push_s", "weight_sync_mb",
+                "weight_sync_gb_per_s", "ray_phases_s")
+
+
+def add_ray_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--ray_layout", default=None, choices=LAYOUTS,
+                    help="run train_ppo_ray's trainer on Ray in this layout (rl_step_ray.py); TRL is skipped")
+    ap.add_argument("--weight_sync", default="auto", choices=["auto", "object_store", "broadcast", "ipc"],
+                    help="train_ppo_ray --weight_sync (Ray mode)")
+    ap.add_argument("--weight_sync_bucket_mb", type=int, default=256, help="train_ppo_ray --weight_sync_bucket_mb")
+    ap.add_argument("--ray_object_store_gb", type=float, default=4.0, help="object store of the local Ray")
+
+
+def layout_argv(a: argparse.Namespace) -> list[str]:
+    common = ["--weight_sync", a.weight_sync, "--weight_sync_bucket_mb", str(a.weight_sync_bucket_mb),
+              "--ray_address", "local", "--ray_num_cpus_per_worker", "1"]
+    if a.ray_layout == "disaggregated":
+        return common + ["--actor_num_gpus_per_node", "1", "--vllm_num_engines", "1"]
+    if a.ray_layout == "colocated":
+        return common + ["--actor_num_gpus_per_node", "2", "--vllm_num_engines", "2", "--colocate_all_models",
+                         "--vllm_enable_sleep", "--deepspeed_enable_sleep"]
+    raise ValueError(f"--ray_layout must be one of {LAYOUTS}, got {a.ray_layout!r}")
+
+
+def start_ray(a: argparse.Namespace) -> bool:
+    """A local Ray with this machine's GPUs (torch's count); True when this call started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    path = os.environ.get("PYTHONPATH", "")
+    if REPO not in path.split(os.pathsep):  # workers inherit the raylet's (this process's) environment
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, path) if p)
+    for k, v in (("RAY_DISABLE_IMPORT_WARNING", "1"), ("RAY_USAGE_STATS_ENABLED", "0"),
+                 ("RAY_OBJECT_STORE_ALLOW_SLOW_STORAGE", "1")):
+        os.environ.setdefault(k, v)
+    gpus = torch.cuda.device_count() if a.device.startswith("cuda") else 0
+    ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1), num_gpus=gpus,
+             object_store_memory=int(a.ray_object_store_gb * 2**30), include_dashboard=False, log_to_driver=True)
+    return True
+
+
+def _build(a: argparse.Namespace, argv: list[str]) -> tuple[Any, Any, Any, Any]:
+    """train_ppo_ray's checks and launch -> (args, launched, trainer, seconds to launch)."""
+    from rlhfkit.cli import ppo_setup as S
+    from rlhfkit.cli import train_ppo_ray as R
+    from rlhfkit.cli.common import set_seed
+    from rlhfkit.cli.train_ppo import load_tokenizer_and_prompts
+
+    args = R.build_parser().parse(argv)
+    shapes = R.role_shapes(args)
+    S.resolve_flags(args, shapes["policy"].slots)
+    R.check_ray_flags(args, shapes)
+    set_seed(args.seed)
+    tokenizer, prompts, eval_prompts = load_tokenizer_and_prompts(args)
+    num_steps = S.optimizer_steps(args, len(prompts))
+    t0 = time.perf_counter()
+    launched, phases = R.launch_roles(args, num_steps, shapes, hard_exit=False)
+    try:
+        trainer = R.build_ray_trainer(args, launched, phases, tokenizer, prompts, eval_prompts)
+    except BaseException:
+        launched.shutdown()
+        raise
+    return args, launched, trainer, time.perf_counter() - t0
+
+
+def run_ray(a: argparse.Namespace, model_dir: str, data: str, reward: str, work: str, prompts: int) -> dict:
+    """Launch the layout, 1 warm-up + `a.steps` timed steps, shut the actors (and a Ray we started) down."""
+    import ray
+
+    from rl_step import force_full_length, micro, rlhfkit_argv, summarize_rlhfkit
+
+    per_rank = prompts * a.n // (2 if a.ray_layout == "colocated" else 1)  # micro batches are per policy rank
+    argv = rlhfkit_argv(a, model_dir, data, reward, work, prompts) + layout_argv(a) + [
+        "--micro_train_batch_size", str(micro(per_rank, a.micro_train_batch_size)),
+        "--micro_rollout_batch_size", str(micro(per_rank, a.micro_rollout_batch_size))]
+    started = start_ray(a)
+    launched = None
+    try:
+        print(f"[rl_step] ray {a.ray_layout}: launching ({ray.cluster_resources()})", flush=True)
+        args, launched, trainer, launch_s = _build(a, argv)
+        print(f"[rl_step] ray {a.ray_layout}: launched in {launch_s:.1f} s; weight sync "
+              f"{launched.weight_sync.describe()}", flush=True)
+        min_new = force_full_length(trainer)
+        walls, metrics = timed_steps(trainer, a.steps, a.ray_layout)
+        trainer.logger.close()
+        out = summarize_rlhfkit(walls, metrics, prompts * a.n)
+        out.update(ray_summary(metrics, launched, launch_s))
+        out.update(prompts=prompts, completions=prompts * a.n, min_new_tokens=min_new,
+                   micro_train_batch_size=args.micro_train_batch_size,
+                   micro_rollout_batch_size=args.micro_rollout_batch_size, ray_layout=a.ray_layout,
+                   argv_extra=layout_argv(a))
+        return out
+    finally:
+        if launched is not None:
+            launched.shutdown()
+        if started:
+            ray.shutdown()
+
+
+def timed_steps(trainer: Any, steps: int, layout: str) -> tuple[list[float], list[dict]]:
+    """rl_step's `time_steps` with a progress line per step; the driver holds no GPU work to wait
+    for (each step's Ray calls return after the actors finished)."""
+    walls: list[float] = []
+    metrics: list[dict] = []
+    for i in range(steps + 1):
+        t0 = time.perf_counter()
+        m = trainer.train_step()
+        trainer.state.step += 1
+        wall = time.perf_counter() - t0
+        split = " ".join(f"{k}={m.get(f'time/{k}', 0.0):.2f}" for k in ("generate", "logprobs", "train", "weight_sync"))
+        print(f"[rl_step] ray {layout}: step {i}{' (warm-up)' if i == 0 else ''} {wall:.2f} s ({split}; "
+              f"push {m.get('time/weight_push', 0.0):.3f} s, {m.get('weight_sync_mb', 0.0):.0f} MB)", flush=True)
+        if i > 0:
+            walls.append(wall)
+            metrics.append(m)
+    return walls, metrics
+
+
+def ray_summary(metrics: list[dict], launched: Any, launch_s: float) -> dict:
+    """Weight-sync figures, the Ray-only phases and the placement of every actor."""
+    from rl_step import mean
+
+    times = {k: mean([m.get(f"time/{k}", 0.0) for m in metrics]) for k in RAY_TIMES}
+    mb = mean([m.get("weight_sync_mb", 0.0) for m in metrics])
+    push = times["weight_push"]
+    methods = sorted({k.split("/", 1)[1] for m in metrics for k in m if k.startswith("weight_sync/")})
+    return {"ray_phases_s": times, "weight_sync_s": mean([m["time/weight_sync"] for m in metrics]),
+            "weight_push_s": push, "weight_sync_mb": mb,
+            "weight_sync_gb_per_s": mb / 1024 / push if push else None,
+            "weight_sync_method": launched.weight_sync.describe(), "weight_sync_methods_logged": methods,
+            "launch_s": launch_s, "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+            "placement": [{k: p[k] for k in ("role", "rank", "pool", "bundle", "gpu_ids")} for p in launched.placement]}
