@@ -108,15 +108,31 @@ def _nothing() -> Iterator[None]:
 
 
 class Phases:
-    """Sleep / wake between phases; see the module docstring. `engine` is set by the router."""
+    """Sleep / wake between phases; see the module docstring. `engine` is set by the router.
+
+    Under `--deepspeed_enable_sleep` a group's states leave the device lazily: `after_group` marks
+    the group pending and the offload happens when another group needs the device, before the
+    engines wake for a rollout, or at `flush()`. So the policy's weight push that follows its
+    training step finds the states still on the device (no reload, no second offload)."""
 
     def __init__(self, engine_sleep: bool = False, train_sleep: bool = False) -> None:
         self.engine_sleep, self.train_sleep = engine_sleep, train_sleep
         self.engine: Any = None
         self.timings: dict[str, float] = {}
+        self._pending: RayGroup | None = None  # on the device, to be offloaded before anyone else works
 
     def _time(self, key: str, t0: float) -> None:
         self.timings[key] = self.timings.get(key, 0.0) + time.perf_counter() - t0
+
+    def flush(self, keep: "RayGroup | None" = None) -> None:
+        """Offload the pending group's states (unless it is `keep`)."""
+        g = self._pending
+        if g is None or g is keep:
+            return
+        self._pending = None
+        t0 = time.perf_counter()
+        g.run_all("offload")
+        self._time("states_offload", t0)
 
     def before_group(self, group: "RayGroup") -> None:
         t0 = time.perf_counter()
@@ -126,10 +142,15 @@ class Phases:
         self._reload(group)
 
     def _reload(self, group: "RayGroup") -> None:
-        if self.train_sleep:
-            t1 = time.perf_counter()
-            group.run_all("reload")
-            self._time("states_reload", t1)
+        if not self.train_sleep:
+            return
+        self.flush(keep=group)
+        if self._pending is group:  # still on the device from its last call
+            self._pending = None
+            return
+        t1 = time.perf_counter()
+        group.run_all("reload")
+        self._time("states_reload", t1)
 
     @contextmanager
     def states_on_device(self, group: "RayGroup") -> Iterator[None]:
@@ -142,11 +163,10 @@ class Phases:
 
     def after_group(self, group: "RayGroup") -> None:
         if self.train_sleep:
-            t0 = time.perf_counter()
-            group.run_all("offload")
-            self._time("states_offload", t0)
+            self._pending = group
 
     def before_rollout(self) -> None:
+        self.flush()
         if self.engine_sleep and self.engine is not None and self.engine.asleep:
             t0 = time.perf_counter()
             self.engine.wake_up()

@@ -178,6 +178,7 @@ def _setup(actors: dict[str, list[Any]], where: dict[str, list[tuple[str, int]]]
     router = RayEngineRouter(actors["engine"], labels["engine"], monitor, phases,
                              bucket_bytes=cfg.weight_sync_bucket_bytes)
     router.sync_choice = choice
+    router.wake_for_update = not cfg.engine_direct
     return LaunchedRoles(groups, router, pools, monitor, placement, choice)
 
 
