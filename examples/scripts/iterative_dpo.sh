@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# Iterative (online) DPO (Xiong et al. 2023, arXiv:2312.11456; RLHFlow, arXiv:2405.07863):
+#   for iter in 0 .. ITERS-1:
+#     1. batch_inference --eval_task generate: BEST_OF_N samples for prompts
+#        [iter * ROLLOUT_BATCH_SIZE, (iter + 1) * ROLLOUT_BATCH_SIZE) from the current policy
+#     2. batch_inference --eval_task rm --post_processor iter_dpo: per prompt the best-scoring
+#        sample is `chosen`, the worst `rejected` (prompts whose samples all tie are dropped)
+#     3. train_dpo on those pairs against the fixed reference REF (default: the first policy);
+#        the result is the next iteration's policy
+# Models are local Hugging Face directories (an SFT policy and a reward model from train_rm).
+#
+#   POLICY=./ckpt/sft REWARD_MODEL=./ckpt/rm PROMPTS=prompts.jsonl INPUT_KEY=question \
+#     bash examples/scripts/iterative_dpo.sh
+# Multi-GPU training: TRAIN_LAUNCH="torchrun --nproc_per_node 8 -m". With vLLM installed,
+# GEN_ARGS="--rollout_engine vllm --tp_size 4 --enable_prefix_caching". A stopped run resumes at the
+# iteration recorded in $WORK_DIR/iter.txt. Extra flags: GEN_ARGS (generation), RM_ARGS (scoring), TRAIN_ARGS (train_dpo).
+set -euo pipefail
+
+POLICY=${POLICY:-./ckpt/sft}
+REF=${REF:-$POLICY}
+REWARD_MODEL=${REWARD_MODEL:-./ckpt/rm}
+PROMPTS=${PROMPTS:-./data/prompts.jsonl}
+INPUT_KEY=${INPUT_KEY:-input}
+WORK_DIR=${WORK_DIR:-./ckpt/iterative_dpo}
+ITERS=${ITERS:-5}
+ROLLOUT_BATCH_SIZE=${ROLLOUT_BATCH_SIZE:-10240}
+BEST_OF_N=${BEST_OF_N:-8}
+MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-2048}
+TRAIN_LAUNCH=${TRAIN_LAUNCH:-python -m}
+GEN_ARGS=${GEN_ARGS:-}
+RM_ARGS=${RM_ARGS:-}
+TRAIN_ARGS=${TRAIN_ARGS:-}
+
+mkdir -p "$WORK_DIR"
+iter=0
+if [[ -f $WORK_DIR/iter.txt ]]; then
+  iter=$(cat "$WORK_DIR/iter.txt")
+fi
+
+while ((iter < ITERS)); do
+  echo "=== iterative DPO: iteration $iter ==="
+  policy=$POLICY
+  if ((iter > 0)); then
+    policy=$WORK_DIR/iter_$((iter - 1))/model
+  fi
+  out=$WORK_DIR/iter_$iter
+  mkdir -p "$out"
+
+  # shellcheck disable=SC2086  # GEN_ARGS / RM_ARGS / TRAIN_ARGS / TRAIN_LAUNCH are word lists
+  python -m rlhfkit.cli.batch_inference --eval_task generate \
+    --pretrain "$policy" --param_dtype bf16 \
+    --dataset "$PROMPTS" --input_key "$INPUT_KEY" --apply_chat_template \
+    --best_of_n "$BEST_OF_N" --temperature 1.0 \
+    --prompt_max_len 2048 --max_new_tokens "$MAX_NEW_TOKENS" --max_len 4096 \
+    --iter "$iter" --rollout_batch_size "$ROLLOUT_BATCH_SIZE" \
+    --output_path "$out/generate.jsonl" $GEN_ARGS
+
+  python -m rlhfkit.cli.batch_inference --eval_task rm \
+    --pretrain "$REWARD_MODEL" --param_dtype bf16 --max_len 4096 \
+    --dataset "$out/generate.jsonl" --micro_batch_size 4 \
+    --post_processor iter_dpo --output_path "$out/pairs.jsonl" $RM_ARGS
+
+  # rows {prompt, chosen, chosen_reward, rejected, rejected_reward}; prompts are already formatted
+  # shellcheck disable=SC2086
+  $TRAIN_LAUNCH rlhfkit.cli.train_dpo \
+    --pretrain "$policy" --ref_pretrain "$REF" --dataset "$out/pairs.jsonl" \
+    --prompt_key prompt --chosen_key chosen --rejected_key rejected \
+    --max_len 4096 --train_batch_size 128 --micro_train_batch_size 2 \
+    --max_epochs 1 --beta 0.1 --learning_rate 5e-7 --param_dtype bf16 \
+    --gradient_checkpointing --save_path "$out/model" $TRAIN_ARGS
+
+  iter=$((iter + 1))
+  echo "$iter" > "$WORK_DIR/iter.txt"
+done
+echo "final policy: $WORK_DIR/iter_$((ITERS - 1))/model"

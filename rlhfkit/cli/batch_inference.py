@@ -1,0 +1,478 @@
+"""Best-of-n generation and reward scoring for offline loops: `python -m rlhfkit.cli.batch_inference`.
+
+OpenRLHF's `batch_inference` (<= v0.9.5), the first two steps of rejection sampling, iterative DPO
+and conditional SFT (examples/scripts/rejection_sampling.sh, iterative_dpo.sh):
+
+    # 1. n samples per prompt for prompts [iter * rollout_batch_size, (iter + 1) * rollout_batch_size)
+    python -m rlhfkit.cli.batch_inference --eval_task generate --pretrain POLICY --dataset prompts.jsonl \\
+        --input_key question --apply_chat_template --best_of_n 8 --max_new_tokens 1024 --temperature 1.0 \\
+        --iter 0 --rollout_batch_size 2048 --output_path gen.jsonl            # rows {input, output}
+    # 2. score every (input, output) with a reward model, then post-process per prompt
+    python -m rlhfkit.cli.batch_inference --eval_task rm --pretrain RM --dataset gen.jsonl \\
+        --micro_batch_size 16 --post_processor iter_dpo --output_path pairs.jsonl
+
+Generation (`--eval_task generate`; `generate_vllm` is the same task, OpenRLHF's name for it):
+
+    --dataset rows (capped at --max_samples) -> [--iter slice] -> PromptDataset text
+      (--apply_chat_template | --input_template; --enable_csft appends " " + --csft_prompt + " ")
+    -> token ids, the first ones cut so that at most --prompt_max_len remain (the end of a prompt,
+       with the generation prompt, is kept: vLLM's truncate_prompt_tokens rule)
+    -> rollout engine (--rollout_engine builtin | hf | vllm), --best_of_n samples per prompt,
+       max new tokens = min(--max_new_tokens, L - prompt tokens), L = min(--max_len, the model's
+       max_position_embeddings); --greedy_sampling = temperature 0
+    -> rows {"input": prompt text (before truncation), "output": completion text}, the n samples
+       of a prompt next to each other
+
+Sampling seeds depend on (--seed, the prompt's index in the dataset) only, so a prompt gets the same
+samples whatever --iter slice or batch it is generated in. `--repetition_penalty` is not
+implemented by rlhfkit's engines: a value other than 1.0 is refused.
+
+Scoring (`--eval_task rm`): each row's `--input_key` / `--output_key` (default input / output) go
+through the same formatting and joining rule as train_rm's data (rlhfkit.data.items: prompt ids +
+response ids + eos, cut to --max_len), so a reward model scores text as it was trained on it; the
+reward is the value head (`--value_head_prefix`) at the last token, (r - mean) / std with
+`--normalize_reward` (mean/std stored in the reward model's config.json). Batches of
+`--micro_batch_size` rows, shortest first. Output rows are the input rows plus `reward`, or what
+`--post_processor` makes of them (rs | iter_dpo | csft; see rlhfkit.data.post_processors, which
+also describes `--reward_template`).
+
+The output is written to a temporary file next to `--output_path` and renamed into place, so a
+crash never leaves a partial file under that name. Errors name the flag, file and row.
+
+Differences from OpenRLHF: one process (no deepspeed/torchrun sharding; use several processes
+with different --iter slices for more GPUs); `--value_head_prefix` defaults to `score` (a prefix
+stored in the model's config wins, as before); `--normalize_reward` normalises with the reward
+model's stored statistics (OpenRLHF's csft processor re-normalised over the file);
+`--reward_template` is used by the csft post-processor only, as in OpenRLHF.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from rlhfkit.cli.common import UsageError, cli_main, set_seed
+from rlhfkit.config.flags import FlagParser, add_data_flags, add_model_flags
+from rlhfkit.data.io import DataError, Row, load_mixture
+from rlhfkit.data.post_processors import (DEFAULT_CSFT_PROMPT, ScoredSample, apply_post_processor,
+                                          check_reward_template, csft_prompt_suffix, resolve_post_processor)
+
+TASKS = ("generate", "generate_vllm", "rm")
+PROG = "batch_inference"
+GENERATE_ONLY = ("rollout_engine", "best_of_n", "prompt_max_len", "max_new_tokens", "greedy_sampling", "temperature",
+                 "top_p", "iter", "rollout_batch_size", "enable_csft", "max_num_seqs", "tp_size",
+                 "enable_prefix_caching")
+RM_ONLY = ("value_head_prefix", "normalize_reward", "micro_batch_size", "reward_template")
+
+
+def build_parser() -> FlagParser:
+    p = FlagParser(PROG, __doc__ or "")
+    add_model_flags(p)
+    p.flag("--model_name_or_path", dest="pretrain", type=str, default=None, help="alias of --pretrain")
+    add_data_flags(p, max_len=2048, max_samples=int(1e8))
+    p.set_defaults(output_key="output")
+    p.flag("--eval_task", type=str, default=None, choices=list(TASKS),
+           help="generate (alias generate_vllm): best-of-n samples; rm: score input/output rows")
+    p.flag("--output_path", type=str, default=None, help="output jsonl file")
+    p.flag("--seed", type=int, default=1234)
+    p.flag("--device", type=str, default=None, help="cpu or cuda (default: cuda when available)")
+    p.flag("--disable_progress", action="store_true", help="no progress bar")
+    # generation
+    p.flag("--rollout_engine", type=str, default="builtin", choices=["builtin", "hf", "vllm"])
+    p.flag("--best_of_n", type=int, default=1, help="samples per prompt")
+    p.flag("--prompt_max_len", type=int, default=1024, help="longest prompt in tokens (earlier tokens are cut)")
+    p.flag("--max_new_tokens", type=int, default=1024)
+    p.flag("--greedy_sampling", action="store_true", help="greedy decoding (temperature 0)")
+    p.flag("--temperature", type=float, default=1.0)
+    p.flag("--top_p", type=float, default=1.0)
+    p.flag("--repetition_penalty", type=float, default=1.0, help="only 1.0: rlhfkit's engines do not implement it")
+    p.flag("--iter", type=int, default=None,
+           help="generate for prompts [iter * rollout_batch_size, (iter + 1) * rollout_batch_size)")
+    p.flag("--rollout_batch_size", type=int, default=2048, help="prompts per --iter slice")
+    p.flag("--enable_csft", action="store_true", help="append ' ' + --csft_prompt + ' ' to each prompt")
+    p.flag("--csft_prompt", type=str, default=DEFAULT_CSFT_PROMPT, help="conditional SFT target score text")
+    p.flag("--max_num_seqs", type=int, default=256, help="sequences the engine decodes at once")
+    p.flag("--tp_size", type=int, default=1, help="vLLM tensor parallel size (--rollout_engine vllm)")
+    p.flag("--enable_prefix_caching", action="store_true", help="vLLM prefix caching (--rollout_engine vllm)")
+    # scoring
+    p.flag("--value_head_prefix", "--ds.value_head_prefix", type=str, default="score")
+    p.flag("--normalize_reward", action="store_true", help="(r - mean) / std from the reward model's config")
+    p.flag("--micro_batch_size", type=int, default=16, help="rows per reward-model forward")
+    p.flag("--post_processor", type=str, default=None,
+           help="rs (rejection sampling), iter_dpo (iterative DPO) or csft (conditional SFT), after rm scoring")
+    p.flag("--reward_template", type=str, default=None,
+           help="csft input template with {input} and {reward} (default '{input} <rm_score>: {reward} ')")
+    p.flag("--local_rank", type=int, default=-1, help="accepted for launcher compatibility; one process runs")
+    return p
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def write_jsonl_atomic(path: str, rows: Sequence[dict[str, Any]]) -> None:
+    """Write JSON lines to a temporary file in the same folder, then rename it to `path`."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def check_output_path(path: str | None) -> str:
+    if not path:
+        raise UsageError("--output_path is required (a .jsonl file to write)")
+    if os.path.isdir(path):
+        raise UsageError(f"--output_path {path!r} is a directory; give a file name")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    return path
+
+
+def _progress(total: int, desc: str, disable: bool) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, disable=disable, file=sys.stderr)
+
+
+# ----------------------------------------------------------------------------- generation
+
+
+@dataclass
+class GenerateConfig:
+    """Sampling settings of the generate task (names match the flags)."""
+
+    best_of_n: int = 1
+    max_new_tokens: int = 1024
+    prompt_max_len: int = 1024
+    max_len: int = 2048
+    temperature: float = 1.0
+    top_p: float = 1.0
+    greedy_sampling: bool = False
+    seed: int = 1234
+    chunk_prompts: int = 256  # prompts handed to the engine per call (progress granularity)
+
+    def __post_init__(self) -> None:
+        for name in ("best_of_n", "max_new_tokens", "prompt_max_len", "max_len"):
+            if getattr(self, name) < 1:
+                raise UsageError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.top_p <= 1:
+            raise UsageError(f"--top_p must lie in (0, 1], got {self.top_p}")
+        if self.temperature < 0:
+            raise UsageError(f"--temperature must be >= 0, got {self.temperature}")
+
+    def request_seed(self, index: int) -> int:
+        """Seed of the prompt with dataset index `index` (the engine derives one per sample from it)."""
+        return (self.seed * 1_000_003) % (2**31 - 1) + index
+
+
+def select_rows(rows: Sequence[Row], it: int | None, rollout_batch_size: int) -> tuple[list[Row], int]:
+    """(rows of slice `it`, index of its first row): [it * size, (it + 1) * size), or all rows for None."""
+    if it is None:
+        return list(rows), 0
+    if it < 0 or rollout_batch_size < 1:
+        raise UsageError(f"--iter must be >= 0 and --rollout_batch_size >= 1, got {it} and {rollout_batch_size}")
+    start = it * rollout_batch_size
+    if start >= len(rows):
+        raise UsageError(f"--iter {it} x --rollout_batch_size {rollout_batch_size} starts at prompt {start}, "
+                         f"but the dataset has {len(rows)} prompts (after --max_samples)")
+    return list(rows[start:start + rollout_batch_size]), start
+
+
+def encode_prompts(tokenizer: Any, prompts: Sequence[str], max_tokens: int) -> tuple[list[list[int]], int]:
+    """Token ids (no special tokens added), keeping the last `max_tokens`; returns (ids, number cut)."""
+    from rlhfkit.data.templates import encode
+
+    out, cut = [], 0
+    for text in prompts:
+        ids = encode(tokenizer, text)
+        if len(ids) > max_tokens:
+            ids, cut = ids[-max_tokens:], cut + 1
+        out.append(ids)
+    return out, cut
+
+
+def build_requests(prompt_ids: Sequence[list[int]], rows: Sequence[Row], cfg: GenerateConfig,
+                   first_index: int, limit: int) -> list[Any]:
+    """One GenerationRequest per prompt; `limit` caps prompt + new tokens."""
+    from rlhfkit.types import GenerationRequest, SamplingParams
+
+    reqs = []
+    for i, (ids, row) in enumerate(zip(prompt_ids, rows)):
+        if not ids:
+            raise row.error("the prompt is empty after formatting (--input_key)")
+        budget = min(cfg.max_new_tokens, limit - len(ids))
+        if budget < 1:
+            raise row.error(f"the prompt has {len(ids)} tokens, leaving no room to generate under {limit} "
+                            "(--max_len / the model's max_position_embeddings); lower --prompt_max_len")
+        params = SamplingParams(temperature=0.0 if cfg.greedy_sampling else cfg.temperature, top_p=cfg.top_p,
+                                max_new_tokens=budget, n=cfg.best_of_n, seed=cfg.request_seed(first_index + i),
+                                logprobs=False)
+        reqs.append(GenerationRequest(list(ids), params, request_id=first_index + i))
+    return reqs
+
+
+def generate_samples(engine: Any, tokenizer: Any, prompts: Sequence[str], requests: Sequence[Any],
+                     cfg: GenerateConfig, show_progress: bool = True) -> list[dict[str, str]]:
+    """Run the requests through `engine`; rows {input, output}, n per prompt, in prompt order."""
+    out: list[dict[str, str]] = []
+    bar = _progress(len(requests), "generate", not show_progress)
+    for start in range(0, len(requests), cfg.chunk_prompts):
+        chunk = list(requests[start:start + cfg.chunk_prompts])
+        for prompt, comps in zip(prompts[start:start + len(chunk)], engine.generate(chunk)):
+            for c in comps:
+                out.append({"input": prompt, "output": tokenizer.decode(c.token_ids, skip_special_tokens=True)})
+        bar.update(len(chunk))
+    bar.close()
+    return out
+
+
+def _compute_dtype(param_dtype: str, device: str) -> torch.dtype:
+    from rlhfkit.models.loader import resolve_dtype
+
+    return resolve_dtype(param_dtype) if device.startswith("cuda") else torch.float32
+
+
+def load_engine(args: argparse.Namespace, tokenizer: Any, device: str, max_model_len: int) -> Any:
+    """The --rollout_engine for --pretrain (builtin/hf get a module loaded by rlhfkit's loader)."""
+    from rlhfkit.config.configs import ModelConfig, from_args
+    from rlhfkit.models.loader import load_causal_lm
+    from rlhfkit.rollout import build_engine
+
+    dtype = _compute_dtype(args.param_dtype, device)
+    if args.rollout_engine == "vllm":
+        return build_engine("vllm", args.pretrain, tokenizer, dtype=dtype, seed=args.seed,
+                            max_model_len=max_model_len, enable_prefix_caching=args.enable_prefix_caching,
+                            tensor_parallel_size=args.tp_size, max_num_seqs=args.max_num_seqs)
+    mcfg = from_args(ModelConfig, args, lora_rank=0, gradient_checkpointing=False,
+                     param_dtype={torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype])
+    model = load_causal_lm(mcfg, device=device).eval()
+    if args.rollout_engine == "hf":
+        return build_engine("hf", model, tokenizer, device=device, max_batch_size=args.max_num_seqs)
+    return build_engine("builtin", model, tokenizer, device=device, dtype=dtype,
+                        max_num_seqs=args.max_num_seqs, max_model_len=max_model_len)
+
+
+def model_position_limit(path: str) -> int | None:
+    from transformers import AutoConfig
+
+    return getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
+
+
+def run_generate(args: argparse.Namespace) -> list[dict[str, str]]:
+    from rlhfkit.data.prompts import PromptDataConfig, PromptDataset
+    from rlhfkit.models.loader import load_tokenizer
+
+    if args.repetition_penalty != 1.0:
+        raise UsageError(f"--repetition_penalty {args.repetition_penalty}: rlhfkit's rollout engines "
+                         "(builtin, hf, vllm adapter) do not implement a repetition penalty; use 1.0")
+    if resolve_post_processor(args.post_processor):
+        raise UsageError("--post_processor applies to scored rows: run --eval_task rm on this output with it")
+    cfg = GenerateConfig(args.best_of_n, args.max_new_tokens, args.prompt_max_len, args.max_len, args.temperature,
+                         args.top_p, args.greedy_sampling, args.seed)
+    tokenizer = load_tokenizer(args.pretrain, padding_side="left", chat_template=args.tokenizer_chat_template,
+                               use_fast=not args.disable_fast_tokenizer)
+    rows = load_mixture(args.dataset, args.dataset_probs, split=args.dataset_split,
+                        max_samples=args.max_samples, seed=args.seed)
+    rows, first = select_rows(rows, args.iter, args.rollout_batch_size)
+    if not rows:
+        raise DataError(f"--dataset {args.dataset}: no prompts")
+    data_cfg = PromptDataConfig(input_key=args.input_key, input_template=args.input_template,
+                                apply_chat_template=args.apply_chat_template)
+    prompts = [s.prompt for s in PromptDataset(rows, tokenizer, data_cfg).samples]
+    if args.enable_csft:
+        prompts = [csft_prompt_suffix(p, args.csft_prompt) for p in prompts]
+    ids, cut = encode_prompts(tokenizer, prompts, cfg.prompt_max_len)
+    if cut:
+        print(f"note: {cut} of {len(ids)} prompts longer than --prompt_max_len {cfg.prompt_max_len} "
+              "were cut to their last tokens", file=sys.stderr)
+    limit = min(cfg.max_len, model_position_limit(args.pretrain) or cfg.max_len)
+    requests = build_requests(ids, rows, cfg, first, limit)
+    longest = max(len(r.prompt_token_ids) + r.params.max_new_tokens for r in requests)
+    device = resolve_device(args)
+    engine = load_engine(args, tokenizer, device, max_model_len=longest + 1)
+    out = generate_samples(engine, tokenizer, prompts, requests, cfg, not args.disable_progress)
+    print(f"{PROG}: {len(out)} samples for {len(prompts)} prompts [{first}, {first + len(prompts)})",
+          file=sys.stderr)
+    return out
+
+
+# ----------------------------------------------------------------------------- reward scoring
+
+
+@dataclass
+class ScoreConfig:
+    """How rows become reward-model inputs (names match the flags)."""
+
+    input_key: str = "input"
+    output_key: str = "output"
+    input_template: str | None = None
+    apply_chat_template: bool = False
+    max_len: int = 2048
+    micro_batch_size: int = 16
+
+    def __post_init__(self) -> None:
+        if self.max_len < 2 or self.micro_batch_size < 1:
+            raise UsageError(f"--max_len must be >= 2 and --micro_batch_size >= 1, got {self.max_len} "
+                             f"and {self.micro_batch_size}")
+
+
+def score_items(tokenizer: Any, rows: Sequence[Row], cfg: ScoreConfig) -> tuple[list[Any], list[ScoredSample], int]:
+    """(SFTItems to score, the rows' (input, output) texts, number cut at --max_len).
+
+    Formatting and joining follow train_rm's data (PromptFormat, join_prompt_response).
+    """
+    from rlhfkit.data.items import SFTItem, join_prompt_response
+    from rlhfkit.data.templates import PromptFormat, encode
+
+    fmt = PromptFormat(cfg.input_template, cfg.apply_chat_template)
+    items, texts, cut = [], [], 0
+    for row in rows:
+        value_in = row.get(cfg.input_key, "--input_key")
+        value_out = row.get(cfg.output_key, "--output_key")
+        prompt, response = fmt.prompt_and_response(tokenizer, value_in, value_out, row,
+                                                   (cfg.input_key, cfg.output_key))
+        p_ids, r_ids = encode(tokenizer, prompt), encode(tokenizer, response.rstrip("\n"))
+        joined = join_prompt_response(p_ids, r_ids, tokenizer.eos_token_id, cfg.max_len)
+        if joined is None:
+            raise row.error(f"the input alone has {len(p_ids)} tokens, filling --max_len {cfg.max_len}: "
+                            "nothing of the output is left to score")
+        cut += len(p_ids) + len(r_ids) + 1 > cfg.max_len
+        items.append(SFTItem(*joined))
+        texts.append(ScoredSample(value_in if isinstance(value_in, str) else prompt,
+                                  value_out if isinstance(value_out, str) else response, 0.0, row.where))
+    return items, texts, cut
+
+
+@torch.no_grad()
+def reward_scores(model: Any, items: Sequence[Any], pad_id: int, micro_batch_size: int, device: str,
+                  show_progress: bool = True) -> list[float]:
+    """Value at the last token of each item, micro-batches of right-padded rows, shortest first."""
+    from rlhfkit.data.collate import pad_batch
+    from rlhfkit.models.value import reward_at_last_token
+
+    order = sorted(range(len(items)), key=lambda i: len(items[i]))
+    scores = [0.0] * len(items)
+    bar = _progress(len(items), "rm", not show_progress)
+    for start in range(0, len(order), micro_batch_size):
+        idx = order[start:start + micro_batch_size]
+        batch = pad_batch([items[i] for i in idx], pad_id)
+        mask = batch.attention_mask.to(device)
+        values = model(input_ids=batch.input_ids.to(device), attention_mask=mask)
+        for i, r in zip(idx, reward_at_last_token(values, mask).float().cpu().tolist()):
+            scores[i] = r
+        bar.update(len(idx))
+    bar.close()
+    return scores
+
+
+def load_reward_model(args: argparse.Namespace, device: str) -> Any:
+    from rlhfkit.config.configs import ModelConfig
+    from rlhfkit.models.value import load_value_model
+
+    dtype = _compute_dtype(args.param_dtype, device)
+    mcfg = ModelConfig(param_dtype=args.param_dtype, attn_implementation=args.attn_implementation,
+                       load_in_4bit=args.load_in_4bit, lora_rank=0)
+    return load_value_model(args.pretrain, value_head_prefix=args.value_head_prefix, dtype=dtype,
+                            normalize_reward=args.normalize_reward, device=device, cfg=mcfg,
+                            flag="--pretrain").eval()
+
+
+def run_rm(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from rlhfkit.models.loader import load_tokenizer
+
+    processor = resolve_post_processor(args.post_processor)
+    if processor == "csft":
+        check_reward_template(args.reward_template)
+    cfg = ScoreConfig(args.input_key, args.output_key or "output", args.input_template, args.apply_chat_template,
+                      args.max_len, args.micro_batch_size)
+    tokenizer = load_tokenizer(args.pretrain, padding_side="right", chat_template=args.tokenizer_chat_template,
+                               use_fast=not args.disable_fast_tokenizer)
+    rows = load_mixture(args.dataset, args.dataset_probs, split=args.dataset_split,
+                        max_samples=args.max_samples, seed=args.seed)
+    if not rows:
+        raise DataError(f"--dataset {args.dataset}: no rows to score")
+    items, texts, cut = score_items(tokenizer, rows, cfg)
+    if cut:
+        print(f"note: {cut} of {len(items)} rows longer than --max_len {cfg.max_len} were scored on their "
+              "first --max_len tokens", file=sys.stderr)
+    device = resolve_device(args)
+    model = load_reward_model(args, device)
+    rewards = reward_scores(model, items, tokenizer.pad_token_id, cfg.micro_batch_size, device,
+                            not args.disable_progress)
+    r = torch.tensor(rewards, dtype=torch.float64)
+    std = r.std().item() if len(rewards) > 1 else 0.0
+    print(f"{PROG}: {len(rewards)} rows scored, reward mean {r.mean().item():.4f} std {std:.4f}", file=sys.stderr)
+    if processor is None:
+        return [{**row.data, "reward": rew} for row, rew in zip(rows, rewards)]
+    samples = [ScoredSample(t.input, t.output, rew, t.where) for t, rew in zip(texts, rewards)]
+    out, summary = apply_post_processor(processor, samples, args.reward_template)
+    print(f"{PROG}: {summary}", file=sys.stderr)
+    return out
+
+
+# ----------------------------------------------------------------------------- entry point
+
+
+def resolve_device(args: argparse.Namespace) -> str:
+    from rlhfkit.backend.dist import resolve_device as resolve
+
+    return resolve(args.device)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    if args.eval_task is None:
+        raise UsageError(f"--eval_task is required: one of {', '.join(TASKS)}")
+    if not args.pretrain:
+        raise UsageError("--pretrain is required (the policy for generate, the reward model for rm)")
+    if not args.dataset:
+        raise UsageError("--dataset is required (prompts for generate, input/output rows for rm)")
+    if args.lora_rank > 0:
+        raise UsageError("--lora_rank: batch_inference loads full models; merge an adapter with lora_combiner")
+    if args.load_in_4bit and args.eval_task != "rm":
+        raise UsageError("--load_in_4bit is supported for --eval_task rm only (the rollout engines need "
+                         "unquantised weights)")
+    check_output_path(args.output_path)
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Run the task and write --output_path; returns the rows written."""
+    check_args(args)
+    set_seed(args.seed)
+    rows = run_rm(args) if args.eval_task == "rm" else run_generate(args)
+    write_jsonl_atomic(args.output_path, rows)
+    print(f"{PROG}: wrote {len(rows)} rows to {args.output_path}", file=sys.stderr)
+    return rows
+
+
+def note_unused(args: argparse.Namespace, parser: FlagParser) -> None:
+    """Name the flags that were changed but have no effect on --eval_task."""
+    other = RM_ONLY if args.eval_task in ("generate", "generate_vllm") else GENERATE_ONLY
+    changed = [f"--{d}" for d in other if getattr(args, d) != parser.get_default(d)]
+    if args.eval_task and changed:
+        print(f"note: no effect with --eval_task {args.eval_task}: {', '.join(changed)}", file=sys.stderr)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse(argv)
+    note_unused(args, parser)
+    cli_main(PROG, lambda: run(args))
+
+
+if __name__ == "__main__":
+    main()
