@@ -71,7 +71,7 @@ def main() -> None:
         row = {"m": m, "shape": "sampler", "logit_bytes": logits.numel() * 2}
         for label, t in (("sampled", 1.0), ("greedy", 0.0)):
             temp = torch.full((m,), t, device=dev)
-            us = timed(lambda: torch.ops.rlhfkit.gumbel_sample_partials(logits, temp, seeds, ctr, stop, ban))
+            us = timed(lambda: torch.ops.rlhfkit.sample_partials(logits, temp, stop, ban))
             row[f"{label}_us"] = round(us, 2)
             row[f"{label}_tbps"] = round(logits.numel() * 2 / us / 1e6, 2)
         out["results"].append(row)

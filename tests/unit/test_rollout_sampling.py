@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from rlhfkit.rollout.builtin.sampling import (SlotState, gumbel_noise, hash_uniform, sample_and_advance,
-                                              sample_tokens)
+from rlhfkit.rollout.builtin.sampling import (SlotState, gumbel_noise, hash_uniform, hierarchical_gumbel_argmax,
+                                              sample_and_advance, sample_tokens)
 
 PROBS = torch.tensor([0.1, 0.2, 0.3, 0.4])
 LOGITS = PROBS.log()
@@ -36,6 +36,27 @@ def test_gumbel_max_samples_the_softmax():
     expected = [1 / 30, 4 / 30, 9 / 30, 16 / 30]
     assert all(abs(f - p) < 0.012 for f, p in zip(_freq(tok), expected))
     assert torch.allclose(lp, torch.tensor(expected).log()[tok], atol=1e-6)
+
+
+def test_hierarchical_draw_samples_the_softmax_across_chunks():
+    """Chunk by mass, then token inside it: the same distribution for 2 chunks of 2, 2 chunks of 3
+    (the second padded) and chunks of 1 (every token its own chunk); excluded tokens never drawn."""
+    n = 20000
+    rows = LOGITS[None].expand(n, -1)
+    for chunk in (1, 2, 3):
+        tok = hierarchical_gumbel_argmax(rows, torch.arange(n), torch.zeros(n, dtype=torch.long), chunk=chunk)
+        assert all(abs(f - p) < 0.012 for f, p in zip(_freq(tok), PROBS.tolist())), chunk
+    masked = rows.clone()
+    masked[:, 1] = float("-inf")  # the rest renormalises to [1, 3, 4] / 8
+    f = _freq(hierarchical_gumbel_argmax(masked, torch.arange(n), torch.zeros(n, dtype=torch.long), chunk=2))
+    assert f[1] == 0 and abs(f[0] - 1 / 8) < 0.012 and abs(f[3] - 0.5) < 0.012
+
+
+def test_one_chunk_is_plain_gumbel_max():
+    """V <= SAMPLE_CHUNK: the draw is argmax(s + token noise), as before chunking existed."""
+    seeds, ctr = torch.arange(50), torch.zeros(50, dtype=torch.long)
+    rows = torch.randn(50, 300)
+    assert torch.equal(hierarchical_gumbel_argmax(rows, seeds, ctr), (rows + gumbel_noise(seeds, ctr, 300)).argmax(1))
 
 
 def test_noise_is_a_function_of_seed_counter_and_index():

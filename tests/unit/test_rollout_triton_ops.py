@@ -4,12 +4,15 @@ log-sum-exp / argmax over the whole row)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from rlhfkit.rollout.builtin import BuiltinEngineConfig
 from rlhfkit.rollout.builtin.engine import resolve_decode_attention
-from rlhfkit.rollout.builtin.sampling import combine_partials, sample_tokens
+from rlhfkit.rollout.builtin.sampling import (combine_partials, hierarchical_gumbel_argmax, reference_partials,
+                                              sample_tokens)
 from rlhfkit.rollout.builtin.triton_ops import attention_launch, attention_splits, attention_supported
 from rlhfkit.rollout.builtin.weights import ModelSpec
 
@@ -49,27 +52,41 @@ def test_decode_attention_choice_on_cpu():
         BuiltinEngineConfig(decode_attention="flash").validate()
 
 
-def test_combine_partials_equals_whole_row_logsumexp_and_argmax():
-    """Split 3 rows of 10 scores into chunks of 4 (the kernel's per-chunk max, sum of exp, best
-    score and its index) and merge: the same lse and argmax as over the whole row."""
+def test_partials_by_hand():
+    """One row of 5 scores, chunks of 2, T = 0.5, token 1 banned: the kernel's per-chunk outputs."""
+    logits = torch.tensor([[0.0, 1.0, 0.5, -1.0, 2.0]])
+    best, idx, m, s, kept = reference_partials(logits, torch.tensor([0.5]), torch.tensor([[1]]),
+                                               torch.tensor([[True]]), chunk=2)
+    assert best.tolist() == [[0.0, 1.0, 4.0]] and idx.tolist() == [[0, 2, 4]]  # banned 1 never best
+    assert m.tolist() == [[2.0, 1.0, 4.0]]
+    e = math.exp
+    assert torch.allclose(s, torch.tensor([[e(-2.0) + 1.0, 1.0 + e(-3.0), 1.0]]))
+    assert torch.allclose(kept, torch.tensor([[e(-2.0), 1.0 + e(-3.0), 1.0]]))  # chunk 0 without token 1
+
+
+def test_combine_partials_equals_the_torch_sampler():
+    """The GPU path (per-chunk partials -> combine_partials) draws the tokens of the torch path
+    (hierarchical Gumbel-max with the same chunks and noise) and reports log_softmax(z / T)."""
     torch.manual_seed(0)
-    logits = torch.randn(3, 10)
-    temp = torch.tensor([0.0, 0.5, 2.0])
-    scaled = logits / torch.where(temp > 0, temp, torch.ones_like(temp))[:, None]
-    noisy = scaled + torch.randn(3, 10)
-    noisy[0, 7] = noisy[0, 2] = noisy[0].max() + 1  # a tie across chunks: the first index wins
-    best, idx, cmax, csum = [], [], [], []
-    for lo in range(0, 10, 4):
-        z, s = noisy[:, lo:lo + 4], scaled[:, lo:lo + 4]
-        best.append(z.max(1).values)
-        idx.append(z.argmax(1) + lo)
-        cmax.append(s.max(1).values)
-        csum.append((s - cmax[-1][:, None]).exp().sum(1))
-    tok, lp = combine_partials(logits, temp, torch.stack(best, 1), torch.stack(idx, 1).int(),
-                               torch.stack(cmax, 1), torch.stack(csum, 1))
-    assert tok.tolist() == noisy.argmax(1).tolist() and tok[0].item() == 2
-    expected = scaled.gather(1, tok[:, None]).squeeze(1) - torch.logsumexp(scaled, 1)
-    assert torch.allclose(lp, expected, atol=1e-6)
+    rows, vocab, chunk = 64, 50, 8  # 7 chunks, the last one partial
+    logits = torch.randn(rows, vocab) * 3
+    temp = torch.rand(rows) + 0.3
+    temp[:8] = 0.0
+    seeds, counters = torch.randint(0, 2**62, (rows,)), torch.randint(0, 100, (rows,))
+    stop = torch.randint(0, vocab, (rows, 3))
+    ban = torch.rand(rows, 3) < 0.5
+    stop[:4, 0], ban[:4, 0] = logits[:4].argmax(1), True  # ban the greedy choice of 4 greedy rows
+    parts = reference_partials(logits, temp, stop, ban, chunk=chunk)
+    tok, lp = combine_partials(logits, temp, seeds, counters, stop, ban, *parts, chunk=chunk)
+    t = torch.where(temp > 0, temp, torch.ones_like(temp))
+    banned = torch.zeros(rows, vocab, dtype=torch.bool)
+    banned.scatter_(1, stop, ban)
+    masked = (logits / t[:, None]).masked_fill(banned, float("-inf"))
+    ref = hierarchical_gumbel_argmax(masked, seeds, counters, chunk=chunk)
+    assert torch.equal(tok[8:], ref[8:])
+    assert torch.equal(tok[:8], masked[:8].argmax(1)) and not banned.gather(1, tok[:, None]).any()
+    expected = torch.log_softmax(logits / t[:, None], -1).gather(1, tok[:, None]).squeeze(1)
+    assert torch.allclose(lp, expected, atol=1e-5)
 
 
 def test_fast_sampler_flag_is_ignored_on_cpu():

@@ -10,16 +10,21 @@ Sampling of one row, given fp32 logits z and temperature T (T = 0 means greedy):
     s = z / T (T := 1 for greedy rows),  logprob(tok) = s[tok] - logsumexp(s)      (reported)
     s' = s with stop ids set to -inf while generated < min_new_tokens
     s' = s' with tokens outside top-k / top-p (Holtzman et al. 2019, arXiv 1904.09751) set to -inf
-    tok = argmax s' (greedy) or argmax (s' + g), g_i iid Gumbel(0, 1)      (Gumbel-max trick)
+    tok = argmax s' (greedy), or a draw from softmax(s') in two Gumbel-max steps:
+          chunk c = argmax_c (logsumexp(s'[chunk c]) + g_c)      (chunks of SAMPLE_CHUNK tokens)
+          tok     = argmax_{i in chunk c} (s'_i + g_i),           g iid Gumbel(0, 1)
 
-Gumbel-max (Gumbel 1954; Maddison et al. 2014, arXiv 1411.0433) samples exactly from softmax(s')
-with one fused pass over the logits. The noise is counter-based: g_i is a function of (the row's
-seed, the number of tokens it generated, i) through an integer hash, so a seeded request samples
-the same tokens whatever else shares the batch (up to the logits' bitwise equality) and nothing
-random is drawn on the host per token. The hash keeps every product below 2^63 (32-bit values
-times multipliers below 2^31), so int64 arithmetic never overflows on any device. On a GPU,
-unfiltered batches are sampled by a Triton kernel (`triton_ops.gumbel_sample_partials`) that
-computes the same hash in uint32 and the log-sum-exp and argmax in one pass over the logits.
+Gumbel-max (Gumbel 1954; Maddison et al. 2014, arXiv 1411.0433) samples exactly from a softmax;
+drawing the chunk by its total mass and then the token inside it is the same distribution
+(P(i) = P(c) P(i | c)), and only one chunk per row needs noise, so on a GPU the pass over the whole
+`[B, V]` logits does one exp per entry and no hashing (`triton_ops.sample_partials`). A vocabulary
+of one chunk (V <= 8192) is plain Gumbel-max. The noise is counter-based: g is a function of (the
+row's seed, the number of tokens it generated, the index) through an integer hash, so a seeded
+request samples the same tokens whatever else shares the batch (up to the logits' bitwise
+equality) and nothing random is drawn on the host per token; chunk noise uses indices from 2^31 on,
+token noise the token ids. The hash keeps every product below 2^63 (32-bit values times
+multipliers below 2^31), so int64 arithmetic never overflows on any device. The GPU path and the
+torch path draw the same tokens up to float rounding of the chunk masses.
 
 The reported log-prob is that of the temperature-scaled, *unprocessed* distribution: what the
 trainer's `log_softmax(logits / T)` gives for the same token. Top-k/top-p find a cutoff value on
@@ -110,20 +115,49 @@ def row_keys(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
 
 
 def gumbel_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
-    """`[B, vocab]` Gumbel(0, 1) noise, a pure function of (seed, counter, token index).
+    """`[B, vocab]` Gumbel(0, 1) token noise, a pure function of (seed, counter, token index).
 
-    u_i = ((mix32(key ^ mix32(i)) >> 9) + 0.5) / 2^23 and g_i = -log(-log(u_i)) (the Triton
-    sampler evaluates the same hash in uint32). 23 bits, so that every u_i, 1 - 2^-24 included,
-    is an exact float32 below 1 and g_i stays finite (<= 16.6).
+    u_i = ((mix32(key ^ mix32(i)) >> 9) + 0.5) / 2^23 and g_i = -log(-log(u_i)). 23 bits, so that
+    every u_i, 1 - 2^-24 included, is an exact float32 below 1 and g_i stays finite (<= 16.6).
     """
-    idx = _mix32(torch.arange(vocab, device=seeds.device))
-    u = hash_uniform(_mix32(row_keys(seeds, counters)[:, None] ^ idx[None, :]))
-    return -torch.log(-torch.log(u))
+    return _gumbel(row_keys(seeds, counters), torch.arange(vocab, device=seeds.device))
 
 
 def hash_uniform(h: torch.Tensor) -> torch.Tensor:
     """32-bit hashes -> float32 uniforms ((h >> 9) + 0.5) / 2^23, strictly inside (0, 1)."""
     return ((h >> 9).float() + 0.5) * (1.0 / 8388608.0)
+
+
+SAMPLE_CHUNK = triton_ops.SAMPLE_CHUNK
+_CHUNK_INDEX_BASE = 2**31  # chunk-noise indices, disjoint from token ids
+
+
+def _gumbel(keys: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Gumbel(0, 1) noise of rows with 32-bit `keys [B]` at indices `idx` (`[B, K]` or `[K]`)."""
+    if idx.dim() == 1:
+        idx = idx[None, :]
+    u = hash_uniform(_mix32(keys[:, None] ^ _mix32(idx)))
+    return -torch.log(-torch.log(u))
+
+
+def hierarchical_gumbel_argmax(masked: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor,
+                               chunk: int = SAMPLE_CHUNK,
+                               chunk_logmass: torch.Tensor | None = None) -> torch.Tensor:
+    """A draw from softmax(masked) per row (`masked [B, V]` fp32 scores, -inf = excluded): a chunk
+    by Gumbel-max over the chunks' log-masses (`chunk_logmass [B, C]`, computed here when None),
+    then a token by Gumbel-max inside it (module docstring). Returns token ids `[B]`."""
+    rows, vocab = masked.shape
+    nchunks = -(-vocab // chunk)
+    keys = row_keys(seeds, counters)
+    if chunk_logmass is None:
+        padded = torch.nn.functional.pad(masked, (0, nchunks * chunk - vocab), value=NEG_INF)
+        chunk_logmass = torch.logsumexp(padded.view(rows, nchunks, chunk), dim=-1)
+    cidx = torch.arange(nchunks, device=masked.device) + _CHUNK_INDEX_BASE
+    c = (chunk_logmass + _gumbel(keys, cidx)).argmax(dim=-1)
+    idx = c[:, None] * chunk + torch.arange(chunk, device=masked.device)[None, :]
+    vals = masked.gather(1, idx.clamp(max=vocab - 1)).masked_fill(idx >= vocab, NEG_INF)
+    j = (vals + _gumbel(keys, idx)).argmax(dim=-1, keepdim=True)
+    return idx.gather(1, j).squeeze(1)
 
 
 def _banned(vocab: int, stop_ids: torch.Tensor, ban_mask: torch.Tensor) -> torch.Tensor:
@@ -165,8 +199,8 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.
     one-pass Triton sampler (same noise, same result up to float rounding) when `fast`.
     """
     if fast and not filtered and logits.is_cuda and triton_ops.available():
-        parts = torch.ops.rlhfkit.gumbel_sample_partials(logits, temperature, seeds, counters, stop_ids, ban_mask)
-        return combine_partials(logits, temperature, *parts)
+        parts = torch.ops.rlhfkit.sample_partials(logits, temperature, stop_ids, ban_mask)
+        return combine_partials(logits, temperature, seeds, counters, stop_ids, ban_mask, *parts)
     vocab = logits.shape[-1]
     greedy = temperature <= 0
     temp = torch.where(greedy, torch.ones_like(temperature), temperature)
@@ -176,25 +210,65 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.
     if filtered:
         cutoff = _top_k_top_p_cutoff(masked, top_k, top_p)
         masked = torch.where(masked < cutoff, NEG_INF, masked)
-    noisy = torch.where(greedy[:, None], masked, masked + gumbel_noise(seeds, counters, vocab))
-    tokens = noisy.argmax(dim=-1)
+    tokens = torch.where(greedy, masked.argmax(dim=-1), hierarchical_gumbel_argmax(masked, seeds, counters))
     logprobs = scaled.gather(1, tokens[:, None]).squeeze(1) - lse
     return tokens, logprobs
 
 
-def combine_partials(logits: torch.Tensor, temperature: torch.Tensor, best: torch.Tensor, best_idx: torch.Tensor,
-                     chunk_max: torch.Tensor, chunk_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge per-chunk results `[B, C]` of the Triton sampler into `(tokens [B], logprobs [B])`.
+def reference_partials(logits: torch.Tensor, temperature: torch.Tensor, stop_ids: torch.Tensor,
+                       ban_mask: torch.Tensor, chunk: int = SAMPLE_CHUNK) -> tuple[torch.Tensor, ...]:
+    """What `triton_ops.sample_partials` computes, in torch (tests; any device): per chunk `[B, C]`
+    the best banned-masked z / T and its id, max of z / T, sum exp(z / T - max), the same sum over
+    tokens not banned."""
+    rows, vocab = logits.shape
+    nchunks = -(-vocab // chunk)
+    temp = torch.where(temperature <= 0, torch.ones_like(temperature), temperature)
+    x = logits.float() * (1.0 / temp)[:, None]
+    z = x.masked_fill(_banned(vocab, stop_ids, ban_mask), NEG_INF)
 
-    token = the best chunk's argmax (the first chunk on ties, as `argmax`);
-    lse = M + log(sum_c S_c exp(m_c - M)) with M = max_c m_c; logprob = z_tok / T - lse.
+    def chunks(t: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (0, nchunks * chunk - vocab), value=NEG_INF).view(rows, nchunks, chunk)
+
+    xc, zc = chunks(x), chunks(z)
+    m = xc.max(dim=-1).values
+    best, j = zc.max(dim=-1)
+    idx = (j + torch.arange(nchunks, device=logits.device)[None, :] * chunk).int()
+    return best, idx, m, torch.exp(xc - m[..., None]).sum(-1), torch.exp(zc - m[..., None]).sum(-1)
+
+
+def combine_partials(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor,
+                     stop_ids: torch.Tensor, ban_mask: torch.Tensor, best: torch.Tensor, best_idx: torch.Tensor,
+                     chunk_max: torch.Tensor, chunk_sum: torch.Tensor, chunk_sum_kept: torch.Tensor,
+                     chunk: int = SAMPLE_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge per-chunk results `[B, C]` of the sampling pass into `(tokens [B], logprobs [B])`.
+
+    lse = M + log(sum_c S_c exp(m_c - M)) with M = max_c m_c; logprob = z_tok / T - lse;
+    greedy rows: the best chunk's argmax (the first chunk on ties, as `argmax`); sampled rows:
+    `hierarchical_gumbel_argmax` with chunk log-masses m_c + log(kept sum_c), the chosen chunk's
+    scores gathered from `logits` (banned ids masked).
     """
+    rows, vocab = logits.shape
     top = chunk_max.max(dim=-1, keepdim=True).values
     lse = top.squeeze(1) + torch.log((chunk_sum * torch.exp(chunk_max - top)).sum(dim=-1))
-    tokens = best_idx.gather(1, best.argmax(dim=-1, keepdim=True)).long()
-    temp = torch.where(temperature <= 0, torch.ones_like(temperature), temperature)
-    logprobs = logits.gather(1, tokens).squeeze(1).float() / temp - lse
-    return tokens.squeeze(1), logprobs
+    greedy_tok = best_idx.gather(1, best.argmax(dim=-1, keepdim=True)).long().squeeze(1)
+    greedy = temperature <= 0
+    temp = torch.where(greedy, torch.ones_like(temperature), temperature)
+    inv_t = (1.0 / temp)[:, None]
+    logmass = chunk_max + torch.log(chunk_sum_kept)
+    nchunks = chunk_max.shape[1]
+    keys = row_keys(seeds, counters)
+    cidx = torch.arange(nchunks, device=logits.device) + _CHUNK_INDEX_BASE
+    c = (logmass + _gumbel(keys, cidx)).argmax(dim=-1)
+    idx = c[:, None] * chunk + torch.arange(chunk, device=logits.device)[None, :]
+    out = idx >= vocab
+    ban = torch.zeros(idx.shape, dtype=torch.bool, device=logits.device)
+    for j in range(stop_ids.shape[1]):
+        ban = ban | ((idx == stop_ids[:, j:j + 1]) & ban_mask[:, j:j + 1])
+    vals = (logits.gather(1, idx.clamp(max=vocab - 1)).float() * inv_t).masked_fill(out | ban, NEG_INF)
+    j = (vals + _gumbel(keys, idx)).argmax(dim=-1, keepdim=True)
+    tokens = torch.where(greedy, greedy_tok, idx.gather(1, j).squeeze(1))
+    logprobs = logits.gather(1, tokens[:, None]).squeeze(1).float() * inv_t.squeeze(1) - lse
+    return tokens, logprobs
 
 
 def sample_and_advance(state: SlotState, rows: torch.Tensor | None, logits: torch.Tensor, filtered: bool,
