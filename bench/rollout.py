@@ -72,7 +72,7 @@ def prompts_for(batch: int, plen: int, vocab: int) -> torch.Tensor:
 
 def run_builtin(model, device, dtype, ids: torch.Tensor, new: int, args) -> dict:
     batch, plen = ids.shape
-    cfg = BuiltinEngineConfig(max_num_seqs=batch, max_model_len=plen + new, sync_every=args.sync_every,
+    cfg = BuiltinEngineConfig(max_num_seqs=batch, max_model_len=plen + new, sync_every=args.sync_every, sync_every_batch=args.sync_every_batch,
                               max_prefill_tokens=args.max_prefill_tokens, compile=None if args.compile else False,
                               cuda_graphs=None if args.cuda_graphs else False,
                               compile_prefill=None if args.compile_prefill else False,
@@ -266,6 +266,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--hf_max_new", type=int, default=None,
                     help="cap the HF baselines' new tokens (saves time; can only overstate HF's tokens/s)")
     ap.add_argument("--sync_every", type=int, default=16)
+    ap.add_argument("--sync_every_batch", type=int, default=64, help="BuiltinEngineConfig.sync_every_batch")
     ap.add_argument("--decode_attention", default="auto", choices=["auto", "triton", "sdpa", "matmul"])
     ap.add_argument("--no_compile_prefill", dest="compile_prefill", action="store_false")
     ap.add_argument("--compile_mode", default=None, help="torch.compile mode of the decode layer, e.g. "
@@ -322,7 +323,7 @@ def main(argv: list[str] | None = None) -> dict:
     report = {"bench": "rollout", "model": args.model, "device": gpu, "dtype": str(dtype).replace("torch.", ""),
               "hbm_tbps": tbps, "torch": torch.__version__, "compile": args.compile,
               "decode_attention": args.decode_attention, "compile_prefill": args.compile_prefill,
-              "fast_sampling": args.fast_sampling, "sync_every": args.sync_every, "compile_mode": args.compile_mode,
+              "fast_sampling": args.fast_sampling, "sync_every": args.sync_every, "sync_every_batch": args.sync_every_batch, "compile_mode": args.compile_mode,
               "cuda_graphs": args.cuda_graphs and device.type == "cuda", "results": results}
     line = json.dumps(report)
     print(line)

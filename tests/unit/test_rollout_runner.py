@@ -62,3 +62,29 @@ def test_failing_decode_step_drops_compile_and_stays_exact(qwen2):
     engine.model.layer_fn = broken_layer
     assert _tokens(engine) == expected
     assert not engine.runner.compiled and "inductor failed" in engine.runner.compile_error
+
+
+def test_generate_syncs_every_sync_every_batch_steps_unless_requests_wait(qwen2):
+    """40 new tokens: a batch generate() syncs every 16 steps (3 syncs) and returns the same tokens as
+    syncing every 4 (10 syncs); the agenerate-style path keeps syncing every 4."""
+    def run(batch_every: int, n_requests: int = 2) -> tuple[list[list[int]], int]:
+        cfg = BuiltinEngineConfig(max_num_seqs=2, max_model_len=96, sync_every=4, sync_every_batch=batch_every)
+        engine = BuiltinEngine(qwen2, None, device="cpu", config=cfg, eos_token_ids=[])
+        syncs = {"n": 0}
+        orig = engine._sync
+
+        def counting() -> None:
+            syncs["n"] += 1
+            orig()
+
+        engine._sync = counting
+        reqs = [GenerationRequest([5 + i, 6, 7], SamplingParams(temperature=1.0, max_new_tokens=40, seed=i), i)
+                for i in range(n_requests)]
+        return [o[0].token_ids for o in engine.generate(reqs)], syncs["n"]
+
+    fast, n_fast = run(16)
+    slow, n_slow = run(4)
+    assert fast == slow and n_fast == 3 and n_slow == 10
+    # a third request waits for a slot: until it is admitted, syncs come every 4 steps
+    _, n_wait = run(16, n_requests=3)
+    assert n_wait > 3 + 3

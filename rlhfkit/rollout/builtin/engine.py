@@ -12,7 +12,10 @@ One engine step (`_step`, under the engine lock):
 
 `steps` is `sync_every`, shortened so that no sequence runs past its max_new_tokens between syncs:
 length finishes are seen at once; a row that hits eos stops on the device and its slot idles
-until the next sync (at most `sync_every - 1` steps). `generate()` drives steps in the caller's
+until the next sync (at most `sync_every - 1` steps). Inside a `generate()` call with nothing
+waiting for a slot and no stop strings to check, `sync_every_batch` is used instead: the caller
+wants the whole batch anyway, so early finishers gain nothing from a sync and each sync is a host
+round trip with the GPU idle (H100, batch 256: 131k vs 129k tok/s at 64 vs 16). `generate()` drives steps in the caller's
 thread; `agenerate()` hands the request to a background thread that steps while any work is
 pending, so concurrent agent episodes share one batch.
 
@@ -53,6 +56,7 @@ class BuiltinEngineConfig:
     max_model_len: int | None = None  # default: min(max_position_embeddings, 2048)
     max_prefill_tokens: int = 16384
     sync_every: int = 16
+    sync_every_batch: int = 64  # in generate() when no request waits and no stop strings are watched
     cuda_graphs: bool | None = None  # default: on for CUDA devices
     compile: bool | None = None  # torch.compile the decode step; default: on for CUDA devices
     max_stop_ids: int = 8
@@ -65,7 +69,7 @@ class BuiltinEngineConfig:
     fast_sampling: bool = True  # on CUDA, the one-pass Triton sampler for batches without top-k / top-p
 
     def validate(self) -> None:
-        for name in ("max_num_seqs", "max_prefill_tokens", "sync_every", "max_stop_ids"):
+        for name in ("max_num_seqs", "max_prefill_tokens", "sync_every", "sync_every_batch", "max_stop_ids"):
             if getattr(self, name) < 1:
                 raise ValueError(f"BuiltinEngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.decode_attention not in ("auto",) + DECODE_ATTENTION:
@@ -207,7 +211,7 @@ class BuiltinEngine:
             with self._lock:
                 if waiter.done.is_set():
                     break
-                self._run_step()
+                self._run_step(batch=True)
         return waiter.results()
 
     async def agenerate(self, request: GenerationRequest) -> list[Completion]:
@@ -285,10 +289,10 @@ class BuiltinEngine:
             except queue.Empty:
                 return
 
-    def _run_step(self) -> None:
+    def _run_step(self, batch: bool = False) -> None:
         try:
             with torch.inference_mode():
-                self._step()
+                self._step(batch)
         except BaseException as exc:  # fail every request in flight rather than hang its caller
             self._fail_all(exc)
             raise
@@ -303,7 +307,7 @@ class BuiltinEngine:
             r.on_done(exc)
 
     # ---------------------------------------------------------------- one engine step
-    def _step(self) -> None:
+    def _step(self, batch: bool = False) -> None:
         self._drain_inbox()
         had_running = bool(self.sched.running)
         while True:  # fill every free slot before decoding (one prefill call per token budget)
@@ -312,7 +316,7 @@ class BuiltinEngine:
                 break
             self.stats.mid_run_admissions += had_running
             self._prefill(admissions)
-        self._decode()
+        self._decode(batch)
         self._sync()
         moves = self.sched.plan_compaction()
         if moves:
@@ -373,12 +377,16 @@ class BuiltinEngine:
         st.stop_valid[idx] = torch.tensor(rows["valid"], device=dev)
         st.seeds[idx] = torch.tensor(rows["seed"], device=dev)
 
-    def _decode(self) -> None:
+    def _decode(self, batch: bool = False) -> None:
         running = self.sched.running
         left = [seq.steps_left for seq in running.values() if seq.steps_left > 0]
         if not left:
             return
-        steps = min(self.config.sync_every, min(left))
+        every = self.config.sync_every
+        if batch and not self.sched.waiting and self._inbox.empty() \
+                and not any(seq.req.request.params.stop for seq in running.values()):
+            every = self.config.sync_every_batch
+        steps = min(every, min(left))
         room = [self.max_model_len - 1 - seq.pos_bound for seq in running.values()
                 if seq.steps_left > 0 and seq.pos_bound < self.max_model_len - 1]
         if room:
