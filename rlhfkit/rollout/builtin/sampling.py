@@ -150,11 +150,14 @@ def hierarchical_gumbel_argmax(masked: torch.Tensor, seeds: torch.Tensor, counte
     nchunks = -(-vocab // chunk)
     keys = row_keys(seeds, counters)
     if chunk_logmass is None:
-        padded = torch.nn.functional.pad(masked, (0, nchunks * chunk - vocab), value=NEG_INF)
-        chunk_logmass = torch.logsumexp(padded.view(rows, nchunks, chunk), dim=-1)
+        if nchunks == 1:
+            chunk_logmass = torch.logsumexp(masked, dim=-1, keepdim=True)
+        else:
+            padded = torch.nn.functional.pad(masked, (0, nchunks * chunk - vocab), value=NEG_INF)
+            chunk_logmass = torch.logsumexp(padded.view(rows, nchunks, chunk), dim=-1)
     cidx = torch.arange(nchunks, device=masked.device) + _CHUNK_INDEX_BASE
     c = (chunk_logmass + _gumbel(keys, cidx)).argmax(dim=-1)
-    idx = c[:, None] * chunk + torch.arange(chunk, device=masked.device)[None, :]
+    idx = c[:, None] * chunk + torch.arange(min(chunk, vocab), device=masked.device)[None, :]  # one chunk: V wide
     vals = masked.gather(1, idx.clamp(max=vocab - 1)).masked_fill(idx >= vocab, NEG_INF)
     j = (vals + _gumbel(keys, idx)).argmax(dim=-1, keepdim=True)
     return idx.gather(1, j).squeeze(1)
@@ -255,18 +258,27 @@ def combine_partials(logits: torch.Tensor, temperature: torch.Tensor, seeds: tor
     temp = torch.where(greedy, torch.ones_like(temperature), temperature)
     inv_t = (1.0 / temp)[:, None]
     logmass = chunk_max + torch.log(chunk_sum_kept)
+    if logits.is_cuda and triton_ops.available() and chunk == SAMPLE_CHUNK:
+        # the hash chain in one Triton kernel (inductor failed to compile it as generated code)
+        drawn = torch.ops.rlhfkit.chunk_draw(logits, temperature, seeds, counters, stop_ids, ban_mask, logmass)
+        return _finish(logits, greedy, greedy_tok, drawn.long(), inv_t, lse)
     nchunks = chunk_max.shape[1]
     keys = row_keys(seeds, counters)
     cidx = torch.arange(nchunks, device=logits.device) + _CHUNK_INDEX_BASE
     c = (logmass + _gumbel(keys, cidx)).argmax(dim=-1)
-    idx = c[:, None] * chunk + torch.arange(chunk, device=logits.device)[None, :]
+    idx = c[:, None] * chunk + torch.arange(min(chunk, vocab), device=logits.device)[None, :]
     out = idx >= vocab
     ban = torch.zeros(idx.shape, dtype=torch.bool, device=logits.device)
     for j in range(stop_ids.shape[1]):
         ban = ban | ((idx == stop_ids[:, j:j + 1]) & ban_mask[:, j:j + 1])
     vals = (logits.gather(1, idx.clamp(max=vocab - 1)).float() * inv_t).masked_fill(out | ban, NEG_INF)
     j = (vals + _gumbel(keys, idx)).argmax(dim=-1, keepdim=True)
-    tokens = torch.where(greedy, greedy_tok, idx.gather(1, j).squeeze(1))
+    return _finish(logits, greedy, greedy_tok, idx.gather(1, j).squeeze(1), inv_t, lse)
+
+
+def _finish(logits: torch.Tensor, greedy: torch.Tensor, greedy_tok: torch.Tensor, drawn: torch.Tensor,
+            inv_t: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.where(greedy, greedy_tok, drawn)
     logprobs = logits.gather(1, tokens[:, None]).squeeze(1).float() * inv_t.squeeze(1) - lse
     return tokens, logprobs
 

@@ -30,6 +30,7 @@ graph captures. `available()` says whether Triton can be used (a CUDA device and
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -170,6 +171,83 @@ if triton is not None:
         tl.store(Out + b * sob + h * soh + offs_d, out.to(Out.dtype.element_ty))
 
     @triton.jit
+    def _mix32(h):
+        """lowbias32-style finaliser on uint32 (the same constants as `sampling._mix32`)."""
+        h = h ^ (h >> 16)
+        h = h * 0x7FEB352D
+        h = h ^ (h >> 15)
+        h = h * 0x546CA68B
+        return h ^ (h >> 16)
+
+    if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter has no libdevice
+
+        @triton.jit
+        def _fast_log2(x):
+            return tl.log2(x)
+    else:
+        from triton.language.extra.cuda import libdevice
+
+        @triton.jit
+        def _fast_log2(x):
+            return libdevice.fast_log2f(x)  # lg2.approx: ~2^-22 absolute error
+
+    @triton.jit
+    def _log_exponential(h):
+        """ln(E) for the exponential variate E = -ln(u) of u = ((h >> 9) + 0.5) / 2^23 (so that
+        x - ln(E) = x + Gumbel noise). Accurate in relative terms where it matters, E small
+        (u near 1, the tokens that win): there E = -ln(1 - v) from the series in the exact
+        v = 1 - u; elsewhere the hardware log2. Relative error of E below ~3e-6."""
+        k = (h >> 9).to(tl.float32)
+        u = (k + 0.5) * (1.0 / 8388608.0)
+        v = (8388607.5 - k) * (1.0 / 8388608.0)
+        series = v * (1.0 + v * (0.5 + v * (0.33333334 + v * (0.25 + v * 0.2))))
+        e = tl.where(v < 0.0625, series, _fast_log2(u) * -0.6931471805599453)
+        return _fast_log2(e) * 0.6931471805599453
+
+
+    @triton.jit
+    def _chunk_draw_kernel(Logits, slb, Temp, Seeds, Counters, StopIds, Ban, sst, LogMass, Out, V, nchunks,
+                           M: tl.constexpr, C_PAD: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+        """One row per program: a chunk by Gumbel-max over `LogMass [B, C]` (noise indices 2^31 + c),
+        then a token by Gumbel-max over that chunk's banned-masked z / T (noise index = token id);
+        the same hash as `sampling._gumbel`, in uint32."""
+        row = tl.program_id(0)
+        t = tl.load(Temp + row)
+        inv_t = 1.0 / tl.where(t > 0, t, 1.0)
+        seed = tl.load(Seeds + row)
+        ctr = tl.load(Counters + row)
+        lo32 = (seed & 0xFFFFFFFF).to(tl.uint32)
+        hi32 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+        key = _mix32(lo32 ^ _mix32(hi32 ^ _mix32((ctr & 0xFFFFFFFF).to(tl.uint32))))
+        offs_c = tl.arange(0, C_PAD)
+        lm = tl.load(LogMass + row * nchunks + offs_c, mask=offs_c < nchunks, other=float("-inf"))
+        cnoise = _log_exponential(_mix32(key ^ _mix32(offs_c.to(tl.uint32) | (tl.full([C_PAD], 1, tl.uint32) << 31))))
+        zc = tl.where(offs_c < nchunks, lm - cnoise, float("-inf"))
+        best_c = tl.max(zc, 0)
+        c = tl.min(tl.where(zc == best_c, offs_c, C_PAD), 0)
+        any_ban = 0
+        for j in tl.static_range(M):
+            any_ban = any_ban | tl.load(Ban + row * sst + j).to(tl.int32)
+        best_vec = tl.full([BLOCK], float("-inf"), tl.float32)
+        idx_vec = tl.zeros([BLOCK], dtype=tl.int32)
+        for off in range(0, CHUNK, BLOCK):
+            offs = c * CHUNK + off + tl.arange(0, BLOCK)
+            mask = offs < V
+            x = tl.load(Logits + row * slb + offs, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
+            z = x - _log_exponential(_mix32(key ^ _mix32(offs.to(tl.uint32))))
+            if any_ban != 0:
+                for j in tl.static_range(M):
+                    sid = tl.load(StopIds + row * sst + j)
+                    bj = tl.load(Ban + row * sst + j).to(tl.int32)
+                    z = tl.where((offs == sid) & (bj != 0), float("-inf"), z)
+            z = tl.where(mask, z, float("-inf"))
+            take = z > best_vec
+            best_vec = tl.where(take, z, best_vec)
+            idx_vec = tl.where(take, offs, idx_vec)
+        best = tl.max(best_vec, 0)
+        tl.store(Out + row, tl.min(tl.where(best_vec == best, idx_vec, 2147483647), 0))
+
+    @triton.jit
     def _sample_partial_kernel(Logits, slb, Temp, StopIds, Ban, sst, BestVal, BestIdx, ChunkMax, ChunkSum,
                                ChunkSumKept, V, nchunks, M: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
         """Lanes keep a running max, two sums of exp (all entries / entries not banned) and a running
@@ -293,6 +371,33 @@ def sample_partials(logits: torch.Tensor, temperature: torch.Tensor, stop_ids: t
         logits, logits.stride(0), temperature.contiguous(), stop_ids, ban, stop_ids.stride(0), *outs, vocab,
         nchunks, M=stop_ids.shape[1], CHUNK=SAMPLE_CHUNK, BLOCK=SAMPLE_BLOCK, num_warps=4)
     return tuple(outs)  # type: ignore[return-value]
+
+
+@torch.library.custom_op("rlhfkit::chunk_draw", mutates_args=())
+def chunk_draw(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor,
+               stop_ids: torch.Tensor, ban_mask: torch.Tensor, log_mass: torch.Tensor) -> torch.Tensor:
+    """Token ids `[B]` (int32) drawn by `sampling.hierarchical_gumbel_argmax` from the chunk
+    log-masses `log_mass [B, C]` and the logits (noise in the chosen chunk only)."""
+    if triton is None:
+        raise RuntimeError("rlhfkit::chunk_draw needs Triton")
+    rows, vocab = logits.shape
+    out = torch.empty(rows, dtype=torch.int32, device=logits.device)
+    if rows == 0:
+        return out
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    stop_ids, ban = stop_ids.contiguous(), ban_mask.contiguous()
+    nchunks = log_mass.shape[1]
+    _chunk_draw_kernel[(rows,)](
+        logits, logits.stride(0), temperature.contiguous(), seeds.contiguous(), counters.contiguous(), stop_ids, ban,
+        stop_ids.stride(0), log_mass.contiguous(), out, vocab, nchunks, M=stop_ids.shape[1],
+        C_PAD=max(16, triton.next_power_of_2(nchunks)), CHUNK=SAMPLE_CHUNK, BLOCK=SAMPLE_BLOCK, num_warps=4)
+    return out
+
+
+@chunk_draw.register_fake
+def _chunk_draw_fake(logits, temperature, seeds, counters, stop_ids, ban_mask, log_mass):
+    return torch.empty(logits.shape[0], dtype=torch.int32, device=logits.device)
 
 
 @sample_partials.register_fake
