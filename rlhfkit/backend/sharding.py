@@ -25,7 +25,7 @@ named `layers`, `h`, `blocks` or `block`.
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -124,17 +124,27 @@ def iter_full_param_buckets(model: nn.Module, bucket_bytes: int, dtype: torch.dt
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+
+    def gathered() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, p in model.named_parameters():
+            t = full(p.detach())
+            yield name, (t.to(dtype) if dtype is not None and t.dtype != dtype else t)
+
+    return group_by_bytes(gathered(), bucket_bytes, lambda t: t.numel() * t.element_size())
+
+
+def group_by_bytes(named: Iterable[tuple[str, torch.Tensor]], limit: int, nbytes: Callable[[torch.Tensor], int]
+                   ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive lists of (name, tensor) whose `nbytes` sum to at most `limit` (a larger tensor
+    goes alone); consumes `named` to the end."""
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
-    for name, p in model.named_parameters():
-        t = full(p.detach())
-        if dtype is not None and t.dtype != dtype:
-            t = t.to(dtype)
-        nbytes = t.numel() * t.element_size()
-        if bucket and size + nbytes > bucket_bytes:
+    for name, t in named:
+        n = nbytes(t)
+        if bucket and size + n > limit:
             yield bucket
             bucket, size = [], 0
         bucket.append((name, t))
-        size += nbytes
+        size += n
     if bucket:
         yield bucket

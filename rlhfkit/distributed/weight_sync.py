@@ -39,6 +39,8 @@ from typing import Any, Iterable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from rlhfkit.backend.sharding import group_by_bytes
+
 METHODS = ("auto", "object_store", "broadcast", "ipc")
 ALIGN = 64  # bytes; >= every dtype's element size, and a cache-line multiple
 DEFAULT_TIMEOUT_S = 120.0
@@ -128,17 +130,7 @@ def iter_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
     Consumes `named` to the end, which FSDP2's gathering needs on every rank."""
     if bucket_bytes <= 0:
         raise ValueError(f"--weight_sync_bucket_mb must be > 0 (got {bucket_bytes} bytes)")
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, t in named:
-        nbytes = _round_up(t.numel() * torch.empty((), dtype=_target_dtype(t, cast)).element_size())
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += nbytes
-    if bucket:
-        yield bucket
+    yield from group_by_bytes(named, bucket_bytes, lambda t: _round_up(t.numel() * _target_dtype(t, cast).itemsize))
 
 
 # ----------------------------------------------------------------------------- selection

@@ -70,18 +70,19 @@ def use_compiled_chunks(hidden: torch.Tensor) -> bool:
     return COMPILE_CHUNKS and hidden.is_cuda
 
 
-class CompiledFusedLinearLogprobFn(torch.autograd.Function):
-    """`FusedLinearLogprobFn` with the element-wise work of each chunk in two compiled kernels."""
+class FusedLinearLogprobFn(torch.autograd.Function):
+    """Chunked head + log-probs (module docstring); `compiled` runs each chunk's element-wise work
+    in the two torch.compile'd kernels, else eagerly (same functions)."""
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
-                chunk: int, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                chunk: int, with_entropy: bool, compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         n = hidden.shape[0]
         w = weight.to(hidden.dtype)
         lp = hidden.new_empty(n, dtype=torch.float32)
         lse = hidden.new_empty(n, dtype=torch.float32)
         ent = hidden.new_zeros(n if with_entropy else 0, dtype=torch.float32)
-        fwd = _compiled("fwd")
+        fwd = _compiled("fwd") if compiled else _fwd_chunk
         for s in range(0, n, chunk):
             lp_c, lse_c, ent_c = fwd(hidden[s:s + chunk] @ w.t(), targets[s:s + chunk], 1.0 / temperature,
                                      with_entropy)
@@ -89,7 +90,7 @@ class CompiledFusedLinearLogprobFn(torch.autograd.Function):
             if with_entropy:
                 ent[s:s + chunk] = ent_c
         ctx.save_for_backward(hidden, weight, targets, lse, ent)
-        ctx.temperature, ctx.chunk, ctx.with_entropy = temperature, chunk, with_entropy
+        ctx.temperature, ctx.chunk, ctx.with_entropy, ctx.compiled = temperature, chunk, with_entropy, compiled
         return lp, ent
 
     @staticmethod
@@ -98,7 +99,7 @@ class CompiledFusedLinearLogprobFn(torch.autograd.Function):
         w = weight.to(hidden.dtype)
         grad_h = torch.empty_like(hidden)
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        bwd = _compiled("bwd")
+        bwd = _compiled("bwd") if ctx.compiled else _bwd_chunk
         g_lp = g_lp.float()
         for s in range(0, hidden.shape[0], ctx.chunk):
             sl = slice(s, s + ctx.chunk)
@@ -107,62 +108,7 @@ class CompiledFusedLinearLogprobFn(torch.autograd.Function):
                      g_ent[sl].float() if ctx.with_entropy else None, 1.0 / ctx.temperature)
             grad_h[sl] = gz @ w
             grad_w += (gz.t() @ h).float()
-        return grad_h, grad_w.to(weight.dtype), None, None, None, None
-
-
-class FusedLinearLogprobFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
-                chunk: int, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        n = hidden.shape[0]
-        w = weight.to(hidden.dtype)
-        lp = hidden.new_empty(n, dtype=torch.float32)
-        lse = hidden.new_empty(n, dtype=torch.float32)
-        ent = hidden.new_zeros(n if with_entropy else 0, dtype=torch.float32)
-        for s in range(0, n, chunk):
-            z = (hidden[s:s + chunk] @ w.t()).float()
-            if temperature != 1.0:
-                z.div_(temperature)
-            lse[s:s + chunk] = torch.logsumexp(z, dim=-1)
-            lp[s:s + chunk] = z.gather(-1, targets[s:s + chunk, None]).squeeze(-1) - lse[s:s + chunk]
-            if with_entropy:
-                z.sub_(lse[s:s + chunk, None])  # log p
-                ent[s:s + chunk] = -(z.exp() * z).sum(-1)
-        ctx.save_for_backward(hidden, weight, targets, lse, ent)
-        ctx.temperature, ctx.chunk, ctx.with_entropy = temperature, chunk, with_entropy
-        return lp, ent
-
-    @staticmethod
-    def backward(ctx: Any, g_lp: torch.Tensor, g_ent: torch.Tensor) -> tuple[Any, ...]:
-        hidden, weight, targets, lse, ent = ctx.saved_tensors
-        t, chunk = ctx.temperature, ctx.chunk
-        w = weight.to(hidden.dtype)
-        grad_h = torch.zeros_like(hidden)
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        for s in range(0, hidden.shape[0], chunk):
-            sl = slice(s, s + chunk)
-            active = g_lp[sl] != 0
-            if ctx.with_entropy:
-                active = active | (g_ent[sl] != 0)
-            if not bool(active.any()):
-                continue
-            h = hidden[sl]
-            logp = (h @ w.t()).float()
-            if t != 1.0:
-                logp.div_(t)
-            logp.sub_(lse[sl, None])
-            p = logp.exp()
-            gz = p * (-g_lp[sl, None])
-            if ctx.with_entropy:
-                gz.sub_(p.mul_(logp.add_(ent[sl, None])).mul_(g_ent[sl, None]))
-            gz.scatter_add_(-1, targets[sl, None], g_lp[sl, None])
-            gz = torch.where(active[:, None], gz, 0.0)
-            if t != 1.0:
-                gz.div_(t)
-            gz = gz.to(hidden.dtype)
-            grad_h[sl] = gz @ w
-            grad_w += (gz.t() @ h).float()
-        return grad_h, grad_w.to(weight.dtype), None, None, None, None
+        return grad_h, grad_w.to(weight.dtype), None, None, None, None, None
 
 
 def fusable_head(model: torch.nn.Module) -> torch.nn.Linear | None:
@@ -212,9 +158,8 @@ def fused_shifted_logprobs(hidden: torch.Tensor, weight: torch.Tensor, input_ids
     compiled = use_compiled_chunks(hidden)
     chunk = chunk_size or max(1, CHUNK_BYTES // ((hidden.element_size() if compiled else 4) * vocab))
     targets = torch.roll(input_ids, shifts=-1, dims=1).reshape(-1)
-    fn = CompiledFusedLinearLogprobFn if compiled else FusedLinearLogprobFn
-    lp, ent = fn.apply(hidden.reshape(b * length, hdim), weight, targets, float(temperature),
-                                         chunk, return_entropy)
+    lp, ent = FusedLinearLogprobFn.apply(hidden.reshape(b * length, hdim), weight, targets, float(temperature),
+                                         chunk, return_entropy, compiled)
     zero = lp.new_zeros(b, 1)
     lp = torch.cat([zero, lp.view(b, length)[:, :-1]], dim=1)
     if not return_entropy:
