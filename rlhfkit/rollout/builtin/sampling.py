@@ -35,6 +35,7 @@ they would in a batch without any filtering.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Callable
 
 import torch
 
@@ -148,17 +149,24 @@ def hierarchical_gumbel_argmax(masked: torch.Tensor, seeds: torch.Tensor, counte
     then a token by Gumbel-max inside it (module docstring). Returns token ids `[B]`."""
     rows, vocab = masked.shape
     nchunks = -(-vocab // chunk)
-    keys = row_keys(seeds, counters)
     if chunk_logmass is None:
         if nchunks == 1:
             chunk_logmass = torch.logsumexp(masked, dim=-1, keepdim=True)
         else:
             padded = torch.nn.functional.pad(masked, (0, nchunks * chunk - vocab), value=NEG_INF)
             chunk_logmass = torch.logsumexp(padded.view(rows, nchunks, chunk), dim=-1)
-    cidx = torch.arange(nchunks, device=masked.device) + _CHUNK_INDEX_BASE
+    return _draw_in_chunks(chunk_logmass, row_keys(seeds, counters), chunk, vocab,
+                           lambda idx: masked.gather(1, idx.clamp(max=vocab - 1)))
+
+
+def _draw_in_chunks(chunk_logmass: torch.Tensor, keys: torch.Tensor, chunk: int, vocab: int,
+                    scores_at: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The two Gumbel-max steps given the chunks' log-masses `[B, C]` and `scores_at(idx [B, K])`,
+    the rows' scores at token ids `idx` (ids >= vocab are masked here)."""
+    cidx = torch.arange(chunk_logmass.shape[1], device=keys.device) + _CHUNK_INDEX_BASE
     c = (chunk_logmass + _gumbel(keys, cidx)).argmax(dim=-1)
-    idx = c[:, None] * chunk + torch.arange(min(chunk, vocab), device=masked.device)[None, :]  # one chunk: V wide
-    vals = masked.gather(1, idx.clamp(max=vocab - 1)).masked_fill(idx >= vocab, NEG_INF)
+    idx = c[:, None] * chunk + torch.arange(min(chunk, vocab), device=keys.device)[None, :]  # one chunk: V wide
+    vals = scores_at(idx).masked_fill(idx >= vocab, NEG_INF)
     j = (vals + _gumbel(keys, idx)).argmax(dim=-1, keepdim=True)
     return idx.gather(1, j).squeeze(1)
 
@@ -262,18 +270,14 @@ def combine_partials(logits: torch.Tensor, temperature: torch.Tensor, seeds: tor
         # the hash chain in one Triton kernel (inductor failed to compile it as generated code)
         drawn = torch.ops.rlhfkit.chunk_draw(logits, temperature, seeds, counters, stop_ids, ban_mask, logmass)
         return _finish(logits, greedy, greedy_tok, drawn.long(), inv_t, lse)
-    nchunks = chunk_max.shape[1]
-    keys = row_keys(seeds, counters)
-    cidx = torch.arange(nchunks, device=logits.device) + _CHUNK_INDEX_BASE
-    c = (logmass + _gumbel(keys, cidx)).argmax(dim=-1)
-    idx = c[:, None] * chunk + torch.arange(min(chunk, vocab), device=logits.device)[None, :]
-    out = idx >= vocab
-    ban = torch.zeros(idx.shape, dtype=torch.bool, device=logits.device)
-    for j in range(stop_ids.shape[1]):
-        ban = ban | ((idx == stop_ids[:, j:j + 1]) & ban_mask[:, j:j + 1])
-    vals = (logits.gather(1, idx.clamp(max=vocab - 1)).float() * inv_t).masked_fill(out | ban, NEG_INF)
-    j = (vals + _gumbel(keys, idx)).argmax(dim=-1, keepdim=True)
-    return _finish(logits, greedy, greedy_tok, idx.gather(1, j).squeeze(1), inv_t, lse)
+    def scores_at(idx: torch.Tensor) -> torch.Tensor:
+        ban = torch.zeros(idx.shape, dtype=torch.bool, device=idx.device)
+        for j in range(stop_ids.shape[1]):
+            ban = ban | ((idx == stop_ids[:, j:j + 1]) & ban_mask[:, j:j + 1])
+        return (logits.gather(1, idx.clamp(max=vocab - 1)).float() * inv_t).masked_fill(ban, NEG_INF)
+
+    drawn = _draw_in_chunks(logmass, row_keys(seeds, counters), chunk, vocab, scores_at)
+    return _finish(logits, greedy, greedy_tok, drawn, inv_t, lse)
 
 
 def _finish(logits: torch.Tensor, greedy: torch.Tensor, greedy_tok: torch.Tensor, drawn: torch.Tensor,
