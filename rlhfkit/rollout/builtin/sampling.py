@@ -171,10 +171,13 @@ def _draw_in_chunks(chunk_logmass: torch.Tensor, keys: torch.Tensor, chunk: int,
     return idx.gather(1, j).squeeze(1)
 
 
-def _banned(vocab: int, stop_ids: torch.Tensor, ban_mask: torch.Tensor) -> torch.Tensor:
-    """`[B, vocab]` bool: token i is one of the row's banned stop ids (M compares, fused when compiled)."""
-    ids = torch.arange(vocab, device=stop_ids.device)[None, :]
-    out = torch.zeros(stop_ids.shape[0], vocab, dtype=torch.bool, device=stop_ids.device)
+def _banned(vocab: int, stop_ids: torch.Tensor, ban_mask: torch.Tensor,
+            ids: torch.Tensor | None = None) -> torch.Tensor:
+    """`[B, vocab]` bool (or the shape of token `ids [B, K]`): the token is one of the row's banned
+    stop ids (M compares, fused when compiled)."""
+    if ids is None:
+        ids = torch.arange(vocab, device=stop_ids.device)[None, :]
+    out = torch.zeros(stop_ids.shape[0], ids.shape[1], dtype=torch.bool, device=stop_ids.device)
     for j in range(stop_ids.shape[1]):
         out = out | ((ids == stop_ids[:, j:j + 1]) & ban_mask[:, j:j + 1])
     return out
@@ -270,11 +273,10 @@ def combine_partials(logits: torch.Tensor, temperature: torch.Tensor, seeds: tor
         # the hash chain in one Triton kernel (inductor failed to compile it as generated code)
         drawn = torch.ops.rlhfkit.chunk_draw(logits, temperature, seeds, counters, stop_ids, ban_mask, logmass)
         return _finish(logits, greedy, greedy_tok, drawn.long(), inv_t, lse)
+
     def scores_at(idx: torch.Tensor) -> torch.Tensor:
-        ban = torch.zeros(idx.shape, dtype=torch.bool, device=idx.device)
-        for j in range(stop_ids.shape[1]):
-            ban = ban | ((idx == stop_ids[:, j:j + 1]) & ban_mask[:, j:j + 1])
-        return (logits.gather(1, idx.clamp(max=vocab - 1)).float() * inv_t).masked_fill(ban, NEG_INF)
+        scores = logits.gather(1, idx.clamp(max=vocab - 1)).float() * inv_t
+        return scores.masked_fill(_banned(vocab, stop_ids, ban_mask, idx), NEG_INF)
 
     drawn = _draw_in_chunks(logmass, row_keys(seeds, counters), chunk, vocab, scores_at)
     return _finish(logits, greedy, greedy_tok, drawn, inv_t, lse)
