@@ -3,7 +3,9 @@
 #   bash bench/run_single_gpu.sh OUTDIR [train|rollout|all]
 # train:   bench/train_throughput.py (plain HF bf16 + AdamW baseline and rlhfkit variants, same process)
 #          and a kernel profile of one step;
-# rollout: bench/rollout.py, builtin engine only, batch 256, prompt 128 / 256 new, engine knobs compared.
+# rollout: bench/rollout.py at batch 64 and 256 for prompt 128 / 256 new and prompt 512 / 1024 new, builtin vs
+#          HF generate and HF generate with the static cache (HF capped at 256 new tokens for the long shape,
+#          which can only overstate HF's tokens/s).
 set -uo pipefail
 out=${1:?output directory}
 what=${2:-all}
@@ -16,9 +18,8 @@ if [[ $what == all || $what == train ]]; then
   timeout 120 python3 bench/profile_train_step.py --variants master --rows 22 > "$out/profile_train_$gpu.txt" 2>&1
 fi
 if [[ $what == all || $what == rollout ]]; then
-  for knob in "" "--sync_every 64" "--compile_mode max-autotune-no-cudagraphs"; do
-    tag=$(echo "default $knob" | awk '{print $NF}' | tr -c 'a-z0-9\n' '_')
-    timeout 200 python3 bench/rollout.py --engines builtin --batch 256 --shapes 128x256 --profile $knob \
-      --out "$out/rollout_${gpu}_$tag.json" 2>&1 | grep -v Warning | tail -3
-  done
+  timeout 420 python3 bench/rollout.py --batch 64,256 --shapes 128x256 --profile \
+    --out "$out/rollout_${gpu}_128x256.json" 2>&1 | grep '^{"batch'
+  timeout 540 python3 bench/rollout.py --batch 64,256 --shapes 512x1024 --hf_max_new 256 \
+    --out "$out/rollout_${gpu}_512x1024.json" 2>&1 | grep '^{"batch'
 fi
