@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The single-GPU benchmarks of the README table, in one go (on a lent H100/H200):
-#   bash bench/run_single_gpu.sh OUTDIR [train|rollout|all]
+#   bash bench/run_single_gpu.sh OUTDIR [train|rollout|all|rollout_long]
 # train:   bench/train_throughput.py (plain HF bf16 + AdamW baseline and rlhfkit variants, same process)
 #          and a kernel profile of one step;
 # rollout: bench/rollout.py at batch 64 and 256 for prompt 128 / 256 new and prompt 512 / 1024 new, builtin vs
@@ -20,6 +20,8 @@ fi
 if [[ $what == all || $what == rollout ]]; then
   timeout 420 python3 bench/rollout.py --batch 64,256 --shapes 128x256 --profile \
     --out "$out/rollout_${gpu}_128x256.json" 2>&1 | grep '^{"batch'
+fi
+if [[ $what == rollout_long ]]; then  # a call of its own: about 8 minutes
   timeout 540 python3 bench/rollout.py --batch 64,256 --shapes 512x1024 --hf_max_new 256 \
     --out "$out/rollout_${gpu}_512x1024.json" 2>&1 | grep '^{"batch'
 fi
