@@ -103,7 +103,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def _qkv(layer: LayerWeights, spec: ModelSpec, h: torch.Tensor, cos: torch.Tensor,
          sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Projections of normalised hidden states `h [..., H]` -> q `[..., Hq, D]`, k, v `[..., KV, D]`."""
+    """`_project_qkv` with RoPE applied to q and k."""
+    q, k, v = _project_qkv(layer, spec, h)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def _project_qkv(layer: LayerWeights, spec: ModelSpec, h: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Projections of normalised hidden states `h [..., H]` -> q `[..., Hq, D]`, k, v `[..., KV, D]`
+    (q/k norms applied, no RoPE)."""
     qkv = F.linear(h, layer.qkv, layer.qkv_bias)
     q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
     q = q.unflatten(-1, (spec.num_heads, spec.head_dim))
@@ -112,7 +120,7 @@ def _qkv(layer: LayerWeights, spec: ModelSpec, h: torch.Tensor, cos: torch.Tenso
     if layer.q_norm is not None:
         q = rms_norm(q, layer.q_norm, spec.rms_norm_eps)
         k = rms_norm(k, layer.k_norm, spec.rms_norm_eps)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+    return q, k, v
 
 
 def _mlp_block(layer: LayerWeights, spec: ModelSpec, x: torch.Tensor) -> torch.Tensor:
@@ -158,14 +166,7 @@ def decode_layer(spec: ModelSpec, layer: LayerWeights, k_cache: torch.Tensor, v_
     """
     x = x + delta
     nrows = x.shape[0]
-    qkv = F.linear(rms_norm(x, layer.input_norm, spec.rms_norm_eps), layer.qkv, layer.qkv_bias)
-    q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
-    q = q.unflatten(-1, (spec.num_heads, spec.head_dim))
-    k = k.unflatten(-1, (spec.num_kv_heads, spec.head_dim))
-    v = v.unflatten(-1, (spec.num_kv_heads, spec.head_dim))
-    if layer.q_norm is not None:
-        q = rms_norm(q, layer.q_norm, spec.rms_norm_eps)
-        k = rms_norm(k, layer.k_norm, spec.rms_norm_eps)
+    q, k, v = _project_qkv(layer, spec, rms_norm(x, layer.input_norm, spec.rms_norm_eps))
     if attn == "triton":
         out = torch.ops.rlhfkit.decode_attention(q, k, v, k_cache, v_cache, cos, sin, pos, scale)
     else:
