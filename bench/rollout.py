@@ -77,7 +77,8 @@ def run_builtin(model, device, dtype, ids: torch.Tensor, new: int, args) -> dict
                               cuda_graphs=None if args.cuda_graphs else False,
                               compile_prefill=None if args.compile_prefill else False,
                               fast_sampling=args.fast_sampling, decode_attention=args.decode_attention,
-                              compile_mode=args.compile_mode)
+                              compile_mode=args.compile_mode, decode_gemm=args.decode_gemm,
+                              gemm_min_rows=args.gemm_min_rows)
     engine = BuiltinEngine(model, None, device=device, dtype=dtype, config=cfg, eos_token_ids=[])
     t0 = time.perf_counter()
     engine.warmup(batch)
@@ -96,9 +97,14 @@ def run_builtin(model, device, dtype, ids: torch.Tensor, new: int, args) -> dict
     res = {"builtin_tok_s": batch * new / dt, "builtin_s": dt, "builtin_warmup_s": warm,
            "builtin_ms_per_step": 1000 * dt / new, "builtin_graphs": engine.runner.captures,
            "builtin_compiled": engine.runner.compiled, "builtin_prefill_calls": engine.stats.prefill_calls,
-           "builtin_attention": engine.model.attn, "builtin_fast_sampling": engine.runner.fast_sampling}
+           "builtin_attention": engine.model.attn, "builtin_gemm": engine.model.gemm, "builtin_fast_sampling": engine.runner.fast_sampling}
     if engine.runner.compile_error:
         res["builtin_compile_error"] = engine.runner.compile_error
+    if getattr(args, "trace", False) and device.type == "cuda":
+        try:
+            res["builtin_trace"] = trace_generate(engine, reqs)
+        except Exception as exc:  # noqa: BLE001
+            res["builtin_trace_error"] = f"{type(exc).__name__}: {exc}"[:1000]
     if args.profile and device.type == "cuda":
         try:
             res["builtin_profile"] = profile_engine(engine, ids, new)
@@ -149,6 +155,13 @@ def profile_engine(engine: BuiltinEngine, ids: torch.Tensor, new: int, steps: in
     with torch.inference_mode():
         runner.run(rows, kv_len, False, 2)
         out["decode_step_ms_final_ctx"] = _median_ms(lambda: runner.run(rows, kv_len, False, 20)) / 20
+        snap = runner.state.snapshot()
+        by_ctx = {}
+        for ctx in (plen, plen + new // 2):  # finished rows keep their position: every step sees `ctx`
+            runner.state.pos[:rows] = ctx
+            by_ctx[str(ctx)] = round(_median_ms(lambda: runner.run(rows, kv_len, False, 20)) / 20, 4)
+        runner.state.restore(snap)
+        out["decode_step_ms_by_ctx"] = by_ctx
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             runner.run(rows, kv_len, False, steps)
             torch.cuda.synchronize()
@@ -164,7 +177,103 @@ def profile_engine(engine: BuiltinEngine, ids: torch.Tensor, new: int, steps: in
         tok, lengths, slots = ids.to(dev), torch.full((batch,), plen, device=dev), torch.arange(batch, device=dev)
         runner.prefill(engine.cache, tok, lengths, slots)
         out["prefill_ms"] = _median_ms(lambda: runner.prefill(engine.cache, tok, lengths, slots), 3)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            runner.prefill(engine.cache, tok, lengths, slots)
+            torch.cuda.synchronize()
+        out["prefill_kernels"] = _kernel_table(prof, 1, 15)
     return out
+
+
+def trace_generate(engine: BuiltinEngine, reqs: list) -> dict:
+    """Where the wall time of one `generate()` goes: host and GPU time of each engine phase
+    (prefill, first-token sampling, decode replays, sync) from perf_counter and CUDA events around
+    the phase methods, and the GPU's busy time (union of kernel intervals, from the profiler) against
+    the wall time, with the longest idle gaps and what the host was doing during each."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    phases: dict[str, dict] = {}
+    events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+    originals = {}
+
+    def wrap(obj, name: str, label: str):
+        fn = getattr(obj, name)
+        originals[(obj, name)] = fn
+
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            try:
+                with record_function(f"phase:{label}"):
+                    return fn(*a, **k)
+            finally:
+                e1.record()
+                ph = phases.setdefault(label, {"calls": 0, "host_ms": 0.0})
+                ph["calls"] += 1
+                ph["host_ms"] += 1000 * (time.perf_counter() - t0)
+                events.append((label, e0, e1))
+        setattr(obj, name, timed)
+
+    for obj, name, label in ((engine, "_prefill", "prefill"), (engine.runner, "sample", "first_token_sample"),
+                             (engine, "_decode", "decode"), (engine, "_sync", "sync"),
+                             (engine, "_init_slots", "init_slots"), (engine, "_prepare", "prepare"),
+                             (engine.sched, "plan_admissions", "plan_admissions"),
+                             (engine, "_finish", "finish")):
+        wrap(obj, name, label)
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            with record_function("phase:generate"):
+                engine.generate(reqs)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+    finally:
+        for (obj, name), fn in originals.items():
+            setattr(obj, name, fn)
+    for label, e0, e1 in events:
+        phases[label]["gpu_span_ms"] = phases[label].get("gpu_span_ms", 0.0) + e0.elapsed_time(e1)
+    evts = list(prof.events())
+    spans = sorted((e.time_range.start, e.time_range.end) for e in evts
+                   if getattr(e, "device_type", None) is not None and "CUDA" in str(e.device_type)
+                   and e.time_range.end > e.time_range.start)
+    cpu = [e for e in evts if "CPU" in str(getattr(e, "device_type", ""))]
+    gen = next((e for e in cpu if e.name == "phase:generate"), None)
+    origin = gen.time_range.start if gen is not None else (spans[0][0] if spans else 0)
+    busy, gaps, cur_s, cur_e = 0.0, [], None, None
+    for s, e in spans:
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                busy += cur_e - cur_s
+                gaps.append((s - cur_e, cur_e, s))
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        busy += cur_e - cur_s
+    gaps.sort(reverse=True)
+
+    def host_during(a: float, b: float) -> list[str]:
+        inside = [e for e in cpu if e.time_range.start < b and e.time_range.end > a and e.name != "phase:generate"]
+        inside.sort(key=lambda e: -(min(e.time_range.end, b) - max(e.time_range.start, a)))
+        names: list[str] = []
+        for e in inside:
+            label = f"{e.name[:60]} {min(e.time_range.end, b) - max(e.time_range.start, a):.0f}us"
+            if e.name[:60] not in {n.rsplit(' ', 1)[0] for n in names}:
+                names.append(label)
+            if len(names) == 6:
+                break
+        return names
+
+    first_last = (spans[-1][1] - spans[0][0]) / 1000 if spans else 0.0
+    return {"wall_ms": 1000 * wall, "gpu_busy_ms": busy / 1000, "gpu_first_to_last_ms": first_last,
+            "before_first_kernel_ms": (spans[0][0] - origin) / 1000 if spans else None,
+            "after_last_kernel_ms": (gen.time_range.end - spans[-1][1]) / 1000 if spans and gen else None,
+            "idle_gaps_over_20us_ms": sum(g[0] for g in gaps if g[0] > 20) / 1000,
+            "gaps_over_20us": sum(g[0] > 20 for g in gaps),
+            "longest_gaps": [{"us": round(g, 1), "at_ms": round((a - origin) / 1000, 2), "host": host_during(a, b)}
+                             for g, a, b in gaps[:10]],
+            "phases": {k: {kk: round(vv, 3) if isinstance(vv, float) else vv for kk, vv in v.items()}
+                       for k, v in phases.items()}}
 
 
 def attn_sweep(model, dtype: torch.dtype, batch: int, plen: int, new: int) -> list[dict]:
@@ -268,6 +377,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--sync_every", type=int, default=16)
     ap.add_argument("--sync_every_batch", type=int, default=64, help="BuiltinEngineConfig.sync_every_batch")
     ap.add_argument("--decode_attention", default="auto", choices=["auto", "triton", "sdpa", "matmul"])
+    ap.add_argument("--decode_gemm", default="auto", choices=["auto", "triton", "torch"])
+    ap.add_argument("--gemm_min_rows", type=int, default=64, help="BuiltinEngineConfig.gemm_min_rows")
     ap.add_argument("--no_compile_prefill", dest="compile_prefill", action="store_false")
     ap.add_argument("--compile_mode", default=None, help="torch.compile mode of the decode layer, e.g. "
                     "max-autotune-no-cudagraphs")
@@ -276,6 +387,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no_fast_sampling", dest="fast_sampling", action="store_false",
                     help="the torch sampler instead of the Triton one")
     ap.add_argument("--profile", action="store_true", help="add decode / prefill timings and the step's kernels")
+    ap.add_argument("--trace", action="store_true", help="add a phase / GPU-idle breakdown of one generate()")
     ap.add_argument("--max_prefill_tokens", type=int, default=32768)
     ap.add_argument("--no_compile", dest="compile", action="store_false")
     ap.add_argument("--no_cuda_graphs", dest="cuda_graphs", action="store_false")
@@ -322,7 +434,8 @@ def main(argv: list[str] | None = None) -> dict:
             print(json.dumps(row), file=sys.stderr, flush=True)
     report = {"bench": "rollout", "model": args.model, "device": gpu, "dtype": str(dtype).replace("torch.", ""),
               "hbm_tbps": tbps, "torch": torch.__version__, "compile": args.compile,
-              "decode_attention": args.decode_attention, "compile_prefill": args.compile_prefill,
+              "decode_attention": args.decode_attention, "decode_gemm": args.decode_gemm,
+              "gemm_min_rows": args.gemm_min_rows, "compile_prefill": args.compile_prefill,
               "fast_sampling": args.fast_sampling, "sync_every": args.sync_every, "sync_every_batch": args.sync_every_batch, "compile_mode": args.compile_mode,
               "cuda_graphs": args.cuda_graphs and device.type == "cuda", "results": results}
     line = json.dumps(report)

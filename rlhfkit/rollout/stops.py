@@ -50,6 +50,8 @@ def stop_string_cut(token_ids: Sequence[int], decode: Decode, stops: Sequence[st
 
 def first_stop_id(token_ids: Sequence[int], stop_ids: set[int], min_new_tokens: int) -> int | None:
     """Index of the first stop id at or after `min_new_tokens - 1` generated tokens, else None."""
+    if stop_ids.isdisjoint(token_ids):  # the common case of a length finish, at C speed
+        return None
     for i, t in enumerate(token_ids):
         if t in stop_ids and i + 1 > min_new_tokens:
             return i

@@ -113,6 +113,7 @@ def _greedy_run(model, dtype, **cfg) -> list[list[int]]:
     assert engine.stats.mid_run_admissions >= 1
     assert engine.runner.compile_error is None  # no silent fallback from a fast path
     assert engine.model.attn == cfg.get("decode_attention", "triton")
+    assert engine.model.gemm == "triton"  # used for batches of at least gemm_min_rows rows
     return outs
 
 
@@ -181,8 +182,33 @@ def test_triton_sampler_matches_torch_sampler():
     assert torch.equal(sample_tokens(*args)[0], tok)  # the dispatching entry point takes the kernel
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 37, 64, 256])
+def test_triton_gemms_match_torch(dtype, m):
+    from rlhfkit.rollout.builtin import triton_gemm
+
+    torch.manual_seed(m)
+    x = torch.randn(m, 896, device="cuda", dtype=dtype)
+    xi = torch.randn(m, 4864, device="cuda", dtype=dtype)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for a, n in ((x, 896), (xi, 896), (x, 1152)):
+        w = torch.randn(n, a.shape[1], device="cuda", dtype=dtype) * 0.05
+        parts = torch.ops.rlhfkit.mm_partials(a, w)
+        assert parts.shape == (triton_gemm.splits_for(n, a.shape[1]), m, n) and parts.dtype == torch.float32
+        ref = a.double() @ w.double().t()
+        assert ((parts.sum(0).double() - ref).abs().max() / ref.abs().max()).item() < tol
+    assert triton_gemm.splits_for(896, 4864) > 1  # the down projection is split
+    w = torch.randn(2 * 4864, 896, device="cuda", dtype=dtype) * 0.05
+    gate, up = (x @ w.t()).chunk(2, dim=-1)
+    ref = (torch.nn.functional.silu(gate.float()) * up.float())
+    got = torch.ops.rlhfkit.gate_up_silu(x, w)
+    assert got.shape == (m, 4864) and got.dtype == dtype
+    assert ((got.float() - ref).abs().max() / ref.abs().max()).item() < tol
+
+
 @pytest.mark.parametrize("mode", [dict(), dict(compile=False), dict(compile=False, cuda_graphs=False),
-                                  dict(decode_attention="sdpa"), dict(decode_attention="matmul")])
+                                  dict(decode_attention="sdpa"), dict(decode_attention="matmul"),
+                                  dict(gemm_min_rows=1), dict(gemm_min_rows=1, compile=False)])
 def test_fp32_greedy_parity(fp32_model, mode):
     outs = _greedy_run(fp32_model, torch.float32, **mode)
     exact = 0
@@ -196,8 +222,9 @@ def test_fp32_greedy_parity(fp32_model, mode):
     assert exact >= len(outs) - 1
 
 
-def test_bf16_greedy_parity_and_logprob_gap(bf16_model, fp32_model):
-    config = BuiltinEngineConfig(max_num_seqs=4, max_model_len=320, sync_every=8)
+@pytest.mark.parametrize("gemm_min_rows", [64, 1])
+def test_bf16_greedy_parity_and_logprob_gap(bf16_model, fp32_model, gemm_min_rows):
+    config = BuiltinEngineConfig(max_num_seqs=4, max_model_len=320, sync_every=8, gemm_min_rows=gemm_min_rows)
     engine = BuiltinEngine(bf16_model, None, device="cuda", dtype=torch.bfloat16, config=config, eos_token_ids=[])
     prompts = _prompts()
     outs = engine.generate([GenerationRequest(p, SamplingParams(temperature=0.0, max_new_tokens=m), i)
@@ -215,12 +242,13 @@ def test_bf16_greedy_parity_and_logprob_gap(bf16_model, fp32_model):
         lp_bf16.append((ours - _teacher_logprobs(bf16_model, p, c.token_ids, 1.0)).abs())
         lp_fp32.append((ours - _teacher_logprobs(fp32_model, p, c.token_ids, 1.0)).abs())
     d16, d32 = torch.cat(lp_bf16), torch.cat(lp_fp32)
-    REPORT.update({"bf16_exact_sequences": exact, "bf16_sequences": len(outs),
-                   "bf16_mean_common_prefix": sum(prefix) / len(prefix), "bf16_divergence_gaps": gaps,
-                   "bf16_logprob_gap_vs_hf_bf16_mean": d16.mean().item(),
-                   "bf16_logprob_gap_vs_hf_bf16_max": d16.max().item(),
-                   "bf16_logprob_gap_vs_hf_fp32_mean": d32.mean().item(),
-                   "bf16_logprob_gap_vs_hf_fp32_max": d32.max().item()})
+    tag = "" if gemm_min_rows > 4 else "_triton_gemm"
+    REPORT.update({f"bf16{tag}_exact_sequences": exact, f"bf16{tag}_sequences": len(outs),
+                   f"bf16{tag}_mean_common_prefix": sum(prefix) / len(prefix), f"bf16{tag}_divergence_gaps": gaps,
+                   f"bf16{tag}_logprob_gap_vs_hf_bf16_mean": d16.mean().item(),
+                   f"bf16{tag}_logprob_gap_vs_hf_bf16_max": d16.max().item(),
+                   f"bf16{tag}_logprob_gap_vs_hf_fp32_mean": d32.mean().item(),
+                   f"bf16{tag}_logprob_gap_vs_hf_fp32_max": d32.max().item()})
     print(json.dumps(REPORT))
     assert prefix[0] >= 1 and d16.mean().item() < 0.05
 

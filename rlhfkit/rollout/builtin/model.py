@@ -19,6 +19,12 @@ Decode attention, three implementations (`DecoderModel.attn`):
               bucket) positions, so plain SDPA handles grouped-query attention (Ainslie et al.
               2023, arXiv 2305.13245) without repeating K/V;
     "matmul"  the same with two batched matmuls.
+Decode projections, two implementations (`DecoderModel.gemm`):
+    "torch"   F.linear (cuBLAS) for every projection;
+    "triton"  (GPU default for batches of at least `gemm_min_rows`) the MLP as one fused
+              gate/up + SiLU-mul kernel and a split-K down projection, and a split-K o projection
+              (`triton_gemm`); the split-K partials `[S, B, H]` travel to the consumer (the next
+              residual add + RMSNorm), which sums them inside its own kernel.
 All ops have static shapes for fixed (B, Lb), which is what lets the engine capture each decode
 step as a CUDA graph. The math mirrors Hugging Face's Llama/Qwen2/Qwen3 modules op for op
 (RMSNorm in fp32, then cast; Zhang & Sennrich 2019, arXiv 1910.07467).
@@ -132,6 +138,28 @@ def _mlp(layer: LayerWeights, spec: ModelSpec, h: torch.Tensor) -> torch.Tensor:
     return F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
 
 
+def _residual(x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """x + delta, where delta is a layer output `[B, H]` or split-K partials `[S, B, H]` (fp32),
+    summed and rounded to x's dtype first (as a GEMM's output is) so both paths round alike."""
+    if delta.dim() == x.dim() + 1:
+        delta = delta.sum(0).to(x.dtype)
+    return x + delta
+
+
+def triton_gemm_supported(spec: ModelSpec, weights: ModelWeights) -> bool:
+    """Whether the Triton decode GEMMs apply: no o / MLP biases and K dims they tile."""
+    from rlhfkit.rollout.builtin import triton_gemm
+
+    if not triton_gemm.available():
+        return False
+    if any(lw.o_bias is not None or lw.gate_up_bias is not None or lw.down_bias is not None
+           for lw in weights.layers):
+        return False
+    inter = weights.layers[0].down.shape[1]
+    return (triton_gemm.supported(spec.hidden_size, spec.q_size) and triton_gemm.supported(spec.hidden_size, inter)
+            and spec.hidden_size % 64 == 0)
+
+
 def _torch_decode_attention(spec: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor,
                             sin: torch.Tensor, bias: torch.Tensor, scale: float, use_sdpa: bool) -> torch.Tensor:
@@ -151,7 +179,8 @@ def _torch_decode_attention(spec: ModelSpec, q: torch.Tensor, k: torch.Tensor, v
 
 def decode_layer(spec: ModelSpec, layer: LayerWeights, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  x: torch.Tensor, delta: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 bias: torch.Tensor | None, scale: float, attn: str = "sdpa") -> tuple[torch.Tensor, torch.Tensor]:
+                 bias: torch.Tensor | None, scale: float, attn: str = "sdpa", gemm: str = "torch"
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decoder layer for one token per row; the residual stream enters as `x + delta`.
 
     Returns `(x', delta')` with the layer's output `x' + delta'` (delta' = the MLP's output): the
@@ -163,14 +192,21 @@ def decode_layer(spec: ModelSpec, layer: LayerWeights, k_cache: torch.Tensor, v_
     attn: "triton" (fused RoPE + K/V write + attention kernel over each row's own length; `bias`
     unused), "sdpa" or "matmul" (attend over the first `Lb` positions under `bias [B, 1, 1, Lb]`,
     0 where a key is visible and -inf elsewhere, built once per step).
+    gemm: "torch" (delta' is `[B, H]`) or "triton" (delta' is the down projection's split-K
+    partials `[S, B, H]` fp32; `delta` may be either).
     """
-    x = x + delta
+    x = _residual(x, delta)
     nrows = x.shape[0]
     q, k, v = _project_qkv(layer, spec, rms_norm(x, layer.input_norm, spec.rms_norm_eps))
     if attn == "triton":
         out = torch.ops.rlhfkit.decode_attention(q, k, v, k_cache, v_cache, cos, sin, pos, scale)
     else:
         out = _torch_decode_attention(spec, q, k, v, k_cache, v_cache, pos, cos, sin, bias, scale, attn == "sdpa")
+    if gemm == "triton":
+        o = torch.ops.rlhfkit.mm_partials(out.reshape(nrows, spec.q_size), layer.o).sum(0).to(x.dtype)
+        x = (x.float() + o.float()).to(x.dtype)
+        h = rms_norm(x, layer.post_norm, spec.rms_norm_eps)
+        return x, torch.ops.rlhfkit.mm_partials(torch.ops.rlhfkit.gate_up_silu(h, layer.gate_up), layer.down)
     # the residual add in fp32 (as bf16 + bf16 rounds anyway) keeps inductor from folding it into
     # an addmm, which would first copy x into the GEMM's output buffer
     x = (x.float() + F.linear(out.reshape(nrows, spec.q_size), layer.o, layer.o_bias).float()).to(x.dtype)
@@ -178,25 +214,38 @@ def decode_layer(spec: ModelSpec, layer: LayerWeights, k_cache: torch.Tensor, v_
 
 
 def prefill_layer(spec: ModelSpec, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  scale: float, last: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One decoder layer over right-padded prompts `x [b, P, H]` (causal); returns the layer's
-    output and the post-RoPE keys and values `[b, KV, P, D]` for the cache."""
+    output and the post-RoPE keys and values `[b, KV, P, D]` for the cache.
+
+    With `last [b]` (each prompt's last position; used for the final layer) only those positions
+    go on past the K/V projection: the output is `[b, H]`, the hidden state the logits need, and
+    the attention, o projection and MLP of every other position are skipped."""
     q, k, v = _qkv(layer, spec, rms_norm(x, layer.input_norm, spec.rms_norm_eps), cos, sin)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, heads, P, D]
-    attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                          enable_gqa=spec.num_heads != spec.num_kv_heads)
-    x = x + F.linear(attn.transpose(1, 2).flatten(2), layer.o, layer.o_bias)
+    gqa = spec.num_heads != spec.num_kv_heads
+    if last is None:
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        x = x + F.linear(attn.transpose(1, 2).flatten(2), layer.o, layer.o_bias)
+        return _mlp_block(layer, spec, x), k, v
+    rows = torch.arange(x.shape[0], device=x.device)
+    q_last = q[rows, :, last].unsqueeze(2)  # [b, Hq, 1, D]
+    visible = torch.arange(x.shape[1], device=x.device)[None, :] <= last[:, None]  # [b, P]
+    attn = F.scaled_dot_product_attention(q_last, k, v, attn_mask=visible[:, None, None, :], scale=scale,
+                                          enable_gqa=gqa)
+    x = x[rows, last] + F.linear(attn.flatten(1), layer.o, layer.o_bias)
     return _mlp_block(layer, spec, x), k, v
 
 
 def final_logits(spec: ModelSpec, final_norm: torch.Tensor, lm_head: torch.Tensor, x: torch.Tensor,
                  delta: torch.Tensor | None = None) -> torch.Tensor:
     if delta is not None:
-        x = x + delta
+        x = _residual(x, delta)
     return F.linear(rms_norm(x, final_norm, spec.rms_norm_eps), lm_head)
 
 
 DECODE_ATTENTION = ("triton", "sdpa", "matmul")
+DECODE_GEMM = ("triton", "torch")
 
 
 class DecoderModel:
@@ -207,13 +256,16 @@ class DecoderModel:
     """
 
     def __init__(self, spec: ModelSpec, weights: ModelWeights, cos: torch.Tensor, sin: torch.Tensor,
-                 decode_attention: str = "sdpa"):
+                 decode_attention: str = "sdpa", decode_gemm: str = "torch", gemm_min_rows: int = 1):
+        if decode_gemm not in DECODE_GEMM:
+            raise ValueError(f"decode_gemm must be one of {DECODE_GEMM}, got {decode_gemm!r}")
         if decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention must be one of {DECODE_ATTENTION}, got {decode_attention!r}")
         if decode_attention == "triton" and not cos.is_cuda:
             raise ValueError("decode_attention='triton' needs a CUDA device")
         self.spec, self.weights, self.cos, self.sin = spec, weights, cos, sin
         self.attn = decode_attention
+        self.gemm, self.gemm_min_rows = decode_gemm, gemm_min_rows
         self.scale = spec.head_dim ** -0.5
         self.layer_fn: Callable = decode_layer
         self.head_fn: Callable = final_logits
@@ -228,18 +280,23 @@ class DecoderModel:
         return final_logits(self.spec, self.weights.final_norm, self.weights.lm_head, x)
 
     def prefill(self, cache: KVCache, tokens: torch.Tensor, lengths: torch.Tensor,
-                slots: torch.Tensor) -> torch.Tensor:
-        """Right-padded prompts `tokens [b, P]`; returns the last real position's logits `[b, V]`."""
+                slots: torch.Tensor, slot_slice: slice | None = None) -> torch.Tensor:
+        """Right-padded prompts `tokens [b, P]`; returns the last real position's logits `[b, V]`.
+
+        `slot_slice`: the caller's word that `slots` are the rows of this slice (evenly spaced), so the
+        K/V go to the cache as one strided copy per layer instead of an indexed scatter."""
         spec, w = self.spec, self.weights
         b, plen = tokens.shape
         cos, sin = self.cos[:plen, None, :], self.sin[:plen, None, :]  # [P, 1, D]
         x = F.embedding(tokens, w.embed)
+        last = lengths - 1
+        rows = slots if slot_slice is None else slot_slice
         for li, layer in enumerate(w.layers):
-            x, k, v = self.prefill_fn(spec, layer, x, cos, sin, self.scale)
-            cache.k[li][slots, :, :plen] = k
-            cache.v[li][slots, :, :plen] = v
-        last = x[torch.arange(b, device=x.device), lengths - 1]
-        return self._logits(last)
+            x, k, v = self.prefill_fn(spec, layer, x, cos, sin, self.scale,
+                                      last if li == len(w.layers) - 1 else None)
+            cache.k[li][rows, :, :plen] = k
+            cache.v[li][rows, :, :plen] = v
+        return self._logits(x)
 
     def decode(self, cache: KVCache, tokens: torch.Tensor, pos: torch.Tensor, kv_len: int) -> torch.Tensor:
         """One token for each of the rows 0..B-1 (row = slot); returns logits `[B, V]` (model dtype).
@@ -252,8 +309,15 @@ class DecoderModel:
             bias = torch.zeros(hidden.shape, dtype=self.cos.dtype, device=tokens.device)
             bias = bias.masked_fill(hidden, float("-inf"))[:, None, None, :]
         x = F.embedding(tokens, w.embed)
-        delta = torch.zeros_like(x)
+        gemm = self.gemm if tokens.shape[0] >= self.gemm_min_rows else "torch"
+        if gemm == "triton":  # partials of the shape every layer returns: one compiled graph for all layers
+            from rlhfkit.rollout.builtin.triton_gemm import splits_for
+
+            splits = splits_for(self.spec.hidden_size, w.layers[0].down.shape[1])
+            delta = torch.zeros((splits,) + x.shape, dtype=torch.float32, device=x.device)
+        else:
+            delta = torch.zeros_like(x)
         for li, layer in enumerate(w.layers):
             x, delta = self.layer_fn(self.spec, layer, cache.k[li], cache.v[li], x, delta, pos, self.cos, self.sin,
-                                     bias, self.scale, self.attn)
+                                     bias, self.scale, self.attn, gemm)
         return self.head_fn(self.spec, w.final_norm, w.lm_head, x, delta)

@@ -33,7 +33,8 @@ log = logging.getLogger(__name__)
 
 
 def _batch_dynamic(fn: Callable, dims: dict[int, tuple[int, ...]]) -> Callable:
-    """Mark the batch (and length) dims of `fn`'s tensor arguments dynamic before each call.
+    """Mark the batch (and length) dims of `fn`'s tensor arguments dynamic before each call
+    (negative dims count from the end: the batch dim of `[B, H]` and of partials `[S, B, H]`).
 
     Only those dims vary between buckets; every weight shape stays static, so the generated
     kernels keep their compile-time sizes (a fully dynamic compile would lose them).
@@ -42,7 +43,7 @@ def _batch_dynamic(fn: Callable, dims: dict[int, tuple[int, ...]]) -> Callable:
         for i, ds in dims.items():
             if isinstance(args[i], torch.Tensor):
                 for d in ds:
-                    torch._dynamo.maybe_mark_dynamic(args[i], d)
+                    torch._dynamo.maybe_mark_dynamic(args[i], d if d >= 0 else args[i].dim() + d)
         return fn(*args)
     return call
 
@@ -56,12 +57,12 @@ def compile_model(model: DecoderModel, prefill: bool = True, mode: str | None = 
     all layers, which keeps compilation to seconds for deep models. Between the graphs Python
     runs, but inside a CUDA graph replay none of it remains.
     """
-    # decode_layer(spec, layer, k_cache, v_cache, x, delta, pos, cos, sin, bias, scale, attn)
-    model.layer_fn = _batch_dynamic(torch.compile(decode_layer, mode=mode), {4: (0,), 5: (0,), 6: (0,), 9: (0, 3)})
+    # decode_layer(spec, layer, k_cache, v_cache, x, delta, pos, cos, sin, bias, scale, attn, gemm)
+    model.layer_fn = _batch_dynamic(torch.compile(decode_layer, mode=mode), {4: (0,), 5: (-2,), 6: (0,), 9: (0, 3)})
     # final_logits(spec, final_norm, lm_head, x, delta)
-    model.head_fn = _batch_dynamic(torch.compile(final_logits, mode=mode), {3: (0,), 4: (0,)})
-    if prefill:  # prefill_layer(spec, layer, x [b, P, H], cos [P, 1, D], sin, scale)
-        model.prefill_fn = _batch_dynamic(torch.compile(prefill_layer), {2: (0, 1), 3: (0,), 4: (0,)})
+    model.head_fn = _batch_dynamic(torch.compile(final_logits, mode=mode), {3: (0,), 4: (-2,)})
+    if prefill:  # prefill_layer(spec, layer, x [b, P, H], cos [P, 1, D], sin, scale, last [b] | None)
+        model.prefill_fn = _batch_dynamic(torch.compile(prefill_layer), {2: (0, 1), 3: (0,), 4: (0,), 6: (0,)})
     # sample_and_advance(state, rows, logits, filtered, max_model_len)
     return _batch_dynamic(torch.compile(sample_and_advance), {1: (0,), 2: (0,)})
 
@@ -95,9 +96,10 @@ class DecodeRunner:
             self.model.layer_fn, self.model.head_fn, self.model.prefill_fn = decode_layer, final_logits, prefill_layer
             self._sample = sample_and_advance
             what = "torch.compile of the decode step"
-        elif self.model.attn == "triton" or self.fast_sampling:
+        elif self.model.attn == "triton" or self.model.gemm == "triton" or self.fast_sampling:
             if self.model.attn == "triton":
                 self.model.attn = "sdpa"
+            self.model.gemm = "torch"
             self.fast_sampling = False
             what = "the Triton decode kernels"
         else:

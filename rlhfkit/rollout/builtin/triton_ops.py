@@ -43,6 +43,7 @@ except ImportError:  # pragma: no cover - exercised on CPU-only installs
 
 SAMPLE_CHUNK = 8192  # vocab entries per sampling program
 SAMPLE_BLOCK = 1024  # entries per inner iteration
+SAMPLE_WARPS = 4  # warps per sampling program
 
 
 def available() -> bool:
@@ -369,7 +370,7 @@ def sample_partials(logits: torch.Tensor, temperature: torch.Tensor, stop_ids: t
     stop_ids, ban = stop_ids.contiguous(), ban_mask.contiguous()
     _sample_partial_kernel[(rows, nchunks)](
         logits, logits.stride(0), temperature.contiguous(), stop_ids, ban, stop_ids.stride(0), *outs, vocab,
-        nchunks, M=stop_ids.shape[1], CHUNK=SAMPLE_CHUNK, BLOCK=SAMPLE_BLOCK, num_warps=4)
+        nchunks, M=stop_ids.shape[1], CHUNK=SAMPLE_CHUNK, BLOCK=SAMPLE_BLOCK, num_warps=SAMPLE_WARPS)
     return tuple(outs)  # type: ignore[return-value]
 
 
