@@ -13,10 +13,15 @@ the KV cache of every sequence at the mean context (prompt + new / 2), over the 
     roofline tokens/s = batch / ((weight_bytes + batch * kv_bytes_per_token * ctx) / bandwidth)
 
 Prints one JSON line: model, device, and per (batch, shape) the tokens/s of each engine,
-`speedup_vs_hf`, `speedup_vs_hf_static`, `roofline_tok_s` and the builtin's `roofline_fraction`.
-`--profile` (GPU) adds, per row, the builtin's decode step time from CUDA-graph replays at the final
-context, the kernels of one step (count and the costliest, from torch.profiler) and the time of
-one prefill of the whole batch.
+`speedup_vs_hf`, `speedup_vs_hf_static`, `roofline_tok_s` and the builtin's `roofline_fraction`
+(end to end: its tokens/s, prefill and host work included, over the decode roofline's).
+`--profile` (GPU) adds, per row, the builtin's decode step time from CUDA-graph replays at the first,
+middle and final context, the kernels of one step (count and the costliest, from torch.profiler),
+the time of one prefill of the whole batch and the kernels in it, and from those the split of the
+wall time (`builtin_decode_step_ms_mean`, `builtin_prefill_plus_decode_ms`, `builtin_other_ms`) and
+`roofline_fraction_decode_step` (the roofline step time over the mean decode step: the decode steps
+alone). `--trace` adds a phase-by-phase host / GPU breakdown of one generate() with the GPU's
+idle gaps.
 """
 
 from __future__ import annotations
@@ -110,9 +115,25 @@ def run_builtin(model, device, dtype, ids: torch.Tensor, new: int, args) -> dict
             res["builtin_profile"] = profile_engine(engine, ids, new)
         except Exception as exc:  # noqa: BLE001 - the timing above stands without the profile
             res["builtin_profile_error"] = f"{type(exc).__name__}: {exc}"[:1000]
+    res.update(decode_split(res, plen, new))
     engine.sleep(2)
     del engine
     return res
+
+
+def decode_split(res: dict, plen: int, new: int) -> dict:
+    """From a profile's decode-step times at the first, middle and last context: the mean decode
+    step over the run (Simpson's rule), the prefill + decode GPU time that implies, and the rest of
+    the measured wall time (host work, syncs, first-token sampling): where the time goes."""
+    prof = res.get("builtin_profile") or {}
+    by_ctx, last = prof.get("decode_step_ms_by_ctx") or {}, prof.get("decode_step_ms_final_ctx")
+    first, mid = by_ctx.get(str(plen)), by_ctx.get(str(plen + new // 2))
+    if None in (first, mid, last, prof.get("prefill_ms")):
+        return {}
+    mean = (first + 4 * mid + last) / 6
+    gpu = prof["prefill_ms"] + (new - 1) * mean
+    return {"builtin_decode_step_ms_mean": mean, "builtin_prefill_plus_decode_ms": gpu,
+            "builtin_other_ms": 1000 * res["builtin_s"] - gpu}
 
 
 def _median_ms(fn, repeat: int = 5) -> float:
@@ -429,7 +450,9 @@ def main(argv: list[str] | None = None) -> dict:
                     row[f"speedup_vs_{name}"] = row["builtin_tok_s"] / row[f"{name}_tok_s"]
             row.update(roofline(model, dtype, batch, plen, new, tbps))
             if "roofline_tok_s" in row and "builtin_tok_s" in row:
-                row["roofline_fraction"] = row["builtin_tok_s"] / row["roofline_tok_s"]
+                row["roofline_fraction"] = row["builtin_tok_s"] / row["roofline_tok_s"]  # end to end
+            if "roofline_ms_per_step" in row and "builtin_decode_step_ms_mean" in row:  # decode steps alone
+                row["roofline_fraction_decode_step"] = row["roofline_ms_per_step"] / row["builtin_decode_step_ms_mean"]
             results.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
     report = {"bench": "rollout", "model": args.model, "device": gpu, "dtype": str(dtype).replace("torch.", ""),

@@ -8,7 +8,7 @@ does not carry); `finish_reason` is "stop" for both, "length" otherwise.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import AbstractSet, Callable, Sequence
 
 Decode = Callable[[Sequence[int]], str]
 
@@ -48,7 +48,7 @@ def stop_string_cut(token_ids: Sequence[int], decode: Decode, stops: Sequence[st
     return lo, len(text)
 
 
-def first_stop_id(token_ids: Sequence[int], stop_ids: set[int], min_new_tokens: int) -> int | None:
+def first_stop_id(token_ids: Sequence[int], stop_ids: AbstractSet[int], min_new_tokens: int) -> int | None:
     """Index of the first stop id at or after `min_new_tokens - 1` generated tokens, else None."""
     if stop_ids.isdisjoint(token_ids):  # the common case of a length finish, at C speed
         return None
@@ -58,7 +58,7 @@ def first_stop_id(token_ids: Sequence[int], stop_ids: set[int], min_new_tokens: 
     return None
 
 
-def finish_completion(token_ids: list[int], logprobs: list[float] | None, stop_ids: set[int],
+def finish_completion(token_ids: list[int], logprobs: list[float] | None, stop_ids: AbstractSet[int],
                       min_new_tokens: int, stops: Sequence[str],
                       decode: Decode | None) -> tuple[list[int], list[float] | None, str]:
     """Cut raw generated tokens at the first stop id / stop string; returns (ids, logprobs, reason)."""

@@ -26,6 +26,7 @@ head_dim elements; `sleep()` frees it (and the decode graphs), `wake_up()` reall
 from __future__ import annotations
 
 import asyncio
+import random
 import logging
 import queue
 import threading
@@ -145,7 +146,7 @@ class BuiltinEngine:
         if self._graphs and not on_cuda:
             raise ValueError("BuiltinEngineConfig.cuda_graphs needs a CUDA device")
         self.stats = EngineStats()
-        self._rng = torch.Generator().manual_seed(cfg.seed)
+        self._rng = random.Random(cfg.seed)  # seeds of requests without one (host side: no torch op per request)
         self._lock = threading.RLock()
         self._inbox: queue.SimpleQueue[RequestState] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -276,7 +277,7 @@ class BuiltinEngine:
                              f"exceed BuiltinEngineConfig.max_stop_ids={self.config.max_stop_ids}")
         if p.stop and self._decode_text is None:
             raise ValueError(f"request {request.request_id}: SamplingParams.stop needs a tokenizer")
-        seed = p.seed if p.seed is not None else int(torch.randint(2**62, (1,), generator=self._rng))
+        seed = p.seed if p.seed is not None else self._rng.getrandbits(62)
         filtered = p.top_p < 1.0 or 0 < p.top_k < self.spec.vocab_size
         return RequestState(request, on_done, seed, stop_ids, filtered)
 
@@ -382,58 +383,62 @@ class BuiltinEngine:
     def _init_slots(self, admissions: list[Admission]) -> None:
         """Write the sampling settings and fresh counters of newly admitted slots."""
         st, vocab = self.state, self.spec.vocab_size
-        rows: dict[str, list] = {k: [] for k in ("slot", "pos", "temp", "top_p", "top_k", "min_new", "max_new",
-                                                 "stop", "valid", "seed")}
         m = self.config.max_stop_ids
+        recs = []  # one tuple per slot (columns below): a full batch admits hundreds at once
         for a in admissions:
             p, req = a.req.request.params, a.req
             ids = req.stop_ids or [0]
+            const = (req.prompt_len - 1, p.temperature, p.top_p, p.top_k if 0 < p.top_k < vocab else vocab,
+                     p.min_new_tokens, p.max_new_tokens, ids + [ids[0]] * (m - len(ids)), [bool(req.stop_ids)] * m)
             for i, slot in enumerate(a.slots):
-                rows["slot"].append(slot)
-                rows["pos"].append(req.prompt_len - 1)
-                rows["temp"].append(p.temperature)
-                rows["top_p"].append(p.top_p)
-                rows["top_k"].append(p.top_k if 0 < p.top_k < vocab else vocab)
-                rows["min_new"].append(p.min_new_tokens)
-                rows["max_new"].append(p.max_new_tokens)
-                rows["stop"].append(ids + [ids[0]] * (m - len(ids)))
-                rows["valid"].append([bool(req.stop_ids)] * m)
-                rows["seed"].append(hash((req.seed, a.first_sample + i)) & (2**63 - 1))
+                recs.append((slot, *const, hash((req.seed, a.first_sample + i)) & (2**63 - 1)))
+        slot, pos, temp, top_p, top_k, min_new, max_new, stop, valid, seed = (list(c) for c in zip(*recs))
         h2d = self._h2d
-        idx = h2d(rows["slot"])
-        st.pos[idx] = h2d(rows["pos"])
+        idx = h2d(slot)
+        st.pos[idx] = h2d(pos)
         st.gen[idx] = 0
         st.done[idx] = False
-        st.temperature[idx] = h2d(rows["temp"], torch.float32)
-        st.top_p[idx] = h2d(rows["top_p"], torch.float32)
-        st.top_k[idx] = h2d(rows["top_k"])
-        st.min_new[idx] = h2d(rows["min_new"])
-        st.max_new[idx] = h2d(rows["max_new"])
-        st.stop_ids[idx] = h2d(rows["stop"])
-        st.stop_valid[idx] = h2d(rows["valid"])
-        st.seeds[idx] = h2d(rows["seed"])
+        st.temperature[idx] = h2d(temp, torch.float32)
+        st.top_p[idx] = h2d(top_p, torch.float32)
+        st.top_k[idx] = h2d(top_k)
+        st.min_new[idx] = h2d(min_new)
+        st.max_new[idx] = h2d(max_new)
+        st.stop_ids[idx] = h2d(stop)
+        st.stop_valid[idx] = h2d(valid)
+        st.seeds[idx] = h2d(seed)
 
     def _decode(self, batch: bool = False) -> None:
         running = self.sched.running
-        left = [seq.steps_left for seq in running.values() if seq.steps_left > 0]
-        if not left:
+        max_len = self.max_model_len
+        min_left, min_room, top, filtered, stops = None, None, 0, False, False
+        for seq in running.values():  # one pass: this runs for every sync of a full batch
+            req = seq.req
+            params = req.request.params
+            left = params.max_new_tokens - seq.gen_bound
+            bound = req.prompt_len + seq.gen_bound - 1  # seq.pos_bound
+            top = max(top, bound)
+            filtered = filtered or req.filtered
+            stops = stops or bool(params.stop)
+            if left > 0:
+                min_left = left if min_left is None else min(min_left, left)
+                if bound < max_len - 1:
+                    room = max_len - 1 - bound
+                    min_room = room if min_room is None else min(min_room, room)
+        if min_left is None:
             return
         every = self.config.sync_every
-        if batch and not self.sched.waiting and self._inbox.empty() \
-                and not any(seq.req.request.params.stop for seq in running.values()):
+        if batch and not stops and not self.sched.waiting and self._inbox.empty():
             every = self.config.sync_every_batch
-        steps = min(every, min(left))
-        room = [self.max_model_len - 1 - seq.pos_bound for seq in running.values()
-                if seq.steps_left > 0 and seq.pos_bound < self.max_model_len - 1]
-        if room:
-            steps = max(1, min(steps, min(room)))
-        kv_len = length_bucket(max(seq.pos_bound for seq in running.values()) + steps, self.max_model_len)
-        filtered = any(seq.req.filtered for seq in running.values())
-        self.runner.run(self.sched.decode_rows(), kv_len, filtered, steps)
+        steps = min(every, min_left)
+        if min_room is not None:
+            steps = max(1, min(steps, min_room))
+        kv_len = length_bucket(top + steps, max_len)
+        rows = self.sched.decode_rows()
+        self.runner.run(rows, kv_len, filtered, steps)
         for seq in running.values():
             seq.gen_bound += steps
         self.stats.decode_steps += steps
-        self.stats.decode_row_steps += steps * self.sched.decode_rows()
+        self.stats.decode_row_steps += steps * rows
 
     def _sync(self) -> None:
         running = self.sched.running
@@ -468,7 +473,7 @@ class BuiltinEngine:
 
     def _finish(self, seq, tokens: list[int], logprobs: list[float]) -> None:
         req, p = seq.req, seq.req.request.params
-        ids, lps, reason = finish_completion(tokens, logprobs, set(req.stop_ids), p.min_new_tokens, p.stop,
+        ids, lps, reason = finish_completion(tokens, logprobs, req.stop_set, p.min_new_tokens, p.stop,
                                              self._decode_text)
         req.completions[seq.sample] = Completion(
             prompt_token_ids=list(req.request.prompt_token_ids), token_ids=ids,

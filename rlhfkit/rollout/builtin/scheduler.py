@@ -56,15 +56,15 @@ class RequestState:
     completions: list[Completion | None] = field(default_factory=list)
     admitted: int = 0
     remaining: int = 0
+    prompt_len: int = field(init=False, default=0)
+    stop_set: frozenset = field(init=False, default=frozenset())
 
     def __post_init__(self) -> None:
         n = self.request.params.n
         self.completions = [None] * n
         self.remaining = n
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.request.prompt_token_ids)
+        self.prompt_len = len(self.request.prompt_token_ids)
+        self.stop_set = frozenset(self.stop_ids)
 
 
 @dataclass
