@@ -98,6 +98,47 @@ def sweep_gate_up(x: torch.Tensor, ws: list[torch.Tensor], layers: int) -> list[
     return rows
 
 
+def probe(dev: str, dt: torch.dtype, silu_mul) -> list[dict]:
+    rows = []
+    m = 32768  # 256 prompts x 128 tokens: one prefill of the rollout benchmark
+    x = torch.randn(m, HIDDEN, device=dev, dtype=dt)
+    ws = [torch.randn(2 * INTER, HIDDEN, device=dev, dtype=dt) * 0.02 for _ in range(4)]
+    row = {"m": m, "shape": "prefill gate_up+silu", "tflop": 2 * m * HIDDEN * 2 * INTER / 1e12,
+           "cublas_us": round(graph_us(lambda i: F.linear(x, ws[i]), 4), 1),
+           "cublas_plus_silu_us": round(graph_us(lambda i: silu_mul(F.linear(x, ws[i])), 4), 1), "sweep": []}
+    for bm, bn, bk, warps, stages in ((128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (128, 64, 64, 8, 4),
+                                      (64, 128, 64, 4, 3), (128, 128, 32, 8, 4), (256, 64, 64, 8, 3)):
+        triton_gemm.GEMM_CONFIG["gate_up"] = {"block_m": bm, "block_n": bn, "block_k": bk, "num_warps": warps,
+                                              "num_stages": stages}
+        try:
+            us = graph_us(lambda i: torch.ops.rlhfkit.gate_up_silu(x, ws[i]), 4)
+            row["sweep"].append({"block_m": bm, "block_n": bn, "block_k": bk, "num_warps": warps,
+                                 "num_stages": stages, "us": round(us, 1)})
+        except Exception as exc:  # noqa: BLE001
+            row["sweep"].append({"block_m": bm, "block_n": bn, "error": f"{type(exc).__name__}: {exc}"[:120]})
+    triton_gemm.GEMM_CONFIG["gate_up"] = {}
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+    for m in (64, 256):
+        x = torch.randn(m, HIDDEN, device=dev, dtype=dt)
+        ws = [torch.randn(QKV, HIDDEN, device=dev, dtype=dt) * 0.02 for _ in range(24)]
+        row = {"m": m, "shape": "qkv split-K", "cublas_us": round(graph_us(lambda i: F.linear(x, ws[i]), 24), 2),
+               "sweep": []}
+        for s_, bn, warps, stages in ((2, 64, 4, 4), (2, 32, 4, 4), (7, 32, 8, 3), (7, 64, 4, 3), (1, 32, 4, 4)):
+            triton_gemm.GEMM_CONFIG["mm"] = {"splits": s_, "block_m": 64, "block_n": bn, "block_k": 64,
+                                             "num_warps": warps, "num_stages": stages}
+            try:
+                us = graph_us(lambda i: torch.ops.rlhfkit.mm_partials(x, ws[i]), 24)
+                row["sweep"].append({"splits": s_, "block_n": bn, "num_warps": warps, "num_stages": stages,
+                                     "us": round(us, 2)})
+            except Exception as exc:  # noqa: BLE001
+                row["sweep"].append({"splits": s_, "error": f"{type(exc).__name__}: {exc}"[:120]})
+        triton_gemm.GEMM_CONFIG["mm"] = {}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def best(rows: list[dict], top: int = 5) -> list[dict]:
     return sorted((r for r in rows if "us" in r), key=lambda r: r["us"])[:top]
 
@@ -108,12 +149,21 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--out", default=None)
     ap.add_argument("--sampler_only", action="store_true", help="only the sampler's launch parameters")
+    ap.add_argument("--probe", action="store_true", help="only the candidates for later work: the fused gate/up + "
+                    "SiLU kernel at prefill size (M = 32768) against cuBLAS + SiLU-mul, and split-K qkv at decode size")
     a = ap.parse_args()
     dev, dt, layers = "cuda", torch.bfloat16, a.layers
     torch.manual_seed(0)
     out = {"bench": "gemm_decode", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "layers": layers, "results": []}
     silu_mul = torch.compile(lambda y: F.silu(y[:, :INTER]) * y[:, INTER:])
+    if a.probe:
+        out["results"] = probe(dev, dt, silu_mul)
+        print(json.dumps(out))
+        if a.out:
+            with open(a.out, "w") as f:
+                f.write(json.dumps(out) + "\n")
+        return
     for m in map(int, a.rows.split(",")) if not a.sampler_only else ():
         x = torch.randn(m, HIDDEN, device=dev, dtype=dt)
         xi = torch.randn(m, INTER, device=dev, dtype=dt)
