@@ -46,6 +46,10 @@ class SamplingParams:
     seed: int | None = None
     n: int = 1
     logprobs: bool = True
+    # HF / vLLM semantics: a logit of a token already in the prompt or the completion is divided by
+    # the penalty when positive and multiplied by it when negative, before temperature and top-k / top-p;
+    # the reported log-probs stay those of the unpenalised distribution (like temperature-only sampling)
+    repetition_penalty: float = 1.0
 
     def replace(self, **kw: Any) -> "SamplingParams":
         d = dict(self.__dict__)

@@ -24,8 +24,9 @@ Generation (`--eval_task generate`; `generate_vllm` is the same task, OpenRLHF's
        of a prompt next to each other
 
 Sampling seeds depend on (--seed, the prompt's index in the dataset) only, so a prompt gets the same
-samples whatever --iter slice or batch it is generated in. `--repetition_penalty` is not
-implemented by rlhfkit's engines: a value other than 1.0 is refused.
+samples whatever --iter slice or batch it is generated in. `--repetition_penalty` has HF / vLLM's
+meaning (tokens of the prompt and the completion so far have their logits divided by it when
+positive, multiplied when negative).
 
 Scoring (`--eval_task rm`): each row's `--input_key` / `--output_key` (default input / output) go
 through the same formatting and joining rule as train_rm's data (rlhfkit.data.items: prompt ids +
@@ -92,7 +93,8 @@ def build_parser() -> FlagParser:
     p.flag("--greedy_sampling", action="store_true", help="greedy decoding (temperature 0)")
     p.flag("--temperature", type=float, default=1.0)
     p.flag("--top_p", type=float, default=1.0)
-    p.flag("--repetition_penalty", type=float, default=1.0, help="only 1.0: rlhfkit's engines do not implement it")
+    p.flag("--repetition_penalty", type=float, default=1.0, help="1.0 = none; > 1 discourages repeating "
+           "tokens of the prompt and the completion")
     p.flag("--iter", type=int, default=None,
            help="generate for prompts [iter * rollout_batch_size, (iter + 1) * rollout_batch_size)")
     p.flag("--rollout_batch_size", type=int, default=2048, help="prompts per --iter slice")
@@ -165,6 +167,7 @@ class GenerateConfig:
     greedy_sampling: bool = False
     seed: int = 1234
     chunk_prompts: int = 256  # prompts handed to the engine per call (progress granularity)
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("best_of_n", "max_new_tokens", "prompt_max_len", "max_len"):
@@ -174,6 +177,8 @@ class GenerateConfig:
             raise UsageError(f"--top_p must lie in (0, 1], got {self.top_p}")
         if self.temperature < 0:
             raise UsageError(f"--temperature must be >= 0, got {self.temperature}")
+        if self.repetition_penalty <= 0:
+            raise UsageError(f"--repetition_penalty must be > 0, got {self.repetition_penalty}")
 
     def request_seed(self, index: int) -> int:
         """Seed of the prompt with dataset index `index` (the engine derives one per sample from it)."""
@@ -221,7 +226,7 @@ def build_requests(prompt_ids: Sequence[list[int]], rows: Sequence[Row], cfg: Ge
                             "(--max_len / the model's max_position_embeddings); lower --prompt_max_len")
         params = SamplingParams(temperature=0.0 if cfg.greedy_sampling else cfg.temperature, top_p=cfg.top_p,
                                 max_new_tokens=budget, n=cfg.best_of_n, seed=cfg.request_seed(first_index + i),
-                                logprobs=False)
+                                logprobs=False, repetition_penalty=cfg.repetition_penalty)
         reqs.append(GenerationRequest(list(ids), params, request_id=first_index + i))
     return reqs
 
@@ -277,13 +282,11 @@ def run_generate(args: argparse.Namespace) -> list[dict[str, str]]:
     from rlhfkit.data.prompts import PromptDataConfig, PromptDataset
     from rlhfkit.models.loader import load_tokenizer
 
-    if args.repetition_penalty != 1.0:
-        raise UsageError(f"--repetition_penalty {args.repetition_penalty}: rlhfkit's rollout engines "
-                         "(builtin, hf, vllm adapter) do not implement a repetition penalty; use 1.0")
     if resolve_post_processor(args.post_processor):
         raise UsageError("--post_processor applies to scored rows: run --eval_task rm on this output with it")
     cfg = GenerateConfig(args.best_of_n, args.max_new_tokens, args.prompt_max_len, args.max_len, args.temperature,
-                         args.top_p, args.greedy_sampling, args.seed)
+                         args.top_p, args.greedy_sampling, args.seed,
+                         repetition_penalty=args.repetition_penalty)
     tokenizer = load_tokenizer(args.pretrain, padding_side="left", chat_template=args.tokenizer_chat_template,
                                use_fast=not args.disable_fast_tokenizer)
     rows = load_mixture(args.dataset, args.dataset_probs, split=args.dataset_split,

@@ -22,8 +22,7 @@ Conversation text:
 such file exists, the system prompt itself.
 
 Generation uses Hugging Face `generate` on the model loaded by rlhfkit.models.loader (so
-`--load_in_4bit` works on CUDA): the rollout engines do not implement `--repetition_penalty`, which
-is on by default here (1.2, OpenRLHF's default). New tokens are capped so that prompt + reply fit in
+`--load_in_4bit` works on CUDA), with `--repetition_penalty` on by default (1.2, OpenRLHF's default). New tokens are capped so that prompt + reply fit in
 `--max_len`; a conversation that no longer fits is reported and its last user turn dropped.
 """
 

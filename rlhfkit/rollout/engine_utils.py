@@ -42,6 +42,7 @@ def validate_request(request: GenerationRequest, vocab_size: int, max_model_len:
         (0 <= p.min_new_tokens, lambda: f"min_new_tokens must be >= 0, got {p.min_new_tokens}"),
         (p.temperature >= 0, lambda: f"temperature must be >= 0, got {p.temperature}"),
         (0 < p.top_p <= 1, lambda: f"top_p must lie in (0, 1], got {p.top_p}"),
+        (p.repetition_penalty > 0, lambda: f"repetition_penalty must be > 0, got {p.repetition_penalty}"),
         (all(0 <= t < vocab_size for t in p.stop_token_ids), lambda: "stop_token_ids must be valid token ids"),
         (all(isinstance(s, str) and s for s in p.stop), lambda: "stop must hold non-empty strings"),
     )

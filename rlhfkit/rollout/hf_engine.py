@@ -25,7 +25,8 @@ from rlhfkit.types import Completion, GenerationRequest, SamplingParams
 
 
 def _group_key(p: SamplingParams, stop_ids: tuple[int, ...]) -> tuple:
-    return (p.temperature, p.top_p, p.top_k, p.max_new_tokens, p.min_new_tokens, stop_ids, tuple(p.stop), p.seed)
+    return (p.temperature, p.top_p, p.top_k, p.max_new_tokens, p.min_new_tokens, stop_ids, tuple(p.stop), p.seed,
+            p.repetition_penalty)
 
 
 class HFEngine(ThreadBatchingAsync):
@@ -81,6 +82,7 @@ class HFEngine(ThreadBatchingAsync):
             top_p=p.top_p if sample else None, top_k=(p.top_k if p.top_k > 0 else 0) if sample else None,
             max_new_tokens=p.max_new_tokens, min_new_tokens=p.min_new_tokens or None,
             eos_token_id=stop_ids or None, pad_token_id=self.pad_token_id,
+            repetition_penalty=p.repetition_penalty if p.repetition_penalty != 1.0 else None,
             output_logits=True, return_dict_in_generate=True)
         kw: dict[str, Any] = {"generation_config": cfg}
         if p.stop and p.min_new_tokens == 0 and self.tokenizer is not None and hasattr(self.tokenizer, "decode"):

@@ -83,7 +83,7 @@ class VLLMEngine(ThreadBatchingAsync):
             n=p.n, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k if p.top_k > 0 else -1,
             max_tokens=p.max_new_tokens, min_tokens=p.min_new_tokens, stop_token_ids=list(p.stop_token_ids),
             stop=list(p.stop) or None, seed=p.seed, logprobs=0 if p.logprobs else None,
-            detokenize=bool(p.stop))
+            detokenize=bool(p.stop), repetition_penalty=p.repetition_penalty)
 
     def generate(self, requests: list[GenerationRequest]) -> list[list[Completion]]:
         from vllm.inputs import TokensPrompt

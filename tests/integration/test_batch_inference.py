@@ -92,9 +92,25 @@ def test_greedy_equals_hf_generate(tiny_model_dir, prompts, tmp_path, engine):
     assert rows == [{"input": prompt, "output": expected}]
 
 
-def test_generate_refuses_repetition_penalty_and_bad_slice(tiny_model_dir, prompts, tmp_path, capsys):
+def test_generate_with_repetition_penalty_matches_hf(tiny_model_dir, prompts, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    rows = _generate(tiny_model_dir, prompts, tmp_path / "pen.jsonl", "--greedy_sampling", "--max_samples", "2",
+                     "--repetition_penalty", "1.8")
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    outs = []
+    for row in rows:
+        ids = torch.tensor([tok(row["input"], add_special_tokens=False)["input_ids"]])
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=6,
+                             repetition_penalty=1.8, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        outs.append(tok.decode(out[0, ids.shape[1]:].tolist(), skip_special_tokens=True))
+    assert [r["output"] for r in rows] == outs
+
+
+def test_generate_refuses_bad_penalty_and_bad_slice(tiny_model_dir, prompts, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
-        _generate(tiny_model_dir, prompts, tmp_path / "x.jsonl", "--repetition_penalty", "1.2")
+        _generate(tiny_model_dir, prompts, tmp_path / "x.jsonl", "--repetition_penalty", "0")
     assert e.value.code == 1 and "--repetition_penalty" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         _generate(tiny_model_dir, prompts, tmp_path / "x.jsonl", "--iter", "3", "--rollout_batch_size", "3")

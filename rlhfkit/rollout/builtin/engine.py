@@ -278,7 +278,8 @@ class BuiltinEngine:
         if p.stop and self._decode_text is None:
             raise ValueError(f"request {request.request_id}: SamplingParams.stop needs a tokenizer")
         seed = p.seed if p.seed is not None else self._rng.getrandbits(62)
-        filtered = p.top_p < 1.0 or 0 < p.top_k < self.spec.vocab_size
+        # top-k / top-p and the repetition penalty take the sampler's filtered (torch) path
+        filtered = p.top_p < 1.0 or 0 < p.top_k < self.spec.vocab_size or p.repetition_penalty != 1.0
         return RequestState(request, on_done, seed, stop_ids, filtered)
 
     def _enqueue(self, states: list[RequestState]) -> None:
@@ -391,8 +392,8 @@ class BuiltinEngine:
             const = (req.prompt_len - 1, p.temperature, p.top_p, p.top_k if 0 < p.top_k < vocab else vocab,
                      p.min_new_tokens, p.max_new_tokens, ids + [ids[0]] * (m - len(ids)), [bool(req.stop_ids)] * m)
             for i, slot in enumerate(a.slots):
-                recs.append((slot, *const, hash((req.seed, a.first_sample + i)) & (2**63 - 1)))
-        slot, pos, temp, top_p, top_k, min_new, max_new, stop, valid, seed = (list(c) for c in zip(*recs))
+                recs.append((slot, *const, hash((req.seed, a.first_sample + i)) & (2**63 - 1), p.repetition_penalty))
+        slot, pos, temp, top_p, top_k, min_new, max_new, stop, valid, seed, pen = (list(c) for c in zip(*recs))
         h2d = self._h2d
         idx = h2d(slot)
         st.pos[idx] = h2d(pos)
@@ -406,6 +407,20 @@ class BuiltinEngine:
         st.stop_ids[idx] = h2d(stop)
         st.stop_valid[idx] = h2d(valid)
         st.seeds[idx] = h2d(seed)
+        st.rep_penalty[idx] = h2d(pen, torch.float32)
+        penalised = [a for a in admissions if a.req.request.params.repetition_penalty != 1.0]
+        if penalised and st.track_seen(vocab):
+            self.runner.reset()  # graphs captured before the mask existed do not update it
+        if st.seen.shape[1]:
+            st.seen[idx] = False
+            if penalised:  # each sample slot starts from its prompt's tokens
+                rows_, cols = [], []
+                for a in penalised:
+                    prompt = a.req.request.prompt_token_ids
+                    for slot_ in a.slots:
+                        rows_.extend([slot_] * len(prompt))
+                        cols.extend(prompt)
+                st.seen[h2d(rows_), h2d(cols)] = True
 
     def _decode(self, batch: bool = False) -> None:
         running = self.sched.running

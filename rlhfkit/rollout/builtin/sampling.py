@@ -8,7 +8,9 @@ replays) before the host looks at the results.
 Sampling of one row, given fp32 logits z and temperature T (T = 0 means greedy):
 
     s = z / T (T := 1 for greedy rows),  logprob(tok) = s[tok] - logsumexp(s)      (reported)
-    s' = s with stop ids set to -inf while generated < min_new_tokens
+    s' = s, or (z penalised: z / r where z > 0, z * r otherwise, for the tokens of the prompt and
+         the completion so far, r = repetition penalty; Keskar et al. 2019, arXiv 1909.05858) / T
+    s' = s' with stop ids set to -inf while generated < min_new_tokens
     s' = s' with tokens outside top-k / top-p (Holtzman et al. 2019, arXiv 1904.09751) set to -inf
     tok = argmax s' (greedy), or a draw from softmax(s') in two Gumbel-max steps:
           chunk c = argmax_c (logsumexp(s'[chunk c]) + g_c)      (chunks of SAMPLE_CHUNK tokens)
@@ -60,6 +62,8 @@ class SlotState:
     stop_ids: torch.Tensor  # [S, M] stop token ids (eos included), padded with the first one
     stop_valid: torch.Tensor  # [S, M] bool
     seeds: torch.Tensor  # [S] int64 in [0, 2^63): the sample's noise stream
+    rep_penalty: torch.Tensor  # [S] f32 repetition penalty, 1 = none
+    seen: torch.Tensor  # [S, V] bool: tokens in the prompt or the completion so far ([S, 0] until a penalty is used)
     out_tokens: torch.Tensor  # [S, cap + 1]; column cap is scratch for done rows
     out_logprobs: torch.Tensor  # [S, cap + 1] f32
 
@@ -75,6 +79,7 @@ class SlotState:
             temperature=z(num_slots, dtype=f32), top_p=z(num_slots, dtype=f32), top_k=z(num_slots),
             min_new=z(num_slots), max_new=z(num_slots), stop_ids=z(num_slots, max_stop_ids),
             stop_valid=z(num_slots, max_stop_ids, dtype=torch.bool), seeds=z(num_slots),
+            rep_penalty=torch.ones(num_slots, dtype=f32, device=device), seen=z(num_slots, 0, dtype=torch.bool),
             out_tokens=z(num_slots, cap + 1), out_logprobs=z(num_slots, cap + 1, dtype=f32),
         )
 
@@ -85,17 +90,28 @@ class SlotState:
     def tensors(self) -> list[torch.Tensor]:
         return [getattr(self, f.name) for f in fields(self)]
 
+    def track_seen(self, vocab: int) -> bool:
+        """Allocate the `[S, V]` token-presence mask a repetition penalty needs; True if it was new."""
+        if self.seen.shape[1] == vocab:
+            return False
+        self.seen = torch.zeros(self.seen.shape[0], vocab, dtype=torch.bool, device=self.seen.device)
+        return True
+
     def move_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         for t in self.tensors():
             t[dst] = t[src]
 
+    def _advanced(self) -> tuple[torch.Tensor, ...]:
+        return self.tokens, self.pos, self.gen, self.done, self.seen
+
     def snapshot(self) -> list[torch.Tensor]:
         """Copies of the fields one decode step advances (to undo a CUDA-graph warm-up run)."""
-        return [t.clone() for t in (self.tokens, self.pos, self.gen, self.done)]
+        return [t.clone() for t in self._advanced()]
 
     def restore(self, snap: list[torch.Tensor]) -> None:
-        for t, s in zip((self.tokens, self.pos, self.gen, self.done), snap):
-            t.copy_(s)
+        for t, s in zip(self._advanced(), snap):
+            if t.shape == s.shape:  # (seen may have been allocated since)
+                t.copy_(s)
 
 
 _M32 = 0xFFFFFFFF
@@ -204,13 +220,15 @@ def _top_k_top_p_cutoff(scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
                   top_k: torch.Tensor, stop_ids: torch.Tensor, ban_mask: torch.Tensor,
                   seeds: torch.Tensor, counters: torch.Tensor,
-                  filtered: bool, fast: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                  filtered: bool, fast: bool = True, penalty: torch.Tensor | None = None,
+                  seen: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row of `logits [B, V]`; returns `(tokens [B], fp32 logprobs [B])`.
 
     `ban_mask [B, M]` marks the entries of `stop_ids [B, M]` that are banned now (min_new_tokens).
-    `filtered` (a Python bool, constant per CUDA graph) turns on the top-k/top-p path; rows
-    with top_k = V and top_p = 1 are unaffected by it. Unfiltered batches on a GPU take the
-    one-pass Triton sampler (same noise, same result up to float rounding) when `fast`.
+    `filtered` (a Python bool, constant per CUDA graph) turns on the top-k/top-p path and, with
+    `seen [B, V]` (tokens in the prompt and completion) and `penalty [B]`, the repetition penalty;
+    rows with top_k = V, top_p = 1 and penalty 1 are unaffected by it. Unfiltered batches on a GPU
+    take the one-pass Triton sampler (same noise, same result up to float rounding) when `fast`.
     """
     if fast and not filtered and logits.is_cuda and triton_ops.available():
         parts = torch.ops.rlhfkit.sample_partials(logits, temperature, stop_ids, ban_mask)
@@ -218,9 +236,14 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.
     vocab = logits.shape[-1]
     greedy = temperature <= 0
     temp = torch.where(greedy, torch.ones_like(temperature), temperature)
-    scaled = logits.float() / temp[:, None]
+    z = logits.float()
+    scaled = z / temp[:, None]
     lse = torch.logsumexp(scaled, dim=-1)
-    masked = scaled.masked_fill(_banned(vocab, stop_ids, ban_mask), NEG_INF)
+    scores = scaled
+    if filtered and seen is not None and penalty is not None and seen.shape[-1] == vocab:
+        r = penalty[:, None]
+        scores = torch.where(seen, torch.where(z > 0, z / r, z * r), z) / temp[:, None]
+    masked = scores.masked_fill(_banned(vocab, stop_ids, ban_mask), NEG_INF)
     if filtered:
         cutoff = _top_k_top_p_cutoff(masked, top_k, top_p)
         masked = torch.where(masked < cutoff, NEG_INF, masked)
@@ -312,10 +335,14 @@ def sample_and_advance(state: SlotState, rows: torch.Tensor | None, logits: torc
     active = ~get(state.done)
     stop_ids, stop_valid = get(state.stop_ids), get(state.stop_valid)
     ban_mask = stop_valid & (gen < get(state.min_new))[:, None]
+    tracked = filtered and state.seen.shape[1] == logits.shape[1]  # a repetition penalty is in use
     tok, logprob = sample_tokens(logits, get(state.temperature), get(state.top_p), get(state.top_k),
-                                 stop_ids, ban_mask, get(state.seeds), gen, filtered, fast)
+                                 stop_ids, ban_mask, get(state.seeds), gen, filtered, fast,
+                                 get(state.rep_penalty) if tracked else None, get(state.seen) if tracked else None)
     col = torch.where(active, gen, torch.full_like(gen, state.cap))
     out_rows = torch.arange(n, device=gen.device) if rows is None else rows
+    if tracked:
+        state.seen[out_rows, tok] = True
     state.out_tokens[out_rows, col] = tok
     state.out_logprobs[out_rows, col] = logprob
     step = active.long()
