@@ -26,9 +26,9 @@ head_dim elements; `sleep()` frees it (and the decode graphs), `wake_up()` reall
 from __future__ import annotations
 
 import asyncio
-import random
 import logging
 import queue
+import random
 import threading
 from dataclasses import dataclass
 from typing import Any, Iterable
