@@ -36,9 +36,8 @@ from typing import Any, Iterable
 import numpy as np
 import torch
 
-from rlhfkit.rollout.builtin import triton_gemm, triton_ops  # noqa: F401 - triton_gemm registers its ops
 from rlhfkit.rollout.builtin.model import (DECODE_ATTENTION, DECODE_GEMM, DecoderModel, KVCache,
-                                           triton_gemm_supported)
+                                           resolve_decode_attention, resolve_decode_gemm)
 from rlhfkit.rollout.builtin.runner import DecodeRunner
 from rlhfkit.rollout.builtin.sampling import SlotState
 from rlhfkit.rollout.builtin.scheduler import (Admission, RequestState, SlotScheduler, batch_bucket,
@@ -86,29 +85,6 @@ class BuiltinEngineConfig:
         if self.decode_gemm not in ("auto",) + DECODE_GEMM:
             raise ValueError(f"BuiltinEngineConfig.decode_gemm must be one of {('auto',) + DECODE_GEMM}, "
                              f"got {self.decode_gemm!r}")
-
-
-def resolve_decode_attention(choice: str, spec, device: torch.device) -> str:
-    """'auto' -> 'triton' on CUDA when Triton is installed and the head shape fits the kernel, else 'sdpa'."""
-    if choice != "auto":
-        if choice == "triton" and not (device.type == "cuda" and triton_ops.available()):
-            raise ValueError("decode_attention='triton' needs a CUDA device and the triton package")
-        if choice == "triton" and not triton_ops.attention_supported(spec.num_heads, spec.num_kv_heads,
-                                                                      spec.head_dim):
-            raise ValueError(f"decode_attention='triton' does not support head_dim={spec.head_dim} with "
-                             f"{spec.num_heads} / {spec.num_kv_heads} heads; use 'sdpa'")
-        return choice
-    fits = triton_ops.attention_supported(spec.num_heads, spec.num_kv_heads, spec.head_dim)
-    return "triton" if device.type == "cuda" and triton_ops.available() and fits else "sdpa"
-
-
-def resolve_decode_gemm(choice: str, spec, weights, device: torch.device) -> str:
-    """'auto' -> 'triton' on CUDA when the Triton GEMMs apply to the model, else 'torch'."""
-    fits = device.type == "cuda" and triton_gemm_supported(spec, weights)
-    if choice == "triton" and not fits:
-        raise ValueError("decode_gemm='triton' needs a CUDA device, the triton package and a model without "
-                         "o / MLP biases whose hidden size is a multiple of 64")
-    return "triton" if choice == "triton" or (choice == "auto" and fits) else "torch"
 
 
 class BuiltinEngine:

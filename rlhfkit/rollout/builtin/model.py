@@ -38,6 +38,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from rlhfkit.rollout.builtin import triton_gemm, triton_ops  # triton_gemm registers the GEMM ops
 from rlhfkit.rollout.builtin.weights import LayerWeights, ModelSpec, ModelWeights
 
 
@@ -148,8 +149,6 @@ def _residual(x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
 
 def triton_gemm_supported(spec: ModelSpec, weights: ModelWeights) -> bool:
     """Whether the Triton decode GEMMs apply: no o / MLP biases and K dims they tile."""
-    from rlhfkit.rollout.builtin import triton_gemm
-
     if not triton_gemm.available():
         return False
     if any(lw.o_bias is not None or lw.gate_up_bias is not None or lw.down_bias is not None
@@ -248,6 +247,29 @@ DECODE_ATTENTION = ("triton", "sdpa", "matmul")
 DECODE_GEMM = ("triton", "torch")
 
 
+def resolve_decode_attention(choice: str, spec, device: torch.device) -> str:
+    """'auto' -> 'triton' on CUDA when Triton is installed and the head shape fits the kernel, else 'sdpa'."""
+    if choice != "auto":
+        if choice == "triton" and not (device.type == "cuda" and triton_ops.available()):
+            raise ValueError("decode_attention='triton' needs a CUDA device and the triton package")
+        if choice == "triton" and not triton_ops.attention_supported(spec.num_heads, spec.num_kv_heads,
+                                                                      spec.head_dim):
+            raise ValueError(f"decode_attention='triton' does not support head_dim={spec.head_dim} with "
+                             f"{spec.num_heads} / {spec.num_kv_heads} heads; use 'sdpa'")
+        return choice
+    fits = triton_ops.attention_supported(spec.num_heads, spec.num_kv_heads, spec.head_dim)
+    return "triton" if device.type == "cuda" and triton_ops.available() and fits else "sdpa"
+
+
+def resolve_decode_gemm(choice: str, spec, weights, device: torch.device) -> str:
+    """'auto' -> 'triton' on CUDA when the Triton GEMMs apply to the model, else 'torch'."""
+    fits = device.type == "cuda" and triton_gemm_supported(spec, weights)
+    if choice == "triton" and not fits:
+        raise ValueError("decode_gemm='triton' needs a CUDA device, the triton package and a model without "
+                         "o / MLP biases whose hidden size is a multiple of 64")
+    return "triton" if choice == "triton" or (choice == "auto" and fits) else "torch"
+
+
 class DecoderModel:
     """Functional decoder over `ModelWeights`; holds the rope tables and the model constants.
 
@@ -311,9 +333,7 @@ class DecoderModel:
         x = F.embedding(tokens, w.embed)
         gemm = self.gemm if tokens.shape[0] >= self.gemm_min_rows else "torch"
         if gemm == "triton":  # partials of the shape every layer returns: one compiled graph for all layers
-            from rlhfkit.rollout.builtin.triton_gemm import splits_for
-
-            splits = splits_for(self.spec.hidden_size, w.layers[0].down.shape[1])
+            splits = triton_gemm.splits_for(self.spec.hidden_size, w.layers[0].down.shape[1])
             delta = torch.zeros((splits,) + x.shape, dtype=torch.float32, device=x.device)
         else:
             delta = torch.zeros_like(x)
