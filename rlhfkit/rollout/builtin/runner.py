@@ -133,7 +133,9 @@ class DecodeRunner:
         """Run `fn`; should a fast path fail (compilation and kernel builds happen on first use), log
         it, fall back for good (`compile_error` says why) and run it again."""
         while True:
-            snap = self.state.snapshot()
+            # runs for every eager step: no copy of the [S, V] presence mask (a failed step sets at
+            # most its own sampled token there, which the retry samples again)
+            snap = self.state.snapshot(with_seen=False)
             try:
                 return fn()
             except Exception as exc:  # noqa: BLE001 - any torch.compile / inductor / Triton failure

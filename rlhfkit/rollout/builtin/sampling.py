@@ -104,9 +104,11 @@ class SlotState:
     def _advanced(self) -> tuple[torch.Tensor, ...]:
         return self.tokens, self.pos, self.gen, self.done, self.seen
 
-    def snapshot(self) -> list[torch.Tensor]:
-        """Copies of the fields one decode step advances (to undo a CUDA-graph warm-up run)."""
-        return [t.clone() for t in self._advanced()]
+    def snapshot(self, with_seen: bool = True) -> list[torch.Tensor]:
+        """Copies of the fields one decode step advances (to undo a CUDA-graph warm-up run).
+        `with_seen=False` leaves out the `[S, V]` presence mask (`restore` then keeps it as it is)."""
+        fields_ = self._advanced()
+        return [t.clone() for t in (fields_ if with_seen else fields_[:-1])]
 
     def restore(self, snap: list[torch.Tensor]) -> None:
         for t, s in zip(self._advanced(), snap):
