@@ -400,6 +400,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--decode_attention", default="auto", choices=["auto", "triton", "sdpa", "matmul"])
     ap.add_argument("--decode_gemm", default="auto", choices=["auto", "triton", "torch"])
     ap.add_argument("--gemm_min_rows", type=int, default=64, help="BuiltinEngineConfig.gemm_min_rows")
+    ap.add_argument("--pdl", default="auto", choices=["auto", "on", "off"],
+                    help="programmatic dependent launch of the Triton kernels (auto: Hopper and newer)")
     ap.add_argument("--no_compile_prefill", dest="compile_prefill", action="store_false")
     ap.add_argument("--compile_mode", default=None, help="torch.compile mode of the decode layer, e.g. "
                     "max-autotune-no-cudagraphs")
@@ -424,6 +426,9 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"--engines: unknown {sorted(unknown)}")
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
+    from rlhfkit.rollout.builtin import triton_ops
+
+    triton_ops.PDL_CONFIG["enabled"] = {"auto": None, "on": True, "off": False}[args.pdl]
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     tbps = args.hbm_tbps or next((v for k, v in HBM_TBPS.items() if k in gpu), None)
     model = build_model(args.model, device, dtype)
@@ -459,6 +464,7 @@ def main(argv: list[str] | None = None) -> dict:
               "hbm_tbps": tbps, "torch": torch.__version__, "compile": args.compile,
               "decode_attention": args.decode_attention, "decode_gemm": args.decode_gemm,
               "gemm_min_rows": args.gemm_min_rows, "compile_prefill": args.compile_prefill,
+              "pdl": triton_ops.use_pdl(device),
               "fast_sampling": args.fast_sampling, "sync_every": args.sync_every, "sync_every_batch": args.sync_every_batch, "compile_mode": args.compile_mode,
               "cuda_graphs": args.cuda_graphs and device.type == "cuda", "results": results}
     line = json.dumps(report)

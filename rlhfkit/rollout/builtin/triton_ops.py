@@ -25,6 +25,15 @@ Two kernels replace the parts of a decode step that cost most outside the GEMMs:
 
 Both ops mutate or read only their arguments, so they sit inside torch.compile'd graphs and CUDA
 graph captures. `available()` says whether Triton can be used (a CUDA device and the package).
+
+Programmatic dependent launch (`use_pdl`, Hopper and newer): the kernels here and in triton_gemm
+are launched with `launch_pdl`, so the GPU may start a kernel while the one before it in the
+stream is still finishing. Each kernel reads only what no unfinished kernel writes (positions,
+rope tables, sampling settings) before `griddepcontrol.wait`, which returns once the previous
+kernel has finished and its writes are visible, and signals its own dependents once its main
+loop is done. Every such kernel waits before it finishes, so a kernel's predecessors are all done
+once it is. The decode step's kernel boundaries (launch, prologue, the previous kernel's tail)
+then overlap instead of adding up.
 """
 
 from __future__ import annotations
@@ -48,6 +57,31 @@ SAMPLE_WARPS = 4  # warps per sampling program
 
 def available() -> bool:
     return triton is not None and torch.cuda.is_available()
+
+
+# None: programmatic dependent launch where the GPU has it (compute capability >= 9) and
+# RLHFKIT_PDL is not "0"; True / False force it (benchmarks)
+PDL_CONFIG: dict = {"enabled": None}
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_capable(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def use_pdl(device: torch.device) -> bool:
+    """Whether kernels on `device` are launched with programmatic dependent launch."""
+    if triton is None or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    if PDL_CONFIG["enabled"] is not None:
+        return bool(PDL_CONFIG["enabled"])
+    return os.environ.get("RLHFKIT_PDL", "1") != "0" and _pdl_capable(device.index or 0)
+
+
+def pdl_launch(device: torch.device) -> dict:
+    """Launch keyword arguments of a kernel with a `PDL` constexpr: `PDL=...` and `launch_pdl`."""
+    on = use_pdl(device)
+    return {"PDL": on, "launch_pdl": True} if on else {"PDL": False}
 
 
 def attention_supported(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
@@ -87,6 +121,7 @@ def attention_launch(rows: int, kv_heads: int, head_dim: int, max_len: int, num_
 
 
 if triton is not None:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     @triton.jit
     def _rope(x, xp, cos, sin, sign):
@@ -98,7 +133,7 @@ if triton is not None:
                             sqb, sqh, skb, skh, svb, svh, scb, sch, scl, scos, sob, soh,
                             scale, chunk,
                             G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                            SPLITS: tl.constexpr, PREC: tl.constexpr):
+                            SPLITS: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -109,6 +144,8 @@ if triton is not None:
         sign = tl.where(offs_d < D // 2, -1.0, 1.0)
         cos = tl.load(Cos + pos * scos + offs_d).to(tl.float32)
         sin = tl.load(Sin + pos * scos + offs_d).to(tl.float32)
+        if PDL:  # q, k, v come from the kernel before
+            gdc_wait()
         offs_g = tl.arange(0, G_PAD)
         gmask = offs_g < G
         qrow = Q + b * sqb + (kvh * G + offs_g)[:, None] * sqh
@@ -144,6 +181,8 @@ if triton is not None:
             v = tl.load(VC + ptrs, mask=nmask[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(dt), v, input_precision=PREC)
             m = m_new
+        if PDL:
+            gdc_launch_dependents()
         heads = kvh * G + offs_g
         if SPLITS == 1:
             out = acc / l_i[:, None]
@@ -157,7 +196,9 @@ if triton is not None:
 
     @triton.jit
     def _merge_splits_kernel(PartO, PartL, Out, sob, soh, H, SPLITS: tl.constexpr, S_PAD: tl.constexpr,
-                             D: tl.constexpr):
+                             D: tl.constexpr, PDL: tl.constexpr):
+        if PDL:
+            gdc_wait()
         b = tl.program_id(0)
         h = tl.program_id(1)
         offs_s = tl.arange(0, S_PAD)
@@ -208,10 +249,13 @@ if triton is not None:
 
     @triton.jit
     def _chunk_draw_kernel(Logits, slb, Temp, Seeds, Counters, StopIds, Ban, sst, LogMass, Out, V, nchunks,
-                           M: tl.constexpr, C_PAD: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                           M: tl.constexpr, C_PAD: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                           PDL: tl.constexpr):
         """One row per program: a chunk by Gumbel-max over `LogMass [B, C]` (noise indices 2^31 + c),
         then a token by Gumbel-max over that chunk's banned-masked z / T (noise index = token id);
         the same hash as `sampling._gumbel`, in uint32."""
+        if PDL:  # the log-masses come from the kernel before (settings too, after admissions)
+            gdc_wait()
         row = tl.program_id(0)
         t = tl.load(Temp + row)
         inv_t = 1.0 / tl.where(t > 0, t, 1.0)
@@ -250,11 +294,14 @@ if triton is not None:
 
     @triton.jit
     def _sample_partial_kernel(Logits, slb, Temp, StopIds, Ban, sst, BestVal, BestIdx, ChunkMax, ChunkSum,
-                               ChunkSumKept, V, nchunks, M: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                               ChunkSumKept, V, nchunks, M: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                               PDL: tl.constexpr):
         """Lanes keep a running max, two sums of exp (all entries / entries not banned) and a running
         best (score, index) over the chunk's BLOCK-strided entries; one reduction each at the end."""
         row = tl.program_id(0)
         c = tl.program_id(1)
+        if PDL:  # the logits and the ban mask come from kernels before (settings too, after admissions)
+            gdc_wait()
         t = tl.load(Temp + row)
         inv_t = 1.0 / tl.where(t > 0, t, 1.0)
         any_ban = 0
@@ -286,6 +333,8 @@ if triton is not None:
             take = z > best_vec
             best_vec = tl.where(take, z, best_vec)
             idx_vec = tl.where(take, offs, idx_vec)
+        if PDL:
+            gdc_launch_dependents()
         m = tl.max(m_vec, 0)
         scale = tl.exp(m_vec - m)
         s = tl.sum(s_vec * scale, 0)
@@ -337,10 +386,11 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), cos.stride(0), out.stride(0), out.stride(1),
         scale, chunk, G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, BLOCK_N=block_n,
-        SPLITS=splits, PREC=prec, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        SPLITS=splits, PREC=prec, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(q.device))
     if splits > 1:
         _merge_splits_kernel[(rows, hq)](part_o, part_l, out, out.stride(0), out.stride(1), hq, SPLITS=splits,
-                                         S_PAD=triton.next_power_of_2(splits), D=d, num_warps=1)
+                                         S_PAD=triton.next_power_of_2(splits), D=d, num_warps=1,
+                                         **pdl_launch(q.device))
     return out
 
 
@@ -370,7 +420,8 @@ def sample_partials(logits: torch.Tensor, temperature: torch.Tensor, stop_ids: t
     stop_ids, ban = stop_ids.contiguous(), ban_mask.contiguous()
     _sample_partial_kernel[(rows, nchunks)](
         logits, logits.stride(0), temperature.contiguous(), stop_ids, ban, stop_ids.stride(0), *outs, vocab,
-        nchunks, M=stop_ids.shape[1], CHUNK=SAMPLE_CHUNK, BLOCK=SAMPLE_BLOCK, num_warps=SAMPLE_WARPS)
+        nchunks, M=stop_ids.shape[1], CHUNK=SAMPLE_CHUNK, BLOCK=SAMPLE_BLOCK, num_warps=SAMPLE_WARPS,
+        **pdl_launch(dev))
     return tuple(outs)  # type: ignore[return-value]
 
 
@@ -392,7 +443,8 @@ def chunk_draw(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Ten
     _chunk_draw_kernel[(rows,)](
         logits, logits.stride(0), temperature.contiguous(), seeds.contiguous(), counters.contiguous(), stop_ids, ban,
         stop_ids.stride(0), log_mass.contiguous(), out, vocab, nchunks, M=stop_ids.shape[1],
-        C_PAD=max(16, triton.next_power_of_2(nchunks)), CHUNK=SAMPLE_CHUNK, BLOCK=SAMPLE_BLOCK, num_warps=4)
+        C_PAD=max(16, triton.next_power_of_2(nchunks)), CHUNK=SAMPLE_CHUNK, BLOCK=SAMPLE_BLOCK, num_warps=4,
+        **pdl_launch(logits.device))
     return out
 
 
