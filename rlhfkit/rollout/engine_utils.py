@@ -1,4 +1,5 @@
-"""Small pieces shared by the rollout engines: request validation, eos ids, decode fn, counters."""
+"""Small pieces shared by the rollout engines: request validation, eos ids, decode fn, counters,
+host-to-device copies."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import asyncio
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
+
+import torch
 
 from rlhfkit.types import Completion, GenerationRequest
 
@@ -49,6 +52,16 @@ def validate_request(request: GenerationRequest, vocab_size: int, max_model_len:
     for ok, msg in checks:
         if not ok:
             raise ValueError(f"request {rid}: SamplingParams.{msg()}")
+
+
+def to_device(data: Any, dtype: torch.dtype | None = None, *, device: torch.device) -> torch.Tensor:
+    """A host list / CPU tensor on `device` without waiting for the GPU: a plain `.to("cuda")` from
+    pageable memory synchronises the stream, which would idle the GPU while the host prepares the
+    next step; from pinned memory the copy is queued like a kernel."""
+    t = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def eos_ids_of(model: Any, tokenizer: Any) -> list[int]:

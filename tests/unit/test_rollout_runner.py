@@ -73,9 +73,9 @@ def test_generate_syncs_every_sync_every_batch_steps_unless_requests_wait(qwen2)
         syncs = {"n": 0}
         orig = engine._sync
 
-        def counting() -> None:
+        def counting(*args) -> None:
             syncs["n"] += 1
-            orig()
+            orig(*args)
 
         engine._sync = counting
         reqs = [GenerationRequest([5 + i, 6, 7], SamplingParams(temperature=1.0, max_new_tokens=40, seed=i), i)
@@ -88,3 +88,41 @@ def test_generate_syncs_every_sync_every_batch_steps_unless_requests_wait(qwen2)
     # a third request waits for a slot: until it is admitted, syncs come every 4 steps
     _, n_wait = run(16, n_requests=3)
     assert n_wait > 3 + 3
+
+
+def _lookahead_run(model, ahead: int, stop_ids: list[int] | None = None) -> tuple[list, list, int, int]:
+    cfg = BuiltinEngineConfig(max_num_seqs=4, max_model_len=96, sync_every=4, sync_every_batch=16,
+                              lookahead_steps=ahead)
+    engine = BuiltinEngine(model, None, device="cpu", config=cfg, eos_token_ids=[])
+    syncs = {"n": 0}
+    orig = engine._sync
+
+    def counting(*args) -> None:
+        syncs["n"] += 1
+        orig(*args)
+
+    engine._sync = counting
+    stops = {"stop_token_ids": stop_ids} if stop_ids else {}
+    reqs = [GenerationRequest([5, 6, 7], SamplingParams(temperature=1.0, max_new_tokens=40, seed=3, n=2,
+                                                        logprobs=True, **stops), 0),
+            GenerationRequest([9, 4], SamplingParams(temperature=1.0, max_new_tokens=25, seed=4, logprobs=True,
+                                                     **stops), 1)]
+    outs = [c for o in engine.generate(reqs) for c in o]
+    return [c.token_ids for c in outs], [c.logprobs for c in outs], syncs["n"], engine.stats.decode_steps
+
+
+def test_lookahead_keeps_every_token_and_wastes_no_step_on_lengths(qwen2):
+    """Batch-mode syncs read the flags while `lookahead_steps` more steps run: the same tokens and
+    log-probs as without, the same number of decode steps when rows end by length, and the rows
+    that finish during a look-ahead are picked up at the next sync."""
+    toks, lps, syncs, steps = _lookahead_run(qwen2, 0)
+    toks_a, lps_a, syncs_a, steps_a = _lookahead_run(qwen2, 3)
+    assert toks_a == toks and lps_a == lps and [len(t) for t in toks] == [40, 40, 25]
+    assert steps_a == steps == 39 and syncs_a == syncs
+    # stop ids taken from the generations themselves: rows end early, mid-chunk and mid-look-ahead
+    stop_ids = [toks[0][6], toks[1][17], toks[2][19]]
+    toks, lps, _, _ = _lookahead_run(qwen2, 0, stop_ids)
+    for ahead in (1, 3, 7):
+        toks_a, lps_a, _, steps_a = _lookahead_run(qwen2, ahead, stop_ids)
+        assert toks_a == toks and lps_a == lps, ahead
+    assert all(len(t) < 40 for t in toks[:2])

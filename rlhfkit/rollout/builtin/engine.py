@@ -15,7 +15,10 @@ length finishes are seen at once; a row that hits eos stops on the device and it
 until the next sync (at most `sync_every - 1` steps). Inside a `generate()` call with nothing
 waiting for a slot and no stop strings to check, `sync_every_batch` is used instead: the caller
 wants the whole batch anyway, so early finishers gain nothing from a sync and each sync is a host
-round trip with the GPU idle (H100, batch 256: 131k vs 129k tok/s at 64 vs 16). `generate()` drives steps in the caller's
+round trip with the GPU idle (H100, batch 256: 131k vs 129k tok/s at 64 vs 16). There, while a
+row may still run by length, the sync looks ahead: flags and lengths are copied without blocking
+after the chunk and `lookahead_steps` more steps are queued before the host reads them, so the GPU
+does not wait for the host (done rows are frozen; all rows done: those steps are wasted). `generate()` drives steps in the caller's
 thread; `agenerate()` hands the request to a background thread that steps while any work is
 pending, so concurrent agent episodes share one batch.
 
@@ -26,6 +29,7 @@ head_dim elements; `sleep()` frees it (and the decode graphs), `wake_up()` reall
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
 import random
@@ -43,7 +47,8 @@ from rlhfkit.rollout.builtin.sampling import SlotState
 from rlhfkit.rollout.builtin.scheduler import (Admission, RequestState, SlotScheduler, batch_bucket,
                                                 length_bucket)
 from rlhfkit.rollout.builtin.weights import copy_named_tensors, load_from_hf_model, rope_tables
-from rlhfkit.rollout.engine_utils import (EngineStats, Waiter, eos_ids_of, make_decode, validate_request)
+from rlhfkit.rollout.engine_utils import (EngineStats, Waiter, eos_ids_of, make_decode, to_device,
+                                          validate_request)
 from rlhfkit.rollout.stops import finish_completion, stop_string_cut
 from rlhfkit.types import Completion, GenerationRequest
 
@@ -73,12 +78,15 @@ class BuiltinEngineConfig:
     # least `gemm_min_rows` rows when Triton and the model allow, else "torch" (cuBLAS)
     decode_gemm: str = "auto"
     gemm_min_rows: int = 64
+    lookahead_steps: int | None = None  # decode steps queued while a batch-mode sync is read; default 4 on CUDA, 0 on CPU
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_prefill_tokens", "sync_every", "sync_every_batch", "max_stop_ids",
                      "gemm_min_rows"):
             if getattr(self, name) < 1:
                 raise ValueError(f"BuiltinEngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.lookahead_steps is not None and self.lookahead_steps < 0:
+            raise ValueError(f"BuiltinEngineConfig.lookahead_steps must be >= 0, got {self.lookahead_steps}")
         if self.decode_attention not in ("auto",) + DECODE_ATTENTION:
             raise ValueError(f"BuiltinEngineConfig.decode_attention must be one of {('auto',) + DECODE_ATTENTION}, "
                              f"got {self.decode_attention!r}")
@@ -119,6 +127,8 @@ class BuiltinEngine:
         self._graphs = on_cuda if cfg.cuda_graphs is None else cfg.cuda_graphs
         self._compile = on_cuda if cfg.compile is None else cfg.compile
         self._compile_prefill = self._compile if cfg.compile_prefill is None else cfg.compile_prefill
+        self._lookahead = (4 if on_cuda else 0) if cfg.lookahead_steps is None else cfg.lookahead_steps
+        self._h2d = functools.partial(to_device, device=self.device)
         if self._graphs and not on_cuda:
             raise ValueError("BuiltinEngineConfig.cuda_graphs needs a CUDA device")
         self.stats = EngineStats()
@@ -314,20 +324,16 @@ class BuiltinEngine:
                 break
             self.stats.mid_run_admissions += had_running
             self._prefill(admissions)
-        self._decode(batch)
-        self._sync()
+        steps, quiet = self._decode(batch)
+        if steps and quiet and self._lookahead:
+            snap = self._flags()  # as of the end of this chunk
+            ahead, _ = self._decode(batch, cap=self._lookahead)
+            self._sync(snap, ahead)
+        else:
+            self._sync()
         moves = self.sched.plan_compaction()
         if moves:
             self._move_slots(moves)
-
-    def _h2d(self, data, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """A host list / CPU tensor on the engine's device without waiting for the GPU: a plain
-        `.to("cuda")` from pageable memory synchronises the stream, which would idle the GPU while
-        the host prepares the next step; from pinned memory the copy is queued like a kernel."""
-        t = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
-        if self.device.type != "cuda":
-            return t.to(self.device)
-        return t.pin_memory().to(self.device, non_blocking=True)
 
     def _prefill(self, admissions: list[Admission]) -> None:
         prompts = [a.req.request.prompt_token_ids for a in admissions]
@@ -369,21 +375,8 @@ class BuiltinEngine:
                      p.min_new_tokens, p.max_new_tokens, ids + [ids[0]] * (m - len(ids)), [bool(req.stop_ids)] * m)
             for i, slot in enumerate(a.slots):
                 recs.append((slot, *const, hash((req.seed, a.first_sample + i)) & (2**63 - 1), p.repetition_penalty))
-        slot, pos, temp, top_p, top_k, min_new, max_new, stop, valid, seed, pen = (list(c) for c in zip(*recs))
         h2d = self._h2d
-        idx = h2d(slot)
-        st.pos[idx] = h2d(pos)
-        st.gen[idx] = 0
-        st.done[idx] = False
-        st.temperature[idx] = h2d(temp, torch.float32)
-        st.top_p[idx] = h2d(top_p, torch.float32)
-        st.top_k[idx] = h2d(top_k)
-        st.min_new[idx] = h2d(min_new)
-        st.max_new[idx] = h2d(max_new)
-        st.stop_ids[idx] = h2d(stop)
-        st.stop_valid[idx] = h2d(valid)
-        st.seeds[idx] = h2d(seed)
-        st.rep_penalty[idx] = h2d(pen, torch.float32)
+        idx = st.admit(h2d, *(list(c) for c in zip(*recs)))
         penalised = [a for a in admissions if a.req.request.params.repetition_penalty != 1.0]
         if penalised and st.track_seen(vocab):
             self.runner.reset()  # graphs captured before the mask existed do not update it
@@ -398,10 +391,13 @@ class BuiltinEngine:
                         cols.extend(prompt)
                 st.seen[h2d(rows_), h2d(cols)] = True
 
-    def _decode(self, batch: bool = False) -> None:
+    def _decode(self, batch: bool = False, cap: int | None = None) -> tuple[int, bool]:
+        """Queue the next chunk of decode steps (at most `cap`); returns the number of steps and
+        whether the chunk is `quiet`: batch mode (no waiting request, no stop strings) with some row
+        that cannot finish by length inside the chunk, so a look-ahead cannot be wasted on lengths."""
         running = self.sched.running
         max_len = self.max_model_len
-        min_left, min_room, top, filtered, stops = None, None, 0, False, False
+        min_left, min_room, top, filtered, stops, max_left = None, None, 0, False, False, 0
         for seq in running.values():  # one pass: this runs for every sync of a full batch
             req = seq.req
             params = req.request.params
@@ -412,17 +408,20 @@ class BuiltinEngine:
             stops = stops or bool(params.stop)
             if left > 0:
                 min_left = left if min_left is None else min(min_left, left)
+                max_left = max(max_left, left)
                 if bound < max_len - 1:
                     room = max_len - 1 - bound
                     min_room = room if min_room is None else min(min_room, room)
         if min_left is None:
-            return
+            return 0, False
         every = self.config.sync_every
-        if batch and not stops and not self.sched.waiting and self._inbox.empty():
+        quiet = batch and not stops and not self.sched.waiting and self._inbox.empty()
+        if quiet:
             every = self.config.sync_every_batch
-        steps = min(every, min_left)
+        steps = min(every, min_left, cap or every)
         if min_room is not None:
             steps = max(1, min(steps, min_room))
+        quiet = quiet and max_left > steps
         kv_len = length_bucket(top + steps, max_len)
         rows = self.sched.decode_rows()
         self.runner.run(rows, kv_len, filtered, steps)
@@ -430,16 +429,33 @@ class BuiltinEngine:
             seq.gen_bound += steps
         self.stats.decode_steps += steps
         self.stats.decode_row_steps += steps * rows
+        return steps, quiet
 
-    def _sync(self) -> None:
+    def _flags(self, wait: bool = False) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Done flags and lengths `[2, n]` of slots 0..max(running): queued as a copy into pinned
+        memory with an event to wait on (CUDA, `wait=False`), else read at once."""
+        n = max(self.sched.running) + 1
+        flags = torch.stack([self.state.done[:n].long(), self.state.gen[:n]])  # a new tensor
+        if wait or self.device.type != "cuda":
+            return flags.cpu(), None
+        host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+        host.copy_(flags, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
+
+    def _sync(self, snap: tuple[torch.Tensor, torch.cuda.Event | None] | None = None, after: int = 0) -> None:
+        """Finish the rows that are done. `snap`: flags from `_flags()` taken `after` decode steps ago
+        (rows not done then may have advanced by that many tokens since)."""
         running = self.sched.running
         if not running:
             return
-        n = max(running) + 1
-        flags = torch.stack([self.state.done[:n].long(), self.state.gen[:n]]).cpu()
+        flags, event = snap or self._flags(wait=True)
+        if event is not None:
+            event.synchronize()
         done, gen = flags[0].tolist(), flags[1].tolist()
         for slot, seq in running.items():
-            seq.gen_bound = gen[slot]
+            seq.gen_bound = gen[slot] if done[slot] else gen[slot] + after
         watch = [s for s in running if done[s] or running[s].req.request.params.stop]
         if not watch:
             return

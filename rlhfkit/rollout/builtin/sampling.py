@@ -97,6 +97,26 @@ class SlotState:
         self.seen = torch.zeros(self.seen.shape[0], vocab, dtype=torch.bool, device=self.seen.device)
         return True
 
+    def admit(self, to_device: Callable, slot: list, pos: list, temp: list, top_p: list, top_k: list,
+              min_new: list, max_new: list, stop: list, valid: list, seed: list, penalty: list) -> torch.Tensor:
+        """Fresh counters and the sampling settings of newly admitted slots (one host list per
+        field, `to_device(list, dtype=None)` copies one over); returns the slot indices on the device."""
+        f32 = torch.float32
+        idx = to_device(slot)
+        self.pos[idx] = to_device(pos)
+        self.gen[idx] = 0
+        self.done[idx] = False
+        self.temperature[idx] = to_device(temp, f32)
+        self.top_p[idx] = to_device(top_p, f32)
+        self.top_k[idx] = to_device(top_k)
+        self.min_new[idx] = to_device(min_new)
+        self.max_new[idx] = to_device(max_new)
+        self.stop_ids[idx] = to_device(stop)
+        self.stop_valid[idx] = to_device(valid)
+        self.seeds[idx] = to_device(seed)
+        self.rep_penalty[idx] = to_device(penalty, f32)
+        return idx
+
     def move_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         for t in self.tensors():
             t[dst] = t[src]
