@@ -201,7 +201,9 @@ def _draw_in_chunks(chunk_logmass: torch.Tensor, keys: torch.Tensor, chunk: int,
                     scores_at: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """The two Gumbel-max steps given the chunks' log-masses `[B, C]` and `scores_at(idx [B, K])`,
     the rows' scores at token ids `idx` (ids >= vocab are masked here)."""
-    cidx = torch.arange(chunk_logmass.shape[1], device=keys.device) + _CHUNK_INDEX_BASE
+    # `|`, not `+` (the same value below 2^31): inductor folds `arange + 2^31` into an int32 index
+    # expression that Triton rejects (torch 2.11)
+    cidx = torch.arange(chunk_logmass.shape[1], device=keys.device) | _CHUNK_INDEX_BASE
     c = (chunk_logmass + _gumbel(keys, cidx)).argmax(dim=-1)
     idx = c[:, None] * chunk + torch.arange(min(chunk, vocab), device=keys.device)[None, :]  # one chunk: V wide
     vals = scores_at(idx).masked_fill(idx >= vocab, NEG_INF)
@@ -364,7 +366,7 @@ def sample_and_advance(state: SlotState, rows: torch.Tensor | None, logits: torc
     col = torch.where(active, gen, torch.full_like(gen, state.cap))
     out_rows = torch.arange(n, device=gen.device) if rows is None else rows
     if tracked:
-        state.seen[out_rows, tok] = True
+        state.seen[out_rows, tok] = torch.ones_like(tok, dtype=torch.bool)  # a device value: capturable
     state.out_tokens[out_rows, col] = tok
     state.out_logprobs[out_rows, col] = logprob
     step = active.long()
