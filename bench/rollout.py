@@ -248,6 +248,8 @@ def trace_generate(engine: BuiltinEngine, reqs: list) -> dict:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]):  # the profiler's own start-up
         engine.generate(reqs)
         torch.cuda.synchronize()
+    phases.clear()
+    events.clear()
     try:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             t0 = time.perf_counter()
