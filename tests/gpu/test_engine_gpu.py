@@ -206,6 +206,29 @@ def test_triton_gemms_match_torch(dtype, m):
     assert ((got.float() - ref).abs().max() / ref.abs().max()).item() < tol
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 256])
+def test_residual_rmsnorm_matches_torch(dtype, m):
+    """The Triton residual add + RMSNorm over split-K partials == `_residual` then `rms_norm` (torch):
+    bf16 equal up to one rounding step (the partials' fp32 sum may run in another order), fp32 within
+    1e-5 (the kernel's rsqrt is the fast one, as inductor's)."""
+    from rlhfkit.rollout.builtin.model import _residual, rms_norm
+
+    torch.manual_seed(m)
+    x = torch.randn(m, 896, device="cuda", dtype=dtype)
+    parts = torch.randn(4, m, 896, device="cuda")
+    w = (1 + 0.1 * torch.randn(896, device="cuda")).to(dtype)
+    x_new, h = torch.ops.rlhfkit.residual_rmsnorm(x, parts, w, 1e-6)
+    ref_x = _residual(x, parts)
+    ref_h = rms_norm(ref_x, w, 1e-6)
+    ulp = 1e-5 if dtype == torch.float32 else 2 ** -7
+    for got, ref in ((x_new, ref_x), (h, ref_h)):
+        assert got.dtype == dtype and got.shape == (m, 896)
+        assert ((got.float() - ref.float()).abs() <= ulp * ref.float().abs() + 1e-6).all()
+        if dtype == torch.bfloat16:
+            assert (got == ref).float().mean().item() > 0.99
+
+
 @pytest.mark.parametrize("mode", [dict(), dict(compile=False), dict(compile=False, cuda_graphs=False),
                                   dict(decode_attention="sdpa"), dict(decode_attention="matmul"),
                                   dict(gemm_min_rows=1), dict(gemm_min_rows=1, compile=False)])

@@ -192,19 +192,23 @@ def decode_layer(spec: ModelSpec, layer: LayerWeights, k_cache: torch.Tensor, v_
     unused), "sdpa" or "matmul" (attend over the first `Lb` positions under `bias [B, 1, 1, Lb]`,
     0 where a key is visible and -inf elsewhere, built once per step).
     gemm: "torch" (delta' is `[B, H]`) or "triton" (delta' is the down projection's split-K
-    partials `[S, B, H]` fp32; `delta` may be either).
+    partials `[S, B, H]` fp32; `delta` may be either; partials are summed by the Triton
+    residual-add + RMSNorm kernel, `triton_gemm.residual_rmsnorm`, as the o projection's are).
     """
-    x = _residual(x, delta)
     nrows = x.shape[0]
-    q, k, v = _project_qkv(layer, spec, rms_norm(x, layer.input_norm, spec.rms_norm_eps))
+    if gemm == "triton" and delta.dim() == 3:  # the residual add + RMSNorm kernel sums the partials
+        x, h = torch.ops.rlhfkit.residual_rmsnorm(x, delta, layer.input_norm, spec.rms_norm_eps)
+    else:
+        x = _residual(x, delta)
+        h = rms_norm(x, layer.input_norm, spec.rms_norm_eps)
+    q, k, v = _project_qkv(layer, spec, h)
     if attn == "triton":
         out = torch.ops.rlhfkit.decode_attention(q, k, v, k_cache, v_cache, cos, sin, pos, scale)
     else:
         out = _torch_decode_attention(spec, q, k, v, k_cache, v_cache, pos, cos, sin, bias, scale, attn == "sdpa")
     if gemm == "triton":
-        o = torch.ops.rlhfkit.mm_partials(out.reshape(nrows, spec.q_size), layer.o).sum(0).to(x.dtype)
-        x = (x.float() + o.float()).to(x.dtype)
-        h = rms_norm(x, layer.post_norm, spec.rms_norm_eps)
+        o = torch.ops.rlhfkit.mm_partials(out.reshape(nrows, spec.q_size), layer.o)
+        x, h = torch.ops.rlhfkit.residual_rmsnorm(x, o, layer.post_norm, spec.rms_norm_eps)
         return x, torch.ops.rlhfkit.mm_partials(torch.ops.rlhfkit.gate_up_silu(h, layer.gate_up), layer.down)
     # the residual add in fp32 (as bf16 + bf16 rounds anyway) keeps inductor from folding it into
     # an addmm, which would first copy x into the GEMM's output buffer
@@ -238,6 +242,9 @@ def prefill_layer(spec: ModelSpec, layer: LayerWeights, x: torch.Tensor, cos: to
 
 def final_logits(spec: ModelSpec, final_norm: torch.Tensor, lm_head: torch.Tensor, x: torch.Tensor,
                  delta: torch.Tensor | None = None) -> torch.Tensor:
+    if delta is not None and delta.dim() == 3 and delta.is_cuda and triton_gemm.available():
+        _, h = torch.ops.rlhfkit.residual_rmsnorm(x, delta, final_norm, spec.rms_norm_eps)  # split-K partials
+        return F.linear(h, lm_head)
     if delta is not None:
         x = _residual(x, delta)
     return F.linear(rms_norm(x, final_norm, spec.rms_norm_eps), lm_head)

@@ -18,6 +18,12 @@ rows with 336 and spill into a second wave. Two ops replace them in the decode l
     one program (two accumulators), so the [M, 2I] intermediate never reaches memory. Both GEMM
     results are rounded to the model dtype before the epilogue, as the unfused GEMMs' outputs are.
 
+`rlhfkit::residual_rmsnorm(x [M, H], partials [S, M, H] fp32, weight [H], eps) -> (x', h)`
+    The consumer of the o / down partials: x' = x + sum(partials) (the sum rounded to x's dtype
+    first, as a GEMM's output is) and h = RMSNorm(x') as Hugging Face computes it, one row per
+    program. It replaces the kernel torch.compile generated for the same expression so that this
+    boundary too takes part in programmatic dependent launch (the norm weight is read before the wait).
+
 Launch parameters come from `gemm_config` / `gate_up_config` (measured on an H100, see
 bench/gemm_decode.py) and can be overridden through `GEMM_CONFIG` for sweeps. Both kernels take
 part in programmatic dependent launch (`triton_ops.use_pdl`): they wait for the kernel before them
@@ -168,6 +174,59 @@ if triton is not None:
         u = acc_u.to(dt).to(tl.float32)
         out = g / (1.0 + tl.exp(-g)) * u
         tl.store(Out + offs_m[:, None] * som + offs_n[None, :], out.to(dt), mask=mmask[:, None] & nmask[None, :])
+
+
+if triton is not None:
+
+    @triton.jit
+    def _residual_rmsnorm_kernel(X, P, Wt, XO, HO, H, sx, sps, spm, sxo, sho, eps, S: tl.constexpr,
+                                 BLOCK: tl.constexpr, PDL: tl.constexpr):
+        row = tl.program_id(0)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < H
+        w = tl.load(Wt + offs, mask=mask, other=0.0).to(tl.float32)
+        if PDL:  # the partials come from the kernel before
+            gdc_wait()
+        d = tl.load(P + row * spm + offs, mask=mask, other=0.0)
+        for s in tl.static_range(1, S):
+            d += tl.load(P + s * sps + row * spm + offs, mask=mask, other=0.0)
+        dt = XO.dtype.element_ty
+        x = tl.load(X + row * sx + offs, mask=mask, other=0.0).to(tl.float32)
+        xn = (x + d.to(dt).to(tl.float32)).to(dt)
+        tl.store(XO + row * sxo + offs, xn, mask=mask)
+        xf = xn.to(tl.float32)
+        r = tl.math.rsqrt(tl.sum(xf * xf, 0) / H + eps)
+        h = (w * (xf * r).to(dt).to(tl.float32)).to(dt)
+        if PDL:
+            gdc_launch_dependents()
+        tl.store(HO + row * sho + offs, h, mask=mask)
+
+
+@torch.library.custom_op("rlhfkit::residual_rmsnorm", mutates_args=())
+def residual_rmsnorm(x: torch.Tensor, partials: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x' = x + partials.sum(0).to(x.dtype)` and `h = weight * (x' * rsqrt(mean(x'^2) + eps)).to(x.dtype)`
+    (in fp32) for `x [M, H]`, split-K partials `[S, M, H]` fp32 and the norm weight `[H]`."""
+    if triton is None:
+        raise RuntimeError("rlhfkit::residual_rmsnorm needs Triton")
+    m, hdim = x.shape
+    if partials.dim() != 3 or partials.shape[1:] != x.shape or partials.dtype != torch.float32:
+        raise ValueError(f"residual_rmsnorm: partials [S, {m}, {hdim}] fp32 expected, got {tuple(partials.shape)}")
+    if x.stride(1) != 1 or partials.stride(2) != 1 or weight.stride(0) != 1:
+        raise ValueError("residual_rmsnorm: unit stride along H expected")
+    x_new, h = torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(x, memory_format=torch.contiguous_format)
+    if m == 0:
+        return x_new, h
+    _residual_rmsnorm_kernel[(m,)](x, partials, weight, x_new, h, hdim, x.stride(0), partials.stride(0),
+                                   partials.stride(1), x_new.stride(0), h.stride(0), eps, S=partials.shape[0],
+                                   BLOCK=triton.next_power_of_2(hdim), num_warps=4, **pdl_launch(x.device))
+    return x_new, h
+
+
+@residual_rmsnorm.register_fake
+def _residual_rmsnorm_fake(x, partials, weight, eps):
+    return torch.empty_like(x, memory_format=torch.contiguous_format), \
+        torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 def _prec(a: torch.Tensor) -> str:
