@@ -114,11 +114,12 @@ def _lookahead_run(model, ahead: int, stop_ids: list[int] | None = None) -> tupl
 def test_lookahead_keeps_every_token_and_wastes_no_step_on_lengths(qwen2):
     """Batch-mode syncs read the flags while `lookahead_steps` more steps run: the same tokens and
     log-probs as without, the same number of decode steps when rows end by length, and the rows
-    that finish during a look-ahead are picked up at the next sync."""
+    that finish during a look-ahead are picked up at the next sync. The tokens arrive on the host
+    a chunk at a time (`Sequence.read`), each exactly once."""
     toks, lps, syncs, steps = _lookahead_run(qwen2, 0)
     toks_a, lps_a, syncs_a, steps_a = _lookahead_run(qwen2, 3)
     assert toks_a == toks and lps_a == lps and [len(t) for t in toks] == [40, 40, 25]
-    assert steps_a == steps == 39 and syncs_a == syncs
+    assert steps_a == steps == 39 and syncs <= syncs_a <= syncs + 1  # + 1: the last chunk is read before its end
     # stop ids taken from the generations themselves: rows end early, mid-chunk and mid-look-ahead
     stop_ids = [toks[0][6], toks[1][17], toks[2][19]]
     toks, lps, _, _ = _lookahead_run(qwen2, 0, stop_ids)

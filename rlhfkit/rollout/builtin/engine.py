@@ -6,8 +6,8 @@ One engine step (`_step`, under the engine lock):
     admit: while slots are free, prefill waiting prompts (one prefill per request, its K/V
            copied to the request's n sample slots) and sample each sample's first token
     decode: `steps` decode steps over rows 0..B-1 (graph replays on GPU; no host sync)
-    sync:  read done flags and lengths; finished rows -> Completion, slot freed;
-           rows with stop strings are decoded and cut on the host
+    sync:  read done flags, lengths and each row's tokens since its last sync; finished rows ->
+           Completion, slot freed; rows with stop strings are decoded and cut on the host
     compact: move high slots down when the batch can shrink
 
 `steps` is `sync_every`, shortened so that no sequence runs past its max_new_tokens between syncs:
@@ -324,9 +324,9 @@ class BuiltinEngine:
                 break
             self.stats.mid_run_admissions += had_running
             self._prefill(admissions)
-        steps, quiet = self._decode(batch)
+        steps, quiet = self._decode(batch, hold=self._lookahead)
         if steps and quiet and self._lookahead:
-            snap = self._flags()  # as of the end of this chunk
+            snap = self._snapshot()  # as of the end of this chunk
             ahead, _ = self._decode(batch, cap=self._lookahead)
             self._sync(snap, ahead)
         else:
@@ -391,10 +391,11 @@ class BuiltinEngine:
                         cols.extend(prompt)
                 st.seen[h2d(rows_), h2d(cols)] = True
 
-    def _decode(self, batch: bool = False, cap: int | None = None) -> tuple[int, bool]:
+    def _decode(self, batch: bool = False, cap: int | None = None, hold: int = 0) -> tuple[int, bool]:
         """Queue the next chunk of decode steps (at most `cap`); returns the number of steps and
         whether the chunk is `quiet`: batch mode (no waiting request, no stop strings) with some row
-        that cannot finish by length inside the chunk, so a look-ahead cannot be wasted on lengths."""
+        that cannot finish by length inside the chunk, so a look-ahead cannot be wasted on lengths.
+        `hold`: a batch-mode chunk that would end every row by length stops `hold` steps short (quiet)."""
         running = self.sched.running
         max_len = self.max_model_len
         min_left, min_room, top, filtered, stops, max_left = None, None, 0, False, False, 0
@@ -421,6 +422,8 @@ class BuiltinEngine:
         steps = min(every, min_left, cap or every)
         if min_room is not None:
             steps = max(1, min(steps, min_room))
+        if quiet and 0 < hold < steps and max_left <= steps:
+            steps -= hold
         quiet = quiet and max_left > steps
         kv_len = length_bucket(top + steps, max_len)
         rows = self.sched.decode_rows()
@@ -431,49 +434,46 @@ class BuiltinEngine:
         self.stats.decode_row_steps += steps * rows
         return steps, quiet
 
-    def _flags(self, wait: bool = False) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """Done flags and lengths `[2, n]` of slots 0..max(running): queued as a copy into pinned
-        memory with an event to wait on (CUDA, `wait=False`), else read at once."""
-        n = max(self.sched.running) + 1
-        flags = torch.stack([self.state.done[:n].long(), self.state.gen[:n]])  # a new tensor
-        if wait or self.device.type != "cuda":
-            return flags.cpu(), None
-        host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
-        host.copy_(flags, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return host, event
+    def _snapshot(self, wait: bool = False) -> tuple:
+        """`SlotState.read_out` of slots 0..max(running), each from its last read column."""
+        running = self.sched.running
+        reads, width = [0] * (max(running) + 1), 1
+        for slot, seq in running.items():
+            reads[slot] = seq.read
+            width = max(width, seq.gen_bound - seq.read)
+        return self.state.read_out(self._h2d(reads), width, wait or self.device.type != "cuda")
 
-    def _sync(self, snap: tuple[torch.Tensor, torch.cuda.Event | None] | None = None, after: int = 0) -> None:
-        """Finish the rows that are done. `snap`: flags from `_flags()` taken `after` decode steps ago
-        (rows not done then may have advanced by that many tokens since)."""
+    def _sync(self, snap: tuple | None = None, after: int = 0) -> None:
+        """Read every running row's new tokens; finish rows that are done. `snap`: a `_snapshot()`
+        taken `after` decode steps ago (rows not done then may have advanced since)."""
         running = self.sched.running
         if not running:
             return
-        flags, event = snap or self._flags(wait=True)
+        flags, toks, lps, event = snap or self._snapshot(wait=True)
         if event is not None:
             event.synchronize()
         done, gen = flags[0].tolist(), flags[1].tolist()
+        toks, lps = toks.tolist(), lps.tolist()
+        watch = []
         for slot, seq in running.items():
-            seq.gen_bound = gen[slot] if done[slot] else gen[slot] + after
-        watch = [s for s in running if done[s] or running[s].req.request.params.stop]
-        if not watch:
-            return
-        width = max(max(gen[s] for s in watch), 1)
-        idx = self._h2d(watch)
-        toks = self.state.out_tokens[idx, :width].cpu().tolist()
-        lps = self.state.out_logprobs[idx, :width].cpu().tolist()
+            g = gen[slot]
+            seq.gen_bound = g if done[slot] else g + after
+            if g > seq.read:
+                seq.tokens += toks[slot][:g - seq.read]
+                seq.logprobs += lps[slot][:g - seq.read]
+                seq.read = g
+            if done[slot] or seq.req.request.params.stop:
+                watch.append(slot)
         freed = []
-        for slot, t, lp in zip(watch, toks, lps):
+        for slot in watch:
             seq = running[slot]
-            t, lp = t[:gen[slot]], lp[:gen[slot]]
             if not done[slot]:
                 p = seq.req.request.params
-                keep, seq.checked_chars = stop_string_cut(t, self._decode_text, p.stop, seq.checked_chars,
+                keep, seq.checked_chars = stop_string_cut(seq.tokens, self._decode_text, p.stop, seq.checked_chars,
                                                           p.min_new_tokens)
                 if keep is None:
                     continue
-            self._finish(self.sched.release(slot), t, lp)
+            self._finish(self.sched.release(slot), seq.tokens, seq.logprobs)
             freed.append(slot)
         if freed:
             self.state.done[self._h2d(freed)] = True

@@ -117,6 +117,24 @@ class SlotState:
         self.rep_penalty[idx] = to_device(penalty, f32)
         return idx
 
+    def read_out(self, reads: torch.Tensor, width: int, wait: bool) -> tuple:
+        """Done flags and lengths `[2, n]` of rows 0..n-1 (n = len(reads)) and each row's `width`
+        output tokens and log-probs from column `reads[row]` on (`[n, width]`), on the host:
+        `(flags, tokens, logprobs, event)`. `wait=False` (CUDA) queues copies into pinned memory
+        and returns the event to wait on; else the copies are made at once and `event` is None."""
+        n = reads.shape[0]
+        cols = (reads[:, None] + torch.arange(min(width, self.cap), device=reads.device)).clamp_(max=self.cap)
+        out = (torch.stack([self.done[:n].long(), self.gen[:n]]), self.out_tokens[:n].gather(1, cols),
+               self.out_logprobs[:n].gather(1, cols))
+        if wait:
+            return tuple(t.cpu() for t in out) + (None,)
+        host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in out)
+        for h, t in zip(host, out):
+            h.copy_(t, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host + (event,)
+
     def move_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         for t in self.tensors():
             t[dst] = t[src]

@@ -76,6 +76,9 @@ class Sequence:
     slot: int
     gen_bound: int = 0
     checked_chars: int = 0
+    read: int = 0  # tokens (and log-probs) copied to the host so far, in `tokens` / `logprobs`
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
 
     @property
     def pos_bound(self) -> int:
