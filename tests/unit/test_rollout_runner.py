@@ -64,20 +64,26 @@ def test_failing_decode_step_drops_compile_and_stays_exact(qwen2):
     assert not engine.runner.compiled and "inductor failed" in engine.runner.compile_error
 
 
+def _count_syncs(engine: BuiltinEngine) -> dict:
+    """Wrap `engine._sync` to count its calls in the returned dict's "n"."""
+    syncs = {"n": 0}
+    orig = engine._sync
+
+    def counting(*args) -> None:
+        syncs["n"] += 1
+        orig(*args)
+
+    engine._sync = counting
+    return syncs
+
+
 def test_generate_syncs_every_sync_every_batch_steps_unless_requests_wait(qwen2):
     """40 new tokens: a batch generate() syncs every 16 steps (3 syncs) and returns the same tokens as
     syncing every 4 (10 syncs); the agenerate-style path keeps syncing every 4."""
     def run(batch_every: int, n_requests: int = 2) -> tuple[list[list[int]], int]:
         cfg = BuiltinEngineConfig(max_num_seqs=2, max_model_len=96, sync_every=4, sync_every_batch=batch_every)
         engine = BuiltinEngine(qwen2, None, device="cpu", config=cfg, eos_token_ids=[])
-        syncs = {"n": 0}
-        orig = engine._sync
-
-        def counting(*args) -> None:
-            syncs["n"] += 1
-            orig(*args)
-
-        engine._sync = counting
+        syncs = _count_syncs(engine)
         reqs = [GenerationRequest([5 + i, 6, 7], SamplingParams(temperature=1.0, max_new_tokens=40, seed=i), i)
                 for i in range(n_requests)]
         return [o[0].token_ids for o in engine.generate(reqs)], syncs["n"]
@@ -94,14 +100,7 @@ def _lookahead_run(model, ahead: int, stop_ids: list[int] | None = None) -> tupl
     cfg = BuiltinEngineConfig(max_num_seqs=4, max_model_len=96, sync_every=4, sync_every_batch=16,
                               lookahead_steps=ahead)
     engine = BuiltinEngine(model, None, device="cpu", config=cfg, eos_token_ids=[])
-    syncs = {"n": 0}
-    orig = engine._sync
-
-    def counting(*args) -> None:
-        syncs["n"] += 1
-        orig(*args)
-
-    engine._sync = counting
+    syncs = _count_syncs(engine)
     stops = {"stop_token_ids": stop_ids} if stop_ids else {}
     reqs = [GenerationRequest([5, 6, 7], SamplingParams(temperature=1.0, max_new_tokens=40, seed=3, n=2,
                                                         logprobs=True, **stops), 0),
