@@ -39,19 +39,23 @@ def validate_request(request: GenerationRequest, vocab_size: int, max_model_len:
     if max_model_len is not None and len(ids) >= max_model_len:
         raise ValueError(f"request {rid}: prompt of {len(ids)} tokens leaves no room under "
                          f"max_model_len={max_model_len} (raise --max_len / max_model_len)")
-    checks = (  # messages are built only for a failing check: this runs once per request
-        (p.n >= 1, lambda: f"n must be >= 1, got {p.n}"),
-        (p.max_new_tokens >= 1, lambda: f"max_new_tokens must be >= 1, got {p.max_new_tokens}"),
-        (0 <= p.min_new_tokens, lambda: f"min_new_tokens must be >= 0, got {p.min_new_tokens}"),
-        (p.temperature >= 0, lambda: f"temperature must be >= 0, got {p.temperature}"),
-        (0 < p.top_p <= 1, lambda: f"top_p must lie in (0, 1], got {p.top_p}"),
-        (p.repetition_penalty > 0, lambda: f"repetition_penalty must be > 0, got {p.repetition_penalty}"),
-        (all(0 <= t < vocab_size for t in p.stop_token_ids), lambda: "stop_token_ids must be valid token ids"),
-        (all(isinstance(s, str) and s for s in p.stop), lambda: "stop must hold non-empty strings"),
-    )
-    for ok, msg in checks:
-        if not ok:
-            raise ValueError(f"request {rid}: SamplingParams.{msg()}")
+    # one cheap test per request first (this runs for every request); messages only on failure
+    if not (p.n >= 1 and p.max_new_tokens >= 1 and p.min_new_tokens >= 0 and p.temperature >= 0
+            and 0 < p.top_p <= 1 and p.repetition_penalty > 0
+            and all(0 <= t < vocab_size for t in p.stop_token_ids)
+            and all(isinstance(s, str) and s for s in p.stop)):
+        checks = (
+            (p.n >= 1, f"n must be >= 1, got {p.n}"),
+            (p.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {p.max_new_tokens}"),
+            (0 <= p.min_new_tokens, f"min_new_tokens must be >= 0, got {p.min_new_tokens}"),
+            (p.temperature >= 0, f"temperature must be >= 0, got {p.temperature}"),
+            (0 < p.top_p <= 1, f"top_p must lie in (0, 1], got {p.top_p}"),
+            (p.repetition_penalty > 0, f"repetition_penalty must be > 0, got {p.repetition_penalty}"),
+            (all(0 <= t < vocab_size for t in p.stop_token_ids), "stop_token_ids must be valid token ids"),
+            (all(isinstance(s, str) and s for s in p.stop), "stop must hold non-empty strings"),
+        )
+        msg = next(m for ok, m in checks if not ok)
+        raise ValueError(f"request {rid}: SamplingParams.{msg}")
 
 
 def to_device(data: Any, dtype: torch.dtype | None = None, *, device: torch.device) -> torch.Tensor:

@@ -72,4 +72,6 @@ def finish_completion(token_ids: list[int], logprobs: list[float] | None, stop_i
         keep, _ = stop_string_cut(token_ids[:cut], decode, stops, min_tokens=min_new_tokens)
         if keep is not None:
             cut, reason = keep, "stop"
+    if cut == len(token_ids):  # nothing cut: the caller's lists, not copies
+        return token_ids, logprobs, reason
     return token_ids[:cut], (logprobs[:cut] if logprobs is not None else None), reason
