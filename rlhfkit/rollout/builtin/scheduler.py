@@ -69,7 +69,8 @@ class RequestState:
 
 @dataclass
 class Sequence:
-    """One sample of a request, running in `slot`; `gen_bound` >= tokens generated (exact at sync)."""
+    """One sample of a request, running in `slot`; `gen_bound` >= tokens generated (exact at a blocking
+    sync; after a look-ahead sync, the length at the snapshot plus the steps queued since)."""
 
     req: RequestState
     sample: int
