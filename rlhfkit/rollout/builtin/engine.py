@@ -22,14 +22,19 @@ does not wait for the host (done rows are frozen; all rows done: those steps are
 thread; `agenerate()` hands the request to a background thread that steps while any work is
 pending, so concurrent agent episodes share one batch.
 
+Device work goes through `self.steps` (step.py): the front end here plans, the step runner
+prefills, decodes and reads back. With `tp` (a `TensorParallelGroup` of N shards) the engine is
+tensor-parallel: shard 0 runs this front end and mirrors every step operation to shards 1..N-1,
+which run `serve()` until `close()`; each shard holds 1/N of the heads, MLP and vocab (weights.py).
+
 Memory: the KV cache is preallocated, 2 x layers x max_num_seqs x kv_heads x max_model_len x
-head_dim elements; `sleep()` frees it (and the decode graphs), `wake_up()` reallocates it.
+head_dim elements (per shard: its KV heads); `sleep()` frees it (and the decode graphs, keeping
+the compiled step), `wake_up()` reallocates it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import queue
 import random
@@ -40,15 +45,14 @@ from typing import Any, Iterable
 import numpy as np
 import torch
 
-from rlhfkit.rollout.builtin.model import (DECODE_ATTENTION, DECODE_GEMM, DecoderModel, KVCache,
+from rlhfkit.rollout.builtin.model import (DECODE_ATTENTION, DECODE_GEMM, DecoderModel,
                                            resolve_decode_attention, resolve_decode_gemm)
-from rlhfkit.rollout.builtin.runner import DecodeRunner
-from rlhfkit.rollout.builtin.sampling import SlotState
 from rlhfkit.rollout.builtin.scheduler import (Admission, RequestState, SlotScheduler, batch_bucket,
                                                 length_bucket)
-from rlhfkit.rollout.builtin.weights import copy_named_tensors, load_from_hf_model, rope_tables
-from rlhfkit.rollout.engine_utils import (EngineStats, Waiter, eos_ids_of, make_decode, to_device,
-                                          validate_request)
+from rlhfkit.rollout.builtin.step import AdmitPlan, StepRunner
+from rlhfkit.rollout.builtin.tp import TensorParallelGroup, load_weights, mirror
+from rlhfkit.rollout.builtin.weights import rope_tables
+from rlhfkit.rollout.engine_utils import EngineStats, Waiter, eos_ids_of, make_decode, validate_request
 from rlhfkit.rollout.stops import finish_completion, stop_string_cut
 from rlhfkit.types import Completion, GenerationRequest
 
@@ -98,39 +102,48 @@ class BuiltinEngineConfig:
 class BuiltinEngine:
     """Continuous-batching engine over its own copy of an HF model's weights.
 
+    `model`: an HF `*ForCausalLM` module, or a model directory (read tensor by tensor from its
+    safetensors files, each shard reading only its slices). `tp`: this process's shard of a
+    tensor-parallel engine (shard 0 serves requests; the others call `serve()`).
+
     Example:
         engine = BuiltinEngine(hf_model, tokenizer, device="cuda", dtype=torch.bfloat16)
         [[c]] = engine.generate([GenerationRequest([1, 2, 3], SamplingParams(max_new_tokens=8))])
     """
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Any = None, *, device: str | torch.device | None = None,
-                 dtype: torch.dtype | None = None, config: BuiltinEngineConfig | None = None,
-                 eos_token_ids: list[int] | None = None):
+    def __init__(self, model: torch.nn.Module | str, tokenizer: Any = None, *,
+                 device: str | torch.device | None = None, dtype: torch.dtype | None = None,
+                 config: BuiltinEngineConfig | None = None, eos_token_ids: list[int] | None = None,
+                 tp: TensorParallelGroup | None = None):
         self.config = config or BuiltinEngineConfig()
         self.config.validate()
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.dtype = dtype or next(model.parameters()).dtype
+        self.tp = tp if tp is not None and tp.size > 1 else None
         self.tokenizer = tokenizer
         self._decode_text = make_decode(tokenizer)
-        self.eos_token_ids = eos_ids_of(model, tokenizer) if eos_token_ids is None else list(eos_token_ids)
-        self.spec, weights = load_from_hf_model(model, self.dtype, self.device)
+        hf_config, gen_source, self.dtype, self.spec, weights = load_weights(model, dtype, self.device, self.tp)
+        self.eos_token_ids = eos_ids_of(gen_source, tokenizer) if eos_token_ids is None else list(eos_token_ids)
         cfg = self.config
         self.max_model_len = cfg.max_model_len or min(self.spec.max_position_embeddings, 2048)
         if self.spec.sliding_window is not None and self.max_model_len > self.spec.sliding_window:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's sliding window "
                              f"{self.spec.sliding_window}, which the builtin engine does not implement")
-        cos, sin = rope_tables(model.config, self.spec, self.max_model_len, self.dtype, self.device)
+        cos, sin = rope_tables(hf_config, self.spec, self.max_model_len, self.dtype, self.device)
         attn = resolve_decode_attention(cfg.decode_attention, self.spec, self.device)
         gemm = resolve_decode_gemm(cfg.decode_gemm, self.spec, weights, self.device)
-        self.model = DecoderModel(self.spec, weights, cos, sin, attn, gemm, cfg.gemm_min_rows)
         on_cuda = self.device.type == "cuda"
-        self._graphs = on_cuda if cfg.cuda_graphs is None else cfg.cuda_graphs
-        self._compile = on_cuda if cfg.compile is None else cfg.compile
-        self._compile_prefill = self._compile if cfg.compile_prefill is None else cfg.compile_prefill
+        graphs = on_cuda if cfg.cuda_graphs is None else cfg.cuda_graphs
+        compile_step = on_cuda if cfg.compile is None else cfg.compile
         self._lookahead = (4 if on_cuda else 0) if cfg.lookahead_steps is None else cfg.lookahead_steps
-        self._h2d = functools.partial(to_device, device=self.device)
-        if self._graphs and not on_cuda:
+        if graphs and not on_cuda:
             raise ValueError("BuiltinEngineConfig.cuda_graphs needs a CUDA device")
+        self._local = StepRunner(
+            DecoderModel(self.spec, weights, cos, sin, attn, gemm, cfg.gemm_min_rows),
+            num_slots=cfg.max_num_seqs, max_model_len=self.max_model_len, max_stop_ids=cfg.max_stop_ids,
+            device=self.device, dtype=self.dtype, cuda_graphs=graphs, compile_step=compile_step,
+            compile_prefill=compile_step if cfg.compile_prefill is None else cfg.compile_prefill,
+            compile_mode=cfg.compile_mode, fast_sampling=cfg.fast_sampling)
+        self.steps = mirror(self._local, self.tp)
         self.stats = EngineStats()
         self._rng = random.Random(cfg.seed)  # seeds of requests without one (host side: no torch op per request)
         self._lock = threading.RLock()
@@ -138,76 +151,91 @@ class BuiltinEngine:
         self._wake = threading.Event()
         self._worker: threading.Thread | None = None
         self._closing = False
-        self._sleep_level = 0
-        self._allocate_runtime()
+        self._closed = False
+        self.sched = SlotScheduler(cfg.max_num_seqs, cfg.max_prefill_tokens)
+
+    # ---------------------------------------------------------------- the device side (step.py)
+    @property
+    def runner(self):
+        return self._local.runner
+
+    @property
+    def model(self) -> DecoderModel:
+        return self._local.model
+
+    @property
+    def cache(self):
+        return self._local.cache
+
+    @property
+    def state(self):
+        return self._local.state
+
+    def serve(self) -> int:
+        """Shards 1..N-1 of a tensor-parallel engine: run shard 0's step operations until it closes."""
+        from rlhfkit.rollout.builtin.step import serve
+
+        if self.tp is None or self.tp.rank == 0:
+            raise RuntimeError("BuiltinEngine.serve() is for shards 1..N-1 of a tensor-parallel engine")
+        return serve(self._local, self.tp.channel)
+
+    def _front_end(self, what: str) -> None:
+        if self.tp is not None and self.tp.rank != 0:
+            raise RuntimeError(f"BuiltinEngine.{what}() runs on shard 0 of a tensor-parallel engine; "
+                               f"shard {self.tp.rank} runs serve()")
 
     # ---------------------------------------------------------------- memory
-    def _allocate_runtime(self) -> None:
-        cfg = self.config
-        need = KVCache.bytes_needed(self.spec, cfg.max_num_seqs, self.max_model_len, self.dtype)
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            if need > free:
-                raise ValueError(f"the KV cache needs {need / 2**30:.1f} GiB ({cfg.max_num_seqs} slots x "
-                                 f"{self.max_model_len} tokens) but {free / 2**30:.1f} GiB are free: lower "
-                                 "max_num_seqs or max_model_len")
-        self.cache = KVCache.allocate(self.spec, cfg.max_num_seqs, self.max_model_len, self.dtype, self.device)
-        self.state = SlotState.allocate(cfg.max_num_seqs, self.max_model_len, cfg.max_stop_ids, self.device)
-        self.sched = SlotScheduler(cfg.max_num_seqs, cfg.max_prefill_tokens)
-        self.runner = DecodeRunner(self.model, self.cache, self.state, self.max_model_len,
-                                   cuda_graphs=self._graphs, compile_step=self._compile,
-                                   compile_prefill=self._compile_prefill, compile_mode=cfg.compile_mode)
-        self.runner.fast_sampling = cfg.fast_sampling
-
     def sleep(self, level: int = 1) -> None:
         """Free the KV cache and decode graphs (level 1); level 2 also moves the weights to CPU."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        self._front_end("sleep")
         with self._lock:
             self._drain_inbox()
             if self.sched.busy():
                 raise RuntimeError("BuiltinEngine.sleep() called with requests in flight")
-            self.runner.reset()
-            del self.runner, self.cache, self.state
-            if level == 2:
-                self._move_weights(torch.device("cpu"))
-            self._sleep_level = level
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
+            if not self._local.asleep:
+                self.steps.sleep(level)
 
     def wake_up(self) -> None:
+        self._front_end("wake_up")
         with self._lock:
-            if self._sleep_level == 0:
-                return
-            if self._sleep_level == 2:
-                self._move_weights(self.device)
-            self._sleep_level = 0
-            self._allocate_runtime()
+            if self._local.asleep:
+                self.steps.wake_up()
 
-    def _move_weights(self, device: torch.device) -> None:
-        w = self.model.weights
-        w.replace_tensors({k: v.to(device) for k, v in w.tensors().items()})
-        self.model.cos, self.model.sin = self.model.cos.to(device), self.model.sin.to(device)
+    @property
+    def _sleep_level(self) -> int:
+        return self._local.asleep
 
     def warmup(self, num_rows: int | None = None, filtered: bool = False) -> None:
         """Compile / capture the decode step for `num_rows` rows (default: all slots) at every KV
         length bucket up to max_model_len, so that no capture happens while generating."""
+        self._front_end("warmup")
         lens, n = [], 1
         while not lens or lens[-1] < self.max_model_len:
             lens.append(length_bucket(n, self.max_model_len))
             n = lens[-1] + 1
         rows = batch_bucket(num_rows or self.config.max_num_seqs, self.config.max_num_seqs)
-        with self._lock, torch.inference_mode():
+        with self._lock:
             if self.sched.busy():
                 raise RuntimeError("BuiltinEngine.warmup() needs an idle engine")
-            self.runner.warmup(rows, lens, filtered)
+            self.steps.warmup(rows, lens, filtered)
 
-    @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into the engine's weights in place (graphs stay valid)."""
+        """Copy full HF-named tensors into the engine's weights in place (graphs stay valid); a
+        tensor-parallel engine sends them to every shard, each keeping its slice."""
+        self._front_end("update_weights")
         with self._lock:
-            copy_named_tensors(self.model.weights, self.spec, named_tensors)
+            self.steps.update_weights(named_tensors)
             self.stats.weight_updates += 1
+
+    def update_weights_local(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """This shard's slices of full HF-named tensors (each shard of a tensor-parallel engine gets
+        the same tensors from the weight sync itself); returns the number of names loaded."""
+        n = self._local.update_weights(named_tensors)
+        if self.tp is None or self.tp.rank == 0:
+            self.stats.weight_updates += 1
+        return n
 
     # ---------------------------------------------------------------- public generation API
     def generate(self, requests: list[GenerationRequest]) -> list[list[Completion]]:
@@ -250,9 +278,13 @@ class BuiltinEngine:
         if self._worker is not None:
             self._worker.join(timeout=10)
             self._worker = None
+        if self.tp is not None and self.tp.rank == 0 and not self._closed:
+            self.steps.shutdown()  # ends the other shards' serve()
+        self._closed = True
 
     # ---------------------------------------------------------------- submission and worker
     def _prepare(self, request: GenerationRequest, on_done) -> RequestState:
+        self._front_end("generate")
         if self._sleep_level:
             raise RuntimeError("the engine is asleep: call wake_up() before generating")
         p = request.params
@@ -310,7 +342,7 @@ class BuiltinEngine:
         reqs = {id(s.req): s.req for s in self.sched.running.values()}
         reqs.update({id(r): r for r in self.sched.waiting})
         self.sched = SlotScheduler(self.config.max_num_seqs, self.config.max_prefill_tokens)
-        self.state.done.fill_(True)
+        self.steps.fail_all()
         for r in reqs.values():
             r.on_done(exc)
 
@@ -341,33 +373,29 @@ class BuiltinEngine:
         padded = np.zeros((len(prompts), plen), dtype=np.int64)  # row by row: 3x faster than torch.tensor(lists)
         for i, p in enumerate(prompts):
             padded[i, :len(p)] = p
-        tokens = torch.from_numpy(padded)
-        lengths = torch.tensor([len(p) for p in prompts])
+        lengths = [len(p) for p in prompts]
         first_slots = [a.slots[0] for a in admissions]
         step = first_slots[1] - first_slots[0] if len(first_slots) > 1 else 1
         evenly = step >= 1 and first_slots == list(range(first_slots[0], first_slots[0] + step * len(first_slots), step))
-        first = torch.tensor(first_slots)
-        h2d = self._h2d
-        logits = self.runner.prefill(self.cache, h2d(tokens), h2d(lengths), h2d(first),
-                                     slice(first_slots[0], first_slots[-1] + 1, step) if evenly else None)
+        plan = AdmitPlan(
+            tokens=padded, lengths=lengths, first_slots=first_slots, step=step if evenly else 0,
+            fan_src=[a.slots[0] for a in admissions for _ in a.slots[1:]],
+            fan_dst=[s for a in admissions for s in a.slots[1:]],
+            slots=[s for a in admissions for s in a.slots],
+            row_of=[i for i, a in enumerate(admissions) for _ in a.slots],
+            settings=self._slot_settings(admissions),
+            penalised=[(list(a.slots), list(a.req.request.prompt_token_ids)) for a in admissions
+                       if a.req.request.params.repetition_penalty != 1.0],
+            filtered=any(a.req.filtered for a in admissions), vocab=self.spec.vocab_size)
+        self.steps.admit(plan)
         self.stats.prefill_calls += 1
         self.stats.prefill_sequences += len(prompts)
-        self.stats.prefill_tokens += int(lengths.sum())
-        src = [a.slots[0] for a in admissions for _ in a.slots[1:]]
-        dst = [s for a in admissions for s in a.slots[1:]]
-        if dst:
-            self.cache.copy_rows(h2d(src), h2d(dst), plen)
-        slots = [s for a in admissions for s in a.slots]
-        row_of = h2d([i for i, a in enumerate(admissions) for _ in a.slots])
-        self._init_slots(admissions)
-        filtered = any(a.req.filtered for a in admissions)
-        self.runner.sample(h2d(slots), logits[row_of], filtered)
+        self.stats.prefill_tokens += sum(lengths)
 
-    def _init_slots(self, admissions: list[Admission]) -> None:
-        """Write the sampling settings and fresh counters of newly admitted slots."""
-        st, vocab = self.state, self.spec.vocab_size
-        m = self.config.max_stop_ids
-        recs = []  # one tuple per slot (columns below): a full batch admits hundreds at once
+    def _slot_settings(self, admissions: list[Admission]) -> list[tuple]:
+        """The sampling settings and fresh counters of newly admitted slots, one tuple per slot."""
+        vocab, m = self.spec.vocab_size, self.config.max_stop_ids
+        recs = []  # a full batch admits hundreds at once
         for a in admissions:
             p, req = a.req.request.params, a.req
             ids = req.stop_ids or [0]
@@ -375,21 +403,7 @@ class BuiltinEngine:
                      p.min_new_tokens, p.max_new_tokens, ids + [ids[0]] * (m - len(ids)), [bool(req.stop_ids)] * m)
             for i, slot in enumerate(a.slots):
                 recs.append((slot, *const, hash((req.seed, a.first_sample + i)) & (2**63 - 1), p.repetition_penalty))
-        h2d = self._h2d
-        idx = st.admit(h2d, *(list(c) for c in zip(*recs)))
-        penalised = [a for a in admissions if a.req.request.params.repetition_penalty != 1.0]
-        if penalised and st.track_seen(vocab):
-            self.runner.reset()  # graphs captured before the mask existed do not update it
-        if st.seen.shape[1]:
-            st.seen[idx] = False
-            if penalised:  # each sample slot starts from its prompt's tokens
-                rows_, cols = [], []
-                for a in penalised:
-                    prompt = a.req.request.prompt_token_ids
-                    for slot_ in a.slots:
-                        rows_.extend([slot_] * len(prompt))
-                        cols.extend(prompt)
-                st.seen[h2d(rows_), h2d(cols)] = True
+        return recs
 
     def _decode(self, batch: bool = False, cap: int | None = None, hold: int = 0) -> tuple[int, bool]:
         """Queue the next chunk of decode steps (at most `cap`); returns the number of steps and
@@ -427,7 +441,7 @@ class BuiltinEngine:
         quiet = quiet and max_left > steps
         kv_len = length_bucket(top + steps, max_len)
         rows = self.sched.decode_rows()
-        self.runner.run(rows, kv_len, filtered, steps)
+        self.steps.decode(rows, kv_len, filtered, steps)
         for seq in running.values():
             seq.gen_bound += steps
         self.stats.decode_steps += steps
@@ -441,7 +455,7 @@ class BuiltinEngine:
         for slot, seq in running.items():
             reads[slot] = seq.read
             width = max(width, seq.gen_bound - seq.read)
-        return self.state.read_out(self._h2d(reads), width, wait or self.device.type != "cuda")
+        return self.steps.read_out(reads, width, wait)
 
     def _sync(self, snap: tuple | None = None, after: int = 0) -> None:
         """Read every running row's new tokens; finish rows that are done. `snap`: a `_snapshot()`
@@ -476,7 +490,7 @@ class BuiltinEngine:
             self._finish(self.sched.release(slot), seq.tokens, seq.logprobs)
             freed.append(slot)
         if freed:
-            self.state.done[self._h2d(freed)] = True
+            self.steps.release(freed)
 
     def _finish(self, seq, tokens: list[int], logprobs: list[float]) -> None:
         req, p = seq.req, seq.req.request.params
@@ -491,10 +505,6 @@ class BuiltinEngine:
             req.on_done(list(req.completions))
 
     def _move_slots(self, moves: list[tuple[int, int]]) -> None:
-        src = self._h2d([m[0] for m in moves])
-        dst = self._h2d([m[1] for m in moves])
         longest = max(self.sched.running[d].pos_bound + 1 for _, d in moves)
-        self.cache.copy_rows(src, dst, min(longest, self.max_model_len))
-        self.state.move_rows(src, dst)
-        self.state.done[src] = True
+        self.steps.move([m[0] for m in moves], [m[1] for m in moves], min(longest, self.max_model_len))
         self.stats.slot_moves += len(moves)

@@ -25,6 +25,16 @@ Decode projections, two implementations (`DecoderModel.gemm`):
               gate/up + SiLU-mul kernel and a split-K down projection, and a split-K o projection
               (`triton_gemm`); the split-K partials `[S, B, H]` travel to the consumer (the next
               residual add + RMSNorm), which sums them inside its own kernel.
+Tensor parallelism (`spec.tp.active`, a shard's spec: weights.py): column-parallel q/k/v and
+gate/up need no communication; the o and down projections are row-parallel, each followed by one
+all-reduce of its `[B, H]` output (`_row_parallel`, biases added after it); the lm_head is
+vocab-parallel and its `[B, V / N]` logits are all-gathered, so every shard holds the same full
+logits and the sampler (replicated, counter-based noise) draws the same tokens on every shard,
+equal to the unsharded engine's up to the reduction order. Collectives are functional
+(`torch.distributed._functional_collectives`): traced by torch.compile, captured in CUDA graphs on
+NCCL, and plain gloo calls on CPU. The Triton split-K GEMMs are single-GPU only (their partials are
+summed in the next kernel, before any all-reduce could see them).
+
 All ops have static shapes for fixed (B, Lb), which is what lets the engine capture each decode
 step as a CUDA graph. The math mirrors Hugging Face's Llama/Qwen2/Qwen3 modules op for op
 (RMSNorm in fp32, then cast; Zhang & Sennrich 2019, arXiv 1910.07467).
@@ -36,6 +46,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
 from rlhfkit.rollout.builtin import triton_gemm, triton_ops  # triton_gemm registers the GEMM ops
@@ -130,13 +141,30 @@ def _project_qkv(layer: LayerWeights, spec: ModelSpec, h: torch.Tensor
     return q, k, v
 
 
+def _row_parallel(spec: ModelSpec, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` of a row-parallel projection: each shard's partial product is
+    summed over the tensor-parallel group, then the (replicated) bias is added once."""
+    if not spec.tp.active:
+        return F.linear(x, weight, bias)
+    out = funcol.all_reduce(F.linear(x, weight), "sum", spec.tp.group)
+    return out if bias is None else out + bias
+
+
+def _gather_vocab(spec: ModelSpec, logits: torch.Tensor) -> torch.Tensor:
+    """A shard's `[..., V / N]` logits -> the full `[..., V]` on every shard (padding rows cut)."""
+    if not spec.tp.active:
+        return logits
+    full = funcol.all_gather_tensor(logits.contiguous(), logits.dim() - 1, spec.tp.group)
+    return full[..., :spec.vocab_size]
+
+
 def _mlp_block(layer: LayerWeights, spec: ModelSpec, x: torch.Tensor) -> torch.Tensor:
     return x + _mlp(layer, spec, rms_norm(x, layer.post_norm, spec.rms_norm_eps))
 
 
 def _mlp(layer: LayerWeights, spec: ModelSpec, h: torch.Tensor) -> torch.Tensor:
     gate, up = F.linear(h, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+    return _row_parallel(spec, F.silu(gate) * up, layer.down, layer.down_bias)
 
 
 def _residual(x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
@@ -149,7 +177,7 @@ def _residual(x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
 
 def triton_gemm_supported(spec: ModelSpec, weights: ModelWeights) -> bool:
     """Whether the Triton decode GEMMs apply: no o / MLP biases and K dims they tile."""
-    if not triton_gemm.available():
+    if not triton_gemm.available() or spec.tp.active:
         return False
     if any(lw.o_bias is not None or lw.gate_up_bias is not None or lw.down_bias is not None
            for lw in weights.layers):
@@ -212,7 +240,7 @@ def decode_layer(spec: ModelSpec, layer: LayerWeights, k_cache: torch.Tensor, v_
         return x, torch.ops.rlhfkit.mm_partials(torch.ops.rlhfkit.gate_up_silu(h, layer.gate_up), layer.down)
     # the residual add in fp32 (as bf16 + bf16 rounds anyway) keeps inductor from folding it into
     # an addmm, which would first copy x into the GEMM's output buffer
-    x = (x.float() + F.linear(out.reshape(nrows, spec.q_size), layer.o, layer.o_bias).float()).to(x.dtype)
+    x = (x.float() + _row_parallel(spec, out.reshape(nrows, spec.q_size), layer.o, layer.o_bias).float()).to(x.dtype)
     return x, _mlp(layer, spec, rms_norm(x, layer.post_norm, spec.rms_norm_eps))
 
 
@@ -229,14 +257,14 @@ def prefill_layer(spec: ModelSpec, layer: LayerWeights, x: torch.Tensor, cos: to
     gqa = spec.num_heads != spec.num_kv_heads
     if last is None:
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-        x = x + F.linear(attn.transpose(1, 2).flatten(2), layer.o, layer.o_bias)
+        x = x + _row_parallel(spec, attn.transpose(1, 2).flatten(2), layer.o, layer.o_bias)
         return _mlp_block(layer, spec, x), k, v
     rows = torch.arange(x.shape[0], device=x.device)
     q_last = q[rows, :, last].unsqueeze(2)  # [b, Hq, 1, D]
     visible = torch.arange(x.shape[1], device=x.device)[None, :] <= last[:, None]  # [b, P]
     attn = F.scaled_dot_product_attention(q_last, k, v, attn_mask=visible[:, None, None, :], scale=scale,
                                           enable_gqa=gqa)
-    x = x[rows, last] + F.linear(attn.flatten(1), layer.o, layer.o_bias)
+    x = x[rows, last] + _row_parallel(spec, attn.flatten(1), layer.o, layer.o_bias)
     return _mlp_block(layer, spec, x), k, v
 
 
@@ -247,7 +275,7 @@ def final_logits(spec: ModelSpec, final_norm: torch.Tensor, lm_head: torch.Tenso
         return F.linear(h, lm_head)
     if delta is not None:
         x = _residual(x, delta)
-    return F.linear(rms_norm(x, final_norm, spec.rms_norm_eps), lm_head)
+    return _gather_vocab(spec, F.linear(rms_norm(x, final_norm, spec.rms_norm_eps), lm_head))
 
 
 DECODE_ATTENTION = ("triton", "sdpa", "matmul")
@@ -272,8 +300,8 @@ def resolve_decode_gemm(choice: str, spec, weights, device: torch.device) -> str
     """'auto' -> 'triton' on CUDA when the Triton GEMMs apply to the model, else 'torch'."""
     fits = device.type == "cuda" and triton_gemm_supported(spec, weights)
     if choice == "triton" and not fits:
-        raise ValueError("decode_gemm='triton' needs a CUDA device, the triton package and a model without "
-                         "o / MLP biases whose hidden size is a multiple of 64")
+        raise ValueError("decode_gemm='triton' needs a CUDA device, the triton package, one GPU (no tensor "
+                         "parallelism) and a model without o / MLP biases whose hidden size is a multiple of 64")
     return "triton" if choice == "triton" or (choice == "auto" and fits) else "torch"
 
 

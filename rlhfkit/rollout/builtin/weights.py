@@ -12,6 +12,16 @@ to a view of a fused tensor, so loading and `update_weights` are one code path: 
 view, in place. The tensors never move while the engine is awake, so CUDA graphs captured over
 them stay valid after a weight update.
 
+Tensor parallelism (Shoeybi et al. 2019, "Megatron-LM", arXiv 1909.08053): `ModelSpec.shard(rank,
+size, group)` is the spec of one of `size` shards. A shard holds its own query heads (and the KV
+heads they read; with fewer KV heads than shards each KV head is replicated on size / kv ranks),
+its slice of the MLP's intermediate dimension (gate/up rows, down columns), the o projection's
+columns for its heads, and its rows of the lm_head (vocab-parallel, ceil(V / size) rows, the last
+shard zero-padded); embedding, norms and biases of o / down are replicated. Loading and weight
+updates take *full* HF tensors and copy each shard's slice (`targets`: destination view + source
+index), so every sender stays shard-agnostic; `load_from_safetensors` reads only a shard's slices
+from the files (a 32B model never sits whole in host memory).
+
 RoPE follows Su et al. 2021 ("RoFormer", arXiv 2104.09864) in Hugging Face's rotate-half layout;
 frequencies for scaled variants (linear, llama3, yarn) come from transformers' own
 `ROPE_INIT_FUNCTIONS`, so they match the reference model exactly.
@@ -20,7 +30,7 @@ frequencies for scaled variants (linear, llama3, yarn) come from transformers' o
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable
 
 import torch
@@ -29,9 +39,27 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
+@dataclass(frozen=True)
+class ShardInfo:
+    """Which tensor-parallel shard a spec describes; `group` names the process group (functional
+    collectives take the name). `full_*` are the unsharded sizes the HF tensors have."""
+
+    rank: int = 0
+    size: int = 1
+    group: str | None = None
+    full_heads: int = 0
+    full_kv_heads: int = 0
+    full_intermediate: int = 0
+
+    @property
+    def active(self) -> bool:
+        return self.size > 1
+
+
 @dataclass
 class ModelSpec:
-    """Shapes and constants of one decoder-only model."""
+    """Shapes and constants of one decoder-only model (of one tensor-parallel shard when `tp.active`:
+    num_heads, num_kv_heads and intermediate_size are then the shard's own; vocab_size stays the full one)."""
 
     model_type: str
     vocab_size: int
@@ -46,6 +74,32 @@ class ModelSpec:
     tie_word_embeddings: bool
     max_position_embeddings: int
     sliding_window: int | None = None
+    tp: ShardInfo = field(default_factory=ShardInfo)
+
+    @property
+    def vocab_rows(self) -> int:
+        """Rows of this shard's lm_head: ceil(V / tp size)."""
+        return -(-self.vocab_size // self.tp.size)
+
+    def shard(self, rank: int, size: int, group: str | None) -> "ModelSpec":
+        """The spec of tensor-parallel shard `rank` of `size` (errors name the sizes that do not divide)."""
+        if self.tp.active:
+            raise ValueError("ModelSpec.shard: this spec is already a shard")
+        if size < 1 or not 0 <= rank < size:
+            raise ValueError(f"tensor-parallel rank {rank} of size {size} is invalid")
+        if self.num_heads % size:
+            raise ValueError(f"--vllm_tensor_parallel_size {size} must divide the model's {self.num_heads} "
+                             "attention heads")
+        kv = self.num_kv_heads
+        if (kv >= size and kv % size) or (kv < size and size % kv):
+            raise ValueError(f"--vllm_tensor_parallel_size {size} and the model's {kv} KV heads: one must "
+                             "divide the other")
+        if self.intermediate_size % size:
+            raise ValueError(f"--vllm_tensor_parallel_size {size} must divide the MLP's intermediate size "
+                             f"{self.intermediate_size}")
+        info = ShardInfo(rank, size, group, self.num_heads, kv, self.intermediate_size)
+        return replace(self, num_heads=self.num_heads // size, num_kv_heads=max(1, kv // size),
+                       intermediate_size=self.intermediate_size // size, tp=info)
 
     @property
     def q_size(self) -> int:
@@ -167,19 +221,22 @@ class ModelWeights:
 
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-_LAYER_PARTS = {  # HF suffix -> (fused attribute, part index among the fused pieces)
-    "self_attn.q_proj.weight": ("qkv", 0), "self_attn.k_proj.weight": ("qkv", 1),
-    "self_attn.v_proj.weight": ("qkv", 2), "self_attn.q_proj.bias": ("qkv_bias", 0),
-    "self_attn.k_proj.bias": ("qkv_bias", 1), "self_attn.v_proj.bias": ("qkv_bias", 2),
-    "self_attn.o_proj.weight": ("o", None), "self_attn.o_proj.bias": ("o_bias", None),
-    "self_attn.q_norm.weight": ("q_norm", None), "self_attn.k_norm.weight": ("k_norm", None),
-    "mlp.gate_proj.weight": ("gate_up", 0), "mlp.up_proj.weight": ("gate_up", 1),
-    "mlp.gate_proj.bias": ("gate_up_bias", 0), "mlp.up_proj.bias": ("gate_up_bias", 1),
-    "mlp.down_proj.weight": ("down", None), "mlp.down_proj.bias": ("down_bias", None),
-    "input_layernorm.weight": ("input_norm", None),
-    "post_attention_layernorm.weight": ("post_norm", None),
+_LAYER_PARTS = {  # HF suffix -> (fused attribute, part index among the fused pieces, how a shard slices it)
+    "self_attn.q_proj.weight": ("qkv", 0, "q"), "self_attn.k_proj.weight": ("qkv", 1, "kv"),
+    "self_attn.v_proj.weight": ("qkv", 2, "kv"), "self_attn.q_proj.bias": ("qkv_bias", 0, "q"),
+    "self_attn.k_proj.bias": ("qkv_bias", 1, "kv"), "self_attn.v_proj.bias": ("qkv_bias", 2, "kv"),
+    "self_attn.o_proj.weight": ("o", None, "q_in"), "self_attn.o_proj.bias": ("o_bias", None, None),
+    "self_attn.q_norm.weight": ("q_norm", None, None), "self_attn.k_norm.weight": ("k_norm", None, None),
+    "mlp.gate_proj.weight": ("gate_up", 0, "i"), "mlp.up_proj.weight": ("gate_up", 1, "i"),
+    "mlp.gate_proj.bias": ("gate_up_bias", 0, "i"), "mlp.up_proj.bias": ("gate_up_bias", 1, "i"),
+    "mlp.down_proj.weight": ("down", None, "i_in"), "mlp.down_proj.bias": ("down_bias", None, None),
+    "input_layernorm.weight": ("input_norm", None, None),
+    "post_attention_layernorm.weight": ("post_norm", None, None),
 }
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.original_inv_freq")
+_ALL = (slice(None),)
+
+Target = tuple[torch.Tensor, tuple]  # (destination tensor or view, index into the full HF tensor)
 
 
 def _part_bounds(spec: ModelSpec, attr: str, part: int) -> tuple[int, int]:
@@ -191,49 +248,98 @@ def _part_bounds(spec: ModelSpec, attr: str, part: int) -> tuple[int, int]:
     return start, start + sizes[part]
 
 
-def target_view(weights: ModelWeights, spec: ModelSpec, name: str) -> torch.Tensor | None:
-    """The engine tensor (or view of a fused tensor) that HF parameter `name` is copied into.
+def _source_index(spec: ModelSpec, how: str | None) -> tuple:
+    """The index of a shard's piece of a full HF tensor (`how`: which dimension is split)."""
+    t = spec.tp
+    if not t.active or how is None:
+        return _ALL
+    d = spec.head_dim
+    if how in ("q", "q_in"):
+        rows = slice(t.rank * spec.q_size, (t.rank + 1) * spec.q_size)
+    elif how == "kv":
+        first = t.rank * t.full_kv_heads // t.size
+        rows = slice(first * d, (first + spec.num_kv_heads) * d)
+    else:  # "i", "i_in"
+        rows = slice(t.rank * spec.intermediate_size, (t.rank + 1) * spec.intermediate_size)
+    return (slice(None), rows) if how.endswith("_in") else (rows,)
 
-    Returns None for buffers the engine recomputes (rotary inv_freq); raises KeyError for
-    names that belong to no weight of this model.
+
+def _vocab_target(spec: ModelSpec, lm_head: torch.Tensor) -> Target:
+    """This shard's rows of the lm_head: (its filled rows, their index in the full matrix); the
+    last shard's padding rows beyond the vocabulary stay zero."""
+    n = spec.vocab_rows
+    rows = slice(spec.tp.rank * n, min((spec.tp.rank + 1) * n, spec.vocab_size))
+    return lm_head[:rows.stop - rows.start], (rows,)
+
+
+def _lm_head_is_embed_view(spec: ModelSpec) -> bool:
+    """Tied embeddings and a vocabulary that the shards split evenly: the lm_head shard is a view of `embed`."""
+    return spec.tie_word_embeddings and spec.vocab_rows * spec.tp.size == spec.vocab_size
+
+
+def targets(weights: ModelWeights, spec: ModelSpec, name: str) -> list[Target]:
+    """Where HF parameter `name` goes: `(engine tensor or view of a fused tensor, index of the full
+    HF tensor that lands there)` pairs (a shard takes its slice; tied embeddings can have two).
+
+    Empty for buffers the engine recomputes (rotary inv_freq); raises KeyError for names that
+    belong to no weight of this model.
     """
     if name.startswith("module."):
         name = name[len("module."):]
     if name.endswith(_IGNORED_SUFFIXES):
-        return None
+        return []
     if name == "model.embed_tokens.weight":
-        return weights.embed
+        out = [(weights.embed, _ALL)]
+        if spec.tie_word_embeddings and weights.lm_head is not weights.embed and not _lm_head_is_embed_view(spec):
+            out.append(_vocab_target(spec, weights.lm_head))  # a padded copy of the embedding's rows
+        return out
     if name == "model.norm.weight":
-        return weights.final_norm
+        return [(weights.final_norm, _ALL)]
     if name == "lm_head.weight":
-        return weights.lm_head
+        if spec.tie_word_embeddings and spec.tp.active:
+            return targets(weights, spec, "model.embed_tokens.weight")
+        return [_vocab_target(spec, weights.lm_head) if spec.tp.active else (weights.lm_head, _ALL)]
     m = _LAYER_RE.match(name)
     if m is None or m.group(2) not in _LAYER_PARTS or int(m.group(1)) >= len(weights.layers):
         raise KeyError(f"weight {name!r} has no place in the builtin engine's {spec.model_type} model")
-    attr, part = _LAYER_PARTS[m.group(2)]
+    attr, part, how = _LAYER_PARTS[m.group(2)]
     tensor = getattr(weights.layers[int(m.group(1))], attr)
     if tensor is None:
         raise KeyError(f"weight {name!r}: the engine's model was built without {attr} "
                        "(the config and the weights disagree)")
+    src = _source_index(spec, how)
     if part is None:
-        return tensor
+        return [(tensor, src)]
     start, end = _part_bounds(spec, attr, part)
-    return tensor[start:end]
+    return [(tensor[start:end], src)]
+
+
+def target_view(weights: ModelWeights, spec: ModelSpec, name: str) -> torch.Tensor | None:
+    """The engine tensor (or view of a fused tensor) that HF parameter `name` is copied into
+    (unsharded engines); None for buffers the engine recomputes."""
+    found = targets(weights, spec, name)
+    return found[0][0] if found else None
+
+
+def _copy_into(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if tuple(dst.shape) == tuple(src.shape):
+        dst.copy_(src)
+    else:
+        raise ValueError(f"weight {name!r}: shape {tuple(src.shape)} does not match the engine's "
+                         f"{tuple(dst.shape)}")
 
 
 def copy_named_tensors(weights: ModelWeights, spec: ModelSpec,
                        named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-    """Copy each `(hf_name, tensor)` into the engine's weights in place; returns the names copied."""
+    """Copy each full `(hf_name, tensor)` (a shard: its slice) into the engine's weights in place;
+    returns the names copied."""
     done: set[str] = set()
     for name, tensor in named_tensors:
-        dst = target_view(weights, spec, name)
-        if dst is None:
-            continue
-        if tuple(dst.shape) != tuple(tensor.shape):
-            raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)} does not match the engine's "
-                             f"{tuple(dst.shape)}")
-        dst.copy_(tensor.detach())
-        done.add(name)
+        found = targets(weights, spec, name)
+        for dst, index in found:
+            _copy_into(dst, tensor.detach()[index], name)
+        if found:
+            done.add(name)
     return done
 
 
@@ -243,7 +349,8 @@ def _has_bias(names: set[str], suffix: str) -> bool:
 
 def allocate_weights(spec: ModelSpec, names: set[str], dtype: torch.dtype,
                      device: torch.device) -> ModelWeights:
-    """Empty engine tensors shaped for `spec`; optional biases exist when `names` holds them."""
+    """Empty engine tensors shaped for `spec` (a shard's: its heads, intermediate slice and vocab
+    rows); optional biases exist when `names` holds them."""
     def empty(*shape: int) -> torch.Tensor:
         return torch.empty(*shape, dtype=dtype, device=device)
 
@@ -261,17 +368,16 @@ def allocate_weights(spec: ModelSpec, names: set[str], dtype: torch.dtype,
             k_norm=empty(spec.head_dim) if spec.qk_norm else None,
         ))
     embed = empty(spec.vocab_size, h)
-    lm_head = embed if spec.tie_word_embeddings else empty(spec.vocab_size, h)
+    if not spec.tp.active:
+        lm_head = embed if spec.tie_word_embeddings else empty(spec.vocab_size, h)
+    elif _lm_head_is_embed_view(spec):
+        lm_head = embed[spec.tp.rank * spec.vocab_rows:(spec.tp.rank + 1) * spec.vocab_rows]
+    else:
+        lm_head = torch.zeros(spec.vocab_rows, h, dtype=dtype, device=device)  # padding rows: logit 0, cut
     return ModelWeights(embed=embed, final_norm=empty(h), lm_head=lm_head, layers=layers)
 
 
-def load_from_hf_model(model: torch.nn.Module, dtype: torch.dtype,
-                       device: torch.device) -> tuple[ModelSpec, ModelWeights]:
-    """Build the engine's spec and weights from an HF `*ForCausalLM` module (the module is not kept)."""
-    spec = ModelSpec.from_hf_config(model.config)
-    state = model.state_dict()
-    weights = allocate_weights(spec, set(state), dtype, device)
-    loaded = copy_named_tensors(weights, spec, state.items())
+def _check_loaded(spec: ModelSpec, loaded: set[str]) -> None:
     needed = {"model.embed_tokens.weight", "model.norm.weight"}
     if not spec.tie_word_embeddings:
         needed.add("lm_head.weight")
@@ -279,8 +385,72 @@ def load_from_hf_model(model: torch.nn.Module, dtype: torch.dtype,
     if missing:
         raise ValueError(f"the model's state dict lacks {missing}")
     expected_per_layer = 9 + (2 if spec.qk_norm else 0)
-    for li in range(spec.num_layers):
-        n = sum(1 for k in loaded if k.startswith(f"model.layers.{li}.") and "bias" not in k)
+    counts = [0] * spec.num_layers
+    for k in loaded:
+        m = _LAYER_RE.match(k)
+        if m is not None and "bias" not in k:
+            counts[int(m.group(1))] += 1
+    for li, n in enumerate(counts):
         if n != expected_per_layer:
             raise ValueError(f"layer {li}: found {n} weight matrices/norms, expected {expected_per_layer}")
+
+
+def _shard_spec(config, shard: tuple[int, int, str | None] | None) -> ModelSpec:
+    spec = ModelSpec.from_hf_config(config)
+    return spec.shard(*shard) if shard is not None and shard[1] > 1 else spec
+
+
+def load_from_hf_model(model: torch.nn.Module, dtype: torch.dtype, device: torch.device,
+                       shard: tuple[int, int, str | None] | None = None) -> tuple[ModelSpec, ModelWeights]:
+    """Build the engine's spec and weights from an HF `*ForCausalLM` module (the module is not kept).
+    `shard`: (rank, size, group name) of a tensor-parallel engine."""
+    spec = _shard_spec(model.config, shard)
+    state = model.state_dict()
+    weights = allocate_weights(spec, set(state), dtype, device)
+    _check_loaded(spec, copy_named_tensors(weights, spec, state.items()))
+    return spec, weights
+
+
+def safetensors_files(path: str) -> list[str]:
+    """The weight files of an HF model directory (sharded with an index, or one file)."""
+    import json
+    import os
+
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(path, name) for name in files]
+    single = os.path.join(path, "model.safetensors")
+    if not os.path.exists(single):
+        raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
+    return [single]
+
+
+def load_from_safetensors(path: str, config, dtype: torch.dtype, device: torch.device,
+                          shard: tuple[int, int, str | None] | None = None) -> tuple[ModelSpec, ModelWeights]:
+    """Like `load_from_hf_model`, read straight from the directory's safetensors files: one tensor
+    at a time, and of each only this shard's slice (`safe_open(...).get_slice`)."""
+    from safetensors import safe_open
+
+    spec = _shard_spec(config, shard)
+    files = safetensors_files(path)
+    names: set[str] = set()
+    for fname in files:
+        with safe_open(fname, framework="pt") as f:
+            names.update(f.keys())
+    weights = allocate_weights(spec, names, dtype, device)
+    loaded: set[str] = set()
+    for fname in files:
+        with safe_open(fname, framework="pt") as f:
+            for name in f.keys():
+                found = targets(weights, spec, name)
+                for dst, index in found:
+                    piece = f.get_slice(name)[index] if index != _ALL else f.get_tensor(name)
+                    _copy_into(dst, piece.to(dtype), name)
+                if found:
+                    loaded.add(name.removeprefix("module."))
+    if spec.tie_word_embeddings and "lm_head.weight" in loaded:
+        loaded.add("model.embed_tokens.weight")
+    _check_loaded(spec, loaded)
     return spec, weights

@@ -1,0 +1,260 @@
+"""The builtin engine's device side: `StepRunner` owns the weights, the KV cache, the slot state and
+the decode runner, and exposes the few operations the front end (engine.py) needs, each taking
+host values only (lists, numpy arrays, scalars):
+
+    admit(plan)            prefill the planned prompts, fan their K/V out to the sample slots,
+                           write the slots' sampling settings, sample each slot's first token
+    decode(rows, kv_len, filtered, steps)   `steps` decode steps over rows 0..rows-1
+    read_out(reads, width, wait)            done flags, lengths and new tokens -> host (no mutation)
+    release(slots) / move(src, dst, length) / fail_all()
+    update_weights(named) / sleep(level) / wake_up() / warmup(rows, kv_lens, filtered) / shutdown()
+
+Because every argument is a host value, an operation can be replayed on another process. That is
+how a tensor-parallel engine runs (`MirroredSteps`): the front end lives on shard 0, and before
+shard 0 runs an operation it broadcasts `(name, args)` over a CPU (gloo) control group; every
+other shard runs `serve()`, a loop that receives each operation and runs it on its own
+`StepRunner`. The collectives inside the model (model.py) then meet in the same order on every
+shard. Only `read_out` is not mirrored (shard 0 alone reads results).
+
+    shard 0:  BuiltinEngine (requests, scheduler, completions) -> MirroredSteps -> StepRunner
+                                                                   | broadcast (name, args)
+    shard k:  serve(): receive -> StepRunner.<name>(*args)  ... until "shutdown"
+
+`sleep()` frees the KV cache and the CUDA graphs but keeps the decode runner and its compiled
+functions, so `wake_up()` reallocates memory without recompiling: the first steps after a wake
+only recapture graphs (a few decode steps each), instead of paying torch.compile again.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import numpy as np
+import torch
+
+from rlhfkit.rollout.builtin.model import DecoderModel, KVCache
+from rlhfkit.rollout.builtin.runner import DecodeRunner
+from rlhfkit.rollout.builtin.sampling import SlotState
+from rlhfkit.rollout.builtin.weights import copy_named_tensors
+from rlhfkit.rollout.engine_utils import to_device
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class AdmitPlan:
+    """One prefill batch, as host values (built by the front end, replayable on every shard).
+
+    tokens `[b, P]` right-padded prompts; lengths `[b]`; first_slots `[b]` (each prompt's first
+    sample slot; `step` > 0 when they are evenly spaced); fan_src / fan_dst copy a prompt's K/V to
+    its other sample slots; `slots` and `row_of` list every sample slot and its prompt row;
+    `settings` holds one tuple per slot for `SlotState.admit` (columns: slot, pos, temperature,
+    top_p, top_k, min_new, max_new, stop ids, stop valid, seed, penalty); `penalised` lists
+    `(slots, prompt ids)` of requests with a repetition penalty; `vocab` sizes its mask.
+    """
+
+    tokens: np.ndarray
+    lengths: list[int]
+    first_slots: list[int]
+    step: int
+    fan_src: list[int]
+    fan_dst: list[int]
+    slots: list[int]
+    row_of: list[int]
+    settings: list[tuple]
+    penalised: list[tuple[list[int], list[int]]]
+    filtered: bool
+    vocab: int
+
+
+class StepRunner:
+    """See the module docstring. `model` holds the (sharded) weights; sizes come from `config`."""
+
+    def __init__(self, model: DecoderModel, *, num_slots: int, max_model_len: int, max_stop_ids: int,
+                 device: torch.device, dtype: torch.dtype, cuda_graphs: bool, compile_step: bool,
+                 compile_prefill: bool, compile_mode: str | None, fast_sampling: bool):
+        self.model, self.device, self.dtype = model, device, dtype
+        self.num_slots, self.max_model_len, self.max_stop_ids = num_slots, max_model_len, max_stop_ids
+        self._h2d = functools.partial(to_device, device=device)
+        self.lock = threading.RLock()
+        self.asleep = 0
+        self.cache: KVCache | None = None
+        self.state: SlotState | None = None
+        self._allocate()
+        self.runner = DecodeRunner(model, self.cache, self.state, max_model_len, cuda_graphs=cuda_graphs,
+                                   compile_step=compile_step, compile_prefill=compile_prefill,
+                                   compile_mode=compile_mode)
+        self.runner.fast_sampling = fast_sampling
+
+    # ---------------------------------------------------------------- memory
+    def _allocate(self) -> None:
+        spec = self.model.spec
+        need = KVCache.bytes_needed(spec, self.num_slots, self.max_model_len, self.dtype)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            if need > free:
+                raise ValueError(f"the KV cache needs {need / 2**30:.1f} GiB ({self.num_slots} slots x "
+                                 f"{self.max_model_len} tokens) but {free / 2**30:.1f} GiB are free: lower "
+                                 "max_num_seqs or max_model_len")
+        self.cache = KVCache.allocate(spec, self.num_slots, self.max_model_len, self.dtype, self.device)
+        self.state = SlotState.allocate(self.num_slots, self.max_model_len, self.max_stop_ids, self.device)
+
+    def sleep(self, level: int) -> None:
+        """Free the KV cache, slot state and graphs (level 1); level 2 also moves the weights to CPU.
+        The decode runner and its compiled functions stay."""
+        with self.lock:
+            self.runner.reset()
+            self.runner.cache = self.runner.state = None
+            self.cache = self.state = None
+            if level == 2:
+                self._move_weights(torch.device("cpu"))
+            self.asleep = level
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def wake_up(self) -> None:
+        with self.lock:
+            if not self.asleep:
+                return
+            if self.asleep == 2:
+                self._move_weights(self.device)
+            self._allocate()
+            self.runner.cache, self.runner.state = self.cache, self.state
+            self.asleep = 0
+
+    def _move_weights(self, device: torch.device) -> None:
+        w = self.model.weights
+        w.replace_tensors({k: v.to(device) for k, v in w.tensors().items()})
+        self.model.cos, self.model.sin = self.model.cos.to(device), self.model.sin.to(device)
+
+    @torch.no_grad()
+    def update_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy full HF-named tensors (this shard's slices) into the weights in place; graphs stay valid."""
+        with self.lock:
+            return len(copy_named_tensors(self.model.weights, self.model.spec, named))
+
+    # ---------------------------------------------------------------- generation
+    def admit(self, plan: AdmitPlan) -> None:
+        with self.lock, torch.inference_mode():
+            h2d = self._h2d
+            slot_slice = (slice(plan.first_slots[0], plan.first_slots[-1] + 1, plan.step) if plan.step > 0 else None)
+            logits = self.runner.prefill(self.cache, h2d(torch.from_numpy(plan.tokens)), h2d(plan.lengths),
+                                         h2d(plan.first_slots), slot_slice)
+            if plan.fan_dst:
+                self.cache.copy_rows(h2d(plan.fan_src), h2d(plan.fan_dst), plan.tokens.shape[1])
+            self._init_slots(plan)
+            self.runner.sample(h2d(plan.slots), logits[h2d(plan.row_of)], plan.filtered)
+
+    def _init_slots(self, plan: AdmitPlan) -> None:
+        st, h2d = self.state, self._h2d
+        idx = st.admit(h2d, *(list(c) for c in zip(*plan.settings)))
+        if plan.penalised and st.track_seen(plan.vocab):
+            self.runner.reset()  # graphs captured before the mask existed do not update it
+        if st.seen.shape[1]:
+            st.seen[idx] = False
+            if plan.penalised:  # each sample slot starts from its prompt's tokens
+                rows, cols = [], []
+                for slots, prompt in plan.penalised:
+                    for slot in slots:
+                        rows.extend([slot] * len(prompt))
+                        cols.extend(prompt)
+                st.seen[h2d(rows), h2d(cols)] = True
+
+    def decode(self, rows: int, kv_len: int, filtered: bool, steps: int) -> None:
+        with self.lock, torch.inference_mode():
+            self.runner.run(rows, kv_len, filtered, steps)
+
+    def read_out(self, reads: list[int], width: int, wait: bool) -> tuple:
+        with self.lock, torch.inference_mode():
+            return self.state.read_out(self._h2d(reads), width, wait or self.device.type != "cuda")
+
+    def release(self, slots: list[int]) -> None:
+        with self.lock, torch.inference_mode():
+            self.state.done[self._h2d(slots)] = True
+
+    def move(self, src: list[int], dst: list[int], length: int) -> None:
+        with self.lock, torch.inference_mode():
+            s, d = self._h2d(src), self._h2d(dst)
+            self.cache.copy_rows(s, d, length)
+            self.state.move_rows(s, d)
+            self.state.done[s] = True
+
+    def fail_all(self) -> None:
+        with self.lock:
+            if self.state is not None:
+                self.state.done.fill_(True)
+
+    def warmup(self, rows: int, kv_lens: list[int], filtered: bool) -> None:
+        with self.lock, torch.inference_mode():
+            self.runner.warmup(rows, kv_lens, filtered)
+
+    def shutdown(self) -> None:
+        """Nothing to free locally; ends a shard's `serve()` loop when mirrored."""
+
+
+# ----------------------------------------------------------------------------- tensor parallelism
+
+MIRRORED = ("admit", "decode", "release", "move", "fail_all", "update_weights", "sleep", "wake_up", "warmup",
+            "shutdown")
+
+
+class ControlChannel:
+    """Operations from shard 0 to the other shards of one engine: `broadcast_object_list` over a CPU
+    (gloo) process group whose first member is shard 0."""
+
+    def __init__(self, group: Any) -> None:
+        import torch.distributed as dist
+
+        self._dist, self.group = dist, group
+        self.src = dist.get_global_rank(group, 0)
+
+    def send(self, message: Any) -> None:
+        self._dist.broadcast_object_list([message], src=self.src, group=self.group)
+
+    def receive(self) -> Any:
+        box = [None]
+        self._dist.broadcast_object_list(box, src=self.src, group=self.group)
+        return box[0]
+
+
+class MirroredSteps:
+    """Shard 0's `StepRunner`: each mirrored operation is broadcast before it runs here."""
+
+    def __init__(self, local: StepRunner, channel: ControlChannel) -> None:
+        self.local, self.channel = local, channel
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self.local, name)
+        if name not in MIRRORED:
+            return fn
+
+        def mirrored(*args: Any) -> Any:
+            if name == "update_weights":
+                args = (list(args[0]),)  # an iterator cannot be sent twice
+            with self.local.lock:  # the broadcast and the local run stay in one order across threads
+                self.channel.send((name, args))
+                return fn(*args)
+        return mirrored
+
+
+def serve(local: StepRunner, channel: ControlChannel) -> int:
+    """A shard's loop (shards 1..N-1): run each operation shard 0 broadcasts until "shutdown".
+    Returns the number of operations run. An operation that fails is logged and re-raised: the
+    other shards then fail at their next collective instead of waiting forever."""
+    count = 0
+    while True:
+        name, args = channel.receive()
+        if name not in MIRRORED:
+            raise RuntimeError(f"tensor-parallel shard received an unknown operation {name!r}")
+        try:
+            getattr(local, name)(*args)
+        except Exception:
+            log.exception("tensor-parallel shard: operation %s failed", name)
+            raise
+        count += 1
+        if name == "shutdown":
+            return count

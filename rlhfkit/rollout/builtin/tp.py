@@ -1,0 +1,142 @@
+"""Tensor parallelism of the builtin engine: the shard group, weight loading per shard, mirroring.
+
+One engine spans N processes (one GPU each, or CPU processes over gloo in tests):
+
+    TensorParallelGroup(rank, size, group, control)
+        group    the process group of the model's collectives (NCCL on GPUs, gloo on CPU): the
+                 all-reduce after o / down and the all-gather of the vocab-parallel logits (model.py)
+        control  a gloo group for shard 0's step operations (step.py `ControlChannel`)
+
+    make_group(...)      from an existing default process group (torchrun), or
+    join(spec, rank)     from a TCP rendezvous of the engine's own (Ray engine actors)
+
+Where the process groups come from is the caller's business; the engine only needs this record.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rlhfkit.rollout.builtin.step import ControlChannel, MirroredSteps, StepRunner
+from rlhfkit.rollout.builtin.weights import ModelSpec, ModelWeights, load_from_hf_model, load_from_safetensors
+
+
+@dataclass
+class TensorParallelGroup:
+    """This process's place in a tensor-parallel engine (see the module docstring)."""
+
+    rank: int
+    size: int
+    group: Any = None
+    control: Any = None
+    channel: ControlChannel | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.size > 1 and self.channel is None:
+            if self.group is None or self.control is None:
+                raise ValueError("a TensorParallelGroup of size > 1 needs its process group and a gloo control group")
+            self.channel = ControlChannel(self.control)
+
+    @property
+    def group_name(self) -> str | None:
+        return None if self.group is None else self.group.group_name
+
+
+def make_group(ranks: list[int] | None = None) -> TensorParallelGroup:
+    """The shard group over `ranks` of the default process group (all ranks when None): the
+    model's group on the default backend, the control group on gloo."""
+    import torch.distributed as dist
+
+    ranks = list(range(dist.get_world_size())) if ranks is None else list(ranks)
+    group = dist.new_group(ranks)
+    control = dist.new_group(ranks, backend="gloo")
+    me = dist.get_rank()
+    if me not in ranks:
+        raise ValueError(f"rank {me} is not among the engine's ranks {ranks}")
+    return TensorParallelGroup(ranks.index(me), len(ranks), group, control)
+
+
+@dataclass(frozen=True)
+class ShardGroupSpec:
+    """A TCP rendezvous for one engine's shards (sent to every shard actor)."""
+
+    host: str
+    port: int
+    size: int
+    backend: str  # nccl | gloo
+    timeout_s: float = 600.0
+
+
+def join(spec: ShardGroupSpec, rank: int, device: str) -> TensorParallelGroup:
+    """Form this shard's groups: the default process group of this (engine-only) process, on
+    `spec.backend`, plus a gloo control group. Each shard actor is its own process, so the
+    default group belongs to the engine."""
+    import torch.distributed as dist
+
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    if not dist.is_initialized():
+        dist.init_process_group(spec.backend, init_method=f"tcp://{spec.host}:{spec.port}", rank=rank,
+                                world_size=spec.size, timeout=datetime.timedelta(seconds=spec.timeout_s),
+                                device_id=torch.device(device) if spec.backend == "nccl" else None)
+    group = dist.group.WORLD
+    control = dist.new_group(list(range(spec.size)), backend="gloo")
+    tp = TensorParallelGroup(rank, spec.size, group, control)
+    _check(tp, device)
+    return tp
+
+
+def _check(tp: TensorParallelGroup, device: str) -> None:
+    """One all-reduce on the model's group (forms NCCL's communicator before any CUDA graph capture)."""
+    import torch.distributed as dist
+
+    t = torch.ones(1, device=device)
+    dist.all_reduce(t, group=tp.group)
+    if int(t.item()) != tp.size:
+        raise RuntimeError(f"tensor-parallel group check: shard {tp.rank} summed {t.item()}, expected {tp.size}")
+
+
+def load_weights(model: Any, dtype: torch.dtype | None, device: torch.device, tp: TensorParallelGroup | None
+                 ) -> tuple[Any, Any, torch.dtype, ModelSpec, ModelWeights]:
+    """(HF config, object holding the generation config, dtype, spec, weights) of this shard, from
+    an HF module or a model directory (safetensors read slice by slice)."""
+    shard = (tp.rank, tp.size, tp.group_name) if tp is not None and tp.size > 1 else None
+    if isinstance(model, (str, os.PathLike)):
+        from transformers import AutoConfig, GenerationConfig
+
+        path = str(model)
+        config = AutoConfig.from_pretrained(path)
+        dtype = dtype or _config_dtype(config)
+        try:
+            gen = GenerationConfig.from_pretrained(path)
+        except (OSError, ValueError):
+            gen = None
+        spec, weights = load_from_safetensors(path, config, dtype, device, shard)
+        return config, _GenSource(gen), dtype, spec, weights
+    dtype = dtype or next(model.parameters()).dtype
+    spec, weights = load_from_hf_model(model, dtype, device, shard)
+    return model.config, model, dtype, spec, weights
+
+
+@dataclass
+class _GenSource:
+    generation_config: Any
+
+
+def _config_dtype(config: Any) -> torch.dtype:
+    dt = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(dt, str):
+        dt = getattr(torch, dt, None)
+    return dt if isinstance(dt, torch.dtype) else torch.float32
+
+
+def mirror(local: StepRunner, tp: TensorParallelGroup | None) -> StepRunner | MirroredSteps:
+    """Shard 0 of a tensor-parallel engine mirrors its step operations; anything else runs them as they are."""
+    if tp is None or tp.size == 1 or tp.rank != 0:
+        return local
+    return MirroredSteps(local, tp.channel)
