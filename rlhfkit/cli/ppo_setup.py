@@ -181,7 +181,7 @@ def build_reward_model(args: argparse.Namespace, dist: DistInfo):
     return LocalGroup(RewardModelRole(models, dist, args.micro_rollout_batch_size), "reward")
 
 
-def build_engine_for(args: argparse.Namespace, tokenizer: Any, dist: DistInfo):
+def build_engine_for(args: argparse.Namespace, tokenizer: Any, dist: DistInfo, tp: Any = None):
     from rlhfkit.rollout import build_engine
 
     gpu = dist.device.startswith("cuda")
@@ -194,7 +194,7 @@ def build_engine_for(args: argparse.Namespace, tokenizer: Any, dist: DistInfo):
         opts = {"max_model_len": args.max_len, "max_num_seqs": seqs}
     elif args.rollout_engine == "hf":
         opts = {"max_batch_size": seqs}
-    return build_engine(args.rollout_engine, args.pretrain, tokenizer, device=dist.device, dtype=dtype, **opts)
+    return build_engine(args.rollout_engine, args.pretrain, tokenizer, device=dist.device, dtype=dtype, tp=tp, **opts)
 
 
 def agent_config(args: argparse.Namespace, temperature: float) -> AgentConfig:

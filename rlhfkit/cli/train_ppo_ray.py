@@ -14,9 +14,12 @@ this machine) or where Ray can start locally. Flags are train_ppo's plus the pla
     RLTrainer (the same loop as train_ppo)  --call-->   RayGroup policy / ref / critic / reward:
       executor -> RayEngineRouter -------agenerate-->     N ranks each, one torch process group per
       world size 1: the whole batch                       role (FSDP2 data parallel), batch split by rows
-      weights: policy ranks gather; rank 0 broadcasts to the engines (gloo / NCCL group of its
-      own), or each rank passes CUDA IPC handles to the engine on its GPU (colocated), or rank 0
-      -> object store -> every engine actor (--weight_sync, default auto)
+      weights (RayWeightSync, once per step): policy ranks gather; rank 0 broadcasts to every
+      engine shard (gloo / NCCL group of its own), or each rank passes CUDA IPC handles to the
+      shard on its GPU (colocated), or rank 0 -> object store -> every shard actor (--weight_sync,
+      default auto); each shard keeps its slice
+      engines: --vllm_num_engines x --vllm_tensor_parallel_size shard actors; an engine's shard 0
+      serves requests and mirrors its steps to the others (rollout/builtin/step.py)
 
 On a machine without GPUs the `--*_num_gpus_per_node` flags count CPU workers (each reserving
 `--ray_num_cpus_per_worker` CPUs). `--async_train` generates the next `--async_queue_size`
@@ -91,9 +94,10 @@ def check_ray_flags(args, shapes: dict[str, Any]) -> None:
                          "would have nothing to free; drop one of them")
     if args.async_train and args.async_queue_size < 1:
         raise UsageError(f"--async_queue_size must be >= 1, got {args.async_queue_size}")
-    if args.vllm_tensor_parallel_size > 1:
-        raise UsageError("--vllm_tensor_parallel_size > 1 is not supported by train_ppo_ray yet "
-                         "(one engine runs on one GPU); use more --vllm_num_engines")
+    if args.vllm_tensor_parallel_size > 1 and args.rollout_engine != "builtin":
+        raise UsageError(f"--vllm_tensor_parallel_size {args.vllm_tensor_parallel_size} needs --rollout_engine "
+                         f"builtin (tensor-parallel engines are the builtin engine's; {args.rollout_engine} "
+                         "runs on one device); use more --vllm_num_engines instead")
     if args.partial_rollout:
         raise UsageError("--partial_rollout is not supported yet")
     from rlhfkit.distributed.weight_sync import METHODS
@@ -139,14 +143,15 @@ def build_role(args, num_steps: int, role: str, dist: DistInfo) -> tuple[Any, An
     raise ValueError(f"unknown role {role!r}")
 
 
-def build_engine(args, dist: DistInfo) -> Any:
-    """One rollout engine (runs inside its Ray actor); vLLM also gets the --vllm_* / engine flags."""
+def build_engine(args, dist: DistInfo, tp: Any = None) -> Any:
+    """One rollout engine, or one shard of a tensor-parallel one (`tp`), inside its Ray actor; vLLM
+    also gets the --vllm_* / engine flags."""
     from rlhfkit.models.loader import load_tokenizer
 
     tokenizer = load_tokenizer(args.pretrain, chat_template=args.tokenizer_chat_template,
                                use_fast=not args.disable_fast_tokenizer)
     if args.rollout_engine != "vllm":
-        return S.build_engine_for(args, tokenizer, dist)
+        return S.build_engine_for(args, tokenizer, dist, tp)
     import torch
 
     from rlhfkit.rollout import build_engine as make_engine
@@ -309,7 +314,8 @@ def build_ray_trainer(args, launched, phases, tokenizer, prompts, eval_prompts) 
                         logger=make_logger(args, 0, PLOT_KEYS), pad_token_id=tokenizer.pad_token_id,
                         kl_ctl=S.kl_controller(args), ref=g.get("ref"), critic=g.get("critic"),
                         reward_model=g.get("reward"), eval_executor=eval_executor, eval_prompts=eval_prompts,
-                        checkpointer=ckpt, router=router, phases=phases, monitor=launched.monitor,
+                        checkpointer=ckpt, weight_sync=launched.sync, router=router, phases=phases,
+                        monitor=launched.monitor,
                         async_queue_size=args.async_queue_size if args.async_train else 0)
 
 

@@ -1,20 +1,17 @@
-"""`RayEngineRouter`: N engine actors behind one `RolloutEngine` (generate / agenerate /
-update_weights / sleep / wake_up), used by the agent executors exactly like a local engine.
+"""`RayEngineRouter`: N engines behind one `RolloutEngine` (generate / agenerate / sleep / wake_up),
+used by the agent executors exactly like a local engine.
+
+An engine is `tp` shard actors (`--vllm_tensor_parallel_size`); `actors` are the engines' first
+shards, which serve requests and mirror every step to their other shards, so the router talks to
+them alone for generation and sleep / wake. Weights go to every shard (`shards`): each one copies
+its own slice of the full tensors (`RayWeightSync` in policy_sync.py pushes them once per step;
+`update_weights(named)` of the RolloutEngine protocol goes through the object store).
 
 Routing: each `agenerate` request goes to the engine with the fewest requests in flight (ties:
 lowest index). Samples do not depend on the engine that runs them: the executors give every
 request its own seed and the builtin engine draws a seeded request's randomness from that seed
 alone, so a run with several engines samples the same tokens as one engine.
 
-Weight sync (`update_weights`), by the path the launcher chose (`weight_sync.choose_method`):
-- `DirectWeights` (broadcast over gloo / NCCL, or CUDA IPC when colocated): the policy ranks push
-  the buckets to the engine actors themselves (`DirectWeights.push`, weight_sync.py);
-- `RayWeights` (object_store): the policy group's ranks gather the full parameters together and
-  rank 0 leaves them in the object store as CPU buckets; every engine actor then fetches the
-  buckets and copies them in place. A plain iterator of `(name, tensor)` (any other source) is
-  put in the object store here first.
-The time, size and path of each sync are recorded (`take_metrics`: `time/weight_push`,
-`weight_sync_mb`, `weight_sync/<method>` = 1); every engine must load the same number of tensors.
 Builtin and HF engines take weights while asleep (in place, or into their CPU copy at level 2), so
 an update does not wake them (`wake_for_update`, False for them): they wake before the next
 rollout, after the policy's states have left the GPU. vLLM engines are woken first.
@@ -34,34 +31,25 @@ from typing import Any, Iterable, Iterator
 import ray
 import torch
 
-from rlhfkit.distributed.group import DirectWeights, Phases, RayWeights
+from rlhfkit.distributed.group import Phases
 from rlhfkit.distributed.health import ActorLabel, HealthMonitor, describe, wait_all
+from rlhfkit.distributed.weight_sync import iter_buckets
 from rlhfkit.types import Completion, GenerationRequest
 
 BUCKET_BYTES = 256 * 2**20
-
-
-def _buckets(named: Iterable[tuple[str, torch.Tensor]], limit: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    bucket, size = [], 0
-    for name, t in named:
-        t = t.detach().cpu()
-        bucket.append((name, t))
-        size += t.numel() * t.element_size()
-        if size >= limit:
-            yield bucket
-            bucket, size = [], 0
-    if bucket:
-        yield bucket
 
 
 class RayEngineRouter:
     """See the module docstring. `phases` (optional) wakes sleeping engines before generating."""
 
     def __init__(self, actors: list[Any], labels: list[ActorLabel], monitor: HealthMonitor | None = None,
-                 phases: Phases | None = None, sleep_level: int = 1, bucket_bytes: int = BUCKET_BYTES) -> None:
+                 phases: Phases | None = None, sleep_level: int = 1, bucket_bytes: int = BUCKET_BYTES,
+                 shards: list[Any] | None = None, shard_labels: list[ActorLabel] | None = None) -> None:
         if not actors:
             raise ValueError("RayEngineRouter needs at least one engine actor")
         self.actors, self.labels, self.monitor = actors, labels, monitor
+        self.shards = list(shards) if shards is not None else list(actors)
+        self.shard_labels = list(shard_labels) if shard_labels is not None else list(labels)
         self.phases, self.sleep_level, self.bucket_bytes = phases, sleep_level, bucket_bytes
         self.sync_choice: Any = None  # weight_sync.SyncChoice, set by the launcher
         # builtin / hf engines load weights in place while asleep (sleep frees the KV cache only, or
@@ -122,36 +110,34 @@ class RayEngineRouter:
         with self._weights_lock:
             yield self.version
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def before_update(self) -> None:
+        """Health check, and (vLLM) wake the engines: they cannot load weights asleep."""
         if self.wake_for_update:
             self._check()
         elif self.monitor is not None:
             self.monitor.check()
+
+    def load_from_object_store(self, refs: list[Any]) -> list[int]:
+        """Every shard loads the object-store buckets `refs` (its own slices); tensor counts per shard."""
+        return wait_all([a.update_weights.remote(refs) for a in self.shards], self.shard_labels, self.monitor)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """RolloutEngine protocol: full tensors through the object store to every shard."""
+        self.before_update()
         with self._weights_lock:
             t0 = time.perf_counter()
-            if isinstance(named_tensors, DirectWeights):
-                stats = named_tensors.push()
-                method, nbytes = stats["method"], stats["bytes"]
-                counts = [stats["engine_tensors"].get(i) for i in range(len(self.actors))]
-            else:
-                method, (nbytes, counts) = "object_store", self._via_object_store(named_tensors)
+            refs, nbytes = [], 0
+            for b in iter_buckets(named_tensors, self.bucket_bytes):
+                b = [(n, t.detach().cpu()) for n, t in b]
+                nbytes += sum(t.numel() * t.element_size() for _, t in b)
+                refs.append(ray.put(b))
+            counts = self.load_from_object_store(refs)
             if len(set(counts)) > 1:
-                raise RuntimeError(f"engines loaded different numbers of tensors ({method}): {counts}")
+                raise RuntimeError(f"engine shards loaded different numbers of tensors (object_store): {counts}")
             self.version += 1
             self._metrics["time/weight_push"] = time.perf_counter() - t0
             self._metrics["weight_sync_mb"] = nbytes / 2**20
-            self._metrics[f"weight_sync/{method}"] = 1.0
-
-    def _via_object_store(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[int, list[int]]:
-        if isinstance(named_tensors, RayWeights):
-            refs, nbytes = named_tensors.refs, named_tensors.nbytes
-        else:
-            refs, nbytes = [], 0
-            for b in _buckets(named_tensors, self.bucket_bytes):
-                nbytes += sum(t.numel() * t.element_size() for _, t in b)
-                refs.append(ray.put(b))
-        counts = wait_all([a.update_weights.remote(refs) for a in self.actors], self.labels, self.monitor)
-        return nbytes, counts
+            self._metrics["weight_sync/object_store"] = 1.0
 
     # ---------------------------------------------------------------- sleep / wake
 

@@ -6,10 +6,6 @@
     group.call("train_on", batch, kl_coef)     same split; the ranks' metric dicts are averaged
                                                (roles already reduce them over their process group,
                                                so every rank holds the global value)
-    group.call("weights")                      -> RayWeights: all ranks gather the full parameters
-                                               together, rank 0 leaves CPU buckets in the object store;
-                                               with a direct sync (`direct_sync`, weight_sync.py):
-                                               DirectWeights, pushed later by the engine router
     group.call(other, *args)                   every rank runs it; rank 0's result
 
 The driver's loop sees the whole batch (world size 1 from its point of view); data parallelism
@@ -62,44 +58,6 @@ def merge_results(results: list[Any]) -> Any:
     if first is None:
         return None
     raise TypeError(f"cannot merge per-rank results of type {type(first).__name__}")
-
-
-class RayWeights:
-    """Full policy weights as object-store buckets; iterating yields `(name, tensor)` pairs, so any
-    RolloutEngine accepts it; `RayEngineRouter` hands the refs to its engine actors directly."""
-
-    def __init__(self, refs: list[Any], nbytes: int) -> None:
-        self.refs, self.nbytes = refs, nbytes
-
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for ref in self.refs:
-            yield from ray.get(ref)
-
-
-class DirectWeights:
-    """The policy's weights, to be pushed straight to the engines (broadcast / CUDA IPC) when
-    `RayEngineRouter.update_weights` gets them: `push()` runs `push_weights` on every rank (with
-    the training states on the device under --deepspeed_enable_sleep) and merges the ranks' stats.
-    Iterating it (any other consumer) publishes through the object store instead."""
-
-    def __init__(self, group: "RayGroup") -> None:
-        self.group = group
-
-    def push(self) -> dict[str, Any]:
-        g = self.group
-        with (g.phases.states_on_device(g) if g.phases is not None else _nothing()):
-            stats = g.run_all("push_weights", g.weights_dtype, g.sync_bucket_bytes)
-        counts: dict[int, int] = {}
-        for s in stats:
-            counts.update(s["engine_tensors"])
-        return {"method": stats[0]["method"], "bytes": max(s["bytes"] for s in stats), "engine_tensors": counts,
-                "buckets": max(s["buckets"] for s in stats)}
-
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        g = self.group
-        with (g.phases.states_on_device(g) if g.phases is not None else _nothing()):
-            refs, nbytes = g.run_all("publish_weights", g.weights_dtype)[0]
-        yield from RayWeights(refs, nbytes)
 
 
 @contextmanager
@@ -187,8 +145,6 @@ class RayGroup:
         self.name, self.actors, self.labels = name, actors, labels
         self.monitor, self.unit, self.phases = monitor, unit, phases
         self.weights_dtype = weights_dtype
-        self.direct_sync = False  # set by the launcher when the engines take a direct sync
-        self.sync_bucket_bytes = 256 * 2**20
 
     @property
     def world_size(self) -> int:
@@ -200,8 +156,6 @@ class RayGroup:
         return wait_all(refs, self.labels, self.monitor)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        if method == "weights" and self.direct_sync:
-            return DirectWeights(self)
         if self.phases is not None:
             self.phases.before_group(self)
         try:
@@ -212,8 +166,8 @@ class RayGroup:
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         if method == "weights":
-            refs, nbytes = self.run_all("publish_weights", self.weights_dtype, self.sync_bucket_bytes)[0]
-            return RayWeights(refs, nbytes)
+            raise ValueError("a Ray policy group's weights reach the engines through "
+                             "distributed.policy_sync.RayWeightSync, not group.call('weights')")
         if args and isinstance(args[0], ExperienceBatch):
             batch, rest = args[0], args[1:]
             ranges = split_rows(batch.batch_size, self.world_size, self.unit)

@@ -5,9 +5,10 @@
         plan_pools -> check_fits (fails at once) -> create_pool per pool (timed wait)
         -> actors, slot by slot (colocated actors of a slot share it: 1/k of its resources)
         -> info (pid, node) -> rank 0's address + a free port -> setup on every actor at once
-           (each role group forms its own torch process group; engines load their weights)
-        -> weight sync path (weight_sync.choose_method; broadcast: policy rank 0 and the engines
-           form their own group)
+           (each role group forms its own torch process group; the shards of a tensor-parallel
+           engine form theirs; engines load their weights, each shard its slices)
+        -> weight sync path (weight_sync.choose_method over every engine shard; broadcast: policy
+           rank 0 and the shards form their own group) -> `RayWeightSync` (policy_sync.py)
     roles.groups["policy"].call(...), roles.router.agenerate(...)
     roles.shutdown()
 
@@ -28,6 +29,7 @@ from rlhfkit.distributed.group import Phases, RayGroup
 from rlhfkit.distributed.health import ActorLabel, HealthMonitor, wait_all
 from rlhfkit.distributed.placement import (ReadyPool, Shape, SlotResources, check_fits, create_pool,
                                            plan_pools, remove_pools)
+from rlhfkit.distributed.policy_sync import RayWeightSync
 from rlhfkit.distributed.weight_sync import DEFAULT_TIMEOUT_S, Endpoint, SyncChoice, choose_method
 from rlhfkit.distributed.weight_sync import connect as connect_sync
 from rlhfkit.distributed.workers import EngineWorker, RoleWorker
@@ -86,13 +88,14 @@ class LaunchedRoles:
     monitor: HealthMonitor
     placement: list[dict[str, Any]]  # one line per actor: role, rank, pid, node, pool, bundle
     weight_sync: SyncChoice | None = None
+    sync: RayWeightSync | None = None  # the loop's weight-sync object
 
     def shutdown(self) -> None:
         self.monitor.stop()
         for g in self.groups.values():
             for a in g.actors:
                 ray.kill(a, no_restart=True)
-        for a in self.router.actors:
+        for a in self.router.shards:
             ray.kill(a, no_restart=True)
         remove_pools(self.pools)
 
@@ -133,14 +136,32 @@ def launch(roles: list[RoleSpec], engines: EngineSpec, cfg: LaunchConfig, monito
             for m, lst in _create_actors(pool, by_name, engines, cfg).items():
                 actors[m] = lst
                 where[m] = [(pool.spec.name, b) for b in pool.bundle_of_rank]
-        return _setup(actors, where, pools, cfg, monitor, phases, engines.num_engines)
+        return _setup(actors, where, pools, cfg, monitor, phases, engines)
     except BaseException:
         remove_pools(pools)
         raise
 
 
+def _shard_specs(engine_actors: list[Any], labels: list[ActorLabel], tp: int, cfg: LaunchConfig,
+                 monitor: HealthMonitor) -> list[Any]:
+    """Per engine shard: None (tp 1), or (engine, shard rank, the engine's ShardGroupSpec)."""
+    if tp == 1:
+        return [None] * len(engine_actors)
+    from rlhfkit.rollout.builtin.tp import ShardGroupSpec
+
+    gpu = cfg.resources.accelerator == "GPU" and (cfg.device is None or cfg.device.startswith("cuda"))
+    firsts = list(range(0, len(engine_actors), tp))
+    ports = wait_all([engine_actors[i].free_port.remote() for i in firsts], [labels[i] for i in firsts], monitor)
+    out = []
+    for e, (first, port) in enumerate(zip(firsts, ports)):
+        spec = ShardGroupSpec(labels[first].node or "127.0.0.1", port, tp, "nccl" if gpu else "gloo")
+        out.extend((e, k, spec) for k in range(tp))
+    return out
+
+
 def _setup(actors: dict[str, list[Any]], where: dict[str, list[tuple[str, int]]], pools: list[ReadyPool],
-           cfg: LaunchConfig, monitor: HealthMonitor, phases: Phases | None, num_engines: int) -> LaunchedRoles:
+           cfg: LaunchConfig, monitor: HealthMonitor, phases: Phases | None, engines: EngineSpec) -> LaunchedRoles:
+    num_engines, tp = engines.num_engines, engines.tensor_parallel_size
     names = list(actors)
     flat = [(m, r, a) for m in names for r, a in enumerate(actors[m])]
     infos = wait_all([a.info.remote() for _, _, a in flat], [ActorLabel(m, r) for m, r, _ in flat], monitor,
@@ -157,8 +178,9 @@ def _setup(actors: dict[str, list[Any]], where: dict[str, list[tuple[str, int]]]
     refs, ref_labels = [], []
     for m in names:
         if m == "engine":
+            shards = _shard_specs(actors[m], labels[m], tp, cfg, monitor)
             for r, a in enumerate(actors[m]):
-                refs.append(a.setup.remote(cfg.device, num_engines))
+                refs.append(a.setup.remote(cfg.device, num_engines, shards[r]))
                 ref_labels.append(labels[m][r])
             continue
         port = wait_all([actors[m][0].free_port.remote()], labels[m][:1], monitor)[0] if len(actors[m]) > 1 else 0
@@ -173,13 +195,14 @@ def _setup(actors: dict[str, list[Any]], where: dict[str, list[tuple[str, int]]]
     groups = {m: RayGroup(m, actors[m], labels[m], monitor, unit=cfg.unit, phases=phases,
                           weights_dtype=cfg.weights_dtype)
               for m in names if m != "engine"}
-    groups["policy"].direct_sync = choice.method != "object_store"
-    groups["policy"].sync_bucket_bytes = cfg.weight_sync_bucket_bytes
-    router = RayEngineRouter(actors["engine"], labels["engine"], monitor, phases,
-                             bucket_bytes=cfg.weight_sync_bucket_bytes)
+    first = list(range(0, len(actors["engine"]), tp))  # an engine's shard 0 serves it
+    router = RayEngineRouter([actors["engine"][i] for i in first], [labels["engine"][i] for i in first], monitor,
+                             phases, bucket_bytes=cfg.weight_sync_bucket_bytes, shards=actors["engine"],
+                             shard_labels=labels["engine"])
     router.sync_choice = choice
     router.wake_for_update = not cfg.engine_direct
-    return LaunchedRoles(groups, router, pools, monitor, placement, choice)
+    sync = RayWeightSync(groups["policy"], router, choice, cfg.weights_dtype, cfg.weight_sync_bucket_bytes)
+    return LaunchedRoles(groups, router, pools, monitor, placement, choice, sync)
 
 
 def _weight_sync(actors: dict[str, list[Any]], labels: dict[str, list[ActorLabel]], placement: list[dict[str, Any]],

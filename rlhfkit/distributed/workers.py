@@ -12,9 +12,13 @@ both take a *builder* callable from the CLI, so this package never reads the fla
       .init_weight_sync(plan) / .push_weights(dtype, bucket_bytes)
                                                    direct sync (weight_sync.py): all ranks gather,
                                                    the sending ranks broadcast / pass IPC handles
-    EngineWorker(index, build)                     build(DistInfo) -> RolloutEngine (async actor)
-      .agenerate / .generate / .update_weights(refs) / .sleep / .wake_up
-      .init_weight_sync(method, group, rank) / .load_bucket(metas, payload)
+    EngineWorker(index, build)                     build(DistInfo[, tp]) -> RolloutEngine (async actor)
+      .setup(device, num_engines, shard)           shard: (engine, rank, ShardGroupSpec) of a
+                                                   tensor-parallel engine; shards 1.. then serve
+                                                   shard 0's steps on a background thread
+      .agenerate / .generate / .sleep / .wake_up   (first shards only)
+      .update_weights(refs) / .init_weight_sync(method, group, rank) / .load_bucket(metas, payload)
+                                                   (every shard: each keeps its slice)
 
 A group of one rank creates no process group, exactly like one-process train_ppo (so a Ray run
 with single-rank groups executes the same float operations as train_ppo). Role workers run two
@@ -33,7 +37,8 @@ import ray
 import torch
 
 from rlhfkit.backend.dist import DistInfo, init_distributed, resolve_device
-from rlhfkit.distributed.weight_sync import GroupSpec, SenderPlan, TensorMeta, WeightReceiver, WeightSender
+from rlhfkit.distributed.weight_sync import (GroupSpec, SenderPlan, TensorMeta, WeightReceiver, WeightSender,
+                                             iter_buckets)
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20
 
@@ -98,20 +103,14 @@ class RoleWorker:
         self._enter()
         cast = getattr(torch, dtype) if dtype else None
         refs: list[Any] = []
-        bucket: list[tuple[str, torch.Tensor]] = []
-        size = total = 0
-        for name, t in self.role.weights():
+        total = 0
+        for bucket in iter_buckets(self.role.weights(), bucket_bytes, cast):
             if self.rank != 0:
                 continue
-            t = t.detach().to("cpu", dtype=cast if cast is not None and t.is_floating_point() else t.dtype)
-            bucket.append((name, t))
-            size += t.numel() * t.element_size()
-            if size >= bucket_bytes:
-                refs.append(ray.put(bucket))
-                total, bucket, size = total + size, [], 0
-        if bucket:
-            refs.append(ray.put(bucket))
-            total += size
+            host = [(n, t.detach().to("cpu", dtype=cast if cast is not None and t.is_floating_point() else t.dtype))
+                    for n, t in bucket]
+            total += sum(t.numel() * t.element_size() for _, t in host)
+            refs.append(ray.put(host))
         return refs, total
 
     def init_weight_sync(self, plan: SenderPlan) -> None:
@@ -156,26 +155,56 @@ class RoleWorker:
 
 
 class EngineWorker:
-    """One rollout engine (builtin / hf / vllm) as an async actor; requests run concurrently."""
+    """One rollout engine (builtin / hf / vllm), or one shard of a tensor-parallel builtin engine,
+    as an async actor; requests run concurrently."""
 
-    def __init__(self, index: int, build: Callable[[DistInfo], Any]):
+    def __init__(self, index: int, build: Callable[..., Any]):
         _quiet_env()
         self.index, self._build = index, build
         self.engine: Any = None
         self.device = "cpu"
+        self.shard_rank = 0
         self._receiver: WeightReceiver | None = None
+        self._serving: Any = None
 
     async def info(self) -> dict[str, Any]:
         return _node_info()
 
     async def ping(self) -> int:
+        if self._serving is not None and self._serving.done() and self._serving.exception() is not None:
+            raise RuntimeError(f"engine shard {self.shard_rank} stopped: {self._serving.exception()!r}")
         return os.getpid()
 
-    async def setup(self, device: str | None, num_engines: int) -> dict[str, Any]:
-        dist = DistInfo(rank=self.index, world_size=num_engines, device=resolve_device(device))
-        self.engine = self._build(dist)
+    async def free_port(self) -> int:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return int(s.getsockname()[1])
+
+    async def setup(self, device: str | None, num_engines: int, shard: tuple[int, int, Any] | None = None
+                    ) -> dict[str, Any]:
+        """Build the engine. `shard` = (engine index, shard rank, ShardGroupSpec) for a tensor-parallel
+        engine: the shards form their groups first; shards 1.. then run `serve()` in the background."""
+        engine_index = self.index if shard is None else shard[0]
+        dist = DistInfo(rank=engine_index, world_size=num_engines, device=resolve_device(device))
         self.device = dist.device
+        if shard is None:
+            self.engine = await asyncio.to_thread(self._build, dist)
+            return {"device": dist.device}
+        from rlhfkit.rollout.builtin.tp import join
+
+        _, self.shard_rank, spec = shard
+
+        def build() -> Any:
+            return self._build(dist, join(spec, self.shard_rank, dist.device))
+        self.engine = await asyncio.to_thread(build)
+        if self.shard_rank > 0:
+            self._serving = asyncio.get_running_loop().run_in_executor(None, self._serve)
         return {"device": dist.device}
+
+    def _serve(self) -> int:
+        if self.device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(self.device))
+        return self.engine.serve()
 
     async def agenerate(self, request: Any) -> Any:
         return await self.engine.agenerate(request)
@@ -183,11 +212,15 @@ class EngineWorker:
     async def generate(self, requests: list[Any]) -> Any:
         return await asyncio.to_thread(self.engine.generate, requests)
 
+    def _load(self, pairs: Any) -> None:
+        local = getattr(self.engine, "update_weights_local", None)  # a shard keeps its slice
+        (local or self.engine.update_weights)(pairs)
+
     async def update_weights(self, refs: list[Any]) -> int:
         """Load the weight buckets `refs` (object store) into the engine; returns the tensor count."""
         buckets = await asyncio.gather(*refs)
         pairs = [p for b in buckets for p in b]
-        await asyncio.to_thread(self.engine.update_weights, iter(pairs))
+        await asyncio.to_thread(self._load, iter(pairs))
         return len(pairs)
 
     async def init_weight_sync(self, method: str, group: GroupSpec | None, rank: int) -> None:
@@ -207,7 +240,7 @@ class EngineWorker:
         def load() -> int:
             pairs = receiver.receive(metas, payload)
             try:
-                self.engine.update_weights(iter(pairs))
+                self._load(iter(pairs))
             finally:
                 del pairs
                 receiver.done()
@@ -222,5 +255,5 @@ class EngineWorker:
 
     async def close(self) -> None:
         close = getattr(self.engine, "close", None)
-        if close is not None:
+        if close is not None and self.shard_rank == 0:
             close()

@@ -2,8 +2,9 @@
 
     build_engine("builtin" | "hf" | "vllm", model_or_path, tokenizer, device, dtype, **options)
 
-`model_or_path` is an HF `*ForCausalLM` module or a model directory. The builtin and hf engines
-take the module (loading the directory with transformers when given a path); vLLM loads the
+`model_or_path` is an HF `*ForCausalLM` module or a model directory. The builtin engine reads a
+directory's safetensors files itself (tensor by tensor; a tensor-parallel shard, `tp=`, only its
+slices); the hf engine takes the module (loading the directory with transformers); vLLM loads the
 directory itself, so it needs a path.
 """
 
@@ -29,15 +30,27 @@ def _load_hf(model_or_path: Any, tokenizer: Any, dtype: torch.dtype | None) -> t
     return model.eval(), tokenizer
 
 
+def _safetensors_dir(model_or_path: Any) -> bool:
+    import os
+
+    return isinstance(model_or_path, str) and (
+        os.path.exists(os.path.join(model_or_path, "model.safetensors"))
+        or os.path.exists(os.path.join(model_or_path, "model.safetensors.index.json")))
+
+
 def build_engine(name: str, model_or_path: Any, tokenizer: Any = None, device: str | torch.device | None = None,
-                 dtype: torch.dtype | None = None, **options: Any) -> RolloutEngine:
+                 dtype: torch.dtype | None = None, tp: Any = None, **options: Any) -> RolloutEngine:
     """Make the rollout engine `name` (the `--rollout_engine` flag).
 
     options: builtin -> BuiltinEngineConfig fields (max_num_seqs, max_model_len, ...) and
     eos_token_ids; hf -> max_batch_size, eos_token_ids, pad_token_id; vllm -> VLLMEngine keywords.
+    `tp`: this process's `TensorParallelGroup` of a tensor-parallel builtin engine.
     """
     if name not in ENGINE_NAMES:
         raise ValueError(f"--rollout_engine must be one of {ENGINE_NAMES}, got {name!r}")
+    if tp is not None and tp.size > 1 and name != "builtin":
+        raise ValueError(f"--vllm_tensor_parallel_size {tp.size}: tensor-parallel engines are the builtin "
+                         f"engine's; --rollout_engine {name} runs on one device")
     if name == "vllm":
         from rlhfkit.rollout.vllm_engine import VLLMEngine, import_vllm
 
@@ -46,7 +59,14 @@ def build_engine(name: str, model_or_path: Any, tokenizer: Any = None, device: s
             raise ValueError("--rollout_engine vllm needs a model directory (vLLM loads the weights itself)")
         dt = str(dtype).replace("torch.", "") if dtype is not None else "bfloat16"
         return VLLMEngine(model_or_path, dtype=dt, **options)
-    model, tokenizer = _load_hf(model_or_path, tokenizer, dtype)
+    if name == "builtin" and _safetensors_dir(model_or_path):
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(model_or_path)
+        model = model_or_path
+    else:
+        model, tokenizer = _load_hf(model_or_path, tokenizer, dtype)
     if name == "hf":
         from rlhfkit.rollout.hf_engine import HFEngine
 
@@ -63,7 +83,7 @@ def build_engine(name: str, model_or_path: Any, tokenizer: Any = None, device: s
         raise ValueError(f"unknown builtin engine options {sorted(unknown)}; known: {sorted(names)}")
     cfg = BuiltinEngineConfig(**{k: v for k, v in options.items() if k in names})
     return BuiltinEngine(model, tokenizer, device=device, dtype=dtype, config=cfg,
-                         eos_token_ids=options.get("eos_token_ids"))
+                         eos_token_ids=options.get("eos_token_ids"), tp=tp)
 
 
 __all__ = ["ENGINE_NAMES", "RolloutEngine", "build_engine"]

@@ -10,7 +10,7 @@
       -> policy.call("forward_logprobs") = old, ref.call(...) = ref, critic.call("forward_values")
       -> KL (in reward or as loss), advantages / returns    (rlhfkit.algo)
       -> critic.call("train_on"), policy.call("train_on")   (max_epochs x mini-batches)
-      -> engine.update_weights(policy.call("weights"))
+      -> weight_sync.sync()                  [the policy's weights into the engines; one object per placement]
 
 Under torchrun every rank runs this loop on its own prompts; roles reduce their loss counts over
 ranks, and every logged metric is reduced over ranks (rank 0 logs the global values). A Ray placement gives groups whose `call` fans out to actors; the loop does not change.
@@ -34,6 +34,7 @@ from rlhfkit.algo.experience import (RewardShapingConfig, apply_length_penalties
 from rlhfkit.algo.filters import dynamic_filter
 from rlhfkit.algo.passk import pass_at_k_from_scores
 from rlhfkit.backend.dist import DistInfo, all_reduce_sum
+from rlhfkit.roles.group import LocalWeightSync
 from rlhfkit.trainers.offline import epoch_order
 from rlhfkit.types import PromptSample, Trajectory
 
@@ -79,10 +80,11 @@ class RLTrainer:
                  policy: Any, engine: Any, executor: Any, prompts: Sequence[PromptSample], dist: DistInfo,
                  logger: Any, pad_token_id: int, kl_ctl: Any, ref: Any = None, critic: Any = None,
                  reward_model: Any = None, eval_executor: Any = None, eval_prompts: Sequence[PromptSample] = (),
-                 checkpointer: Any = None) -> None:
+                 checkpointer: Any = None, weight_sync: Any = None) -> None:
         self.cfg, self.adv_cfg, self.shaping = cfg, adv_cfg, shaping
         self.policy, self.ref, self.critic, self.reward_model = policy, ref, critic, reward_model
         self.engine, self.executor, self.eval_executor = engine, executor, eval_executor
+        self.weight_sync = weight_sync if weight_sync is not None else LocalWeightSync(policy, engine)
         self.prompts, self.eval_prompts = list(prompts), list(eval_prompts)
         self.dist, self.logger, self.pad_token_id = dist, logger, pad_token_id
         self.kl_ctl, self.checkpointer = kl_ctl, checkpointer
@@ -214,7 +216,7 @@ class RLTrainer:
                 train_m["skipped_zero_advantage"] = 1.0
         t["train"] = time.perf_counter() - t3
         t4 = time.perf_counter()
-        self.engine.update_weights(self.policy.call("weights"))
+        metrics.update(self.weight_sync.sync())
         t["weight_sync"] = time.perf_counter() - t4
         self.kl_ctl.update(exp_m.get("kl", 0.0), self.cfg.rollout_batch_size * self.cfg.n_samples_per_prompt)
         shaped = exp_m.pop("reward", None)
@@ -283,7 +285,7 @@ class RLTrainer:
             if client is not None:
                 s.step, s.episode, s.batch_in_episode = client["step"], client["episode"], client["batch_in_episode"]
                 self.kl_ctl.load_state_dict(client["kl_ctl"])
-                self.engine.update_weights(self.policy.call("weights"))
+                self.weight_sync.sync()
                 if self.dist.rank == 0:
                     print(f"resumed from {c.ckpt_path} at step {s.step}")
         total = self.total_steps()
