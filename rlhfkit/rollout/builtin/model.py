@@ -30,9 +30,9 @@ gate/up need no communication; the o and down projections are row-parallel, each
 all-reduce of its `[B, H]` output (`_row_parallel`, biases added after it); the lm_head is
 vocab-parallel and its `[B, V / N]` logits are all-gathered, so every shard holds the same full
 logits and the sampler (replicated, counter-based noise) draws the same tokens on every shard,
-equal to the unsharded engine's up to the reduction order. Collectives are functional
-(`torch.distributed._functional_collectives`): traced by torch.compile, captured in CUDA graphs on
-NCCL, and plain gloo calls on CPU. The Triton split-K GEMMs are single-GPU only (their partials are
+equal to the unsharded engine's up to the reduction order. Collectives are the functional ops
+(`torch.ops._c10d_functional`, by process-group name): traced by torch.compile, captured in CUDA
+graphs on NCCL, and plain gloo calls on CPU. The Triton split-K GEMMs are single-GPU only (their partials are
 summed in the next kernel, before any all-reduce could see them).
 
 All ops have static shapes for fixed (B, Lb), which is what lets the engine capture each decode
@@ -46,11 +46,13 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.distributed._functional_collectives as funcol
+import torch.distributed._functional_collectives  # noqa: F401 - registers the _c10d_functional ops
 import torch.nn.functional as F
 
 from rlhfkit.rollout.builtin import triton_gemm, triton_ops  # triton_gemm registers the GEMM ops
 from rlhfkit.rollout.builtin.weights import LayerWeights, ModelSpec, ModelWeights
+
+_c10d = torch.ops._c10d_functional  # functional collectives: traceable, capturable, gloo on CPU
 
 
 @dataclass
@@ -146,16 +148,17 @@ def _row_parallel(spec: ModelSpec, x: torch.Tensor, weight: torch.Tensor, bias: 
     summed over the tensor-parallel group, then the (replicated) bias is added once."""
     if not spec.tp.active:
         return F.linear(x, weight, bias)
-    out = funcol.all_reduce(F.linear(x, weight), "sum", spec.tp.group)
+    out = _c10d.wait_tensor(_c10d.all_reduce(F.linear(x, weight), "sum", spec.tp.group))
     return out if bias is None else out + bias
 
 
 def _gather_vocab(spec: ModelSpec, logits: torch.Tensor) -> torch.Tensor:
-    """A shard's `[..., V / N]` logits -> the full `[..., V]` on every shard (padding rows cut)."""
+    """A shard's `[B, V / N]` logits -> the full `[B, V]` on every shard (padding rows cut)."""
     if not spec.tp.active:
         return logits
-    full = funcol.all_gather_tensor(logits.contiguous(), logits.dim() - 1, spec.tp.group)
-    return full[..., :spec.vocab_size]
+    n, (rows, cols) = spec.tp.size, logits.shape
+    full = _c10d.wait_tensor(_c10d.all_gather_into_tensor(logits.contiguous(), n, spec.tp.group))  # [n * rows, cols]
+    return full.view(n, rows, cols).permute(1, 0, 2).reshape(rows, n * cols)[:, :spec.vocab_size]
 
 
 def _mlp_block(layer: LayerWeights, spec: ModelSpec, x: torch.Tensor) -> torch.Tensor:

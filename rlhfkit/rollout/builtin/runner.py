@@ -221,4 +221,9 @@ class DecodeRunner:
             done.add(self._key(nrows, kv_len, filtered))
 
     def reset(self) -> None:
+        """Drop the graphs (before the cache or the weights are reallocated). Their memory pool goes
+        with them: a new capture gets a new pool (reusing a pool whose graphs were all freed trips
+        the caching allocator's use-count assertion)."""
         self._graphs.clear()
+        if self.cuda_graphs:
+            self._pool = torch.cuda.graph_pool_handle()

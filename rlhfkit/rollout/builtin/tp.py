@@ -104,8 +104,15 @@ def _check(tp: TensorParallelGroup, device: str) -> None:
 def load_weights(model: Any, dtype: torch.dtype | None, device: torch.device, tp: TensorParallelGroup | None
                  ) -> tuple[Any, Any, torch.dtype, ModelSpec, ModelWeights]:
     """(HF config, object holding the generation config, dtype, spec, weights) of this shard, from
-    an HF module or a model directory (safetensors read slice by slice)."""
+    an HF module, a model directory (safetensors read slice by slice) or an HF config alone (random
+    weights, as HF initialises them: normal(0, initializer_range), norms 1; for benchmarks)."""
     shard = (tp.rank, tp.size, tp.group_name) if tp is not None and tp.size > 1 else None
+    from transformers import PretrainedConfig
+
+    if isinstance(model, PretrainedConfig):
+        dtype = dtype or _config_dtype(model)
+        spec, weights = random_weights(model, dtype, device, shard)
+        return model, _GenSource(None), dtype, spec, weights
     if isinstance(model, (str, os.PathLike)):
         from transformers import AutoConfig, GenerationConfig
 
@@ -121,6 +128,27 @@ def load_weights(model: Any, dtype: torch.dtype | None, device: torch.device, tp
     dtype = dtype or next(model.parameters()).dtype
     spec, weights = load_from_hf_model(model, dtype, device, shard)
     return model.config, model, dtype, spec, weights
+
+
+def random_weights(config: Any, dtype: torch.dtype, device: torch.device,
+                   shard: tuple[int, int, str | None] | None, seed: int = 0) -> tuple[ModelSpec, ModelWeights]:
+    """A shard's weights drawn on `device` (each shard draws its own slices: the shards of one
+    engine do not form one consistent model, which a throughput benchmark does not need)."""
+    from rlhfkit.rollout.builtin.weights import _shard_spec, allocate_weights
+
+    spec = _shard_spec(config, shard)
+    names = {"model.layers.0.self_attn.q_proj.bias"} if getattr(config, "model_type", "") == "qwen2" else set()
+    weights = allocate_weights(spec, names, dtype, device)
+    g = torch.Generator(device=device).manual_seed(seed + 7919 * (shard[0] if shard else 0))
+    std = float(getattr(config, "initializer_range", 0.02))
+    for name, t in weights.tensors().items():
+        if name.endswith("norm"):
+            t.fill_(1.0)
+        elif t.dim() == 1:
+            t.zero_()
+        else:
+            t.normal_(0.0, std, generator=g)
+    return spec, weights
 
 
 @dataclass
