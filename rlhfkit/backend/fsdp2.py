@@ -1,8 +1,9 @@
 """`FSDP2Backend`: the default `TrainBackend` (PyTorch FSDP2, nothing extra to install).
 
-    model (HF causal LM, fp32 master weights)
+    model (HF causal LM, fp32 master weights)        ParallelDims (parallel.py), from the flags
       |  one process, no process group: plain module on the device (+ autocast on CUDA)
-      |  process group (torchrun / Ray): fully_shard per decoder block + root (sharding.py)
+      |  process group (torchrun / Ray): dims.build_mesh() -> fully_shard per decoder block + root
+      |  on the mesh's data-parallel dims (sharding.py)
       v
     backend.model(...) -> loss / global count -> backend.backward(loss, sync_grads)
       -> backend.optimizer_step(): global grad norm, clip, AdamW, zero, LR schedule
@@ -42,10 +43,10 @@ from rlhfkit.backend import dist as D
 from rlhfkit.backend.dist import DistInfo
 from rlhfkit.backend.master import MasterWeights
 from rlhfkit.backend.optim import build_optimizer, build_scheduler, param_groups
+from rlhfkit.backend.parallel import ParallelDims
 from rlhfkit.backend.precision import DynamicLossScaler, compute_dtype_for, parse_dtype
 from rlhfkit.backend.sharding import (
     apply_fsdp2,
-    build_mesh,
     clip_grads,
     find_blocks,
     global_grad_norm,
@@ -66,6 +67,19 @@ def _validate(cfg: BackendConfig) -> None:
         raise ValueError(f"--zero_stage must be 0, 1, 2 or 3, got {cfg.zero_stage}")
     if cfg.mixed_precision not in ("master_weights", "autocast"):
         raise ValueError(f"--mixed_precision must be master_weights or autocast, got {cfg.mixed_precision!r}")
+
+
+def _check_dims(dims: ParallelDims, cfg: BackendConfig, dist: DistInfo) -> None:
+    """The mesh handed in must fit this process group and --zero_stage; tp / cp are not implemented."""
+    if dims.world_size != dist.world_size:
+        raise ValueError(f"ParallelDims was built for world size {dims.world_size}, "
+                         f"but this process group has {dist.world_size} ranks")
+    dims.check_supported()
+    if cfg.zero_stage == 0 and dims.dp_shard > 1:
+        raise ValueError(f"--zero_stage 0 replicates the model, but the mesh shards it over dp_shard={dims.dp_shard}")
+    if cfg.zero_stage > 0 and dims.dp_shard == 1 and dims.dp_replicate > 1:
+        raise ValueError(f"--zero_stage {cfg.zero_stage} shards over dp_shard, but the mesh has dp_shard=1 and "
+                         f"dp_replicate={dims.dp_replicate} (use --zero_stage 0 for plain replication)")
 
 
 def _cast_params(model: nn.Module, dtype: torch.dtype, trainable_only: bool) -> None:
@@ -115,9 +129,15 @@ class FSDP2Backend:
     """Wraps one model with its optimizer and LR schedule; see the module docstring."""
 
     def __init__(self, model: nn.Module, backend_cfg: BackendConfig, optim_cfg: OptimConfig | None,
-                 num_training_steps: int, dist: DistInfo, *, cpu_low_precision: bool = False) -> None:
+                 num_training_steps: int, dist: DistInfo, *, cpu_low_precision: bool = False,
+                 parallel: ParallelDims | None = None) -> None:
+        """`parallel`: the mesh description built from the flags (default: data parallel over
+        the whole world, sharded or replicated by --zero_stage)."""
         _validate(backend_cfg)
         self.cfg, self.optim_cfg, self.dist = backend_cfg, optim_cfg, dist
+        self.parallel = parallel or ParallelDims.from_flags(dist.world_size, backend_cfg.zero_stage)
+        _check_dims(self.parallel, backend_cfg, dist)
+        self.mesh = None
         self.device = torch.device(dist.device)
         self.param_dtype = parse_dtype(backend_cfg.param_dtype)
         self.compute_dtype = compute_dtype_for(self.param_dtype, self.device, cpu_low_precision)
@@ -164,7 +184,7 @@ class FSDP2Backend:
     def _shard(self, model: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
-        mesh = build_mesh(self.device.type, self.dist.world_size, self.cfg.zero_stage)
+        self.mesh = self.parallel.build_mesh(self.device.type)
         low = self.compute_dtype if self.compute_dtype != torch.float32 else None
         mp = MixedPrecisionPolicy(param_dtype=low if self.trainable else None,
                                   reduce_dtype=torch.float32)
@@ -173,11 +193,11 @@ class FSDP2Backend:
             offload = CPUOffloadPolicy(pin_memory=True)
         elif self.cfg.adam_offload:
             log.info("--adam_offload on CPU: states are already in CPU memory; nothing to offload")
-        apply_fsdp2(model, mesh, self.cfg.zero_stage, mp, offload)
+        apply_fsdp2(model, self.mesh[self.parallel.fsdp_dim_names], self.cfg.zero_stage, mp, offload)
         if offload is None:
             model.to(self.device)  # buffers not managed by FSDP (e.g. rotary tables)
         if not sum_gradients_by_loss_scale(model):
-            self._loss_multiplier = float(self.dist.world_size)
+            self._loss_multiplier = float(self.parallel.dp)
         return model
 
     # ------------------------------------------------------------------ training

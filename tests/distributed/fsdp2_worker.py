@@ -164,7 +164,10 @@ def main() -> None:
         losses, norms = train_steps(b, batches, dist)
         sd = b.full_state_dict()
         if dist.rank == 0:
-            res["stages"][str(stage)] = {"losses": losses, "grad_norms": norms}
+            param = next(b.model.parameters())
+            res["stages"][str(stage)] = {"losses": losses, "grad_norms": norms,
+                                         "mesh": [list(b.mesh.mesh_dim_names), list(b.mesh.shape)],
+                                         "param_mesh_dims": list(param.device_mesh.mesh_dim_names)}
             save_tensors(os.path.join(args.out, f"stage{stage}.safetensors"), sd)
         del b, sd
         if i == 0 and args.extra_checks:

@@ -77,6 +77,9 @@ def test_two_ranks_match_one_process(two_ranks, one_rank, stage):
     losses, norms, weights = one_rank
     assert res["world_size"] == 2
     got = res["stages"][stage]
+    # one named mesh from ParallelDims; FSDP2 shards over its data-parallel dims
+    assert got["mesh"] == [["dp_replicate", "dp_shard", "cp", "tp"], [2, 1, 1, 1] if stage == "0" else [1, 2, 1, 1]]
+    assert got["param_mesh_dims"] == (["dp_replicate", "dp_shard"] if stage == "0" else ["dp_shard"])
     assert got["losses"] == pytest.approx(losses, rel=1e-5)
     # gradients summed (not averaged) over ranks: the norms match the one-process norms
     assert got["grad_norms"] == pytest.approx(norms, rel=1e-5)
