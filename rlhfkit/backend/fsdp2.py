@@ -23,6 +23,10 @@ reducing every micro-batch, so gradients stay sharded (memory is what stage 3 is
 step on CPU); it needs a process group, so a single GPU runs it under
 `torchrun --nproc_per_node 1`. On CPU it changes nothing.
 
+Checkpoints (checkpoint.py) go through `sharded_state_dict()`: each rank's DTensor shards (or,
+in one process, the fp32 masters) and optimizer state, written by torch.distributed.checkpoint
+with no gather.
+
 An inference-only backend (`optim_cfg=None`, e.g. a reference or reward model) casts the
 weights to the compute dtype (no master copy is needed) and has no optimizer.
 """
@@ -332,8 +336,51 @@ class FSDP2Backend:
     def load_trainer_state(self, state: dict[str, Any]) -> None:
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
+            # the rate of the next step (also when the checkpoint had no optimizer state to carry it)
+            for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+                group["lr"] = lr
         if self.loss_scaler is not None and state.get("loss_scaler") is not None:
             self.loss_scaler.load_state_dict(state["loss_scaler"])
+
+    @property
+    def optimizer_has_state(self) -> bool:
+        """False until the first optimizer step (nothing to save for the optimizer yet)."""
+        return bool(self._require_optimizer().state)
+
+    def sharded_state_dict(self, with_optimizer: bool = True) -> dict[str, Any]:
+        """{"model": ..., "optim": ...} of this rank: DTensor shards when sharded (in one process the
+        module's tensors, with the fp32 masters in place of low-precision parameters); optimizer state
+        keyed by parameter name. Live tensors, no gather: torch.distributed.checkpoint writes from
+        them and loads into them in place. A fresh optimizer is given zero state to load into."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        opt = self._require_optimizer()
+        if self.master is not None:
+            sd = {"model": self.master.live_model_state_dict(self.model)}
+            if with_optimizer:
+                sd["optim"] = self.master.live_optimizer_state_dict(opt)
+            return sd
+        sd = {"model": get_model_state_dict(self.model)}
+        if with_optimizer:
+            sd["optim"] = get_optimizer_state_dict(self.model, opt)
+        return sd
+
+    def load_sharded_state_dict(self, sd: dict[str, Any]) -> None:
+        """Apply a `sharded_state_dict()` that a checkpoint was loaded into; without "optim" the
+        optimizer starts fresh (the checkpoint was taken before its first step)."""
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        opt = self._require_optimizer()
+        if self.master is not None:
+            self.master.copy_to_model()  # the masters were loaded in place
+            if "optim" in sd:
+                self.master.load_optimizer_state_dict(opt, sd["optim"])
+        else:
+            set_model_state_dict(self.model, sd["model"])
+            if "optim" in sd:
+                set_optimizer_state_dict(self.model, opt, sd["optim"])
+        if "optim" not in sd:
+            opt.state.clear()
 
     def save_checkpoint(self, ckpt_root: str, tag: str, client_state: dict | None,
                         max_keep: int) -> str:
