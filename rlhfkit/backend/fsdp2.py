@@ -25,7 +25,8 @@ step on CPU); it needs a process group, so a single GPU runs it under
 
 Checkpoints (checkpoint.py) go through `sharded_state_dict()`: each rank's DTensor shards (or,
 in one process, the fp32 masters) and optimizer state, written by torch.distributed.checkpoint
-with no gather.
+with no gather. `save_hf` streams full tensors one at a time into size-capped safetensors files
+(hf_export.py).
 
 An inference-only backend (`optim_cfg=None`, e.g. a reference or reward model) casts the
 weights to the compute dtype (no master copy is needed) and has no optimizer.
@@ -34,17 +35,15 @@ weights to the compute dtype (no master copy is needed) and has no optimizer.
 from __future__ import annotations
 
 import functools
-import json
 import logging
-import os
 from typing import Any, Iterator
 
 import torch
 from torch import nn
 
 from rlhfkit.backend import checkpoint as ckpt
-from rlhfkit.backend import dist as D
 from rlhfkit.backend.dist import DistInfo
+from rlhfkit.backend.hf_export import export_hf, parse_size
 from rlhfkit.backend.master import MasterWeights
 from rlhfkit.backend.optim import build_optimizer, build_scheduler, param_groups
 from rlhfkit.backend.parallel import ParallelDims
@@ -71,6 +70,7 @@ def _validate(cfg: BackendConfig) -> None:
         raise ValueError(f"--zero_stage must be 0, 1, 2 or 3, got {cfg.zero_stage}")
     if cfg.mixed_precision not in ("master_weights", "autocast"):
         raise ValueError(f"--mixed_precision must be master_weights or autocast, got {cfg.mixed_precision!r}")
+    parse_size(cfg.hf_max_shard_size)
 
 
 def _check_dims(dims: ParallelDims, cfg: BackendConfig, dist: DistInfo) -> None:
@@ -112,21 +112,6 @@ def _compile_blocks(model: nn.Module) -> None:
         raise ValueError("--torch_compile: no transformer blocks found in the model")
     for block in blocks:
         block.compile()
-
-
-def _set_config_dtype(path: str, dtype: torch.dtype) -> None:
-    """Record the saved weights' dtype in config.json (save_pretrained writes the live model's)."""
-    cfg_file = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_file):  # a peft adapter directory has adapter_config.json only
-        return
-    with open(cfg_file) as f:
-        cfg = json.load(f)
-    name = str(dtype).replace("torch.", "")
-    for key in ("dtype", "torch_dtype"):
-        if key in cfg or key == "dtype":
-            cfg[key] = name
-    with open(cfg_file, "w") as f:
-        json.dump(cfg, f, indent=2, sort_keys=True)
 
 
 class FSDP2Backend:
@@ -315,17 +300,15 @@ class FSDP2Backend:
         for bucket in self.full_param_buckets(bucket_bytes, dtype):
             yield from bucket
 
-    def save_hf(self, path: str, tokenizer: Any = None, dtype: torch.dtype | None = None) -> None:
-        """HF directory; weights in `dtype` (default: the compute dtype). Rank 0 writes."""
-        sd = self.full_state_dict()
-        if D.is_rank0():
-            dtype = dtype or self.compute_dtype
-            sd = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in sd.items()}
-            self.unwrap().save_pretrained(path, state_dict=sd, safe_serialization=True)
-            _set_config_dtype(path, dtype)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(path)
-        D.barrier()
+    def save_hf(self, path: str, tokenizer: Any = None, dtype: torch.dtype | None = None,
+                max_shard_size: int | str | None = None) -> None:
+        """HF directory; weights in `dtype` (default: the compute dtype), streamed one tensor at a
+        time into safetensors files of at most `max_shard_size` (default --hf_max_shard_size).
+        All ranks call; rank 0 writes."""
+        limit = parse_size(self.cfg.hf_max_shard_size if max_shard_size is None else max_shard_size)
+        export_hf(self.unwrap(), path, dtype or self.compute_dtype, limit, tokenizer,
+                  master_of=self.master.master_or_none if self.master is not None else None,
+                  full_state_dict=self.full_state_dict)
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -89,6 +89,10 @@ class MasterWeights:
 
     # ------------------------------------------------------------------ state dicts
 
+    def master_or_none(self, t: torch.Tensor) -> torch.Tensor | None:
+        """The fp32 master of module tensor `t`, or None when it has none (buffers, frozen weights)."""
+        return self._master_of.get(id(t))
+
     def live_model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The module's state dict with every trainable parameter replaced by its fp32 master
         (the tensors themselves: loading into them in place loads the masters)."""

@@ -8,7 +8,7 @@ on the same global batches as the single-process reference (each rank takes its 
 divided by the global token count. Rank 0 writes `O/stage<k>.safetensors` (final weights) and
 `O/results.json` (loss curves, grad norms and the extra checks of the first stage: sharded
 checkpoint resume on the same ranks and, with `--resume_ckpt`, from a checkpoint saved by another
-world size, `named_full_params` = `full_state_dict`, `save_hf` reload logits, offload/reload).
+world size, `named_full_params` = `full_state_dict`, streamed `save_hf` reload logits, offload/reload).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from rlhfkit.backend.dist import DistInfo
 from rlhfkit.config.configs import BackendConfig, OptimConfig
 
 GLOBAL_BATCH, MICRO, SEQ, PROMPT = 8, 2, 16, 3
+HF_SHARD_BYTES = 64 * 1024  # several safetensors files for the ~600 KB fp32 tiny model
 
 
 def make_batches(steps: int, vocab: int, seed: int = 1) -> list[dict[str, torch.Tensor]]:
@@ -96,7 +97,7 @@ def new_backend(model_dir: str, stage: int, dist: DistInfo, steps: int,
 
 def extra_checks(model_dir: str, out: str, stage: int, dist: DistInfo, steps: int,
                  batches: list[dict[str, torch.Tensor]], res: dict) -> None:
-    """Resume from a sharded checkpoint at step 3, weight iteration, HF export, offload/reload."""
+    """Resume from a sharded checkpoint at step 3, weight iteration, streamed HF export, offload/reload."""
     ckpt_root = os.path.join(out, "ckpt")
     b = new_backend(model_dir, stage, dist, steps)
     train_steps(b, batches[:3], dist)
@@ -118,7 +119,10 @@ def extra_checks(model_dir: str, out: str, stage: int, dist: DistInfo, steps: in
     full = b.full_state_dict()
     named = {n: t.cpu() for n, t in b.named_full_params(bucket_bytes=64 * 1024)}
     hf_dir = os.path.join(out, "hf")
-    b.save_hf(hf_dir, dtype=torch.float32)
+    gathers = []
+    b.full_state_dict = lambda: gathers.append(1) or {}  # the streamed export must not gather it
+    b.save_hf(hf_dir, dtype=torch.float32, max_shard_size=HF_SHARD_BYTES)
+    res["hf_full_state_dict_calls"] = len(gathers)
     r = new_backend(model_dir, stage, dist, steps)
     client = r.load_checkpoint(ckpt_root)
     res["resumed_losses"], _ = train_steps(r, batches[3:], dist)
