@@ -1,4 +1,4 @@
-"""Resumable training checkpoints: sharded (torch.distributed.checkpoint), atomic, `weights_only` loads.
+"""Resumable training checkpoints: sharded (torch.distributed.checkpoint), atomic, reshardable.
 
 Layout of `<ckpt_root>/<tag>/`:
 
@@ -28,6 +28,10 @@ pieces of its own shards from whichever files hold them, so a checkpoint saved o
 on M ranks (resharding). A checkpoint taken before the first optimizer step has no optimizer
 state; loading it resets the optimizer. Older full-state checkpoints (`model.safetensors` +
 `optim.pt`, written by rank 0) still load, broadcast from rank 0. A shared filesystem is assumed.
+
+Trust: trainer.pt, rng_<rank>.pt and the old-format files load with `torch.load(weights_only=True)`,
+but torch.distributed.checkpoint itself unpickles its `.metadata` file and non-tensor entries (the
+optimizer's param_groups): load only checkpoints you wrote.
 """
 
 from __future__ import annotations
