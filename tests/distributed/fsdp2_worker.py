@@ -146,7 +146,7 @@ def resume_from_other_world(model_dir: str, ckpt_root: str, out: str, stage: int
     losses, _ = train_steps(r, batches[3:], dist)
     final = r.full_state_dict()
     if dist.rank == 0:
-        res["other_world"] = {"client_state": client, "losses": losses, "lr": r.lr}
+        res["other_world"] = {"client_state": client, "losses": losses}
         save_tensors(os.path.join(out, "other_world_loaded.safetensors"), loaded)
         save_tensors(os.path.join(out, "other_world_final.safetensors"), final)
     barrier()

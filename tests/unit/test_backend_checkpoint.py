@@ -103,8 +103,8 @@ def test_files_are_sharded_and_load_with_weights_only(tiny_model_dir, tmp_path):
 
 
 def test_checkpoint_before_the_first_step_keeps_the_optimizer_fresh(tiny_model_dir, tmp_path):
-    data = batches(103)
     a = new_backend(tiny_model_dir)
+    data = batches(a.model.config.vocab_size)
     a.save_checkpoint(str(tmp_path), "s0", {"step": 0}, max_keep=1)
     assert not a.optimizer.state  # saving did not create optimizer state (Adam's step count stays 0)
     assert json.load(open(tmp_path / "s0" / "meta.json"))["has_optim"] is False
