@@ -2,7 +2,8 @@
 checkpoints and HF export.
 
     dist = init_distributed(backend_cfg.device)
-    backend = FSDP2Backend(model, backend_cfg, optim_cfg, num_training_steps, dist)
+    dims = ParallelDims.from_flags(dist.world_size, backend_cfg.zero_stage)   # the training mesh
+    backend = FSDP2Backend(model, backend_cfg, optim_cfg, num_training_steps, dist, parallel=dims)
 """
 
 from rlhfkit.backend.base import TrainBackend
@@ -16,10 +17,11 @@ from rlhfkit.backend.dist import (
     is_rank0,
 )
 from rlhfkit.backend.fsdp2 import FSDP2Backend
+from rlhfkit.backend.parallel import ParallelDims
 from rlhfkit.backend.optim import SCHEDULES, build_optimizer, build_scheduler, register_schedule
 
 __all__ = [
-    "TrainBackend", "FSDP2Backend", "DistInfo", "init_distributed", "all_reduce_sum", "barrier",
+    "TrainBackend", "FSDP2Backend", "ParallelDims", "DistInfo", "init_distributed", "all_reduce_sum", "barrier",
     "broadcast_object", "is_rank0", "build_optimizer", "build_scheduler", "SCHEDULES",
     "register_schedule", "save_checkpoint", "load_checkpoint", "latest_checkpoint",
 ]

@@ -58,8 +58,10 @@ class TrainBackend(Protocol):
         """(HF name, full tensor) for weight sync to a rollout engine (all ranks iterate)."""
         ...
 
-    def save_hf(self, path: str, tokenizer: Any = None, dtype: torch.dtype | None = None) -> None:
-        """Hugging Face directory (config, safetensors, tokenizer); rank 0 writes."""
+    def save_hf(self, path: str, tokenizer: Any = None, dtype: torch.dtype | None = None,
+                max_shard_size: int | str | None = None) -> None:
+        """Hugging Face directory (config, safetensors shards + index, tokenizer); all ranks call,
+        rank 0 writes."""
         ...
 
     def save_checkpoint(self, ckpt_root: str, tag: str, client_state: dict | None,

@@ -1,22 +1,37 @@
-"""Resumable training checkpoints: atomic, safetensors weights, `weights_only` loads.
+"""Resumable training checkpoints: sharded (torch.distributed.checkpoint), atomic, reshardable.
 
-Layout of `<ckpt_root>/<tag>/` (all but the RNG files written by rank 0):
+Layout of `<ckpt_root>/<tag>/`:
 
-    model.safetensors     full (unsharded) fp32 model state; tied tensors stored once
-    optim.pt              full optimizer state keyed by parameter name (DCP state-dict API)
-    trainer.pt            LR scheduler state and the fp16 loss scaler
+    dcp/                  torch.distributed.checkpoint files: `.metadata` and one `__<rank>_0.distcp`
+                          per rank, holding {"model": ..., "optim": ...} of `backend.sharded_state_dict()`:
+                          each rank's DTensor shards of the fp32 weights (one process: the fp32
+                          master weights) and of the AdamW state, keyed by parameter name
+    trainer.pt            LR scheduler state and the fp16 loss scaler (rank 0)
     rng_<rank>.pt         python / numpy / torch CPU / CUDA generator states of each rank
-    client_state.json     the caller's JSON-able state (step, data position, ...)
-    meta.json             written last: tag, save index, world size
+    client_state.json     the caller's JSON-able state (step, data position, ...) (rank 0)
+    meta.json             written last (rank 0): tag, save index, world size, format, has_optim
 
-Saving writes everything to `<tag>.tmp`, then `os.replace`s it to `<tag>` and rewrites the
-`latest` file (via `latest.tmp` + `os.replace`), so a crash at any point leaves `latest` naming a
-complete checkpoint. `<tag>.tmp` leftovers are never loaded and are removed by the next save.
-Only the `max_keep` newest checkpoints (by save index) are kept.
+Saving never gathers the model or the optimizer: every rank writes its own shards
+
+    all ranks:  sharded_state_dict() -> dcp.save -> <tag>.tmp/dcp/  (each file fsynced)
+                rng_<rank>.pt
+    rank 0:     trainer.pt, client_state.json, meta.json (fsynced), fsync the directories,
+                os.replace(<tag>.tmp, <tag>), rewrite `latest` (latest.tmp + os.replace), rotate
+
+so a crash at any point leaves `latest` naming a complete checkpoint. `<tag>.tmp` leftovers are
+never loaded and are removed by the next save. Only the `max_keep` newest checkpoints (by save
+index) are kept.
 
 Loading reads `latest` (falling back to the newest complete checkpoint if it names a missing
-one), loads every file with `torch.load(weights_only=True)` and, when sharded, gives rank 0's
-full state to all ranks with `broadcast_from_rank0`. A shared filesystem is assumed.
+one), builds this run's `sharded_state_dict()` and lets `dcp.load` fill it: each rank reads the
+pieces of its own shards from whichever files hold them, so a checkpoint saved on N ranks loads
+on M ranks (resharding). A checkpoint taken before the first optimizer step has no optimizer
+state; loading it resets the optimizer. Older full-state checkpoints (`model.safetensors` +
+`optim.pt`, written by rank 0) still load, broadcast from rank 0. A shared filesystem is assumed.
+
+Trust: trainer.pt, rng_<rank>.pt and the old-format files load with `torch.load(weights_only=True)`,
+but torch.distributed.checkpoint itself unpickles its `.metadata` file and non-tensor entries (the
+optimizer's param_groups): load only checkpoints you wrote.
 """
 
 from __future__ import annotations
@@ -27,6 +42,7 @@ import os
 import random
 import shutil
 import time
+import warnings
 from typing import Any
 
 import numpy as np
@@ -40,6 +56,8 @@ log = logging.getLogger(__name__)
 LATEST = "latest"
 META = "meta.json"
 TMP_SUFFIX = ".tmp"
+DCP_DIR = "dcp"
+FORMAT = "dcp-v1"
 
 
 # ----------------------------------------------------------------------------- tensors
@@ -117,13 +135,34 @@ def set_rng_state(state: dict[str, Any]) -> None:
 # ----------------------------------------------------------------------------- layout
 
 
-def _atomic_write_text(path: str, text: str) -> None:
-    tmp = path + TMP_SUFFIX
-    with open(tmp, "w") as f:
-        f.write(text)
+def _fsync_dir(path: str) -> None:
+    """Make the entries of directory `path` (new files, renames) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_file(path: str, data: bytes | str) -> None:
+    with open(path, "w" if isinstance(data, str) else "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _torch_save(obj: Any, path: str) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _atomic_write_text(path: str, text: str) -> None:
+    tmp = path + TMP_SUFFIX
+    _write_file(tmp, text)
     os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path) or ".")
 
 
 def _read_meta(path: str) -> dict | None:
@@ -182,9 +221,20 @@ def _clear_stale_tmp(ckpt_root: str) -> None:
 # ----------------------------------------------------------------------------- save / load
 
 
+def _dcp(fn, *args: Any, **kwargs: Any) -> Any:
+    """dcp.save / dcp.load, told whether there is a process group (one process: no_dist)."""
+    no_dist = not D.is_distributed()
+    with warnings.catch_warnings():
+        if no_dist:  # "assuming the intent is to save in a single process": it is
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        return fn(*args, no_dist=no_dist, **kwargs)
+
+
 def save_checkpoint(backend, ckpt_root: str, tag: str, client_state: dict | None,
                     max_keep: int) -> str:
     """Save model, optimizer, scheduler, RNG and `client_state` as `<ckpt_root>/<tag>` (all ranks call)."""
+    import torch.distributed.checkpoint as dcp
+
     if max_keep < 1:
         raise ValueError(f"--max_ckpt_num must be >= 1, got {max_keep}")
     if not tag or "/" in tag or tag == LATEST or tag.endswith(TMP_SUFFIX):
@@ -198,24 +248,25 @@ def save_checkpoint(backend, ckpt_root: str, tag: str, client_state: dict | None
     if rank0:
         os.makedirs(ckpt_root, exist_ok=True)
         _clear_stale_tmp(ckpt_root)
-        os.makedirs(tmp)
+        os.makedirs(os.path.join(tmp, DCP_DIR))
     D.barrier()
-    model_sd = backend.full_state_dict()
-    optim_sd = backend.optimizer_state_dict()
-    torch.save(rng_state(), os.path.join(tmp, f"rng_{D.get_rank()}.pt"))
+    has_optim = backend.optimizer_has_state
+    state = backend.sharded_state_dict(with_optimizer=has_optim)
+    writer = dcp.FileSystemWriter(os.path.join(tmp, DCP_DIR), sync_files=True)
+    _dcp(dcp.save, state, storage_writer=writer)
+    del state
+    _torch_save(rng_state(), os.path.join(tmp, f"rng_{D.get_rank()}.pt"))
     if rank0:
-        save_tensors(os.path.join(tmp, "model.safetensors"), model_sd)
-        torch.save(optim_sd, os.path.join(tmp, "optim.pt"))
-        torch.save(backend.trainer_state(), os.path.join(tmp, "trainer.pt"))
-        with open(os.path.join(tmp, "client_state.json"), "w") as f:
-            f.write(client_json)
-    del model_sd, optim_sd
+        _torch_save(backend.trainer_state(), os.path.join(tmp, "trainer.pt"))
+        _write_file(os.path.join(tmp, "client_state.json"), client_json)
     D.barrier()
     if rank0:
         index = max([i for i, _ in list_checkpoints(ckpt_root)], default=-1) + 1
-        meta = {"tag": tag, "index": index, "world_size": D.get_world_size(), "time": time.time()}
-        with open(os.path.join(tmp, META), "w") as f:
-            json.dump(meta, f)
+        meta = {"tag": tag, "index": index, "world_size": D.get_world_size(), "time": time.time(),
+                "format": FORMAT, "has_optim": has_optim}
+        _write_file(os.path.join(tmp, META), json.dumps(meta))
+        _fsync_dir(os.path.join(tmp, DCP_DIR))
+        _fsync_dir(tmp)
         _publish(ckpt_root, tag, tmp, final)
         _rotate(ckpt_root, max_keep, keep_tag=tag)
     D.barrier()
@@ -230,9 +281,31 @@ def _publish(ckpt_root: str, tag: str, tmp: str, final: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
     os.replace(tmp, final)
+    _fsync_dir(ckpt_root)
     _atomic_write_text(os.path.join(ckpt_root, LATEST), tag)
     if old:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _load_sharded(backend, path: str, meta: dict) -> None:
+    """dcp.load into this run's own shards (any world size), then hand them to the backend."""
+    import torch.distributed.checkpoint as dcp
+
+    state = backend.sharded_state_dict(with_optimizer=bool(meta.get("has_optim", True)))
+    try:
+        _dcp(dcp.load, state, storage_reader=dcp.FileSystemReader(os.path.join(path, DCP_DIR)))
+    except Exception as e:  # noqa: BLE001 - DCP wraps per-rank failures; name the checkpoint
+        raise RuntimeError(f"--load_checkpoint: {path} does not match this model and optimizer "
+                           f"(saved on {meta.get('world_size')} ranks): {e}") from e
+    backend.load_sharded_state_dict(state)
+
+
+def _load_full_state(backend, path: str) -> None:
+    """Checkpoints of the earlier format: full state written by rank 0, broadcast when sharded."""
+    load_here = D.is_rank0() or not backend.is_sharded
+    model_sd = load_tensors(os.path.join(path, "model.safetensors")) if load_here else {}
+    optim_sd = torch.load(os.path.join(path, "optim.pt"), weights_only=True) if load_here else {}
+    backend.load_full_state(model_sd, optim_sd)
 
 
 def load_checkpoint(backend, ckpt_root: str) -> dict | None:
@@ -240,11 +313,14 @@ def load_checkpoint(backend, ckpt_root: str) -> dict | None:
     path = D.broadcast_object(latest_checkpoint(ckpt_root) if D.is_rank0() else None)
     if path is None:
         return None
-    load_here = D.is_rank0() or not backend.is_sharded
-    model_sd = load_tensors(os.path.join(path, "model.safetensors")) if load_here else {}
-    optim_sd = torch.load(os.path.join(path, "optim.pt"), weights_only=True) if load_here else {}
-    backend.load_full_state(model_sd, optim_sd)
-    del model_sd, optim_sd
+    meta = _read_meta(path) or {}
+    if os.path.isdir(os.path.join(path, DCP_DIR)):
+        _load_sharded(backend, path, meta)
+    elif os.path.isfile(os.path.join(path, "model.safetensors")):
+        _load_full_state(backend, path)
+    else:
+        raise FileNotFoundError(f"--load_checkpoint: {path} has neither {DCP_DIR}/ (sharded checkpoint) "
+                                "nor model.safetensors (full-state checkpoint)")
     backend.load_trainer_state(torch.load(os.path.join(path, "trainer.pt"), weights_only=True))
     rng_file = os.path.join(path, f"rng_{D.get_rank()}.pt")
     if not os.path.exists(rng_file):

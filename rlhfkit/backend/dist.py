@@ -89,6 +89,11 @@ def _active() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def is_distributed() -> bool:
+    """True when a default process group exists (torchrun / Ray group of several ranks)."""
+    return _active()
+
+
 def _comm_device() -> torch.device:
     """The device collectives of the default group run on (NCCL: the current GPU)."""
     if _active() and "nccl" in str(dist.get_backend()):

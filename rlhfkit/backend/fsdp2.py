@@ -1,8 +1,9 @@
 """`FSDP2Backend`: the default `TrainBackend` (PyTorch FSDP2, nothing extra to install).
 
-    model (HF causal LM, fp32 master weights)
+    model (HF causal LM, fp32 master weights)        ParallelDims (parallel.py), from the flags
       |  one process, no process group: plain module on the device (+ autocast on CUDA)
-      |  process group (torchrun / Ray): fully_shard per decoder block + root (sharding.py)
+      |  process group (torchrun / Ray): dims.build_mesh() -> fully_shard per decoder block + root
+      |  on the mesh's data-parallel dims (sharding.py)
       v
     backend.model(...) -> loss / global count -> backend.backward(loss, sync_grads)
       -> backend.optimizer_step(): global grad norm, clip, AdamW, zero, LR schedule
@@ -22,6 +23,11 @@ reducing every micro-batch, so gradients stay sharded (memory is what stage 3 is
 step on CPU); it needs a process group, so a single GPU runs it under
 `torchrun --nproc_per_node 1`. On CPU it changes nothing.
 
+Checkpoints (checkpoint.py) go through `sharded_state_dict()`: each rank's DTensor shards (or,
+in one process, the fp32 masters) and optimizer state, written by torch.distributed.checkpoint
+with no gather. `save_hf` streams full tensors one at a time into size-capped safetensors files
+(hf_export.py).
+
 An inference-only backend (`optim_cfg=None`, e.g. a reference or reward model) casts the
 weights to the compute dtype (no master copy is needed) and has no optimizer.
 """
@@ -29,23 +35,21 @@ weights to the compute dtype (no master copy is needed) and has no optimizer.
 from __future__ import annotations
 
 import functools
-import json
 import logging
-import os
 from typing import Any, Iterator
 
 import torch
 from torch import nn
 
 from rlhfkit.backend import checkpoint as ckpt
-from rlhfkit.backend import dist as D
 from rlhfkit.backend.dist import DistInfo
+from rlhfkit.backend.hf_export import export_hf, parse_size
 from rlhfkit.backend.master import MasterWeights
 from rlhfkit.backend.optim import build_optimizer, build_scheduler, param_groups
+from rlhfkit.backend.parallel import ParallelDims
 from rlhfkit.backend.precision import DynamicLossScaler, compute_dtype_for, parse_dtype
 from rlhfkit.backend.sharding import (
     apply_fsdp2,
-    build_mesh,
     clip_grads,
     find_blocks,
     global_grad_norm,
@@ -66,6 +70,20 @@ def _validate(cfg: BackendConfig) -> None:
         raise ValueError(f"--zero_stage must be 0, 1, 2 or 3, got {cfg.zero_stage}")
     if cfg.mixed_precision not in ("master_weights", "autocast"):
         raise ValueError(f"--mixed_precision must be master_weights or autocast, got {cfg.mixed_precision!r}")
+    parse_size(cfg.hf_max_shard_size)
+
+
+def _check_dims(dims: ParallelDims, cfg: BackendConfig, dist: DistInfo) -> None:
+    """The mesh handed in must fit this process group and --zero_stage; tp / cp are not implemented."""
+    if dims.world_size != dist.world_size:
+        raise ValueError(f"ParallelDims was built for world size {dims.world_size}, "
+                         f"but this process group has {dist.world_size} ranks")
+    dims.check_supported()
+    if cfg.zero_stage == 0 and dims.dp_shard > 1:
+        raise ValueError(f"--zero_stage 0 replicates the model, but the mesh shards it over dp_shard={dims.dp_shard}")
+    if cfg.zero_stage > 0 and dims.dp_shard == 1 and dims.dp_replicate > 1:
+        raise ValueError(f"--zero_stage {cfg.zero_stage} shards over dp_shard, but the mesh has dp_shard=1 and "
+                         f"dp_replicate={dims.dp_replicate} (use --zero_stage 0 for plain replication)")
 
 
 def _cast_params(model: nn.Module, dtype: torch.dtype, trainable_only: bool) -> None:
@@ -96,28 +114,19 @@ def _compile_blocks(model: nn.Module) -> None:
         block.compile()
 
 
-def _set_config_dtype(path: str, dtype: torch.dtype) -> None:
-    """Record the saved weights' dtype in config.json (save_pretrained writes the live model's)."""
-    cfg_file = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_file):  # a peft adapter directory has adapter_config.json only
-        return
-    with open(cfg_file) as f:
-        cfg = json.load(f)
-    name = str(dtype).replace("torch.", "")
-    for key in ("dtype", "torch_dtype"):
-        if key in cfg or key == "dtype":
-            cfg[key] = name
-    with open(cfg_file, "w") as f:
-        json.dump(cfg, f, indent=2, sort_keys=True)
-
-
 class FSDP2Backend:
     """Wraps one model with its optimizer and LR schedule; see the module docstring."""
 
     def __init__(self, model: nn.Module, backend_cfg: BackendConfig, optim_cfg: OptimConfig | None,
-                 num_training_steps: int, dist: DistInfo, *, cpu_low_precision: bool = False) -> None:
+                 num_training_steps: int, dist: DistInfo, *, cpu_low_precision: bool = False,
+                 parallel: ParallelDims | None = None) -> None:
+        """`parallel`: the mesh description built from the flags (default: data parallel over
+        the whole world, sharded or replicated by --zero_stage)."""
         _validate(backend_cfg)
         self.cfg, self.optim_cfg, self.dist = backend_cfg, optim_cfg, dist
+        self.parallel = parallel or ParallelDims.from_flags(dist.world_size, backend_cfg.zero_stage)
+        _check_dims(self.parallel, backend_cfg, dist)
+        self.mesh = None
         self.device = torch.device(dist.device)
         self.param_dtype = parse_dtype(backend_cfg.param_dtype)
         self.compute_dtype = compute_dtype_for(self.param_dtype, self.device, cpu_low_precision)
@@ -164,7 +173,7 @@ class FSDP2Backend:
     def _shard(self, model: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
-        mesh = build_mesh(self.device.type, self.dist.world_size, self.cfg.zero_stage)
+        self.mesh = self.parallel.build_mesh(self.device.type)
         low = self.compute_dtype if self.compute_dtype != torch.float32 else None
         mp = MixedPrecisionPolicy(param_dtype=low if self.trainable else None,
                                   reduce_dtype=torch.float32)
@@ -173,11 +182,11 @@ class FSDP2Backend:
             offload = CPUOffloadPolicy(pin_memory=True)
         elif self.cfg.adam_offload:
             log.info("--adam_offload on CPU: states are already in CPU memory; nothing to offload")
-        apply_fsdp2(model, mesh, self.cfg.zero_stage, mp, offload)
+        apply_fsdp2(model, self.mesh[self.parallel.fsdp_dim_names], self.cfg.zero_stage, mp, offload)
         if offload is None:
             model.to(self.device)  # buffers not managed by FSDP (e.g. rotary tables)
         if not sum_gradients_by_loss_scale(model):
-            self._loss_multiplier = float(self.dist.world_size)
+            self._loss_multiplier = float(self.parallel.dp)
         return model
 
     # ------------------------------------------------------------------ training
@@ -291,17 +300,15 @@ class FSDP2Backend:
         for bucket in self.full_param_buckets(bucket_bytes, dtype):
             yield from bucket
 
-    def save_hf(self, path: str, tokenizer: Any = None, dtype: torch.dtype | None = None) -> None:
-        """HF directory; weights in `dtype` (default: the compute dtype). Rank 0 writes."""
-        sd = self.full_state_dict()
-        if D.is_rank0():
-            dtype = dtype or self.compute_dtype
-            sd = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in sd.items()}
-            self.unwrap().save_pretrained(path, state_dict=sd, safe_serialization=True)
-            _set_config_dtype(path, dtype)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(path)
-        D.barrier()
+    def save_hf(self, path: str, tokenizer: Any = None, dtype: torch.dtype | None = None,
+                max_shard_size: int | str | None = None) -> None:
+        """HF directory; weights in `dtype` (default: the compute dtype), streamed one tensor at a
+        time into safetensors files of at most `max_shard_size` (default --hf_max_shard_size).
+        All ranks call; rank 0 writes."""
+        limit = parse_size(self.cfg.hf_max_shard_size if max_shard_size is None else max_shard_size)
+        export_hf(self.unwrap(), path, dtype or self.compute_dtype, limit, tokenizer,
+                  master_of=self.master.master_or_none if self.master is not None else None,
+                  full_state_dict=self.full_state_dict)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -312,8 +319,51 @@ class FSDP2Backend:
     def load_trainer_state(self, state: dict[str, Any]) -> None:
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
+            # the rate of the next step (also when the checkpoint had no optimizer state to carry it)
+            for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+                group["lr"] = lr
         if self.loss_scaler is not None and state.get("loss_scaler") is not None:
             self.loss_scaler.load_state_dict(state["loss_scaler"])
+
+    @property
+    def optimizer_has_state(self) -> bool:
+        """False until the first optimizer step (nothing to save for the optimizer yet)."""
+        return bool(self._require_optimizer().state)
+
+    def sharded_state_dict(self, with_optimizer: bool = True) -> dict[str, Any]:
+        """{"model": ..., "optim": ...} of this rank: DTensor shards when sharded (in one process the
+        module's tensors, with the fp32 masters in place of low-precision parameters); optimizer state
+        keyed by parameter name. Live tensors, no gather: torch.distributed.checkpoint writes from
+        them and loads into them in place. A fresh optimizer is given zero state to load into."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        opt = self._require_optimizer()
+        if self.master is not None:
+            sd = {"model": self.master.live_model_state_dict(self.model)}
+            if with_optimizer:
+                sd["optim"] = self.master.live_optimizer_state_dict(opt)
+            return sd
+        sd = {"model": get_model_state_dict(self.model)}
+        if with_optimizer:
+            sd["optim"] = get_optimizer_state_dict(self.model, opt)
+        return sd
+
+    def load_sharded_state_dict(self, sd: dict[str, Any]) -> None:
+        """Apply a `sharded_state_dict()` that a checkpoint was loaded into; without "optim" the
+        optimizer starts fresh (the checkpoint was taken before its first step)."""
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        opt = self._require_optimizer()
+        if self.master is not None:
+            self.master.copy_to_model()  # the masters were loaded in place
+            if "optim" in sd:
+                self.master.load_optimizer_state_dict(opt, sd["optim"])
+        else:
+            set_model_state_dict(self.model, sd["model"])
+            if "optim" in sd:
+                set_optimizer_state_dict(self.model, opt, sd["optim"])
+        if "optim" not in sd:
+            opt.state.clear()
 
     def save_checkpoint(self, ckpt_root: str, tag: str, client_state: dict | None,
                         max_keep: int) -> str:

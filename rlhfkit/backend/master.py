@@ -12,9 +12,10 @@ gradient into the master's fp32 `.grad` and frees it, so gradient accumulation o
 sums in fp32 and the low-precision gradient of a parameter lives only until its hook runs.
 
 State dicts use the parameter names of the module, in the layout of
-`torch.distributed.checkpoint.state_dict` with `full_state_dict=True` (`{"state": {fqn: ...},
-"param_groups": [{..., "params": [fqn, ...]}]}`), so a checkpoint written here loads into a
-sharded run and back.
+`torch.distributed.checkpoint.state_dict` (`{"state": {fqn: ...}, "param_groups": [{...,
+"params": [fqn, ...]}]}`), so a checkpoint written here loads into a sharded run and back.
+`live_model_state_dict` / `live_optimizer_state_dict` hand out the tensors themselves (no copy),
+which `torch.distributed.checkpoint` writes from and loads into in place.
 """
 
 from __future__ import annotations
@@ -88,14 +89,22 @@ class MasterWeights:
 
     # ------------------------------------------------------------------ state dicts
 
-    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """The module's state dict on CPU with every trainable parameter replaced by its fp32 master."""
+    def master_or_none(self, t: torch.Tensor) -> torch.Tensor | None:
+        """The fp32 master of module tensor `t`, or None when it has none (buffers, frozen weights)."""
+        return self._master_of.get(id(t))
+
+    def live_model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The module's state dict with every trainable parameter replaced by its fp32 master
+        (the tensors themselves: loading into them in place loads the masters)."""
         out: dict[str, torch.Tensor] = {}
         for name, t in model.state_dict(keep_vars=True).items():
             master = self._master_of.get(id(t))
-            src = master if master is not None else t
-            out[name] = src.detach().cpu()
+            out[name] = (master if master is not None else t).detach()
         return out
+
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """`live_model_state_dict` copied to CPU."""
+        return {k: v.cpu() for k, v in self.live_model_state_dict(model).items()}
 
     @torch.no_grad()
     def load_model_state_dict(self, model: nn.Module, sd: dict[str, torch.Tensor]) -> None:
@@ -109,12 +118,23 @@ class MasterWeights:
             m.copy_(sd[name].to(m.device, torch.float32))
         self.copy_to_model()
 
+    def live_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Optimizer state keyed by parameter name, holding the optimizer's own state tensors.
+
+        An optimizer that has not stepped yet is given its state first (`init_optimizer_state`),
+        so that there are tensors to load a checkpoint into."""
+        init_optimizer_state(optimizer)
+        return self._named_optimizer_state(optimizer, lambda v: v)
+
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """Full optimizer state keyed by parameter name, on CPU (the DCP full-state-dict layout)."""
+        """Optimizer state keyed by parameter name, copied to CPU (the DCP full-state-dict layout)."""
+        return self._named_optimizer_state(optimizer, lambda v: v.detach().cpu())
+
+    def _named_optimizer_state(self, optimizer: torch.optim.Optimizer, conv) -> dict[str, Any]:
         name_of = {id(m): n for n, m in zip(self.names, self.masters)}
         sd = optimizer.state_dict()
         order = [m for g in optimizer.param_groups for m in g["params"]]
-        state = {name_of[id(order[i])]: {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v)
+        state = {name_of[id(order[i])]: {k: (conv(v) if isinstance(v, torch.Tensor) else v)
                                          for k, v in s.items()}
                  for i, s in sd["state"].items()}
         groups = []
@@ -141,4 +161,24 @@ class MasterWeights:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+
+@torch.no_grad()
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the state of an optimizer that has not stepped: one step with zero gradients and
+    learning rate 0 (AdamW then changes no weight), gradients cleared after. No-op once it has state."""
+    if optimizer.state:
+        return
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if any(p.grad is not None for p in params):
+        raise RuntimeError("cannot initialise the optimizer state while gradients are pending")
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    for g in optimizer.param_groups:
+        g["lr"] = torch.zeros_like(g["lr"]) if isinstance(g["lr"], torch.Tensor) else 0.0
+    optimizer.step()
+    for g, lr in zip(optimizer.param_groups, lrs):
+        g["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
 

@@ -1,13 +1,14 @@
 """FSDP2 wrapping (per decoder block and root), global gradient norms, full-weight iteration.
 
-`--zero_stage` on FSDP2 (`torch.distributed.fsdp.fully_shard`):
+`--zero_stage` on FSDP2 (`torch.distributed.fsdp.fully_shard`), on the data-parallel dims of
+the mesh that `ParallelDims` (parallel.py) builds:
 
-    3    1-D mesh (world,), reshard_after_forward=True: parameters, gradients and optimizer
-         states are sharded; blocks are all-gathered again for backward.
-    1/2  1-D mesh (world,), reshard_after_forward=False: gradients and optimizer states are
-         sharded, the gathered parameters stay between forward and backward (no re-gather).
-    0    2-D mesh (replicate=world, shard=1): FSDP2's hybrid mode with a shard group of one rank
-         is plain replication (every rank holds full parameters, gradients and optimizer
+    3    1-D mesh ("dp_shard"=world,), reshard_after_forward=True: parameters, gradients and
+         optimizer states are sharded; blocks are all-gathered again for backward.
+    1/2  1-D mesh ("dp_shard"=world,), reshard_after_forward=False: gradients and optimizer states
+         are sharded, the gathered parameters stay between forward and backward (no re-gather).
+    0    2-D mesh ("dp_replicate"=world, "dp_shard"=1): FSDP2's hybrid mode with a shard group of
+         one rank is plain replication (every rank holds full parameters, gradients and optimizer
          states; gradients are all-reduced), i.e. DDP. We use it instead of DDP /
          `_composable.replicate` so that every stage has the same DTensor parameters, the same
          gradient clipping and the same distributed state-dict code.
@@ -29,7 +30,7 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 try:
@@ -58,13 +59,6 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
         if isinstance(m, nn.ModuleList) and name.rsplit(".", 1)[-1] in _LAYER_LIST_NAMES:
             return list(m)
     return []
-
-
-def build_mesh(device_type: str, world_size: int, zero_stage: int) -> DeviceMesh:
-    """1-D sharding mesh for stages 1-3; (world, 1) replicate x shard mesh for stage 0."""
-    if zero_stage == 0:
-        return init_device_mesh(device_type, (world_size, 1), mesh_dim_names=("replicate", "shard"))
-    return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
 
 
 def apply_fsdp2(model: nn.Module, mesh: DeviceMesh, zero_stage: int,

@@ -12,7 +12,7 @@ import os
 import random
 import sys
 import traceback
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
@@ -20,6 +20,10 @@ import torch
 from rlhfkit.config.flags import run_dir_of, write_resolved_config
 from rlhfkit.data.io import DataError
 from rlhfkit.trainers.metrics import MetricsLogger, NullLogger, WandbSettings
+
+if TYPE_CHECKING:
+    from rlhfkit.backend.dist import DistInfo
+    from rlhfkit.backend.parallel import ParallelDims
 
 
 class UsageError(ValueError):
@@ -60,6 +64,16 @@ def make_logger(args: argparse.Namespace, rank: int, plot_keys: tuple[str, ...] 
 # DeepSpeed-only flags that OpenRLHF command lines carry; FSDP2 has no equivalent knob.
 DEEPSPEED_ONLY = {"zpg": 1, "overlap_comm": False, "grad_accum_dtype": None, "deepcompile": False,
                   "use_universal_ckpt": False, "use_liger_kernel": False}
+
+
+def parallel_dims(args: argparse.Namespace, dist: DistInfo) -> ParallelDims:
+    """The training mesh of this process group, from --zero_stage, --ds_tensor_parallel_size and
+    --ring_attn_size (handed to every FSDP2Backend of the group)."""
+    from rlhfkit.backend.parallel import ParallelDims
+
+    return ParallelDims.from_flags(dist.world_size, getattr(args, "zero_stage", 2),
+                                   tensor_parallel_size=getattr(args, "ds_tensor_parallel_size", 1),
+                                   ring_attn_size=getattr(args, "ring_attn_size", 1))
 
 
 def check_backend_flags(args: argparse.Namespace) -> None:

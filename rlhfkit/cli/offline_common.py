@@ -22,7 +22,7 @@ import torch
 
 from rlhfkit.backend.dist import DistInfo, init_distributed
 from rlhfkit.backend.fsdp2 import FSDP2Backend
-from rlhfkit.cli.common import UsageError, check_backend_flags, set_seed
+from rlhfkit.cli.common import UsageError, check_backend_flags, parallel_dims, set_seed
 from rlhfkit.config.configs import BackendConfig, ModelConfig, OptimConfig, from_args
 from rlhfkit.config.flags import (FlagParser, add_backend_flags, add_ckpt_flags, add_data_flags,
                                   add_logging_flags, add_model_flags, add_train_flags)
@@ -137,7 +137,8 @@ def trainable_backend(model: torch.nn.Module, args: argparse.Namespace, dist: Di
     if args.backend != "fsdp2":
         raise UsageError(f"--backend {args.backend} is not available for this trainer; use --backend fsdp2")
     return FSDP2Backend(model, from_args(BackendConfig, args), from_args(OptimConfig, args),
-                        num_training_steps=num_training_steps(num_items, args), dist=dist)
+                        num_training_steps=num_training_steps(num_items, args), dist=dist,
+                        parallel=parallel_dims(args, dist))
 
 
 def frozen_model(path: str, args: argparse.Namespace, dist: DistInfo, flag: str, offload: bool) -> FrozenModel:
@@ -145,7 +146,8 @@ def frozen_model(path: str, args: argparse.Namespace, dist: DistInfo, flag: str,
     cfg = ModelConfig(pretrain=path, param_dtype=args.param_dtype, attn_implementation=args.attn_implementation)
     model = load_causal_lm(cfg, master_dtype="fp32", flag=flag)
     bcfg = from_args(BackendConfig, args, gradient_checkpointing=False, adam_offload=False)
-    return FrozenModel(FSDP2Backend(model, bcfg, None, num_training_steps=1, dist=dist), offload=offload)
+    backend = FSDP2Backend(model, bcfg, None, num_training_steps=1, dist=dist, parallel=parallel_dims(args, dist))
+    return FrozenModel(backend, offload=offload)
 
 
 def train_task(task: Any, backend: Any, train_items: Sequence[Any], eval_items: Sequence[Any] | None,

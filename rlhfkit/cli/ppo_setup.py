@@ -19,7 +19,8 @@ from rlhfkit.algo.experience import RewardShapingConfig
 from rlhfkit.algo.kl import make_kl_controller
 from rlhfkit.backend.dist import DistInfo
 from rlhfkit.backend.fsdp2 import FSDP2Backend
-from rlhfkit.cli.common import UsageError, check_backend_flags
+from rlhfkit.backend.parallel import ParallelDims
+from rlhfkit.cli.common import UsageError, check_backend_flags, parallel_dims
 from rlhfkit.config.configs import BackendConfig, ModelConfig, OptimConfig, from_args
 from rlhfkit.config.rl_flags import RAY_ONLY
 from rlhfkit.losses.policy import PolicyLossConfig
@@ -113,12 +114,12 @@ def backend_cfg(args: argparse.Namespace) -> BackendConfig:
     return from_args(BackendConfig, args)
 
 
-def build_policy(args: argparse.Namespace, dist: DistInfo, num_steps: int):
+def build_policy(args: argparse.Namespace, dist: DistInfo, num_steps: int, dims: ParallelDims | None = None):
     from rlhfkit.models.loader import load_causal_lm
 
     model = load_causal_lm(from_args(ModelConfig, args), master_dtype="fp32")
     optim = from_args(OptimConfig, args, learning_rate=args.actor_learning_rate)
-    backend = FSDP2Backend(model, backend_cfg(args), optim, num_steps, dist)
+    backend = FSDP2Backend(model, backend_cfg(args), optim, num_steps, dist, parallel=dims or parallel_dims(args, dist))
     loss_cfg = PolicyLossConfig.from_flags(
         policy_loss_type=args.policy_loss_type, eps_clip=args.eps_clip, eps_clip_low_high=args.eps_clip_low_high,
         dual_clip=args.dual_clip, enable_vllm_is_correction=args.enable_vllm_is_correction,
@@ -129,14 +130,14 @@ def build_policy(args: argparse.Namespace, dist: DistInfo, num_steps: int):
     return LocalGroup(role, "policy"), backend
 
 
-def build_ref(args: argparse.Namespace, dist: DistInfo):
+def build_ref(args: argparse.Namespace, dist: DistInfo, dims: ParallelDims | None = None):
     if args.init_kl_coef <= 0:
         return None
     from rlhfkit.models.loader import load_causal_lm
 
     cfg = from_args(ModelConfig, args, lora_rank=0, gradient_checkpointing=False)
     model = load_causal_lm(cfg, path=args.ref_pretrain or args.pretrain, flag="--ref_pretrain")
-    backend = FSDP2Backend(model, backend_cfg(args), None, 0, dist)
+    backend = FSDP2Backend(model, backend_cfg(args), None, 0, dist, parallel=dims or parallel_dims(args, dist))
     role = ActorRole(backend, dist, micro_rollout_batch_size=args.micro_rollout_batch_size,
                      rollout_max_tokens=rollout_max_tokens(args), packing=args.packing_samples)
     return LocalGroup(role, "ref")
@@ -150,7 +151,7 @@ def critic_path(args: argparse.Namespace) -> str:
     return args.pretrain
 
 
-def build_critic(args: argparse.Namespace, dist: DistInfo, num_steps: int):
+def build_critic(args: argparse.Namespace, dist: DistInfo, num_steps: int, dims: ParallelDims | None = None):
     if args.advantage_estimator != "gae":
         return None, None
     from rlhfkit.models.value import checkpoint_keys, load_value_model
@@ -161,7 +162,7 @@ def build_critic(args: argparse.Namespace, dist: DistInfo, num_steps: int):
                              normalize_reward=False, cfg=from_args(ModelConfig, args, pretrain=path),
                              flag="--critic_pretrain")
     optim = from_args(OptimConfig, args, learning_rate=args.critic_learning_rate)
-    backend = FSDP2Backend(model, backend_cfg(args), optim, num_steps, dist)
+    backend = FSDP2Backend(model, backend_cfg(args), optim, num_steps, dist, parallel=dims or parallel_dims(args, dist))
     upd = actor_update_cfg(args)
     role = CriticRole(backend, dist, upd, args.value_clip, args.micro_rollout_batch_size, rollout_max_tokens(args))
     return LocalGroup(role, "critic"), backend

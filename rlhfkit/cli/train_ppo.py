@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from rlhfkit.backend.dist import init_distributed
 from rlhfkit.cli import ppo_setup as S
-from rlhfkit.cli.common import cli_main, make_logger, set_seed
+from rlhfkit.cli.common import cli_main, make_logger, parallel_dims, set_seed
 from rlhfkit.config.flags import FlagParser
 from rlhfkit.config.rl_flags import add_rl_flags
 from rlhfkit.data.io import load_mixture
@@ -55,9 +55,10 @@ def build_trainer(args, dist):
     """Everything the loop needs, from the flags; returns (trainer, policy_backend, critic_backend, tokenizer)."""
     tokenizer, prompts, eval_prompts = load_tokenizer_and_prompts(args)
     num_steps = S.optimizer_steps(args, len(prompts))
-    policy, policy_backend = S.build_policy(args, dist, num_steps)
-    ref = S.build_ref(args, dist)
-    critic, critic_backend = S.build_critic(args, dist, num_steps)
+    dims = parallel_dims(args, dist)  # one mesh description for every model of this process group
+    policy, policy_backend = S.build_policy(args, dist, num_steps, dims)
+    ref = S.build_ref(args, dist, dims)
+    critic, critic_backend = S.build_critic(args, dist, num_steps, dims)
     reward_model = S.build_reward_model(args, dist)
     engine = S.build_engine_for(args, tokenizer, dist)
     executor = S.build_executor(args, engine, tokenizer, args.temperature)

@@ -69,6 +69,7 @@ class BackendConfig:
     # copies in the optimizer) or "autocast" (fp32 module under torch.autocast)
     mixed_precision: str = "master_weights"
     torch_compile: bool = False  # torch.compile each transformer block
+    hf_max_shard_size: str = "5GB"  # largest safetensors file of a Hugging Face export (save_hf)
 
 
 @dataclass

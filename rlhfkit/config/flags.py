@@ -163,6 +163,8 @@ def add_ckpt_flags(p: FlagParser, *, ckpt_path: str = "./ckpt/checkpoints") -> N
     p.flag("--max_ckpt_mem", "--ckpt.max_mem", type=float, default=1e8)
     p.flag("--load_checkpoint", "--ckpt.load_enable", action="store_true")
     p.flag("--save_hf_ckpt", "--ckpt.save_hf", action="store_true")
+    p.flag("--hf_max_shard_size", type=str, default="5GB",
+           help="largest safetensors file of a Hugging Face export, e.g. 5GB, 500MB or bytes")
     p.flag("--disable_ds_ckpt", "--ckpt.disable_ds", action="store_true")
 
 

@@ -6,8 +6,9 @@ For each `--zero_stages` entry it trains a fresh copy of the model for `--steps`
 on the same global batches as the single-process reference (each rank takes its share of rows,
 2 rows per micro-batch, gradient sync only on the last micro-batch), with a token-sum loss
 divided by the global token count. Rank 0 writes `O/stage<k>.safetensors` (final weights) and
-`O/results.json` (loss curves, grad norms and the extra checks of the first stage: checkpoint
-resume, `named_full_params` = `full_state_dict`, `save_hf` reload logits, offload/reload).
+`O/results.json` (loss curves, grad norms and the extra checks of the first stage: sharded
+checkpoint resume on the same ranks and, with `--resume_ckpt`, from a checkpoint saved by another
+world size, `named_full_params` = `full_state_dict`, streamed `save_hf` reload logits, offload/reload).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from rlhfkit.backend.dist import DistInfo
 from rlhfkit.config.configs import BackendConfig, OptimConfig
 
 GLOBAL_BATCH, MICRO, SEQ, PROMPT = 8, 2, 16, 3
+HF_SHARD_BYTES = 64 * 1024  # several safetensors files for the ~600 KB fp32 tiny model
 
 
 def make_batches(steps: int, vocab: int, seed: int = 1) -> list[dict[str, torch.Tensor]]:
@@ -95,25 +97,35 @@ def new_backend(model_dir: str, stage: int, dist: DistInfo, steps: int,
 
 def extra_checks(model_dir: str, out: str, stage: int, dist: DistInfo, steps: int,
                  batches: list[dict[str, torch.Tensor]], res: dict) -> None:
-    """Resume from a checkpoint at step 3, weight iteration, HF export, offload/reload."""
+    """Resume from a sharded checkpoint at step 3, weight iteration, streamed HF export, offload/reload."""
     ckpt_root = os.path.join(out, "ckpt")
     b = new_backend(model_dir, stage, dist, steps)
     train_steps(b, batches[:3], dist)
     b.save_checkpoint(ckpt_root, "step3", {"step": 3}, max_keep=2)
+    step3, optim3 = b.full_state_dict(), b.optimizer_state_dict()  # references for the 2 -> 1 resume
+    if dist.rank == 0:
+        save_tensors(os.path.join(out, "step3.safetensors"), step3)
+        torch.save(optim3, os.path.join(out, "optim_step3.pt"))
+        dcp_dir = os.path.join(ckpt_root, "step3", "dcp")
+        res["dcp_files"] = {n: os.path.getsize(os.path.join(dcp_dir, n)) for n in os.listdir(dcp_dir)}
+    del step3, optim3
     gc.collect()  # FSDP modules of earlier runs sit in reference cycles
     mem = [torch.cuda.memory_allocated() if torch.cuda.is_available() else 0]
     b.offload_states()
     mem.append(torch.cuda.memory_allocated() if torch.cuda.is_available() else 0)
     b.reload_states()
     res["cuda_mem_before_during_offload"] = mem
-    train_steps(b, batches[3:], dist)
+    res["uninterrupted_losses"], _ = train_steps(b, batches[3:], dist)
     full = b.full_state_dict()
     named = {n: t.cpu() for n, t in b.named_full_params(bucket_bytes=64 * 1024)}
     hf_dir = os.path.join(out, "hf")
-    b.save_hf(hf_dir, dtype=torch.float32)
+    gathers = []
+    b.full_state_dict = lambda: gathers.append(1) or {}  # the streamed export must not gather it
+    b.save_hf(hf_dir, dtype=torch.float32, max_shard_size=HF_SHARD_BYTES)
+    res["hf_full_state_dict_calls"] = len(gathers)
     r = new_backend(model_dir, stage, dist, steps)
     client = r.load_checkpoint(ckpt_root)
-    train_steps(r, batches[3:], dist)
+    res["resumed_losses"], _ = train_steps(r, batches[3:], dist)
     resumed = r.full_state_dict()
     if dist.rank == 0:
         res["client_state"] = client
@@ -122,6 +134,21 @@ def extra_checks(model_dir: str, out: str, stage: int, dist: DistInfo, steps: in
         res["named_keys_missing"] = sorted(set(full) - set(named))
         res["hf_logits_max_diff"] = _hf_logits_diff(hf_dir, full, batches[0])
         save_tensors(os.path.join(out, "resume_final.safetensors"), full)
+    barrier()
+
+
+def resume_from_other_world(model_dir: str, ckpt_root: str, out: str, stage: int, dist: DistInfo,
+                            steps: int, batches: list[dict[str, torch.Tensor]], res: dict) -> None:
+    """Load a checkpoint saved by one process at step 3 onto these ranks, train steps 4-5."""
+    r = new_backend(model_dir, stage, dist, steps)
+    client = r.load_checkpoint(ckpt_root)
+    loaded = r.full_state_dict()
+    losses, _ = train_steps(r, batches[3:], dist)
+    final = r.full_state_dict()
+    if dist.rank == 0:
+        res["other_world"] = {"client_state": client, "losses": losses}
+        save_tensors(os.path.join(out, "other_world_loaded.safetensors"), loaded)
+        save_tensors(os.path.join(out, "other_world_final.safetensors"), final)
     barrier()
 
 
@@ -147,6 +174,7 @@ def main() -> None:
     p.add_argument("--param_dtype", default="fp32")
     p.add_argument("--extra_checks", type=int, default=1)
     p.add_argument("--adam_offload", type=int, default=0)
+    p.add_argument("--resume_ckpt", default=None, help="a step-3 checkpoint of another world size to resume")
     args = p.parse_args()
     torch.set_num_threads(1)
     dist = init_distributed(args.device)
@@ -164,11 +192,17 @@ def main() -> None:
         losses, norms = train_steps(b, batches, dist)
         sd = b.full_state_dict()
         if dist.rank == 0:
-            res["stages"][str(stage)] = {"losses": losses, "grad_norms": norms}
+            param = next(b.model.parameters())
+            res["stages"][str(stage)] = {"losses": losses, "grad_norms": norms,
+                                         "mesh": [list(b.mesh.mesh_dim_names), list(b.mesh.shape)],
+                                         "param_mesh_dims": list(param.device_mesh.mesh_dim_names)}
             save_tensors(os.path.join(args.out, f"stage{stage}.safetensors"), sd)
         del b, sd
         if i == 0 and args.extra_checks:
             extra_checks(args.model_dir, args.out, stage, dist, args.steps, batches, res)
+        if i == 0 and args.resume_ckpt:
+            resume_from_other_world(args.model_dir, args.resume_ckpt, args.out, stage, dist, args.steps,
+                                    batches, res)
     if dist.rank == 0:
         with open(os.path.join(args.out, "results.json"), "w") as f:
             json.dump(res, f, indent=1)

@@ -81,19 +81,97 @@ def test_resume_equals_uninterrupted_run(tiny_model_dir, tmp_path):
     assert max((w[k] - c.full_state_dict()[k]).abs().max().item() for k in w) > 1e-5
 
 
-def test_files_load_with_weights_only(tiny_model_dir, tmp_path):
+def test_files_are_sharded_and_load_with_weights_only(tiny_model_dir, tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
     b = new_backend(tiny_model_dir)
     train(b, batches(b.model.config.vocab_size, 1))
     path = b.save_checkpoint(str(tmp_path), "t", {"step": 1}, max_keep=1)
-    optim = torch.load(os.path.join(path, "optim.pt"), weights_only=True)
-    names = set(dict(b.model.named_parameters()))
-    assert set(optim["state"]) == names  # keyed by parameter name, not index
-    assert optim["param_groups"][0]["betas"] == (0.9, 0.95)
+    assert sorted(os.listdir(path)) == ["client_state.json", "dcp", "meta.json", "rng_0.pt", "trainer.pt"]
+    assert sorted(os.listdir(os.path.join(path, "dcp"))) == [".metadata", "__0_0.distcp"]  # one file per rank
+    saved = FileSystemReader(os.path.join(path, "dcp")).read_metadata().state_dict_metadata
+    model_keys = {k[len("model."):] for k in saved if k.startswith("model.")}
+    assert model_keys == set(b.model.state_dict())
+    for name, p in b.model.named_parameters():  # optimizer state keyed by parameter name, not index
+        assert saved[f"optim.state.{name}.exp_avg"].size == p.shape
+    meta = json.load(open(os.path.join(path, "meta.json")))
+    assert meta["world_size"] == 1 and meta["format"] == "dcp-v1" and meta["has_optim"] is True
     trainer = torch.load(os.path.join(path, "trainer.pt"), weights_only=True)
     assert trainer["scheduler"]["last_epoch"] == 1
     rng = torch.load(os.path.join(path, "rng_0.pt"), weights_only=True)
     assert set(rng) >= {"python", "numpy", "torch"}
-    assert set(load_tensors(os.path.join(path, "model.safetensors"))) == set(b.model.state_dict())
+
+
+def test_checkpoint_before_the_first_step_keeps_the_optimizer_fresh(tiny_model_dir, tmp_path):
+    a = new_backend(tiny_model_dir)
+    data = batches(a.model.config.vocab_size)
+    a.save_checkpoint(str(tmp_path), "s0", {"step": 0}, max_keep=1)
+    assert not a.optimizer.state  # saving did not create optimizer state (Adam's step count stays 0)
+    assert json.load(open(tmp_path / "s0" / "meta.json"))["has_optim"] is False
+    train(a, data[:2])
+    b = new_backend(tiny_model_dir)
+    train(b, data[2:4])  # a run that has stepped, then loads the step-0 checkpoint
+    b.load_checkpoint(str(tmp_path))
+    assert not b.optimizer.state
+    train(b, data[:2])
+    w, w2 = weights(a), weights(b)
+    assert all(torch.equal(w[k], w2[k]) for k in w)
+
+
+def test_full_state_checkpoint_of_the_earlier_format_loads(tiny_model_dir, tmp_path):
+    a = new_backend(tiny_model_dir)
+    data = batches(a.model.config.vocab_size)
+    train(a, data[:2])
+    old = tmp_path / "old"
+    old.mkdir()
+    save_tensors(str(old / "model.safetensors"), a.full_state_dict())
+    torch.save(a.optimizer_state_dict(), old / "optim.pt")
+    torch.save(a.trainer_state(), old / "trainer.pt")
+    from rlhfkit.backend.checkpoint import rng_state
+
+    torch.save(rng_state(), old / "rng_0.pt")
+    (old / "client_state.json").write_text('{"step": 2}')
+    (old / "meta.json").write_text('{"tag": "old", "index": 0, "world_size": 1}')
+    train(a, data[2:])
+    b = new_backend(tiny_model_dir)
+    assert b.load_checkpoint(str(tmp_path)) == {"step": 2}
+    train(b, data[2:])
+    w, w2 = weights(a), weights(b)
+    assert all(torch.equal(w[k], w2[k]) for k in w)
+    os.remove(old / "model.safetensors")
+    with pytest.raises(FileNotFoundError, match="--load_checkpoint: .*has neither dcp/"):
+        new_backend(tiny_model_dir).load_checkpoint(str(tmp_path))
+
+
+@pytest.mark.parametrize("crash_at", ["rng", "publish"])
+def test_crash_mid_save_is_never_loaded(tiny_model_dir, tmp_path, monkeypatch, crash_at):
+    """A save killed after the shards were written (before / after meta.json) leaves `<tag>.tmp`,
+    which is never loaded; the next save removes it."""
+    from rlhfkit.backend import checkpoint as ckpt
+
+    root = str(tmp_path)
+    a = new_backend(tiny_model_dir)
+    data = batches(a.model.config.vocab_size)
+    train(a, data[:1])
+    a.save_checkpoint(root, "s1", {"step": 1}, max_keep=3)
+    w1 = weights(a)
+    train(a, data[1:2])
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt("killed")
+
+    with monkeypatch.context() as m:
+        m.setattr(ckpt, "_torch_save" if crash_at == "rng" else "_publish", killed)
+        with pytest.raises(KeyboardInterrupt):
+            a.save_checkpoint(root, "s2", {"step": 2}, max_keep=3)
+    assert os.path.isdir(os.path.join(root, "s2.tmp", "dcp"))
+    assert os.path.exists(os.path.join(root, "s2.tmp", "meta.json")) == (crash_at == "publish")
+    assert latest_checkpoint(root) == os.path.join(root, "s1")
+    b = new_backend(tiny_model_dir)
+    assert b.load_checkpoint(root) == {"step": 1}
+    assert all(torch.equal(w1[k], v) for k, v in weights(b).items())
+    a.save_checkpoint(root, "s3", {"step": 3}, max_keep=3)
+    assert sorted(os.listdir(root)) == ["latest", "s1", "s3"]
 
 
 def test_leftover_tmp_is_never_latest(tiny_model_dir, tmp_path):
