@@ -4,13 +4,18 @@
         --steps 3 --out rl_step_ray_disaggregated.json
     python bench/rl_step.py --ray_layout colocated --device cpu --model tiny --prompts 4 --n 2 --new_tokens 8
 
-Layouts (issue 6's GPU runs, on a 2-GPU machine):
+Layouts (issue 6's on a 2-GPU machine, issue 13's on a 4-GPU one; `LAYOUTS` holds the flags):
     disaggregated  the policy on 1 GPU (`--actor_num_gpus_per_node 1`), 1 engine on another GPU;
                    weights by NCCL broadcast (`--weight_sync auto`)
     colocated      `--colocate_all_models --vllm_enable_sleep --deepspeed_enable_sleep` with
                    `--actor_num_gpus_per_node 2` (FSDP2 over both GPUs) and 2 engines, one on each
                    policy GPU; weights by CUDA IPC from the policy rank on the same GPU
-On CPU the slots are CPU workers and the weights go by gloo broadcast.
+    colo4_tp1 / colo4_tp1_sleep   4 policy GPUs, 4 engines of TP 1 on them (sleep: both sleep flags)
+    colo4_tp2_sleep               4 policy GPUs, 2 engines of TP 2 on them, both sleep flags
+    disagg2_tp2 / disagg2_tp2_async   2 policy GPUs + 1 engine of TP 2 on the other 2 (NCCL
+                                      broadcast to both shards), without / with --async_train
+`--ray_extra "..."` appends flags (e.g. checkpointing). On CPU the slots are CPU workers and the
+weights go by gloo broadcast.
 
 Same model directory, prompts, reward, batch and flags as the one-process run (rl_step.py's
 `rlhfkit_argv`: no reference model, GRPO, bf16 on GPU, min_new_tokens = max_new_tokens), plus the
@@ -32,30 +37,77 @@ from typing import Any
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LAYOUTS = ("disaggregated", "colocated")
+_SLEEP = ["--vllm_enable_sleep", "--deepspeed_enable_sleep"]
+LAYOUTS = {  # name -> (policy ranks, flags)
+    "disaggregated": (1, ["--actor_num_gpus_per_node", "1", "--vllm_num_engines", "1"]),
+    "colocated": (2, ["--actor_num_gpus_per_node", "2", "--vllm_num_engines", "2", "--colocate_all_models", *_SLEEP]),
+    "colo4_tp1": (4, ["--actor_num_gpus_per_node", "4", "--vllm_num_engines", "4", "--colocate_all_models"]),
+    "colo4_tp1_sleep": (4, ["--actor_num_gpus_per_node", "4", "--vllm_num_engines", "4", "--colocate_all_models",
+                            *_SLEEP]),
+    "colo4_tp2_sleep": (4, ["--actor_num_gpus_per_node", "4", "--vllm_num_engines", "2",
+                            "--vllm_tensor_parallel_size", "2", "--colocate_all_models", *_SLEEP]),
+    "disagg2_tp2": (2, ["--actor_num_gpus_per_node", "2", "--vllm_num_engines", "1", "--vllm_tensor_parallel_size", "2"]),
+    "disagg2_tp2_async": (2, ["--actor_num_gpus_per_node", "2", "--vllm_num_engines", "1",
+                              "--vllm_tensor_parallel_size", "2", "--async_train", "--async_queue_size", "1"]),
+}
 RAY_TIMES = ("weight_push", "engine_sleep", "engine_wake", "states_reload", "states_offload")
 RAY_HEADLINE = ("ray_layout", "weight_sync_method", "weight_sync_s", "weight_push_s", "weight_sync_mb",
                 "weight_sync_gb_per_s", "ray_phases_s")
 
 
 def add_ray_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--ray_layout", default=None, choices=LAYOUTS,
+    ap.add_argument("--ray_layout", default=None, choices=sorted(LAYOUTS),
                     help="run train_ppo_ray's trainer on Ray in this layout (rl_step_ray.py); TRL is skipped")
     ap.add_argument("--weight_sync", default="auto", choices=["auto", "object_store", "broadcast", "ipc"],
                     help="train_ppo_ray --weight_sync (Ray mode)")
     ap.add_argument("--weight_sync_bucket_mb", type=int, default=256, help="train_ppo_ray --weight_sync_bucket_mb")
     ap.add_argument("--ray_object_store_gb", type=float, default=4.0, help="object store of the local Ray")
+    ap.add_argument("--ray_extra", default="", help="more train_ppo_ray flags, space-separated")
 
 
 def layout_argv(a: argparse.Namespace) -> list[str]:
     common = ["--weight_sync", a.weight_sync, "--weight_sync_bucket_mb", str(a.weight_sync_bucket_mb),
               "--ray_address", "local", "--ray_num_cpus_per_worker", "1"]
-    if a.ray_layout == "disaggregated":
-        return common + ["--actor_num_gpus_per_node", "1", "--vllm_num_engines", "1"]
-    if a.ray_layout == "colocated":
-        return common + ["--actor_num_gpus_per_node", "2", "--vllm_num_engines", "2", "--colocate_all_models",
-                         "--vllm_enable_sleep", "--deepspeed_enable_sleep"]
-    raise ValueError(f"--ray_layout must be one of {LAYOUTS}, got {a.ray_layout!r}")
+    if a.ray_layout not in LAYOUTS:
+        raise ValueError(f"--ray_layout must be one of {sorted(LAYOUTS)}, got {a.ray_layout!r}")
+    return common + LAYOUTS[a.ray_layout][1] + a.ray_extra.split()
+
+
+class GpuMemoryPeak:
+    """Peak used memory of every GPU (NVML, all processes: the Ray actors live in their own), polled
+    every `interval_s` on a thread while the block runs; `peaks_gb` is empty without NVML."""
+
+    def __init__(self, interval_s: float = 0.2) -> None:
+        self.interval_s, self.peaks_gb = interval_s, []
+        self._stop = None
+
+    def __enter__(self) -> "GpuMemoryPeak":
+        import threading
+
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        except Exception:  # noqa: BLE001 - no NVML: no memory figures
+            return self
+        self.peaks_gb = [0.0] * len(handles)
+        self._stop = threading.Event()
+
+        def poll() -> None:
+            while not self._stop.is_set():
+                for i, h in enumerate(handles):
+                    used = pynvml.nvmlDeviceGetMemoryInfo(h).used / 2**30
+                    self.peaks_gb[i] = max(self.peaks_gb[i], used)
+                self._stop.wait(self.interval_s)
+        self._thread = threading.Thread(target=poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._stop is not None:
+            self._stop.set()
+            self._thread.join(timeout=2)
 
 
 def start_ray(a: argparse.Namespace) -> bool:
@@ -106,7 +158,7 @@ def run_ray(a: argparse.Namespace, model_dir: str, data: str, reward: str, work:
 
     from rl_step import force_full_length, micro, rlhfkit_argv, summarize_rlhfkit
 
-    per_rank = prompts * a.n // (2 if a.ray_layout == "colocated" else 1)  # micro batches are per policy rank
+    per_rank = prompts * a.n // LAYOUTS[a.ray_layout][0]  # micro batches are per policy rank
     argv = rlhfkit_argv(a, model_dir, data, reward, work, prompts) + layout_argv(a) + [
         "--micro_train_batch_size", str(micro(per_rank, a.micro_train_batch_size)),
         "--micro_rollout_batch_size", str(micro(per_rank, a.micro_rollout_batch_size))]
@@ -118,14 +170,15 @@ def run_ray(a: argparse.Namespace, model_dir: str, data: str, reward: str, work:
         print(f"[rl_step] ray {a.ray_layout}: launched in {launch_s:.1f} s; weight sync "
               f"{launched.weight_sync.describe()}", flush=True)
         min_new = force_full_length(trainer)
-        walls, metrics = timed_steps(trainer, a.steps, a.ray_layout)
+        with GpuMemoryPeak() as mem:
+            walls, metrics = timed_steps(trainer, a.steps, a.ray_layout)
         trainer.logger.close()
         out = summarize_rlhfkit(walls, metrics, prompts * a.n)
         out.update(ray_summary(metrics, launched, launch_s))
         out.update(prompts=prompts, completions=prompts * a.n, min_new_tokens=min_new,
                    micro_train_batch_size=args.micro_train_batch_size,
                    micro_rollout_batch_size=args.micro_rollout_batch_size, ray_layout=a.ray_layout,
-                   argv_extra=layout_argv(a))
+                   argv_extra=layout_argv(a), gpu_peak_mem_gb=mem.peaks_gb)
         return out
     finally:
         if launched is not None:

@@ -192,13 +192,27 @@ class DecodeRunner:
         return graph
 
     def run(self, nrows: int, kv_len: int, filtered: bool, steps: int) -> None:
-        if not self.cuda_graphs:
+        graph = self._graph_or_none(nrows, kv_len, filtered) if self.cuda_graphs else None
+        if graph is None:
             for _ in range(steps):
                 self._guarded(lambda: self._call(nrows, kv_len, filtered))
             return
-        graph = self._graph(nrows, kv_len, filtered)
         for _ in range(steps):
             graph.replay()
+
+    def _graph_or_none(self, nrows: int, kv_len: int, filtered: bool) -> torch.cuda.CUDAGraph | None:
+        """The step's graph; should capturing fail (e.g. a collective the NCCL build cannot capture),
+        CUDA graphs are off for good and the steps run eagerly (`compile_error` says why). A
+        tensor-parallel shard stays in step with the others either way: a replay issues the same
+        collectives in the same order as an eager step."""
+        try:
+            return self._graph(nrows, kv_len, filtered)
+        except Exception as exc:  # noqa: BLE001
+            self.cuda_graphs = False
+            self._graphs.clear()
+            self._note(f"CUDA graph capture: {type(exc).__name__}: {exc}"[:2000])
+            log.warning("CUDA graph capture failed, decoding without graphs: %s", exc)
+            return None
 
     def warmup(self, nrows: int, kv_lens: list[int], filtered: bool = False) -> None:
         """Compile and capture the steps for `nrows` rows at each of `kv_lens` ahead of time, and
