@@ -22,7 +22,7 @@ say "$tag"; nvidia-smi topo -m 2>/dev/null | head -6
 MODEL7=/tmp/bench_qwen2.5-7b
 
 if [[ $what == gen ]]; then
-  timeout 200 python3 bench/rollout_tp.py --parity --tp 2,4 --out "$OUT/tp_parity_$tag.json" 2>&1 | grep -E '^\{|Error|error' | cut -c1-600
+  timeout 150 python3 bench/rollout_tp.py --parity --tp 2 --out "$OUT/tp_parity_$tag.json" 2>&1 | grep -E '^\{|Error|error' | cut -c1-600
   timeout 240 python3 bench/rollout_tp.py --shape qwen2.5-7b --tp 1,2,4 --batch 256 --prompt 512 --new 512 --repeat 2 \
     --sleep_check --out "$OUT/rollout_tp_7b_$tag.json" 2>&1 | grep -E '^\{|Error' | cut -c1-700
   timeout 170 python3 bench/rollout_tp.py --shape qwen2.5-32b --tp 4 --batch 256 --prompt 512 --new 512 --repeat 2 \
