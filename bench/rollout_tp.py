@@ -99,6 +99,10 @@ def _worker(rank: int, tp_size: int, port: int, job: dict, out_path: str) -> Non
 
     from rlhfkit.rollout.builtin import BuiltinEngineConfig
 
+    if job.get("hang_dump_s"):
+        import faulthandler
+
+        faulthandler.dump_traceback_later(job["hang_dump_s"], exit=True)
     cuda = torch.cuda.is_available() and job["device"] == "cuda"
     device = f"cuda:{rank}" if cuda else "cpu"
     if cuda:
@@ -109,15 +113,16 @@ def _worker(rank: int, tp_size: int, port: int, job: dict, out_path: str) -> Non
                                 device_id=torch.device(device) if cuda else None)
     dtype = getattr(torch, job["dtype"])
     b, plen, new = job["batch"], job["prompt"], job["new"]
-    ecfg = BuiltinEngineConfig(max_num_seqs=b, max_model_len=plen + new + 8)
+    ecfg = BuiltinEngineConfig(max_num_seqs=b, max_model_len=plen + new + 8,
+                               compile=None if job.get("compile", True) else False,
+                               cuda_graphs=None if job.get("graphs", True) else False)
     model = job["model_dir"] or config_of(job["shape"], plen + new + 8)
     t0 = time.perf_counter()
     engine = _engine(model, tp_size, rank, device, dtype, ecfg)
     load_s = time.perf_counter() - t0
     if tp_size > 1 and rank > 0:
         engine.serve()
-        dist.destroy_process_group()
-        return
+        os._exit(0)  # no destroy_process_group: with compiled collectives it hung (H100, NCCL 2.28)
     res = {"tp": tp_size, "load_s": load_s, "attention": engine.model.attn, "gemm": engine.model.gemm,
            "compiled": engine.runner.compiled, "graphs": engine.runner.cuda_graphs}
     reqs = _requests(b, plen, new, engine.spec.vocab_size, greedy=job["greedy"])
@@ -159,7 +164,7 @@ def _worker(rank: int, tp_size: int, port: int, job: dict, out_path: str) -> Non
     with open(out_path, "w") as f:
         json.dump(res, f)
     if tp_size > 1:
-        dist.destroy_process_group()
+        os._exit(0)
 
 
 def run_tp(tp_size: int, job: dict) -> dict:
@@ -188,6 +193,9 @@ def roofline(job: dict, tp_size: int) -> dict:
     return {"roofline_tok_s": tok_s, "step_bytes_gb": step_bytes / 1e9, "hbm_tbps_per_gpu": bw}
 
 
+PARITY_OPTS: dict = {}
+
+
 def parity(tp_size: int, device: str) -> dict:
     """TP `tp_size` vs TP 1, greedy, fp32 (fast paths on), same weights from one directory."""
     from transformers import AutoModelForCausalLM
@@ -197,7 +205,7 @@ def parity(tp_size: int, device: str) -> dict:
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(cfg).save_pretrained(d)
         job = dict(device=device, dtype="float32", batch=16, prompt=24, new=48, shape="small", model_dir=d,
-                   repeat=1, sleep_check=False, keep_outputs=True, greedy=True)
+                   repeat=1, sleep_check=False, keep_outputs=True, greedy=True, **PARITY_OPTS)
         one, many = run_tp(1, job), run_tp(tp_size, job)
     same = sum(a[0] == b[0] for a, b in zip(one["outputs"], many["outputs"]))
     gaps = [abs(x - y) for a, b in zip(one["outputs"], many["outputs"]) if a[0] == b[0] for x, y in zip(a[1], b[1])]
@@ -219,8 +227,12 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--sleep_check", action="store_true")
     ap.add_argument("--parity", action="store_true")
+    ap.add_argument("--no_compile", action="store_true")
+    ap.add_argument("--no_graphs", action="store_true")
+    ap.add_argument("--hang_dump_s", type=float, default=0, help="dump every thread's stack and exit after this long")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    PARITY_OPTS.update(compile=not a.no_compile, graphs=not a.no_graphs, hang_dump_s=a.hang_dump_s)
     sizes = [int(x) for x in a.tp.split(",")]
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     rows = []
@@ -230,7 +242,8 @@ def main() -> None:
             print(json.dumps(rows[-1]), flush=True)
     else:
         job = dict(device=a.device, dtype=a.dtype, batch=a.batch, prompt=a.prompt, new=a.new, shape=a.shape,
-                   model_dir=a.model_dir, repeat=a.repeat, sleep_check=a.sleep_check, keep_outputs=False, greedy=False)
+                   model_dir=a.model_dir, repeat=a.repeat, sleep_check=a.sleep_check, keep_outputs=False, greedy=False,
+                   **PARITY_OPTS)
         for n in sizes:
             try:
                 res = run_tp(n, job)
