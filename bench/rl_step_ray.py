@@ -17,8 +17,8 @@ Same model directory, prompts, reward, batch and flags as the one-process run (r
 layout's flags. The driver builds the trainer as `train_ppo_ray.run` does (flags, placement, Ray
 groups), runs one warm-up and `--steps` timed `train_step()` calls, and records per step: the wall
 time, the loop's phases (generate, reward, logprobs, train, weight_sync), the Ray phases (engine
-sleep / wake, states reload / offload, `time/weight_push`: the push alone), the synced MB and the
-sync path. Ray is started here (a local instance, whatever $RAY_ADDRESS says) with the GPUs that
+sleep / wake, states reload / offload as the driver sees them and `offload` / `reload` as the ranks
+measured them, `time/weight_push`: the push alone), `offload_gb`, the synced MB and the sync path. Ray is started here (a local instance, whatever $RAY_ADDRESS says) with the GPUs that
 torch sees and `--ray_object_store_gb` of object store; PYTHONPATH carries the repo to the workers.
 """
 
@@ -33,7 +33,7 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYOUTS = ("disaggregated", "colocated")
-RAY_TIMES = ("weight_push", "engine_sleep", "engine_wake", "states_reload", "states_offload")
+RAY_TIMES = ("weight_push", "engine_sleep", "engine_wake", "states_reload", "states_offload", "offload", "reload")
 RAY_HEADLINE = ("ray_layout", "weight_sync_method", "weight_sync_s", "weight_push_s", "weight_sync_mb",
                 "weight_sync_gb_per_s", "ray_phases_s")
 
@@ -161,7 +161,8 @@ def ray_summary(metrics: list[dict], launched: Any, launch_s: float) -> dict:
     mb = mean([m.get("weight_sync_mb", 0.0) for m in metrics])
     push = times["weight_push"]
     methods = sorted({k.split("/", 1)[1] for m in metrics for k in m if k.startswith("weight_sync/")})
-    return {"ray_phases_s": times, "weight_sync_s": mean([m["time/weight_sync"] for m in metrics]),
+    return {"ray_phases_s": times, "offload_gb": mean([m.get("offload_gb", 0.0) for m in metrics]),
+            "weight_sync_s": mean([m["time/weight_sync"] for m in metrics]),
             "weight_push_s": push, "weight_sync_mb": mb,
             "weight_sync_gb_per_s": mb / 1024 / push if push else None,
             "weight_sync_method": launched.weight_sync.describe(), "weight_sync_methods_logged": methods,

@@ -232,7 +232,7 @@ class RayRLTrainer(RLTrainer):
     def train_step(self) -> dict[str, float]:
         m = super().train_step()
         m.update(self.router.take_metrics())
-        m.update({f"time/{k}": v for k, v in self.phases.take_timings().items()})
+        m.update(self.phases.take_metrics())
         return m
 
     def fit(self) -> RLState:
