@@ -87,6 +87,7 @@ def _build(a: argparse.Namespace, argv: list[str]) -> tuple[Any, Any, Any, Any]:
     shapes = R.role_shapes(args)
     S.resolve_flags(args, shapes["policy"].slots)
     R.check_ray_flags(args, shapes)
+    R.check_memory(args, {name: s.slots for name, s in shapes.items()})
     set_seed(args.seed)
     tokenizer, prompts, eval_prompts = load_tokenizer_and_prompts(args)
     num_steps = S.optimizer_steps(args, len(prompts))

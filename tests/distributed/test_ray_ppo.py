@@ -162,9 +162,11 @@ def test_colocate_all_with_sleep_matches_one_process(tiny_model_dir, data_dir, r
     save = os.path.join(data_dir, "colocated")
     train_ppo_ray.main(flags(tiny_model_dir, data_dir, save, "--colocate_all_models", "--vllm_enable_sleep",
                              "--deepspeed_enable_sleep", "--gradient_checkpointing", "--adam_offload"))
-    where = placement(capsys.readouterr().out)
+    out = capsys.readouterr().out
+    where = placement(out)
     assert sorted(p["role"] for p in where) == ["engine", "policy", "ref"]
     assert {(p["pool"], p["bundle"]) for p in where} == {("all", "0")}, where
+    assert "pool all: 1 GPU(s) x [policy, ref, engine]" in out  # the memory plan, printed before the actors
     recs, w = read(save)
     assert_match(reference[0], recs, [1, 2])
     # the engine slept during each step's training; it takes the weights asleep and wakes before the
@@ -207,6 +209,19 @@ def test_bad_placement_flags_fail_before_ray_starts(tiny_model_dir, data_dir, ca
         train_ppo_ray.main(flags(tiny_model_dir, data_dir, os.path.join(data_dir, "bad"), *extra))
     assert e.value.code == 1
     assert message in capsys.readouterr().err
+
+
+def test_memory_plan_over_the_gpu_refuses_before_ray_starts(tiny_model_dir, data_dir, capsys, monkeypatch):
+    from rlhfkit.cli import memory_check
+
+    monkeypatch.setattr(memory_check, "gpu_bytes", lambda args: 2**20)  # a 1 MiB "GPU"
+    monkeypatch.setattr(train_ppo_ray, "launch_roles", None)  # never reached
+    with pytest.raises(SystemExit) as e:
+        train_ppo_ray.main(flags(tiny_model_dir, data_dir, os.path.join(data_dir, "oom")))
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert re.search(r"the memory plan needs about [\d.]+ GiB per GPU in pool \w+ \(\w+\) but the GPU has 0.0 GiB", err)
+    assert "--skip_memory_check runs anyway" in err
 
 
 def test_broadcast_group_delivers_identical_buckets(local_ray):
