@@ -8,8 +8,10 @@ Layouts (issue 6's GPU runs, on a 2-GPU machine):
     disaggregated  the policy on 1 GPU (`--actor_num_gpus_per_node 1`), 1 engine on another GPU;
                    weights by NCCL broadcast (`--weight_sync auto`)
     colocated      `--colocate_all_models --vllm_enable_sleep --deepspeed_enable_sleep` with
-                   `--actor_num_gpus_per_node 2` (FSDP2 over both GPUs) and 2 engines, one on each
-                   policy GPU; weights by CUDA IPC from the policy rank on the same GPU
+                   `--actor_num_gpus_per_node 2` (FSDP2 over both GPUs; `--ray_gpus`) and 2 engines, one
+                   on each policy GPU; weights by CUDA IPC from the policy rank on the same GPU
+    colocated_nosleep  the same without the two sleep flags (the baseline a sleep-mode step is
+                   compared with: everything stays on the GPUs)
 On CPU the slots are CPU workers and the weights go by gloo broadcast.
 
 Same model directory, prompts, reward, batch and flags as the one-process run (rl_step.py's
@@ -32,7 +34,7 @@ from typing import Any
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LAYOUTS = ("disaggregated", "colocated")
+LAYOUTS = ("disaggregated", "colocated", "colocated_nosleep")
 RAY_TIMES = ("weight_push", "engine_sleep", "engine_wake", "states_reload", "states_offload", "offload", "reload")
 RAY_HEADLINE = ("ray_layout", "weight_sync_method", "weight_sync_s", "weight_push_s", "weight_sync_mb",
                 "weight_sync_gb_per_s", "ray_phases_s")
@@ -44,6 +46,7 @@ def add_ray_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--weight_sync", default="auto", choices=["auto", "object_store", "broadcast", "ipc"],
                     help="train_ppo_ray --weight_sync (Ray mode)")
     ap.add_argument("--weight_sync_bucket_mb", type=int, default=256, help="train_ppo_ray --weight_sync_bucket_mb")
+    ap.add_argument("--ray_gpus", type=int, default=2, help="GPUs of the colocated layouts (policy ranks = engines)")
     ap.add_argument("--ray_object_store_gb", type=float, default=4.0, help="object store of the local Ray")
 
 
@@ -52,9 +55,10 @@ def layout_argv(a: argparse.Namespace) -> list[str]:
               "--ray_address", "local", "--ray_num_cpus_per_worker", "1"]
     if a.ray_layout == "disaggregated":
         return common + ["--actor_num_gpus_per_node", "1", "--vllm_num_engines", "1"]
-    if a.ray_layout == "colocated":
-        return common + ["--actor_num_gpus_per_node", "2", "--vllm_num_engines", "2", "--colocate_all_models",
-                         "--vllm_enable_sleep", "--deepspeed_enable_sleep"]
+    if a.ray_layout in ("colocated", "colocated_nosleep"):
+        sleep = ["--vllm_enable_sleep", "--deepspeed_enable_sleep"] if a.ray_layout == "colocated" else []
+        n = str(a.ray_gpus)
+        return common + ["--actor_num_gpus_per_node", n, "--vllm_num_engines", n, "--colocate_all_models", *sleep]
     raise ValueError(f"--ray_layout must be one of {LAYOUTS}, got {a.ray_layout!r}")
 
 
@@ -107,7 +111,7 @@ def run_ray(a: argparse.Namespace, model_dir: str, data: str, reward: str, work:
 
     from rl_step import force_full_length, micro, rlhfkit_argv, summarize_rlhfkit
 
-    per_rank = prompts * a.n // (2 if a.ray_layout == "colocated" else 1)  # micro batches are per policy rank
+    per_rank = prompts * a.n // (a.ray_gpus if a.ray_layout.startswith("colocated") else 1)  # micro batches are per policy rank
     argv = rlhfkit_argv(a, model_dir, data, reward, work, prompts) + layout_argv(a) + [
         "--micro_train_batch_size", str(micro(per_rank, a.micro_train_batch_size)),
         "--micro_rollout_batch_size", str(micro(per_rank, a.micro_rollout_batch_size))]

@@ -61,6 +61,7 @@ from rlhfkit.backend.sharding import (
     sum_gradients_by_loss_scale,
 )
 from rlhfkit.config.configs import BackendConfig, OptimConfig
+from rlhfkit.models.loader import enable_gradient_checkpointing
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +152,7 @@ class FSDP2Backend:
         self._stash = HostStash(self.device)
         if (backend_cfg.gradient_checkpointing and self.trainable and hasattr(model, "gradient_checkpointing_enable")
                 and not getattr(model, "is_gradient_checkpointing", False)):  # the loader's choice of reentrant stays
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_gradient_checkpointing(model, use_reentrant=False, need_input_grads=False)
         master = torch.float32 if self.trainable else self.compute_dtype
         _cast_params(model, master, trainable_only=self.trainable)
         if backend_cfg.torch_compile:
