@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 import torch
@@ -53,10 +53,13 @@ Named = Iterable[tuple[str, "torch.Tensor | None"]]
 
 @dataclass(frozen=True)
 class MoveStats:
-    """One offload or reload: wall seconds (including the final sync) and bytes copied."""
+    """One offload or reload: wall seconds (including the final sync), bytes copied, and where the
+    seconds went (`parts`: "copy" = launching the copies + the sync, "free" = resizing storages
+    (reload: allocating them) + empty_cache, "rebuild")."""
 
     seconds: float = 0.0
     nbytes: int = 0
+    parts: dict[str, float] = field(default_factory=dict, compare=False)
 
     def as_dict(self) -> dict[str, float]:
         return {"seconds": self.seconds, "bytes": float(self.nbytes)}
@@ -185,7 +188,9 @@ class HostStash:
         entries = self._unique(named, seen)
         dropped = [(s, n) for _, s, n in self._unique(drop, seen) if s.resizable()]
         self._ensure_slots(entries)
+        t1 = time.perf_counter()
         self._copy([(self._slots[k], _as_bytes(s, n)) for k, s, n in entries])
+        t2 = time.perf_counter()
         self._moved = []
         for k, s, n in entries:
             freed = s.resizable()
@@ -198,7 +203,9 @@ class HostStash:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self.offloaded = True
-        self.last_offload = MoveStats(time.perf_counter() - t0, sum(n for _, _, n in entries))
+        t3 = time.perf_counter()
+        self.last_offload = MoveStats(t3 - t0, sum(n for _, _, n in entries),
+                                      {"slots": t1 - t0, "copy": t2 - t1, "free": t3 - t2})
         return self.last_offload
 
     def reload(self, rebuild: Callable[[], None] | None = None) -> MoveStats:
@@ -211,6 +218,7 @@ class HostStash:
                 m.storage.resize_(m.nbytes)
         for s, n in self._dropped:
             s.resize_(n)
+        t1 = time.perf_counter()
         stream = self._side_stream()
         pairs = [(_as_bytes(m.storage, m.nbytes), self._slots[m.key]) for m in self._moved]
         if stream is None:
@@ -229,5 +237,6 @@ class HostStash:
         nbytes = sum(m.nbytes for m in self._moved)
         self._moved, self._dropped = [], []
         self.offloaded = False
-        self.last_reload = MoveStats(time.perf_counter() - t0, nbytes)
+        t2 = time.perf_counter()
+        self.last_reload = MoveStats(t2 - t0, nbytes, {"alloc": t1 - t0, "copy_rebuild": t2 - t1})
         return self.last_reload
