@@ -109,7 +109,8 @@ def _qwen2_config(shape: dict, tok: Any) -> Any:
 def qwen2_tensors(shape: dict) -> list[tuple[str, tuple[int, ...], str]]:
     """(name, shape, init) of every tensor of a Qwen2 model, in checkpoint order; init is
     "normal" (std INIT_STD), "ones" (RMSNorm) or "zeros" (q/k/v biases)."""
-    h, n_layers, i, v = shape["hidden_size"], shape["num_hidden_layers"], shape["intermediate_size"], shape["vocab_size"]
+    h, n_layers = shape["hidden_size"], shape["num_hidden_layers"]
+    i, v = shape["intermediate_size"], shape["vocab_size"]
     hd = shape.get("head_dim") or h // shape["num_attention_heads"]
     q, kv = shape["num_attention_heads"] * hd, shape["num_key_value_heads"] * hd
     out = [("model.embed_tokens.weight", (v, h), "normal")]

@@ -96,7 +96,7 @@ def legacy_reload(b) -> None:
 
 
 def slowest(x: float) -> float:
-    from rlhfkit.backend.dist import all_reduce_sum, get_world_size
+    from rlhfkit.backend.dist import get_world_size
 
     t = torch.tensor([x], dtype=torch.float64)
     if get_world_size() > 1:
@@ -157,7 +157,8 @@ def main() -> None:
         res[f"{k}_offload_s"] = sum(x["offload_s"] for x in rest) / len(rest)
         res[f"{k}_reload_s"] = sum(x["reload_s"] for x in rest) / len(rest)
     gib = res["state_gib_per_rank"]
-    res["stash_gib_per_s"] = {"offload": round(gib / res["stash_offload_s"], 2), "reload": round(gib / res["stash_reload_s"], 2)}
+    res["stash_gib_per_s"] = {"offload": round(gib / res["stash_offload_s"], 2),
+                              "reload": round(gib / res["stash_reload_s"], 2)}
     res["speedup_vs_legacy"] = {"offload": round(res["legacy_offload_s"] / res["stash_offload_s"], 2),
                                 "reload": round(res["legacy_reload_s"] / res["stash_reload_s"], 2)}
     if dist.rank == 0:
