@@ -266,6 +266,7 @@ class FSDP2Backend:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full CPU state dict on rank 0 (`{}` elsewhere); all ranks call. May alias CPU params."""
+        self._wake()
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         if self.master is not None:
@@ -275,6 +276,7 @@ class FSDP2Backend:
 
     def optimizer_state_dict(self) -> dict[str, Any]:
         """Full optimizer state keyed by parameter name, on CPU (rank 0 holds it; all ranks call)."""
+        self._wake()
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         opt = self._require_optimizer()
@@ -285,6 +287,7 @@ class FSDP2Backend:
 
     def load_full_state(self, model_sd: dict[str, torch.Tensor], optim_sd: dict[str, Any] | None) -> None:
         """Load a full model (and optimizer) state; when sharded, rank 0's copy is broadcast."""
+        self._wake()
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                              set_optimizer_state_dict)
 
@@ -301,6 +304,7 @@ class FSDP2Backend:
     def full_param_buckets(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                            dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Lists of (name, full tensor) of at most `bucket_bytes`; all ranks iterate."""
+        self._wake()
         return iter_full_param_buckets(self.model, bucket_bytes, dtype)
 
     def named_full_params(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -386,6 +390,12 @@ class FSDP2Backend:
                     m.reshard()
         keep, drop = self._sleep_tensors()
         return self._stash.offload(keep, drop)
+
+    def _wake(self) -> None:
+        """Readers of the states (state dicts, weight iteration, saving) reload them first: asleep,
+        their storages are empty. (Forward passes are the caller's: Phases reloads before a call.)"""
+        if self._stash.offloaded:
+            self.reload_states()
 
     def reload_states(self) -> MoveStats:
         """Back onto the device, bit for bit; bf16 parameters are rebuilt from their fp32 masters."""

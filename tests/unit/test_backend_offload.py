@@ -175,3 +175,19 @@ def test_bf16_params_come_back_from_the_masters_not_from_a_copy():
     norm = dict(b.model.named_parameters())["model.norm.weight"]
     master = b.master.masters[b.master.names.index("model.norm.weight")]
     assert torch.equal(master, slot) and torch.equal(norm, (slot).to(torch.bfloat16))
+
+
+def test_state_readers_wake_the_states_first():
+    """Saving while asleep (e.g. the critic's final export after its last offload) reads real values."""
+    b = make_backend(low_precision=True)
+    step(b, 0)
+    want = {k: v.clone() for k, v in b.full_state_dict().items()}
+    opt = b.optimizer_state_dict()["state"]["model.norm.weight"]["exp_avg"].clone()
+    b.offload_states()
+    got = b.full_state_dict()
+    assert not b._stash.offloaded and all(torch.equal(want[k], got[k]) for k in want)
+    b.offload_states()
+    assert torch.equal(b.optimizer_state_dict()["state"]["model.norm.weight"]["exp_avg"], opt)
+    b.offload_states()
+    named = dict(b.named_full_params())
+    assert torch.equal(named["model.norm.weight"], dict(b.model.named_parameters())["model.norm.weight"])
