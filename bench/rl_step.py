@@ -34,7 +34,7 @@ the mean over the timed steps (`step_s_median` beside it). With `--trl_prompts` 
 `speedup_vs_trl` compares the two at the same batch. One JSON line is printed; with `--out` the
 file is rewritten after every run, so a run cut short keeps what finished (`"complete": false`).
 
-`--ray_layout disaggregated|colocated` runs train_ppo_ray's trainer on Ray actors instead (and no
+`--ray_layout disaggregated|colocated|colocated_nosleep` runs train_ppo_ray's trainer on Ray actors instead (and no
 TRL): step time, phases and weight-sync time / MB / path per layout; see rl_step_ray.py.
 """
 
@@ -149,6 +149,8 @@ def rlhfkit_argv(a: argparse.Namespace, model_dir: str, data: str, reward: str, 
             "--save_path", os.path.join(work, "ckpt"), "--run_dir", os.path.join(work, f"run_{prompts}")]
     if a.gradient_checkpointing:
         argv.append("--gradient_checkpointing")
+    if a.adam_offload:
+        argv.append("--adam_offload")
     return argv
 
 
@@ -361,6 +363,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--micro_rollout_batch_size", type=int, default=32)
     ap.add_argument("--gradient_checkpointing", default="auto", choices=["auto", "on", "off"],
                     help="both sides; auto: on for cuda")
+    ap.add_argument("--adam_offload", action="store_true", help="rlhfkit --adam_offload")
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--trl_prompts", type=int, nargs="*", default=None,
@@ -427,7 +430,7 @@ def report(a: argparse.Namespace, runs: list[dict], complete: bool) -> dict:
            "completions": a.prompts * a.n, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens,
            "timed_steps": a.steps, "rollout_engine": a.rollout_engine, "ray_layout": a.ray_layout,
            "compute_dtype": "bf16" if a.device.startswith("cuda") else "fp32", "master_dtype": "fp32",
-           "gradient_checkpointing": a.gradient_checkpointing, "complete": complete,
+           "gradient_checkpointing": a.gradient_checkpointing, "adam_offload": a.adam_offload, "complete": complete,
            "versions": {d: _version(d) for d in ("torch", "transformers", "accelerate", "trl", "datasets", "pyarrow", "ray")}}
     if not a.device.startswith("cuda"):
         res["load_avg_1m"] = os.getloadavg()[0]  # CPU timings are only as quiet as the machine was

@@ -8,8 +8,10 @@ Layouts (issue 6's on a 2-GPU machine, issue 13's on a 4-GPU one; `LAYOUTS` hold
     disaggregated  the policy on 1 GPU (`--actor_num_gpus_per_node 1`), 1 engine on another GPU;
                    weights by NCCL broadcast (`--weight_sync auto`)
     colocated      `--colocate_all_models --vllm_enable_sleep --deepspeed_enable_sleep` with
-                   `--actor_num_gpus_per_node 2` (FSDP2 over both GPUs) and 2 engines, one on each
-                   policy GPU; weights by CUDA IPC from the policy rank on the same GPU
+                   `--actor_num_gpus_per_node 2` (FSDP2 over both GPUs; `--ray_gpus`) and 2 engines, one
+                   on each policy GPU; weights by CUDA IPC from the policy rank on the same GPU
+    colocated_nosleep  the same without the two sleep flags (the baseline a sleep-mode step is
+                   compared with: everything stays on the GPUs)
     colo4_tp1 / colo4_tp1_sleep   4 policy GPUs, 4 engines of TP 1 on them (sleep: both sleep flags)
     colo4_tp2_sleep               4 policy GPUs, 2 engines of TP 2 on them, both sleep flags
     disagg2_tp2 / disagg2_tp2_async   2 policy GPUs + 1 engine of TP 2 on the other 2 (NCCL
@@ -22,8 +24,8 @@ Same model directory, prompts, reward, batch and flags as the one-process run (r
 layout's flags. The driver builds the trainer as `train_ppo_ray.run` does (flags, placement, Ray
 groups), runs one warm-up and `--steps` timed `train_step()` calls, and records per step: the wall
 time, the loop's phases (generate, reward, logprobs, train, weight_sync), the Ray phases (engine
-sleep / wake, states reload / offload, `time/weight_push`: the push alone), the synced MB and the
-sync path. Ray is started here (a local instance, whatever $RAY_ADDRESS says) with the GPUs that
+sleep / wake, states reload / offload as the driver sees them and `offload` / `reload` as the ranks
+measured them, `time/weight_push`: the push alone), `offload_gb`, the synced MB and the sync path. Ray is started here (a local instance, whatever $RAY_ADDRESS says) with the GPUs that
 torch sees and `--ray_object_store_gb` of object store; PYTHONPATH carries the repo to the workers.
 """
 
@@ -38,9 +40,10 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SLEEP = ["--vllm_enable_sleep", "--deepspeed_enable_sleep"]
-LAYOUTS = {  # name -> (policy ranks, flags)
+LAYOUTS = {  # name -> (policy ranks, flags); the colocated pair scales with --ray_gpus
     "disaggregated": (1, ["--actor_num_gpus_per_node", "1", "--vllm_num_engines", "1"]),
-    "colocated": (2, ["--actor_num_gpus_per_node", "2", "--vllm_num_engines", "2", "--colocate_all_models", *_SLEEP]),
+    "colocated": (0, ["--colocate_all_models", *_SLEEP]),
+    "colocated_nosleep": (0, ["--colocate_all_models"]),
     "colo4_tp1": (4, ["--actor_num_gpus_per_node", "4", "--vllm_num_engines", "4", "--colocate_all_models"]),
     "colo4_tp1_sleep": (4, ["--actor_num_gpus_per_node", "4", "--vllm_num_engines", "4", "--colocate_all_models",
                             *_SLEEP]),
@@ -50,7 +53,7 @@ LAYOUTS = {  # name -> (policy ranks, flags)
     "disagg2_tp2_async": (2, ["--actor_num_gpus_per_node", "2", "--vllm_num_engines", "1",
                               "--vllm_tensor_parallel_size", "2", "--async_train", "--async_queue_size", "1"]),
 }
-RAY_TIMES = ("weight_push", "engine_sleep", "engine_wake", "states_reload", "states_offload")
+RAY_TIMES = ("weight_push", "engine_sleep", "engine_wake", "states_reload", "states_offload", "offload", "reload")
 RAY_HEADLINE = ("ray_layout", "weight_sync_method", "weight_sync_s", "weight_push_s", "weight_sync_mb",
                 "weight_sync_gb_per_s", "ray_phases_s")
 
@@ -61,6 +64,7 @@ def add_ray_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--weight_sync", default="auto", choices=["auto", "object_store", "broadcast", "ipc"],
                     help="train_ppo_ray --weight_sync (Ray mode)")
     ap.add_argument("--weight_sync_bucket_mb", type=int, default=256, help="train_ppo_ray --weight_sync_bucket_mb")
+    ap.add_argument("--ray_gpus", type=int, default=2, help="GPUs of the colocated layouts (policy ranks = engines)")
     ap.add_argument("--ray_object_store_gb", type=float, default=4.0, help="object store of the local Ray")
     ap.add_argument("--ray_extra", default="", help="more train_ppo_ray flags, space-separated")
 
@@ -70,7 +74,14 @@ def layout_argv(a: argparse.Namespace) -> list[str]:
               "--ray_address", "local", "--ray_num_cpus_per_worker", "1"]
     if a.ray_layout not in LAYOUTS:
         raise ValueError(f"--ray_layout must be one of {sorted(LAYOUTS)}, got {a.ray_layout!r}")
-    return common + LAYOUTS[a.ray_layout][1] + a.ray_extra.split()
+    ranks, flags = LAYOUTS[a.ray_layout]
+    if not ranks:  # the colocated pair: --ray_gpus policy ranks, one engine on each
+        flags = ["--actor_num_gpus_per_node", str(a.ray_gpus), "--vllm_num_engines", str(a.ray_gpus), *flags]
+    return common + flags + a.ray_extra.split()
+
+
+def policy_ranks(a: argparse.Namespace) -> int:
+    return LAYOUTS[a.ray_layout][0] or a.ray_gpus
 
 
 class GpuMemoryPeak:
@@ -139,6 +150,7 @@ def _build(a: argparse.Namespace, argv: list[str]) -> tuple[Any, Any, Any, Any]:
     shapes = R.role_shapes(args)
     S.resolve_flags(args, shapes["policy"].slots)
     R.check_ray_flags(args, shapes)
+    R.check_memory(args, {name: s.slots for name, s in shapes.items()})
     set_seed(args.seed)
     tokenizer, prompts, eval_prompts = load_tokenizer_and_prompts(args)
     num_steps = S.optimizer_steps(args, len(prompts))
@@ -158,7 +170,7 @@ def run_ray(a: argparse.Namespace, model_dir: str, data: str, reward: str, work:
 
     from rl_step import force_full_length, micro, rlhfkit_argv, summarize_rlhfkit
 
-    per_rank = prompts * a.n // LAYOUTS[a.ray_layout][0]  # micro batches are per policy rank
+    per_rank = prompts * a.n // policy_ranks(a)  # micro batches are per policy rank
     argv = rlhfkit_argv(a, model_dir, data, reward, work, prompts) + layout_argv(a) + [
         "--micro_train_batch_size", str(micro(per_rank, a.micro_train_batch_size)),
         "--micro_rollout_batch_size", str(micro(per_rank, a.micro_rollout_batch_size))]
@@ -214,7 +226,8 @@ def ray_summary(metrics: list[dict], launched: Any, launch_s: float) -> dict:
     mb = mean([m.get("weight_sync_mb", 0.0) for m in metrics])
     push = times["weight_push"]
     methods = sorted({k.split("/", 1)[1] for m in metrics for k in m if k.startswith("weight_sync/")})
-    return {"ray_phases_s": times, "weight_sync_s": mean([m["time/weight_sync"] for m in metrics]),
+    return {"ray_phases_s": times, "offload_gb": mean([m.get("offload_gb", 0.0) for m in metrics]),
+            "weight_sync_s": mean([m["time/weight_sync"] for m in metrics]),
             "weight_push_s": push, "weight_sync_mb": mb,
             "weight_sync_gb_per_s": mb / 1024 / push if push else None,
             "weight_sync_method": launched.weight_sync.describe(), "weight_sync_methods_logged": methods,

@@ -69,10 +69,11 @@ class TrainBackend(Protocol):
 
     def load_checkpoint(self, ckpt_root: str) -> dict | None: ...
 
-    def offload_states(self) -> None:
-        """Move parameters, gradients and optimizer states to CPU (sleep)."""
+    def offload_states(self) -> Any:
+        """Move parameters, gradients and optimizer states to host memory (sleep); returns the
+        seconds and bytes moved (`rlhfkit.backend.offload.MoveStats`)."""
         ...
 
-    def reload_states(self) -> None:
-        """Move them back to the training device (wake up)."""
+    def reload_states(self) -> Any:
+        """Move them back to the training device, bit for bit (wake up); returns `MoveStats`."""
         ...

@@ -85,6 +85,17 @@ def init_distributed(device: str | None = None, timeout_minutes: int = 60) -> Di
                     local_rank=local_rank, device=device)
 
 
+def init_single_rank_group(device: str) -> None:
+    """A default process group of one rank over an in-memory store (no network), for a feature
+    that needs one in a single process (FSDP2's CPUOffloadPolicy under --adam_offload)."""
+    if dist.is_initialized():
+        return
+    on_cuda = device.startswith("cuda")
+    kw: dict[str, Any] = {"device_id": torch.device(device)} if on_cuda else {}
+    dist.init_process_group(backend="cpu:gloo,cuda:nccl" if on_cuda else "gloo", store=dist.HashStore(),
+                            rank=0, world_size=1, **kw)
+
+
 def _active() -> bool:
     return dist.is_available() and dist.is_initialized()
 

@@ -19,9 +19,16 @@ Gradient accumulation: `backward(loss, sync_grads=False)` skips the gradient red
 (`set_requires_gradient_sync(False)`) for stages 0-2 until the last micro-batch. Stage 3 keeps
 reducing every micro-batch, so gradients stay sharded (memory is what stage 3 is chosen for).
 
-`--adam_offload` on CUDA uses FSDP2's CPUOffloadPolicy (parameters, gradients and the AdamW
-step on CPU); it needs a process group, so a single GPU runs it under
-`torchrun --nproc_per_node 1`. On CPU it changes nothing.
+`--adam_offload` on CUDA uses FSDP2's CPUOffloadPolicy for a trainable model: the fp32 sharded
+parameters, their gradients and the AdamW states live in pinned host memory and the AdamW step
+runs on the CPU; the GPU holds only the gathered compute-dtype blocks. It needs a process group,
+so one process without one (a one-rank Ray group, plain `python -m`) gets a one-rank group of its
+own. On CPU it has no effect (one printed line says so). A frozen model ignores it.
+
+Sleep (`offload_states` / `reload_states`, --deepspeed_enable_sleep): the states' storages go to
+host buffers allocated once and reused (offload.py), bit for bit; bf16 module parameters that
+have fp32 masters are freed and rebuilt from them instead of copied. `sleep_stats` has the
+seconds and bytes of the last round trip.
 
 Checkpoints (checkpoint.py) go through `sharded_state_dict()`: each rank's DTensor shards (or,
 in one process, the fp32 masters) and optimizer state, written by torch.distributed.checkpoint
@@ -45,6 +52,7 @@ from rlhfkit.backend import checkpoint as ckpt
 from rlhfkit.backend.dist import DistInfo
 from rlhfkit.backend.hf_export import export_hf, parse_size
 from rlhfkit.backend.master import MasterWeights
+from rlhfkit.backend.offload import HostStash, MoveStats
 from rlhfkit.backend.optim import build_optimizer, build_scheduler, param_groups
 from rlhfkit.backend.parallel import ParallelDims
 from rlhfkit.backend.precision import DynamicLossScaler, compute_dtype_for, parse_dtype
@@ -57,6 +65,7 @@ from rlhfkit.backend.sharding import (
     sum_gradients_by_loss_scale,
 )
 from rlhfkit.config.configs import BackendConfig, OptimConfig
+from rlhfkit.models.loader import enable_gradient_checkpointing
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +93,16 @@ def _check_dims(dims: ParallelDims, cfg: BackendConfig, dist: DistInfo) -> None:
     if cfg.zero_stage > 0 and dims.dp_shard == 1 and dims.dp_replicate > 1:
         raise ValueError(f"--zero_stage {cfg.zero_stage} shards over dp_shard, but the mesh has dp_shard=1 and "
                          f"dp_replicate={dims.dp_replicate} (use --zero_stage 0 for plain replication)")
+
+
+_NOTED: set[str] = set()
+
+
+def _note_once(line: str) -> None:
+    """Print `line` once per process (several backends may be built in one)."""
+    if line not in _NOTED:
+        _NOTED.add(line)
+        print(line, flush=True)
 
 
 def _cast_params(model: nn.Module, dtype: torch.dtype, trainable_only: bool) -> None:
@@ -130,13 +149,19 @@ class FSDP2Backend:
         self.device = torch.device(dist.device)
         self.param_dtype = parse_dtype(backend_cfg.param_dtype)
         self.compute_dtype = compute_dtype_for(self.param_dtype, self.device, cpu_low_precision)
-        self.is_sharded = dist.has_process_group
         self.trainable = optim_cfg is not None
+        self.cpu_offload = backend_cfg.adam_offload and self.trainable and self.device.type == "cuda"
+        if backend_cfg.adam_offload and self.trainable and self.device.type != "cuda" and dist.rank == 0:
+            _note_once("note: --adam_offload has no effect on CPU (the optimizer states are already in host memory)")
+        if self.cpu_offload and not dist.has_process_group:
+            D.init_single_rank_group(dist.device)  # FSDP2's CPUOffloadPolicy needs a process group
+        self.is_sharded = dist.has_process_group
         self._loss_multiplier = 1.0
         self._unsynced = False
-        self._offloaded = False
-        if backend_cfg.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self._stash = HostStash(self.device)
+        if (backend_cfg.gradient_checkpointing and self.trainable and hasattr(model, "gradient_checkpointing_enable")
+                and not getattr(model, "is_gradient_checkpointing", False)):  # the loader's choice of reentrant stays
+            enable_gradient_checkpointing(model, use_reentrant=False, need_input_grads=False)
         master = torch.float32 if self.trainable else self.compute_dtype
         _cast_params(model, master, trainable_only=self.trainable)
         if backend_cfg.torch_compile:
@@ -159,9 +184,6 @@ class FSDP2Backend:
     # ------------------------------------------------------------------ wrapping
 
     def _place(self, model: nn.Module) -> nn.Module:
-        if self.cfg.adam_offload and self.device.type == "cuda":
-            raise ValueError("--adam_offload needs a process group (FSDP2 CPUOffloadPolicy): "
-                             "launch with torchrun --nproc_per_node 1 for one GPU")
         model = model.to(self.device)
         if self.trainable and self.compute_dtype != torch.float32:
             if self.cfg.mixed_precision == "master_weights":
@@ -177,11 +199,7 @@ class FSDP2Backend:
         low = self.compute_dtype if self.compute_dtype != torch.float32 else None
         mp = MixedPrecisionPolicy(param_dtype=low if self.trainable else None,
                                   reduce_dtype=torch.float32)
-        offload = None
-        if self.cfg.adam_offload and self.device.type == "cuda":
-            offload = CPUOffloadPolicy(pin_memory=True)
-        elif self.cfg.adam_offload:
-            log.info("--adam_offload on CPU: states are already in CPU memory; nothing to offload")
+        offload = CPUOffloadPolicy(pin_memory=True) if self.cpu_offload else None
         apply_fsdp2(model, self.mesh[self.parallel.fsdp_dim_names], self.cfg.zero_stage, mp, offload)
         if offload is None:
             model.to(self.device)  # buffers not managed by FSDP (e.g. rotary tables)
@@ -257,6 +275,7 @@ class FSDP2Backend:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full CPU state dict on rank 0 (`{}` elsewhere); all ranks call. May alias CPU params."""
+        self._wake()
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         if self.master is not None:
@@ -266,6 +285,7 @@ class FSDP2Backend:
 
     def optimizer_state_dict(self) -> dict[str, Any]:
         """Full optimizer state keyed by parameter name, on CPU (rank 0 holds it; all ranks call)."""
+        self._wake()
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         opt = self._require_optimizer()
@@ -276,6 +296,7 @@ class FSDP2Backend:
 
     def load_full_state(self, model_sd: dict[str, torch.Tensor], optim_sd: dict[str, Any] | None) -> None:
         """Load a full model (and optimizer) state; when sharded, rank 0's copy is broadcast."""
+        self._wake()
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                              set_optimizer_state_dict)
 
@@ -292,6 +313,7 @@ class FSDP2Backend:
     def full_param_buckets(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                            dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Lists of (name, full tensor) of at most `bucket_bytes`; all ranks iterate."""
+        self._wake()
         return iter_full_param_buckets(self.model, bucket_bytes, dtype)
 
     def named_full_params(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -376,32 +398,62 @@ class FSDP2Backend:
 
     # ------------------------------------------------------------------ sleep / wake
 
-    def _move_optimizer_state(self, device: torch.device | str) -> None:
-        if self.optimizer is None:
-            return
-        for state in self.optimizer.state.values():
-            for k, v in state.items():
-                if isinstance(v, torch.Tensor) and not (k == "step" and v.device.type == "cpu"):
-                    state[k] = v.to(device, non_blocking=True)
+    def _sleep_tensors(self) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:
+        """(tensors to copy out, tensors to free and rebuild) for offload_states, by stable name.
 
-    def offload_states(self) -> None:
-        """Parameters, gradients and optimizer states to CPU (no-op when already there)."""
-        if self._offloaded or self.device.type == "cpu" or self.cfg.adam_offload:
-            return
-        self.model.to("cpu")
+        Copied: parameters (FSDP2: the sharded DTensors; fp32 masters where the module is a bf16
+        copy of them), gradients that exist, optimizer states. Rebuilt, not copied: the bf16
+        module parameters that have fp32 masters (after every step and load they equal the
+        masters rounded, `MasterWeights.copy_to_model`). Not moved at all: what FSDP2 frees after
+        resharding (the gathered bf16 parameters) and gradients that are None after a step."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        rebuilt = {id(p) for p in self.master.params} if self.master is not None else set()
+        keep: list[tuple[str, Any]] = []
+        drop: list[tuple[str, Any]] = []
+        for n, p in self.model.named_parameters():
+            (drop if id(p) in rebuilt else keep).append((f"param:{n}", p))
+            keep.append((f"grad:{n}", p.grad))
         if self.master is not None:
-            self.master.to("cpu")
-        self._move_optimizer_state("cpu")
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        self._offloaded = True
+            for n, m in zip(self.master.names, self.master.masters):
+                names[id(m)] = n
+                keep.append((f"master:{n}", m))
+                keep.append((f"master_grad:{n}", m.grad))
+        if self.optimizer is not None:
+            for p, state in self.optimizer.state.items():
+                for k, v in state.items():
+                    if isinstance(v, torch.Tensor):
+                        keep.append((f"opt:{names.get(id(p), id(p))}:{k}", v))
+        return keep, drop
 
-    def reload_states(self) -> None:
-        if not self._offloaded:
-            return
-        self.model.to(self.device)
-        if self.master is not None:
-            self.master.to(self.device)
-        self._move_optimizer_state(self.device)
-        torch.cuda.synchronize()
-        self._offloaded = False
+    def offload_states(self) -> MoveStats:
+        """Training states into host buffers allocated once (pinned on CUDA); see offload.py.
+
+        No-op under `--adam_offload` on CUDA (FSDP2 keeps those states in host memory already).
+        On CPU the round trip still runs (it frees nothing there) so that CPU runs exercise it."""
+        if self._stash.offloaded or (self.cfg.adam_offload and self.trainable and self.device.type == "cuda"):
+            return MoveStats()
+        if self.is_sharded:
+            from torch.distributed.fsdp import FSDPModule
+
+            for m in self.model.modules():  # a no-grad forward at zero_stage < 3 leaves blocks gathered
+                if isinstance(m, FSDPModule):
+                    m.reshard()
+        keep, drop = self._sleep_tensors()
+        return self._stash.offload(keep, drop)
+
+    def _wake(self) -> None:
+        """Readers of the states (state dicts, weight iteration, saving) reload them first: asleep,
+        their storages are empty. (Forward passes are the caller's: Phases reloads before a call.)"""
+        if self._stash.offloaded:
+            self.reload_states()
+
+    def reload_states(self) -> MoveStats:
+        """Back onto the device, bit for bit; bf16 parameters are rebuilt from their fp32 masters."""
+        return self._stash.reload(self.master.copy_to_model if self.master is not None else None)
+
+    @property
+    def sleep_stats(self) -> dict[str, float]:
+        """The last offload / reload: seconds and bytes (the RL loop logs them)."""
+        a, b = self._stash.last_offload, self._stash.last_reload
+        return {"offload_s": a.seconds, "offload_bytes": float(a.nbytes),
+                "reload_s": b.seconds, "reload_bytes": float(b.nbytes)}

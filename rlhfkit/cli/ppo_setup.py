@@ -182,14 +182,19 @@ def build_reward_model(args: argparse.Namespace, dist: DistInfo):
     return LocalGroup(RewardModelRole(models, dist, args.micro_rollout_batch_size), "reward")
 
 
+def engine_max_num_seqs(args: argparse.Namespace, num_engines: int) -> int:
+    """Sequences one engine decodes at once: --rollout_max_num_seqs, else its share of a step's samples (<= 512)."""
+    per_rank = args.rollout_batch_size // num_engines * args.n_samples_per_prompt
+    return args.rollout_max_num_seqs or min(per_rank, 512)
+
+
 def build_engine_for(args: argparse.Namespace, tokenizer: Any, dist: DistInfo, tp: Any = None):
     from rlhfkit.rollout import build_engine
 
     gpu = dist.device.startswith("cuda")
     dtype = (torch.bfloat16 if args.param_dtype == "bf16" else torch.float16 if args.param_dtype == "fp16"
              else torch.float32) if gpu else torch.float32
-    per_rank = args.rollout_batch_size // dist.world_size * args.n_samples_per_prompt
-    seqs = args.rollout_max_num_seqs or min(per_rank, 512)
+    seqs = engine_max_num_seqs(args, dist.world_size)
     opts: dict[str, Any] = {}
     if args.rollout_engine == "builtin":
         opts = {"max_model_len": args.max_len, "max_num_seqs": seqs}

@@ -42,6 +42,7 @@ from typing import Any
 from rlhfkit.backend.dist import DistInfo
 from rlhfkit.cli import ppo_setup as S
 from rlhfkit.cli.common import UsageError, cli_main, make_logger, set_seed
+from rlhfkit.cli.memory_check import check_memory
 from rlhfkit.cli.train_ppo import PLOT_KEYS, load_tokenizer_and_prompts
 from rlhfkit.cli.train_ppo import build_parser as ppo_parser
 from rlhfkit.trainers.rl import RLState, RLTrainer
@@ -237,7 +238,7 @@ class RayRLTrainer(RLTrainer):
     def train_step(self) -> dict[str, float]:
         m = super().train_step()
         m.update(self.router.take_metrics())
-        m.update({f"time/{k}": v for k, v in self.phases.take_timings().items()})
+        m.update(self.phases.take_metrics())
         return m
 
     def fit(self) -> RLState:
@@ -336,6 +337,7 @@ def run(args, parser, hard_exit: bool = False) -> None:
     S.resolve_flags(args, shapes["policy"].slots)
     check_ray_flags(args, shapes)
     note_no_effect(args, parser)
+    check_memory(args, {name: s.slots for name, s in shapes.items()})
     set_seed(args.seed)
     tokenizer, prompts, eval_prompts = load_tokenizer_and_prompts(args)
     num_steps = S.optimizer_steps(args, len(prompts))

@@ -164,6 +164,8 @@ def _placement(p: FlagParser) -> None:
     p.flag("--colocate_actor_ref", "--train.colocate_actor_ref", action="store_true")
     p.flag("--colocate_critic_reward", "--train.colocate_critic_reward", action="store_true")
     p.flag("--deepspeed_enable_sleep", "--ds.enable_sleep", action="store_true")
+    p.flag("--skip_memory_check", action="store_true",
+           help="start even when the per-GPU memory plan exceeds the GPU (train_ppo_ray prints the plan)")
 
 
 def _eval(p: FlagParser) -> None:
@@ -181,5 +183,5 @@ RAY_ONLY = [f"{r}_num_nodes" for r in ROLES] + [f"{r}_num_gpus_per_node" for r i
     "weight_sync", "weight_sync_bucket_mb",
     "vllm_gpu_memory_utilization", "vllm_enable_sleep", "enable_prefix_caching", "enforce_eager",
     "colocate_all_models", "colocate_actor_ref", "colocate_critic_reward", "deepspeed_enable_sleep",
-    "async_train", "async_queue_size", "partial_rollout",
+    "async_train", "async_queue_size", "partial_rollout", "skip_memory_check",
 ]

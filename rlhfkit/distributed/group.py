@@ -14,6 +14,10 @@ happens inside the group, whose ranks share one torch process group.
 `Phases` implements sleep/wake between the rollout and training phases (`--vllm_enable_sleep`:
 engines sleep while any role group works and wake for generation or a weight update;
 `--deepspeed_enable_sleep`: a group's training states are on the device only during its calls).
+Its metrics per step: `time/engine_sleep`, `time/engine_wake`, `time/states_offload` and
+`time/states_reload` (driver side, Ray calls included) and, as the ranks measured them,
+`time/offload` / `time/reload` (per group the slowest rank, summed over groups) and `offload_gb`
+(per group the largest rank's bytes, summed: what one GPU moved off).
 `GroupBackend` lets the loop's checkpointer (which expects a backend) save, load and export
 through the group: every rank takes part, rank 0's answer is returned.
 """
@@ -77,6 +81,7 @@ class Phases:
         self.engine_sleep, self.train_sleep = engine_sleep, train_sleep
         self.engine: Any = None
         self.timings: dict[str, float] = {}
+        self.moved: dict[str, float] = {}  # offload / reload seconds and bytes as the ranks measured them
         self._pending: RayGroup | None = None  # on the device, to be offloaded before anyone else works
 
     def _time(self, key: str, t0: float) -> None:
@@ -89,8 +94,17 @@ class Phases:
             return
         self._pending = None
         t0 = time.perf_counter()
-        g.run_all("offload")
+        self._record("offload", g.run_all("offload"))
         self._time("states_offload", t0)
+
+    def _record(self, kind: str, stats: list[Any]) -> None:
+        """Add the slowest rank's seconds (and, for an offload, the largest rank's bytes)."""
+        got = [s for s in stats if isinstance(s, dict)]
+        if not got:
+            return
+        self.moved[f"time/{kind}"] = self.moved.get(f"time/{kind}", 0.0) + max(s["seconds"] for s in got)
+        if kind == "offload":
+            self.moved["offload_gb"] = self.moved.get("offload_gb", 0.0) + max(s["bytes"] for s in got) / 2**30
 
     def before_group(self, group: "RayGroup") -> None:
         t0 = time.perf_counter()
@@ -107,7 +121,7 @@ class Phases:
             self._pending = None
             return
         t1 = time.perf_counter()
-        group.run_all("reload")
+        self._record("reload", group.run_all("reload"))
         self._time("states_reload", t1)
 
     @contextmanager
@@ -130,8 +144,11 @@ class Phases:
             self.engine.wake_up()
             self._time("engine_wake", t0)
 
-    def take_timings(self) -> dict[str, float]:
-        out, self.timings = self.timings, {}
+    def take_metrics(self) -> dict[str, float]:
+        """This step's metrics (see the module docstring), reset."""
+        out = {f"time/{k}": v for k, v in self.timings.items()}
+        out.update(self.moved)
+        self.timings, self.moved = {}, {}
         return out
 
 

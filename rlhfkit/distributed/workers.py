@@ -37,6 +37,7 @@ import ray
 import torch
 
 from rlhfkit.backend.dist import DistInfo, init_distributed, resolve_device
+from rlhfkit.backend.offload import HostStash, MoveStats
 from rlhfkit.distributed.weight_sync import (GroupSpec, SenderPlan, TensorMeta, WeightReceiver, WeightSender,
                                              iter_buckets)
 
@@ -65,6 +66,7 @@ class RoleWorker:
         self.backend: Any = None
         self.dist = DistInfo()
         self._sender: WeightSender | None = None
+        self._stash: HostStash | None = None  # a reward model's weights under --deepspeed_enable_sleep
 
     def info(self) -> dict[str, Any]:
         return _node_info()
@@ -135,23 +137,27 @@ class RoleWorker:
         self._enter()
         return fn(self.role, self.backend, self.dist, *args)
 
-    def offload(self) -> None:
-        """Training states (or a reward model's weights) to CPU: --deepspeed_enable_sleep."""
+    def offload(self) -> dict[str, float]:
+        """Training states (or a reward model's weights) to host memory: --deepspeed_enable_sleep.
+        Returns this rank's {"seconds", "bytes"} (backend/offload.py)."""
         self._enter()
         if self.backend is not None:
-            self.backend.offload_states()
-        elif self.dist.device.startswith("cuda"):
-            for m in getattr(self.role, "models", []):
-                m.to("cpu")
-            torch.cuda.empty_cache()
+            return self.backend.offload_states().as_dict()
+        if not self.dist.device.startswith("cuda"):
+            return MoveStats().as_dict()
+        if self._stash is None:
+            self._stash = HostStash(self.dist.device)
+        named = [(f"{i}:{n}", p) for i, m in enumerate(getattr(self.role, "models", []))
+                 for n, p in m.named_parameters()]
+        return self._stash.offload(named).as_dict()
 
-    def reload(self) -> None:
+    def reload(self) -> dict[str, float]:
         self._enter()
         if self.backend is not None:
-            self.backend.reload_states()
-        elif self.dist.device.startswith("cuda"):
-            for m in getattr(self.role, "models", []):
-                m.to(self.dist.device)
+            return self.backend.reload_states().as_dict()
+        if self._stash is None:
+            return MoveStats().as_dict()
+        return self._stash.reload().as_dict()
 
 
 class EngineWorker:

@@ -8,7 +8,8 @@ on the same global batches as the single-process reference (each rank takes its 
 divided by the global token count. Rank 0 writes `O/stage<k>.safetensors` (final weights) and
 `O/results.json` (loss curves, grad norms and the extra checks of the first stage: sharded
 checkpoint resume on the same ranks and, with `--resume_ckpt`, from a checkpoint saved by another
-world size, `named_full_params` = `full_state_dict`, streamed `save_hf` reload logits, offload/reload).
+world size, `named_full_params` = `full_state_dict`, streamed `save_hf` reload logits, offload/reload),
+and per stage a sleep round trip after training (`sleep_check`).
 """
 
 from __future__ import annotations
@@ -93,6 +94,36 @@ def new_backend(model_dir: str, stage: int, dist: DistInfo, steps: int,
     cfg = BackendConfig(zero_stage=stage, param_dtype=param_dtype, device=dist.device,
                         adam_offload=adam_offload)
     return FSDP2Backend(model, cfg, optim_cfg(), steps, dist)
+
+
+def _local_states(b: FSDP2Backend) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return (t.to_local() if isinstance(t, DTensor) else t).detach().clone()
+
+    out = {f"p.{n}": local(p) for n, p in b.model.named_parameters()}
+    for i, st in enumerate(b.optimizer.state.values()):
+        out.update({f"o.{i}.{k}": local(v) for k, v in st.items()})
+    return out
+
+
+def sleep_check(b: FSDP2Backend, batch: dict[str, torch.Tensor]) -> dict:
+    """A no-grad forward (as forward_logprobs; at stage < 3 it leaves the blocks gathered), then
+    offload -> reload: are the local shards and Adam states freed while asleep and equal after?"""
+    from torch.distributed.tensor import DTensor
+
+    before = _local_states(b)  # after a training step everything is resharded
+    with torch.no_grad():
+        b.model(input_ids=batch["input_ids"][:2].to(b.device))
+    gathered = any(not isinstance(p, DTensor) for p in b.model.parameters())
+    st = b.offload_states()
+    freed = all((p.to_local() if isinstance(p, DTensor) else p).untyped_storage().nbytes() == 0
+                for p in b.model.parameters())
+    b.reload_states()
+    after = _local_states(b)
+    return {"gathered_after_forward": gathered, "freed": freed, "bytes": st.nbytes,
+            "equal": before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)}
 
 
 def extra_checks(model_dir: str, out: str, stage: int, dist: DistInfo, steps: int,
@@ -190,10 +221,11 @@ def main() -> None:
     for i, stage in enumerate(int(s) for s in args.zero_stages.split(",")):
         b = new_backend(args.model_dir, stage, dist, args.steps, args.param_dtype, bool(args.adam_offload))
         losses, norms = train_steps(b, batches, dist)
+        sleep = sleep_check(b, batches[0])
         sd = b.full_state_dict()
         if dist.rank == 0:
             param = next(b.model.parameters())
-            res["stages"][str(stage)] = {"losses": losses, "grad_norms": norms,
+            res["stages"][str(stage)] = {"losses": losses, "grad_norms": norms, "sleep": sleep,
                                          "mesh": [list(b.mesh.mesh_dim_names), list(b.mesh.shape)],
                                          "param_mesh_dims": list(param.device_mesh.mesh_dim_names)}
             save_tensors(os.path.join(args.out, f"stage{stage}.safetensors"), sd)

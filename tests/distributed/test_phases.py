@@ -43,8 +43,9 @@ def test_push_after_training_needs_no_reload_and_offload_happens_before_the_roll
     ph.before_rollout()  # next step's generation
     assert log == ["engine.sleep", "ref.reload", "ref.offload", "policy.reload", "push", "policy.offload",
                    "engine.wake"]
-    timings = ph.take_timings()
-    assert set(timings) == {"engine_sleep", "states_reload", "states_offload", "engine_wake"}
+    metrics = ph.take_metrics()
+    assert set(metrics) == {"time/engine_sleep", "time/states_reload", "time/states_offload", "time/engine_wake"}
+    assert ph.take_metrics() == {}
 
 
 def test_same_group_twice_stays_on_device_and_flush_offloads_once():
@@ -69,3 +70,27 @@ def test_without_train_sleep_nothing_moves():
         pass
     ph.before_rollout()
     assert log == []
+
+
+def test_rank_measured_moves_take_the_slowest_rank_and_sum_over_groups():
+    class Ranks(FakeGroup):
+        def __init__(self, name, log, stats):
+            super().__init__(name, log)
+            self.stats = stats
+
+        def run_all(self, method: str, *args):
+            super().run_all(method)
+            return self.stats
+
+    gib = 2**30
+    log: list[str] = []
+    ph = Phases(train_sleep=True)
+    a = Ranks("ref", log, [{"seconds": 0.5, "bytes": 2.0 * gib}, {"seconds": 0.25, "bytes": 1.0 * gib}])
+    b = Ranks("policy", log, [{"seconds": 1.0, "bytes": 3.0 * gib}, {"seconds": 2.0, "bytes": 3.0 * gib}])
+    for g in (a, b):
+        ph.before_group(g)
+        ph.after_group(g)
+    ph.flush()
+    m = ph.take_metrics()
+    assert m["time/offload"] == 0.5 + 2.0 and m["offload_gb"] == 2.0 + 3.0
+    assert m["time/reload"] == 0.5 + 2.0  # the fake ranks report the same stats for both moves

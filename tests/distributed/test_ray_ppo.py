@@ -4,8 +4,10 @@ GRPO (group_norm), 4 prompts x 2 samples per step, train_batch_size 8 (one optim
 step), KL as a loss against a reference model, the builtin engine, 2 steps, tiny Llama.
 
 - separate actors: policy, ref and the engine are three Ray actors on three placement groups;
-- --colocate_all_models (+ --vllm_enable_sleep --deepspeed_enable_sleep): the three share one
-  bundle (a third of it each) and the engine sleeps while the roles work;
+- --colocate_all_models (+ --vllm_enable_sleep --deepspeed_enable_sleep, and --gradient_checkpointing
+  --adam_offload as a 7B run would set them): the three share one bundle (a third of it each), the
+  engine sleeps while the roles work, the states make a host round trip (logged: time/offload,
+  offload_gb) and checkpointing recomputes the same activations;
 - --async_train: the next batch is generated while the policy trains; staleness is logged;
 - weight sync: the separate-actors run syncs by `--weight_sync broadcast` (a gloo group of policy
   rank 0 and the engine); the same run with `--weight_sync object_store` gives identical metrics
@@ -159,16 +161,21 @@ def test_object_store_sync_equals_broadcast(tiny_model_dir, data_dir, separate_r
 def test_colocate_all_with_sleep_matches_one_process(tiny_model_dir, data_dir, reference, local_ray, capsys):
     save = os.path.join(data_dir, "colocated")
     train_ppo_ray.main(flags(tiny_model_dir, data_dir, save, "--colocate_all_models", "--vllm_enable_sleep",
-                             "--deepspeed_enable_sleep"))
-    where = placement(capsys.readouterr().out)
+                             "--deepspeed_enable_sleep", "--gradient_checkpointing", "--adam_offload"))
+    out = capsys.readouterr().out
+    where = placement(out)
     assert sorted(p["role"] for p in where) == ["engine", "policy", "ref"]
     assert {(p["pool"], p["bundle"]) for p in where} == {("all", "0")}, where
+    assert "pool all: 1 GPU(s) x [policy, ref, engine]" in out  # the memory plan, printed before the actors
     recs, w = read(save)
     assert_match(reference[0], recs, [1, 2])
     # the engine slept during each step's training; it takes the weights asleep and wakes before the
     # next step's generation, after the policy's states left the device (lazily, after the push)
     assert all(r["time/engine_sleep"] > 0 and r["time/states_offload"] > 0 for r in recs)
     assert "time/engine_wake" not in recs[0] and all(r["time/engine_wake"] > 0 for r in recs[1:])
+    # measured in the ranks: policy and ref states went to host buffers and came back (bit for bit:
+    # the metrics and weights match the one-process run)
+    assert all(r["time/offload"] > 0 and r["time/reload"] > 0 and r["offload_gb"] > 0 for r in recs)
     for k, v in reference[1].items():
         torch.testing.assert_close(w[k], v, atol=1e-6, rtol=0, msg=k)
 
@@ -202,6 +209,19 @@ def test_bad_placement_flags_fail_before_ray_starts(tiny_model_dir, data_dir, ca
         train_ppo_ray.main(flags(tiny_model_dir, data_dir, os.path.join(data_dir, "bad"), *extra))
     assert e.value.code == 1
     assert message in capsys.readouterr().err
+
+
+def test_memory_plan_over_the_gpu_refuses_before_ray_starts(tiny_model_dir, data_dir, capsys, monkeypatch):
+    from rlhfkit.cli import memory_check
+
+    monkeypatch.setattr(memory_check, "gpu_bytes", lambda args: 2**20)  # a 1 MiB "GPU"
+    monkeypatch.setattr(train_ppo_ray, "launch_roles", None)  # never reached
+    with pytest.raises(SystemExit) as e:
+        train_ppo_ray.main(flags(tiny_model_dir, data_dir, os.path.join(data_dir, "oom")))
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert re.search(r"the memory plan needs about [\d.]+ GiB per GPU in pool \w+ \(\w+\) but the GPU has 0.0 GiB", err)
+    assert "--skip_memory_check runs anyway" in err
 
 
 def test_broadcast_group_delivers_identical_buckets(local_ray):

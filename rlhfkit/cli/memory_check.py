@@ -1,0 +1,76 @@
+"""train_ppo_ray's memory plan: flags -> `MemoryInputs` -> a printed table, and a refusal when the
+plan exceeds the GPU (rlhfkit/distributed/memory_plan.py has the model of every byte).
+
+    check_memory(args, {"policy": 4, "ref": 4})     before any actor starts
+      model configs (--pretrain, --ref_pretrain, critic path, --reward_pretrain) -> ModelShape
+      flags -> MemoryInputs -> plan_memory -> one table on stdout
+      GPU memory known here (CUDA in this process, not --device cpu) and the plan over it ->
+        UsageError with the numbers and the flags that would fit (--skip_memory_check runs anyway)
+
+The plan is skipped (one line says why) when a model config cannot be read.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from rlhfkit.cli.common import UsageError
+from rlhfkit.distributed.memory_plan import (EngineMemory, MemoryInputs, ModelShape, RoleMemory, over_budget,
+                                             plan_memory)
+
+PARAM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def _shape(path: str, value_head: bool = False) -> ModelShape:
+    from transformers import AutoConfig
+
+    return ModelShape.from_config(AutoConfig.from_pretrained(path), value_head=value_head)
+
+
+def memory_inputs(args: argparse.Namespace, slots: dict[str, int]) -> MemoryInputs:
+    """The plan's inputs from train_ppo_ray's (resolved) flags; `slots`: role -> ranks."""
+    from rlhfkit.cli import ppo_setup as S
+
+    paths = {"policy": (args.pretrain, False), "ref": (args.ref_pretrain or args.pretrain, False),
+             "critic": (S.critic_path(args), True),
+             "reward": ((args.reward_pretrain or "").split(",")[0], True)}
+    roles = tuple(RoleMemory(r, _shape(*paths[r]), n) for r, n in slots.items())
+    engine = EngineMemory(roles[0].shape if roles[0].name == "policy" else _shape(args.pretrain),
+                          num_engines=args.vllm_num_engines,
+                          max_num_seqs=S.engine_max_num_seqs(args, args.vllm_num_engines),
+                          max_model_len=args.max_len, tp=args.vllm_tensor_parallel_size, kind=args.rollout_engine,
+                          gpu_memory_utilization=args.vllm_gpu_memory_utilization)
+    train_tokens = (args.train_max_tokens_per_gpu if args.use_dynamic_batch
+                    else args.micro_train_batch_size * args.max_len)
+    return MemoryInputs(roles=roles, engine=engine, param_bytes=PARAM_BYTES.get(args.param_dtype, 2),
+                        zero_stage=args.zero_stage, adam_offload=args.adam_offload,
+                        gradient_checkpointing=args.gradient_checkpointing, train_tokens=train_tokens,
+                        forward_tokens=S.rollout_max_tokens(args) or args.micro_rollout_batch_size * args.max_len,
+                        colocate_all=args.colocate_all_models, colocate_actor_ref=args.colocate_actor_ref,
+                        colocate_critic_reward=args.colocate_critic_reward, engine_sleep=args.vllm_enable_sleep,
+                        train_sleep=args.deepspeed_enable_sleep)
+
+
+def gpu_bytes(args: argparse.Namespace) -> int | None:
+    """One GPU's memory when this process sees CUDA and the run is not on CPU workers."""
+    if (args.device or "cuda").startswith("cpu") or not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.get_device_properties(0).total_memory)
+
+
+def check_memory(args: argparse.Namespace, slots: dict[str, int], device_bytes: int | None = None) -> None:
+    """Print the plan; raise UsageError when it exceeds `device_bytes` (default: `gpu_bytes(args)`)."""
+    try:
+        inputs = memory_inputs(args, slots)
+    except Exception as e:  # a hub id without network, an unknown architecture, ...
+        print(f"memory plan: skipped ({type(e).__name__}: {e})", flush=True)
+        return
+    device_bytes = device_bytes if device_bytes is not None else gpu_bytes(args)
+    print(plan_memory(inputs, device_bytes).table(device_bytes), flush=True)
+    msg = over_budget(inputs, device_bytes) if device_bytes else None
+    if msg and not args.skip_memory_check:
+        raise UsageError(msg + " (--skip_memory_check runs anyway)")
+    if msg:
+        print(f"note: {msg}; running anyway (--skip_memory_check)", flush=True)

@@ -1,0 +1,318 @@
+"""Per-GPU memory plan of an RL placement, before any actor starts: pure functions (no Ray, no GPU).
+
+    MemoryInputs(roles, engine, dtypes, ZeRO stage, --adam_offload, colocation, sleep flags, tokens)
+      -> plan_memory(inputs, device_bytes) -> MemoryPlan: per pool (GPUs holding the same members)
+           the bytes of each member's components and the total of each phase; the peak is the largest
+      -> plan.table(device_bytes)                 a compact text table
+      -> over_budget(inputs, device_bytes)        None, or a message with the flags that would fit
+
+Parameters (`ModelShape.num_params`), with q = heads x head_dim, kv = kv_heads x head_dim:
+    per decoder layer  2 H q [q, o] + 2 H kv [k, v] (+ q + 2 kv biases) + 3 H I [gate, up, down] + 2 H [norms]
+    root               V H [embedding] + H [final norm] + V H [head, untied] (a value model: H x 1 score)
+
+One GPU of a role group of W ranks; b = bytes of --param_dtype; S = W at ZeRO stage >= 1, else 1:
+    trainable (policy, critic) under FSDP2 (W > 1, or --adam_offload: a one-rank group):
+        master 4P/S (the fp32 sharded parameters), optimizer 8P/S (AdamW's two moments),
+        grads 4P/S and the gathered compute-dtype weights while it trains: b P at stages 0-2
+        (blocks stay gathered between forward and backward), b (root + 2 blocks) at stage 3.
+        --adam_offload keeps master, optimizer and grads in host memory (0 here).
+    trainable, one process (W = 1): a bf16 module b P beside fp32 masters 4P, optimizer 8P, grads 4P.
+    ref (frozen, stored in the compute dtype): b P / S resident; b P gathered while and after it runs
+        at stages < 3 (a no-grad forward leaves the blocks gathered until an offload reshards them).
+    reward (a plain module on every rank): b P.
+    engine (one GPU of its tensor-parallel group of T): weights b P / T; KV cache
+        2 x layers x max_num_seqs x ceil(kv_heads / T) x max_model_len x head_dim x b (builtin / hf);
+        vllm reserves --vllm_gpu_memory_utilization of the GPU (weights included) when it is known.
+Activations of a training call, T tokens per micro-batch, per layer and token
+    A = 16 H [two RMSNorms' fp32 input and normalised copies]
+        + b (2 H + 3 q + 3 kv + 4 I) [norm outputs, q k v, rotated q k, attention output; gate, up,
+                                      act(gate), act(gate) * up]
+    T L A, or with --gradient_checkpointing T (L b H + A) [block inputs + one block recomputed],
+    plus one chunk of the fused log-prob head (HEAD_CHUNK_BYTES). A forward-only call: T A + the chunk.
+Every process on a GPU holds a CUDA context (CONTEXT_BYTES). Estimates: the allocator's
+fragmentation and temporary buffers come on top.
+
+Phases of a pool: "generate" (engines awake, roles resident unless --deepspeed_enable_sleep) and
+one per role while it runs (its active footprint; the other roles resident unless
+--deepspeed_enable_sleep; engines awake, or asleep under --vllm_enable_sleep: the builtin engine
+keeps its weights at sleep level 1, vllm and hf keep nothing).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+GiB = 2**30
+CONTEXT_BYTES = GiB // 2  # CUDA context + NCCL buffers of one process
+HEAD_CHUNK_BYTES = GiB  # rlhfkit.models.fused_logprobs.CHUNK_BYTES
+TRAINABLE = ("policy", "critic")
+COMPONENTS = ("weights", "master", "grads", "optimizer", "activations", "kv_cache", "context")
+LABELS = ("weights", "master", "grads", "adam", "activ", "kv", "ctx")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    tied: bool = False
+    head_dim: int | None = None
+    qkv_bias: bool = False
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head's q and k
+    value_head: bool = False  # critic / reward model: a 1-output score head instead of the LM head
+
+    @property
+    def hd(self) -> int:
+        return self.head_dim or self.hidden // self.heads
+
+    def layer_params(self) -> int:
+        h, q, kv = self.hidden, self.heads * self.hd, self.kv_heads * self.hd
+        n = 2 * h * q + 2 * h * kv + 3 * h * self.intermediate + 2 * h
+        n += (q + 2 * kv) if self.qkv_bias else 0
+        return n + (2 * self.hd if self.qk_norm else 0)
+
+    def root_params(self) -> int:
+        head = self.hidden if self.value_head else (0 if self.tied else self.vocab * self.hidden)
+        return self.vocab * self.hidden + self.hidden + head
+
+    def num_params(self) -> int:
+        return self.layers * self.layer_params() + self.root_params()
+
+    def activation_bytes_per_token_layer(self, b: int) -> int:
+        h, q, kv = self.hidden, self.heads * self.hd, self.kv_heads * self.hd
+        return 16 * h + b * (2 * h + 3 * q + 3 * kv + 4 * self.intermediate)
+
+    @classmethod
+    def from_config(cls, cfg: Any, value_head: bool = False) -> "ModelShape":
+        """From a Hugging Face config (object or dict) of a Llama / Qwen2 / Qwen3 / Mistral-like model."""
+        get = cfg.get if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
+        kind = get("model_type", "")
+        bias = get("attention_bias", None)
+        heads = get("num_attention_heads")
+        return cls(hidden=get("hidden_size"), layers=get("num_hidden_layers"), heads=heads,
+                   kv_heads=get("num_key_value_heads", None) or heads, intermediate=get("intermediate_size"),
+                   vocab=get("vocab_size"), tied=bool(get("tie_word_embeddings", False)),
+                   head_dim=get("head_dim", None), qkv_bias=bool(bias) if bias is not None else kind == "qwen2",
+                   qk_norm=kind == "qwen3", value_head=value_head)
+
+
+@dataclass(frozen=True)
+class RoleMemory:
+    name: str  # policy | ref | critic | reward
+    shape: ModelShape
+    world: int  # ranks of the group, one GPU each
+
+
+@dataclass(frozen=True)
+class EngineMemory:
+    shape: ModelShape
+    num_engines: int
+    max_num_seqs: int
+    max_model_len: int
+    tp: int = 1
+    kind: str = "builtin"  # builtin | hf | vllm
+    gpu_memory_utilization: float = 0.9
+
+
+@dataclass(frozen=True)
+class MemoryInputs:
+    roles: tuple[RoleMemory, ...]
+    engine: EngineMemory | None = None
+    param_bytes: int = 2
+    zero_stage: int = 2
+    adam_offload: bool = False
+    gradient_checkpointing: bool = False
+    train_tokens: int = 2048
+    forward_tokens: int = 2048
+    colocate_all: bool = False
+    colocate_actor_ref: bool = False
+    colocate_critic_reward: bool = False
+    engine_sleep: bool = False
+    train_sleep: bool = False
+
+
+@dataclass
+class PoolPlan:
+    name: str
+    gpus: int
+    members: list[str]
+    parts: dict[str, dict[str, int]] = field(default_factory=dict)  # member -> component -> bytes (active)
+    phases: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def peak(self) -> int:
+        return max(self.phases.values())
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=self.phases.get)
+
+
+@dataclass
+class MemoryPlan:
+    pools: list[PoolPlan]
+
+    @property
+    def peak(self) -> int:
+        return max(p.peak for p in self.pools)
+
+    def table(self, device_bytes: int | None = None) -> str:
+        def g(n: int) -> str:
+            return f"{n / GiB:.1f}" if n else "-"
+
+        lines = ["memory plan per GPU (GiB, estimate; rlhfkit/distributed/memory_plan.py)"]
+        for p in self.pools:
+            lines.append(f" pool {p.name}: {p.gpus} GPU(s) x [{', '.join(p.members)}]")
+            lines.append("   " + f"{'':8}" + "".join(f"{c:>8}" for c in LABELS))
+            for m, parts in p.parts.items():
+                lines.append("   " + f"{m:8}" + "".join(f"{g(parts.get(c, 0)):>8}" for c in COMPONENTS))
+            of = f" of {device_bytes / GiB:.1f}" if device_bytes else ""
+            phases = " | ".join(f"{k} {v / GiB:.1f}" for k, v in p.phases.items())
+            lines.append(f"   phases: {phases} -> peak {p.peak / GiB:.1f}{of} GiB ({p.peak_phase})")
+        return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- one member's footprint
+
+
+def _role_parts(r: RoleMemory, x: MemoryInputs) -> tuple[dict[str, int], dict[str, int]]:
+    """(resident between its calls, active while it runs) component bytes on one of its GPUs."""
+    P, b, s = r.shape.num_params(), x.param_bytes, r.shape
+    S = r.world if x.zero_stage >= 1 else 1
+    act_layer = s.activation_bytes_per_token_layer(b)
+    head = min(HEAD_CHUNK_BYTES, x.forward_tokens * s.vocab * 4)
+    forward_act = x.forward_tokens * act_layer + head
+    if r.name == "reward":
+        return {"weights": b * P}, {"weights": b * P, "activations": forward_act}
+    gathered = b * P if x.zero_stage < 3 else b * (s.root_params() + 2 * s.layer_params())
+    if r.name not in TRAINABLE:  # ref
+        resident = b * P if x.zero_stage < 3 or r.world == 1 else b * (P // S + s.root_params())
+        return {"weights": resident}, {"weights": max(resident, gathered), "activations": forward_act}
+    tokens = x.train_tokens
+    if x.gradient_checkpointing:
+        train_act = tokens * (s.layers * b * s.hidden + act_layer)
+    else:
+        train_act = tokens * s.layers * act_layer
+    train_act += min(HEAD_CHUNK_BYTES, tokens * s.vocab * 4)
+    if r.world == 1 and not x.adam_offload:  # one process: bf16 module + fp32 masters
+        resident = {"weights": b * P, "master": 4 * P, "optimizer": 8 * P}
+        return resident, {**resident, "grads": 4 * P, "activations": train_act}
+    host = x.adam_offload
+    resident = {"master": 0 if host else 4 * P // S, "optimizer": 0 if host else 8 * P // S}
+    return resident, {**resident, "weights": gathered, "grads": 0 if host else 4 * P // S,
+                      "activations": train_act}
+
+
+def _engine_parts(e: EngineMemory, b: int, device_bytes: int | None) -> tuple[dict[str, int], dict[str, int]]:
+    """(asleep, awake) component bytes on one GPU of an engine."""
+    s = e.shape
+    weights = b * s.num_params() // e.tp
+    kv = 2 * s.layers * e.max_num_seqs * math.ceil(s.kv_heads / e.tp) * e.max_model_len * s.hd * b
+    if e.kind == "vllm" and device_bytes:
+        kv = max(kv, int(e.gpu_memory_utilization * device_bytes) - weights)
+    asleep = {"weights": weights} if e.kind == "builtin" else {}
+    return asleep, {"weights": weights, "kv_cache": kv}
+
+
+# ----------------------------------------------------------------------------- pools and phases
+
+
+def _pools(x: MemoryInputs) -> list[tuple[str, int, list[str]]]:
+    """(name, GPUs, members) as rlhfkit.distributed.placement.plan_pools lays them out."""
+    roles = {r.name: r for r in x.roles}
+    engine_gpus = x.engine.num_engines * x.engine.tp if x.engine else 0
+    if x.colocate_all:
+        return [("all", roles["policy"].world, [*roles, *(["engine"] if x.engine else [])])]
+    pools, done = [], set()
+    for a, c, on in (("policy", "ref", x.colocate_actor_ref), ("critic", "reward", x.colocate_critic_reward)):
+        if on and a in roles and c in roles:
+            pools.append((f"{a}+{c}", roles[a].world, [a, c]))
+            done |= {a, c}
+    pools += [(n, r.world, [n]) for n, r in roles.items() if n not in done]
+    if x.engine:
+        pools.append(("engines", engine_gpus, ["engine"]))
+    return pools
+
+
+def _sum(*parts: dict[str, int]) -> int:
+    return sum(v for p in parts for v in p.values())
+
+
+def plan_memory(x: MemoryInputs, device_bytes: int | None = None) -> MemoryPlan:
+    """The plan of `x`; `device_bytes` (one GPU's memory) sizes a vllm engine's reservation."""
+    roles = {r.name: r for r in x.roles}
+    out = []
+    for name, gpus, members in _pools(x):
+        pool = PoolPlan(name, gpus, members)
+        ctx = CONTEXT_BYTES * len(members)
+        rest, active = {}, {}
+        for m in members:
+            if m == "engine":
+                asleep, awake = _engine_parts(x.engine, x.param_bytes, device_bytes)
+                pool.parts[m] = {**awake, "context": CONTEXT_BYTES}
+            else:
+                rest[m], active[m] = _role_parts(roles[m], x)
+                pool.parts[m] = {**active[m], "context": CONTEXT_BYTES}
+
+        def resident(but: str | None) -> int:
+            return 0 if x.train_sleep else sum(_sum(v) for k, v in rest.items() if k != but)
+
+        if "engine" in members:
+            pool.phases["generate"] = _sum(awake) + resident(None) + ctx
+        for m in active:
+            eng = (_sum(asleep) if x.engine_sleep else _sum(awake)) if "engine" in members else 0
+            pool.phases[m] = _sum(active[m]) + resident(m) + eng + ctx
+        out.append(pool)
+    return MemoryPlan(out)
+
+
+# ----------------------------------------------------------------------------- the check
+
+
+def _candidates(x: MemoryInputs) -> list[tuple[str, MemoryInputs]]:
+    """Single flag changes that lower the plan, as (flag, inputs with it)."""
+    out: list[tuple[str, MemoryInputs]] = []
+    if not x.adam_offload:
+        out.append(("--adam_offload", replace(x, adam_offload=True)))
+    if not x.gradient_checkpointing:
+        out.append(("--gradient_checkpointing", replace(x, gradient_checkpointing=True)))
+    shared = x.colocate_all or x.colocate_actor_ref or x.colocate_critic_reward
+    if x.engine and x.colocate_all and not x.engine_sleep:
+        out.append(("--vllm_enable_sleep", replace(x, engine_sleep=True)))
+    if shared and not x.train_sleep:
+        out.append(("--deepspeed_enable_sleep", replace(x, train_sleep=True)))
+    if x.zero_stage < 3 and any(r.world > 1 for r in x.roles):
+        out.append(("--zero_stage 3", replace(x, zero_stage=3)))
+    if x.engine and x.engine.max_num_seqs > 1:
+        n = x.engine.max_num_seqs // 2
+        out.append((f"--rollout_max_num_seqs {n}", replace(x, engine=replace(x.engine, max_num_seqs=n))))
+    more = tuple(replace(r, world=2 * r.world) for r in x.roles)
+    eng = replace(x.engine, num_engines=2 * x.engine.num_engines) if x.engine and x.colocate_all else x.engine
+    policy = next(r for r in x.roles if r.name == "policy")
+    out.append((f"more GPUs (--actor_num_gpus_per_node {2 * policy.world}, the other groups alike)",
+                replace(x, roles=more, engine=eng)))
+    return out
+
+
+def over_budget(x: MemoryInputs, device_bytes: int) -> str | None:
+    """None when every pool's peak fits `device_bytes`; else what is over and which flags would fit."""
+    plan = plan_memory(x, device_bytes)
+    over = [p for p in plan.pools if p.peak > device_bytes]
+    if not over:
+        return None
+    worst = max(over, key=lambda p: p.peak)
+    fits, others = [], []
+    for flag, y in _candidates(x):
+        peak = plan_memory(y, device_bytes).peak
+        (fits if peak <= device_bytes else others).append(f"{flag} ({peak / GiB:.1f} GiB)")
+    msg = (f"the memory plan needs about {worst.peak / GiB:.1f} GiB per GPU in pool {worst.name} "
+           f"({worst.peak_phase}) but the GPU has {device_bytes / GiB:.1f} GiB")
+    if fits:
+        rest = f"; not enough alone: {', '.join(others)}" if others else ""
+        return msg + "; it would fit with " + ", or ".join(fits) + rest
+    return msg + "; no single change fits (" + ", ".join(others) + "): combine them or use more GPUs"

@@ -1,0 +1,137 @@
+"""The memory plan (rlhfkit.distributed.memory_plan) against numbers worked out by hand.
+
+Qwen2.5-7B: H 3584, 28 layers, 28 heads (q = 3584), 4 KV heads (kv = 512, head_dim 128),
+I 18944, V 152064, q/k/v biases, untied head.
+    layer = 2*3584*3584 + 2*3584*512 + 3*3584*18944 + 2*3584 + (3584 + 2*512)
+          = 25,690,112 + 3,670,016 + 203,685,888 + 7,168 + 4,608 = 233,057,792
+    root  = 2 * 152064*3584 + 3584 = 1,089,998,336
+    P     = 28 * 233,057,792 + 1,089,998,336 = 7,615,616,512   (the published 7.61B)
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from rlhfkit.distributed.memory_plan import (CONTEXT_BYTES, EngineMemory, MemoryInputs, ModelShape, RoleMemory,
+                                             over_budget, plan_memory)
+
+GiB = 2**30
+QWEN7B = ModelShape(hidden=3584, layers=28, heads=28, kv_heads=4, intermediate=18944, vocab=152064,
+                    qkv_bias=True)
+P = 7_615_616_512
+
+
+def test_qwen25_7b_parameter_count_by_hand():
+    assert QWEN7B.layer_params() == 233_057_792
+    assert QWEN7B.root_params() == 1_089_998_336
+    assert QWEN7B.num_params() == P
+    critic = QWEN7B.num_params() - 152064 * 3584 + 3584  # score head H x 1 instead of the LM head
+    assert ModelShape.from_config({**cfg_dict(), "model_type": "qwen2"}, value_head=True).num_params() == critic
+
+
+def cfg_dict() -> dict:
+    return dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3"])
+def test_parameter_count_matches_transformers_on_the_meta_device(arch):
+    import transformers
+
+    small = dict(hidden_size=96, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
+                 intermediate_size=160, vocab_size=500, tie_word_embeddings=arch == "llama")
+    cfg = {"qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig,
+           "qwen3": transformers.Qwen3Config}[arch](**small)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    assert ModelShape.from_config(cfg).num_params() == sum(p.numel() for p in model.parameters())
+    cfg.num_labels = 1
+    with torch.device("meta"):
+        cls = transformers.AutoModelForSequenceClassification.from_config(cfg)
+    assert ModelShape.from_config(cfg, value_head=True).num_params() == sum(p.numel() for p in cls.parameters())
+
+
+def grpo_7b(**kw) -> MemoryInputs:
+    """The issue's run: GRPO on 4 GPUs, policy + ref + 4 builtin engines colocated, both sleeps,
+    bf16, ZeRO-2, checkpointing, micro-batches of 2048 tokens, 64 sequences x 2048 tokens per engine."""
+    x = MemoryInputs(roles=(RoleMemory("policy", QWEN7B, 4), RoleMemory("ref", QWEN7B, 4)),
+                     engine=EngineMemory(QWEN7B, num_engines=4, max_num_seqs=64, max_model_len=2048),
+                     zero_stage=2, gradient_checkpointing=True, train_tokens=2048, forward_tokens=2048,
+                     colocate_all=True, engine_sleep=True, train_sleep=True)
+    from dataclasses import replace
+
+    return replace(x, **kw)
+
+
+# per layer and token: A = 16*3584 + 2*(2*3584 + 3*3584 + 3*512 + 4*18944) = 57,344 + 190,464 = 247,808
+A = 247_808
+HEAD = GiB  # 2048 x 152064 x 4 B = 1.16 GiB of fp32 logits, cut to one 1 GiB chunk
+TRAIN_ACT = 2048 * (28 * 2 * 3584 + A) + HEAD  # checkpointing: block inputs + one block, = 1,992,294,400
+FWD_ACT = 2048 * A + HEAD  # 1,581,252,608
+KV = 2 * 28 * 64 * 4 * 2048 * 128 * 2  # 7,516,192,768
+CTX = 3 * CONTEXT_BYTES
+
+
+def test_qwen25_7b_colocated_grpo_by_hand():
+    plan = plan_memory(grpo_7b())
+    (pool,) = plan.pools
+    assert pool.name == "all" and pool.gpus == 4 and pool.members == ["policy", "ref", "engine"]
+    policy = pool.parts["policy"]
+    assert policy["master"] == 4 * P // 4 == 7_615_616_512  # fp32 shards
+    assert policy["optimizer"] == 8 * P // 4 and policy["grads"] == 4 * P // 4
+    assert policy["weights"] == 2 * P  # ZeRO-2: all blocks gathered in bf16 between forward and backward
+    assert policy["activations"] == TRAIN_ACT == 1_992_294_400
+    assert pool.parts["ref"]["weights"] == 2 * P and pool.parts["ref"]["activations"] == FWD_ACT
+    assert pool.parts["engine"]["weights"] == 2 * P and pool.parts["engine"]["kv_cache"] == KV == 7_516_192_768
+    # generate: engine awake, training states asleep; policy: its states + the builtin engine's
+    # weights (sleep level 1 keeps them); ref: its gathered weights + the engine's weights
+    assert pool.phases["generate"] == 2 * P + KV + CTX
+    assert pool.phases["policy"] == P + 2 * P + P + 2 * P + TRAIN_ACT + 2 * P + CTX == 64_527_839_232
+    assert pool.phases["ref"] == 2 * P + FWD_ACT + 2 * P + CTX
+    assert plan.peak == 64_527_839_232 and pool.peak_phase == "policy"  # 60.1 GiB
+    assert over_budget(grpo_7b(), 80 * GiB) is None
+
+
+def test_without_train_sleep_the_ref_stays_and_vllm_sleep_frees_the_engine():
+    awake = plan_memory(grpo_7b(train_sleep=False)).pools[0]
+    assert awake.phases["policy"] == 64_527_839_232 + 2 * P  # + the ref's gathered bf16 weights
+    assert awake.phases["generate"] == 2 * P + KV + (3 * P) + 2 * P + CTX  # + policy master/Adam + ref
+    vllm = grpo_7b(engine=EngineMemory(QWEN7B, num_engines=4, max_num_seqs=64, max_model_len=2048, kind="vllm",
+                                       gpu_memory_utilization=0.5))
+    pool = plan_memory(vllm, 80 * GiB).pools[0]
+    assert pool.parts["engine"]["kv_cache"] == 40 * GiB - 2 * P  # vllm reserves half the GPU
+    assert pool.phases["policy"] == 64_527_839_232 - 2 * P  # asleep, vllm keeps no weights
+
+
+def test_over_budget_names_the_numbers_and_the_flags_that_fit():
+    msg = over_budget(grpo_7b(), 40 * GiB)
+    assert msg.startswith("the memory plan needs about 60.1 GiB per GPU in pool all (policy) but the GPU has 40.0 GiB")
+    # --adam_offload: the policy keeps only its gathered weights and activations on the GPU:
+    # 2P + 1,992,294,400 + 2P (engine) + contexts = 34,065,373,184 B = 31.7 GiB
+    assert "--adam_offload (31.7 GiB)" in msg and "would fit with" in msg
+    assert "not enough alone: --gradient_checkpointing" not in msg  # already set: not suggested
+    assert "--zero_stage 3 (" in msg.split("not enough alone:")[1]  # tried, reported with its number
+    hopeless = over_budget(grpo_7b(), 10 * GiB)
+    assert "no single change fits" in hopeless and "--adam_offload (31.7 GiB)" in hopeless
+
+
+def test_separate_pools_one_process_policy_and_engine_pool():
+    x = MemoryInputs(roles=(RoleMemory("policy", QWEN7B, 1),),
+                     engine=EngineMemory(QWEN7B, num_engines=2, max_num_seqs=8, max_model_len=1024, tp=2),
+                     gradient_checkpointing=True, train_tokens=1024)
+    pools = {p.name: p for p in plan_memory(x).pools}
+    assert set(pools) == {"policy", "engines"} and pools["engines"].gpus == 4
+    # one process: bf16 module 2P + fp32 masters 4P + Adam 8P + fp32 grads 4P
+    assert pools["policy"].phases["policy"] == 18 * P + 1024 * (28 * 2 * 3584 + A) + 1024 * 152064 * 4 + CONTEXT_BYTES
+    # tensor parallel 2: half the weights, 2 of the 4 KV heads on each GPU
+    assert pools["engines"].phases["generate"] == 2 * P // 2 + 2 * 28 * 8 * 2 * 1024 * 128 * 2 + CONTEXT_BYTES
+
+
+def test_the_plan_module_does_not_import_ray():
+    code = "import sys, rlhfkit.distributed.memory_plan; print('ray' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -1,0 +1,33 @@
+"""train_ppo_ray's role builders (what each Ray actor runs) get --gradient_checkpointing and
+--adam_offload from the pickled flag namespace; --adam_offload on CPU says once that it does nothing."""
+
+from __future__ import annotations
+
+from rlhfkit.backend import fsdp2
+from rlhfkit.backend.dist import DistInfo
+from rlhfkit.cli import ppo_setup as S
+from rlhfkit.cli import train_ppo_ray
+
+CPU = DistInfo(device="cpu")
+
+
+def test_role_builders_get_checkpointing_and_adam_offload(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(fsdp2, "_NOTED", set())
+    args = train_ppo_ray.build_parser().parse([
+        "--pretrain", tiny_model_dir, "--prompt_data", str(tmp_path / "p.jsonl"),
+        "--remote_rm_url", str(tmp_path / "r.py"), "--advantage_estimator", "group_norm",
+        "--n_samples_per_prompt", "2", "--rollout_batch_size", "4", "--train_batch_size", "8",
+        "--micro_train_batch_size", "2", "--generate_max_len", "6", "--prompt_max_len", "16",
+        "--init_kl_coef", "0.01", "--device", "cpu", "--save_path", str(tmp_path / "s"),
+        "--gradient_checkpointing", "--gradient_checkpointing_use_reentrant", "--adam_offload"])
+    S.resolve_flags(args, 1)
+    _, policy = train_ppo_ray.build_role(args, 5, "policy", CPU)
+    model = policy.unwrap()
+    assert model.is_gradient_checkpointing
+    # the loader's choice (reentrant, from the flag) is kept; the backend does not switch it off
+    assert all(layer._gradient_checkpointing_func.keywords["use_reentrant"] for layer in model.model.layers)
+    assert policy.cfg.adam_offload and not policy.cpu_offload  # no CUDA here: no CPUOffloadPolicy
+    _, ref = train_ppo_ray.build_role(args, 5, "ref", CPU)
+    assert not ref.unwrap().is_gradient_checkpointing and not ref.cpu_offload
+    out = capsys.readouterr().out
+    assert out.count("note: --adam_offload has no effect on CPU") == 1, out
