@@ -49,6 +49,7 @@ import torch
 from torch import nn
 
 from rlhfkit.backend import checkpoint as ckpt
+from rlhfkit.backend import dist as D
 from rlhfkit.backend.dist import DistInfo
 from rlhfkit.backend.hf_export import export_hf, parse_size
 from rlhfkit.backend.master import MasterWeights

@@ -28,7 +28,6 @@ import time
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-import ray
 import torch
 
 from rlhfkit.distributed.health import ActorLabel, HealthMonitor, wait_all

@@ -4,7 +4,6 @@ and a failing decode step drops torch.compile before the Triton kernels; generat
 from __future__ import annotations
 
 import pytest
-import torch
 
 from rlhfkit.rollout.builtin import BuiltinEngine, BuiltinEngineConfig
 from rlhfkit.rollout.builtin.sampling import sample_and_advance
