@@ -101,7 +101,8 @@ def build_parser() -> FlagParser:
     p.flag("--enable_csft", action="store_true", help="append ' ' + --csft_prompt + ' ' to each prompt")
     p.flag("--csft_prompt", type=str, default=DEFAULT_CSFT_PROMPT, help="conditional SFT target score text")
     p.flag("--max_num_seqs", type=int, default=256, help="sequences the engine decodes at once")
-    p.flag("--tp_size", type=int, default=1, help="vLLM tensor parallel size (--rollout_engine vllm)")
+    p.flag("--tp_size", type=int, default=1, help="tensor parallel size: vLLM's, or the builtin engine's over "
+           "the ranks of `torchrun --nproc_per_node N` (shard 0 writes the output)")
     p.flag("--enable_prefix_caching", action="store_true", help="vLLM prefix caching (--rollout_engine vllm)")
     # scoring
     p.flag("--value_head_prefix", "--ds.value_head_prefix", type=str, default="score")
@@ -263,6 +264,12 @@ def load_engine(args: argparse.Namespace, tokenizer: Any, device: str, max_model
         return build_engine("vllm", args.pretrain, tokenizer, dtype=dtype, seed=args.seed,
                             max_model_len=max_model_len, enable_prefix_caching=args.enable_prefix_caching,
                             tensor_parallel_size=args.tp_size, max_num_seqs=args.max_num_seqs)
+    if args.tp_size > 1:  # one engine over the torchrun ranks; each shard reads only its slices of the files
+        from rlhfkit.rollout.builtin.tp import from_torchrun
+
+        tp, device = from_torchrun(args.tp_size, device)
+        return build_engine("builtin", args.pretrain, tokenizer, device=device, dtype=dtype, tp=tp,
+                            max_num_seqs=args.max_num_seqs, max_model_len=max_model_len)
     mcfg = from_args(ModelConfig, args, lora_rank=0, gradient_checkpointing=False,
                      param_dtype={torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype])
     model = load_causal_lm(mcfg, device=device).eval()
@@ -278,7 +285,7 @@ def model_position_limit(path: str) -> int | None:
     return getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
 
 
-def run_generate(args: argparse.Namespace) -> list[dict[str, str]]:
+def run_generate(args: argparse.Namespace) -> list[dict[str, str]] | None:
     from rlhfkit.data.prompts import PromptDataConfig, PromptDataset
     from rlhfkit.models.loader import load_tokenizer
 
@@ -308,7 +315,12 @@ def run_generate(args: argparse.Namespace) -> list[dict[str, str]]:
     longest = max(len(r.prompt_token_ids) + r.params.max_new_tokens for r in requests)
     device = resolve_device(args)
     engine = load_engine(args, tokenizer, device, max_model_len=longest + 1)
+    if getattr(engine, "tp", None) is not None and engine.tp.rank > 0:
+        engine.serve()  # the other shards run shard 0's steps until it closes the engine
+        return None
     out = generate_samples(engine, tokenizer, prompts, requests, cfg, not args.disable_progress)
+    if getattr(engine, "tp", None) is not None:
+        engine.close()
     print(f"{PROG}: {len(out)} samples for {len(prompts)} prompts [{first}, {first + len(prompts)})",
           file=sys.stderr)
     return out
@@ -446,6 +458,9 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError("--dataset is required (prompts for generate, input/output rows for rm)")
     if args.lora_rank > 0:
         raise UsageError("--lora_rank: batch_inference loads full models; merge an adapter with lora_combiner")
+    if args.tp_size > 1 and args.rollout_engine == "hf":
+        raise UsageError(f"--tp_size {args.tp_size}: the hf engine runs on one device; use --rollout_engine builtin "
+                         "(under torchrun) or vllm")
     if args.load_in_4bit and args.eval_task != "rm":
         raise UsageError("--load_in_4bit is supported for --eval_task rm only (the rollout engines need "
                          "unquantised weights)")
@@ -457,6 +472,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     check_args(args)
     set_seed(args.seed)
     rows = run_rm(args) if args.eval_task == "rm" else run_generate(args)
+    if rows is None:  # a tensor-parallel shard other than 0: shard 0 writes
+        return []
     write_jsonl_atomic(args.output_path, rows)
     print(f"{PROG}: wrote {len(rows)} rows to {args.output_path}", file=sys.stderr)
     return rows

@@ -8,7 +8,8 @@ One engine spans N processes (one GPU each, or CPU processes over gloo in tests)
         control  a gloo group for shard 0's step operations (step.py `ControlChannel`)
 
     make_group(...)      from an existing default process group (torchrun), or
-    join(spec, rank)     from a TCP rendezvous of the engine's own (Ray engine actors)
+    join(spec, rank)     from a TCP rendezvous of the engine's own (Ray engine actors), or
+    from_torchrun(size)  a command started by `torchrun --nproc_per_node size` (batch_inference --tp_size)
 
 Where the process groups come from is the caller's business; the engine only needs this record.
 """
@@ -59,6 +60,24 @@ def make_group(ranks: list[int] | None = None) -> TensorParallelGroup:
     if me not in ranks:
         raise ValueError(f"rank {me} is not among the engine's ranks {ranks}")
     return TensorParallelGroup(ranks.index(me), len(ranks), group, control)
+
+
+def from_torchrun(size: int, device: str, flag: str = "--tp_size") -> tuple[TensorParallelGroup, str]:
+    """(shard group, this rank's device) for a command run by `torchrun --nproc_per_node size`: one
+    engine over all the ranks, NCCL on CUDA, gloo on CPU."""
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != size:
+        raise ValueError(f"{flag} {size}: start the command with `torchrun --nproc_per_node {size}` "
+                         f"(WORLD_SIZE is {world})")
+    cuda = device.startswith("cuda")
+    if cuda:
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+        torch.cuda.set_device(torch.device(device))
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=torch.device(device) if cuda else None)
+    return make_group(), device
 
 
 @dataclass(frozen=True)
