@@ -19,7 +19,7 @@ import os
 import pytest
 import torch
 
-from test_ray_ppo import SAMPLE_KEYS, flags, placement, read  # noqa: E402 (same directory)
+from test_ray_ppo import SAMPLE_KEYS, data_dir, flags, local_ray, placement, read  # noqa: E402, F401 (fixtures)
 
 ray = pytest.importorskip("ray")
 from rlhfkit.cli import train_ppo, train_ppo_ray  # noqa: E402
@@ -32,34 +32,10 @@ TP = ["--vllm_num_engines", "1", "--vllm_tensor_parallel_size", "2", "--actor_nu
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> str:
-    import json
-
-    from test_ray_ppo import REWARD_FILE
-
-    from rlhfkit.tasks.addition import addition_splits
-
-    d = str(tmp_path_factory.mktemp("rl_ray_tp"))
-    rows, _ = addition_splits(12, 2, seed=7)
-    with open(os.path.join(d, "prompts.jsonl"), "w") as f:
-        f.writelines(json.dumps({"input": r["input"], "label": r["label"]}) + "\n" for r in rows)
-    with open(os.path.join(d, "reward.py"), "w") as f:
-        f.write(REWARD_FILE)
-    return d
-
-
-@pytest.fixture(scope="module")
 def reference(tiny_qwen2_dir, data_dir):
     save = os.path.join(data_dir, "one_process")
     train_ppo.main(flags(tiny_qwen2_dir, data_dir, save))
     return read(save)
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(address="local", num_cpus=3, include_dashboard=False)
-    yield
-    ray.shutdown()
 
 
 def check(reference, recs, w) -> None:

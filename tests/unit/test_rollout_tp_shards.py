@@ -10,16 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhfkit.models.tiny import TinyModelSpec, make_tiny_model
 from rlhfkit.rollout.builtin.weights import ModelSpec, load_from_hf_model, load_from_safetensors
-
-
-@pytest.fixture(scope="module")
-def qwen2_dir(tmp_path_factory) -> str:
-    path = str(tmp_path_factory.mktemp("tp_shards"))
-    return make_tiny_model(path, TinyModelSpec(arch="qwen2", hidden_size=64, num_hidden_layers=2,
-                                               num_attention_heads=4, num_key_value_heads=2,
-                                               max_position_embeddings=128))
 
 
 def _shards(path: str, size: int):
@@ -29,12 +20,12 @@ def _shards(path: str, size: int):
     return [load_from_safetensors(path, cfg, torch.float32, torch.device("cpu"), (r, size, None)) for r in range(size)]
 
 
-def test_shards_glue_back_to_the_full_weights(qwen2_dir):
+def test_shards_glue_back_to_the_full_weights(tiny_qwen2_dir):
     from transformers import AutoModelForCausalLM
 
-    full_spec, full = load_from_hf_model(AutoModelForCausalLM.from_pretrained(qwen2_dir), torch.float32,
+    full_spec, full = load_from_hf_model(AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir), torch.float32,
                                          torch.device("cpu"))
-    shards = _shards(qwen2_dir, 2)
+    shards = _shards(tiny_qwen2_dir, 2)
     (s0, w0), (s1, w1) = shards
     q, kv, i = s0.q_size, s0.kv_size, s0.intermediate_size
     assert (q, kv, i) == (32, 16, 128) and full_spec.q_size == 64
@@ -58,8 +49,8 @@ def test_shards_glue_back_to_the_full_weights(qwen2_dir):
     torch.testing.assert_close(w1.embed, full.embed, rtol=0, atol=0)
 
 
-def test_replicated_kv_heads_go_to_the_shards_of_their_query_heads(qwen2_dir):
-    (s0, w0), (s1, w1), (s2, w2), (s3, w3) = _shards(qwen2_dir, 4)  # 4 query heads, 2 KV heads
+def test_replicated_kv_heads_go_to_the_shards_of_their_query_heads(tiny_qwen2_dir):
+    (s0, w0), (s1, w1), (s2, w2), (s3, w3) = _shards(tiny_qwen2_dir, 4)  # 4 query heads, 2 KV heads
     assert s0.num_heads == 1 and s0.num_kv_heads == 1
     q, kv = s0.q_size, s0.kv_size
     k = [w.layers[0].qkv[q:q + kv] for w in (w0, w1, w2, w3)]

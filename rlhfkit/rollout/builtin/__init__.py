@@ -6,7 +6,10 @@
     scheduler.py continuous batching policy (slots, admission, buckets, compaction)
     runner.py    decode step: eager, torch.compile'd, CUDA graphs per bucket; fallbacks
     triton_ops.py GPU kernels (custom ops): fused RoPE + K/V write + GQA decode attention; one-pass sampler
-    engine.py    BuiltinEngine: the RolloutEngine protocol, sync and async
+    step.py      the device side (StepRunner): host-valued operations a tensor-parallel engine mirrors
+    tp.py        tensor-parallel shard groups, per-shard weight loading, mirroring
+    config.py    BuiltinEngineConfig
+    engine.py    BuiltinEngine: the RolloutEngine protocol, sync and async (the front end)
 """
 
 from rlhfkit.rollout.builtin.engine import BuiltinEngine, BuiltinEngineConfig

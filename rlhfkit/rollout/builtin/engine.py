@@ -39,14 +39,13 @@ import logging
 import queue
 import random
 import threading
-from dataclasses import dataclass
 from typing import Any, Iterable
 
 import numpy as np
 import torch
 
-from rlhfkit.rollout.builtin.model import (DECODE_ATTENTION, DECODE_GEMM, DecoderModel,
-                                           resolve_decode_attention, resolve_decode_gemm)
+from rlhfkit.rollout.builtin.config import BuiltinEngineConfig
+from rlhfkit.rollout.builtin.model import DecoderModel, resolve_decode_attention, resolve_decode_gemm
 from rlhfkit.rollout.builtin.scheduler import (Admission, RequestState, SlotScheduler, batch_bucket,
                                                 length_bucket)
 from rlhfkit.rollout.builtin.step import AdmitPlan, StepRunner
@@ -57,46 +56,6 @@ from rlhfkit.rollout.stops import finish_completion, stop_string_cut
 from rlhfkit.types import Completion, GenerationRequest
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class BuiltinEngineConfig:
-    """Sizes and switches of the builtin engine (KV cache = 2 x layers x slots x kv_heads x len x dim)."""
-
-    max_num_seqs: int = 64
-    max_model_len: int | None = None  # default: min(max_position_embeddings, 2048)
-    max_prefill_tokens: int = 16384
-    sync_every: int = 16
-    sync_every_batch: int = 64  # in generate() when no request waits and no stop strings are watched
-    cuda_graphs: bool | None = None  # default: on for CUDA devices
-    compile: bool | None = None  # torch.compile the decode step; default: on for CUDA devices
-    max_stop_ids: int = 8
-    seed: int = 0
-    compile_prefill: bool | None = None  # torch.compile the prefill layer too; default: as `compile`
-    compile_mode: str | None = None  # torch.compile mode of the decode layer / head, e.g. "max-autotune-no-cudagraphs"
-    # "auto": "triton" (fused RoPE + K/V write + attention kernel) on CUDA when Triton and the head
-    # shape allow, else "sdpa"; "matmul": two batched matmuls (no SDPA kernel)
-    decode_attention: str = "auto"
-    fast_sampling: bool = True  # on CUDA, the one-pass Triton sampler for batches without top-k / top-p
-    # "auto": "triton" (fused gate/up + SiLU and split-K o / down projections) on CUDA for batches of at
-    # least `gemm_min_rows` rows when Triton and the model allow, else "torch" (cuBLAS)
-    decode_gemm: str = "auto"
-    gemm_min_rows: int = 64
-    lookahead_steps: int | None = None  # decode steps queued while a batch-mode sync is read; default 4 on CUDA, 0 on CPU
-
-    def validate(self) -> None:
-        for name in ("max_num_seqs", "max_prefill_tokens", "sync_every", "sync_every_batch", "max_stop_ids",
-                     "gemm_min_rows"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"BuiltinEngineConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.lookahead_steps is not None and self.lookahead_steps < 0:
-            raise ValueError(f"BuiltinEngineConfig.lookahead_steps must be >= 0, got {self.lookahead_steps}")
-        if self.decode_attention not in ("auto",) + DECODE_ATTENTION:
-            raise ValueError(f"BuiltinEngineConfig.decode_attention must be one of {('auto',) + DECODE_ATTENTION}, "
-                             f"got {self.decode_attention!r}")
-        if self.decode_gemm not in ("auto",) + DECODE_GEMM:
-            raise ValueError(f"BuiltinEngineConfig.decode_gemm must be one of {('auto',) + DECODE_GEMM}, "
-                             f"got {self.decode_gemm!r}")
 
 
 class BuiltinEngine:
