@@ -1,6 +1,7 @@
 """Shared CLI plumbing: error reporting, seeding, run directory, metrics logger.
 
-`cli_main(fn)` turns the errors a user can cause (bad data, bad flags, missing files) into
+`cli_main(fn)` turns the errors a user can cause (bad data, bad flags, missing files, a
+learning rate that makes the weights non-finite) into
 one clear line on stderr and a non-zero exit, instead of a traceback; set
 `RLHFKIT_TRACEBACK=1` to see the traceback anyway.
 """
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 import torch
 
+from rlhfkit.backend.guard import NonFiniteError
 from rlhfkit.config.flags import run_dir_of, write_resolved_config
 from rlhfkit.data.io import DataError
 from rlhfkit.trainers.metrics import MetricsLogger, NullLogger, WandbSettings
@@ -33,7 +35,7 @@ class UsageError(ValueError):
 def cli_main(prog: str, fn: Callable[[], None]) -> None:
     try:
         fn()
-    except (DataError, UsageError, FileNotFoundError, ValueError) as e:
+    except (DataError, UsageError, FileNotFoundError, ValueError, NonFiniteError) as e:
         if os.environ.get("RLHFKIT_TRACEBACK"):
             traceback.print_exc()
         print(f"{prog}: error: {e}", file=sys.stderr)

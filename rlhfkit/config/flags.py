@@ -132,6 +132,13 @@ def add_train_flags(p: FlagParser, *, train_batch_size: int = 128, micro_train_b
     p.flag("--lr_warmup_ratio", type=float, default=0.03)
     p.flag("--min_lr_ratio", type=float, default=0.1)
     p.flag("--max_norm", type=float, default=1.0, help="gradient clipping (0 disables)")
+    add_nonfinite_flag(p)
+
+
+def add_nonfinite_flag(p: FlagParser) -> None:
+    p.flag("--max_nonfinite_steps", type=int, default=3,
+           help="optimizer steps with a non-finite loss or gradient are skipped; more than this many "
+                "in a row (or a non-finite weight) stop the run with exit code 1, nothing saved")
 
 
 def add_backend_flags(p: FlagParser) -> None:
