@@ -56,6 +56,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rlhfkit.backend import dist as D
+from rlhfkit.fileio import atomic_write_text, fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -141,15 +142,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
 # ----------------------------------------------------------------------------- layout
 
 
-def _fsync_dir(path: str) -> None:
-    """Make the entries of directory `path` (new files, renames) durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_file(path: str, data: bytes | str) -> None:
     with open(path, "w" if isinstance(data, str) else "wb") as f:
         f.write(data)
@@ -162,13 +154,6 @@ def _torch_save(obj: Any, path: str) -> None:
         torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _atomic_write_text(path: str, text: str) -> None:
-    tmp = path + TMP_SUFFIX
-    _write_file(tmp, text)
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path) or ".")
 
 
 def _read_meta(path: str) -> dict | None:
@@ -277,7 +262,7 @@ def _remove(path: str) -> None:
     away = path + ".del" + TMP_SUFFIX
     shutil.rmtree(away, ignore_errors=True)
     os.replace(path, away)
-    _fsync_dir(os.path.dirname(path) or ".")
+    fsync_dir(os.path.dirname(path) or ".")
     shutil.rmtree(away, ignore_errors=True)
 
 
@@ -327,7 +312,7 @@ def save_checkpoint(backend, ckpt_root: str, tag: str, client_state: dict | None
     if rank0:
         if not os.path.isdir(ckpt_root):
             os.makedirs(ckpt_root)
-            _fsync_dir(os.path.dirname(os.path.abspath(ckpt_root)))
+            fsync_dir(os.path.dirname(os.path.abspath(ckpt_root)))
         _clear_stale_tmp(ckpt_root)
         os.makedirs(os.path.join(tmp, DCP_DIR))
     D.barrier()
@@ -346,8 +331,8 @@ def save_checkpoint(backend, ckpt_root: str, tag: str, client_state: dict | None
         meta = {"tag": tag, "index": index, "world_size": D.get_world_size(), "time": time.time(),
                 "format": FORMAT, "has_optim": has_optim}
         _write_file(os.path.join(tmp, META), json.dumps(meta))
-        _fsync_dir(os.path.join(tmp, DCP_DIR))
-        _fsync_dir(tmp)
+        fsync_dir(os.path.join(tmp, DCP_DIR))
+        fsync_dir(tmp)
         _publish(ckpt_root, tag, tmp, final)
         _rotate(ckpt_root, max_keep, keep_tag=tag)
     D.barrier()
@@ -362,8 +347,8 @@ def _publish(ckpt_root: str, tag: str, tmp: str, final: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
     os.replace(tmp, final)
-    _fsync_dir(ckpt_root)
-    _atomic_write_text(os.path.join(ckpt_root, LATEST), tag)
+    fsync_dir(ckpt_root)
+    atomic_write_text(os.path.join(ckpt_root, LATEST), tag)
     if old:
         shutil.rmtree(old, ignore_errors=True)
 

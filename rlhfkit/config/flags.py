@@ -20,6 +20,8 @@ import os
 import sys
 from typing import Any, Sequence
 
+from rlhfkit.fileio import atomic_write_text
+
 
 class FlagParser(argparse.ArgumentParser):
     """argparse with exact-match flags, dotted aliases and close-match suggestions."""
@@ -198,6 +200,5 @@ def write_resolved_config(args: argparse.Namespace, run_dir: str, name: str = "r
     path = os.path.join(run_dir, name)
     data = {k: v for k, v in sorted(vars(args).items()) if k not in ("use_wandb",)}
     data["use_wandb"] = bool(getattr(args, "use_wandb", None))
-    with open(path, "w") as f:
-        json.dump(data, f, indent=2, default=str)
+    atomic_write_text(path, json.dumps(data, indent=2, default=str))  # a kill never leaves half of it
     return path
