@@ -69,7 +69,9 @@ class TrainBackend(Protocol):
     def save_checkpoint(self, ckpt_root: str, tag: str, client_state: dict | None,
                         max_keep: int) -> str: ...
 
-    def load_checkpoint(self, ckpt_root: str) -> dict | None: ...
+    def load_checkpoint(self, ckpt_root: str, tag: str | None = None) -> dict | None:
+        """The newest complete checkpoint under `ckpt_root` (or `tag`); its client state, or None."""
+        ...
 
     def offload_states(self) -> Any:
         """Move parameters, gradients and optimizer states to host memory (sleep); returns the

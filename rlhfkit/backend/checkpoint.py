@@ -374,9 +374,13 @@ def _load_full_state(backend, path: str) -> None:
     backend.load_full_state(model_sd, optim_sd)
 
 
-def _find_for_load(ckpt_root: str) -> tuple[str | None, str | None]:
-    """(newest complete checkpoint or None, error): checkpoint directories that are all
-    incomplete are an error rather than a silent fresh start."""
+def _find_for_load(ckpt_root: str, tag: str | None) -> tuple[str | None, str | None]:
+    """(newest complete checkpoint, or `tag`, or None; error): checkpoint directories that are all
+    incomplete, or an incomplete `tag`, are an error rather than a silent fresh start."""
+    if tag is not None:
+        path = os.path.join(ckpt_root, tag)
+        gap = checkpoint_gap(path)
+        return (path, None) if gap is None else (None, f"--load_checkpoint: {path}: {gap}")
     path = latest_checkpoint(ckpt_root)
     if path is None:
         bad = _incomplete(ckpt_root)
@@ -386,9 +390,10 @@ def _find_for_load(ckpt_root: str) -> tuple[str | None, str | None]:
     return path, None
 
 
-def load_checkpoint(backend, ckpt_root: str) -> dict | None:
-    """Restore the latest checkpoint into `backend`; its client state, or None if there is none."""
-    found = _find_for_load(ckpt_root) if D.is_rank0() else None
+def load_checkpoint(backend, ckpt_root: str, tag: str | None = None) -> dict | None:
+    """Restore the newest complete checkpoint (or `tag`) into `backend`; its client state, or None
+    if there is none."""
+    found = _find_for_load(ckpt_root, tag) if D.is_rank0() else None
     path, error = D.broadcast_object(found)
     if error:
         raise FileNotFoundError(error)

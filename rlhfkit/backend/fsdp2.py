@@ -422,9 +422,9 @@ class FSDP2Backend:
         self.check_finite(f"refusing to write checkpoint {tag} under {ckpt_root}")
         return ckpt.save_checkpoint(self, ckpt_root, tag, client_state, max_keep)
 
-    def load_checkpoint(self, ckpt_root: str) -> dict | None:
+    def load_checkpoint(self, ckpt_root: str, tag: str | None = None) -> dict | None:
         self._require_optimizer()
-        return ckpt.load_checkpoint(self, ckpt_root)
+        return ckpt.load_checkpoint(self, ckpt_root, tag)
 
     # ------------------------------------------------------------------ sleep / wake
 

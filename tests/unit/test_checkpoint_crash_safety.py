@@ -121,3 +121,30 @@ def test_only_incomplete_checkpoints_is_an_error_naming_them(tiny_model_dir, thr
     with pytest.raises(FileNotFoundError, match=r"--load_checkpoint: no complete checkpoint in .*s3: "
                                                 r"dcp/__0_0\.distcp is missing"):
         new_backend(tiny_model_dir).load_checkpoint(root)
+
+
+def test_rl_pair_killed_between_critic_and_actor_resumes_from_the_previous_pair(tiny_model_dir, tmp_path):
+    from rlhfkit.cli.ppo_setup import RLCheckpointer
+
+    root = str(tmp_path / "rl")
+    actor, critic = new_backend(tiny_model_dir), new_backend(tiny_model_dir)
+    data = batches(actor.model.config.vocab_size, 4)
+    saver = RLCheckpointer(actor, critic)
+    for step in (1, 2):
+        train(actor, data[step - 1:step])
+        train(critic, data[step + 1:step + 2])
+        saver.save(root, f"global_step{step}", {"step": step}, max_keep=1)
+    critic_at_2 = weights(critic)
+    train(critic, data[:1])
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt("killed after the critic's save")
+
+    actor.save_checkpoint = killed
+    with pytest.raises(KeyboardInterrupt):
+        saver.save(root, "global_step3", {"step": 3}, max_keep=1)
+    assert [t for _, t in list_checkpoints(os.path.join(root, "critic"))] == ["global_step2", "global_step3"]
+    assert [t for _, t in list_checkpoints(os.path.join(root, "actor"))] == ["global_step2"]
+    a2, c2 = new_backend(tiny_model_dir), new_backend(tiny_model_dir)
+    assert RLCheckpointer(a2, c2).load(root) == {"step": 2}
+    assert all(torch.equal(critic_at_2[k], v) for k, v in weights(c2).items())
