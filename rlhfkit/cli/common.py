@@ -42,6 +42,27 @@ def cli_main(prog: str, fn: Callable[[], None]) -> None:
         raise SystemExit(1)
 
 
+def model_positions(path: str | None) -> int | None:
+    """max_position_embeddings of the local model directory `path` (None when unknown)."""
+    if not path or not os.path.isfile(os.path.join(path, "config.json")):
+        return None
+    try:
+        from transformers import AutoConfig
+
+        n = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
+    except Exception:  # noqa: BLE001 - an unreadable config is reported where the model is loaded
+        return None
+    return n if isinstance(n, int) and n > 0 else None
+
+
+def check_positions(path: str | None, length: int, what: str, flag: str = "--pretrain") -> None:
+    """`length` tokens (`what` names the flags that give it) must fit the model's positions."""
+    limit = model_positions(path)
+    if limit is not None and length > limit:
+        raise UsageError(f"{what} exceeds the model's max_position_embeddings {limit} ({flag} {path}); "
+                         "lower it")
+
+
 def set_seed(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)

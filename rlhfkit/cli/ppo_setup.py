@@ -20,7 +20,7 @@ from rlhfkit.algo.kl import make_kl_controller
 from rlhfkit.backend.dist import DistInfo
 from rlhfkit.backend.fsdp2 import FSDP2Backend
 from rlhfkit.backend.parallel import ParallelDims
-from rlhfkit.cli.common import UsageError, check_backend_flags, parallel_dims
+from rlhfkit.cli.common import UsageError, check_backend_flags, check_positions, parallel_dims
 from rlhfkit.config.configs import BackendConfig, ModelConfig, OptimConfig, from_args
 from rlhfkit.config.rl_flags import RAY_ONLY
 from rlhfkit.losses.policy import PolicyLossConfig
@@ -48,6 +48,10 @@ def resolve_flags(args: argparse.Namespace, world_size: int) -> None:
         args.ref_offload = args.reward_offload = True
     if args.max_len is None:
         args.max_len = args.prompt_max_len + args.generate_max_len
+        check_positions(args.pretrain, args.max_len, f"--prompt_max_len {args.prompt_max_len} + --generate_max_len "
+                        f"{args.generate_max_len} = {args.max_len} (the default --max_len)")
+    else:
+        check_positions(args.pretrain, args.max_len, f"--max_len {args.max_len}")
     if args.agent_func_path and args.remote_rm_url:
         raise UsageError("--agent_func_path and --remote_rm_url are exclusive: the agent's step() gives the reward")
     has_reward = bool(args.remote_rm_url or args.agent_func_path or args.reward_pretrain)

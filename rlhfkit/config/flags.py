@@ -113,7 +113,13 @@ def add_data_flags(p: FlagParser, *, max_len: int = 2048, max_samples: int = 1_0
     p.flag("--tokenizer_chat_template", "--data.tokenizer_chat_template", type=str, default=None)
     p.flag("--max_len", "--data.max_len", type=int, default=max_len)
     p.flag("--max_samples", "--data.max_samples", type=int, default=max_samples)
+    add_max_row_bytes_flag(p)
     p.flag("--dataloader_num_workers", "--data.dataloader_num_workers", type=int, default=0)
+
+
+def add_max_row_bytes_flag(p: FlagParser) -> None:
+    p.flag("--max_row_bytes", "--data.max_row_bytes", type=int, default=1_000_000,
+           help="largest input row in bytes (default 1 MB); a larger row is an error naming file and row")
 
 
 def add_train_flags(p: FlagParser, *, train_batch_size: int = 128, micro_train_batch_size: int = 8,

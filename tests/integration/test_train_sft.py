@@ -44,10 +44,10 @@ def sft_args(model, data, out, *extra):
             "--attn_implementation", "eager", *extra]
 
 
-def test_seed_sft_command_runs_on_cpu(tiny_model_dir, qa, tmp_path):
+def test_seed_sft_command_runs_on_cpu(tiny_long_model_dir, qa, tmp_path):
     out = str(tmp_path / "sft")
     data = write_qa(str(tmp_path / "seed.jsonl"), 256)  # one optimizer step of the seed's batch of 256
-    cmd = [sys.executable, "-m", "rlhfkit.cli.train_sft", "--pretrain", tiny_model_dir, "--dataset", data,
+    cmd = [sys.executable, "-m", "rlhfkit.cli.train_sft", "--pretrain", tiny_long_model_dir, "--dataset", data,
            "--save_path", out, "--disable_progress", *SEED_FLAGS]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
