@@ -6,7 +6,8 @@
       |  on the mesh's data-parallel dims (sharding.py)
       v
     backend.model(...) -> loss / global count -> backend.backward(loss, sync_grads)
-      -> backend.optimizer_step(): global grad norm, clip, AdamW, zero, LR schedule
+      -> backend.optimizer_step(): global grad norm, non-finite guard (guard.py: skip / stop),
+         clip, AdamW, weight check, zero, LR schedule
 
 Precision (precision.py): fp32 master weights and optimizer states; compute in `--param_dtype`
 (FSDP2 MixedPrecisionPolicy with fp32 gradient reduction when sharded; in one CUDA process the
