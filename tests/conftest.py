@@ -32,3 +32,14 @@ def tiny_qwen2_dir(tmp_path_factory) -> str:
     return make_tiny_model(path, TinyModelSpec(arch="qwen2", hidden_size=64, num_hidden_layers=2,
                                                num_attention_heads=4, num_key_value_heads=2,
                                                max_position_embeddings=256))
+
+
+@pytest.fixture(scope="session")
+def tiny_long_model_dir(tmp_path_factory) -> str:
+    """The tiny Llama with 8192 positions, for seed commands whose --max_len is 4096 or 8192
+    (a --max_len beyond the model's positions is an error)."""
+    from rlhfkit.models.tiny import TinyModelSpec, make_tiny_model
+
+    path = str(tmp_path_factory.mktemp("tiny_llama_8k"))
+    return make_tiny_model(path, TinyModelSpec(arch="llama", hidden_size=64, num_hidden_layers=2,
+                                               num_attention_heads=4, max_position_embeddings=8192))

@@ -35,9 +35,11 @@ class TrainBackend(Protocol):
         ...
 
     def optimizer_step(self) -> dict[str, float]:
-        """Clip to --max_norm, step (skipped on a non-finite norm), zero grads, step the LR.
+        """Clip to --max_norm, step (skipped when the loss or the grad norm is non-finite on any
+        rank), zero grads, step the LR; raises `guard.NonFiniteError` after more than
+        --max_nonfinite_steps skips in a row or when a weight became non-finite.
 
-        Returns {"grad_norm", "lr", "skipped"}; "lr" is the rate this step used.
+        Returns {"grad_norm", "lr", "skipped", "nonfinite_skipped"}; "lr" is the rate this step used.
         """
         ...
 
@@ -67,7 +69,9 @@ class TrainBackend(Protocol):
     def save_checkpoint(self, ckpt_root: str, tag: str, client_state: dict | None,
                         max_keep: int) -> str: ...
 
-    def load_checkpoint(self, ckpt_root: str) -> dict | None: ...
+    def load_checkpoint(self, ckpt_root: str, tag: str | None = None) -> dict | None:
+        """The newest complete checkpoint under `ckpt_root` (or `tag`); its client state, or None."""
+        ...
 
     def offload_states(self) -> Any:
         """Move parameters, gradients and optimizer states to host memory (sleep); returns the

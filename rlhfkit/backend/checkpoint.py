@@ -18,14 +18,20 @@ Saving never gathers the model or the optimizer: every rank writes its own shard
     rank 0:     trainer.pt, client_state.json, meta.json (fsynced), fsync the directories,
                 os.replace(<tag>.tmp, <tag>), rewrite `latest` (latest.tmp + os.replace), rotate
 
-so a crash at any point leaves `latest` naming a complete checkpoint. `<tag>.tmp` leftovers are
-never loaded and are removed by the next save. Only the `max_keep` newest checkpoints (by save
-index) are kept.
+so a crash at any point leaves `latest` naming a complete checkpoint or lagging behind one (a kill
+between the rename and its update). `<tag>.tmp` leftovers are never loaded and are removed by the
+next save. Only the `max_keep` newest checkpoints (by save index) are kept; rotation renames a
+directory away (`<tag>.del.tmp`) before deleting it, so a kill mid-rotation never leaves a
+half-deleted directory under a checkpoint's name.
 
-Loading reads `latest` (falling back to the newest complete checkpoint if it names a missing
-one), builds this run's `sharded_state_dict()` and lets `dcp.load` fill it: each rank reads the
-pieces of its own shards from whichever files hold them, so a checkpoint saved on N ranks loads
-on M ranks (resharding). A checkpoint taken before the first optimizer step has no optimizer
+Complete (`checkpoint_gap`): meta.json, the weights (`dcp/.metadata` and every data file it names,
+at least as long as the pieces it holds; or the earlier `model.safetensors`), trainer.pt,
+client_state.json and `rng_<r>.pt` of every saving rank. Loading takes the newest complete
+checkpoint by save index, whatever `latest` says (a lagging or wrong `latest` and incomplete
+directories are logged); when checkpoint directories exist but none is complete, it is an error
+naming them rather than a fresh start. Then it builds this run's `sharded_state_dict()` and lets
+`dcp.load` fill it: each rank reads the pieces of its own shards from whichever files hold them,
+so a checkpoint saved on N ranks loads on M ranks (resharding). A checkpoint taken before the first optimizer step has no optimizer
 state; loading it resets the optimizer. Older full-state checkpoints (`model.safetensors` +
 `optim.pt`, written by rank 0) still load, broadcast from rank 0. A shared filesystem is assumed.
 
@@ -50,6 +56,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rlhfkit.backend import dist as D
+from rlhfkit.fileio import atomic_write_text, fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -135,15 +142,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
 # ----------------------------------------------------------------------------- layout
 
 
-def _fsync_dir(path: str) -> None:
-    """Make the entries of directory `path` (new files, renames) durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_file(path: str, data: bytes | str) -> None:
     with open(path, "w" if isinstance(data, str) else "wb") as f:
         f.write(data)
@@ -158,49 +156,114 @@ def _torch_save(obj: Any, path: str) -> None:
         os.fsync(f.fileno())
 
 
-def _atomic_write_text(path: str, text: str) -> None:
-    tmp = path + TMP_SUFFIX
-    _write_file(tmp, text)
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path) or ".")
-
-
 def _read_meta(path: str) -> dict | None:
     try:
         with open(os.path.join(path, META)) as f:
-            return json.load(f)
+            meta = json.load(f)
     except (OSError, ValueError):
         return None
+    return meta if isinstance(meta, dict) else None
+
+
+def _dcp_gap(dcp_dir: str) -> str | None:
+    """What is missing from a torch.distributed.checkpoint folder: its `.metadata`, or a data file
+    it names (or that file is shorter than the pieces it must hold); None when all is there."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        storage = FileSystemReader(dcp_dir).read_metadata().storage_data
+    except Exception as e:  # noqa: BLE001 - missing or truncated .metadata, whatever the exception
+        return f"{DCP_DIR}/.metadata is unreadable ({type(e).__name__})"
+    need: dict[str, int] = {}
+    for info in (storage or {}).values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(need.items()):
+        try:
+            have = os.path.getsize(os.path.join(dcp_dir, name))
+        except OSError:
+            return f"{DCP_DIR}/{name} is missing"
+        if have < size:
+            return f"{DCP_DIR}/{name} has {have} of {size} bytes"
+    return None
+
+
+def checkpoint_gap(path: str) -> str | None:
+    """Why `path` is not a complete checkpoint (None when it is): meta.json, the weights (sharded
+    `dcp/` or the earlier `model.safetensors`), trainer.pt, client_state.json and every rank's RNG."""
+    meta = _read_meta(path)
+    if meta is None:
+        return f"no readable {META}"
+    if os.path.isdir(os.path.join(path, DCP_DIR)):
+        gap = _dcp_gap(os.path.join(path, DCP_DIR))
+        if gap:
+            return gap
+    elif not os.path.isfile(os.path.join(path, "model.safetensors")):
+        return f"has neither {DCP_DIR}/ (sharded checkpoint) nor model.safetensors (full-state checkpoint)"
+    ranks = int(meta.get("world_size", 1) or 1)
+    for name in ("trainer.pt", "client_state.json", *(f"rng_{r}.pt" for r in range(ranks))):
+        if not os.path.isfile(os.path.join(path, name)):
+            return f"{name} is missing"
+    return None
+
+
+def _candidates(ckpt_root: str) -> list[str]:
+    """Directories under `ckpt_root` that look like checkpoints (a meta.json, no `.tmp` suffix)."""
+    if not os.path.isdir(ckpt_root):
+        return []
+    return sorted(name for name in os.listdir(ckpt_root)
+                  if not name.endswith(TMP_SUFFIX) and os.path.isfile(os.path.join(ckpt_root, name, META)))
 
 
 def list_checkpoints(ckpt_root: str) -> list[tuple[int, str]]:
     """(save index, tag) of every complete checkpoint under `ckpt_root`, oldest first."""
-    if not os.path.isdir(ckpt_root):
-        return []
     found = []
-    for name in os.listdir(ckpt_root):
+    for name in _candidates(ckpt_root):
         path = os.path.join(ckpt_root, name)
-        if name.endswith(TMP_SUFFIX) or not os.path.isdir(path):
-            continue
-        meta = _read_meta(path)
-        if meta is not None:
-            found.append((int(meta.get("index", 0)), name))
+        if checkpoint_gap(path) is None:
+            found.append((int((_read_meta(path) or {}).get("index", 0)), name))
     return sorted(found)
 
 
+def _incomplete(ckpt_root: str) -> list[tuple[str, str]]:
+    """(path, what is missing) of the checkpoint-looking directories that are not complete."""
+    out = []
+    for name in _candidates(ckpt_root):
+        gap = checkpoint_gap(os.path.join(ckpt_root, name))
+        if gap is not None:
+            out.append((os.path.join(ckpt_root, name), gap))
+    return out
+
+
 def latest_checkpoint(ckpt_root: str) -> str | None:
-    """Path of the checkpoint named by `latest` (or the newest complete one), else None."""
+    """Path of the newest complete checkpoint (by save index), whatever `latest` says; else None.
+
+    `latest` may lag (a kill between the rename and its update) or name a checkpoint that a kill
+    mid-rotation left half deleted: both are logged, neither is followed."""
+    found = list_checkpoints(ckpt_root)
+    for path, gap in _incomplete(ckpt_root):
+        log.warning("%s is not a complete checkpoint (%s): not loaded", path, gap)
+    if not found:
+        return None
+    newest = found[-1][1]
     try:
         with open(os.path.join(ckpt_root, LATEST)) as f:
             tag = f.read().strip()
     except OSError:
         tag = ""
-    if tag and not tag.endswith(TMP_SUFFIX) and _read_meta(os.path.join(ckpt_root, tag)) is not None:
-        return os.path.join(ckpt_root, tag)
-    found = list_checkpoints(ckpt_root)
-    if tag:
-        log.warning("%s/latest names %r, which is not a complete checkpoint", ckpt_root, tag)
-    return os.path.join(ckpt_root, found[-1][1]) if found else None
+    if tag != newest:
+        log.warning("%s/latest names %r; the newest complete checkpoint is %r: loading that",
+                    ckpt_root, tag, newest)
+    return os.path.join(ckpt_root, newest)
+
+
+def _remove(path: str) -> None:
+    """Delete a checkpoint directory by renaming it away first (`<name>.del.tmp`, never loaded), so
+    a kill mid-delete never leaves a half-deleted directory under a checkpoint's name."""
+    away = path + ".del" + TMP_SUFFIX
+    shutil.rmtree(away, ignore_errors=True)
+    os.replace(path, away)
+    fsync_dir(os.path.dirname(path) or ".")
+    shutil.rmtree(away, ignore_errors=True)
 
 
 def _rotate(ckpt_root: str, max_keep: int, keep_tag: str) -> None:
@@ -208,10 +271,11 @@ def _rotate(ckpt_root: str, max_keep: int, keep_tag: str) -> None:
     while len(found) > max_keep:
         tag = found.pop(0)
         if tag != keep_tag:
-            shutil.rmtree(os.path.join(ckpt_root, tag), ignore_errors=True)
+            _remove(os.path.join(ckpt_root, tag))
 
 
 def _clear_stale_tmp(ckpt_root: str) -> None:
+    """Leftovers of killed saves, publishes and rotations (`*.tmp`): never loaded, removed here."""
     for name in os.listdir(ckpt_root):
         path = os.path.join(ckpt_root, name)
         if name.endswith(TMP_SUFFIX) and os.path.isdir(path):
@@ -246,7 +310,9 @@ def save_checkpoint(backend, ckpt_root: str, tag: str, client_state: dict | None
     tmp, final = os.path.join(ckpt_root, tag + TMP_SUFFIX), os.path.join(ckpt_root, tag)
     rank0 = D.is_rank0()
     if rank0:
-        os.makedirs(ckpt_root, exist_ok=True)
+        if not os.path.isdir(ckpt_root):
+            os.makedirs(ckpt_root)
+            fsync_dir(os.path.dirname(os.path.abspath(ckpt_root)))
         _clear_stale_tmp(ckpt_root)
         os.makedirs(os.path.join(tmp, DCP_DIR))
     D.barrier()
@@ -265,8 +331,8 @@ def save_checkpoint(backend, ckpt_root: str, tag: str, client_state: dict | None
         meta = {"tag": tag, "index": index, "world_size": D.get_world_size(), "time": time.time(),
                 "format": FORMAT, "has_optim": has_optim}
         _write_file(os.path.join(tmp, META), json.dumps(meta))
-        _fsync_dir(os.path.join(tmp, DCP_DIR))
-        _fsync_dir(tmp)
+        fsync_dir(os.path.join(tmp, DCP_DIR))
+        fsync_dir(tmp)
         _publish(ckpt_root, tag, tmp, final)
         _rotate(ckpt_root, max_keep, keep_tag=tag)
     D.barrier()
@@ -281,8 +347,8 @@ def _publish(ckpt_root: str, tag: str, tmp: str, final: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
     os.replace(tmp, final)
-    _fsync_dir(ckpt_root)
-    _atomic_write_text(os.path.join(ckpt_root, LATEST), tag)
+    fsync_dir(ckpt_root)
+    atomic_write_text(os.path.join(ckpt_root, LATEST), tag)
     if old:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -308,19 +374,36 @@ def _load_full_state(backend, path: str) -> None:
     backend.load_full_state(model_sd, optim_sd)
 
 
-def load_checkpoint(backend, ckpt_root: str) -> dict | None:
-    """Restore the latest checkpoint into `backend`; its client state, or None if there is none."""
-    path = D.broadcast_object(latest_checkpoint(ckpt_root) if D.is_rank0() else None)
+def _find_for_load(ckpt_root: str, tag: str | None) -> tuple[str | None, str | None]:
+    """(newest complete checkpoint, or `tag`, or None; error): checkpoint directories that are all
+    incomplete, or an incomplete `tag`, are an error rather than a silent fresh start."""
+    if tag is not None:
+        path = os.path.join(ckpt_root, tag)
+        gap = checkpoint_gap(path)
+        return (path, None) if gap is None else (None, f"--load_checkpoint: {path}: {gap}")
+    path = latest_checkpoint(ckpt_root)
+    if path is None:
+        bad = _incomplete(ckpt_root)
+        if bad:
+            return None, "--load_checkpoint: no complete checkpoint in {}: {}".format(
+                ckpt_root, "; ".join(f"{p}: {gap}" for p, gap in bad))
+    return path, None
+
+
+def load_checkpoint(backend, ckpt_root: str, tag: str | None = None) -> dict | None:
+    """Restore the newest complete checkpoint (or `tag`) into `backend`; its client state, or None
+    if there is none."""
+    found = _find_for_load(ckpt_root, tag) if D.is_rank0() else None
+    path, error = D.broadcast_object(found)
+    if error:
+        raise FileNotFoundError(error)
     if path is None:
         return None
     meta = _read_meta(path) or {}
     if os.path.isdir(os.path.join(path, DCP_DIR)):
         _load_sharded(backend, path, meta)
-    elif os.path.isfile(os.path.join(path, "model.safetensors")):
-        _load_full_state(backend, path)
     else:
-        raise FileNotFoundError(f"--load_checkpoint: {path} has neither {DCP_DIR}/ (sharded checkpoint) "
-                                "nor model.safetensors (full-state checkpoint)")
+        _load_full_state(backend, path)
     backend.load_trainer_state(torch.load(os.path.join(path, "trainer.pt"), weights_only=True))
     rng_file = os.path.join(path, f"rng_{D.get_rank()}.pt")
     if not os.path.exists(rng_file):

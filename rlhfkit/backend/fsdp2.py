@@ -6,7 +6,8 @@
       |  on the mesh's data-parallel dims (sharding.py)
       v
     backend.model(...) -> loss / global count -> backend.backward(loss, sync_grads)
-      -> backend.optimizer_step(): global grad norm, clip, AdamW, zero, LR schedule
+      -> backend.optimizer_step(): global grad norm, non-finite guard (guard.py: skip / stop),
+         clip, AdamW, weight check, zero, LR schedule
 
 Precision (precision.py): fp32 master weights and optimizer states; compute in `--param_dtype`
 (FSDP2 MixedPrecisionPolicy with fp32 gradient reduction when sharded; in one CUDA process the
@@ -51,6 +52,7 @@ from torch import nn
 from rlhfkit.backend import checkpoint as ckpt
 from rlhfkit.backend import dist as D
 from rlhfkit.backend.dist import DistInfo
+from rlhfkit.backend.guard import NonFiniteGuard
 from rlhfkit.backend.hf_export import export_hf, parse_size
 from rlhfkit.backend.master import MasterWeights
 from rlhfkit.backend.offload import HostStash, MoveStats
@@ -172,7 +174,9 @@ class FSDP2Backend:
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler = None
         self.loss_scaler: DynamicLossScaler | None = None
+        self.guard: NonFiniteGuard | None = None
         if self.trainable:
+            self.guard = NonFiniteGuard(optim_cfg.max_nonfinite_steps)
             groups = None
             if self.master is not None:
                 groups = self.master.param_groups(param_groups(self.model, optim_cfg.l2))
@@ -237,6 +241,7 @@ class FSDP2Backend:
         if self.is_sharded:
             self.model.set_requires_gradient_sync(sync_grads or self.cfg.zero_stage == 3)
         self._unsynced = not sync_grads and self.is_sharded and self.cfg.zero_stage != 3
+        self.guard.note_loss(loss)
         scale = self._loss_multiplier * (self.loss_scaler.scale if self.loss_scaler else 1.0)
         (loss * scale if scale != 1.0 else loss).backward()
 
@@ -244,7 +249,9 @@ class FSDP2Backend:
         return [p for g in self._require_optimizer().param_groups for p in g["params"]]
 
     def optimizer_step(self) -> dict[str, float]:
-        """Global grad norm -> (skip if non-finite) clip to --max_norm -> AdamW -> zero -> LR step."""
+        """Global grad norm -> (skip if it or a loss was non-finite on any rank) clip to --max_norm
+        -> AdamW -> check the weights -> zero -> LR step. Raises NonFiniteError (guard.py) after
+        more than --max_nonfinite_steps skips in a row or on a non-finite weight."""
         opt = self._require_optimizer()
         if self._unsynced:
             raise RuntimeError("optimizer_step after backward(sync_grads=False): the last micro-batch "
@@ -256,21 +263,42 @@ class FSDP2Backend:
                 if p.grad is not None:
                     p.grad.mul_(inv)
         norm = global_grad_norm(params)
-        finite = bool(torch.isfinite(norm))
+        finite, loss_bad = self.guard.decide(norm)
         lr = self.lr
+        # under fp16 a finite loss with overflowing gradients is the loss scale's business
+        counts = not finite and (self.loss_scaler is None or loss_bad
+                                 or self.loss_scaler.scale <= self.loss_scaler.min_scale)
         if self.loss_scaler is not None:
             self.loss_scaler.update(finite)
         if finite:
             if self.optim_cfg.max_norm > 0:
                 clip_grads(params, self.optim_cfg.max_norm, norm)
             opt.step()
+            opt.zero_grad(set_to_none=True)
+            self.guard.check_weights(self._named_params(params), f"after optimizer step {self.guard.steps} "
+                                     f"(grad norm {float(norm):.4g}, learning rate {lr:g})")
+            self.guard.stepped()
             if self.master is not None:
                 self.master.copy_to_model()
             self.scheduler.step()
         else:
-            log.warning("non-finite gradient norm (%s): optimizer step skipped", float(norm))
-        opt.zero_grad(set_to_none=True)
-        return {"grad_norm": float(norm), "lr": lr, "skipped": 0.0 if finite else 1.0}
+            opt.zero_grad(set_to_none=True)
+            self.guard.skip(counts, float(norm), lr)
+        return {"grad_norm": float(norm), "lr": lr, "skipped": 0.0 if finite else 1.0,
+                "nonfinite_skipped": 1.0 if counts else 0.0}
+
+    def _named_params(self, params: list[nn.Parameter]) -> list[tuple[str, torch.Tensor]]:
+        """(name, tensor) of the optimizer's parameters (the fp32 masters under master weights)."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        if self.master is not None:
+            names.update({id(m): n for n, m in zip(self.master.names, self.master.masters)})
+        return [(names.get(id(p), f"param{i}"), p) for i, p in enumerate(params)]
+
+    def check_finite(self, what: str) -> None:
+        """Raise NonFiniteError if a trainable weight is NaN or infinite (all ranks call)."""
+        if self.guard is not None:
+            self._wake()
+            self.guard.check_weights(self._named_params(self._params()), what)
 
     # ------------------------------------------------------------------ weights out
 
@@ -329,6 +357,7 @@ class FSDP2Backend:
         time into safetensors files of at most `max_shard_size` (default --hf_max_shard_size).
         All ranks call; rank 0 writes."""
         limit = parse_size(self.cfg.hf_max_shard_size if max_shard_size is None else max_shard_size)
+        self.check_finite(f"refusing to write {path}")
         export_hf(self.unwrap(), path, dtype or self.compute_dtype, limit, tokenizer,
                   master_of=self.master.master_or_none if self.master is not None else None,
                   full_state_dict=self.full_state_dict)
@@ -391,11 +420,12 @@ class FSDP2Backend:
     def save_checkpoint(self, ckpt_root: str, tag: str, client_state: dict | None,
                         max_keep: int) -> str:
         self._require_optimizer()
+        self.check_finite(f"refusing to write checkpoint {tag} under {ckpt_root}")
         return ckpt.save_checkpoint(self, ckpt_root, tag, client_state, max_keep)
 
-    def load_checkpoint(self, ckpt_root: str) -> dict | None:
+    def load_checkpoint(self, ckpt_root: str, tag: str | None = None) -> dict | None:
         self._require_optimizer()
-        return ckpt.load_checkpoint(self, ckpt_root)
+        return ckpt.load_checkpoint(self, ckpt_root, tag)
 
     # ------------------------------------------------------------------ sleep / wake
 

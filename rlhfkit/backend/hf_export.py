@@ -9,6 +9,9 @@
       rank 0:      cast to `dtype`, append its bytes to the current file, drop it
     rank 0: model.safetensors.index.json (when several files), config.json (dtype,
       architectures), generation_config.json, tokenizer files
+    rank 0: all of it was written into `<path>/.rlhfkit-staging.tmp`; publish it into `path`
+      (rlhfkit.fileio: fsync, config.json out first and in last, so a kill never leaves a
+      directory that loads a mix of old and new files)
 
 Because the header of a safetensors file only needs names, dtypes and shapes, it is written
 before any tensor is gathered, and rank 0 holds one full tensor in host memory at a time: a 32B
@@ -40,12 +43,12 @@ from torch import nn
 
 from rlhfkit.backend import dist as D
 from rlhfkit.backend.sharding import full
+from rlhfkit.fileio import clear_weight_files, new_staging_dir, publish_staged
 
 log = logging.getLogger(__name__)
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
-_SHARD_RE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -156,13 +159,6 @@ def _write_tensor(f, t: torch.Tensor) -> None:
         f.write(t.reshape(-1).view(torch.uint8).numpy().data)
 
 
-def _clear_weight_files(path: str) -> None:
-    """Remove the weight files of an earlier export, so that no stale file shadows the new ones."""
-    for name in os.listdir(path):
-        if name in (WEIGHTS_NAME, INDEX_NAME) or _SHARD_RE.fullmatch(name):
-            os.remove(os.path.join(path, name))
-
-
 def write_streamed(tensors: list[ExportTensor], path: str, max_bytes: int) -> list[str]:
     """All ranks call (in the same order each gathers every tensor); rank 0 writes the files.
     Returns the file names."""
@@ -173,7 +169,7 @@ def write_streamed(tensors: list[ExportTensor], path: str, max_bytes: int) -> li
     writer = D.is_rank0()
     if writer:
         os.makedirs(path, exist_ok=True)
-        _clear_weight_files(path)
+        clear_weight_files(path)
     for group, fname in zip(files, names):
         f = open(os.path.join(path, fname), "wb") if writer else None
         try:
@@ -259,20 +255,26 @@ def export_hf(model: nn.Module, path: str, dtype: torch.dtype, max_shard_bytes: 
               full_state_dict: Callable[[], dict[str, torch.Tensor]] | None = None) -> None:
     """Write `model` as a Hugging Face directory at `path` (all ranks call; rank 0 writes).
 
+    Rank 0 writes into a staging folder and publishes it (`rlhfkit.fileio`): `path` loads either
+    the complete new model or nothing, never a mix of old and new files.
     master_of: the fp32 master of a module tensor, if any (one-process master weights).
     full_state_dict: gathers the full state dict, for the non-streamed fallback (module docstring).
     """
     tensors = export_tensors(model, dtype, master_of)
+    writer = D.is_rank0()
+    stage = new_staging_dir(path) if writer else path  # other ranks only take part in the gathers
     if _is_peft(model) or _needs_weight_conversion(model, tensors):
         if full_state_dict is None:
             raise ValueError("this model cannot be exported tensor by tensor and no full_state_dict was given")
         log.warning("HF export of %s is not streamed (peft adapter or converted weights): "
                     "the full state dict is gathered on rank 0", type(model).__name__)
-        _save_gathered(model, path, dtype, max_shard_bytes, full_state_dict)
+        _save_gathered(model, stage, dtype, max_shard_bytes, full_state_dict)
     else:
-        write_streamed(tensors, path, max_shard_bytes)
-        if D.is_rank0():
-            write_config(model, path, dtype)
-    if D.is_rank0() and tokenizer is not None:
-        tokenizer.save_pretrained(path)
+        write_streamed(tensors, stage, max_shard_bytes)
+        if writer:
+            write_config(model, stage, dtype)
+    if writer:
+        if tokenizer is not None:
+            tokenizer.save_pretrained(stage)
+        publish_staged(stage, path)
     D.barrier()

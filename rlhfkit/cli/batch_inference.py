@@ -297,7 +297,7 @@ def run_generate(args: argparse.Namespace) -> list[dict[str, str]] | None:
     tokenizer = load_tokenizer(args.pretrain, padding_side="left", chat_template=args.tokenizer_chat_template,
                                use_fast=not args.disable_fast_tokenizer)
     rows = load_mixture(args.dataset, args.dataset_probs, split=args.dataset_split,
-                        max_samples=args.max_samples, seed=args.seed)
+                        max_samples=args.max_samples, seed=args.seed, max_row_bytes=args.max_row_bytes)
     rows, first = select_rows(rows, args.iter, args.rollout_batch_size)
     if not rows:
         raise DataError(f"--dataset {args.dataset}: no prompts")
@@ -418,7 +418,7 @@ def run_rm(args: argparse.Namespace) -> list[dict[str, Any]]:
     tokenizer = load_tokenizer(args.pretrain, padding_side="right", chat_template=args.tokenizer_chat_template,
                                use_fast=not args.disable_fast_tokenizer)
     rows = load_mixture(args.dataset, args.dataset_probs, split=args.dataset_split,
-                        max_samples=args.max_samples, seed=args.seed)
+                        max_samples=args.max_samples, seed=args.seed, max_row_bytes=args.max_row_bytes)
     if not rows:
         raise DataError(f"--dataset {args.dataset}: no rows to score")
     items, texts, cut = score_items(tokenizer, rows, cfg)

@@ -1,6 +1,7 @@
 """Shared CLI plumbing: error reporting, seeding, run directory, metrics logger.
 
-`cli_main(fn)` turns the errors a user can cause (bad data, bad flags, missing files) into
+`cli_main(fn)` turns the errors a user can cause (bad data, bad flags, missing files, a
+learning rate that makes the weights non-finite) into
 one clear line on stderr and a non-zero exit, instead of a traceback; set
 `RLHFKIT_TRACEBACK=1` to see the traceback anyway.
 """
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 import torch
 
+from rlhfkit.backend.guard import NonFiniteError
 from rlhfkit.config.flags import run_dir_of, write_resolved_config
 from rlhfkit.data.io import DataError
 from rlhfkit.trainers.metrics import MetricsLogger, NullLogger, WandbSettings
@@ -33,11 +35,32 @@ class UsageError(ValueError):
 def cli_main(prog: str, fn: Callable[[], None]) -> None:
     try:
         fn()
-    except (DataError, UsageError, FileNotFoundError, ValueError) as e:
+    except (DataError, UsageError, FileNotFoundError, ValueError, NonFiniteError) as e:
         if os.environ.get("RLHFKIT_TRACEBACK"):
             traceback.print_exc()
         print(f"{prog}: error: {e}", file=sys.stderr)
         raise SystemExit(1)
+
+
+def model_positions(path: str | None) -> int | None:
+    """max_position_embeddings of the local model directory `path` (None when unknown)."""
+    if not path or not os.path.isfile(os.path.join(path, "config.json")):
+        return None
+    try:
+        from transformers import AutoConfig
+
+        n = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
+    except Exception:  # noqa: BLE001 - an unreadable config is reported where the model is loaded
+        return None
+    return n if isinstance(n, int) and n > 0 else None
+
+
+def check_positions(path: str | None, length: int, what: str, flag: str = "--pretrain") -> None:
+    """`length` tokens (`what` names the flags that give it) must fit the model's positions."""
+    limit = model_positions(path)
+    if limit is not None and length > limit:
+        raise UsageError(f"{what} exceeds the model's max_position_embeddings {limit} ({flag} {path}); "
+                         "lower it")
 
 
 def set_seed(seed: int) -> None:

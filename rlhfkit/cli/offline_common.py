@@ -22,7 +22,7 @@ import torch
 
 from rlhfkit.backend.dist import DistInfo, init_distributed
 from rlhfkit.backend.fsdp2 import FSDP2Backend
-from rlhfkit.cli.common import UsageError, check_backend_flags, parallel_dims, set_seed
+from rlhfkit.cli.common import UsageError, check_backend_flags, check_positions, parallel_dims, set_seed
 from rlhfkit.config.configs import BackendConfig, ModelConfig, OptimConfig, from_args
 from rlhfkit.config.flags import (FlagParser, add_backend_flags, add_ckpt_flags, add_data_flags,
                                   add_logging_flags, add_model_flags, add_train_flags)
@@ -88,6 +88,7 @@ def setup(args: argparse.Namespace) -> tuple[DistInfo, Any]:
     require(args, "pretrain", "dataset")
     check_backend_flags(args)
     check_model_dir(args.pretrain, "--pretrain")
+    check_positions(args.pretrain, args.max_len, f"--max_len {args.max_len}")
     dist = init_distributed(args.device)
     set_seed(args.seed)
     tokenizer = load_tokenizer(args.pretrain, chat_template=args.tokenizer_chat_template,
@@ -98,7 +99,8 @@ def setup(args: argparse.Namespace) -> tuple[DistInfo, Any]:
 def load_items(args: argparse.Namespace, spec: str, split: str, probs: str | None,
                make_dataset: Callable[[list[Row]], Any], flag: str) -> list[Any]:
     """Rows of `spec` -> the dataset's items; dropped samples are reported, an empty result is an error."""
-    rows = load_mixture(spec, probs, split=split, max_samples=args.max_samples, seed=args.seed)
+    rows = load_mixture(spec, probs, split=split, max_samples=args.max_samples, seed=args.seed,
+                        max_row_bytes=args.max_row_bytes)
     ds = make_dataset(rows)
     if ds.num_dropped:
         print(f"{ds.num_dropped} of {len(rows)} samples of {spec} dropped: nothing to train on within --max_len")

@@ -20,7 +20,7 @@ from rlhfkit.algo.kl import make_kl_controller
 from rlhfkit.backend.dist import DistInfo
 from rlhfkit.backend.fsdp2 import FSDP2Backend
 from rlhfkit.backend.parallel import ParallelDims
-from rlhfkit.cli.common import UsageError, check_backend_flags, parallel_dims
+from rlhfkit.cli.common import UsageError, check_backend_flags, check_positions, parallel_dims
 from rlhfkit.config.configs import BackendConfig, ModelConfig, OptimConfig, from_args
 from rlhfkit.config.rl_flags import RAY_ONLY
 from rlhfkit.losses.policy import PolicyLossConfig
@@ -48,6 +48,10 @@ def resolve_flags(args: argparse.Namespace, world_size: int) -> None:
         args.ref_offload = args.reward_offload = True
     if args.max_len is None:
         args.max_len = args.prompt_max_len + args.generate_max_len
+        check_positions(args.pretrain, args.max_len, f"--prompt_max_len {args.prompt_max_len} + --generate_max_len "
+                        f"{args.generate_max_len} = {args.max_len} (the default --max_len)")
+    else:
+        check_positions(args.pretrain, args.max_len, f"--max_len {args.max_len}")
     if args.agent_func_path and args.remote_rm_url:
         raise UsageError("--agent_func_path and --remote_rm_url are exclusive: the agent's step() gives the reward")
     has_reward = bool(args.remote_rm_url or args.agent_func_path or args.reward_pretrain)
@@ -250,7 +254,12 @@ def kl_controller(args: argparse.Namespace):
 
 @dataclass
 class RLCheckpointer:
-    """Saves/loads the trainable roles' checkpoints under one root (actor/, critic/)."""
+    """Saves/loads the trainable roles' checkpoints under one root (actor/, critic/).
+
+    The critic is saved first and keeps one checkpoint more than --max_ckpt_num; the actor's
+    checkpoint completes the pair. Loading takes the newest actor checkpoint whose critic
+    checkpoint of the same tag is complete, so a kill between the two saves (or during either)
+    resumes from the previous pair, never from an actor and a critic of different steps."""
 
     policy_backend: Any
     critic_backend: Any = None
@@ -258,14 +267,25 @@ class RLCheckpointer:
     tokenizer: Any = None
 
     def save(self, root: str, tag: str, client: dict, max_keep: int) -> None:
-        self.policy_backend.save_checkpoint(os.path.join(root, "actor"), tag, client, max_keep)
         if self.critic_backend is not None:
-            self.critic_backend.save_checkpoint(os.path.join(root, "critic"), tag, client, max_keep)
+            self.critic_backend.save_checkpoint(os.path.join(root, "critic"), tag, client, max_keep + 1)
+        self.policy_backend.save_checkpoint(os.path.join(root, "actor"), tag, client, max_keep)
         if self.save_hf:
             self.policy_backend.save_hf(os.path.join(root, f"{tag}_hf"), self.tokenizer)
 
     def load(self, root: str) -> dict | None:
-        client = self.policy_backend.load_checkpoint(os.path.join(root, "actor"))
-        if client is not None and self.critic_backend is not None:
-            self.critic_backend.load_checkpoint(os.path.join(root, "critic"))
+        actor, critic = os.path.join(root, "actor"), os.path.join(root, "critic")
+        if self.critic_backend is None:
+            return self.policy_backend.load_checkpoint(actor)
+        from rlhfkit.backend.checkpoint import list_checkpoints
+
+        critic_tags = {t for _, t in list_checkpoints(critic)}
+        pairs = [t for _, t in list_checkpoints(actor) if t in critic_tags]
+        if not pairs:
+            if list_checkpoints(actor) or critic_tags:
+                raise FileNotFoundError(f"--load_checkpoint: no step has a complete checkpoint in both {actor} "
+                                        f"and {critic}")
+            return self.policy_backend.load_checkpoint(actor)  # none at all (or only incomplete: an error)
+        client = self.policy_backend.load_checkpoint(actor, pairs[-1])
+        self.critic_backend.load_checkpoint(critic, pairs[-1])
         return client

@@ -33,7 +33,8 @@ def build_parser() -> FlagParser:
 
 
 def load_prompts(args, tokenizer, spec: str, split: str, probs: str | None, max_samples: int):
-    rows = load_mixture(spec, probs, split=split, max_samples=max_samples, seed=args.seed)
+    rows = load_mixture(spec, probs, split=split, max_samples=max_samples, seed=args.seed,
+                        max_row_bytes=args.max_row_bytes)
     cfg = PromptDataConfig(input_key=args.input_key, label_key=args.label_key, input_template=args.input_template,
                            apply_chat_template=args.apply_chat_template,
                            tokenizer_chat_template=args.tokenizer_chat_template, max_prompt_len=args.prompt_max_len)

@@ -52,6 +52,7 @@ class OptimConfig:
     lr_warmup_ratio: float = 0.03
     min_lr_ratio: float = 0.1
     max_norm: float = 1.0
+    max_nonfinite_steps: int = 3  # skipped non-finite steps in a row before the run stops
 
 
 @dataclass

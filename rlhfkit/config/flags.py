@@ -20,6 +20,8 @@ import os
 import sys
 from typing import Any, Sequence
 
+from rlhfkit.fileio import atomic_write_text
+
 
 class FlagParser(argparse.ArgumentParser):
     """argparse with exact-match flags, dotted aliases and close-match suggestions."""
@@ -111,7 +113,13 @@ def add_data_flags(p: FlagParser, *, max_len: int = 2048, max_samples: int = 1_0
     p.flag("--tokenizer_chat_template", "--data.tokenizer_chat_template", type=str, default=None)
     p.flag("--max_len", "--data.max_len", type=int, default=max_len)
     p.flag("--max_samples", "--data.max_samples", type=int, default=max_samples)
+    add_max_row_bytes_flag(p)
     p.flag("--dataloader_num_workers", "--data.dataloader_num_workers", type=int, default=0)
+
+
+def add_max_row_bytes_flag(p: FlagParser) -> None:
+    p.flag("--max_row_bytes", "--data.max_row_bytes", type=int, default=1_000_000,
+           help="largest input row in bytes (default 1 MB); a larger row is an error naming file and row")
 
 
 def add_train_flags(p: FlagParser, *, train_batch_size: int = 128, micro_train_batch_size: int = 8,
@@ -132,6 +140,13 @@ def add_train_flags(p: FlagParser, *, train_batch_size: int = 128, micro_train_b
     p.flag("--lr_warmup_ratio", type=float, default=0.03)
     p.flag("--min_lr_ratio", type=float, default=0.1)
     p.flag("--max_norm", type=float, default=1.0, help="gradient clipping (0 disables)")
+    add_nonfinite_flag(p)
+
+
+def add_nonfinite_flag(p: FlagParser) -> None:
+    p.flag("--max_nonfinite_steps", type=int, default=3,
+           help="optimizer steps with a non-finite loss or gradient are skipped; more than this many "
+                "in a row (or a non-finite weight) stop the run with exit code 1, nothing saved")
 
 
 def add_backend_flags(p: FlagParser) -> None:
@@ -191,6 +206,5 @@ def write_resolved_config(args: argparse.Namespace, run_dir: str, name: str = "r
     path = os.path.join(run_dir, name)
     data = {k: v for k, v in sorted(vars(args).items()) if k not in ("use_wandb",)}
     data["use_wandb"] = bool(getattr(args, "use_wandb", None))
-    with open(path, "w") as f:
-        json.dump(data, f, indent=2, default=str)
+    atomic_write_text(path, json.dumps(data, indent=2, default=str))  # a kill never leaves half of it
     return path

@@ -9,7 +9,7 @@ effect instead of dropping them silently.
 from __future__ import annotations
 
 from rlhfkit.config.flags import (FlagParser, add_backend_flags, add_ckpt_flags, add_logging_flags,
-                                  add_model_flags)
+                                  add_max_row_bytes_flag, add_model_flags, add_nonfinite_flag)
 
 ESTIMATORS = ["gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo"]
 ROLES = ["actor", "ref", "critic", "reward"]
@@ -57,6 +57,7 @@ def _data(p: FlagParser) -> None:
     p.flag("--apply_chat_template", "--data.apply_chat_template", action="store_true")
     p.flag("--tokenizer_chat_template", "--data.tokenizer_chat_template", type=str, default=None)
     p.flag("--max_samples", "--data.max_samples", type=int, default=int(1e8))
+    add_max_row_bytes_flag(p)
     p.flag("--max_len", "--data.max_len", type=int, default=None, help="prompt + response token budget")
     p.flag("--prompt_max_len", type=int, default=1024)
     p.flag("--dataloader_num_workers", "--data.dataloader_num_workers", type=int, default=0)
@@ -93,6 +94,7 @@ def _train(p: FlagParser) -> None:
     p.flag("--lr_warmup_ratio", "--actor.lr_warmup_ratio", type=float, default=0.03)
     p.flag("--min_lr_ratio", "--actor.min_lr_ratio", type=float, default=0.1)
     p.flag("--max_norm", "--actor.max_norm", type=float, default=1.0)
+    add_nonfinite_flag(p)
     p.flag("--freezing_actor_steps", "--critic.freezing_steps", type=int, default=-1)
     p.flag("--save_value_network", "--critic.save_value_network", action="store_true")
     p.flag("--async_train", "--train.async_enable", action="store_true")

@@ -1,8 +1,11 @@
 """Row loading: local files, folders, Hugging Face datasets, and dataset mixtures.
 
-Every row remembers where it came from, so that a bad row is reported as
+Every row remembers where it came from (rows.py), so that a bad row is reported as
 
     data/train.jsonl row 17: missing key 'question' (--input_key)
+
+Files are read by readers.py, which also enforces `--max_row_bytes` (default 1 MB), UTF-8 and
+non-empty files, naming file and row.
 
 Supported sources (one `--dataset` entry each; entries are comma separated):
 
@@ -26,158 +29,19 @@ out at least once.
 
 from __future__ import annotations
 
-import json
 import os
 import random
-from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Sequence
 
-FILE_EXTS = (".json", ".jsonl", ".parquet", ".csv", ".arrow")
+from rlhfkit.data.readers import (DEFAULT_MAX_ROW_BYTES, FILE_EXTS, check_max_row_bytes, file_rows,
+                                  table_rows)
+from rlhfkit.data.rows import DataError, Row
+
+__all__ = ["DataError", "Row", "DEFAULT_MAX_ROW_BYTES", "FILE_EXTS", "load_rows", "load_mixture", "parse_probs",
+           "interleave"]
+
 SPLIT_WORDS = ("train", "test", "validation", "valid", "eval", "dev")
 DATASETS_HINT = "pip install rlhfkit[datasets]"
-
-
-class DataError(ValueError):
-    """Bad input data or data flags; the message names the file, row, key or flag."""
-
-
-@dataclass(frozen=True)
-class Row:
-    """One input record and its origin (`source` path or dataset name, 1-based `row`)."""
-
-    data: Mapping[str, Any]
-    source: str
-    row: int
-
-    @property
-    def where(self) -> str:
-        return f"{self.source} row {self.row}"
-
-    def error(self, message: str) -> DataError:
-        """A DataError prefixed with this row's origin."""
-        return DataError(f"{self.where}: {message}")
-
-    def get(self, key: str, flag: str) -> Any:
-        """`data[key]`; a missing key raises a DataError naming `flag` (e.g. '--input_key')."""
-        if key not in self.data:
-            have = ", ".join(repr(k) for k in list(self.data)[:8])
-            raise self.error(f"missing key {key!r} ({flag}); row has {have}")
-        return self.data[key]
-
-    def get_str(self, key: str, flag: str) -> str:
-        """`data[key]`, which must be a string."""
-        value = self.get(key, flag)
-        if not isinstance(value, str):
-            raise self.error(f"key {key!r} ({flag}) must be a string, got {type(value).__name__}")
-        return value
-
-    def opt(self, key: str, default: Any = None) -> Any:
-        """`data[key]` or `default` when absent or None."""
-        value = self.data.get(key)
-        return default if value is None else value
-
-
-# ----------------------------------------------------------------------------- file readers
-
-
-def _cap(max_samples: int | None) -> int:
-    return int(1e18) if max_samples is None or max_samples < 0 else int(max_samples)
-
-
-def _json_rows(path: str, limit: int) -> Iterator[Row]:
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError:
-        obj = None  # not one JSON document: read as JSON lines
-    if obj is None:
-        yield from _jsonl_text_rows(path, text, limit)
-        return
-    if isinstance(obj, dict):
-        obj = _columns_to_rows(path, obj)
-    if not isinstance(obj, list):
-        raise DataError(f"{path}: expected a list of objects or JSON lines, got {type(obj).__name__}")
-    for i, rec in enumerate(obj[:limit]):
-        if not isinstance(rec, dict):
-            raise DataError(f"{path} row {i + 1}: expected an object, got {type(rec).__name__}")
-        yield Row(rec, path, i + 1)
-
-
-def _columns_to_rows(path: str, obj: dict) -> list:
-    """A dict of equal-length lists (column layout) becomes a list of row dicts."""
-    cols = list(obj.values())
-    if not cols or not all(isinstance(c, list) and len(c) == len(cols[0]) for c in cols):
-        raise DataError(f"{path}: a top-level object must map column names to equal-length lists; "
-                        "use a list of objects or JSON lines instead")
-    return [dict(zip(obj.keys(), vals)) for vals in zip(*cols)]
-
-
-def _jsonl_text_rows(path: str, text: str, limit: int) -> Iterator[Row]:
-    count = 0
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if count >= limit:
-            return
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path} row {lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
-        if not isinstance(rec, dict):
-            raise DataError(f"{path} row {lineno}: expected an object, got {type(rec).__name__}")
-        count += 1
-        yield Row(rec, path, lineno)
-
-
-def _jsonl_rows(path: str, limit: int) -> Iterator[Row]:
-    with open(path, encoding="utf-8") as f:
-        yield from _jsonl_text_rows(path, f.read(), limit)
-
-
-def _table_rows(path: str, table: Any, limit: int) -> Iterator[Row]:
-    for i, rec in enumerate(table.slice(0, min(limit, table.num_rows)).to_pylist()):
-        yield Row(rec, path, i + 1)
-
-
-def _parquet_rows(path: str, limit: int) -> Iterator[Row]:
-    import pyarrow.parquet as pq
-
-    yield from _table_rows(path, pq.read_table(path), limit)
-
-
-def _csv_rows(path: str, limit: int) -> Iterator[Row]:
-    import pyarrow.csv as pcsv
-
-    yield from _table_rows(path, pcsv.read_csv(path), limit)
-
-
-def _arrow_rows(path: str, limit: int) -> Iterator[Row]:
-    import pyarrow as pa
-
-    with pa.memory_map(path) as src:
-        try:
-            table = pa.ipc.open_stream(src).read_all()
-        except pa.ArrowInvalid:
-            src.seek(0)
-            table = pa.ipc.open_file(src).read_all()
-    yield from _table_rows(path, table, limit)
-
-
-_READERS = {".json": _json_rows, ".jsonl": _jsonl_rows, ".parquet": _parquet_rows,
-            ".csv": _csv_rows, ".arrow": _arrow_rows}
-
-
-def _file_rows(path: str, limit: int) -> list[Row]:
-    ext = os.path.splitext(path)[1].lower()
-    if ext not in _READERS:
-        raise DataError(f"{path}: unsupported file type {ext!r}; use one of {', '.join(FILE_EXTS)}")
-    try:
-        return list(_READERS[ext](path, limit))
-    except DataError:
-        raise
-    except Exception as e:  # pyarrow / unicode errors: keep the file name in the message
-        raise DataError(f"{path}: cannot read ({type(e).__name__}: {e})") from e
 
 
 # ----------------------------------------------------------------------------- folders
@@ -230,7 +94,11 @@ def _import_datasets(spec: str) -> Any:
     return datasets
 
 
-def _hf_rows(ds: Any, source: str, split: str | None, limit: int) -> list[Row]:
+def _cap(max_samples: int | None) -> int:
+    return int(1e18) if max_samples is None or max_samples < 0 else int(max_samples)
+
+
+def _hf_rows(ds: Any, source: str, split: str | None, limit: int, max_bytes: int) -> list[Row]:
     if hasattr(ds, "keys"):  # a DatasetDict: pick the split
         names = list(ds.keys())
         if split in names:
@@ -240,35 +108,42 @@ def _hf_rows(ds: Any, source: str, split: str | None, limit: int) -> list[Row]:
         else:
             raise DataError(f"{source}: no split {split!r} (--dataset_split); available: {names}")
         source = f"{source}[{split if split in names else names[0]}]"
+    if len(ds) == 0 and limit > 0:
+        raise DataError(f"{source}: empty dataset (no rows)")
     n = min(limit, len(ds))
-    records = (ds.select(range(n)) if n < len(ds) else ds).to_list()
-    return [Row(rec, source, i + 1) for i, rec in enumerate(records)]
+    part = ds.select(range(n)) if n < len(ds) else ds
+    total = getattr(getattr(part, "data", None), "nbytes", max_bytes + 1)
+    return list(table_rows(source, part.to_list(), limit, max_bytes, total))
 
 
-def _load_saved(folder: str, split: str | None, limit: int) -> list[Row]:
+def _load_saved(folder: str, split: str | None, limit: int, max_bytes: int) -> list[Row]:
     datasets = _import_datasets(folder)
-    return _hf_rows(datasets.load_from_disk(folder), folder, split, limit)
+    return _hf_rows(datasets.load_from_disk(folder), folder, split, limit, max_bytes)
 
 
-def _load_hub(name: str, data_dir: str | None, split: str | None, limit: int) -> list[Row]:
+def _load_hub(name: str, data_dir: str | None, split: str | None, limit: int, max_bytes: int) -> list[Row]:
     datasets = _import_datasets(name)
     try:
         ds = datasets.load_dataset(name, data_dir=data_dir)
     except Exception as e:
         raise DataError(f"{name}: not a local file or folder, and loading it as a Hugging Face "
                         f"dataset failed ({type(e).__name__}: {e})") from e
-    return _hf_rows(ds, name, split, limit)
+    return _hf_rows(ds, name, split, limit, max_bytes)
 
 
 # ----------------------------------------------------------------------------- public API
 
 
-def load_rows(spec: str, split: str | None = "train", max_samples: int | None = None) -> list[Row]:
+def load_rows(spec: str, split: str | None = "train", max_samples: int | None = None,
+              max_row_bytes: int = DEFAULT_MAX_ROW_BYTES) -> list[Row]:
     """Rows of one `--dataset` entry (a file, a folder, `name@data_dir`, or a hub dataset name).
 
     `split` picks a split of a folder or Hugging Face dataset (single local files have none);
-    at most `max_samples` rows are read (None or negative: all).
+    at most `max_samples` rows are read (None or negative: all). A row larger than
+    `max_row_bytes` (--max_row_bytes), a non-UTF-8 row and a file without rows are errors
+    naming the file and row (readers.py).
     """
+    check_max_row_bytes(max_row_bytes)
     spec = spec.strip()
     if not spec:
         raise DataError("empty dataset entry in --dataset")
@@ -277,19 +152,19 @@ def load_rows(spec: str, split: str | None = "train", max_samples: int | None = 
     limit = _cap(max_samples)
     path = os.path.join(name, data_dir) if data_dir and os.path.isdir(name) else name
     if os.path.isfile(path):
-        return _file_rows(path, limit)
+        return file_rows(path, limit, max_row_bytes)
     if os.path.isdir(path):
         if _is_saved_dataset(path):
-            return _load_saved(path, split, limit)
+            return _load_saved(path, split, limit, max_row_bytes)
         rows: list[Row] = []
         for f in _folder_files(path, split):
-            rows += _file_rows(f, limit - len(rows))
+            rows += file_rows(f, limit - len(rows), max_row_bytes)
             if len(rows) >= limit:
                 break
         return rows
     if os.path.splitext(name)[1].lower() in FILE_EXTS or name.startswith((".", "/", "~")):
         raise DataError(f"{path}: no such file or folder (--dataset)")
-    return _load_hub(name, data_dir, split, limit)
+    return _load_hub(name, data_dir, split, limit, max_row_bytes)
 
 
 def parse_probs(probs: str | Sequence[float] | None, num_datasets: int) -> list[float] | None:
@@ -337,7 +212,7 @@ def interleave(sources: Sequence[Sequence[Row]], probs: Sequence[float], seed: i
 
 def load_mixture(specs: str | Sequence[str], probs: str | Sequence[float] | None = None,
                  split: str | None = "train", max_samples: int | None = None,
-                 seed: int = 42) -> list[Row]:
+                 seed: int = 42, max_row_bytes: int = DEFAULT_MAX_ROW_BYTES) -> list[Row]:
     """Rows of several comma-separated datasets (`--dataset`, `--dataset_probs`).
 
     Each dataset is capped at `max_samples` rows, then they are concatenated (no probs) or
@@ -348,6 +223,6 @@ def load_mixture(specs: str | Sequence[str], probs: str | Sequence[float] | None
         raise DataError("no dataset given (--dataset)")
     names = [s for s in (specs.split(",") if isinstance(specs, str) else specs) if s.strip()]
     weights = parse_probs(probs, len(names))
-    sources = [load_rows(n, split=split, max_samples=max_samples) for n in names]
+    sources = [load_rows(n, split=split, max_samples=max_samples, max_row_bytes=max_row_bytes) for n in names]
     rows = [r for src in sources for r in src] if weights is None else interleave(sources, weights, seed)
     return rows[:_cap(max_samples)]

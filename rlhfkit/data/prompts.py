@@ -3,7 +3,7 @@
 Each sample's `prompt` is the final text given to the tokenizer: the `--input_key` value run
 through `--apply_chat_template` (a string becomes one user message; a message list is used as
 is; the generation prompt is added) or `--input_template`. `label` is the `--label_key` value,
-passed untouched to `reward_func` and agents; `datasource` is the row's `datasource` column
+passed untouched to `reward_func` and agents (missing or null is an error naming file and row); `datasource` is the row's `datasource` column
 (default "default"), used to split evaluation metrics per source, as in OpenRLHF.
 
 With `max_prompt_len`, prompts longer than that many tokens are dropped and counted.
@@ -63,6 +63,9 @@ class PromptDataset(TokenizedDataset):
         if cfg.max_prompt_len is not None and len(encode(self.tokenizer, prompt)) > cfg.max_prompt_len:
             return None
         label = row.get(cfg.label_key, "--label_key") if cfg.label_key else None
+        if cfg.label_key and label is None:
+            raise row.error(f"key {cfg.label_key!r} (--label_key) is null; every prompt needs a label "
+                            "when --label_key is given")
         source = row.opt("datasource", "default")
         return PromptSample(prompt=prompt, label=label, datasource=str(source), index=len(self.items))
 

@@ -214,8 +214,8 @@ class GroupBackend:
     def save_checkpoint(self, ckpt_root: str, tag: str, client_state: dict | None, max_keep: int) -> str:
         return self._all("save_checkpoint", ckpt_root, tag, client_state, max_keep)
 
-    def load_checkpoint(self, ckpt_root: str) -> dict | None:
-        return self._all("load_checkpoint", ckpt_root)
+    def load_checkpoint(self, ckpt_root: str, tag: str | None = None) -> dict | None:
+        return self._all("load_checkpoint", ckpt_root, tag)
 
     def save_hf(self, path: str, tokenizer: Any = None, dtype: torch.dtype | None = None) -> None:
         self._all("save_hf", path, tokenizer, dtype)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from rlhfkit.config.configs import ModelConfig
+from rlhfkit.fileio import new_staging_dir, publish_staged
 from rlhfkit.models.loader import weight_file_keys
 
 OUTPUT_LAYER_NAMES = ("lm_head",)
@@ -103,8 +104,10 @@ def merge_lora(model_path: str, lora_path: str, output_path: str, is_rm: bool = 
 
     base = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
     merged = PeftModel.from_pretrained(base, lora_path).merge_and_unload()
-    merged.save_pretrained(output_path)
-    tokenizer.save_pretrained(output_path)
+    stage = new_staging_dir(output_path)  # published whole (rlhfkit.fileio)
+    merged.save_pretrained(stage)
+    tokenizer.save_pretrained(stage)
+    publish_staged(stage, output_path)
     return output_path
 
 

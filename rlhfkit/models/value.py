@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from rlhfkit.config.configs import ModelConfig
+from rlhfkit.fileio import new_staging_dir, publish_staged
 from rlhfkit.models.loader import (check_model_dir, finish_model, pretrained_kwargs, resolve_dtype,
                                    weight_file_keys)
 
@@ -235,14 +236,15 @@ def save_value_model(model: Any, path: str, tokenizer: Any = None, mean: float |
     update_reward_config(base.config, tokenizer, mean, std, normalize_reward)
     if not is_main_process:
         return path
-    os.makedirs(path, exist_ok=True)
+    stage = new_staging_dir(path)  # published whole (rlhfkit.fileio): never a mix of old and new files
     if _is_peft(model):
-        model.save_pretrained(path)
-        base.config.save_pretrained(path)
+        model.save_pretrained(stage)
+        base.config.save_pretrained(stage)
     else:
-        model.save_pretrained(path, state_dict=state_dict)
+        model.save_pretrained(stage, state_dict=state_dict)
     if tokenizer is not None:
-        tokenizer.save_pretrained(path)
+        tokenizer.save_pretrained(stage)
+    publish_staged(stage, path)
     return path
 
 

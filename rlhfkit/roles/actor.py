@@ -181,7 +181,10 @@ class ActorRole:
         for epoch in range(cfg.max_epochs):
             for mini in mini_batches(batch, cfg.train_batch_size, epoch, cfg.seed):
                 records.append(self._step(mini, kl_coef))
-        return reduce_over_ranks(average(records), ("policy_loss", "kl_loss"), self.dist.world_size)
+        skipped = sum(r.pop("nonfinite_skipped") for r in records)  # the same on every rank
+        out = reduce_over_ranks(average(records), ("policy_loss", "kl_loss"), self.dist.world_size)
+        out["nonfinite_skipped"] = skipped
+        return out
 
     def _step(self, mini: ExperienceBatch, kl_coef: float) -> dict[str, float]:
         cfg = self.update_cfg
@@ -214,6 +217,7 @@ class ActorRole:
         stats = self.backend.optimizer_step()
         out["grad_norm"] = stats.get("grad_norm", float("nan"))
         out["actor_lr"] = stats.get("lr", float("nan"))
+        out["nonfinite_skipped"] = stats.get("nonfinite_skipped", 0.0)
         return out
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:

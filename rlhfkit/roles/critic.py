@@ -58,6 +58,7 @@ class CriticRole:
         assert cfg is not None
         self.backend.train()
         records = []
+        skipped = 0.0
         for epoch in range(cfg.max_epochs):
             for mini in mini_batches(batch, cfg.train_batch_size, epoch, cfg.seed + 1):
                 num_tokens = float(all_reduce_sum(torch.tensor(float(mini.loss_mask.sum()), dtype=torch.float64)))
@@ -75,8 +76,10 @@ class CriticRole:
                 rec["critic_loss"] = sums.get("critic_loss", 0.0)
                 stats = self.backend.optimizer_step()
                 rec["critic_grad_norm"] = stats.get("grad_norm", float("nan"))
+                skipped += stats.get("nonfinite_skipped", 0.0)  # the same on every rank
                 records.append(rec)
         out = reduce_over_ranks(average(records), ("critic_loss",), self.dist.world_size)
+        out["critic_nonfinite_skipped"] = skipped
         out["value_loss"] = out.pop("critic_loss", float("nan"))
         return out
 

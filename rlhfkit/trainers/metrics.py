@@ -5,8 +5,10 @@
     logger.close()                                   # writes metrics.png (curves of the main keys)
 
 Only rank 0 should construct a real logger; other ranks use `NullLogger`.
-The JSONL file is appended to and flushed per line, so a resumed run continues it and a crash
-loses nothing already logged.
+The JSONL file is appended to and flushed per line, so a crash loses nothing already logged. A
+resumed run first calls `truncate(step)`: the records a killed run wrote after the checkpoint it
+resumes from (and a half-written last line) are dropped, in one atomic rewrite, so that no step
+appears twice.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import os
 import time
 from dataclasses import dataclass
 from typing import Any
+
+from rlhfkit.fileio import atomic_write_text
 
 
 @dataclass
@@ -30,6 +34,9 @@ class WandbSettings:
 
 class NullLogger:
     def log(self, step: int, metrics: dict[str, Any], console: bool = True) -> None:  # noqa: D401
+        pass
+
+    def truncate(self, keep_through: int) -> None:
         pass
 
     def close(self) -> None:
@@ -80,6 +87,21 @@ class MetricsLogger:
                 self._tb.add_scalar(k, v, step)
         if self._wandb is not None:
             self._wandb.log({f"train/{k}": v for k, v in rec.items() if k != "step"}, step=step)
+
+    def truncate(self, keep_through: int) -> None:
+        """Keep only the records of steps <= `keep_through` (a resume; -1 drops them all)."""
+        self._f.close()
+        kept = []
+        with open(self.path) as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except ValueError:  # a line cut by the kill
+                    continue
+                if isinstance(rec, dict) and int(rec.get("step", 0)) <= keep_through:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+        atomic_write_text(self.path, "".join(kept))
+        self._f = open(self.path, "a")
 
     def close(self) -> None:
         self._f.close()

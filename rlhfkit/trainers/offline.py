@@ -100,6 +100,7 @@ def train_offline(task: OfflineTask, backend, train_items: Sequence[Any], cfg: L
             state.step, state.epoch, state.batch_in_epoch = client["step"], client["epoch"], client["batch_in_epoch"]
             if dist.rank == 0:
                 print(f"resumed from {cfg.ckpt_path} at step {state.step} (epoch {state.epoch})")
+        logger.truncate(state.step if client is not None else -1)  # no step logged twice
     total = spe * cfg.max_epochs if cfg.max_steps is None else min(cfg.max_steps, spe * cfg.max_epochs)
     bar = tqdm(total=total, initial=state.step, disable=not (cfg.show_progress and dist.rank == 0),
                desc="train", dynamic_ncols=True)

@@ -288,6 +288,7 @@ class RLTrainer:
                 self.weight_sync.sync()
                 if self.dist.rank == 0:
                     print(f"resumed from {c.ckpt_path} at step {s.step}")
+            self.logger.truncate(s.step if client is not None else -1)  # no step logged twice
         total = self.total_steps()
         bar = tqdm(total=total, initial=s.step, disable=not (c.show_progress and self.dist.rank == 0),
                    desc="rl", dynamic_ncols=True)

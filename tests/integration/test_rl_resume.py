@@ -91,3 +91,34 @@ def test_resume_matches_uninterrupted_run(tiny_model_dir, tmp_path, monkeypatch)
         assert moved > 1e-4, f"{suffix or 'policy'} did not train"
         for k in wa:
             torch.testing.assert_close(wb[k], wa[k], atol=1e-6, rtol=0, msg=f"{suffix or 'policy'} {k}")
+
+
+def test_resume_after_a_kill_between_log_and_checkpoint_logs_each_step_once(tiny_model_dir, tmp_path, monkeypatch):
+    """Killed in the step-3 save (step 3 already logged): the resumed run (from step 2) truncates
+    metrics.jsonl to step 2 and logs step 3 again, once; a half-written last line goes too."""
+    from rlhfkit.cli.ppo_setup import RLCheckpointer
+
+    rows, _ = addition_splits(16, 2, seed=6)
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"input": r["input"]}) + "\n" for r in rows))
+    (tmp_path / "reward.py").write_text(REWARD_FILE)
+    out = str(tmp_path / "out")
+    ckpt = ["--save_steps", "1", "--ckpt_path", str(tmp_path / "ckpt"), "--max_steps", "3"]
+    real_save = RLCheckpointer.save
+
+    def killed_at_3(self, root, tag, client, max_keep):
+        if client["step"] == 3:
+            raise Crash("killed while saving step 3")
+        return real_save(self, root, tag, client, max_keep)
+
+    with monkeypatch.context() as m:
+        m.setattr(RLCheckpointer, "save", killed_at_3)
+        with pytest.raises(Crash):
+            train_ppo.main(argv(tiny_model_dir, tmp_path, out, *ckpt))
+    with open(os.path.join(out, "metrics.jsonl"), "a") as f:
+        f.write('{"step": 4, "rew')  # a line the kill cut short
+    first_try = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl")) if line.endswith("}\n")]
+    assert [r["step"] for r in first_try] == [1, 2, 3]
+    train_ppo.main(argv(tiny_model_dir, tmp_path, out, *ckpt, "--load_checkpoint"))
+    again = metrics(out)
+    assert [r["step"] for r in again] == [1, 2, 3]
+    assert again[2]["reward"] == pytest.approx(first_try[2]["reward"], rel=1e-6)

@@ -105,7 +105,7 @@ def test_ipo_cdpo_nll_and_packing_run(tiny_model_dir, tmp_path):
     for extra in (["--ipo"], ["--label_smoothing", "0.1", "--nll_loss_coef", "0.5", "--packing_samples"]):
         args = build_parser().parse([
             "--pretrain", tiny_model_dir, "--dataset", data, "--prompt_key", "prompt", "--train_batch_size", "8",
-            "--micro_train_batch_size", "4", "--max_steps", "2", "--learning_rate", "1e-3",
+            "--micro_train_batch_size", "4", "--max_steps", "2", "--learning_rate", "1e-3", "--max_len", "64",
             "--save_path", str(tmp_path / "o"), "--disable_progress", *extra])
         hist = run(args).state.history
         assert [h["step"] for h in hist] == [1, 2] and all(math.isfinite(h["loss"]) for h in hist)

@@ -126,14 +126,14 @@ def test_config_stores_mean_and_std_of_eval_scores(trained):
     torch.testing.assert_close(got.double(), (scores - cfg["mean"]) / cfg["std"], atol=1e-4, rtol=0)
 
 
-def test_seed_command_as_subprocess(tiny_model_dir, tmp_path):
+def test_seed_command_as_subprocess(tiny_long_model_dir, tmp_path):
     """The README's RM command (minus wandb), pointed at the tiny model and a local chat-format jsonl."""
     train, _ = addition_pairs(chat=True)
     data = write_jsonl(str(tmp_path / "prefs.jsonl"), train[:16])
     out = str(tmp_path / "llama3-8b-rm")
     cmd = [sys.executable, "-m", "rlhfkit.cli.train_rm", "--save_path", out, "--save_steps", "-1",
            "--logging_steps", "1", "--eval_steps", "-1", "--train_batch_size", "8", "--micro_train_batch_size", "1",
-           "--pretrain", tiny_model_dir, "--param_dtype", "bf16", "--max_epochs", "1", "--max_len", "8192",
+           "--pretrain", tiny_long_model_dir, "--param_dtype", "bf16", "--max_epochs", "1", "--max_len", "8192",
            "--zero_stage", "3", "--learning_rate", "9e-6", "--dataset", data, "--apply_chat_template",
            "--chosen_key", "chosen", "--rejected_key", "rejected", "--packing_samples", "--gradient_checkpointing",
            "--value_prefix_head", "score", "--ckpt_path", str(tmp_path / "ckpt")]
@@ -173,14 +173,14 @@ def test_dotted_aliases_parse_like_flat_flags():
 
 def test_bad_input_is_one_clear_error(tiny_model_dir, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
-        main(["--pretrain", tiny_model_dir, "--dataset", str(tmp_path / "missing.jsonl"),
+        main(["--pretrain", tiny_model_dir, "--dataset", str(tmp_path / "missing.jsonl"), "--max_len", "64",
               "--save_path", str(tmp_path / "o")])
     assert e.value.code == 1
     err = capsys.readouterr().err
     assert "train_rm: error:" in err and "missing.jsonl" in err
     bad = write_jsonl(str(tmp_path / "bad.jsonl"), [{"chosen": "1", "rejected": "2"}, {"chosen": "1"}])
     with pytest.raises(SystemExit):
-        main(["--pretrain", tiny_model_dir, "--dataset", bad, "--save_path", str(tmp_path / "o")])
+        main(["--pretrain", tiny_model_dir, "--dataset", bad, "--max_len", "64", "--save_path", str(tmp_path / "o")])
     err = capsys.readouterr().err
     assert "bad.jsonl row 2" in err and "'rejected'" in err and "--rejected_key" in err
 
@@ -196,7 +196,7 @@ def test_lora_reward_model_merges_into_a_loadable_model(tiny_model_dir, tmp_path
     result = run(build_parser().parse([
         "--pretrain", tiny_model_dir, "--dataset", write_jsonl(str(tmp_path / "t.jsonl"), train[:32]),
         "--prompt_key", "prompt", "--train_batch_size", "16", "--micro_train_batch_size", "8", "--max_steps", "2",
-        "--learning_rate", "3e-3", "--lora_rank", "4", "--save_path", out, "--disable_progress"]))
+        "--learning_rate", "3e-3", "--lora_rank", "4", "--max_len", "64", "--save_path", out, "--disable_progress"]))
     assert os.path.isfile(os.path.join(out, "adapter_config.json"))
     merged = merge_lora(tiny_model_dir, out, str(tmp_path / "merged"), is_rm=True, param_dtype="fp32")
     with open(os.path.join(merged, "config.json")) as f:
@@ -221,7 +221,7 @@ def test_custom_value_head_prefix_is_saved(tiny_model_dir, tmp_path):
     run(build_parser().parse([
         "--pretrain", tiny_model_dir, "--dataset", write_jsonl(str(tmp_path / "t.jsonl"), train[:16]),
         "--prompt_key", "prompt", "--train_batch_size", "16", "--micro_train_batch_size", "16", "--max_steps", "1",
-        "--value_head_prefix", "value_head", "--save_path", out, "--disable_progress"]))
+        "--value_head_prefix", "value_head", "--max_len", "64", "--save_path", out, "--disable_progress"]))
     with safe_open(os.path.join(out, "model.safetensors"), framework="pt") as f:
         assert "value_head.weight" in f.keys() and "score.weight" not in f.keys()
     with open(os.path.join(out, "config.json")) as f:

@@ -44,10 +44,10 @@ def sft_args(model, data, out, *extra):
             "--attn_implementation", "eager", *extra]
 
 
-def test_seed_sft_command_runs_on_cpu(tiny_model_dir, qa, tmp_path):
+def test_seed_sft_command_runs_on_cpu(tiny_long_model_dir, qa, tmp_path):
     out = str(tmp_path / "sft")
     data = write_qa(str(tmp_path / "seed.jsonl"), 256)  # one optimizer step of the seed's batch of 256
-    cmd = [sys.executable, "-m", "rlhfkit.cli.train_sft", "--pretrain", tiny_model_dir, "--dataset", data,
+    cmd = [sys.executable, "-m", "rlhfkit.cli.train_sft", "--pretrain", tiny_long_model_dir, "--dataset", data,
            "--save_path", out, "--disable_progress", *SEED_FLAGS]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -107,8 +107,14 @@ def test_killed_then_resumed_equals_uninterrupted(tiny_model_dir, qa, tmp_path):
         train_sft.run(train_sft.build_parser().parse(
             sft_args(tiny_model_dir, qa[0], part, *common, "--ckpt_path", ck)), on_step_end=crash_after_3)
     assert sorted(os.listdir(ck)) == ["global_step2", "latest"]
+    assert [r["step"] for r in read_metrics(os.path.join(part, "metrics.jsonl"))] == [1, 2, 3]
     train_sft.run(train_sft.build_parser().parse(
         sft_args(tiny_model_dir, qa[0], part, *common, "--ckpt_path", ck, "--load_checkpoint")))
+    # step 3 was logged by the killed run after the step-2 checkpoint: logged once, by the resumed run
+    resumed = read_metrics(os.path.join(part, "metrics.jsonl"))
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
+    full_rows = read_metrics(os.path.join(full, "metrics.jsonl"))
+    assert resumed[2]["loss"] == pytest.approx(full_rows[2]["loss"], rel=1e-6)
     a = load_file(os.path.join(full, "model.safetensors"))
     b = load_file(os.path.join(part, "model.safetensors"))
     assert a.keys() == b.keys()

@@ -1,0 +1,160 @@
+"""Non-finite guard (backend/guard.py): skip, count in a row, stop on a non-finite weight, never save one."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from rlhfkit.backend import FSDP2Backend
+from rlhfkit.backend.dist import DistInfo
+from rlhfkit.backend.guard import NonFiniteError
+from rlhfkit.config.configs import BackendConfig, OptimConfig
+from rlhfkit.trainers.metrics import NullLogger
+from rlhfkit.trainers.offline import LoopConfig, train_offline
+
+CPU = DistInfo(device="cpu")
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(3, 2, bias=False)
+        self.b = nn.Linear(2, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
+
+
+def backend(limit: int = 3, dtype: str = "fp32", **optim) -> FSDP2Backend:
+    kw = dict(learning_rate=1e-2, lr_scheduler="constant", lr_warmup_ratio=0.0, max_norm=1.0,
+              max_nonfinite_steps=limit)
+    kw.update(optim)
+    return FSDP2Backend(Tiny(), BackendConfig(param_dtype=dtype), OptimConfig(**kw), 10, CPU,
+                        cpu_low_precision=dtype != "fp32")
+
+
+def step(b: FSDP2Backend, extra: float = 0.0, scale: float = 1.0) -> dict[str, float]:
+    """One optimizer step on a fixed input; `extra` is added to the loss (no gradient),
+    `scale` multiplies it (and so the gradients)."""
+    x = torch.ones(4, 3)
+    loss = b.model(x.to(next(b.model.parameters()).dtype)).float().pow(2).mean() * scale + extra
+    b.backward(loss)
+    return b.optimizer_step()
+
+
+def snapshot(b: FSDP2Backend) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in b.model.named_parameters()}
+
+
+def test_non_finite_loss_with_finite_gradients_is_skipped():
+    b = backend()
+    before = snapshot(b)
+    stats = step(b, extra=float("inf"))  # the gradients are finite; the loss is not
+    assert math.isfinite(stats["grad_norm"])
+    assert stats["skipped"] == 1.0 and stats["nonfinite_skipped"] == 1.0
+    assert all(torch.equal(p, before[n]) for n, p in b.model.named_parameters())
+    assert not b.optimizer.state  # AdamW never ran
+    stats = step(b)
+    assert stats["nonfinite_skipped"] == 0.0
+    assert not torch.equal(b.model.a.weight, before["a.weight"])
+
+
+def test_more_than_the_limit_in_a_row_stops_and_a_good_step_resets_the_count():
+    b = backend(limit=2)
+    step(b, extra=float("nan"))
+    step(b, extra=float("nan"))
+    step(b)  # a finite step: the count starts again
+    step(b, extra=float("nan"))
+    step(b, extra=float("nan"))
+    with pytest.raises(NonFiniteError, match=r"3 optimizer steps in a row \(more than --max_nonfinite_steps 2"):
+        step(b, extra=float("nan"))
+
+
+def test_limit_zero_stops_at_the_first_and_negative_is_refused():
+    with pytest.raises(NonFiniteError, match="--max_nonfinite_steps 0"):
+        step(backend(limit=0), extra=float("nan"))
+    with pytest.raises(ValueError, match="--max_nonfinite_steps must be >= 0"):
+        backend(limit=-1)
+
+
+def test_a_step_that_makes_a_weight_infinite_stops_the_run():
+    b = backend(learning_rate=0.5)
+
+    def overflow(opt, args, kwargs):  # as an update beyond the float32 range would
+        with torch.no_grad():
+            b.model.b.weight[0, 0] = float("inf")
+
+    b.optimizer.register_step_post_hook(overflow)
+    with pytest.raises(NonFiniteError, match=r"non-finite weights \(b\.weight\) after .*learning rate 0\.5"):
+        step(b)
+
+
+def test_nothing_is_saved_from_non_finite_weights(tmp_path):
+    b = backend()
+    step(b)
+    with torch.no_grad():
+        b.model.b.weight[0, 1] = float("nan")
+    with pytest.raises(NonFiniteError, match=r"\(b\.weight\).*refusing to write"):
+        b.save_checkpoint(str(tmp_path / "ckpt"), "global_step1", {"step": 1}, max_keep=2)
+    assert not os.path.exists(tmp_path / "ckpt")
+    with pytest.raises(NonFiniteError, match="refusing to write"):
+        b.save_hf(str(tmp_path / "hf"))
+    assert not os.path.exists(tmp_path / "hf")
+
+
+def test_fp16_overflow_is_the_loss_scale_s_business_until_it_is_at_its_minimum():
+    b = backend(limit=1, dtype="fp16")
+    assert b.loss_scaler is not None
+    b.loss_scaler.scale = 2.0 ** 20
+    for _ in range(5):  # finite loss, gradients overflow in fp16: skipped, not counted
+        stats = step(b, scale=1e3)
+        assert stats["skipped"] == 1.0 and stats["nonfinite_skipped"] == 0.0
+    assert b.loss_scaler.scale == 2.0 ** 15
+    b.loss_scaler.scale = b.loss_scaler.min_scale
+    b.guard.in_a_row = 0
+    assert step(b, extra=float("nan"))["nonfinite_skipped"] == 1.0  # a non-finite loss always counts
+    with pytest.raises(NonFiniteError):
+        step(b, scale=1e9)  # overflow at the minimum scale counts too
+
+
+class Regression:
+    """A toy offline task: items are floats, the loss is (w . 1 - y)^2; a NaN item poisons its batch."""
+
+    def collate(self, items):
+        return torch.tensor(items, dtype=torch.float32)
+
+    def count(self, batch) -> float:
+        return float(batch.numel())
+
+    def loss(self, model, batch, global_count):
+        pred = model(torch.ones(batch.numel(), 3)).squeeze(-1)
+        loss = (pred - batch).pow(2).sum() / global_count
+        return loss, {"loss": float(loss.detach())}
+
+    def eval_metrics(self, model, batches):
+        return {}
+
+
+def test_offline_loop_skips_one_injected_non_finite_step_and_goes_on():
+    b = backend()
+    items = [0.5] * 15 + [float("nan")]
+    cfg = LoopConfig(train_batch_size=2, micro_train_batch_size=1, max_epochs=1, show_progress=False)
+    seen: list[tuple[dict, dict]] = []
+
+    def record(state, metrics):
+        seen.append((dict(metrics), snapshot(b)))
+
+    state = train_offline(Regression(), b, items, cfg, CPU, NullLogger(), on_step_end=record)
+    assert state.step == 8 and len(state.history) == 8
+    skipped = [i for i, (m, _) in enumerate(seen) if m["nonfinite_skipped"]]
+    assert len(skipped) == 1 and math.isnan(seen[skipped[0]][0]["loss"])
+    i = skipped[0]
+    if i > 0:  # the skipped step left the weights as they were
+        assert all(torch.equal(seen[i][1][n], seen[i - 1][1][n]) for n in seen[i][1])
+    assert all(torch.isfinite(p).all() for p in b.model.parameters())
+    assert sum(m["skipped"] for m, _ in seen) == 1
