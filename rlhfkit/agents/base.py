@@ -7,9 +7,11 @@ Executors run episodes token in, token out against a ``RolloutEngine``:
     PromptSample --execute()--> Trajectory (or OpenRLHF's dict, converted and checked here)
     run_episodes(samples, n) --> EpisodeBatch(trajectories, dropped)
 
-User code is called through ``call_user`` (a time limit per call; any exception becomes an
-``EpisodeError``). ``AgentConfig.reward_failure`` decides what an ``EpisodeError`` does:
-``stop`` raises ``RewardFailure`` (the message names the file and quotes the sample's prompt);
+User code is called through ``call_user``: in a worker thread with its own event loop (one per
+episode, see ``user_code.py``), under a time limit that ends even a call that blocks; any exception
+(``SystemExit`` and ``KeyboardInterrupt`` included) becomes an ``EpisodeError`` of that sample.
+``AgentConfig.reward_failure`` decides what an ``EpisodeError`` does: ``stop`` raises
+``RewardFailure`` (one line naming the file, the failing sample's prompt and the error);
 ``drop`` leaves the sample out and records it in ``EpisodeBatch.dropped`` (and
 ``executor.num_dropped``). No failure ever turns into a zero reward. Engine errors are not
 user failures and propagate as they are; any exception of a user-written ``execute()`` counts
@@ -30,12 +32,14 @@ import itertools
 import logging
 import math
 import numbers
+import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
 
+from rlhfkit.agents.user_code import EpisodeError, UserLoop, run_user_code
 from rlhfkit.types import PromptSample, SamplingParams, Trajectory
 
 logger = logging.getLogger(__name__)
@@ -106,19 +110,19 @@ class EpisodeBatch:
         return len(self.dropped)
 
 
-class EpisodeError(Exception):
-    """User code (agent reset/step, reward function, reward server) failed for one sample."""
-
-
 class RewardFailure(RuntimeError):
-    """Raised under ``--reward_failure stop`` when user code fails for a sample."""
+    """Raised under ``--reward_failure stop`` when user code fails for a sample. Its text is one
+    line (the CLI prints it as the run's only error line): source file, error, the sample's prompt."""
+
+    PROMPT_CHARS = 200
 
     def __init__(self, message: str, prompt: str, source: str) -> None:
         self.message, self.prompt, self.source = message, prompt, source
-        shown = prompt if len(prompt) <= 500 else prompt[:500] + "..."
+        shown = prompt if len(prompt) <= self.PROMPT_CHARS else prompt[:self.PROMPT_CHARS] + "..."
         head = message if message.startswith(source) else f"{source}: {message}"
-        super().__init__(f"{head}\n  sample prompt: {shown!r}\n"
-                         f"  (--reward_failure drop skips and counts such samples instead)")
+        head = re.sub(r"\s*\n\s*", " | ", head.strip())
+        super().__init__(f"{head}; sample prompt: {shown!r} "
+                         f"(--reward_failure drop skips and counts such samples instead)")
 
 
 # ----------------------------------------------------------------------------- value checks
@@ -277,36 +281,22 @@ def trajectory_from_dict(out: dict, source: str) -> Trajectory:
 # ----------------------------------------------------------------------------- calling user code
 
 
-async def call_user(fn: Callable[..., Any], *args: Any, what: str, timeout_s: float | None) -> Any:
-    """Call user code (sync or async) under a time limit; any failure becomes ``EpisodeError``.
-
-    A coroutine that blocks the event loop (no ``await``) cannot be interrupted: do blocking
-    work in ``asyncio.to_thread`` inside ``step()``.
-    """
-    try:
-        async with asyncio.timeout(timeout_s) as cm:
-            result = fn(*args)
-            if inspect.isawaitable(result):
-                result = await result
-        return result
-    except EpisodeError:
-        raise
-    except TimeoutError as e:
-        if cm.expired():
-            raise EpisodeError(f"{what} did not return within {timeout_s} s (step_timeout_s)") from None
-        raise EpisodeError(f"{what} raised TimeoutError: {e}") from e
-    except Exception as e:
-        raise EpisodeError(f"{what} raised {type(e).__name__}: {e}") from e
+async def call_user(fn: Callable[..., Any], *args: Any, what: str, timeout_s: float | None,
+                    loop: UserLoop | None = None) -> Any:
+    """Call user code (sync or async) on ``loop`` (a worker thread's event loop; a fresh one when
+    None) under a time limit that also ends blocking code; any failure becomes ``EpisodeError``."""
+    return await run_user_code(fn, *args, what=what, timeout_s=timeout_s, loop=loop)
 
 
-async def create_agent_instance(cls: type, timeout_s: float | None) -> "AgentInstanceBase":
+async def create_agent_instance(cls: type, timeout_s: float | None,
+                                loop: UserLoop | None = None) -> "AgentInstanceBase":
     """Instantiate with no arguments, as OpenRLHF does; an ``async def __init__`` (as in
     OpenRLHF's README) is awaited."""
     if inspect.iscoroutinefunction(cls.__init__):
         obj = cls.__new__(cls)
-        await call_user(cls.__init__, obj, what=f"{cls.__name__}.__init__()", timeout_s=timeout_s)
+        await call_user(cls.__init__, obj, what=f"{cls.__name__}.__init__()", timeout_s=timeout_s, loop=loop)
         return obj
-    return await call_user(cls, what=f"{cls.__name__}()", timeout_s=timeout_s)
+    return await call_user(cls, what=f"{cls.__name__}()", timeout_s=timeout_s, loop=loop)
 
 
 # ----------------------------------------------------------------------------- base classes
@@ -435,7 +425,7 @@ class AgentExecutorBase(ABC):
             return await self.execute(sample.prompt, sample.label, params, **kw)
         except EpisodeError:
             raise
-        except Exception as e:
+        except (Exception, SystemExit, KeyboardInterrupt) as e:  # user code may not end the trainer
             raise EpisodeError(f"execute() raised {type(e).__name__}: {e}") from e
 
     def _from_user_output(self, out: Any) -> Trajectory:

@@ -30,6 +30,7 @@ from rlhfkit.agents.base import (AgentConfig, AgentExecutorBase, EpisodeError, c
                                  check_reset_result, check_step_result, coerce_sampling_params,
                                  create_agent_instance)
 from rlhfkit.agents.reward_func import BatchingRewardSource, make_reward_source, split_reward_output
+from rlhfkit.agents.user_code import UserLoop
 from rlhfkit.types import GenerationRequest, SamplingParams, Trajectory
 
 logger = logging.getLogger(__name__)
@@ -102,10 +103,19 @@ class _Tally:
 async def run_multi_turn(ex: AgentExecutorBase, prompt: str, label: Any, params: SamplingParams,
                          max_length: int, tok: Any, engine: Any) -> Trajectory:
     """The multi-turn loop drawn in the module docstring."""
+    user = UserLoop(f"rlhfkit-agent:{ex.agent_instance_cls.__name__}")  # this episode's user code runs there
+    try:
+        return await _multi_turn(ex, prompt, label, params, max_length, tok, engine, user)
+    finally:
+        user.close()
+
+
+async def _multi_turn(ex: AgentExecutorBase, prompt: str, label: Any, params: SamplingParams,
+                      max_length: int, tok: Any, engine: Any, user: UserLoop) -> Trajectory:
     src, timeout = ex.source_name, ex.config.step_timeout_s
-    agent = await create_agent_instance(ex.agent_instance_cls, timeout)
+    agent = await create_agent_instance(ex.agent_instance_cls, timeout, user)
     reset = await call_user(agent.reset, {"observation": prompt, "label": label},
-                            what="reset()", timeout_s=timeout)
+                            what="reset()", timeout_s=timeout, loop=user)
     obs_text = check_reset_result(reset)
     tr = Transcript()
     tr.add(fit_prompt(encode(tok, obs_text), max_length, params.max_new_tokens, src), is_action=False)
@@ -116,7 +126,7 @@ async def run_multi_turn(ex: AgentExecutorBase, prompt: str, label: Any, params:
         action_text = tok.decode(action, skip_special_tokens=True)
         states = {"observation_text": obs_text, "action_text": action_text, "label": label,
                   "sampling_params": params}
-        res = check_step_result(await call_user(agent.step, states, what="step()", timeout_s=timeout), src)
+        res = check_step_result(await call_user(agent.step, states, what="step()", timeout_s=timeout, loop=user), src)
         t.steps += 1
         t.reward += res.reward
         t.score, t.extra_logs, t.done = res.score, res.extra_logs, res.done
@@ -188,7 +198,12 @@ class SingleTurnAgentExecutor(AgentExecutorBase):
                           response=tok.decode(action, skip_special_tokens=True), label=label)
         if self.reward_source is not None:
             query = tok.decode(tr.token_ids, skip_special_tokens=False)
-            out = await call_user(self.reward_source, [query], [prompt], [label], what="reward", timeout_s=None)
+            try:  # the sources run user code in worker threads themselves (reward_func.py)
+                out = await self.reward_source([query], [prompt], [label])
+            except EpisodeError:
+                raise
+            except Exception as e:
+                raise EpisodeError(f"reward raised {type(e).__name__}: {e}") from e
             traj.reward, traj.score, traj.extra_logs = split_reward_output(out, 1, self.source_name)[0]
         return traj
 

@@ -12,13 +12,16 @@ A ``reward_func`` file (OpenRLHF format) defines
         return {"rewards": B values, "scores": B values (optional, default rewards),
                 "extra_logs": {name: one value or B values} (optional)}
 
-or returns the B rewards alone (tensor / list). Values may be torch tensors. A sync function
-runs in a daemon thread, an async one on the event loop; both under ``timeout_s``. A thread
-that runs past its time limit cannot be stopped: it is abandoned (the sample fails).
+or returns the B rewards alone (tensor / list). Values may be torch tensors. Each call, sync or
+async, runs in a daemon thread with its own event loop (``user_code.py``) under ``timeout_s``, so
+an ``async def`` that blocks (``time.sleep``) is ended too; a thread that runs past its time limit
+cannot be stopped: it is abandoned (the sample fails).
 
-Failures (exception, time limit, bad return value) raise ``EpisodeError`` naming the file; the
-executor applies ``--reward_failure``. ``BatchingRewardSource`` merges concurrent per-sample
-calls into one batch call: under ``drop`` a failing batch call drops all of its samples.
+Failures (exception, ``SystemExit``, time limit, bad return value) raise ``EpisodeError`` naming
+the file; the executor applies ``--reward_failure``. ``BatchingRewardSource`` merges concurrent
+per-sample calls into one batch call; when that call fails it is retried one caller (one sample,
+for the executors) at a time, so only the failing samples fail, and the error a caller gets is its
+own sample's.
 """
 
 from __future__ import annotations
@@ -27,11 +30,10 @@ import asyncio
 import inspect
 import logging
 import os
-import threading
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
-from rlhfkit.agents.base import EpisodeError
 from rlhfkit.agents.reward_types import RewardOutput
+from rlhfkit.agents.user_code import EpisodeError, run_user_code
 
 logger = logging.getLogger(__name__)
 
@@ -112,33 +114,6 @@ def load_reward_func(path: str) -> Callable[..., Any]:
     return fn
 
 
-def _in_daemon_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future:
-    """Run ``fn(*args)`` in a daemon thread; the future completes on the calling loop."""
-    loop = asyncio.get_running_loop()
-    fut = loop.create_future()
-
-    def settle(result: Any, error: BaseException | None) -> None:
-        if fut.done():
-            return
-        if error is not None:
-            fut.set_exception(error)
-        else:
-            fut.set_result(result)
-
-    def work() -> None:
-        try:
-            result, error = fn(*args), None
-        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
-            result, error = None, e
-        try:
-            loop.call_soon_threadsafe(settle, result, error)
-        except RuntimeError:  # the loop has closed: nobody is waiting any more
-            pass
-
-    threading.Thread(target=work, name="reward_func", daemon=True).start()
-    return fut
-
-
 class PythonRewardSource:
     """A ``reward_func`` (from a file path or a callable) as a RewardSource."""
 
@@ -160,21 +135,8 @@ class PythonRewardSource:
         return parse_reward_return(raw, n, self.name)
 
     async def _run(self, queries: list[str], prompts: list[str], labels: list[Any]) -> Any:
-        try:
-            async with asyncio.timeout(self.timeout_s) as cm:
-                if inspect.iscoroutinefunction(self.func):
-                    raw = await self.func(queries, prompts, labels)
-                else:
-                    raw = await _in_daemon_thread(self.func, queries, prompts, labels)
-                if inspect.isawaitable(raw):
-                    raw = await raw
-            return raw
-        except TimeoutError as e:
-            if cm.expired():
-                raise EpisodeError(f"{self.name}: reward_func did not return within {self.timeout_s} s") from None
-            raise EpisodeError(f"{self.name}: reward_func raised TimeoutError: {e}") from e
-        except Exception as e:
-            raise EpisodeError(f"{self.name}: reward_func raised {type(e).__name__}: {e}") from e
+        return await run_user_code(self.func, queries, prompts, labels, what=f"{self.name}: reward_func",
+                                   timeout_s=self.timeout_s)
 
 
 # ----------------------------------------------------------------------------- batching
@@ -184,7 +146,9 @@ class BatchingRewardSource:
     """Merge concurrent calls into batch calls of at most ``max_batch_size`` samples.
 
     A call waits ``max_wait_s`` (0: one turn of the event loop) for others to join its batch.
-    If the batch call fails, every caller in it gets the error.
+    If a batch call of several callers fails, each caller's samples are scored again on their own
+    (concurrently): callers whose retry succeeds get its result, the others its error.
+    ``num_retried_batches`` counts such batches.
     """
 
     def __init__(self, source: Any, max_batch_size: int = 64, max_wait_s: float = 0.0) -> None:
@@ -193,6 +157,7 @@ class BatchingRewardSource:
         self._pending: list[tuple[list, list, list, asyncio.Future]] = []
         self._timer: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
+        self.num_retried_batches = 0
 
     async def __call__(self, queries: Sequence[str], prompts: Sequence[str], labels: Sequence[Any]) -> RewardOutput:
         fut = asyncio.get_running_loop().create_future()
@@ -225,16 +190,36 @@ class BatchingRewardSource:
         try:
             out = check_reward_output(await self.source(q, p, lab), len(q), self.name)
         except Exception as e:
-            err = e if len(batch) == 1 else EpisodeError(f"{e} (in a batched reward call of {len(q)} samples)")
-            for *_, fut in batch:
-                if not fut.done():
-                    fut.set_exception(err)
+            if len(batch) == 1:
+                _settle(batch[0][3], error=e)
+                return
+            self.num_retried_batches += 1
+            logger.info("%s: a batched reward call of %d samples failed (%s: %s); scoring them one at a time",
+                        self.name, len(q), type(e).__name__, e)
+            await asyncio.gather(*(self._run_alone(*item) for item in batch))
             return
         start = 0
         for queries, _, _, fut in batch:
-            if not fut.done():
-                fut.set_result(slice_reward_output(out, start, start + len(queries)))
+            _settle(fut, result=slice_reward_output(out, start, start + len(queries)))
             start += len(queries)
+
+    async def _run_alone(self, queries: list, prompts: list, labels: list, fut: asyncio.Future) -> None:
+        if fut.done():  # the caller gave up (cancelled)
+            return
+        try:
+            _settle(fut, result=check_reward_output(await self.source(queries, prompts, labels), len(queries),
+                                                    self.name))
+        except Exception as e:
+            _settle(fut, error=e)
+
+
+def _settle(fut: asyncio.Future, result: Any = None, error: BaseException | None = None) -> None:
+    if fut.done():
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)
 
 
 # ----------------------------------------------------------------------------- factory

@@ -17,6 +17,12 @@ token, minus beta * KL_t on every action token (`shape_token_rewards`). Whitenin
 over every action token of the batch (`--no_advantage_std_norm`: centre only). Group
 estimators use gamma = 1 whatever `--gamma` says (a warning is emitted) and need n > 1.
 
+Numerics: `compute_advantages` runs in float64 (group statistics, shaping, returns, two-pass
+whitening) and hands back float32, so the result matches a float64 evaluation of the same
+formulas within float32 rounding. A group whose rewards are equal up to a relative
+`EQUAL_GROUP_RTOL` (spread <= rtol * max |r|) has a zero baseline-adjusted reward and a zero
+std: float rounding of the mean must not turn (0.9, 0.9, 0.9) into advantages of 0.81.
+
 Adding an estimator: write `fn(inputs: AdvantageInputs, cfg: AdvantageConfig) ->
 (advantages, returns)` from the helpers here and decorate it with
 `@register_advantage_estimator("name", group=..., needs_critic=...)`.
@@ -35,6 +41,10 @@ from rlhfkit.algo.returns import discounted_returns, gae_advantages_and_returns
 from rlhfkit.algo.shaping import shape_token_rewards
 
 Tensor = torch.Tensor
+
+# Rewards reach the estimators as float32 (relative step 6e-8 to 1.2e-7); a group spread within a
+# few of those steps of its largest |reward| is rounding, not signal.
+EQUAL_GROUP_RTOL = 1e-6
 
 
 @dataclass
@@ -67,7 +77,8 @@ class AdvantageConfig:
 class AdvantageInputs:
     """What an estimator sees. Shapes: B rows, L tokens.
 
-    rewards: `[B]` scalar rewards after length penalties, before any group baseline.
+    rewards: `[B]` scalar rewards after length penalties, before any group baseline (float64 when
+    called from `compute_advantages`).
     loss_mask: `[B, L]` action mask. kl: `[B, L]` per-token KL or None. kl_coef: beta.
     values: `[B, L]` critic values (gae only) or None. n: samples per prompt.
     """
@@ -121,34 +132,47 @@ def get_advantage_estimator(name: str) -> AdvantageEstimator:
 
 
 def _groups(rewards: Tensor, n: int) -> Tensor:
+    """`[G, n]` float64 view of the rewards (group statistics are taken in float64)."""
     if rewards.dim() != 1 or rewards.numel() % n != 0:
         raise ValueError(f"{rewards.numel()} rewards cannot be split into groups of "
                          f"--n_samples_per_prompt={n} (rows of one prompt must be contiguous)")
-    return rewards.float().view(-1, n)
+    return rewards.double().view(-1, n)
+
+
+def equal_groups(g: Tensor, rtol: float = EQUAL_GROUP_RTOL) -> Tensor:
+    """`[G, 1]` bool: the group's spread (max - min) is <= rtol * its largest |reward|."""
+    spread = g.amax(dim=1, keepdim=True) - g.amin(dim=1, keepdim=True)
+    return spread <= rtol * g.abs().amax(dim=1, keepdim=True)
+
+
+def _zero_equal(g: Tensor, value: Tensor) -> Tensor:
+    """`value` `[G, n]` with the rows of equal groups set to exactly 0, flattened to `[B]`."""
+    return torch.where(equal_groups(g), torch.zeros_like(value), value).flatten()
 
 
 def group_mean_baseline(rewards: Tensor, n: int) -> Tensor:
     """r_i - mean of its group (REINFORCE++-baseline, Dr. GRPO; Liu et al. 2025, arXiv 2503.20783)."""
     g = _groups(rewards, n)
-    return (g - g.mean(dim=1, keepdim=True)).flatten()
+    return _zero_equal(g, g - g.mean(dim=1, keepdim=True))
 
 
 def leave_one_out_baseline(rewards: Tensor, n: int) -> Tensor:
     """RLOO (Ahmadian et al. 2024, arXiv 2402.14740): r_i - sum_{j != i} r_j / (n - 1)."""
     g = _groups(rewards, n)
-    return (g - (g.sum(dim=1, keepdim=True) - g) / (n - 1)).flatten()
+    return _zero_equal(g, g - (g.sum(dim=1, keepdim=True) - g) / (n - 1))
 
 
 def group_norm_baseline(rewards: Tensor, n: int, eps: float = 1e-9) -> Tensor:
-    """GRPO (Shao et al. 2024, arXiv 2402.03300): (r_i - mean) / (std + eps), unbiased std."""
+    """GRPO (Shao et al. 2024, arXiv 2402.03300): (r_i - mean) / (std + eps), unbiased std;
+    0 for a group of equal rewards (`equal_groups`)."""
     g = _groups(rewards, n)
-    return ((g - g.mean(dim=1, keepdim=True)) / (g.std(dim=1, keepdim=True) + eps)).flatten()
+    return _zero_equal(g, (g - g.mean(dim=1, keepdim=True)) / (g.std(dim=1, keepdim=True) + eps))
 
 
 def group_reward_std(rewards: Tensor, n: int) -> Tensor:
-    """`[B]` unbiased std of each row's group (logged as `group_reward_std`)."""
+    """`[B]` unbiased std of each row's group (logged as `group_reward_std`); 0 for equal groups."""
     g = _groups(rewards, n)
-    return g.std(dim=1, keepdim=True).expand_as(g).flatten()
+    return _zero_equal(g, g.std(dim=1, keepdim=True).expand_as(g))
 
 
 # ----------------------------------------------------------------------------- estimators
@@ -163,7 +187,7 @@ def gae_estimator(inp: AdvantageInputs, cfg: AdvantageConfig) -> tuple[Tensor, T
     """PPO (Ouyang et al. 2022): GAE on KL-shaped rewards with critic values, then whitening."""
     if inp.values is None:
         raise ValueError("--advantage_estimator gae needs critic values (a critic model)")
-    adv, ret = gae_advantages_and_returns(inp.token_rewards(inp.rewards.float()), inp.values,
+    adv, ret = gae_advantages_and_returns(inp.token_rewards(inp.rewards), inp.values,
                                           inp.loss_mask, cfg.gamma, cfg.lambd)
     return _whiten(adv, inp, cfg), ret
 
@@ -171,7 +195,7 @@ def gae_estimator(inp: AdvantageInputs, cfg: AdvantageConfig) -> tuple[Tensor, T
 @register_advantage_estimator("reinforce")
 def reinforce_estimator(inp: AdvantageInputs, cfg: AdvantageConfig) -> tuple[Tensor, Tensor]:
     """REINFORCE++ (Hu 2025, arXiv 2501.03262): discounted return of shaped rewards, whitened."""
-    ret = discounted_returns(inp.token_rewards(inp.rewards.float()), inp.loss_mask, cfg.gamma)
+    ret = discounted_returns(inp.token_rewards(inp.rewards), inp.loss_mask, cfg.gamma)
     return _whiten(ret, inp, cfg), ret
 
 
@@ -239,9 +263,11 @@ def compute_advantages(cfg: AdvantageConfig, rewards: Tensor, loss_mask: Tensor,
         raise ValueError(f"loss_mask must be [B, L] with B = {rewards.shape[0]}, got {tuple(loss_mask.shape)}")
     spec = get_advantage_estimator(cfg.advantage_estimator)
     n = cfg.n_samples_per_prompt
-    inp = AdvantageInputs(rewards, loss_mask, kl, kl_coef, values, n, cfg.reward_clip_range, reduce)
+    wide = [None if t is None else t.double() for t in (rewards, kl, values)]  # see "Numerics" above
+    inp = AdvantageInputs(wide[0], loss_mask, wide[1], kl_coef, wide[2], n, cfg.reward_clip_range, reduce)
     adv, ret = spec.fn(inp, cfg)
-    stats = [rewards.float().mean(), masked_mean(ret, loss_mask), masked_mean(adv, loss_mask)]
+    adv, ret = adv.float(), ret.float()
+    stats = [rewards.double().mean(), masked_mean(ret, loss_mask), masked_mean(adv, loss_mask)]
     names = ["reward", "return", "advantage"]
     if spec.group or (n > 1 and rewards.numel() % n == 0):
         stats.append(group_reward_std(rewards, n).mean())

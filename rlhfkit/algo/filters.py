@@ -6,6 +6,9 @@ group of n samples is kept only when the mean of their *scores* lies strictly in
 group-baselined advantages are all zero. The caller replaces dropped groups with fresh
 prompts; `pass_rate` (kept groups / groups seen) is logged as
 `dynamic_filtering_pass_rate` (OpenRLHF logs it in percent).
+
+Means and bounds are compared in float64 (the bounds are Python floats, i.e. float64), in
+`group_passes` and `dynamic_filter` alike, so both keep exactly the same groups.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ def _check_range(reward_range: tuple[float, float]) -> tuple[float, float]:
 def group_passes(scores: Tensor, reward_range: tuple[float, float] = (0.0, 1.0)) -> bool:
     """Whether one group (the `[n]` scores of one prompt) is kept: lo < mean(scores) < hi."""
     lo, hi = _check_range(reward_range)
-    mean = float(scores.float().mean())
+    mean = float(scores.double().mean())
     return lo < mean < hi
 
 
@@ -49,7 +52,7 @@ def dynamic_filter(scores: Tensor, n_samples_per_prompt: int,
     if scores.dim() != 1 or scores.numel() % n != 0:
         raise ValueError(f"{scores.numel()} scores cannot be split into groups of --n_samples_per_prompt={n}")
     lo, hi = _check_range(reward_range)
-    means = scores.float().view(-1, n).mean(dim=1)
+    means = scores.double().view(-1, n).mean(dim=1)
     keep = (means > lo) & (means < hi)
     kept_groups = torch.nonzero(keep).flatten()
     rows = (kept_groups[:, None] * n + torch.arange(n, device=scores.device)).flatten()

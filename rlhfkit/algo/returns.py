@@ -24,6 +24,11 @@ Tensor = torch.Tensor
 _BLOCK = 64
 
 
+def _wide(x: Tensor) -> Tensor:
+    """float64 stays float64 (the advantage pipeline runs in it); anything else becomes float32."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 def _compact_index(mask: Tensor) -> Tensor:
     """`[B, L]` column of each token in the left-packed layout; L (a spare column) off the mask."""
     m = mask.bool()
@@ -81,10 +86,10 @@ def discounted_returns(token_rewards: Tensor, loss_mask: Tensor, gamma: float) -
         loss_mask: `[B, L]` action mask (env-feedback holes are skipped, see module doc).
         gamma: discount in [0, 1].
     Returns:
-        `[B, L]` returns, zero off the mask.
+        `[B, L]` returns, zero off the mask; float32 (float64 for float64 rewards).
     """
     idx = _compact_index(loss_mask)
-    rc = _compact(token_rewards.float(), idx, loss_mask)
+    rc = _compact(_wide(token_rewards), idx, loss_mask)
     return _expand(reverse_discounted_cumsum(rc, gamma), idx, loss_mask)
 
 
@@ -102,16 +107,16 @@ def gae_advantages_and_returns(token_rewards: Tensor, values: Tensor, loss_mask:
         loss_mask: `[B, L]` action mask.
         gamma, lambd: `--gamma`, `--lambd` in [0, 1].
     Returns:
-        (advantages, returns), both `[B, L]` float32, zero off the mask.
+        (advantages, returns), both `[B, L]` float32 (float64 for float64 rewards), zero off the mask.
     """
     if values.shape != token_rewards.shape:
         raise ValueError(f"values {tuple(values.shape)} and rewards {tuple(token_rewards.shape)} differ")
     idx = _compact_index(loss_mask)
-    rc = _compact(token_rewards.float(), idx, loss_mask)
-    vc = _compact(values.float(), idx, loss_mask)
+    rc = _compact(_wide(token_rewards), idx, loss_mask)
+    vc = _compact(values.to(rc.dtype), idx, loss_mask)
     v_next = torch.cat([vc[:, 1:], torch.zeros_like(vc[:, :1])], dim=1)
     delta = rc + gamma * v_next - vc
     adv_c = reverse_discounted_cumsum(delta, gamma * lambd)
     adv = _expand(adv_c, idx, loss_mask)
-    returns = adv + values.float() * loss_mask.float()
+    returns = adv + values.to(adv.dtype) * loss_mask.to(adv.dtype)
     return adv, returns

@@ -22,6 +22,11 @@ import torch
 Tensor = torch.Tensor
 
 
+def _wide(x: Tensor) -> Tensor:
+    """float64 stays float64 (the advantage pipeline runs in it); anything else becomes float32."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 def _as_tensor(x: Tensor | Sequence[float], like: Tensor | None = None) -> Tensor:
     if isinstance(x, Tensor):
         return x
@@ -60,18 +65,18 @@ def shape_token_rewards(rewards: Tensor, loss_mask: Tensor, *, kl: Tensor | None
         kl_coef: beta, the current KL coefficient.
         clip_range: `--reward_clip_range`, applied to the scalar before placing it.
     Returns:
-        `[B, L]` float32 token rewards.
+        `[B, L]` token rewards, float32 (float64 for float64 rewards).
     """
     if rewards.dim() != 1 or rewards.shape[0] != loss_mask.shape[0]:
         raise ValueError(f"rewards must be [B] = [{loss_mask.shape[0]}], got {tuple(rewards.shape)}")
-    r = clip_rewards(rewards.float(), clip_range)
-    mask = loss_mask.float()
+    r = clip_rewards(_wide(rewards), clip_range)
+    mask = loss_mask.to(r.dtype)
     last = last_action_index(loss_mask)
     out = torch.zeros_like(mask)
     has_action = last >= 0
     out[has_action, last[has_action]] = r[has_action]
     if kl is not None and kl_coef != 0.0:
-        out = out - kl_coef * kl.float() * mask
+        out = out - kl_coef * kl.to(r.dtype) * mask
     return out
 
 

@@ -1,9 +1,9 @@
 """Shared CLI plumbing: error reporting, seeding, run directory, metrics logger.
 
 `cli_main(fn)` turns the errors a user can cause (bad data, bad flags, missing files, a
-learning rate that makes the weights non-finite) into
-one clear line on stderr and a non-zero exit, instead of a traceback; set
-`RLHFKIT_TRACEBACK=1` to see the traceback anyway.
+learning rate that makes the weights non-finite, a failing reward_func under `--reward_failure
+stop`, `--max_failed_steps` steps without a trajectory) into one clear line on stderr and exit
+code 1, instead of a traceback; set `RLHFKIT_TRACEBACK=1` to see the traceback anyway.
 """
 
 from __future__ import annotations
@@ -32,13 +32,23 @@ class UsageError(ValueError):
     """A bad combination of flags, named in the message."""
 
 
+def _run_failures() -> tuple[type[BaseException], ...]:
+    """Errors that end a run for a reason the user must act on (imported late: agents, trainers)."""
+    from rlhfkit.agents.base import RewardFailure
+    from rlhfkit.trainers.rl import FailedStepsError
+
+    return RewardFailure, FailedStepsError
+
+
 def cli_main(prog: str, fn: Callable[[], None]) -> None:
     try:
         fn()
-    except (DataError, UsageError, FileNotFoundError, ValueError, NonFiniteError) as e:
+    except Exception as e:
+        if not isinstance(e, (DataError, UsageError, FileNotFoundError, ValueError, NonFiniteError) + _run_failures()):
+            raise
         if os.environ.get("RLHFKIT_TRACEBACK"):
             traceback.print_exc()
-        print(f"{prog}: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(1)
 
 
@@ -61,6 +71,13 @@ def check_positions(path: str | None, length: int, what: str, flag: str = "--pre
     if limit is not None and length > limit:
         raise UsageError(f"{what} exceeds the model's max_position_embeddings {limit} ({flag} {path}); "
                          "lower it")
+
+
+def disable_hf_progress_bars() -> None:
+    """`--disable_progress` also silences the weight-loading bars of transformers (on stderr)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
 
 def set_seed(seed: int) -> None:

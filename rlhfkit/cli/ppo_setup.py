@@ -79,6 +79,8 @@ def resolve_flags(args: argparse.Namespace, world_size: int) -> None:
     if args.rollout_batch_size % world_size:
         raise UsageError(f"--rollout_batch_size ({args.rollout_batch_size}) must be a multiple of the world size "
                          f"({world_size})")
+    if args.max_failed_steps < 1:
+        raise UsageError(f"--max_failed_steps must be >= 1, got {args.max_failed_steps}")
     if args.generate_max_len >= args.max_len:
         raise UsageError(f"--generate_max_len ({args.generate_max_len}) must be below --max_len ({args.max_len})")
 
@@ -207,6 +209,24 @@ def build_engine_for(args: argparse.Namespace, tokenizer: Any, dist: DistInfo, t
     return build_engine(args.rollout_engine, args.pretrain, tokenizer, device=dist.device, dtype=dtype, tp=tp, **opts)
 
 
+def close_rollout(engine: Any, user_code_grace_s: float = 5.0) -> None:
+    """End the engine's worker thread and the threads running user code (reward_func, agents),
+    success or failure: a daemon thread still inside torch when the interpreter exits aborts it
+    ("terminate called without an active exception")."""
+    from rlhfkit.agents.user_code import shutdown_user_threads
+
+    close = getattr(engine, "close", None)
+    if callable(close):
+        try:
+            close()
+        except Exception as e:  # noqa: BLE001 - must not hide the error that ended the run
+            print(f"note: closing the rollout engine failed: {type(e).__name__}: {e}")
+    stuck = shutdown_user_threads(user_code_grace_s)
+    if stuck:
+        print(f"note: {stuck} reward_func / agent call(s) still running after {user_code_grace_s:g} s were "
+              "abandoned")
+
+
 def agent_config(args: argparse.Namespace, temperature: float) -> AgentConfig:
     sp = SamplingParams(temperature=temperature, top_p=args.top_p, top_k=args.top_k,
                         max_new_tokens=args.generate_max_len, seed=args.seed)
@@ -237,7 +257,7 @@ def loop_config(args: argparse.Namespace) -> RLLoopConfig:
         eval_steps=args.eval_steps, eval_temperature=args.eval_temperature,
         eval_n_samples_per_prompt=args.eval_n_samples_per_prompt, save_steps=args.save_steps,
         ckpt_path=args.ckpt_path, max_ckpt_num=args.max_ckpt_num, load_checkpoint=args.load_checkpoint,
-        show_progress=not args.disable_progress)
+        show_progress=not args.disable_progress, max_failed_steps=args.max_failed_steps)
 
 
 def advantage_config(args: argparse.Namespace) -> AdvantageConfig:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from rlhfkit.backend.dist import init_distributed
 from rlhfkit.cli import ppo_setup as S
-from rlhfkit.cli.common import cli_main, make_logger, parallel_dims, set_seed
+from rlhfkit.cli.common import cli_main, disable_hf_progress_bars, make_logger, parallel_dims, set_seed
 from rlhfkit.config.flags import FlagParser
 from rlhfkit.config.rl_flags import add_rl_flags
 from rlhfkit.data.io import load_mixture
@@ -93,9 +93,14 @@ def run(args, parser) -> None:
     S.resolve_flags(args, dist.world_size)
     S.note_ray_only_flags(args, parser, "train_ppo")
     set_seed(args.seed)
+    if args.disable_progress:
+        disable_hf_progress_bars()
     trainer, policy_backend, critic_backend, tokenizer = build_trainer(args, dist)
-    trainer.fit()
-    trainer.logger.close()
+    try:
+        trainer.fit()
+    finally:  # also when the run fails: no thread may be inside torch or user code at exit
+        S.close_rollout(trainer.engine)
+        trainer.logger.close()
     save_final(args, dist, policy_backend, critic_backend, tokenizer)
 
 

@@ -105,6 +105,9 @@ def _train(p: FlagParser) -> None:
     p.flag("--reward_failure", type=str, default="stop", choices=["stop", "drop"],
            help="what a reward_func / agent exception does: stop the run, or drop the sample (counted)")
     p.flag("--reward_timeout", type=float, default=300.0, help="seconds for one reward_func / agent step call")
+    p.flag("--max_failed_steps", type=int, default=3,
+           help="steps in a row without a trajectory to train on (all samples dropped or filtered out) "
+                "before the run stops; fewer are skipped and counted in skipped_steps")
 
 
 def _algo(p: FlagParser) -> None:

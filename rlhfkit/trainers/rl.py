@@ -14,6 +14,11 @@
 
 Under torchrun every rank runs this loop on its own prompts; roles reduce their loss counts over
 ranks, and every logged metric is reduced over ranks (rank 0 logs the global values). A Ray placement gives groups whose `call` fans out to actors; the loop does not change.
+
+A step after which some rank has no trajectory to train on (every sample dropped under
+--reward_failure drop, or dynamic filtering kept no group) is skipped on every rank (the decision
+is all-reduced) and logged with `skipped_steps` = 1 and one line naming the cause;
+--max_failed_steps such steps in a row end the run with `FailedStepsError`.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -64,6 +70,15 @@ class RLLoopConfig:
     max_ckpt_num: int = 3
     load_checkpoint: bool = False
     show_progress: bool = True
+    max_failed_steps: int = 3  # steps in a row without a trajectory to train on before the run stops
+
+    def __post_init__(self) -> None:
+        if self.max_failed_steps < 1:
+            raise ValueError(f"--max_failed_steps must be >= 1, got {self.max_failed_steps}")
+
+
+class FailedStepsError(RuntimeError):
+    """--max_failed_steps steps in a row left no trajectory to train on; the message names the cause."""
 
 
 @dataclass
@@ -99,6 +114,9 @@ class RLTrainer:
         self.state = RLState(kl_coef=kl_ctl.value)
         self.group_estimator = get_advantage_estimator(adv_cfg.advantage_estimator).group
         self.num_dropped = 0
+        self.num_skipped = 0  # steps skipped for want of a trajectory, in all
+        self.failed_in_row = 0  # ... in a row, up to now
+        self._skip_cause = ""
 
     # ------------------------------------------------------------------ prompts
 
@@ -148,7 +166,7 @@ class RLTrainer:
             groups = _complete_groups(trajs, n)
             seen += len(groups)
             if groups:
-                scores = torch.tensor([t.score for g in groups for t in g], dtype=torch.float32)
+                scores = torch.tensor([t.score for g in groups for t in g], dtype=torch.float64)
                 res = dynamic_filter(scores, n, tuple(c.dynamic_filtering_reward_range))
                 for gi in res.kept_groups.tolist():
                     kept.extend(groups[gi])
@@ -179,11 +197,13 @@ class RLTrainer:
         t0 = time.perf_counter()
         trajs, metrics = self.rollout()
         t["generate"] = time.perf_counter() - t0
-        # decided on every rank together: a rank raising alone would leave the others in a collective
-        if int(all_reduce_sum(torch.tensor(float(not trajs))).item()):
-            raise RuntimeError(f"step {self.state.step + 1}: no trajectory survived on "
-                               f"{'this rank' if not trajs else 'some rank'} (all dropped or filtered); "
-                               "check --reward_failure / --dynamic_filtering_reward_range")
+        # decided on every rank together: a rank skipping alone would leave the others in a collective
+        empty_ranks = int(all_reduce_sum(torch.tensor(float(not trajs))).item())
+        metrics["skipped_steps"] = float(empty_ranks > 0)
+        if empty_ranks:
+            self._skip_cause = _skip_cause(metrics, self.cfg, empty_ranks, self.dist.world_size)
+            metrics["time/generate"] = metrics["time/step"] = t["generate"]
+            return metrics
         batch = pad_trajectories(trajs, self.pad_token_id)
         t1 = time.perf_counter()
         if self.reward_model is not None:
@@ -297,8 +317,10 @@ class RLTrainer:
         while s.step < total:
             m = self.train_step()
             s.step += 1
+            self._count_failed_step(m)
             bar.update(1)
-            bar.set_postfix(reward=f"{m['reward']:.3f}")
+            if "reward" in m:
+                bar.set_postfix(reward=f"{m['reward']:.3f}")
             if c.eval_steps > 0 and (s.step % c.eval_steps == 0 or s.step == total):
                 m.update(self.evaluate())
             if s.step % max(c.logging_steps, 1) == 0 or s.step == total:
@@ -309,6 +331,23 @@ class RLTrainer:
                                         "kl_ctl": self.kl_ctl.state_dict()}, c.max_ckpt_num)
         bar.close()
         return s
+
+    def _count_failed_step(self, m: dict[str, float]) -> None:
+        """Count a skipped step (one line on stderr); the --max_failed_steps-th in a row ends the run.
+        Every rank takes the same decision: `skipped_steps` comes from an all-reduce."""
+        if not m.get("skipped_steps"):
+            self.failed_in_row = 0
+            return
+        self.num_skipped += 1
+        self.failed_in_row += 1
+        limit = self.cfg.max_failed_steps
+        if self.failed_in_row >= limit:
+            raise FailedStepsError(f"{self.failed_in_row} steps in a row (--max_failed_steps {limit}) left no "
+                                   f"trajectory to train on; last one (step {self.state.step}): {self._skip_cause}")
+        if self.dist.rank == 0:
+            print(f"step {self.state.step}: skipped, no trajectory to train on: {self._skip_cause} "
+                  f"({self.failed_in_row} in a row; the run stops at --max_failed_steps {limit})",
+                  file=sys.stderr, flush=True)
 
     def _log(self, step: int, m: dict[str, float]) -> None:
         if not m:
@@ -336,6 +375,26 @@ def _global_experience_metrics(local: dict[str, float], batch) -> dict[str, floa
     out = {k: v for k, v in local.items() if k not in EXPERIENCE_KEYS}
     out.update({k: tot[i] / max(tot[n + i], 1e-12) for i, k in enumerate(EXPERIENCE_KEYS) if tot[n + i] > 0})
     return out
+
+
+def _skip_cause(m: dict[str, float], cfg: RLLoopConfig, empty_ranks: int, world_size: int) -> str:
+    """Why a step has no trajectory to train on, from its (global) rollout metrics."""
+    parts = []
+    dropped, incomplete = int(m.get("dropped_samples", 0)), int(m.get("incomplete_group_samples", 0))
+    if dropped:
+        parts.append(f"{dropped} samples failed in user code and were dropped (--reward_failure drop; "
+                     f"the warnings above name the error)")
+    if incomplete:
+        parts.append(f"{incomplete} more were left out with their incomplete groups")
+    if cfg.dynamic_filtering:
+        lo, hi = cfg.dynamic_filtering_reward_range
+        rate = m.get("dynamic_filtering_pass_rate", 0.0)
+        parts.append(f"dynamic filtering kept no group in {cfg.max_filter_rounds} rounds (groups with a mean score "
+                     f"inside --dynamic_filtering_reward_range {lo:g} {hi:g}: {rate:.0%})")
+    cause = "; ".join(parts) or "the rollout produced no trajectory"
+    if empty_ranks < world_size:
+        cause += f" (on {empty_ranks} of {world_size} ranks)"
+    return cause
 
 
 def _complete_groups(trajs: list[Trajectory], n: int) -> list[list[Trajectory]]:

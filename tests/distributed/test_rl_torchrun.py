@@ -107,3 +107,35 @@ def test_two_ranks_match_one_process(tiny_model_dir, data_dir):
     assert max(float((w1[k] - w0[k]).abs().max()) for k in w0) > 1e-3
     for k in w1:
         torch.testing.assert_close(w2[k], w1[k], atol=1e-5, rtol=0, msg=k)
+
+
+def test_step_with_no_trajectory_on_one_rank_is_skipped_on_both(tiny_model_dir, tmp_path):
+    """Rank 1's prompts of step 1 all fail under --reward_failure drop: both ranks skip step 1 (the
+    decision is all-reduced; a rank skipping alone would hang the other in a collective) and train on."""
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    from rlhfkit.trainers.offline import epoch_order
+
+    rows, _ = addition_splits(12, 2, seed=7)
+    bad = set(epoch_order(12, 0, 42)[2:4])  # rank 1's share of step 1 (2 prompts a rank, seed 42)
+    with open(tmp_path / "prompts.jsonl", "w") as f:
+        f.writelines(json.dumps({"input": ("x" if i in bad else "") + r["input"], "label": r["label"]}) + "\n"
+                     for i, r in enumerate(rows))
+    (tmp_path / "reward.py").write_text(
+        "def reward_func(queries, prompts, labels):\n"
+        "    if any('x' in p for p in prompts):\n        raise ValueError('no verifier')\n"
+        "    return [len(q) % 3 / 2.0 for q in queries]\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    save = str(tmp_path / "out")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(_free_port()), "-m", "rlhfkit.cli.train_ppo",
+           *flags(tiny_model_dir, str(tmp_path), save), "--reward_failure", "drop"]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    recs, _ = read(save)
+    assert [r["skipped_steps"] for r in recs] == [1.0, 0.0, 0.0]
+    assert recs[0]["dropped_samples"] == 4.0 and "policy_loss" in recs[1]
+    skipped = [line for line in proc.stderr.splitlines() if "skipped, no trajectory" in line]
+    assert len(skipped) == 1 and skipped[0].startswith("step 1:") and "(on 1 of 2 ranks)" in skipped[0]

@@ -1,7 +1,8 @@
 """Failures in the user's reward_func under train_ppo: `--reward_failure stop` (default) and `drop`.
 
-- stop: an exception, or a call running past --reward_timeout, ends the run with RewardFailure
-  whose message holds the user's error and the sample's prompt; no model is saved.
+- stop: an exception, or a call running past --reward_timeout, ends the run with exit code 1 and
+  one line on stderr holding the user's error and the sample's prompt; no model is saved
+  (test_rl_user_failures.py runs it as a subprocess: exactly one line, the right prompt, no abort).
 - drop: the run goes on; every failed sample is counted in `dropped_samples` (the reward file
   writes one line per failure, the metrics must add up to it); a group that lost a sample is left
   out whole (`incomplete_group_samples`), so the rows trained on are whole groups of one prompt.
@@ -16,7 +17,6 @@ import os
 
 import pytest
 
-from rlhfkit.agents.base import RewardFailure
 from rlhfkit.cli import ppo_setup, train_ppo
 from rlhfkit.roles.actor import ActorRole
 from rlhfkit.tasks.addition import addition_splits
@@ -39,27 +39,35 @@ def argv(model: str, tmp_path, reward: str, *extra: str) -> list[str]:
             "--use_kl_loss", "--save_path", str(tmp_path / "out"), "--disable_progress", "--device", "cpu", *extra]
 
 
-def test_raising_reward_func_stops_the_run(tiny_model_dir, tmp_path):
+def stopped_with(capsys, argv_: list[str]) -> str:
+    """Run train_ppo expecting exit code 1; returns its error line."""
+    with pytest.raises(SystemExit) as e:
+        train_ppo.main(argv_)
+    assert e.value.code == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("train_ppo: error:")]
+    assert len(err) == 1, err
+    return err[0]
+
+
+def test_raising_reward_func_stops_the_run(tiny_model_dir, tmp_path, capsys):
     rows = write_prompts(tmp_path / "prompts.jsonl")
     rf = tmp_path / "bad_reward.py"
     rf.write_text("def reward_func(queries, prompts, labels):\n"
                   "    raise ValueError('reward service exploded on ' + repr(prompts[0]))\n")
-    with pytest.raises(RewardFailure) as e:
-        train_ppo.main(argv(tiny_model_dir, tmp_path, str(rf)))
-    msg = str(e.value)
+    msg = stopped_with(capsys, argv(tiny_model_dir, tmp_path, str(rf)))
     assert "reward service exploded on" in msg and "ValueError" in msg and "bad_reward.py" in msg
     shown = msg.split("sample prompt:")[1]
     assert any(repr(r["input"]) in shown for r in rows), msg
     assert not os.path.exists(tmp_path / "out" / "model.safetensors")
 
 
-def test_reward_timeout_stops_the_run(tiny_model_dir, tmp_path):
+def test_reward_timeout_stops_the_run(tiny_model_dir, tmp_path, capsys):
     write_prompts(tmp_path / "prompts.jsonl")
     rf = tmp_path / "slow_reward.py"
-    rf.write_text("import time\n\ndef reward_func(queries, prompts, labels):\n    time.sleep(5)\n"
+    rf.write_text("import time\n\ndef reward_func(queries, prompts, labels):\n    time.sleep(3)\n"
                   "    return [0.0] * len(queries)\n")
-    with pytest.raises(RewardFailure, match=r"did not return within 0.3 s"):
-        train_ppo.main(argv(tiny_model_dir, tmp_path, str(rf), "--reward_timeout", "0.3"))
+    msg = stopped_with(capsys, argv(tiny_model_dir, tmp_path, str(rf), "--reward_timeout", "0.3"))
+    assert "did not return within 0.3 s (--reward_timeout)" in msg
 
 
 DROP_REWARD = '''

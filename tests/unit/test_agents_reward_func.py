@@ -153,9 +153,31 @@ def test_batching_merges_concurrent_calls():
     assert [o.extra_logs["batch"] for o in outs] == [3.0, 3.0, 3.0, 2.0, 2.0]
 
 
-def test_batching_failure_reaches_every_caller():
+def test_failing_batch_is_retried_one_caller_at_a_time():
+    calls = []
+
     async def source(queries, prompts, labels):
-        raise ValueError("server down")
+        calls.append(list(queries))
+        if any("b" in q for q in queries):
+            raise ValueError("cannot score " + ",".join(queries))
+        return RewardOutput([float(len(q)) for q in queries], [0.0] * len(queries))
+
+    batcher = BatchingRewardSource(source, max_batch_size=8)
+
+    async def main():
+        return await asyncio.gather(*(batcher([q], [""], [None]) for q in ["a", "bb", "ccc"]),
+                                    return_exceptions=True)
+
+    a, b, c = asyncio.run(main())
+    assert calls[0] == ["a", "bb", "ccc"] and sorted(calls[1:]) == [["a"], ["bb"], ["ccc"]]
+    assert a.rewards == [1.0] and c.rewards == [3.0]  # the real rewards of the samples that work
+    assert isinstance(b, ValueError) and str(b) == "cannot score bb"  # the failing sample's own error
+    assert batcher.num_retried_batches == 1
+
+
+def test_failing_batch_gives_each_caller_its_own_error():
+    async def source(queries, prompts, labels):
+        raise ValueError("server down for " + queries[0])
 
     batcher = BatchingRewardSource(source, max_batch_size=8)
 
@@ -163,8 +185,7 @@ def test_batching_failure_reaches_every_caller():
         return await asyncio.gather(*(batcher([q], [""], [None]) for q in "abc"), return_exceptions=True)
 
     errs = asyncio.run(main())
-    assert all(isinstance(e, EpisodeError) and "server down" in str(e) and "batched reward call of 3" in str(e)
-               for e in errs)
+    assert [str(e) for e in errs] == ["server down for a", "server down for b", "server down for c"]
 
 
 def test_make_reward_source(tmp_path):

@@ -1,8 +1,38 @@
-"""Batch whitening over data-parallel shards equals whitening of the whole batch."""
+"""Batch whitening over data-parallel shards equals whitening of the whole batch.
+
+The shards run in two threads whose `reduce` is a real sum over both (a barrier-based fake
+all-reduce), so the test holds for any number of reductions whitening makes."""
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from rlhfkit.algo.masked import whiten
+
+
+class FakeWorld:
+    """`reducer(rank)` sums a tensor over `n` threads, like `all_reduce_sum` over n ranks."""
+
+    def __init__(self, n: int) -> None:
+        self.slots: list = [None] * n
+        self.barrier = threading.Barrier(n, timeout=30)
+        self.calls = 0
+
+    def reducer(self, rank: int):
+        def reduce(t: torch.Tensor) -> torch.Tensor:
+            self.slots[rank] = t.clone()
+            self.barrier.wait()
+            total = sum(self.slots[1:], self.slots[0].clone())
+            self.calls += rank == 0
+            self.barrier.wait()
+            return total
+        return reduce
+
+
+def run_ranks(world: FakeWorld, fns):
+    with ThreadPoolExecutor(len(fns)) as pool:
+        return [f.result() for f in [pool.submit(fn, world.reducer(r)) for r, fn in enumerate(fns)]]
 
 
 def test_whiten_with_reduce_over_two_shards_equals_full_batch():
@@ -11,15 +41,11 @@ def test_whiten_with_reduce_over_two_shards_equals_full_batch():
     mask = (torch.rand(6, 5, generator=g) > 0.3).long()
     full = whiten(x, mask)
     a, b = slice(0, 2), slice(2, 6)
-
-    def stats(xs, ms):
-        xf, mf = xs.double(), ms.double()
-        return torch.stack([(xf * mf).sum(), (xf * xf * mf).sum(), mf.sum()])
-
-    # a fake all-reduce: this shard's stats + the other shard's
-    ra = whiten(x[a], mask[a], reduce=lambda s: s + stats(x[b], mask[b]))
-    rb = whiten(x[b], mask[b], reduce=lambda s: s + stats(x[a], mask[a]))
-    torch.testing.assert_close(torch.cat([ra, rb]), full, rtol=1e-5, atol=1e-6)
+    world = FakeWorld(2)
+    ra, rb = run_ranks(world, [lambda red: whiten(x[a], mask[a], reduce=red),
+                               lambda red: whiten(x[b], mask[b], reduce=red)])
+    assert world.calls == 2  # two passes: the mean, then the squared deviations from it
+    torch.testing.assert_close(torch.cat([ra, rb]), full, rtol=1e-6, atol=1e-6)
     # without the reduction each shard is whitened on its own and differs
     assert not torch.allclose(whiten(x[a], mask[a]), full[a], atol=1e-3)
 
@@ -31,3 +57,4 @@ def test_whiten_matches_hand_values():
     expect = torch.tensor([[-1.0, 0.0, 1.0, 0.0]]) / (2.0 / 3.0) ** 0.5
     torch.testing.assert_close(whiten(x, mask), expect)
     torch.testing.assert_close(whiten(x, mask, scale=False), torch.tensor([[-1.0, 0.0, 1.0, 0.0]]))
+    assert whiten(x.bfloat16(), mask).dtype == torch.bfloat16
