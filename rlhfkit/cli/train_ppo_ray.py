@@ -351,6 +351,11 @@ def run(args, parser, hard_exit: bool = False) -> None:
         save_final(args, launched, tokenizer)
     finally:
         if launched is not None:
+            from rlhfkit.agents.user_code import shutdown_user_threads
+
+            stuck = shutdown_user_threads(5.0)  # reward_func / agent threads of the driver's executors
+            if stuck:
+                print(f"note: {stuck} reward_func / agent call(s) still running after 5 s were abandoned")
             launched.shutdown()
         if started:
             import ray
