@@ -1,14 +1,16 @@
-"""serve_rm's intake in-process: the limit-checking JSON reader against json.loads, and body reading (size,
-timeout, disconnect)."""
+"""serve_rm's intake and scheduler in-process: the limit-checking JSON reader against json.loads, body reading
+(size, timeout, disconnect), and the round-robin micro-batcher (fairness, cancellation, rejections)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import random
+import threading
 
 import pytest
 
+from rlhfkit.cli.serve_rm_batcher import FairBatcher, Rejected
 from rlhfkit.cli.serve_rm_request import (VALUES_PER_QUERY, ClientGone, RequestError, RequestLimits,
                                           parse_or_error, parse_request, read_body)
 
@@ -132,3 +134,118 @@ def test_read_body_limits_timeout_and_disconnect():
     assert e.value.status == 408
     with pytest.raises(ClientGone):
         run(read_body(_receiver([b"ab"], then_disconnect=True), None, limits))
+
+
+# ----------------------------------------------------------------------------- scheduler
+
+
+def _scorer(log: list[list], gate: threading.Event | None = None):
+    """Scores len(item); "bad" is rejected, "boom" raises; the first forward waits for `gate`."""
+    def score(items: list) -> list:
+        log.append(list(items))
+        if gate is not None and len(log) == 1:
+            assert gate.wait(10)
+        if "boom" in items:
+            raise RuntimeError("model exploded")
+        return [Rejected("is bad") if item == "bad" else float(len(item)) for item in items]
+    return score
+
+
+def test_round_robin_serves_a_small_request_behind_a_large_one():
+    log: list[list] = []
+    gate = threading.Event()
+
+    async def run():
+        b = FairBatcher(_scorer(log, gate), batch_size=4, wait_s=0.0)
+        task = asyncio.create_task(b.run())
+        big = asyncio.ensure_future(b.submit(["a" * (i % 3 + 1) for i in range(40)]))
+        await asyncio.sleep(0.05)  # the first forward (big's items 0-3) is running
+        small = asyncio.ensure_future(b.submit(["xy", "z"]))
+        await asyncio.sleep(0.01)
+        gate.set()
+        small_out = await small
+        forwards_when_small_done = b.forwards
+        out = await big
+        task.cancel()
+        return small_out, forwards_when_small_done, out, b
+
+    small, at, big, b = asyncio.run(run())
+    assert small == [2.0, 1.0] and big == [float(i % 3 + 1) for i in range(40)]
+    assert at == 2  # the forward after the running one, not after the 10 the big request needs
+    assert log[1] == ["aa", "xy", "aaa", "z"]  # alternating: big, small, big, small
+    assert b.sequences == 42 and b.forwards == 11 and all(len(f) <= 4 for f in log)
+
+
+def test_concurrent_small_requests_share_forwards_and_lone_client_does_not_wait():
+    log: list[list] = []
+
+    async def run():
+        b = FairBatcher(_scorer(log), batch_size=8, wait_s=5.0)
+        task = asyncio.create_task(b.run())
+        outs = await asyncio.gather(*[b.submit(["q" * k]) for k in range(1, 17)])
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        lone = await b.submit(["abc"])  # nothing announced: no wait for more
+        waited = loop.time() - t0
+        task.cancel()
+        return outs, lone, waited
+
+    outs, lone, waited = asyncio.run(run())
+    assert outs == [[float(k)] for k in range(1, 17)] and lone == [3.0] and waited < 2.0
+    assert [len(f) for f in log] == [8, 8, 1]
+
+
+def test_batcher_waits_only_for_announced_requests():
+    log: list[list] = []
+
+    async def run(announce_late: bool) -> float:
+        b = FairBatcher(_scorer(log), batch_size=4, wait_s=2.0)
+        task = asyncio.create_task(b.run())
+
+        async def late():
+            if announce_late:
+                with b.announce():  # being read: the batcher may wait for it
+                    await asyncio.sleep(0.05)
+            else:
+                await asyncio.sleep(0.05)
+            return await b.submit(["bb"])
+
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        assert await asyncio.gather(b.submit(["a"]), late()) == [[1.0], [2.0]]
+        task.cancel()
+        return loop.time() - t0
+
+    assert asyncio.run(run(True)) < 1.0 and log == [["a", "bb"]]  # waited ~50 ms: one forward of 2
+    log.clear()
+    assert asyncio.run(run(False)) < 1.0 and log == [["a"], ["bb"]]  # nothing announced: no wait
+
+
+def test_cancel_drops_unscheduled_items_and_rejections_fail_one_request():
+    log: list[list] = []
+    gate = threading.Event()
+
+    async def run():
+        b = FairBatcher(_scorer(log, gate), batch_size=2, wait_s=0.0)
+        task = asyncio.create_task(b.run())
+        doomed = asyncio.ensure_future(b.submit(["d"] * 100))
+        await asyncio.sleep(0.05)  # its first forward is running
+        doomed.cancel()
+        await asyncio.sleep(0.01)
+        gate.set()
+        await asyncio.sleep(0.05)
+        counts = (b.cancelled, b.dropped, b.sequences)
+        results = await asyncio.gather(b.submit(["ok", "bad", "x", "y"]), b.submit(["fine"]),
+                                       return_exceptions=True)
+        failed = await asyncio.gather(b.submit(["boom"]), return_exceptions=True)
+        after = await b.submit(["again"])
+        task.cancel()
+        return counts, results, failed[0], after, b
+
+    counts, (rejected, fine), failed, after, b = asyncio.run(run())
+    assert counts == (1, 98, 2) and log[0] == ["d", "d"]  # 1 request cancelled, 98 items dropped, 2 scored
+    assert not any("d" in f for f in log[1:])  # nothing of the cancelled request after its running forward
+    assert isinstance(rejected, RequestError) and rejected.status == 422 and str(rejected) == "query[1] is bad"
+    assert fine == [4.0] and after == [5.0]
+    assert isinstance(failed, RequestError) and failed.status == 500 and "model exploded" in str(failed)
+    assert all("y" not in f for f in log) and b.dropped == 99  # the rejected request's last item: dropped
