@@ -29,6 +29,7 @@ import asyncio
 import json
 import json.decoder
 import json.scanner
+import logging
 import re
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Iterator
@@ -112,6 +113,11 @@ def header_timeout_protocol(timeout_s: float) -> type:
     uvicorn has no such timeout (its keep-alive timer stops at the first byte received), so a client
     sending half a request line or header block would hold its connection forever."""
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    if not callable(getattr(AutoHTTPProtocol, "on_response_complete", None)):  # uvicorn changed its internals
+        logging.getLogger("rlhfkit.serve_rm").warning(
+            "this uvicorn's HTTP protocol has no on_response_complete: no --read_timeout_s for request headers")
+        return AutoHTTPProtocol
 
     class HeaderTimeoutProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
         _header_timer: asyncio.TimerHandle | None = None

@@ -152,7 +152,11 @@ def _big_request(server: Server, n: int) -> tuple[socket.socket, dict]:
     """Send an n-query request on a raw socket; return once the server is scoring it."""
     before = server.health()
     sock = _open_request(server.port, json.dumps({"query": [f"query {i} " + "z" * 40 for i in range(n)]}).encode())
-    _wait_for(lambda: server.health()["sequences"] > before["sequences"], 60, "the big request to be scored")
+    def scoring() -> bool:
+        now = server.health()
+        return now["pending_requests"] >= 1 and now["sequences"] > before["sequences"]
+
+    _wait_for(scoring, 60, "the big request to be scored")
     return sock, before
 
 
