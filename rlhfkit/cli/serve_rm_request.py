@@ -9,6 +9,7 @@
 | JSON values in all       | 8 x --max_queries   | 422    |
 | characters of one query  | --max_query_chars   | 422    |
 | nesting depth            | --max_json_depth    | 422    |
+| time to send the headers | --read_timeout_s    | connection closed (header_timeout_protocol) |
 | time to send the body    | --read_timeout_s    | 408, connection closed |
 
 Anything else that is not a valid request (invalid UTF-8, malformed JSON, lone surrogates, wrong types,
@@ -56,9 +57,9 @@ class RequestLimits:
     read_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
-        for flag, value, low in (("--max_body_mb", self.max_body_bytes, 1), ("--max_queries", self.max_queries, 1),
-                                 ("--max_query_chars", self.max_query_chars, 1)):
-            if value < low:
+        for flag, value in (("--max_body_mb", self.max_body_bytes), ("--max_queries", self.max_queries),
+                            ("--max_query_chars", self.max_query_chars)):
+            if value < 1:
                 raise ValueError(f"{flag} must be positive, got {value}")
         if not 2 <= self.max_json_depth <= 256:  # 2: {"query": [...]}; 256: well inside the recursion limit
             raise ValueError(f"--max_json_depth must be in [2, 256], got {self.max_json_depth}")
