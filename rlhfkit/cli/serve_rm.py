@@ -5,49 +5,72 @@
 
     POST /get_reward  {"query": [str], "prompts"?: [str], "labels"?: [any]}
                   ->  {"rewards": [float], "scores": [float], "extra_logs": {"raw_reward": [float]}}
-    GET  /health      {"status": "ok", ...}
+    GET  /health      {"status": "ok", "forwards": ..., "sequences": ..., "cancelled": ..., ...}
 
-Data flow. Each request is tokenised (no special tokens added: queries are decoded with them) and
-queued; one micro-batcher task merges queued sequences into forwards of at most --batch_size
-sequences that run on a worker thread, off the event loop. Requests queue up while a forward runs;
-before a forward that is not full the batcher waits up to --batch_wait_ms, but only for requests
-already being read or tokenised (a lone client never waits):
+Data flow. A request's body is read under --read_timeout_s and --max_body_mb and parsed under the
+item, character and depth limits (`serve_rm_request.py`) before anything is tokenised; its queries then
+join the round-robin scheduler (`serve_rm_batcher.py`), which hands one worker thread micro-batches of
+at most --batch_size queries taken in turn from every pending request; the thread tokenises and scores
+each micro-batch. A small request is therefore answered after a forward or two even behind a huge one,
+and a request whose client disconnects loses its queries not yet scored:
 
-    request A (3 seqs) --+
-    request B (1 seq)  --+--> queue --> [A0 A1 A2 B0] --thread--> model --> scores --> A, B answered
+    request A (10k) --read, parse-->+
+    request B (1)   --read, parse-->+--> round robin --> [A0 B0 A1 .. A14] --thread--> tokenise, model
+                                                          B answered; A's next micro-batches follow
 
 `rewards` are the reward model's scores, normalised as (r - mean) / std with --normalize_reward
 (mean/std from the model's config.json); `scores` equal `rewards`; `extra_logs.raw_reward` holds
 the scores before normalisation. `prompts` and `labels` are validated but not used.
 
-Errors answer JSON `{"error": ...}` and the server keeps serving: 400 malformed JSON, missing
-`query`, wrong types or lengths; 413 body larger than --max_body_mb; 422 a query that is empty or
-longer than --max_len tokens (we reject rather than truncate, unlike OpenRLHF, which silently
-cuts the end of the text: a reward for a cut text is not the reward of the text); 500 a model error.
+Errors answer JSON `{"error": ...}` and the server keeps serving: 400 malformed input (not UTF-8, not
+JSON, lone surrogates, missing `query`, wrong types or lengths); 408 a body not received within
+--read_timeout_s; 413 a body larger than --max_body_mb; 422 a limit (--max_queries, --max_query_chars,
+--max_json_depth) or a query that is empty or longer than --max_len tokens (we reject rather than
+truncate, unlike OpenRLHF, which silently cuts the end of the text: a reward for a cut text is not the
+reward of the text); 500 a model error. A 408 or 413 also closes the connection. A connection whose
+request headers do not arrive within --read_timeout_s is closed. SIGTERM stops accepting connections,
+lets requests in progress finish for up to --shutdown_timeout_s, then cancels them and exits.
+
+Threads (--num_threads 0, the default): on CPU the model gets one torch thread per core but one, and
+the tokenizer runs single-threaded (TOKENIZERS_PARALLELISM=false unless set), leaving a core to the
+event loop that reads, parses and answers requests: with torch's default (a thread per core) its
+spinning OpenMP workers starve the event loop under many clients (64 clients on 2 cores: 10.7
+requests/s against 77.6 with one thread, issue 14). On GPU torch's default is kept.
+
+Memory: requests are parsed from their text without building more than the text itself, queries are
+tokenised one micro-batch at a time, all threads share one glibc malloc arena, and after a body of
+1 MB or more the C heap is trimmed (`malloc_trim`), so a rejected 30 MB request leaves the process near
+its baseline size.
 
 Differences from OpenRLHF: binds 127.0.0.1 unless --host says otherwise (OpenRLHF: 0.0.0.0);
---batch_size defaults to 16 (OpenRLHF: the whole request in one batch).
+--batch_size defaults to 16 (OpenRLHF: the whole request in one batch); the limits above (OpenRLHF has
+none).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import ctypes
+import dataclasses
+import gc
 import logging
+import os
 import sys
 import time
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Sequence
 
 import torch
 
+from rlhfkit.cli.serve_rm_batcher import FairBatcher, Rejected
+from rlhfkit.cli.serve_rm_request import (ClientGone, RequestError, RequestLimits, header_timeout_protocol,
+                                          parse_or_error, read_body)
 from rlhfkit.config.flags import FlagParser
 
 logger = logging.getLogger("rlhfkit.serve_rm")
+TRIM_AFTER_BYTES = 1 << 20  # trim the C heap after bodies this large
 
 
 def build_parser() -> FlagParser:
@@ -60,10 +83,20 @@ def build_parser() -> FlagParser:
     p.flag("--max_len", "--data.max_len", type=int, default=2048, help="longest query in tokens (longer: 422)")
     p.flag("--batch_size", type=int, default=16, help="most sequences per forward")
     p.flag("--batch_wait_ms", type=float, default=5.0,
-           help="longest wait for requests being read/tokenised before a forward that is not full")
+           help="longest wait for requests being read/parsed before a forward that is not full")
     p.flag("--port", type=int, default=5000)
     p.flag("--host", type=str, default="127.0.0.1", help="bind address (0.0.0.0 to accept remote clients)")
     p.flag("--max_body_mb", type=float, default=32.0, help="largest request body (larger: 413)")
+    p.flag("--max_queries", type=int, default=65536,
+           help="most queries in a request, and most items of any list in it (more: 422)")
+    p.flag("--max_query_chars", type=int, default=0,
+           help="most characters in one query (more: 422, before tokenization); 0: --max_len x the longest "
+                "vocabulary entry, which no query within --max_len tokens exceeds")
+    p.flag("--max_json_depth", type=int, default=32, help="deepest JSON nesting of a request (deeper: 422)")
+    p.flag("--read_timeout_s", type=float, default=10.0,
+           help="longest time to receive a request's headers, and then its body (slower: 408 / closed)")
+    p.flag("--shutdown_timeout_s", type=float, default=5.0,
+           help="on SIGTERM, longest wait for requests in progress before they are cancelled")
     p.flag("--param_dtype", "--ds.param_dtype", type=str, default="bf16", choices=["bf16", "fp16", "fp32"])
     p.flag("--bf16", dest="param_dtype", action="store_const", const="bf16", help="alias of --param_dtype bf16")
     p.flag("--attn_implementation", "--ds.attn_implementation", type=str, default="sdpa")
@@ -74,7 +107,8 @@ def build_parser() -> FlagParser:
            help="accepted for OpenRLHF command-line compatibility; batches are padded")
     p.flag("--device", type=str, default=None, help="cpu or cuda (default: cuda when available)")
     p.flag("--num_threads", type=int, default=0,
-           help="torch CPU threads for the model (0: torch's default); 1 avoids stalls on a busy CPU")
+           help="torch CPU threads for the model; 0: on CPU one per core but one (a core for the HTTP "
+                "side), on GPU torch's default")
     p.flag("--log_level", type=str, default="warning", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -93,6 +127,10 @@ class ServeConfig:
     disable_fast_tokenizer: bool = False
     device: str | None = None
     max_body_mb: float = 32.0
+    max_queries: int = 65536
+    max_query_chars: int = 0  # 0: from --max_len and the vocabulary (RewardScorer.longest_token_chars)
+    max_json_depth: int = 32
+    read_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         for name in ("max_len", "batch_size"):
@@ -100,14 +138,15 @@ class ServeConfig:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
         if self.batch_wait_ms < 0 or self.max_body_mb <= 0:
             raise ValueError("--batch_wait_ms must be >= 0 and --max_body_mb > 0")
+        if self.max_query_chars < 0:
+            raise ValueError(f"--max_query_chars must be >= 0 (0: automatic), got {self.max_query_chars}")
+        self.limits(1)  # the other limits' checks
 
-
-class RequestError(Exception):
-    """A client error: answered with `status` and a JSON {"error": message}."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
+    def limits(self, longest_token_chars: int) -> RequestLimits:
+        chars = self.max_query_chars or self.max_len * max(1, longest_token_chars)
+        return RequestLimits(max_body_bytes=int(self.max_body_mb * 1024 * 1024), max_queries=self.max_queries,
+                             max_query_chars=chars, max_json_depth=self.max_json_depth,
+                             read_timeout_s=self.read_timeout_s)
 
 
 # ----------------------------------------------------------------------------- model
@@ -144,15 +183,29 @@ class RewardScorer:
                 raise ValueError(f"--normalize_reward: std={self.std} in {cfg.reward_pretrain}/config.json")
         self.pad_id = self.tokenizer.pad_token_id
 
-    def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
-        """Token ids; raises RequestError(422) for empty or too-long texts."""
-        ids = self.tokenizer(list(texts), add_special_tokens=False)["input_ids"]
-        for i, row in enumerate(ids):
+    def longest_token_chars(self) -> int:
+        """Characters of the longest vocabulary entry (byte-level entries count bytes, an upper bound)."""
+        vocab = list(self.tokenizer.get_vocab()) + list(getattr(self.tokenizer, "all_special_tokens", []))
+        return max((len(t) for t in vocab), default=1)
+
+    def score_texts(self, texts: list[str]) -> list[float | Rejected]:
+        """Tokenise one micro-batch (no special tokens added: queries are decoded with them) and score
+        it; an empty or too long text is `Rejected` instead (the worker thread of FairBatcher)."""
+        ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        out: list[float | Rejected] = [0.0] * len(texts)
+        rows, where = [], []
+        for k, row in enumerate(ids):
             if not row:
-                raise RequestError(422, f"query[{i}] is empty (no tokens to score)")
-            if len(row) > self.cfg.max_len:
-                raise RequestError(422, f"query[{i}] has {len(row)} tokens, more than --max_len {self.cfg.max_len}")
-        return ids
+                out[k] = Rejected("is empty (no tokens to score)")
+            elif len(row) > self.cfg.max_len:
+                out[k] = Rejected(f"has {len(row)} tokens, more than --max_len {self.cfg.max_len}")
+            else:
+                rows.append(row)
+                where.append(k)
+        if rows:
+            for k, score in zip(where, self.score(rows)):
+                out[k] = score
+        return out
 
     @torch.inference_mode()
     def score(self, batch: list[list[int]]) -> list[float]:
@@ -175,149 +228,7 @@ class RewardScorer:
         return [(r - self.mean) / self.std for r in raw]
 
 
-# ----------------------------------------------------------------------------- micro-batcher
-
-
-@dataclass
-class _Job:
-    ids: list[list[int]]
-    future: asyncio.Future
-    out: list[float] = field(default_factory=list)
-    scheduled: int = 0  # sequences handed to a forward so far
-    scored: int = 0
-
-    def __post_init__(self) -> None:
-        self.out = [0.0] * len(self.ids)
-
-
-class MicroBatcher:
-    """Merge queued requests into forwards of at most `batch_size` sequences.
-
-    Whatever is queued when the model becomes free goes into the next forward (requests pile up
-    while a forward runs, so batches grow with load). Before a forward that is not full, the
-    batcher waits up to `wait_s` for more, but only while requests are being read and tokenised
-    (`announce()`), so a lone client never waits.
-    """
-
-    def __init__(self, score_fn: Callable[[list[list[int]]], list[float]], batch_size: int, wait_s: float) -> None:
-        self.score_fn, self.batch_size, self.wait_s = score_fn, batch_size, wait_s
-        self.queue: asyncio.Queue[_Job] = asyncio.Queue()
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="serve_rm-model")
-        self.incoming = 0  # requests being read / tokenised, about to be submitted
-        self.forwards = 0
-        self.sequences = 0
-
-    @contextmanager
-    def announce(self) -> Iterator[None]:
-        """Mark a request as on its way to `submit` (the batcher may wait for it)."""
-        self.incoming += 1
-        try:
-            yield
-        finally:
-            self.incoming -= 1
-
-    async def submit(self, ids: list[list[int]]) -> list[float]:
-        if not ids:
-            return []
-        job = _Job(ids, asyncio.get_running_loop().create_future())
-        await self.queue.put(job)
-        return await job.future
-
-    @staticmethod
-    def _unscheduled(active: deque[_Job]) -> int:
-        return sum(len(j.ids) - j.scheduled for j in active)
-
-    async def _gather(self, active: deque[_Job]) -> None:
-        """Wait for a first job, then add queued jobs until the batch is full, nothing more is on its
-        way, or the wait is over."""
-        if not active:
-            active.append(await self.queue.get())
-        deadline = asyncio.get_running_loop().time() + self.wait_s
-        while self._unscheduled(active) < self.batch_size:
-            if not self.queue.empty():
-                active.append(self.queue.get_nowait())
-                continue
-            remaining = deadline - asyncio.get_running_loop().time()
-            if remaining <= 0 or self.incoming == 0:
-                break
-            try:
-                active.append(await asyncio.wait_for(self.queue.get(), remaining))
-            except asyncio.TimeoutError:
-                break
-
-    def _take(self, active: deque[_Job]) -> list[tuple[_Job, int]]:
-        batch: list[tuple[_Job, int]] = []
-        for job in active:
-            while job.scheduled < len(job.ids) and len(batch) < self.batch_size:
-                batch.append((job, job.scheduled))
-                job.scheduled += 1
-        return batch
-
-    async def run(self) -> None:
-        loop = asyncio.get_running_loop()
-        active: deque[_Job] = deque()
-        while True:
-            await self._gather(active)
-            batch = self._take(active)
-            try:
-                scores = await loop.run_in_executor(self.executor, self.score_fn, [j.ids[i] for j, i in batch])
-            except Exception as e:  # the model failed: fail these requests, keep serving
-                logger.exception("reward model forward failed")
-                for job in {id(j): j for j, _ in batch}.values():
-                    if not job.future.done():
-                        job.future.set_exception(RequestError(500, f"reward model failed: {type(e).__name__}: {e}"))
-                    active.remove(job)
-                continue
-            self.forwards += 1
-            self.sequences += len(batch)
-            for (job, i), s in zip(batch, scores):
-                job.out[i] = s
-                job.scored += 1
-            for job in [j for j in active if j.scored == len(j.ids)]:
-                active.remove(job)
-                if not job.future.done():  # the client may have gone away
-                    job.future.set_result(job.out)
-
-
 # ----------------------------------------------------------------------------- HTTP
-
-
-def parse_request(body: bytes) -> tuple[list[str], list[Any] | None, list[Any] | None]:
-    """Validate a /get_reward body -> (query, prompts, labels); RequestError(400) when malformed."""
-    try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RequestError(400, f"malformed JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise RequestError(400, f"the body must be a JSON object with 'query', got {type(data).__name__}")
-    if "query" not in data:
-        raise RequestError(400, "missing field 'query' (a list of prompt+response strings)")
-    query = data["query"]
-    if not isinstance(query, list) or not all(isinstance(q, str) for q in query):
-        raise RequestError(400, "'query' must be a list of strings")
-    extra = []
-    for name in ("prompts", "labels"):
-        value = data.get(name)
-        if value is not None and not isinstance(value, list):
-            raise RequestError(400, f"'{name}' must be a list")
-        if value is not None and len(value) not in (0, len(query)):
-            raise RequestError(400, f"'{name}' has {len(value)} entries for {len(query)} queries")
-        extra.append(value)
-    return query, extra[0], extra[1]
-
-
-async def read_body(request: Any, limit: int) -> bytes:
-    """The request body, or RequestError(413) once it exceeds `limit` bytes."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise RequestError(413, f"request body of {declared} bytes exceeds --max_body_mb ({limit} bytes)")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise RequestError(413, f"request body exceeds --max_body_mb ({limit} bytes)")
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def _fastapi() -> Any:
@@ -329,46 +240,108 @@ def _fastapi() -> Any:
     return fastapi
 
 
+def _libc() -> Any:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") else None
+    except OSError:  # not glibc
+        return None
+
+
+def one_malloc_arena() -> None:
+    """glibc: one malloc arena for all threads. Memory freed in a thread's own arena (parsing, the
+    tokenizer) is not given back by `malloc_trim` when it is the arena's top, and after a large free
+    glibc raises its trim threshold, so a rejected 30 MB request left ~30 MB per thread behind."""
+    libc = _libc()
+    if libc is not None:
+        libc.mallopt(-8, 1)  # M_ARENA_MAX
+
+
+def release_memory() -> None:
+    """Free what reference cycles still hold, and give freed C-heap pages back to the OS (glibc keeps
+    them otherwise)."""
+    gc.collect()
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+async def _until_disconnect(receive: Any) -> None:
+    """Return when the client goes away (ASGI: after the body, `receive` blocks until then)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
 def create_app(scorer: RewardScorer, cfg: ServeConfig) -> Any:
-    """The FastAPI app; the micro-batcher runs as a task for the app's lifetime."""
+    """The FastAPI app; the scheduler runs as a task for the app's lifetime."""
     fastapi = _fastapi()
     from contextlib import asynccontextmanager
 
     from fastapi.responses import JSONResponse
 
-    batcher = MicroBatcher(scorer.score, cfg.batch_size, cfg.batch_wait_ms / 1000.0)
-    # one tokenizer thread: a tokenizer is not meant to be used from several threads at once
-    tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="serve_rm-tokenize")
-    limit = int(cfg.max_body_mb * 1024 * 1024)
+    batcher = FairBatcher(scorer.score_texts, cfg.batch_size, cfg.batch_wait_ms / 1000.0)
+    limits = cfg.limits(scorer.longest_token_chars())
+    parse_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="serve_rm-parse")
 
     @asynccontextmanager
     async def lifespan(app: Any):  # type: ignore[no-untyped-def]
         task = asyncio.create_task(batcher.run())
         yield
         task.cancel()
-        batcher.executor.shutdown(wait=False)
-        tokenize_pool.shutdown(wait=False)
+        batcher.shutdown()
+        parse_pool.shutdown(wait=False, cancel_futures=True)
 
     app = fastapi.FastAPI(title="rlhfkit serve_rm", lifespan=lifespan)
-    app.state.batcher = batcher
+    app.state.batcher, app.state.limits = batcher, limits
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
         return {"status": "ok", "model": cfg.reward_pretrain, "max_len": cfg.max_len,
                 "batch_size": cfg.batch_size, "normalize_reward": cfg.normalize_reward,
-                "forwards": batcher.forwards, "sequences": batcher.sequences}
+                "num_threads": torch.get_num_threads(), "forwards": batcher.forwards,
+                "sequences": batcher.sequences, "cancelled": batcher.cancelled, "dropped": batcher.dropped,
+                "pending_requests": len(batcher.pending), "limits": dataclasses.asdict(limits)}
 
-    async def get_reward(request: Any) -> Any:  # a plain Starlette route: it reads the raw body itself
+    def error(e: RequestError) -> Any:
+        # 408 / 413: the rest of the body may still be on its way; do not read it as a next request
+        headers = {"Connection": "close"} if e.status in (408, 413) else None
+        return JSONResponse({"error": str(e)}, status_code=e.status, headers=headers)
+
+    async def answer(request: Any, sizes: list[int]) -> Any:
+        loop = asyncio.get_running_loop()
+        with batcher.announce():
+            body = await read_body(request.receive, request.headers.get("content-length"), limits)
+            sizes.append(len(body))
+            parsed = await loop.run_in_executor(parse_pool, parse_or_error, body, limits)
+            del body
+        if isinstance(parsed, RequestError):
+            raise parsed
+        work = asyncio.ensure_future(batcher.submit(parsed.query))
+        gone = asyncio.ensure_future(_until_disconnect(request.receive))
+        del parsed
         try:
-            with batcher.announce():
-                query, _prompts, _labels = parse_request(await read_body(request, limit))
-                loop = asyncio.get_running_loop()
-                ids = await loop.run_in_executor(tokenize_pool, scorer.tokenize, query) if query else []
-            raw = await batcher.submit(ids)
-        except RequestError as e:
-            return JSONResponse({"error": str(e)}, status_code=e.status)
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done() or work.cancelled():
+                raise ClientGone()
+            raw = work.result()
+        finally:  # client gone, or this handler cancelled (shutdown): drop the request's work
+            work.cancel()
+            gone.cancel()
+            del work, gone  # an error raised here keeps this frame in its traceback: work -> error
         rewards = scorer.normalise(raw)
         return JSONResponse({"rewards": rewards, "scores": rewards, "extra_logs": {"raw_reward": raw}})
+
+    async def get_reward(request: Any) -> Any:  # a plain Starlette route: it reads the raw body itself
+        sizes: list[int] = []
+        try:
+            return await answer(request, sizes)
+        except RequestError as e:
+            return error(e)
+        except ClientGone:
+            return JSONResponse({"error": "client disconnected"}, status_code=499)  # never delivered
+        finally:
+            if sizes and sizes[0] >= TRIM_AFTER_BYTES:  # the request's objects are gone by now
+                release_memory()
 
     app.add_route("/get_reward", get_reward, methods=["POST"])
 
@@ -387,21 +360,42 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     return ServeConfig(**{k: getattr(args, k) for k in fields if hasattr(args, k)})
 
 
+def choose_num_threads(requested: int, device: str) -> int:
+    """torch threads for the model: `requested` if > 0; else on CPU one per usable core but one (see the
+    module docstring), on GPU torch's current setting."""
+    if requested < 0:
+        raise ValueError(f"--num_threads must be >= 0 (0: automatic), got {requested}")
+    if requested:
+        return requested
+    if device.startswith("cuda"):
+        return torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores - 1)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg = config_from_args(args)
+    if args.shutdown_timeout_s < 0:
+        raise SystemExit(f"serve_rm: error: --shutdown_timeout_s must be >= 0, got {args.shutdown_timeout_s}")
     _fastapi()
-    if args.num_threads > 0:
-        torch.set_num_threads(args.num_threads)
     import uvicorn
 
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    one_malloc_arena()
+    cfg.device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    torch.set_num_threads(choose_num_threads(args.num_threads, cfg.device))
     t0 = time.time()
     scorer = RewardScorer(cfg)
     app = create_app(scorer, cfg)
-    print(f"serve_rm: {cfg.reward_pretrain} loaded in {time.time() - t0:.1f} s on {scorer.device}; "
-          f"listening on http://{args.host}:{args.port}/get_reward", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    print(f"serve_rm: {cfg.reward_pretrain} loaded in {time.time() - t0:.1f} s on {scorer.device} "
+          f"({torch.get_num_threads()} torch threads); listening on http://{args.host}:{args.port}/get_reward",
+          file=sys.stderr, flush=True)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                            http=header_timeout_protocol(cfg.read_timeout_s),
+                            timeout_graceful_shutdown=args.shutdown_timeout_s)
+    uvicorn.Server(config).run()
 
 
 if __name__ == "__main__":

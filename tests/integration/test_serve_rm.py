@@ -21,7 +21,6 @@ import torch
 
 from rlhfkit.agents.remote_reward import RemoteRewardClient, RewardServerError, get_rewards_sync
 from rlhfkit.agents.reward_types import RewardOutput
-from rlhfkit.cli.serve_rm import MicroBatcher, RequestError, parse_request
 from rlhfkit.models.loader import load_tokenizer
 from rlhfkit.models.value import load_value_model, reward_at_last_token, save_value_model
 
@@ -144,67 +143,6 @@ def test_concurrent_requests_are_batched(server, expected):
 
 
 # ----------------------------------------------------------------------------- in-process units
-
-
-def test_parse_request():
-    assert parse_request(b'{"query": ["a"], "labels": null}') == (["a"], None, None)
-    with pytest.raises(RequestError) as e:
-        parse_request(b"\xff")
-    assert e.value.status == 400
-
-
-def test_micro_batcher_splits_and_merges():
-    calls: list[int] = []
-
-    def score(batch):
-        calls.append(len(batch))
-        if any(row == [-1] for row in batch):
-            raise RuntimeError("boom")
-        return [float(sum(r)) for r in batch]
-
-    async def run():
-        b = MicroBatcher(score, batch_size=4, wait_s=0.05)
-        task = asyncio.create_task(b.run())
-        jobs = [[[1, 2], [3]], [[4]] * 5, [[7, 7]]]
-        outs = await asyncio.gather(*[b.submit(j) for j in jobs])
-        with pytest.raises(RequestError, match="boom"):
-            await b.submit([[-1]])
-        after_failure = await b.submit([[5, 5]])
-        task.cancel()
-        return outs, after_failure
-
-    outs, after = asyncio.run(run())
-    assert outs == [[3.0, 3.0], [4.0] * 5, [14.0]] and after == [10.0]
-    assert calls[:2] == [4, 4]  # 8 sequences queued together: two full forwards of 4
-
-
-def test_micro_batcher_waits_only_for_announced_requests():
-    calls: list[int] = []
-
-    def score(batch):
-        calls.append(len(batch))
-        return [float(sum(r)) for r in batch]
-
-    async def run(announce_late: bool) -> float:
-        b = MicroBatcher(score, batch_size=4, wait_s=2.0)
-        task = asyncio.create_task(b.run())
-
-        async def late():
-            if announce_late:
-                with b.announce():  # being "read": the batcher may wait for it
-                    await asyncio.sleep(0.05)
-            else:
-                await asyncio.sleep(0.05)
-            return await b.submit([[2]])
-
-        t0 = time.perf_counter()
-        assert await asyncio.gather(b.submit([[1]]), late()) == [[1.0], [2.0]]
-        task.cancel()
-        return time.perf_counter() - t0
-
-    assert asyncio.run(run(True)) < 1.0 and calls == [2]  # waited ~50 ms, one forward of 2
-    calls.clear()
-    assert asyncio.run(run(False)) < 1.0 and calls == [1, 1]  # nothing announced: no wait
 
 
 def test_reward_output_validation():
