@@ -179,7 +179,7 @@ def save_critic(path: str, tokenizer: Any, role: Any, backend: Any, dist: DistIn
 class _Batch:
     trajs: list
     metrics: dict
-    cursor: tuple[int, int]
+    cursor: tuple[int, int, int]
     version: int
     seconds: float
 
@@ -208,7 +208,7 @@ class RayRLTrainer(RLTrainer):
         if self._producer is None:
             self._producer = self._start_producer()
         item: _Batch = self._producer.get(check=self.monitor.check)
-        self.state.episode, self.state.batch_in_episode = item.cursor
+        self.state.cursor = item.cursor
         stale = [self.state.step - t.policy_version for t in item.trajs] or [0]
         item.metrics.update(staleness=sum(stale) / len(stale), staleness_max=float(max(stale)),
                             **{"time/generate_async": item.seconds})
@@ -218,8 +218,8 @@ class RayRLTrainer(RLTrainer):
         from rlhfkit.distributed.async_rollout import AsyncRolloutQueue
 
         gen = copy.copy(self)
-        gen.state = RLState(step=self.state.step, episode=self.state.episode,
-                            batch_in_episode=self.state.batch_in_episode)
+        gen.state = RLState(step=self.state.step)
+        gen.state.cursor = self.state.cursor
         self.router.version = self.state.step
 
         def produce(i: int, started) -> _Batch:
@@ -230,7 +230,7 @@ class RayRLTrainer(RLTrainer):
             gen.state.step += 1
             for t in trajs:
                 t.policy_version = version
-            return _Batch(trajs, m, (gen.state.episode, gen.state.batch_in_episode), version,
+            return _Batch(trajs, m, gen.state.cursor, version,
                           time.perf_counter() - t0)
 
         return AsyncRolloutQueue(produce, self.total_steps() - self.state.step, self.async_queue_size).start()
