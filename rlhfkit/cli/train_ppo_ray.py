@@ -250,7 +250,7 @@ class RayRLTrainer(RLTrainer):
         self._producer: Any = None
 
     def rollout(self):
-        from rlhfkit.distributed.async_rollout import stamp_versions, staleness_metrics
+        from rlhfkit.distributed.async_rollout import staleness_metrics, stamp_versions
 
         if not self._aligned:  # the engines hold the weights of this step (a resumed run: not 0)
             self.router.set_version(self.state.step)
@@ -306,11 +306,11 @@ class RayRLTrainer(RLTrainer):
 
         def produce(i: int, started) -> _Batch:
             t0 = time.perf_counter()
-            with self._turn_taken():
-                # partial rollout: the version when the batch starts; weight updates may land inside it
-                with nullcontext(router.version) if router.partial_rollout else router.hold_weights() as version:
-                    started()
-                    trajs, m = RLTrainer.rollout(gen)
+            # partial rollout: the version when the batch starts; weight updates may land inside it
+            hold = nullcontext(router.version) if router.partial_rollout else router.hold_weights()
+            with self._turn_taken(), hold as version:
+                started()
+                trajs, m = RLTrainer.rollout(gen)
             gen.state.step += 1
             stamp_versions(trajs, version)
             return _Batch(trajs, m, gen.state.cursor, version, time.perf_counter() - t0)

@@ -22,7 +22,7 @@ import os
 import pytest
 import torch
 
-from test_ray_ppo import TRAIN_KEYS, SAMPLE_KEYS, data_dir, flags, local_ray, read  # noqa: E402, F401 (fixtures)
+from test_ray_ppo import SAMPLE_KEYS, TRAIN_KEYS, data_dir, flags, local_ray, read  # noqa: F401, F811 (fixtures)
 
 ray = pytest.importorskip("ray")
 from rlhfkit.cli import train_ppo_ray  # noqa: E402
@@ -125,11 +125,13 @@ def script_flags(model: str, d: str, save: str, agent: str, dotted: bool) -> lis
             "--vllm_num_engines": "--vllm.num_engines", "--vllm_tensor_parallel_size": "--vllm.tensor_parallel_size",
             "--vllm_gpu_memory_utilization": "--vllm.gpu_memory_utilization",
             "--colocate_all_models": "--train.colocate_all", "--vllm_sync_backend": "--vllm.sync_backend",
-            "--enforce_eager": "--vllm.enforce_eager", "--gradient_checkpointing": "--actor.gradient_checkpointing_enable",
+            "--enforce_eager": "--vllm.enforce_eager",
+            "--gradient_checkpointing": "--actor.gradient_checkpointing_enable",
             "--param_dtype": "--ds.param_dtype", "--advantage_estimator": "--algo.advantage.estimator",
             "--actor_learning_rate": "--actor.adam.lr", "--entropy_loss_coef": "--actor.entropy_coef",
             "--init_kl_coef": "--algo.kl.init_coef", "--use_kl_loss": "--algo.kl.use_loss",
-            "--kl_estimator": "--algo.kl.estimator", "--enable_vllm_is_correction": "--algo.advantage.is_correction_enable",
+            "--kl_estimator": "--algo.kl.estimator",
+            "--enable_vllm_is_correction": "--algo.advantage.is_correction_enable",
             "--vllm_is_correction_type": "--algo.advantage.is_correction_type",
             "--use_tensorboard": "--logger.tensorboard_dir", "--logging_steps": "--logger.logging_steps",
             "--eval_steps": "--eval.steps"}

@@ -120,7 +120,7 @@ def test_generation_continues_across_a_weight_update(models):
 
 
 def test_update_weights_between_steps_counts_versions_and_generate_waits_while_paused(models):
-    old, new, tok = models
+    old, _, tok = models
     engine = BuiltinEngine(old, tok, device="cpu", config=CFG)
     engine.update_weights([("lm_head.weight", old.lm_head.weight)])  # one whole update: version 1
     assert engine.policy_version == 1
