@@ -2,7 +2,8 @@
 ``--remote_rm_url`` reward_func files.
 
 An agent file written for OpenRLHF works once its import line reads
-``from rlhfkit.agents import ...`` instead of ``from openrlhf.utils.agent import ...``. It defines
+``from rlhfkit.agents import ...`` (or ``from rlhfkit.utils.agent import ...``) instead of
+``from openrlhf.utils.agent import ...``. It defines
 
     class AgentInstance(AgentInstanceBase): ...            # the environment
     class AgentExecutor(MultiTurnAgentExecutor):           # optional; or AgentExecutorBase with execute()
@@ -50,7 +51,9 @@ def import_user_file(path: str, flag: str) -> ModuleType:
         del sys.modules[name]
         hint = ""
         if (e.name or "").startswith("openrlhf"):
-            hint = (" -- replace `from openrlhf.utils.agent import ...` with `from rlhfkit.agents import ...`")
+            hint = (" -- replace `from openrlhf.utils.agent import ...` with `from rlhfkit.agents import ...` "
+                    "(or `rlhfkit.utils.agent`), and `from openrlhf.utils import ...` with "
+                    "`from rlhfkit.utils import ...`")
         raise ImportError(f"{flag} {path}: {e}{hint}") from e
     except Exception as e:
         del sys.modules[name]
