@@ -5,5 +5,7 @@
 
 from rlhfkit.agents.base import AgentExecutorBase, AgentInstanceBase
 from rlhfkit.agents.executors import MultiTurnAgentExecutor, SingleTurnAgentExecutor
+from rlhfkit.agents.openai_executor import AgentSession, OpenAIAgentExecutor
 
-__all__ = ["AgentInstanceBase", "AgentExecutorBase", "MultiTurnAgentExecutor", "SingleTurnAgentExecutor"]
+__all__ = ["AgentInstanceBase", "AgentExecutorBase", "MultiTurnAgentExecutor", "SingleTurnAgentExecutor",
+           "OpenAIAgentExecutor", "AgentSession"]
