@@ -161,7 +161,8 @@ def normalize_answer(answer: str, strip_lhs: bool = True) -> str:
 
     Removes: math delimiters (``$``, ``\\(``), ``\\left``/``\\right``, spacing commands, degree
     signs, ``\\$``, a trailing unit (``\\text{ cm}`` or a unit word after a number), a simple
-    left-hand side (``x =``; unless ``strip_lhs`` is False), thousands commas of a single number, a trailing period, outer braces.
+    left-hand side (``x =``; unless ``strip_lhs`` is False), thousands commas of a single number,
+    a trailing period, outer braces.
     Rewrites: ``\\dfrac``/``\\tfrac`` -> ``\\frac``, ``\\frac12`` -> ``\\frac{1}{2}``, ``\\text{X}`` -> X,
     ``(A)`` -> ``A``, plain words to lower case. ``%`` is kept (``parse_number`` reads it).
     """

@@ -137,6 +137,7 @@ def test_openrlhf_import_paths():
     from rlhfkit.utils import agent as utils_agent
     from rlhfkit.utils import math_utils
 
-    assert utils.grade_answer is math_utils.grade_answer and utils.extract_boxed_answer is math_utils.extract_boxed_answer
+    assert utils.grade_answer is math_utils.grade_answer
+    assert utils.extract_boxed_answer is math_utils.extract_boxed_answer
     for name in ("AgentInstanceBase", "AgentExecutorBase", "MultiTurnAgentExecutor", "SingleTurnAgentExecutor"):
         assert getattr(utils_agent, name) is getattr(agents, name)
