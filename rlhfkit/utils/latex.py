@@ -19,11 +19,12 @@ from fractions import Fraction
 
 BOXED_COMMANDS = ("\\boxed", "\\fbox")
 TEXT_COMMANDS = ("text", "textbf", "textit", "textrm", "mathrm", "mathbf", "mathit", "mbox", "operatorname")
+# single letters (m, s, g) are left out: "2m" is more often 2 times m than two metres
 UNIT_WORDS = (
     "units?", "square", "sq", "cubic", "degrees?", "radians?", "cm", "centimeters?", "mm", "millimeters?",
-    "km", "kilometers?", "m", "meters?", "metres?", "inch(?:es)?", "in", "feet", "foot", "ft", "yards?", "miles?",
-    "mph", "seconds?", "sec", "s", "minutes?", "min", "hours?", "hrs?", "days?", "weeks?", "months?", "years?",
-    "dollars?", "cents?", "pounds?", "lbs?", "ounces?", "oz", "grams?", "g", "kg", "kilograms?", "liters?",
+    "km", "kilometers?", "meters?", "metres?", "inch(?:es)?", "feet", "foot", "ft", "yards?", "miles?",
+    "mph", "seconds?", "sec", "minutes?", "min", "hours?", "hrs?", "days?", "weeks?", "months?", "years?",
+    "dollars?", "cents?", "pounds?", "lbs?", "ounces?", "oz", "grams?", "kg", "kilograms?", "liters?",
     "litres?", "ml", "gallons?", "people", "students?", "ways", "points?",
 )
 _UNIT_TAIL = re.compile(r"(?<=[\d}).\s])\s*(?:" + "|".join(UNIT_WORDS) + r")(?:\^\{?[23]\}?|\u00b2|\u00b3)?\.?\s*$")

@@ -17,7 +17,8 @@ imports them works once its import line reads ``from rlhfkit.utils import ...``:
     5. sympy: both sides parse as expressions (or equations) and their difference simplifies
        to 0 (equations: equal up to a nonzero factor), or agrees at random points to 1e-9
     6. math-verify, where installed (``pip install 'rlhfkit[math]'``): its ``verify`` on the raw
-       strings, which also accepts decimals rounded to 6 places (1/3 = 0.333333)
+       strings, which also accepts decimals rounded to 6 places (1/3 = 0.333333) and reads a
+       trailing single-letter unit (2m = 2), which rules 2-5 do not
 
 Rule 5 never calls ``eval`` on raw text: the LaTeX is rewritten into a whitelisted grammar
 (digits, operators, single-letter symbols and known function names) before sympy parses it, and
@@ -237,7 +238,9 @@ def _numbers_equal(a: str, b: str) -> bool | None:
     if na == nb:
         return True
     pa, pb = percent_value(a), percent_value(b)
-    return (pa is not None and pa == nb) or (pb is not None and pb == na)
+    if (pa is None) == (pb is None):  # both percentages or neither: 10% != 0.1%
+        return False
+    return pa == nb if pa is not None else pb == na
 
 
 def _match_unordered(xs: list, ys: list) -> bool:
