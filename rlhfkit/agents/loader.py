@@ -2,13 +2,16 @@
 ``--remote_rm_url`` reward_func files.
 
 An agent file written for OpenRLHF works once its import line reads
-``from rlhfkit.agents import ...`` instead of ``from openrlhf.utils.agent import ...``. It defines
+``from rlhfkit.agents import ...`` (or ``from rlhfkit.utils.agent import ...``) instead of
+``from openrlhf.utils.agent import ...``. It defines
 
     class AgentInstance(AgentInstanceBase): ...            # the environment
     class AgentExecutor(MultiTurnAgentExecutor):           # optional; or AgentExecutorBase with execute()
         def __init__(self): super().__init__(AgentInstance)
 
-A file with only ``AgentInstance`` gets ``MultiTurnAgentExecutor(AgentInstance)``. An executor whose
+A file with only ``AgentInstance`` gets ``MultiTurnAgentExecutor(AgentInstance)``; a file with neither
+class but a function ``run_agent(prompt, label, session)`` gets ``OpenAIAgentExecutor(run_agent)``
+(agent code on the ``openai`` client, see ``openai_executor.py``). An executor whose
 ``__init__`` takes arguments (older OpenRLHF: ``max_steps, max_length, llm_engine, hf_tokenizer,
 result_queue``) receives them by name.
 """
@@ -50,7 +53,9 @@ def import_user_file(path: str, flag: str) -> ModuleType:
         del sys.modules[name]
         hint = ""
         if (e.name or "").startswith("openrlhf"):
-            hint = (" -- replace `from openrlhf.utils.agent import ...` with `from rlhfkit.agents import ...`")
+            hint = (" -- replace `from openrlhf.utils.agent import ...` with `from rlhfkit.agents import ...` "
+                    "(or `rlhfkit.utils.agent`), and `from openrlhf.utils import ...` with "
+                    "`from rlhfkit.utils import ...`")
         raise ImportError(f"{flag} {path}: {e}{hint}") from e
     except Exception as e:
         del sys.modules[name]
@@ -69,6 +74,7 @@ class AgentFile:
     module: ModuleType
     executor_cls: type | None
     instance_cls: type | None
+    run_agent: Any = None  # a module-level run_agent(prompt, label, session): the OpenAI-API executor
 
 
 def _class_attr(module: ModuleType, name: str, base: type, path: str) -> type | None:
@@ -86,10 +92,12 @@ def load_agent_file(path: str) -> AgentFile:
     module = import_user_file(path, AGENT_FLAG)
     executor_cls = _class_attr(module, "AgentExecutor", AgentExecutorBase, path)
     instance_cls = _class_attr(module, "AgentInstance", AgentInstanceBase, path)
-    if executor_cls is None and instance_cls is None:
-        raise AttributeError(f"{AGENT_FLAG} {path} must define class AgentExecutor(AgentExecutorBase) "
-                             f"or class AgentInstance(AgentInstanceBase)")
-    return AgentFile(path=path, module=module, executor_cls=executor_cls, instance_cls=instance_cls)
+    run_agent = getattr(module, "run_agent", None)
+    if executor_cls is None and instance_cls is None and not callable(run_agent):
+        raise AttributeError(f"{AGENT_FLAG} {path} must define class AgentExecutor(AgentExecutorBase), "
+                             f"class AgentInstance(AgentInstanceBase) or a function run_agent(prompt, label, session)")
+    return AgentFile(path=path, module=module, executor_cls=executor_cls, instance_cls=instance_cls,
+                     run_agent=run_agent if callable(run_agent) else None)
 
 
 def instantiate_executor(cls: type, path: str, supplied: dict[str, Any]) -> AgentExecutorBase:
@@ -116,6 +124,10 @@ def build_agent_executor(path: str, engine: Any, tokenizer: Any, config: AgentCo
         if spec.instance_cls is not None:
             supplied["agent_instance_cls"] = spec.instance_cls
         executor = instantiate_executor(spec.executor_cls, path, supplied)
-    else:
+    elif spec.instance_cls is not None:
         executor = MultiTurnAgentExecutor(spec.instance_cls)
+    else:
+        from rlhfkit.agents.openai_executor import OpenAIAgentExecutor
+
+        executor = OpenAIAgentExecutor(run_agent=spec.run_agent)
     return executor.setup(engine, tokenizer, config, reward_source=reward_source, source_name=path)
