@@ -90,7 +90,7 @@ def run(args) -> OfflineRun:
                              dtype="fp32", cfg=from_args(ModelConfig, args), flag="--pretrain")
     backend = trainable_backend(model, args, dist, len(train_items))
     logger = make_logger(args, dist.rank, plot_keys=OFFLINE_PLOT_KEYS)
-    state = train_task(task, backend, train_items, eval_items, args, dist, logger)
+    state = train_task(task, backend, train_items, eval_items, args, dist, logger, tokenizer=tokenizer)
     mean, std, n = reward_statistics(backend.model, task, statistics_items(train_items, eval_items),
                                      args.micro_train_batch_size, dist)
     logger.log(state.step, {"reward_mean": mean, "reward_std": std, "reward_stats_count": n}, console=True)
