@@ -97,21 +97,21 @@ def resolve_optional_terms(args: argparse.Namespace) -> None:
         if getattr(args, f"critic_{dest}") is None:
             setattr(args, f"critic_{dest}", getattr(args, dest))
     if args.ema_beta is not None and not args.enable_ema:
-        print(f"note: --ema_beta {args.ema_beta} has no effect without --enable_ema")
+        note_once(f"note: --ema_beta {args.ema_beta} has no effect without --enable_ema")
     args.ema_beta = EMA_BETA if args.ema_beta is None else args.ema_beta
     if args.enable_ema and not 0.0 <= args.ema_beta <= 1.0:
         raise UsageError(f"--ema_beta must be in [0, 1], got {args.ema_beta}")
     if args.ptx_coef is not None and not args.pretrain_data:
-        print(f"note: --ptx_coef {args.ptx_coef} has no effect without --pretrain_data")
+        note_once(f"note: --ptx_coef {args.ptx_coef} has no effect without --pretrain_data")
     args.ptx_coef = PTX_COEF if args.ptx_coef is None else args.ptx_coef
-    if args.pretrain_data and args.ptx_coef <= 0:
-        print(f"note: --pretrain_data has no effect: --ptx_coef is {args.ptx_coef}")
     if args.ptx_coef < 0:
         raise UsageError(f"--ptx_coef must be >= 0, got {args.ptx_coef}")
+    if args.pretrain_data and args.ptx_coef == 0:
+        note_once("note: --pretrain_data has no effect: --ptx_coef is 0")
     if args.ref_offload and args.init_kl_coef <= 0:
-        print("note: --ref_offload has no effect: there is no reference model (--init_kl_coef 0)")
+        note_once("note: --ref_offload has no effect: there is no reference model (--init_kl_coef 0)")
     if args.disable_ds_ckpt and not args.save_hf_ckpt and args.save_steps > 0:
-        print("note: --save_steps writes nothing: --disable_ds_ckpt without --save_hf_ckpt")
+        note_once("note: --save_steps writes nothing: --disable_ds_ckpt without --save_hf_ckpt")
 
 
 def ptx_active(args: argparse.Namespace) -> bool:
@@ -250,11 +250,16 @@ def build_critic(args: argparse.Namespace, dist: DistInfo, num_steps: int, dims:
 
 def critic_optim(args: argparse.Namespace) -> dict[str, Any]:
     """OptimConfig fields of the critic: --critic.* (an unset one is the actor's), --critic.optim / muon."""
-    out = {d: getattr(args, f"critic_{d}") if getattr(args, f"critic_{d}") is not None else getattr(args, d)
-           for d in CRITIC_OPTIM}
-    for d in ("optim", "muon_lr", "muon_momentum", "muon_ns_steps", "muon_nesterov"):
-        out[d] = getattr(args, f"critic_{d}")
-    return out
+    def own(critic: Any, actor: Any) -> Any:
+        return actor if critic is None else critic
+
+    return {"adam_betas": own(args.critic_adam_betas, args.adam_betas),
+            "adam_eps": own(args.critic_adam_eps, args.adam_eps), "l2": own(args.critic_l2, args.l2), "lr_scheduler": own(args.critic_lr_scheduler, args.lr_scheduler),
+            "lr_warmup_ratio": own(args.critic_lr_warmup_ratio, args.lr_warmup_ratio),
+            "min_lr_ratio": own(args.critic_min_lr_ratio, args.min_lr_ratio),
+            "max_norm": own(args.critic_max_norm, args.max_norm), "optim": args.critic_optim,
+            "muon_lr": args.critic_muon_lr, "muon_momentum": args.critic_muon_momentum,
+            "muon_ns_steps": args.critic_muon_ns_steps, "muon_nesterov": args.critic_muon_nesterov}
 
 
 def build_reward_model(args: argparse.Namespace, dist: DistInfo):

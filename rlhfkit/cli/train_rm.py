@@ -52,7 +52,9 @@ def build_parser() -> FlagParser:
     p.flag("--margin_loss", "--model.margin_loss_enable", action="store_true",
            help="subtract each row's `margin` column inside the sigmoid loss")
     p.flag("--compute_fp32_loss", "--model.compute_fp32_loss_enable", action="store_true",
-           help="accepted for compatibility: rewards and the loss are always computed in fp32")
+           inert="rewards and the loss are always computed in fp32")
+    for dest in ("input_key", "output_key"):
+        p.mark_inert(dest, "pairs are read from --prompt_key, --chosen_key and --rejected_key")
     return p
 
 

@@ -137,6 +137,15 @@ def add_model_flags(p: FlagParser, default_dtype: str = "bf16") -> None:
     p.flag("--use_ms", action="store_true", help="download model ids from ModelScope (needs modelscope)")
 
 
+TRAINING_ONLY = ("gradient_checkpointing", "mixed_precision", "torch_compile", "aux_loss_coef")
+
+
+def mark_training_only(p: FlagParser) -> None:
+    """The model flags that only matter for training, in a command that only runs the model."""
+    for dest in TRAINING_ONLY:
+        p.mark_inert(dest, f"a training setting; {p.prog} does not train")
+
+
 def add_data_flags(p: FlagParser, *, max_len: int = 2048, max_samples: int = 1_000_000,
                    input_template: str | None = None) -> None:
     p.flag("--dataset", "--data.dataset", type=str, default=None,
