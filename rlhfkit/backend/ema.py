@@ -19,7 +19,7 @@ their weights when sharded, so they reshard on resume with everything else.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -57,13 +57,18 @@ class EMAWeights:
             v.copy_(tmp)
 
     @contextlib.contextmanager
-    def swapped_in(self) -> Iterator[None]:
-        """The averages in the live weights inside the block; the live weights back after it."""
+    def swapped_in(self, after_swap: Callable[[], None] | None = None) -> Iterator[None]:
+        """The averages in the live weights inside the block; the live weights back after it.
+        `after_swap` runs after each exchange (e.g. rounding fp32 masters into a bf16 module)."""
         self._swap()
         try:
+            if after_swap is not None:
+                after_swap()
             yield
         finally:
             self._swap()
+            if after_swap is not None:
+                after_swap()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """{name: average}: DTensors with their weight's mesh and placements when sharded (the live

@@ -364,30 +364,15 @@ class FSDP2Backend:
     def save_hf(self, path: str, tokenizer: Any = None, dtype: torch.dtype | None = None,
                 max_shard_size: int | str | None = None) -> None:
         """HF directory; weights in `dtype` (default: the compute dtype), streamed one tensor at a
-        time into safetensors files of at most `max_shard_size` (default --hf_max_shard_size).
-        All ranks call; rank 0 writes."""
+        time into safetensors files of at most `max_shard_size` (default --hf_max_shard_size); the
+        EMA weights under --enable_ema. All ranks call; rank 0 writes."""
         limit = parse_size(self.cfg.hf_max_shard_size if max_shard_size is None else max_shard_size)
         self.check_finite(f"refusing to write {path}")
-        with self._ema_swapped_in():
+        sync = self.master.copy_to_model if self.master is not None else None
+        with self.ema.swapped_in(sync) if self.ema is not None else contextlib.nullcontext():  # --enable_ema
             export_hf(self.unwrap(), path, dtype or self.compute_dtype, limit, tokenizer,
                       master_of=self.master.master_or_none if self.master is not None else None,
                       full_state_dict=self.full_state_dict)
-
-    @contextlib.contextmanager
-    def _ema_swapped_in(self) -> Iterator[None]:
-        """With --enable_ema, the EMA weights in the model inside the block (what save_hf exports)."""
-        if self.ema is None:
-            yield
-            return
-        self._wake()
-        try:
-            with self.ema.swapped_in():
-                if self.master is not None:
-                    self.master.copy_to_model()
-                yield
-        finally:
-            if self.master is not None:
-                self.master.copy_to_model()
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -63,7 +63,7 @@ def hand_aux(model_dir: str, input_ids: torch.Tensor, attention_mask: torch.Tens
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     out = model(input_ids=input_ids, attention_mask=attention_mask, output_router_logits=True, use_cache=False)
     (g,) = torch.autograd.grad(out.aux_loss, dict(model.named_parameters())[ROUTER])
-    return float(out.aux_loss), g
+    return float(out.aux_loss.detach()), g
 
 
 def sft_items() -> list[SFTItem]:
