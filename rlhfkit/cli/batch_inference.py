@@ -59,8 +59,8 @@ from typing import Any, Sequence
 
 import torch
 
-from rlhfkit.cli.common import UsageError, cli_main, set_seed
-from rlhfkit.config.flags import FlagParser, add_data_flags, add_model_flags
+from rlhfkit.cli.common import UsageError, cli_main, resolve_modelscope_paths, set_seed
+from rlhfkit.config.flags import FlagParser, add_data_flags, add_model_flags, mark_training_only
 from rlhfkit.data.io import DataError, Row, load_mixture
 from rlhfkit.data.post_processors import (DEFAULT_CSFT_PROMPT, ScoredSample, apply_post_processor,
                                           check_reward_template, csft_prompt_suffix, resolve_post_processor)
@@ -112,7 +112,11 @@ def build_parser() -> FlagParser:
            help="rs (rejection sampling), iter_dpo (iterative DPO) or csft (conditional SFT), after rm scoring")
     p.flag("--reward_template", type=str, default=None,
            help="csft input template with {input} and {reward} (default '{input} <rm_score>: {reward} ')")
-    p.flag("--local_rank", type=int, default=-1, help="accepted for launcher compatibility; one process runs")
+    p.flag("--local_rank", type=int, default=-1,
+           inert="each process reads its rank from the environment (torchrun sets LOCAL_RANK / RANK)")
+    mark_training_only(p)
+    for dest in ("eval_dataset", "eval_split"):
+        p.mark_inert(dest, "batch_inference reads --dataset only")
     return p
 
 
@@ -401,7 +405,7 @@ def load_reward_model(args: argparse.Namespace, device: str) -> Any:
 
     dtype = _compute_dtype(args.param_dtype, device)
     mcfg = ModelConfig(param_dtype=args.param_dtype, attn_implementation=args.attn_implementation,
-                       load_in_4bit=args.load_in_4bit, lora_rank=0)
+                       load_in_4bit=args.load_in_4bit, lora_rank=0, experts_implementation=args.experts_implementation)
     return load_value_model(args.pretrain, value_head_prefix=args.value_head_prefix, dtype=dtype,
                             normalize_reward=args.normalize_reward, device=device, cfg=mcfg,
                             flag="--pretrain").eval()
@@ -470,6 +474,7 @@ def check_args(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Run the task and write --output_path; returns the rows written."""
     check_args(args)
+    resolve_modelscope_paths(args)
     set_seed(args.seed)
     rows = run_rm(args) if args.eval_task == "rm" else run_generate(args)
     if rows is None:  # a tensor-parallel shard other than 0: shard 0 writes

@@ -67,7 +67,7 @@ def build_trainer(args, dist):
     if eval_prompts and reward_model is not None:
         raise S.UsageError("--eval_dataset scores with --remote_rm_url or --agent_func_path; "
                            "evaluation with a reward model is not supported")
-    ckpt = S.RLCheckpointer(policy_backend, critic_backend, args.save_hf_ckpt, tokenizer)
+    ckpt = S.checkpointer(args, policy_backend, critic_backend, tokenizer)
     trainer = RLTrainer(S.loop_config(args), S.advantage_config(args), S.shaping_config(args), policy=policy,
                         engine=engine, executor=executor, prompts=prompts, dist=dist,
                         logger=make_logger(args, dist.rank, PLOT_KEYS), pad_token_id=tokenizer.pad_token_id,
@@ -92,7 +92,7 @@ def run(args, parser) -> None:
     dist = init_distributed(args.device)
     S.resolve_flags(args, dist.world_size)
     S.note_ray_only_flags(args, parser, "train_ppo")
-    set_seed(args.seed)
+    set_seed(args.seed, args.full_determinism)
     if args.disable_progress:
         disable_hf_progress_bars()
     trainer, policy_backend, critic_backend, tokenizer = build_trainer(args, dist)

@@ -165,7 +165,7 @@ def note_no_effect(args, parser) -> None:
 
 def build_role(args, num_steps: int, role: str, dist: DistInfo) -> tuple[Any, Any]:
     """One rank of `role` (runs inside its Ray actor) -> (role object, backend or None)."""
-    set_seed(args.seed)
+    set_seed(args.seed, args.full_determinism)
     if role == "policy":
         group, backend = S.build_policy(args, dist, num_steps)
         return group.role, backend
@@ -397,7 +397,7 @@ def build_ray_trainer(args, launched, phases, tokenizer, prompts, eval_prompts) 
         raise UsageError("--eval_dataset scores with --remote_rm_url or --agent_func_path; "
                          "evaluation with a reward model is not supported")
     critic_backend = GroupBackend(g["critic"]) if "critic" in g else None
-    ckpt = S.RLCheckpointer(GroupBackend(g["policy"]), critic_backend, args.save_hf_ckpt, tokenizer)
+    ckpt = S.checkpointer(args, GroupBackend(g["policy"]), critic_backend, tokenizer)
     return RayRLTrainer(S.loop_config(args), S.advantage_config(args), S.shaping_config(args), policy=g["policy"],
                         engine=router, executor=executor, prompts=prompts, dist=DistInfo(),
                         logger=make_logger(args, 0, PLOT_KEYS), pad_token_id=tokenizer.pad_token_id,
@@ -428,7 +428,7 @@ def run(args, parser, hard_exit: bool = False) -> None:
     warn_async(args)
     note_no_effect(args, parser)
     check_memory(args, {name: s.slots for name, s in shapes.items()})
-    set_seed(args.seed)
+    set_seed(args.seed, args.full_determinism)
     tokenizer, prompts, eval_prompts = load_tokenizer_and_prompts(args)
     num_steps = S.optimizer_steps(args, len(prompts))
     started = connect(args.ray_address)

@@ -126,11 +126,37 @@ def enable_gradient_checkpointing(model: torch.nn.Module, use_reentrant: bool, n
         model.config.use_cache = False
 
 
+MOE_CONFIG_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+def is_moe_config(config: Any) -> bool:
+    """Whether a transformers config describes a mixture-of-experts model."""
+    return any(getattr(config, k, None) for k in MOE_CONFIG_KEYS)
+
+
+def experts_kwargs(cfg: ModelConfig, path: str | None) -> dict[str, Any]:
+    """`experts_implementation` for `from_pretrained` (--experts_implementation) when the model at
+    `path` is a mixture of experts; for a dense model a note says the flag has no effect."""
+    if not cfg.experts_implementation:
+        return {}
+    if path is not None:
+        from transformers import AutoConfig
+
+        if not is_moe_config(AutoConfig.from_pretrained(path, trust_remote_code=False)):
+            from rlhfkit.config.notes import note_once
+
+            note_once(f"note: --experts_implementation {cfg.experts_implementation} has no effect on {path}: "
+                      "not a mixture-of-experts model")
+            return {}
+    return {"experts_implementation": cfg.experts_implementation}
+
+
 def pretrained_kwargs(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device | None,
-                      skip_quantization: list[str] | None = None) -> dict[str, Any]:
-    """Keyword arguments for `from_pretrained`: dtype, attention, 4-bit quantization."""
+                      skip_quantization: list[str] | None = None, path: str | None = None) -> dict[str, Any]:
+    """Keyword arguments for `from_pretrained`: dtype, attention, 4-bit quantization, and the MoE
+    experts kernels of the model at `path`."""
     kw: dict[str, Any] = {"dtype": dtype, "attn_implementation": check_attn_implementation(cfg.attn_implementation),
-                          "trust_remote_code": False}
+                          "trust_remote_code": False, **experts_kwargs(cfg, path)}
     qcfg = quantization_config(cfg, skip_quantization)
     if qcfg is not None:
         kw["quantization_config"] = qcfg
@@ -172,7 +198,7 @@ def load_causal_lm(cfg: ModelConfig, device: str | torch.device | None = None,
     dtype = compute if master_dtype is None else resolve_dtype(master_dtype, "master_dtype")
     if cfg.load_in_4bit and compute != torch.bfloat16:
         raise ValueError("--load_in_4bit requires --param_dtype bf16")
-    model = AutoModelForCausalLM.from_pretrained(path, **pretrained_kwargs(cfg, dtype, device))
+    model = AutoModelForCausalLM.from_pretrained(path, **pretrained_kwargs(cfg, dtype, device, path=path))
     return finish_model(model, cfg, device, causal=True)
 
 
