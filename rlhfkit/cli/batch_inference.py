@@ -59,6 +59,7 @@ from typing import Any, Sequence
 
 import torch
 
+from rlhfkit.backend.precision import dtype_flag_name, run_dtype
 from rlhfkit.cli.common import UsageError, cli_main, resolve_modelscope_paths, set_seed
 from rlhfkit.config.flags import FlagParser, add_data_flags, add_model_flags, mark_training_only
 from rlhfkit.data.io import DataError, Row, load_mixture
@@ -251,19 +252,13 @@ def generate_samples(engine: Any, tokenizer: Any, prompts: Sequence[str], reques
     return out
 
 
-def _compute_dtype(param_dtype: str, device: str) -> torch.dtype:
-    from rlhfkit.models.loader import resolve_dtype
-
-    return resolve_dtype(param_dtype) if device.startswith("cuda") else torch.float32
-
-
 def load_engine(args: argparse.Namespace, tokenizer: Any, device: str, max_model_len: int) -> Any:
     """The --rollout_engine for --pretrain (builtin/hf get a module loaded by rlhfkit's loader)."""
     from rlhfkit.config.configs import ModelConfig, from_args
     from rlhfkit.models.loader import load_causal_lm
     from rlhfkit.rollout import build_engine
 
-    dtype = _compute_dtype(args.param_dtype, device)
+    dtype = run_dtype(args.param_dtype, device)
     if args.rollout_engine == "vllm":
         return build_engine("vllm", args.pretrain, tokenizer, dtype=dtype, seed=args.seed,
                             max_model_len=max_model_len, enable_prefix_caching=args.enable_prefix_caching,
@@ -275,7 +270,7 @@ def load_engine(args: argparse.Namespace, tokenizer: Any, device: str, max_model
         return build_engine("builtin", args.pretrain, tokenizer, device=device, dtype=dtype, tp=tp,
                             max_num_seqs=args.max_num_seqs, max_model_len=max_model_len)
     mcfg = from_args(ModelConfig, args, lora_rank=0, gradient_checkpointing=False,
-                     param_dtype={torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype])
+                     param_dtype=dtype_flag_name(dtype))
     model = load_causal_lm(mcfg, device=device).eval()
     if args.rollout_engine == "hf":
         return build_engine("hf", model, tokenizer, device=device, max_batch_size=args.max_num_seqs)
@@ -403,7 +398,7 @@ def load_reward_model(args: argparse.Namespace, device: str) -> Any:
     from rlhfkit.config.configs import ModelConfig
     from rlhfkit.models.value import load_value_model
 
-    dtype = _compute_dtype(args.param_dtype, device)
+    dtype = run_dtype(args.param_dtype, device)
     mcfg = ModelConfig(param_dtype=args.param_dtype, attn_implementation=args.attn_implementation,
                        load_in_4bit=args.load_in_4bit, lora_rank=0, experts_implementation=args.experts_implementation)
     return load_value_model(args.pretrain, value_head_prefix=args.value_head_prefix, dtype=dtype,

@@ -288,9 +288,9 @@ def engine_max_num_seqs(args: argparse.Namespace, num_engines: int) -> int:
 def build_engine_for(args: argparse.Namespace, tokenizer: Any, dist: DistInfo, tp: Any = None):
     from rlhfkit.rollout import build_engine
 
-    gpu = dist.device.startswith("cuda")
-    dtype = (torch.bfloat16 if args.param_dtype == "bf16" else torch.float16 if args.param_dtype == "fp16"
-             else torch.float32) if gpu else torch.float32
+    from rlhfkit.backend.precision import run_dtype
+
+    dtype = run_dtype(args.param_dtype, dist.device)
     seqs = engine_max_num_seqs(args, dist.world_size)
     opts: dict[str, Any] = {}
     if args.rollout_engine == "builtin":

@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
+from rlhfkit.backend.precision import DTYPES
 from rlhfkit.config.configs import ModelConfig
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
-           "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_DTYPES = {**DTYPES, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # attention implementations that need an extra package, and which one
 _ATTN_PACKAGES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
 _ATTN_BUILTIN = {"eager", "sdpa", "flex_attention"}
