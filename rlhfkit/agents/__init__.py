@@ -8,13 +8,26 @@ written against the ``openai`` client (``openai_executor.py``). The RL loop uses
 ``EpisodeBatch``.
 """
 
-from rlhfkit.agents.base import (AgentConfig, AgentExecutorBase, AgentInstanceBase, DroppedEpisode,
-                                 EpisodeBatch, EpisodeError, RewardFailure)
+from rlhfkit.agents.base import (
+                                 AgentConfig,
+                                 AgentExecutorBase,
+                                 AgentInstanceBase,
+                                 DroppedEpisode,
+                                 EpisodeBatch,
+                                 EpisodeError,
+                                 RewardFailure,
+)
 from rlhfkit.agents.executors import MultiTurnAgentExecutor, SingleTurnAgentExecutor
 from rlhfkit.agents.loader import build_agent_executor, load_agent_file
 from rlhfkit.agents.openai_executor import AgentSession, OpenAIAgentExecutor
-from rlhfkit.agents.reward_func import (BatchingRewardSource, HTTPRewardSource, PythonRewardSource,
-                                        RewardSource, load_reward_func, make_reward_source)
+from rlhfkit.agents.reward_func import (
+                                 BatchingRewardSource,
+                                 HTTPRewardSource,
+                                 PythonRewardSource,
+                                 RewardSource,
+                                 load_reward_func,
+                                 make_reward_source,
+)
 from rlhfkit.agents.reward_types import RewardOutput
 
 __all__ = [

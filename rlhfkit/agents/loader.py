@@ -18,52 +18,16 @@ result_queue``) receives them by name.
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import inspect
-import os
-import sys
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 from rlhfkit.agents.base import AgentConfig, AgentExecutorBase, AgentInstanceBase
 from rlhfkit.agents.executors import MultiTurnAgentExecutor
+from rlhfkit.agents.user_file import import_user_file  # noqa: F401 - its historical home
 
 AGENT_FLAG = "--agent_func_path"
-
-
-def import_user_file(path: str, flag: str) -> ModuleType:
-    """Import a user's ``.py`` file as a fresh module; errors name the flag and the file."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{flag} {path}: no such file")
-    if not path.endswith(".py"):
-        raise ValueError(f"{flag} {path}: expected a .py file")
-    path = os.path.abspath(path)
-    stem = os.path.splitext(os.path.basename(path))[0]
-    name = f"rlhfkit_user_{stem}_{hashlib.sha1(path.encode()).hexdigest()[:8]}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    folder = os.path.dirname(path)
-    sys.path.insert(0, folder)  # sibling helper modules of the user file can be imported
-    try:
-        spec.loader.exec_module(module)
-    except ModuleNotFoundError as e:
-        del sys.modules[name]
-        hint = ""
-        if (e.name or "").startswith("openrlhf"):
-            hint = (" -- replace `from openrlhf.utils.agent import ...` with `from rlhfkit.agents import ...` "
-                    "(or `rlhfkit.utils.agent`), and `from openrlhf.utils import ...` with "
-                    "`from rlhfkit.utils import ...`")
-        raise ImportError(f"{flag} {path}: {e}{hint}") from e
-    except Exception as e:
-        del sys.modules[name]
-        raise ImportError(f"{flag} {path}: importing the file failed: {type(e).__name__}: {e}") from e
-    finally:
-        if folder in sys.path:
-            sys.path.remove(folder)
-    return module
 
 
 @dataclass

@@ -42,7 +42,12 @@ from typing import Any, Callable
 
 from rlhfkit.agents.base import AgentExecutorBase, call_user, to_float, to_float_logs
 from rlhfkit.agents.openai_server import RequestError, build_app
-from rlhfkit.agents.openai_session import SEGMENT_POLICIES, Session, Turn, reward_from_agent_result
+from rlhfkit.agents.openai_session import (
+    SEGMENT_POLICIES,
+    Session,
+    Turn,
+    reward_from_agent_result,
+)
 from rlhfkit.agents.user_code import EpisodeError, UserLoop
 from rlhfkit.types import GenerationRequest, SamplingParams, Trajectory
 
