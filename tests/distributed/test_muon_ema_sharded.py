@@ -14,7 +14,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -22,17 +21,13 @@ import pytest
 import torch
 
 from rlhfkit.backend.checkpoint import load_tensors
+from helpers import free_port  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker():
@@ -51,7 +46,7 @@ def test_two_ranks_match_one_process(tiny_model_dir, tmp_path):
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), os.path.join(HERE, "muon_ema_worker.py"),
+           "--master_port", str(free_port()), os.path.join(HERE, "muon_ema_worker.py"),
            "--model_dir", tiny_model_dir, "--out", two]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
