@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from rlhfkit.backend.precision import DTYPES
+from rlhfkit.config.dtypes import DTYPES
 
 _DTYPES = {**DTYPES, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # attention implementations that need an extra package, and which one
