@@ -113,6 +113,9 @@ def build_parser() -> FlagParser:
     p.flag("--reward_template", type=str, default=None,
            help="csft input template with {input} and {reward} (default '{input} <rm_score>: {reward} ')")
     p.flag("--local_rank", type=int, default=-1, help="accepted for launcher compatibility; one process runs")
+    p.flag("--zero_stage", "--ds.zero_stage", type=int, default=0, choices=[0, 1, 2, 3],
+           help="accepted for OpenRLHF command lines (its default 0 = unsharded, as here); 1-3 have no effect: "
+                "one process holds the whole model")
     return p
 
 
@@ -485,6 +488,9 @@ def note_unused(args: argparse.Namespace, parser: FlagParser) -> None:
     changed = [f"--{d}" for d in other if getattr(args, d) != parser.get_default(d)]
     if args.eval_task and changed:
         print(f"note: no effect with --eval_task {args.eval_task}: {', '.join(changed)}", file=sys.stderr)
+    if args.zero_stage:
+        print(f"note: --zero_stage {args.zero_stage} has no effect: {PROG} runs the whole model in one process",
+              file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

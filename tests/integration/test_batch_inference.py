@@ -224,3 +224,13 @@ def test_scored_rows_are_validated(tmp_path):
     path = _write(tmp_path / "s.jsonl", [HAND_SCORED[0], {"input": "a", "output": "x", "reward": "high"}])
     with pytest.raises(DataError, match=r"s\.jsonl row 2: key 'reward' must be a finite number"):
         scored_samples(load_rows(path))
+
+
+def test_zero_stage_of_openrlhf_command_lines_is_accepted_with_a_note(tiny_model_dir, prompts, tmp_path, capsys):
+    """OpenRLHF's batch_inference took DeepSpeed's --zero_stage (its loops pass 0); here one process holds the
+    model, so 0 is silent and 1-3 run the same, with a note naming the flag."""
+    a = _generate(tiny_model_dir, prompts, tmp_path / "a.jsonl", "--zero_stage", "0")
+    assert "--zero_stage" not in capsys.readouterr().err
+    b = _generate(tiny_model_dir, prompts, tmp_path / "b.jsonl", "--ds.zero_stage", "3")
+    assert "note: --zero_stage 3 has no effect" in capsys.readouterr().err
+    assert a == b
