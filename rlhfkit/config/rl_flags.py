@@ -67,7 +67,9 @@ def _rollout(p: FlagParser) -> None:
     p.flag("--rollout_batch_size", "--rollout.batch_size", type=int, default=1024, help="prompts per RL step")
     p.flag("--n_samples_per_prompt", "--rollout.n_samples_per_prompt", type=int, default=1)
     p.flag("--micro_rollout_batch_size", "--rollout.micro_batch_size", type=int, default=8)
-    p.flag("--generate_max_len", "--max_new_tokens", "--rollout.max_new_tokens", type=int, default=1024)
+    p.flag("--generate_max_len", "--max_new_tokens", "--rollout.max_new_tokens", type=int, default=None,
+           help="new tokens of one generation (default: 1024; with --max_len given, what --max_len leaves "
+                "after the prompt, as OpenRLHF's --rollout.max_new_tokens)")
     p.flag("--temperature", "--rollout.temperature", type=float, default=1.0)
     p.flag("--top_p", "--rollout.top_p", type=float, default=1.0)
     p.flag("--top_k", "--rollout.top_k", type=int, default=-1)
