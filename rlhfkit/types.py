@@ -73,6 +73,9 @@ class Completion:
     `logprobs[i]` is the engine's log-probability of `token_ids[i]` under the
     sampling distribution's *unprocessed* model logits scaled by temperature.
     `finish_reason` is "stop" (eos / stop token / stop string) or "length".
+    `policy_versions[i]`: the policy version (weight updates loaded) of the weights that sampled
+    `token_ids[i]` (and gave `logprobs[i]`); it changes inside a completion when the weights were
+    updated while it was generated (partial rollout). None where the engine does not track it.
     """
 
     prompt_token_ids: list[int]
@@ -80,6 +83,7 @@ class Completion:
     logprobs: list[float] | None
     finish_reason: str
     request_id: int = 0
+    policy_versions: list[int] | None = None
 
 
 @dataclass
@@ -92,6 +96,10 @@ class Trajectory:
     rollout_logprobs: engine log-probs aligned with `token_ids` (0 where action_mask is 0).
     reward: the scalar reward used for advantages; score: the raw score (dynamic filtering,
         pass@k). truncated: generation stopped by length.
+    policy_versions: aligned with `token_ids`: the policy version that sampled each action token
+        (-1 where action_mask is 0); None when the engine did not report versions.
+    policy_version: the oldest version among its action tokens (the one it started with); set by
+        the Ray loop, which knows the version of the batch when the engine reports none.
     """
 
     token_ids: list[int]
@@ -107,6 +115,7 @@ class Trajectory:
     group_index: int = 0
     extra_logs: dict[str, float] = field(default_factory=dict)
     policy_version: int = 0
+    policy_versions: list[int] | None = None
 
 
 @dataclass

@@ -15,6 +15,9 @@ Multi-turn episode (one sample):
                   extra_logs = last step's, truncated = not done or last action hit its length limit)
 
 As in OpenRLHF, the environment feedback of the final step is appended too (masked out).
+Each action token also keeps the policy version the engine reports for it (`Completion.policy_versions`;
+a turn, or even one generation under partial rollout, may span a weight update), in
+`Trajectory.policy_versions` (None when the engine reports none).
 Single-turn: the prompt is tokenized (no special tokens added) and left-truncated to leave
 ``max_new_tokens`` of room; one generation; ``reward_func``/HTTP/RM gives reward and score for the
 decoded prompt + response (special tokens kept), merged into batches by ``BatchingRewardSource``.
@@ -52,9 +55,27 @@ def fit_prompt(ids: list[int], max_length: int, max_new_tokens: int, source: str
     return ids
 
 
+@dataclass
+class Action:
+    """One generated turn: token ids, the engine's log-probs, finish reason and (when the engine
+    reports them) the policy version of each token."""
+
+    ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    versions: list[int] | None = None
+
+
 async def generate_action(executor: AgentExecutorBase, engine: Any, prompt_ids: list[int],
                           params: SamplingParams, budget: int) -> tuple[list[int], list[float], str]:
     """One completion for ``prompt_ids`` with at most ``budget`` new tokens -> (ids, logprobs, finish)."""
+    a = await generate_turn(executor, engine, prompt_ids, params, budget)
+    return a.ids, a.logprobs, a.finish_reason
+
+
+async def generate_turn(executor: AgentExecutorBase, engine: Any, prompt_ids: list[int],
+                        params: SamplingParams, budget: int) -> Action:
+    """`generate_action` with the per-token policy versions."""
     limit = min(params.max_new_tokens, budget)
     request = GenerationRequest(list(prompt_ids), params.replace(n=1, max_new_tokens=limit),
                                 request_id=executor.next_request_id())
@@ -68,21 +89,39 @@ async def generate_action(executor: AgentExecutorBase, engine: Any, prompt_ids: 
     logps = [0.0] * len(ids) if c.logprobs is None else [float(x) for x in c.logprobs]
     if len(logps) != len(ids):
         raise RuntimeError(f"engine returned {len(logps)} logprobs for {len(ids)} tokens")
-    return ids, logps, c.finish_reason
+    versions = getattr(c, "policy_versions", None)
+    if versions is not None and len(versions) != len(ids):
+        raise RuntimeError(f"engine returned {len(versions)} policy versions for {len(ids)} tokens")
+    return Action(ids, logps, c.finish_reason, None if versions is None else [int(v) for v in versions])
 
 
 @dataclass
 class Transcript:
-    """Token ids of an episode with their action mask and rollout log-probs (same lengths)."""
+    """Token ids of an episode with their action mask, rollout log-probs and policy versions (same
+    lengths; versions are -1 off the actions). `policy_versions` is None unless every action added
+    came with its versions."""
 
     token_ids: list[int] = field(default_factory=list)
     action_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    _all_versioned: bool | None = None  # None: no action yet
 
-    def add(self, ids: Sequence[int], is_action: bool, logprobs: Sequence[float] | None = None) -> None:
+    def add(self, ids: Sequence[int], is_action: bool, logprobs: Sequence[float] | None = None,
+            versions: Sequence[int] | None = None) -> None:
         self.token_ids.extend(ids)
         self.action_mask.extend([int(is_action)] * len(ids))
         self.logprobs.extend(logprobs if is_action and logprobs is not None else [0.0] * len(ids))
+        self.versions.extend(versions if is_action and versions is not None else [-1] * len(ids))
+        if is_action:
+            self._all_versioned = versions is not None and self._all_versioned is not False
+
+    def add_action(self, action: Action) -> None:
+        self.add(action.ids, is_action=True, logprobs=action.logprobs, versions=action.versions)
+
+    @property
+    def policy_versions(self) -> list[int] | None:
+        return list(self.versions) if self._all_versioned else None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -122,8 +161,9 @@ async def _multi_turn(ex: AgentExecutorBase, prompt: str, label: Any, params: Sa
     tr.add(fit_prompt(encode(tok, obs_text), max_length, params.max_new_tokens, src), is_action=False)
     prompt_len, t = len(tr), _Tally()
     while not t.done and (ex.max_steps is None or t.steps < ex.max_steps) and len(tr) < max_length:
-        action, logps, t.last_finish = await generate_action(ex, engine, tr.token_ids, params, max_length - len(tr))
-        tr.add(action, is_action=True, logprobs=logps)
+        turn = await generate_turn(ex, engine, tr.token_ids, params, max_length - len(tr))
+        action, t.last_finish = turn.ids, turn.finish_reason
+        tr.add_action(turn)
         action_text = tok.decode(action, skip_special_tokens=True)
         states = {"observation_text": obs_text, "action_text": action_text, "label": label,
                   "sampling_params": params}
@@ -139,7 +179,7 @@ async def _multi_turn(ex: AgentExecutorBase, prompt: str, label: Any, params: Sa
         prompt_len=prompt_len, reward=t.reward, score=t.reward if t.score is None else t.score,
         truncated=(not t.done) or t.last_finish == "length", prompt=prompt,
         response=tok.decode(tr.token_ids[prompt_len:], skip_special_tokens=False), label=label,
-        extra_logs=t.extra_logs,
+        extra_logs=t.extra_logs, policy_versions=tr.policy_versions,
     )
 
 
@@ -190,13 +230,14 @@ class SingleTurnAgentExecutor(AgentExecutorBase):
         tok, engine = hf_tokenizer or self.hf_tokenizer, llm_engine or self.llm_engine
         max_length = max_length or self.max_length
         ids = fit_prompt(encode(tok, prompt), max_length, sampling_params.max_new_tokens, self.source_name)
-        action, logps, finish = await generate_action(self, engine, ids, sampling_params, max_length - len(ids))
+        turn = await generate_turn(self, engine, ids, sampling_params, max_length - len(ids))
         tr = Transcript()
         tr.add(ids, is_action=False)
-        tr.add(action, is_action=True, logprobs=logps)
+        tr.add_action(turn)
         traj = Trajectory(token_ids=tr.token_ids, action_mask=tr.action_mask, rollout_logprobs=tr.logprobs,
-                          prompt_len=len(ids), truncated=finish == "length", prompt=prompt,
-                          response=tok.decode(action, skip_special_tokens=True), label=label)
+                          prompt_len=len(ids), truncated=turn.finish_reason == "length", prompt=prompt,
+                          response=tok.decode(turn.ids, skip_special_tokens=True), label=label,
+                          policy_versions=tr.policy_versions)
         if self.reward_source is not None:
             query = tok.decode(tr.token_ids, skip_special_tokens=False)
             try:  # the sources run user code in worker threads themselves (reward_func.py)
@@ -209,5 +250,5 @@ class SingleTurnAgentExecutor(AgentExecutorBase):
         return traj
 
 
-__all__ = ["SingleTurnAgentExecutor", "MultiTurnAgentExecutor", "Transcript", "run_multi_turn",
-           "generate_action", "encode", "fit_prompt", "EpisodeError"]
+__all__ = ["SingleTurnAgentExecutor", "MultiTurnAgentExecutor", "Transcript", "Action", "run_multi_turn",
+           "generate_action", "generate_turn", "encode", "fit_prompt", "EpisodeError"]

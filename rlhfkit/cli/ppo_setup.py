@@ -84,6 +84,8 @@ def resolve_flags(args: argparse.Namespace, world_size: int) -> None:
                          f"({world_size})")
     if args.max_failed_steps < 1:
         raise UsageError(f"--max_failed_steps must be >= 1, got {args.max_failed_steps}")
+    if args.max_filter_rounds < 1:
+        raise UsageError(f"--max_filter_rounds must be >= 1, got {args.max_filter_rounds}")
     if args.generate_max_len >= args.max_len and not dynamic_new_tokens:
         raise UsageError(f"--generate_max_len ({args.generate_max_len}) must be below --max_len ({args.max_len})")
 
@@ -256,6 +258,7 @@ def loop_config(args: argparse.Namespace) -> RLLoopConfig:
         init_kl_coef=args.init_kl_coef, kl_estimator=args.kl_estimator, use_kl_loss=args.use_kl_loss,
         dynamic_filtering=args.dynamic_filtering,
         dynamic_filtering_reward_range=tuple(args.dynamic_filtering_reward_range),
+        max_filter_rounds=args.max_filter_rounds,
         freezing_actor_steps=args.freezing_actor_steps, logging_steps=args.logging_steps,
         eval_steps=args.eval_steps, eval_temperature=args.eval_temperature,
         eval_n_samples_per_prompt=args.eval_n_samples_per_prompt, save_steps=args.save_steps,

@@ -25,6 +25,13 @@ On a machine without GPUs the `--*_num_gpus_per_node` flags count CPU workers (e
 `--ray_num_cpus_per_worker` CPUs). `--async_train` generates the next `--async_queue_size`
 batches in a background thread while the trainer trains; each trajectory records the policy
 version that generated it and `staleness` (trained version - generating version) is logged.
+With `--colocate_all_models` the engines stay on the training GPUs and generation overlaps
+training (one warning line), except under `--vllm_enable_sleep`, where the engines sleep while
+the roles work: then the two take turns (`async_mode`). `--partial_rollout` (with --async_train
+and the builtin engine) lets a weight update pause the engines between decode steps instead of
+waiting for the batch; generations in flight continue with the new weights and every token
+records its policy version (`staleness_token_mean` / `_max`, `mixed_version_samples`); the IS
+correction (--enable_vllm_is_correction) weights each token by its own rollout log-prob.
 An actor that dies ends the run within seconds with its role, rank and error.
 """
 
@@ -36,8 +43,9 @@ import os
 import sys
 import threading
 import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 from rlhfkit.backend.dist import DistInfo
 from rlhfkit.cli import ppo_setup as S
@@ -87,10 +95,7 @@ def check_ray_flags(args, shapes: dict[str, Any]) -> None:
 
     plan_pools(shapes, args.vllm_num_engines, args.vllm_tensor_parallel_size, colocate_all=args.colocate_all_models,
                colocate_actor_ref=args.colocate_actor_ref, colocate_critic_reward=args.colocate_critic_reward)
-    if args.async_train and args.colocate_all_models:
-        raise UsageError("--async_train generates while the policy trains, but --colocate_all_models puts the "
-                         "engines on the training GPUs: use one or the other")
-    if args.async_train and args.vllm_enable_sleep:
+    if args.async_train and args.vllm_enable_sleep and not args.colocate_all_models:
         raise UsageError("--async_train keeps the engines generating during training: --vllm_enable_sleep "
                          "would have nothing to free; drop one of them")
     if args.async_train and args.async_queue_size < 1:
@@ -99,8 +104,13 @@ def check_ray_flags(args, shapes: dict[str, Any]) -> None:
         raise UsageError(f"--vllm_tensor_parallel_size {args.vllm_tensor_parallel_size} needs --rollout_engine "
                          f"builtin (tensor-parallel engines are the builtin engine's; {args.rollout_engine} "
                          "runs on one device); use more --vllm_num_engines instead")
-    if args.partial_rollout:
-        raise UsageError("--partial_rollout is not supported yet")
+    if args.partial_rollout and not args.async_train:
+        raise UsageError("--partial_rollout needs --async_train (as in OpenRLHF): without it each batch is "
+                         "generated and trained before the next weight update, so no generation is in flight "
+                         "at an update")
+    if args.partial_rollout and args.rollout_engine != "builtin":
+        raise UsageError(f"--partial_rollout needs --rollout_engine builtin: it loads weights between decode "
+                         f"steps with generations in flight, which the {args.rollout_engine} engine cannot")
     from rlhfkit.distributed.weight_sync import METHODS
 
     if getattr(args, "weight_sync", "auto") not in METHODS:
@@ -112,6 +122,32 @@ def check_ray_flags(args, shapes: dict[str, Any]) -> None:
     if args.vllm_num_engines > args.rollout_batch_size and not args.rollout_max_num_seqs:
         raise UsageError(f"--vllm_num_engines ({args.vllm_num_engines}) exceeds --rollout_batch_size "
                          f"({args.rollout_batch_size}): some engines would get no slots; set --rollout_max_num_seqs")
+
+
+def async_mode(args) -> str:
+    """sync; overlap (async: generation runs while the roles train); turns (async, colocated
+    engines that sleep while the roles work: generation and training cannot overlap)."""
+    if not args.async_train:
+        return "sync"
+    return "turns" if args.colocate_all_models and args.vllm_enable_sleep else "overlap"
+
+
+def warn_async(args) -> None:
+    """One line each: what --async_train does with colocated engines; --partial_rollout without IS correction."""
+    mode = async_mode(args)
+    if mode == "overlap" and args.colocate_all_models:
+        print("warning: --async_train with --colocate_all_models: the engines share the training GPUs and generate "
+              "the next batch while the roles train, so both hold GPU memory at once (OpenRLHF colocates only "
+              "the training models here)")
+    elif mode == "turns":
+        extra = "; --partial_rollout then has no generation in flight at a weight update" if args.partial_rollout \
+            else ""
+        print("warning: --async_train with --colocate_all_models --vllm_enable_sleep: the engines sleep while the "
+              "roles work, so generation and training take turns on the shared GPUs instead of overlapping; each "
+              f"batch is still generated up to --async_queue_size steps ahead of the policy that trains on it{extra}")
+    if args.partial_rollout and not args.enable_vllm_is_correction:
+        print("note: --partial_rollout mixes policy versions inside a sample; --enable_vllm_is_correction weights "
+              "each token by its own rollout log-prob")
 
 
 def note_no_effect(args, parser) -> None:
@@ -179,9 +215,13 @@ def save_critic(path: str, tokenizer: Any, role: Any, backend: Any, dist: DistIn
 class _Batch:
     trajs: list
     metrics: dict
-    cursor: tuple[int, int]
+    cursor: tuple[int, int, int]
     version: int
     seconds: float
+
+
+class _Closed(Exception):
+    """The run is ending: the async producer stops before its next batch."""
 
 
 class RayRLTrainer(RLTrainer):
@@ -189,49 +229,91 @@ class RayRLTrainer(RLTrainer):
     trajectory, engine / sleep timings and, with `async_queue_size > 0`, the background producer:
     a shallow copy of this trainer with its own `RLState` cursor runs the parent's `rollout()`
     (same prompt order and sampling seeds as a synchronous run), at most `async_queue_size`
-    batches ahead; consuming a batch moves this trainer's data cursor to it (for checkpoints)."""
+    batches ahead; consuming a batch moves this trainer's data cursor to it (for checkpoints).
+
+    `partial_rollout`: the producer generates without holding the router's weight lock, so a
+    weight update pauses the engines mid-batch and the generations in flight continue with the
+    new weights; each token keeps its own version (`staleness_token_*`, `mixed_version_samples`).
+    `take_turns` (async with engines that sleep while the roles work, on shared GPUs): the trainer
+    and the producer hold one lock by turns, the producer for a whole batch and the trainer for
+    everything but its wait for a batch, so the engines never sleep under a generation."""
 
     def __init__(self, *args: Any, router: Any, phases: Any, monitor: Any, async_queue_size: int = 0,
-                 **kw: Any) -> None:
+                 partial_rollout: bool = False, take_turns: bool = False, **kw: Any) -> None:
         super().__init__(*args, **kw)
         self.router, self.phases, self.monitor = router, phases, monitor
         self.async_queue_size = async_queue_size
+        self.router.partial_rollout = partial_rollout
+        self._turn = threading.Lock() if take_turns else None
+        self._closing = False
+        self._aligned = False
         self._producer: Any = None
 
     def rollout(self):
+        from rlhfkit.distributed.async_rollout import staleness_metrics, stamp_versions
+
+        if not self._aligned:  # the engines hold the weights of this step (a resumed run: not 0)
+            self.router.set_version(self.state.step)
+            self._aligned = True
         if not self.async_queue_size:
             with self.router.hold_weights() as version:
                 trajs, m = super().rollout()
-            for t in trajs:
-                t.policy_version = version
+            stamp_versions(trajs, version)
             return trajs, m
         if self._producer is None:
             self._producer = self._start_producer()
-        item: _Batch = self._producer.get(check=self.monitor.check)
-        self.state.episode, self.state.batch_in_episode = item.cursor
-        stale = [self.state.step - t.policy_version for t in item.trajs] or [0]
-        item.metrics.update(staleness=sum(stale) / len(stale), staleness_max=float(max(stale)),
-                            **{"time/generate_async": item.seconds})
+        with self._turn_given():
+            item: _Batch = self._producer.get(check=self.monitor.check)
+        self.state.cursor = item.cursor
+        item.metrics.update(staleness_metrics(item.trajs, self.state.step), **{"time/generate_async": item.seconds})
         return item.trajs, item.metrics
 
+    @contextmanager
+    def _turn_given(self) -> Iterator[None]:
+        """The trainer lets the producer generate while it waits for a batch (take_turns)."""
+        if self._turn is None:
+            yield
+            return
+        self._turn.release()
+        try:
+            yield
+        finally:
+            self._turn.acquire()
+
+    @contextmanager
+    def _turn_taken(self) -> Iterator[None]:
+        """The producer's turn for one batch (take_turns); _Closed once the run ends."""
+        if self._turn is None:
+            yield
+            return
+        while not self._turn.acquire(timeout=0.5):
+            if self._closing:
+                raise _Closed()
+        try:
+            if self._closing:
+                raise _Closed()
+            yield
+        finally:
+            self._turn.release()
+
     def _start_producer(self):
-        from rlhfkit.distributed.async_rollout import AsyncRolloutQueue
+        from rlhfkit.distributed.async_rollout import AsyncRolloutQueue, stamp_versions
 
         gen = copy.copy(self)
-        gen.state = RLState(step=self.state.step, episode=self.state.episode,
-                            batch_in_episode=self.state.batch_in_episode)
-        self.router.version = self.state.step
+        gen.state = RLState(step=self.state.step)
+        gen.state.cursor = self.state.cursor
+        router = self.router
 
         def produce(i: int, started) -> _Batch:
             t0 = time.perf_counter()
-            with self.router.hold_weights() as version:
+            # partial rollout: the version when the batch starts; weight updates may land inside it
+            hold = nullcontext(router.version) if router.partial_rollout else router.hold_weights()
+            with self._turn_taken(), hold as version:
                 started()
                 trajs, m = RLTrainer.rollout(gen)
             gen.state.step += 1
-            for t in trajs:
-                t.policy_version = version
-            return _Batch(trajs, m, (gen.state.episode, gen.state.batch_in_episode), version,
-                          time.perf_counter() - t0)
+            stamp_versions(trajs, version)
+            return _Batch(trajs, m, gen.state.cursor, version, time.perf_counter() - t0)
 
         return AsyncRolloutQueue(produce, self.total_steps() - self.state.step, self.async_queue_size).start()
 
@@ -242,9 +324,14 @@ class RayRLTrainer(RLTrainer):
         return m
 
     def fit(self) -> RLState:
+        if self._turn is not None:
+            self._turn.acquire()
         try:
             return super().fit()
         finally:
+            self._closing = True
+            if self._turn is not None:
+                self._turn.release()
             if self._producer is not None:
                 self._producer.close()
                 self._producer = None
@@ -279,7 +366,8 @@ def launch_roles(args, num_steps: int, shapes: dict[str, Any], hard_exit: bool):
 
     accel = detect_accelerator(args.ray_accelerator_resource)
     monitor = HealthMonitor(args.ray_health_interval, on_failure=_exit_after(10.0) if hard_exit else None)
-    phases = Phases(engine_sleep=args.vllm_enable_sleep, train_sleep=args.deepspeed_enable_sleep)
+    phases = Phases(engine_sleep=args.vllm_enable_sleep, train_sleep=args.deepspeed_enable_sleep,
+                    rollout_flush=async_mode(args) != "overlap")
     builder = functools.partial(build_role, args, num_steps)
     roles = [RoleSpec(name, shape, builder) for name, shape in shapes.items()]
     engines = EngineSpec(args.vllm_num_engines, args.vllm_tensor_parallel_size, functools.partial(build_engine, args))
@@ -317,7 +405,8 @@ def build_ray_trainer(args, launched, phases, tokenizer, prompts, eval_prompts) 
                         reward_model=g.get("reward"), eval_executor=eval_executor, eval_prompts=eval_prompts,
                         checkpointer=ckpt, weight_sync=launched.sync, router=router, phases=phases,
                         monitor=launched.monitor,
-                        async_queue_size=args.async_queue_size if args.async_train else 0)
+                        async_queue_size=args.async_queue_size if args.async_train else 0,
+                        partial_rollout=args.partial_rollout, take_turns=async_mode(args) == "turns")
 
 
 def save_final(args, launched, tokenizer) -> None:
@@ -336,6 +425,7 @@ def run(args, parser, hard_exit: bool = False) -> None:
     shapes = role_shapes(args)
     S.resolve_flags(args, shapes["policy"].slots)
     check_ray_flags(args, shapes)
+    warn_async(args)
     note_no_effect(args, parser)
     check_memory(args, {name: s.slots for name, s in shapes.items()})
     set_seed(args.seed)

@@ -133,6 +133,9 @@ def _algo(p: FlagParser) -> None:
     p.flag("--dynamic_filtering", "--algo.dynamic_filtering_enable", action="store_true")
     p.flag("--dynamic_filtering_reward_range", "--algo.dynamic_filtering_range", type=float, nargs=2,
            default=[0.0, 1.0])
+    p.flag("--max_filter_rounds", type=int, default=8,
+           help="--dynamic_filtering: generation rounds per step at most (the first included); a step whose "
+                "rounds keep no group is skipped and counted (--max_failed_steps)")
     p.flag("--enable_vllm_is_correction", "--algo.advantage.is_correction_enable", action="store_true")
     p.flag("--vllm_is_truncated_threshold", "--algo.advantage.is_correction_threshold", type=float, nargs=2,
            default=[0.5, 5.0])

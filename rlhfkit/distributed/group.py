@@ -74,10 +74,14 @@ class Phases:
     Under `--deepspeed_enable_sleep` a group's states leave the device lazily: `after_group` marks
     the group pending and the offload happens when another group needs the device, before the
     engines wake for a rollout, or at `flush()`. So the policy's weight push that follows its
-    training step finds the states still on the device (no reload, no second offload)."""
+    training step finds the states still on the device (no reload, no second offload).
 
-    def __init__(self, engine_sleep: bool = False, train_sleep: bool = False) -> None:
-        self.engine_sleep, self.train_sleep = engine_sleep, train_sleep
+    `rollout_flush=False` (async training that overlaps generation with training): a rollout
+    leaves the training states alone, since it runs on another thread while the roles may be
+    working; they are offloaded when the next group needs the device."""
+
+    def __init__(self, engine_sleep: bool = False, train_sleep: bool = False, rollout_flush: bool = True) -> None:
+        self.engine_sleep, self.train_sleep, self.rollout_flush = engine_sleep, train_sleep, rollout_flush
         self.engine: Any = None
         self.timings: dict[str, float] = {}
         self.moved: dict[str, float] = {}  # offload / reload seconds and bytes as the ranks measured them
@@ -137,7 +141,8 @@ class Phases:
             self._pending = group
 
     def before_rollout(self) -> None:
-        self.flush()
+        if self.rollout_flush:
+            self.flush()
         if self.engine_sleep and self.engine is not None and self.engine.asleep:
             t0 = time.perf_counter()
             self.engine.wake_up()

@@ -2,7 +2,9 @@
 weight-sync object; `roles.group.LocalWeightSync` is the in-process one).
 
     sync()
-      hold the router's weight lock (no batch is being generated)
+      router.updating(): wait for the batch being generated (the router's weight lock), or under
+          --partial_rollout pause the engines at a step boundary (generations in flight continue
+          after the update, with the new weights)
       policy states on the device (--deepspeed_enable_sleep: reloaded if they were offloaded)
       direct (broadcast / ipc, weight_sync.py): every policy rank runs `push_weights`: all ranks
           gather each full tensor (FSDP2), the sending ranks pack buckets and hand them to their
@@ -11,6 +13,7 @@ weight-sync object; `roles.group.LocalWeightSync` is the in-process one).
       object_store: the policy ranks gather, rank 0 leaves CPU buckets in the object store; every
           shard actor fetches them and copies its slices
       every shard must have loaded the same number of tensors; the policy version goes up by one
+          and the engines resume with it (each token they sample records its version)
 
 Bucketing happens in one place, `weight_sync.iter_buckets`. Metrics of the last sync:
 `time/weight_push`, `weight_sync_mb`, `weight_sync/<method>` = 1.
@@ -40,7 +43,7 @@ class RayWeightSync:
     def sync(self) -> dict[str, float]:
         router = self.router
         router.before_update()
-        with router.hold_weights():
+        with router.updating():
             t0 = time.perf_counter()
             with self._states_on_device():
                 if self.choice.method == "object_store":
@@ -58,7 +61,6 @@ class RayWeightSync:
                 nbytes, method = max(s["bytes"] for s in stats), stats[0]["method"]
             if len(set(counts)) > 1:
                 raise RuntimeError(f"engine shards loaded different numbers of tensors ({method}): {counts}")
-            router.version += 1
         return {"time/weight_push": time.perf_counter() - t0, "weight_sync_mb": nbytes / 2**20,
                 f"weight_sync/{method}": 1.0}
 

@@ -17,6 +17,8 @@ both take a *builder* callable from the CLI, so this package never reads the fla
                                                    tensor-parallel engine; shards 1.. then serve
                                                    shard 0's steps on a background thread
       .agenerate / .generate / .sleep / .wake_up   (first shards only)
+      .pause / .resume(version) / .set_policy_version(version)
+                                                   (first shards; engines without them: no-ops)
       .update_weights(refs) / .init_weight_sync(method, group, rank) / .load_bucket(metas, payload)
                                                    (every shard: each keeps its slice)
 
@@ -255,6 +257,22 @@ class EngineWorker:
 
     async def sleep(self, level: int = 1) -> None:
         await asyncio.to_thread(self.engine.sleep, level)
+
+    async def _maybe(self, method: str, *args: Any) -> None:
+        fn = getattr(self.engine, method, None)
+        if fn is not None:
+            await asyncio.to_thread(fn, *args)
+
+    async def pause(self) -> None:
+        """Stop generating at the next step boundary (requests in flight keep their KV cache)."""
+        await self._maybe("pause")
+
+    async def resume(self, version: int) -> None:
+        """Continue generating; later tokens carry policy `version`."""
+        await self._maybe("resume", version)
+
+    async def set_policy_version(self, version: int) -> None:
+        await self._maybe("set_policy_version", version)
 
     async def wake_up(self) -> None:
         await asyncio.to_thread(self.engine.wake_up)

@@ -19,6 +19,14 @@ A step after which some rank has no trajectory to train on (every sample dropped
 --reward_failure drop, or dynamic filtering kept no group) is skipped on every rank (the decision
 is all-reduced) and logged with `skipped_steps` = 1 and one line naming the cause;
 --max_failed_steps such steps in a row end the run with `FailedStepsError`.
+
+Prompts: each episode is a seeded permutation of the prompt set, read one global batch of
+--rollout_batch_size prompts at a time (rank r takes its share of each). Under dynamic filtering
+a step that lacks groups draws further batches ("rounds", logged as `filter_rounds`), at most
+--max_filter_rounds in all; a round never repeats a prompt this step already drew: when it runs
+into the next episode it skips those prompts there (`RLState.skipped_in_episode` counts them,
+so the cursor saved with a checkpoint resumes at the same prompt), and the rounds stop when
+fewer than a batch of prompts remain undrawn in this step.
 """
 
 from __future__ import annotations
@@ -58,7 +66,7 @@ class RLLoopConfig:
     use_kl_loss: bool = False
     dynamic_filtering: bool = False
     dynamic_filtering_reward_range: tuple[float, float] = (0.0, 1.0)
-    max_filter_rounds: int = 8
+    max_filter_rounds: int = 8  # generation rounds of one step under dynamic filtering (the first included)
     freezing_actor_steps: int = -1
     skip_zero_advantage_steps: bool = True
     logging_steps: int = 1
@@ -75,6 +83,8 @@ class RLLoopConfig:
     def __post_init__(self) -> None:
         if self.max_failed_steps < 1:
             raise ValueError(f"--max_failed_steps must be >= 1, got {self.max_failed_steps}")
+        if self.max_filter_rounds < 1:
+            raise ValueError(f"--max_filter_rounds must be >= 1, got {self.max_filter_rounds}")
 
 
 class FailedStepsError(RuntimeError):
@@ -83,11 +93,25 @@ class FailedStepsError(RuntimeError):
 
 @dataclass
 class RLState:
+    """Progress of a run. The data cursor: `episode`, the global batches drawn from its order
+    (`batch_in_episode`) and the prompts of its order skipped because the step that crossed into
+    it had drawn them from the previous episode (`skipped_in_episode`); the next batch starts at
+    position `batch_in_episode * rollout_batch_size + skipped_in_episode` of the episode's order."""
+
     step: int = 0
     episode: int = 0
     batch_in_episode: int = 0
     kl_coef: float = 0.0
     history: list[dict[str, float]] = field(default_factory=list)
+    skipped_in_episode: int = 0
+
+    @property
+    def cursor(self) -> tuple[int, int, int]:
+        return self.episode, self.batch_in_episode, self.skipped_in_episode
+
+    @cursor.setter
+    def cursor(self, value: tuple[int, int, int]) -> None:
+        self.episode, self.batch_in_episode, self.skipped_in_episode = value
 
 
 class RLTrainer:
@@ -124,15 +148,37 @@ class RLTrainer:
         total = self.batches_per_episode * self.cfg.num_episodes
         return total if self.cfg.max_steps is None else min(total, self.cfg.max_steps)
 
-    def _next_prompts(self) -> tuple[list[PromptSample], int]:
-        """This rank's prompts of the next global batch, and the global index of its first one."""
+    def _next_prompts(self, used: set[int] | None = None) -> tuple[list[PromptSample], int] | None:
+        """This rank's prompts of the next global batch and the global index of its first one (for
+        the sampling seeds), skipping the dataset indices in `used` (the prompts this step already
+        drew; they are added to it). None when fewer than a batch of prompts lie outside `used`."""
         s, c = self.state, self.cfg
-        if s.batch_in_episode >= self.batches_per_episode:
-            s.episode, s.batch_in_episode = s.episode + 1, 0
-        order = epoch_order(len(self.prompts), s.episode, c.seed)
-        start = s.batch_in_episode * c.rollout_batch_size + self.dist.rank * self.per_rank
-        s.batch_in_episode += 1
-        return [self.prompts[i] for i in order[start:start + self.per_rank]], start
+        size, count = c.rollout_batch_size, len(self.prompts)
+        used = set() if used is None else used
+        if count - len(used) < size:
+            return None
+        while True:
+            start = s.batch_in_episode * size + s.skipped_in_episode
+            if s.batch_in_episode >= self.batches_per_episode or start + size > count:
+                s.episode, s.batch_in_episode, s.skipped_in_episode = s.episode + 1, 0, 0
+                continue
+            picked, skipped = [], 0
+            for i in epoch_order(count, s.episode, c.seed)[start:]:
+                if len(picked) == size:
+                    break
+                if i in used:
+                    skipped += 1
+                else:
+                    picked.append(i)
+            if len(picked) < size:  # this episode's remaining prompts were drawn already: the next one
+                s.episode, s.batch_in_episode, s.skipped_in_episode = s.episode + 1, 0, 0
+                continue
+            first = s.batch_in_episode * size + self.dist.rank * self.per_rank
+            s.batch_in_episode += 1
+            s.skipped_in_episode += skipped
+            used.update(picked)
+            mine = picked[self.dist.rank * self.per_rank:(self.dist.rank + 1) * self.per_rank]
+            return [self.prompts[i] for i in mine], first
 
     # ------------------------------------------------------------------ rollout
 
@@ -147,12 +193,18 @@ class RLTrainer:
         return asyncio.run(executor.run_episodes(prompts, n))
 
     def rollout(self) -> tuple[list[Trajectory], dict[str, float]]:
-        """Trajectories of this rank's prompts (and refills under dynamic filtering)."""
+        """Trajectories of this rank's prompts (and refill rounds under dynamic filtering)."""
         c, n = self.cfg, self.cfg.n_samples_per_prompt
         kept: list[Trajectory] = []
         passed = seen = dropped = incomplete = 0
+        used: set[int] = set()  # dataset indices drawn in this step (the same set on every rank)
+        rounds = 0
         for r in range(c.max_filter_rounds if c.dynamic_filtering else 1):
-            prompts, first = self._next_prompts() if r == 0 else self._refill_prompts()
+            drawn = self._next_prompts(used)
+            if drawn is None:  # every prompt was drawn in this step (r >= 1: round 0 always has a batch)
+                break
+            prompts, first = drawn
+            rounds += 1
             out = self._generate(self.executor, prompts, n, self.state.step * 131 + r, first)
             dropped += out.num_dropped
             trajs = out.trajectories
@@ -183,12 +235,8 @@ class RLTrainer:
             metrics["incomplete_group_samples"] = incomplete
         if c.dynamic_filtering:
             metrics["dynamic_filtering_pass_rate"] = passed / max(seen, 1.0)
+            metrics["filter_rounds"] = float(rounds)
         return kept, metrics
-
-    def _refill_prompts(self) -> tuple[list[PromptSample], int]:
-        if self.state.batch_in_episode >= self.batches_per_episode:
-            self.state.episode, self.state.batch_in_episode = self.state.episode + 1, 0
-        return self._next_prompts()
 
     # ------------------------------------------------------------------ one step
 
@@ -303,7 +351,8 @@ class RLTrainer:
         if c.load_checkpoint and self.checkpointer is not None:
             client = self.checkpointer.load(c.ckpt_path)
             if client is not None:
-                s.step, s.episode, s.batch_in_episode = client["step"], client["episode"], client["batch_in_episode"]
+                s.step = client["step"]
+                s.cursor = (client["episode"], client["batch_in_episode"], client.get("skipped_in_episode", 0))
                 self.kl_ctl.load_state_dict(client["kl_ctl"])
                 self.weight_sync.sync()
                 if self.dist.rank == 0:
@@ -328,6 +377,7 @@ class RLTrainer:
             if c.save_steps > 0 and s.step % c.save_steps == 0 and self.checkpointer is not None:
                 self.checkpointer.save(c.ckpt_path, f"global_step{s.step}",
                                        {"step": s.step, "episode": s.episode, "batch_in_episode": s.batch_in_episode,
+                                        "skipped_in_episode": s.skipped_in_episode,
                                         "kl_ctl": self.kl_ctl.state_dict()}, c.max_ckpt_num)
         bar.close()
         return s
@@ -388,8 +438,10 @@ def _skip_cause(m: dict[str, float], cfg: RLLoopConfig, empty_ranks: int, world_
         parts.append(f"{incomplete} more were left out with their incomplete groups")
     if cfg.dynamic_filtering:
         lo, hi = cfg.dynamic_filtering_reward_range
-        rate = m.get("dynamic_filtering_pass_rate", 0.0)
-        parts.append(f"dynamic filtering kept no group in {cfg.max_filter_rounds} rounds (groups with a mean score "
+        rate, rounds = m.get("dynamic_filtering_pass_rate", 0.0), int(m.get("filter_rounds", 0))
+        why = (f"--max_filter_rounds {cfg.max_filter_rounds}" if rounds >= cfg.max_filter_rounds
+               else "every prompt was drawn once in this step")
+        parts.append(f"dynamic filtering kept no group in {rounds} rounds ({why}; groups with a mean score "
                      f"inside --dynamic_filtering_reward_range {lo:g} {hi:g}: {rate:.0%})")
     cause = "; ".join(parts) or "the rollout produced no trajectory"
     if empty_ranks < world_size:

@@ -197,7 +197,8 @@ def test_async_train_logs_staleness(tiny_model_dir, data_dir, reference, local_r
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--async_train", "--colocate_all_models"], "--async_train"),
+    (["--partial_rollout"], "--partial_rollout needs --async_train"),
+    (["--async_train", "--partial_rollout", "--rollout_engine", "hf"], "--partial_rollout needs --rollout_engine builtin"),
     (["--colocate_all_models", "--actor_num_gpus_per_node", "2", "--ref_num_gpus_per_node", "2"],
      "--vllm_num_engines x --vllm_tensor_parallel_size (1 x 1 = 1) must equal --actor_num_nodes 1 x "
      "--actor_num_gpus_per_node 2 (2)"),

@@ -30,6 +30,17 @@ which run `serve()` until `close()`; each shard holds 1/N of the heads, MLP and 
 Memory: the KV cache is preallocated, 2 x layers x max_num_seqs x kv_heads x max_model_len x
 head_dim elements (per shard: its KV heads); `sleep()` frees it (and the decode graphs, keeping
 the compiled step), `wake_up()` reallocates it.
+
+Weight updates with requests in flight (partial rollout, as vLLM's `pause_generation(mode="keep")`):
+weights change only between engine steps (`update_weights` takes the engine lock), so a sequence
+keeps its slot and KV cache across an update and continues with the new weights. `pause()` stops
+stepping at the next step boundary (requests keep arriving and wait), so that an update made of
+several calls (one per weight bucket) lands whole; `resume(version)` continues. Every sample
+records the policy version of each token it generated (`Completion.policy_versions`): the version
+when it was admitted, then a new span wherever an update happened (`Sequence.mark_version`); a
+token's log-prob is always that of the weights that sampled it. `update_weights` counts versions
+itself (+1 per call); a weight sync that loads buckets through `update_weights_local` sets the
+version with `resume(version)` / `set_policy_version(version)`.
 """
 
 from __future__ import annotations
@@ -106,6 +117,9 @@ class BuiltinEngine:
         self.stats = EngineStats()
         self._rng = random.Random(cfg.seed)  # seeds of requests without one (host side: no torch op per request)
         self._lock = threading.RLock()
+        self.policy_version = 0  # the version of the weights now loaded (see the module docstring)
+        self._running = threading.Event()  # cleared while paused
+        self._running.set()
         self._inbox: queue.SimpleQueue[RequestState] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._worker: threading.Thread | None = None
@@ -182,19 +196,52 @@ class BuiltinEngine:
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy full HF-named tensors into the engine's weights in place (graphs stay valid); a
-        tensor-parallel engine sends them to every shard, each keeping its slice."""
+        tensor-parallel engine sends them to every shard, each keeping its slice. Runs between
+        engine steps: requests in flight continue with the new weights (policy version + 1)."""
         self._front_end("update_weights")
         with self._lock:
             self.steps.update_weights(named_tensors)
             self.stats.weight_updates += 1
+            self.set_policy_version(self.policy_version + 1)
 
     def update_weights_local(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """This shard's slices of full HF-named tensors (each shard of a tensor-parallel engine gets
-        the same tensors from the weight sync itself); returns the number of names loaded."""
-        n = self._local.update_weights(named_tensors)
-        if self.tp is None or self.tp.rank == 0:
-            self.stats.weight_updates += 1
-        return n
+        the same tensors from the weight sync itself); returns the number of names loaded. One
+        call per bucket, between engine steps; the caller sets the version when all are loaded."""
+        with self._lock:
+            n = self._local.update_weights(named_tensors)
+            if self.tp is None or self.tp.rank == 0:
+                self.stats.weight_updates += 1
+            return n
+
+    # ---------------------------------------------------------------- partial rollout
+    def pause(self) -> None:
+        """Stop stepping at the next step boundary; returns once no step runs. Requests in flight
+        keep their slots and KV cache; new ones wait. `resume()` continues."""
+        self._front_end("pause")
+        with self._lock:
+            self._running.clear()
+
+    def resume(self, version: int | None = None) -> None:
+        """Continue stepping; tokens from now on carry policy `version` (when given)."""
+        self._front_end("resume")
+        with self._lock:
+            if version is not None:
+                self.set_policy_version(version)
+            self._running.set()
+        self._wake.set()
+
+    @property
+    def paused(self) -> bool:
+        return not self._running.is_set()
+
+    def set_policy_version(self, version: int) -> None:
+        """The policy version of the loaded weights: every running sample's next token starts a
+        span of `version` (requests admitted later start with it)."""
+        with self._lock:
+            self.policy_version = int(version)
+            for seq in self.sched.running.values():
+                seq.mark_version(self.policy_version)
 
     # ---------------------------------------------------------------- public generation API
     def generate(self, requests: list[GenerationRequest]) -> list[list[Completion]]:
@@ -202,10 +249,12 @@ class BuiltinEngine:
         states = [self._prepare(req, lambda out, i=i: waiter.set(i, out)) for i, req in enumerate(requests)]
         self._enqueue(states)
         while not waiter.done.is_set():
+            self._running.wait(timeout=1.0)  # paused: wait outside the lock for resume()
             with self._lock:
                 if waiter.done.is_set():
                     break
-                self._run_step(batch=True)
+                if self._running.is_set():
+                    self._run_step(batch=True)
         return waiter.results()
 
     async def agenerate(self, request: GenerationRequest) -> list[Completion]:
@@ -233,6 +282,7 @@ class BuiltinEngine:
 
     def close(self) -> None:
         self._closing = True
+        self._running.set()
         self._wake.set()
         if self._worker is not None:
             self._worker.join(timeout=10)
@@ -277,8 +327,8 @@ class BuiltinEngine:
             while not self._closing:
                 with self._lock:
                     self._drain_inbox()
-                    if not self.sched.busy():
-                        break
+                    if not self.sched.busy() or not self._running.is_set():
+                        break  # idle, or paused: resume() wakes this loop
                     self._run_step()
 
     def _drain_inbox(self) -> None:
@@ -310,7 +360,7 @@ class BuiltinEngine:
         self._drain_inbox()
         had_running = bool(self.sched.running)
         while True:  # fill every free slot before decoding (one prefill call per token budget)
-            admissions = self.sched.plan_admissions()
+            admissions = self.sched.plan_admissions(self.policy_version)
             if not admissions:
                 break
             self.stats.mid_run_admissions += had_running
@@ -457,7 +507,8 @@ class BuiltinEngine:
                                              self._decode_text)
         req.completions[seq.sample] = Completion(
             prompt_token_ids=list(req.request.prompt_token_ids), token_ids=ids,
-            logprobs=lps if p.logprobs else None, finish_reason=reason, request_id=req.request.request_id)
+            logprobs=lps if p.logprobs else None, finish_reason=reason, request_id=req.request.request_id,
+            policy_versions=seq.token_versions(len(ids)))
         self.stats.generated_tokens += len(ids)
         req.remaining -= 1
         if req.remaining == 0:

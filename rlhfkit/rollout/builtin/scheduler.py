@@ -80,6 +80,29 @@ class Sequence:
     read: int = 0  # tokens (and log-probs) copied to the host so far, in `tokens` / `logprobs`
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    # (first generated token index, policy version) of each span of tokens sampled by one version of
+    # the weights; a weight update between steps starts a new span at `gen_bound` (see `mark_version`)
+    spans: list[tuple[int, int]] = field(default_factory=lambda: [(0, 0)])
+
+    def mark_version(self, version: int) -> None:
+        """Tokens from now on come from `version`. `gen_bound` is exact for a row still running
+        (after a look-ahead sync too: it advanced one token per queued step) and a bound past the
+        end of a row that finished, so every token before it came from the earlier version."""
+        start, last = self.spans[-1]
+        if last == version:
+            return
+        if start >= self.gen_bound:  # no token of the last span yet
+            self.spans[-1] = (start, version)
+        else:
+            self.spans.append((self.gen_bound, version))
+
+    def token_versions(self, n: int) -> list[int]:
+        """The policy version of each of the first `n` generated tokens."""
+        out: list[int] = []
+        for k, (start, version) in enumerate(self.spans):
+            end = self.spans[k + 1][0] if k + 1 < len(self.spans) else n
+            out.extend([version] * (min(end, n) - min(start, n)))
+        return out
 
     @property
     def pos_bound(self) -> int:
@@ -115,8 +138,9 @@ class SlotScheduler:
     def busy(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def plan_admissions(self) -> list[Admission]:
-        """Admit from the head of the queue while slots and the prefill token budget allow."""
+    def plan_admissions(self, version: int = 0) -> list[Admission]:
+        """Admit from the head of the queue while slots and the prefill token budget allow; the
+        admitted samples' first tokens come from policy `version`."""
         out: list[Admission] = []
         longest = 0
         while self.waiting and self._free:
@@ -128,7 +152,7 @@ class SlotScheduler:
             slots = [heapq.heappop(self._free) for _ in range(k)]
             out.append(Admission(req, req.admitted, slots))
             for i, slot in enumerate(slots):
-                self.running[slot] = Sequence(req, req.admitted + i, slot, gen_bound=1)
+                self.running[slot] = Sequence(req, req.admitted + i, slot, gen_bound=1, spans=[(0, version)])
             req.admitted += k
             longest = longest_if
             if req.admitted == req.request.params.n:
