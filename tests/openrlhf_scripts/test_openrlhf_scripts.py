@@ -34,7 +34,7 @@ removed KTO, PRM, KD, batch_inference, interactive_chat and the loops in v0.9.6,
 | train_gspo_ray_hybrid_engine.sh | GSPO loss, group_norm, no reference | ran | - |
 | train_dapo_ray_hybrid_engine.sh | GRPO + clip-higher + dynamic sampling | ran | ran |
 | train_reinforce_baseline_hybrid_engine.sh | REINFORCE++-baseline, single-turn agent file | ran | ran (dotted: async script minus async) |
-| train_reinforce_baseline_ray_agent_async.sh | --async_train with colocation (+ partial rollout) | xfail until on main | xfail until on main |
+| train_reinforce_baseline_ray_agent_async.sh | --async_train with colocation (dotted: + --partial_rollout) | ran | ran |
 | train_reinforce_baseline_ray_agent_multiturn.sh | multi-turn agent (rlhfkit's example agent) | ran | ran (table rename) |
 | train_prorlv2_math_hybrid_engine.sh | math_reward_func, eval, ICEPOP, penalties | xfail until on main | xfail until on main |
 
@@ -92,20 +92,6 @@ OFFLINE_TIMEOUT_S = 240
 RAY_TIMEOUT_S = 300
 
 
-def _async_on_main() -> bool:
-    """--async_train with --colocate_all_models is accepted (issue 15 part 2)."""
-    from rlhfkit.cli import train_ppo_ray
-
-    src = open(train_ppo_ray.__file__).read()
-    return "--async_train generates while the policy trains, but --colocate_all_models" not in src
-
-
-def _partial_rollout_on_main() -> bool:
-    from rlhfkit.cli import train_ppo_ray
-
-    return "--partial_rollout is not supported yet" not in open(train_ppo_ray.__file__).read()
-
-
 def _math_reward_on_main() -> bool:
     """examples/math_reward_func.py and the rlhfkit.utils names it imports (issue 15 part 1)."""
     try:
@@ -115,8 +101,6 @@ def _math_reward_on_main() -> bool:
     return os.path.isfile(os.path.join(ROOT, "examples", "math_reward_func.py"))
 
 
-ASYNC = "--async_train with --colocate_all_models (issue 15 part 2, c15-async): not on main yet"
-PARTIAL = "--async_train with colocation and --partial_rollout (issue 15 part 2, c15-async): not on main yet"
 MATH = "rlhfkit.utils.extract_boxed_answer / grade_answer and examples/math_reward_func.py (issue 15 part 1, c15-utils): not on main yet"
 
 
@@ -162,12 +146,8 @@ def _cases() -> list[Case]:
          None if _math_reward_on_main() else MATH),
     ]
     cases += [Case(f"{sp}/{name}.sh", out, ray=True, xfail=x) for sp in ("flat", "dotted") for name, out, x in ray_both]
-    cases += [
-        Case("flat/train_reinforce_baseline_ray_agent_async.sh", ["exp/Qwen3-4B-Thinking/config.json"], ray=True,
-             xfail=None if _async_on_main() else ASYNC),
-        Case("dotted/train_reinforce_baseline_ray_agent_async.sh", ["exp/Qwen3-4B-Thinking/config.json"], ray=True,
-             xfail=None if _async_on_main() and _partial_rollout_on_main() else PARTIAL),
-    ]
+    cases += [Case(f"{sp}/train_reinforce_baseline_ray_agent_async.sh", ["exp/Qwen3-4B-Thinking/config.json"],
+                   ray=True) for sp in ("flat", "dotted")]
     cases += [Case(f"flat/{name}.sh", out, ray=True) for name, out in [
         ("train_ppo_llama_ray", [f"{ck}/llama3-8b-rlhf/config.json"]),
         ("train_reinforce_llama_ray_hybrid_engine", ["final/llama3-8b-rlhf/config.json"]),
@@ -235,12 +215,16 @@ class RayHead:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.send_signal(signal.SIGTERM)  # `ray start --block` drains and stops its processes (~4 s)
             try:
-                self.proc.wait(30)
+                self.proc.wait(60)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # whatever of this head's process group is left
+        except ProcessLookupError:
+            pass
+        self.proc.wait(10)
         self.log.close()
         shutil.rmtree(self.tmp, ignore_errors=True)
 
