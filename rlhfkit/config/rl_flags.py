@@ -173,7 +173,9 @@ def _placement(p: FlagParser) -> None:
     p.flag("--colocate_all_models", "--train.colocate_all", action="store_true")
     p.flag("--colocate_actor_ref", "--train.colocate_actor_ref", action="store_true")
     p.flag("--colocate_critic_reward", "--train.colocate_critic_reward", action="store_true")
-    p.flag("--deepspeed_enable_sleep", "--ds.enable_sleep", action="store_true")
+    p.flag("--deepspeed_enable_sleep", "--ds.enable_sleep", "--fsdp2_enable_sleep", action="store_true",
+           help="training states (optimizer, fp32 master weights, gradients) to host memory between phases; "
+                "--fsdp2_enable_sleep is OpenRLHF's FSDP2-era name of the same flag")
     p.flag("--skip_memory_check", action="store_true",
            help="start even when the per-GPU memory plan exceeds the GPU (train_ppo_ray prints the plan)")
 
