@@ -1,7 +1,7 @@
 #!/bin/bash
 # rlhfkit's copy of OpenRLHF examples/scripts/train_reinforce_baseline_hybrid_engine.sh (flat flags, OpenRLHF
-# 8b78539c): REINFORCE++-baseline with an agent file, dynamic filtering and dynamic batches on the hybrid
-# engine. Adapted as a user would for one CPU: module renamed, tiny model/data, 1 CPU worker, sizes cut; each
+# 0b08e353, its FSDP2-era version: --fsdp2_enable_sleep, no --zero_stage): REINFORCE++-baseline with an agent
+# file, dynamic filtering and dynamic batches on the hybrid engine. Adapted as a user would for one CPU: module renamed, tiny model/data, 1 CPU worker, sizes cut; each
 # changed line says so. Reads MODEL, AGENT_FUNC, DATA, OUT from the environment.
 
 SCRIPT_DIR="$(dirname "$0")"
@@ -71,13 +71,10 @@ ENGINE_ARGS=(
    --vllm_tensor_parallel_size 1                      # changed: 2 -> 1
    --vllm_gpu_memory_utilization 0.7
    --colocate_all_models
-   --deepspeed_enable_sleep
+   --fsdp2_enable_sleep
    --vllm_sync_backend nccl
    --enforce_eager
-
-   --zero_stage 3
    --gradient_checkpointing
-   # --adam_offload
    --ring_attn_size 1                                 # changed: 2 -> 1 (a ring of one worker: no ring attention,
                                                       #   which needs GPUs; the GPU counts above went to 1)
    --ring_head_stride 2
