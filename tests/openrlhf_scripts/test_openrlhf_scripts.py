@@ -6,7 +6,9 @@ ed62d0e2) is the project's own copy of an OpenRLHF `examples/scripts/*.sh`: modu
 one CPU worker, sizes cut to one or two steps, `ray job submit` replaced by a direct run (the copies
 join this test's Ray head through $RAY_ADDRESS; without it the CLI starts a local Ray), every other
 flag as written. Each changed line carries a `# changed:` comment; the header names the OpenRLHF
-commit. The test runs each copy with bash, checks exit code 0 and the outputs it must leave.
+commit. Flags are bash arrays, one flag a line, where OpenRLHF used a heredoc or backslash-continued
+lines (a comment cannot follow a continued line). The test runs each copy with bash, checks exit
+code 0 and the outputs it must leave.
 
 Selected (flat / dotted: the spelling was run; "-": OpenRLHF has no script in that spelling, e.g. it
 removed KTO, PRM, KD, batch_inference, interactive_chat and the loops in v0.9.6, before the rename):
