@@ -207,7 +207,7 @@ def run_rlhfkit(a: argparse.Namespace, model_dir: str, data: str, reward: str, w
     ppo_setup.resolve_flags(args, dist.world_size)
     set_seed(args.seed)
     with engine_batch(a.max_num_seqs or prompts * a.n):
-        trainer, _, _, _ = build_trainer(args, dist)
+        trainer, _, _ = build_trainer(args, dist)
     try:
         min_new = force_full_length(trainer)
         walls, metrics = time_steps(trainer, a.steps, a.device)

@@ -2,63 +2,32 @@
 ``--remote_rm_url`` reward_func files.
 
 An agent file written for OpenRLHF works once its import line reads
-``from rlhfkit.agents import ...`` instead of ``from openrlhf.utils.agent import ...``. It defines
+``from rlhfkit.agents import ...`` (or ``from rlhfkit.utils.agent import ...``) instead of
+``from openrlhf.utils.agent import ...``. It defines
 
     class AgentInstance(AgentInstanceBase): ...            # the environment
     class AgentExecutor(MultiTurnAgentExecutor):           # optional; or AgentExecutorBase with execute()
         def __init__(self): super().__init__(AgentInstance)
 
-A file with only ``AgentInstance`` gets ``MultiTurnAgentExecutor(AgentInstance)``. An executor whose
+A file with only ``AgentInstance`` gets ``MultiTurnAgentExecutor(AgentInstance)``; a file with neither
+class but a function ``run_agent(prompt, label, session)`` gets ``OpenAIAgentExecutor(run_agent)``
+(agent code on the ``openai`` client, see ``openai_executor.py``). An executor whose
 ``__init__`` takes arguments (older OpenRLHF: ``max_steps, max_length, llm_engine, hf_tokenizer,
 result_queue``) receives them by name.
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import inspect
-import os
-import sys
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 from rlhfkit.agents.base import AgentConfig, AgentExecutorBase, AgentInstanceBase
 from rlhfkit.agents.executors import MultiTurnAgentExecutor
+from rlhfkit.agents.user_file import import_user_file  # noqa: F401 - its historical home
 
 AGENT_FLAG = "--agent_func_path"
-
-
-def import_user_file(path: str, flag: str) -> ModuleType:
-    """Import a user's ``.py`` file as a fresh module; errors name the flag and the file."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{flag} {path}: no such file")
-    if not path.endswith(".py"):
-        raise ValueError(f"{flag} {path}: expected a .py file")
-    path = os.path.abspath(path)
-    stem = os.path.splitext(os.path.basename(path))[0]
-    name = f"rlhfkit_user_{stem}_{hashlib.sha1(path.encode()).hexdigest()[:8]}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    folder = os.path.dirname(path)
-    sys.path.insert(0, folder)  # sibling helper modules of the user file can be imported
-    try:
-        spec.loader.exec_module(module)
-    except ModuleNotFoundError as e:
-        del sys.modules[name]
-        hint = ""
-        if (e.name or "").startswith("openrlhf"):
-            hint = (" -- replace `from openrlhf.utils.agent import ...` with `from rlhfkit.agents import ...`")
-        raise ImportError(f"{flag} {path}: {e}{hint}") from e
-    except Exception as e:
-        del sys.modules[name]
-        raise ImportError(f"{flag} {path}: importing the file failed: {type(e).__name__}: {e}") from e
-    finally:
-        if folder in sys.path:
-            sys.path.remove(folder)
-    return module
 
 
 @dataclass
@@ -69,6 +38,7 @@ class AgentFile:
     module: ModuleType
     executor_cls: type | None
     instance_cls: type | None
+    run_agent: Any = None  # a module-level run_agent(prompt, label, session): the OpenAI-API executor
 
 
 def _class_attr(module: ModuleType, name: str, base: type, path: str) -> type | None:
@@ -86,10 +56,12 @@ def load_agent_file(path: str) -> AgentFile:
     module = import_user_file(path, AGENT_FLAG)
     executor_cls = _class_attr(module, "AgentExecutor", AgentExecutorBase, path)
     instance_cls = _class_attr(module, "AgentInstance", AgentInstanceBase, path)
-    if executor_cls is None and instance_cls is None:
-        raise AttributeError(f"{AGENT_FLAG} {path} must define class AgentExecutor(AgentExecutorBase) "
-                             f"or class AgentInstance(AgentInstanceBase)")
-    return AgentFile(path=path, module=module, executor_cls=executor_cls, instance_cls=instance_cls)
+    run_agent = getattr(module, "run_agent", None)
+    if executor_cls is None and instance_cls is None and not callable(run_agent):
+        raise AttributeError(f"{AGENT_FLAG} {path} must define class AgentExecutor(AgentExecutorBase), "
+                             f"class AgentInstance(AgentInstanceBase) or a function run_agent(prompt, label, session)")
+    return AgentFile(path=path, module=module, executor_cls=executor_cls, instance_cls=instance_cls,
+                     run_agent=run_agent if callable(run_agent) else None)
 
 
 def instantiate_executor(cls: type, path: str, supplied: dict[str, Any]) -> AgentExecutorBase:
@@ -116,6 +88,10 @@ def build_agent_executor(path: str, engine: Any, tokenizer: Any, config: AgentCo
         if spec.instance_cls is not None:
             supplied["agent_instance_cls"] = spec.instance_cls
         executor = instantiate_executor(spec.executor_cls, path, supplied)
-    else:
+    elif spec.instance_cls is not None:
         executor = MultiTurnAgentExecutor(spec.instance_cls)
+    else:
+        from rlhfkit.agents.openai_executor import OpenAIAgentExecutor
+
+        executor = OpenAIAgentExecutor(run_agent=spec.run_agent)
     return executor.setup(engine, tokenizer, config, reward_source=reward_source, source_name=path)

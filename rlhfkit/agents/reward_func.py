@@ -34,6 +34,7 @@ from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 from rlhfkit.agents.reward_types import RewardOutput
 from rlhfkit.agents.user_code import EpisodeError, run_user_code
+from rlhfkit.agents.user_file import import_user_file
 
 logger = logging.getLogger(__name__)
 
@@ -99,8 +100,6 @@ def slice_reward_output(out: RewardOutput, start: int, end: int) -> RewardOutput
 
 def load_reward_func(path: str) -> Callable[..., Any]:
     """Import ``path`` and return its ``reward_func(queries, prompts, labels)``."""
-    from rlhfkit.agents.loader import import_user_file
-
     module = import_user_file(path, FLAG)
     fn = getattr(module, "reward_func", None)
     if not callable(fn):

@@ -3,7 +3,8 @@
 Layout of `<ckpt_root>/<tag>/`:
 
     dcp/                  torch.distributed.checkpoint files: `.metadata` and one `__<rank>_0.distcp`
-                          per rank, holding {"model": ..., "optim": ...} of `backend.sharded_state_dict()`:
+                          per rank, holding {"model": ..., "optim": ..., "ema": ... (--enable_ema)} of
+                          `backend.sharded_state_dict()`:
                           each rank's DTensor shards of the fp32 weights (one process: the fp32
                           master weights) and of the AdamW state, keyed by parameter name
     trainer.pt            LR scheduler state and the fp16 loss scaler (rank 0)
@@ -318,6 +319,7 @@ def save_checkpoint(backend, ckpt_root: str, tag: str, client_state: dict | None
     D.barrier()
     has_optim = backend.optimizer_has_state
     state = backend.sharded_state_dict(with_optimizer=has_optim)
+    has_ema = "ema" in state
     writer = dcp.FileSystemWriter(os.path.join(tmp, DCP_DIR), sync_files=True)
     _dcp(dcp.save, state, storage_writer=writer)
     del state
@@ -329,7 +331,7 @@ def save_checkpoint(backend, ckpt_root: str, tag: str, client_state: dict | None
     if rank0:
         index = max([i for i, _ in list_checkpoints(ckpt_root)], default=-1) + 1
         meta = {"tag": tag, "index": index, "world_size": D.get_world_size(), "time": time.time(),
-                "format": FORMAT, "has_optim": has_optim}
+                "format": FORMAT, "has_optim": has_optim, "has_ema": has_ema}
         _write_file(os.path.join(tmp, META), json.dumps(meta))
         fsync_dir(os.path.join(tmp, DCP_DIR))
         fsync_dir(tmp)
@@ -357,7 +359,8 @@ def _load_sharded(backend, path: str, meta: dict) -> None:
     """dcp.load into this run's own shards (any world size), then hand them to the backend."""
     import torch.distributed.checkpoint as dcp
 
-    state = backend.sharded_state_dict(with_optimizer=bool(meta.get("has_optim", True)))
+    state = backend.sharded_state_dict(with_optimizer=bool(meta.get("has_optim", True)),
+                                       with_ema=bool(meta.get("has_ema", False)))
     try:
         _dcp(dcp.load, state, storage_reader=dcp.FileSystemReader(os.path.join(path, DCP_DIR)))
     except Exception as e:  # noqa: BLE001 - DCP wraps per-rank failures; name the checkpoint

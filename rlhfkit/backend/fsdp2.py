@@ -31,6 +31,10 @@ host buffers allocated once and reused (offload.py), bit for bit; bf16 module pa
 have fp32 masters are freed and rebuilt from them instead of copied. `sleep_stats` has the
 seconds and bytes of the last round trip.
 
+`--optim muon` steps the 2-D hidden-layer weights with PyTorch's Muon and the rest with AdamW, as one
+optimizer (muon.py). `ema_decay` (--enable_ema) keeps an EMA of the trained weights in host memory,
+updated after every optimizer step; `save_hf` exports the EMA weights (ema.py).
+
 Checkpoints (checkpoint.py) go through `sharded_state_dict()`: each rank's DTensor shards (or,
 in one process, the fp32 masters) and optimizer state, written by torch.distributed.checkpoint
 with no gather. `save_hf` streams full tensors one at a time into size-capped safetensors files
@@ -42,6 +46,7 @@ weights to the compute dtype (no master copy is needed) and has no optimizer.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from typing import Any, Iterator
@@ -52,6 +57,7 @@ from torch import nn
 from rlhfkit.backend import checkpoint as ckpt
 from rlhfkit.backend import dist as D
 from rlhfkit.backend.dist import DistInfo
+from rlhfkit.backend.ema import EMAWeights
 from rlhfkit.backend.guard import NonFiniteGuard
 from rlhfkit.backend.hf_export import export_hf, parse_size
 from rlhfkit.backend.master import MasterWeights
@@ -68,6 +74,7 @@ from rlhfkit.backend.sharding import (
     sum_gradients_by_loss_scale,
 )
 from rlhfkit.config.configs import BackendConfig, OptimConfig
+from rlhfkit.config.notes import note_once
 from rlhfkit.models.loader import enable_gradient_checkpointing
 
 log = logging.getLogger(__name__)
@@ -96,16 +103,6 @@ def _check_dims(dims: ParallelDims, cfg: BackendConfig, dist: DistInfo) -> None:
     if cfg.zero_stage > 0 and dims.dp_shard == 1 and dims.dp_replicate > 1:
         raise ValueError(f"--zero_stage {cfg.zero_stage} shards over dp_shard, but the mesh has dp_shard=1 and "
                          f"dp_replicate={dims.dp_replicate} (use --zero_stage 0 for plain replication)")
-
-
-_NOTED: set[str] = set()
-
-
-def _note_once(line: str) -> None:
-    """Print `line` once per process (several backends may be built in one)."""
-    if line not in _NOTED:
-        _NOTED.add(line)
-        print(line, flush=True)
 
 
 def _cast_params(model: nn.Module, dtype: torch.dtype, trainable_only: bool) -> None:
@@ -155,7 +152,10 @@ class FSDP2Backend:
         self.trainable = optim_cfg is not None
         self.cpu_offload = backend_cfg.adam_offload and self.trainable and self.device.type == "cuda"
         if backend_cfg.adam_offload and self.trainable and self.device.type != "cuda" and dist.rank == 0:
-            _note_once("note: --adam_offload has no effect on CPU (the optimizer states are already in host memory)")
+            note_once("note: --adam_offload has no effect on CPU (the optimizer states are already in host memory)")
+        if self.trainable and self.compute_dtype != self.param_dtype and dist.rank == 0:
+            note_once(f"note: --param_dtype {backend_cfg.param_dtype} has no effect on CPU: training computes in "
+                      "fp32 (low-precision CPU compute is slow)")
         if self.cpu_offload and not dist.has_process_group:
             D.init_single_rank_group(dist.device)  # FSDP2's CPUOffloadPolicy needs a process group
         self.is_sharded = dist.has_process_group
@@ -175,16 +175,19 @@ class FSDP2Backend:
         self.scheduler = None
         self.loss_scaler: DynamicLossScaler | None = None
         self.guard: NonFiniteGuard | None = None
+        self.ema: EMAWeights | None = None
         if self.trainable:
             self.guard = NonFiniteGuard(optim_cfg.max_nonfinite_steps)
             groups = None
             if self.master is not None:
-                groups = self.master.param_groups(param_groups(self.model, optim_cfg.l2))
+                groups = self.master.param_groups(param_groups(self.model, optim_cfg.l2, optim_cfg.optim == "muon"))
             self.optimizer = build_optimizer(self.model, optim_cfg, groups=groups,
                                              fused=self.master is not None and self.device.type == "cuda")
             self.scheduler = build_scheduler(self.optimizer, optim_cfg, num_training_steps)
             if self.compute_dtype == torch.float16:
                 self.loss_scaler = DynamicLossScaler()
+            if backend_cfg.ema_decay is not None:
+                self.ema = EMAWeights(self._named_params(self._params()), backend_cfg.ema_decay)
 
     # ------------------------------------------------------------------ wrapping
 
@@ -225,6 +228,11 @@ class FSDP2Backend:
 
     def unwrap(self) -> nn.Module:
         return self.model
+
+    @property
+    def steps_done(self) -> int:
+        """Optimizer steps taken (skipped non-finite steps excluded); restored on resume."""
+        return int(self.scheduler.last_epoch) if self.scheduler is not None else 0
 
     @property
     def lr(self) -> float:
@@ -280,6 +288,8 @@ class FSDP2Backend:
             self.guard.stepped()
             if self.master is not None:
                 self.master.copy_to_model()
+            if self.ema is not None:
+                self.ema.update()
             self.scheduler.step()
         else:
             opt.zero_grad(set_to_none=True)
@@ -354,13 +364,15 @@ class FSDP2Backend:
     def save_hf(self, path: str, tokenizer: Any = None, dtype: torch.dtype | None = None,
                 max_shard_size: int | str | None = None) -> None:
         """HF directory; weights in `dtype` (default: the compute dtype), streamed one tensor at a
-        time into safetensors files of at most `max_shard_size` (default --hf_max_shard_size).
-        All ranks call; rank 0 writes."""
+        time into safetensors files of at most `max_shard_size` (default --hf_max_shard_size); the
+        EMA weights under --enable_ema. All ranks call; rank 0 writes."""
         limit = parse_size(self.cfg.hf_max_shard_size if max_shard_size is None else max_shard_size)
         self.check_finite(f"refusing to write {path}")
-        export_hf(self.unwrap(), path, dtype or self.compute_dtype, limit, tokenizer,
-                  master_of=self.master.master_or_none if self.master is not None else None,
-                  full_state_dict=self.full_state_dict)
+        sync = self.master.copy_to_model if self.master is not None else None
+        with self.ema.swapped_in(sync) if self.ema is not None else contextlib.nullcontext():  # --enable_ema
+            export_hf(self.unwrap(), path, dtype or self.compute_dtype, limit, tokenizer,
+                      master_of=self.master.master_or_none if self.master is not None else None,
+                      full_state_dict=self.full_state_dict)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -382,11 +394,12 @@ class FSDP2Backend:
         """False until the first optimizer step (nothing to save for the optimizer yet)."""
         return bool(self._require_optimizer().state)
 
-    def sharded_state_dict(self, with_optimizer: bool = True) -> dict[str, Any]:
-        """{"model": ..., "optim": ...} of this rank: DTensor shards when sharded (in one process the
-        module's tensors, with the fp32 masters in place of low-precision parameters); optimizer state
-        keyed by parameter name. Live tensors, no gather: torch.distributed.checkpoint writes from
-        them and loads into them in place. A fresh optimizer is given zero state to load into."""
+    def sharded_state_dict(self, with_optimizer: bool = True, with_ema: bool = True) -> dict[str, Any]:
+        """{"model": ..., "optim": ..., "ema": ...} of this rank: DTensor shards when sharded (in one
+        process the module's tensors, with the fp32 masters in place of low-precision parameters);
+        optimizer state keyed by parameter name; the EMA weights under --enable_ema. Live tensors, no
+        gather: torch.distributed.checkpoint writes from them and loads into them in place. A fresh
+        optimizer is given zero state to load into."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
         opt = self._require_optimizer()
@@ -394,10 +407,12 @@ class FSDP2Backend:
             sd = {"model": self.master.live_model_state_dict(self.model)}
             if with_optimizer:
                 sd["optim"] = self.master.live_optimizer_state_dict(opt)
-            return sd
-        sd = {"model": get_model_state_dict(self.model)}
-        if with_optimizer:
-            sd["optim"] = get_optimizer_state_dict(self.model, opt)
+        else:
+            sd = {"model": get_model_state_dict(self.model)}
+            if with_optimizer:
+                sd["optim"] = get_optimizer_state_dict(self.model, opt)
+        if self.ema is not None and with_ema:
+            sd["ema"] = self.ema.state_dict()
         return sd
 
     def load_sharded_state_dict(self, sd: dict[str, Any]) -> None:
@@ -416,6 +431,12 @@ class FSDP2Backend:
                 set_optimizer_state_dict(self.model, opt, sd["optim"])
         if "optim" not in sd:
             opt.state.clear()
+        if self.ema is not None:
+            if "ema" in sd:
+                self.ema.load_state_dict(sd["ema"])
+            else:  # a checkpoint of a run without --enable_ema: the average starts at the loaded weights
+                note_once("note: --enable_ema: the checkpoint has no EMA weights; the average starts at its weights")
+                self.ema = EMAWeights(self._named_params(self._params()), self.ema.beta)
 
     def save_checkpoint(self, ckpt_root: str, tag: str, client_state: dict | None,
                         max_keep: int) -> str:

@@ -2,7 +2,8 @@
 
 Optimizer: AdamW (Loshchilov & Hutter, "Decoupled Weight Decay Regularization", 2019) with
 `--learning_rate`, `--adam_betas`, `--adam_eps` and weight decay `--l2`. Biases and the weights
-of normalisation layers (LayerNorm, RMSNorm, ...) get no decay.
+of normalisation layers (LayerNorm, RMSNorm, ...) get no decay. `--optim muon` steps the hidden
+layers' 2-D weights with Muon instead (muon.py; `--muon_lr`, same decay `--l2`).
 
 Schedules (`--lr_scheduler`), as a factor f(step) of the base learning rate, with
 W = ceil(--lr_warmup_ratio * total) warm-up steps and progress p = (step - W) / max(1, total - W)
@@ -99,16 +100,23 @@ def no_decay(name: str, module: nn.Module, param: torch.Tensor) -> bool:
     return name.endswith("bias") or _is_norm(module) or param.ndim < 2
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Two AdamW groups: trainable parameters with `weight_decay`, and those without decay."""
-    decay, skip, seen = [], [], set()
+def param_groups(model: nn.Module, weight_decay: float, muon: bool = False) -> list[dict]:
+    """Two AdamW groups: trainable parameters with `weight_decay`, and those without decay. With
+    `muon`, a first group `{"muon": True}` takes the hidden layers' 2-D weights (muon.py)."""
+    from rlhfkit.backend.muon import is_muon_param
+
+    ortho, decay, skip, seen = [], [], [], set()
     for mod_name, module in model.named_modules():
         for pname, p in module.named_parameters(recurse=False):
             if not p.requires_grad or id(p) in seen:
                 continue
             seen.add(id(p))
-            (skip if no_decay(pname, module, p) else decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": skip, "weight_decay": 0.0}]
+            if muon and is_muon_param(mod_name, module, p):
+                ortho.append(p)
+            else:
+                (skip if no_decay(pname, module, p) else decay).append(p)
+    groups = [{"params": ortho, "weight_decay": weight_decay, "muon": True},
+              {"params": decay, "weight_decay": weight_decay}, {"params": skip, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]
 
 
@@ -127,19 +135,26 @@ def _validate(cfg: OptimConfig) -> None:
         raise ValueError(f"--min_lr_ratio must be in [0, 1], got {cfg.min_lr_ratio}")
     if cfg.max_norm < 0:
         raise ValueError(f"--max_norm must be >= 0 (0 disables clipping), got {cfg.max_norm}")
+    if cfg.optim not in ("adam", "muon"):
+        raise ValueError(f"--optim must be adam or muon, got {cfg.optim!r}")
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, groups: list[dict] | None = None,
-                    fused: bool = False) -> torch.optim.AdamW:
-    """AdamW over `model`'s trainable parameters (build it after sharding the model), or over the
-    given `groups` (e.g. fp32 master copies); `fused` picks the single-kernel CUDA implementation."""
+                    fused: bool = False) -> torch.optim.Optimizer:
+    """AdamW (or, with `--optim muon`, Muon + AdamW) over `model`'s trainable parameters (build it
+    after sharding the model), or over the given `groups` (e.g. fp32 master copies); `fused` picks
+    the single-kernel CUDA implementation of AdamW."""
     _validate(cfg)
-    groups = param_groups(model, cfg.l2) if groups is None else groups
+    groups = param_groups(model, cfg.l2, cfg.optim == "muon") if groups is None else groups
     if not groups:
         raise ValueError("the model has no trainable parameters (requires_grad=False everywhere)")
     betas = (float(cfg.adam_betas[0]), float(cfg.adam_betas[1]))
-    extra = {"fused": True} if fused else {}
-    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=betas, eps=cfg.adam_eps, **extra)
+    adamw = {"lr": cfg.learning_rate, "betas": betas, "eps": cfg.adam_eps, **({"fused": True} if fused else {})}
+    if cfg.optim == "muon":
+        from rlhfkit.backend.muon import build_muon
+
+        return build_muon(groups, cfg, adamw)
+    return torch.optim.AdamW(groups, **adamw)
 
 
 def schedule_fn(cfg: OptimConfig, num_training_steps: int) -> Callable[[int], float]:

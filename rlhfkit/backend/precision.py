@@ -25,7 +25,17 @@ import torch
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # the one --param_dtype table
+
+
+def dtype_flag_name(dtype: torch.dtype) -> str:
+    """torch dtype -> its --param_dtype name (bf16 | fp16 | fp32)."""
+    return next(k for k, v in DTYPES.items() if v == dtype)
+
+
+def run_dtype(param_dtype: str, device: str) -> torch.dtype:
+    """What an inference-only model (a rollout engine) computes in: --param_dtype on a GPU, fp32 on CPU."""
+    return DTYPES[param_dtype] if device.startswith("cuda") else torch.float32
 
 
 def parse_dtype(name: str) -> torch.dtype:

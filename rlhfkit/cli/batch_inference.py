@@ -62,8 +62,9 @@ from typing import Any, Sequence
 
 import torch
 
-from rlhfkit.cli.common import UsageError, cli_main, set_seed
-from rlhfkit.config.flags import FlagParser, add_data_flags, add_model_flags
+from rlhfkit.backend.precision import dtype_flag_name, run_dtype
+from rlhfkit.cli.common import UsageError, cli_main, resolve_modelscope_paths, set_seed
+from rlhfkit.config.flags import FlagParser, add_data_flags, add_model_flags, mark_training_only
 from rlhfkit.data.io import DataError, Row, load_mixture
 from rlhfkit.data.post_processors import (DEFAULT_CSFT_PROMPT, ScoredSample, apply_post_processor,
                                           check_reward_template, csft_prompt_suffix, resolve_post_processor)
@@ -114,10 +115,13 @@ def build_parser() -> FlagParser:
            help="rs (rejection sampling), iter_dpo (iterative DPO) or csft (conditional SFT), after rm scoring")
     p.flag("--reward_template", type=str, default=None,
            help="csft input template with {input} and {reward} (default '{input} <rm_score>: {reward} ')")
-    p.flag("--local_rank", type=int, default=-1, help="accepted for launcher compatibility; one process runs")
+    p.flag("--local_rank", type=int, default=-1,
+           inert="each process reads its rank from the environment (torchrun sets LOCAL_RANK / RANK)")
     p.flag("--zero_stage", "--ds.zero_stage", type=int, default=0, choices=[0, 1, 2, 3],
-           help="accepted for OpenRLHF command lines (its default 0 = unsharded, as here); 1-3 have no effect: "
-                "one process holds the whole model")
+           inert="one process holds the whole model: there is nothing to shard (OpenRLHF's loops pass 0)")
+    mark_training_only(p)
+    for dest in ("eval_dataset", "eval_split"):
+        p.mark_inert(dest, "batch_inference reads --dataset only")
     return p
 
 
@@ -252,19 +256,13 @@ def generate_samples(engine: Any, tokenizer: Any, prompts: Sequence[str], reques
     return out
 
 
-def _compute_dtype(param_dtype: str, device: str) -> torch.dtype:
-    from rlhfkit.models.loader import resolve_dtype
-
-    return resolve_dtype(param_dtype) if device.startswith("cuda") else torch.float32
-
-
 def load_engine(args: argparse.Namespace, tokenizer: Any, device: str, max_model_len: int) -> Any:
     """The --rollout_engine for --pretrain (builtin/hf get a module loaded by rlhfkit's loader)."""
     from rlhfkit.config.configs import ModelConfig, from_args
     from rlhfkit.models.loader import load_causal_lm
     from rlhfkit.rollout import build_engine
 
-    dtype = _compute_dtype(args.param_dtype, device)
+    dtype = run_dtype(args.param_dtype, device)
     if args.rollout_engine == "vllm":
         return build_engine("vllm", args.pretrain, tokenizer, dtype=dtype, seed=args.seed,
                             max_model_len=max_model_len, enable_prefix_caching=args.enable_prefix_caching,
@@ -276,7 +274,7 @@ def load_engine(args: argparse.Namespace, tokenizer: Any, device: str, max_model
         return build_engine("builtin", args.pretrain, tokenizer, device=device, dtype=dtype, tp=tp,
                             max_num_seqs=args.max_num_seqs, max_model_len=max_model_len)
     mcfg = from_args(ModelConfig, args, lora_rank=0, gradient_checkpointing=False,
-                     param_dtype={torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype])
+                     param_dtype=dtype_flag_name(dtype))
     model = load_causal_lm(mcfg, device=device).eval()
     if args.rollout_engine == "hf":
         return build_engine("hf", model, tokenizer, device=device, max_batch_size=args.max_num_seqs)
@@ -422,9 +420,9 @@ def load_reward_model(args: argparse.Namespace, device: str) -> Any:
     from rlhfkit.config.configs import ModelConfig
     from rlhfkit.models.value import load_value_model
 
-    dtype = _compute_dtype(args.param_dtype, device)
+    dtype = run_dtype(args.param_dtype, device)
     mcfg = ModelConfig(param_dtype=args.param_dtype, attn_implementation=args.attn_implementation,
-                       load_in_4bit=args.load_in_4bit, lora_rank=0)
+                       load_in_4bit=args.load_in_4bit, lora_rank=0, experts_implementation=args.experts_implementation)
     return load_value_model(args.pretrain, value_head_prefix=args.value_head_prefix, dtype=dtype,
                             normalize_reward=args.normalize_reward, device=device, cfg=mcfg,
                             flag="--pretrain").eval()
@@ -494,6 +492,7 @@ def check_args(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Run the task and write --output_path; returns the rows written."""
     check_args(args)
+    resolve_modelscope_paths(args)
     set_seed(args.seed)
     rows = run_rm(args) if args.eval_task == "rm" else run_generate(args)
     if rows is None:  # a tensor-parallel shard other than 0: shard 0 writes
@@ -509,9 +508,6 @@ def note_unused(args: argparse.Namespace, parser: FlagParser) -> None:
     changed = [f"--{d}" for d in other if getattr(args, d) != parser.get_default(d)]
     if args.eval_task and changed:
         print(f"note: no effect with --eval_task {args.eval_task}: {', '.join(changed)}", file=sys.stderr)
-    if args.zero_stage:
-        print(f"note: --zero_stage {args.zero_stage} has no effect: {PROG} runs the whole model in one process",
-              file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -80,10 +80,40 @@ def disable_hf_progress_bars() -> None:
     hf_logging.disable_progress_bar()
 
 
-def set_seed(seed: int) -> None:
+def set_seed(seed: int, full_determinism: bool = False) -> None:
+    """Seed python, numpy and torch; `--full_determinism` also makes torch pick deterministic
+    algorithms (transformers.enable_full_determinism: cuDNN / cuBLAS settings, deterministic
+    flash-attention backward). Ops without a deterministic kernel warn instead of failing."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+    if full_determinism:
+        from transformers import enable_full_determinism
+
+        enable_full_determinism(seed, warn_only=True)
+
+
+MODEL_PATH_FLAGS = ("pretrain", "ref_pretrain", "reward_pretrain", "critic_pretrain", "teacher_model")
+
+
+def resolve_modelscope_paths(args: argparse.Namespace) -> None:
+    """--use_ms: model ids that are not local directories are downloaded from ModelScope, and the
+    flags then name the downloaded directories (so every process, Ray actors included, loads those)."""
+    if not getattr(args, "use_ms", False):
+        return
+    remote = [d for d in MODEL_PATH_FLAGS if getattr(args, d, None)
+              for p in getattr(args, d).split(",") if p and not os.path.isdir(p)]
+    if not remote:
+        print("note: --use_ms has no effect: every model path is a local directory")
+        return
+    try:
+        from modelscope import snapshot_download
+    except ImportError:
+        raise UsageError("--use_ms downloads from ModelScope and needs the modelscope package "
+                         "(pip install modelscope)") from None
+    for d in dict.fromkeys(remote):
+        parts = [p if not p or os.path.isdir(p) else snapshot_download(p) for p in getattr(args, d).split(",")]
+        setattr(args, d, ",".join(parts))
 
 
 def make_logger(args: argparse.Namespace, rank: int, plot_keys: tuple[str, ...] | None = None):
@@ -101,11 +131,6 @@ def make_logger(args: argparse.Namespace, rank: int, plot_keys: tuple[str, ...] 
                          config={k: str(v) for k, v in vars(args).items() if k != "use_wandb"}, **kw)
 
 
-# DeepSpeed-only flags that OpenRLHF command lines carry; FSDP2 has no equivalent knob.
-DEEPSPEED_ONLY = {"zpg": 1, "overlap_comm": False, "grad_accum_dtype": None, "deepcompile": False,
-                  "use_universal_ckpt": False, "use_liger_kernel": False}
-
-
 def parallel_dims(args: argparse.Namespace, dist: DistInfo) -> ParallelDims:
     """The training mesh of this process group, from --zero_stage, --ds_tensor_parallel_size and
     --ring_attn_size (handed to every FSDP2Backend of the group)."""
@@ -117,13 +142,11 @@ def parallel_dims(args: argparse.Namespace, dist: DistInfo) -> ParallelDims:
 
 
 def check_backend_flags(args: argparse.Namespace) -> None:
-    """Refuse parallelism we do not implement; name DeepSpeed-only flags that have no effect."""
+    """Refuse parallelism we do not implement. (DeepSpeed-only flags are declared `inert` in
+    rlhfkit.config.flags: parsing prints a note for each one set.)"""
     if getattr(args, "ring_attn_size", 1) > 1:
         raise UsageError("--ring_attn_size > 1 (ring attention / context parallelism) is not supported yet")
     if getattr(args, "ds_tensor_parallel_size", 1) > 1:
         raise UsageError("--ds_tensor_parallel_size > 1 (tensor parallel training) is not supported yet")
     if getattr(args, "backend", "fsdp2") != "fsdp2":
         raise UsageError(f"--backend {args.backend} is not available yet; use --backend fsdp2")
-    unused = [f"--{d}" for d, default in DEEPSPEED_ONLY.items() if getattr(args, d, default) != default]
-    if unused:
-        print(f"note: {', '.join(unused)} are DeepSpeed settings with no effect under the FSDP2 backend")

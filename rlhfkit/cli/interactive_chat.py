@@ -36,8 +36,8 @@ from typing import Any, Iterator, Sequence, TextIO
 
 import torch
 
-from rlhfkit.cli.common import UsageError, cli_main, set_seed
-from rlhfkit.config.flags import FlagParser, add_model_flags
+from rlhfkit.cli.common import UsageError, cli_main, resolve_modelscope_paths, set_seed
+from rlhfkit.config.flags import FlagParser, add_model_flags, mark_training_only
 from rlhfkit.data.post_processors import DEFAULT_CSFT_PROMPT, csft_prompt_suffix
 from rlhfkit.data.templates import check_input_template, fill_template, render_chat
 
@@ -62,6 +62,7 @@ def build_parser() -> FlagParser:
     p.flag("--csft_prompt", type=str, default=DEFAULT_CSFT_PROMPT)
     p.flag("--seed", type=int, default=42)
     p.flag("--device", type=str, default=None, help="cpu or cuda (default: cuda when available)")
+    mark_training_only(p)
     return p
 
 
@@ -217,6 +218,7 @@ def run(args: argparse.Namespace, stream: TextIO | None = None, out: TextIO | No
         raise UsageError("--pretrain is required (a local model directory)")
     template = None if args.apply_chat_template else check_input_template(args.input_template)
     cfg = ReplyConfig(args.max_len, args.greedy_sampling, args.temperature, args.top_p, args.repetition_penalty)
+    resolve_modelscope_paths(args)
     set_seed(args.seed)
     model, tokenizer = load(args)
     session = ChatSession(tokenizer, read_system_prompt(args.ta_prompt), template, args.apply_chat_template,

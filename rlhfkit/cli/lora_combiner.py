@@ -28,7 +28,7 @@ def build_parser() -> FlagParser:
 
 
 def main(argv: Sequence[str] | None = None) -> str:
-    from rlhfkit.models.lora import merge_lora
+    from rlhfkit.models.lora_merge import merge_lora
 
     args = build_parser().parse(argv)
     out = merge_lora(args.model_path, args.lora_path, args.output_path, is_rm=args.is_rm,

@@ -1,10 +1,11 @@
 """Build a tiny random causal LM and a character-level tokenizer, offline.
 
-    python -m rlhfkit.cli.make_tiny_model --save_path ./tiny [--arch llama|qwen2] [--hidden_size 128]
+    python -m rlhfkit.cli.make_tiny_model --save_path ./tiny [--arch llama|qwen2|mixtral] [--hidden_size 128]
 """
 
 from __future__ import annotations
 
+from rlhfkit.config.configs import from_args
 from rlhfkit.config.flags import FlagParser
 from rlhfkit.models.tiny import TinyModelSpec, make_tiny_model
 
@@ -12,7 +13,7 @@ from rlhfkit.models.tiny import TinyModelSpec, make_tiny_model
 def build_parser() -> FlagParser:
     p = FlagParser("make_tiny_model", __doc__ or "")
     p.flag("--save_path", type=str, required=True)
-    p.flag("--arch", type=str, default="llama", choices=["llama", "qwen2"])
+    p.flag("--arch", type=str, default="llama", choices=["llama", "qwen2", "mixtral"])
     p.flag("--hidden_size", type=int, default=128)
     p.flag("--num_hidden_layers", "--num_layers", type=int, default=4)
     p.flag("--num_attention_heads", type=int, default=4)
@@ -26,7 +27,7 @@ def build_parser() -> FlagParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse(argv)
-    spec = TinyModelSpec(**{k: v for k, v in vars(args).items() if k != "save_path"})
+    spec = from_args(TinyModelSpec, args)
     path = make_tiny_model(args.save_path, spec)
     print(f"tiny {spec.arch} model and tokenizer written to {path}")
 

@@ -16,11 +16,11 @@ import argparse
 
 import torch
 
+from rlhfkit.backend.precision import DTYPES
 from rlhfkit.cli.common import UsageError
 from rlhfkit.distributed.memory_plan import (EngineMemory, MemoryInputs, ModelShape, RoleMemory, over_budget,
                                              plan_memory)
 
-PARAM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 def _shape(path: str, value_head: bool = False) -> ModelShape:
@@ -44,7 +44,7 @@ def memory_inputs(args: argparse.Namespace, slots: dict[str, int]) -> MemoryInpu
                           gpu_memory_utilization=args.vllm_gpu_memory_utilization)
     train_tokens = (args.train_max_tokens_per_gpu if args.use_dynamic_batch
                     else args.micro_train_batch_size * args.max_len)
-    return MemoryInputs(roles=roles, engine=engine, param_bytes=PARAM_BYTES.get(args.param_dtype, 2),
+    return MemoryInputs(roles=roles, engine=engine, param_bytes=DTYPES[args.param_dtype].itemsize,
                         zero_stage=args.zero_stage, adam_offload=args.adam_offload,
                         gradient_checkpointing=args.gradient_checkpointing, train_tokens=train_tokens,
                         forward_tokens=S.rollout_max_tokens(args) or args.micro_rollout_batch_size * args.max_len,

@@ -22,7 +22,8 @@ import torch
 
 from rlhfkit.backend.dist import DistInfo, init_distributed
 from rlhfkit.backend.fsdp2 import FSDP2Backend
-from rlhfkit.cli.common import UsageError, check_backend_flags, check_positions, parallel_dims, set_seed
+from rlhfkit.cli.common import (UsageError, check_backend_flags, check_positions, parallel_dims,
+                                resolve_modelscope_paths, set_seed)
 from rlhfkit.config.configs import BackendConfig, ModelConfig, OptimConfig, from_args
 from rlhfkit.config.flags import (FlagParser, add_backend_flags, add_ckpt_flags, add_data_flags,
                                   add_logging_flags, add_model_flags, add_train_flags)
@@ -87,10 +88,11 @@ def setup(args: argparse.Namespace) -> tuple[DistInfo, Any]:
     """Check --pretrain/--dataset, start distributed, seed, and load the tokenizer of --pretrain."""
     require(args, "pretrain", "dataset")
     check_backend_flags(args)
+    resolve_modelscope_paths(args)
     check_model_dir(args.pretrain, "--pretrain")
     check_positions(args.pretrain, args.max_len, f"--max_len {args.max_len}")
     dist = init_distributed(args.device)
-    set_seed(args.seed)
+    set_seed(args.seed, args.full_determinism)
     tokenizer = load_tokenizer(args.pretrain, chat_template=args.tokenizer_chat_template,
                                use_fast=not args.disable_fast_tokenizer)
     return dist, tokenizer
@@ -123,7 +125,8 @@ def loop_config(args: argparse.Namespace) -> LoopConfig:
                       max_epochs=args.max_epochs, seed=args.seed, logging_steps=args.logging_steps,
                       eval_steps=args.eval_steps, save_steps=args.save_steps, ckpt_path=args.ckpt_path,
                       max_ckpt_num=args.max_ckpt_num, load_checkpoint=args.load_checkpoint,
-                      show_progress=not args.disable_progress, max_steps=args.max_steps)
+                      show_progress=not args.disable_progress, max_steps=args.max_steps,
+                      aux_loss_coef=args.aux_loss_coef, save_ds=not args.disable_ds_ckpt, save_hf=args.save_hf_ckpt)
 
 
 def num_training_steps(num_items: int, args: argparse.Namespace) -> int:
@@ -153,11 +156,12 @@ def frozen_model(path: str, args: argparse.Namespace, dist: DistInfo, flag: str,
 
 
 def train_task(task: Any, backend: Any, train_items: Sequence[Any], eval_items: Sequence[Any] | None,
-               args: argparse.Namespace, dist: DistInfo, logger: Any, on_step_end: Callable | None = None
-               ) -> LoopState:
+               args: argparse.Namespace, dist: DistInfo, logger: Any, on_step_end: Callable | None = None,
+               tokenizer: Any = None) -> LoopState:
     """The offline loop, then one evaluation at the last step if it did not end with one."""
     cfg = loop_config(args)
-    state = train_offline(task, backend, train_items, cfg, dist, logger, eval_items, on_step_end=on_step_end)
+    state = train_offline(task, backend, train_items, cfg, dist, logger, eval_items, on_step_end=on_step_end,
+                          tokenizer=tokenizer)
     last = state.history[-1] if state.history else {}
     if eval_items and not (last.get("step") == state.step and "eval_loss" in last):
         metrics = evaluate(task, backend, eval_items, args.micro_train_batch_size, dist)
@@ -179,7 +183,8 @@ def train_policy(args: argparse.Namespace, dist: DistInfo, tokenizer: Any, task:
     backend = trainable_backend(model, args, dist, len(train_items))
     logger = make_logger(args, dist.rank, plot_keys=plot_keys)
     hook = (lambda state, metrics: on_step_end(state, metrics, backend)) if on_step_end else None
-    state = train_task(task, backend, train_items, eval_items, args, dist, logger, on_step_end=hook)
+    state = train_task(task, backend, train_items, eval_items, args, dist, logger, on_step_end=hook,
+                       tokenizer=tokenizer)
     save_model(args, backend, tokenizer, dist)
     logger.close()
     return OfflineRun(state, backend, task, tokenizer, train_items, eval_items)

@@ -7,8 +7,9 @@ own config object.
 from __future__ import annotations
 
 import argparse
+import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -20,9 +21,11 @@ from rlhfkit.algo.kl import make_kl_controller
 from rlhfkit.backend.dist import DistInfo
 from rlhfkit.backend.fsdp2 import FSDP2Backend
 from rlhfkit.backend.parallel import ParallelDims
-from rlhfkit.cli.common import UsageError, check_backend_flags, check_positions, parallel_dims
+from rlhfkit.cli.common import (UsageError, check_backend_flags, check_positions, parallel_dims,
+                                resolve_modelscope_paths)
 from rlhfkit.config.configs import BackendConfig, ModelConfig, OptimConfig, from_args
-from rlhfkit.config.rl_flags import RAY_ONLY
+from rlhfkit.config.notes import note_once
+from rlhfkit.config.rl_flags import CRITIC_OPTIM, EMA_BETA, PTX_COEF, RAY_ONLY
 from rlhfkit.losses.policy import PolicyLossConfig
 from rlhfkit.roles.actor import ActorRole, UpdateConfig
 from rlhfkit.roles.critic import CriticRole, RewardModelRole
@@ -38,6 +41,8 @@ def resolve_flags(args: argparse.Namespace, world_size: int) -> None:
     if not args.prompt_data:
         raise UsageError("--prompt_data is required")
     check_backend_flags(args)
+    resolve_modelscope_paths(args)
+    resolve_optional_terms(args)
     if args.clip_eps_low is not None or args.clip_eps_high is not None:
         lo = args.clip_eps_low if args.clip_eps_low is not None else args.eps_clip
         hi = args.clip_eps_high if args.clip_eps_high is not None else args.eps_clip
@@ -90,6 +95,48 @@ def resolve_flags(args: argparse.Namespace, world_size: int) -> None:
         raise UsageError(f"--generate_max_len ({args.generate_max_len}) must be below --max_len ({args.max_len})")
 
 
+def resolve_optional_terms(args: argparse.Namespace) -> None:
+    """The critic's optimizer flags (unset: the actor's), EMA, PPO-ptx, offloading and checkpoint
+    settings; a note for each one set where it has no effect."""
+    for dest in CRITIC_OPTIM:
+        if getattr(args, f"critic_{dest}") is None:
+            setattr(args, f"critic_{dest}", getattr(args, dest))
+    if args.ema_beta is not None and not args.enable_ema:
+        note_once(f"note: --ema_beta {args.ema_beta} has no effect without --enable_ema")
+    args.ema_beta = EMA_BETA if args.ema_beta is None else args.ema_beta
+    if args.enable_ema and not 0.0 <= args.ema_beta <= 1.0:
+        raise UsageError(f"--ema_beta must be in [0, 1], got {args.ema_beta}")
+    if args.ptx_coef is not None and not args.pretrain_data:
+        note_once(f"note: --ptx_coef {args.ptx_coef} has no effect without --pretrain_data")
+    args.ptx_coef = PTX_COEF if args.ptx_coef is None else args.ptx_coef
+    if args.ptx_coef < 0:
+        raise UsageError(f"--ptx_coef must be >= 0, got {args.ptx_coef}")
+    if args.pretrain_data and args.ptx_coef == 0:
+        note_once("note: --pretrain_data has no effect: --ptx_coef is 0")
+    if args.ref_offload and args.init_kl_coef <= 0:
+        note_once("note: --ref_offload has no effect: there is no reference model (--init_kl_coef 0)")
+    if args.disable_ds_ckpt and not args.save_hf_ckpt and args.save_steps > 0:
+        note_once("note: --save_steps writes nothing: --disable_ds_ckpt without --save_hf_ckpt")
+
+
+def ptx_active(args: argparse.Namespace) -> bool:
+    return bool(args.pretrain_data) and (args.ptx_coef if args.ptx_coef is not None else PTX_COEF) > 0
+
+
+def best_metric_key(args: argparse.Namespace) -> str | None:
+    """The eval metric that picks the best checkpoint ("" = the first `*_pass1` one), or None: off
+    ("none", no evaluation, or the automatic key while --save_steps writes no checkpoints)."""
+    key = args.best_metric_key
+    if key.lower() == "none":
+        return None
+    if not (args.eval_dataset and args.eval_steps > 0):
+        if key:
+            note_once(f"note: --best_metric_key {key} has no effect without evaluation "
+                      "(--eval_dataset and --eval_steps > 0)")
+        return None
+    return key if key or args.save_steps > 0 else None
+
+
 def note_ray_only_flags(args: argparse.Namespace, parser: Any, prog: str) -> None:
     """One line naming the placement/engine flags that only train_ppo_ray uses."""
     set_flags = [d for d in RAY_ONLY if getattr(args, d) != parser.get_default(d)]
@@ -103,7 +150,8 @@ def actor_update_cfg(args: argparse.Namespace) -> UpdateConfig:
                         max_epochs=args.max_epochs, seed=args.seed, temperature=args.temperature,
                         use_kl_loss=args.use_kl_loss, kl_estimator=args.kl_estimator,
                         max_tokens_per_micro=args.train_max_tokens_per_gpu if args.use_dynamic_batch else None,
-                        packing=args.packing_samples)
+                        packing=args.packing_samples, aux_loss_coef=args.aux_loss_coef,
+                        ptx_coef=args.ptx_coef if ptx_active(args) else 0.0)
 
 
 def rollout_max_tokens(args: argparse.Namespace) -> int | None:
@@ -125,19 +173,42 @@ def backend_cfg(args: argparse.Namespace) -> BackendConfig:
     return from_args(BackendConfig, args)
 
 
+def build_ptx(args: argparse.Namespace, dist: DistInfo):
+    """PPO-ptx batches of this policy rank (`rlhfkit.data.ptx`): --pretrain_data as raw text of
+    --input_key (loss on every token), cut to --max_len; None without --pretrain_data."""
+    if not ptx_active(args):
+        return None
+    from rlhfkit.data.io import DataError, load_mixture
+    from rlhfkit.data.ptx import PtxBatches
+    from rlhfkit.data.sft import SFTDataConfig, SFTDataset
+    from rlhfkit.models.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(args.pretrain, chat_template=args.tokenizer_chat_template,
+                               use_fast=not args.disable_fast_tokenizer)
+    rows = load_mixture(args.pretrain_data, args.pretrain_data_probs, split=args.pretrain_split,
+                        max_samples=args.max_samples, seed=args.seed, max_row_bytes=args.max_row_bytes)
+    ds = SFTDataset(rows, tokenizer, SFTDataConfig(input_key=args.input_key, pretrain_mode=True, max_len=args.max_len))
+    if not ds.items:
+        raise DataError(f"--pretrain_data {args.pretrain_data}: no usable text in --input_key {args.input_key}")
+    return PtxBatches(ds.items, args.micro_train_batch_size, tokenizer.pad_token_id, dist.rank, dist.world_size,
+                      args.seed)
+
+
 def build_policy(args: argparse.Namespace, dist: DistInfo, num_steps: int, dims: ParallelDims | None = None):
     from rlhfkit.models.loader import load_causal_lm
 
     model = load_causal_lm(from_args(ModelConfig, args), master_dtype="fp32")
     optim = from_args(OptimConfig, args, learning_rate=args.actor_learning_rate)
-    backend = FSDP2Backend(model, backend_cfg(args), optim, num_steps, dist, parallel=dims or parallel_dims(args, dist))
+    ema = (args.ema_beta if args.ema_beta is not None else EMA_BETA) if args.enable_ema else None
+    bcfg = from_args(BackendConfig, args, ema_decay=ema)
+    backend = FSDP2Backend(model, bcfg, optim, num_steps, dist, parallel=dims or parallel_dims(args, dist))
     loss_cfg = PolicyLossConfig.from_flags(
         policy_loss_type=args.policy_loss_type, eps_clip=args.eps_clip, eps_clip_low_high=args.eps_clip_low_high,
         dual_clip=args.dual_clip, enable_vllm_is_correction=args.enable_vllm_is_correction,
         vllm_is_correction_type=args.vllm_is_correction_type,
         vllm_is_truncated_threshold=args.vllm_is_truncated_threshold, entropy_loss_coef=args.entropy_loss_coef)
     role = ActorRole(backend, dist, loss_cfg, actor_update_cfg(args), args.micro_rollout_batch_size,
-                     rollout_max_tokens(args), args.packing_samples)
+                     rollout_max_tokens(args), args.packing_samples, ptx=build_ptx(args, dist))
     return LocalGroup(role, "policy"), backend
 
 
@@ -150,7 +221,8 @@ def build_ref(args: argparse.Namespace, dist: DistInfo, dims: ParallelDims | Non
     model = load_causal_lm(cfg, path=args.ref_pretrain or args.pretrain, flag="--ref_pretrain")
     backend = FSDP2Backend(model, backend_cfg(args), None, 0, dist, parallel=dims or parallel_dims(args, dist))
     role = ActorRole(backend, dist, micro_rollout_batch_size=args.micro_rollout_batch_size,
-                     rollout_max_tokens=rollout_max_tokens(args), packing=args.packing_samples)
+                     rollout_max_tokens=rollout_max_tokens(args), packing=args.packing_samples,
+                     offload=args.ref_offload)
     return LocalGroup(role, "ref")
 
 
@@ -172,11 +244,27 @@ def build_critic(args: argparse.Namespace, dist: DistInfo, num_steps: int, dims:
     model = load_value_model(path, args.value_head_prefix, init_value_head=fresh, dtype=torch.float32,
                              normalize_reward=False, cfg=from_args(ModelConfig, args, pretrain=path),
                              flag="--critic_pretrain")
-    optim = from_args(OptimConfig, args, learning_rate=args.critic_learning_rate)
+    optim = from_args(OptimConfig, args, learning_rate=args.critic_learning_rate, **critic_optim(args))
     backend = FSDP2Backend(model, backend_cfg(args), optim, num_steps, dist, parallel=dims or parallel_dims(args, dist))
-    upd = actor_update_cfg(args)
+    upd = replace(actor_update_cfg(args), aux_loss_coef=0.0, ptx_coef=0.0)
+    if args.aux_loss_coef:
+        note_once("note: --aux_loss_coef has no effect on the critic: a value model returns no router loss")
     role = CriticRole(backend, dist, upd, args.value_clip, args.micro_rollout_batch_size, rollout_max_tokens(args))
     return LocalGroup(role, "critic"), backend
+
+
+def critic_optim(args: argparse.Namespace) -> dict[str, Any]:
+    """OptimConfig fields of the critic: --critic.* (an unset one is the actor's), --critic.optim / muon."""
+    def own(critic: Any, actor: Any) -> Any:
+        return actor if critic is None else critic
+
+    return {"adam_betas": own(args.critic_adam_betas, args.adam_betas),
+            "adam_eps": own(args.critic_adam_eps, args.adam_eps), "l2": own(args.critic_l2, args.l2), "lr_scheduler": own(args.critic_lr_scheduler, args.lr_scheduler),
+            "lr_warmup_ratio": own(args.critic_lr_warmup_ratio, args.lr_warmup_ratio),
+            "min_lr_ratio": own(args.critic_min_lr_ratio, args.min_lr_ratio),
+            "max_norm": own(args.critic_max_norm, args.max_norm), "optim": args.critic_optim,
+            "muon_lr": args.critic_muon_lr, "muon_momentum": args.critic_muon_momentum,
+            "muon_ns_steps": args.critic_muon_ns_steps, "muon_nesterov": args.critic_muon_nesterov}
 
 
 def build_reward_model(args: argparse.Namespace, dist: DistInfo):
@@ -190,7 +278,8 @@ def build_reward_model(args: argparse.Namespace, dist: DistInfo):
                                attn_implementation=args.attn_implementation, device=dist.device,
                                flag="--reward_pretrain")
               for p in args.reward_pretrain.split(",") if p]
-    return LocalGroup(RewardModelRole(models, dist, args.micro_rollout_batch_size), "reward")
+    return LocalGroup(RewardModelRole(models, dist, args.micro_rollout_batch_size, offload=args.reward_offload),
+                      "reward")
 
 
 def engine_max_num_seqs(args: argparse.Namespace, num_engines: int) -> int:
@@ -202,9 +291,9 @@ def engine_max_num_seqs(args: argparse.Namespace, num_engines: int) -> int:
 def build_engine_for(args: argparse.Namespace, tokenizer: Any, dist: DistInfo, tp: Any = None):
     from rlhfkit.rollout import build_engine
 
-    gpu = dist.device.startswith("cuda")
-    dtype = (torch.bfloat16 if args.param_dtype == "bf16" else torch.float16 if args.param_dtype == "fp16"
-             else torch.float32) if gpu else torch.float32
+    from rlhfkit.backend.precision import run_dtype
+
+    dtype = run_dtype(args.param_dtype, dist.device)
     seqs = engine_max_num_seqs(args, dist.world_size)
     opts: dict[str, Any] = {}
     if args.rollout_engine == "builtin":
@@ -263,7 +352,8 @@ def loop_config(args: argparse.Namespace) -> RLLoopConfig:
         eval_steps=args.eval_steps, eval_temperature=args.eval_temperature,
         eval_n_samples_per_prompt=args.eval_n_samples_per_prompt, save_steps=args.save_steps,
         ckpt_path=args.ckpt_path, max_ckpt_num=args.max_ckpt_num, load_checkpoint=args.load_checkpoint,
-        show_progress=not args.disable_progress, max_failed_steps=args.max_failed_steps)
+        show_progress=not args.disable_progress, max_failed_steps=args.max_failed_steps,
+        skip_zero_advantage_steps=not ptx_active(args))  # the ptx loss moves the policy even then
 
 
 def advantage_config(args: argparse.Namespace) -> AdvantageConfig:
@@ -278,6 +368,12 @@ def kl_controller(args: argparse.Namespace):
     return make_kl_controller(args.init_kl_coef, args.kl_target, args.kl_horizon)
 
 
+def checkpointer(args: argparse.Namespace, policy_backend: Any, critic_backend: Any, tokenizer: Any
+                 ) -> "RLCheckpointer":
+    return RLCheckpointer(policy_backend, critic_backend, args.save_hf_ckpt, tokenizer,
+                          save_ds=not args.disable_ds_ckpt, best_metric_key=best_metric_key(args))
+
+
 @dataclass
 class RLCheckpointer:
     """Saves/loads the trainable roles' checkpoints under one root (actor/, critic/).
@@ -285,19 +381,51 @@ class RLCheckpointer:
     The critic is saved first and keeps one checkpoint more than --max_ckpt_num; the actor's
     checkpoint completes the pair. Loading takes the newest actor checkpoint whose critic
     checkpoint of the same tag is complete, so a kill between the two saves (or during either)
-    resumes from the previous pair, never from an actor and a critic of different steps."""
+    resumes from the previous pair, never from an actor and a critic of different steps.
+    `--save_hf_ckpt` adds a Hugging Face snapshot `<root>/<tag>_hf` (the EMA weights under
+    --enable_ema); `--disable_ds_ckpt` leaves out the resumable checkpoint.
+
+    Best checkpoint (`keep_best`, --best_metric_key): after each evaluation, when the metric (""
+    = the first `*_pass1` one; higher is better) beats every earlier evaluation, the step is saved
+    as above under `<root>/best/` and the previous best is removed; its client state records the
+    key and value, so a resumed run goes on comparing with it."""
 
     policy_backend: Any
     critic_backend: Any = None
     save_hf: bool = False
     tokenizer: Any = None
+    save_ds: bool = True
+    best_metric_key: str | None = None
+    best_value: float | None = None
 
     def save(self, root: str, tag: str, client: dict, max_keep: int) -> None:
-        if self.critic_backend is not None:
+        if self.save_ds and self.critic_backend is not None:
             self.critic_backend.save_checkpoint(os.path.join(root, "critic"), tag, client, max_keep + 1)
-        self.policy_backend.save_checkpoint(os.path.join(root, "actor"), tag, client, max_keep)
+        if self.save_ds:
+            self.policy_backend.save_checkpoint(os.path.join(root, "actor"), tag, client, max_keep)
         if self.save_hf:
             self.policy_backend.save_hf(os.path.join(root, f"{tag}_hf"), self.tokenizer)
+
+    def keep_best(self, root: str, step: int, metrics: dict[str, float], client: dict) -> bool:
+        """Save step `step` as the best checkpoint if its eval metric is the best so far (True then)."""
+        if self.best_metric_key is None:
+            return False
+        key = self.best_metric_key or next((k for k in metrics if k.startswith("eval") and k.endswith("_pass1")), "")
+        if not key:
+            return False
+        if key not in metrics:
+            evals = ", ".join(sorted(k for k in metrics if k.startswith("eval")))
+            raise UsageError(f"--best_metric_key {key} is not an evaluation metric; there are: {evals}")
+        value, best_root = float(metrics[key]), os.path.join(root, "best")
+        if self.best_value is None:
+            self.best_value = _saved_best(best_root, key)
+        if not math.isfinite(value) or (self.best_value is not None and value <= self.best_value):
+            return False
+        self.best_value = value
+        tag = f"global_step{step}"
+        self.save(best_root, tag, {**client, "best_metric_key": key, "best_metric_value": value}, 1)
+        _remove_old_snapshots(best_root, keep=f"{tag}_hf")
+        return True
 
     def load(self, root: str) -> dict | None:
         actor, critic = os.path.join(root, "actor"), os.path.join(root, "critic")
@@ -315,3 +443,32 @@ class RLCheckpointer:
         client = self.policy_backend.load_checkpoint(actor, pairs[-1])
         self.critic_backend.load_checkpoint(critic, pairs[-1])
         return client
+
+
+def _remove_old_snapshots(root: str, keep: str) -> None:
+    """Rank 0 deletes the Hugging Face snapshots of earlier best checkpoints under `root`."""
+    import shutil
+
+    from rlhfkit.backend.dist import is_rank0
+
+    if is_rank0() and os.path.isdir(root):
+        for name in os.listdir(root):
+            if name.endswith("_hf") and name != keep:
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def _saved_best(best_root: str, key: str) -> float | None:
+    """The metric value of the best checkpoint an earlier run left under `best_root` (same key)."""
+    import json
+
+    from rlhfkit.backend.checkpoint import list_checkpoints
+
+    found = list_checkpoints(os.path.join(best_root, "actor"))
+    if not found:
+        return None
+    try:
+        with open(os.path.join(best_root, "actor", found[-1][1], "client_state.json")) as f:
+            client = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return float(client["best_metric_value"]) if client.get("best_metric_key") == key else None

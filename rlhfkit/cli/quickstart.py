@@ -79,44 +79,44 @@ def quiet() -> list[str]:
     return [] if sys.stdout.isatty() else ["--disable_progress"]
 
 
-def sft_args(a, base: str, run: str, sft_dir: str) -> list[str]:
+def sft_args(args, base: str, run: str, sft_dir: str) -> list[str]:
     return [*quiet(), "--pretrain", base, "--dataset", os.path.join(run, "train.jsonl"), "--input_key", "input",
             "--output_key", "output", "--input_template", "{}", "--max_len", "32",
             "--train_batch_size", "64", "--micro_train_batch_size", "64", "--max_epochs", "100",
-            "--max_steps", str(a.sft_max_steps), "--learning_rate", str(a.sft_lr), "--lr_warmup_ratio", "0.02",
+            "--max_steps", str(args.sft_max_steps), "--learning_rate", str(args.sft_lr), "--lr_warmup_ratio", "0.02",
             "--lr_scheduler", "constant_with_warmup", "--param_dtype", "fp32", "--attn_implementation", "eager",
-            "--save_path", sft_dir, "--logging_steps", "20", "--seed", str(a.seed), "--device", "cpu"]
+            "--save_path", sft_dir, "--logging_steps", "20", "--seed", str(args.seed), "--device", "cpu"]
 
 
-def rl_args(a, sft_dir: str, run: str, rl_dir: str, reward_file: str, max_new: int) -> list[str]:
+def rl_args(args, sft_dir: str, run: str, rl_dir: str, reward_file: str, max_new: int) -> list[str]:
     return [*quiet(), "--pretrain", sft_dir, "--remote_rm_url", reward_file, "--prompt_data", os.path.join(run, "train.jsonl"),
             "--input_key", "input", "--label_key", "label", "--advantage_estimator", "group_norm",
             "--n_samples_per_prompt", "8", "--rollout_batch_size", "16", "--train_batch_size", "128",
             "--micro_train_batch_size", "128", "--micro_rollout_batch_size", "128", "--max_epochs", "1",
             "--temperature", "1.0", "--generate_max_len", str(max_new), "--prompt_max_len", "16",
-            "--init_kl_coef", "0", "--actor_learning_rate", str(a.rl_lr), "--lr_warmup_ratio", "0",
-            "--lr_scheduler", "constant", "--max_steps", str(a.rl_steps), "--param_dtype", "fp32",
-            "--attn_implementation", "eager", "--save_path", rl_dir, "--logging_steps", "5", "--seed", str(a.seed),
+            "--init_kl_coef", "0", "--actor_learning_rate", str(args.rl_lr), "--lr_warmup_ratio", "0",
+            "--lr_scheduler", "constant", "--max_steps", str(args.rl_steps), "--param_dtype", "fp32",
+            "--attn_implementation", "eager", "--save_path", rl_dir, "--logging_steps", "5", "--seed", str(args.seed),
             "--device", "cpu"]
 
 
 def main(argv: list[str] | None = None) -> None:
-    a = build_parser().parse(argv)
+    args = build_parser().parse(argv)
     from rlhfkit.cli import train_ppo, train_sft
     from rlhfkit.models.loader import load_tokenizer
     from rlhfkit.models.tiny import TinyModelSpec, make_tiny_model
     from rlhfkit.tasks.addition import addition_splits
 
     t0 = time.time()
-    run = os.path.abspath(a.run_dir)
+    run = os.path.abspath(args.run_dir)
     os.makedirs(run, exist_ok=True)
     base, sft_dir, rl_dir = (os.path.join(run, d) for d in ("base", "sft", "rl"))
-    make_tiny_model(base, TinyModelSpec(hidden_size=a.hidden_size, num_hidden_layers=a.num_layers,
-                                        num_attention_heads=4, max_position_embeddings=64, seed=a.seed))
+    make_tiny_model(base, TinyModelSpec(hidden_size=args.hidden_size, num_hidden_layers=args.num_layers,
+                                        num_attention_heads=4, max_position_embeddings=64, seed=args.seed))
     tok = load_tokenizer(base)
-    train, held = addition_splits(a.num_train, a.num_val + a.num_eval, a.digits, seed=a.seed,
-                                  reverse_answer=not a.plain_order)
-    val, test = held[:a.num_val], held[a.num_val:]
+    train, held = addition_splits(args.num_train, args.num_val + args.num_eval, args.digits, seed=args.seed,
+                                  reverse_answer=not args.plain_order)
+    val, test = held[:args.num_val], held[args.num_val:]
     write_jsonl(os.path.join(run, "train.jsonl"), train)
     write_jsonl(os.path.join(run, "eval.jsonl"), test)
     reward_file = os.path.join(run, "reward_func.py")
@@ -127,21 +127,21 @@ def main(argv: list[str] | None = None) -> None:
 
     def stop_at_target(state, metrics, backend) -> bool:
         """SFT until greedy validation accuracy reaches --sft_target: a mediocre start for RL."""
-        if state.step < a.sft_min_steps or state.step % 20:
+        if state.step < args.sft_min_steps or state.step % 20:
             return False
         acc = greedy_accuracy(backend.unwrap(), tok, val)
         print(f"[quickstart] SFT step {state.step}: validation accuracy {acc:.1%}", flush=True)
-        return acc >= a.sft_target
+        return acc >= args.sft_target
 
-    train_sft.run(train_sft.build_parser().parse(sft_args(a, base, run, sft_dir)), on_step_end=stop_at_target)
+    train_sft.run(train_sft.build_parser().parse(sft_args(args, base, run, sft_dir)), on_step_end=stop_at_target)
     before = greedy_accuracy(sft_dir, tok, test)
     print(f"[quickstart] after SFT: held-out greedy accuracy {before:.1%} ({time.time() - t0:.0f}s)")
 
-    train_ppo.main(rl_args(a, sft_dir, run, rl_dir, reward_file, args_digits_budget(test)))
+    train_ppo.main(rl_args(args, sft_dir, run, rl_dir, reward_file, args_digits_budget(test)))
     after = greedy_accuracy(rl_dir, tok, test)
     elapsed = time.time() - t0
     result = {"held_out": len(test), "accuracy_after_sft": before, "accuracy_after_rl": after,
-              "gain_points": 100 * (after - before), "seconds": elapsed, "seed": a.seed}
+              "gain_points": 100 * (after - before), "seconds": elapsed, "seed": args.seed}
     with open(os.path.join(run, "results.json"), "w") as f:
         json.dump(result, f, indent=2)
     png = plot_curve(run, rl_dir)

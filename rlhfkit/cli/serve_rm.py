@@ -67,6 +67,7 @@ import torch
 from rlhfkit.cli.serve_rm_batcher import FairBatcher, Rejected
 from rlhfkit.cli.serve_rm_request import (ClientGone, RequestError, RequestLimits, header_timeout_protocol,
                                           parse_or_error, read_body)
+from rlhfkit.config.configs import from_args
 from rlhfkit.config.flags import FlagParser
 
 logger = logging.getLogger("rlhfkit.serve_rm")
@@ -104,7 +105,10 @@ def build_parser() -> FlagParser:
     p.flag("--load_in_4bit", "--ds.load_in_4bit", action="store_true")
     p.flag("--disable_fast_tokenizer", "--data.disable_fast_tokenizer", action="store_true")
     p.flag("--packing_samples", "--ds.packing_samples", action="store_true",
-           help="accepted for OpenRLHF command-line compatibility; batches are padded")
+           inert="serve_rm pads its batches")
+    p.flag("--experts_implementation", "--ds.experts_implementation", type=str, default=None,
+           help="mixture-of-experts kernels of transformers: eager, batched_mm, grouped_mm, deepgemm")
+    p.flag("--use_ms", action="store_true", help="download --reward_pretrain from ModelScope (needs modelscope)")
     p.flag("--device", type=str, default=None, help="cpu or cuda (default: cuda when available)")
     p.flag("--num_threads", type=int, default=0,
            help="torch CPU threads for the model; 0: on CPU one per core but one (a core for the HTTP "
@@ -126,6 +130,7 @@ class ServeConfig:
     load_in_4bit: bool = False
     disable_fast_tokenizer: bool = False
     device: str | None = None
+    experts_implementation: str | None = None
     max_body_mb: float = 32.0
     max_queries: int = 65536
     max_query_chars: int = 0  # 0: from --max_len and the vocabulary (RewardScorer.longest_token_chars)
@@ -165,7 +170,8 @@ class RewardScorer:
         self.tokenizer = load_tokenizer(cfg.reward_pretrain, padding_side="right",
                                         use_fast=not cfg.disable_fast_tokenizer, flag="--reward_pretrain")
         mcfg = ModelConfig(param_dtype=cfg.param_dtype, attn_implementation=cfg.attn_implementation,
-                           load_in_4bit=cfg.load_in_4bit, lora_rank=0)
+                           load_in_4bit=cfg.load_in_4bit, lora_rank=0,
+                           experts_implementation=cfg.experts_implementation)
         # Loaded un-normalised: the raw score goes to extra_logs, the normalised one to rewards.
         self.model = load_value_model(cfg.reward_pretrain, value_head_prefix=cfg.value_head_prefix,
                                       dtype=cfg.param_dtype, device=self.device, cfg=mcfg,
@@ -356,8 +362,7 @@ def create_app(scorer: RewardScorer, cfg: ServeConfig) -> Any:
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     if not args.reward_pretrain:
         raise SystemExit("serve_rm: error: --reward_pretrain is required (a reward model directory)")
-    fields = ServeConfig.__dataclass_fields__
-    return ServeConfig(**{k: getattr(args, k) for k in fields if hasattr(args, k)})
+    return from_args(ServeConfig, args)
 
 
 def choose_num_threads(requested: int, device: str) -> int:
@@ -376,6 +381,10 @@ def choose_num_threads(requested: int, device: str) -> int:
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.use_ms:
+        from rlhfkit.cli.common import resolve_modelscope_paths
+
+        resolve_modelscope_paths(args)
     cfg = config_from_args(args)
     if args.shutdown_timeout_s < 0:
         raise SystemExit(f"serve_rm: error: --shutdown_timeout_s must be >= 0, got {args.shutdown_timeout_s}")

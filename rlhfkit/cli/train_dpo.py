@@ -45,6 +45,8 @@ def build_parser() -> FlagParser:
            help="cDPO: probability that a preference label is flipped, in [0, 0.5]")
     p.flag("--nll_loss_coef", "--model.nll_loss_coef", type=float, default=0.0,
            help="weight of the chosen answers' NLL (Llama 3.1 / RPO style)")
+    for dest in ("input_key", "output_key"):
+        p.mark_inert(dest, "pairs are read from --prompt_key, --chosen_key and --rejected_key")
     return p
 
 

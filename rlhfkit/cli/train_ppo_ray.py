@@ -37,23 +37,20 @@ An actor that dies ends the run within seconds with its role, rank and error.
 
 from __future__ import annotations
 
-import copy
 import functools
 import os
 import sys
 import threading
 import time
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 from rlhfkit.backend.dist import DistInfo
 from rlhfkit.cli import ppo_setup as S
-from rlhfkit.cli.common import UsageError, cli_main, make_logger, set_seed
+from rlhfkit.cli import rl_root as R
+from rlhfkit.cli.common import UsageError, cli_main, set_seed
 from rlhfkit.cli.memory_check import check_memory
-from rlhfkit.cli.train_ppo import PLOT_KEYS, load_tokenizer_and_prompts
 from rlhfkit.cli.train_ppo import build_parser as ppo_parser
-from rlhfkit.trainers.rl import RLState, RLTrainer
+from rlhfkit.trainers.async_rl import AsyncRLTrainer
 
 PROG = "train_ppo_ray"
 VLLM_ONLY = ("vllm_gpu_memory_utilization", "enable_prefix_caching", "enforce_eager")
@@ -165,7 +162,7 @@ def note_no_effect(args, parser) -> None:
 
 def build_role(args, num_steps: int, role: str, dist: DistInfo) -> tuple[Any, Any]:
     """One rank of `role` (runs inside its Ray actor) -> (role object, backend or None)."""
-    set_seed(args.seed)
+    set_seed(args.seed, args.full_determinism)
     if role == "policy":
         group, backend = S.build_policy(args, dist, num_steps)
         return group.role, backend
@@ -198,143 +195,6 @@ def build_engine(args, dist: DistInfo, tp: Any = None) -> Any:
                        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                        enable_sleep_mode=args.vllm_enable_sleep, enable_prefix_caching=args.enable_prefix_caching,
                        enforce_eager=args.enforce_eager)
-
-
-def save_critic(path: str, tokenizer: Any, role: Any, backend: Any, dist: DistInfo) -> None:
-    """Runs in every critic rank: the value network as an HF directory (rank 0 writes)."""
-    from rlhfkit.models.value import save_value_model
-
-    sd = backend.full_state_dict()
-    save_value_model(backend.unwrap(), path, tokenizer, state_dict=sd, is_main_process=dist.rank == 0)
-
-
-# ----------------------------------------------------------------------------- the loop over Ray groups
-
-
-@dataclass
-class _Batch:
-    trajs: list
-    metrics: dict
-    cursor: tuple[int, int, int]
-    version: int
-    seconds: float
-
-
-class _Closed(Exception):
-    """The run is ending: the async producer stops before its next batch."""
-
-
-class RayRLTrainer(RLTrainer):
-    """`RLTrainer` over Ray groups. The step is the parent's; this adds the policy version of each
-    trajectory, engine / sleep timings and, with `async_queue_size > 0`, the background producer:
-    a shallow copy of this trainer with its own `RLState` cursor runs the parent's `rollout()`
-    (same prompt order and sampling seeds as a synchronous run), at most `async_queue_size`
-    batches ahead; consuming a batch moves this trainer's data cursor to it (for checkpoints).
-
-    `partial_rollout`: the producer generates without holding the router's weight lock, so a
-    weight update pauses the engines mid-batch and the generations in flight continue with the
-    new weights; each token keeps its own version (`staleness_token_*`, `mixed_version_samples`).
-    `take_turns` (async with engines that sleep while the roles work, on shared GPUs): the trainer
-    and the producer hold one lock by turns, the producer for a whole batch and the trainer for
-    everything but its wait for a batch, so the engines never sleep under a generation."""
-
-    def __init__(self, *args: Any, router: Any, phases: Any, monitor: Any, async_queue_size: int = 0,
-                 partial_rollout: bool = False, take_turns: bool = False, **kw: Any) -> None:
-        super().__init__(*args, **kw)
-        self.router, self.phases, self.monitor = router, phases, monitor
-        self.async_queue_size = async_queue_size
-        self.router.partial_rollout = partial_rollout
-        self._turn = threading.Lock() if take_turns else None
-        self._closing = False
-        self._aligned = False
-        self._producer: Any = None
-
-    def rollout(self):
-        from rlhfkit.distributed.async_rollout import staleness_metrics, stamp_versions
-
-        if not self._aligned:  # the engines hold the weights of this step (a resumed run: not 0)
-            self.router.set_version(self.state.step)
-            self._aligned = True
-        if not self.async_queue_size:
-            with self.router.hold_weights() as version:
-                trajs, m = super().rollout()
-            stamp_versions(trajs, version)
-            return trajs, m
-        if self._producer is None:
-            self._producer = self._start_producer()
-        with self._turn_given():
-            item: _Batch = self._producer.get(check=self.monitor.check)
-        self.state.cursor = item.cursor
-        item.metrics.update(staleness_metrics(item.trajs, self.state.step), **{"time/generate_async": item.seconds})
-        return item.trajs, item.metrics
-
-    @contextmanager
-    def _turn_given(self) -> Iterator[None]:
-        """The trainer lets the producer generate while it waits for a batch (take_turns)."""
-        if self._turn is None:
-            yield
-            return
-        self._turn.release()
-        try:
-            yield
-        finally:
-            self._turn.acquire()
-
-    @contextmanager
-    def _turn_taken(self) -> Iterator[None]:
-        """The producer's turn for one batch (take_turns); _Closed once the run ends."""
-        if self._turn is None:
-            yield
-            return
-        while not self._turn.acquire(timeout=0.5):
-            if self._closing:
-                raise _Closed()
-        try:
-            if self._closing:
-                raise _Closed()
-            yield
-        finally:
-            self._turn.release()
-
-    def _start_producer(self):
-        from rlhfkit.distributed.async_rollout import AsyncRolloutQueue, stamp_versions
-
-        gen = copy.copy(self)
-        gen.state = RLState(step=self.state.step)
-        gen.state.cursor = self.state.cursor
-        router = self.router
-
-        def produce(i: int, started) -> _Batch:
-            t0 = time.perf_counter()
-            # partial rollout: the version when the batch starts; weight updates may land inside it
-            hold = nullcontext(router.version) if router.partial_rollout else router.hold_weights()
-            with self._turn_taken(), hold as version:
-                started()
-                trajs, m = RLTrainer.rollout(gen)
-            gen.state.step += 1
-            stamp_versions(trajs, version)
-            return _Batch(trajs, m, gen.state.cursor, version, time.perf_counter() - t0)
-
-        return AsyncRolloutQueue(produce, self.total_steps() - self.state.step, self.async_queue_size).start()
-
-    def train_step(self) -> dict[str, float]:
-        m = super().train_step()
-        m.update(self.router.take_metrics())
-        m.update(self.phases.take_metrics())
-        return m
-
-    def fit(self) -> RLState:
-        if self._turn is not None:
-            self._turn.acquire()
-        try:
-            return super().fit()
-        finally:
-            self._closing = True
-            if self._turn is not None:
-                self._turn.release()
-            if self._producer is not None:
-                self._producer.close()
-                self._producer = None
 
 
 # ----------------------------------------------------------------------------- run
@@ -387,36 +247,28 @@ def launch_roles(args, num_steps: int, shapes: dict[str, Any], hard_exit: bool):
     return launched, phases
 
 
-def build_ray_trainer(args, launched, phases, tokenizer, prompts, eval_prompts) -> RayRLTrainer:
+def ray_placement(launched) -> Any:
+    """The Ray groups and the engine router as the loop sees them (rl_root.Placement)."""
     from rlhfkit.distributed.group import GroupBackend
 
-    g, router = launched.groups, launched.router
-    executor = S.build_executor(args, router, tokenizer, args.temperature)
-    eval_executor = S.build_executor(args, router, tokenizer, args.eval_temperature) if eval_prompts else None
-    if eval_prompts and "reward" in g:
-        raise UsageError("--eval_dataset scores with --remote_rm_url or --agent_func_path; "
-                         "evaluation with a reward model is not supported")
-    critic_backend = GroupBackend(g["critic"]) if "critic" in g else None
-    ckpt = S.RLCheckpointer(GroupBackend(g["policy"]), critic_backend, args.save_hf_ckpt, tokenizer)
-    return RayRLTrainer(S.loop_config(args), S.advantage_config(args), S.shaping_config(args), policy=g["policy"],
-                        engine=router, executor=executor, prompts=prompts, dist=DistInfo(),
-                        logger=make_logger(args, 0, PLOT_KEYS), pad_token_id=tokenizer.pad_token_id,
-                        kl_ctl=S.kl_controller(args), ref=g.get("ref"), critic=g.get("critic"),
-                        reward_model=g.get("reward"), eval_executor=eval_executor, eval_prompts=eval_prompts,
-                        checkpointer=ckpt, weight_sync=launched.sync, router=router, phases=phases,
-                        monitor=launched.monitor,
-                        async_queue_size=args.async_queue_size if args.async_train else 0,
-                        partial_rollout=args.partial_rollout, take_turns=async_mode(args) == "turns")
+    g = launched.groups
+    critic = g.get("critic")
+    return R.Placement(DistInfo(), g["policy"], launched.router, GroupBackend(g["policy"]), ref=g.get("ref"),
+                       critic=critic, reward=g.get("reward"),
+                       critic_backend=GroupBackend(critic) if critic is not None else None,
+                       weight_sync=launched.sync,
+                       save_critic=R.critic_saver_on_group(critic) if critic is not None else None)
+
+
+def build_ray_trainer(args, launched, phases, tokenizer, prompts, eval_prompts) -> AsyncRLTrainer:
+    return R.build_trainer(args, ray_placement(launched), R.RLData(tokenizer, prompts, eval_prompts),
+                           AsyncRLTrainer, router=launched.router, phases=phases, monitor=launched.monitor,
+                           async_queue_size=args.async_queue_size if args.async_train else 0,
+                           partial_rollout=args.partial_rollout, take_turns=async_mode(args) == "turns")
 
 
 def save_final(args, launched, tokenizer) -> None:
-    from rlhfkit.distributed.group import GroupBackend
-
-    GroupBackend(launched.groups["policy"]).save_hf(args.save_path, tokenizer)
-    if args.save_value_network and "critic" in launched.groups:
-        path = args.save_path.rstrip("/") + "_critic"
-        launched.groups["critic"].run_all("apply", functools.partial(save_critic, path, tokenizer))
-    print(f"policy saved to {args.save_path}")
+    R.save_final(args, ray_placement(launched), tokenizer)
 
 
 def run(args, parser, hard_exit: bool = False) -> None:
@@ -428,17 +280,17 @@ def run(args, parser, hard_exit: bool = False) -> None:
     warn_async(args)
     note_no_effect(args, parser)
     check_memory(args, {name: s.slots for name, s in shapes.items()})
-    set_seed(args.seed)
-    tokenizer, prompts, eval_prompts = load_tokenizer_and_prompts(args)
-    num_steps = S.optimizer_steps(args, len(prompts))
+    set_seed(args.seed, args.full_determinism)
+    data = R.load_data(args)
+    num_steps = S.optimizer_steps(args, len(data.prompts))
     started = connect(args.ray_address)
     launched = None
     try:
         launched, phases = launch_roles(args, num_steps, shapes, hard_exit)
-        trainer = build_ray_trainer(args, launched, phases, tokenizer, prompts, eval_prompts)
+        trainer = build_ray_trainer(args, launched, phases, data.tokenizer, data.prompts, data.eval_prompts)
         trainer.fit()
         trainer.logger.close()
-        save_final(args, launched, tokenizer)
+        save_final(args, launched, data.tokenizer)
     finally:
         if launched is not None:
             from rlhfkit.agents.user_code import shutdown_user_threads

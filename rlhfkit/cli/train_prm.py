@@ -39,6 +39,8 @@ def build_parser() -> FlagParser:
            help="the single token that ends each step, e.g. 'ки' (Math-Shepherd)")
     p.flag("--reward_tokens", "--data.reward_tokens", type=str, nargs="*", default=None,
            help="label tokens, e.g. + - (none: labels are scored over the whole vocabulary)")
+    for dest in ("output_key", "input_template", "apply_chat_template"):
+        p.mark_inert(dest, "PRM rows are the raw text of --input_key with one --label_key label per step")
     return p
 
 

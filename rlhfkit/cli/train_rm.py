@@ -52,7 +52,9 @@ def build_parser() -> FlagParser:
     p.flag("--margin_loss", "--model.margin_loss_enable", action="store_true",
            help="subtract each row's `margin` column inside the sigmoid loss")
     p.flag("--compute_fp32_loss", "--model.compute_fp32_loss_enable", action="store_true",
-           help="accepted for compatibility: rewards and the loss are always computed in fp32")
+           inert="rewards and the loss are always computed in fp32")
+    for dest in ("input_key", "output_key"):
+        p.mark_inert(dest, "pairs are read from --prompt_key, --chosen_key and --rejected_key")
     return p
 
 
@@ -90,7 +92,7 @@ def run(args) -> OfflineRun:
                              dtype="fp32", cfg=from_args(ModelConfig, args), flag="--pretrain")
     backend = trainable_backend(model, args, dist, len(train_items))
     logger = make_logger(args, dist.rank, plot_keys=OFFLINE_PLOT_KEYS)
-    state = train_task(task, backend, train_items, eval_items, args, dist, logger)
+    state = train_task(task, backend, train_items, eval_items, args, dist, logger, tokenizer=tokenizer)
     mean, std, n = reward_statistics(backend.model, task, statistics_items(train_items, eval_items),
                                      args.micro_train_batch_size, dist)
     logger.log(state.step, {"reward_mean": mean, "reward_std": std, "reward_stats_count": n}, console=True)

@@ -40,6 +40,7 @@ class ModelConfig:
     lora_dropout: float = 0.0
     load_in_4bit: bool = False
     disable_fast_tokenizer: bool = False
+    experts_implementation: str | None = None  # MoE kernels of transformers (eager, grouped_mm, ...)
 
 
 @dataclass
@@ -53,6 +54,11 @@ class OptimConfig:
     min_lr_ratio: float = 0.1
     max_norm: float = 1.0
     max_nonfinite_steps: int = 3  # skipped non-finite steps in a row before the run stops
+    optim: str = "adam"  # adam (AdamW) | muon (Muon on hidden 2-D weights, AdamW on the rest)
+    muon_lr: float = 0.02
+    muon_momentum: float = 0.95
+    muon_ns_steps: int = 5
+    muon_nesterov: bool = True
 
 
 @dataclass
@@ -71,6 +77,9 @@ class BackendConfig:
     mixed_precision: str = "master_weights"
     torch_compile: bool = False  # torch.compile each transformer block
     hf_max_shard_size: str = "5GB"  # largest safetensors file of a Hugging Face export (save_hf)
+    # EMA of the trainable weights (--enable_ema --ema_beta; the policy only): None is off. Not named
+    # after a flag, so `from_args` never turns it on for a critic or reference model.
+    ema_decay: float | None = None
 
 
 @dataclass

@@ -9,6 +9,16 @@ gives the `dest`. Unknown flags fail with the closest valid name:
 
 `parse()` returns an `argparse.Namespace`; `rlhfkit.config.configs` turns it into the
 typed per-component configs, so components never see the namespace itself.
+
+Flags accepted for OpenRLHF compatibility that have no effect in a command are declared with
+`inert="why"` (or marked later with `mark_inert`); `parse()` prints one line for each of them that
+the command line sets to a non-default value (on rank 0 only under torchrun):
+
+    note: --max_ckpt_mem has no effect: checkpoints are rotated by count (--max_ckpt_num)
+
+Flags whose effect depends on the run (the device, the model, other flags) say so where that is
+decided. tests/unit/test_flag_audit.py checks that every flag of every command is read by the code
+or declared inert here.
 """
 
 from __future__ import annotations
@@ -28,12 +38,35 @@ class FlagParser(argparse.ArgumentParser):
 
     def __init__(self, prog: str, description: str = "") -> None:
         super().__init__(prog=prog, description=description, allow_abbrev=False)
+        self.inert: dict[str, str] = {}  # dest -> why the flag has no effect in this command
 
-    def flag(self, *names: str, **kw: Any) -> argparse.Action:
-        """Add one flag. The first name is the flat one; later names are aliases."""
+    def flag(self, *names: str, inert: str | None = None, **kw: Any) -> argparse.Action:
+        """Add one flag. The first name is the flat one; later names are aliases. `inert`: the
+        flag is accepted but has no effect in this command, for this reason (a note says so)."""
         if "dest" not in kw:
             kw["dest"] = names[0].lstrip("-").replace(".", "_").replace("-", "_")
-        return self.add_argument(*names, **kw)
+        action = self.add_argument(*names, **kw)
+        if inert:
+            self.inert[action.dest] = inert
+        return action
+
+    def mark_inert(self, dest: str, why: str) -> None:
+        """Declare an existing flag as having no effect in this command (one note when it is set)."""
+        if not any(a.dest == dest for a in self._actions):
+            raise KeyError(f"{self.prog}: no flag with dest {dest!r}")
+        self.inert[dest] = why
+
+    def option_name(self, dest: str) -> str:
+        """The first (flat) spelling of `dest`'s flag, e.g. --max_ckpt_mem."""
+        for a in self._actions:
+            if a.dest == dest and a.option_strings:
+                return a.option_strings[0]
+        return "--" + dest
+
+    def inert_notes(self, ns: argparse.Namespace) -> list[str]:
+        """One note line per inert flag that `ns` sets to a non-default value."""
+        return [f"note: {self.option_name(d)} has no effect: {why}" for d, why in self.inert.items()
+                if getattr(ns, d, None) != self.get_default(d)]
 
     def has_flag(self, name: str) -> bool:
         return name in self._option_string_actions
@@ -54,6 +87,9 @@ class FlagParser(argparse.ArgumentParser):
             self.error("; ".join(msgs))
         if unknown:
             self.error(f"unexpected arguments: {' '.join(unknown)}")
+        if os.environ.get("RANK", "0") == "0":
+            for line in self.inert_notes(ns):
+                print(line, flush=True)
         return ns
 
 
@@ -93,8 +129,21 @@ def add_model_flags(p: FlagParser, default_dtype: str = "bf16") -> None:
     p.flag("--load_in_4bit", "--ds.load_in_4bit", action="store_true")
     p.flag("--disable_fast_tokenizer", "--data.disable_fast_tokenizer", action="store_true")
     p.flag("--use_liger_kernel", "--ds.use_liger_kernel", action="store_true",
-           help="accepted for compatibility; liger kernels are used when installed")
-    p.flag("--aux_loss_coef", "--model.aux_loss_coef", type=float, default=0.0)
+           inert="Liger kernels are not used; the log-prob kernel is fused already (rlhfkit.models.fused_logprobs)")
+    p.flag("--aux_loss_coef", "--model.aux_loss_coef", "--actor.aux_loss_coef", type=float, default=0.0,
+           help="weight of a mixture-of-experts model's router load-balancing loss (0: off)")
+    p.flag("--experts_implementation", "--ds.experts_implementation", type=str, default=None,
+           help="mixture-of-experts kernels of transformers: eager, batched_mm, grouped_mm, deepgemm")
+    p.flag("--use_ms", action="store_true", help="download model ids from ModelScope (needs modelscope)")
+
+
+TRAINING_ONLY = ("gradient_checkpointing", "mixed_precision", "torch_compile", "aux_loss_coef")
+
+
+def mark_training_only(p: FlagParser) -> None:
+    """The model flags that only matter for training, in a command that only runs the model."""
+    for dest in TRAINING_ONLY:
+        p.mark_inert(dest, f"a training setting; {p.prog} does not train")
 
 
 def add_data_flags(p: FlagParser, *, max_len: int = 2048, max_samples: int = 1_000_000,
@@ -103,7 +152,7 @@ def add_data_flags(p: FlagParser, *, max_len: int = 2048, max_samples: int = 1_0
            help="comma-separated files, folders or dataset names")
     p.flag("--dataset_probs", "--data.dataset_probs", type=str, default=None,
            help="comma-separated sampling probabilities, one per --dataset entry")
-    p.flag("--dataset_split", "--data.dataset_split", type=str, default="train")
+    p.flag("--dataset_split", "--data.dataset_split", "--train_split", type=str, default="train")
     p.flag("--eval_dataset", "--eval.dataset", type=str, default=None)
     p.flag("--eval_split", "--eval.split", type=str, default="train")
     p.flag("--input_key", "--data.input_key", type=str, default="input")
@@ -114,7 +163,12 @@ def add_data_flags(p: FlagParser, *, max_len: int = 2048, max_samples: int = 1_0
     p.flag("--max_len", "--data.max_len", type=int, default=max_len)
     p.flag("--max_samples", "--data.max_samples", type=int, default=max_samples)
     add_max_row_bytes_flag(p)
-    p.flag("--dataloader_num_workers", "--data.dataloader_num_workers", type=int, default=0)
+    add_dataloader_workers_flag(p)
+
+
+def add_dataloader_workers_flag(p: FlagParser) -> None:
+    p.flag("--dataloader_num_workers", "--data.dataloader_num_workers", type=int, default=0,
+           inert="data is tokenized once up front and batched in the training process (no loader workers)")
 
 
 def add_max_row_bytes_flag(p: FlagParser) -> None:
@@ -135,12 +189,32 @@ def add_train_flags(p: FlagParser, *, train_batch_size: int = 128, micro_train_b
     p.flag("--adam_betas", "--adam.betas", type=float, nargs=2, default=[0.9, 0.95])
     p.flag("--adam_eps", "--adam.eps", type=float, default=1e-8)
     p.flag("--l2", "--adam.weight_decay", type=float, default=0.0)
-    p.flag("--optim", type=str, default="adam", choices=["adam"], help="adam (AdamW)")
+    add_optimizer_choice_flags(p)
     p.flag("--lr_scheduler", type=str, default="cosine_with_min_lr")
     p.flag("--lr_warmup_ratio", type=float, default=0.03)
     p.flag("--min_lr_ratio", type=float, default=0.1)
     p.flag("--max_norm", type=float, default=1.0, help="gradient clipping (0 disables)")
     add_nonfinite_flag(p)
+
+
+def add_optimizer_choice_flags(p: FlagParser, flat: str = "", dotted: tuple[str, ...] = ("",)) -> None:
+    """--optim adam|muon and the Muon settings (rlhfkit.backend.muon). `flat` prefixes the flat
+    names and dests (the PPO critic's are `critic_`), `dotted` lists the dotted prefixes:
+    ("",) gives --muon.lr (train_sft / rm / dpo), ("actor.",) --actor.optim and --actor.muon.lr."""
+    def names(flat_name: str, dotted_name: str) -> list[str]:
+        out = [f"--{flat}{flat_name}"]
+        out += [n for d in dotted if (n := f"--{d}{dotted_name}") not in out]
+        return out
+
+    p.flag(*names("optim", "optim"), type=str, default="adam", choices=["adam", "muon"],
+           help="adam (AdamW), or muon: Muon for the 2-D weights of hidden layers, AdamW for the rest")
+    p.flag(*names("muon_lr", "muon.lr"), type=float, default=0.02, help="Muon learning rate")
+    p.flag(*names("muon_momentum", "muon.momentum"), type=float, default=0.95)
+    p.flag(*names("muon_ns_steps", "muon.ns_steps"), type=int, default=5, help="Newton-Schulz iterations")
+    p.flag(*names("muon_nesterov", "muon.nesterov"), action="store_true", default=True,
+           help="Nesterov momentum (default)")
+    p.flag(*names("muon_no_nesterov", "muon.no_nesterov"), dest=f"{flat}muon_nesterov", action="store_false",
+           help="plain momentum")
 
 
 def add_nonfinite_flag(p: FlagParser) -> None:
@@ -153,18 +227,27 @@ def add_backend_flags(p: FlagParser) -> None:
     p.flag("--backend", type=str, default="fsdp2", choices=["fsdp2", "deepspeed"])
     p.flag("--zero_stage", "--ds.zero_stage", type=int, default=2, choices=[0, 1, 2, 3],
            help="0: replicate; 1/2: shard grads+optimizer; 3: shard everything")
-    p.flag("--local_rank", type=int, default=-1)
+    add_local_rank_flag(p)
     p.flag("--adam_offload", "--ds.adam_offload", action="store_true")
     p.flag("--packing_samples", "--ds.packing_samples", action="store_true")
     p.flag("--ring_attn_size", "--ds.ring_attn_size", type=int, default=1)
-    p.flag("--ring_head_stride", "--ds.ring_attn_head_stride", type=int, default=1)
+    p.flag("--ring_head_stride", "--ds.ring_attn_head_stride", type=int, default=1,
+           inert="ring attention is not supported (--ring_attn_size must be 1)")
     p.flag("--ds_tensor_parallel_size", "--ds.tensor_parallel_size", type=int, default=1)
-    p.flag("--zpg", "--ds.zpg", type=int, default=1)
-    p.flag("--overlap_comm", "--ds.overlap_comm", action="store_true")
-    p.flag("--grad_accum_dtype", "--ds.grad_accum_dtype", type=str, default=None)
-    p.flag("--deepcompile", "--ds.deepcompile", action="store_true")
-    p.flag("--use_universal_ckpt", "--ds.use_universal_ckpt", action="store_true")
+    ds_only = "a DeepSpeed setting; the FSDP2 backend has no equivalent"
+    p.flag("--zpg", "--ds.zpg", type=int, default=1, inert=ds_only)
+    p.flag("--overlap_comm", "--ds.overlap_comm", action="store_true", inert=ds_only)
+    p.flag("--grad_accum_dtype", "--ds.grad_accum_dtype", type=str, default=None, inert=ds_only)
+    p.flag("--deepcompile", "--ds.deepcompile", action="store_true", inert=ds_only)
+    p.flag("--use_universal_ckpt", "--ds.use_universal_ckpt", "--use_ds_universal_ckpt", action="store_true",
+           inert="checkpoints (torch.distributed.checkpoint) load on any number of ranks without conversion")
     p.flag("--device", type=str, default=None, help="cpu or cuda (default: cuda when available)")
+
+
+def add_local_rank_flag(p: FlagParser) -> None:
+    p.flag("--local_rank", type=int, default=-1,
+           inert="each process reads its rank from the environment (LOCAL_RANK / RANK, set by torchrun and "
+                 "the deepspeed launcher)")
 
 
 def add_ckpt_flags(p: FlagParser, *, ckpt_path: str = "./ckpt/checkpoints") -> None:
@@ -175,7 +258,8 @@ def add_ckpt_flags(p: FlagParser, *, ckpt_path: str = "./ckpt/checkpoints") -> N
     p.flag("--save_steps", "--ckpt.save_steps", type=int, default=-1)
     p.flag("--ckpt_path", "--ckpt.path", type=str, default=ckpt_path)
     p.flag("--max_ckpt_num", "--ckpt.max_num", type=int, default=3)
-    p.flag("--max_ckpt_mem", "--ckpt.max_mem", type=float, default=1e8)
+    p.flag("--max_ckpt_mem", "--ckpt.max_mem", type=float, default=1e8,
+           inert="checkpoints are rotated by count only (--max_ckpt_num)")
     p.flag("--load_checkpoint", "--ckpt.load_enable", action="store_true")
     p.flag("--save_hf_ckpt", "--ckpt.save_hf", action="store_true")
     p.flag("--hf_max_shard_size", type=str, default="5GB",

@@ -8,10 +8,13 @@ effect instead of dropping them silently.
 
 from __future__ import annotations
 
-from rlhfkit.config.flags import (FlagParser, add_backend_flags, add_ckpt_flags, add_logging_flags,
-                                  add_max_row_bytes_flag, add_model_flags, add_nonfinite_flag)
+from rlhfkit.config.flags import (FlagParser, add_backend_flags, add_ckpt_flags, add_dataloader_workers_flag,
+                                  add_logging_flags, add_max_row_bytes_flag, add_model_flags, add_nonfinite_flag,
+                                  add_optimizer_choice_flags)
 
 ESTIMATORS = ["gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo"]
+EMA_BETA = 0.992  # --ema_beta when not given (OpenRLHF's default)
+PTX_COEF = 0.05  # --ptx_coef when not given (OpenRLHF's default)
 ROLES = ["actor", "ref", "critic", "reward"]
 
 
@@ -28,6 +31,7 @@ def add_rl_flags(p: FlagParser) -> None:
     _reward(p)
     _placement(p)
     _eval(p)
+    _ptx(p)
 
 
 def _models(p: FlagParser) -> None:
@@ -50,7 +54,7 @@ def _models(p: FlagParser) -> None:
 def _data(p: FlagParser) -> None:
     p.flag("--prompt_data", "--data.prompt_dataset", type=str, default=None)
     p.flag("--prompt_data_probs", "--data.prompt_probs", type=str, default=None)
-    p.flag("--prompt_split", "--data.prompt_split", type=str, default="train")
+    p.flag("--prompt_split", "--data.prompt_split", "--train_split", type=str, default="train")
     p.flag("--input_key", "--data.input_key", type=str, default="input")
     p.flag("--label_key", "--data.label_key", type=str, default=None)
     p.flag("--input_template", "--data.input_template", type=str, default=None)
@@ -60,7 +64,7 @@ def _data(p: FlagParser) -> None:
     add_max_row_bytes_flag(p)
     p.flag("--max_len", "--data.max_len", type=int, default=None, help="prompt + response token budget")
     p.flag("--prompt_max_len", type=int, default=1024)
-    p.flag("--dataloader_num_workers", "--data.dataloader_num_workers", type=int, default=0)
+    add_dataloader_workers_flag(p)
 
 
 def _rollout(p: FlagParser) -> None:
@@ -74,7 +78,8 @@ def _rollout(p: FlagParser) -> None:
     p.flag("--top_p", "--rollout.top_p", type=float, default=1.0)
     p.flag("--top_k", "--rollout.top_k", type=int, default=-1)
     p.flag("--rollout_max_tokens_per_gpu", "--rollout.max_tokens_per_gpu", type=int, default=None)
-    p.flag("--vllm_generate_batch_size", "--rollout.vllm_generate_batch_size", type=int, default=None)
+    p.flag("--vllm_generate_batch_size", "--rollout.vllm_generate_batch_size", type=int, default=None,
+           inert="each step generates --rollout_batch_size prompts (dynamic filtering draws more as needed)")
 
 
 def _train(p: FlagParser) -> None:
@@ -96,20 +101,55 @@ def _train(p: FlagParser) -> None:
     p.flag("--lr_warmup_ratio", "--actor.lr_warmup_ratio", type=float, default=0.03)
     p.flag("--min_lr_ratio", "--actor.min_lr_ratio", type=float, default=0.1)
     p.flag("--max_norm", "--actor.max_norm", type=float, default=1.0)
+    add_optimizer_choice_flags(p, dotted=("actor.",))
+    _critic_optim(p)
     add_nonfinite_flag(p)
     p.flag("--freezing_actor_steps", "--critic.freezing_steps", type=int, default=-1)
     p.flag("--save_value_network", "--critic.save_value_network", action="store_true")
     p.flag("--async_train", "--train.async_enable", action="store_true")
     p.flag("--async_queue_size", "--train.async_queue_size", type=int, default=1)
     p.flag("--partial_rollout", "--train.partial_rollout_enable", action="store_true")
-    p.flag("--enable_ema", "--train.enable_ema", action="store_true")
-    p.flag("--ema_beta", "--train.ema_beta", type=float, default=0.992)
+    p.flag("--enable_ema", "--train.enable_ema", action="store_true",
+           help="keep an exponential moving average of the policy's weights; it is what gets saved")
+    p.flag("--ema_beta", "--train.ema_beta", type=float, default=None,
+           help=f"EMA decay (default {EMA_BETA}): ema = beta * ema + (1 - beta) * weights after every optimizer step")
+    p.flag("--actor_init_on_gpu", action="store_true",
+           inert="models are loaded on the host and moved (or sharded) onto the device by the backend")
+    p.flag("--perf", action="store_true", inert="step timings are always logged (time/* in metrics.jsonl)")
     p.flag("--reward_failure", type=str, default="stop", choices=["stop", "drop"],
            help="what a reward_func / agent exception does: stop the run, or drop the sample (counted)")
     p.flag("--reward_timeout", type=float, default=300.0, help="seconds for one reward_func / agent step call")
     p.flag("--max_failed_steps", type=int, default=3,
            help="steps in a row without a trajectory to train on (all samples dropped or filtered out) "
                 "before the run stops; fewer are skipped and counted in skipped_steps")
+
+
+# The critic's optimizer flags: dest -> (dotted name, type, nargs). Unset (None), each takes the
+# actor's value, so the flat OpenRLHF names (--adam_betas, --l2, --max_norm, ...) set both models
+# as they did; the dotted --critic.* names set the critic's alone (ppo_setup.resolve_flags).
+CRITIC_OPTIM = {
+    "adam_betas": ("--critic.adam.betas", float, 2), "adam_eps": ("--critic.adam.eps", float, None),
+    "l2": ("--critic.adam.weight_decay", float, None), "lr_scheduler": ("--critic.lr_scheduler", str, None),
+    "lr_warmup_ratio": ("--critic.lr_warmup_ratio", float, None),
+    "min_lr_ratio": ("--critic.min_lr_ratio", float, None), "max_norm": ("--critic.max_norm", float, None),
+}
+
+
+def _critic_optim(p: FlagParser) -> None:
+    for dest, (dotted, typ, nargs) in CRITIC_OPTIM.items():
+        p.flag(f"--critic_{dest}", dotted, type=typ, nargs=nargs, default=None,
+               help=f"the critic's --{dest} (default: the actor's)")
+    add_optimizer_choice_flags(p, flat="critic_", dotted=("critic.",))
+
+
+def _ptx(p: FlagParser) -> None:
+    """PPO-ptx (InstructGPT): the policy loss plus --ptx_coef x the NLL of pretraining text."""
+    p.flag("--pretrain_data", type=str, default=None,
+           help="text for the PPO-ptx loss: files, folders or dataset names, comma-separated (text in --input_key)")
+    p.flag("--pretrain_data_probs", type=str, default=None, help="sampling probabilities of --pretrain_data")
+    p.flag("--pretrain_split", type=str, default="train")
+    p.flag("--ptx_coef", type=float, default=None,
+           help=f"weight of the PPO-ptx loss (with --pretrain_data; default {PTX_COEF})")
 
 
 def _algo(p: FlagParser) -> None:

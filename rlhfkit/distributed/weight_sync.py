@@ -186,7 +186,8 @@ def choose_method(requested: str, policy: Sequence[Endpoint], engines: Sequence[
                "(--colocate_all_models on GPUs)"
     rank0 = policy[0]
     if not (rank0.cuda and all(e.cuda for e in engines)):
-        why = "gloo: the policy or an engine is on CPU"
+        why = "gloo: the policy or an engine is on CPU" + (" (--vllm_sync_backend nccl becomes gloo)"
+                                                            if backend == "nccl" else "")
     elif any(rank0.shares_gpu(e) for e in engines):
         why = "gloo: an engine shares policy rank 0's GPU (NCCL needs one GPU per rank)"
     elif backend == "gloo":

@@ -32,7 +32,7 @@ CHAT_TEMPLATE = (
 
 @dataclass
 class TinyModelSpec:
-    arch: str = "llama"  # llama | qwen2
+    arch: str = "llama"  # llama | qwen2 | mixtral (mixture of experts: 4 experts, top 2)
     hidden_size: int = 128
     num_hidden_layers: int = 4
     num_attention_heads: int = 4
@@ -69,7 +69,7 @@ def build_tokenizer():
 
 
 def build_config(spec: TinyModelSpec, vocab_size: int, tok):
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, MixtralConfig, Qwen2Config
 
     common = dict(
         vocab_size=vocab_size,
@@ -89,7 +89,9 @@ def build_config(spec: TinyModelSpec, vocab_size: int, tok):
         return LlamaConfig(**common)
     if spec.arch == "qwen2":
         return Qwen2Config(**common)
-    raise ValueError(f"--arch must be llama or qwen2, got {spec.arch!r}")
+    if spec.arch == "mixtral":
+        return MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
+    raise ValueError(f"--arch must be llama, qwen2 or mixtral, got {spec.arch!r}")
 
 
 def make_tiny_model(save_path: str, spec: TinyModelSpec | None = None) -> str:

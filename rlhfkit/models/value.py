@@ -191,8 +191,8 @@ def load_value_model(path: str, value_head_prefix: str = "score", init_value_hea
         raise ValueError(f"{flag} {path!r} has no value head '{prefix}.weight' (is it a reward model? "
                          "pass --value_head_prefix with the head's name)")
     model_cfg = cfg or ModelConfig(attn_implementation=attn_implementation)
-    model = value_model_class(config).from_pretrained(
-        path, config=config, **pretrained_kwargs(model_cfg, resolve_dtype(dtype, "dtype"), device, [prefix]))
+    kw = pretrained_kwargs(model_cfg, resolve_dtype(dtype, "dtype"), device, [prefix], path=path)
+    model = value_model_class(config).from_pretrained(path, config=config, **kw)
     if init_value_head:
         init_value_head_(model)
     if cfg is None:

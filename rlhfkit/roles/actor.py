@@ -7,7 +7,12 @@
     weights()                 -> iterator of full (unsharded) `(name, tensor)` for the engine
 
 Each optimizer step's losses divide by the step's global action-token count (all ranks), so a
-step is the same whatever the micro-batching and the number of ranks.
+step is the same whatever the micro-batching and the number of ranks. Two optional terms
+(rlhfkit.losses.aux): the MoE router balance loss (`aux_loss_coef`, weighted by each
+micro-batch's share of the action tokens) and PPO-ptx (`ptx`, `ptx_coef`: one pretraining
+micro-batch per policy micro-batch, its NLL divided by the step's global count of pretraining
+tokens; backward separately, so the two graphs are never alive together). A reference model
+with `offload` keeps its weights in host memory between its passes (`--ref_offload`).
 """
 
 from __future__ import annotations
@@ -18,9 +23,12 @@ from typing import Any, Iterator
 import torch
 
 from rlhfkit.backend.dist import DistInfo, all_reduce_sum
+from rlhfkit.config.notes import note_once
+from rlhfkit.losses.aux import ptx_loss, router_aux_loss
 from rlhfkit.losses.kl import kl_loss
 from rlhfkit.losses.policy import PolicyLossConfig, policy_loss
 from rlhfkit.models.forward import token_logprobs
+from rlhfkit.models.moe import RouterAuxLoss
 from rlhfkit.types import ExperienceBatch
 
 
@@ -39,6 +47,8 @@ class UpdateConfig:
     max_tokens_per_micro: int | None = None  # token-budget micro-batches [--use_dynamic_batch --train_max_tokens_per_gpu]
     packing: bool = False  # policy/reference passes pack a micro-batch's rows into one [--packing_samples];
     # the critic and reward model run padded micro-batches
+    aux_loss_coef: float = 0.0  # MoE router balance loss [--aux_loss_coef]
+    ptx_coef: float = 0.0  # PPO-ptx weight, with a pretraining source [--ptx_coef --pretrain_data]
 
 
 def global_max(x: int) -> int:
@@ -152,16 +162,25 @@ class ActorRole:
 
     def __init__(self, backend: Any, dist: DistInfo, loss_cfg: PolicyLossConfig | None = None,
                  update_cfg: UpdateConfig | None = None, micro_rollout_batch_size: int = 8,
-                 rollout_max_tokens: int | None = None, packing: bool = False) -> None:
+                 rollout_max_tokens: int | None = None, packing: bool = False, ptx: Any = None,
+                 offload: bool = False) -> None:
+        """`ptx`: a `rlhfkit.data.ptx.PtxBatches` (PPO-ptx); `offload`: a frozen model's weights
+        stay in host memory between forward passes."""
         self.backend, self.dist = backend, dist
         self.loss_cfg, self.update_cfg = loss_cfg, update_cfg
         self.micro_rollout_batch_size = micro_rollout_batch_size
         self.rollout_max_tokens = rollout_max_tokens  # [--rollout_max_tokens_per_gpu] with --use_dynamic_batch
         self.packing = packing
+        self.ptx = ptx
+        self.offload = offload and getattr(backend, "optimizer", None) is None
         self.device = torch.device(dist.device)
+        if self.offload:
+            backend.offload_states()
 
     @torch.no_grad()
     def forward_logprobs(self, batch: ExperienceBatch, temperature: float = 1.0) -> torch.Tensor:
+        if self.offload:
+            self.backend.reload_states()
         self.backend.eval()
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
         row = 0
@@ -170,6 +189,8 @@ class ActorRole:
             lp = row_logprobs(self.backend.model, mb, temperature, False, self.packing)
             out[row:row + real, :lp.shape[1]] = (lp.float() * mb.attention_mask).cpu()[:real]
             row += real
+        if self.offload:
+            self.backend.offload_states()
         return out
 
     def train_on(self, batch: ExperienceBatch, kl_coef: float = 0.0) -> dict[str, float]:
@@ -182,7 +203,7 @@ class ActorRole:
             for mini in mini_batches(batch, cfg.train_batch_size, epoch, cfg.seed):
                 records.append(self._step(mini, kl_coef))
         skipped = sum(r.pop("nonfinite_skipped") for r in records)  # the same on every rank
-        out = reduce_over_ranks(average(records), ("policy_loss", "kl_loss"), self.dist.world_size)
+        out = reduce_over_ranks(average(records), ADDITIVE, self.dist.world_size)
         out["nonfinite_skipped"] = skipped
         return out
 
@@ -192,10 +213,12 @@ class ActorRole:
                                              dtype=torch.float64))
         num_tokens, num_seqs = float(counts[0]), float(counts[1])
         sums: dict[str, float] = {}
-        n_micro = 0
-        for mb, _ in micro_batches(mini, cfg.micro_train_batch_size, max_tokens=cfg.max_tokens_per_micro):
+        mbs = list(micro_batches(mini, cfg.micro_train_batch_size, max_tokens=cfg.max_tokens_per_micro))
+        ptx = self._ptx_batches(len(mbs))
+        for i, (mb, _) in enumerate(mbs):
             mb = mb.to(self.device)
-            res = row_logprobs(self.backend.model, mb, cfg.temperature, cfg.compute_entropy, cfg.packing)
+            with RouterAuxLoss(self.backend.model, enabled=cfg.aux_loss_coef != 0) as router:
+                res = row_logprobs(self.backend.model, mb, cfg.temperature, cfg.compute_entropy, cfg.packing)
             lp, ent = res if cfg.compute_entropy else (res, None)
             loss, m = policy_loss(lp, mb.old_logprobs, mb.advantages, mb.loss_mask, self.loss_cfg,
                                   num_tokens=num_tokens, num_sequences=num_seqs,
@@ -205,13 +228,15 @@ class ActorRole:
                                    num_tokens=num_tokens)
                 loss = loss + kl_coef * kl_l
                 m["kl_loss"] = km["kl_loss"]  # its "kl" (a micro-batch mean) would hide the loop's rollout `kl`
+            loss = self._add_router_loss(router.take(), loss, m, float(mb.loss_mask.sum()), num_tokens)
             self.backend.backward(loss)
+            if ptx is not None:
+                m.update(self._ptx_backward(ptx[0][i], ptx[1]))
             for k, v in m.items():
                 sums[k] = sums.get(k, 0.0) + v
-            n_micro += 1
-        out = {k: v / max(n_micro, 1) for k, v in sums.items()}
+        out = {k: v / max(len(mbs), 1) for k, v in sums.items()}
         # losses are global-count normalised: their micro-batch sum is the step's loss
-        for k in ("policy_loss", "kl_loss"):
+        for k in ADDITIVE:
             if k in sums:
                 out[k] = sums[k]
         stats = self.backend.optimizer_step()
@@ -220,5 +245,39 @@ class ActorRole:
         out["nonfinite_skipped"] = stats.get("nonfinite_skipped", 0.0)
         return out
 
+    def _add_router_loss(self, aux: torch.Tensor | None, loss: torch.Tensor, m: dict[str, float], tokens: float,
+                         num_tokens: float) -> torch.Tensor:
+        coef = self.update_cfg.aux_loss_coef
+        if aux is None:
+            if coef:
+                note_once("note: --aux_loss_coef has no effect: the policy returns no router load-balancing loss "
+                          "(not a mixture-of-experts causal LM)")
+            return loss
+        aux_l, aux_m = router_aux_loss(aux, coef, tokens, num_tokens)
+        m.update(aux_m)
+        return loss + aux_l
+
+    def _ptx_batches(self, n: int) -> tuple[list[Any], float] | None:
+        """This optimizer step's `n` pretraining micro-batches and their global loss-token count."""
+        if self.ptx is None or not self.update_cfg.ptx_coef:
+            return None
+        cfg = self.update_cfg
+        per_step = max(1, cfg.train_batch_size // (cfg.micro_train_batch_size * self.dist.world_size))
+        first = self.backend.steps_done * per_step
+        batches = [self.ptx.batch(first + i) for i in range(n)]
+        count = all_reduce_sum(torch.tensor(float(sum(b.num_loss_tokens for b in batches)), dtype=torch.float64))
+        return batches, float(count)
+
+    def _ptx_backward(self, batch: Any, num_tokens: float) -> dict[str, float]:
+        """Backward of ptx_coef x the pretraining NLL of one micro-batch (PPO-ptx)."""
+        b = batch.to(self.device)
+        lp = token_logprobs(self.backend.model, b.input_ids, attention_mask=b.attention_mask)
+        loss, m = ptx_loss(lp, b.loss_mask, self.update_cfg.ptx_coef, num_tokens)
+        self.backend.backward(loss)
+        return m
+
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self.backend.named_full_params()
+
+
+ADDITIVE = ("policy_loss", "kl_loss", "aux_loss", "ptx_loss")  # divided by global counts: summed, not averaged

@@ -85,15 +85,30 @@ class CriticRole:
 
 
 class RewardModelRole:
-    """One or several frozen reward models; the reward is the sum of their scores."""
+    """One or several frozen reward models; the reward is the sum of their scores. With `offload`
+    (--reward_offload) the models wait in host memory between calls (no-op on a CPU device)."""
 
-    def __init__(self, models: list[Any], dist: DistInfo, micro_batch_size: int = 8) -> None:
+    def __init__(self, models: list[Any], dist: DistInfo, micro_batch_size: int = 8, offload: bool = False) -> None:
         self.models, self.dist = models, dist
         self.micro_batch_size = micro_batch_size
         self.device = torch.device(dist.device)
+        self.offload = offload and self.device.type != "cpu"
+        self._place("cpu")
+
+    def _place(self, device: str | torch.device) -> None:
+        if self.offload:
+            for m in self.models:
+                m.to(device)
 
     @torch.no_grad()
     def forward_rewards(self, batch: ExperienceBatch) -> torch.Tensor:
+        self._place(self.device)
+        try:
+            return self._rewards(batch)
+        finally:
+            self._place("cpu")
+
+    def _rewards(self, batch: ExperienceBatch) -> torch.Tensor:
         out = []
         for mb, real in micro_batches(batch, self.micro_batch_size, aligned=False):
             mb = mb.to(self.device)

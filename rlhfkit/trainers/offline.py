@@ -6,8 +6,12 @@ loss; the loop owns batching, gradient accumulation, logging, evaluation and che
     dataset items --sampler(epoch, seed, rank)--> global batch of `train_batch_size`
         -> this rank's share, split into micro-batches of `micro_train_batch_size`
         -> count = all_reduce(sum task.count(micro))          (global loss denominator)
-        -> for each micro: loss = task.loss(micro, count); backend.backward(loss)
-        -> backend.optimizer_step()  -> log / eval / checkpoint
+        -> for each micro: loss = task.loss(micro, count)
+                           (+ --aux_loss_coef x the MoE router loss, rlhfkit.losses.aux)
+                           backend.backward(loss)
+        -> backend.optimizer_step()  -> log / eval / checkpoint (--save_steps: resumable
+           checkpoint unless --disable_ds_ckpt, HF snapshot `<ckpt_path>/global_step<N>_hf`
+           with --save_hf_ckpt)
 
 Dividing every micro-batch loss by the *global* count makes the update independent of
 micro-batching and of the number of ranks.
@@ -16,6 +20,7 @@ micro-batching and of the number of ranks.
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
@@ -24,6 +29,9 @@ import torch
 from tqdm.auto import tqdm
 
 from rlhfkit.backend.dist import DistInfo, all_reduce_sum
+from rlhfkit.config.notes import note_once
+from rlhfkit.losses.aux import router_aux_loss
+from rlhfkit.models.moe import RouterAuxLoss
 from rlhfkit.trainers.metrics import MetricsLogger, NullLogger
 
 
@@ -55,6 +63,9 @@ class LoopConfig:
     load_checkpoint: bool = False
     show_progress: bool = True
     max_steps: int | None = None  # stop early (tests, demos)
+    aux_loss_coef: float = 0.0  # MoE router balance loss weight [--aux_loss_coef]
+    save_ds: bool = True  # --save_steps writes resumable checkpoints [not --disable_ds_ckpt]
+    save_hf: bool = False  # ... and Hugging Face snapshots [--save_hf_ckpt]
 
 
 @dataclass
@@ -82,11 +93,12 @@ def rank_share(global_idx: list[int], dist: DistInfo) -> list[int]:
 
 def train_offline(task: OfflineTask, backend, train_items: Sequence[Any], cfg: LoopConfig, dist: DistInfo,
                   logger: MetricsLogger | NullLogger, eval_items: Sequence[Any] | None = None,
-                  on_step_end=None) -> LoopState:
+                  on_step_end=None, tokenizer: Any = None) -> LoopState:
     """Run the loop; returns the final state (history holds every logged record).
 
     `on_step_end(state, metrics)` runs after every optimizer step; returning True ends training
-    there (early stopping), after which the caller saves as usual.
+    there (early stopping), after which the caller saves as usual. `tokenizer` goes into the
+    --save_hf_ckpt snapshots.
     """
     n = len(train_items)
     spe = steps_per_epoch(n, cfg.train_batch_size)
@@ -113,7 +125,7 @@ def train_offline(task: OfflineTask, backend, train_items: Sequence[Any], cfg: L
                      for j in range(0, len(idx), cfg.micro_train_batch_size)]
             assert len(micro) == accum
             t0 = time.time()
-            metrics = _train_step(task, backend, micro)
+            metrics = _train_step(task, backend, micro, cfg.aux_loss_coef)
             state.step += 1
             state.batch_in_epoch = b + 1
             metrics["step_time"] = time.time() - t0
@@ -126,10 +138,12 @@ def train_offline(task: OfflineTask, backend, train_items: Sequence[Any], cfg: L
             if state.step % max(cfg.logging_steps, 1) == 0 or "eval_loss" in metrics:
                 state.history.append({"step": state.step, **metrics})
                 logger.log(state.step, metrics, console=not cfg.show_progress)
-            if _due(state.step, cfg.save_steps):
+            if _due(state.step, cfg.save_steps) and cfg.save_ds:
                 ep, bi = (state.epoch + 1, 0) if last_of_epoch else (state.epoch, state.batch_in_epoch)
                 backend.save_checkpoint(cfg.ckpt_path, f"global_step{state.step}",
                                         {"step": state.step, "epoch": ep, "batch_in_epoch": bi}, cfg.max_ckpt_num)
+            if _due(state.step, cfg.save_steps) and cfg.save_hf:
+                backend.save_hf(os.path.join(cfg.ckpt_path, f"global_step{state.step}_hf"), tokenizer)
             stop = on_step_end(state, metrics) if on_step_end is not None else False
             if state.step >= total or stop:
                 done = True
@@ -154,16 +168,24 @@ def _grad_accum(cfg: LoopConfig, dist: DistInfo) -> int:
     return cfg.train_batch_size // per
 
 
-def _train_step(task: OfflineTask, backend, micro: list[Any]) -> dict[str, float]:
+def _train_step(task: OfflineTask, backend, micro: list[Any], aux_loss_coef: float = 0.0) -> dict[str, float]:
     backend.train()
-    local = sum(float(task.count(mb)) for mb in micro)
-    global_count = float(all_reduce_sum(torch.tensor(local, dtype=torch.float64)).item())
+    counts = [float(task.count(mb)) for mb in micro]
+    global_count = float(all_reduce_sum(torch.tensor(sum(counts), dtype=torch.float64)).item())
     if global_count <= 0:
         raise ValueError("an optimizer step has no loss tokens: every sample was fully masked/truncated "
                          "(check --max_len and the data)")
     sums: dict[str, float] = {}
     for i, mb in enumerate(micro):
-        loss, m = task.loss(backend.model, mb, global_count)
+        with RouterAuxLoss(backend.model, enabled=aux_loss_coef != 0) as router:
+            loss, m = task.loss(backend.model, mb, global_count)
+        aux = router.take()
+        if aux is not None:
+            aux_l, aux_m = router_aux_loss(aux, aux_loss_coef, counts[i], global_count)
+            loss, m = loss + aux_l, {**m, **aux_m}
+        elif aux_loss_coef:
+            note_once("note: --aux_loss_coef has no effect: the trained model returns no router load-balancing "
+                      "loss (not a mixture-of-experts causal LM)")
         backend.backward(loss, sync_grads=i == len(micro) - 1)
         for k, v in m.items():
             sums[k] = sums.get(k, 0.0) + float(v)

@@ -372,15 +372,19 @@ class RLTrainer:
                 bar.set_postfix(reward=f"{m['reward']:.3f}")
             if c.eval_steps > 0 and (s.step % c.eval_steps == 0 or s.step == total):
                 m.update(self.evaluate())
+                if getattr(self.checkpointer, "keep_best", None) is not None:  # --best_metric_key
+                    self.checkpointer.keep_best(c.ckpt_path, s.step, m, self._client_state())
             if s.step % max(c.logging_steps, 1) == 0 or s.step == total:
                 self._log(s.step, m)
             if c.save_steps > 0 and s.step % c.save_steps == 0 and self.checkpointer is not None:
-                self.checkpointer.save(c.ckpt_path, f"global_step{s.step}",
-                                       {"step": s.step, "episode": s.episode, "batch_in_episode": s.batch_in_episode,
-                                        "skipped_in_episode": s.skipped_in_episode,
-                                        "kl_ctl": self.kl_ctl.state_dict()}, c.max_ckpt_num)
+                self.checkpointer.save(c.ckpt_path, f"global_step{s.step}", self._client_state(), c.max_ckpt_num)
         bar.close()
         return s
+
+    def _client_state(self) -> dict:
+        s = self.state
+        return {"step": s.step, "episode": s.episode, "batch_in_episode": s.batch_in_episode,
+                "skipped_in_episode": s.skipped_in_episode, "kl_ctl": self.kl_ctl.state_dict()}
 
     def _count_failed_step(self, m: dict[str, float]) -> None:
         """Count a skipped step (one line on stderr); the --max_failed_steps-th in a row ends the run.

@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from helpers import free_port
 from rlhfkit.cli.batch_inference import main
 
 pytestmark = pytest.mark.distributed
@@ -21,8 +22,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_tp2_batch_inference_equals_one_process(tiny_qwen2_dir, tmp_path):
     if not torch.distributed.is_gloo_available():
         pytest.skip("gloo is not available")
-    from test_engine_tp import _free_port
-
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"question": f"{i}+{2 * i}=?"}) + "\n" for i in range(6)))
     flags = ["--eval_task", "generate", "--pretrain", tiny_qwen2_dir, "--dataset", str(prompts),
@@ -31,7 +30,7 @@ def test_tp2_batch_inference_equals_one_process(tiny_qwen2_dir, tmp_path):
     main(flags + ["--output_path", str(tmp_path / "one.jsonl")])
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), "-m", "rlhfkit.cli.batch_inference", *flags,
+           "--master_port", str(free_port()), "-m", "rlhfkit.cli.batch_inference", *flags,
            "--tp_size", "2", "--output_path", str(tmp_path / "tp2.jsonl")]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

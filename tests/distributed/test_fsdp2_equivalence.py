@@ -15,7 +15,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -24,6 +23,7 @@ import torch
 
 from rlhfkit.backend.checkpoint import load_tensors
 from rlhfkit.backend.dist import DistInfo
+from helpers import free_port  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
@@ -38,11 +38,6 @@ def _worker():
     spec.loader.exec_module(mod)
     return mod
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +68,7 @@ def two_ranks(tiny_model_dir, tmp_path_factory, one_rank) -> tuple[str, dict]:
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
            os.path.join(HERE, "fsdp2_worker.py"), "--model_dir", tiny_model_dir, "--out", out,
            "--steps", str(STEPS), "--zero_stages", "3,2,0", "--resume_ckpt", one_rank["ckpt"]]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)

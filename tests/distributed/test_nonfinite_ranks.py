@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
+from helpers import free_port
 import torch
 
 pytestmark = pytest.mark.distributed
@@ -54,11 +54,6 @@ torch.distributed.destroy_process_group()
 '''
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_ranks_take_the_same_decision(tmp_path):
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
@@ -69,7 +64,7 @@ def test_ranks_take_the_same_decision(tmp_path):
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), str(script), str(tmp_path / "ckpt"), str(tmp_path)]
+           "--master_port", str(free_port()), str(script), str(tmp_path / "ckpt"), str(tmp_path)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     res = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]

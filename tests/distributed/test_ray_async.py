@@ -21,8 +21,9 @@ import os
 
 import pytest
 import torch
-
-from test_ray_ppo import SAMPLE_KEYS, TRAIN_KEYS, data_dir, flags, local_ray, read  # noqa: F401, F811 (fixtures)
+from helpers import read_run as read
+from helpers import rl_flags as flags
+from test_ray_ppo import SAMPLE_KEYS, TRAIN_KEYS
 
 ray = pytest.importorskip("ray")
 from rlhfkit.cli import train_ppo_ray  # noqa: E402

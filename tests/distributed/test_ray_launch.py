@@ -23,7 +23,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+from helpers import free_port
 import torch
 from safetensors.torch import load_file
 
@@ -62,11 +62,6 @@ def reward_func(queries, prompts, labels):
     return {"rewards": rewards, "scores": rewards}
 '''
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _dashboard_deps() -> bool:
@@ -123,7 +118,7 @@ def cluster():
     The dashboard (which serves `ray job submit`) starts only when ray[default]'s packages are there."""
     dashboard = _dashboard_deps()
     temp = tempfile.mkdtemp(prefix="rlkray", dir="/tmp")  # short: Ray's socket paths must fit 107 chars
-    ports = {k: _free_port() for k in ("port", "dashboard-port", "ray-client-server-port",
+    ports = {k: free_port() for k in ("port", "dashboard-port", "ray-client-server-port",
                                        "dashboard-agent-listen-port")}
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",

@@ -27,59 +27,24 @@ metrics rel 1e-6, weights 1e-6 absolute (they move by > 1e-3 over the run).
 
 from __future__ import annotations
 
-import json
 import os
 import re
 
 import pytest
 import torch
+from helpers import read_run as read
+from helpers import rl_flags as flags
 from safetensors.torch import load_file
 
 from rlhfkit.cli import train_ppo
-from rlhfkit.tasks.addition import addition_splits
 
 ray = pytest.importorskip("ray")
 from rlhfkit.cli import train_ppo_ray  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
-REWARD_FILE = '''
-def reward_func(queries, prompts, labels):
-    rewards = []
-    for q, p in zip(queries, prompts):
-        c = q[len(p):]
-        rewards.append(sum(ord(ch) % 2 == 0 for ch in c) / max(len(c), 1))
-    return {"rewards": rewards, "scores": rewards, "extra_logs": {"even_frac": rewards}}
-'''
 SAMPLE_KEYS = ["reward", "reward_std", "response_length", "truncated_rate", "even_frac"]
 TRAIN_KEYS = ["policy_loss", "kl_loss", "kl", "advantage", "grad_norm", "entropy"]
-
-
-def flags(model: str, d: str, save: str, *extra: str) -> list[str]:
-    return ["--pretrain", model, "--remote_rm_url", os.path.join(d, "reward.py"),
-            "--prompt_data", os.path.join(d, "prompts.jsonl"), "--input_key", "input", "--label_key", "label",
-            "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "2", "--rollout_batch_size", "4",
-            "--train_batch_size", "8", "--micro_train_batch_size", "2", "--generate_max_len", "6",
-            "--prompt_max_len", "16", "--max_steps", "2", "--init_kl_coef", "0.01", "--use_kl_loss",
-            "--actor_learning_rate", "1e-3", "--lr_warmup_ratio", "0", "--save_path", save,
-            "--disable_progress", "--device", "cpu", *extra]
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> str:
-    d = str(tmp_path_factory.mktemp("rl_ray"))
-    rows, _ = addition_splits(12, 2, seed=7)
-    with open(os.path.join(d, "prompts.jsonl"), "w") as f:
-        f.writelines(json.dumps({"input": r["input"], "label": r["label"]}) + "\n" for r in rows)
-    with open(os.path.join(d, "reward.py"), "w") as f:
-        f.write(REWARD_FILE)
-    return d
-
-
-def read(save: str) -> tuple[list[dict], dict[str, torch.Tensor]]:
-    with open(os.path.join(save, "metrics.jsonl")) as f:
-        recs = [json.loads(line) for line in f]
-    return recs, load_file(os.path.join(save, "model.safetensors"))
 
 
 @pytest.fixture(scope="module")
@@ -91,13 +56,6 @@ def reference(tiny_model_dir, data_dir):
     w0 = load_file(os.path.join(tiny_model_dir, "model.safetensors"))
     assert max(float((w[k] - w0[k]).abs().max()) for k in w0) > 1e-3
     return recs, w
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(address="local", num_cpus=3, include_dashboard=False)
-    yield
-    ray.shutdown()
 
 
 def placement(out: str) -> list[dict]:
@@ -228,7 +186,12 @@ def test_memory_plan_over_the_gpu_refuses_before_ray_starts(tiny_model_dir, data
 def test_broadcast_group_delivers_identical_buckets(local_ray):
     """A policy-like actor (RoleWorker over a fake role) and 2 engine-like actors (EngineWorker
     over a recording engine) form the gloo group; small buckets force several broadcasts."""
-    from rlhfkit.distributed.weight_sync import Endpoint, choose_method, connect, iter_buckets
+    from rlhfkit.distributed.weight_sync import (
+        Endpoint,
+        choose_method,
+        connect,
+        iter_buckets,
+    )
     from rlhfkit.distributed.workers import EngineWorker, RoleWorker
 
     def tensors() -> list[tuple[str, torch.Tensor]]:

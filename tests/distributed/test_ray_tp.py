@@ -18,8 +18,9 @@ import os
 
 import pytest
 import torch
-
-from test_ray_ppo import SAMPLE_KEYS, data_dir, flags, local_ray, placement, read  # noqa: E402, F401 (fixtures)
+from helpers import read_run as read
+from helpers import rl_flags as flags
+from test_ray_ppo import SAMPLE_KEYS, placement
 
 ray = pytest.importorskip("ray")
 from rlhfkit.cli import train_ppo, train_ppo_ray  # noqa: E402

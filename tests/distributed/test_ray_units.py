@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("ray")
 
-from rlhfkit.distributed.async_rollout import AsyncRolloutQueue  # noqa: E402
+from rlhfkit.trainers.async_queue import AsyncRolloutQueue  # noqa: E402
 from rlhfkit.distributed.group import merge_results, split_rows  # noqa: E402
 from rlhfkit.distributed.placement import PlacementError, Shape, SlotResources, plan_pools  # noqa: E402
 

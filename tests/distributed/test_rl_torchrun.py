@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
+from helpers import free_port, read_run, rl_flags
 from safetensors.torch import load_file
 
 from rlhfkit.cli import train_ppo
@@ -35,49 +35,9 @@ pytestmark = pytest.mark.distributed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-REWARD_FILE = '''
-def reward_func(queries, prompts, labels):
-    rewards = []
-    for q, p in zip(queries, prompts):
-        c = q[len(p):]
-        rewards.append(sum(ord(ch) % 2 == 0 for ch in c) / max(len(c), 1))
-    return {"rewards": rewards, "scores": rewards, "extra_logs": {"even_frac": rewards}}
-'''
 SAMPLE_KEYS = ["reward", "reward_std", "response_length", "truncated_rate", "even_frac"]
 TRAIN_KEYS = ["policy_loss", "kl_loss", "kl", "advantage", "grad_norm"]
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def flags(model: str, d: str, save: str) -> list[str]:
-    return ["--pretrain", model, "--remote_rm_url", os.path.join(d, "reward.py"),
-            "--prompt_data", os.path.join(d, "prompts.jsonl"), "--input_key", "input", "--label_key", "label",
-            "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "2", "--rollout_batch_size", "4",
-            "--train_batch_size", "8", "--micro_train_batch_size", "2", "--generate_max_len", "6",
-            "--prompt_max_len", "16", "--max_steps", "3", "--init_kl_coef", "0.01", "--use_kl_loss",
-            "--actor_learning_rate", "1e-3", "--lr_warmup_ratio", "0", "--rollout_engine", "builtin",
-            "--save_path", save, "--disable_progress", "--device", "cpu"]
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> str:
-    d = str(tmp_path_factory.mktemp("rl_torchrun"))
-    rows, _ = addition_splits(12, 2, seed=7)  # 3 steps of 4 prompts
-    with open(os.path.join(d, "prompts.jsonl"), "w") as f:
-        f.writelines(json.dumps({"input": r["input"], "label": r["label"]}) + "\n" for r in rows)
-    with open(os.path.join(d, "reward.py"), "w") as f:
-        f.write(REWARD_FILE)
-    return d
-
-
-def read(save: str) -> tuple[list[dict], dict[str, torch.Tensor]]:
-    with open(os.path.join(save, "metrics.jsonl")) as f:
-        recs = [json.loads(line) for line in f]
-    return recs, load_file(os.path.join(save, "model.safetensors"))
 
 
 def test_two_ranks_match_one_process(tiny_model_dir, data_dir):
@@ -88,14 +48,14 @@ def test_two_ranks_match_one_process(tiny_model_dir, data_dir):
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), "-m", "rlhfkit.cli.train_ppo", *flags(tiny_model_dir, data_dir, two)]
+           "--master_port", str(free_port()), "-m", "rlhfkit.cli.train_ppo", *rl_flags(tiny_model_dir, data_dir, two, steps=3)]
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     one = os.path.join(data_dir, "one_process")  # runs while torchrun starts up
-    train_ppo.main(flags(tiny_model_dir, data_dir, one))
+    train_ppo.main(rl_flags(tiny_model_dir, data_dir, one, steps=3))
     out, err = proc.communicate(timeout=240)
     assert proc.returncode == 0, out[-3000:] + err[-5000:]
 
-    (r1, w1), (r2, w2) = read(one), read(two)
+    (r1, w1), (r2, w2) = read_run(one), read_run(two)
     assert [r["step"] for r in r1] == [r["step"] for r in r2] == [1, 2, 3]
     for a, b in zip(r1, r2):
         for k in SAMPLE_KEYS:
@@ -130,11 +90,11 @@ def test_step_with_no_trajectory_on_one_rank_is_skipped_on_both(tiny_model_dir, 
         env.pop(k, None)
     save = str(tmp_path / "out")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), "-m", "rlhfkit.cli.train_ppo",
-           *flags(tiny_model_dir, str(tmp_path), save), "--reward_failure", "drop"]
+           "--master_port", str(free_port()), "-m", "rlhfkit.cli.train_ppo",
+           *rl_flags(tiny_model_dir, str(tmp_path), save, steps=3), "--reward_failure", "drop"]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    recs, _ = read(save)
+    recs, _ = read_run(save)
     assert [r["skipped_steps"] for r in recs] == [1.0, 0.0, 0.0]
     assert recs[0]["dropped_samples"] == 4.0 and "policy_loss" in recs[1]
     skipped = [line for line in proc.stderr.splitlines() if "skipped, no trajectory" in line]

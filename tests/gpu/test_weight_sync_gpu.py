@@ -11,12 +11,12 @@
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from helpers import free_port
 from rlhfkit.distributed.weight_sync import (GroupSpec, broadcast, check_group, ipc_handle, make_group, open_ipc,
                                              pack_bucket, unpack_bucket)
 
@@ -41,11 +41,6 @@ def as_bytes(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, str, tupl
     return [(n, str(t.dtype), tuple(t.shape), t.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
             for n, t in named]
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _ipc_child(q_in, q_out) -> None:
@@ -89,7 +84,7 @@ def _nccl_member(rank: int, port: int, q) -> None:
 def test_nccl_group_broadcasts_bucket():
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_nccl_member, args=(r, port, q)) for r in range(2)]
     for p in procs:
         p.start()

@@ -17,15 +17,11 @@ import subprocess
 import sys
 
 import pytest
+from helpers import DIGIT_REWARD as REWARD_FILE
 
 from rlhfkit.cli import train_ppo
 from rlhfkit.tasks.addition import addition_splits
 
-REWARD_FILE = '''
-def reward_func(queries, prompts, labels):
-    rewards = [sum(ch in "02468" for ch in q[len(p):]) / 3.0 for q, p in zip(queries, prompts)]
-    return {"rewards": rewards, "scores": rewards}
-'''
 
 
 def env() -> dict[str, str]:

@@ -20,6 +20,7 @@ import math
 import os
 
 import pytest
+from helpers import EVEN_REWARD as REWARD_FILE
 import torch
 
 from rlhfkit.cli import ppo_setup, train_ppo
@@ -28,14 +29,6 @@ from rlhfkit.roles.actor import ActorRole
 from rlhfkit.tasks.addition import addition_splits
 
 N, PROMPTS_PER_STEP, GEN = 2, 4, 6
-REWARD_FILE = '''
-def reward_func(queries, prompts, labels):
-    rewards = []
-    for q, p in zip(queries, prompts):
-        c = q[len(p):]
-        rewards.append(sum(ord(ch) % 2 == 0 for ch in c) / max(len(c), 1))
-    return {"rewards": rewards, "scores": rewards, "extra_logs": {"even_frac": rewards}}
-'''
 ESTIMATORS = ["gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo"]
 REQUIRED = ["reward", "reward_std", "response_length", "kl", "policy_loss", "ppo_clip_ratio", "clip_ratio",
             "entropy", "grad_norm", "truncated_rate", "dropped_samples", "time/generate", "time/reward",

@@ -18,17 +18,13 @@ import json
 import os
 
 import pytest
+from helpers import DIGIT_REWARD as REWARD_FILE
 import torch
 
 from rlhfkit.cli import train_ppo
 from rlhfkit.tasks.addition import addition_splits
 from rlhfkit.trainers.rl import RLTrainer
 
-REWARD_FILE = '''
-def reward_func(queries, prompts, labels):
-    rewards = [sum(ch in "02468" for ch in q[len(p):]) / 3.0 for q, p in zip(queries, prompts)]
-    return {"rewards": rewards, "scores": rewards}
-'''
 COMPARED = ["reward", "reward_std", "policy_loss", "value_loss", "kl", "kl_coef", "grad_norm", "critic_grad_norm"]
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -23,16 +22,12 @@ from rlhfkit.agents.remote_reward import RemoteRewardClient, RewardServerError, 
 from rlhfkit.agents.reward_types import RewardOutput
 from rlhfkit.models.loader import load_tokenizer
 from rlhfkit.models.value import load_value_model, reward_at_last_token, save_value_model
+from helpers import free_port  # noqa: E402
 
 MEAN, STD, MAX_LEN = 0.5, 2.0, 64
 QUERIES = ["<|im_start|>user\n1+2=<|im_end|>\n<|im_start|>assistant\n3<|im_end|>", "ab", "hello world",
            "12+34=46", "x" * MAX_LEN, "the quick brown fox"]
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _post(url: str, body: bytes, timeout: float = 30) -> tuple[int, dict]:
@@ -60,7 +55,7 @@ def rm_dir(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(rm_dir, tmp_path_factory):
-    port = _free_port()
+    port = free_port()
     log = open(tmp_path_factory.mktemp("log") / "serve_rm.log", "w+")
     cmd = [sys.executable, "-m", "rlhfkit.cli.serve_rm", "--reward.model_name_or_path", rm_dir,
            "--port", str(port), "--data.max_len", str(MAX_LEN), "--batch_size", "4", "--batch_wait_ms", "20",
@@ -228,7 +223,7 @@ def test_client_gives_up_naming_the_url():
 
     msg, calls, url = asyncio.run(run())
     assert calls == 4 and url in msg and "failed 4 times" in msg
-    dead = f"http://127.0.0.1:{_free_port()}/get_reward"
+    dead = f"http://127.0.0.1:{free_port()}/get_reward"
     with pytest.raises(RewardServerError, match=dead.replace(".", r"\.")):
         get_rewards_sync([dead], ["a"], max_retries=1, backoff_s=0.0)
 
@@ -242,7 +237,7 @@ def test_client_round_robin_failover_and_non_retryable_errors():
                 for _ in range(4):
                     await client.get_rewards(["a"])
             assert (a.calls, b.calls) == (2, 2)
-            dead = f"http://127.0.0.1:{_free_port()}/get_reward"
+            dead = f"http://127.0.0.1:{free_port()}/get_reward"
             async with RemoteRewardClient([dead, a.url], backoff_s=0.0, max_retries=1) as client:
                 assert (await client.get_rewards(["xyz"])).rewards == [3.0]  # failed over to a
             with pytest.raises(RewardServerError, match="rejected the request: HTTP 400"):

@@ -22,14 +22,10 @@ import torch
 
 from rlhfkit.models.loader import load_tokenizer
 from rlhfkit.models.value import load_value_model, save_value_model
+from helpers import free_port  # noqa: E402
 
 MAX_LEN, READ_TIMEOUT_S = 64, 2.0
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(url: str) -> dict:
@@ -53,7 +49,7 @@ def _rss_mb(pid: int) -> float:
 
 class Server:
     def __init__(self, rm_dir: str, log_path, *flags: str) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.url = self.base + "/get_reward"
         self.log = open(log_path, "w+")

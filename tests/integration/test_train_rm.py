@@ -189,7 +189,7 @@ def test_lora_reward_model_merges_into_a_loadable_model(tiny_model_dir, tmp_path
     """--lora_rank: the adapter is saved with the reward config; lora_combiner --is_rm gives an HF reward model."""
     from transformers import AutoModelForSequenceClassification
 
-    from rlhfkit.models.lora import merge_lora
+    from rlhfkit.models.lora_merge import merge_lora
 
     train, evals = addition_pairs()
     out = str(tmp_path / "rm_lora")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from rlhfkit.agents.executors import Action, Transcript
-from rlhfkit.distributed.async_rollout import staleness_metrics, stamp_versions
+from rlhfkit.trainers.async_queue import staleness_metrics, stamp_versions
 from rlhfkit.rollout.builtin.scheduler import Sequence
 from rlhfkit.types import Trajectory
 

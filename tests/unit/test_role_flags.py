@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from rlhfkit.backend import fsdp2
+from rlhfkit.config import notes
 from rlhfkit.backend.dist import DistInfo
 from rlhfkit.cli import ppo_setup as S
 from rlhfkit.cli import train_ppo_ray
@@ -12,7 +12,7 @@ CPU = DistInfo(device="cpu")
 
 
 def test_role_builders_get_checkpointing_and_adam_offload(tiny_model_dir, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(fsdp2, "_NOTED", set())
+    monkeypatch.setattr(notes, "_NOTED", set())
     args = train_ppo_ray.build_parser().parse([
         "--pretrain", tiny_model_dir, "--prompt_data", str(tmp_path / "p.jsonl"),
         "--remote_rm_url", str(tmp_path / "r.py"), "--advantage_estimator", "group_norm",

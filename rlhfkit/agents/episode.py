@@ -1,0 +1,183 @@
+"""The multi-turn episode loop and its pieces (token in, token out), shared by the executors:
+
+    reset({"observation": prompt, "label"})  -> observation text -> tokenize once -> ids  (mask 0)
+    loop until done, max_steps, or len(ids) == max_length:
+        engine.agenerate(ids, max_new = min(max_new_tokens, max_length - len(ids)))
+                                             -> action ids                  (mask 1, engine logprobs)
+        step({"observation_text", "action_text", "label", "sampling_params"})
+                                             -> feedback text, reward, done, next sampling params
+        ids += action ids + tokenize(feedback)  (feedback: mask 0, logprob 0; cut at max_length)
+    -> Trajectory(reward = sum of step rewards, score = last step's "scores" or that sum,
+                  extra_logs = last step's, truncated = not done or last action hit its length limit)
+
+As in OpenRLHF, the environment feedback of the final step is appended too (masked out). Each
+action token keeps the policy version the engine reports for it (`Completion.policy_versions`).
+The executor is duck-typed here (`source_name`, `config`, `max_steps`, `agent_instance_cls`,
+`next_request_id`), so this module needs only `contracts` and `AgentExecutorBase.execute` can run
+it without an import cycle.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Sequence
+
+from rlhfkit.agents.contracts import (
+    call_user,
+    check_reset_result,
+    check_step_result,
+    coerce_sampling_params,
+    create_agent_instance,
+)
+from rlhfkit.agents.user_code import UserLoop
+from rlhfkit.types import GenerationRequest, SamplingParams, Trajectory
+
+if TYPE_CHECKING:
+    from rlhfkit.agents.base import AgentExecutorBase
+
+logger = logging.getLogger(__name__)
+
+
+def encode(tokenizer: Any, text: str) -> list[int]:
+    """Text -> token ids without special tokens (BOS etc. must already be in the text)."""
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def fit_prompt(ids: list[int], max_length: int, max_new_tokens: int, source: str) -> list[int]:
+    """Left-truncate the prompt so that ``max_new_tokens`` still fit in ``max_length``
+    (``max_new_tokens == max_length``: no per-generation limit, one token of room is kept)."""
+    room = max_length - max_new_tokens if max_new_tokens < max_length else max_length - 1
+    if len(ids) > room:
+        logger.warning("%s: prompt of %d tokens left-truncated to %d (--max_len %d, --generate_max_len %d)",
+                       source, len(ids), room, max_length, max_new_tokens)
+        ids = ids[len(ids) - room:]
+    return ids
+
+
+@dataclass
+class Action:
+    """One generated turn: token ids, the engine's log-probs, finish reason and (when the engine
+    reports them) the policy version of each token."""
+
+    ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    versions: list[int] | None = None
+
+
+async def generate_action(executor: AgentExecutorBase, engine: Any, prompt_ids: list[int],
+                          params: SamplingParams, budget: int) -> tuple[list[int], list[float], str]:
+    """One completion for ``prompt_ids`` with at most ``budget`` new tokens -> (ids, logprobs, finish)."""
+    a = await generate_turn(executor, engine, prompt_ids, params, budget)
+    return a.ids, a.logprobs, a.finish_reason
+
+
+async def generate_turn(executor: AgentExecutorBase, engine: Any, prompt_ids: list[int],
+                        params: SamplingParams, budget: int) -> Action:
+    """`generate_action` with the per-token policy versions."""
+    limit = min(params.max_new_tokens, budget)
+    request = GenerationRequest(list(prompt_ids), params.replace(n=1, max_new_tokens=limit),
+                                request_id=executor.next_request_id())
+    outs = await engine.agenerate(request)
+    if not outs:
+        raise RuntimeError(f"engine returned no completion for request {request.request_id}")
+    c = outs[0]
+    ids = list(c.token_ids)
+    if len(ids) > limit:
+        raise RuntimeError(f"engine returned {len(ids)} tokens for max_new_tokens={limit}")
+    logps = [0.0] * len(ids) if c.logprobs is None else [float(x) for x in c.logprobs]
+    if len(logps) != len(ids):
+        raise RuntimeError(f"engine returned {len(logps)} logprobs for {len(ids)} tokens")
+    versions = getattr(c, "policy_versions", None)
+    if versions is not None and len(versions) != len(ids):
+        raise RuntimeError(f"engine returned {len(versions)} policy versions for {len(ids)} tokens")
+    return Action(ids, logps, c.finish_reason, None if versions is None else [int(v) for v in versions])
+
+
+@dataclass
+class Transcript:
+    """Token ids of an episode with their action mask, rollout log-probs and policy versions (same
+    lengths; versions are -1 off the actions). `policy_versions` is None unless every action added
+    came with its versions."""
+
+    token_ids: list[int] = field(default_factory=list)
+    action_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    _all_versioned: bool | None = None  # None: no action yet
+
+    def add(self, ids: Sequence[int], is_action: bool, logprobs: Sequence[float] | None = None,
+            versions: Sequence[int] | None = None) -> None:
+        self.token_ids.extend(ids)
+        self.action_mask.extend([int(is_action)] * len(ids))
+        self.logprobs.extend(logprobs if is_action and logprobs is not None else [0.0] * len(ids))
+        self.versions.extend(versions if is_action and versions is not None else [-1] * len(ids))
+        if is_action:
+            self._all_versioned = versions is not None and self._all_versioned is not False
+
+    def add_action(self, action: Action) -> None:
+        self.add(action.ids, is_action=True, logprobs=action.logprobs, versions=action.versions)
+
+    @property
+    def policy_versions(self) -> list[int] | None:
+        return list(self.versions) if self._all_versioned else None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+# ----------------------------------------------------------------------------- multi-turn
+
+
+@dataclass
+class _Tally:
+    reward: float = 0.0
+    score: float | None = None
+    extra_logs: dict[str, float] = field(default_factory=dict)
+    done: bool = False
+    steps: int = 0
+    last_finish: str = ""
+
+
+async def run_multi_turn(ex: AgentExecutorBase, prompt: str, label: Any, params: SamplingParams,
+                         max_length: int, tok: Any, engine: Any) -> Trajectory:
+    """The multi-turn loop drawn in the module docstring."""
+    user = UserLoop(f"rlhfkit-agent:{ex.agent_instance_cls.__name__}")  # this episode's user code runs there
+    try:
+        return await _multi_turn(ex, prompt, label, params, max_length, tok, engine, user)
+    finally:
+        user.close()
+
+
+async def _multi_turn(ex: AgentExecutorBase, prompt: str, label: Any, params: SamplingParams,
+                      max_length: int, tok: Any, engine: Any, user: UserLoop) -> Trajectory:
+    src, timeout = ex.source_name, ex.config.step_timeout_s
+    agent = await create_agent_instance(ex.agent_instance_cls, timeout, user)
+    reset = await call_user(agent.reset, {"observation": prompt, "label": label},
+                            what="reset()", timeout_s=timeout, loop=user)
+    obs_text = check_reset_result(reset)
+    tr = Transcript()
+    tr.add(fit_prompt(encode(tok, obs_text), max_length, params.max_new_tokens, src), is_action=False)
+    prompt_len, t = len(tr), _Tally()
+    while not t.done and (ex.max_steps is None or t.steps < ex.max_steps) and len(tr) < max_length:
+        turn = await generate_turn(ex, engine, tr.token_ids, params, max_length - len(tr))
+        action, t.last_finish = turn.ids, turn.finish_reason
+        tr.add_action(turn)
+        action_text = tok.decode(action, skip_special_tokens=True)
+        states = {"observation_text": obs_text, "action_text": action_text, "label": label,
+                  "sampling_params": params}
+        res = check_step_result(await call_user(agent.step, states, what="step()", timeout_s=timeout, loop=user), src)
+        t.steps += 1
+        t.reward += res.reward
+        t.score, t.extra_logs, t.done = res.score, res.extra_logs, res.done
+        obs_text = obs_text + action_text + res.feedback
+        tr.add(encode(tok, res.feedback)[: max_length - len(tr)], is_action=False)
+        params = coerce_sampling_params(res.sampling_params, params, src)
+    return Trajectory(
+        token_ids=tr.token_ids, action_mask=tr.action_mask, rollout_logprobs=tr.logprobs,
+        prompt_len=prompt_len, reward=t.reward, score=t.reward if t.score is None else t.score,
+        truncated=(not t.done) or t.last_finish == "length", prompt=prompt,
+        response=tok.decode(tr.token_ids[prompt_len:], skip_special_tokens=False), label=label,
+        extra_logs=t.extra_logs, policy_versions=tr.policy_versions,
+    )

@@ -1,0 +1,132 @@
+"""The composition root of the RL commands: the one place that turns the flags into a running loop,
+whatever the placement (train_ppo: roles in this process, one process or torchrun ranks;
+train_ppo_ray: Ray role groups and engine actors).
+
+    flags -> load_data                 tokenizer, --prompt_data prompts, --eval_dataset prompts
+          -> Placement                 built by the command: local_placement (here) or
+                                       train_ppo_ray's Ray launch; role groups, the engine, the
+                                       weight-sync object, the backends checkpoints and exports use
+          -> build_trainer             executors, evaluation check, checkpointer, loop configs (ppo_setup)
+          -> trainer.fit()
+          -> save_final                policy (+ --save_value_network critic) in Hugging Face format
+
+Everything a command reads from the flags for the loop itself goes through `ppo_setup` from here;
+train_ppo_ray adds only what placing actors needs (shapes, Ray options, async mode).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from rlhfkit.backend.dist import DistInfo
+from rlhfkit.cli import ppo_setup as S
+from rlhfkit.cli.common import UsageError, make_logger, parallel_dims
+from rlhfkit.data.io import load_mixture
+from rlhfkit.data.prompts import PromptDataConfig, build_prompt_samples
+from rlhfkit.models.loader import load_tokenizer
+from rlhfkit.trainers.rl import RLTrainer
+
+PLOT_KEYS = ("reward", "eval_pass1", "eval_reward", "policy_loss", "kl", "response_length")
+
+
+@dataclass
+class RLData:
+    tokenizer: Any
+    prompts: list
+    eval_prompts: list
+
+
+@dataclass
+class Placement:
+    """Where the roles and the engine live, as the loop sees them (`group.call(...)`, `engine`,
+    `weight_sync.sync()`), plus the backends that save and export. `save_critic(path, tokenizer)`
+    writes the value network on every critic rank (rank 0 writes)."""
+
+    dist: DistInfo
+    policy: Any
+    engine: Any
+    policy_backend: Any
+    ref: Any = None
+    critic: Any = None
+    reward: Any = None
+    critic_backend: Any = None
+    weight_sync: Any = None  # None: the in-process engine takes the policy's weights (LocalWeightSync)
+    save_critic: Callable[[str, Any], None] | None = None
+
+
+def load_prompts(args, tokenizer, spec: str, split: str, probs: str | None, max_samples: int) -> list:
+    rows = load_mixture(spec, probs, split=split, max_samples=max_samples, seed=args.seed,
+                        max_row_bytes=args.max_row_bytes)
+    cfg = PromptDataConfig(input_key=args.input_key, label_key=args.label_key, input_template=args.input_template,
+                           apply_chat_template=args.apply_chat_template,
+                           tokenizer_chat_template=args.tokenizer_chat_template, max_prompt_len=args.prompt_max_len)
+    return build_prompt_samples(rows, tokenizer, cfg)
+
+
+def load_data(args) -> RLData:
+    tokenizer = load_tokenizer(args.pretrain, chat_template=args.tokenizer_chat_template,
+                               use_fast=not args.disable_fast_tokenizer)
+    prompts = load_prompts(args, tokenizer, args.prompt_data, args.prompt_split, args.prompt_data_probs,
+                           args.max_samples)
+    eval_prompts = (load_prompts(args, tokenizer, args.eval_dataset, args.eval_split, None,
+                                 args.eval_max_samples or args.max_samples) if args.eval_dataset else [])
+    return RLData(tokenizer, prompts, eval_prompts)
+
+
+def save_critic(path: str, tokenizer: Any, role: Any, backend: Any, dist: DistInfo) -> None:
+    """Runs on every critic rank (every rank gathers; rank 0 writes the value network)."""
+    from rlhfkit.models.value import save_value_model
+
+    sd = backend.full_state_dict()
+    save_value_model(backend.unwrap(), path, tokenizer, state_dict=sd, is_main_process=dist.rank == 0)
+
+
+def local_placement(args, dist: DistInfo, tokenizer: Any, num_steps: int) -> Placement:
+    """The roles in this process (one of N torchrun ranks): one mesh description for every model."""
+    dims = parallel_dims(args, dist)
+    policy, policy_backend = S.build_policy(args, dist, num_steps, dims)  # this order: the models' random
+    ref = S.build_ref(args, dist, dims)                                   # inits (value heads) draw from
+    critic, critic_backend = S.build_critic(args, dist, num_steps, dims)  # one seeded generator
+    reward = S.build_reward_model(args, dist)
+    engine = S.build_engine_for(args, tokenizer, dist)
+    saver = None
+    if critic_backend is not None:
+        saver = functools.partial(_save_local_critic, backend=critic_backend, dist=dist)
+    return Placement(dist, policy, engine, policy_backend, ref=ref, critic=critic, reward=reward,
+                     critic_backend=critic_backend, save_critic=saver)
+
+
+def _save_local_critic(path: str, tokenizer: Any, *, backend: Any, dist: DistInfo) -> None:
+    save_critic(path, tokenizer, None, backend, dist)
+
+
+def build_trainer(args, placement: Placement, data: RLData, trainer_cls: type = RLTrainer, **extra: Any) -> Any:
+    """The loop over `placement` (extra: the trainer class's own keywords)."""
+    p, tok = placement, data.tokenizer
+    executor = S.build_executor(args, p.engine, tok, args.temperature)
+    eval_executor = S.build_executor(args, p.engine, tok, args.eval_temperature) if data.eval_prompts else None
+    if data.eval_prompts and p.reward is not None:
+        raise UsageError("--eval_dataset scores with --remote_rm_url or --agent_func_path; "
+                         "evaluation with a reward model is not supported")
+    ckpt = S.checkpointer(args, p.policy_backend, p.critic_backend, tok)
+    return trainer_cls(S.loop_config(args), S.advantage_config(args), S.shaping_config(args), policy=p.policy,
+                       engine=p.engine, executor=executor, prompts=data.prompts, dist=p.dist,
+                       logger=make_logger(args, p.dist.rank, PLOT_KEYS), pad_token_id=tok.pad_token_id,
+                       kl_ctl=S.kl_controller(args), ref=p.ref, critic=p.critic, reward_model=p.reward,
+                       eval_executor=eval_executor, eval_prompts=data.eval_prompts, checkpointer=ckpt,
+                       weight_sync=p.weight_sync, **extra)
+
+
+def save_final(args, placement: Placement, tokenizer: Any) -> None:
+    placement.policy_backend.save_hf(args.save_path, tokenizer)
+    if args.save_value_network and placement.save_critic is not None:
+        placement.save_critic(args.save_path.rstrip("/") + "_critic", tokenizer)
+    if placement.dist.rank == 0:
+        print(f"policy saved to {args.save_path}")
+
+
+def critic_saver_on_group(group: Any) -> Callable[[str, Any], None]:
+    """`Placement.save_critic` for a role group whose ranks run `apply(fn, *args)` (Ray)."""
+    return lambda path, tok: group.run_all("apply", functools.partial(save_critic, path, tok))

@@ -1,0 +1,94 @@
+"""Hugging Face files and names shared by the model loaders (a leaf module: no other rlhfkit.models
+import): dtype names, model-directory checks, attention implementations, the tokenizer, and the
+tensor names in a weight file."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Any
+
+import torch
+
+from rlhfkit.backend.precision import DTYPES
+
+_DTYPES = {**DTYPES, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# attention implementations that need an extra package, and which one
+_ATTN_PACKAGES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
+_ATTN_BUILTIN = {"eager", "sdpa", "flex_attention"}
+
+
+def resolve_dtype(dtype: str | torch.dtype, flag: str = "--param_dtype") -> torch.dtype:
+    """'bf16' | 'fp16' | 'fp32' (or a torch dtype) -> torch dtype."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"{flag} must be one of bf16, fp16, fp32; got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def check_model_dir(path: str | None, flag: str = "--pretrain") -> str:
+    """Return `path` if it is a local model directory with a config.json, else raise naming `flag`."""
+    if not path:
+        raise ValueError(f"{flag} is required (a local Hugging Face model directory)")
+    if not os.path.isdir(path):
+        raise FileNotFoundError(
+            f"{flag} {path!r}: no such directory (models are loaded from local directories; "
+            "there is no hub access here)")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"{flag} {path!r}: directory has no config.json (not a Hugging Face model)")
+    return path
+
+
+def check_attn_implementation(name: str, flag: str = "--attn_implementation") -> str:
+    """Validate an attention implementation name; flash attention needs its package installed."""
+    if name in _ATTN_PACKAGES:
+        pkg = _ATTN_PACKAGES[name]
+        if importlib.util.find_spec(pkg) is None:
+            raise ImportError(
+                f"{flag} {name} needs the `{pkg}` package, which is not installed; "
+                f"install it or pass {flag} sdpa")
+        return name
+    if name in _ATTN_BUILTIN or "/" in name:  # "org/kernel": a hub kernel, left to transformers
+        return name
+    raise ValueError(f"{flag} must be one of sdpa, eager, flex_attention, flash_attention_2, "
+                     f"flash_attention_3; got {name!r}")
+
+
+def load_tokenizer(path: str, padding_side: str = "right", chat_template: str | None = None,
+                   use_fast: bool = True, flag: str = "--pretrain") -> Any:
+    """Load a tokenizer; the pad token falls back to eos when the tokenizer defines none.
+
+    `padding_side` is passed to the constructor (transformers 5 does not save it as an attribute).
+    `chat_template` (--tokenizer_chat_template) replaces the tokenizer's own template.
+    """
+    from transformers import AutoTokenizer
+
+    if padding_side not in ("left", "right"):
+        raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
+    check_model_dir(path, flag)
+    tok = AutoTokenizer.from_pretrained(path, padding_side=padding_side, use_fast=use_fast,
+                                        trust_remote_code=False)
+    tok.padding_side = padding_side
+    if tok.pad_token is None:
+        if tok.eos_token is None:
+            raise ValueError(f"tokenizer at {flag} {path!r} has neither a pad nor an eos token")
+        tok.pad_token = tok.eos_token
+    if chat_template is not None:
+        tok.chat_template = chat_template
+    return tok
+
+
+def weight_file_keys(path: str, safetensors_name: str, bin_name: str) -> set[str] | None:
+    """Tensor names in `path/safetensors_name` (read from the header) or `path/bin_name`
+    (loaded on the meta device); None when neither file exists."""
+    st = os.path.join(path, safetensors_name)
+    if os.path.isfile(st):
+        from safetensors import safe_open
+
+        with safe_open(st, framework="pt") as f:
+            return set(f.keys())
+    binary = os.path.join(path, bin_name)
+    if os.path.isfile(binary):
+        return set(torch.load(binary, map_location="meta", weights_only=True, mmap=True))
+    return None

@@ -1,0 +1,102 @@
+"""Helpers the tests share (importable as `helpers`: tests/ is on sys.path through its conftest):
+a free port, the subprocess environment for torchrun / CLI runs, the RL tests' reward files, data,
+flag list and run reader, and JSON over HTTP."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import urllib.error
+import urllib.request
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# the fraction of even-numbered characters in the completion: rises when GRPO works, never constant
+EVEN_REWARD = '''
+def reward_func(queries, prompts, labels):
+    rewards = []
+    for q, p in zip(queries, prompts):
+        c = q[len(p):]
+        rewards.append(sum(ord(ch) % 2 == 0 for ch in c) / max(len(c), 1))
+    return {"rewards": rewards, "scores": rewards, "extra_logs": {"even_frac": rewards}}
+'''
+# even digits in the completion, over 3
+DIGIT_REWARD = '''
+def reward_func(queries, prompts, labels):
+    rewards = [sum(ch in "02468" for ch in q[len(p):]) / 3.0 for q, p in zip(queries, prompts)]
+    return {"rewards": rewards, "scores": rewards}
+'''
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """This environment for a child process running this checkout's rlhfkit (no torchrun variables
+    inherited, one thread per process)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    env.update(extra)
+    return env
+
+
+def torchrun_cmd(nproc: int, *args: str) -> list[str]:
+    """`python -m torch.distributed.run --nproc_per_node nproc` on a free local port, then `args`."""
+    import sys
+
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
+            "127.0.0.1", "--master_port", str(free_port()), *args]
+
+
+def write_rl_data(d: str, num_prompts: int = 12, reward_src: str = EVEN_REWARD, seed: int = 7) -> str:
+    """`d/prompts.jsonl` (2-digit additions: input, label) and `d/reward.py`; returns `d`."""
+    from rlhfkit.tasks.addition import addition_splits
+
+    rows, _ = addition_splits(num_prompts, 2, seed=seed)
+    with open(os.path.join(d, "prompts.jsonl"), "w") as f:
+        f.writelines(json.dumps({"input": r["input"], "label": r["label"]}) + "\n" for r in rows)
+    with open(os.path.join(d, "reward.py"), "w") as f:
+        f.write(reward_src)
+    return d
+
+
+def rl_flags(model: str, d: str, save: str, *extra: str, steps: int = 2) -> list[str]:
+    """GRPO on the tiny model: 4 prompts x 2 samples a step, one optimizer step per RL step, KL as a
+    loss against a reference model, the builtin engine on CPU (the RL equivalence tests' run)."""
+    return ["--pretrain", model, "--remote_rm_url", os.path.join(d, "reward.py"),
+            "--prompt_data", os.path.join(d, "prompts.jsonl"), "--input_key", "input", "--label_key", "label",
+            "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "2", "--rollout_batch_size", "4",
+            "--train_batch_size", "8", "--micro_train_batch_size", "2", "--generate_max_len", "6",
+            "--prompt_max_len", "16", "--max_steps", str(steps), "--init_kl_coef", "0.01", "--use_kl_loss",
+            "--actor_learning_rate", "1e-3", "--lr_warmup_ratio", "0", "--save_path", save,
+            "--disable_progress", "--device", "cpu", *extra]
+
+
+def read_run(save: str) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    """(metrics.jsonl records, final weights) of a run directory."""
+    from safetensors.torch import load_file
+
+    with open(os.path.join(save, "metrics.jsonl")) as f:
+        recs = [json.loads(line) for line in f]
+    return recs, load_file(os.path.join(save, "model.safetensors"))
+
+
+def post_json(url: str, body: bytes, timeout: float = 30) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def get_json(url: str, timeout: float = 10) -> dict:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read())

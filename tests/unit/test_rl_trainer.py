@@ -1,0 +1,139 @@
+"""`RLTrainer` over fake role groups: the loop's data flow, checked by hand, with no model at all.
+
+A fake executor returns two prompts x two samples with rewards (1, 0) and (0.5, 0.5); the policy
+group records what it is asked. GRPO's group_norm gives the first group advantages
+(1 - 0.5) / (std + eps) = +-0.5 / (0.7071 + 1e-6) (unbiased std of (1, 0)) and the second group
+exactly 0 (equal rewards); every action token of a sample carries its sample's advantage. The test
+also checks the order of the calls (old log-probs before training, weights after), that the
+weight-sync object runs once per step, that a step whose rollout returns nothing is skipped and
+counted without touching the policy, and that fit() saves at --save_steps with the data cursor.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from rlhfkit.agents.contracts import EpisodeBatch
+from rlhfkit.algo.advantages import AdvantageConfig
+from rlhfkit.algo.experience import RewardShapingConfig
+from rlhfkit.algo.kl import FixedKLController
+from rlhfkit.backend.dist import DistInfo
+from rlhfkit.trainers.rl import RLLoopConfig, RLTrainer
+from rlhfkit.types import PromptSample, Trajectory
+
+PROMPT, ACTIONS = [5, 6, 7], 2  # 3 prompt tokens, 2 action tokens per sample
+
+
+def traj(reward: float, group: int) -> Trajectory:
+    ids = PROMPT + [10 + group, 20]
+    return Trajectory(token_ids=ids, action_mask=[0, 0, 0, 1, 1], rollout_logprobs=[0, 0, 0, -0.5, -0.5],
+                      prompt_len=3, reward=reward, score=reward, group_index=group)
+
+
+@dataclass
+class FakeExecutor:
+    rewards: list[list[float]]
+    empty_steps: set[int] = field(default_factory=set)
+    calls: int = 0
+    seeds: list[int] = field(default_factory=list)
+
+    def reseed(self, seed: int) -> None:
+        self.seeds.append(seed)
+
+    async def run_episodes(self, prompts, n):
+        step = self.calls
+        self.calls += 1
+        if step in self.empty_steps:
+            return EpisodeBatch([])
+        return EpisodeBatch([traj(r, g) for g, group in enumerate(self.rewards[:len(prompts)]) for r in group[:n]])
+
+
+@dataclass
+class FakePolicy:
+    log: list = field(default_factory=list)
+
+    def call(self, method: str, *args):
+        self.log.append((method, args))
+        if method == "forward_logprobs":
+            return torch.full(args[0].input_ids.shape, -0.5)
+        if method == "train_on":
+            return {"policy_loss": 0.25}
+        if method == "weights":
+            return iter([("w", torch.zeros(1))])
+        raise AssertionError(method)
+
+
+@dataclass
+class FakeSync:
+    calls: int = 0
+
+    def sync(self) -> dict[str, float]:
+        self.calls += 1
+        return {"time/weight_push": 0.0}
+
+
+class FakeLogger:
+    def __init__(self) -> None:
+        self.logged: list[tuple[int, dict]] = []
+
+    def log(self, step, m, console=False) -> None:
+        self.logged.append((step, dict(m)))
+
+    def truncate(self, step) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class FakeCheckpointer:
+    saved: list = field(default_factory=list)
+
+    def save(self, root, tag, client, max_keep) -> None:
+        self.saved.append((tag, dict(client)))
+
+
+def make(rewards, steps=2, empty=(), save_steps=-1):
+    policy, sync, ex = FakePolicy(), FakeSync(), FakeExecutor(rewards, set(empty))
+    cfg = RLLoopConfig(rollout_batch_size=2, n_samples_per_prompt=2, max_steps=steps, show_progress=False,
+                       save_steps=save_steps, skip_zero_advantage_steps=False)
+    prompts = [PromptSample(prompt=f"p{i}", index=i) for i in range(8)]
+    trainer = RLTrainer(cfg, AdvantageConfig(advantage_estimator="group_norm", n_samples_per_prompt=2), RewardShapingConfig(),
+                        policy=policy, engine=None, executor=ex, prompts=prompts, dist=DistInfo(),
+                        logger=FakeLogger(), pad_token_id=0, kl_ctl=FixedKLController(0.0),
+                        checkpointer=FakeCheckpointer(), weight_sync=sync)
+    return trainer, policy, sync, ex
+
+
+def test_one_step_by_hand():
+    trainer, policy, sync, ex = make([[1.0, 0.0], [0.5, 0.5]])
+    m = trainer.train_step()
+    assert [name for name, _ in policy.log] == ["forward_logprobs", "train_on"]
+    batch = policy.log[1][1][0]
+    a = 0.5 / (math.sqrt(0.5) + 1e-6)
+    want = torch.tensor([a, -a, 0.0, 0.0])[:, None] * batch.loss_mask
+    torch.testing.assert_close(batch.advantages * batch.loss_mask, want, rtol=1e-5, atol=1e-6)
+    assert batch.loss_mask.sum() == 4 * ACTIONS
+    assert sync.calls == 1 and m["reward"] == pytest.approx(0.5) and m["policy_loss"] == 0.25
+    assert m["skipped_steps"] == 0
+
+
+def test_a_step_without_trajectories_is_skipped_and_the_loop_goes_on():
+    trainer, policy, sync, ex = make([[1.0, 0.0], [0.5, 0.5]], steps=3, empty={1})
+    trainer.fit()
+    steps = [(s, m["skipped_steps"]) for s, m in trainer.logger.logged]
+    assert steps == [(1, 0.0), (2, 1.0), (3, 0.0)]
+    assert [name for name, _ in policy.log].count("train_on") == 2  # not for the skipped step
+    assert sync.calls == 2 and ex.calls == 3
+
+
+def test_fit_saves_at_save_steps_with_the_data_cursor():
+    trainer, _, _, _ = make([[1.0, 0.0], [0.5, 0.5]], steps=4, save_steps=2)
+    trainer.fit()
+    tags = [(tag, c["step"], c["batch_in_episode"]) for tag, c in trainer.checkpointer.saved]
+    assert tags == [("global_step2", 2, 2), ("global_step4", 4, 4)]
