@@ -23,9 +23,9 @@ import logging
 
 import torch
 
-log = logging.getLogger(__name__)
+from rlhfkit.models.hf_files import DTYPES  # the one --param_dtype table (defined with the dtype names)
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # the one --param_dtype table
+log = logging.getLogger(__name__)
 
 
 def dtype_flag_name(dtype: torch.dtype) -> str:
