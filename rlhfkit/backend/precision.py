@@ -23,19 +23,10 @@ import logging
 
 import torch
 
-from rlhfkit.models.hf_files import DTYPES  # the one --param_dtype table (defined with the dtype names)
+from rlhfkit.config.dtypes import DTYPES, dtype_flag_name, run_dtype  # noqa: F401 - the one table
 
 log = logging.getLogger(__name__)
 
-
-def dtype_flag_name(dtype: torch.dtype) -> str:
-    """torch dtype -> its --param_dtype name (bf16 | fp16 | fp32)."""
-    return next(k for k, v in DTYPES.items() if v == dtype)
-
-
-def run_dtype(param_dtype: str, device: str) -> torch.dtype:
-    """What an inference-only model (a rollout engine) computes in: --param_dtype on a GPU, fp32 on CPU."""
-    return DTYPES[param_dtype] if device.startswith("cuda") else torch.float32
 
 
 def parse_dtype(name: str) -> torch.dtype:

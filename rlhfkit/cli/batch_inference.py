@@ -62,7 +62,7 @@ from typing import Any, Sequence
 
 import torch
 
-from rlhfkit.backend.precision import dtype_flag_name, run_dtype
+from rlhfkit.config.dtypes import dtype_flag_name, run_dtype
 from rlhfkit.cli.common import UsageError, cli_main, resolve_modelscope_paths, set_seed
 from rlhfkit.config.flags import FlagParser, add_data_flags, add_model_flags, mark_training_only
 from rlhfkit.data.io import DataError, Row, load_mixture

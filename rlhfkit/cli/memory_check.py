@@ -16,7 +16,7 @@ import argparse
 
 import torch
 
-from rlhfkit.backend.precision import DTYPES
+from rlhfkit.config.dtypes import DTYPES
 from rlhfkit.cli.common import UsageError
 from rlhfkit.distributed.memory_plan import (EngineMemory, MemoryInputs, ModelShape, RoleMemory, over_budget,
                                              plan_memory)

@@ -291,7 +291,7 @@ def engine_max_num_seqs(args: argparse.Namespace, num_engines: int) -> int:
 def build_engine_for(args: argparse.Namespace, tokenizer: Any, dist: DistInfo, tp: Any = None):
     from rlhfkit.rollout import build_engine
 
-    from rlhfkit.backend.precision import run_dtype
+    from rlhfkit.config.dtypes import run_dtype
 
     dtype = run_dtype(args.param_dtype, dist.device)
     seqs = engine_max_num_seqs(args, dist.world_size)

@@ -10,9 +10,7 @@ from typing import Any
 
 import torch
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # the one --param_dtype table
-# (here, not in backend.precision, which re-exports it: models/ sits above backend/ and may not import it;
-# importing rlhfkit.backend runs its __init__, whose fsdp2 imports models.loader -> a cycle on a fresh start)
+from rlhfkit.config.dtypes import DTYPES
 
 _DTYPES = {**DTYPES, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # attention implementations that need an extra package, and which one

@@ -286,7 +286,8 @@ def test_module_level_run_agent_file_and_server_lifetime(tmp_path, tok):
         return await real(*a, **k)
 
     ex.execute = spy
-    assert [t.reward for t in run(ex, n=2).trajectories] == [1.0, 0.0]
+    # two samples run concurrently: which one gets the scripted "7" depends on scheduling
+    assert sorted(t.reward for t in run(ex, n=2).trajectories) == [0.0, 1.0]
     assert [t.reward for t in run(ex).trajectories] == [1.0]  # a second batch, on a new event loop
     with pytest.raises(urllib.error.URLError):  # the server is down between batches
         urllib.request.urlopen(urls[0], timeout=5)

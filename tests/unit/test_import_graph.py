@@ -32,9 +32,14 @@ def _is_type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
+def _parents(module: str) -> list[str]:
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
 def import_graph() -> dict[str, set[str]]:
     """Module -> the rlhfkit modules it imports anywhere (functions included; `if TYPE_CHECKING:`
-    blocks left out: annotations only)."""
+    blocks left out: annotations only), and the packages above each (their `__init__` runs first)."""
     mods = _modules()
     graph: dict[str, set[str]] = {m: set() for m in mods}
     for mod, path in mods.items():
@@ -52,6 +57,10 @@ def import_graph() -> dict[str, set[str]]:
                 targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in mods else node.module
                            for a in node.names]
             for t in targets:
+                # importing a.b.c first runs the packages a and a.b: their __init__ imports count too
+                for parent in _parents(t):
+                    if parent in mods and parent != mod and not mod.startswith(parent + "."):
+                        graph[mod].add(parent)
                 if t in mods and t != mod:
                     graph[mod].add(t)
     return graph
@@ -103,8 +112,8 @@ def test_the_checker_finds_a_cycle():
 
 
 def test_first_import_in_a_fresh_interpreter():
-    """The AST graph leaves out what importing `rlhfkit.backend.x` also runs: the package's __init__.
-    `models.hf_files` once took its dtype table from `backend.precision`, so a fresh
+    """The graph above is read from the source; this imports for real. `models.hf_files` once took its
+    dtype table from `backend.precision`, so a fresh
     `import rlhfkit.models.loader` (as `python -m rlhfkit.cli.lora_combiner` does first) ran backend's
     __init__ -> fsdp2 -> models.loader half-initialised: ImportError. models/ must not import backend/."""
     import subprocess
