@@ -38,7 +38,7 @@ removed KTO, PRM, KD, batch_inference, interactive_chat and the loops in v0.9.6,
 | train_reinforce_baseline_hybrid_engine.sh | REINFORCE++-baseline, agent file (flat: --fsdp2_enable_sleep) | ran | ran (dotted: async script minus async) |
 | train_reinforce_baseline_ray_agent_async.sh | --async_train with colocation (dotted: + --partial_rollout) | ran | ran |
 | train_reinforce_baseline_ray_agent_multiturn.sh | multi-turn agent (rlhfkit's example agent) | ran | ran (table rename) |
-| train_prorlv2_math_hybrid_engine.sh | math_reward_func, eval, ICEPOP, penalties | xfail until on main | xfail until on main |
+| train_prorlv2_math_hybrid_engine.sh | math_reward_func, eval, ICEPOP, penalties | ran | ran |
 
 Left out (they need what a CPU cannot give, or are not OpenRLHF training scripts):
 
@@ -62,11 +62,10 @@ copy follows OpenRLHF's own dotted script. In scripts whose GPU counts went to 1
 went down with them (vLLM tensor parallel 2 -> 1; the async / agent scripts' --ring_attn_size 2 -> 1:
 a ring of one worker), each marked on its line.
 
-xfail: a case is marked xfail (not strict) only while the feature it needs is not on main; the
-reason names it. Ray: the Ray cases of one test process share one Ray head (`ray start --block`,
+Ray: the Ray cases of one test process share one Ray head (`ray start --block`,
 started on first use and stopped at the end), so Ray starts once per xdist worker.
 
-Run: pytest -m slow tests/openrlhf_scripts -n 2
+Run alone: pytest tests/openrlhf_scripts -n 2 (part of `make test`)
 """
 
 from __future__ import annotations
@@ -74,7 +73,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -85,6 +83,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from openrlhf_assets import build_assets
+from helpers import free_port, subprocess_env
 
 pytestmark = pytest.mark.slow
 
@@ -94,25 +93,12 @@ OFFLINE_TIMEOUT_S = 240
 RAY_TIMEOUT_S = 300
 
 
-def _math_reward_on_main() -> bool:
-    """examples/math_reward_func.py and the rlhfkit.utils names it imports (issue 15 part 1)."""
-    try:
-        from rlhfkit.utils import extract_boxed_answer, grade_answer  # noqa: F401
-    except ImportError:
-        return False
-    return os.path.isfile(os.path.join(ROOT, "examples", "math_reward_func.py"))
-
-
-MATH = "rlhfkit.utils.extract_boxed_answer / grade_answer and examples/math_reward_func.py (issue 15 part 1, c15-utils): not on main yet"
-
-
 @dataclass
 class Case:
     script: str  # flat/x.sh or dotted/x.sh
     outputs: list[str]  # paths under $OUT that must exist afterwards
     ray: bool = False
     env: dict[str, str] = field(default_factory=dict)
-    xfail: str | None = None  # the missing feature, while it is missing
 
     @property
     def id(self) -> str:
@@ -139,15 +125,14 @@ def _cases() -> list[Case]:
         ("train_ppo_llama", [f"{ck}/llama-3-8b-rlhf/config.json", f"{ck}/llama-3-8b-rlhf/metrics.jsonl"]),
     ]]
     ray_both = [
-        ("train_ppo_ray_hybrid_engine", ["final/llama3-8b-rlhf/config.json"], None),
-        ("train_ppo_with_reward_fn", [f"{ck}/llama3-8b-rlhf/config.json"], None),
-        ("train_dapo_ray_hybrid_engine", ["final/llama3-8b-rlhf/config.json"], None),
-        ("train_reinforce_baseline_hybrid_engine", ["exp/Qwen3-4B-Thinking/config.json"], None),
-        ("train_reinforce_baseline_ray_agent_multiturn", [f"{ck}/llama3-8b-rlhf-rf_baseline/config.json"], None),
-        ("train_prorlv2_math_hybrid_engine", ["exp/DeepSeek-R1-Qwen-1.5B-PRORLV2/config.json"],
-         None if _math_reward_on_main() else MATH),
+        ("train_ppo_ray_hybrid_engine", ["final/llama3-8b-rlhf/config.json"]),
+        ("train_ppo_with_reward_fn", [f"{ck}/llama3-8b-rlhf/config.json"]),
+        ("train_dapo_ray_hybrid_engine", ["final/llama3-8b-rlhf/config.json"]),
+        ("train_reinforce_baseline_hybrid_engine", ["exp/Qwen3-4B-Thinking/config.json"]),
+        ("train_reinforce_baseline_ray_agent_multiturn", [f"{ck}/llama3-8b-rlhf-rf_baseline/config.json"]),
+        ("train_prorlv2_math_hybrid_engine", ["exp/DeepSeek-R1-Qwen-1.5B-PRORLV2/config.json"]),
     ]
-    cases += [Case(f"{sp}/{name}.sh", out, ray=True, xfail=x) for sp in ("flat", "dotted") for name, out, x in ray_both]
+    cases += [Case(f"{sp}/{name}.sh", out, ray=True) for sp in ("flat", "dotted") for name, out in ray_both]
     cases += [Case(f"{sp}/train_reinforce_baseline_ray_agent_async.sh", ["exp/Qwen3-4B-Thinking/config.json"],
                    ray=True) for sp in ("flat", "dotted")]
     cases += [Case(f"flat/{name}.sh", out, ray=True) for name, out in [
@@ -172,16 +157,9 @@ def assets(tmp_path_factory) -> dict[str, str]:
     return env
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _base_env() -> dict[str, str]:
-    env = dict(os.environ)
+    env = subprocess_env()
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")  # python3 / torchrun of this venv
-    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", TRANSFORMERS_VERBOSITY="error",
                RAY_AUTH_MODE="token", RAY_DEDUP_LOGS="0", NPROC_PER_NODE="1", OMP_NUM_THREADS="1")
     env.pop("RAY_ADDRESS", None)
@@ -194,7 +172,7 @@ class RayHead:
 
     def __init__(self) -> None:
         self.tmp = tempfile.mkdtemp(prefix="rk-ray-", dir="/tmp")  # short: Ray's socket paths have a length limit
-        self.port = _free_port()
+        self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
         self.log = open(os.path.join(self.tmp, "head.log"), "w")
@@ -282,9 +260,7 @@ def script_env(assets: dict[str, str], out: str, extra: dict[str, str] | None = 
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_script(case: Case, assets, ray_head, tmp_path, request):
-    if case.xfail:
-        request.applymarker(pytest.mark.xfail(reason=case.xfail, strict=False))
+def test_script(case: Case, assets, ray_head, tmp_path):
     out = str(tmp_path)
     extra = dict(case.env)
     if case.ray:
@@ -338,7 +314,7 @@ def test_serve_remote_rm_then_ppo(spelling, assets, ray_head, tmp_path):
     """serve_remote_rm.sh serves the tiny reward model; train_ppo_llama_with_remote_rm.sh trains PPO with
     --remote_rm_url http://localhost:PORT/get_reward; the server stops on SIGTERM."""
     out = str(tmp_path)
-    env = script_env(assets, out, {"RM_PORT": str(_free_port()), "RAY_ADDRESS": ray_head().address})
+    env = script_env(assets, out, {"RM_PORT": str(free_port()), "RAY_ADDRESS": ray_head().address})
     log_path = os.path.join(out, "serve_remote_rm.log")
     with open(log_path, "w") as log:
         server = subprocess.Popen(["bash", os.path.join(HERE, spelling, "serve_remote_rm.sh")], cwd=out, env=env,
