@@ -36,7 +36,9 @@ class AgentConfig:
     max_length: token budget of a whole trajectory, prompt + actions + feedback
         (``--max_len``, or ``--prompt_max_len + --generate_max_len``).
     sampling_params: default sampling; ``max_new_tokens`` is the limit of one generation
-        (``--generate_max_len``); a turn also stops at the remaining budget.
+        (``--generate_max_len``); a turn also stops at the remaining budget. ``max_new_tokens ==
+        max_length`` means no limit of its own: each generation gets what the budget leaves
+        (OpenRLHF's unset ``--rollout.max_new_tokens``).
     step_timeout_s: limit of each ``reset()`` / ``step()`` call; None = no limit.
     reward_timeout_s: limit of each ``reward_func`` call; None = no limit.
     reward_failure: ``stop`` (raise ``RewardFailure``) or ``drop`` (skip and count the sample).
@@ -57,8 +59,8 @@ class AgentConfig:
         if self.reward_failure not in FAILURE_POLICIES:
             raise ValueError(f"--reward_failure must be one of {FAILURE_POLICIES}, got {self.reward_failure!r}")
         new = self.sampling_params.max_new_tokens
-        if not 0 < new < self.max_length:
-            raise ValueError(f"--generate_max_len ({new}) must be positive and below the trajectory budget "
+        if not 0 < new <= self.max_length:
+            raise ValueError(f"--generate_max_len ({new}) must be positive and at most the trajectory budget "
                              f"--max_len ({self.max_length})")
         if self.reward_batch_size < 1:
             raise ValueError(f"reward_batch_size must be >= 1, got {self.reward_batch_size}")

@@ -45,8 +45,9 @@ def encode(tokenizer: Any, text: str) -> list[int]:
 
 
 def fit_prompt(ids: list[int], max_length: int, max_new_tokens: int, source: str) -> list[int]:
-    """Left-truncate the prompt so that ``max_new_tokens`` still fit in ``max_length``."""
-    room = max_length - max_new_tokens
+    """Left-truncate the prompt so that ``max_new_tokens`` still fit in ``max_length``
+    (``max_new_tokens == max_length``: no per-generation limit, one token of room is kept)."""
+    room = max_length - max_new_tokens if max_new_tokens < max_length else max_length - 1
     if len(ids) > room:
         logger.warning("%s: prompt of %d tokens left-truncated to %d (--max_len %d, --generate_max_len %d)",
                        source, len(ids), room, max_length, max_new_tokens)

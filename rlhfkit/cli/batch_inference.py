@@ -30,9 +30,12 @@ positive, multiplied when negative).
 
 Scoring (`--eval_task rm`): each row's `--input_key` / `--output_key` (default input / output) go
 through the same formatting and joining rule as train_rm's data (rlhfkit.data.items: prompt ids +
-response ids + eos, cut to --max_len), so a reward model scores text as it was trained on it; the
-reward is the value head (`--value_head_prefix`) at the last token, (r - mean) / std with
-`--normalize_reward` (mean/std stored in the reward model's config.json). Batches of
+response ids + eos, cut to --max_len); with --apply_chat_template and no --output_key, a row without an
+`output` key is the conversation in --input_key, its last (assistant) message the output (OpenRLHF's
+rule: its conditional SFT script scores `--input_key chosen` conversations this way). So a reward
+model scores text as it was trained on it; the reward is the value head (`--value_head_prefix`) at the
+last token, (r - mean) / std with `--normalize_reward` (mean/std stored in the reward model's
+config.json). Batches of
 `--micro_batch_size` rows, shortest first. Output rows are the input rows plus `reward`, or what
 `--post_processor` makes of them (rs | iter_dpo | csft; see rlhfkit.data.post_processors, which
 also describes `--reward_template`).
@@ -79,7 +82,6 @@ def build_parser() -> FlagParser:
     add_model_flags(p)
     p.flag("--model_name_or_path", dest="pretrain", type=str, default=None, help="alias of --pretrain")
     add_data_flags(p, max_len=2048, max_samples=int(1e8))
-    p.set_defaults(output_key="output")
     p.flag("--eval_task", type=str, default=None, choices=list(TASKS),
            help="generate (alias generate_vllm): best-of-n samples; rm: score input/output rows")
     p.flag("--output_path", type=str, default=None, help="output jsonl file")
@@ -115,6 +117,8 @@ def build_parser() -> FlagParser:
            help="csft input template with {input} and {reward} (default '{input} <rm_score>: {reward} ')")
     p.flag("--local_rank", type=int, default=-1,
            inert="each process reads its rank from the environment (torchrun sets LOCAL_RANK / RANK)")
+    p.flag("--zero_stage", "--ds.zero_stage", type=int, default=0, choices=[0, 1, 2, 3],
+           inert="one process holds the whole model: there is nothing to shard (OpenRLHF's loops pass 0)")
     mark_training_only(p)
     for dest in ("eval_dataset", "eval_split"):
         p.mark_inert(dest, "batch_inference reads --dataset only")
@@ -338,6 +342,9 @@ class ScoreConfig:
     apply_chat_template: bool = False
     max_len: int = 2048
     micro_batch_size: int = 16
+    # --output_key not given and --apply_chat_template: a row without the output key is scored as the
+    # conversation in --input_key, its last (assistant) message the output (OpenRLHF's SFTDataset rule)
+    conversation_rows: bool = False
 
     def __post_init__(self) -> None:
         if self.max_len < 2 or self.micro_batch_size < 1:
@@ -357,9 +364,13 @@ def score_items(tokenizer: Any, rows: Sequence[Row], cfg: ScoreConfig) -> tuple[
     items, texts, cut = [], [], 0
     for row in rows:
         value_in = row.get(cfg.input_key, "--input_key")
-        value_out = row.get(cfg.output_key, "--output_key")
-        prompt, response = fmt.prompt_and_response(tokenizer, value_in, value_out, row,
-                                                   (cfg.input_key, cfg.output_key))
+        if cfg.conversation_rows and cfg.output_key not in row.data:
+            prompt, response = _conversation_prompt_response(tokenizer, value_in, row, cfg)
+            value_out = response
+        else:
+            value_out = row.get(cfg.output_key, "--output_key")
+            prompt, response = fmt.prompt_and_response(tokenizer, value_in, value_out, row,
+                                                       (cfg.input_key, cfg.output_key))
         p_ids, r_ids = encode(tokenizer, prompt), encode(tokenizer, response.rstrip("\n"))
         joined = join_prompt_response(p_ids, r_ids, tokenizer.eos_token_id, cfg.max_len)
         if joined is None:
@@ -370,6 +381,17 @@ def score_items(tokenizer: Any, rows: Sequence[Row], cfg: ScoreConfig) -> tuple[
         texts.append(ScoredSample(value_in if isinstance(value_in, str) else prompt,
                                   value_out if isinstance(value_out, str) else response, 0.0, row.where))
     return items, texts, cut
+
+
+def _conversation_prompt_response(tokenizer: Any, value: Any, row: Row, cfg: ScoreConfig) -> tuple[str, str]:
+    """(prompt, response) texts of a conversation whose last message is the assistant's answer."""
+    from rlhfkit.data.templates import chat_prompt_response, to_messages
+
+    msgs = to_messages(value, row, cfg.input_key)
+    if len(msgs) < 2 or msgs[-1]["role"] != "assistant":
+        raise row.error(f"no key {cfg.output_key!r} (--output_key), and key {cfg.input_key!r} is not a "
+                        "conversation ending with an assistant message")
+    return chat_prompt_response(tokenizer, msgs[:-1], msgs[-1:], row)
 
 
 @torch.no_grad()
@@ -413,7 +435,8 @@ def run_rm(args: argparse.Namespace) -> list[dict[str, Any]]:
     if processor == "csft":
         check_reward_template(args.reward_template)
     cfg = ScoreConfig(args.input_key, args.output_key or "output", args.input_template, args.apply_chat_template,
-                      args.max_len, args.micro_batch_size)
+                      args.max_len, args.micro_batch_size,
+                      conversation_rows=args.apply_chat_template and args.output_key is None)
     tokenizer = load_tokenizer(args.pretrain, padding_side="right", chat_template=args.tokenizer_chat_template,
                                use_fast=not args.disable_fast_tokenizer)
     rows = load_mixture(args.dataset, args.dataset_probs, split=args.dataset_split,

@@ -51,6 +51,9 @@ def resolve_flags(args: argparse.Namespace, world_size: int) -> None:
         args.enable_vllm_is_correction, args.vllm_is_correction_type = True, "icepop"
     if args.ref_reward_offload:
         args.ref_offload = args.reward_offload = True
+    dynamic_new_tokens = args.generate_max_len is None and args.max_len is not None
+    if args.generate_max_len is None:  # OpenRLHF: 1024 (flat era); max_len - prompt (--rollout.max_new_tokens unset)
+        args.generate_max_len = args.max_len if dynamic_new_tokens else 1024
     if args.max_len is None:
         args.max_len = args.prompt_max_len + args.generate_max_len
         check_positions(args.pretrain, args.max_len, f"--prompt_max_len {args.prompt_max_len} + --generate_max_len "
@@ -88,7 +91,7 @@ def resolve_flags(args: argparse.Namespace, world_size: int) -> None:
         raise UsageError(f"--max_failed_steps must be >= 1, got {args.max_failed_steps}")
     if args.max_filter_rounds < 1:
         raise UsageError(f"--max_filter_rounds must be >= 1, got {args.max_filter_rounds}")
-    if args.generate_max_len >= args.max_len:
+    if args.generate_max_len >= args.max_len and not dynamic_new_tokens:
         raise UsageError(f"--generate_max_len ({args.generate_max_len}) must be below --max_len ({args.max_len})")
 
 

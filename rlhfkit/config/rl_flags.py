@@ -71,7 +71,9 @@ def _rollout(p: FlagParser) -> None:
     p.flag("--rollout_batch_size", "--rollout.batch_size", type=int, default=1024, help="prompts per RL step")
     p.flag("--n_samples_per_prompt", "--rollout.n_samples_per_prompt", type=int, default=1)
     p.flag("--micro_rollout_batch_size", "--rollout.micro_batch_size", type=int, default=8)
-    p.flag("--generate_max_len", "--max_new_tokens", "--rollout.max_new_tokens", type=int, default=1024)
+    p.flag("--generate_max_len", "--max_new_tokens", "--rollout.max_new_tokens", type=int, default=None,
+           help="new tokens of one generation (default: 1024; with --max_len given, what --max_len leaves "
+                "after the prompt, as OpenRLHF's --rollout.max_new_tokens)")
     p.flag("--temperature", "--rollout.temperature", type=float, default=1.0)
     p.flag("--top_p", "--rollout.top_p", type=float, default=1.0)
     p.flag("--top_k", "--rollout.top_k", type=int, default=-1)
@@ -211,7 +213,9 @@ def _placement(p: FlagParser) -> None:
     p.flag("--colocate_all_models", "--train.colocate_all", action="store_true")
     p.flag("--colocate_actor_ref", "--train.colocate_actor_ref", action="store_true")
     p.flag("--colocate_critic_reward", "--train.colocate_critic_reward", action="store_true")
-    p.flag("--deepspeed_enable_sleep", "--ds.enable_sleep", action="store_true")
+    p.flag("--deepspeed_enable_sleep", "--ds.enable_sleep", "--fsdp2_enable_sleep", action="store_true",
+           help="training states (optimizer, fp32 master weights, gradients) to host memory between phases; "
+                "--fsdp2_enable_sleep is OpenRLHF's FSDP2-era name of the same flag")
     p.flag("--skip_memory_check", action="store_true",
            help="start even when the per-GPU memory plan exceeds the GPU (train_ppo_ray prints the plan)")
 

@@ -2,7 +2,9 @@
 
 Two ways to turn a dataset value into model text, as in OpenRLHF:
 
-* `--input_template "User: {}\\nAssistant: "`: the string value replaces `{}`.
+* `--input_template "User: {}\\nAssistant: "`: the string value replaces `{}`. An empty template
+  (`--input_template ""`, as OpenRLHF's rejection sampling script passes to train_sft) is no
+  template: the value is used as it is, as OpenRLHF does.
 * `--apply_chat_template`: the value (a string, taken as one user message, or a list of
   `{"role", "content"}` messages) goes through `tokenizer.apply_chat_template`. When both are
   given the chat template wins (the SFT command has a default `--input_template`).
@@ -29,8 +31,8 @@ Message = dict[str, Any]
 
 
 def check_input_template(template: str | None, flag: str = "--input_template") -> str | None:
-    """Validate an input template: None, or a string with exactly one `{}`."""
-    if template is None:
+    """Validate an input template: None or "" (no template), or a string with exactly one `{}`."""
+    if template is None or template == "":
         return None
     if not isinstance(template, str) or "{}" not in template:
         raise DataError(f"{flag} must contain '{{}}' where the input goes, got {template!r}")
@@ -44,7 +46,7 @@ def check_input_template(template: str | None, flag: str = "--input_template") -
 
 def fill_template(template: str | None, text: str) -> str:
     """`template` with `{}` replaced by `text` (no other braces are interpreted)."""
-    return text if template is None else template.replace("{}", text, 1)
+    return text if not template else template.replace("{}", text, 1)
 
 
 def load_chat_template(value: str) -> str:

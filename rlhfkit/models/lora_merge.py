@@ -27,8 +27,12 @@ def merge_lora(model_path: str, lora_path: str, output_path: str, is_rm: bool = 
     if not os.path.isfile(os.path.join(lora_path, "adapter_config.json")):
         raise FileNotFoundError(f"--lora_path {lora_path!r} has no adapter_config.json (not a peft adapter)")
     dtype = resolve_dtype(param_dtype)
-    tok_src = lora_path if os.path.isfile(os.path.join(lora_path, "tokenizer_config.json")) else model_path
-    tokenizer = load_tokenizer(tok_src, flag="--lora_path" if tok_src == lora_path else "--model_path")
+    if os.path.isfile(os.path.join(lora_path, "tokenizer_config.json")):  # an adapter dir has no config.json
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(lora_path)
+    else:
+        tokenizer = load_tokenizer(model_path, flag="--model_path")
     if is_rm:
         return _merge_reward_model(model_path, lora_path, output_path, dtype, tokenizer)
     from transformers import AutoModelForCausalLM

@@ -224,3 +224,36 @@ def test_scored_rows_are_validated(tmp_path):
     path = _write(tmp_path / "s.jsonl", [HAND_SCORED[0], {"input": "a", "output": "x", "reward": "high"}])
     with pytest.raises(DataError, match=r"s\.jsonl row 2: key 'reward' must be a finite number"):
         scored_samples(load_rows(path))
+
+
+def test_zero_stage_of_openrlhf_command_lines_is_accepted_with_a_note(tiny_model_dir, prompts, tmp_path, capsys):
+    """OpenRLHF's batch_inference took DeepSpeed's --zero_stage (its loops pass 0); here one process holds the
+    model, so 0 is silent and 1-3 run the same, with a note naming the flag."""
+    a = _generate(tiny_model_dir, prompts, tmp_path / "a.jsonl", "--zero_stage", "0")
+    assert "--zero_stage" not in capsys.readouterr().out
+    b = _generate(tiny_model_dir, prompts, tmp_path / "b.jsonl", "--ds.zero_stage", "3")
+    assert "note: --zero_stage has no effect" in capsys.readouterr().out
+    assert a == b
+
+
+def test_rm_scores_conversations_without_output_key(rm_dir, tmp_path):
+    """OpenRLHF's conditional SFT script scores `--input_key chosen --apply_chat_template` with no
+    --output_key: each conversation's last (assistant) message is the output. Same scores as rows of
+    (templated prompt, the rest of the templated conversation); an explicit --output_key still
+    requires the key."""
+    from rlhfkit.data.templates import render_chat
+    from rlhfkit.models.loader import load_tokenizer
+
+    convs = [[{"role": "user", "content": "1+1=?"}, {"role": "assistant", "content": a}] for a in ("2", "three")]
+    data = _write(tmp_path / "conv.jsonl", [{"chosen": c} for c in convs])
+    got = _score(rm_dir, data, tmp_path / "c.jsonl", "--input_key", "chosen", "--apply_chat_template")
+    tok = load_tokenizer(rm_dir)
+    prompt = render_chat(tok, convs[0][:1], add_generation_prompt=True)
+    flat = _write(tmp_path / "flat.jsonl", [{"input": prompt, "output": render_chat(tok, c)[len(prompt):]}
+                                            for c in convs])
+    want = _score(rm_dir, flat, tmp_path / "f.jsonl")
+    assert [r["reward"] for r in got] == pytest.approx([r["reward"] for r in want], abs=1e-6)
+    assert got[0]["reward"] != pytest.approx(got[1]["reward"])
+    with pytest.raises(SystemExit):
+        _score(rm_dir, data, tmp_path / "x.jsonl", "--input_key", "chosen", "--apply_chat_template",
+               "--output_key", "output")

@@ -219,3 +219,24 @@ def test_cli_reports_bad_flags_in_one_line(tiny_model_dir, rl_files, tmp_path, c
     with pytest.raises(SystemExit):  # 8 prompts cannot fill one step of 16
         train_ppo.main(argv + ["--rollout_batch_size", "16", "--train_batch_size", "32"])
     assert "--rollout_batch_size (16)" in capsys.readouterr().err
+
+
+def test_max_new_tokens_unset_with_max_len_is_what_the_prompt_leaves():
+    """OpenRLHF's dotted scripts give --data.max_len and no --rollout.max_new_tokens: each generation gets
+    max_len - prompt tokens. Without --max_len the flat default 1024 holds; an explicit value must stay
+    below --max_len."""
+    base = ["--pretrain", "m", "--prompt_data", "p.jsonl", "--remote_rm_url", "r.py", "--rollout_batch_size", "8",
+            "--train_batch_size", "8", "--micro_train_batch_size", "8"]
+    args = train_ppo.build_parser().parse(base + ["--data.max_len", "72"])
+    ppo_setup.resolve_flags(args, 1)
+    assert (args.max_len, args.generate_max_len) == (72, 72)
+    cfg = ppo_setup.agent_config(args, 1.0)
+    assert cfg.sampling_params.max_new_tokens == cfg.max_length == 72
+    from rlhfkit.agents.executors import fit_prompt
+    assert fit_prompt(list(range(30)), 72, 72, "x") == list(range(30))  # the prompt keeps its tokens
+    assert fit_prompt(list(range(80)), 72, 72, "x") == list(range(9, 80))  # one token of room is left
+    args = train_ppo.build_parser().parse(base + ["--prompt_max_len", "16"])
+    ppo_setup.resolve_flags(args, 1)
+    assert (args.max_len, args.generate_max_len) == (16 + 1024, 1024)
+    with pytest.raises(UsageError, match=r"--generate_max_len \(72\) must be below --max_len \(72\)"):
+        ppo_setup.resolve_flags(train_ppo.build_parser().parse(base + ["--max_len", "72", "--max_new_tokens", "72"]), 1)

@@ -292,4 +292,13 @@ def test_config_errors():
     with pytest.raises(ValueError, match="--reward_failure"):
         AgentConfig(reward_failure="ignore")
     with pytest.raises(ValueError, match="--generate_max_len"):
-        AgentConfig(max_length=8, sampling_params=SamplingParams(max_new_tokens=8))
+        AgentConfig(max_length=8, sampling_params=SamplingParams(max_new_tokens=9))
+
+
+def test_max_new_tokens_equal_to_max_length_generates_what_the_budget_leaves(tok):
+    """max_new_tokens == max_length (OpenRLHF's unset --rollout.max_new_tokens): the prompt is kept and the
+    generation gets max_length - prompt tokens."""
+    ex = SingleTurnAgentExecutor().setup(FakeEngine(lambda p: [6] * 50), tok,
+                                         config(max_length=8, sampling_params=SamplingParams(max_new_tokens=8)))
+    (t,) = run(ex.run_episodes([PromptSample(prompt="123")])).trajectories
+    assert t.prompt_len == 3 and len(t.token_ids) == 8 and t.truncated

@@ -146,3 +146,15 @@ def test_tokenizer_chat_template_from_file(tok, tmp_path):
     assert t.apply_chat_template([{"role": "user", "content": "ab"}], tokenize=False) == "ab"
     with pytest.raises(DataError, match="--tokenizer_chat_template"):
         set_chat_template(t, str(tmp_path / "missing.jinja"))
+
+
+def test_empty_input_template_is_no_template():
+    """OpenRLHF's rejection sampling script passes --input_template "" to train_sft: the inputs are
+    already formatted prompts and are used as they are (OpenRLHF skips a falsy template)."""
+    tok = build_tokenizer()
+    assert check_input_template("") is None
+    rows = [{"q": "U:hi A:", "a": "yo"}]
+    empty = sft(tok, rows, input_key="q", output_key="a", input_template="")
+    none = sft(tok, rows, input_key="q", output_key="a", input_template=None)
+    assert empty.items[0].input_ids == none.items[0].input_ids
+    assert empty.items[0].loss_mask == none.items[0].loss_mask

@@ -109,3 +109,20 @@ def test_no_import_cycles(package):
 def test_the_checker_finds_a_cycle():
     graph = {"p.a": {"p.b"}, "p.b": {"p.c"}, "p.c": {"p.a"}, "p.d": {"p.a"}}
     assert cycles_within(graph, "p.") == [["p.a", "p.b", "p.c"]]
+
+
+def test_first_import_in_a_fresh_interpreter():
+    """The graph above is read from the source; this imports for real. `models.hf_files` once took its
+    dtype table from `backend.precision`, so a fresh
+    `import rlhfkit.models.loader` (as `python -m rlhfkit.cli.lora_combiner` does first) ran backend's
+    __init__ -> fsdp2 -> models.loader half-initialised: ImportError. models/ must not import backend/."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(ROOT)}
+    procs = {m: subprocess.Popen([sys.executable, "-c", f"import {m}"], env=env, stderr=subprocess.PIPE, text=True)
+             for m in ("rlhfkit.models.loader", "rlhfkit.cli.lora_combiner")}
+    errors = {m: p.communicate(timeout=120)[1][-800:] for m, p in procs.items()}
+    assert {m: p.returncode for m, p in procs.items()} == {m: 0 for m in procs}, errors
+    models_imports = {t for m, ts in import_graph().items() if m.startswith("rlhfkit.models.") for t in ts}
+    assert not [t for t in models_imports if t.startswith("rlhfkit.backend")]

@@ -37,6 +37,7 @@ def test_merge_causal_lm(tiny_model_dir, tmp_path):
     _randomise_adapters(peft_model)
     adapter, out = str(tmp_path / "adapter"), str(tmp_path / "merged")
     peft_model.save_pretrained(adapter)
+    load_tokenizer(tiny_model_dir).save_pretrained(adapter)  # as train_sft --lora_rank saves it: no config.json
     combiner(["--model_path", tiny_model_dir, "--lora_path", adapter, "--output_path", out,
               "--param_dtype", "fp32"])
 

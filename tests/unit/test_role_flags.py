@@ -31,3 +31,11 @@ def test_role_builders_get_checkpointing_and_adam_offload(tiny_model_dir, tmp_pa
     assert not ref.unwrap().is_gradient_checkpointing and not ref.cpu_offload
     out = capsys.readouterr().out
     assert out.count("note: --adam_offload has no effect on CPU") == 1, out
+
+
+def test_training_state_sleep_has_all_three_names():
+    """--deepspeed_enable_sleep (flat), --ds.enable_sleep (dotted) and --fsdp2_enable_sleep (OpenRLHF's
+    FSDP2-era scripts) set the same flag."""
+    for name in ("--deepspeed_enable_sleep", "--ds.enable_sleep", "--fsdp2_enable_sleep"):
+        assert train_ppo_ray.build_parser().parse([name]).deepspeed_enable_sleep
+    assert not train_ppo_ray.build_parser().parse([]).deepspeed_enable_sleep

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# rlhfkit's copy of OpenRLHF examples/scripts/train_ppo_ray_hybrid_engine.sh (flat flags, OpenRLHF 17b714b5):
+# PPO (GAE critic + reward model) with every model and the engine on the same devices, sleeping in turn.
+# Adapted as a user would for one CPU: module renamed, tiny model/data, 1 CPU worker per role, sizes cut to
+# one RL step; each changed line says so. Reads MODEL, RM_MODEL, DATA, OUT from the environment.
+set -x
+
+args=(
+   --ref_num_nodes 1
+   --ref_num_gpus_per_node 1                          # changed: 8 GPUs -> 1 CPU worker
+   --reward_num_nodes 1
+   --reward_num_gpus_per_node 1                       # changed: 8 -> 1
+   --critic_num_nodes 1
+   --critic_num_gpus_per_node 1                       # changed: 8 -> 1
+   --actor_num_nodes 1
+   --actor_num_gpus_per_node 1                        # changed: 8 -> 1
+   --vllm_num_engines 1                               # changed: 4 -> 1 (actor workers = engines x TP)
+   --vllm_tensor_parallel_size 1                      # changed: 2 -> 1
+   --colocate_all_models
+   --vllm_gpu_memory_utilization 0.5
+   --pretrain "$MODEL"                                # changed: OpenRLHF/Llama-3-8b-sft-mixture -> tiny model
+   --reward_pretrain "$RM_MODEL"                      # changed: OpenRLHF/Llama-3-8b-rm-700k -> tiny RM
+   --save_path "$OUT/final/llama3-8b-rlhf"            # changed: /openrlhf/examples/test_scripts/... -> $OUT
+   --ckpt_path "$OUT/ckpt/llama3-8b-rlhf"             # changed: path
+   --save_hf_ckpt
+   --train_batch_size 4                               # changed: 128 -> 4
+   --rollout_batch_size 4                             # changed: 1024 -> 4
+   --n_samples_per_prompt 1
+   --max_epochs 1
+   --prompt_max_len 64                                # changed: 1024 -> 64
+   --max_samples 4                                    # changed: 100000 -> 4 (one RL step)
+   --generate_max_len 8                               # changed: 1024 -> 8
+   --zero_stage 3
+   --param_dtype bf16
+   --actor_learning_rate 5e-7
+   --critic_learning_rate 9e-6
+   --init_kl_coef 0.01
+   --prompt_data "$DATA/prompt_collection.jsonl"      # changed: OpenRLHF/prompt-collection-v0.1 -> tiny file
+   --input_key context_messages
+   --apply_chat_template
+   --normalize_reward
+   --gradient_checkpointing
+   --packing_samples
+   --vllm_sync_backend nccl
+   --enforce_eager
+   --vllm_enable_sleep
+   --deepspeed_enable_sleep
+   --use_dynamic_batch
+   --train_max_tokens_per_gpu 16384
+   --enable_vllm_is_correction
+)
+
+python3 -m rlhfkit.cli.train_ppo_ray "${args[@]}"     # changed: openrlhf -> rlhfkit
+
+# Enable tensor parallelism for DeepSpeed
+#    --ds_tensor_parallel_size 2 \
+
+# Enable Ring-Attention
+#    --ring_attn_size 4 \
+#    --ring_head_stride 2 \

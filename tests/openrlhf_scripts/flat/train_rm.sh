@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# rlhfkit's copy of OpenRLHF examples/scripts/train_rm.sh (flat flags, OpenRLHF 17b714b5), adapted as a user
+# would for one CPU: module renamed, tiny model/data, sizes cut; each changed line says so.
+# Reads MODEL, DATA, OUT from the environment.
+set -x
+
+training_commands=(
+   rlhfkit.cli.train_rm                               # changed: openrlhf -> rlhfkit
+   --save_path "$OUT/checkpoint/llama3-8b-rm"         # changed: ./checkpoint -> $OUT/checkpoint
+   --save_steps -1
+   --logging_steps 1
+   --eval_steps -1
+   --train_batch_size 4                               # changed: 256 -> 4
+   --micro_train_batch_size 1
+   --pretrain "$MODEL"                                # changed: OpenRLHF/Llama-3-8b-sft-mixture -> tiny model
+   --param_dtype bf16
+   --max_epochs 1
+   --max_len 128                                      # changed: 8192 -> 128 (tiny model)
+   --zero_stage 3
+   --learning_rate 9e-6
+   --dataset "$DATA/preference.jsonl"                 # changed: OpenRLHF/preference_dataset_mixture2_and_safe_pku -> tiny file
+   --apply_chat_template
+   --chosen_key chosen
+   --rejected_key rejected
+   --attn_implementation sdpa                         # changed: flash_attention_2 -> sdpa (flash-attn is GPU-only)
+   --load_checkpoint
+   --packing_samples
+   --gradient_checkpointing
+)
+     # --use_wandb [WANDB_TOKENS] or True (use wandb login command)
+     # --packing_samples
+
+
+if [[ ${1} != "slurm" ]]; then
+    python3 -m "${training_commands[@]}"             # changed: deepspeed --module (8 GPUs) -> one CPU process
+fi
