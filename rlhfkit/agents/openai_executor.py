@@ -49,6 +49,7 @@ from rlhfkit.agents.openai_session import (
     reward_from_agent_result,
 )
 from rlhfkit.agents.user_code import EpisodeError, UserLoop
+from rlhfkit.optional import require
 from rlhfkit.types import GenerationRequest, SamplingParams, Trajectory
 
 logger = logging.getLogger(__name__)
@@ -78,10 +79,7 @@ class AgentSession:
 
     def client(self, **kwargs: Any) -> Any:
         """An ``openai.AsyncOpenAI`` for this session."""
-        try:
-            from openai import AsyncOpenAI
-        except ImportError:
-            raise ImportError("the openai client is not installed: pip install 'rlhfkit[openai]'") from None
+        AsyncOpenAI = require("openai", "the OpenAI-API agent client").AsyncOpenAI
         return AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, **kwargs)
 
 
@@ -116,11 +114,7 @@ class OpenAIAgentExecutor(AgentExecutorBase):
     def __init__(self, run_agent: Callable[..., Any] | None = None, model_name: str | None = None,
                  multi_segment: str | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        try:
-            import aiohttp  # noqa: F401
-        except ImportError:
-            raise ImportError("the OpenAI-compatible agent server needs aiohttp: "
-                              "pip install 'rlhfkit[openai]'") from None
+        require("aiohttp", "the OpenAI-compatible agent server (OpenAIAgentExecutor)")
         self._run_agent_fn = run_agent
         self.model_name = model_name or self.model_name
         self.multi_segment = multi_segment or self.multi_segment

@@ -20,6 +20,7 @@ import json
 from typing import Any, Sequence
 
 from rlhfkit.agents.reward_types import RewardOutput
+from rlhfkit.optional import require
 
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 
@@ -33,11 +34,7 @@ class _Retryable(Exception):
 
 
 def _aiohttp() -> Any:
-    try:
-        import aiohttp
-    except ImportError:  # pragma: no cover - aiohttp is in the serve/dev extras
-        raise ImportError("the HTTP reward client needs aiohttp: pip install 'rlhfkit[serve]'") from None
-    return aiohttp
+    return require("aiohttp", "--remote_rm_url http://... (the HTTP reward client)", extra="serve")
 
 
 class RemoteRewardClient:

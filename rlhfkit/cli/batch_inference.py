@@ -63,7 +63,7 @@ from typing import Any, Sequence
 import torch
 
 from rlhfkit.config.dtypes import dtype_flag_name, run_dtype
-from rlhfkit.cli.common import UsageError, cli_main, resolve_modelscope_paths, set_seed
+from rlhfkit.cli.common import UsageError, check_packages, cli_main, resolve_model_paths, set_seed
 from rlhfkit.config.flags import FlagParser, add_data_flags, add_model_flags, mark_training_only
 from rlhfkit.data.io import DataError, Row, load_mixture
 from rlhfkit.data.post_processors import (DEFAULT_CSFT_PROMPT, ScoredSample, apply_post_processor,
@@ -492,7 +492,8 @@ def check_args(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Run the task and write --output_path; returns the rows written."""
     check_args(args)
-    resolve_modelscope_paths(args)
+    check_packages(args)
+    resolve_model_paths(args)
     set_seed(args.seed)
     rows = run_rm(args) if args.eval_task == "rm" else run_generate(args)
     if rows is None:  # a tensor-parallel shard other than 0: shard 0 writes

@@ -1,9 +1,9 @@
 """Shared CLI plumbing: error reporting, seeding, run directory, metrics logger.
 
-`cli_main(fn)` turns the errors a user can cause (bad data, bad flags, missing files, a
-learning rate that makes the weights non-finite, a failing reward_func under `--reward_failure
-stop`, `--max_failed_steps` steps without a trajectory) into one clear line on stderr and exit
-code 1, instead of a traceback; set `RLHFKIT_TRACEBACK=1` to see the traceback anyway.
+`cli_main(fn)` turns the errors a user can cause (bad data, bad flags, missing files or hub models, a
+missing optional package, a learning rate that makes the weights non-finite, a failing reward_func
+under `--reward_failure stop`, `--max_failed_steps` steps without a trajectory) into one clear line on
+stderr and exit code 1, instead of a traceback; set `RLHFKIT_TRACEBACK=1` to see the traceback anyway.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 from rlhfkit.backend.guard import NonFiniteError
 from rlhfkit.config.flags import run_dir_of, write_resolved_config
 from rlhfkit.data.io import DataError
+from rlhfkit.optional import MissingPackageError, require
 from rlhfkit.trainers.metrics import MetricsLogger, NullLogger, WandbSettings
 
 if TYPE_CHECKING:
@@ -44,7 +45,8 @@ def cli_main(prog: str, fn: Callable[[], None]) -> None:
     try:
         fn()
     except Exception as e:
-        if not isinstance(e, (DataError, UsageError, FileNotFoundError, ValueError, NonFiniteError) + _run_failures()):
+        if not isinstance(e, (DataError, UsageError, FileNotFoundError, ValueError, NonFiniteError,
+                              MissingPackageError) + _run_failures()):
             raise
         if os.environ.get("RLHFKIT_TRACEBACK"):
             traceback.print_exc()
@@ -96,6 +98,22 @@ def set_seed(seed: int, full_determinism: bool = False) -> None:
 MODEL_PATH_FLAGS = ("pretrain", "ref_pretrain", "reward_pretrain", "critic_pretrain", "teacher_model")
 
 
+def resolve_model_paths(args: argparse.Namespace) -> None:
+    """Every model flag (comma-separated lists too) that is not a local directory becomes one: a hub
+    id is resolved through the Hugging Face cache and, when online, the hub (`rlhfkit.models.hub`;
+    with --use_ms, ModelScope). Run once, early, in the process that parses the flags, so torchrun
+    ranks and Ray actors load local directories and a model that cannot be had fails before anything
+    starts."""
+    from rlhfkit.models.hub import resolve_model_path
+
+    resolve_modelscope_paths(args)
+    for dest in MODEL_PATH_FLAGS:
+        value = getattr(args, dest, None)
+        if value:
+            flag = "--" + dest
+            setattr(args, dest, ",".join(resolve_model_path(p, flag) if p else p for p in value.split(",")))
+
+
 def resolve_modelscope_paths(args: argparse.Namespace) -> None:
     """--use_ms: model ids that are not local directories are downloaded from ModelScope, and the
     flags then name the downloaded directories (so every process, Ray actors included, loads those)."""
@@ -114,6 +132,19 @@ def resolve_modelscope_paths(args: argparse.Namespace) -> None:
     for d in dict.fromkeys(remote):
         parts = [p if not p or os.path.isdir(p) else snapshot_download(p) for p in getattr(args, d).split(",")]
         setattr(args, d, ",".join(parts))
+
+
+# flag (dest) -> (package, what the message calls the feature) for `check_packages`
+FLAG_PACKAGES = (("lora_rank", "peft", "--lora_rank"), ("load_in_4bit", "bitsandbytes", "--load_in_4bit"),
+                 ("use_tensorboard", "tensorboard", "--use_tensorboard"), ("use_wandb", "wandb", "--use_wandb"))
+
+
+def check_packages(args: argparse.Namespace) -> None:
+    """The optional packages the flags ask for are installed (else one line with the pip command),
+    checked before any model is loaded."""
+    for dest, module, feature in FLAG_PACKAGES:
+        if getattr(args, dest, None):
+            require(module, feature)
 
 
 def make_logger(args: argparse.Namespace, rank: int, plot_keys: tuple[str, ...] | None = None):

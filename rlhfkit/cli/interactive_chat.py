@@ -36,7 +36,7 @@ from typing import Any, Iterator, Sequence, TextIO
 
 import torch
 
-from rlhfkit.cli.common import UsageError, cli_main, resolve_modelscope_paths, set_seed
+from rlhfkit.cli.common import UsageError, check_packages, cli_main, resolve_model_paths, set_seed
 from rlhfkit.config.flags import FlagParser, add_model_flags, mark_training_only
 from rlhfkit.data.post_processors import DEFAULT_CSFT_PROMPT, csft_prompt_suffix
 from rlhfkit.data.templates import check_input_template, fill_template, render_chat
@@ -215,10 +215,11 @@ def load(args: argparse.Namespace) -> tuple[Any, Any]:
 
 def run(args: argparse.Namespace, stream: TextIO | None = None, out: TextIO | None = None) -> int:
     if not args.pretrain:
-        raise UsageError("--pretrain is required (a local model directory)")
+        raise UsageError("--pretrain is required (a model directory or hub id)")
     template = None if args.apply_chat_template else check_input_template(args.input_template)
     cfg = ReplyConfig(args.max_len, args.greedy_sampling, args.temperature, args.top_p, args.repetition_penalty)
-    resolve_modelscope_paths(args)
+    check_packages(args)
+    resolve_model_paths(args)
     set_seed(args.seed)
     model, tokenizer = load(args)
     session = ChatSession(tokenizer, read_system_prompt(args.ta_prompt), template, args.apply_chat_template,

@@ -7,10 +7,13 @@ With `--is_rm` the base is loaded as a reward model (backbone + `score` head; th
 from the adapter) and the output loads with `AutoModelForSequenceClassification(num_labels=1)`,
 keeping `value_head_prefix`, `normalize_reward`, `mean` and `std` in its config.json.
 The tokenizer is taken from the adapter directory when it has one, else from the base.
+`train_sft --lora_rank` output (an adapter directory with the tokenizer) merges directly. Either path
+may be a Hugging Face hub id. Errors (a missing directory, no adapter, no peft) are one line, exit 1.
 """
 
 from __future__ import annotations
 
+import argparse
 from typing import Sequence
 
 from rlhfkit.config.flags import FlagParser
@@ -18,8 +21,8 @@ from rlhfkit.config.flags import FlagParser
 
 def build_parser() -> FlagParser:
     p = FlagParser("lora_combiner", "Merge a LoRA adapter into its base model.")
-    p.flag("--model_path", type=str, required=True, help="base model directory")
-    p.flag("--lora_path", type=str, required=True, help="peft adapter directory")
+    p.flag("--model_path", type=str, required=True, help="base model directory or hub id")
+    p.flag("--lora_path", type=str, required=True, help="peft adapter directory or hub id")
     p.flag("--output_path", type=str, required=True, help="where the merged model is written")
     p.flag("--is_rm", action="store_true", help="the base is a reward model (sequence classification)")
     p.flag("--param_dtype", "--ds.param_dtype", type=str, default="bf16", choices=["bf16", "fp16", "fp32"])
@@ -27,14 +30,22 @@ def build_parser() -> FlagParser:
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> str:
+def run(args: argparse.Namespace) -> str:
     from rlhfkit.models.lora_merge import merge_lora
 
-    args = build_parser().parse(argv)
     out = merge_lora(args.model_path, args.lora_path, args.output_path, is_rm=args.is_rm,
                      param_dtype=args.param_dtype)
     print(f"lora_combiner: merged {args.lora_path} into {args.model_path} -> {out}")
     return out
+
+
+def main(argv: Sequence[str] | None = None) -> str:
+    from rlhfkit.cli.common import cli_main
+
+    args = build_parser().parse(argv)
+    done: list[str] = []
+    cli_main("lora_combiner", lambda: done.append(run(args)))
+    return done[0]
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import torch
 from rlhfkit.backend.dist import DistInfo, init_distributed
 from rlhfkit.backend.fsdp2 import FSDP2Backend
 from rlhfkit.cli.common import (UsageError, check_backend_flags, check_positions, parallel_dims,
-                                resolve_modelscope_paths, set_seed)
+                                check_packages, resolve_model_paths, set_seed)
 from rlhfkit.config.configs import BackendConfig, ModelConfig, OptimConfig, from_args
 from rlhfkit.config.flags import (FlagParser, add_backend_flags, add_ckpt_flags, add_data_flags,
                                   add_logging_flags, add_model_flags, add_train_flags)
@@ -59,7 +59,7 @@ def add_pair_key_flags(p: FlagParser) -> None:
 
 def add_ref_flags(p: FlagParser) -> None:
     p.flag("--ref_pretrain", "--ref.model_name_or_path", type=str, default=None,
-           help="reference model directory (default: --pretrain)")
+           help="reference model directory or hub id (default: --pretrain)")
     p.flag("--ref_offload", "--ref.offload", action="store_true",
            help="keep the reference model in CPU memory between its forward passes")
 
@@ -88,7 +88,8 @@ def setup(args: argparse.Namespace) -> tuple[DistInfo, Any]:
     """Check --pretrain/--dataset, start distributed, seed, and load the tokenizer of --pretrain."""
     require(args, "pretrain", "dataset")
     check_backend_flags(args)
-    resolve_modelscope_paths(args)
+    check_packages(args)
+    resolve_model_paths(args)
     check_model_dir(args.pretrain, "--pretrain")
     check_positions(args.pretrain, args.max_len, f"--max_len {args.max_len}")
     dist = init_distributed(args.device)

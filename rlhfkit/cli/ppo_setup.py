@@ -21,8 +21,8 @@ from rlhfkit.algo.kl import make_kl_controller
 from rlhfkit.backend.dist import DistInfo
 from rlhfkit.backend.fsdp2 import FSDP2Backend
 from rlhfkit.backend.parallel import ParallelDims
-from rlhfkit.cli.common import (UsageError, check_backend_flags, check_positions, parallel_dims,
-                                resolve_modelscope_paths)
+from rlhfkit.cli.common import (UsageError, check_backend_flags, check_packages, check_positions, parallel_dims,
+                                resolve_model_paths)
 from rlhfkit.config.configs import BackendConfig, ModelConfig, OptimConfig, from_args
 from rlhfkit.config.notes import note_once
 from rlhfkit.config.rl_flags import CRITIC_OPTIM, EMA_BETA, PTX_COEF, RAY_ONLY
@@ -37,11 +37,12 @@ from rlhfkit.types import SamplingParams
 def resolve_flags(args: argparse.Namespace, world_size: int) -> None:
     """Fill derived defaults and reject inconsistent settings with the flags' names."""
     if not args.pretrain:
-        raise UsageError("--pretrain is required (the policy's Hugging Face directory)")
+        raise UsageError("--pretrain is required (the policy: a model directory or hub id)")
     if not args.prompt_data:
         raise UsageError("--prompt_data is required")
     check_backend_flags(args)
-    resolve_modelscope_paths(args)
+    check_packages(args)
+    resolve_model_paths(args)
     resolve_optional_terms(args)
     if args.clip_eps_low is not None or args.clip_eps_high is not None:
         lo = args.clip_eps_low if args.clip_eps_low is not None else args.eps_clip

@@ -77,7 +77,7 @@ TRIM_AFTER_BYTES = 1 << 20  # trim the C heap after bodies this large
 def build_parser() -> FlagParser:
     p = FlagParser("serve_rm", "Serve a reward model over HTTP (OpenRLHF protocol).")
     p.flag("--reward_pretrain", "--reward.model_name_or_path", type=str, default=None,
-           help="reward model directory (saved by train_rm, or any sequence-classification model)")
+           help="reward model directory or hub id (saved by train_rm, or any sequence-classification model)")
     p.flag("--normalize_reward", "--reward.normalize_enable", action="store_true",
            help="answer (r - mean) / std with mean/std from the model's config.json")
     p.flag("--value_head_prefix", "--ds.value_head_prefix", type=str, default="score")
@@ -238,12 +238,10 @@ class RewardScorer:
 
 
 def _fastapi() -> Any:
-    try:
-        import fastapi
-        import uvicorn  # noqa: F401
-    except ImportError:
-        raise ImportError("serve_rm needs fastapi and uvicorn: pip install 'rlhfkit[serve]'") from None
-    return fastapi
+    from rlhfkit.optional import require
+
+    require("uvicorn", "serve_rm")
+    return require("fastapi", "serve_rm")
 
 
 def _libc() -> Any:
@@ -361,7 +359,7 @@ def create_app(scorer: RewardScorer, cfg: ServeConfig) -> Any:
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     if not args.reward_pretrain:
-        raise SystemExit("serve_rm: error: --reward_pretrain is required (a reward model directory)")
+        raise SystemExit("serve_rm: error: --reward_pretrain is required (a reward model directory or hub id)")
     return from_args(ServeConfig, args)
 
 
@@ -381,14 +379,17 @@ def choose_num_threads(requested: int, device: str) -> int:
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if args.use_ms:
-        from rlhfkit.cli.common import resolve_modelscope_paths
+    from rlhfkit.cli.common import check_packages, cli_main, resolve_model_paths
 
-        resolve_modelscope_paths(args)
+    def prepare() -> None:  # one error line, before the model loads: a missing package, a model not to be had
+        _fastapi()
+        check_packages(args)
+        resolve_model_paths(args)
+
+    cli_main("serve_rm", prepare)
     cfg = config_from_args(args)
     if args.shutdown_timeout_s < 0:
         raise SystemExit(f"serve_rm: error: --shutdown_timeout_s must be >= 0, got {args.shutdown_timeout_s}")
-    _fastapi()
     import uvicorn
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

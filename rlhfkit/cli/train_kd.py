@@ -37,7 +37,7 @@ def build_parser() -> FlagParser:
                       learning_rate=5e-6, ckpt_path="./ckpt/checkpoints_kd", wandb_project="rlhfkit_train_kd",
                       input_template="User: {}\nAssistant: ")
     p.flag("--teacher_model", "--teacher.model_name_or_path", type=str, default=None,
-           help="frozen teacher model directory (same vocabulary as --pretrain)")
+           help="frozen teacher model directory or hub id (same vocabulary as --pretrain)")
     p.flag("--kd_coef", "--model.kd_coef", type=float, default=0.4, help="weight of the KD term, in [0, 1]")
     p.flag("--teacher_offload", "--teacher.offload", action="store_true",
            help="keep the teacher in CPU memory between its forward passes")

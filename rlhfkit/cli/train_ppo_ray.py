@@ -50,6 +50,7 @@ from rlhfkit.cli import rl_root as R
 from rlhfkit.cli.common import UsageError, cli_main, set_seed
 from rlhfkit.cli.memory_check import check_memory
 from rlhfkit.cli.train_ppo import build_parser as ppo_parser
+from rlhfkit.optional import require
 from rlhfkit.trainers.async_rl import AsyncRLTrainer
 
 PROG = "train_ppo_ray"
@@ -306,10 +307,11 @@ def run(args, parser, hard_exit: bool = False) -> None:
 
 
 def main(argv: list[str] | None = None, hard_exit: bool = False) -> None:
-    from rlhfkit.distributed.health import RoleFailure
-
     parser = build_parser()
     args = parser.parse(argv)
+    cli_main(PROG, lambda: require("ray", PROG))  # --help works without ray; a run needs it
+    from rlhfkit.distributed.health import RoleFailure
+
     try:
         cli_main(PROG, lambda: run(args, parser, hard_exit))
     except (RoleFailure, ConnectionError) as e:

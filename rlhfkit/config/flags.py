@@ -106,7 +106,7 @@ def str2bool(v: str) -> bool:
 
 def add_model_flags(p: FlagParser, default_dtype: str = "bf16") -> None:
     p.flag("--pretrain", "--model.model_name_or_path", "--actor.model_name_or_path",
-           type=str, default=None, help="HF model directory (or hub id when online)")
+           type=str, default=None, help="model directory or hub id (org/name: HF cache, else the hub when online)")
     p.flag("--param_dtype", "--ds.param_dtype", type=str, default=default_dtype,
            choices=["bf16", "fp16", "fp32"], help="compute dtype on GPU (master weights stay fp32); CPU training computes in fp32")
     p.flag("--bf16", dest="param_dtype", action="store_const", const="bf16", help="alias of --param_dtype bf16")

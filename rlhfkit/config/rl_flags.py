@@ -36,7 +36,7 @@ def add_rl_flags(p: FlagParser) -> None:
 
 def _models(p: FlagParser) -> None:
     p.flag("--reward_pretrain", "--reward.model_name_or_path", type=str, default=None,
-           help="reward model path(s), comma-separated")
+           help="reward model directories or hub ids, comma-separated")
     p.flag("--critic_pretrain", "--critic.model_name_or_path", type=str, default=None)
     p.flag("--ref_pretrain", "--ref.model_name_or_path", type=str, default=None, help="default: --pretrain")
     p.flag("--remote_rm_url", "--reward.remote_url", type=str, default=None,

@@ -1,6 +1,6 @@
-"""Hugging Face files and names shared by the model loaders (a leaf module: no other rlhfkit.models
-import): dtype names, model-directory checks, attention implementations, the tokenizer, and the
-tensor names in a weight file."""
+"""Hugging Face files and names shared by the model loaders (imports only `rlhfkit.models.hub`, a
+leaf): dtype names, model-directory checks (hub ids resolved to their cached snapshot), attention
+implementations, the tokenizer, and the tensor names in a weight file."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from typing import Any
 import torch
 
 from rlhfkit.config.dtypes import DTYPES
+from rlhfkit.models.hub import resolve_model_path
+from rlhfkit.optional import MissingPackageError
 
 _DTYPES = {**DTYPES, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # attention implementations that need an extra package, and which one
@@ -28,13 +30,15 @@ def resolve_dtype(dtype: str | torch.dtype, flag: str = "--param_dtype") -> torc
 
 
 def check_model_dir(path: str | None, flag: str = "--pretrain") -> str:
-    """Return `path` if it is a local model directory with a config.json, else raise naming `flag`."""
+    """The local model directory for `path` (a directory, or a hub id resolved through the Hugging Face
+    cache and, when online, the hub: `rlhfkit.models.hub`); raise naming `flag` when there is none or
+    it has no config.json."""
     if not path:
-        raise ValueError(f"{flag} is required (a local Hugging Face model directory)")
+        raise ValueError(f"{flag} is required (a Hugging Face model directory or hub id)")
+    path = resolve_model_path(path, flag)
     if not os.path.isdir(path):
-        raise FileNotFoundError(
-            f"{flag} {path!r}: no such directory (models are loaded from local directories; "
-            "there is no hub access here)")
+        what = "a file, not a model directory" if os.path.isfile(path) else "no such directory"
+        raise FileNotFoundError(f"{flag} {path!r}: {what}")
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"{flag} {path!r}: directory has no config.json (not a Hugging Face model)")
     return path
@@ -45,7 +49,7 @@ def check_attn_implementation(name: str, flag: str = "--attn_implementation") ->
     if name in _ATTN_PACKAGES:
         pkg = _ATTN_PACKAGES[name]
         if importlib.util.find_spec(pkg) is None:
-            raise ImportError(
+            raise MissingPackageError(
                 f"{flag} {name} needs the `{pkg}` package, which is not installed; "
                 f"install it or pass {flag} sdpa")
         return name
@@ -66,7 +70,7 @@ def load_tokenizer(path: str, padding_side: str = "right", chat_template: str | 
 
     if padding_side not in ("left", "right"):
         raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
-    check_model_dir(path, flag)
+    path = check_model_dir(path, flag)
     tok = AutoTokenizer.from_pretrained(path, padding_side=padding_side, use_fast=use_fast,
                                         trust_remote_code=False)
     tok.padding_side = padding_side

@@ -10,14 +10,14 @@
         QLoRA              --load_in_4bit (bitsandbytes NF4, CUDA only)
     (reward / critic models: rlhfkit.models.value.load_value_model)
 
-Nothing is downloaded: a model path must be a local directory (the flag that gave it is named in
-the error). The file and name helpers live in `hf_files.py` (a leaf, shared with `value.py` and
-`lora.py`); imports run one way: hf_files <- lora <- loader <- value <- lora_merge.
+A model path is a local directory or a Hugging Face hub id (`org/name`), resolved by `hub.py` through
+the hub cache and, when online, the hub (HF_HUB_OFFLINE respected); errors name the flag that gave it.
+The file and name helpers live in `hf_files.py` (a leaf, shared with `value.py` and
+`lora.py`); imports run one way: hub <- hf_files <- lora <- loader <- value <- lora_merge.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
 import torch
@@ -26,14 +26,14 @@ from rlhfkit.config.configs import ModelConfig
 from rlhfkit.models.hf_files import (  # noqa: F401 - re-exported: loader is where callers look for them
     check_attn_implementation, check_model_dir, load_tokenizer, resolve_dtype, weight_file_keys)
 from rlhfkit.models.lora import apply_lora
+from rlhfkit.optional import require
 
 def quantization_config(cfg: ModelConfig, skip_modules: list[str] | None = None) -> Any | None:
     """bitsandbytes NF4 config for --load_in_4bit (QLoRA), or None. `skip_modules` stay unquantised
     (a value head: it is trained in full)."""
     if not cfg.load_in_4bit:
         return None
-    if importlib.util.find_spec("bitsandbytes") is None:
-        raise ImportError("--load_in_4bit needs the `bitsandbytes` package, which is not installed")
+    require("bitsandbytes", "--load_in_4bit")
     if not torch.cuda.is_available():
         raise RuntimeError("--load_in_4bit needs a CUDA device (bitsandbytes 4-bit kernels)")
     from transformers import BitsAndBytesConfig
@@ -105,6 +105,7 @@ def finish_model(model: Any, cfg: ModelConfig, device: str | torch.device | None
         model = model.to(device)
     use_lora = cfg.lora_rank > 0
     if cfg.load_in_4bit and use_lora:  # QLoRA; a 4-bit model without LoRA is for inference only
+        require("peft", "--lora_rank")
         from peft import prepare_model_for_kbit_training
 
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from rlhfkit.config.configs import ModelConfig
+from rlhfkit.optional import require
 
 OUTPUT_LAYER_NAMES = ("lm_head",)
 
@@ -57,6 +58,7 @@ def resolve_target_modules(model: torch.nn.Module, targets: list[str] | str,
 def lora_config(model: torch.nn.Module, cfg: ModelConfig, modules_to_save: list[str] | None = None,
                 causal: bool = True) -> Any:
     """peft LoraConfig from the --lora_* flags."""
+    require("peft", "--lora_rank")
     from peft import LoraConfig, TaskType
 
     if cfg.lora_rank <= 0:
@@ -72,6 +74,7 @@ def lora_config(model: torch.nn.Module, cfg: ModelConfig, modules_to_save: list[
 def apply_lora(model: torch.nn.Module, cfg: ModelConfig, modules_to_save: list[str] | None = None,
                causal: bool = True) -> Any:
     """Wrap `model` in a peft model with fresh adapters (B = 0, so outputs are unchanged)."""
+    require("peft", "--lora_rank")
     from peft import get_peft_model
 
     return get_peft_model(model, lora_config(model, cfg, modules_to_save, causal))

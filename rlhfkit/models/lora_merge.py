@@ -10,20 +10,27 @@ import torch
 
 from rlhfkit.fileio import new_staging_dir, publish_staged
 from rlhfkit.models.hf_files import weight_file_keys
+from rlhfkit.optional import require
 
 def merge_lora(model_path: str, lora_path: str, output_path: str, is_rm: bool = False,
                param_dtype: str = "bf16") -> str:
     """Load base + adapter, merge (W += alpha/r * B A), save model and tokenizer to `output_path`.
+    Either path may be a hub id (`rlhfkit.models.hub`).
 
     With `is_rm` the base is loaded as a reward model (`rlhfkit.models.value`, head name from the
     adapter's or the base's config) and the saved directory keeps the reward config keys
     (`value_head_prefix`, `normalize_reward`, `mean`, `std`).
     """
+    require("peft", "lora_combiner")
     from peft import PeftModel
 
     from rlhfkit.models.hf_files import check_model_dir, load_tokenizer, resolve_dtype
+    from rlhfkit.models.hub import ADAPTER_FILE, resolve_model_path
 
-    check_model_dir(model_path, "--model_path")
+    model_path = check_model_dir(model_path, "--model_path")
+    lora_path = resolve_model_path(lora_path, "--lora_path", required=ADAPTER_FILE)
+    if not os.path.isdir(lora_path):
+        raise FileNotFoundError(f"--lora_path {lora_path!r}: no such directory")
     if not os.path.isfile(os.path.join(lora_path, "adapter_config.json")):
         raise FileNotFoundError(f"--lora_path {lora_path!r} has no adapter_config.json (not a peft adapter)")
     dtype = resolve_dtype(param_dtype)

@@ -174,7 +174,7 @@ def load_value_model(path: str, value_head_prefix: str = "score", init_value_hea
                      attn_implementation: str = "sdpa", device: str | torch.device | None = None,
                      cfg: ModelConfig | None = None, flag: str = "--pretrain",
                      allow_missing_head: bool = False) -> Any:
-    """Load a reward or critic model from a local directory.
+    """Load a reward or critic model from a local directory (or a hub id: `rlhfkit.models.hub`).
 
     path: a reward model (head stored) or a causal LM / base model (then `init_value_head=True`).
     init_value_head: re-initialise the head (new reward model / critic from a policy).
@@ -183,7 +183,7 @@ def load_value_model(path: str, value_head_prefix: str = "score", init_value_hea
     allow_missing_head: keep a freshly initialised head when the checkpoint has none (the caller
         fills it, e.g. from a LoRA adapter). Otherwise a missing head is an error.
     """
-    check_model_dir(path, flag)
+    path = check_model_dir(path, flag)
     config = _value_config(path, value_head_prefix, normalize_reward)
     prefix = config.value_head_prefix
     has_head = f"{prefix}.weight" in checkpoint_keys(path)

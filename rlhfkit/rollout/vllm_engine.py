@@ -28,18 +28,12 @@ from typing import Any
 
 import torch
 
+from rlhfkit.optional import require
 from rlhfkit.rollout.engine_utils import ThreadBatchingAsync, validate_request
 from rlhfkit.types import Completion, GenerationRequest, SamplingParams
 
-VLLM_MISSING = "--rollout_engine vllm needs the vllm extra: pip install rlhfkit[vllm]"
-
-
 def import_vllm():
-    try:
-        import vllm
-    except ImportError as exc:
-        raise ImportError(VLLM_MISSING) from exc
-    return vllm
+    return require("vllm", "--rollout_engine vllm")
 
 
 class WeightLoaderExtension:

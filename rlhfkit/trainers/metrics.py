@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlhfkit.fileio import atomic_write_text
+from rlhfkit.optional import require
 
 
 @dataclass
@@ -65,6 +66,7 @@ class MetricsLogger:
         self.plot_keys = plot_keys
         self._tb = None
         if tensorboard_dir:
+            require("tensorboard", "--use_tensorboard")
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=tensorboard_dir)
@@ -122,10 +124,7 @@ def _fmt(v: Any) -> str:
 
 
 def _init_wandb(s: WandbSettings, config: dict[str, Any]):
-    try:
-        import wandb
-    except ImportError as e:
-        raise SystemExit("--use_wandb needs the wandb extra: pip install 'rlhfkit[wandb]'") from e
+    wandb = require("wandb", "--use_wandb")
     if s.key and s.key not in ("True", "true", "1"):
         wandb.login(key=s.key)
     return wandb.init(project=s.project, entity=s.org, group=s.group, name=s.run_name, config=config,

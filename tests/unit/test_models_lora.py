@@ -79,8 +79,16 @@ def test_merge_reward_model(tiny_model_dir, tmp_path):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_merge_errors(tiny_model_dir, tmp_path):
-    with pytest.raises(FileNotFoundError, match="--lora_path .* no adapter_config.json"):
-        combiner(["--model_path", tiny_model_dir, "--lora_path", str(tmp_path), "--output_path", str(tmp_path / "o")])
-    with pytest.raises(FileNotFoundError, match="--model_path"):
-        combiner(["--model_path", str(tmp_path / "x"), "--lora_path", str(tmp_path), "--output_path", "o"])
+def test_merge_errors(tiny_model_dir, tmp_path, capsys):
+    """Each is one line on stderr naming the flag, exit 1 (no traceback)."""
+    def error_line(model: str, lora: str) -> str:
+        with pytest.raises(SystemExit) as e:
+            combiner(["--model_path", model, "--lora_path", lora, "--output_path", str(tmp_path / "o")])
+        assert e.value.code == 1
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith("lora_combiner: error: "), err
+        return err
+
+    assert "--lora_path" in (e := error_line(tiny_model_dir, str(tmp_path))) and "no adapter_config.json" in e
+    assert "--model_path" in error_line(str(tmp_path / "x"), str(tmp_path))
+    assert "--lora_path" in (e := error_line(tiny_model_dir, str(tmp_path / "x"))) and "no such directory" in e
