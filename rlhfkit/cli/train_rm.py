@@ -34,7 +34,7 @@ from rlhfkit.cli.offline_common import (OFFLINE_PLOT_KEYS, OfflineRun, add_offli
 from rlhfkit.config.configs import ModelConfig, from_args
 from rlhfkit.config.flags import FlagParser
 from rlhfkit.data.preference import PreferenceDataConfig, PreferenceDataset
-from rlhfkit.models.value import load_value_model, update_reward_config
+from rlhfkit.models.value import load_value_model, scoring_tokenizer, update_reward_config
 from rlhfkit.trainers.rm_task import RMTask, reward_statistics
 
 STATS_FRACTION, STATS_MIN_PAIRS = 0.01, 100
@@ -67,7 +67,9 @@ def statistics_items(train_items: Sequence[Any], eval_items: Sequence[Any] | Non
 
 
 def save_reward_model(args, backend, tokenizer, mean: float, std: float, dist: DistInfo) -> None:
-    """Store mean/std (and the head name, pad id) in the config, then save in Hugging Face format."""
+    """Store mean/std (and the head name, pad id) in the config, then save in Hugging Face format.
+    `tokenizer` is the scoring tokenizer (appends EOS: plain transformers then scores text as rlhfkit
+    does; rlhfkit.models.value.scoring_tokenizer)."""
     model = backend.unwrap()
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if std > 0:
@@ -92,11 +94,12 @@ def run(args) -> OfflineRun:
                              dtype="fp32", cfg=from_args(ModelConfig, args), flag="--pretrain")
     backend = trainable_backend(model, args, dist, len(train_items))
     logger = make_logger(args, dist.rank, plot_keys=OFFLINE_PLOT_KEYS)
-    state = train_task(task, backend, train_items, eval_items, args, dist, logger, tokenizer=tokenizer)
+    save_tokenizer = scoring_tokenizer(tokenizer)  # goes with every saved model, checkpoints' HF copies too
+    state = train_task(task, backend, train_items, eval_items, args, dist, logger, tokenizer=save_tokenizer)
     mean, std, n = reward_statistics(backend.model, task, statistics_items(train_items, eval_items),
                                      args.micro_train_batch_size, dist)
     logger.log(state.step, {"reward_mean": mean, "reward_std": std, "reward_stats_count": n}, console=True)
-    save_reward_model(args, backend, tokenizer, mean, std, dist)
+    save_reward_model(args, backend, save_tokenizer, mean, std, dist)
     logger.close()
     return OfflineRun(state, backend, task, tokenizer, train_items, eval_items, {"mean": mean, "std": std})
 
