@@ -2,7 +2,7 @@
 
     build_engine("builtin" | "hf" | "vllm", model_or_path, tokenizer, device, dtype, **options)
 
-`model_or_path` is an HF `*ForCausalLM` module or a model directory. The builtin engine reads a
+`model_or_path` is an HF `*ForCausalLM` module, a model directory or a hub id (its cached snapshot). The builtin engine reads a
 directory's safetensors files itself (tensor by tensor; a tensor-parallel shard, `tp=`, only its
 slices); the hf engine takes the module (loading the directory with transformers); vLLM loads the
 directory itself, so it needs a path.
@@ -48,6 +48,10 @@ def build_engine(name: str, model_or_path: Any, tokenizer: Any = None, device: s
     """
     if name not in ENGINE_NAMES:
         raise ValueError(f"--rollout_engine must be one of {ENGINE_NAMES}, got {name!r}")
+    if isinstance(model_or_path, str):  # a hub id -> its local snapshot (rlhfkit.models.hub)
+        from rlhfkit.models.hub import resolve_model_path
+
+        model_or_path = resolve_model_path(model_or_path, "--pretrain")
     if tp is not None and tp.size > 1 and name != "builtin":
         raise ValueError(f"--vllm_tensor_parallel_size {tp.size}: tensor-parallel engines are the builtin "
                          f"engine's; --rollout_engine {name} runs on one device")

@@ -29,5 +29,5 @@ def test_build_engine_rejects_bad_names_and_options(tiny_model_dir):
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed")
 def test_vllm_without_the_extra_is_a_clear_error(tiny_model_dir):
-    with pytest.raises(ImportError, match=r"pip install rlhfkit\[vllm\]"):
+    with pytest.raises(ImportError, match=r"pip install 'rlhfkit\[vllm\]'"):
         build_engine("vllm", tiny_model_dir)
