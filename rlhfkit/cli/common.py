@@ -124,11 +124,7 @@ def resolve_modelscope_paths(args: argparse.Namespace) -> None:
     if not remote:
         print("note: --use_ms has no effect: every model path is a local directory")
         return
-    try:
-        from modelscope import snapshot_download
-    except ImportError:
-        raise UsageError("--use_ms downloads from ModelScope and needs the modelscope package "
-                         "(pip install modelscope)") from None
+    snapshot_download = require("modelscope", "--use_ms (downloads from ModelScope)").snapshot_download
     for d in dict.fromkeys(remote):
         parts = [p if not p or os.path.isdir(p) else snapshot_download(p) for p in getattr(args, d).split(",")]
         setattr(args, d, ",".join(parts))

@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-import builtins
+import sys
 
 import pytest
 import torch
@@ -19,6 +19,7 @@ from rlhfkit.cli import train_ppo
 from rlhfkit.cli.common import UsageError, resolve_modelscope_paths
 from rlhfkit.config import notes
 from rlhfkit.config.configs import ModelConfig
+from rlhfkit.optional import MissingPackageError
 
 
 def rl_args(tmp_path, *extra: str):
@@ -86,15 +87,8 @@ def test_use_ms(tmp_path, capsys, monkeypatch):
     resolve_modelscope_paths(a)  # a local directory: nothing to download
     assert "note: --use_ms has no effect" in capsys.readouterr().out
     a = rl_args(tmp_path, "--use_ms", "--reward_pretrain", "org/some-reward-model")
-    real_import = builtins.__import__
-
-    def no_modelscope(name, *args, **kw):
-        if name.startswith("modelscope"):
-            raise ImportError(name)
-        return real_import(name, *args, **kw)
-
-    monkeypatch.setattr(builtins, "__import__", no_modelscope)
-    with pytest.raises(UsageError, match="--use_ms .*modelscope"):
+    monkeypatch.setitem(sys.modules, "modelscope", None)  # not installed
+    with pytest.raises(MissingPackageError, match="--use_ms .*modelscope.*pip install .modelscope."):
         resolve_modelscope_paths(a)
 
 

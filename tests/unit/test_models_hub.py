@@ -142,3 +142,43 @@ def test_hub_module_reads_offline_from_the_environment(monkeypatch):
     assert not hub.is_offline()
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
     assert hub.is_offline()
+
+
+def _cli_cases(model: str, tmp: str) -> list[tuple[str, list[str], str]]:
+    """(module, argv, the flag holding the uncached id) for every command that names models."""
+    data = f"{tmp}/d.jsonl"
+    return [
+        ("train_sft", ["--pretrain", "org/x", "--dataset", data], "--pretrain"),
+        ("train_rm", ["--pretrain", "org/x", "--dataset", data], "--pretrain"),
+        ("train_dpo", ["--pretrain", model, "--ref_pretrain", "org/x", "--dataset", data], "--ref_pretrain"),
+        ("train_kto", ["--pretrain", "org/x", "--dataset", data], "--pretrain"),
+        ("train_prm", ["--pretrain", "org/x", "--dataset", data, "--placeholder_token", "x"], "--pretrain"),
+        ("train_kd", ["--pretrain", model, "--teacher_model", "org/x", "--dataset", data], "--teacher_model"),
+        ("train_ppo", ["--pretrain", model, "--reward_pretrain", f"{model},org/x", "--prompt_data", data,
+                       "--prompt_max_len", "8", "--generate_max_len", "8"], "--reward_pretrain"),
+        ("train_ppo", ["--pretrain", model, "--remote_rm_url", "r.py", "--critic_pretrain", "org/x",
+                       "--advantage_estimator", "gae", "--prompt_data", data, "--prompt_max_len", "8",
+                       "--generate_max_len", "8"], "--critic_pretrain"),
+        ("train_ppo_ray", ["--model.model_name_or_path", "org/x", "--remote_rm_url", "r.py", "--prompt_data", data],
+         "--pretrain"),
+        ("batch_inference", ["--eval_task", "rm", "--model_name_or_path", "org/x", "--dataset", data,
+                             "--output_path", f"{tmp}/o.jsonl"], "--pretrain"),
+        ("interactive_chat", ["--pretrain", "org/x"], "--pretrain"),
+        ("serve_rm", ["--reward_pretrain", "org/x"], "--reward_pretrain"),
+        ("lora_combiner", ["--model_path", "org/x", "--lora_path", tmp, "--output_path", f"{tmp}/o"], "--model_path"),
+        ("lora_combiner", ["--model_path", model, "--lora_path", "org/x", "--output_path", f"{tmp}/o"], "--lora_path"),
+    ]
+
+
+def test_every_command_names_the_flag_of_an_uncached_id(tiny_model_dir, tmp_path, cache, capsys):
+    """Offline and not cached: one line `prog: error: --flag org/x: ...`, exit 1, before any model loads."""
+    import importlib
+
+    for module, argv, flag in _cli_cases(tiny_model_dir, str(tmp_path)):
+        main = importlib.import_module(f"rlhfkit.cli.{module}").main
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 1, (module, err)
+        assert err.startswith(f"{module}: error: {flag} org/x: no such local directory and not in the Hugging "
+                              "Face cache") and len(err.splitlines()) == 1, (module, err)
