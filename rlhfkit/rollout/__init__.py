@@ -2,10 +2,10 @@
 
     build_engine("builtin" | "hf" | "vllm", model_or_path, tokenizer, device, dtype, **options)
 
-`model_or_path` is an HF `*ForCausalLM` module, a model directory or a hub id (its cached snapshot). The builtin engine reads a
-directory's safetensors files itself (tensor by tensor; a tensor-parallel shard, `tp=`, only its
-slices); the hf engine takes the module (loading the directory with transformers); vLLM loads the
-directory itself, so it needs a path.
+`model_or_path` is an HF `*ForCausalLM` module, a model directory or a hub id (its cached snapshot).
+The builtin engine reads a directory's safetensors files itself (tensor by tensor; a tensor-parallel
+shard, `tp=`, only its slices); the hf engine takes the module (loading the directory with
+transformers); vLLM loads the directory itself, so it needs a path.
 """
 
 from __future__ import annotations

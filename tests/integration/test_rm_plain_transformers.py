@@ -28,7 +28,8 @@ def _write(path, rows) -> str:
 @pytest.fixture(scope="module")
 def rm_dir(tiny_model_dir, tmp_path_factory):
     d = tmp_path_factory.mktemp("rm_plain")
-    pairs = [{"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 1)} for a in range(4) for b in range(4)]
+    pairs = [{"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 1)}
+             for a in range(4) for b in range(4)]
     out = str(d / "rm")
     train_rm.run(train_rm.build_parser().parse([
         "--pretrain", tiny_model_dir, "--dataset", _write(d / "pairs.jsonl", pairs), "--prompt_key", "prompt",
@@ -39,8 +40,9 @@ def rm_dir(tiny_model_dir, tmp_path_factory):
 
 def _rlhfkit_rewards(model_dir: str, tmp_path) -> list[float]:
     out = tmp_path / "scored.jsonl"
-    batch_inference.main(["--eval_task", "rm", "--pretrain", model_dir, "--dataset", _write(tmp_path / "rows.jsonl", ROWS),
-                          "--input_key", "input", "--output_key", "output", "--micro_batch_size", "3",
+    batch_inference.main(["--eval_task", "rm", "--pretrain", model_dir,
+                          "--dataset", _write(tmp_path / "rows.jsonl", ROWS), "--input_key", "input",
+                          "--output_key", "output", "--micro_batch_size", "3",
                           "--param_dtype", "fp32", "--output_path", str(out), "--disable_progress"])
     return [json.loads(line)["reward"] for line in out.read_text().splitlines()]
 
