@@ -27,8 +27,9 @@ import glob
 import os
 
 MODEL_FILE, ADAPTER_FILE = "config.json", "adapter_config.json"
-# what transformers reads from a model repository (weights in safetensors; .bin only as a fallback)
-_ALLOW = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja", "tokenizer*", "*.py"]
+# what transformers reads from a model repository (weights in safetensors; .bin only as a fallback);
+# no *.py: remote code is never trusted
+_ALLOW = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja", "tokenizer*"]
 _IGNORE = ["original/*", "onnx/*", "openvino/*", "*.onnx", "*.gguf", "*.h5", "*.msgpack", "*.ot"]
 _WEIGHTS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
 
