@@ -14,11 +14,10 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_API = ("SFTConfig", "SFTTrainer", "RewardConfig", "RewardTrainer", "DPOConfig", "DPOTrainer", "KTOConfig",
-        "KTOTrainer", "PPOConfig", "PPOTrainer", "GRPOConfig", "GRPOTrainer", "RLOOConfig", "RLOOTrainer",
-        "per_sample", "metric_values", "mean_metric")
-
-__all__ = ["__version__", *_API]
+__all__ = ["__version__", "SFTConfig", "SFTTrainer", "RewardConfig", "RewardTrainer", "DPOConfig", "DPOTrainer",
+           "KTOConfig", "KTOTrainer", "PPOConfig", "PPOTrainer", "GRPOConfig", "GRPOTrainer", "RLOOConfig",
+           "RLOOTrainer", "per_sample", "metric_values", "mean_metric"]
+_API = frozenset(__all__[1:])  # names of rlhfkit.api, imported on first use
 
 
 def __getattr__(name: str) -> Any:

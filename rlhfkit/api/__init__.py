@@ -24,9 +24,24 @@ imports it. See docs/api.md.
 
 from rlhfkit.api.history import mean_metric, metric_values
 from rlhfkit.api.inputs import per_sample
-from rlhfkit.api.offline import (DPOConfig, DPOTrainer, KTOConfig, KTOTrainer, RewardConfig, RewardTrainer,
-                                 SFTConfig, SFTTrainer)
-from rlhfkit.api.rl import GRPOConfig, GRPOTrainer, PPOConfig, PPOTrainer, RLOOConfig, RLOOTrainer
+from rlhfkit.api.offline import (
+                                 DPOConfig,
+                                 DPOTrainer,
+                                 KTOConfig,
+                                 KTOTrainer,
+                                 RewardConfig,
+                                 RewardTrainer,
+                                 SFTConfig,
+                                 SFTTrainer,
+)
+from rlhfkit.api.rl import (
+                                 GRPOConfig,
+                                 GRPOTrainer,
+                                 PPOConfig,
+                                 PPOTrainer,
+                                 RLOOConfig,
+                                 RLOOTrainer,
+)
 
 __all__ = ["SFTConfig", "SFTTrainer", "RewardConfig", "RewardTrainer", "DPOConfig", "DPOTrainer", "KTOConfig",
            "KTOTrainer", "PPOConfig", "PPOTrainer", "GRPOConfig", "GRPOTrainer", "RLOOConfig", "RLOOTrainer",

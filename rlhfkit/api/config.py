@@ -114,8 +114,14 @@ class FlagConfig:
         return argv
 
     def to_args(self, parser: Any = None) -> argparse.Namespace:
-        """Parse `to_argv()` with the command's parser: the namespace its CLI would build."""
-        return (parser or command_parser(self.COMMAND)).parse(self.to_argv())
+        """Parse `to_argv()` with the command's parser: the namespace its CLI would build. A bad value
+        (type, choices) raises ValueError naming the flag."""
+        parser = parser or command_parser(self.COMMAND)
+        parser.exit_on_error = False
+        try:
+            return parser.parse(self.to_argv())
+        except argparse.ArgumentError as e:
+            raise ValueError(f"{type(self).__name__}: {e}") from None
 
     def to_command(self, **inputs: str) -> str:
         """`python -m rlhfkit.cli.<command> ...` for this config; `inputs` give the input flags

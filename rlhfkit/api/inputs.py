@@ -110,7 +110,7 @@ def per_sample(fn: Callable[[str, str, Any], float]) -> Callable[..., list[float
 
 
 def _name(fn: Any) -> str:
-    return getattr(fn, "__qualname__", None) or type(fn).__name__
+    return getattr(fn, "__name__", None) or type(fn).__name__
 
 
 def combine_rewards(funcs: Sequence[Callable[..., Any]], weights: Sequence[float] | None = None
