@@ -138,22 +138,31 @@ def _load_hub(name: str, data_dir: str | None, split: str | None, limit: int, ma
 # ----------------------------------------------------------------------------- rows in memory
 
 
+def _is_split_dict(data: Any) -> bool:
+    """A `datasets.DatasetDict` (or a dict of Datasets): split name -> table."""
+    return isinstance(data, dict) and bool(data) and all(hasattr(v, "to_list") for v in data.values())
+
+
 class RowSource:
-    """Rows given in memory, usable wherever a `--dataset` entry is: a list (or tuple) of dicts,
-    or a Hugging Face `datasets.Dataset` / `DatasetDict` (`split` picks from a DatasetDict).
+    """Rows given in memory, usable wherever a `--dataset` entry is: a list (or tuple) of dicts, a
+    dict of equally long column lists, or a Hugging Face `datasets.Dataset` / `DatasetDict`
+    (`split` picks from a DatasetDict).
     `name` is what errors and logs call it (`train_dataset row 3: missing key 'input'`)."""
 
     def __init__(self, data: Any, name: str = "rows") -> None:
         if isinstance(data, RowSource):
             data, name = data.data, name or data.name
-        is_table = hasattr(data, "to_list") or (hasattr(data, "keys") and hasattr(data, "values")
-                                                and not isinstance(data, dict))
-        if not is_table and not isinstance(data, (list, tuple)):
+        if isinstance(data, dict) and not _is_split_dict(data):  # columns: {"input": [...], "output": [...]}
+            lengths = {len(v) if isinstance(v, (list, tuple)) else -1 for v in data.values()}
+            if len(lengths) != 1 or -1 in lengths:
+                raise DataError(f"{name}: a dict of columns needs lists of one length, got lengths {sorted(lengths)}")
+            data = [dict(zip(data, values)) for values in zip(*data.values())]
+        if not (hasattr(data, "to_list") or isinstance(data, (list, tuple)) or _is_split_dict(data)):
             raise DataError(f"{name}: expected a list of dicts or a datasets.Dataset, got {type(data).__name__}")
         self.data, self.name = data, name
 
     def __len__(self) -> int:
-        if hasattr(self.data, "keys") and not hasattr(self.data, "to_list"):  # DatasetDict
+        if _is_split_dict(self.data):  # DatasetDict
             return sum(len(v) for v in self.data.values())
         return len(self.data)
 

@@ -306,3 +306,20 @@ def test_import_rlhfkit_is_cheap_and_lazy():
     code = ("import sys, rlhfkit; assert 'torch' not in sys.modules, 'torch'; "
             "assert 'GRPOTrainer' in dir(rlhfkit); from rlhfkit import GRPOTrainer; assert 'torch' in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, env=subprocess_env(), timeout=120)
+
+
+def test_rows_in_memory_forms_and_errors(tiny_model_dir, tmp_path):
+    from rlhfkit.data.io import DataError, RowSource, load_mixture
+
+    rows = [{"input": f"{i}+1=", "output": str(i + 1)} for i in range(5)]
+    columns = {"input": [r["input"] for r in rows], "output": [r["output"] for r in rows]}
+    assert [r.data for r in load_mixture(RowSource(columns, "cols"))] == rows
+    assert [r.data for r in load_mixture(RowSource(rows, "rows"), max_samples=3)] == rows[:3]
+    datasets = pytest.importorskip("datasets")
+    dd = datasets.DatasetDict({"train": datasets.Dataset.from_list(rows), "test": datasets.Dataset.from_list(rows[3:])})
+    assert [r.data for r in load_mixture(RowSource(dd, "dd"), split="test")] == rows[3:]
+    with pytest.raises(DataError, match="train_dataset row 3: missing key 'output'"):
+        SFTTrainer(tiny_model_dir, train_dataset=rows[:2] + [{"input": "x"}], args=SFTConfig(
+            output_key="output", max_len=32, save_path=str(tmp_path / "x"), **CPU)).train()
+    with pytest.raises(DataError, match="train_dataset: expected a list of dicts"):
+        SFTTrainer(tiny_model_dir, train_dataset=42, args=SFTConfig(max_len=32, save_path=str(tmp_path / "x"), **CPU)).train()
