@@ -37,8 +37,7 @@ import os
 import random
 from typing import Any, Sequence
 
-from rlhfkit.data.readers import (DEFAULT_MAX_ROW_BYTES, FILE_EXTS, check_max_row_bytes, file_rows,
-                                  table_rows)
+from rlhfkit.data.readers import DEFAULT_MAX_ROW_BYTES, FILE_EXTS, check_max_row_bytes, file_rows, table_rows
 from rlhfkit.data.rows import DataError, Row
 
 __all__ = ["DataError", "Row", "RowSource", "DEFAULT_MAX_ROW_BYTES", "FILE_EXTS", "load_rows", "load_mixture",

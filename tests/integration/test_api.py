@@ -322,4 +322,5 @@ def test_rows_in_memory_forms_and_errors(tiny_model_dir, tmp_path):
         SFTTrainer(tiny_model_dir, train_dataset=rows[:2] + [{"input": "x"}], args=SFTConfig(
             output_key="output", max_len=32, save_path=str(tmp_path / "x"), **CPU)).train()
     with pytest.raises(DataError, match="train_dataset: expected a list of dicts"):
-        SFTTrainer(tiny_model_dir, train_dataset=42, args=SFTConfig(max_len=32, save_path=str(tmp_path / "x"), **CPU)).train()
+        SFTTrainer(tiny_model_dir, train_dataset=42,
+                   args=SFTConfig(max_len=32, save_path=str(tmp_path / "x"), **CPU)).train()
