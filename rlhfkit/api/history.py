@@ -3,23 +3,29 @@
     metric_values(history, "reward")   [values of the records that have it], whatever the key's prefix
     mean_metric(history[-5:], "reward")
 
-Metric keys may carry a namespace ("train/reward", "eval/pass1"); these helpers look a name up
-with or without it, so scripts need not know which.
+Metric keys may carry a namespace ("train/reward", "eval/pass1" for "eval_pass1"); these helpers
+look a name up in either spelling, so scripts need not know which.
 """
 
 from __future__ import annotations
 
 from typing import Any, Sequence
 
-PREFIXES = ("", "train/", "eval/")
+
+def _candidates(name: str) -> list[str]:
+    """The spellings metric `name` may have: "reward" / "train/reward"; "eval_pass1" / "eval/pass1"."""
+    out = [name, "train/" + name]
+    for flat, spaced in (("eval_", "eval/"), ("train_", "train/")):
+        if name.startswith(flat):
+            out.append(spaced + name[len(flat):])
+        elif name.startswith(spaced):
+            out.append(flat + name[len(spaced):])
+    return out
 
 
 def metric_key(record: dict[str, Any], name: str) -> str | None:
-    """The key of `record` that holds metric `name` (`name`, `train/name` or `eval/name`), or None."""
-    for prefix in PREFIXES:
-        if prefix + name in record:
-            return prefix + name
-    return None
+    """The key of `record` that holds metric `name` (see `_candidates`), or None."""
+    return next((k for k in _candidates(name) if k in record), None)
 
 
 def metric_values(history: Sequence[dict[str, Any]], name: str) -> list[float]:

@@ -105,7 +105,7 @@ def per_sample(fn: Callable[[str, str, Any], float]) -> Callable[..., list[float
     def reward_func(queries: list[str], prompts: list[str], labels: list[Any]) -> list[float]:
         return [float(fn(q[len(p):] if q.startswith(p) else q, p, lab)) for q, p, lab in zip(queries, prompts, labels)]
 
-    reward_func.__qualname__ = reward_func.__name__ = getattr(fn, "__qualname__", "per_sample")
+    reward_func.__qualname__ = reward_func.__name__ = getattr(fn, "__name__", "per_sample")
     return reward_func
 
 

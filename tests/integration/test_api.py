@@ -231,6 +231,14 @@ def test_combined_rewards_are_weighted_sums():
         combine_rewards([a, b], [1.0])
 
 
+def test_metric_lookup_takes_either_spelling():
+    hist = [{"step": 0, "eval/pass1": 0.25}, {"step": 1, "train/reward": 0.5}, {"step": 2, "reward": 1.0}]
+    assert metric_values(hist, "reward") == [0.5, 1.0] and metric_values(hist, "eval_pass1") == [0.25]
+    assert mean_metric(hist, "reward") == 0.75
+    with pytest.raises(ValueError, match="'kl'"):
+        mean_metric(hist, "kl")
+
+
 # ----------------------------------------------------------------------------- configs
 
 
