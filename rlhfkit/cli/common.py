@@ -13,7 +13,7 @@ import os
 import random
 import sys
 import traceback
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 import numpy as np
 import torch
@@ -29,6 +29,9 @@ if TYPE_CHECKING:
     from rlhfkit.backend.parallel import ParallelDims
 
 
+T = TypeVar("T")
+
+
 class UsageError(ValueError):
     """A bad combination of flags, named in the message."""
 
@@ -41,9 +44,10 @@ def _run_failures() -> tuple[type[BaseException], ...]:
     return RewardFailure, FailedStepsError
 
 
-def cli_main(prog: str, fn: Callable[[], None]) -> None:
+def cli_main(prog: str, fn: Callable[[], T]) -> T:
+    """Run `fn` and return its result; a user error becomes one line on stderr and exit code 1."""
     try:
-        fn()
+        return fn()
     except Exception as e:
         if not isinstance(e, (DataError, UsageError, FileNotFoundError, ValueError, NonFiniteError,
                               MissingPackageError) + _run_failures()):

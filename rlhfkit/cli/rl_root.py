@@ -9,6 +9,7 @@ train_ppo_ray: Ray role groups and engine actors).
           -> build_trainer             executors, evaluation check, checkpointer, loop configs (ppo_setup)
           -> trainer.fit()
           -> save_final                policy (+ --save_value_network critic) in Hugging Face format
+          -> RLRun                     what `train_ppo.run` returns (the Python API reads it)
 
 Everything a command reads from the flags for the loop itself goes through `ppo_setup` from here;
 train_ppo_ray adds only what placing actors needs (shapes, Ray options, async mode).
@@ -54,6 +55,16 @@ class Placement:
     critic_backend: Any = None
     weight_sync: Any = None  # None: the in-process engine takes the policy's weights (LocalWeightSync)
     save_critic: Callable[[str, Any], None] | None = None
+
+
+@dataclass
+class RLRun:
+    """A finished run: the loop state (`state.history`: the logged metrics), where the roles live,
+    and the tokenizer (for saving the policy again)."""
+
+    state: Any
+    placement: Placement
+    tokenizer: Any
 
 
 def load_prompts(args, tokenizer, spec: str, split: str, probs: str | None, max_samples: int) -> list:

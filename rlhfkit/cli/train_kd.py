@@ -59,9 +59,10 @@ def run(args) -> OfflineRun:
     return train_policy(args, dist, tokenizer, task, train_items, eval_items, plot_keys=KD_PLOT_KEYS)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> list[dict]:
+    """Run the command line `argv`; returns the metrics history (as written to metrics.jsonl)."""
     args = build_parser().parse(argv)
-    cli_main("train_kd", lambda: run(args))
+    return cli_main("train_kd", lambda: run(args)).state.history
 
 
 if __name__ == "__main__":

@@ -72,9 +72,10 @@ def run(args) -> OfflineRun:
     return train_policy(args, dist, tokenizer, task, train_items, eval_items, plot_keys=KTO_PLOT_KEYS)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> list[dict]:
+    """Run the command line `argv`; returns the metrics history (as written to metrics.jsonl)."""
     args = build_parser().parse(argv)
-    cli_main("train_kto", lambda: run(args))
+    return cli_main("train_kto", lambda: run(args)).state.history
 
 
 if __name__ == "__main__":

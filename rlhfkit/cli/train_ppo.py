@@ -10,7 +10,8 @@ Accepts the flags of OpenRLHF's train_ppo_ray (flat names and dotted aliases):
 
 Placement flags (`--*_num_nodes`, `--vllm_*`, `--colocate_*`) take effect in train_ppo_ray. The
 roles live in this process (`rl_root.local_placement`); the loop is assembled by `rl_root`, as
-train_ppo_ray's is.
+train_ppo_ray's is. `run(args, parser)` is also what the Python API's PPO/GRPO/RLOO trainers call
+(rlhfkit.api.rl); `main(argv)` returns the metrics history (one dict per logged step).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def build_trainer(args, dist):
     return R.build_trainer(args, placement, data), placement, data.tokenizer
 
 
-def run(args, parser) -> None:
+def run(args, parser) -> R.RLRun:
     dist = init_distributed(args.device)
     S.resolve_flags(args, dist.world_size)
     S.note_ray_only_flags(args, parser, "train_ppo")
@@ -56,12 +57,14 @@ def run(args, parser) -> None:
         S.close_rollout(trainer.engine)
         trainer.logger.close()
     R.save_final(args, placement, tokenizer)
+    return R.RLRun(trainer.state, placement, tokenizer)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> list[dict]:
+    """Run the command line `argv`; returns the metrics history (as written to metrics.jsonl)."""
     parser = build_parser()
     args = parser.parse(argv)
-    cli_main("train_ppo", lambda: run(args, parser))
+    return cli_main("train_ppo", lambda: run(args, parser)).state.history
 
 
 if __name__ == "__main__":

@@ -98,15 +98,18 @@ def run(args) -> OfflineRun:
     state = train_task(task, backend, train_items, eval_items, args, dist, logger, tokenizer=save_tokenizer)
     mean, std, n = reward_statistics(backend.model, task, statistics_items(train_items, eval_items),
                                      args.micro_train_batch_size, dist)
-    logger.log(state.step, {"reward_mean": mean, "reward_std": std, "reward_stats_count": n}, console=True)
+    stats = {"reward_mean": mean, "reward_std": std, "reward_stats_count": n}
+    state.history.append({"step": state.step, **stats})
+    logger.log(state.step, stats, console=True)
     save_reward_model(args, backend, save_tokenizer, mean, std, dist)
     logger.close()
     return OfflineRun(state, backend, task, tokenizer, train_items, eval_items, {"mean": mean, "std": std})
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> list[dict]:
+    """Run the command line `argv`; returns the metrics history (as written to metrics.jsonl)."""
     args = build_parser().parse(argv)
-    cli_main("train_rm", lambda: run(args))
+    return cli_main("train_rm", lambda: run(args)).state.history
 
 
 if __name__ == "__main__":

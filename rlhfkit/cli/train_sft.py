@@ -36,9 +36,10 @@ def run(args, on_step_end=None) -> C.OfflineRun:
     return C.train_policy(args, dist, tokenizer, task, train_items, eval_items, on_step_end=on_step_end)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> list[dict]:
+    """Run the command line `argv`; returns the metrics history (as written to metrics.jsonl)."""
     args = build_parser().parse(argv)
-    cli_main("train_sft", lambda: run(args))
+    return cli_main("train_sft", lambda: run(args)).state.history
 
 
 if __name__ == "__main__":

@@ -19,6 +19,10 @@ Supported sources (one `--dataset` entry each; entries are comma separated):
                             `datasets.Dataset.save_to_disk` is loaded with `datasets.load_from_disk`
     org/name                a Hugging Face dataset (needs `pip install rlhfkit[datasets]`)
     name@data_dir           OpenRLHF's form: a sub-folder of a local folder, or `data_dir=` for the hub
+    RowSource(rows)         rows already in memory (the Python API): a list of dicts or a
+                            `datasets.Dataset` / `DatasetDict`; nothing is written to disk, and the
+                            rows take the same path as a file's (row limits, --max_samples, errors
+                            naming `source row N`)
 
 `load_mixture` combines several entries: concatenated without `--dataset_probs`, sampled by
 probability with them. Sampling follows `datasets.interleave_datasets(...,
@@ -33,12 +37,11 @@ import os
 import random
 from typing import Any, Sequence
 
-from rlhfkit.data.readers import (DEFAULT_MAX_ROW_BYTES, FILE_EXTS, check_max_row_bytes, file_rows,
-                                  table_rows)
+from rlhfkit.data.readers import DEFAULT_MAX_ROW_BYTES, FILE_EXTS, check_max_row_bytes, file_rows, table_rows
 from rlhfkit.data.rows import DataError, Row
 
-__all__ = ["DataError", "Row", "DEFAULT_MAX_ROW_BYTES", "FILE_EXTS", "load_rows", "load_mixture", "parse_probs",
-           "interleave"]
+__all__ = ["DataError", "Row", "RowSource", "DEFAULT_MAX_ROW_BYTES", "FILE_EXTS", "load_rows", "load_mixture",
+           "parse_probs", "interleave"]
 
 SPLIT_WORDS = ("train", "test", "validation", "valid", "eval", "dev")
 DATASETS_HINT = "pip install rlhfkit[datasets]"
@@ -131,10 +134,58 @@ def _load_hub(name: str, data_dir: str | None, split: str | None, limit: int, ma
     return _hf_rows(ds, name, split, limit, max_bytes)
 
 
+# ----------------------------------------------------------------------------- rows in memory
+
+
+def _is_split_dict(data: Any) -> bool:
+    """A `datasets.DatasetDict` (or a dict of Datasets): split name -> table."""
+    return isinstance(data, dict) and bool(data) and all(hasattr(v, "to_list") for v in data.values())
+
+
+class RowSource:
+    """Rows given in memory, usable wherever a `--dataset` entry is: a list (or tuple) of dicts, a
+    dict of equally long column lists, or a Hugging Face `datasets.Dataset` / `DatasetDict`
+    (`split` picks from a DatasetDict).
+    `name` is what errors and logs call it (`train_dataset row 3: missing key 'input'`)."""
+
+    def __init__(self, data: Any, name: str = "rows") -> None:
+        if isinstance(data, RowSource):
+            data, name = data.data, name or data.name
+        if isinstance(data, dict) and not _is_split_dict(data):  # columns: {"input": [...], "output": [...]}
+            lengths = {len(v) if isinstance(v, (list, tuple)) else -1 for v in data.values()}
+            if len(lengths) != 1 or -1 in lengths:
+                raise DataError(f"{name}: a dict of columns needs lists of one length, got lengths {sorted(lengths)}")
+            data = [dict(zip(data, values)) for values in zip(*data.values())]
+        if not (hasattr(data, "to_list") or isinstance(data, (list, tuple)) or _is_split_dict(data)):
+            raise DataError(f"{name}: expected a list of dicts or a datasets.Dataset, got {type(data).__name__}")
+        self.data, self.name = data, name
+
+    def __len__(self) -> int:
+        if _is_split_dict(self.data):  # DatasetDict
+            return sum(len(v) for v in self.data.values())
+        return len(self.data)
+
+    def __str__(self) -> str:
+        return f"{self.name} ({len(self)} rows in memory)"
+
+    __repr__ = __str__
+
+    def rows(self, split: str | None, limit: int, max_bytes: int) -> list[Row]:
+        if not isinstance(self.data, (list, tuple)):
+            return _hf_rows(self.data, self.name, split, limit, max_bytes)
+        if not self.data and limit > 0:
+            raise DataError(f"{self.name}: empty dataset (no rows)")
+        records = list(self.data[:limit])
+        for i, rec in enumerate(records):
+            if not isinstance(rec, dict):
+                raise DataError(f"{self.name} row {i + 1}: expected a dict, got {type(rec).__name__}")
+        return list(table_rows(self.name, records, limit, max_bytes, max_bytes + 1))
+
+
 # ----------------------------------------------------------------------------- public API
 
 
-def load_rows(spec: str, split: str | None = "train", max_samples: int | None = None,
+def load_rows(spec: str | RowSource, split: str | None = "train", max_samples: int | None = None,
               max_row_bytes: int = DEFAULT_MAX_ROW_BYTES) -> list[Row]:
     """Rows of one `--dataset` entry (a file, a folder, `name@data_dir`, or a hub dataset name).
 
@@ -144,6 +195,8 @@ def load_rows(spec: str, split: str | None = "train", max_samples: int | None = 
     naming the file and row (readers.py).
     """
     check_max_row_bytes(max_row_bytes)
+    if isinstance(spec, RowSource):
+        return spec.rows(split, _cap(max_samples), max_row_bytes)
     spec = spec.strip()
     if not spec:
         raise DataError("empty dataset entry in --dataset")
@@ -210,7 +263,7 @@ def interleave(sources: Sequence[Sequence[Row]], probs: Sequence[float], seed: i
     return out
 
 
-def load_mixture(specs: str | Sequence[str], probs: str | Sequence[float] | None = None,
+def load_mixture(specs: str | RowSource | Sequence[str | RowSource], probs: str | Sequence[float] | None = None,
                  split: str | None = "train", max_samples: int | None = None,
                  seed: int = 42, max_row_bytes: int = DEFAULT_MAX_ROW_BYTES) -> list[Row]:
     """Rows of several comma-separated datasets (`--dataset`, `--dataset_probs`).
@@ -221,7 +274,10 @@ def load_mixture(specs: str | Sequence[str], probs: str | Sequence[float] | None
     """
     if specs is None or (isinstance(specs, str) and not specs.strip()):
         raise DataError("no dataset given (--dataset)")
-    names = [s for s in (specs.split(",") if isinstance(specs, str) else specs) if s.strip()]
+    if isinstance(specs, RowSource):
+        specs = [specs]
+    names = [s for s in (specs.split(",") if isinstance(specs, str) else specs)
+             if isinstance(s, RowSource) or s.strip()]
     weights = parse_probs(probs, len(names))
     sources = [load_rows(n, split=split, max_samples=max_samples, max_row_bytes=max_row_bytes) for n in names]
     rows = [r for src in sources for r in src] if weights is None else interleave(sources, weights, seed)

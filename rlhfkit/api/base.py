@@ -1,0 +1,104 @@
+"""The API trainers' common part: config -> the command's namespace -> the command's `run()`.
+
+    trainer = SFTTrainer(model, args=SFTConfig(...), train_dataset=rows)
+    trainer.train()
+      config.to_args(parser)           the namespace `python -m rlhfkit.cli.train_sft ...` would parse
+      + inputs                         --pretrain / --dataset / ... as objects (rlhfkit.api.inputs)
+      -> rlhfkit.cli.<command>.run()   the very function the CLI's main() calls
+      -> history                       result.state.history: one dict per logged step, as in metrics.jsonl
+    trainer.save_model(path)           the trained model (and tokenizer) in Hugging Face format
+
+Errors are raised as they are (the CLI turns the same ones into one line and exit code 1).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from rlhfkit.api.config import FlagConfig, command_parser
+from rlhfkit.api.inputs import Scratch, data_source, model_dir
+
+
+class BaseTrainer:
+    """Subclasses set `config_class` (whose COMMAND names the CLI module) and `_inputs()`."""
+
+    config_class: type[FlagConfig] = FlagConfig
+
+    def __init__(self, model: Any, args: FlagConfig | None = None, train_dataset: Any = None,
+                 eval_dataset: Any = None, processing_class: Any = None, tokenizer: Any = None) -> None:
+        if args is None:
+            args = self.config_class()
+        if not isinstance(args, FlagConfig):
+            raise TypeError(f"{type(self).__name__}: args must be a {self.config_class.__name__}, "
+                            f"got {type(args).__name__}")
+        if model is None:
+            raise ValueError(f"{type(self).__name__}: model is required (a model directory or a loaded model)")
+        if train_dataset is None:
+            raise ValueError(f"{type(self).__name__}: train_dataset is required")
+        if processing_class is not None and tokenizer is not None and processing_class is not tokenizer:
+            raise ValueError(f"{type(self).__name__}: give processing_class or tokenizer, not both")
+        self.args = args
+        self.model_init = model
+        self.processing_class = processing_class if processing_class is not None else tokenizer
+        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+        self.result: Any = None
+        self.history: list[dict[str, Any]] = []
+        self._scratch = Scratch()
+
+    # ------------------------------------------------------------------ inputs and running
+
+    def _inputs(self) -> dict[str, Any]:
+        """dest -> value of the input flags (model directory, datasets); may write into the scratch dir."""
+        return {"pretrain": model_dir(self.model_init, self.processing_class, self._scratch),
+                "dataset": data_source(self.train_dataset, "train_dataset"),
+                "eval_dataset": data_source(self.eval_dataset, "eval_dataset")}
+
+    def _run(self, ns: Any, parser: Any) -> Any:
+        return importlib.import_module(f"rlhfkit.cli.{self.args.COMMAND}").run(ns)
+
+    def build_args(self) -> Any:
+        """The resolved namespace the run gets (what run_config.json records)."""
+        parser = command_parser(self.args.COMMAND)
+        ns = self.args.to_args(parser)
+        for dest, value in self._inputs().items():
+            setattr(ns, dest, value)
+        return ns, parser
+
+    def train(self) -> list[dict[str, Any]]:
+        """Train; returns the metrics history (one dict per logged step: the records of metrics.jsonl)."""
+        try:
+            ns, parser = self.build_args()
+            self.result = self._run(ns, parser)
+        finally:
+            self._scratch.close()
+        self.history = self.result.state.history
+        return self.history
+
+    # ------------------------------------------------------------------ results
+
+    def _require_result(self) -> Any:
+        if self.result is None:
+            raise RuntimeError(f"{type(self).__name__}: call train() first")
+        return self.result
+
+    @property
+    def backend(self) -> Any:
+        return self._require_result().backend
+
+    @property
+    def model(self) -> Any:
+        """The trained model (a transformers model; a peft model under lora_rank > 0). Before
+        train(): what was passed in."""
+        return self.model_init if self.result is None else self.backend.unwrap()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._require_result().tokenizer
+
+    def save_model(self, output_dir: str | None = None) -> str:
+        """Save the trained model and its tokenizer in Hugging Face format (default: args.save_path,
+        where train() has saved it already). Returns the directory."""
+        path = output_dir or self.args.save_path
+        self.backend.save_hf(path, self.tokenizer)
+        return path

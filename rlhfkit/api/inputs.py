@@ -1,0 +1,164 @@
+"""What the API trainers take besides a config, turned into what the commands' `run()` reads.
+
+    model / ref_model      a local directory (used as it is), or a loaded transformers model (+ its
+                           tokenizer), saved once into a scratch directory that the run loads like
+                           any --pretrain directory (ref copies, rollout engine, value heads: one path)
+    datasets               a list of dicts or a `datasets.Dataset` -> `rlhfkit.data.io.RowSource`
+                           (in memory, the same row pipeline as files), or a --dataset spec string
+    reward_funcs           a callable `reward_func(queries, prompts, labels)` (what a reward_func
+                           file defines), a list of them (summed, `reward_weights`), `per_sample(fn)`
+                           wrapped callables, a reward_func .py path or http(s) URL (--remote_rm_url),
+                           or a reward model directory (--reward_pretrain)
+
+A callable goes through `rlhfkit.agents.reward_func.PythonRewardSource`, the class that runs a
+reward_func file: the same thread, time limit, return-value checks, batching with one-sample
+retries, and --reward_failure (stop / drop) per sample.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import shutil
+import tempfile
+from typing import Any, Callable, Sequence
+
+from rlhfkit.data.io import RowSource
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+
+
+class Scratch:
+    """A temporary directory for models given as objects; removed by `close()`."""
+
+    def __init__(self) -> None:
+        self.path: str | None = None
+
+    def dir(self, name: str) -> str:
+        if self.path is None:
+            self.path = tempfile.mkdtemp(prefix="rlhfkit_api_")
+        return os.path.join(self.path, name)
+
+    def close(self) -> None:
+        if self.path is not None:
+            shutil.rmtree(self.path, ignore_errors=True)
+            self.path = None
+
+
+def model_dir(model: Any, tokenizer: Any, scratch: Scratch, what: str = "model") -> str:
+    """A directory holding `model` and its tokenizer (see module doc)."""
+    if isinstance(model, (str, os.PathLike)):
+        path = os.fspath(model)
+        if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)) and os.fspath(tokenizer) == path:
+            return path
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"{what}: {path} is not a directory (give a local model directory or "
+                                    "a loaded transformers model)")
+        out = scratch.dir(what)  # the model's files linked, the given tokenizer's written
+        os.makedirs(out)
+        for name in os.listdir(path):
+            if name not in TOKENIZER_FILES:
+                os.symlink(os.path.abspath(os.path.join(path, name)), os.path.join(out, name))
+        _save_tokenizer(tokenizer, out, what)
+        return out
+    if not hasattr(model, "save_pretrained"):
+        raise TypeError(f"{what} must be a model directory or a transformers model, got {type(model).__name__}")
+    if tokenizer is None:
+        source = getattr(model, "name_or_path", "") or ""
+        if not os.path.isdir(source):
+            raise ValueError(f"{what} is a loaded model whose tokenizer is unknown: pass processing_class= "
+                             "(the tokenizer)")
+        tokenizer = source
+    out = scratch.dir(what)
+    model.save_pretrained(out, safe_serialization=True)
+    _save_tokenizer(tokenizer, out, what)
+    return out
+
+
+def _save_tokenizer(tokenizer: Any, out: str, what: str) -> None:
+    if isinstance(tokenizer, (str, os.PathLike)):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(os.fspath(tokenizer))
+    if not hasattr(tokenizer, "save_pretrained"):
+        raise TypeError(f"{what}: processing_class must be a transformers tokenizer, got {type(tokenizer).__name__}")
+    tokenizer.save_pretrained(out)
+
+
+def data_source(data: Any, name: str) -> Any:
+    """A --dataset value: a spec string as it is, in-memory rows as a RowSource, None as None."""
+    if data is None or isinstance(data, (str, RowSource)):
+        return data
+    if isinstance(data, os.PathLike):
+        return os.fspath(data)
+    return RowSource(data, name)
+
+
+# ----------------------------------------------------------------------------- rewards
+
+
+def per_sample(fn: Callable[[str, str, Any], float]) -> Callable[..., list[float]]:
+    """Turn `fn(completion, prompt, label) -> float` into a batch reward_func(queries, prompts, labels).
+
+    `completion` is the generated text after the prompt (special tokens such as the EOS kept)."""
+    def reward_func(queries: list[str], prompts: list[str], labels: list[Any]) -> list[float]:
+        return [float(fn(q[len(p):] if q.startswith(p) else q, p, lab)) for q, p, lab in zip(queries, prompts, labels)]
+
+    reward_func.__qualname__ = reward_func.__name__ = getattr(fn, "__name__", "per_sample")
+    return reward_func
+
+
+def _name(fn: Any) -> str:
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def combine_rewards(funcs: Sequence[Callable[..., Any]], weights: Sequence[float] | None = None
+                    ) -> Callable[..., Any]:
+    """One reward_func summing several (`weights`: one per function, default 1). Each function's
+    answer is checked as a reward_func's; its rewards are logged as `reward_<name>`."""
+    from rlhfkit.agents.reward_func import parse_reward_return
+
+    funcs = list(funcs)
+    weights = [1.0] * len(funcs) if weights is None else [float(w) for w in weights]
+    if len(weights) != len(funcs):
+        raise ValueError(f"reward_weights has {len(weights)} values for {len(funcs)} reward functions")
+    names = [_name(f) for f in funcs]
+
+    async def reward_func(queries: list[str], prompts: list[str], labels: list[Any]) -> dict[str, Any]:
+        n = len(queries)
+        rewards, scores, logs = [0.0] * n, [0.0] * n, {}
+        for fn, w, name in zip(funcs, weights, names):
+            raw = fn(queries, prompts, labels)
+            if inspect.isawaitable(raw):
+                raw = await raw
+            out = parse_reward_return(raw, n, name)
+            rewards = [a + w * b for a, b in zip(rewards, out.rewards)]
+            scores = [a + w * b for a, b in zip(scores, out.scores)]
+            logs[f"reward_{name}"] = list(out.rewards)
+            for k, v in out.extra_logs.items():
+                logs[k if k not in logs else f"{name}_{k}"] = v
+        return {"rewards": rewards, "scores": scores, "extra_logs": logs}
+
+    reward_func.__qualname__ = reward_func.__name__ = "+".join(names)
+    return reward_func
+
+
+def reward_inputs(reward_funcs: Any, weights: Sequence[float] | None) -> dict[str, Any]:
+    """The RL flags `reward_funcs` sets: {"remote_rm_url": ...} or {"reward_pretrain": ...} (or {})."""
+    if reward_funcs is None:
+        return {}
+    if isinstance(reward_funcs, os.PathLike):
+        reward_funcs = os.fspath(reward_funcs)
+    if isinstance(reward_funcs, str):
+        if reward_funcs.endswith(".py") or reward_funcs.startswith(("http://", "https://")):
+            return {"remote_rm_url": reward_funcs}
+        return {"reward_pretrain": reward_funcs}  # reward model directories, comma-separated
+    funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    bad = [f for f in funcs if not callable(f)]
+    if bad or not funcs:
+        raise TypeError("reward_funcs must be a callable reward_func(queries, prompts, labels), a list of them, "
+                        f"a reward_func .py path, a reward server URL or a reward model directory; got {bad or funcs}")
+    if len(funcs) == 1 and weights is None:
+        return {"remote_rm_url": funcs[0]}
+    return {"remote_rm_url": combine_rewards(funcs, weights)}

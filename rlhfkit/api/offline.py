@@ -1,0 +1,156 @@
+"""Offline trainers of the Python API: SFT, reward model, DPO (IPO, cDPO), KTO.
+
+    from rlhfkit import SFTConfig, SFTTrainer
+    cfg = SFTConfig(max_len=64, learning_rate=1e-3, train_batch_size=32, micro_train_batch_size=32,
+                    max_steps=100, save_path="ckpt/sft", device="cpu")
+    history = SFTTrainer("base_model_dir", args=cfg, train_dataset=[{"input": "1+1=", "output": "2"}, ...]).train()
+
+Each config's fields are the flags of its command (train_sft, train_rm, train_dpo, train_kto)
+with the same defaults (rlhfkit.api.config); the trainer runs that command's `run()`.
+
+    DPO variants   DPOConfig(ipo=True) is IPO; DPOConfig(label_smoothing=0.1) is cDPO (conservative
+                   DPO: labels flipped with that probability); nll_loss_coef adds the chosen NLL (RPO)
+    reference      ref_model= (a directory or loaded model); default: the model itself, frozen
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlhfkit.api.base import BaseTrainer
+from rlhfkit.api.config import FLAG, FlagConfig, flag_config
+from rlhfkit.api.inputs import model_dir
+
+OFFLINE_INPUTS = ("pretrain", "dataset", "eval_dataset")
+
+
+class _OfflineFields(FlagConfig):
+    """Fields every offline command has (declared for IDEs; defaults come from each command)."""
+
+    save_path: str = FLAG
+    max_len: int = FLAG
+    max_epochs: int = FLAG
+    max_steps: int | None = FLAG
+    train_batch_size: int = FLAG
+    micro_train_batch_size: int = FLAG
+    learning_rate: float = FLAG
+    lr_scheduler: str = FLAG
+    lr_warmup_ratio: float = FLAG
+    seed: int = FLAG
+    input_key: str = FLAG
+    output_key: str | None = FLAG
+    input_template: str | None = FLAG
+    apply_chat_template: bool = FLAG
+    logging_steps: int = FLAG
+    eval_steps: int = FLAG
+    param_dtype: str = FLAG
+    device: str | None = FLAG
+    lora_rank: int = FLAG
+    lora_alpha: int = FLAG
+    gradient_checkpointing: bool = FLAG
+    packing_samples: bool = FLAG
+    disable_progress: bool = FLAG
+
+
+@flag_config("train_sft", inputs=OFFLINE_INPUTS)
+class SFTConfig(_OfflineFields):
+    """Supervised fine-tuning settings: the flags of `python -m rlhfkit.cli.train_sft` as fields.
+
+    Rows: `input_key` (prompt) and `output_key` (answer), loss on the answer tokens; `pretrain_mode`:
+    loss on every token; `multiturn`: conversations, loss on every assistant turn."""
+
+    multiturn: bool = FLAG
+    pretrain_mode: bool = FLAG
+
+
+@flag_config("train_rm", inputs=OFFLINE_INPUTS)
+class RewardConfig(_OfflineFields):
+    """Reward-model settings: the flags of `python -m rlhfkit.cli.train_rm` (pairwise Bradley-Terry loss)."""
+
+    prompt_key: str | None = FLAG
+    chosen_key: str = FLAG
+    rejected_key: str = FLAG
+    loss: str = FLAG
+    margin_loss: bool = FLAG
+    value_head_prefix: str = FLAG
+
+
+@flag_config("train_dpo", inputs=OFFLINE_INPUTS)
+class DPOConfig(_OfflineFields):
+    """DPO settings: the flags of `python -m rlhfkit.cli.train_dpo`; `ipo=True` for IPO,
+    `label_smoothing` > 0 for cDPO."""
+
+    beta: float = FLAG
+    ipo: bool = FLAG
+    label_smoothing: float = FLAG
+    nll_loss_coef: float = FLAG
+    prompt_key: str | None = FLAG
+    chosen_key: str = FLAG
+    rejected_key: str = FLAG
+    ref_offload: bool = FLAG
+
+
+@flag_config("train_kto", inputs=OFFLINE_INPUTS)
+class KTOConfig(_OfflineFields):
+    """KTO settings: the flags of `python -m rlhfkit.cli.train_kto` (unpaired rows with a boolean `label_key`)."""
+
+    beta: float = FLAG
+    desirable_loss_weight: float = FLAG
+    undesirable_loss_weight: float = FLAG
+    label_key: str = FLAG
+    ref_offload: bool = FLAG
+
+
+class SFTTrainer(BaseTrainer):
+    """`SFTTrainer(model, args=SFTConfig(...), train_dataset=..., eval_dataset=None, processing_class=None)`;
+    `on_step_end(state, metrics, backend)` runs after each step (returning True stops early)."""
+
+    config_class = SFTConfig
+
+    def __init__(self, model: Any, args: SFTConfig | None = None, train_dataset: Any = None,
+                 eval_dataset: Any = None, processing_class: Any = None, tokenizer: Any = None,
+                 on_step_end: Any = None) -> None:
+        super().__init__(model, args, train_dataset, eval_dataset, processing_class, tokenizer)
+        self.on_step_end = on_step_end
+
+    def _run(self, ns: Any, parser: Any) -> Any:
+        from rlhfkit.cli import train_sft
+
+        return train_sft.run(ns, on_step_end=self.on_step_end)
+
+
+class RewardTrainer(BaseTrainer):
+    """`RewardTrainer(model, args=RewardConfig(...), train_dataset=pairs)`: a value head on `model`,
+    trained on chosen/rejected pairs; the saved model loads as AutoModelForSequenceClassification."""
+
+    config_class = RewardConfig
+
+
+class _WithRef(BaseTrainer):
+    def __init__(self, model: Any, ref_model: Any = None, args: Any = None, train_dataset: Any = None,
+                 eval_dataset: Any = None, processing_class: Any = None, tokenizer: Any = None) -> None:
+        super().__init__(model, args, train_dataset, eval_dataset, processing_class, tokenizer)
+        self.ref_model = ref_model
+
+    def _inputs(self) -> dict[str, Any]:
+        out = super()._inputs()
+        if self.ref_model is not None:
+            out["ref_pretrain"] = model_dir(self.ref_model, self.processing_class, self._scratch, "ref_model")
+        return out
+
+
+class DPOTrainer(_WithRef):
+    """`DPOTrainer(model, ref_model=None, args=DPOConfig(...), train_dataset=pairs)`; the reference is
+    `ref_model` (default: `model`, frozen)."""
+
+    config_class = DPOConfig
+
+
+class KTOTrainer(_WithRef):
+    """`KTOTrainer(model, ref_model=None, args=KTOConfig(...), train_dataset=rows)` (rows: input, output, label)."""
+
+    config_class = KTOConfig
+
+
+__all__ = ["SFTConfig", "SFTTrainer", "RewardConfig", "RewardTrainer", "DPOConfig", "DPOTrainer",
+           "KTOConfig", "KTOTrainer"]

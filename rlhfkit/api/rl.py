@@ -1,0 +1,153 @@
+"""Online RL trainers of the Python API: PPO and its family (GRPO, Dr. GRPO, RLOO, REINFORCE++).
+
+    from rlhfkit import GRPOConfig, GRPOTrainer
+
+    def reward_func(queries, prompts, labels):         # the reward_func file format, as a callable
+        return [float(q[len(p):].startswith(l)) for q, p, l in zip(queries, prompts, labels)]
+
+    cfg = GRPOConfig(n_samples_per_prompt=8, rollout_batch_size=16, train_batch_size=128,
+                     generate_max_len=8, actor_learning_rate=1e-4, max_steps=50, label_key="label")
+    history = GRPOTrainer("ckpt/sft", reward_funcs=reward_func, args=cfg, train_dataset=prompts).train()
+
+One loop (`python -m rlhfkit.cli.train_ppo`'s `run()`); the algorithm is the config's
+`advantage_estimator` (rlhfkit.algo.advantages):
+
+    PPOConfig()                                    gae: PPO with a critic (value model)
+    PPOConfig(advantage_estimator="reinforce")     REINFORCE++ (whitened reward-to-go, no critic)
+    GRPOConfig(advantage_estimator="reinforce_baseline")   REINFORCE++-baseline (group mean baseline)
+    GRPOConfig()                                   group_norm: GRPO, (r - group mean) / group std
+    GRPOConfig(advantage_estimator="dr_grpo")      Dr. GRPO: r - group mean, no std division
+    RLOOConfig()                                   rloo: leave-one-out baseline
+
+GRPOConfig and RLOOConfig are PPOConfig with other defaults (listed on each class); every field is
+a flag of train_ppo. Rewards (`reward_funcs`): see rlhfkit.api.inputs; a callable is run exactly as
+a reward_func file is, `--reward_failure` (stop / drop) included.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from rlhfkit.api.base import BaseTrainer
+from rlhfkit.api.config import FLAG, FlagConfig, flag_config
+from rlhfkit.api.inputs import data_source, model_dir, reward_inputs
+
+RL_INPUTS = ("pretrain", "prompt_data", "eval_dataset", "remote_rm_url")
+
+
+@flag_config("train_ppo", inputs=RL_INPUTS)
+class PPOConfig(FlagConfig):
+    """RL settings: the flags of `python -m rlhfkit.cli.train_ppo` as fields (same defaults)."""
+
+    advantage_estimator: str = FLAG
+    n_samples_per_prompt: int = FLAG
+    rollout_batch_size: int = FLAG
+    micro_rollout_batch_size: int = FLAG
+    train_batch_size: int = FLAG
+    micro_train_batch_size: int = FLAG
+    max_epochs: int = FLAG
+    num_episodes: int = FLAG
+    max_steps: int | None = FLAG
+    prompt_max_len: int = FLAG
+    generate_max_len: int | None = FLAG
+    max_len: int | None = FLAG
+    temperature: float = FLAG
+    top_p: float = FLAG
+    actor_learning_rate: float = FLAG
+    critic_learning_rate: float = FLAG
+    lr_scheduler: str = FLAG
+    lr_warmup_ratio: float = FLAG
+    init_kl_coef: float = FLAG
+    use_kl_loss: bool = FLAG
+    kl_estimator: str = FLAG
+    eps_clip: float = FLAG
+    input_key: str = FLAG
+    label_key: str | None = FLAG
+    input_template: str | None = FLAG
+    apply_chat_template: bool = FLAG
+    reward_failure: str = FLAG
+    reward_timeout: float = FLAG
+    dynamic_filtering: bool = FLAG
+    eval_steps: int = FLAG
+    logging_steps: int = FLAG
+    seed: int = FLAG
+    save_path: str = FLAG
+    param_dtype: str = FLAG
+    device: str | None = FLAG
+    disable_progress: bool = FLAG
+
+
+@dataclass(repr=False, kw_only=True)
+class GRPOConfig(PPOConfig):
+    """PPOConfig with GRPO's defaults: group_norm advantages over groups of 8 samples, KL to the
+    reference as a loss term (k3, coefficient 1e-3), as OpenRLHF's GRPO recipe."""
+
+    advantage_estimator: str = "group_norm"
+    n_samples_per_prompt: int = 8
+    use_kl_loss: bool = True
+    kl_estimator: str = "k3"
+    init_kl_coef: float = 1e-3
+
+
+@dataclass(repr=False, kw_only=True)
+class RLOOConfig(PPOConfig):
+    """PPOConfig with RLOO's defaults: leave-one-out baseline over groups of 4 samples."""
+
+    advantage_estimator: str = "rloo"
+    n_samples_per_prompt: int = 4
+
+
+class PPOTrainer(BaseTrainer):
+    """`PPOTrainer(model, reward_funcs=None, args=PPOConfig(...), train_dataset=prompts, eval_dataset=None,
+    processing_class=None, reward_weights=None, ref_model=None)`.
+
+    train_dataset / eval_dataset: prompt rows (`input_key`, optional `label_key` handed to the reward).
+    reward_funcs: a callable reward_func(queries, prompts, labels), a list of them (summed with
+    `reward_weights`), a reward_func .py path or URL, or a reward model directory; may be None when
+    the config names `reward_pretrain` or `agent_func_path`. Evaluation (eval_dataset, eval_steps)
+    scores with the same reward functions."""
+
+    config_class = PPOConfig
+
+    def __init__(self, model: Any, reward_funcs: Any = None, args: PPOConfig | None = None,
+                 train_dataset: Any = None, eval_dataset: Any = None, processing_class: Any = None,
+                 tokenizer: Any = None, reward_weights: Sequence[float] | None = None, ref_model: Any = None) -> None:
+        super().__init__(model, args, train_dataset, eval_dataset, processing_class, tokenizer)
+        self.reward_funcs, self.reward_weights, self.ref_model = reward_funcs, reward_weights, ref_model
+        reward_inputs(reward_funcs, reward_weights)  # bad reward_funcs fail here, not after loading models
+
+    def _inputs(self) -> dict[str, Any]:
+        out = {"pretrain": model_dir(self.model_init, self.processing_class, self._scratch),
+               "prompt_data": data_source(self.train_dataset, "train_dataset"),
+               "eval_dataset": data_source(self.eval_dataset, "eval_dataset")}
+        if self.ref_model is not None:
+            out["ref_pretrain"] = model_dir(self.ref_model, self.processing_class, self._scratch, "ref_model")
+        rewards = reward_inputs(self.reward_funcs, self.reward_weights)
+        if "reward_pretrain" in rewards and self.args.reward_pretrain:
+            raise ValueError("reward_funcs names a reward model and the config sets reward_pretrain: give one")
+        return {**out, **rewards}
+
+    def _run(self, ns: Any, parser: Any) -> Any:
+        from rlhfkit.cli import train_ppo
+
+        return train_ppo.run(ns, parser)
+
+    @property
+    def backend(self) -> Any:
+        return self._require_result().placement.policy_backend
+
+
+class GRPOTrainer(PPOTrainer):
+    """PPOTrainer whose default config is GRPOConfig()."""
+
+    config_class = GRPOConfig
+
+
+class RLOOTrainer(PPOTrainer):
+    """PPOTrainer whose default config is RLOOConfig()."""
+
+    config_class = RLOOConfig
+
+
+__all__ = ["PPOConfig", "PPOTrainer", "GRPOConfig", "GRPOTrainer", "RLOOConfig", "RLOOTrainer"]
