@@ -16,7 +16,7 @@ from them on a CPU. The same --seed writes the same files. Kinds and the files t
   chat        chat.jsonl (messages: a user question and the assistant's answer, for
               --apply_chat_template / --multiturn)
   examples    the shipped reward and agent files (rlhfkit.examples: reward_func.py, agent_func.py, ...)
-  all         every kind above
+  all         every data kind above (not examples)
 
 Nothing here imports torch: it takes about as long as Python's start.
 """
@@ -36,7 +36,7 @@ KINDS = ("addition", "preference", "kto", "prm", "chat", "examples")
 def build_parser() -> FlagParser:
     p = FlagParser("make_data", __doc__ or "")
     p.add_argument("kinds", nargs="+", metavar="KIND", choices=[*KINDS, "all"],
-                   help=f"what to write: {', '.join(KINDS)} or all")
+                   help=f"what to write: {', '.join(KINDS)}, or all (every data kind)")
     p.flag("--out", type=str, default="data", help="folder the files go to (made if missing)")
     p.flag("--seed", type=int, default=0, help="the same seed writes the same rows")
     p.flag("--digits", type=int, default=2, help="digits per operand")
@@ -121,7 +121,8 @@ class Maker:
 
 def make(args) -> list[str]:
     """Write the requested kinds into args.out; returns the written paths in order."""
-    kinds = list(KINDS) if "all" in args.kinds else list(dict.fromkeys(args.kinds))
+    kinds = [k for k in KINDS if k != "examples"] if "all" in args.kinds else []
+    kinds += [k for k in dict.fromkeys(args.kinds) if k != "all" and k not in kinds]
     os.makedirs(args.out, exist_ok=True)
     maker = Maker(args)
     written: list[str] = []
