@@ -23,6 +23,7 @@ Nothing here imports torch: it takes about as long as Python's start.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import random
@@ -35,7 +36,7 @@ KINDS = ("addition", "preference", "kto", "prm", "chat", "examples")
 
 def build_parser() -> FlagParser:
     p = FlagParser("make_data", __doc__ or "")
-    p.add_argument("kinds", nargs="+", metavar="KIND", choices=[*KINDS, "all"],
+    p.add_argument("kinds", nargs="*", metavar="KIND",  # checked in main (argparse rejects an empty list with choices)
                    help=f"what to write: {', '.join(KINDS)}, or all (every data kind)")
     p.flag("--out", type=str, default="data", help="folder the files go to (made if missing)")
     p.flag("--seed", type=int, default=0, help="the same seed writes the same rows")
@@ -135,6 +136,13 @@ def make(args) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse(argv)
+    if not args.kinds:
+        parser.error(f"name what to write: one or more of {', '.join(KINDS)}, all")
+    for kind in args.kinds:
+        if kind not in (*KINDS, "all"):
+            close = difflib.get_close_matches(kind, [*KINDS, "all"], n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            parser.error(f"unknown KIND {kind!r}{hint}; choose from {', '.join(KINDS)}, all")
     if min(args.num_train, args.num_prompts, args.num_eval, args.num_pairs, args.digits) < 1:
         parser.error("--num_train, --num_prompts, --num_eval, --num_pairs and --digits must be at least 1")
     try:

@@ -93,7 +93,10 @@ def test_bad_requests_are_one_line(tmp_path, capsys):
         "make_data: error: at most 5000 held-out questions exist for 2-digit addition"
     with pytest.raises(SystemExit) as e:
         make_data.main(["additon", "--out", str(tmp_path)])
-    assert e.value.code == 2 and "invalid choice: 'additon'" in capsys.readouterr().err
+    assert e.value.code == 2 and "unknown KIND 'additon' (did you mean addition?)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        make_data.main(["--out", str(tmp_path)])
+    assert "name what to write: one or more of addition, preference" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         make_data.main(["kto", "--num_pairs", "0"])
     assert "must be at least 1" in capsys.readouterr().err
