@@ -75,6 +75,7 @@ def test_plain_order_and_determinism(tmp_path):
         assert int(r["rejected"]) != _sum(r["prompt"])
 
 
+@pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")  # runpy: make_data imported above
 def test_examples_are_copied_verbatim_through_the_console_script(tmp_path, capsys):
     rlhfkit_main(["make_data", "examples", "--out", str(tmp_path / "ex")])
     for name in FILES:
