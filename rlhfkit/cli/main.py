@@ -23,6 +23,7 @@ COMMANDS = {
     "lora_combiner": "lora_combiner",
     "chat": "interactive_chat",
     "make_tiny_model": "make_tiny_model",
+    "make_data": "make_data",
     "quickstart": "quickstart",
 }
 

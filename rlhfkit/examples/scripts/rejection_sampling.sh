@@ -10,7 +10,8 @@
 #   POLICY=./ckpt/sft REWARD_MODEL=./ckpt/rm PROMPTS=prompts.jsonl INPUT_KEY=question \
 #     bash examples/scripts/rejection_sampling.sh
 # Multi-GPU training: TRAIN_LAUNCH="torchrun --nproc_per_node 8 -m". A stopped run resumes at the
-# iteration recorded in $WORK_DIR/iter.txt. Extra flags: GEN_ARGS (generation), RM_ARGS (scoring), TRAIN_ARGS (train_sft).
+# iteration recorded in $WORK_DIR/iter.txt. Sizes: MAX_LEN, PROMPT_MAX_LEN, MAX_NEW_TOKENS, TRAIN_BATCH_SIZE,
+# MICRO_TRAIN_BATCH_SIZE, LEARNING_RATE. Extra flags: GEN_ARGS (generation), RM_ARGS (scoring), TRAIN_ARGS (train_sft).
 set -euo pipefail
 
 POLICY=${POLICY:-./ckpt/sft}
@@ -23,6 +24,11 @@ ROLLOUT_BATCH_SIZE=${ROLLOUT_BATCH_SIZE:-2048}
 BEST_OF_N=${BEST_OF_N:-8}
 MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-1024}
 TRAIN_LAUNCH=${TRAIN_LAUNCH:-python -m}
+MAX_LEN=${MAX_LEN:-2048}
+PROMPT_MAX_LEN=${PROMPT_MAX_LEN:-1024}
+TRAIN_BATCH_SIZE=${TRAIN_BATCH_SIZE:-128}
+MICRO_TRAIN_BATCH_SIZE=${MICRO_TRAIN_BATCH_SIZE:-2}
+LEARNING_RATE=${LEARNING_RATE:-2e-6}
 GEN_ARGS=${GEN_ARGS:-}
 RM_ARGS=${RM_ARGS:-}
 TRAIN_ARGS=${TRAIN_ARGS:-}
@@ -47,12 +53,12 @@ while ((iter < ITERS)); do
     --pretrain "$policy" --param_dtype bf16 \
     --dataset "$PROMPTS" --input_key "$INPUT_KEY" --apply_chat_template \
     --best_of_n "$BEST_OF_N" --temperature 1.0 --top_p 1.0 \
-    --prompt_max_len 1024 --max_new_tokens "$MAX_NEW_TOKENS" --max_len 2048 \
+    --prompt_max_len "$PROMPT_MAX_LEN" --max_new_tokens "$MAX_NEW_TOKENS" --max_len "$MAX_LEN" \
     --iter "$iter" --rollout_batch_size "$ROLLOUT_BATCH_SIZE" \
     --output_path "$out/generate.jsonl" $GEN_ARGS
 
   python -m rlhfkit.cli.batch_inference --eval_task rm \
-    --pretrain "$REWARD_MODEL" --param_dtype bf16 --max_len 2048 \
+    --pretrain "$REWARD_MODEL" --param_dtype bf16 --max_len "$MAX_LEN" \
     --dataset "$out/generate.jsonl" --micro_batch_size 16 \
     --post_processor rs --output_path "$out/best.jsonl" $RM_ARGS
 
@@ -61,8 +67,8 @@ while ((iter < ITERS)); do
   $TRAIN_LAUNCH rlhfkit.cli.train_sft \
     --pretrain "$policy" --dataset "$out/best.jsonl" \
     --input_key input --output_key output --input_template '{}' \
-    --max_len 2048 --train_batch_size 128 --micro_train_batch_size 2 \
-    --max_epochs 1 --learning_rate 2e-6 --lr_scheduler constant --param_dtype bf16 \
+    --max_len "$MAX_LEN" --train_batch_size "$TRAIN_BATCH_SIZE" --micro_train_batch_size "$MICRO_TRAIN_BATCH_SIZE" \
+    --max_epochs 1 --learning_rate "$LEARNING_RATE" --lr_scheduler constant --param_dtype bf16 \
     --gradient_checkpointing --save_path "$out/model" $TRAIN_ARGS
 
   iter=$((iter + 1))

@@ -13,7 +13,8 @@
 #     bash examples/scripts/iterative_dpo.sh
 # Multi-GPU training: TRAIN_LAUNCH="torchrun --nproc_per_node 8 -m". With vLLM installed,
 # GEN_ARGS="--rollout_engine vllm --tp_size 4 --enable_prefix_caching". A stopped run resumes at the
-# iteration recorded in $WORK_DIR/iter.txt. Extra flags: GEN_ARGS (generation), RM_ARGS (scoring), TRAIN_ARGS (train_dpo).
+# iteration recorded in $WORK_DIR/iter.txt. Sizes: MAX_LEN, PROMPT_MAX_LEN, MAX_NEW_TOKENS, TRAIN_BATCH_SIZE,
+# MICRO_TRAIN_BATCH_SIZE, LEARNING_RATE. Extra flags: GEN_ARGS (generation), RM_ARGS (scoring), TRAIN_ARGS (train_dpo).
 set -euo pipefail
 
 POLICY=${POLICY:-./ckpt/sft}
@@ -27,6 +28,11 @@ ROLLOUT_BATCH_SIZE=${ROLLOUT_BATCH_SIZE:-10240}
 BEST_OF_N=${BEST_OF_N:-8}
 MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-2048}
 TRAIN_LAUNCH=${TRAIN_LAUNCH:-python -m}
+MAX_LEN=${MAX_LEN:-4096}
+PROMPT_MAX_LEN=${PROMPT_MAX_LEN:-2048}
+TRAIN_BATCH_SIZE=${TRAIN_BATCH_SIZE:-128}
+MICRO_TRAIN_BATCH_SIZE=${MICRO_TRAIN_BATCH_SIZE:-2}
+LEARNING_RATE=${LEARNING_RATE:-5e-7}
 GEN_ARGS=${GEN_ARGS:-}
 RM_ARGS=${RM_ARGS:-}
 TRAIN_ARGS=${TRAIN_ARGS:-}
@@ -51,12 +57,12 @@ while ((iter < ITERS)); do
     --pretrain "$policy" --param_dtype bf16 \
     --dataset "$PROMPTS" --input_key "$INPUT_KEY" --apply_chat_template \
     --best_of_n "$BEST_OF_N" --temperature 1.0 \
-    --prompt_max_len 2048 --max_new_tokens "$MAX_NEW_TOKENS" --max_len 4096 \
+    --prompt_max_len "$PROMPT_MAX_LEN" --max_new_tokens "$MAX_NEW_TOKENS" --max_len "$MAX_LEN" \
     --iter "$iter" --rollout_batch_size "$ROLLOUT_BATCH_SIZE" \
     --output_path "$out/generate.jsonl" $GEN_ARGS
 
   python -m rlhfkit.cli.batch_inference --eval_task rm \
-    --pretrain "$REWARD_MODEL" --param_dtype bf16 --max_len 4096 \
+    --pretrain "$REWARD_MODEL" --param_dtype bf16 --max_len "$MAX_LEN" \
     --dataset "$out/generate.jsonl" --micro_batch_size 4 \
     --post_processor iter_dpo --output_path "$out/pairs.jsonl" $RM_ARGS
 
@@ -65,8 +71,8 @@ while ((iter < ITERS)); do
   $TRAIN_LAUNCH rlhfkit.cli.train_dpo \
     --pretrain "$policy" --ref_pretrain "$REF" --dataset "$out/pairs.jsonl" \
     --prompt_key prompt --chosen_key chosen --rejected_key rejected \
-    --max_len 4096 --train_batch_size 128 --micro_train_batch_size 2 \
-    --max_epochs 1 --beta 0.1 --learning_rate 5e-7 --param_dtype bf16 \
+    --max_len "$MAX_LEN" --train_batch_size "$TRAIN_BATCH_SIZE" --micro_train_batch_size "$MICRO_TRAIN_BATCH_SIZE" \
+    --max_epochs 1 --beta 0.1 --learning_rate "$LEARNING_RATE" --param_dtype bf16 \
     --gradient_checkpointing --save_path "$out/model" $TRAIN_ARGS
 
   iter=$((iter + 1))

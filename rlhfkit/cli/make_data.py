@@ -1,0 +1,161 @@
+"""Small datasets for the README's and docs/' commands: `rlhfkit make_data KIND [KIND ...] --out data/`.
+
+    rlhfkit make_data addition preference --out data/      # == python -m rlhfkit.cli.make_data ...
+
+Every row is built from the quickstart's task (`rlhfkit.tasks.addition`: "57+68=" -> the sum,
+written least-significant digit first unless --plain_order, "521"), so the tiny model learns
+from them on a CPU. The same --seed writes the same files. Kinds and the files they write:
+
+  addition    train.jsonl (SFT: input, output, label), prompts.jsonl (RL prompts: input, label),
+              eval.jsonl (held-out questions never in train.jsonl: input, output, label)
+  preference  preference.jsonl, preference_eval.jsonl (RM / DPO pairs: prompt, chosen, rejected;
+              chosen is the right sum, rejected a wrong one)
+  kto         kto.jsonl (unpaired: input, output, label true for a right sum / false for a wrong one)
+  prm         prm.jsonl (process rewards: input "a+b=c#d+e=f#", value one "+" / "-" per step;
+              train_prm --placeholder_token '#' --reward_tokens + -)
+  chat        chat.jsonl (messages: a user question and the assistant's answer, for
+              --apply_chat_template / --multiturn)
+  examples    the shipped reward and agent files (rlhfkit.examples: reward_func.py, agent_func.py, ...)
+  all         every data kind above (not examples)
+
+Nothing here imports torch: it takes about as long as Python's start.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import random
+from typing import Callable
+
+from rlhfkit.config.flags import FlagParser
+
+KINDS = ("addition", "preference", "kto", "prm", "chat", "examples")
+
+
+def build_parser() -> FlagParser:
+    p = FlagParser("make_data", __doc__ or "")
+    p.add_argument("kinds", nargs="*", metavar="KIND",  # checked in main (argparse rejects an empty list with choices)
+                   help=f"what to write: {', '.join(KINDS)}, or all (every data kind)")
+    p.flag("--out", type=str, default="data", help="folder the files go to (made if missing)")
+    p.flag("--seed", type=int, default=0, help="the same seed writes the same rows")
+    p.flag("--digits", type=int, default=2, help="digits per operand")
+    p.flag("--plain_order", action="store_true",
+           help="write sums most-significant digit first (harder for a tiny model)")
+    p.flag("--num_train", type=int, default=2000, help="SFT rows in train.jsonl")
+    p.flag("--num_prompts", type=int, default=256, help="RL prompts in prompts.jsonl (taken from the train questions)")
+    p.flag("--num_eval", type=int, default=64, help="held-out questions in eval.jsonl")
+    p.flag("--num_pairs", type=int, default=256, help="rows in preference.jsonl, kto.jsonl, prm.jsonl and chat.jsonl")
+    return p
+
+
+def write_jsonl(path: str, rows: list[dict]) -> str:
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return path
+
+
+class Maker:
+    """Rows for each kind, all drawn from one train / held-out split of addition questions."""
+
+    def __init__(self, args) -> None:
+        from rlhfkit.tasks.addition import addition_splits
+
+        self.args = args
+        self.train, self.held = addition_splits(args.num_train, args.num_eval, args.digits, seed=args.seed,
+                                                reverse_answer=not args.plain_order)
+        self.rng = random.Random(args.seed + 1)
+
+    def wrong(self, answer: str) -> str:
+        """A wrong answer of the same form (same digit order) as `answer`."""
+        value = int(answer[::-1] if not self.args.plain_order else answer)
+        while True:
+            w = max(0, value + self.rng.choice([-10, -2, -1, 1, 2, 10]))
+            if w != value:
+                text = str(w)
+                return text[::-1] if not self.args.plain_order else text
+
+    def pairs(self, rows: list[dict]) -> list[dict]:
+        return [{"prompt": r["input"], "chosen": r["output"], "rejected": self.wrong(r["output"])} for r in rows]
+
+    def addition(self, out: str) -> list[str]:
+        prompts = [{"input": r["input"], "label": r["label"]} for r in self.train[:self.args.num_prompts]]
+        return [write_jsonl(os.path.join(out, "train.jsonl"), self.train),
+                write_jsonl(os.path.join(out, "prompts.jsonl"), prompts),
+                write_jsonl(os.path.join(out, "eval.jsonl"), self.held)]
+
+    def preference(self, out: str) -> list[str]:
+        return [write_jsonl(os.path.join(out, "preference.jsonl"), self.pairs(self.train[:self.args.num_pairs])),
+                write_jsonl(os.path.join(out, "preference_eval.jsonl"), self.pairs(self.held))]
+
+    def kto(self, out: str) -> list[str]:
+        rows = []
+        for i, r in enumerate(self.train[:self.args.num_pairs]):
+            good = i % 2 == 0
+            rows.append({"input": r["input"], "output": r["output"] if good else self.wrong(r["output"]),
+                         "label": good})
+        return [write_jsonl(os.path.join(out, "kto.jsonl"), rows)]
+
+    def prm(self, out: str) -> list[str]:
+        rows = []
+        for i in range(self.args.num_pairs):
+            steps = [self.train[(2 * i + k) % len(self.train)] for k in range(1 + i % 2)]
+            text, labels = "", []
+            for r in steps:
+                ok = self.rng.random() < 0.5
+                text += f"{r['input']}{r['output'] if ok else self.wrong(r['output'])}#"
+                labels.append("+" if ok else "-")
+            rows.append({"input": text, "value": labels})
+        return [write_jsonl(os.path.join(out, "prm.jsonl"), rows)]
+
+    def chat(self, out: str) -> list[str]:
+        rows = [{"messages": [{"role": "user", "content": r["input"]}, {"role": "assistant", "content": r["output"]}]}
+                for r in self.train[:self.args.num_pairs]]
+        return [write_jsonl(os.path.join(out, "chat.jsonl"), rows)]
+
+    def examples(self, out: str) -> list[str]:
+        from rlhfkit.examples import copy_to
+
+        return copy_to(out)
+
+
+def make(args) -> list[str]:
+    """Write the requested kinds into args.out; returns the written paths in order."""
+    kinds = [k for k in KINDS if k != "examples"] if "all" in args.kinds else []
+    kinds += [k for k in dict.fromkeys(args.kinds) if k != "all" and k not in kinds]
+    os.makedirs(args.out, exist_ok=True)
+    maker = Maker(args)
+    written: list[str] = []
+    for kind in kinds:
+        fn: Callable[[str], list[str]] = getattr(maker, kind)
+        written += fn(args.out)
+    return written
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse(argv)
+    if not args.kinds:
+        parser.error(f"name what to write: one or more of {', '.join(KINDS)}, all")
+    for kind in args.kinds:
+        if kind not in (*KINDS, "all"):
+            close = difflib.get_close_matches(kind, [*KINDS, "all"], n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            parser.error(f"unknown KIND {kind!r}{hint}; choose from {', '.join(KINDS)}, all")
+    if min(args.num_train, args.num_prompts, args.num_eval, args.num_pairs, args.digits) < 1:
+        parser.error("--num_train, --num_prompts, --num_eval, --num_pairs and --digits must be at least 1")
+    try:
+        written = make(args)
+    except (ValueError, OSError) as e:
+        parser.exit(1, f"make_data: error: {e}\n")
+    for path in written:
+        rows = ""
+        if path.endswith(".jsonl"):
+            with open(path) as f:
+                rows = f" ({sum(1 for _ in f)} rows)"
+        print(f"wrote {path}{rows}")
+
+
+if __name__ == "__main__":
+    main()
