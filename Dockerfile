@@ -24,7 +24,7 @@ RUN pip install "torch==${TORCH_VERSION}"
 WORKDIR /opt/rlhfkit
 COPY pyproject.toml README.md LICENSE ./
 COPY rlhfkit ./rlhfkit
-ARG EXTRAS=ray,serve,peft,datasets,wandb,math,openai
+ARG EXTRAS=ray,serve,peft,datasets,tensorboard,wandb,math,openai
 RUN pip install ".[${EXTRAS}]" && rlhfkit --help > /dev/null
 
 WORKDIR /workspace
