@@ -66,7 +66,7 @@ def statistics_items(train_items: Sequence[Any], eval_items: Sequence[Any] | Non
     return train_items[:min(n, max(math.ceil(STATS_FRACTION * n), STATS_MIN_PAIRS))]
 
 
-def save_reward_model(args, backend, tokenizer, mean: float, std: float, dist: DistInfo) -> None:
+def save_reward_model(args, backend, tokenizer, mean: float, std: float, dist: DistInfo, logger=None) -> None:
     """Store mean/std (and the head name, pad id) in the config, then save in Hugging Face format."""
     model = backend.unwrap()
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -77,7 +77,7 @@ def save_reward_model(args, backend, tokenizer, mean: float, std: float, dist: D
         update_reward_config(base.config, tokenizer)
     if base is not model and dist.rank == 0:  # LoRA: the adapter plus the reward config (lora_combiner --is_rm)
         base.config.save_pretrained(args.save_path)
-    save_model(args, backend, tokenizer, dist)
+    save_model(args, backend, tokenizer, dist, logger, trainer="rm")
 
 
 def run(args) -> OfflineRun:
@@ -96,7 +96,7 @@ def run(args) -> OfflineRun:
     mean, std, n = reward_statistics(backend.model, task, statistics_items(train_items, eval_items),
                                      args.micro_train_batch_size, dist)
     logger.log(state.step, {"reward_mean": mean, "reward_std": std, "reward_stats_count": n}, console=True)
-    save_reward_model(args, backend, tokenizer, mean, std, dist)
+    save_reward_model(args, backend, tokenizer, mean, std, dist, logger)
     logger.close()
     return OfflineRun(state, backend, task, tokenizer, train_items, eval_items, {"mean": mean, "std": std})
 

@@ -72,8 +72,8 @@ def test_rounds_then_skipped_step_and_the_run_goes_on(tiny_model_dir, tmp_path, 
     recs = records(tmp_path / "out")
     assert [r["step"] for r in recs] == [1, 2]
     assert [r["filter_rounds"] for r in recs] == [ROUNDS, ROUNDS]
-    assert [r["skipped_steps"] for r in recs] == [1.0, 1.0]
-    assert all(r["dynamic_filtering_pass_rate"] == 0.0 and "policy_loss" not in r for r in recs)
+    assert [r["train/skipped_steps"] for r in recs] == [1.0, 1.0]
+    assert all(r["train/dynamic_filtering_pass_rate"] == 0.0 and "train/policy_loss" not in r for r in recs)
     assert (tmp_path / "out" / "model.safetensors").exists()  # the run ended normally
     err = [line for line in capsys.readouterr().err.splitlines() if "skipped, no trajectory" in line]
     assert len(err) == 2 and all(f"kept no group in {ROUNDS} rounds (--max_filter_rounds {ROUNDS}" in e for e in err)

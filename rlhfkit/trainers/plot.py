@@ -1,0 +1,144 @@
+"""The run's plot (run_dir/metrics.png): a grid of panels read from metrics.jsonl.
+
+    plot_metrics("run/metrics.jsonl", "run/metrics.png", panels=("reward", "eval_accuracy", "kl"))
+
+A panel (PANELS) draws metric base names from both namespaces: `train/<name>` as faint raw points
+under a smoothed line (an exponential moving average, bias-corrected as TensorBoard's, stronger the
+more points there are), `eval/<name>` as marked points joined by a dashed line. Panels without data are
+left out, so one panel list serves runs that log different metrics; None: every panel with data.
+The grid has at most 4 columns; a panel is about 3.6 x 2.6 inches at 100 dpi.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from rlhfkit.trainers.metrics import EVAL, TRAIN, read_metrics
+
+
+@dataclass(frozen=True)
+class Panel:
+    title: str
+    names: tuple[str, ...]  # metric base names (fnmatch patterns), drawn from train/ and eval/
+
+
+PANELS: dict[str, Panel] = {
+    "reward": Panel("reward", ("reward",)),
+    "eval_accuracy": Panel("eval accuracy (pass@k)", ("pass*",)),
+    "loss": Panel("loss", ("loss",)),
+    "acc": Panel("accuracy", ("acc",)),
+    "margin": Panel("reward margin (chosen - rejected)", ("margin",)),
+    "rewards": Panel("chosen / rejected reward", ("chosen_reward", "rejected_reward")),
+    "signed_reward": Panel("signed reward", ("signed_reward",)),
+    "kl": Panel("KL to the reference", ("kl",)),
+    "kd": Panel("distillation / NLL loss", ("kd_loss", "nll_loss")),
+    "response_length": Panel("response length (tokens)", ("response_length",)),
+    "entropy": Panel("entropy", ("entropy",)),
+    "losses": Panel("policy / value loss", ("policy_loss", "value_loss")),
+    "grad_norm": Panel("grad norm", ("grad_norm", "critic_grad_norm")),
+    "lr": Panel("learning rate", ("lr", "actor_lr")),
+}
+RL_PANELS = ("reward", "eval_accuracy", "kl", "response_length", "entropy", "losses", "grad_norm", "lr")
+OFFLINE_PANELS = ("loss", "acc", "margin", "rewards", "grad_norm", "lr")
+COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")
+
+
+def ema(values: Sequence[float], weight: float) -> list[float]:
+    """Bias-corrected exponential moving average: s_t = w s_{t-1} + (1 - w) x_t, divided by 1 - w^t."""
+    out, acc, norm = [], 0.0, 0.0
+    for x in values:
+        acc = weight * acc + (1 - weight) * x
+        norm = weight * norm + (1 - weight)
+        out.append(acc / norm)
+    return out
+
+
+def smoothing_weight(n: int) -> float:
+    """None below 8 points; then about n/10 points of memory, at most 0.95."""
+    return 0.0 if n < 8 else min(0.95, max(0.0, 1.0 - 10.0 / n))
+
+
+def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    pts = [(int(r["step"]), float(r[key])) for r in rows
+           if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool) and math.isfinite(r[key])]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def panel_keys(panel: Panel, keys: Sequence[str]) -> list[str]:
+    """The record names `panel` draws among `keys`: train ones first, in the panel's order."""
+    out = []
+    for prefix in (TRAIN, EVAL):
+        for pat in panel.names:
+            out += sorted(k for k in keys if k.startswith(prefix) and fnmatch.fnmatch(k[len(prefix):], pat)
+                          and k not in out)
+    return out
+
+
+def panels_with_data(rows: list[dict[str, Any]], panels: Sequence[str] | None = None
+                     ) -> list[tuple[Panel, list[str]]]:
+    """(panel, the record names it draws) for each of `panels` (None: all of PANELS) that has data."""
+    keys = list(dict.fromkeys(k for r in rows for k in r if k != "step"))
+    chosen = [(PANELS[p], panel_keys(PANELS[p], keys)) for p in (panels or PANELS)]
+    return [(p, [k for k in ks if _series(rows, k)[0]]) for p, ks in chosen if any(_series(rows, k)[0] for k in ks)]
+
+
+def plot_metrics(jsonl_path: str, png_path: str, panels: Sequence[str] | None = None) -> str | None:
+    """Draw the panels (names in PANELS) that have data into `png_path`; None when none has."""
+    rows = read_metrics(jsonl_path)
+    chosen = panels_with_data(rows, panels)
+    if not chosen:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cols = min(4, len(chosen))
+    nrows = -(-len(chosen) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(3.6 * cols, 2.6 * nrows), squeeze=False)
+    for ax in axes.flat[len(chosen):]:
+        ax.set_visible(False)
+    for ax, (panel, ks) in zip(axes.flat, chosen):
+        _draw(ax, panel, ks, rows)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+    return png_path
+
+
+def _label(key: str, keys: list[str]) -> str:
+    """"train" / "eval" when the panel draws one name; else the name, "(eval)" marking eval ones."""
+    base = key.split("/", 1)[1]
+    if len({k.split("/", 1)[1] for k in keys}) == 1:
+        return key.split("/", 1)[0]
+    return base + (" (eval)" if key.startswith(EVAL) else "")
+
+
+def _draw(ax: Any, panel: Panel, keys: list[str], rows: list[dict[str, Any]]) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    present = [k for k in keys if _series(rows, k)[0]]
+    for i, key in enumerate(present):
+        xs, ys = _series(rows, key)
+        color = COLORS[i % len(COLORS)]
+        label = _label(key, present) if len(present) > 1 else None
+        if key.startswith(EVAL):
+            ax.plot(xs, ys, linestyle="--", marker="o", markersize=4, linewidth=1, color=color,
+                    label=label or "eval")
+            continue
+        w = smoothing_weight(len(xs))
+        if w > 0:
+            ax.plot(xs, ys, color=color, alpha=0.25, linewidth=0.8)
+            ax.plot(xs, ema(ys, w), color=color, linewidth=1.6, label=label)
+        else:
+            ax.plot(xs, ys, color=color, linewidth=1.4, marker="." if len(xs) < 30 else None, label=label)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_title(panel.title, fontsize=10)
+    ax.set_xlabel("step", fontsize=8)
+    ax.tick_params(labelsize=8)
+    ax.grid(alpha=0.3)
+    if len(present) > 1 or any(k.startswith(EVAL) for k in present):
+        ax.legend(fontsize=7, frameon=False)
