@@ -140,7 +140,8 @@ def main() -> None:
     b3 = next(r for r in rb if r["step"] == 3)
     out["step3_uninterrupted"] = {k: a3.get(k) for k in COMPARE}
     out["step3_resumed"] = {k: b3.get(k) for k in COMPARE}
-    out["resume_equal"] = all(a3.get(k) == b3.get(k) for k in ("train/policy_loss", "train/reward", "train/response_length"))
+    out["resume_equal"] = all(a3.get(k) == b3.get(k)
+                              for k in ("train/policy_loss", "train/reward", "train/response_length"))
     out["resume_max_rel_diff"] = max(abs(a3[k] - b3[k]) / max(abs(a3[k]), 1e-12) for k in COMPARE
                                      if isinstance(a3.get(k), float) and isinstance(b3.get(k), float))
     from transformers import AutoModelForCausalLM, AutoTokenizer

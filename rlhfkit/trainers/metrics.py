@@ -4,14 +4,10 @@
     logger.log(step, {"loss": 1.2, "lr": 1e-5, "eval/loss": 1.3})
     logger.close()                                   # writes metrics.png (plot.py)
 
-Names: one scheme in metrics.jsonl, TensorBoard tags and wandb keys (OpenRLHF's wandb scheme):
-
-    train/<name>   a training metric; the loops hand bare names ("loss" is logged as "train/loss")
-    eval/<name>    an evaluation metric; evaluate() functions name theirs "eval/<name>" themselves
-    time/<name>    the seconds an RL step spent in each phase (a name that has a "/" keeps it)
-
-and "step" (the optimizer step; wandb's step) in every record. `metrics_record` applies the rule;
-the loops' `state.history` holds the same records as metrics.jsonl.
+Names (metric_names.py): one scheme in metrics.jsonl, TensorBoard tags and wandb keys, as
+OpenRLHF's wandb logs: `train/<name>`, `eval/<name>`, `time/<name>` (seconds per RL phase), and
+"step" (the optimizer step; wandb's step) in every record. `metrics_record` applies the rule; the
+loops' `state.history` holds the same records as metrics.jsonl.
 
 Console: a tqdm bar only when stdout and stderr are both terminals (`terminal()`) and
 --disable_progress is off; otherwise (a log redirected to a file, --disable_progress) one plain
@@ -40,13 +36,8 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from rlhfkit.fileio import atomic_write_text
-
-TRAIN, EVAL, TIME = "train/", "eval/", "time/"
-
-# the training metrics a console line shows, in this order (those present); the rest are in metrics.jsonl
-CONSOLE_KEYS = ("loss", "reward", "acc", "margin", "chosen_reward", "rejected_reward", "kd_loss", "nll_loss",
-                "kl", "response_length", "entropy", "policy_loss", "value_loss", "grad_norm", "lr", "actor_lr")
-SECONDS_KEYS = ("step_time", "time/step")  # the seconds a step took (offline loop, RL loop)
+from rlhfkit.trainers.metric_names import (CONSOLE_KEYS, EVAL, SECONDS_KEYS, TIME, TRAIN,  # noqa: F401
+                                           qualified, read_metrics)
 
 
 @dataclass
@@ -56,11 +47,6 @@ class WandbSettings:
     org: str | None = None
     group: str | None = None
     run_name: str | None = None
-
-
-def qualified(name: str) -> str:
-    """The logged name of metric `name`: a bare name is a training metric (train/<name>)."""
-    return name if "/" in name else TRAIN + name
 
 
 def metrics_record(step: int, metrics: dict[str, Any]) -> dict[str, Any]:
@@ -208,7 +194,7 @@ def console_lines(rec: dict[str, Any], total: int | None = None, train: bool = T
     if train and tr:
         shown = [k for k in CONSOLE_KEYS if k in tr] or [k for k in tr if _is_number(tr[k])][:6]
         body = " ".join(f"{k}={_fmt(tr[k])}" for k in shown)
-        secs = next((rec[k] for k in (TRAIN + SECONDS_KEYS[0], SECONDS_KEYS[1]) if _is_number(rec.get(k))), None)
+        secs = next((rec[k] for k in SECONDS_KEYS if _is_number(rec.get(k))), None)
         where = f"{step}/{total}" if total else f"{step}"
         lines.append(f"[step {where}] {body}" + (f" ({secs:.3g} s/step)" if secs is not None else ""))
     ev = {k[len(EVAL):]: v for k, v in rec.items() if k.startswith(EVAL)}
@@ -239,21 +225,6 @@ def _init_wandb(s: WandbSettings, config: dict[str, Any]):
         wandb.login(key=s.key)
     return wandb.init(project=s.project, entity=s.org, group=s.group, name=s.run_name, config=config,
                       reinit=True)
-
-
-def read_metrics(path: str) -> list[dict[str, Any]]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def last_values(rows: Iterable[dict[str, Any]]) -> dict[str, tuple[int, Any]]:
-    """Each metric's last logged (step, value) over the records `rows`."""
-    out: dict[str, tuple[int, Any]] = {}
-    for r in rows:
-        for k, v in r.items():
-            if k != "step":
-                out[k] = (int(r.get("step", 0)), v)
-    return out
 
 
 def resolve_eval_key(key: str, available: Iterable[str]) -> str | None:

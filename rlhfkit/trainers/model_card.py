@@ -21,6 +21,7 @@ import sys
 from typing import Any
 
 from rlhfkit.fileio import atomic_write_text
+from rlhfkit.trainers.metric_names import CONSOLE_KEYS
 
 # run_config.json flags shown under "Key settings", in this order (those set)
 KEY_SETTINGS = (
@@ -74,7 +75,8 @@ def key_settings(config: dict[str, Any]) -> dict[str, Any]:
         v = config.get(k)
         if v is None or v is False or v == "" or (k.startswith("lora_") and not config.get("lora_rank")):
             continue
-        if k.startswith("critic_") and not (config.get("critic_pretrain") or config.get("advantage_estimator") == "gae"):
+        with_critic = config.get("critic_pretrain") or config.get("advantage_estimator") == "gae"
+        if k.startswith("critic_") and not with_critic:
             continue
         out[k] = v
     return out
@@ -83,8 +85,6 @@ def key_settings(config: dict[str, Any]) -> dict[str, Any]:
 def final_metrics(rows: list[dict[str, Any]], step: int | None = None) -> dict[str, tuple[int, Any]]:
     """The last (step, value) in `rows` (records of steps <= `step`) of every eval/ metric and of the
     main train/ ones (those a console line shows)."""
-    from rlhfkit.trainers.metrics import CONSOLE_KEYS
-
     main = {"train/" + k for k in CONSOLE_KEYS}
     out: dict[str, tuple[int, Any]] = {}
     for r in rows:

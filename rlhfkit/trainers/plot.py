@@ -6,7 +6,7 @@ A panel (PANELS) draws metric base names from both namespaces: `train/<name>` as
 under a smoothed line (an exponential moving average, bias-corrected as TensorBoard's, stronger the
 more points there are), `eval/<name>` as marked points joined by a dashed line. Panels without data are
 left out, so one panel list serves runs that log different metrics; None: every panel with data.
-The grid has at most 4 columns; a panel is about 3.6 x 2.6 inches at 100 dpi.
+The grid has at most 4 columns (3 for 5 or 6 panels); a panel is about 3.6 x 2.6 inches at 100 dpi.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from rlhfkit.trainers.metrics import EVAL, TRAIN, read_metrics
+from rlhfkit.trainers.metric_names import EVAL, TRAIN, read_metrics
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ def plot_metrics(jsonl_path: str, png_path: str, panels: Sequence[str] | None = 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cols = min(4, len(chosen))
+    cols = len(chosen) if len(chosen) <= 4 else 3 if len(chosen) <= 6 else 4
     nrows = -(-len(chosen) // cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(3.6 * cols, 2.6 * nrows), squeeze=False)
     for ax in axes.flat[len(chosen):]:
@@ -118,7 +118,7 @@ def _label(key: str, keys: list[str]) -> str:
 
 
 def _draw(ax: Any, panel: Panel, keys: list[str], rows: list[dict[str, Any]]) -> None:
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
 
     present = [k for k in keys if _series(rows, k)[0]]
     for i, key in enumerate(present):
@@ -136,6 +136,11 @@ def _draw(ax: Any, panel: Panel, keys: list[str], rows: list[dict[str, Any]]) ->
         else:
             ax.plot(xs, ys, color=color, linewidth=1.4, marker="." if len(xs) < 30 else None, label=label)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.3g}"))
+    values = [v for k in present for v in _series(rows, k)[1]]
+    if values and max(values) == min(values):  # a constant (e.g. the learning rate): centred, no offset ticks
+        v = values[0]
+        ax.set_ylim(v - (abs(v) or 1.0), v + (abs(v) or 1.0))
     ax.set_title(panel.title, fontsize=10)
     ax.set_xlabel("step", fontsize=8)
     ax.tick_params(labelsize=8)

@@ -184,7 +184,8 @@ def test_colocated_async_equals_separate_actors(tiny_model_dir, data_dir, async_
     for a, b in zip(ref_recs, recs, strict=True):
         for k in SAMPLE_KEYS + TRAIN_KEYS + ["staleness_token_mean", "staleness_token_max"]:
             assert b[k] == pytest.approx(a[k], rel=1e-6, abs=1e-9), f"step {a['step']} {k}"
-        assert b["train/vllm_kl"] == pytest.approx(a["train/vllm_kl"], abs=1e-6)  # the engine's batch layout (test_ray_ppo)
+        # the engine's batch layout (test_ray_ppo)
+        assert b["train/vllm_kl"] == pytest.approx(a["train/vllm_kl"], abs=1e-6)
     if sleep:  # the engine slept while the roles worked (batch 2 was generated before step 1 trained:
         # it slept once), the states left the device
         assert recs[0]["time/engine_sleep"] > 0 and all(r["time/offload"] > 0 for r in recs)

@@ -243,7 +243,8 @@ def test_killed_actor_ends_stuck_run_and_checkpoint_resumes(tiny_model_dir, data
     train_ppo.main(flags(tiny_model_dir, data_dir, one, "--max_steps", str(last + 1), *extra[:11]))
     a, b = metrics(one)[-1], metrics(save)[-1]
     assert a["step"] == b["step"] == last + 1
-    for k in ("train/reward", "train/reward_std", "train/policy_loss", "train/value_loss", "train/kl", "train/grad_norm", "train/critic_grad_norm"):
+    for k in ("train/reward", "train/reward_std", "train/policy_loss", "train/value_loss", "train/kl",
+              "train/grad_norm", "train/critic_grad_norm"):
         assert b[k] == pytest.approx(a[k], rel=1e-6, abs=1e-9), f"step {last + 1} {k}: {b[k]} != {a[k]}"
     for suffix in ("", "_critic"):
         w1, w2 = load_file(os.path.join(one + suffix, "model.safetensors")), \

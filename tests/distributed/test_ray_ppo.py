@@ -110,7 +110,8 @@ def test_object_store_sync_equals_broadcast(tiny_model_dir, data_dir, separate_r
     for a, b in zip(b_recs, recs, strict=True):
         # timings aside, everything is equal except the engine's own log-probs (vllm_kl), which move
         # by ~1e-8 with the order in which requests reach the engine's batch (see the top)
-        keys = {k for k in a if not k.startswith(("time/", "weight_sync/")) and k not in ("train/generate_share", "train/vllm_kl")}
+        keys = {k for k in a if not k.startswith(("time/", "weight_sync/"))
+                and k not in ("train/generate_share", "train/vllm_kl")}
         assert len(keys) > 15 and {k: a[k] for k in keys} == {k: b[k] for k in keys}
         assert b["train/vllm_kl"] == pytest.approx(a["train/vllm_kl"], abs=1e-6)
     assert w.keys() == b_w.keys() and all(torch.equal(w[k], b_w[k]) for k in w)

@@ -30,9 +30,10 @@ from rlhfkit.tasks.addition import addition_splits
 
 N, PROMPTS_PER_STEP, GEN = 2, 4, 6
 ESTIMATORS = ["gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo"]
-REQUIRED = ["train/reward", "train/reward_std", "train/response_length", "train/kl", "train/policy_loss", "train/ppo_clip_ratio", "train/clip_ratio",
-            "train/entropy", "train/grad_norm", "train/truncated_rate", "train/dropped_samples", "time/generate", "time/reward",
-            "time/logprobs", "time/train", "time/weight_sync", "time/step", "train/generate_share", "train/even_frac"]
+REQUIRED = ["train/reward", "train/reward_std", "train/response_length", "train/kl", "train/policy_loss",
+            "train/ppo_clip_ratio", "train/clip_ratio", "train/entropy", "train/grad_norm", "train/truncated_rate",
+            "train/dropped_samples", "time/generate", "time/reward", "time/logprobs", "time/train",
+            "time/weight_sync", "time/step", "train/generate_share", "train/even_frac"]
 
 
 def even_reward(query: str, prompt: str) -> float:

@@ -88,9 +88,11 @@ def test_logged_metrics_and_saved_policy(trained):
         records = [json.loads(line) for line in f]
     train_recs = [r for r in records if "train/acc" in r]
     assert [r["step"] for r in train_recs] == [5, 10, 15, 20, 25]
-    for k in ("train/loss", "train/chosen_reward", "train/rejected_reward", "train/margin", "train/lr", "train/grad_norm"):
+    for k in ("train/loss", "train/chosen_reward", "train/rejected_reward", "train/margin", "train/lr",
+              "train/grad_norm"):
         assert all(isinstance(r[k], float) for r in train_recs), k
-    assert all(math.isclose(r["train/margin"], r["train/chosen_reward"] - r["train/rejected_reward"], abs_tol=1e-6) for r in train_recs)
+    assert all(math.isclose(r["train/margin"], r["train/chosen_reward"] - r["train/rejected_reward"], abs_tol=1e-6)
+               for r in train_recs)
     with open(os.path.join(out, "run_config.json")) as f:
         assert json.load(f)["beta"] == 0.1
     saved = AutoModelForCausalLM.from_pretrained(out).eval()

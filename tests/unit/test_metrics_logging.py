@@ -85,11 +85,13 @@ def test_ema_worked_by_hand():
 
 def test_panels_follow_the_data(tmp_path):
     rows = [{"step": 0, "eval/reward": 0.1, "eval/pass1": 0.0, "eval/pass8": 0.2}]
-    rows += [{"step": s, "train/reward": s / 10, "train/kl": 0.01 * s, "train/policy_loss": -0.1, "train/value_loss": 1.0,
-              "train/grad_norm": 1.0, "train/actor_lr": 1e-4, "time/step": 1.0} for s in range(1, 21)]
+    rows += [{"step": s, "train/reward": s / 10, "train/kl": 0.01 * s, "train/policy_loss": -0.1,
+              "train/value_loss": 1.0, "train/grad_norm": 1.0, "train/actor_lr": 1e-4, "time/step": 1.0}
+             for s in range(1, 21)]
     chosen = {p.title: ks for p, ks in P.panels_with_data(rows, P.RL_PANELS)}
-    assert chosen == {"reward": ["train/reward", "eval/reward"], "eval accuracy (pass@k)": ["eval/pass1", "eval/pass8"],
-                      "KL to the reference": ["train/kl"], "policy / value loss": ["train/policy_loss", "train/value_loss"],
+    assert chosen == {"reward": ["train/reward", "eval/reward"],
+                      "eval accuracy (pass@k)": ["eval/pass1", "eval/pass8"], "KL to the reference": ["train/kl"],
+                      "policy / value loss": ["train/policy_loss", "train/value_loss"],
                       "grad norm": ["train/grad_norm"], "learning rate": ["train/actor_lr"]}
     path = tmp_path / "m.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
