@@ -135,7 +135,7 @@ def _draw(ax: Any, panel: Panel, keys: list[str], rows: list[dict[str, Any]]) ->
             ax.plot(xs, ema(ys, w), color=color, linewidth=1.6, label=label)
         else:
             ax.plot(xs, ys, color=color, linewidth=1.4, marker="." if len(xs) < 30 else None, label=label)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 2.5, 5, 10]))
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.3g}"))
     values = [v for k in present for v in _series(rows, k)[1]]
     if values and max(values) == min(values):  # a constant (e.g. the learning rate): centred, no offset ticks
