@@ -28,7 +28,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-COMPARE = ("policy_loss", "reward", "response_length", "grad_norm", "entropy", "kl")
+COMPARE = ("train/policy_loss", "train/reward", "train/response_length", "train/grad_norm", "train/entropy", "train/kl")
 
 
 def _dir_gb(path: str) -> float:

@@ -124,7 +124,8 @@ def render_card(model_dir: str, base: str | None, data: list[str], command: str,
             f"Saved by rlhfkit: {what}" + (f", a snapshot at step {step}" if step is not None else "") + ".", ""]
     body += ["| | |", "| --- | --- |", f"| base model | {_code(base) if base else 'unknown'} |"]
     body += [f"| data | {', '.join(_code(d) for d in data) if data else 'none recorded'} |", ""]
-    body += ["## Command", "", "The command line of the process that saved this model:", "", "```bash", command, "```", ""]
+    body += ["## Command", "", "The command line of the process that saved this model:", "",
+             "```bash", command, "```", ""]
     if settings:
         body += ["## Key settings", "", "| setting | value |", "| --- | --- |"]
         body += [f"| `{k}` | {_code(_show(v))} |" for k, v in settings.items()]

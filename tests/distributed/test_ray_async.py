@@ -180,9 +180,9 @@ def test_colocated_async_equals_separate_actors(tiny_model_dir, data_dir, async_
     assert ("take turns" in warning) == sleep and ("generate the next batch while the roles train" in warning) != sleep
     recs, w = read(save)
     ref_recs, ref_w = async_separate
-    assert [r["staleness"] for r in recs] == [0.0, 1.0] == [r["staleness"] for r in ref_recs]
+    assert [r["train/staleness"] for r in recs] == [0.0, 1.0] == [r["train/staleness"] for r in ref_recs]
     for a, b in zip(ref_recs, recs, strict=True):
-        for k in SAMPLE_KEYS + TRAIN_KEYS + ["staleness_token_mean", "staleness_token_max"]:
+        for k in SAMPLE_KEYS + TRAIN_KEYS + ["train/staleness_token_mean", "train/staleness_token_max"]:
             assert b[k] == pytest.approx(a[k], rel=1e-6, abs=1e-9), f"step {a['step']} {k}"
         # the engine's batch layout (test_ray_ppo)
         assert b["train/vllm_kl"] == pytest.approx(a["train/vllm_kl"], abs=1e-6)

@@ -145,8 +145,8 @@ def test_async_train_logs_staleness(tiny_model_dir, data_dir, reference, local_r
     recs, _ = read(save)
     # batch 1 comes from the initial policy (as in a synchronous run: identical step 1); batch 2 was
     # generated while step 1 trained, so by the policy one version behind the one it trains
-    assert [r["staleness"] for r in recs] == [0.0, 1.0]
-    assert [r["staleness_max"] for r in recs] == [0.0, 1.0]
+    assert [r["train/staleness"] for r in recs] == [0.0, 1.0]
+    assert [r["train/staleness_max"] for r in recs] == [0.0, 1.0]
     assert_match(reference[0], recs, [1])
     # vllm_kl = mean(rollout logprob - logprob of the policy being trained): ~1e-8 when the engine
     # has the trained weights (reference), clearly nonzero when batch 2 came from the older policy

@@ -66,7 +66,7 @@ def test_tp2_engine_two_policy_ranks_match_one_process(tiny_qwen2_dir, data_dir,
         assert {p["pool"] for p in where} == {"all"}
     recs, w = read(save)
     check(reference, recs, w)
-    assert all(r["weight_sync_mb"] > 0.1 for r in recs)
+    assert all(r["train/weight_sync_mb"] > 0.1 for r in recs)
     if colocated:
         assert all(r["time/engine_sleep"] > 0 for r in recs)
 

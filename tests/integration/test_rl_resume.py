@@ -25,7 +25,8 @@ from rlhfkit.cli import train_ppo
 from rlhfkit.tasks.addition import addition_splits
 from rlhfkit.trainers.rl import RLTrainer
 
-COMPARED = ["reward", "reward_std", "policy_loss", "value_loss", "kl", "kl_coef", "grad_norm", "critic_grad_norm"]
+COMPARED = ["train/reward", "train/reward_std", "train/policy_loss", "train/value_loss", "train/kl", "train/kl_coef",
+            "train/grad_norm", "train/critic_grad_norm"]
 
 
 class Crash(Exception):

@@ -134,7 +134,7 @@ def test_one_bad_step_is_skipped_and_the_run_goes_on(tiny_model_dir, tmp_path, c
     recs = metrics(tmp_path)
     assert [r["train/skipped_steps"] for r in recs] == [0.0, 1.0, 0.0]
     assert recs[1]["train/dropped_samples"] == PER_STEP * N and "train/policy_loss" not in recs[1]
-    assert "policy_loss" in recs[2] and os.path.exists(tmp_path / "out" / "model.safetensors")
+    assert "train/policy_loss" in recs[2] and os.path.exists(tmp_path / "out" / "model.safetensors")
     skipped = [line for line in capsys.readouterr().err.splitlines() if "skipped, no trajectory" in line]
     assert len(skipped) == 1 and skipped[0].startswith("step 2:") and "8 samples failed in user code" in skipped[0]
 
