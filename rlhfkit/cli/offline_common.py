@@ -31,6 +31,7 @@ from rlhfkit.data.io import DataError, Row, load_mixture
 from rlhfkit.models.loader import check_model_dir, load_causal_lm, load_tokenizer
 from rlhfkit.trainers.dpo_task import FrozenModel
 from rlhfkit.trainers.metrics import metrics_record
+from rlhfkit.trainers.model_card import task_kind
 from rlhfkit.trainers.offline import LoopConfig, LoopState, evaluate, has_eval, train_offline
 from rlhfkit.trainers.plot import OFFLINE_PANELS
 
@@ -187,7 +188,7 @@ def train_policy(args: argparse.Namespace, dist: DistInfo, tokenizer: Any, task:
     hook = (lambda state, metrics: on_step_end(state, metrics, backend)) if on_step_end else None
     state = train_task(task, backend, train_items, eval_items, args, dist, logger, on_step_end=hook,
                        tokenizer=tokenizer)
-    save_model(args, backend, tokenizer, dist, logger, trainer=task_name(task))
+    save_model(args, backend, tokenizer, dist, logger, trainer=task_kind(task))
     logger.close()
     return OfflineRun(state, backend, task, tokenizer, train_items, eval_items)
 
@@ -201,7 +202,3 @@ def save_model(args: argparse.Namespace, backend: Any, tokenizer: Any, dist: Dis
     if dist.rank == 0:
         print(f"model saved to {args.save_path}")
 
-
-def task_name(task: Any) -> str:
-    """"sft", "dpo", "kto", "prm", "kd", "rm": the model card's trainer tag."""
-    return type(task).__name__.lower().removesuffix("task")

@@ -82,6 +82,11 @@ def key_settings(config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def task_kind(task: Any) -> str:
+    """"sft", "rm", "dpo", "kto", "prm", "kd": the trainer tag of an offline task (SFTTask -> "sft")."""
+    return type(task).__name__.lower().removesuffix("task")
+
+
 def final_metrics(rows: list[dict[str, Any]], step: int | None = None) -> dict[str, tuple[int, Any]]:
     """The last (step, value) in `rows` (records of steps <= `step`) of every eval/ metric and of the
     main train/ ones (those a console line shows)."""

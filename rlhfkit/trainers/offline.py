@@ -31,6 +31,7 @@ from rlhfkit.config.notes import note_once
 from rlhfkit.losses.aux import router_aux_loss
 from rlhfkit.models.moe import RouterAuxLoss
 from rlhfkit.trainers.metrics import EVAL, MetricsLogger, NullLogger, metrics_record, progress_bar
+from rlhfkit.trainers.model_card import task_kind
 
 
 class OfflineTask(Protocol):
@@ -142,7 +143,7 @@ def train_offline(task: OfflineTask, backend, train_items: Sequence[Any], cfg: L
             if _due(state.step, cfg.save_steps) and cfg.save_hf:
                 snapshot = os.path.join(cfg.ckpt_path, f"global_step{state.step}_hf")
                 backend.save_hf(snapshot, tokenizer)
-                logger.model_card(snapshot, step=state.step)
+                logger.model_card(snapshot, step=state.step, trainer=task_kind(task))
             stop = on_step_end(state, metrics) if on_step_end is not None else False
             if state.step >= total or stop:
                 done = True

@@ -2,9 +2,12 @@
 
     plot_metrics("run/metrics.jsonl", "run/metrics.png", panels=("reward", "eval_accuracy", "kl"))
 
-A panel (PANELS) draws metric base names from both namespaces: `train/<name>` as faint raw points
-under a smoothed line (an exponential moving average, bias-corrected as TensorBoard's, stronger the
-more points there are), `eval/<name>` as marked points joined by a dashed line. Panels without data are
+A panel (PANELS) draws metric base names from both namespaces: `train/<name>` as a faint raw line
+under a smoothed one (a centred Gaussian-weighted moving average, sigma = 1/30 of the points: a
+trend shows where it happens, with no lag, and a spike as a bump; none below 8 points, nor for the
+learning rate), `eval/<name>` as
+marked points joined by a dashed line (orange when the panel draws one name, else the colour of
+that name's training line). Panels without data are
 left out, so one panel list serves runs that log different metrics; None: every panel with data.
 The grid has at most 4 columns (3 for 5 or 6 panels); a panel is about 3.6 x 2.6 inches at 100 dpi.
 """
@@ -23,6 +26,7 @@ from rlhfkit.trainers.metric_names import EVAL, TRAIN, read_metrics
 class Panel:
     title: str
     names: tuple[str, ...]  # metric base names (fnmatch patterns), drawn from train/ and eval/
+    smooth: bool = True
 
 
 PANELS: dict[str, Panel] = {
@@ -39,26 +43,30 @@ PANELS: dict[str, Panel] = {
     "entropy": Panel("entropy", ("entropy",)),
     "losses": Panel("policy / value loss", ("policy_loss", "value_loss")),
     "grad_norm": Panel("grad norm", ("grad_norm", "critic_grad_norm")),
-    "lr": Panel("learning rate", ("lr", "actor_lr")),
+    "lr": Panel("learning rate", ("lr", "actor_lr"), smooth=False),
 }
 RL_PANELS = ("reward", "eval_accuracy", "kl", "response_length", "entropy", "losses", "grad_norm", "lr")
 OFFLINE_PANELS = ("loss", "acc", "margin", "rewards", "grad_norm", "lr")
 COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")
 
 
-def ema(values: Sequence[float], weight: float) -> list[float]:
-    """Bias-corrected exponential moving average: s_t = w s_{t-1} + (1 - w) x_t, divided by 1 - w^t."""
-    out, acc, norm = [], 0.0, 0.0
-    for x in values:
-        acc = weight * acc + (1 - weight) * x
-        norm = weight * norm + (1 - weight)
-        out.append(acc / norm)
+def gaussian_smooth(values: Sequence[float], sigma: float) -> list[float]:
+    """Point i -> sum_j w_ij x_j / sum_j w_ij with w_ij = exp(-(i - j)^2 / (2 sigma^2)) over |i - j| <= ceil(3 sigma)
+    (points, not steps; at the ends the weights of the points that exist). sigma 0: the values."""
+    if sigma <= 0:
+        return list(values)
+    r, n = math.ceil(3 * sigma), len(values)
+    w = [math.exp(-0.5 * (d / sigma) ** 2) for d in range(r + 1)]
+    out = []
+    for i in range(n):
+        js = range(max(0, i - r), min(n, i + r + 1))
+        out.append(sum(w[abs(i - j)] * values[j] for j in js) / sum(w[abs(i - j)] for j in js))
     return out
 
 
-def smoothing_weight(n: int) -> float:
-    """None below 8 points; then about n/10 points of memory, at most 0.95."""
-    return 0.0 if n < 8 else min(0.95, max(0.0, 1.0 - 10.0 / n))
+def smoothing_sigma(n: int) -> float:
+    """The smoothing of n points: none below 8, else sigma = n / 30 points (at least 1)."""
+    return 0.0 if n < 8 else max(1.0, n / 30)
 
 
 def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
@@ -121,18 +129,20 @@ def _draw(ax: Any, panel: Panel, keys: list[str], rows: list[dict[str, Any]]) ->
     from matplotlib.ticker import FuncFormatter, MaxNLocator
 
     present = [k for k in keys if _series(rows, k)[0]]
-    for i, key in enumerate(present):
+    bases = list(dict.fromkeys(k.split("/", 1)[1] for k in present))
+    for key in present:
         xs, ys = _series(rows, key)
-        color = COLORS[i % len(COLORS)]
+        base = key.split("/", 1)[1]
+        color = COLORS[1] if len(bases) == 1 and key.startswith(EVAL) else COLORS[bases.index(base) % len(COLORS)]
         label = _label(key, present) if len(present) > 1 else None
         if key.startswith(EVAL):
             ax.plot(xs, ys, linestyle="--", marker="o", markersize=4, linewidth=1, color=color,
                     label=label or "eval")
             continue
-        w = smoothing_weight(len(xs))
-        if w > 0:
+        sigma = smoothing_sigma(len(xs)) if panel.smooth else 0.0
+        if sigma > 0:
             ax.plot(xs, ys, color=color, alpha=0.25, linewidth=0.8)
-            ax.plot(xs, ema(ys, w), color=color, linewidth=1.6, label=label)
+            ax.plot(xs, gaussian_smooth(ys, sigma), color=color, linewidth=1.6, label=label)
         else:
             ax.plot(xs, ys, color=color, linewidth=1.4, marker="." if len(xs) < 30 else None, label=label)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 2.5, 5, 10]))

@@ -51,7 +51,8 @@ def test_sft_log_tensorboard_plot_and_model_card(tiny_model_dir, tmp_path):
         "--pretrain", tiny_model_dir, "--dataset", data, "--eval_dataset", data, "--input_key", "question",
         "--output_key", "response", "--input_template", "{}", "--max_len", "32", "--train_batch_size", "16",
         "--micro_train_batch_size", "8", "--max_steps", "6", "--logging_steps", "2", "--eval_steps", "3",
-        "--learning_rate", "3e-3", "--lr_warmup_ratio", "0", "--save_path", out, "--use_tensorboard", tb])
+        "--learning_rate", "3e-3", "--lr_warmup_ratio", "0", "--save_path", out, "--use_tensorboard", tb,
+        "--save_steps", "3", "--save_hf_ckpt", "--disable_ds_ckpt", "--ckpt_path", str(tmp_path / "ckpt")])
     assert "\r" not in text
     # bars would be on (no --disable_progress), but the output is a file: plain lines instead
     assert step_lines(text) == [2, 3, 4, 6] and eval_lines(text) == [3, 6]  # step 3: logged for its evaluation
@@ -79,6 +80,9 @@ def test_sft_log_tensorboard_plot_and_model_card(tiny_model_dir, tmp_path):
     last_loss = [r["train/loss"] for r in rows if "train/loss" in r][-1]
     assert f"| `train/loss` | {last_loss:.6g} | 6 |" in card
     assert f"| `eval/loss` | {rows[-1]['eval/loss']:.6g} | 6 |" in card
+    snap = open(tmp_path / "ckpt" / "global_step3_hf" / "README.md").read()  # a --save_hf_ckpt snapshot's card
+    assert "- sft\n" in snap and "a snapshot at step 3" in snap
+    assert f"| `train/loss` | {rows[1]['train/loss']:.6g} | 3 |" in snap and "| 6 |" not in snap
 
 
 def test_ppo_log_without_bars_and_model_card(tiny_model_dir, tmp_path):

@@ -4,6 +4,7 @@ wandb (a fake module: typed config, the logged keys), the plot's panels and smoo
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import types
@@ -77,10 +78,14 @@ def test_wandb_gets_typed_config_and_the_same_names(tmp_path, monkeypatch):
     assert [set(r) - {"step"} for r in rows] == [set(d) for _, d in seen["logged"]] and seen["finished"]
 
 
-def test_ema_worked_by_hand():
-    # w = 0.5: s = 0.5, 1.25, 2.125; norms 0.5, 0.75, 0.875
-    assert P.ema([1.0, 2.0, 3.0], 0.5) == pytest.approx([1.0, 1.25 / 0.75, 2.125 / 0.875])
-    assert P.smoothing_weight(5) == 0.0 and P.smoothing_weight(20) == 0.5 and P.smoothing_weight(10_000) == 0.95
+def test_smoothing_worked_by_hand():
+    a, b, c = math.exp(-0.5), math.exp(-2.0), math.exp(-4.5)  # sigma 1: distances 1, 2, 3 (4 is cut)
+    x = [0.0, 3.0, 0.0, 0.0, 0.0]
+    assert P.gaussian_smooth(x, 1.0) == pytest.approx([3 * a / (1 + a + b + c), 3 / (1 + 2 * a + b + c),
+                                                       3 * a / (1 + 2 * a + 2 * b), 3 * b / (1 + 2 * a + b + c),
+                                                       3 * c / (1 + a + b + c)])
+    assert P.gaussian_smooth([2.0] * 9, 2.5) == pytest.approx([2.0] * 9) and P.gaussian_smooth(x, 0) == x
+    assert [P.smoothing_sigma(n) for n in (7, 8, 90, 300)] == [0.0, 1.0, 3.0, 10.0]
 
 
 def test_panels_follow_the_data(tmp_path):
