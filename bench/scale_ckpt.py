@@ -28,7 +28,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-COMPARE = ("policy_loss", "reward", "response_length", "grad_norm", "entropy", "kl")
+COMPARE = ("train/policy_loss", "train/reward", "train/response_length", "train/grad_norm", "train/entropy", "train/kl")
 
 
 def _dir_gb(path: str) -> float:
@@ -134,13 +134,14 @@ def main() -> None:
             ray.shutdown()
     ra = [json.loads(x) for x in open(os.path.join(run_a, "metrics.jsonl"))]
     rb = [json.loads(x) for x in open(os.path.join(run_b, "metrics.jsonl"))]
-    out["steps_a"] = [{k: v for k, v in r.items() if k.startswith("time/") or k in ("step", "weight_sync_mb")}
+    out["steps_a"] = [{k: v for k, v in r.items() if k.startswith("time/") or k in ("step", "train/weight_sync_mb")}
                       for r in ra]
     a3 = next(r for r in ra if r["step"] == 3)
     b3 = next(r for r in rb if r["step"] == 3)
     out["step3_uninterrupted"] = {k: a3.get(k) for k in COMPARE}
     out["step3_resumed"] = {k: b3.get(k) for k in COMPARE}
-    out["resume_equal"] = all(a3.get(k) == b3.get(k) for k in ("policy_loss", "reward", "response_length"))
+    out["resume_equal"] = all(a3.get(k) == b3.get(k)
+                              for k in ("train/policy_loss", "train/reward", "train/response_length"))
     out["resume_max_rel_diff"] = max(abs(a3[k] - b3[k]) / max(abs(a3[k]), 1e-12) for k in COMPARE
                                      if isinstance(a3.get(k), float) and isinstance(b3.get(k), float))
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -156,9 +156,12 @@ def check_output_path(path: str | None) -> str:
 
 
 def _progress(total: int, desc: str, disable: bool) -> Any:
+    """A bar on stderr, only on a terminal (a log file gets no carriage returns)."""
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc=desc, disable=disable, file=sys.stderr)
+    from rlhfkit.trainers.metrics import terminal
+
+    return tqdm(total=total, desc=desc, disable=disable or not terminal(), file=sys.stderr)
 
 
 # ----------------------------------------------------------------------------- generation

@@ -22,7 +22,7 @@ from rlhfkit.backend.guard import NonFiniteError
 from rlhfkit.config.flags import run_dir_of, write_resolved_config
 from rlhfkit.data.io import DataError
 from rlhfkit.optional import MissingPackageError, require
-from rlhfkit.trainers.metrics import MetricsLogger, NullLogger, WandbSettings
+from rlhfkit.trainers.metrics import MetricsLogger, NullLogger, WandbSettings, terminal
 
 if TYPE_CHECKING:
     from rlhfkit.backend.dist import DistInfo
@@ -46,6 +46,9 @@ def _run_failures() -> tuple[type[BaseException], ...]:
 
 def cli_main(prog: str, fn: Callable[[], T]) -> T:
     """Run `fn` and return its result; a user error becomes one line on stderr and exit code 1."""
+    if not terminal():  # output to a file or pipe: no carriage-return bars of transformers either
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        disable_hf_progress_bars()
     try:
         return fn()
     except Exception as e:
@@ -157,9 +160,8 @@ def make_logger(args: argparse.Namespace, rank: int, plot_keys: tuple[str, ...] 
     if getattr(args, "use_wandb", None):
         wandb = WandbSettings(key=args.use_wandb, project=args.wandb_project, org=args.wandb_org,
                               group=args.wandb_group, run_name=args.wandb_run_name)
-    kw = {} if plot_keys is None else {"plot_keys": plot_keys}
     return MetricsLogger(run_dir, tensorboard_dir=args.use_tensorboard, wandb=wandb,
-                         config={k: str(v) for k, v in vars(args).items() if k != "use_wandb"}, **kw)
+                         config={k: v for k, v in vars(args).items() if k != "use_wandb"}, plot_keys=plot_keys)
 
 
 def parallel_dims(args: argparse.Namespace, dist: DistInfo) -> ParallelDims:

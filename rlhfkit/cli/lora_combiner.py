@@ -35,6 +35,10 @@ def run(args: argparse.Namespace) -> str:
 
     out = merge_lora(args.model_path, args.lora_path, args.output_path, is_rm=args.is_rm,
                      param_dtype=args.param_dtype)
+    from rlhfkit.trainers.model_card import write_model_card
+
+    write_model_card(out, trainer="lora_combiner", base_model=args.model_path,
+                     settings={"lora_path": args.lora_path, "is_rm": args.is_rm, "param_dtype": args.param_dtype})
     print(f"lora_combiner: merged {args.lora_path} into {args.model_path} -> {out}")
     return out
 

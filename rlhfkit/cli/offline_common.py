@@ -30,9 +30,12 @@ from rlhfkit.config.flags import (FlagParser, add_backend_flags, add_ckpt_flags,
 from rlhfkit.data.io import DataError, Row, load_mixture
 from rlhfkit.models.loader import check_model_dir, load_causal_lm, load_tokenizer
 from rlhfkit.trainers.dpo_task import FrozenModel
-from rlhfkit.trainers.offline import LoopConfig, LoopState, evaluate, train_offline
+from rlhfkit.trainers.metrics import metrics_record
+from rlhfkit.trainers.model_card import task_kind
+from rlhfkit.trainers.offline import LoopConfig, LoopState, evaluate, has_eval, train_offline
+from rlhfkit.trainers.plot import OFFLINE_PANELS
 
-OFFLINE_PLOT_KEYS = ("loss", "eval_loss", "acc", "eval_acc", "margin", "eval_margin")
+OFFLINE_PLOT_KEYS = OFFLINE_PANELS  # the plot's panels (rlhfkit.trainers.plot.PANELS)
 
 
 def add_offline_flags(p: FlagParser, *, max_len: int, train_batch_size: int, micro_train_batch_size: int,
@@ -164,9 +167,9 @@ def train_task(task: Any, backend: Any, train_items: Sequence[Any], eval_items: 
     state = train_offline(task, backend, train_items, cfg, dist, logger, eval_items, on_step_end=on_step_end,
                           tokenizer=tokenizer)
     last = state.history[-1] if state.history else {}
-    if eval_items and not (last.get("step") == state.step and "eval_loss" in last):
+    if eval_items and not (last.get("step") == state.step and has_eval(last)):
         metrics = evaluate(task, backend, eval_items, args.micro_train_batch_size, dist)
-        state.history.append({"step": state.step, **metrics})
+        state.history.append(metrics_record(state.step, metrics))
         logger.log(state.step, metrics, console=True)
     return state
 
@@ -186,13 +189,17 @@ def train_policy(args: argparse.Namespace, dist: DistInfo, tokenizer: Any, task:
     hook = (lambda state, metrics: on_step_end(state, metrics, backend)) if on_step_end else None
     state = train_task(task, backend, train_items, eval_items, args, dist, logger, on_step_end=hook,
                        tokenizer=tokenizer)
-    save_model(args, backend, tokenizer, dist)
+    save_model(args, backend, tokenizer, dist, logger, trainer=task_kind(task))
     logger.close()
     return OfflineRun(state, backend, task, tokenizer, train_items, eval_items)
 
 
-def save_model(args: argparse.Namespace, backend: Any, tokenizer: Any, dist: DistInfo) -> None:
-    """Save in Hugging Face format to --save_path."""
+def save_model(args: argparse.Namespace, backend: Any, tokenizer: Any, dist: DistInfo, logger: Any = None,
+               trainer: str | None = None) -> None:
+    """Save in Hugging Face format to --save_path, with a model card from the run's files (`logger`)."""
     backend.save_hf(args.save_path, tokenizer)
+    if logger is not None:
+        logger.model_card(args.save_path, trainer=trainer)
     if dist.rank == 0:
         print(f"model saved to {args.save_path}")
+

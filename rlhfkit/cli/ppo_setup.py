@@ -371,8 +371,11 @@ def kl_controller(args: argparse.Namespace):
 
 def checkpointer(args: argparse.Namespace, policy_backend: Any, critic_backend: Any, tokenizer: Any
                  ) -> "RLCheckpointer":
+    from rlhfkit.config.flags import run_dir_of
+
     return RLCheckpointer(policy_backend, critic_backend, args.save_hf_ckpt, tokenizer,
-                          save_ds=not args.disable_ds_ckpt, best_metric_key=best_metric_key(args))
+                          save_ds=not args.disable_ds_ckpt, best_metric_key=best_metric_key(args),
+                          run_dir=run_dir_of(args))
 
 
 @dataclass
@@ -384,10 +387,12 @@ class RLCheckpointer:
     checkpoint of the same tag is complete, so a kill between the two saves (or during either)
     resumes from the previous pair, never from an actor and a critic of different steps.
     `--save_hf_ckpt` adds a Hugging Face snapshot `<root>/<tag>_hf` (the EMA weights under
-    --enable_ema); `--disable_ds_ckpt` leaves out the resumable checkpoint.
+    --enable_ema) with a model card (README.md, from the run's files in `run_dir`);
+    `--disable_ds_ckpt` leaves out the resumable checkpoint.
 
     Best checkpoint (`keep_best`, --best_metric_key): after each evaluation, when the metric (""
-    = the first `*_pass1` one; higher is better) beats every earlier evaluation, the step is saved
+    = the first `eval/*pass1` one; "eval/reward", "reward" and OpenRLHF's "eval_reward" all name
+    eval/reward; higher is better) beats every earlier evaluation, the step is saved
     as above under `<root>/best/` and the previous best is removed; its client state records the
     key and value, so a resumed run goes on comparing with it."""
 
@@ -398,6 +403,7 @@ class RLCheckpointer:
     save_ds: bool = True
     best_metric_key: str | None = None
     best_value: float | None = None
+    run_dir: str | None = None
 
     def save(self, root: str, tag: str, client: dict, max_keep: int) -> None:
         if self.save_ds and self.critic_backend is not None:
@@ -406,17 +412,28 @@ class RLCheckpointer:
             self.policy_backend.save_checkpoint(os.path.join(root, "actor"), tag, client, max_keep)
         if self.save_hf:
             self.policy_backend.save_hf(os.path.join(root, f"{tag}_hf"), self.tokenizer)
+            if self.run_dir is not None:
+                from rlhfkit.backend.dist import is_rank0
+                from rlhfkit.trainers.model_card import write_model_card
+
+                if is_rank0():
+                    step = tag.removeprefix("global_step")
+                    write_model_card(os.path.join(root, f"{tag}_hf"), run_dir=self.run_dir,
+                                     step=int(step) if step.isdigit() else None)
 
     def keep_best(self, root: str, step: int, metrics: dict[str, float], client: dict) -> bool:
         """Save step `step` as the best checkpoint if its eval metric is the best so far (True then)."""
         if self.best_metric_key is None:
             return False
-        key = self.best_metric_key or next((k for k in metrics if k.startswith("eval") and k.endswith("_pass1")), "")
-        if not key:
-            return False
-        if key not in metrics:
-            evals = ", ".join(sorted(k for k in metrics if k.startswith("eval")))
-            raise UsageError(f"--best_metric_key {key} is not an evaluation metric; there are: {evals}")
+        from rlhfkit.trainers.metrics import resolve_eval_key
+
+        key = resolve_eval_key(self.best_metric_key, metrics)
+        if key is None:
+            if not self.best_metric_key:
+                return False
+            evals = ", ".join(sorted(k for k in metrics if k.startswith("eval/")))
+            raise UsageError(f"--best_metric_key {self.best_metric_key} is not an evaluation metric; "
+                             f"there are: {evals}")
         value, best_root = float(metrics[key]), os.path.join(root, "best")
         if self.best_value is None:
             self.best_value = _saved_best(best_root, key)

@@ -68,10 +68,10 @@ def args_digits_budget(rows: list[dict]) -> int:
 
 
 def plot_curve(run_dir: str, rl_dir: str) -> str:
-    from rlhfkit.trainers.metrics import plot_metrics
+    from rlhfkit.trainers.plot import plot_metrics
 
     return plot_metrics(os.path.join(rl_dir, "metrics.jsonl"), os.path.join(run_dir, "reward_curve.png"),
-                        ("reward", "eval_pass1")) or ""
+                        ("reward", "eval_accuracy")) or ""
 
 
 def quiet() -> list[str]:

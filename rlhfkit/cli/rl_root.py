@@ -27,9 +27,10 @@ from rlhfkit.cli.common import UsageError, make_logger, parallel_dims
 from rlhfkit.data.io import load_mixture
 from rlhfkit.data.prompts import PromptDataConfig, build_prompt_samples
 from rlhfkit.models.loader import load_tokenizer
+from rlhfkit.trainers.plot import RL_PANELS
 from rlhfkit.trainers.rl import RLTrainer
 
-PLOT_KEYS = ("reward", "eval_pass1", "eval_reward", "policy_loss", "kl", "response_length")
+PLOT_KEYS = RL_PANELS  # the plot's panels (rlhfkit.trainers.plot.PANELS)
 
 
 @dataclass
@@ -131,9 +132,20 @@ def build_trainer(args, placement: Placement, data: RLData, trainer_cls: type = 
 
 
 def save_final(args, placement: Placement, tokenizer: Any) -> None:
+    """The policy (and with --save_value_network the critic) in Hugging Face format, each with a
+    model card (README.md) written by rank 0 / the driver from the run's files."""
+    from rlhfkit.config.flags import run_dir_of
+    from rlhfkit.trainers.model_card import write_model_card
+
     placement.policy_backend.save_hf(args.save_path, tokenizer)
+    if placement.dist.rank == 0:
+        write_model_card(args.save_path, run_dir=run_dir_of(args), trainer="rl")
     if args.save_value_network and placement.save_critic is not None:
-        placement.save_critic(args.save_path.rstrip("/") + "_critic", tokenizer)
+        critic_dir = args.save_path.rstrip("/") + "_critic"
+        placement.save_critic(critic_dir, tokenizer)
+        if placement.dist.rank == 0:
+            write_model_card(critic_dir, run_dir=run_dir_of(args), trainer="critic",
+                             base_model=args.critic_pretrain or args.pretrain)
     if placement.dist.rank == 0:
         print(f"policy saved to {args.save_path}")
 

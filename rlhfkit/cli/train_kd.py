@@ -28,7 +28,7 @@ from rlhfkit.config.flags import FlagParser
 from rlhfkit.data.sft import SFTDataConfig, SFTDataset
 from rlhfkit.trainers.kd_task import KDTask
 
-KD_PLOT_KEYS = ("loss", "eval_loss", "kd_loss", "nll_loss")
+KD_PLOT_KEYS = ("loss", "kd", "grad_norm", "lr")  # rlhfkit.trainers.plot.PANELS
 
 
 def build_parser() -> FlagParser:

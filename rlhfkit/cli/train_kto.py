@@ -29,7 +29,7 @@ from rlhfkit.config.flags import FlagParser
 from rlhfkit.data.preference import UnpairedDataConfig, UnpairedDataset
 from rlhfkit.trainers.kto_task import KTOTask
 
-KTO_PLOT_KEYS = ("loss", "eval_loss", "kl", "signed_reward", "eval_chosen_reward", "eval_rejected_reward")
+KTO_PLOT_KEYS = ("loss", "kl", "signed_reward", "rewards", "grad_norm", "lr")  # rlhfkit.trainers.plot.PANELS
 
 
 def build_parser() -> FlagParser:

@@ -35,6 +35,7 @@ from rlhfkit.config.configs import ModelConfig, from_args
 from rlhfkit.config.flags import FlagParser
 from rlhfkit.data.preference import PreferenceDataConfig, PreferenceDataset
 from rlhfkit.models.value import load_value_model, scoring_tokenizer, update_reward_config
+from rlhfkit.trainers.metrics import metrics_record
 from rlhfkit.trainers.rm_task import RMTask, reward_statistics
 
 STATS_FRACTION, STATS_MIN_PAIRS = 0.01, 100
@@ -66,7 +67,7 @@ def statistics_items(train_items: Sequence[Any], eval_items: Sequence[Any] | Non
     return train_items[:min(n, max(math.ceil(STATS_FRACTION * n), STATS_MIN_PAIRS))]
 
 
-def save_reward_model(args, backend, tokenizer, mean: float, std: float, dist: DistInfo) -> None:
+def save_reward_model(args, backend, tokenizer, mean: float, std: float, dist: DistInfo, logger=None) -> None:
     """Store mean/std (and the head name, pad id) in the config, then save in Hugging Face format.
     `tokenizer` is the scoring tokenizer (appends EOS: plain transformers then scores text as rlhfkit
     does; rlhfkit.models.value.scoring_tokenizer)."""
@@ -79,7 +80,7 @@ def save_reward_model(args, backend, tokenizer, mean: float, std: float, dist: D
         update_reward_config(base.config, tokenizer)
     if base is not model and dist.rank == 0:  # LoRA: the adapter plus the reward config (lora_combiner --is_rm)
         base.config.save_pretrained(args.save_path)
-    save_model(args, backend, tokenizer, dist)
+    save_model(args, backend, tokenizer, dist, logger, trainer="rm")
 
 
 def run(args) -> OfflineRun:
@@ -99,9 +100,9 @@ def run(args) -> OfflineRun:
     mean, std, n = reward_statistics(backend.model, task, statistics_items(train_items, eval_items),
                                      args.micro_train_batch_size, dist)
     stats = {"reward_mean": mean, "reward_std": std, "reward_stats_count": n}
-    state.history.append({"step": state.step, **stats})
+    state.history.append(metrics_record(state.step, stats))
     logger.log(state.step, stats, console=True)
-    save_reward_model(args, backend, save_tokenizer, mean, std, dist)
+    save_reward_model(args, backend, save_tokenizer, mean, std, dist, logger)
     logger.close()
     return OfflineRun(state, backend, task, tokenizer, train_items, eval_items, {"mean": mean, "std": std})
 

@@ -4,5 +4,6 @@
     rl.py           RLTrainer: the RL step (rollout -> rewards -> log-probs -> advantages -> updates -> weights)
     async_rl.py     AsyncRLTrainer: RLTrainer with policy versions, engine / sleep metrics and, with
                     --async_train, a background producer (async_queue.py) a bounded number of batches ahead
-    metrics.py      metrics.jsonl / TensorBoard / wandb / plot
+    metrics.py      metrics.jsonl / TensorBoard / wandb / console lines; metric_names.py the names (train/, eval/)
+    plot.py         metrics.png (a grid of smoothed panels); model_card.py README.md of saved models
 """

@@ -152,7 +152,7 @@ class DPOTask:
 
     @torch.no_grad()
     def eval_metrics(self, model: torch.nn.Module, batches: list[PairBatch]) -> dict[str, float]:
-        """eval_loss, eval_acc, eval_chosen_reward, eval_rejected_reward, eval_margin (means over pairs)."""
+        """eval/loss, eval/acc, eval/chosen_reward, eval/rejected_reward, eval/margin (means over pairs)."""
         names = ["loss", "chosen_reward", "rejected_reward", "acc", "margin"]
         sums = torch.zeros(len(names) + 1, dtype=torch.float64)
         for b in batches:
@@ -161,4 +161,4 @@ class DPOTask:
             sums += torch.tensor([float(v) for v in vals] + [float(b.num_pairs)], dtype=torch.float64)
         sums = all_reduce_sum(sums)
         n = float(sums[-1].clamp(min=1.0))
-        return {f"eval_{k}": float(v) / n for k, v in zip(names, sums[:-1].tolist())}
+        return {f"eval/{k}": float(v) / n for k, v in zip(names, sums[:-1].tolist())}

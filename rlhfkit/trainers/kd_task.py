@@ -12,7 +12,7 @@ token, whose loss_mask is always 0, so no pair crosses a sample boundary. `--tea
 keeps the teacher in CPU memory between its forwards (`FrozenModel`).
 
 Additive metrics (token sums / global response-token count): `loss`, `kd_loss`, `nll_loss`.
-Eval: `eval_loss`, `eval_kd_loss`, `eval_nll_loss`.
+Eval: `eval/loss`, `eval/kd_loss`, `eval/nll_loss`.
 """
 
 from __future__ import annotations
@@ -83,4 +83,4 @@ class KDTask:
             sums += torch.tensor([float(loss_sum), m["kd_loss"] * n, m["nll_loss"] * n, n], dtype=torch.float64)
         s = all_reduce_sum(sums).tolist()
         n = max(s[3], 1.0)
-        return {"eval_loss": s[0] / n, "eval_kd_loss": s[1] / n, "eval_nll_loss": s[2] / n}
+        return {"eval/loss": s[0] / n, "eval/kd_loss": s[1] / n, "eval/nll_loss": s[2] / n}

@@ -18,8 +18,8 @@ In evaluation z is estimated per eval batch on each rank (no collective per batc
 
 Additive metrics (sums over answers / global answer count): `loss`, `kl` (z weighted by
 micro-batch size), `signed_reward` (mean of +beta h for desirable and -beta h for undesirable
-answers: it grows as training separates them). Eval: `eval_loss`, `eval_kl`,
-`eval_chosen_reward` / `eval_rejected_reward` (mean beta h over desirable / undesirable answers).
+answers: it grows as training separates them). Eval: `eval/loss`, `eval/kl`,
+`eval/chosen_reward` / `eval/rejected_reward` (mean beta h over desirable / undesirable answers).
 """
 
 from __future__ import annotations
@@ -126,9 +126,9 @@ class KTOTask:
                                   float(r[~good].sum()), float((~good).sum()), float(b.size)], dtype=torch.float64)
         s = all_reduce_sum(sums).tolist()
         n = max(s[6], 1.0)
-        out = {"eval_loss": s[0] / n, "eval_kl": s[1] / n}
+        out = {"eval/loss": s[0] / n, "eval/kl": s[1] / n}
         if s[3] > 0:
-            out["eval_chosen_reward"] = s[2] / s[3]
+            out["eval/chosen_reward"] = s[2] / s[3]
         if s[5] > 0:
-            out["eval_rejected_reward"] = s[4] / s[5]
+            out["eval/rejected_reward"] = s[4] / s[5]
         return out

@@ -1,8 +1,22 @@
-"""Metrics sinks for every trainer: console, `metrics.jsonl`, TensorBoard, wandb, and a plot.
+"""Metrics sinks for every trainer: console, `metrics.jsonl`, TensorBoard and wandb (the plot: plot.py).
 
     logger = MetricsLogger(run_dir, tensorboard_dir=..., wandb=WandbSettings(...) or None)
-    logger.log(step, {"loss": 1.2, "lr": 1e-5})     # one JSON object per call in metrics.jsonl
-    logger.close()                                   # writes metrics.png (curves of the main keys)
+    logger.log(step, {"loss": 1.2, "lr": 1e-5, "eval/loss": 1.3})
+    logger.close()                                   # writes metrics.png (plot.py)
+
+Names (metric_names.py): one scheme in metrics.jsonl, TensorBoard tags and wandb keys, as
+OpenRLHF's wandb logs: `train/<name>`, `eval/<name>`, `time/<name>` (seconds per RL phase), and
+"step" (the optimizer step; wandb's step) in every record. `metrics_record` applies the rule; the
+loops' `state.history` holds the same records as metrics.jsonl.
+
+Console: a tqdm bar only when stdout and stderr are both terminals (`terminal()`) and
+--disable_progress is off; otherwise (a log redirected to a file, --disable_progress) one plain
+line per logged step and one per evaluation, no carriage returns:
+
+    [step 5/12] loss=2.740 grad_norm=2.460 lr=0.002325 (0.028 s/step)
+    [eval step 5] loss=2.596
+
+Evaluation lines are printed in bar mode too (through tqdm.write, above the bar).
 
 Only rank 0 should construct a real logger; other ranks use `NullLogger`.
 The JSONL file is appended to and flushed per line, so a crash loses nothing already logged. A
@@ -13,15 +27,18 @@ appears twice.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import math
 import os
-import time
+import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 from rlhfkit.fileio import atomic_write_text
 from rlhfkit.optional import require
+from rlhfkit.trainers.metric_names import (CONSOLE_KEYS, EVAL, SECONDS_KEYS, TIME, TRAIN,  # noqa: F401
+                                           qualified, read_metrics)
 
 
 @dataclass
@@ -33,14 +50,38 @@ class WandbSettings:
     run_name: str | None = None
 
 
+def metrics_record(step: int, metrics: dict[str, Any]) -> dict[str, Any]:
+    """{"step": step, <qualified name>: value ...}: one line of metrics.jsonl (and of state.history)."""
+    return {"step": int(step), **{qualified(k): v for k, v in _clean(metrics).items()}}
+
+
+def terminal() -> bool:
+    """True when both stdout and stderr are terminals: progress bars; otherwise plain lines."""
+    try:
+        return sys.stdout.isatty() and sys.stderr.isatty()
+    except (AttributeError, ValueError):  # a closed or replaced stream
+        return False
+
+
+def progress_bar(total: int, initial: int, desc: str, enabled: bool):
+    """A tqdm bar on stderr when `enabled` (rank 0 asked for one) and `terminal()`; a disabled one otherwise.
+    `bar.disable` tells the loop which: with no bar it prints a plain line per logged step."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True, disable=not (enabled and terminal()))
+
+
 class NullLogger:
-    def log(self, step: int, metrics: dict[str, Any], console: bool = True) -> None:  # noqa: D401
+    def log(self, step: int, metrics: dict[str, Any], console: bool = True, total: int | None = None) -> None:
         pass
 
     def truncate(self, keep_through: int) -> None:
         pass
 
     def close(self) -> None:
+        pass
+
+    def model_card(self, model_dir: str, **kw: Any) -> None:
         pass
 
 
@@ -58,7 +99,8 @@ def _clean(metrics: dict[str, Any]) -> dict[str, Any]:
 class MetricsLogger:
     def __init__(self, run_dir: str, tensorboard_dir: str | None = None,
                  wandb: WandbSettings | None = None, config: dict[str, Any] | None = None,
-                 plot_keys: tuple[str, ...] = ("loss", "eval_loss", "reward", "eval_reward", "eval_pass1")) -> None:
+                 plot_keys: tuple[str, ...] | None = None) -> None:
+        """`plot_keys`: the plot's panels (names in rlhfkit.trainers.plot.PANELS; None: every panel with data)."""
         os.makedirs(run_dir, exist_ok=True)
         self.run_dir = run_dir
         self.path = os.path.join(run_dir, "metrics.jsonl")
@@ -72,23 +114,22 @@ class MetricsLogger:
             self._tb = SummaryWriter(log_dir=tensorboard_dir)
         self._wandb = None
         if wandb is not None:
-            self._wandb = _init_wandb(wandb, config or {})
-        self._t0 = time.time()
+            self._wandb = _init_wandb(wandb, wandb_config(config or {}))
 
-    def log(self, step: int, metrics: dict[str, Any], console: bool = True) -> None:
-        rec = {"step": int(step), **_clean(metrics)}
+    def log(self, step: int, metrics: dict[str, Any], console: bool = True, total: int | None = None) -> None:
+        """One record; `console`: also print the training line (plain mode). An evaluation line is
+        always printed when the record has eval metrics."""
+        rec = metrics_record(step, metrics)
         self._f.write(json.dumps(rec) + "\n")
         self._f.flush()
-        if console:
-            body = " ".join(f"{k}={_fmt(v)}" for k, v in rec.items() if k != "step")
-            print(f"[step {step}] {body}", flush=True)
-        for k, v in rec.items():
-            if k == "step" or not isinstance(v, (int, float)):
-                continue
-            if self._tb is not None:
-                self._tb.add_scalar(k, v, step)
+        for line in console_lines(rec, total, train=console):
+            _write(line)
+        scalars = {k: v for k, v in rec.items() if k != "step" and _is_number(v)}
+        if self._tb is not None:
+            for k, v in scalars.items():
+                self._tb.add_scalar(k, v, int(step))
         if self._wandb is not None:
-            self._wandb.log({f"train/{k}": v for k, v in rec.items() if k != "step"}, step=step)
+            self._wandb.log(scalars, step=int(step))
 
     def truncate(self, keep_through: int) -> None:
         """Keep only the records of steps <= `keep_through` (a resume; -1 drops them all)."""
@@ -105,6 +146,13 @@ class MetricsLogger:
         atomic_write_text(self.path, "".join(kept))
         self._f = open(self.path, "a")
 
+    def model_card(self, model_dir: str, **kw: Any) -> None:
+        """README.md for a model saved during the run (rlhfkit.trainers.model_card), from this run's files."""
+        from rlhfkit.trainers.model_card import write_model_card
+
+        self._f.flush()
+        write_model_card(model_dir, run_dir=self.run_dir, **kw)
+
     def close(self) -> None:
         self._f.close()
         if self._tb is not None:
@@ -112,15 +160,59 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.finish()
         try:
+            from rlhfkit.trainers.plot import plot_metrics
+
             plot_metrics(self.path, os.path.join(self.run_dir, "metrics.png"), self.plot_keys)
         except Exception as e:  # a plot must never lose a finished run
             print(f"warning: could not write metrics.png: {e}")
 
 
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _write(line: str) -> None:
+    from tqdm.auto import tqdm
+
+    tqdm.write(line, file=sys.stdout)  # above an active bar; a plain print otherwise
+    sys.stdout.flush()
+
+
 def _fmt(v: Any) -> str:
     if isinstance(v, float):
-        return f"{v:.4g}"
+        return f"{v:.4g}" if v == 0 or 1e-3 <= abs(v) < 1e5 else f"{v:.3e}"
     return str(v)
+
+
+def console_lines(rec: dict[str, Any], total: int | None = None, train: bool = True) -> list[str]:
+    """The console lines of one record: the training line (main metrics and the step's seconds) and
+    the evaluation line (every eval metric); each only when the record has such metrics."""
+    step = rec.get("step", 0)
+    lines = []
+    tr = {k[len(TRAIN):]: v for k, v in rec.items() if k.startswith(TRAIN)}
+    if train and tr:
+        shown = [k for k in CONSOLE_KEYS if k in tr] or [k for k in tr if _is_number(tr[k])][:6]
+        body = " ".join(f"{k}={_fmt(tr[k])}" for k in shown)
+        secs = next((rec[k] for k in SECONDS_KEYS if _is_number(rec.get(k))), None)
+        where = f"{step}/{total}" if total else f"{step}"
+        lines.append(f"[step {where}] {body}" + (f" ({secs:.3g} s/step)" if secs is not None else ""))
+    ev = {k[len(EVAL):]: v for k, v in rec.items() if k.startswith(EVAL)}
+    if ev:
+        lines.append(f"[eval step {step}] " + " ".join(f"{k}={_fmt(v)}" for k, v in ev.items()))
+    return lines
+
+
+def wandb_config(config: dict[str, Any]) -> dict[str, Any]:
+    """Flag values as wandb config: numbers, bools, strings and None as they are, lists of those as
+    lists, anything else as its str()."""
+    def typed(v: Any) -> Any:
+        if v is None or isinstance(v, (bool, int, float, str)):
+            return v
+        if isinstance(v, (list, tuple)):
+            return [typed(x) for x in v]
+        return str(v)
+
+    return {k: typed(v) for k, v in config.items()}
 
 
 def _init_wandb(s: WandbSettings, config: dict[str, Any]):
@@ -131,30 +223,13 @@ def _init_wandb(s: WandbSettings, config: dict[str, Any]):
                       reinit=True)
 
 
-def read_metrics(path: str) -> list[dict[str, Any]]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def plot_metrics(jsonl_path: str, png_path: str, keys: tuple[str, ...]) -> str | None:
-    """Plot each of `keys` present in the JSONL against step, one panel per key."""
-    rows = read_metrics(jsonl_path)
-    present = [k for k in keys if any(isinstance(r.get(k), (int, float)) for r in rows)]
-    if not present:
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(present), figsize=(4.5 * len(present), 3.2), squeeze=False)
-    for ax, k in zip(axes[0], present):
-        pts = [(r["step"], r[k]) for r in rows if isinstance(r.get(k), (int, float))]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="." if len(pts) < 50 else None)
-        ax.set_title(k)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=100)
-    plt.close(fig)
-    return png_path
+def resolve_eval_key(key: str, available: Iterable[str]) -> str | None:
+    """The eval metric `key` names among `available` record names: "eval/pass1" itself, a bare
+    "pass1", or OpenRLHF's flat "eval_pass1"; "" = the first `eval/*pass1`. None: no such metric."""
+    names = list(available)
+    if not key:
+        return next((k for k in names if k.startswith(EVAL) and fnmatch.fnmatch(k, "*pass1")), None)
+    for cand in (key, EVAL + key, EVAL + key.removeprefix("eval_"), EVAL + key.removeprefix("eval/")):
+        if cand in names and cand.startswith(EVAL):
+            return cand
+    return None

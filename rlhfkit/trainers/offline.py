@@ -26,13 +26,12 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
 import torch
-from tqdm.auto import tqdm
-
 from rlhfkit.backend.dist import DistInfo, all_reduce_sum
 from rlhfkit.config.notes import note_once
 from rlhfkit.losses.aux import router_aux_loss
 from rlhfkit.models.moe import RouterAuxLoss
-from rlhfkit.trainers.metrics import MetricsLogger, NullLogger
+from rlhfkit.trainers.metrics import EVAL, MetricsLogger, NullLogger, metrics_record, progress_bar
+from rlhfkit.trainers.model_card import task_kind
 
 
 class OfflineTask(Protocol):
@@ -94,7 +93,7 @@ def rank_share(global_idx: list[int], dist: DistInfo) -> list[int]:
 def train_offline(task: OfflineTask, backend, train_items: Sequence[Any], cfg: LoopConfig, dist: DistInfo,
                   logger: MetricsLogger | NullLogger, eval_items: Sequence[Any] | None = None,
                   on_step_end=None, tokenizer: Any = None) -> LoopState:
-    """Run the loop; returns the final state (history holds every logged record).
+    """Run the loop; returns the final state (history holds every logged record, as in metrics.jsonl).
 
     `on_step_end(state, metrics)` runs after every optimizer step; returning True ends training
     there (early stopping), after which the caller saves as usual. `tokenizer` goes into the
@@ -114,8 +113,7 @@ def train_offline(task: OfflineTask, backend, train_items: Sequence[Any], cfg: L
                 print(f"resumed from {cfg.ckpt_path} at step {state.step} (epoch {state.epoch})")
         logger.truncate(state.step if client is not None else -1)  # no step logged twice
     total = spe * cfg.max_epochs if cfg.max_steps is None else min(cfg.max_steps, spe * cfg.max_epochs)
-    bar = tqdm(total=total, initial=state.step, disable=not (cfg.show_progress and dist.rank == 0),
-               desc="train", dynamic_ncols=True)
+    bar = progress_bar(total, state.step, "train", cfg.show_progress and dist.rank == 0)
     done = state.step >= total
     while not done and state.epoch < cfg.max_epochs:
         order = epoch_order(n, state.epoch, cfg.seed)
@@ -135,15 +133,17 @@ def train_offline(task: OfflineTask, backend, train_items: Sequence[Any], cfg: L
             last_of_epoch = b + 1 == spe
             if eval_items and (_due(state.step, cfg.eval_steps) or (cfg.eval_steps < 0 and last_of_epoch)):
                 metrics.update(evaluate(task, backend, eval_items, cfg.micro_train_batch_size, dist))
-            if state.step % max(cfg.logging_steps, 1) == 0 or "eval_loss" in metrics:
-                state.history.append({"step": state.step, **metrics})
-                logger.log(state.step, metrics, console=not cfg.show_progress)
+            if state.step % max(cfg.logging_steps, 1) == 0 or has_eval(metrics):
+                state.history.append(metrics_record(state.step, metrics))
+                logger.log(state.step, metrics, console=bar.disable, total=total)
             if _due(state.step, cfg.save_steps) and cfg.save_ds:
                 ep, bi = (state.epoch + 1, 0) if last_of_epoch else (state.epoch, state.batch_in_epoch)
                 backend.save_checkpoint(cfg.ckpt_path, f"global_step{state.step}",
                                         {"step": state.step, "epoch": ep, "batch_in_epoch": bi}, cfg.max_ckpt_num)
             if _due(state.step, cfg.save_steps) and cfg.save_hf:
-                backend.save_hf(os.path.join(cfg.ckpt_path, f"global_step{state.step}_hf"), tokenizer)
+                snapshot = os.path.join(cfg.ckpt_path, f"global_step{state.step}_hf")
+                backend.save_hf(snapshot, tokenizer)
+                logger.model_card(snapshot, step=state.step, trainer=task_kind(task))
             stop = on_step_end(state, metrics) if on_step_end is not None else False
             if state.step >= total or stop:
                 done = True
@@ -153,6 +153,10 @@ def train_offline(task: OfflineTask, backend, train_items: Sequence[Any], cfg: L
             state.batch_in_epoch = 0
     bar.close()
     return state
+
+
+def has_eval(metrics: dict[str, Any]) -> bool:
+    return any(k.startswith(EVAL) for k in metrics)
 
 
 def _due(step: int, every: int) -> bool:
@@ -200,7 +204,8 @@ def _train_step(task: OfflineTask, backend, micro: list[Any], aux_loss_coef: flo
 @torch.no_grad()
 def evaluate(task: OfflineTask, backend, items: Sequence[Any], micro_batch_size: int, dist: DistInfo
              ) -> dict[str, float]:
-    """Eval metrics over this rank's share of `items` (the task reduces across ranks).
+    """Eval metrics ("eval/<name>", as the task names them) over this rank's share of `items` (the task
+    reduces across ranks).
 
     Every rank gets ceil(len(items) / world) items, wrapping around as torch's DistributedSampler
     does (up to world - 1 items are seen twice), so all ranks run the same number of forward

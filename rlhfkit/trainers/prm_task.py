@@ -10,7 +10,7 @@ predict the step's label (hard: a reward token; soft: the probability of the fir
 token). See rlhfkit.losses.prm and rlhfkit.data.prm.
 
 Additive metrics (sums over labelled positions / global labelled count): `loss`, `acc`.
-Eval: `eval_loss`, `eval_acc`.
+Eval: `eval/loss`, `eval/acc`.
 """
 
 from __future__ import annotations
@@ -95,4 +95,4 @@ class PRMTask:
                                  dtype=torch.float64)
         s = all_reduce_sum(sums).tolist()
         n = max(s[2], 1.0)
-        return {"eval_loss": s[0] / n, "eval_acc": s[1] / n}
+        return {"eval/loss": s[0] / n, "eval/acc": s[1] / n}

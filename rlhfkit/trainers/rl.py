@@ -40,7 +40,6 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
-from tqdm.auto import tqdm
 
 from rlhfkit.algo.advantages import AdvantageConfig, get_advantage_estimator
 from rlhfkit.algo.experience import (RewardShapingConfig, apply_length_penalties, finish_experience,
@@ -49,6 +48,7 @@ from rlhfkit.algo.filters import dynamic_filter
 from rlhfkit.algo.passk import pass_at_k_from_scores
 from rlhfkit.backend.dist import DistInfo, all_reduce_sum
 from rlhfkit.roles.group import LocalWeightSync
+from rlhfkit.trainers.metrics import metrics_record, progress_bar
 from rlhfkit.trainers.offline import epoch_order
 from rlhfkit.types import PromptSample, Trajectory
 
@@ -136,6 +136,7 @@ class RLTrainer:
             raise ValueError(f"--prompt_data has {len(self.prompts)} prompts, fewer than --rollout_batch_size "
                              f"({cfg.rollout_batch_size})")
         self.state = RLState(kl_coef=kl_ctl.value)
+        self._plain, self._total = True, None  # console lines (no bar) and the step count, set by fit()
         self.group_estimator = get_advantage_estimator(adv_cfg.advantage_estimator).group
         self.num_dropped = 0
         self.num_skipped = 0  # steps skipped for want of a trajectory, in all
@@ -341,8 +342,8 @@ class RLTrainer:
         tot = all_reduce_sum(torch.tensor([float(len(groups)), float(rewards.sum()), float(rewards.numel()), p1, pk],
                                           dtype=torch.float64))
         g = max(float(tot[0]), 1.0)
-        return {"eval_reward": float(tot[1]) / max(float(tot[2]), 1.0), "eval_pass1": float(tot[3]) / g,
-                f"eval_pass{n}": float(tot[4]) / g}
+        return {"eval/reward": float(tot[1]) / max(float(tot[2]), 1.0), "eval/pass1": float(tot[3]) / g,
+                f"eval/pass{n}": float(tot[4]) / g}
 
     # ------------------------------------------------------------------ the loop
 
@@ -359,8 +360,8 @@ class RLTrainer:
                     print(f"resumed from {c.ckpt_path} at step {s.step}")
             self.logger.truncate(s.step if client is not None else -1)  # no step logged twice
         total = self.total_steps()
-        bar = tqdm(total=total, initial=s.step, disable=not (c.show_progress and self.dist.rank == 0),
-                   desc="rl", dynamic_ncols=True)
+        bar = progress_bar(total, s.step, "rl", c.show_progress and self.dist.rank == 0)
+        self._plain, self._total = bar.disable, total
         if s.step == 0 and c.eval_steps > 0:
             self._log(0, self.evaluate())
         while s.step < total:
@@ -406,8 +407,8 @@ class RLTrainer:
     def _log(self, step: int, m: dict[str, float]) -> None:
         if not m:
             return
-        self.state.history.append({"step": step, **m})
-        self.logger.log(step, m, console=not self.cfg.show_progress)
+        self.state.history.append(metrics_record(step, m))
+        self.logger.log(step, m, console=self._plain, total=self._total)
 
 
 EXPERIENCE_KEYS = ("reward", "group_reward_std", "return", "advantage", "kl")

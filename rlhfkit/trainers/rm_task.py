@@ -138,7 +138,7 @@ class RMTask:
 
     @torch.no_grad()
     def eval_metrics(self, model: torch.nn.Module, batches: list[PairBatch]) -> dict[str, float]:
-        """eval_loss, eval_acc, eval_chosen_reward, eval_rejected_reward, eval_margin (means over pairs)."""
+        """eval/loss, eval/acc, eval/chosen_reward, eval/rejected_reward, eval/margin (means over pairs)."""
         sums = torch.zeros(6, dtype=torch.float64)
         for b in batches:
             rc, rr = self.rewards(model, b)
@@ -148,7 +148,7 @@ class RMTask:
                                  torch.tensor(float(b.num_pairs), dtype=torch.float64)])
         sums = all_reduce_sum(sums)
         n = float(sums[5].clamp(min=1.0))
-        names = ("eval_loss", "eval_acc", "eval_chosen_reward", "eval_rejected_reward", "eval_margin")
+        names = ("eval/loss", "eval/acc", "eval/chosen_reward", "eval/rejected_reward", "eval/margin")
         return {k: float(v) / n for k, v in zip(names, sums[:5].tolist())}
 
 

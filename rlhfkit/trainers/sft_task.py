@@ -53,4 +53,4 @@ class SFTTask:
             nll += -(lp * mask).sum().double().cpu()
             cnt += mask.sum().double().cpu()
         tot = all_reduce_sum(torch.stack([nll, cnt]))
-        return {"eval_loss": float(tot[0] / tot[1].clamp(min=1))}
+        return {"eval/loss": float(tot[0] / tot[1].clamp(min=1))}

@@ -153,9 +153,9 @@ def test_agent_async_script_flags_run(tiny_model_dir, data_dir, local_ray, capsy
     assert out.count("warning: --async_train with --colocate_all_models") == 1
     recs, _ = read(save)
     assert [r["step"] for r in recs] == [1, 2]
-    assert all("staleness_token_mean" in r and "filter_rounds" in r for r in recs)
-    trained = [r for r in recs if not r["skipped_steps"]]
-    assert trained and all("is_dropped_ratio" in r for r in trained)  # icepop ran
+    assert all("train/staleness_token_mean" in r and "train/filter_rounds" in r for r in recs)
+    trained = [r for r in recs if not r["train/skipped_steps"]]
+    assert trained and all("train/is_dropped_ratio" in r for r in trained)  # icepop ran
     assert os.path.isdir(os.path.join(save, "runs"))
 
 
@@ -180,11 +180,12 @@ def test_colocated_async_equals_separate_actors(tiny_model_dir, data_dir, async_
     assert ("take turns" in warning) == sleep and ("generate the next batch while the roles train" in warning) != sleep
     recs, w = read(save)
     ref_recs, ref_w = async_separate
-    assert [r["staleness"] for r in recs] == [0.0, 1.0] == [r["staleness"] for r in ref_recs]
+    assert [r["train/staleness"] for r in recs] == [0.0, 1.0] == [r["train/staleness"] for r in ref_recs]
     for a, b in zip(ref_recs, recs, strict=True):
-        for k in SAMPLE_KEYS + TRAIN_KEYS + ["staleness_token_mean", "staleness_token_max"]:
+        for k in SAMPLE_KEYS + TRAIN_KEYS + ["train/staleness_token_mean", "train/staleness_token_max"]:
             assert b[k] == pytest.approx(a[k], rel=1e-6, abs=1e-9), f"step {a['step']} {k}"
-        assert b["vllm_kl"] == pytest.approx(a["vllm_kl"], abs=1e-6)  # the engine's batch layout (test_ray_ppo)
+        # the engine's batch layout (test_ray_ppo)
+        assert b["train/vllm_kl"] == pytest.approx(a["train/vllm_kl"], abs=1e-6)
     if sleep:  # the engine slept while the roles worked (batch 2 was generated before step 1 trained:
         # it slept once), the states left the device
         assert recs[0]["time/engine_sleep"] > 0 and all(r["time/offload"] > 0 for r in recs)
@@ -205,9 +206,9 @@ def test_partial_rollout_continues_generations_across_a_weight_update(tiny_model
     recs, _ = read(save)
     first, second = recs
     # batch 1: the initial policy, then trained by it
-    assert first["staleness_token_max"] == 0.0 and first["mixed_version_samples"] == 0.0
+    assert first["train/staleness_token_max"] == 0.0 and first["train/mixed_version_samples"] == 0.0
     # batch 2: first turns from version 0, second turns (after step 1's update) from version 1
-    assert second["mixed_version_samples"] == 1.0
-    assert second["staleness"] == 1.0 and second["staleness_token_max"] == 1.0
-    assert 0.0 < second["staleness_token_mean"] < 1.0
-    assert second["turns"] == 2.0 and all("is_weight" in r and "is_dropped_ratio" in r for r in recs)
+    assert second["train/mixed_version_samples"] == 1.0
+    assert second["train/staleness"] == 1.0 and second["train/staleness_token_max"] == 1.0
+    assert 0.0 < second["train/staleness_token_mean"] < 1.0
+    assert second["train/turns"] == 2.0 and all("train/is_weight" in r and "train/is_dropped_ratio" in r for r in recs)

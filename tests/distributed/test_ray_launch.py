@@ -165,9 +165,9 @@ def test_ray_job_submit_runs_data_parallel_policy(tiny_model_dir, data_dir, clus
     ref, got = metrics(one), metrics(save)
     assert [r["step"] for r in got] == [1, 2]
     for a, b in zip(ref, got):
-        for k in ("reward", "reward_std", "response_length"):
+        for k in ("train/reward", "train/reward_std", "train/response_length"):
             assert b[k] == pytest.approx(a[k], abs=1e-6), f"step {a['step']} {k}"
-        for k in ("policy_loss", "advantage", "grad_norm", "entropy"):
+        for k in ("train/policy_loss", "train/advantage", "train/grad_norm", "train/entropy"):
             assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), f"step {a['step']} {k}: {b[k]} != {a[k]}"
     w1, w2 = load_file(os.path.join(one, "model.safetensors")), load_file(os.path.join(save, "model.safetensors"))
     for k in w1:
@@ -210,7 +210,7 @@ def test_killed_actor_ends_stuck_run_and_checkpoint_resumes(tiny_model_dir, data
     reader = _Reader(proc)
     stall = os.path.join(data_dir, "stall")
     try:
-        reader.wait_for(lambda t: "[step 2]" in t, timeout=150)
+        reader.wait_for(lambda t: "[step 2/" in t, timeout=150)
         open(stall, "w").close()  # the next reward_func call blocks: the driver sits in user code
         reader.wait_for(lambda t: os.path.exists(stall + "ed"), timeout=30)
         pid = int(next(line.split(" pid ")[1].split()[0] for line in reader.lines
@@ -243,7 +243,8 @@ def test_killed_actor_ends_stuck_run_and_checkpoint_resumes(tiny_model_dir, data
     train_ppo.main(flags(tiny_model_dir, data_dir, one, "--max_steps", str(last + 1), *extra[:11]))
     a, b = metrics(one)[-1], metrics(save)[-1]
     assert a["step"] == b["step"] == last + 1
-    for k in ("reward", "reward_std", "policy_loss", "value_loss", "kl", "grad_norm", "critic_grad_norm"):
+    for k in ("train/reward", "train/reward_std", "train/policy_loss", "train/value_loss", "train/kl",
+              "train/grad_norm", "train/critic_grad_norm"):
         assert b[k] == pytest.approx(a[k], rel=1e-6, abs=1e-9), f"step {last + 1} {k}: {b[k]} != {a[k]}"
     for suffix in ("", "_critic"):
         w1, w2 = load_file(os.path.join(one + suffix, "model.safetensors")), \

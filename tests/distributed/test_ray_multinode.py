@@ -100,10 +100,10 @@ def test_policy_over_two_nodes_matches_one_process(tiny_model_dir, data_dir, two
     with open(os.path.join(one, "metrics.jsonl")) as f1, open(os.path.join(save, "metrics.jsonl")) as f2:
         ref, got = [json.loads(x) for x in f1], [json.loads(x) for x in f2]
     assert [r["step"] for r in got] == [1, 2]
-    assert max(abs(r["policy_loss"]) for r in ref) > 1e-3
+    assert max(abs(r["train/policy_loss"]) for r in ref) > 1e-3
     for a, b in zip(ref, got):
-        assert b["reward"] == pytest.approx(a["reward"], abs=1e-6)
-        for k in ("policy_loss", "advantage", "grad_norm"):
+        assert b["train/reward"] == pytest.approx(a["train/reward"], abs=1e-6)
+        for k in ("train/policy_loss", "train/advantage", "train/grad_norm"):
             assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), f"step {a['step']} {k}: {b[k]} != {a[k]}"
     w1, w2 = load_file(os.path.join(one, "model.safetensors")), load_file(os.path.join(save, "model.safetensors"))
     for k in w1:

@@ -43,8 +43,8 @@ from rlhfkit.cli import train_ppo_ray  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
-SAMPLE_KEYS = ["reward", "reward_std", "response_length", "truncated_rate", "even_frac"]
-TRAIN_KEYS = ["policy_loss", "kl_loss", "kl", "advantage", "grad_norm", "entropy"]
+SAMPLE_KEYS = ["train/reward", "train/reward_std", "train/response_length", "train/truncated_rate", "train/even_frac"]
+TRAIN_KEYS = ["train/policy_loss", "train/kl_loss", "train/kl", "train/advantage", "train/grad_norm", "train/entropy"]
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def reference(tiny_model_dir, data_dir):
     save = os.path.join(data_dir, "one_process")
     train_ppo.main(flags(tiny_model_dir, data_dir, save))
     recs, w = read(save)
-    assert max(abs(r["policy_loss"]) for r in recs) > 1e-3, "policy_loss ~ 0 at every step: a vacuous comparison"
+    assert max(abs(r["train/policy_loss"]) for r in recs) > 1e-3, "policy_loss ~ 0 at every step: a vacuous comparison"
     w0 = load_file(os.path.join(tiny_model_dir, "model.safetensors"))
     assert max(float((w[k] - w0[k]).abs().max()) for k in w0) > 1e-3
     return recs, w
@@ -94,7 +94,7 @@ def test_separate_actors_match_one_process(reference, separate_run):
     assert len({p["pid"] for p in where}) == 3 and len({p["pool"] for p in where}) == 3
     assert "weight sync: broadcast over gloo" in out
     assert_match(reference[0], recs, [1, 2])
-    assert all(r["weight_sync_mb"] > 0.1 and r["time/weight_push"] > 0 and r["weight_sync/broadcast"] == 1
+    assert all(r["train/weight_sync_mb"] > 0.1 and r["time/weight_push"] > 0 and r["weight_sync/broadcast"] == 1
                for r in recs)
     for k, v in reference[1].items():
         torch.testing.assert_close(w[k], v, atol=1e-6, rtol=0, msg=k)
@@ -110,9 +110,10 @@ def test_object_store_sync_equals_broadcast(tiny_model_dir, data_dir, separate_r
     for a, b in zip(b_recs, recs, strict=True):
         # timings aside, everything is equal except the engine's own log-probs (vllm_kl), which move
         # by ~1e-8 with the order in which requests reach the engine's batch (see the top)
-        keys = {k for k in a if not k.startswith(("time/", "weight_sync/")) and k not in ("generate_share", "vllm_kl")}
+        keys = {k for k in a if not k.startswith(("time/", "weight_sync/"))
+                and k not in ("train/generate_share", "train/vllm_kl")}
         assert len(keys) > 15 and {k: a[k] for k in keys} == {k: b[k] for k in keys}
-        assert b["vllm_kl"] == pytest.approx(a["vllm_kl"], abs=1e-6)
+        assert b["train/vllm_kl"] == pytest.approx(a["train/vllm_kl"], abs=1e-6)
     assert w.keys() == b_w.keys() and all(torch.equal(w[k], b_w[k]) for k in w)
 
 
@@ -133,7 +134,7 @@ def test_colocate_all_with_sleep_matches_one_process(tiny_model_dir, data_dir, r
     assert "time/engine_wake" not in recs[0] and all(r["time/engine_wake"] > 0 for r in recs[1:])
     # measured in the ranks: policy and ref states went to host buffers and came back (bit for bit:
     # the metrics and weights match the one-process run)
-    assert all(r["time/offload"] > 0 and r["time/reload"] > 0 and r["offload_gb"] > 0 for r in recs)
+    assert all(r["time/offload"] > 0 and r["time/reload"] > 0 and r["train/offload_gb"] > 0 for r in recs)
     for k, v in reference[1].items():
         torch.testing.assert_close(w[k], v, atol=1e-6, rtol=0, msg=k)
 
@@ -144,13 +145,13 @@ def test_async_train_logs_staleness(tiny_model_dir, data_dir, reference, local_r
     recs, _ = read(save)
     # batch 1 comes from the initial policy (as in a synchronous run: identical step 1); batch 2 was
     # generated while step 1 trained, so by the policy one version behind the one it trains
-    assert [r["staleness"] for r in recs] == [0.0, 1.0]
-    assert [r["staleness_max"] for r in recs] == [0.0, 1.0]
+    assert [r["train/staleness"] for r in recs] == [0.0, 1.0]
+    assert [r["train/staleness_max"] for r in recs] == [0.0, 1.0]
     assert_match(reference[0], recs, [1])
     # vllm_kl = mean(rollout logprob - logprob of the policy being trained): ~1e-8 when the engine
     # has the trained weights (reference), clearly nonzero when batch 2 came from the older policy
-    assert abs(reference[0][1]["vllm_kl"]) < 1e-6
-    assert abs(recs[1]["vllm_kl"]) > 1e-5  # measured 3.8e-4
+    assert abs(reference[0][1]["train/vllm_kl"]) < 1e-6
+    assert abs(recs[1]["train/vllm_kl"]) > 1e-5  # measured 3.8e-4
     assert all(r["time/generate_async"] > 0 for r in recs)
 
 

@@ -27,7 +27,7 @@ from rlhfkit.cli import train_ppo, train_ppo_ray  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
-TRAIN_KEYS = ["policy_loss", "kl_loss", "kl", "advantage", "grad_norm"]
+TRAIN_KEYS = ["train/policy_loss", "train/kl_loss", "train/kl", "train/advantage", "train/grad_norm"]
 TP = ["--vllm_num_engines", "1", "--vllm_tensor_parallel_size", "2", "--actor_num_gpus_per_node", "2",
       "--ray_num_cpus_per_worker", "0.5"]
 
@@ -46,7 +46,7 @@ def check(reference, recs, w) -> None:
             assert b[k] == pytest.approx(a[k], abs=1e-6), f"step {a['step']} {k}: sampled tokens differ"
         for k in TRAIN_KEYS:
             assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), f"step {a['step']} {k}: {b[k]} != {a[k]}"
-    assert max(abs(r["policy_loss"]) for r in recs) > 1e-3
+    assert max(abs(r["train/policy_loss"]) for r in recs) > 1e-3
     for k, v in reference[1].items():
         torch.testing.assert_close(w[k], v, atol=1e-5, rtol=0, msg=k)
 
@@ -66,7 +66,7 @@ def test_tp2_engine_two_policy_ranks_match_one_process(tiny_qwen2_dir, data_dir,
         assert {p["pool"] for p in where} == {"all"}
     recs, w = read(save)
     check(reference, recs, w)
-    assert all(r["weight_sync_mb"] > 0.1 for r in recs)
+    assert all(r["train/weight_sync_mb"] > 0.1 for r in recs)
     if colocated:
         assert all(r["time/engine_sleep"] > 0 for r in recs)
 

@@ -35,8 +35,8 @@ pytestmark = pytest.mark.distributed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-SAMPLE_KEYS = ["reward", "reward_std", "response_length", "truncated_rate", "even_frac"]
-TRAIN_KEYS = ["policy_loss", "kl_loss", "kl", "advantage", "grad_norm"]
+SAMPLE_KEYS = ["train/reward", "train/reward_std", "train/response_length", "train/truncated_rate", "train/even_frac"]
+TRAIN_KEYS = ["train/policy_loss", "train/kl_loss", "train/kl", "train/advantage", "train/grad_norm"]
 
 
 
@@ -62,7 +62,7 @@ def test_two_ranks_match_one_process(tiny_model_dir, data_dir):
             assert b[k] == pytest.approx(a[k], abs=1e-6), f"step {a['step']} {k}: sampled tokens differ"
         for k in TRAIN_KEYS:
             assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), f"step {a['step']} {k}: {b[k]} != {a[k]}"
-    assert max(abs(r["policy_loss"]) for r in r1) > 1e-3, "policy_loss ~ 0 at every step: a vacuous comparison"
+    assert max(abs(r["train/policy_loss"]) for r in r1) > 1e-3, "policy_loss ~ 0 at every step: a vacuous comparison"
     w0 = load_file(os.path.join(tiny_model_dir, "model.safetensors"))
     assert max(float((w1[k] - w0[k]).abs().max()) for k in w0) > 1e-3
     for k in w1:
@@ -95,7 +95,7 @@ def test_step_with_no_trajectory_on_one_rank_is_skipped_on_both(tiny_model_dir, 
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     recs, _ = read_run(save)
-    assert [r["skipped_steps"] for r in recs] == [1.0, 0.0, 0.0]
-    assert recs[0]["dropped_samples"] == 4.0 and "policy_loss" in recs[1]
+    assert [r["train/skipped_steps"] for r in recs] == [1.0, 0.0, 0.0]
+    assert recs[0]["train/dropped_samples"] == 4.0 and "train/policy_loss" in recs[1]
     skipped = [line for line in proc.stderr.splitlines() if "skipped, no trajectory" in line]
     assert len(skipped) == 1 and skipped[0].startswith("step 1:") and "(on 1 of 2 ranks)" in skipped[0]

@@ -94,16 +94,16 @@ def test_ppo_flags_take_effect(tiny_model_dir, files, tmp_path, capsys, monkeypa
     assert not torch.equal(live[k], init[k])
 
     rows = read_metrics(os.path.join(str(tmp_path / "run"), "metrics.jsonl"))
-    trained = [r for r in rows if "policy_loss" in r]
-    assert len(trained) == 2 and all(r["ptx_loss"] > 0 for r in trained)
+    trained = [r for r in rows if "train/policy_loss" in r]
+    assert len(trained) == 2 and all(r["train/ptx_loss"] > 0 for r in trained)
 
     # one best checkpoint: the step with the highest eval_reward (the first one on a tie)
-    evals = {r["step"]: r["eval_reward"] for r in rows if r["step"] > 0 and "eval_reward" in r}
+    evals = {r["step"]: r["eval/reward"] for r in rows if r["step"] > 0 and "eval/reward" in r}
     best_step = max(sorted(evals), key=lambda s: evals[s])
     found = list_checkpoints(os.path.join(ckpt, "best", "actor"))
     assert [t for _, t in found] == [f"global_step{best_step}"]
     client = json.load(open(os.path.join(ckpt, "best", "actor", f"global_step{best_step}", "client_state.json")))
-    assert client["best_metric_key"] == "eval_reward" and client["best_metric_value"] == evals[best_step]
+    assert client["best_metric_key"] == "eval/reward" and client["best_metric_value"] == evals[best_step]
     assert [t for _, t in list_checkpoints(os.path.join(ckpt, "best", "critic"))] == [f"global_step{best_step}"]
     assert not os.path.isdir(os.path.join(ckpt, "actor"))  # --save_steps -1: no periodic checkpoint
 

@@ -58,7 +58,7 @@ def test_sft_at_learning_rate_1e6_exits_1_without_weights(tiny_model_dir, tmp_pa
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env())
     assert r.returncode == 1, r.stderr[-3000:]
     rows = [json.loads(x) for x in open(os.path.join(save, "metrics.jsonl"))]
-    assert [x["nonfinite_skipped"] for x in rows][-3:] == [1.0, 1.0, 1.0]  # 3 skipped, the 4th stopped it
+    assert [x["train/nonfinite_skipped"] for x in rows][-3:] == [1.0, 1.0, 1.0]  # 3 skipped, the 4th stopped it
     assert len(rows) < 8
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("train_sft: error: non-finite") and "--max_nonfinite_steps 3" in last
@@ -96,6 +96,6 @@ def test_rl_one_injected_non_finite_step_is_skipped_and_the_run_goes_on(tiny_mod
     rows = [json.loads(x) for x in open(os.path.join(save, "metrics.jsonl"))]
     assert [x["step"] for x in rows] == [1, 2, 3]
     # 8 samples / --train_batch_size 4 = 2 optimizer steps per RL step: the 2nd of RL step 1 was skipped
-    assert [x["nonfinite_skipped"] for x in rows] == [1.0, 0.0, 0.0]
-    assert math.isfinite(rows[-1]["grad_norm"])
+    assert [x["train/nonfinite_skipped"] for x in rows] == [1.0, 0.0, 0.0]
+    assert math.isfinite(rows[-1]["train/grad_norm"])
     assert os.path.isfile(os.path.join(save, "model.safetensors"))

@@ -17,5 +17,5 @@ def test_quickstart_rl_gains_30_points(tmp_path):
     assert 0.2 <= res["accuracy_after_sft"] <= 0.6, res  # RL starts from a mediocre model, not from scratch
     assert os.path.isfile(os.path.join(run, "reward_curve.png"))
     rows = [json.loads(x) for x in open(os.path.join(run, "rl", "metrics.jsonl"))]
-    first, last = rows[0]["reward"], sum(r["reward"] for r in rows[-3:]) / 3
+    first, last = rows[0]["train/reward"], sum(r["train/reward"] for r in rows[-3:]) / 3
     assert last > first + 0.2, (first, last)

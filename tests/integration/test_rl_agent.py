@@ -94,6 +94,6 @@ def test_multi_turn_agent_masks_environment_tokens(tiny_model_dir, tmp_path, mon
     with open(tmp_path / "out" / "metrics.jsonl") as f:
         recs = [json.loads(line) for line in f]
     assert [r["step"] for r in recs] == [1, 2]
-    assert all("attempts" in r and 1 <= r["attempts"] <= 3 for r in recs)  # the agent's extra_logs
-    torch.testing.assert_close(torch.tensor([r["reward"] for r in recs]),
+    assert all("train/attempts" in r and 1 <= r["train/attempts"] <= 3 for r in recs)  # the agent's extra_logs
+    torch.testing.assert_close(torch.tensor([r["train/reward"] for r in recs]),
                                torch.stack([b.rewards.float().mean() for b in seen]), atol=1e-6, rtol=0)

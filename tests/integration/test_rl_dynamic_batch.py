@@ -53,8 +53,8 @@ def test_same_step_as_fixed_padded_micro_batches(tiny_model_dir, tmp_path, extra
     base_rows, base_w = run(tmp_path, "base", tiny_model_dir)
     rows, w = run(tmp_path, "alt", tiny_model_dir, *extra)
     for a, b in zip(base_rows, rows):
-        assert a["reward"] == pytest.approx(b["reward"], abs=1e-6)  # same samples
-        assert a["policy_loss"] == pytest.approx(b["policy_loss"], rel=1e-4, abs=1e-6)
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+        assert a["train/reward"] == pytest.approx(b["train/reward"], abs=1e-6)  # same samples
+        assert a["train/policy_loss"] == pytest.approx(b["train/policy_loss"], rel=1e-4, abs=1e-6)
+        assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-4)
     for k in base_w:
         torch.testing.assert_close(w[k], base_w[k], rtol=0, atol=2e-5, msg=k)

@@ -71,9 +71,9 @@ def test_rounds_then_skipped_step_and_the_run_goes_on(tiny_model_dir, tmp_path, 
     train_ppo.main(argv(tiny_model_dir, tmp_path, rf, "out", "--max_steps", "2", "--max_failed_steps", "3"))
     recs = records(tmp_path / "out")
     assert [r["step"] for r in recs] == [1, 2]
-    assert [r["filter_rounds"] for r in recs] == [ROUNDS, ROUNDS]
-    assert [r["skipped_steps"] for r in recs] == [1.0, 1.0]
-    assert all(r["dynamic_filtering_pass_rate"] == 0.0 and "policy_loss" not in r for r in recs)
+    assert [r["train/filter_rounds"] for r in recs] == [ROUNDS, ROUNDS]
+    assert [r["train/skipped_steps"] for r in recs] == [1.0, 1.0]
+    assert all(r["train/dynamic_filtering_pass_rate"] == 0.0 and "train/policy_loss" not in r for r in recs)
     assert (tmp_path / "out" / "model.safetensors").exists()  # the run ended normally
     err = [line for line in capsys.readouterr().err.splitlines() if "skipped, no trajectory" in line]
     assert len(err) == 2 and all(f"kept no group in {ROUNDS} rounds (--max_filter_rounds {ROUNDS}" in e for e in err)
@@ -96,7 +96,7 @@ def test_max_failed_steps_still_ends_the_run(tiny_model_dir, tmp_path, capsys):
     assert e.value.code == 1
     (last,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("train_ppo: error:")]
     assert "2 steps in a row (--max_failed_steps 2)" in last and f"kept no group in {ROUNDS} rounds" in last
-    assert [r["filter_rounds"] for r in records(tmp_path / "out")] == [ROUNDS]  # step 2 raised before logging
+    assert [r["train/filter_rounds"] for r in records(tmp_path / "out")] == [ROUNDS]  # step 2 raised before logging
 
 
 def test_cursor_after_refill_rounds_resumes_at_the_same_prompt(tiny_model_dir, tmp_path):

@@ -30,9 +30,10 @@ from rlhfkit.tasks.addition import addition_splits
 
 N, PROMPTS_PER_STEP, GEN = 2, 4, 6
 ESTIMATORS = ["gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo"]
-REQUIRED = ["reward", "reward_std", "response_length", "kl", "policy_loss", "ppo_clip_ratio", "clip_ratio",
-            "entropy", "grad_norm", "truncated_rate", "dropped_samples", "time/generate", "time/reward",
-            "time/logprobs", "time/train", "time/weight_sync", "time/step", "generate_share", "even_frac"]
+REQUIRED = ["train/reward", "train/reward_std", "train/response_length", "train/kl", "train/policy_loss",
+            "train/ppo_clip_ratio", "train/clip_ratio", "train/entropy", "train/grad_norm", "train/truncated_rate",
+            "train/dropped_samples", "time/generate", "time/reward", "time/logprobs", "time/train",
+            "time/weight_sync", "time/step", "train/generate_share", "train/even_frac"]
 
 
 def even_reward(query: str, prompt: str) -> float:
@@ -154,15 +155,15 @@ def test_estimator_runs_two_steps(est, tiny_model_dir, rl_files, tmp_path, monke
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     assert len(seen) == 2 and all(b.batch_size == PROMPTS_PER_STEP * N for b in seen)
     for rec, batch in zip(recs, seen):
-        missing = [k for k in REQUIRED + (["value_loss"] if est == "gae" else []) if k not in rec]
+        missing = [k for k in REQUIRED + (["train/value_loss"] if est == "gae" else []) if k not in rec]
         assert not missing, f"{est}: metrics.jsonl lacks {missing}"
         assert all(isinstance(rec[k], (int, float)) and math.isfinite(rec[k]) for k in REQUIRED)
         check_experience(batch, tok, est)
         r = batch.rewards.double()
-        assert rec["reward"] == pytest.approx(float(r.mean()), abs=1e-6)
-        assert rec["reward_std"] == pytest.approx(float(r.std(unbiased=False)), abs=1e-6)
-        assert rec["response_length"] == pytest.approx(float(batch.loss_mask.sum()) / batch.batch_size)
-        assert 0 < rec["generate_share"] <= 1 and rec["clip_ratio"] == rec["ppo_clip_ratio"]
+        assert rec["train/reward"] == pytest.approx(float(r.mean()), abs=1e-6)
+        assert rec["train/reward_std"] == pytest.approx(float(r.std(unbiased=False)), abs=1e-6)
+        assert rec["train/response_length"] == pytest.approx(float(batch.loss_mask.sum()) / batch.batch_size)
+        assert 0 < rec["train/generate_share"] <= 1 and rec["train/clip_ratio"] == rec["train/ppo_clip_ratio"]
         assert rec["time/step"] >= rec["time/generate"] > 0
     with open(tmp_path / "run" / "run_config.json") as f:
         assert json.load(f)["advantage_estimator"] == est

@@ -106,15 +106,15 @@ def test_drop_counts_failed_samples_and_keeps_whole_groups(tiny_model_dir, tmp_p
     with open(log) as f:
         failed = f.read().splitlines()
     assert [r["step"] for r in recs] == [1, 2] and os.path.exists(tmp_path / "out" / "model.safetensors")
-    assert sum(r["dropped_samples"] for r in recs) == len(failed)
+    assert sum(r["train/dropped_samples"] for r in recs) == len(failed)
     assert failed.count(rows[0]["input"]) == N  # the marked prompt is in one of the 2 steps (8 prompts, 4 a step)
-    incomplete = [r.get("incomplete_group_samples", 0) for r in recs]
+    incomplete = [r.get("train/incomplete_group_samples", 0) for r in recs]
     assert sum(incomplete) > 0, "no group lost just one sample: pick another failure rule"
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     for rec, batch, inc in zip(recs, seen, incomplete):
-        assert batch.batch_size + rec["dropped_samples"] + inc == N * PROMPTS_PER_STEP
+        assert batch.batch_size + rec["train/dropped_samples"] + inc == N * PROMPTS_PER_STEP
         assert batch.batch_size % N == 0
         prompts = []
         for i in range(batch.batch_size):

@@ -68,4 +68,4 @@ def test_math_reward_file_drives_train_ppo(tiny_model_dir, tmp_path, monkeypatch
     with open(tmp_path / "out" / "metrics.jsonl") as f:
         recs = [json.loads(line) for line in f]
     assert [r["step"] for r in recs] == [1, 2]
-    assert all("math_accuracy" in r for r in recs)  # the file's extra_logs reach the metrics
+    assert all("train/math_accuracy" in r for r in recs)  # the file's extra_logs reach the metrics

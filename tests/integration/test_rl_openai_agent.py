@@ -113,4 +113,4 @@ def test_openai_agent_drives_train_ppo(tiny_model_dir, tmp_path, monkeypatch):
     with open(tmp_path / "out" / "metrics.jsonl") as f:
         recs = [json.loads(line) for line in f]
     assert [r["step"] for r in recs] == [1, 2]
-    assert all("attempts" in r and "openai_turns" in r for r in recs)
+    assert all("train/attempts" in r and "train/openai_turns" in r for r in recs)

@@ -25,7 +25,8 @@ from rlhfkit.cli import train_ppo
 from rlhfkit.tasks.addition import addition_splits
 from rlhfkit.trainers.rl import RLTrainer
 
-COMPARED = ["reward", "reward_std", "policy_loss", "value_loss", "kl", "kl_coef", "grad_norm", "critic_grad_norm"]
+COMPARED = ["train/reward", "train/reward_std", "train/policy_loss", "train/value_loss", "train/kl", "train/kl_coef",
+            "train/grad_norm", "train/critic_grad_norm"]
 
 
 class Crash(Exception):
@@ -77,7 +78,7 @@ def test_resume_matches_uninterrupted_run(tiny_model_dir, tmp_path, monkeypatch)
 
     ra, rb = metrics(a), metrics(b)
     assert [r["step"] for r in rb] == [1, 2, 3, 4] == [r["step"] for r in ra]
-    assert ra[2]["kl_coef"] != ra[0]["kl_coef"], "the adaptive KL coefficient never moved"
+    assert ra[2]["train/kl_coef"] != ra[0]["train/kl_coef"], "the adaptive KL coefficient never moved"
     for x, y in zip(ra, rb):
         for k in COMPARED:
             assert y[k] == pytest.approx(x[k], rel=1e-6, abs=1e-7), f"step {x['step']} {k}: {y[k]} != {x[k]}"
@@ -117,4 +118,4 @@ def test_resume_after_a_kill_between_log_and_checkpoint_logs_each_step_once(tiny
     train_ppo.main(argv(tiny_model_dir, tmp_path, out, *ckpt, "--load_checkpoint"))
     again = metrics(out)
     assert [r["step"] for r in again] == [1, 2, 3]
-    assert again[2]["reward"] == pytest.approx(first_try[2]["reward"], rel=1e-6)
+    assert again[2]["train/reward"] == pytest.approx(first_try[2]["train/reward"], rel=1e-6)

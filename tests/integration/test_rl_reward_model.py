@@ -73,8 +73,8 @@ def test_ppo_with_critic_and_trained_reward_model(tiny_model_dir, reward_model, 
         recs = [json.loads(line) for line in f]
     assert [r["step"] for r in recs] == [1, 2]
     for r, batch in zip(recs, seen):
-        assert r["reward"] == pytest.approx(float(batch.rewards.double().mean()), abs=1e-5)
-        assert r["value_loss"] > 0 and "policy_loss" in r
+        assert r["train/reward"] == pytest.approx(float(batch.rewards.double().mean()), abs=1e-5)
+        assert r["train/value_loss"] > 0 and "train/policy_loss" in r
 
     critic = AutoModelForSequenceClassification.from_pretrained(save + "_critic")
     assert critic.config.architectures == ["LlamaForSequenceClassification"]

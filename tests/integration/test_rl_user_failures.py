@@ -85,8 +85,8 @@ def test_drop_retries_a_failing_batch_one_sample_at_a_time(tiny_model_dir, tmp_p
 
     recs = metrics(tmp_path)
     assert [r["step"] for r in recs] == [1, 2] and os.path.exists(tmp_path / "out" / "model.safetensors")
-    assert sum(r["dropped_samples"] for r in recs) == 3 * N  # the samples of the 3 bad prompts, no more
-    assert [r["skipped_steps"] for r in recs] == [0.0, 0.0]
+    assert sum(r["train/dropped_samples"] for r in recs) == 3 * N  # the samples of the 3 bad prompts, no more
+    assert [r["train/skipped_steps"] for r in recs] == [0.0, 0.0]
     calls = [tuple(map(int, line.split())) for line in log.read_text().splitlines()]
     assert any(size > 1 and bad for size, bad in calls), calls  # a batch failed and was retried
     assert "SystemExit: 3" in caplog.text and "picky_reward.py" in caplog.text
@@ -119,7 +119,7 @@ def test_stop_after_max_failed_steps_in_a_row(tiny_model_dir, tmp_path, capsys):
     (last,) = [line for line in err if line.startswith("train_ppo: error:")]
     assert "3 steps in a row (--max_failed_steps 3)" in last and "step 3" in last
     assert "8 samples failed in user code" in last
-    assert [r["skipped_steps"] for r in metrics(tmp_path)] == [1.0, 1.0]
+    assert [r["train/skipped_steps"] for r in metrics(tmp_path)] == [1.0, 1.0]
     assert not os.path.exists(tmp_path / "out" / "model.safetensors")
 
 
@@ -132,9 +132,9 @@ def test_one_bad_step_is_skipped_and_the_run_goes_on(tiny_model_dir, tmp_path, c
     train_ppo.main(argv(tiny_model_dir, tmp_path, str(rf), "--reward_failure", "drop", "--num_episodes", "2",
                         "--max_steps", "3"))
     recs = metrics(tmp_path)
-    assert [r["skipped_steps"] for r in recs] == [0.0, 1.0, 0.0]
-    assert recs[1]["dropped_samples"] == PER_STEP * N and "policy_loss" not in recs[1]
-    assert "policy_loss" in recs[2] and os.path.exists(tmp_path / "out" / "model.safetensors")
+    assert [r["train/skipped_steps"] for r in recs] == [0.0, 1.0, 0.0]
+    assert recs[1]["train/dropped_samples"] == PER_STEP * N and "train/policy_loss" not in recs[1]
+    assert "train/policy_loss" in recs[2] and os.path.exists(tmp_path / "out" / "model.safetensors")
     skipped = [line for line in capsys.readouterr().err.splitlines() if "skipped, no trajectory" in line]
     assert len(skipped) == 1 and skipped[0].startswith("step 2:") and "8 samples failed in user code" in skipped[0]
 

@@ -74,10 +74,10 @@ def test_dpo_raises_preference_accuracy_on_held_out_pairs(trained, tiny_model_di
     task = result.task
     batches = [task.collate(result.eval_items[i:i + 16]) for i in range(0, len(result.eval_items), 16)]
     start = task.eval_metrics(task.ref.backend.model, batches)
-    assert math.isclose(start["eval_loss"], math.log(2), rel_tol=1e-5) and start["eval_acc"] == 0.0
+    assert math.isclose(start["eval/loss"], math.log(2), rel_tol=1e-5) and start["eval/acc"] == 0.0
     end = result.state.history[-1]
-    assert end["step"] == 25 and end["eval_acc"] > 0.85 and end["eval_loss"] < math.log(2) - 0.1
-    assert end["eval_margin"] > 0 and end["eval_chosen_reward"] > end["eval_rejected_reward"]
+    assert end["step"] == 25 and end["eval/acc"] > 0.85 and end["eval/loss"] < math.log(2) - 0.1
+    assert end["eval/margin"] > 0 and end["eval/chosen_reward"] > end["eval/rejected_reward"]
 
 
 def test_logged_metrics_and_saved_policy(trained):
@@ -86,11 +86,13 @@ def test_logged_metrics_and_saved_policy(trained):
     result, out = trained
     with open(os.path.join(out, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
-    train_recs = [r for r in records if "acc" in r]
+    train_recs = [r for r in records if "train/acc" in r]
     assert [r["step"] for r in train_recs] == [5, 10, 15, 20, 25]
-    for k in ("loss", "chosen_reward", "rejected_reward", "margin", "lr", "grad_norm"):
+    for k in ("train/loss", "train/chosen_reward", "train/rejected_reward", "train/margin", "train/lr",
+              "train/grad_norm"):
         assert all(isinstance(r[k], float) for r in train_recs), k
-    assert all(math.isclose(r["margin"], r["chosen_reward"] - r["rejected_reward"], abs_tol=1e-6) for r in train_recs)
+    assert all(math.isclose(r["train/margin"], r["train/chosen_reward"] - r["train/rejected_reward"], abs_tol=1e-6)
+               for r in train_recs)
     with open(os.path.join(out, "run_config.json")) as f:
         assert json.load(f)["beta"] == 0.1
     saved = AutoModelForCausalLM.from_pretrained(out).eval()
@@ -108,9 +110,9 @@ def test_ipo_cdpo_nll_and_packing_run(tiny_model_dir, tmp_path):
             "--micro_train_batch_size", "4", "--max_steps", "2", "--learning_rate", "1e-3", "--max_len", "64",
             "--save_path", str(tmp_path / "o"), "--disable_progress", *extra])
         hist = run(args).state.history
-        assert [h["step"] for h in hist] == [1, 2] and all(math.isfinite(h["loss"]) for h in hist)
+        assert [h["step"] for h in hist] == [1, 2] and all(math.isfinite(h["train/loss"]) for h in hist)
         if "--nll_loss_coef" in extra:
-            assert all(h["nll_loss"] > 0 for h in hist)
+            assert all(h["train/nll_loss"] > 0 for h in hist)
 
 
 def test_bad_flag_combination_is_one_clear_error(tiny_model_dir, tmp_path, capsys):

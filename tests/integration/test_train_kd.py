@@ -43,8 +43,8 @@ def test_kd_loss_falls(tiny_model_dir, tiny_qwen2_dir, tmp_path):
     start = task.eval_metrics(load_causal_lm(ModelConfig(pretrain=tiny_model_dir, param_dtype="fp32")).eval(), batches)
     end = result.state.history[-1]
     assert end["step"] == 15
-    assert end["eval_loss"] < 0.8 * start["eval_loss"], (start, end)
-    assert end["eval_kd_loss"] < start["eval_kd_loss"] and end["eval_nll_loss"] < start["eval_nll_loss"]
+    assert end["eval/loss"] < 0.8 * start["eval/loss"], (start, end)
+    assert end["eval/kd_loss"] < start["eval/kd_loss"] and end["eval/nll_loss"] < start["eval/nll_loss"]
     assert os.path.isfile(os.path.join(out, "model.safetensors"))
 
 

@@ -44,18 +44,18 @@ def test_kto_loss_falls(tiny_model_dir, tmp_path):
     result = run(_args(tiny_model_dir, data, out, "--eval_dataset", data, "--max_steps", "24", "--eval_steps", "24",
                        "--logging_steps", "1"))
     hist = result.state.history
-    losses = [h["loss"] for h in hist]
+    losses = [h["train/loss"] for h in hist]
     assert sum(losses[-6:]) / 6 < sum(losses[:6]) / 6 - 0.03, losses
     # at the start policy == reference, so each answer's loss is w / 2: on the balanced eval set
     # (1 * 0.5 + 1.5 * 0.5) / 2 = 0.625
     task = result.task
     start = task.eval_metrics(task.ref.backend.model, [task.collate(result.eval_items[i:i + 8])
                                                       for i in range(0, len(result.eval_items), 8)])
-    assert math.isclose(start["eval_loss"], 0.625, rel_tol=1e-6)
+    assert math.isclose(start["eval/loss"], 0.625, rel_tol=1e-6)
     end = hist[-1]
-    assert end["step"] == 24 and end["eval_loss"] < 0.59, end
-    assert end["eval_chosen_reward"] > 0 > end["eval_rejected_reward"]
-    assert all(h["kl"] >= 0 and math.isfinite(h["signed_reward"]) for h in hist)
+    assert end["step"] == 24 and end["eval/loss"] < 0.59, end
+    assert end["eval/chosen_reward"] > 0 > end["eval/rejected_reward"]
+    assert all(h["train/kl"] >= 0 and math.isfinite(h["train/signed_reward"]) for h in hist)
     assert os.path.isfile(os.path.join(out, "model.safetensors")) and os.path.isfile(os.path.join(out, "metrics.png"))
 
 

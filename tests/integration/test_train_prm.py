@@ -46,5 +46,5 @@ def test_prm_loss_falls_and_accuracy_rises(tiny_model_dir, tmp_path):
     start = task.eval_metrics(base.eval(), batches)
     end = result.state.history[-1]
     assert end["step"] == 40
-    assert end["eval_loss"] < start["eval_loss"] - 0.1, (start, end)
-    assert end["eval_acc"] > max(start["eval_acc"], 0.6), (start, end)
+    assert end["eval/loss"] < start["eval/loss"] - 0.1, (start, end)
+    assert end["eval/acc"] > max(start["eval/acc"], 0.6), (start, end)

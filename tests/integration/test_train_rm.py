@@ -66,13 +66,13 @@ def trained(tiny_model_dir, tmp_path_factory):
 
 def test_eval_accuracy_above_0_9(trained):
     result, out = trained
-    evals = [h for h in result.state.history if "eval_acc" in h]
+    evals = [h for h in result.state.history if "eval/acc" in h]
     assert [h["step"] for h in evals] == [45, 90]
-    assert evals[-1]["eval_acc"] > 0.9, evals
-    assert evals[-1]["eval_loss"] < 0.5
+    assert evals[-1]["eval/acc"] > 0.9, evals
+    assert evals[-1]["eval/loss"] < 0.5
     with open(os.path.join(out, "metrics.jsonl")) as f:
         logged = [json.loads(line) for line in f]
-    assert any(r.get("eval_acc") == evals[-1]["eval_acc"] for r in logged)
+    assert any(r.get("eval/acc") == evals[-1]["eval/acc"] for r in logged)
     assert os.path.isfile(os.path.join(out, "metrics.png"))
     with open(os.path.join(out, "config.json")) as f:
         cfg = json.load(f)
@@ -142,8 +142,8 @@ def test_seed_command_as_subprocess(tiny_long_model_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(os.path.join(out, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
-    assert [r["step"] for r in records if "loss" in r] == [1, 2]
-    assert any("reward_mean" in r for r in records)
+    assert [r["step"] for r in records if "train/loss" in r] == [1, 2]
+    assert any("train/reward_mean" in r for r in records)
     with open(os.path.join(out, "config.json")) as f:  # the model's config, with the reward statistics
         cfg = json.load(f)
     assert cfg["value_head_prefix"] == "score" and cfg["std"] > 0 and "mean" in cfg

@@ -52,7 +52,7 @@ def test_seed_sft_command_runs_on_cpu(tiny_long_model_dir, qa, tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     rows = read_metrics(os.path.join(out, "metrics.jsonl"))
-    assert [x["step"] for x in rows] == [1] and rows[0]["loss"] > 0
+    assert [x["step"] for x in rows] == [1] and rows[0]["train/loss"] > 0
     cfg = json.load(open(os.path.join(out, "run_config.json")))
     assert cfg["packing_samples"] and cfg["train_batch_size"] == 256
     assert os.path.isfile(os.path.join(out, "model.safetensors"))
@@ -72,7 +72,7 @@ def test_loss_falls_over_50_steps_and_model_reloads(tiny_model_dir, qa, tmp_path
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < 0.7 * first, (first, last)
     rows = read_metrics(os.path.join(out, "metrics.jsonl"))
-    evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
+    evals = [r["eval/loss"] for r in rows if "eval/loss" in r]
     assert len(evals) == 2 and evals[1] < evals[0]
     assert os.path.isfile(os.path.join(out, "metrics.png"))
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
@@ -114,7 +114,7 @@ def test_killed_then_resumed_equals_uninterrupted(tiny_model_dir, qa, tmp_path):
     resumed = read_metrics(os.path.join(part, "metrics.jsonl"))
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
     full_rows = read_metrics(os.path.join(full, "metrics.jsonl"))
-    assert resumed[2]["loss"] == pytest.approx(full_rows[2]["loss"], rel=1e-6)
+    assert resumed[2]["train/loss"] == pytest.approx(full_rows[2]["train/loss"], rel=1e-6)
     a = load_file(os.path.join(full, "model.safetensors"))
     b = load_file(os.path.join(part, "model.safetensors"))
     assert a.keys() == b.keys()

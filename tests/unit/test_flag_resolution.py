@@ -63,11 +63,11 @@ def test_keep_best_saves_improvements_only(tmp_path):
 
     c = Ckpt(None, best_metric_key="")
     for step, value in ((1, 0.2), (2, 0.5), (3, 0.5), (4, 0.1), (5, 0.7)):
-        c.keep_best(str(tmp_path), step, {"eval_reward": 0.0, "eval_pass1": value, "eval_pass4": 1.0}, {"step": step})
+        c.keep_best(str(tmp_path), step, {"eval/reward": 0.0, "eval/pass1": value, "eval/pass4": 1.0}, {"step": step})
     assert [(t, v) for _, t, v, _ in saved] == [("global_step1", 0.2), ("global_step2", 0.5), ("global_step5", 0.7)]
     assert {r for r, *_ in saved} == {str(tmp_path / "best")} and {k for *_, k in saved} == {1}
-    with pytest.raises(UsageError, match="--best_metric_key eval_acc .* eval_pass1"):
-        Ckpt(None, best_metric_key="eval_acc").keep_best(str(tmp_path), 1, {"eval_pass1": 1.0}, {})
+    with pytest.raises(UsageError, match="--best_metric_key eval_acc .* eval/pass1"):
+        Ckpt(None, best_metric_key="eval_acc").keep_best(str(tmp_path), 1, {"eval/pass1": 1.0}, {})
 
 
 def test_notes_for_switches_without_effect(tmp_path, capsys):

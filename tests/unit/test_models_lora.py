@@ -41,6 +41,9 @@ def test_merge_causal_lm(tiny_model_dir, tmp_path):
     combiner(["--model_path", tiny_model_dir, "--lora_path", adapter, "--output_path", out,
               "--param_dtype", "fp32"])
 
+    card = open(os.path.join(out, "README.md")).read()  # the model card names base and adapter
+    assert f"| base model | `{tiny_model_dir}` |" in card and f"| `lora_path` | `{adapter}` |" in card
+    assert "pipeline_tag: text-generation" in card and "- lora-merged" in card
     merged = AutoModelForCausalLM.from_pretrained(out).eval()
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     q = peft_model.base_model.model.model.layers[0].self_attn.q_proj
@@ -71,6 +74,7 @@ def test_merge_reward_model(tiny_model_dir, tmp_path):
     with open(os.path.join(out, "config.json")) as f:
         saved = json.load(f)
     assert (saved["mean"], saved["std"], saved["value_head_prefix"]) == (0.5, 1.5, "score")
+    assert "pipeline_tag: text-classification" in open(os.path.join(out, "README.md")).read()
     ref = AutoModelForSequenceClassification.from_pretrained(out, num_labels=1).eval()
     b = _batch(tok)
     with torch.no_grad():

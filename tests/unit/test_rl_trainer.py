@@ -80,7 +80,7 @@ class FakeLogger:
     def __init__(self) -> None:
         self.logged: list[tuple[int, dict]] = []
 
-    def log(self, step, m, console=False) -> None:
+    def log(self, step, m, console=False, total=None) -> None:
         self.logged.append((step, dict(m)))
 
     def truncate(self, step) -> None:

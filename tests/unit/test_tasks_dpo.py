@@ -114,7 +114,7 @@ def test_micro_batches_add_up_and_eval_means(setup):
         assert math.isclose(sum(p[1][k] for p in parts), whole[k], rel_tol=1e-5, abs_tol=1e-7), k
     ev = task.eval_metrics(policy, [task.collate(items[:1]), task.collate(items[1:])])
     for k in ("loss", "acc", "margin", "chosen_reward", "rejected_reward"):
-        assert math.isclose(ev[f"eval_{k}"], whole[k], rel_tol=1e-5, abs_tol=1e-7), k
+        assert math.isclose(ev[f"eval/{k}"], whole[k], rel_tol=1e-5, abs_tol=1e-7), k
 
 
 def test_gradient_flows_only_into_the_policy(setup):

@@ -97,11 +97,11 @@ def test_loss_matches_reference(setup, packing, swap):
     signed = sum((beta * hi if it.label else -beta * hi) for hi, it in zip(h, items))
     assert math.isclose(m["signed_reward"], signed / 8, rel_tol=1e-4)
     ev = task.eval_metrics(policy, [task.collate(items)])
-    assert math.isclose(ev["eval_loss"], sum(per) / 4, rel_tol=1e-4)
+    assert math.isclose(ev["eval/loss"], sum(per) / 4, rel_tol=1e-4)
     good = [beta * hi for hi, it in zip(h, items) if it.label]
     bad = [beta * hi for hi, it in zip(h, items) if not it.label]
-    assert math.isclose(ev["eval_chosen_reward"], sum(good) / len(good), rel_tol=1e-4)
-    assert math.isclose(ev["eval_rejected_reward"], sum(bad) / len(bad), rel_tol=1e-4)
+    assert math.isclose(ev["eval/chosen_reward"], sum(good) / len(good), rel_tol=1e-4)
+    assert math.isclose(ev["eval/rejected_reward"], sum(bad) / len(bad), rel_tol=1e-4)
 
 
 def test_collate_builds_mismatched_pairs(setup):

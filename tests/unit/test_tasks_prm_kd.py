@@ -83,7 +83,7 @@ def test_prm_loss_matches_reference(setup, packing):
     assert math.isclose(loss.item(), total / 12, rel_tol=1e-5)
     assert math.isclose(m["acc"], correct / 12, abs_tol=1e-7)
     ev = task.eval_metrics(model, [task.collate(items[:1]), task.collate(items[1:])])
-    assert math.isclose(ev["eval_loss"], total / n, rel_tol=1e-5) and math.isclose(ev["eval_acc"], correct / n)
+    assert math.isclose(ev["eval/loss"], total / n, rel_tol=1e-5) and math.isclose(ev["eval/acc"], correct / n)
 
 
 # ----------------------------------------------------------------------------- KD
@@ -132,7 +132,7 @@ def test_kd_loss_matches_reference(setup, packing):
                                                                                     rel_tol=1e-5)
     assert kd > 1e-3  # teacher and student really differ
     ev = task.eval_metrics(student, [task.collate(items[:2]), task.collate(items[2:])])
-    assert math.isclose(ev["eval_loss"], total / n, rel_tol=1e-5)
+    assert math.isclose(ev["eval/loss"], total / n, rel_tol=1e-5)
 
 
 def test_kd_with_the_student_as_teacher_is_scaled_sft(setup, tiny_model_dir):

@@ -98,8 +98,8 @@ def test_micro_batches_add_up_to_the_whole(rm, tok):
     for k in whole:
         assert math.isclose(sum(p[1][k] for p in parts), whole[k], rel_tol=1e-5, abs_tol=1e-6), k
     ev = task.eval_metrics(rm, [task.collate(items[:3]), task.collate(items[3:])])
-    assert math.isclose(ev["eval_loss"], whole["loss"], rel_tol=1e-5)
-    assert math.isclose(ev["eval_acc"], whole["acc"]) and math.isclose(ev["eval_margin"], whole["margin"], rel_tol=1e-5)
+    assert math.isclose(ev["eval/loss"], whole["loss"], rel_tol=1e-5)
+    assert math.isclose(ev["eval/acc"], whole["acc"]) and math.isclose(ev["eval/margin"], whole["margin"], rel_tol=1e-5)
 
 
 def test_reward_statistics_are_mean_and_unbiased_std(rm, tok):
