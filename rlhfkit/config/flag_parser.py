@@ -26,6 +26,7 @@ import contextlib
 import copy
 import difflib
 import os
+import re
 import sys
 import weakref
 from typing import Any, Iterator, Sequence
@@ -34,6 +35,13 @@ from typing import Any, Iterator, Sequence
 _ACCUMULATING = (argparse._AppendAction, argparse._AppendConstAction, argparse._CountAction,
                  argparse._HelpAction, argparse._VersionAction)
 GENERAL = "general"
+# --help lists groups in this order; the command's own group comes after "general", other groups of
+# a command (serve_rm's "server", ...) next, in the order they were made
+GROUP_ORDER = ["model", "LoRA / QLoRA", "data", "training", "optimizer", "RL: reward, critic and reference models",
+               "RL: reward and agents", "RL: rollout (generation)", "RL: algorithm (advantages, KL, policy loss)",
+               "RL: critic optimizer", "RL: async training", "RL: PPO-ptx (pretraining loss)",
+               "RL: Ray placement, engines and weight sync", "evaluation", "checkpoints and output", "logging",
+               "distributed backend"]
 
 
 def package_version() -> str:
@@ -75,6 +83,8 @@ class FlagParser(argparse.ArgumentParser):
     """argparse with exact-match flags, dotted aliases, help groups, --config and conflict checks."""
 
     def __init__(self, prog: str, description: str = "", *, config_file: bool = True) -> None:
+        # a module docstring's shell line continuations were joined by Python: "a \\<newline>    b" -> "a     b"
+        description = re.sub(r"(?<=\S) ( {3,})(?=\S)", lambda m: " \\\n" + m.group(1), description)
         super().__init__(prog=prog, description=description, allow_abbrev=False, formatter_class=HelpFormatter,
                          usage="%(prog)s [--config FILE] [flags]  (--help lists every flag by group)")
         self.inert: dict[str, str] = {}  # dest -> why the flag has no effect in this command
@@ -142,6 +152,28 @@ class FlagParser(argparse.ArgumentParser):
     def exclusive(self, a: str, b: str, why: str) -> None:
         """Flags `a` and `b` must not both be given (`why`: what each would do)."""
         self._exclusive.append((a, b, why))
+
+    def ordered_groups(self) -> list[argparse._ArgumentGroup]:
+        """The help groups in the order --help lists them (GROUP_ORDER)."""
+        own = f"{self.prog} options"
+
+        def rank(item: tuple[int, argparse._ArgumentGroup]) -> tuple[float, int]:
+            i, g = item
+            if g.title == GENERAL:
+                return (0, i)
+            if g.title == own:
+                return (1, i)
+            return (3 + GROUP_ORDER.index(g.title), i) if g.title in GROUP_ORDER else (2, i)
+
+        return [g for _, g in sorted(enumerate(self._action_groups), key=rank)]
+
+    def format_help(self) -> str:
+        saved = self._action_groups
+        self._action_groups = self.ordered_groups()
+        try:
+            return super().format_help()
+        finally:
+            self._action_groups = saved
 
     # ------------------------------------------------------------------ looking up
 
@@ -253,7 +285,7 @@ _TRACKED: dict[type, type] = {}
 def _tracked(cls: type) -> type:
     """A subclass of argparse action class `cls` that records each use in `self._given`."""
     if cls not in _TRACKED:
-        def __call__(self, parser, namespace, values, option_string=None):  # noqa: N807
+        def __call__(self, parser, namespace, values, option_string=None):
             cls.__call__(self, parser, namespace, values, option_string)
             self._given.append((option_string, self, getattr(namespace, self.dest, None)))
 
@@ -280,7 +312,8 @@ def describe(parser: argparse.ArgumentParser) -> list[dict[str, Any]]:
     [{"title", "description", "flags": [{"names", "default", "help", "choices", "inert"}]}]."""
     inert = getattr(parser, "inert", {})
     out = []
-    for g in parser._action_groups:
+    groups = parser.ordered_groups() if isinstance(parser, FlagParser) else parser._action_groups
+    for g in groups:
         flags = []
         for a in g._group_actions:
             if not a.option_strings or isinstance(a, (argparse._HelpAction, argparse._VersionAction)):
