@@ -250,18 +250,22 @@ class FlagParser(argparse.ArgumentParser):
                 self.error(f"{_shown(*prev)} and {_shown(opt, action, value)} conflict: both set "
                            f"{self.option_name(action.dest)}; give one of them")
             last[action.dest] = (opt, action, value)
-        by_opt = {opt: (opt, action, value) for opt, action, value in given}
+        by_action = {id(action): (opt, action, value) for opt, action, value in given}
+
+        def given_as(option: str) -> tuple[str, argparse.Action, Any] | None:  # under any of its names
+            return by_action.get(id(self._option_string_actions[option]))
+
         for option, values in self._implies:
-            if option not in by_opt:
+            if not (use := given_as(option)):
                 continue
             for dest, value in values.items():
                 other = last.get(dest)
                 if other and other[2] != value:
-                    self.error(f"{option} and {_shown(*other)} conflict: {option} means "
+                    self.error(f"{_shown(*use)} and {_shown(*other)} conflict: {use[0]} means "
                                f"{self.option_name(dest)} {value}; give one of them")
         for a, b, why in self._exclusive:
-            if a in by_opt and b in by_opt:
-                self.error(f"{_shown(*by_opt[a])} and {_shown(*by_opt[b])} conflict: {why}; give one of them")
+            if (ga := given_as(a)) and (gb := given_as(b)):
+                self.error(f"{_shown(*ga)} and {_shown(*gb)} conflict: {why}; give one of them")
 
 
 _PARSED: dict[int, tuple[weakref.ref, dict[str, Any]]] = {}
