@@ -125,6 +125,7 @@ def build_parser() -> FlagParser:
         p.flag("--zero_stage", "--ds.zero_stage", type=int, default=0, choices=[0, 1, 2, 3],
                help="OpenRLHF: DeepSpeed ZeRO stage of the inference model",
                inert="one process holds the whole model: there is nothing to shard (OpenRLHF's loops pass 0)")
+    p.implies("--greedy_sampling", temperature=0.0)
     mark_training_only(p)
     for dest in ("eval_dataset", "eval_split"):
         p.mark_inert(dest, "batch_inference reads --dataset only")

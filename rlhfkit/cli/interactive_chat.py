@@ -71,6 +71,7 @@ def build_parser() -> FlagParser:
         p.flag("--enable_csft", action="store_true", help="append ' ' + --csft_prompt + ' ' to each prompt")
         p.flag("--csft_prompt", type=str, default=DEFAULT_CSFT_PROMPT,
                help="conditional SFT score text appended with --enable_csft")
+    p.implies("--greedy_sampling", temperature=0.0)
     mark_training_only(p)
     return p
 

@@ -68,6 +68,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         if (action.option_strings and action.nargs != 0 and d not in (None, argparse.SUPPRESS, "", [])
                 and "default" not in text and "%(default)" not in text):
             shown = " ".join(map(str, d)) if isinstance(d, (list, tuple)) else str(d)
+            if isinstance(d, str) and (d != d.strip() or not d.isprintable()):
+                shown = repr(d)  # "User: {}\nAssistant: " as written on a command line
             text += f" (default: {shown.replace('%', '%%')})"
         return text
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 from helpers import subprocess_env
 
-from rlhfkit.cli import train_ppo, train_sft
+from rlhfkit.cli import batch_inference, interactive_chat, train_ppo, train_sft
 
 
 def refused(parser, argv, capsys) -> str:
@@ -60,6 +60,14 @@ def test_declared_rl_pairs(argv, names, capsys):
     line = refused(train_ppo.build_parser(), argv, capsys)
     for n in names:
         assert n in line, (n, line)
+
+
+@pytest.mark.parametrize("module", [batch_inference, interactive_chat])
+def test_greedy_sampling_with_a_temperature(module, capsys):
+    line = refused(module.build_parser(), ["--greedy_sampling", "--temperature", "0.7"], capsys)
+    assert line.endswith("--greedy_sampling and --temperature 0.7 conflict: --greedy_sampling means "
+                         "--temperature 0.0; give one of them")
+    assert module.build_parser().parse(["--greedy_sampling", "--temperature", "0"]).greedy_sampling
 
 
 def test_rl_pairs_that_agree_are_accepted():
