@@ -76,6 +76,16 @@ def test_inert_flags_say_so_in_their_help():
     assert "no effect in train_sft" in a.help and "DeepSpeed" in a.help
 
 
+def test_package_version_is_the_pyproject_version():
+    import os
+    import re
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "pyproject.toml")) as f:
+        version = re.search(r'^version = "([^"]+)"', f.read(), re.M).group(1)
+    assert rlhfkit.__version__ == version
+
+
 def test_version_flag(capsys):
     with pytest.raises(SystemExit) as e:
         parser_of("train_dpo").parse(["--version"])
