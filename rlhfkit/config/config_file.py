@@ -147,8 +147,7 @@ def _coerce_dest(action: argparse.Action, value: Any, where: str) -> Any:
             if not isinstance(value, bool):
                 raise ValueError(f"{where}: expected true or false, got {value!r}")
             return value
-        consts = {a.const for a in [action]}
-        if value not in consts and value != action.default:
+        if value not in (action.const, action.default):
             raise ValueError(f"{where}: expected {action.const!r}, got {value!r}")
         return value
     return _coerce(action, value, where)
@@ -167,16 +166,20 @@ def _coerce(action: argparse.Action, value: Any, where: str) -> Any:
     return _one(action, value, where)
 
 
+_KINDS = {int: "an integer", float: "a number", str: "a string"}
+
+
 def _one(action: argparse.Action, value: Any, where: str) -> Any:
     typ = action.type or str
-    if isinstance(value, bool) and typ in (int, float, str):
-        raise ValueError(f"{where}: expected a {getattr(typ, '__name__', 'value')}, got {value!r}")
+    kind = _KINDS.get(typ, "a value")
+    if isinstance(value, bool) and typ in _KINDS:
+        raise ValueError(f"{where}: expected {kind}, got {value!r}")
     try:
         out = typ(value) if isinstance(value, str) or typ in (int, float, str) else value
         if typ is int and isinstance(value, float) and value != int(value):
             raise ValueError
     except (TypeError, ValueError, argparse.ArgumentTypeError):
-        raise ValueError(f"{where}: expected a {getattr(typ, '__name__', 'value')}, got {value!r}") from None
+        raise ValueError(f"{where}: expected {kind}, got {value!r}") from None
     if action.choices is not None and out not in action.choices:
         raise ValueError(f"{where}: {out!r} is not one of {', '.join(map(str, action.choices))}")
     return out

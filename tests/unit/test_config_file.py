@@ -79,8 +79,9 @@ def test_nested_unknown_key_is_named_dotted(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("data, message", [
-    ({"max_len": "long"}, "key 'max_len': expected a int, got 'long'"),
-    ({"max_len": 2.5}, "key 'max_len': expected a int, got 2.5"),
+    ({"max_len": "long"}, "key 'max_len': expected an integer, got 'long'"),
+    ({"max_len": 2.5}, "key 'max_len': expected an integer, got 2.5"),
+    ({"learning_rate": True}, "key 'learning_rate': expected a number, got True"),
     ({"param_dtype": "fp8"}, "key 'param_dtype': 'fp8' is not one of bf16, fp16, fp32"),
     ({"adam_betas": [0.9]}, "key 'adam_betas': expected a list of 2 values, got [0.9]"),
     ({"gradient_checkpointing": "yes"}, "key 'gradient_checkpointing': expected true or false, got 'yes'"),
