@@ -34,14 +34,29 @@ from typing import Any, Iterator, Sequence
 # argparse actions whose repeated use is accumulation, not a conflict
 _ACCUMULATING = (argparse._AppendAction, argparse._AppendConstAction, argparse._CountAction,
                  argparse._HelpAction, argparse._VersionAction)
+# the help groups of the shared flag table (rlhfkit.config.flags, rl_flags)
 GENERAL = "general"
+MODEL = "model"
+LORA = "LoRA / QLoRA"
+DATA = "data"
+TRAIN = "training"
+OPTIM = "optimizer"
+RL_MODELS = "RL: reward, critic and reference models"
+RL_REWARD = "RL: reward and agents"
+RL_ROLLOUT = "RL: rollout (generation)"
+RL_ALGO = "RL: algorithm (advantages, KL, policy loss)"
+RL_CRITIC = "RL: critic optimizer"
+RL_ASYNC = "RL: async training"
+RL_PTX = "RL: PPO-ptx (pretraining loss)"
+RL_PLACEMENT = "RL: Ray placement, engines and weight sync"
+EVAL = "evaluation"
+CKPT = "checkpoints and output"
+LOGGING = "logging"
+BACKEND = "distributed backend"
 # --help lists groups in this order; the command's own group comes after "general", other groups of
 # a command (serve_rm's "server", ...) next, in the order they were made
-GROUP_ORDER = ["model", "LoRA / QLoRA", "data", "training", "optimizer", "RL: reward, critic and reference models",
-               "RL: reward and agents", "RL: rollout (generation)", "RL: algorithm (advantages, KL, policy loss)",
-               "RL: critic optimizer", "RL: async training", "RL: PPO-ptx (pretraining loss)",
-               "RL: Ray placement, engines and weight sync", "evaluation", "checkpoints and output", "logging",
-               "distributed backend"]
+GROUP_ORDER = [MODEL, LORA, DATA, TRAIN, OPTIM, RL_MODELS, RL_REWARD, RL_ROLLOUT, RL_ALGO, RL_CRITIC, RL_ASYNC,
+               RL_PTX, RL_PLACEMENT, EVAL, CKPT, LOGGING, BACKEND]
 
 
 def package_version() -> str:
@@ -60,7 +75,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     def _format_action_invocation(self, action: argparse.Action) -> str:
         if not action.option_strings or action.nargs == 0:
             return super()._format_action_invocation(action)
-        return ", ".join(action.option_strings) + " " + self._format_args(action, self._get_default_metavar_for_optional(action))
+        metavar = self._format_args(action, self._get_default_metavar_for_optional(action))
+        return ", ".join(action.option_strings) + " " + metavar
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""

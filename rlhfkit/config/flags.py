@@ -28,19 +28,9 @@ import argparse
 import json
 import os
 
-from rlhfkit.config.flag_parser import FlagParser, describe, parsed_values, str2bool  # noqa: F401 - re-exported
+from rlhfkit.config.flag_parser import (BACKEND, CKPT, DATA, EVAL, LOGGING, LORA, MODEL, OPTIM,  # noqa: F401
+                                        TRAIN, FlagParser, describe, parsed_values, str2bool)
 from rlhfkit.fileio import atomic_write_text
-
-# help groups, in the order --help lists them (a command shows those it uses)
-MODEL = "model"
-LORA = "LoRA / QLoRA"
-DATA = "data"
-TRAIN = "training"
-OPTIM = "optimizer"
-BACKEND = "distributed backend"
-CKPT = "checkpoints and output"
-EVAL = "evaluation"
-LOGGING = "logging"
 
 
 def add_model_flags(p: FlagParser, default_dtype: str = "bf16") -> None:

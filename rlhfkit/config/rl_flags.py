@@ -9,6 +9,8 @@ then the RL_* groups below.
 
 from __future__ import annotations
 
+from rlhfkit.config.flag_parser import (RL_ALGO, RL_ASYNC, RL_CRITIC, RL_MODELS, RL_PLACEMENT, RL_PTX, RL_REWARD,
+                                        RL_ROLLOUT)
 from rlhfkit.config.flags import (CKPT, DATA, EVAL, OPTIM, TRAIN, FlagParser, add_backend_flags, add_ckpt_flags,
                                   add_dataloader_workers_flag, add_logging_flags, add_max_row_bytes_flag,
                                   add_model_flags, add_nonfinite_flag, add_optimizer_choice_flags)
@@ -17,15 +19,6 @@ ESTIMATORS = ["gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "d
 EMA_BETA = 0.992  # --ema_beta when not given (OpenRLHF's default)
 PTX_COEF = 0.05  # --ptx_coef when not given (OpenRLHF's default)
 ROLES = ["actor", "ref", "critic", "reward"]
-
-RL_MODELS = "RL: reward, critic and reference models"
-RL_REWARD = "RL: reward and agents"
-RL_ROLLOUT = "RL: rollout (generation)"
-RL_ALGO = "RL: algorithm (advantages, KL, policy loss)"
-RL_CRITIC = "RL: critic optimizer"
-RL_ASYNC = "RL: async training"
-RL_PLACEMENT = "RL: Ray placement, engines and weight sync"
-RL_PTX = "RL: PPO-ptx (pretraining loss)"
 
 
 def add_rl_flags(p: FlagParser) -> None:
@@ -116,7 +109,8 @@ def _rollout(p: FlagParser) -> None:
                     "after the prompt, as OpenRLHF's --rollout.max_new_tokens)")
         p.flag("--temperature", "--rollout.temperature", type=float, default=1.0,
                help="sampling temperature (the training log-probs use it too)")
-        p.flag("--top_p", "--rollout.top_p", type=float, default=1.0, help="nucleus sampling: keep this probability mass")
+        p.flag("--top_p", "--rollout.top_p", type=float, default=1.0,
+               help="nucleus sampling: keep this probability mass")
         p.flag("--top_k", "--rollout.top_k", type=int, default=-1, help="sample from the k likeliest tokens (-1: all)")
         p.flag("--rollout_max_tokens_per_gpu", "--rollout.max_tokens_per_gpu", type=int, default=None,
                help="--use_dynamic_batch: tokens per forward pass of experience making (default: "
@@ -161,7 +155,8 @@ def _train(p: FlagParser) -> None:
                help="steps in a row without a trajectory to train on (all samples dropped or filtered out) "
                     "before the run stops; fewer are skipped and counted in skipped_steps")
     with p.group(OPTIM):
-        p.flag("--actor_learning_rate", "--actor.adam.lr", type=float, default=1e-6, help="the policy's peak learning rate")
+        p.flag("--actor_learning_rate", "--actor.adam.lr", type=float, default=1e-6,
+               help="the policy's peak learning rate")
         p.flag("--critic_learning_rate", "--critic.adam.lr", type=float, default=9e-6,
                help="the critic's peak learning rate")
         p.flag("--adam_betas", "--actor.adam.betas", type=float, nargs=2, default=[0.9, 0.95],
@@ -231,7 +226,8 @@ def _algo(p: FlagParser) -> None:
                help="gae (PPO with a critic), reinforce (REINFORCE++), reinforce_baseline (REINFORCE++-baseline), "
                     "rloo, group_norm (GRPO), dr_grpo (Dr. GRPO); the group ones need --n_samples_per_prompt > 1")
         p.flag("--gamma", "--algo.advantage.gamma", type=float, default=1.0, help="discount factor of the returns")
-        p.flag("--lambd", "--algo.advantage.lambd", type=float, default=1.0, help="GAE lambda (--advantage_estimator gae)")
+        p.flag("--lambd", "--algo.advantage.lambd", type=float, default=1.0,
+               help="GAE lambda (--advantage_estimator gae)")
         p.flag("--no_advantage_std_norm", "--algo.advantage.no_std_norm", action="store_true",
                help="normalise advantages by subtracting the mean only, without dividing by the std")
         p.flag("--init_kl_coef", "--algo.kl.init_coef", type=float, default=0.01,
