@@ -38,11 +38,26 @@ def _available() -> dict[str, str]:
     return {k: v for k, v in COMMANDS.items() if importlib.util.find_spec(f"rlhfkit.cli.{v}") is not None}
 
 
+def _summary(module: str) -> str:
+    """The first line of a command module's docstring, read without importing it (no torch at --help)."""
+    import ast
+
+    spec = importlib.util.find_spec(f"rlhfkit.cli.{module}")
+    try:
+        with open(spec.origin, encoding="utf-8") as f:
+            doc = ast.get_docstring(ast.parse(f.read())) or ""
+    except (OSError, SyntaxError):
+        return ""
+    return doc.split("\n")[0].split(": `")[0].split(" (")[0].split(", ")[0].rstrip(".")
+
+
 def usage() -> str:
-    lines = ["usage: rlhfkit <command> [flags]    (rlhfkit <command> --help: its flags; rlhfkit --version)",
-             "", "commands:"]
+    lines = ["usage: rlhfkit <command> [--config FILE] [flags]", "",
+             "  rlhfkit <command> --help   its flags by group, with defaults",
+             "  rlhfkit --version          the rlhfkit version", "",
+             "commands (rlhfkit <command> == python -m rlhfkit.cli.<module>):", f"  {'command':<16} {'module':<17} what it does"]
     for k, v in _available().items():
-        lines.append(f"  {k:<16} python -m rlhfkit.cli.{v}")
+        lines.append(f"  {k:<16} {v:<17} {_summary(v)}")
     return "\n".join(lines)
 
 

@@ -113,3 +113,14 @@ def test_flag_reference_covers_every_flag():
     ppo = {f["names"][0]: f for g in ref["train_ppo"]["groups"] for f in g["flags"]}
     assert ppo["--n_samples_per_prompt"]["default"] == 1 and ppo["--kl_estimator"]["choices"] == ["k1", "k2", "k3"]
     assert ppo["--vllm_generate_batch_size"]["inert"] and not ppo["--temperature"]["inert"]
+
+
+def test_console_script_help_lists_every_command(capsys):
+    from rlhfkit.cli.main import main
+
+    main(["--help"])
+    out = capsys.readouterr().out
+    rows = {ln.split()[0]: ln.split(None, 2) for ln in out.splitlines() if ln.startswith("  ") and len(ln.split()) > 2}
+    for cmd, module in COMMANDS.items():
+        assert rows[cmd][1] == module, cmd
+    assert rows["sft"][2] == "Supervised fine-tuning" and rows["chat"][2] == "Chat with a model in the terminal"
