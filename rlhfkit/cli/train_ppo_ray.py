@@ -50,7 +50,7 @@ from rlhfkit.cli import rl_root as R
 from rlhfkit.cli.common import UsageError, cli_main, set_seed
 from rlhfkit.cli.memory_check import check_memory
 from rlhfkit.cli.train_ppo import build_parser as ppo_parser
-from rlhfkit.config.flag_parser import RL_PLACEMENT
+from rlhfkit.config.flag_parser import RL_PLACEMENT, shell_text
 from rlhfkit.trainers.async_rl import AsyncRLTrainer
 
 PROG = "train_ppo_ray"
@@ -60,7 +60,7 @@ NO_EFFECT = ("vllm_sync_with_ray",)  # --weight_sync picks the path; torch proce
 
 def build_parser():
     p = ppo_parser()
-    p.prog = PROG
+    p.prog, p.description = PROG, shell_text(__doc__ or "")
     with p.group(RL_PLACEMENT):
         p.flag("--ray_address", type=str, default=None,
                help="cluster to join, or `local` for a new local Ray (default: $RAY_ADDRESS, else the last "

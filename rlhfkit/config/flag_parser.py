@@ -90,6 +90,12 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return text
 
 
+def shell_text(text: str) -> str:
+    """A module docstring with its shell line continuations back: Python joined "a \\<newline>    --b"
+    into "a     --b" (a run of spaces before a flag inside a line)."""
+    return re.sub(r"(?<=\S) ( {3,})(?=--)", lambda m: " \\\n" + m.group(1), text)
+
+
 def _terminal_width() -> int:
     try:
         return os.get_terminal_size().columns - 2
@@ -101,9 +107,7 @@ class FlagParser(argparse.ArgumentParser):
     """argparse with exact-match flags, dotted aliases, help groups, --config and conflict checks."""
 
     def __init__(self, prog: str, description: str = "", *, config_file: bool = True) -> None:
-        # a module docstring's shell line continuations were joined by Python: "a \\<newline>    b" -> "a     b"
-        description = re.sub(r"(?<=\S) ( {3,})(?=\S)", lambda m: " \\\n" + m.group(1), description)
-        super().__init__(prog=prog, description=description, allow_abbrev=False, formatter_class=HelpFormatter,
+        super().__init__(prog=prog, description=shell_text(description), allow_abbrev=False, formatter_class=HelpFormatter,
                          usage="%(prog)s [--config FILE] [flags]  (--help lists every flag by group)")
         self.inert: dict[str, str] = {}  # dest -> why the flag has no effect in this command
         self._optionals.title = GENERAL
