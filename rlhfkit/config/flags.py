@@ -105,7 +105,7 @@ def add_data_flags(p: FlagParser, *, max_len: int = 2048, max_samples: int = 1_0
         p.flag("--input_key", "--data.input_key", type=str, default="input",
                help="column with the prompt (or the whole text / conversation)")
         p.flag("--output_key", "--data.output_key", type=str, default=None,
-               help="column with the response (default: none; see the command's description)")
+               help="column with the response (see the command's description)")
         p.flag("--input_template", "--data.input_template", type=str, default=input_template,
                help="format of the prompt with one {} for the --input_key text; '' uses the text as it is")
         p.flag("--apply_chat_template", "--data.apply_chat_template", action="store_true",
@@ -177,7 +177,7 @@ def add_optimizer_choice_flags(p: FlagParser, flat: str = "", dotted: tuple[str,
     p.flag(*names("optim", "optim"), type=str, default="adam", choices=["adam", "muon"],
            help=f"{who}optimizer: adam (AdamW), or muon: Muon for the 2-D weights of hidden layers, AdamW for "
                 "the rest")
-    p.flag(*names("muon_lr", "muon.lr"), type=float, default=0.02, help=f"{who}Muon learning rate (--optim muon)")
+    p.flag(*names("muon_lr", "muon.lr"), type=float, default=0.02, help=f"{who}Muon learning rate (--{flat}optim muon)")
     p.flag(*names("muon_momentum", "muon.momentum"), type=float, default=0.95, help=f"{who}Muon momentum")
     p.flag(*names("muon_ns_steps", "muon.ns_steps"), type=int, default=5,
            help=f"{who}Muon: Newton-Schulz iterations that orthogonalise the update")
