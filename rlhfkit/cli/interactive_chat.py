@@ -37,7 +37,7 @@ from typing import Any, Iterator, Sequence, TextIO
 import torch
 
 from rlhfkit.cli.common import UsageError, check_packages, cli_main, resolve_model_paths, set_seed
-from rlhfkit.config.flags import FlagParser, add_model_flags, mark_training_only
+from rlhfkit.config.flags import MODEL, FlagParser, add_model_flags, mark_training_only
 from rlhfkit.data.post_processors import DEFAULT_CSFT_PROMPT, csft_prompt_suffix
 from rlhfkit.data.templates import check_input_template, fill_template, render_chat
 
@@ -48,20 +48,30 @@ DEFAULT_INPUT_TEMPLATE = "User: {}\nAssistant: "
 def build_parser() -> FlagParser:
     p = FlagParser(PROG, __doc__ or "")
     add_model_flags(p)
-    p.flag("--model_name_or_path", dest="pretrain", type=str, default=None, help="alias of --pretrain")
-    p.flag("--max_len", "--data.max_len", type=int, default=4096, help="prompt + reply tokens")
-    p.flag("--greedy_sampling", action="store_true", help="greedy decoding")
-    p.flag("--top_p", type=float, default=0.9)
-    p.flag("--temperature", type=float, default=0.2)
-    p.flag("--repetition_penalty", type=float, default=1.2)
-    p.flag("--input_template", "--data.input_template", type=str, default=DEFAULT_INPUT_TEMPLATE)
-    p.flag("--apply_chat_template", "--data.apply_chat_template", action="store_true")
-    p.flag("--tokenizer_chat_template", "--data.tokenizer_chat_template", type=str, default=None)
-    p.flag("--ta_prompt", type=str, default=None, help="system prompt: a text file, or the text itself")
-    p.flag("--enable_csft", action="store_true", help="append ' ' + --csft_prompt + ' ' to each prompt")
-    p.flag("--csft_prompt", type=str, default=DEFAULT_CSFT_PROMPT)
-    p.flag("--seed", type=int, default=42)
-    p.flag("--device", type=str, default=None, help="cpu or cuda (default: cuda when available)")
+    with p.group(MODEL):
+        p.flag("--model_name_or_path", dest="pretrain", type=str, default=None, help="alias of --pretrain")
+        p.flag("--device", type=str, default=None, help="cpu or cuda (default: cuda when available)")
+    with p.group("generation"):
+        p.flag("--max_len", "--data.max_len", type=int, default=4096,
+               help="prompt + reply tokens; a conversation that no longer fits is reported and its last turn dropped")
+        p.flag("--greedy_sampling", action="store_true", help="greedy decoding")
+        p.flag("--top_p", type=float, default=0.9, help="nucleus sampling: keep this probability mass")
+        p.flag("--temperature", type=float, default=0.2, help="sampling temperature")
+        p.flag("--repetition_penalty", type=float, default=1.2,
+               help="1.0 = none; > 1 discourages repeating tokens of the prompt and the reply")
+        p.flag("--seed", type=int, default=42, help="sampling seed")
+    with p.group("prompt format"):
+        p.flag("--input_template", "--data.input_template", type=str, default=DEFAULT_INPUT_TEMPLATE,
+               help="format of each user turn with one {} for the text (without --apply_chat_template)")
+        p.flag("--apply_chat_template", "--data.apply_chat_template", action="store_true",
+               help="render the conversation with the tokenizer's chat template")
+        p.flag("--tokenizer_chat_template", "--data.tokenizer_chat_template", type=str, default=None,
+               help="a Jinja chat template that replaces the tokenizer's own")
+        p.flag("--ta_prompt", type=str, default=None, help="system prompt: a text file, or the text itself")
+        p.flag("--enable_csft", action="store_true", help="append ' ' + --csft_prompt + ' ' to each prompt")
+        p.flag("--csft_prompt", type=str, default=DEFAULT_CSFT_PROMPT,
+               help="conditional SFT score text appended with --enable_csft")
+    p.implies("--greedy_sampling", temperature=0.0)
     mark_training_only(p)
     return p
 

@@ -21,12 +21,14 @@ from rlhfkit.config.flags import FlagParser
 
 def build_parser() -> FlagParser:
     p = FlagParser("lora_combiner", "Merge a LoRA adapter into its base model.")
-    p.flag("--model_path", type=str, required=True, help="base model directory or hub id")
-    p.flag("--lora_path", type=str, required=True, help="peft adapter directory or hub id")
-    p.flag("--output_path", type=str, required=True, help="where the merged model is written")
-    p.flag("--is_rm", action="store_true", help="the base is a reward model (sequence classification)")
-    p.flag("--param_dtype", "--ds.param_dtype", type=str, default="bf16", choices=["bf16", "fp16", "fp32"])
-    p.flag("--bf16", dest="param_dtype", action="store_const", const="bf16", help="alias of --param_dtype bf16")
+    with p.group("models"):
+        p.flag("--model_path", type=str, required=True, help="base model directory or hub id")
+        p.flag("--lora_path", type=str, required=True, help="peft adapter directory or hub id")
+        p.flag("--output_path", type=str, required=True, help="where the merged model is written")
+        p.flag("--is_rm", action="store_true", help="the base is a reward model (sequence classification)")
+        p.flag("--param_dtype", "--ds.param_dtype", type=str, default="bf16", choices=["bf16", "fp16", "fp32"],
+               help="dtype of the merged model's saved weights")
+        p.flag("--bf16", dest="param_dtype", action="store_const", const="bf16", help="alias of --param_dtype bf16")
     return p
 
 

@@ -1,13 +1,20 @@
 """The `rlhfkit` console script: one subcommand per CLI module.
 
     rlhfkit sft --pretrain ... == python -m rlhfkit.cli.train_sft --pretrain ...
+    rlhfkit --version          the package version
+
+`flag_reference()` returns every command's flags by help group, as data, for a generated flag
+reference (docs): {module: {"description", "groups": [{"title", "description", "flags": [{"names",
+"dest", "default", "help", "choices", "takes_value", "inert"}]}]}}.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import runpy
 import sys
+from typing import Any
 
 COMMANDS = {
     "sft": "train_sft",
@@ -32,17 +39,49 @@ def _available() -> dict[str, str]:
     return {k: v for k, v in COMMANDS.items() if importlib.util.find_spec(f"rlhfkit.cli.{v}") is not None}
 
 
+def _summary(module: str) -> str:
+    """The first line of a command module's docstring, read without importing it (no torch at --help)."""
+    import ast
+
+    spec = importlib.util.find_spec(f"rlhfkit.cli.{module}")
+    try:
+        with open(spec.origin, encoding="utf-8") as f:
+            doc = ast.get_docstring(ast.parse(f.read())) or ""
+    except (OSError, SyntaxError):
+        return ""
+    return doc.split("\n")[0].split(": `")[0].split(" (")[0].split(", ")[0].rstrip(".")
+
+
 def usage() -> str:
-    lines = ["usage: rlhfkit <command> [flags]", "", "commands:"]
+    lines = ["usage: rlhfkit <command> [--config FILE] [flags]", "",
+             "  rlhfkit <command> --help   its flags by group, with defaults",
+             "  rlhfkit --version          the rlhfkit version", "",
+             "commands (rlhfkit <command> == python -m rlhfkit.cli.<module>):", f"  {'command':<16} {'module':<17} what it does"]
     for k, v in _available().items():
-        lines.append(f"  {k:<16} python -m rlhfkit.cli.{v}")
+        lines.append(f"  {k:<16} {v:<17} {_summary(v)}")
     return "\n".join(lines)
+
+
+def flag_reference(modules: list[str] | None = None) -> dict[str, dict[str, Any]]:
+    """Each command module's (default: all) description and flags by help group (module docstring)."""
+    from rlhfkit.config.flag_parser import describe
+
+    out = {}
+    for module in modules or list(dict.fromkeys(COMMANDS.values())):
+        parser = importlib.import_module(f"rlhfkit.cli.{module}").build_parser()
+        out[module] = {"description": parser.description or "", "groups": describe(parser)}
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage())
+        return
+    if argv[0] in ("-V", "--version"):
+        from rlhfkit import __version__
+
+        print(f"rlhfkit {__version__}")
         return
     cmd, rest = argv[0], argv[1:]
     module = COMMANDS.get(cmd) or (cmd if cmd in COMMANDS.values() else None)

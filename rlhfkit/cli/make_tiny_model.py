@@ -12,16 +12,21 @@ from rlhfkit.models.tiny import TinyModelSpec, make_tiny_model
 
 def build_parser() -> FlagParser:
     p = FlagParser("make_tiny_model", __doc__ or "")
-    p.flag("--save_path", type=str, required=True)
-    p.flag("--arch", type=str, default="llama", choices=["llama", "qwen2", "mixtral"])
-    p.flag("--hidden_size", type=int, default=128)
-    p.flag("--num_hidden_layers", "--num_layers", type=int, default=4)
-    p.flag("--num_attention_heads", type=int, default=4)
-    p.flag("--num_key_value_heads", type=int, default=None)
-    p.flag("--intermediate_size", type=int, default=None)
-    p.flag("--max_position_embeddings", type=int, default=512)
-    p.flag("--tie_word_embeddings", action="store_true")
-    p.flag("--seed", type=int, default=0)
+    with p.group("output"):
+        p.flag("--save_path", type=str, required=True,
+               help="directory to write the model and tokenizer to (Hugging Face format)")
+        p.flag("--seed", type=int, default=0, help="seed of the random initial weights")
+    with p.group("architecture"):
+        p.flag("--arch", type=str, default="llama", choices=["llama", "qwen2", "mixtral"],
+               help="transformers model family (mixtral: a mixture of experts)")
+        p.flag("--hidden_size", type=int, default=128, help="width of the residual stream")
+        p.flag("--num_hidden_layers", "--num_layers", type=int, default=4, help="transformer blocks")
+        p.flag("--num_attention_heads", type=int, default=4, help="query heads per attention layer")
+        p.flag("--num_key_value_heads", type=int, default=None,
+               help="key/value heads (grouped-query attention; default: --num_attention_heads)")
+        p.flag("--intermediate_size", type=int, default=None, help="MLP width (default: the family's rule)")
+        p.flag("--max_position_embeddings", type=int, default=512, help="longest sequence in tokens")
+        p.flag("--tie_word_embeddings", action="store_true", help="share the input embedding and the output head")
     return p
 
 

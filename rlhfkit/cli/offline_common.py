@@ -25,7 +25,7 @@ from rlhfkit.backend.fsdp2 import FSDP2Backend
 from rlhfkit.cli.common import (UsageError, check_backend_flags, check_positions, parallel_dims,
                                 check_packages, resolve_model_paths, set_seed)
 from rlhfkit.config.configs import BackendConfig, ModelConfig, OptimConfig, from_args
-from rlhfkit.config.flags import (FlagParser, add_backend_flags, add_ckpt_flags, add_data_flags,
+from rlhfkit.config.flags import (DATA, MODEL, TRAIN, FlagParser, add_backend_flags, add_ckpt_flags, add_data_flags,
                                   add_logging_flags, add_model_flags, add_train_flags)
 from rlhfkit.data.io import DataError, Row, load_mixture
 from rlhfkit.models.loader import check_model_dir, load_causal_lm, load_tokenizer
@@ -49,22 +49,27 @@ def add_offline_flags(p: FlagParser, *, max_len: int, train_batch_size: int, mic
     add_backend_flags(p)
     add_ckpt_flags(p, ckpt_path=ckpt_path)
     add_logging_flags(p, wandb_project=wandb_project)
-    p.flag("--max_steps", type=int, default=None, help="stop after this many optimizer steps")
+    with p.group(TRAIN):
+        p.flag("--max_steps", type=int, default=None, help="stop after this many optimizer steps")
 
 
 def add_pair_key_flags(p: FlagParser) -> None:
     """Paired preference columns (reward model, DPO)."""
-    p.flag("--prompt_key", "--data.prompt_key", type=str, default=None,
-           help="prompt column; without it chosen/rejected are whole texts or conversations")
-    p.flag("--chosen_key", "--data.chosen_key", type=str, default="chosen")
-    p.flag("--rejected_key", "--data.rejected_key", type=str, default="rejected")
+    with p.group(DATA):
+        p.flag("--prompt_key", "--data.prompt_key", type=str, default=None,
+               help="prompt column; without it chosen/rejected are whole texts or conversations")
+        p.flag("--chosen_key", "--data.chosen_key", type=str, default="chosen",
+               help="column with the preferred answer (or whole text / conversation)")
+        p.flag("--rejected_key", "--data.rejected_key", type=str, default="rejected",
+               help="column with the dispreferred answer (or whole text / conversation)")
 
 
 def add_ref_flags(p: FlagParser) -> None:
-    p.flag("--ref_pretrain", "--ref.model_name_or_path", type=str, default=None,
-           help="reference model directory or hub id (default: --pretrain)")
-    p.flag("--ref_offload", "--ref.offload", action="store_true",
-           help="keep the reference model in CPU memory between its forward passes")
+    with p.group(MODEL):
+        p.flag("--ref_pretrain", "--ref.model_name_or_path", type=str, default=None,
+               help="reference model directory or hub id (default: --pretrain)")
+        p.flag("--ref_offload", "--ref.offload", action="store_true",
+               help="keep the reference model in CPU memory between its forward passes")
 
 
 def require(args: argparse.Namespace, *names: str) -> None:

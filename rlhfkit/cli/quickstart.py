@@ -24,21 +24,26 @@ from rlhfkit.config.flags import FlagParser
 
 def build_parser() -> FlagParser:
     p = FlagParser("quickstart", __doc__ or "")
-    p.flag("--run_dir", type=str, default="runs/quickstart")
-    p.flag("--seed", type=int, default=0)
-    p.flag("--digits", type=int, default=2)
-    p.flag("--plain_order", action="store_true", help="write sums most-significant digit first (harder)")
-    p.flag("--num_train", type=int, default=20000)
-    p.flag("--num_eval", type=int, default=200, help="held-out questions (never trained on)")
-    p.flag("--num_val", type=int, default=100, help="validation questions that decide when SFT stops")
-    p.flag("--sft_target", type=float, default=0.3, help="SFT stops at this greedy validation accuracy")
-    p.flag("--sft_min_steps", type=int, default=200)
-    p.flag("--sft_max_steps", type=int, default=800)
-    p.flag("--rl_steps", type=int, default=100)
-    p.flag("--sft_lr", type=float, default=1e-3)
-    p.flag("--rl_lr", type=float, default=1e-4)
-    p.flag("--hidden_size", type=int, default=128)
-    p.flag("--num_layers", type=int, default=4)
+    with p.group("run"):
+        p.flag("--run_dir", type=str, default="runs/quickstart",
+               help="where the model, data, both runs, results.json and reward_curve.png go")
+        p.flag("--seed", type=int, default=0, help="seed of the data, the model and both runs")
+    with p.group("task"):
+        p.flag("--digits", type=int, default=2, help="digits of each number of the additions")
+        p.flag("--plain_order", action="store_true", help="write sums most-significant digit first (harder)")
+        p.flag("--num_train", type=int, default=20000, help="training questions (SFT data and RL prompts)")
+        p.flag("--num_eval", type=int, default=200, help="held-out questions (never trained on)")
+        p.flag("--num_val", type=int, default=100, help="validation questions that decide when SFT stops")
+    with p.group("SFT and RL"):
+        p.flag("--sft_target", type=float, default=0.3, help="SFT stops at this greedy validation accuracy")
+        p.flag("--sft_min_steps", type=int, default=200, help="SFT steps before --sft_target is checked")
+        p.flag("--sft_max_steps", type=int, default=800, help="SFT stops after this many steps at most")
+        p.flag("--rl_steps", type=int, default=100, help="GRPO steps")
+        p.flag("--sft_lr", type=float, default=1e-3, help="SFT learning rate")
+        p.flag("--rl_lr", type=float, default=1e-4, help="GRPO learning rate")
+    with p.group("model"):
+        p.flag("--hidden_size", type=int, default=128, help="width of the tiny model")
+        p.flag("--num_layers", type=int, default=4, help="transformer blocks of the tiny model")
     return p
 
 

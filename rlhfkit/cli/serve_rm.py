@@ -76,44 +76,54 @@ TRIM_AFTER_BYTES = 1 << 20  # trim the C heap after bodies this large
 
 def build_parser() -> FlagParser:
     p = FlagParser("serve_rm", "Serve a reward model over HTTP (OpenRLHF protocol).")
-    p.flag("--reward_pretrain", "--reward.model_name_or_path", type=str, default=None,
-           help="reward model directory or hub id (saved by train_rm, or any sequence-classification model)")
-    p.flag("--normalize_reward", "--reward.normalize_enable", action="store_true",
-           help="answer (r - mean) / std with mean/std from the model's config.json")
-    p.flag("--value_head_prefix", "--ds.value_head_prefix", type=str, default="score")
-    p.flag("--max_len", "--data.max_len", type=int, default=2048, help="longest query in tokens (longer: 422)")
-    p.flag("--batch_size", type=int, default=16, help="most sequences per forward")
-    p.flag("--batch_wait_ms", type=float, default=5.0,
-           help="longest wait for requests being read/parsed before a forward that is not full")
-    p.flag("--port", type=int, default=5000)
-    p.flag("--host", type=str, default="127.0.0.1", help="bind address (0.0.0.0 to accept remote clients)")
-    p.flag("--max_body_mb", type=float, default=32.0, help="largest request body (larger: 413)")
-    p.flag("--max_queries", type=int, default=65536,
-           help="most queries in a request, and most items of any list in it (more: 422)")
-    p.flag("--max_query_chars", type=int, default=0,
-           help="most characters in one query (more: 422, before tokenization); 0: --max_len x the longest "
-                "vocabulary entry, which no query within --max_len tokens exceeds")
-    p.flag("--max_json_depth", type=int, default=32, help="deepest JSON nesting of a request (deeper: 422)")
-    p.flag("--read_timeout_s", type=float, default=10.0,
-           help="longest time to receive a request's headers, and then its body (slower: 408 / closed)")
-    p.flag("--shutdown_timeout_s", type=float, default=5.0,
-           help="on SIGTERM, longest wait for requests in progress before they are cancelled")
-    p.flag("--param_dtype", "--ds.param_dtype", type=str, default="bf16", choices=["bf16", "fp16", "fp32"])
-    p.flag("--bf16", dest="param_dtype", action="store_const", const="bf16", help="alias of --param_dtype bf16")
-    p.flag("--attn_implementation", "--ds.attn_implementation", type=str, default="sdpa")
-    p.flag("--flash_attn", dest="attn_implementation", action="store_const", const="flash_attention_2")
-    p.flag("--load_in_4bit", "--ds.load_in_4bit", action="store_true")
-    p.flag("--disable_fast_tokenizer", "--data.disable_fast_tokenizer", action="store_true")
-    p.flag("--packing_samples", "--ds.packing_samples", action="store_true",
-           inert="serve_rm pads its batches")
-    p.flag("--experts_implementation", "--ds.experts_implementation", type=str, default=None,
-           help="mixture-of-experts kernels of transformers: eager, batched_mm, grouped_mm, deepgemm")
-    p.flag("--use_ms", action="store_true", help="download --reward_pretrain from ModelScope (needs modelscope)")
-    p.flag("--device", type=str, default=None, help="cpu or cuda (default: cuda when available)")
-    p.flag("--num_threads", type=int, default=0,
-           help="torch CPU threads for the model; 0: on CPU one per core but one (a core for the HTTP "
-                "side), on GPU torch's default")
-    p.flag("--log_level", type=str, default="warning", choices=["debug", "info", "warning", "error"])
+    with p.group("reward model"):
+        p.flag("--reward_pretrain", "--reward.model_name_or_path", type=str, default=None,
+               help="reward model directory or hub id (saved by train_rm, or any sequence-classification model)")
+        p.flag("--normalize_reward", "--reward.normalize_enable", action="store_true",
+               help="answer (r - mean) / std with mean/std from the model's config.json")
+        p.flag("--value_head_prefix", "--ds.value_head_prefix", type=str, default="score",
+               help="name of the model's value head module")
+        p.flag("--max_len", "--data.max_len", type=int, default=2048, help="longest query in tokens (longer: 422)")
+    with p.group("server"):
+        p.flag("--batch_size", type=int, default=16, help="most sequences per forward")
+        p.flag("--batch_wait_ms", type=float, default=5.0,
+               help="longest wait for requests being read/parsed before a forward that is not full")
+        p.flag("--port", type=int, default=5000, help="TCP port to listen on")
+        p.flag("--host", type=str, default="127.0.0.1", help="bind address (0.0.0.0 to accept remote clients)")
+        p.flag("--max_body_mb", type=float, default=32.0, help="largest request body (larger: 413)")
+        p.flag("--max_queries", type=int, default=65536,
+               help="most queries in a request, and most items of any list in it (more: 422)")
+        p.flag("--max_query_chars", type=int, default=0,
+               help="most characters in one query (more: 422, before tokenization); 0: --max_len x the longest "
+                    "vocabulary entry, which no query within --max_len tokens exceeds")
+        p.flag("--max_json_depth", type=int, default=32, help="deepest JSON nesting of a request (deeper: 422)")
+        p.flag("--read_timeout_s", type=float, default=10.0,
+               help="longest time to receive a request's headers, and then its body (slower: 408 / closed)")
+        p.flag("--shutdown_timeout_s", type=float, default=5.0,
+               help="on SIGTERM, longest wait for requests in progress before they are cancelled")
+    with p.group("model loading and device"):
+        p.flag("--param_dtype", "--ds.param_dtype", type=str, default="bf16", choices=["bf16", "fp16", "fp32"],
+               help="compute dtype on GPU; CPU computes in fp32")
+        p.flag("--bf16", dest="param_dtype", action="store_const", const="bf16", help="alias of --param_dtype bf16")
+        p.flag("--attn_implementation", "--ds.attn_implementation", type=str, default="sdpa",
+               help="attention kernel of transformers: sdpa, eager, flash_attention_2 (when installed)")
+        p.flag("--flash_attn", dest="attn_implementation", action="store_const", const="flash_attention_2",
+               help="alias of --attn_implementation flash_attention_2")
+        p.flag("--load_in_4bit", "--ds.load_in_4bit", action="store_true",
+               help="load the weights in 4-bit NF4 (needs bitsandbytes and CUDA)")
+        p.flag("--disable_fast_tokenizer", "--data.disable_fast_tokenizer", action="store_true",
+               help="load the slow (Python) tokenizer instead of the fast (Rust) one")
+        p.flag("--packing_samples", "--ds.packing_samples", action="store_true",
+               help="OpenRLHF: pack queries into one row", inert="serve_rm pads its batches")
+        p.flag("--experts_implementation", "--ds.experts_implementation", type=str, default=None,
+               help="mixture-of-experts kernels of transformers: eager, batched_mm, grouped_mm, deepgemm")
+        p.flag("--use_ms", action="store_true", help="download --reward_pretrain from ModelScope (needs modelscope)")
+        p.flag("--device", type=str, default=None, help="cpu or cuda (default: cuda when available)")
+        p.flag("--num_threads", type=int, default=0,
+               help="torch CPU threads for the model; 0: on CPU one per core but one (a core for the HTTP "
+                    "side), on GPU torch's default")
+        p.flag("--log_level", type=str, default="warning", choices=["debug", "info", "warning", "error"],
+               help="level of the server's log lines on stderr")
     return p
 
 

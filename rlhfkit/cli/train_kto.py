@@ -39,8 +39,10 @@ def build_parser() -> FlagParser:
     p.set_defaults(output_key="output")
     add_ref_flags(p)
     p.flag("--beta", "--model.beta", type=float, default=0.01, help="KTO beta")
-    p.flag("--desirable_loss_weight", "--model.desirable_loss_weight", type=float, default=1.0)
-    p.flag("--undesirable_loss_weight", "--model.undesirable_loss_weight", type=float, default=1.0)
+    p.flag("--desirable_loss_weight", "--model.desirable_loss_weight", type=float, default=1.0,
+           help="weight of the loss on desirable answers (lambda_D of the KTO paper)")
+    p.flag("--undesirable_loss_weight", "--model.undesirable_loss_weight", type=float, default=1.0,
+           help="weight of the loss on undesirable answers (lambda_U of the KTO paper)")
     p.flag("--label_key", "--data.label_key", type=str, default="label",
            help="boolean column: true for a desirable answer")
     return p

@@ -22,8 +22,10 @@ def build_parser() -> FlagParser:
     C.add_offline_flags(p, max_len=2048, train_batch_size=128, micro_train_batch_size=8, max_epochs=2,
                         learning_rate=5e-6, ckpt_path="./ckpt/checkpoints_sft", wandb_project="rlhfkit_train_sft",
                         input_template="User: {}\nAssistant: ")
-    p.flag("--multiturn", "--data.multiturn", action="store_true")
-    p.flag("--pretrain_mode", "--model.pretrain_mode_enable", action="store_true")
+    p.flag("--multiturn", "--data.multiturn", action="store_true",
+           help="--input_key holds a conversation; the loss covers every assistant turn")
+    p.flag("--pretrain_mode", "--model.pretrain_mode_enable", action="store_true",
+           help="loss on every token of the raw text (no template; continued pretraining)")
     return p
 
 

@@ -1,8 +1,9 @@
-"""The flag table: OpenRLHF's flat flag names, their newer dotted aliases, and our defaults.
+"""The flag table: OpenRLHF's flat flag names, their newer dotted aliases, our defaults and help.
 
-Each CLI builds one `FlagParser` and adds the groups it needs (`add_model_flags`, ...).
-A flag is declared once with all of its names; the first name is the flat one and
-gives the `dest`. Unknown flags fail with the closest valid name:
+Each CLI builds one `FlagParser` (rlhfkit.config.flag_parser: help groups, --config files, conflict
+checks, --version) and adds the groups it needs (`add_model_flags`, ...). A flag is declared once
+with all of its names; the first name is the flat one and gives the `dest`. Unknown flags fail with
+the closest valid name:
 
     $ python -m rlhfkit.cli.train_sft --lerning_rate 1e-5
     train_sft: error: unknown flag --lerning_rate (did you mean --learning_rate?)
@@ -18,123 +19,69 @@ the command line sets to a non-default value (on rank 0 only under torchrun):
 
 Flags whose effect depends on the run (the device, the model, other flags) say so where that is
 decided. tests/unit/test_flag_audit.py checks that every flag of every command is read by the code
-or declared inert here.
+or declared inert here; tests/unit/test_cli_help.py that every flag has a help line and a group.
 """
 
 from __future__ import annotations
 
 import argparse
-import difflib
 import json
 import os
-import sys
-from typing import Any, Sequence
 
+from rlhfkit.config.flag_parser import (BACKEND, CKPT, DATA, EVAL, LOGGING, LORA, MODEL, OPTIM,  # noqa: F401
+                                        TRAIN, FlagParser, describe, parsed_values, str2bool)
 from rlhfkit.fileio import atomic_write_text
 
 
-class FlagParser(argparse.ArgumentParser):
-    """argparse with exact-match flags, dotted aliases and close-match suggestions."""
-
-    def __init__(self, prog: str, description: str = "") -> None:
-        super().__init__(prog=prog, description=description, allow_abbrev=False)
-        self.inert: dict[str, str] = {}  # dest -> why the flag has no effect in this command
-
-    def flag(self, *names: str, inert: str | None = None, **kw: Any) -> argparse.Action:
-        """Add one flag. The first name is the flat one; later names are aliases. `inert`: the
-        flag is accepted but has no effect in this command, for this reason (a note says so)."""
-        if "dest" not in kw:
-            kw["dest"] = names[0].lstrip("-").replace(".", "_").replace("-", "_")
-        action = self.add_argument(*names, **kw)
-        if inert:
-            self.inert[action.dest] = inert
-        return action
-
-    def mark_inert(self, dest: str, why: str) -> None:
-        """Declare an existing flag as having no effect in this command (one note when it is set)."""
-        if not any(a.dest == dest for a in self._actions):
-            raise KeyError(f"{self.prog}: no flag with dest {dest!r}")
-        self.inert[dest] = why
-
-    def option_name(self, dest: str) -> str:
-        """The first (flat) spelling of `dest`'s flag, e.g. --max_ckpt_mem."""
-        for a in self._actions:
-            if a.dest == dest and a.option_strings:
-                return a.option_strings[0]
-        return "--" + dest
-
-    def inert_notes(self, ns: argparse.Namespace) -> list[str]:
-        """One note line per inert flag that `ns` sets to a non-default value."""
-        return [f"note: {self.option_name(d)} has no effect: {why}" for d, why in self.inert.items()
-                if getattr(ns, d, None) != self.get_default(d)]
-
-    def has_flag(self, name: str) -> bool:
-        return name in self._option_string_actions
-
-    def valid_names(self) -> list[str]:
-        return [s for s in self._option_string_actions if s.startswith("--")]
-
-    def parse(self, argv: Sequence[str] | None = None) -> argparse.Namespace:
-        argv = list(sys.argv[1:] if argv is None else argv)
-        ns, unknown = self.parse_known_args(argv)
-        flags = [u.split("=", 1)[0] for u in unknown if u.startswith("-")]
-        if flags:
-            msgs = []
-            for f in flags:
-                close = difflib.get_close_matches(f, self.valid_names(), n=1, cutoff=0.6)
-                hint = f" (did you mean {close[0]}?)" if close else ""
-                msgs.append(f"unknown flag {f}{hint}")
-            self.error("; ".join(msgs))
-        if unknown:
-            self.error(f"unexpected arguments: {' '.join(unknown)}")
-        if os.environ.get("RANK", "0") == "0":
-            for line in self.inert_notes(ns):
-                print(line, flush=True)
-        return ns
-
-
-def str2bool(v: str) -> bool:
-    if v.lower() in ("1", "true", "yes", "y", "on"):
-        return True
-    if v.lower() in ("0", "false", "no", "n", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected a boolean, got {v!r}")
-
-
-# ----------------------------------------------------------------------------- groups
-
-
 def add_model_flags(p: FlagParser, default_dtype: str = "bf16") -> None:
-    p.flag("--pretrain", "--model.model_name_or_path", "--actor.model_name_or_path",
-           type=str, default=None, help="model directory or hub id (org/name: HF cache, else the hub when online)")
-    p.flag("--param_dtype", "--ds.param_dtype", type=str, default=default_dtype,
-           choices=["bf16", "fp16", "fp32"], help="compute dtype on GPU (master weights stay fp32); CPU training computes in fp32")
-    p.flag("--bf16", dest="param_dtype", action="store_const", const="bf16", help="alias of --param_dtype bf16")
-    p.flag("--attn_implementation", "--ds.attn_implementation", type=str, default="sdpa",
-           help="sdpa (default), eager, flash_attention_2 (when installed)")
-    p.flag("--flash_attn", dest="attn_implementation", action="store_const", const="flash_attention_2",
-           help="alias of --attn_implementation flash_attention_2")
-    p.flag("--gradient_checkpointing", "--model.gradient_checkpointing_enable",
-           "--actor.gradient_checkpointing_enable", action="store_true")
-    p.flag("--mixed_precision", type=str, default="master_weights", choices=["master_weights", "autocast"],
-           help="one process with bf16/fp16 compute: master_weights (module in the compute dtype, fp32 "
-                "copies in the optimizer; default) or autocast (fp32 module under torch.autocast)")
-    p.flag("--torch_compile", action="store_true", help="torch.compile each transformer block of trained models")
-    p.flag("--gradient_checkpointing_use_reentrant", "--model.gradient_checkpointing_reentrant",
-           "--actor.gradient_checkpointing_reentrant", action="store_true")
-    p.flag("--lora_rank", "--ds.lora.rank", type=int, default=0)
-    p.flag("--lora_alpha", "--ds.lora.alpha", type=int, default=16)
-    p.flag("--target_modules", "--ds.lora.target_modules", type=str, nargs="*", default=["all-linear"])
-    p.flag("--lora_dropout", "--ds.lora.dropout", type=float, default=0.0)
-    p.flag("--load_in_4bit", "--ds.load_in_4bit", action="store_true")
-    p.flag("--disable_fast_tokenizer", "--data.disable_fast_tokenizer", action="store_true")
-    p.flag("--use_liger_kernel", "--ds.use_liger_kernel", action="store_true",
-           inert="Liger kernels are not used; the log-prob kernel is fused already (rlhfkit.models.fused_logprobs)")
-    p.flag("--aux_loss_coef", "--model.aux_loss_coef", "--actor.aux_loss_coef", type=float, default=0.0,
-           help="weight of a mixture-of-experts model's router load-balancing loss (0: off)")
-    p.flag("--experts_implementation", "--ds.experts_implementation", type=str, default=None,
-           help="mixture-of-experts kernels of transformers: eager, batched_mm, grouped_mm, deepgemm")
-    p.flag("--use_ms", action="store_true", help="download model ids from ModelScope (needs modelscope)")
+    with p.group(MODEL):
+        p.flag("--pretrain", "--model.model_name_or_path", "--actor.model_name_or_path",
+               type=str, default=None, help="the model to train or run: a Hugging Face model directory, or a hub id "
+                                            "(org/name: the HF cache, else the hub when online)")
+        p.flag("--param_dtype", "--ds.param_dtype", type=str, default=default_dtype,
+               choices=["bf16", "fp16", "fp32"],
+               help="compute dtype on GPU (master weights stay fp32); CPU training computes in fp32")
+        p.flag("--bf16", dest="param_dtype", action="store_const", const="bf16", help="alias of --param_dtype bf16")
+        p.flag("--attn_implementation", "--ds.attn_implementation", type=str, default="sdpa",
+               help="attention kernel of transformers: sdpa, eager, flash_attention_2 (when installed)")
+        p.flag("--flash_attn", dest="attn_implementation", action="store_const", const="flash_attention_2",
+               help="alias of --attn_implementation flash_attention_2")
+        p.flag("--gradient_checkpointing", "--model.gradient_checkpointing_enable",
+               "--actor.gradient_checkpointing_enable", action="store_true",
+               help="recompute activations in the backward pass: less memory, about a third more compute")
+        p.flag("--mixed_precision", type=str, default="master_weights", choices=["master_weights", "autocast"],
+               help="one process with bf16/fp16 compute: master_weights (module in the compute dtype, fp32 "
+                    "copies in the optimizer) or autocast (fp32 module under torch.autocast)")
+        p.flag("--torch_compile", action="store_true", help="torch.compile each transformer block of trained models")
+        p.flag("--gradient_checkpointing_use_reentrant", "--model.gradient_checkpointing_reentrant",
+               "--actor.gradient_checkpointing_reentrant", action="store_true",
+               help="with --gradient_checkpointing: torch's reentrant checkpoint variant (the default is the "
+                    "non-reentrant one)")
+        p.flag("--disable_fast_tokenizer", "--data.disable_fast_tokenizer", action="store_true",
+               help="load the slow (Python) tokenizer instead of the fast (Rust) one")
+        p.flag("--use_liger_kernel", "--ds.use_liger_kernel", action="store_true",
+               help="OpenRLHF: Liger's fused kernels",
+               inert="Liger kernels are not used; the log-prob kernel is fused already (rlhfkit.models.fused_logprobs)")
+        p.flag("--aux_loss_coef", "--model.aux_loss_coef", "--actor.aux_loss_coef", type=float, default=0.0,
+               help="weight of a mixture-of-experts model's router load-balancing loss (0: off)")
+        p.flag("--experts_implementation", "--ds.experts_implementation", type=str, default=None,
+               help="mixture-of-experts kernels of transformers: eager, batched_mm, grouped_mm, deepgemm "
+                    "(default: the model's own)")
+        p.flag("--use_ms", action="store_true", help="download model ids from ModelScope (needs modelscope)")
+    with p.group(LORA):
+        p.flag("--lora_rank", "--ds.lora.rank", type=int, default=0,
+               help="rank of LoRA adapters on the trained model (0: train all weights); the saved model is the "
+                    "adapter (peft format)")
+        p.flag("--lora_alpha", "--ds.lora.alpha", type=int, default=16,
+               help="LoRA scaling numerator: the adapter's update is scaled by alpha / rank")
+        p.flag("--target_modules", "--ds.lora.target_modules", type=str, nargs="*", default=["all-linear"],
+               help="module names that get LoRA adapters (peft's target_modules; all-linear: every linear "
+                    "layer but the output head)")
+        p.flag("--lora_dropout", "--ds.lora.dropout", type=float, default=0.0,
+               help="dropout probability on the LoRA adapters' input")
+        p.flag("--load_in_4bit", "--ds.load_in_4bit", action="store_true",
+               help="QLoRA: load the frozen base weights in 4-bit NF4 (needs bitsandbytes and CUDA; use with "
+                    "--lora_rank)")
 
 
 TRAINING_ONLY = ("gradient_checkpointing", "mixed_precision", "torch_compile", "aux_loss_coef")
@@ -148,53 +95,73 @@ def mark_training_only(p: FlagParser) -> None:
 
 def add_data_flags(p: FlagParser, *, max_len: int = 2048, max_samples: int = 1_000_000,
                    input_template: str | None = None) -> None:
-    p.flag("--dataset", "--data.dataset", type=str, default=None,
-           help="comma-separated files, folders or dataset names")
-    p.flag("--dataset_probs", "--data.dataset_probs", type=str, default=None,
-           help="comma-separated sampling probabilities, one per --dataset entry")
-    p.flag("--dataset_split", "--data.dataset_split", "--train_split", type=str, default="train")
-    p.flag("--eval_dataset", "--eval.dataset", type=str, default=None)
-    p.flag("--eval_split", "--eval.split", type=str, default="train")
-    p.flag("--input_key", "--data.input_key", type=str, default="input")
-    p.flag("--output_key", "--data.output_key", type=str, default=None)
-    p.flag("--input_template", "--data.input_template", type=str, default=input_template)
-    p.flag("--apply_chat_template", "--data.apply_chat_template", action="store_true")
-    p.flag("--tokenizer_chat_template", "--data.tokenizer_chat_template", type=str, default=None)
-    p.flag("--max_len", "--data.max_len", type=int, default=max_len)
-    p.flag("--max_samples", "--data.max_samples", type=int, default=max_samples)
-    add_max_row_bytes_flag(p)
-    add_dataloader_workers_flag(p)
+    with p.group(DATA):
+        p.flag("--dataset", "--data.dataset", type=str, default=None,
+               help="training data: comma-separated .jsonl/.json/.parquet/.csv files, folders or dataset names")
+        p.flag("--dataset_probs", "--data.dataset_probs", type=str, default=None,
+               help="comma-separated sampling probabilities, one per --dataset entry (default: concatenate)")
+        p.flag("--dataset_split", "--data.dataset_split", "--train_split", type=str, default="train",
+               help="split of --dataset to read (for datasets with splits)")
+        p.flag("--input_key", "--data.input_key", type=str, default="input",
+               help="column with the prompt (or the whole text / conversation)")
+        p.flag("--output_key", "--data.output_key", type=str, default=None,
+               help="column with the response (see the command's description)")
+        p.flag("--input_template", "--data.input_template", type=str, default=input_template,
+               help="format of the prompt with one {} for the --input_key text; '' uses the text as it is")
+        p.flag("--apply_chat_template", "--data.apply_chat_template", action="store_true",
+               help="format conversations and prompts with the tokenizer's chat template (not --input_template)")
+        p.flag("--tokenizer_chat_template", "--data.tokenizer_chat_template", type=str, default=None,
+               help="a Jinja chat template that replaces the tokenizer's own")
+        p.flag("--max_len", "--data.max_len", type=int, default=max_len,
+               help="longest sample in tokens; longer samples are dropped (counted and reported)")
+        p.flag("--max_samples", "--data.max_samples", type=int, default=max_samples,
+               help="read at most this many rows of the data (after mixing)")
+        add_max_row_bytes_flag(p)
+        add_dataloader_workers_flag(p)
+    with p.group(EVAL):
+        p.flag("--eval_dataset", "--eval.dataset", type=str, default=None,
+               help="evaluation data, same format as --dataset (default: no evaluation)")
+        p.flag("--eval_split", "--eval.split", type=str, default="train", help="split of --eval_dataset to read")
 
 
 def add_dataloader_workers_flag(p: FlagParser) -> None:
     p.flag("--dataloader_num_workers", "--data.dataloader_num_workers", type=int, default=0,
+           help="OpenRLHF: DataLoader worker processes",
            inert="data is tokenized once up front and batched in the training process (no loader workers)")
 
 
 def add_max_row_bytes_flag(p: FlagParser) -> None:
     p.flag("--max_row_bytes", "--data.max_row_bytes", type=int, default=1_000_000,
-           help="largest input row in bytes (default 1 MB); a larger row is an error naming file and row")
+           help="largest input row in bytes; a larger row is an error naming file and row")
 
 
 def add_train_flags(p: FlagParser, *, train_batch_size: int = 128, micro_train_batch_size: int = 8,
                     max_epochs: int = 2, learning_rate: float = 5e-6) -> None:
-    p.flag("--train_batch_size", "--train.batch_size", type=int, default=train_batch_size,
-           help="global samples per optimizer step")
-    p.flag("--micro_train_batch_size", "--train.micro_batch_size", type=int, default=micro_train_batch_size,
-           help="samples per forward/backward per rank")
-    p.flag("--max_epochs", "--train.max_epochs", type=int, default=max_epochs)
-    p.flag("--seed", "--train.seed", type=int, default=42)
-    p.flag("--full_determinism", "--train.full_determinism_enable", action="store_true")
-    p.flag("--learning_rate", "--adam.lr", type=float, default=learning_rate)
-    p.flag("--adam_betas", "--adam.betas", type=float, nargs=2, default=[0.9, 0.95])
-    p.flag("--adam_eps", "--adam.eps", type=float, default=1e-8)
-    p.flag("--l2", "--adam.weight_decay", type=float, default=0.0)
-    add_optimizer_choice_flags(p)
-    p.flag("--lr_scheduler", type=str, default="cosine_with_min_lr")
-    p.flag("--lr_warmup_ratio", type=float, default=0.03)
-    p.flag("--min_lr_ratio", type=float, default=0.1)
-    p.flag("--max_norm", type=float, default=1.0, help="gradient clipping (0 disables)")
-    add_nonfinite_flag(p)
+    with p.group(TRAIN):
+        p.flag("--train_batch_size", "--train.batch_size", type=int, default=train_batch_size,
+               help="global samples per optimizer step (all ranks together; gradient accumulation makes up "
+                    "the rest)")
+        p.flag("--micro_train_batch_size", "--train.micro_batch_size", type=int, default=micro_train_batch_size,
+               help="samples per forward/backward pass on each rank")
+        p.flag("--max_epochs", "--train.max_epochs", type=int, default=max_epochs, help="passes over the data")
+        p.flag("--seed", "--train.seed", type=int, default=42, help="seed of python, numpy, torch and data shuffling")
+        p.flag("--full_determinism", "--train.full_determinism_enable", action="store_true",
+               help="deterministic torch algorithms (transformers.enable_full_determinism): reproducible, slower")
+    with p.group(OPTIM):
+        p.flag("--learning_rate", "--adam.lr", type=float, default=learning_rate, help="peak learning rate")
+        p.flag("--adam_betas", "--adam.betas", type=float, nargs=2, default=[0.9, 0.95], help="AdamW beta1 beta2")
+        p.flag("--adam_eps", "--adam.eps", type=float, default=1e-8, help="AdamW epsilon")
+        p.flag("--l2", "--adam.weight_decay", type=float, default=0.0, help="AdamW weight decay")
+        add_optimizer_choice_flags(p)
+        p.flag("--lr_scheduler", type=str, default="cosine_with_min_lr",
+               help="learning-rate schedule after warm-up: cosine_with_min_lr, cosine, linear, constant, "
+                    "constant_with_warmup")
+        p.flag("--lr_warmup_ratio", type=float, default=0.03,
+               help="fraction of the optimizer steps spent warming up linearly from 0")
+        p.flag("--min_lr_ratio", type=float, default=0.1,
+               help="cosine_with_min_lr: the learning rate ends at this fraction of the peak")
+        p.flag("--max_norm", type=float, default=1.0, help="clip the gradient's global L2 norm to this (0 disables)")
+        add_nonfinite_flag(p)
 
 
 def add_optimizer_choice_flags(p: FlagParser, flat: str = "", dotted: tuple[str, ...] = ("",)) -> None:
@@ -206,15 +173,18 @@ def add_optimizer_choice_flags(p: FlagParser, flat: str = "", dotted: tuple[str,
         out += [n for d in dotted if (n := f"--{d}{dotted_name}") not in out]
         return out
 
+    who = "the critic's " if flat else ""
     p.flag(*names("optim", "optim"), type=str, default="adam", choices=["adam", "muon"],
-           help="adam (AdamW), or muon: Muon for the 2-D weights of hidden layers, AdamW for the rest")
-    p.flag(*names("muon_lr", "muon.lr"), type=float, default=0.02, help="Muon learning rate")
-    p.flag(*names("muon_momentum", "muon.momentum"), type=float, default=0.95)
-    p.flag(*names("muon_ns_steps", "muon.ns_steps"), type=int, default=5, help="Newton-Schulz iterations")
+           help=f"{who}optimizer: adam (AdamW), or muon: Muon for the 2-D weights of hidden layers, AdamW for "
+                "the rest")
+    p.flag(*names("muon_lr", "muon.lr"), type=float, default=0.02, help=f"{who}Muon learning rate (--{flat}optim muon)")
+    p.flag(*names("muon_momentum", "muon.momentum"), type=float, default=0.95, help=f"{who}Muon momentum")
+    p.flag(*names("muon_ns_steps", "muon.ns_steps"), type=int, default=5,
+           help=f"{who}Muon: Newton-Schulz iterations that orthogonalise the update")
     p.flag(*names("muon_nesterov", "muon.nesterov"), action="store_true", default=True,
-           help="Nesterov momentum (default)")
+           help=f"{who}Muon: Nesterov momentum (default)")
     p.flag(*names("muon_no_nesterov", "muon.no_nesterov"), dest=f"{flat}muon_nesterov", action="store_false",
-           help="plain momentum")
+           help=f"{who}Muon: plain momentum")
 
 
 def add_nonfinite_flag(p: FlagParser) -> None:
@@ -224,60 +194,87 @@ def add_nonfinite_flag(p: FlagParser) -> None:
 
 
 def add_backend_flags(p: FlagParser) -> None:
-    p.flag("--backend", type=str, default="fsdp2", choices=["fsdp2", "deepspeed"])
-    p.flag("--zero_stage", "--ds.zero_stage", type=int, default=2, choices=[0, 1, 2, 3],
-           help="0: replicate; 1/2: shard grads+optimizer; 3: shard everything")
-    add_local_rank_flag(p)
-    p.flag("--adam_offload", "--ds.adam_offload", action="store_true")
-    p.flag("--packing_samples", "--ds.packing_samples", action="store_true")
-    p.flag("--ring_attn_size", "--ds.ring_attn_size", type=int, default=1)
-    p.flag("--ring_head_stride", "--ds.ring_attn_head_stride", type=int, default=1,
-           inert="ring attention is not supported (--ring_attn_size must be 1)")
-    p.flag("--ds_tensor_parallel_size", "--ds.tensor_parallel_size", type=int, default=1)
     ds_only = "a DeepSpeed setting; the FSDP2 backend has no equivalent"
-    p.flag("--zpg", "--ds.zpg", type=int, default=1, inert=ds_only)
-    p.flag("--overlap_comm", "--ds.overlap_comm", action="store_true", inert=ds_only)
-    p.flag("--grad_accum_dtype", "--ds.grad_accum_dtype", type=str, default=None, inert=ds_only)
-    p.flag("--deepcompile", "--ds.deepcompile", action="store_true", inert=ds_only)
-    p.flag("--use_universal_ckpt", "--ds.use_universal_ckpt", "--use_ds_universal_ckpt", action="store_true",
-           inert="checkpoints (torch.distributed.checkpoint) load on any number of ranks without conversion")
-    p.flag("--device", type=str, default=None, help="cpu or cuda (default: cuda when available)")
+    with p.group(BACKEND):
+        p.flag("--backend", type=str, default="fsdp2", choices=["fsdp2", "deepspeed"],
+               help="training backend (fsdp2: PyTorch FSDP2, nothing extra to install)")
+        p.flag("--zero_stage", "--ds.zero_stage", type=int, default=2, choices=[0, 1, 2, 3],
+               help="sharding over data-parallel ranks, in DeepSpeed ZeRO terms: 0 replicate; 1/2 shard "
+                    "gradients and optimizer states; 3 shard the weights too")
+        add_local_rank_flag(p)
+        p.flag("--adam_offload", "--ds.adam_offload", action="store_true",
+               help="keep optimizer states and fp32 master weights in host memory (CUDA only)")
+        p.flag("--packing_samples", "--ds.packing_samples", action="store_true",
+               help="pack several samples into one row without padding (attention kept within each sample)")
+        p.flag("--ring_attn_size", "--ds.ring_attn_size", type=int, default=1,
+               help="ranks of one ring-attention (context-parallel) group; only 1 is supported")
+        p.flag("--ring_head_stride", "--ds.ring_attn_head_stride", type=int, default=1,
+               help="OpenRLHF: attention heads per ring-attention step",
+               inert="ring attention is not supported (--ring_attn_size must be 1)")
+        p.flag("--ds_tensor_parallel_size", "--ds.tensor_parallel_size", type=int, default=1,
+               help="tensor-parallel training size; only 1 is supported")
+        p.flag("--zpg", "--ds.zpg", type=int, default=1, help="OpenRLHF: ZeRO++ hierarchical partition size",
+               inert=ds_only)
+        p.flag("--overlap_comm", "--ds.overlap_comm", action="store_true",
+               help="OpenRLHF: overlap DeepSpeed's gradient reduction with the backward pass", inert=ds_only)
+        p.flag("--grad_accum_dtype", "--ds.grad_accum_dtype", type=str, default=None,
+               help="OpenRLHF: DeepSpeed's gradient accumulation dtype", inert=ds_only)
+        p.flag("--deepcompile", "--ds.deepcompile", action="store_true", help="OpenRLHF: DeepSpeed's DeepCompile",
+               inert=ds_only)
+        p.flag("--use_universal_ckpt", "--ds.use_universal_ckpt", "--use_ds_universal_ckpt", action="store_true",
+               help="OpenRLHF: load DeepSpeed universal checkpoints",
+               inert="checkpoints (torch.distributed.checkpoint) load on any number of ranks without conversion")
+        p.flag("--device", type=str, default=None, help="cpu or cuda (default: cuda when available)")
 
 
 def add_local_rank_flag(p: FlagParser) -> None:
-    p.flag("--local_rank", type=int, default=-1,
+    p.flag("--local_rank", type=int, default=-1, help="OpenRLHF: this process's rank on its node",
            inert="each process reads its rank from the environment (LOCAL_RANK / RANK, set by torchrun and "
                  "the deepspeed launcher)")
 
 
 def add_ckpt_flags(p: FlagParser, *, ckpt_path: str = "./ckpt/checkpoints") -> None:
-    p.flag("--save_path", "--ckpt.output_dir", type=str, default="./ckpt",
-           help="final Hugging Face model directory")
-    p.flag("--run_dir", type=str, default=None,
-           help="metrics.jsonl, config.json and plots (default: --save_path)")
-    p.flag("--save_steps", "--ckpt.save_steps", type=int, default=-1)
-    p.flag("--ckpt_path", "--ckpt.path", type=str, default=ckpt_path)
-    p.flag("--max_ckpt_num", "--ckpt.max_num", type=int, default=3)
-    p.flag("--max_ckpt_mem", "--ckpt.max_mem", type=float, default=1e8,
-           inert="checkpoints are rotated by count only (--max_ckpt_num)")
-    p.flag("--load_checkpoint", "--ckpt.load_enable", action="store_true")
-    p.flag("--save_hf_ckpt", "--ckpt.save_hf", action="store_true")
-    p.flag("--hf_max_shard_size", type=str, default="5GB",
-           help="largest safetensors file of a Hugging Face export, e.g. 5GB, 500MB or bytes")
-    p.flag("--disable_ds_ckpt", "--ckpt.disable_ds", action="store_true")
+    with p.group(CKPT):
+        p.flag("--save_path", "--ckpt.output_dir", type=str, default="./ckpt",
+               help="where the final model is saved in Hugging Face format")
+        p.flag("--run_dir", type=str, default=None,
+               help="metrics.jsonl, run_config.json and plots (default: --save_path)")
+        p.flag("--save_steps", "--ckpt.save_steps", type=int, default=-1,
+               help="save a resumable checkpoint every N optimizer steps (-1: never)")
+        p.flag("--ckpt_path", "--ckpt.path", type=str, default=ckpt_path,
+               help="folder of the resumable checkpoints (global_step<N>)")
+        p.flag("--max_ckpt_num", "--ckpt.max_num", type=int, default=3,
+               help="keep this many newest checkpoints; older ones are deleted")
+        p.flag("--max_ckpt_mem", "--ckpt.max_mem", type=float, default=1e8,
+               help="OpenRLHF: size limit of the checkpoint folder",
+               inert="checkpoints are rotated by count only (--max_ckpt_num)")
+        p.flag("--load_checkpoint", "--ckpt.load_enable", action="store_true",
+               help="resume from the newest checkpoint in --ckpt_path, if there is one")
+        p.flag("--save_hf_ckpt", "--ckpt.save_hf", action="store_true",
+               help="also save a Hugging Face snapshot with each checkpoint (<ckpt_path>/global_step<N>_hf)")
+        p.flag("--hf_max_shard_size", type=str, default="5GB",
+               help="largest safetensors file of a Hugging Face export, e.g. 5GB, 500MB or bytes")
+        p.flag("--disable_ds_ckpt", "--ckpt.disable_ds", action="store_true",
+               help="--save_steps writes no resumable checkpoint (only --save_hf_ckpt snapshots)")
 
 
-def add_logging_flags(p: FlagParser, *, wandb_project: str = "rlhfkit") -> None:
-    p.flag("--logging_steps", "--logger.logging_steps", type=int, default=1)
-    p.flag("--eval_steps", "--eval.steps", type=int, default=-1, help="-1: once per epoch")
-    p.flag("--use_wandb", "--logger.wandb.key", type=str, default=None,
-           help="wandb API key (or 'True' to use the logged-in account)")
-    p.flag("--wandb_org", "--logger.wandb.org", type=str, default=None)
-    p.flag("--wandb_group", "--logger.wandb.group", type=str, default=None)
-    p.flag("--wandb_project", "--logger.wandb.project", type=str, default=wandb_project)
-    p.flag("--wandb_run_name", "--logger.wandb.run_name", type=str, default=None)
-    p.flag("--use_tensorboard", "--logger.tensorboard_dir", type=str, default=None)
-    p.flag("--disable_progress", action="store_true", help="no progress bar")
+def add_logging_flags(p: FlagParser, *, wandb_project: str = "rlhfkit", eval_default: str = "once per epoch") -> None:
+    with p.group(LOGGING):
+        p.flag("--logging_steps", "--logger.logging_steps", type=int, default=1,
+               help="log metrics every N optimizer steps")
+        p.flag("--use_wandb", "--logger.wandb.key", type=str, default=None,
+               help="log to Weights & Biases: an API key, or 'True' to use the logged-in account")
+        p.flag("--wandb_org", "--logger.wandb.org", type=str, default=None, help="wandb entity (team or user)")
+        p.flag("--wandb_group", "--logger.wandb.group", type=str, default=None, help="wandb run group")
+        p.flag("--wandb_project", "--logger.wandb.project", type=str, default=wandb_project, help="wandb project")
+        p.flag("--wandb_run_name", "--logger.wandb.run_name", type=str, default=None,
+               help="wandb run name (default: wandb's)")
+        p.flag("--use_tensorboard", "--logger.tensorboard_dir", type=str, default=None,
+               help="write TensorBoard event files to this folder (needs tensorboard)")
+        p.flag("--disable_progress", action="store_true", help="no progress bar")
+    with p.group(EVAL):
+        p.flag("--eval_steps", "--eval.steps", type=int, default=-1,
+               help=f"evaluate every N steps (-1: {eval_default})")
 
 
 def run_dir_of(args: argparse.Namespace) -> str:
@@ -285,10 +282,19 @@ def run_dir_of(args: argparse.Namespace) -> str:
 
 
 def write_resolved_config(args: argparse.Namespace, run_dir: str, name: str = "run_config.json") -> str:
-    """Write every flag's final value as JSON into the run directory."""
+    """Write every flag's final value as JSON into the run directory. `_as_parsed` holds the values
+    the command line gave for the flags the command then resolved (e.g. train_ppo's --generate_max_len
+    None -> 1024), so `--config run_config.json` replays the run (rlhfkit.config.config_file)."""
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, name)
     data = {k: v for k, v in sorted(vars(args).items()) if k not in ("use_wandb",)}
     data["use_wandb"] = bool(getattr(args, "use_wandb", None))
+    parsed = parsed_values(args)
+    if parsed:
+        plain = json.loads(json.dumps(data, default=str))
+        as_parsed = {k: v for k, v in json.loads(json.dumps(parsed, default=str)).items()
+                     if k in plain and k != "use_wandb" and plain[k] != v}
+        if as_parsed:
+            data["_as_parsed"] = as_parsed
     atomic_write_text(path, json.dumps(data, indent=2, default=str))  # a kill never leaves half of it
     return path

@@ -3,14 +3,17 @@
 Defaults follow OpenRLHF where a user would expect them (see the shared reference, section 2.1).
 Placement and engine flags (`--*_num_nodes`, `--vllm_*`, `--colocate_*`, `--*_enable_sleep`) are
 declared here for both commands; `train_ppo` (one process / torchrun) reports them as not taking
-effect instead of dropping them silently.
+effect instead of dropping them silently. Help groups: the shared ones of rlhfkit.config.flags,
+then the RL_* groups below.
 """
 
 from __future__ import annotations
 
-from rlhfkit.config.flags import (FlagParser, add_backend_flags, add_ckpt_flags, add_dataloader_workers_flag,
-                                  add_logging_flags, add_max_row_bytes_flag, add_model_flags, add_nonfinite_flag,
-                                  add_optimizer_choice_flags)
+from rlhfkit.config.flag_parser import (RL_ALGO, RL_ASYNC, RL_CRITIC, RL_MODELS, RL_PLACEMENT, RL_PTX, RL_REWARD,
+                                        RL_ROLLOUT)
+from rlhfkit.config.flags import (CKPT, DATA, EVAL, OPTIM, TRAIN, FlagParser, add_backend_flags, add_ckpt_flags,
+                                  add_dataloader_workers_flag, add_logging_flags, add_max_row_bytes_flag,
+                                  add_model_flags, add_nonfinite_flag, add_optimizer_choice_flags)
 
 ESTIMATORS = ["gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo"]
 EMA_BETA = 0.992  # --ema_beta when not given (OpenRLHF's default)
@@ -22,7 +25,7 @@ def add_rl_flags(p: FlagParser) -> None:
     add_model_flags(p)
     add_backend_flags(p)
     add_ckpt_flags(p, ckpt_path="./ckpt/checkpoints_ppo")
-    add_logging_flags(p, wandb_project="rlhfkit_train_ppo")
+    add_logging_flags(p, wandb_project="rlhfkit_train_ppo", eval_default="never")
     _models(p)
     _data(p)
     _rollout(p)
@@ -35,93 +38,156 @@ def add_rl_flags(p: FlagParser) -> None:
 
 
 def _models(p: FlagParser) -> None:
-    p.flag("--reward_pretrain", "--reward.model_name_or_path", type=str, default=None,
-           help="reward model directories or hub ids, comma-separated")
-    p.flag("--critic_pretrain", "--critic.model_name_or_path", type=str, default=None)
-    p.flag("--ref_pretrain", "--ref.model_name_or_path", type=str, default=None, help="default: --pretrain")
-    p.flag("--remote_rm_url", "--reward.remote_url", type=str, default=None,
-           help="http(s) reward server URL(s), comma-separated, or a .py file defining reward_func")
-    p.flag("--agent_func_path", "--train.agent_func_path", type=str, default=None)
-    p.flag("--value_head_prefix", "--ds.value_head_prefix", "--value_prefix_head", type=str, default="score")
-    p.flag("--ref_reward_offload", action="store_true")
-    p.flag("--ref_offload", "--ref.offload", action="store_true")
-    p.flag("--reward_offload", "--reward.offload", action="store_true")
-    p.flag("--rollout_engine", type=str, default="builtin", choices=["builtin", "hf", "vllm"])
-    p.flag("--rollout_max_num_seqs", type=int, default=None,
-           help="sequences the engine decodes at once (default: all samples of a step on this rank, at most 512)")
+    with p.group(RL_MODELS):
+        p.flag("--reward_pretrain", "--reward.model_name_or_path", type=str, default=None,
+               help="reward model directory or hub id (a sequence classifier with one output); several, comma-separated, "
+                    "are summed")
+        p.flag("--critic_pretrain", "--critic.model_name_or_path", type=str, default=None,
+               help="initial critic (value model; directory or hub id) for --advantage_estimator gae (default: --reward_pretrain, else "
+                    "--pretrain)")
+        p.flag("--ref_pretrain", "--ref.model_name_or_path", type=str, default=None,
+               help="reference model of the KL term, directory or hub id (default: --pretrain)")
+        p.flag("--value_head_prefix", "--ds.value_head_prefix", "--value_prefix_head", type=str, default="score",
+               help="name of the reward / critic model's value head module")
+        p.flag("--ref_reward_offload", action="store_true", help="both --ref_offload and --reward_offload")
+        p.flag("--ref_offload", "--ref.offload", action="store_true",
+               help="keep the reference model in host memory between its forward passes")
+        p.flag("--reward_offload", "--reward.offload", action="store_true",
+               help="keep the reward model(s) in host memory between their forward passes")
+    with p.group(RL_REWARD):
+        p.flag("--remote_rm_url", "--reward.remote_url", type=str, default=None,
+               help="http(s) reward server URL(s), comma-separated, or a .py file defining reward_func(queries, "
+                    "prompts, labels)")
+        p.flag("--agent_func_path", "--train.agent_func_path", type=str, default=None,
+               help="a .py file defining AgentExecutor (multi-turn) or AgentInstance (step() gives the reward)")
+    with p.group(RL_ROLLOUT):
+        p.flag("--rollout_engine", type=str, default="builtin", choices=["builtin", "hf", "vllm"],
+               help="generation engine: builtin (continuous batching, no extra package), hf (transformers "
+                    "generate, slow reference) or vllm (when installed)")
+        p.flag("--rollout_max_num_seqs", type=int, default=None,
+               help="sequences the engine decodes at once (default: all samples of a step on this rank, at "
+                    "most 512)")
 
 
 def _data(p: FlagParser) -> None:
-    p.flag("--prompt_data", "--data.prompt_dataset", type=str, default=None)
-    p.flag("--prompt_data_probs", "--data.prompt_probs", type=str, default=None)
-    p.flag("--prompt_split", "--data.prompt_split", "--train_split", type=str, default="train")
-    p.flag("--input_key", "--data.input_key", type=str, default="input")
-    p.flag("--label_key", "--data.label_key", type=str, default=None)
-    p.flag("--input_template", "--data.input_template", type=str, default=None)
-    p.flag("--apply_chat_template", "--data.apply_chat_template", action="store_true")
-    p.flag("--tokenizer_chat_template", "--data.tokenizer_chat_template", type=str, default=None)
-    p.flag("--max_samples", "--data.max_samples", type=int, default=int(1e8))
-    add_max_row_bytes_flag(p)
-    p.flag("--max_len", "--data.max_len", type=int, default=None, help="prompt + response token budget")
-    p.flag("--prompt_max_len", type=int, default=1024)
-    add_dataloader_workers_flag(p)
+    with p.group(DATA):
+        p.flag("--prompt_data", "--data.prompt_dataset", type=str, default=None,
+               help="prompts: comma-separated .jsonl/.json/.parquet/.csv files, folders or dataset names")
+        p.flag("--prompt_data_probs", "--data.prompt_probs", type=str, default=None,
+               help="comma-separated sampling probabilities, one per --prompt_data entry")
+        p.flag("--prompt_split", "--data.prompt_split", "--train_split", type=str, default="train",
+               help="split of --prompt_data to read")
+        p.flag("--input_key", "--data.input_key", type=str, default="input",
+               help="column with the prompt text or conversation")
+        p.flag("--label_key", "--data.label_key", type=str, default=None,
+               help="column handed to reward_func / the agent as the label (e.g. the reference answer)")
+        p.flag("--input_template", "--data.input_template", type=str, default=None,
+               help="format of the prompt with one {} for the --input_key text (default: the text as it is)")
+        p.flag("--apply_chat_template", "--data.apply_chat_template", action="store_true",
+               help="format prompts with the tokenizer's chat template")
+        p.flag("--tokenizer_chat_template", "--data.tokenizer_chat_template", type=str, default=None,
+               help="a Jinja chat template that replaces the tokenizer's own")
+        p.flag("--max_samples", "--data.max_samples", type=int, default=int(1e8),
+               help="read at most this many prompts")
+        add_max_row_bytes_flag(p)
+        p.flag("--max_len", "--data.max_len", type=int, default=None,
+               help="prompt + response token budget (default: --prompt_max_len + --generate_max_len)")
+        p.flag("--prompt_max_len", type=int, default=1024,
+               help="longest prompt in tokens; longer prompts are dropped (counted)")
+        add_dataloader_workers_flag(p)
 
 
 def _rollout(p: FlagParser) -> None:
-    p.flag("--rollout_batch_size", "--rollout.batch_size", type=int, default=1024, help="prompts per RL step")
-    p.flag("--n_samples_per_prompt", "--rollout.n_samples_per_prompt", type=int, default=1)
-    p.flag("--micro_rollout_batch_size", "--rollout.micro_batch_size", type=int, default=8)
-    p.flag("--generate_max_len", "--max_new_tokens", "--rollout.max_new_tokens", type=int, default=None,
-           help="new tokens of one generation (default: 1024; with --max_len given, what --max_len leaves "
-                "after the prompt, as OpenRLHF's --rollout.max_new_tokens)")
-    p.flag("--temperature", "--rollout.temperature", type=float, default=1.0)
-    p.flag("--top_p", "--rollout.top_p", type=float, default=1.0)
-    p.flag("--top_k", "--rollout.top_k", type=int, default=-1)
-    p.flag("--rollout_max_tokens_per_gpu", "--rollout.max_tokens_per_gpu", type=int, default=None)
-    p.flag("--vllm_generate_batch_size", "--rollout.vllm_generate_batch_size", type=int, default=None,
-           inert="each step generates --rollout_batch_size prompts (dynamic filtering draws more as needed)")
+    with p.group(RL_ROLLOUT):
+        p.flag("--rollout_batch_size", "--rollout.batch_size", type=int, default=1024, help="prompts per RL step")
+        p.flag("--n_samples_per_prompt", "--rollout.n_samples_per_prompt", type=int, default=1,
+               help="samples generated per prompt (the group of GRPO / RLOO)")
+        p.flag("--micro_rollout_batch_size", "--rollout.micro_batch_size", type=int, default=8,
+               help="samples per forward pass when computing log-probs, values and rewards of a rollout")
+        p.flag("--generate_max_len", "--max_new_tokens", "--rollout.max_new_tokens", type=int, default=None,
+               help="new tokens of one generation (default: 1024; with --max_len given, what --max_len leaves "
+                    "after the prompt, as OpenRLHF's --rollout.max_new_tokens)")
+        p.flag("--temperature", "--rollout.temperature", type=float, default=1.0,
+               help="sampling temperature (the training log-probs use it too)")
+        p.flag("--top_p", "--rollout.top_p", type=float, default=1.0,
+               help="nucleus sampling: keep this probability mass")
+        p.flag("--top_k", "--rollout.top_k", type=int, default=-1, help="sample from the k likeliest tokens (-1: all)")
+        p.flag("--rollout_max_tokens_per_gpu", "--rollout.max_tokens_per_gpu", type=int, default=None,
+               help="--use_dynamic_batch: tokens per forward pass of experience making (default: "
+                    "--train_max_tokens_per_gpu)")
+        p.flag("--vllm_generate_batch_size", "--rollout.vllm_generate_batch_size", type=int, default=None,
+               help="OpenRLHF: prompts generated per round (over-sampling)",
+               inert="each step generates --rollout_batch_size prompts (dynamic filtering draws more as needed)")
 
 
 def _train(p: FlagParser) -> None:
-    p.flag("--train_batch_size", "--train.batch_size", type=int, default=128)
-    p.flag("--micro_train_batch_size", "--train.micro_batch_size", type=int, default=1)
-    p.flag("--max_epochs", "--train.max_epochs", type=int, default=1)
-    p.flag("--num_episodes", "--train.num_episodes", type=int, default=1)
-    p.flag("--max_steps", type=int, default=None, help="stop after this many RL steps")
-    p.flag("--seed", "--train.seed", type=int, default=42)
-    p.flag("--full_determinism", "--train.full_determinism_enable", action="store_true")
-    p.flag("--use_dynamic_batch", "--train.dynamic_batch_enable", action="store_true")
-    p.flag("--train_max_tokens_per_gpu", "--train.max_tokens_per_gpu", type=int, default=16192)
-    p.flag("--actor_learning_rate", "--actor.adam.lr", type=float, default=1e-6)
-    p.flag("--critic_learning_rate", "--critic.adam.lr", type=float, default=9e-6)
-    p.flag("--adam_betas", "--actor.adam.betas", type=float, nargs=2, default=[0.9, 0.95])
-    p.flag("--adam_eps", "--actor.adam.eps", type=float, default=1e-8)
-    p.flag("--l2", "--actor.adam.weight_decay", type=float, default=0.0)
-    p.flag("--lr_scheduler", "--actor.lr_scheduler", type=str, default="cosine_with_min_lr")
-    p.flag("--lr_warmup_ratio", "--actor.lr_warmup_ratio", type=float, default=0.03)
-    p.flag("--min_lr_ratio", "--actor.min_lr_ratio", type=float, default=0.1)
-    p.flag("--max_norm", "--actor.max_norm", type=float, default=1.0)
-    add_optimizer_choice_flags(p, dotted=("actor.",))
-    _critic_optim(p)
-    add_nonfinite_flag(p)
-    p.flag("--freezing_actor_steps", "--critic.freezing_steps", type=int, default=-1)
-    p.flag("--save_value_network", "--critic.save_value_network", action="store_true")
-    p.flag("--async_train", "--train.async_enable", action="store_true")
-    p.flag("--async_queue_size", "--train.async_queue_size", type=int, default=1)
-    p.flag("--partial_rollout", "--train.partial_rollout_enable", action="store_true")
-    p.flag("--enable_ema", "--train.enable_ema", action="store_true",
-           help="keep an exponential moving average of the policy's weights; it is what gets saved")
-    p.flag("--ema_beta", "--train.ema_beta", type=float, default=None,
-           help=f"EMA decay (default {EMA_BETA}): ema = beta * ema + (1 - beta) * weights after every optimizer step")
-    p.flag("--actor_init_on_gpu", action="store_true",
-           inert="models are loaded on the host and moved (or sharded) onto the device by the backend")
-    p.flag("--perf", action="store_true", inert="step timings are always logged (time/* in metrics.jsonl)")
-    p.flag("--reward_failure", type=str, default="stop", choices=["stop", "drop"],
-           help="what a reward_func / agent exception does: stop the run, or drop the sample (counted)")
-    p.flag("--reward_timeout", type=float, default=300.0, help="seconds for one reward_func / agent step call")
-    p.flag("--max_failed_steps", type=int, default=3,
-           help="steps in a row without a trajectory to train on (all samples dropped or filtered out) "
-                "before the run stops; fewer are skipped and counted in skipped_steps")
+    with p.group(TRAIN):
+        p.flag("--train_batch_size", "--train.batch_size", type=int, default=128,
+               help="samples per optimizer step (all ranks together); a rollout of --rollout_batch_size x "
+                    "--n_samples_per_prompt samples makes that many / this many steps")
+        p.flag("--micro_train_batch_size", "--train.micro_batch_size", type=int, default=1,
+               help="samples per forward/backward pass on each rank")
+        p.flag("--max_epochs", "--train.max_epochs", type=int, default=1, help="PPO epochs over each rollout")
+        p.flag("--num_episodes", "--train.num_episodes", type=int, default=1, help="passes over the prompts")
+        p.flag("--max_steps", type=int, default=None, help="stop after this many RL steps")
+        p.flag("--seed", "--train.seed", type=int, default=42, help="seed of python, numpy, torch, data and sampling")
+        p.flag("--full_determinism", "--train.full_determinism_enable", action="store_true",
+               help="deterministic torch algorithms (transformers.enable_full_determinism): reproducible, slower")
+        p.flag("--use_dynamic_batch", "--train.dynamic_batch_enable", action="store_true",
+               help="micro-batches by token budget (--train_max_tokens_per_gpu) instead of sample count")
+        p.flag("--train_max_tokens_per_gpu", "--train.max_tokens_per_gpu", type=int, default=16192,
+               help="--use_dynamic_batch: tokens per training micro-batch on each rank")
+        p.flag("--freezing_actor_steps", "--critic.freezing_steps", type=int, default=-1,
+               help="train only the critic for the first N steps (critic warm-up; -1: off)")
+        p.flag("--save_value_network", "--critic.save_value_network", action="store_true",
+               help="also save the critic, to <save_path>_critic")
+        p.flag("--enable_ema", "--train.enable_ema", action="store_true",
+               help="keep an exponential moving average of the policy's weights; it is what gets saved")
+        p.flag("--ema_beta", "--train.ema_beta", type=float, default=None,
+               help=f"EMA decay (default {EMA_BETA}): ema = beta * ema + (1 - beta) * weights after every "
+                    "optimizer step")
+        p.flag("--actor_init_on_gpu", action="store_true", help="OpenRLHF: build the actor directly on the GPU",
+               inert="models are loaded on the host and moved (or sharded) onto the device by the backend")
+        p.flag("--perf", action="store_true", help="OpenRLHF: log step timings",
+               inert="step timings are always logged (time/* in metrics.jsonl)")
+        add_nonfinite_flag(p)
+        p.flag("--max_failed_steps", type=int, default=3,
+               help="steps in a row without a trajectory to train on (all samples dropped or filtered out) "
+                    "before the run stops; fewer are skipped and counted in skipped_steps")
+    with p.group(OPTIM):
+        p.flag("--actor_learning_rate", "--actor.adam.lr", type=float, default=1e-6,
+               help="the policy's peak learning rate")
+        p.flag("--critic_learning_rate", "--critic.adam.lr", type=float, default=9e-6,
+               help="the critic's peak learning rate")
+        p.flag("--adam_betas", "--actor.adam.betas", type=float, nargs=2, default=[0.9, 0.95],
+               help="AdamW beta1 beta2 (the flat name sets the critic's too)")
+        p.flag("--adam_eps", "--actor.adam.eps", type=float, default=1e-8,
+               help="AdamW epsilon (the flat name sets the critic's too)")
+        p.flag("--l2", "--actor.adam.weight_decay", type=float, default=0.0,
+               help="AdamW weight decay (the flat name sets the critic's too)")
+        p.flag("--lr_scheduler", "--actor.lr_scheduler", type=str, default="cosine_with_min_lr",
+               help="learning-rate schedule after warm-up: cosine_with_min_lr, cosine, linear, constant, "
+                    "constant_with_warmup")
+        p.flag("--lr_warmup_ratio", "--actor.lr_warmup_ratio", type=float, default=0.03,
+               help="fraction of the optimizer steps spent warming up linearly from 0")
+        p.flag("--min_lr_ratio", "--actor.min_lr_ratio", type=float, default=0.1,
+               help="cosine_with_min_lr: the learning rate ends at this fraction of the peak")
+        p.flag("--max_norm", "--actor.max_norm", type=float, default=1.0,
+               help="clip the gradient's global L2 norm to this (0 disables)")
+        add_optimizer_choice_flags(p, dotted=("actor.",))
+    with p.group(RL_CRITIC):
+        _critic_optim(p)
+    with p.group(RL_ASYNC):
+        p.flag("--async_train", "--train.async_enable", action="store_true",
+               help="generate the next rollouts while the policy trains (train_ppo_ray)")
+        p.flag("--async_queue_size", "--train.async_queue_size", type=int, default=1,
+               help="rollouts generated ahead of the policy at most (bounds the off-policyness)")
+        p.flag("--partial_rollout", "--train.partial_rollout_enable", action="store_true",
+               help="with --async_train: load new weights between decode steps, generations in flight continue")
+    with p.group(RL_REWARD):
+        p.flag("--reward_failure", type=str, default="stop", choices=["stop", "drop"],
+               help="what a reward_func / agent exception does: stop the run, or drop the sample (counted)")
+        p.flag("--reward_timeout", type=float, default=300.0, help="seconds for one reward_func / agent step call")
 
 
 # The critic's optimizer flags: dest -> (dotted name, type, nargs). Unset (None), each takes the
@@ -144,89 +210,146 @@ def _critic_optim(p: FlagParser) -> None:
 
 def _ptx(p: FlagParser) -> None:
     """PPO-ptx (InstructGPT): the policy loss plus --ptx_coef x the NLL of pretraining text."""
-    p.flag("--pretrain_data", type=str, default=None,
-           help="text for the PPO-ptx loss: files, folders or dataset names, comma-separated (text in --input_key)")
-    p.flag("--pretrain_data_probs", type=str, default=None, help="sampling probabilities of --pretrain_data")
-    p.flag("--pretrain_split", type=str, default="train")
-    p.flag("--ptx_coef", type=float, default=None,
-           help=f"weight of the PPO-ptx loss (with --pretrain_data; default {PTX_COEF})")
+    with p.group(RL_PTX):
+        p.flag("--pretrain_data", type=str, default=None,
+               help="text for the PPO-ptx loss: files, folders or dataset names, comma-separated (text in "
+                    "--input_key)")
+        p.flag("--pretrain_data_probs", type=str, default=None, help="sampling probabilities of --pretrain_data")
+        p.flag("--pretrain_split", type=str, default="train", help="split of --pretrain_data to read")
+        p.flag("--ptx_coef", type=float, default=None,
+               help=f"weight of the PPO-ptx loss (with --pretrain_data; default {PTX_COEF})")
 
 
 def _algo(p: FlagParser) -> None:
-    p.flag("--advantage_estimator", "--algo.advantage.estimator", type=str, default="gae", choices=ESTIMATORS)
-    p.flag("--gamma", "--algo.advantage.gamma", type=float, default=1.0)
-    p.flag("--lambd", "--algo.advantage.lambd", type=float, default=1.0)
-    p.flag("--no_advantage_std_norm", "--algo.advantage.no_std_norm", action="store_true")
-    p.flag("--init_kl_coef", "--algo.kl.init_coef", type=float, default=0.01)
-    p.flag("--kl_target", "--algo.kl.target", type=float, default=None)
-    p.flag("--kl_horizon", "--algo.kl.horizon", type=int, default=10000)
-    p.flag("--kl_estimator", "--algo.kl.estimator", type=str, default="k1", choices=["k1", "k2", "k3"])
-    p.flag("--use_kl_loss", "--algo.kl.use_loss", action="store_true")
-    p.flag("--policy_loss_type", "--actor.policy_loss_type", type=str, default="ppo", choices=["ppo", "gspo"])
-    p.flag("--eps_clip", "--actor.eps_clip", type=float, default=0.2)
-    p.flag("--eps_clip_low_high", "--actor.eps_clip_low_high", type=float, nargs=2, default=None)
-    p.flag("--clip_eps_low", type=float, default=None, help="alias: lower clip (sets --eps_clip_low_high[0])")
-    p.flag("--clip_eps_high", type=float, default=None, help="alias: upper clip (sets --eps_clip_low_high[1])")
-    p.flag("--dual_clip", "--actor.dual_clip", type=float, default=None)
-    p.flag("--value_clip", "--critic.value_clip", type=float, default=0.5)
-    p.flag("--entropy_loss_coef", "--actor.entropy_coef", type=float, default=None)
-    p.flag("--dynamic_filtering", "--algo.dynamic_filtering_enable", action="store_true")
-    p.flag("--dynamic_filtering_reward_range", "--algo.dynamic_filtering_range", type=float, nargs=2,
-           default=[0.0, 1.0])
-    p.flag("--max_filter_rounds", type=int, default=8,
-           help="--dynamic_filtering: generation rounds per step at most (the first included); a step whose "
-                "rounds keep no group is skipped and counted (--max_failed_steps)")
-    p.flag("--enable_vllm_is_correction", "--algo.advantage.is_correction_enable", action="store_true")
-    p.flag("--vllm_is_truncated_threshold", "--algo.advantage.is_correction_threshold", type=float, nargs=2,
-           default=[0.5, 5.0])
-    p.flag("--vllm_is_correction_type", "--algo.advantage.is_correction_type", type=str, default="tis",
-           choices=["tis", "icepop", "seq-mask-tis"])
-    p.flag("--use_icepop", action="store_true", help="alias of --vllm_is_correction_type icepop")
+    with p.group(RL_ALGO):
+        p.flag("--advantage_estimator", "--algo.advantage.estimator", type=str, default="gae", choices=ESTIMATORS,
+               help="gae (PPO with a critic), reinforce (REINFORCE++), reinforce_baseline (REINFORCE++-baseline), "
+                    "rloo, group_norm (GRPO), dr_grpo (Dr. GRPO); the group ones need --n_samples_per_prompt > 1")
+        p.flag("--gamma", "--algo.advantage.gamma", type=float, default=1.0, help="discount factor of the returns")
+        p.flag("--lambd", "--algo.advantage.lambd", type=float, default=1.0,
+               help="GAE lambda (--advantage_estimator gae)")
+        p.flag("--no_advantage_std_norm", "--algo.advantage.no_std_norm", action="store_true",
+               help="normalise advantages by subtracting the mean only, without dividing by the std")
+        p.flag("--init_kl_coef", "--algo.kl.init_coef", type=float, default=0.01,
+               help="weight of the KL penalty against the reference model (0: no reference model at all)")
+        p.flag("--kl_target", "--algo.kl.target", type=float, default=None,
+               help="adaptive KL controller: move the KL coefficient towards this KL per sample (default: fixed "
+                    "coefficient)")
+        p.flag("--kl_horizon", "--algo.kl.horizon", type=int, default=10000,
+               help="adaptive KL controller: samples over which the coefficient adapts")
+        p.flag("--kl_estimator", "--algo.kl.estimator", type=str, default="k1", choices=["k1", "k2", "k3"],
+               help="per-token KL estimator (Schulman's k1 = log ratio, k2 = squared log ratio / 2, k3 = ratio - "
+                    "1 - log ratio)")
+        p.flag("--use_kl_loss", "--algo.kl.use_loss", action="store_true",
+               help="KL as a loss term of the policy (GRPO) instead of a penalty in the reward")
+        p.flag("--policy_loss_type", "--actor.policy_loss_type", type=str, default="ppo", choices=["ppo", "gspo"],
+               help="ppo: token-level clipped ratio; gspo: sequence-level ratio (GSPO)")
+        p.flag("--eps_clip", "--actor.eps_clip", type=float, default=0.2,
+               help="PPO clip range: the ratio is clipped to [1 - eps, 1 + eps]")
+        p.flag("--eps_clip_low_high", "--actor.eps_clip_low_high", type=float, nargs=2, default=None,
+               help="asymmetric clip range LOW HIGH, [1 - low, 1 + high] (DAPO clip-higher; default: --eps_clip "
+                    "twice)")
+        p.flag("--clip_eps_low", type=float, default=None, help="alias: lower clip (sets --eps_clip_low_high[0])")
+        p.flag("--clip_eps_high", type=float, default=None, help="alias: upper clip (sets --eps_clip_low_high[1])")
+        p.flag("--dual_clip", "--actor.dual_clip", type=float, default=None,
+               help="dual-clip PPO bound c > 1 for negative advantages (default: off)")
+        p.flag("--value_clip", "--critic.value_clip", type=float, default=0.5,
+               help="the critic's value clip: new values stay within this of the old ones in the loss")
+        p.flag("--entropy_loss_coef", "--actor.entropy_coef", type=float, default=None,
+               help="weight of an entropy bonus in the policy loss (default: none)")
+        p.flag("--dynamic_filtering", "--algo.dynamic_filtering_enable", action="store_true",
+               help="DAPO dynamic sampling: drop prompt groups whose mean score lies outside "
+                    "--dynamic_filtering_reward_range and generate more")
+        p.flag("--dynamic_filtering_reward_range", "--algo.dynamic_filtering_range", type=float, nargs=2,
+               default=[0.0, 1.0], help="open interval LOW HIGH of group-mean scores kept by --dynamic_filtering")
+        p.flag("--max_filter_rounds", type=int, default=8,
+               help="--dynamic_filtering: generation rounds per step at most (the first included); a step whose "
+                    "rounds keep no group is skipped and counted (--max_failed_steps)")
+        p.flag("--enable_vllm_is_correction", "--algo.advantage.is_correction_enable", action="store_true",
+               help="importance-sampling correction for the engine's log-probs differing from the trainer's")
+        p.flag("--vllm_is_truncated_threshold", "--algo.advantage.is_correction_threshold", type=float, nargs=2,
+               default=[0.5, 5.0], help="LOW HIGH bounds of the importance ratio of --enable_vllm_is_correction")
+        p.flag("--vllm_is_correction_type", "--algo.advantage.is_correction_type", type=str, default="tis",
+               choices=["tis", "icepop", "seq-mask-tis"],
+               help="tis: truncate the ratio at HIGH; icepop: mask tokens outside [LOW, HIGH]; seq-mask-tis: mask "
+                    "whole sequences")
+        p.flag("--use_icepop", action="store_true",
+               help="alias of --enable_vllm_is_correction --vllm_is_correction_type icepop")
+    p.implies("--use_icepop", vllm_is_correction_type="icepop")
+    p.exclusive("--clip_eps_low", "--eps_clip_low_high", "both set the lower clip")
+    p.exclusive("--clip_eps_high", "--eps_clip_low_high", "both set the upper clip")
 
 
 def _reward(p: FlagParser) -> None:
-    p.flag("--normalize_reward", "--reward.normalize_enable", action="store_true")
-    p.flag("--reward_clip_range", "--reward.clip_range", type=float, nargs=2, default=[-10.0, 10.0])
-    p.flag("--overlong_buffer_len", "--reward.overlong_buffer_len", type=int, default=None)
-    p.flag("--overlong_penalty_factor", "--reward.overlong_penalty_factor", type=float, default=1.0)
-    p.flag("--stop_properly_penalty_coef", "--reward.stop_properly_penalty_coef", type=float, default=None)
+    with p.group(RL_REWARD):
+        p.flag("--normalize_reward", "--reward.normalize_enable", action="store_true",
+               help="normalise reward-model scores with the mean / std stored in its config")
+        p.flag("--reward_clip_range", "--reward.clip_range", type=float, nargs=2, default=[-10.0, 10.0],
+               help="LOW HIGH: clamp the scalar reward to this range before KL shaping")
+        p.flag("--overlong_buffer_len", "--reward.overlong_buffer_len", type=int, default=None,
+               help="DAPO soft overlong penalty: responses within this many tokens of --generate_max_len lose "
+                    "reward linearly (default: off)")
+        p.flag("--overlong_penalty_factor", "--reward.overlong_penalty_factor", type=float, default=1.0,
+               help="the largest overlong penalty (at --generate_max_len)")
+        p.flag("--stop_properly_penalty_coef", "--reward.stop_properly_penalty_coef", type=float, default=None,
+               help="ProRL: a truncated response's reward is multiplied by c >= 0, or replaced by c < 0 "
+                    "(default: off)")
 
 
 def _placement(p: FlagParser) -> None:
-    for role in ROLES:
-        p.flag(f"--{role}_num_nodes", f"--{role}.num_nodes", type=int, default=1)
-        p.flag(f"--{role}_num_gpus_per_node", f"--{role}.num_gpus_per_node", type=int, default=1)
-    p.flag("--vllm_num_engines", "--vllm.num_engines", type=int, default=1)
-    p.flag("--vllm_tensor_parallel_size", "--vllm.tensor_parallel_size", type=int, default=1)
-    p.flag("--vllm_sync_backend", "--vllm.sync_backend", type=str, default="nccl")
-    p.flag("--vllm_sync_with_ray", "--vllm.sync_with_ray", action="store_true")
-    p.flag("--weight_sync", type=str, default="auto", choices=["auto", "object_store", "broadcast", "ipc"],
-           help="policy -> engines weight sync after each step: broadcast (an NCCL group on GPUs, gloo on "
-                "CPU), ipc (CUDA IPC handles, engines colocated with the policy), object_store (Ray's object "
-                "store); auto: ipc when every engine shares a GPU with a policy rank, else broadcast")
-    p.flag("--weight_sync_bucket_mb", type=int, default=256,
-           help="weight sync bucket size in MB (one broadcast / IPC handle each)")
-    p.flag("--vllm_gpu_memory_utilization", "--vllm.gpu_memory_utilization", type=float, default=0.95)
-    p.flag("--vllm_enable_sleep", "--vllm.enable_sleep", action="store_true")
-    p.flag("--enable_prefix_caching", "--vllm.enable_prefix_caching", action="store_true")
-    p.flag("--enforce_eager", "--vllm.enforce_eager", action="store_true")
-    p.flag("--colocate_all_models", "--train.colocate_all", action="store_true")
-    p.flag("--colocate_actor_ref", "--train.colocate_actor_ref", action="store_true")
-    p.flag("--colocate_critic_reward", "--train.colocate_critic_reward", action="store_true")
-    p.flag("--deepspeed_enable_sleep", "--ds.enable_sleep", "--fsdp2_enable_sleep", action="store_true",
-           help="training states (optimizer, fp32 master weights, gradients) to host memory between phases; "
-                "--fsdp2_enable_sleep is OpenRLHF's FSDP2-era name of the same flag")
-    p.flag("--skip_memory_check", action="store_true",
-           help="start even when the per-GPU memory plan exceeds the GPU (train_ppo_ray prints the plan)")
+    with p.group(RL_PLACEMENT):
+        for role in ROLES:
+            p.flag(f"--{role}_num_nodes", f"--{role}.num_nodes", type=int, default=1,
+                   help=f"nodes of the {role} model's workers (train_ppo_ray)")
+            p.flag(f"--{role}_num_gpus_per_node", f"--{role}.num_gpus_per_node", type=int, default=1,
+                   help=f"GPUs per node of the {role} model's workers (train_ppo_ray)")
+        p.flag("--vllm_num_engines", "--vllm.num_engines", type=int, default=1,
+               help="rollout engines (each on --vllm_tensor_parallel_size GPUs)")
+        p.flag("--vllm_tensor_parallel_size", "--vllm.tensor_parallel_size", type=int, default=1,
+               help="GPUs of one rollout engine (tensor parallel)")
+        p.flag("--vllm_sync_backend", "--vllm.sync_backend", type=str, default="nccl",
+               help="process-group backend of the weight broadcast to engines: nccl or gloo")
+        p.flag("--vllm_sync_with_ray", "--vllm.sync_with_ray", action="store_true",
+               help="OpenRLHF: weight sync through ray.util.collective")
+        p.flag("--weight_sync", type=str, default="auto", choices=["auto", "object_store", "broadcast", "ipc"],
+               help="policy -> engines weight sync after each step: broadcast (an NCCL group on GPUs, gloo on "
+                    "CPU), ipc (CUDA IPC handles, engines colocated with the policy), object_store (Ray's object "
+                    "store); auto: ipc when every engine shares a GPU with a policy rank, else broadcast")
+        p.flag("--weight_sync_bucket_mb", type=int, default=256,
+               help="weight sync bucket size in MB (one broadcast / IPC handle each)")
+        p.flag("--vllm_gpu_memory_utilization", "--vllm.gpu_memory_utilization", type=float, default=0.95,
+               help="fraction of GPU memory a vLLM engine may take")
+        p.flag("--vllm_enable_sleep", "--vllm.enable_sleep", action="store_true",
+               help="engines free their GPU memory (weights, KV cache) while the models train")
+        p.flag("--enable_prefix_caching", "--vllm.enable_prefix_caching", action="store_true",
+               help="vLLM prefix caching")
+        p.flag("--enforce_eager", "--vllm.enforce_eager", action="store_true", help="vLLM without CUDA graphs")
+        p.flag("--colocate_all_models", "--train.colocate_all", action="store_true",
+               help="actor, reference, critic, reward model and engines share the same GPUs")
+        p.flag("--colocate_actor_ref", "--train.colocate_actor_ref", action="store_true",
+               help="the reference model shares the actor's GPUs")
+        p.flag("--colocate_critic_reward", "--train.colocate_critic_reward", action="store_true",
+               help="the reward model shares the critic's GPUs")
+        p.flag("--deepspeed_enable_sleep", "--ds.enable_sleep", "--fsdp2_enable_sleep", action="store_true",
+               help="training states (optimizer, fp32 master weights, gradients) to host memory between phases; "
+                    "--fsdp2_enable_sleep is OpenRLHF's FSDP2-era name of the same flag")
+        p.flag("--skip_memory_check", action="store_true",
+               help="start even when the per-GPU memory plan exceeds the GPU (train_ppo_ray prints the plan)")
 
 
 def _eval(p: FlagParser) -> None:
-    p.flag("--eval_dataset", "--eval.dataset", type=str, default=None)
-    p.flag("--eval_split", "--eval.split", type=str, default="train")
-    p.flag("--eval_temperature", "--eval.temperature", type=float, default=0.6)
-    p.flag("--eval_n_samples_per_prompt", "--eval.n_samples_per_prompt", type=int, default=4)
-    p.flag("--eval_max_samples", type=int, default=None)
-    p.flag("--best_metric_key", "--ckpt.best_metric_key", type=str, default="")
+    with p.group(EVAL):
+        p.flag("--eval_dataset", "--eval.dataset", type=str, default=None,
+               help="evaluation prompts, same format as --prompt_data (scored by --remote_rm_url / the agent)")
+        p.flag("--eval_split", "--eval.split", type=str, default="train", help="split of --eval_dataset to read")
+        p.flag("--eval_temperature", "--eval.temperature", type=float, default=0.6,
+               help="sampling temperature of evaluation")
+        p.flag("--eval_n_samples_per_prompt", "--eval.n_samples_per_prompt", type=int, default=4,
+               help="samples per evaluation prompt (pass@1 averages them, pass@n takes the best)")
+        p.flag("--eval_max_samples", type=int, default=None, help="evaluate on at most this many prompts")
+    with p.group(CKPT):
+        p.flag("--best_metric_key", "--ckpt.best_metric_key", type=str, default="",
+               help="eval metric that picks the best checkpoint ('': the first *_pass1 one; none: off)")
 
 
 # Flags that only take effect under train_ppo_ray: (dest, default) pairs.

@@ -206,7 +206,7 @@ def dests(parser) -> dict[str, str]:
     """dest -> first option name, for every option of `parser` but --help."""
     out = {}
     for a in parser._actions:
-        if a.option_strings and not isinstance(a, argparse._HelpAction):
+        if a.option_strings and not isinstance(a, (argparse._HelpAction, argparse._VersionAction)):
             out.setdefault(a.dest, a.option_strings[0])
     return out
 
