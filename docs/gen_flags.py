@@ -63,7 +63,9 @@ def help_of(parser: argparse.ArgumentParser, action: argparse.Action, inert: dic
     text = action.help or ""
     if text and text is not argparse.SUPPRESS:
         try:
-            text = parser._get_formatter()._expand_help(action)
+            # argparse's plain formatter: %(default)s expanded, without the "(default: ...)" that
+            # rlhfkit's --help formatter appends (the page has a default column)
+            text = argparse.HelpFormatter(parser.prog)._expand_help(action)
         except (KeyError, TypeError, ValueError):
             pass
     else:
@@ -76,7 +78,7 @@ def help_of(parser: argparse.ArgumentParser, action: argparse.Action, inert: dic
     if action.required:
         text = "required. " + text
     why = inert.get(action.dest)
-    if why and action.option_strings:
+    if why and action.option_strings and "no effect in" not in text:  # FlagParser.flag(inert=) says it already
         text = (text + " " if text else "") + f"(no effect in this command: {why})"
     return cell(text)
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from rlhfkit.api.config import FlagConfig, command_parser
 from rlhfkit.api.inputs import Scratch, data_source, model_dir
+from rlhfkit.config.flag_parser import set_as_given
 
 
 class BaseTrainer:
@@ -62,7 +63,7 @@ class BaseTrainer:
         parser = command_parser(self.args.COMMAND)
         ns = self.args.to_args(parser)
         for dest, value in self._inputs().items():
-            setattr(ns, dest, value)
+            set_as_given(ns, dest, value)
         return ns, parser
 
     def train(self) -> list[dict[str, Any]]:

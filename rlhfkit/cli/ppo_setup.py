@@ -42,7 +42,6 @@ def resolve_flags(args: argparse.Namespace, world_size: int) -> None:
         raise UsageError("--prompt_data is required")
     check_backend_flags(args)
     check_packages(args)
-    resolve_model_paths(args)
     resolve_optional_terms(args)
     if args.clip_eps_low is not None or args.clip_eps_high is not None:
         lo = args.clip_eps_low if args.clip_eps_low is not None else args.eps_clip
@@ -55,12 +54,9 @@ def resolve_flags(args: argparse.Namespace, world_size: int) -> None:
     dynamic_new_tokens = args.generate_max_len is None and args.max_len is not None
     if args.generate_max_len is None:  # OpenRLHF: 1024 (flat era); max_len - prompt (--rollout.max_new_tokens unset)
         args.generate_max_len = args.max_len if dynamic_new_tokens else 1024
-    if args.max_len is None:
+    max_len_given = args.max_len is not None
+    if not max_len_given:
         args.max_len = args.prompt_max_len + args.generate_max_len
-        check_positions(args.pretrain, args.max_len, f"--prompt_max_len {args.prompt_max_len} + --generate_max_len "
-                        f"{args.generate_max_len} = {args.max_len} (the default --max_len)")
-    else:
-        check_positions(args.pretrain, args.max_len, f"--max_len {args.max_len}")
     if args.agent_func_path and args.remote_rm_url:
         raise UsageError("--agent_func_path and --remote_rm_url are exclusive: the agent's step() gives the reward")
     has_reward = bool(args.remote_rm_url or args.agent_func_path or args.reward_pretrain)
@@ -94,6 +90,12 @@ def resolve_flags(args: argparse.Namespace, world_size: int) -> None:
         raise UsageError(f"--max_filter_rounds must be >= 1, got {args.max_filter_rounds}")
     if args.generate_max_len >= args.max_len and not dynamic_new_tokens:
         raise UsageError(f"--generate_max_len ({args.generate_max_len}) must be below --max_len ({args.max_len})")
+    resolve_model_paths(args)  # last: the flags are consistent before any model is fetched
+    if max_len_given:
+        check_positions(args.pretrain, args.max_len, f"--max_len {args.max_len}")
+    else:
+        check_positions(args.pretrain, args.max_len, f"--prompt_max_len {args.prompt_max_len} + --generate_max_len "
+                        f"{args.generate_max_len} = {args.max_len} (the default --max_len)")
 
 
 def resolve_optional_terms(args: argparse.Namespace) -> None:

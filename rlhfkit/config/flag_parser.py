@@ -298,6 +298,15 @@ def _remember(ns: argparse.Namespace) -> None:
     _PARSED[key] = (weakref.ref(ns, lambda _r: _PARSED.pop(key, None)), copy.deepcopy(vars(ns)))
 
 
+def set_as_given(ns: argparse.Namespace, dest: str, value: Any) -> None:
+    """Set `dest` as if the command line had given it (the Python API's model and datasets), so
+    run_config.json records it as given rather than as resolved from the parsed value."""
+    setattr(ns, dest, value)
+    entry = _PARSED.get(id(ns))
+    if entry and entry[0]() is ns:
+        entry[1][dest] = value
+
+
 def parsed_values(ns: argparse.Namespace) -> dict[str, Any] | None:
     """The values `ns` had when `FlagParser.parse` returned it (before a command filled derived
     defaults into it), or None for a namespace that parse did not make."""

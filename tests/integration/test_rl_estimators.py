@@ -203,7 +203,14 @@ def test_resolve_flags_names_the_flag(extra, world, needle):
         assert "group_norm" in str(e.value)
 
 
-def test_consistent_flags_pass():
+@pytest.fixture
+def model_dir_m(tmp_path, monkeypatch):
+    """A local directory named "m" (no config: positions unchecked), so --pretrain m resolves as a path."""
+    monkeypatch.chdir(tmp_path)
+    os.mkdir("m")
+
+
+def test_consistent_flags_pass(model_dir_m):
     args = parse([])
     ppo_setup.resolve_flags(args, 2)
     assert args.max_len == 24
@@ -222,7 +229,7 @@ def test_cli_reports_bad_flags_in_one_line(tiny_model_dir, rl_files, tmp_path, c
     assert "--rollout_batch_size (16)" in capsys.readouterr().err
 
 
-def test_max_new_tokens_unset_with_max_len_is_what_the_prompt_leaves():
+def test_max_new_tokens_unset_with_max_len_is_what_the_prompt_leaves(model_dir_m):
     """OpenRLHF's dotted scripts give --data.max_len and no --rollout.max_new_tokens: each generation gets
     max_len - prompt tokens. Without --max_len the flat default 1024 holds; an explicit value must stay
     below --max_len."""

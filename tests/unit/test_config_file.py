@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
+import types
 
 import pytest
 
@@ -125,6 +128,9 @@ def test_run_config_replays_the_rl_namespace(tmp_path, monkeypatch):
     optimizer flags, --clip_eps_low into --eps_clip_low_high): the replayed parse equals the original
     parse, and resolving it gives the same config."""
     monkeypatch.setenv("RANK", "1")  # no notes
+    monkeypatch.setitem(sys.modules, "wandb", types.ModuleType("wandb"))  # --use_wandb checks the package is there
+    monkeypatch.chdir(tmp_path)
+    os.mkdir("p")  # --pretrain p: a local directory
     argv = ["--pretrain", "p", "--prompt_data", "d.jsonl", "--remote_rm_url", "r.py", "--advantage_estimator",
             "group_norm", "--n_samples_per_prompt", "2", "--rollout_batch_size", "4", "--train_batch_size", "8",
             "--max_len", "64", "--clip_eps_low", "0.1", "--use_icepop", "--adam_betas", "0.8", "0.9",

@@ -37,12 +37,12 @@ def test_render_groups_aliases_defaults_and_notes():
     text = _gen().render_parser(p, "demo", "d")
     lines = text.splitlines()
     assert lines[0] == "# `demo` flags" and "Demo command." in lines and "More text." not in text
-    # argparse's default group first, then the added one; the help action is left out
-    assert [ln for ln in lines if ln.startswith("## ")] == ["## options", "## model"]
+    # "general" (--version, --config) first, the added group, then flags outside any group; no -h
+    assert [ln for ln in lines if ln.startswith("## ")] == ["## general", "## model", "## demo options"]
     assert "| `--pretrain` | `--model.model_name_or_path` |  | model \\| dir |" in lines
     assert "| `--beta` |  | `0.1` | beta (default 0.1) |" in lines
     assert "| `--loss` |  | `sigmoid` | one of: sigmoid, logexp |" in lines
     assert "| `--bf16` |  |  | sets `param_dtype` to `bf16` |" in lines
     assert '| `--template` |  | `"User: {}\\n"` | prompt format |' in lines
-    assert "| `--packing` |  | `off` | (no effect in this command: always packed) |" in lines
+    assert "| `--packing` |  | `off` | accepted for OpenRLHF command lines; no effect in demo: always packed |" in lines
     assert "-h" not in text
