@@ -12,8 +12,6 @@ import os
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 import torch
@@ -22,7 +20,7 @@ from rlhfkit.agents.remote_reward import RemoteRewardClient, RewardServerError, 
 from rlhfkit.agents.reward_types import RewardOutput
 from rlhfkit.models.loader import load_tokenizer
 from rlhfkit.models.value import load_value_model, reward_at_last_token, save_value_model
-from helpers import free_port  # noqa: E402
+from helpers import free_port, get_json, post_json  # noqa: E402
 
 MEAN, STD, MAX_LEN = 0.5, 2.0, 64
 QUERIES = ["<|im_start|>user\n1+2=<|im_end|>\n<|im_start|>assistant\n3<|im_end|>", "ab", "hello world",
@@ -30,18 +28,8 @@ QUERIES = ["<|im_start|>user\n1+2=<|im_end|>\n<|im_start|>assistant\n3<|im_end|>
 
 
 
-def _post(url: str, body: bytes, timeout: float = 30) -> tuple[int, dict]:
-    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
-def _get(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return json.loads(r.read())
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +54,7 @@ def server(rm_dir, tmp_path_factory):
     deadline = time.time() + 90
     while True:
         try:
-            _get(base + "/health")
+            get_json(base + "/health")
             break
         except OSError:
             if proc.poll() is not None or time.time() > deadline:
@@ -93,7 +81,7 @@ def expected(rm_dir) -> list[float]:
 
 
 def test_scores_match_in_process_model(server, expected):
-    status, data = _post(server + "/get_reward", json.dumps({"query": QUERIES, "prompts": [""] * 6,
+    status, data = post_json(server + "/get_reward", json.dumps({"query": QUERIES, "prompts": [""] * 6,
                                                              "labels": list(range(6))}).encode())
     assert status == 200
     raw = data["extra_logs"]["raw_reward"]
@@ -116,15 +104,15 @@ def test_bad_requests_get_4xx_and_server_keeps_serving(server, expected):
         (json.dumps({"query": ["z" * 20000]}).encode(), 413, "--max_body_mb"),
     ]
     for body, status, message in cases:
-        got, data = _post(url, body)
+        got, data = post_json(url, body)
         assert got == status and message in data["error"], (body[:40], got, data)
-    status, data = _post(url, json.dumps({"query": QUERIES[1:3]}).encode())
+    status, data = post_json(url, json.dumps({"query": QUERIES[1:3]}).encode())
     assert status == 200 and data["extra_logs"]["raw_reward"] == pytest.approx(expected[1:3], abs=1e-5)
-    assert _post(url, b'{"query": []}') == (200, {"rewards": [], "scores": [], "extra_logs": {"raw_reward": []}})
+    assert post_json(url, b'{"query": []}') == (200, {"rewards": [], "scores": [], "extra_logs": {"raw_reward": []}})
 
 
 def test_concurrent_requests_are_batched(server, expected):
-    before = _get(server + "/health")
+    before = get_json(server + "/health")
 
     async def run() -> list[RewardOutput]:
         async with RemoteRewardClient([server + "/get_reward"], timeout_s=30, max_retries=0) as client:
@@ -132,7 +120,7 @@ def test_concurrent_requests_are_batched(server, expected):
 
     outs = asyncio.run(run())
     assert [o.extra_logs["raw_reward"][0] for o in outs] == pytest.approx(expected * 3, abs=1e-5)
-    after = _get(server + "/health")
+    after = get_json(server + "/health")
     assert after["sequences"] - before["sequences"] == 18
     assert after["forwards"] - before["forwards"] < 18  # requests were merged into shared forwards
 

@@ -14,32 +14,20 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 import torch
 
 from rlhfkit.models.loader import load_tokenizer
 from rlhfkit.models.value import load_value_model, save_value_model
-from helpers import free_port  # noqa: E402
+from helpers import free_port, get_json, post_json  # noqa: E402
 
 MAX_LEN, READ_TIMEOUT_S = 64, 2.0
 
 
 
-def _get(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=30) as r:
-        return json.loads(r.read())
 
 
-def _post(url: str, body: bytes, timeout: float = 60) -> tuple[int, dict]:
-    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 def _rss_mb(pid: int) -> float:
@@ -69,7 +57,7 @@ class Server:
                 time.sleep(0.3)
 
     def health(self) -> dict:
-        return _get(self.base + "/health")
+        return get_json(self.base + "/health", timeout=30)
 
     def output(self) -> str:
         self.log.seek(0)
@@ -126,7 +114,7 @@ def server(rm_dir, tmp_path_factory):
 
 def test_memory_returns_near_baseline_after_30mb_requests(server):
     for _ in range(3):  # warm up: the baseline includes forwards of full batches
-        assert _post(server.url, json.dumps({"query": ["warm up " * 7] * 64}).encode())[0] == 200
+        assert post_json(server.url, json.dumps({"query": ["warm up " * 7] * 64}).encode(), timeout=60)[0] == 200
     baseline = _rss_mb(server.proc.pid)
     huge = {  # each about 30 MB; each rejected at a different stage
         "--max_query_chars": json.dumps({"query": ["x" * 3000] * 10_000}),  # 10k long queries: while parsing
@@ -136,12 +124,12 @@ def test_memory_returns_near_baseline_after_30mb_requests(server):
     after_round = []
     for _ in range(2):
         for flag, body in huge.items():
-            status, data = _post(server.url, body.encode(), timeout=120)
+            status, data = post_json(server.url, body.encode(), timeout=120)
             assert status == 422 and flag in data["error"], (flag, status, data)
         after_round.append(_rss_mb(server.proc.pid))
     assert after_round[-1] <= 1.5 * baseline, (baseline, after_round)
     assert after_round[1] - after_round[0] < 20, after_round  # nothing is kept per request
-    assert _post(server.url, b'{"query": ["still fine"]}')[0] == 200
+    assert post_json(server.url, b'{"query": ["still fine"]}', timeout=60)[0] == 200
 
 
 def _big_request(server: Server, n: int) -> tuple[socket.socket, dict]:
@@ -160,7 +148,7 @@ def test_small_request_is_not_stuck_behind_a_10k_query_request(server):
     sock, before = _big_request(server, 10_000)
     try:
         t0 = time.perf_counter()
-        status, data = _post(server.url, b'{"query": ["1+1=2"]}', timeout=60)
+        status, data = post_json(server.url, b'{"query": ["1+1=2"]}', timeout=60)
         latency = time.perf_counter() - t0
         scored = server.health()["sequences"] - before["sequences"]
     finally:
@@ -200,7 +188,7 @@ def test_half_sent_requests_are_closed(server):
     assert all(a.startswith(b"HTTP/1.1 408") and b"--read_timeout_s" in a for a in answers), answers[0][:300]
     assert leftovers == [b""] * 20
     assert elapsed < READ_TIMEOUT_S + 8
-    assert _post(server.url, b'{"query": ["ok"]}')[0] == 200
+    assert post_json(server.url, b'{"query": ["ok"]}', timeout=60)[0] == 200
 
 
 def test_malformed_inputs_get_4xx(server):
@@ -222,13 +210,13 @@ def test_malformed_inputs_get_4xx(server):
         (b"", 400, "empty body"),
     ]
     for body, status, message in cases:
-        got, data = _post(server.url, body)
+        got, data = post_json(server.url, body, timeout=60)
         assert got == status and message in data["error"], (body[:60], got, data)
     sock = _open_request(server.port, b"", declared=40 * 2 ** 20)  # refused before any byte of the body
     answer = _read_until_closed(sock, 30)
     sock.close()
     assert answer.startswith(b"HTTP/1.1 413") and b"--max_body_mb" in answer
-    assert _post(server.url, json.dumps({"query": ["fine", "also fine"]}).encode())[0] == 200
+    assert post_json(server.url, json.dumps({"query": ["fine", "also fine"]}).encode(), timeout=60)[0] == 200
 
 
 def test_sigterm_with_a_half_sent_request_open_exits_within_10s(rm_dir, tmp_path):
