@@ -49,7 +49,8 @@ one pass. A smaller stride sends smaller messages and bounds the fp32 score and 
 many heads, at the cost of Hkv/head_stride ring passes. `q_tile` bounds the rows of one score matrix.
 
 Block attention is plain torch math in fp32 (CPU/gloo and CUDA/NCCL alike); inputs of any float dtype,
-the output in the input's dtype, log-sum-exp and dK/dV accumulators in fp32.
+the output in the input's dtype, log-sum-exp and dK/dV accumulators in fp32 (float64 inputs are
+computed in float64 throughout, which lets `torch.autograd.gradcheck` check the backward).
 """
 
 from __future__ import annotations
@@ -213,6 +214,7 @@ class _Ring:
     scale: float
     head_stride: int
     q_tile: int
+    acc: torch.dtype   # accumulation dtype: float32, or float64 for float64 inputs
     pos: list          # global positions of each rank's tokens, [S_local] each
     seg: list | None   # sequence id of each rank's tokens (-1: padding), packed form only
     total_len: int | None
@@ -268,7 +270,7 @@ def _sub_mask(mask, qt: slice, qs: slice):
 def _forward_heads(ring: _Ring, q, k, v, plans):
     """One ring pass for one head group: q [B, Hk, g, S, D] fp32, k/v [B, Hk, S, D] -> out, lse."""
     out = torch.zeros_like(q)
-    lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
     kv = torch.stack([k, v]).contiguous()
     for j in range(ring.world):
         src = (ring.rank - j) % ring.world
@@ -276,7 +278,7 @@ def _forward_heads(ring: _Ring, q, k, v, plans):
         plan = plans[src]
         if plan is not None:
             qs, ks, mask = plan
-            kb, vb = kv[0][:, :, ks].float(), kv[1][:, :, ks].float()
+            kb, vb = kv[0][:, :, ks].to(q.dtype), kv[1][:, :, ks].to(q.dtype)
             for qt in ring.tiles(qs, q.shape[3]):
                 o_b, l_b = _block_forward(q[:, :, :, qt], kb, vb, _sub_mask(mask, qt, qs), ring.scale)
                 out[:, :, :, qt], lse[:, :, :, qt] = merge_attention(out[:, :, :, qt], lse[:, :, :, qt], o_b, l_b)
@@ -296,11 +298,11 @@ def _backward_heads(ring: _Ring, q, k, v, dout, lse, delta, plans):
     for j in range(ring.world):
         src = (ring.rank - j) % ring.world
         pending = ring.exchange(kv) if j < ring.world - 1 else None
-        contrib = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)
+        contrib = torch.zeros((2, *k.shape), dtype=q.dtype, device=k.device)
         plan = plans[src]
         if plan is not None:
             qs, ks, mask = plan
-            kb, vb = kv[0][:, :, ks].float(), kv[1][:, :, ks].float()
+            kb, vb = kv[0][:, :, ks].to(q.dtype), kv[1][:, :, ks].to(q.dtype)
             for qt in ring.tiles(qs, q.shape[3]):
                 dq_t, dk_t, dv_t = _block_backward(q[:, :, :, qt], kb, vb, dout[:, :, :, qt], lse[:, :, :, qt],
                                                    delta[:, :, :, qt], _sub_mask(mask, qt, qs), ring.scale)
@@ -341,9 +343,9 @@ class _RingAttention(torch.autograd.Function):
         b, hq, s, d = q.shape
         hk = k.shape[1]
         plans = [ring.plan(src) for src in range(ring.world)]
-        q5 = q.float().reshape(b, hk, hq // hk, s, d)
+        q5 = q.to(ring.acc).reshape(b, hk, hq // hk, s, d)
         out = torch.empty_like(q5)
-        lse = torch.empty(q5.shape[:-1], dtype=torch.float32, device=q.device)
+        lse = torch.empty(q5.shape[:-1], dtype=ring.acc, device=q.device)
         for hs in _head_groups(ring, hk):
             out[:, hs], lse[:, hs] = _forward_heads(ring, q5[:, hs], k[:, hs], v[:, hs], plans)
         out = out.view(b, hq, s, d).to(q.dtype)
@@ -359,10 +361,10 @@ class _RingAttention(torch.autograd.Function):
         hk = k.shape[1]
         plans = [ring.plan(src) for src in range(ring.world)]
         shape5 = (b, hk, hq // hk, s, d)
-        q5, do5 = q.float().reshape(shape5), dout.float().reshape(shape5)
-        delta = (do5 * out.float().reshape(shape5)).sum(-1)
+        q5, do5 = q.to(ring.acc).reshape(shape5), dout.to(ring.acc).reshape(shape5)
+        delta = (do5 * out.to(ring.acc).reshape(shape5)).sum(-1)
         dq = torch.empty_like(q5)
-        dk = torch.empty(k.shape, dtype=torch.float32, device=k.device)
+        dk = torch.empty(k.shape, dtype=ring.acc, device=k.device)
         dv = torch.empty_like(dk)
         for hs in _head_groups(ring, hk):
             dq[:, hs], dk[:, hs], dv[:, hs] = _backward_heads(ring, q5[:, hs], k[:, hs], v[:, hs], do5[:, hs],
@@ -404,7 +406,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
         raise ValueError(f"ring_attention: query heads ({hq}) must be a multiple of key/value heads ({hk})")
     stride = hk if head_stride is None else head_stride
     if not isinstance(stride, int) or stride < 1 or hk % stride:
-        raise ValueError(f"--ring_head_stride must be a positive divisor of the key/value heads ({hk}), got {head_stride!r}")
+        raise ValueError(f"--ring_head_stride must be a positive divisor of the key/value heads ({hk}), "
+                         f"got {head_stride!r}")
     if q_tile < 1:
         raise ValueError(f"ring_attention: q_tile must be >= 1, got {q_tile}")
     _num_chunks(world, layout)
@@ -419,7 +422,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
                for p in pos]
     elif total_len is not None and not 0 < total_len <= s * world:
         raise ValueError(f"ring_attention: total_len {total_len} is outside 1..{s * world} (S_local x ring size)")
-    ring = _Ring(group=group, rank=rank, world=world, causal=causal, scale=1.0 / math.sqrt(d) if scale is None else float(scale),
-                 head_stride=stride, q_tile=q_tile, pos=pos, seg=seg, total_len=total_len)
+    ring = _Ring(group=group, rank=rank, world=world, causal=causal,
+                 scale=1.0 / math.sqrt(d) if scale is None else float(scale), head_stride=stride, q_tile=q_tile,
+                 acc=torch.promote_types(q.dtype, torch.float32), pos=pos, seg=seg, total_len=total_len)
     out = _RingAttention.apply(q, k, v, ring)
     return out.squeeze(0).transpose(0, 1) if packed else out
