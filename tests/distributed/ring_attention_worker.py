@@ -1,12 +1,13 @@
 """Worker of test_ring_attention.py: ring attention over gloo against float64 full attention.
 
-    torchrun --nproc_per_node N tests/distributed/ring_attention_worker.py --out DIR
+    torchrun --nproc_per_node N tests/distributed/ring_attention_worker.py --out DIR [--device cuda]
 
 Every rank builds the same full q, k, v and output gradient (one seed), takes its part with
 `split_for_ring`, runs `ring_attention` forward and backward, and compares its output and dq, dk, dv
 with the same split of the reference: softmax(Q K^T / sqrt(d) [+ mask]) V in float64 with autograd
 (K/V heads repeated for GQA), for packed rows each sequence attended on its own. It also checks
 `gather_from_ring` rebuilds the full output. Writes DIR/rank{r}.json: case -> max abs error.
+`--device cuda` runs the ring on one GPU per rank over NCCL (the reference stays on the CPU).
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ def reference_packed(q, k, v, cu: list[int], causal: bool):
     return torch.cat([out, out.new_zeros(q.shape[0] - out.shape[0], *out.shape[1:])])
 
 
+DEVICE = "cpu"
+
+
 def run_case(name, shape_q, shape_kv, length, rank, world, *, causal, layout="zigzag", packed_cu=None,
              head_stride=None, q_tile=4096, seed=0):
     gen = torch.Generator().manual_seed(seed)
@@ -56,27 +60,34 @@ def run_case(name, shape_q, shape_kv, length, rank, world, *, causal, layout="zi
     def split(t):
         return split_for_ring(t, rank, world, dim=dim, layout=layout)
 
-    loc = [split(t).float().requires_grad_(True) for t in (q, k, v)]
+    loc = [split(t).float().to(DEVICE).requires_grad_(True) for t in (q, k, v)]
     kwargs = dict(causal=causal, layout=layout, head_stride=head_stride, q_tile=q_tile)
     if packed_cu:
         kwargs["cu_seqlens"] = torch.tensor(packed_cu, dtype=torch.int32)
     else:
         kwargs["total_len"] = length
     out = ring_attention(*loc, dist.group.WORLD, **kwargs)
-    grads = torch.autograd.grad(out, loc, split(g_out).float())
+    grads = torch.autograd.grad(out, loc, split(g_out).float().to(DEVICE))
+    out, grads = out.cpu(), [g.cpu() for g in grads]
     errs = {"out": float((out.detach().double() - split(ref.detach())).abs().max())}
     for n, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
         errs[n] = float((got.double() - split(want)).abs().max())
-    full = gather_from_ring(out.detach(), dist.group.WORLD, dim=dim, layout=layout, length=length)
-    errs["gathered"] = float((full.double() - ref.detach()).abs().max())
+    full = gather_from_ring(out.detach().to(DEVICE), dist.group.WORLD, dim=dim, layout=layout, length=length)
+    errs["gathered"] = float((full.cpu().double() - ref.detach()).abs().max())
     return {name: errs}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = ap.parse_args()
-    dist.init_process_group("gloo")
+    global DEVICE
+    DEVICE = args.device
+    if DEVICE == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        torch.backends.cuda.matmul.allow_tf32 = False
+    dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     b, hq, hk, d = 2, 4, 2, 8
     res = {}

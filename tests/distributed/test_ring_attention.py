@@ -39,3 +39,17 @@ def test_ring_matches_full_attention(nproc, tmp_path):
             assert set(errs) == {"out", "dq", "dk", "dv", "gathered"}
             for name, err in errs.items():
                 assert err < 1e-5, (os.path.basename(path), case, name, err)
+
+
+def test_bench_runs_on_cpu():
+    """bench/ring_attention.py on a ring of 2 over gloo with a tiny odd length: one JSON line."""
+    bench = os.path.join(os.path.dirname(os.path.dirname(HERE)), "bench", "ring_attention.py")
+    cmd = torchrun_cmd(2, bench, "--seq_len", "37", "--heads", "4", "--kv_heads", "2", "--head_dim", "8",
+                       "--head_stride", "1", "--warmup", "0", "--iters", "1")
+    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert len(lines) == 1
+    res = json.loads(lines[0])
+    assert res["ranks"] == 2 and res["backend"] == "gloo" and res["local_len"] == 20  # 37 -> 40 over 4 chunks
+    assert res["ms_fwd_bwd"] > 0 and res["tokens_per_s"] > 0
