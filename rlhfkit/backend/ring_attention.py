@@ -62,6 +62,7 @@ import torch
 import torch.distributed as dist
 
 LAYOUTS = ("zigzag", "contiguous")
+_KV_TAG, _GRAD_TAG = 17, 18
 
 __all__ = ["ring_attention", "split_for_ring", "unsplit_ring", "gather_from_ring", "ring_positions",
            "merge_attention", "cu_seqlens_from_position_ids", "LAYOUTS"]
@@ -225,11 +226,14 @@ class _Ring:
             return nxt, prv
         return dist.get_global_rank(self.group, nxt), dist.get_global_rank(self.group, prv)
 
-    def exchange(self, send: torch.Tensor) -> tuple[torch.Tensor, list]:
-        """Start sending `send` to the next rank and receiving the same shape from the previous one."""
+    def exchange(self, send: torch.Tensor, tag: int) -> tuple[torch.Tensor, list]:
+        """Start sending `send` to the next rank and receiving the same shape from the previous one
+        (`tag`: K/V blocks and dK/dV accumulators travel at once in the backward; gloo matches by tag,
+        NCCL by order, which is the same on every rank)."""
         nxt, prv = self.peers()
         recv = torch.empty_like(send)
-        ops = [dist.P2POp(dist.isend, send, nxt, self.group), dist.P2POp(dist.irecv, recv, prv, self.group)]
+        ops = [dist.P2POp(dist.isend, send, nxt, self.group, tag),
+               dist.P2POp(dist.irecv, recv, prv, self.group, tag)]
         return recv, dist.batch_isend_irecv(ops)
 
     def plan(self, src: int):
@@ -274,7 +278,7 @@ def _forward_heads(ring: _Ring, q, k, v, plans):
     kv = torch.stack([k, v]).contiguous()
     for j in range(ring.world):
         src = (ring.rank - j) % ring.world
-        pending = ring.exchange(kv) if j < ring.world - 1 else None
+        pending = ring.exchange(kv, _KV_TAG) if j < ring.world - 1 else None
         plan = plans[src]
         if plan is not None:
             qs, ks, mask = plan
@@ -297,7 +301,7 @@ def _backward_heads(ring: _Ring, q, k, v, dout, lse, delta, plans):
     acc, acc_pending = None, None
     for j in range(ring.world):
         src = (ring.rank - j) % ring.world
-        pending = ring.exchange(kv) if j < ring.world - 1 else None
+        pending = ring.exchange(kv, _KV_TAG) if j < ring.world - 1 else None
         contrib = torch.zeros((2, *k.shape), dtype=q.dtype, device=k.device)
         plan = plans[src]
         if plan is not None:
@@ -316,7 +320,7 @@ def _backward_heads(ring: _Ring, q, k, v, dout, lse, delta, plans):
             contrib += recv
         acc = contrib
         if ring.world > 1:
-            acc_pending = ring.exchange(acc)
+            acc_pending = ring.exchange(acc, _GRAD_TAG)
         if pending is not None:
             recv, works = pending
             for w in works:
