@@ -51,6 +51,10 @@ many heads, at the cost of Hkv/head_stride ring passes. `q_tile` bounds the rows
 Block attention is plain torch math in fp32 (CPU/gloo and CUDA/NCCL alike); inputs of any float dtype,
 the output in the input's dtype, log-sum-exp and dK/dV accumulators in fp32 (float64 inputs are
 computed in float64 throughout, which lets `torch.autograd.gradcheck` check the backward).
+
+Not here yet: hooking this into HF models (an `AttentionInterface` function that calls
+`ring_attention`, with inputs, position ids and shifted labels split by `split_for_ring`), the
+`--ring_attn_size` / `--ring_head_stride` flags (still refused) and a flash-kernel block on CUDA.
 """
 
 from __future__ import annotations
@@ -64,8 +68,17 @@ import torch.distributed as dist
 LAYOUTS = ("zigzag", "contiguous")
 _KV_TAG, _GRAD_TAG = 17, 18
 
-__all__ = ["ring_attention", "split_for_ring", "unsplit_ring", "gather_from_ring", "ring_positions",
-           "merge_attention", "cu_seqlens_from_position_ids", "LAYOUTS"]
+__all__ = [
+    "LAYOUTS",
+    "cu_seqlens_from_position_ids",
+    "gather_from_ring",
+    "merge_attention",
+    "padded_length",
+    "ring_attention",
+    "ring_positions",
+    "split_for_ring",
+    "unsplit_ring",
+]
 
 
 # ---------------------------------------------------------------------------------------------- layout
@@ -97,7 +110,7 @@ def ring_positions(local_len: int, rank: int, world: int, layout: str = "zigzag"
 
 
 def split_for_ring(x: torch.Tensor, rank: int, world: int, dim: int = 1, layout: str = "zigzag",
-                   pad_value: float | int = 0) -> torch.Tensor:
+                   pad_value: float = 0) -> torch.Tensor:
     """This rank's part of the full tensor `x` along `dim`, after right-padding that dim with `pad_value`
     to `padded_length`. Differentiable (slicing); the inverse is `unsplit_ring` / `gather_from_ring`."""
     if not 0 <= rank < world:

@@ -13,6 +13,7 @@ with the same split of the reference: softmax(Q K^T / sqrt(d) [+ mask]) V in flo
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -20,7 +21,11 @@ import os
 import torch
 import torch.distributed as dist
 
-from rlhfkit.backend.ring_attention import gather_from_ring, ring_attention, split_for_ring
+from rlhfkit.backend.ring_attention import (
+    gather_from_ring,
+    ring_attention,
+    split_for_ring,
+)
 
 
 def reference(q, k, v, causal: bool):
@@ -37,7 +42,7 @@ def reference(q, k, v, causal: bool):
 def reference_packed(q, k, v, cu: list[int], causal: bool):
     """Packed q/k/v [T, H, D]: each sequence attended on its own; tokens past cu[-1] give 0."""
     outs = []
-    for a, b in zip(cu[:-1], cu[1:]):
+    for a, b in itertools.pairwise(cu):
         sl = [t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
         outs.append(reference(*sl, causal).squeeze(0).transpose(0, 1))
     out = torch.cat(outs)
@@ -61,7 +66,7 @@ def run_case(name, shape_q, shape_kv, length, rank, world, *, causal, layout="zi
         return split_for_ring(t, rank, world, dim=dim, layout=layout)
 
     loc = [split(t).float().to(DEVICE).requires_grad_(True) for t in (q, k, v)]
-    kwargs = dict(causal=causal, layout=layout, head_stride=head_stride, q_tile=q_tile)
+    kwargs = {"causal": causal, "layout": layout, "head_stride": head_stride, "q_tile": q_tile}
     if packed_cu:
         kwargs["cu_seqlens"] = torch.tensor(packed_cu, dtype=torch.int32)
     else:

@@ -27,7 +27,7 @@ def test_ring_matches_full_attention(nproc, tmp_path):
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
     cmd = torchrun_cmd(nproc, os.path.join(HERE, "ring_attention_worker.py"), "--out", str(tmp_path))
-    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     files = sorted(glob.glob(os.path.join(tmp_path, "rank*.json")))
     assert len(files) == nproc
@@ -46,7 +46,7 @@ def test_bench_runs_on_cpu():
     bench = os.path.join(os.path.dirname(os.path.dirname(HERE)), "bench", "ring_attention.py")
     cmd = torchrun_cmd(2, bench, "--seq_len", "37", "--heads", "4", "--kv_heads", "2", "--head_dim", "8",
                        "--head_stride", "1", "--warmup", "0", "--iters", "1")
-    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     assert len(lines) == 1
