@@ -53,3 +53,22 @@ def test_bench_runs_on_cpu():
     res = json.loads(lines[0])
     assert res["ranks"] == 2 and res["backend"] == "gloo" and res["local_len"] == 20  # 37 -> 40 over 4 chunks
     assert res["ms_fwd_bwd"] > 0 and res["tokens_per_s"] > 0
+
+
+def test_hf_model_through_an_attention_hook(tmp_path):
+    """A tiny Llama (GQA) with ring attention registered as its attention function on a ring of 2:
+    logits, loss and ring-summed gradients equal one process's, padded (odd length) and packed
+    (three sequences in one row against each run on its own) - ring_attention_hf_worker.py."""
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    cmd = torchrun_cmd(2, os.path.join(HERE, "ring_attention_hf_worker.py"), "--out", str(tmp_path))
+    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=180, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    for rank in range(2):
+        with open(os.path.join(tmp_path, f"rank{rank}.json")) as f:
+            res = json.load(f)
+        assert set(res) == {"padded", "packed"}
+        for case, errs in res.items():
+            assert set(errs) == {"logits", "loss", "grads"}
+            for name, err in errs.items():
+                assert err < 1e-5, (rank, case, name, err)
