@@ -16,11 +16,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
-from helpers import free_port, subprocess_env
+from helpers import subprocess_env, torchrun_cmd
 
 pytestmark = pytest.mark.distributed
 
@@ -29,9 +28,8 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
 def run_worker(nproc: int, tp: int, model_dir: str, out: str) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
-           "127.0.0.1", "--master_port", str(free_port()), os.path.join(HERE, "mesh_dp_worker.py"),
-           "--model", model_dir, "--tp", str(tp), "--out", out]
+    cmd = torchrun_cmd(nproc, os.path.join(HERE, "mesh_dp_worker.py"), "--model", model_dir, "--tp", str(tp),
+                       "--out", out)
     proc = subprocess.run(cmd, env=subprocess_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     with open(out) as f:
