@@ -74,3 +74,35 @@ def test_rl_prompts_follow_the_dp_rank():
     assert [drawn(mesh_rank(r)) for r in range(4)] == [pure[0], pure[0], pure[1], pure[1]]
     with pytest.raises(ValueError, match=r"multiple of the data-parallel size \(3\)"):
         _trainer(DistInfo(rank=0, world_size=6, mesh=MeshGroups(dims=None, dp_size=3)))
+
+
+def test_ray_group_splits_by_dp_rank(monkeypatch):
+    """Actors 0, 1 (dp rank 0) and 2, 3 (dp rank 1) of a dp 2 x tp 2 group: each pair gets the same
+    half of the batch, and the merged result holds each half once."""
+    pytest.importorskip("ray")
+    from rlhfkit.distributed import group as G
+    from rlhfkit.types import ExperienceBatch
+
+    class Remote:
+        def __init__(self, fn):
+            self.remote = fn
+
+    class FakeActor:
+        def __init__(self):
+            self.seen = None
+            self.call = Remote(self._call)
+
+        def _call(self, method, batch):
+            self.seen = batch.input_ids[:, 0].tolist()
+            return batch.input_ids[:, :1].float() * 10
+
+    monkeypatch.setattr(G, "wait_all", lambda refs, labels, monitor=None: list(refs))
+    actors = [FakeActor() for _ in range(4)]
+    g = G.RayGroup("policy", actors, [None] * 4, dp_ranks=[0, 0, 1, 1], unit=2)
+    ids = torch.arange(8)[:, None].repeat(1, 3)
+    out = g.call("forward_logprobs", ExperienceBatch(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                                     loss_mask=torch.ones_like(ids)))
+    assert [a.seen for a in actors] == [[0, 1, 2, 3], [0, 1, 2, 3], [4, 5, 6, 7], [4, 5, 6, 7]]
+    assert out[:, 0].tolist() == [0.0, 10.0, 20.0, 30.0, 40.0, 50.0, 60.0, 70.0]
+    with pytest.raises(ValueError, match=r"dp ranks \[0, 2\]"):
+        G.RayGroup("policy", actors[:2], [None] * 2, dp_ranks=[0, 2])
