@@ -4,7 +4,7 @@ A backend owns one model, its optimizer and LR schedule, and the way they are sp
 ranks (FSDP2 by default). One optimizer step with gradient accumulation over k micro-batches:
 
     for i, micro in enumerate(micro_batches):                 # k per rank
-        loss, metrics = loss_fn(backend.model(...), micro)   # divided by the GLOBAL count
+        loss, metrics = loss_fn(backend.forward(...), micro)  # divided by the GLOBAL count
         backend.backward(loss, sync_grads=(i == k - 1))
     stats = backend.optimizer_step()                          # clip, step, zero, LR schedule
 
@@ -29,6 +29,15 @@ class TrainBackend(Protocol):
     dist: DistInfo
     device: torch.device
     compute_dtype: torch.dtype
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's forward pass. Roles call the model only through this and `token_logprobs`,
+        so that an input hook (context parallelism: shard the sequence, align the shift) lives here."""
+        ...
+
+    def token_logprobs(self, input_ids: torch.Tensor, **kwargs: Any) -> Any:
+        """`rlhfkit.models.forward.token_logprobs` of the model (same keywords)."""
+        ...
 
     def backward(self, loss: torch.Tensor, sync_grads: bool = True) -> None:
         """Backpropagate `loss`; `sync_grads=False` for all but the last micro-batch of a step."""

@@ -10,14 +10,34 @@
   one-process CPU runs pay nothing for distribution.
 
 The helpers (`all_reduce_sum`, `barrier`, `is_rank0`, `broadcast_object`) are no-ops without a
-process group, so the same code runs in one process and under torchrun.
+process group, so the same code runs in one process and under torchrun. They go over the whole
+world; the backend uses them for decisions every rank must share (skip a step, a checkpoint path).
+
+Reductions of data (losses, token and sample counts, metrics, whitening statistics) go through
+`DistInfo`'s scoped helpers instead, which know the training mesh (`MeshGroups`, attached by
+`rlhfkit.backend.parallel.attach_mesh`):
+
+    dist.all_reduce_dp(x)     over the data-parallel ranks (dp_replicate x dp_shard): quantities
+                              of whole rows (samples, rewards, full-row token counts); the tp and
+                              cp ranks of one dp rank hold the same rows and are left out
+    dist.all_reduce_loss(x)   over dp x cp: quantities computed from the model's output on this
+                              rank's tokens (loss values, per-token metric means); under context
+                              parallelism each cp rank holds a part of every row's tokens
+    dist.all_reduce_world(x)  over every rank: control-flow decisions (e.g. the number of
+                              micro-batches, skip a step), which must agree on all ranks
+    dist.broadcast_replica(o) from the first rank of this dp rank's tp x cp group to the others
+                              (RL: all of them train on the trajectories one of them sampled)
+
+Without a mesh (or with tp = cp = 1) the dp and loss groups are the default group (`None`), so
+nothing changes in behaviour or speed. tests/unit/test_no_unscoped_collectives.py keeps roles/,
+trainers/, algo/, losses/ and data/ free of world-wide data reductions.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
@@ -27,13 +47,41 @@ T = TypeVar("T")
 
 
 @dataclass(frozen=True)
+class MeshGroups:
+    """This rank's place in the training mesh and the process groups of its dimensions.
+
+    A group of `None` is the default group (the whole world); a dimension of size 1 has no group
+    (nothing to reduce). `dims` is the `ParallelDims` the groups were built from."""
+
+    dims: Any
+    device_mesh: Any = None  # the named DeviceMesh (shared with the FSDP2 backend), None in one process
+    dp_rank: int = 0
+    dp_size: int = 1
+    dp_group: Any = None
+    loss_rank: int = 0  # within dp x cp
+    loss_size: int = 1
+    loss_group: Any = None
+    tp_rank: int = 0
+    tp_size: int = 1
+    tp_group: Any = None
+    cp_rank: int = 0
+    cp_size: int = 1
+    cp_group: Any = None
+    replica_size: int = 1  # tp x cp: the ranks that hold this dp rank's rows
+    replica_src: int = 0  # global rank of the first of them
+    replica_group: Any = None
+
+
+@dataclass(frozen=True)
 class DistInfo:
-    """Where this process sits: global rank, world size, rank on this host, torch device."""
+    """Where this process sits: global rank, world size, rank on this host, torch device, and
+    (with `mesh`) its data-parallel rank and the process groups of the training mesh."""
 
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
     device: str = "cpu"
+    mesh: MeshGroups | None = field(default=None, compare=False, repr=False)
 
     @property
     def is_rank0(self) -> bool:
@@ -42,6 +90,54 @@ class DistInfo:
     @property
     def has_process_group(self) -> bool:
         return dist.is_available() and dist.is_initialized()
+
+    # ------------------------------------------------------------------ data-parallel view
+
+    @property
+    def dp_rank(self) -> int:
+        """Which share of the data this rank trains on (the global rank without a mesh)."""
+        return self.mesh.dp_rank if self.mesh is not None else self.rank
+
+    @property
+    def dp_size(self) -> int:
+        """Into how many shares the data is cut (the world size without a mesh)."""
+        return self.mesh.dp_size if self.mesh is not None else self.world_size
+
+    @property
+    def dp_group(self) -> Any:
+        return self.mesh.dp_group if self.mesh is not None else None
+
+    @property
+    def loss_size(self) -> int:
+        """Ranks of the loss group (dp x cp); the world size without a mesh."""
+        return self.mesh.loss_size if self.mesh is not None else self.world_size
+
+    @property
+    def loss_group(self) -> Any:
+        return self.mesh.loss_group if self.mesh is not None else None
+
+    # ------------------------------------------------------------------ scoped collectives
+
+    def all_reduce_dp(self, x: T, op: str = "sum") -> T:
+        """`x` (tensor, int or float) reduced over the data-parallel ranks (see the module docstring)."""
+        return _all_reduce(x, op, self.dp_group, self.mesh.dp_size if self.mesh is not None else get_world_size())
+
+    def all_reduce_loss(self, x: T, op: str = "sum") -> T:
+        """`x` reduced over dp x cp: values computed from the model's output on this rank's tokens."""
+        return _all_reduce(x, op, self.loss_group, self.mesh.loss_size if self.mesh is not None else get_world_size())
+
+    def all_reduce_world(self, x: T, op: str = "sum") -> T:
+        """`x` reduced over every rank: for decisions all ranks must take together."""
+        return _all_reduce(x, op, None, get_world_size())
+
+    def broadcast_replica(self, obj: T) -> T:
+        """The first rank's `obj` on every rank of this dp rank's tp x cp group (no-op when it is one rank)."""
+        m = self.mesh
+        if m is None or m.replica_size == 1 or not _active():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=m.replica_src, group=m.replica_group, device=_comm_device())
+        return box[0]
 
 
 def resolve_device(device: str | None) -> str:
@@ -129,20 +225,33 @@ def barrier() -> None:
         dist.barrier()
 
 
-def all_reduce_sum(x: T) -> T:
-    """Sum a tensor or a Python number over all ranks (returns a new object; no-op in one process)."""
-    if not _active():
+_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
+
+
+def _all_reduce(x: T, op: str, group: Any, size: int) -> T:
+    """`x` reduced with `op` over `group` (None: the default group) of `size` ranks; a new object."""
+    if op not in _OPS:
+        raise ValueError(f"reduce op must be one of {sorted(_OPS)}, got {op!r}")
+    if not _active() or size == 1:
         return x
+    red = getattr(dist.ReduceOp, _OPS[op])
     if isinstance(x, torch.Tensor):
         t = x.detach().to(_comm_device(), copy=True)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        dist.all_reduce(t, op=red, group=group)
         return t.to(x.device)  # type: ignore[return-value]
     if isinstance(x, (int, float)):
         dtype = torch.int64 if isinstance(x, int) and not isinstance(x, bool) else torch.float64
         t = torch.tensor(x, dtype=dtype, device=_comm_device())
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        dist.all_reduce(t, op=red, group=group)
         return t.item()  # type: ignore[return-value]
-    raise TypeError(f"all_reduce_sum takes a tensor, int or float, got {type(x).__name__}")
+    raise TypeError(f"all-reduce takes a tensor, int or float, got {type(x).__name__}")
+
+
+def all_reduce_sum(x: T) -> T:
+    """Sum a tensor or a Python number over all ranks (returns a new object; no-op in one process)."""
+    if not _active():
+        return x
+    return _all_reduce(x, "sum", None, get_world_size())
 
 
 def broadcast_object(obj: T, src: int = 0) -> T:

@@ -5,7 +5,7 @@
       |  process group (torchrun / Ray): dims.build_mesh() -> fully_shard per decoder block + root
       |  on the mesh's data-parallel dims (sharding.py)
       v
-    backend.model(...) -> loss / global count -> backend.backward(loss, sync_grads)
+    backend.forward(...) / .token_logprobs(...) -> loss / global count -> backend.backward(loss, sync_grads)
       -> backend.optimizer_step(): global grad norm, non-finite guard (guard.py: skip / stop),
          clip, AdamW, weight check, zero, LR schedule
 
@@ -75,6 +75,7 @@ from rlhfkit.backend.sharding import (
 )
 from rlhfkit.config.configs import BackendConfig, OptimConfig
 from rlhfkit.config.notes import note_once
+from rlhfkit.models.forward import token_logprobs
 from rlhfkit.models.loader import enable_gradient_checkpointing
 
 log = logging.getLogger(__name__)
@@ -203,7 +204,9 @@ class FSDP2Backend:
     def _shard(self, model: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
-        self.mesh = self.parallel.build_mesh(self.device.type)
+        shared = self.dist.mesh  # built once by parallel.attach_mesh, when it describes the same mesh
+        self.mesh = (shared.device_mesh if shared is not None and shared.device_mesh is not None
+                     and shared.dims == self.parallel else self.parallel.build_mesh(self.device.type))
         low = self.compute_dtype if self.compute_dtype != torch.float32 else None
         mp = MixedPrecisionPolicy(param_dtype=low if self.trainable else None,
                                   reduce_dtype=torch.float32)
@@ -218,7 +221,12 @@ class FSDP2Backend:
     # ------------------------------------------------------------------ training
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's forward pass (roles call this, not `self.model`: the one place for input hooks)."""
         return self.model(*args, **kwargs)
+
+    def token_logprobs(self, input_ids: torch.Tensor, **kwargs: Any) -> Any:
+        """`rlhfkit.models.forward.token_logprobs` of the model (same keywords)."""
+        return token_logprobs(self.model, input_ids, **kwargs)
 
     def train(self) -> None:
         self.model.train()

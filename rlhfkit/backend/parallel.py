@@ -14,14 +14,24 @@ states (FSDP, `--zero_stage` 1-3); `dp_replicate` ranks hold replicas of that sh
 `tp` and `cp` are the tensor- and context-parallel sizes; the mesh always has all four named
 dimensions (size 1 when unused), so later features take their sub-mesh by name.
 
+`attach_mesh(dist, dims)` builds that mesh once per process and gives `DistInfo` its process
+groups (`dist.MeshGroups`): dp (replicate x shard, the ranks that see different data), loss
+(dp x cp), tp, cp, and the replica group (tp x cp: the ranks sharing one dp rank's rows). Ranks
+lie in the mesh row-major, outer to inner, so dp_rank = rank // (cp x tp). With tp = cp = 1 the
+dp and loss groups stay `None` (the default group): no new process group, no change in speed.
+
 Modelled on torchtitan's `ParallelDims` (the idea, not its code).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
+import torch.distributed as tdist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from rlhfkit.backend.dist import DistInfo, MeshGroups
 
 MESH_DIM_NAMES = ("dp_replicate", "dp_shard", "cp", "tp")
 _FLAG_OF = {"tp": "--ds_tensor_parallel_size", "cp": "--ring_attn_size",
@@ -99,3 +109,56 @@ class ParallelDims:
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """The named mesh over all ranks (needs the default process group)."""
         return init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIM_NAMES)
+
+    def coordinate(self, rank: int) -> tuple[int, int, int, int]:
+        """(dp_replicate, dp_shard, cp, tp) indices of global `rank` (row-major, tp innermost)."""
+        rest, t = divmod(rank, self.tp)
+        rest, c = divmod(rest, self.cp)
+        rep, shard = divmod(rest, self.dp_shard)
+        return rep, shard, c, t
+
+    def dp_rank_of(self, rank: int) -> int:
+        """The data-parallel rank of global `rank`: the share of the data it trains on."""
+        rep, shard, _, _ = self.coordinate(rank)
+        return rep * self.dp_shard + shard
+
+
+def _subgroup(rank_lists: list[list[int]]) -> Any:
+    """This rank's group of a partition of the world (every rank creates every group, in order)."""
+    mine, _ = tdist.new_subgroups_by_enumeration(rank_lists)
+    return mine
+
+
+def _mesh_device_type(device: str) -> str:
+    return device.split(":", 1)[0]
+
+
+def attach_mesh(dist: DistInfo, dims: ParallelDims) -> DistInfo:
+    """`dist` with the process groups of `dims` (module docstring); every rank must call it, once."""
+    if dims.world_size != dist.world_size:
+        raise ValueError(f"ParallelDims was built for world size {dims.world_size}, "
+                         f"but this process group has {dist.world_size} ranks")
+    if dist.world_size == 1 or not dist.has_process_group:
+        return replace(dist, mesh=MeshGroups(dims=dims))
+    mesh = dims.build_mesh(_mesh_device_type(dist.device))
+    grid = mesh.mesh.reshape(dims.shape).tolist()  # global ranks [rep][shard][cp][tp]
+    rep, shard, c, t = dims.coordinate(dist.rank)
+    cells = [(r, s) for r in range(dims.dp_replicate) for s in range(dims.dp_shard)]
+    groups: dict[str, Any] = {}
+    if dims.tp * dims.cp > 1:  # otherwise dp = loss = the world: the default group
+        groups["dp_group"] = _subgroup([[grid[r][s][ci][ti] for r, s in cells]
+                                        for ci in range(dims.cp) for ti in range(dims.tp)])
+        groups["loss_group"] = groups["dp_group"] if dims.cp == 1 else _subgroup(
+            [[grid[r][s][ci][ti] for r, s in cells for ci in range(dims.cp)] for ti in range(dims.tp)])
+        groups["replica_group"] = _subgroup([[grid[r][s][ci][ti] for ci in range(dims.cp) for ti in range(dims.tp)]
+                                             for r, s in cells])
+    if dims.tp > 1:
+        groups["tp_group"] = mesh.get_group("tp")
+    if dims.cp > 1:
+        groups["cp_group"] = mesh.get_group("cp")
+    dp_rank = rep * dims.dp_shard + shard
+    info = MeshGroups(dims=dims, device_mesh=mesh, dp_rank=dp_rank, dp_size=dims.dp,
+                      loss_rank=dp_rank * dims.cp + c, loss_size=dims.dp * dims.cp, tp_rank=t, tp_size=dims.tp,
+                      cp_rank=c, cp_size=dims.cp, replica_size=dims.tp * dims.cp, replica_src=grid[rep][shard][0][0],
+                      **groups)
+    return replace(dist, mesh=info)

@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from rlhfkit.backend.dist import DistInfo, init_distributed
+from rlhfkit.backend.parallel import attach_mesh
 from rlhfkit.backend.fsdp2 import FSDP2Backend
 from rlhfkit.cli.common import (UsageError, check_backend_flags, check_positions, parallel_dims,
                                 check_packages, resolve_model_paths, set_seed)
@@ -101,6 +102,7 @@ def setup(args: argparse.Namespace) -> tuple[DistInfo, Any]:
     check_model_dir(args.pretrain, "--pretrain")
     check_positions(args.pretrain, args.max_len, f"--max_len {args.max_len}")
     dist = init_distributed(args.device)
+    dist = attach_mesh(dist, parallel_dims(args, dist))  # the dp / tp / cp process groups, built once
     set_seed(args.seed, args.full_determinism)
     tokenizer = load_tokenizer(args.pretrain, chat_template=args.tokenizer_chat_template,
                                use_fast=not args.disable_fast_tokenizer)

@@ -193,7 +193,7 @@ def build_ptx(args: argparse.Namespace, dist: DistInfo):
     ds = SFTDataset(rows, tokenizer, SFTDataConfig(input_key=args.input_key, pretrain_mode=True, max_len=args.max_len))
     if not ds.items:
         raise DataError(f"--pretrain_data {args.pretrain_data}: no usable text in --input_key {args.input_key}")
-    return PtxBatches(ds.items, args.micro_train_batch_size, tokenizer.pad_token_id, dist.rank, dist.world_size,
+    return PtxBatches(ds.items, args.micro_train_batch_size, tokenizer.pad_token_id, dist.dp_rank, dist.dp_size,
                       args.seed)
 
 
@@ -297,7 +297,7 @@ def build_engine_for(args: argparse.Namespace, tokenizer: Any, dist: DistInfo, t
     from rlhfkit.config.dtypes import run_dtype
 
     dtype = run_dtype(args.param_dtype, dist.device)
-    seqs = engine_max_num_seqs(args, dist.world_size)
+    seqs = engine_max_num_seqs(args, dist.dp_size)  # each dp rank (or Ray engine) samples its share
     opts: dict[str, Any] = {}
     if args.rollout_engine == "builtin":
         opts = {"max_model_len": args.max_len, "max_num_seqs": seqs}

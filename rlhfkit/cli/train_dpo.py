@@ -58,7 +58,8 @@ def run(args) -> OfflineRun:
     ref = frozen_model(args.ref_pretrain or args.pretrain, args, dist,
                        "--ref_pretrain" if args.ref_pretrain else "--pretrain", args.ref_offload)
     task = DPOTask(pad_token_id=tokenizer.pad_token_id, ref=ref, beta=args.beta, label_smoothing=args.label_smoothing,
-                   ipo=args.ipo, nll_loss_coef=args.nll_loss_coef, packing=args.packing_samples, device=dist.device)
+                   ipo=args.ipo, nll_loss_coef=args.nll_loss_coef, packing=args.packing_samples,
+                   device=dist.device, dist=dist)
     return train_policy(args, dist, tokenizer, task, train_items, eval_items, plot_keys=OFFLINE_PLOT_KEYS)
 
 

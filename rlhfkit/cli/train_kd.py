@@ -55,7 +55,7 @@ def run(args) -> OfflineRun:
     train_items, eval_items = load_split_items(args, lambda rows: SFTDataset(rows, tokenizer, data_cfg))
     teacher = frozen_model(args.teacher_model, args, dist, "--teacher_model", args.teacher_offload)
     task = KDTask(pad_token_id=tokenizer.pad_token_id, teacher=teacher, kd_coef=args.kd_coef,
-                  packing=args.packing_samples, device=dist.device)
+                  packing=args.packing_samples, device=dist.device, dist=dist)
     return train_policy(args, dist, tokenizer, task, train_items, eval_items, plot_keys=KD_PLOT_KEYS)
 
 

@@ -70,7 +70,7 @@ def run(args) -> OfflineRun:
                        "--ref_pretrain" if args.ref_pretrain else "--pretrain", args.ref_offload)
     task = KTOTask(pad_token_id=tokenizer.pad_token_id, ref=ref, max_len=args.max_len, beta=args.beta,
                    desirable_weight=args.desirable_loss_weight, undesirable_weight=args.undesirable_loss_weight,
-                   packing=args.packing_samples, device=dist.device)
+                   packing=args.packing_samples, device=dist.device, dist=dist)
     return train_policy(args, dist, tokenizer, task, train_items, eval_items, plot_keys=KTO_PLOT_KEYS)
 
 

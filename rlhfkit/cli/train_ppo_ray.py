@@ -167,6 +167,10 @@ def note_no_effect(args, parser) -> None:
 def build_role(args, num_steps: int, role: str, dist: DistInfo) -> tuple[Any, Any]:
     """One rank of `role` (runs inside its Ray actor) -> (role object, backend or None)."""
     set_seed(args.seed, args.full_determinism)
+    from rlhfkit.backend.parallel import attach_mesh
+    from rlhfkit.cli.common import parallel_dims
+
+    dist = attach_mesh(dist, parallel_dims(args, dist))  # this group's dp / tp / cp process groups
     if role == "policy":
         group, backend = S.build_policy(args, dist, num_steps)
         return group.role, backend

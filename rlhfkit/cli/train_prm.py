@@ -55,7 +55,7 @@ def run(args) -> OfflineRun:
         raise UsageError("soft (numeric) PRM labels need exactly two --reward_tokens (the first is 'correct')")
     task = PRMTask(pad_token_id=tokenizer.pad_token_id,
                    placeholder_token_id=token_id(tokenizer, args.placeholder_token, "--placeholder_token"),
-                   reward_token_ids=reward_ids, packing=args.packing_samples, device=dist.device)
+                   reward_token_ids=reward_ids, packing=args.packing_samples, device=dist.device, dist=dist)
     return train_policy(args, dist, tokenizer, task, train_items, eval_items, plot_keys=OFFLINE_PLOT_KEYS)
 
 

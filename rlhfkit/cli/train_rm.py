@@ -90,7 +90,7 @@ def run(args) -> OfflineRun:
     data_cfg = from_args(PreferenceDataConfig, args)
     train_items, eval_items = load_split_items(args, lambda rows: PreferenceDataset(rows, tokenizer, data_cfg))
     task = RMTask(pad_token_id=tokenizer.pad_token_id, loss_type=args.loss, margin_loss=args.margin_loss,
-                  packing=args.packing_samples, device=dist.device)
+                  packing=args.packing_samples, device=dist.device, dist=dist)
     model = load_value_model(args.pretrain, value_head_prefix=args.value_head_prefix, init_value_head=True,
                              dtype="fp32", cfg=from_args(ModelConfig, args), flag="--pretrain")
     backend = trainable_backend(model, args, dist, len(train_items))

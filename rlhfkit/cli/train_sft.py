@@ -34,7 +34,7 @@ def run(args, on_step_end=None) -> C.OfflineRun:
     dist, tokenizer = C.setup(args)
     data_cfg = from_args(SFTDataConfig, args)
     train_items, eval_items = C.load_split_items(args, lambda rows: SFTDataset(rows, tokenizer, data_cfg))
-    task = SFTTask(pad_token_id=tokenizer.pad_token_id, packing=args.packing_samples, device=dist.device)
+    task = SFTTask(pad_token_id=tokenizer.pad_token_id, packing=args.packing_samples, device=dist.device, dist=dist)
     return C.train_policy(args, dist, tokenizer, task, train_items, eval_items, on_step_end=on_step_end)
 
 

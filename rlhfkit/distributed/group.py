@@ -1,8 +1,9 @@
 """`RayGroup`: a role group of N Ray actors behind the same `call` as `roles.group.LocalGroup`.
 
-    group.call("forward_logprobs", batch, T)   batch split by rows into N contiguous shards (whole
-                                               prompt groups of `unit` rows), one per rank; the
-                                               ranks' [b_i, L] / [b_i] tensors are concatenated
+    group.call("forward_logprobs", batch, T)   batch split by rows into one contiguous shard (whole
+                                               prompt groups of `unit` rows) per data-parallel rank;
+                                               the tp / cp ranks of one dp rank get the same shard;
+                                               the dp ranks' [b_i, L] / [b_i] tensors are concatenated
     group.call("train_on", batch, kl_coef)     same split; the ranks' metric dicts are averaged
                                                (roles already reduce them over their process group,
                                                so every rank holds the global value)
@@ -160,9 +161,15 @@ class RayGroup:
     """N actors of one role; see the module docstring."""
 
     def __init__(self, name: str, actors: list[Any], labels: list[ActorLabel], monitor: HealthMonitor | None = None,
-                 unit: int = 1, phases: Phases | None = None, weights_dtype: str | None = None) -> None:
+                 unit: int = 1, phases: Phases | None = None, weights_dtype: str | None = None,
+                 dp_ranks: list[int] | None = None) -> None:
+        """`dp_ranks[i]`: the data-parallel rank of actor i (default: i, pure data parallelism)."""
         if not actors:
             raise ValueError(f"role group {name} has no actors")
+        self.dp_ranks = list(range(len(actors))) if dp_ranks is None else list(dp_ranks)
+        if len(self.dp_ranks) != len(actors) or set(self.dp_ranks) != set(range(max(self.dp_ranks) + 1)):
+            raise ValueError(f"role group {name}: dp ranks {self.dp_ranks} must number its {len(actors)} actors "
+                             f"0..dp-1")
         self.name, self.actors, self.labels = name, actors, labels
         self.monitor, self.unit, self.phases = monitor, unit, phases
         self.weights_dtype = weights_dtype
@@ -170,6 +177,10 @@ class RayGroup:
     @property
     def world_size(self) -> int:
         return len(self.actors)
+
+    @property
+    def dp_size(self) -> int:
+        return max(self.dp_ranks) + 1
 
     def run_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """`method` on every rank with the same arguments; results in rank order."""
@@ -191,10 +202,13 @@ class RayGroup:
                              "distributed.policy_sync.RayWeightSync, not group.call('weights')")
         if args and isinstance(args[0], ExperienceBatch):
             batch, rest = args[0], args[1:]
-            ranges = split_rows(batch.batch_size, self.world_size, self.unit)
-            refs = [a.call.remote(method, batch.select(list(range(s, e))), *rest, **kwargs)
-                    for a, (s, e) in zip(self.actors, ranges)]
-            return merge_results(wait_all(refs, self.labels, self.monitor))
+            ranges = split_rows(batch.batch_size, self.dp_size, self.unit)
+            refs = [a.call.remote(method, batch.select(list(range(*ranges[d]))), *rest, **kwargs)
+                    for a, d in zip(self.actors, self.dp_ranks)]
+            first: dict[int, Any] = {}  # the replicas of one dp rank return the same result
+            for d, res in zip(self.dp_ranks, wait_all(refs, self.labels, self.monitor)):
+                first.setdefault(d, res)
+            return merge_results([first[d] for d in range(self.dp_size)])
         return self.run_all("call", method, *args, **kwargs)[0]
 
     def __repr__(self) -> str:

@@ -192,8 +192,9 @@ def _setup(actors: dict[str, list[Any]], where: dict[str, list[tuple[str, int]]]
     devices = {(lab.role, lab.rank): d["device"] for lab, d in zip(ref_labels, done)}
     choice = _weight_sync(actors, labels, placement, devices, cfg, monitor)
     monitor.start()
+    dp_of = {(lab.role, lab.rank): d.get("dp_rank", lab.rank) for lab, d in zip(ref_labels, done)}
     groups = {m: RayGroup(m, actors[m], labels[m], monitor, unit=cfg.unit, phases=phases,
-                          weights_dtype=cfg.weights_dtype)
+                          weights_dtype=cfg.weights_dtype, dp_ranks=[dp_of[(m, r)] for r in range(len(actors[m]))])
               for m in names if m != "engine"}
     first = list(range(0, len(actors["engine"]), tp))  # an engine's shard 0 serves it
     router = RayEngineRouter([actors["engine"][i] for i in first], [labels["engine"][i] for i in first], monitor,

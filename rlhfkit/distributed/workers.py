@@ -88,7 +88,8 @@ class RoleWorker:
                               MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         self.dist = init_distributed(device)
         self.role, self.backend = self._build(self.role_name, self.dist)
-        return {"device": self.dist.device, "world_size": self.dist.world_size}
+        self.dist = getattr(self.role, "dist", None) or self.dist  # with the mesh the builder attached
+        return {"device": self.dist.device, "world_size": self.dist.world_size, "dp_rank": self.dist.dp_rank}
 
     def _enter(self) -> None:
         # calls may run on either of the actor's threads; the current CUDA device is per thread

@@ -22,12 +22,11 @@ from typing import Any, Iterator
 
 import torch
 
-from rlhfkit.backend.dist import DistInfo, all_reduce_sum
+from rlhfkit.backend.dist import DistInfo
 from rlhfkit.config.notes import note_once
 from rlhfkit.losses.aux import ptx_loss, router_aux_loss
 from rlhfkit.losses.kl import kl_loss
 from rlhfkit.losses.policy import PolicyLossConfig, policy_loss
-from rlhfkit.models.forward import token_logprobs
 from rlhfkit.models.moe import RouterAuxLoss
 from rlhfkit.types import ExperienceBatch
 
@@ -51,15 +50,9 @@ class UpdateConfig:
     ptx_coef: float = 0.0  # PPO-ptx weight, with a pretraining source [--ptx_coef --pretrain_data]
 
 
-def global_max(x: int) -> int:
-    """Max of `x` over ranks (x itself without a process group)."""
-    import torch.distributed as tdist
-
-    if not (tdist.is_available() and tdist.is_initialized()):
-        return x
-    t = torch.tensor([x], dtype=torch.long)
-    tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
-    return int(t.item())
+def global_max(x: int, dist: DistInfo) -> int:
+    """Max of `x` over every rank (a count of forward passes: all ranks must agree on it)."""
+    return int(dist.all_reduce_world(x, op="max"))
 
 
 def dummy_like(batch: ExperienceBatch) -> ExperienceBatch:
@@ -76,7 +69,7 @@ def dummy_like(batch: ExperienceBatch) -> ExperienceBatch:
     return d
 
 
-def micro_batches(batch: ExperienceBatch, size: int, aligned: bool = True,
+def micro_batches(batch: ExperienceBatch, size: int, dist: DistInfo, aligned: bool = True,
                   max_tokens: int | None = None) -> Iterator[tuple[ExperienceBatch, int]]:
     """`(micro_batch, real_rows)` pairs of consecutive rows: at most `size` rows, or, with
     `max_tokens` (dynamic batching), as many rows as fit that many real tokens.
@@ -91,23 +84,24 @@ def micro_batches(batch: ExperienceBatch, size: int, aligned: bool = True,
         groups = split_by_token_budget(batch.attention_mask.sum(-1).tolist(), max_tokens)
     else:
         groups = [list(range(i, min(i + size, batch.batch_size))) for i in range(0, batch.batch_size, size)]
-    n = global_max(len(groups)) if aligned else len(groups)
+    n = global_max(len(groups), dist) if aligned else len(groups)
     for i in range(n):
         rows = groups[i] if i < len(groups) else []
         yield (trim(batch.select(rows)), len(rows)) if rows else (dummy_like(batch), 0)
 
 
-def row_logprobs(model: Any, mb: ExperienceBatch, temperature: float, entropy: bool, packed: bool):
-    """Log-probs (and entropy) `[B, L]` of a right-padded micro-batch; `packed` runs its rows as one
-    packed row (positions restart per sample, no cross-sample attention) and scatters back."""
+def row_logprobs(backend: Any, mb: ExperienceBatch, temperature: float, entropy: bool, packed: bool):
+    """Log-probs (and entropy) `[B, L]` of a right-padded micro-batch through `backend.token_logprobs`;
+    `packed` runs its rows as one packed row (positions restart per sample, no cross-sample
+    attention) and scatters back."""
     if not packed:
-        return token_logprobs(model, mb.input_ids, attention_mask=mb.attention_mask, temperature=temperature,
-                             return_entropy=entropy)
+        return backend.token_logprobs(mb.input_ids, attention_mask=mb.attention_mask, temperature=temperature,
+                                      return_entropy=entropy)
     real = mb.attention_mask.bool()
     lens = real.sum(-1)
     pos = torch.cat([torch.arange(int(n), device=mb.input_ids.device) for n in lens.tolist()])[None]
-    res = token_logprobs(model, mb.input_ids[real][None], position_ids=pos, temperature=temperature,
-                         return_entropy=entropy)
+    res = backend.token_logprobs(mb.input_ids[real][None], position_ids=pos, temperature=temperature,
+                                 return_entropy=entropy)
     parts = res if entropy else (res,)
     outs = []
     for t in parts:
@@ -126,12 +120,13 @@ def trim(batch: ExperienceBatch) -> ExperienceBatch:
     return ExperienceBatch(**out)
 
 
-def mini_batches(batch: ExperienceBatch, train_batch_size: int, epoch: int, seed: int) -> list[ExperienceBatch]:
+def mini_batches(batch: ExperienceBatch, train_batch_size: int, epoch: int, seed: int,
+                 dist: DistInfo) -> list[ExperienceBatch]:
     """This rank's rows shuffled by (seed, epoch) and cut into as many mini-batches as the *global*
     rollout needs (ceil(global rows / train_batch_size)), the same number on every rank."""
     g = torch.Generator().manual_seed(seed * 7919 + epoch)
     order = torch.randperm(batch.batch_size, generator=g).tolist()
-    total = int(all_reduce_sum(torch.tensor(float(batch.batch_size), dtype=torch.float64)).item())
+    total = int(dist.all_reduce_dp(torch.tensor(float(batch.batch_size), dtype=torch.float64)).item())
     n = max(1, -(-total // train_batch_size))
     k, r = divmod(len(order), n)
     out, start = [], 0
@@ -147,14 +142,16 @@ def average(records: list[dict[str, float]]) -> dict[str, float]:
     return {k: sum(r[k] for r in records if k in r) / max(1, sum(1 for r in records if k in r)) for k in keys}
 
 
-def reduce_over_ranks(metrics: dict[str, float], sum_keys: tuple[str, ...], world_size: int) -> dict[str, float]:
-    """This rank's metrics -> the global ones: `sum_keys` (losses already divided by a global count,
-    so each rank holds a part) are summed over ranks, the others (local means) averaged."""
-    if world_size == 1:
+def reduce_over_ranks(metrics: dict[str, float], sum_keys: tuple[str, ...], dist: DistInfo) -> dict[str, float]:
+    """This rank's metrics -> the global ones, over the loss group (dp x cp: each of its ranks
+    computed them from its own tokens): `sum_keys` (losses already divided by a global count, so
+    each rank holds a part) are summed, the others (local means) averaged."""
+    size = dist.loss_size
+    if size == 1:
         return metrics
     keys = sorted(metrics)
-    tot = all_reduce_sum(torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)).tolist()
-    return {k: v if k in sum_keys else v / world_size for k, v in zip(keys, tot)}
+    tot = dist.all_reduce_loss(torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)).tolist()
+    return {k: v if k in sum_keys else v / size for k, v in zip(keys, tot)}
 
 
 class ActorRole:
@@ -184,9 +181,10 @@ class ActorRole:
         self.backend.eval()
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
         row = 0
-        for mb, real in micro_batches(batch, self.micro_rollout_batch_size, max_tokens=self.rollout_max_tokens):
+        for mb, real in micro_batches(batch, self.micro_rollout_batch_size, self.dist,
+                                      max_tokens=self.rollout_max_tokens):
             mb = mb.to(self.device)
-            lp = row_logprobs(self.backend.model, mb, temperature, False, self.packing)
+            lp = row_logprobs(self.backend, mb, temperature, False, self.packing)
             out[row:row + real, :lp.shape[1]] = (lp.float() * mb.attention_mask).cpu()[:real]
             row += real
         if self.offload:
@@ -200,25 +198,26 @@ class ActorRole:
         self.backend.train()
         records = []
         for epoch in range(cfg.max_epochs):
-            for mini in mini_batches(batch, cfg.train_batch_size, epoch, cfg.seed):
+            for mini in mini_batches(batch, cfg.train_batch_size, epoch, cfg.seed, self.dist):
                 records.append(self._step(mini, kl_coef))
         skipped = sum(r.pop("nonfinite_skipped") for r in records)  # the same on every rank
-        out = reduce_over_ranks(average(records), ADDITIVE, self.dist.world_size)
+        out = reduce_over_ranks(average(records), ADDITIVE, self.dist)
         out["nonfinite_skipped"] = skipped
         return out
 
     def _step(self, mini: ExperienceBatch, kl_coef: float) -> dict[str, float]:
         cfg = self.update_cfg
-        counts = all_reduce_sum(torch.tensor([float(mini.loss_mask.sum()), float((mini.loss_mask.sum(-1) > 0).sum())],
-                                             dtype=torch.float64))
+        # counted on whole rows (this rank's share of the samples): summed over dp, not cp
+        counts = self.dist.all_reduce_dp(torch.tensor([float(mini.loss_mask.sum()),
+                                                       float((mini.loss_mask.sum(-1) > 0).sum())], dtype=torch.float64))
         num_tokens, num_seqs = float(counts[0]), float(counts[1])
         sums: dict[str, float] = {}
-        mbs = list(micro_batches(mini, cfg.micro_train_batch_size, max_tokens=cfg.max_tokens_per_micro))
+        mbs = list(micro_batches(mini, cfg.micro_train_batch_size, self.dist, max_tokens=cfg.max_tokens_per_micro))
         ptx = self._ptx_batches(len(mbs))
         for i, (mb, _) in enumerate(mbs):
             mb = mb.to(self.device)
             with RouterAuxLoss(self.backend.model, enabled=cfg.aux_loss_coef != 0) as router:
-                res = row_logprobs(self.backend.model, mb, cfg.temperature, cfg.compute_entropy, cfg.packing)
+                res = row_logprobs(self.backend, mb, cfg.temperature, cfg.compute_entropy, cfg.packing)
             lp, ent = res if cfg.compute_entropy else (res, None)
             loss, m = policy_loss(lp, mb.old_logprobs, mb.advantages, mb.loss_mask, self.loss_cfg,
                                   num_tokens=num_tokens, num_sequences=num_seqs,
@@ -262,16 +261,17 @@ class ActorRole:
         if self.ptx is None or not self.update_cfg.ptx_coef:
             return None
         cfg = self.update_cfg
-        per_step = max(1, cfg.train_batch_size // (cfg.micro_train_batch_size * self.dist.world_size))
+        per_step = max(1, cfg.train_batch_size // (cfg.micro_train_batch_size * self.dist.dp_size))
         first = self.backend.steps_done * per_step
         batches = [self.ptx.batch(first + i) for i in range(n)]
-        count = all_reduce_sum(torch.tensor(float(sum(b.num_loss_tokens for b in batches)), dtype=torch.float64))
+        count = self.dist.all_reduce_dp(torch.tensor(float(sum(b.num_loss_tokens for b in batches)),
+                                                     dtype=torch.float64))
         return batches, float(count)
 
     def _ptx_backward(self, batch: Any, num_tokens: float) -> dict[str, float]:
         """Backward of ptx_coef x the pretraining NLL of one micro-batch (PPO-ptx)."""
         b = batch.to(self.device)
-        lp = token_logprobs(self.backend.model, b.input_ids, attention_mask=b.attention_mask)
+        lp = self.backend.token_logprobs(b.input_ids, attention_mask=b.attention_mask)
         loss, m = ptx_loss(lp, b.loss_mask, self.update_cfg.ptx_coef, num_tokens)
         self.backend.backward(loss)
         return m

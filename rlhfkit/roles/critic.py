@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from rlhfkit.backend.dist import DistInfo, all_reduce_sum
+from rlhfkit.backend.dist import DistInfo
 from rlhfkit.losses.value import value_loss
 from rlhfkit.models.value import reward_at_last_token
 from rlhfkit.roles.actor import UpdateConfig, average, micro_batches, mini_batches, reduce_over_ranks
@@ -39,7 +39,7 @@ class CriticRole:
         self.device = torch.device(dist.device)
 
     def _values(self, mb: ExperienceBatch) -> torch.Tensor:
-        raw = self.backend.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask)
+        raw = self.backend.forward(input_ids=mb.input_ids, attention_mask=mb.attention_mask)
         return shift_values(raw) * mb.attention_mask
 
     @torch.no_grad()
@@ -47,7 +47,8 @@ class CriticRole:
         self.backend.eval()
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
         row = 0
-        for mb, real in micro_batches(batch, self.micro_rollout_batch_size, max_tokens=self.rollout_max_tokens):
+        for mb, real in micro_batches(batch, self.micro_rollout_batch_size, self.dist,
+                                      max_tokens=self.rollout_max_tokens):
             v = self._values(mb.to(self.device)).float().cpu()[:real]
             out[row:row + real, :v.shape[1]] = v
             row += real
@@ -60,11 +61,14 @@ class CriticRole:
         records = []
         skipped = 0.0
         for epoch in range(cfg.max_epochs):
-            for mini in mini_batches(batch, cfg.train_batch_size, epoch, cfg.seed + 1):
-                num_tokens = float(all_reduce_sum(torch.tensor(float(mini.loss_mask.sum()), dtype=torch.float64)))
+            for mini in mini_batches(batch, cfg.train_batch_size, epoch, cfg.seed + 1, self.dist):
+                # whole rows: summed over dp (cp ranks hold the same rows)
+                num_tokens = float(self.dist.all_reduce_dp(torch.tensor(float(mini.loss_mask.sum()),
+                                                                        dtype=torch.float64)))
                 sums: dict[str, float] = {}
                 n = 0
-                for mb, _ in micro_batches(mini, cfg.micro_train_batch_size, max_tokens=cfg.max_tokens_per_micro):
+                for mb, _ in micro_batches(mini, cfg.micro_train_batch_size, self.dist,
+                                           max_tokens=cfg.max_tokens_per_micro):
                     mb = mb.to(self.device)
                     loss, m = value_loss(self._values(mb), mb.values, mb.returns, mb.loss_mask,
                                          value_clip=self.value_clip, num_tokens=num_tokens)
@@ -78,7 +82,7 @@ class CriticRole:
                 rec["critic_grad_norm"] = stats.get("grad_norm", float("nan"))
                 skipped += stats.get("nonfinite_skipped", 0.0)  # the same on every rank
                 records.append(rec)
-        out = reduce_over_ranks(average(records), ("critic_loss",), self.dist.world_size)
+        out = reduce_over_ranks(average(records), ("critic_loss",), self.dist)
         out["critic_nonfinite_skipped"] = skipped
         out["value_loss"] = out.pop("critic_loss", float("nan"))
         return out
@@ -110,7 +114,7 @@ class RewardModelRole:
 
     def _rewards(self, batch: ExperienceBatch) -> torch.Tensor:
         out = []
-        for mb, real in micro_batches(batch, self.micro_batch_size, aligned=False):
+        for mb, real in micro_batches(batch, self.micro_batch_size, self.dist, aligned=False):
             mb = mb.to(self.device)
             total = torch.zeros(mb.batch_size, device=self.device)
             for m in self.models:

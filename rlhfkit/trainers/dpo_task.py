@@ -25,12 +25,12 @@ reward > rejected reward), `margin` (chosen - rejected reward), and `nll_loss` w
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 import torch
 
-from rlhfkit.backend.dist import all_reduce_sum
+from rlhfkit.backend.dist import DistInfo
 from rlhfkit.data.collate import PackedBatch
 from rlhfkit.data.items import PreferenceItem
 from rlhfkit.losses.preference import dpo_loss
@@ -111,6 +111,7 @@ class DPOTask:
     nll_loss_coef: float = 0.0
     packing: bool = False
     device: torch.device | str = "cpu"
+    dist: DistInfo = field(default_factory=DistInfo)  # whose dp group reduces the metrics
 
     def __post_init__(self) -> None:
         check_dpo_settings(self.beta, self.label_smoothing, self.ipo, self.nll_loss_coef)
@@ -159,6 +160,6 @@ class DPOTask:
             loss_sum, per = self._pair_terms(model, b, 1.0)  # count 1: the sum over pairs
             vals = [loss_sum.detach()] + [per[k].sum() for k in names[1:]]
             sums += torch.tensor([float(v) for v in vals] + [float(b.num_pairs)], dtype=torch.float64)
-        sums = all_reduce_sum(sums)
+        sums = self.dist.all_reduce_dp(sums)
         n = float(sums[-1].clamp(min=1.0))
         return {f"eval/{k}": float(v) / n for k, v in zip(names, sums[:-1].tolist())}

@@ -17,12 +17,12 @@ Eval: `eval/loss`, `eval/kd_loss`, `eval/nll_loss`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
-from rlhfkit.backend.dist import all_reduce_sum
+from rlhfkit.backend.dist import DistInfo
 from rlhfkit.data.items import SFTItem
 from rlhfkit.losses.distill import distill_loss
 from rlhfkit.models.forward import forward_logits
@@ -46,6 +46,10 @@ class KDTask:
     kd_coef: float = 0.4
     packing: bool = False
     device: torch.device | str = "cpu"
+    dist: DistInfo = field(default_factory=DistInfo)  # whose dp group reduces the metrics
+    # its loss is a sum over tokens: under context parallelism each cp rank holds a part, so the
+    # loop sums its training metrics over dp x cp (sample-level losses: over dp)
+    TOKEN_ADDITIVE = True
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.kd_coef <= 1.0:
@@ -81,6 +85,6 @@ class KDTask:
             loss_sum, m = self._loss(model, b, 1.0)
             n = b.num_loss_tokens
             sums += torch.tensor([float(loss_sum), m["kd_loss"] * n, m["nll_loss"] * n, n], dtype=torch.float64)
-        s = all_reduce_sum(sums).tolist()
+        s = self.dist.all_reduce_dp(sums).tolist()
         n = max(s[3], 1.0)
         return {"eval/loss": s[0] / n, "eval/kd_loss": s[1] / n, "eval/nll_loss": s[2] / n}

@@ -24,12 +24,12 @@ answers: it grows as training separates them). Eval: `eval/loss`, `eval/kl`,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
-from rlhfkit.backend.dist import all_reduce_sum
+from rlhfkit.backend.dist import DistInfo
 from rlhfkit.data.items import UnpairedItem
 from rlhfkit.data.preference import kto_mismatched
 from rlhfkit.losses.kto import kto_loss
@@ -67,6 +67,7 @@ class KTOTask:
     undesirable_weight: float = 1.0
     packing: bool = False
     device: torch.device | str = "cpu"
+    dist: DistInfo = field(default_factory=DistInfo)  # whose dp group reduces the metrics
 
     def __post_init__(self) -> None:
         if self.beta <= 0:
@@ -100,7 +101,7 @@ class KTOTask:
             ref_kl, _ = sequence_logps(ref_model, batch.kl_seqs)
         kl = self._kl_sums(model, batch, ref_kl)
         if reduce_kl:
-            kl = all_reduce_sum(kl)
+            kl = self.dist.all_reduce_dp(kl)
         z = torch.tensor(max(float(kl[0] / kl[1].clamp(min=1.0)), 0.0), device=ref_lp.device)
         lp, _ = sequence_logps(model, batch.seqs)
         loss, _ = kto_loss(lp, ref_lp, batch.desirable, beta=self.beta, desirable_weight=self.desirable_weight,
@@ -124,7 +125,7 @@ class KTOTask:
             good = b.desirable
             sums += torch.tensor([float(loss_sum), float(z) * b.size, float(r[good].sum()), float(good.sum()),
                                   float(r[~good].sum()), float((~good).sum()), float(b.size)], dtype=torch.float64)
-        s = all_reduce_sum(sums).tolist()
+        s = self.dist.all_reduce_dp(sums).tolist()
         n = max(s[6], 1.0)
         out = {"eval/loss": s[0] / n, "eval/kl": s[1] / n}
         if s[3] > 0:

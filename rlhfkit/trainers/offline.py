@@ -3,9 +3,10 @@
 One loop, many tasks. A task knows how to collate items, count its loss units and compute a
 loss; the loop owns batching, gradient accumulation, logging, evaluation and checkpoints:
 
-    dataset items --sampler(epoch, seed, rank)--> global batch of `train_batch_size`
-        -> this rank's share, split into micro-batches of `micro_train_batch_size`
-        -> count = all_reduce(sum task.count(micro))          (global loss denominator)
+    dataset items --sampler(epoch, seed)--> global batch of `train_batch_size`
+        -> this dp rank's share (tp / cp ranks of one dp rank share it), split into
+           micro-batches of `micro_train_batch_size`
+        -> count = all_reduce_dp(sum task.count(micro))       (global loss denominator)
         -> for each micro: loss = task.loss(micro, count)
                            (+ --aux_loss_coef x the MoE router loss, rlhfkit.losses.aux)
                            backend.backward(loss)
@@ -14,7 +15,9 @@ loss; the loop owns batching, gradient accumulation, logging, evaluation and che
            with --save_hf_ckpt)
 
 Dividing every micro-batch loss by the *global* count makes the update independent of
-micro-batching and of the number of ranks.
+micro-batching and of the number of ranks. The step's metrics (already divided by that count)
+are summed over dp, or over dp x cp for a task whose loss is a sum over tokens
+(`TOKEN_ADDITIVE`: under context parallelism each cp rank holds a part of it).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
 import torch
-from rlhfkit.backend.dist import DistInfo, all_reduce_sum
+from rlhfkit.backend.dist import DistInfo
 from rlhfkit.config.notes import note_once
 from rlhfkit.losses.aux import router_aux_loss
 from rlhfkit.models.moe import RouterAuxLoss
@@ -86,8 +89,9 @@ def steps_per_epoch(n: int, train_batch_size: int) -> int:
 
 
 def rank_share(global_idx: list[int], dist: DistInfo) -> list[int]:
-    per = len(global_idx) // dist.world_size
-    return global_idx[dist.rank * per:(dist.rank + 1) * per]
+    """This data-parallel rank's contiguous share of a global batch."""
+    per = len(global_idx) // dist.dp_size
+    return global_idx[dist.dp_rank * per:(dist.dp_rank + 1) * per]
 
 
 def train_offline(task: OfflineTask, backend, train_items: Sequence[Any], cfg: LoopConfig, dist: DistInfo,
@@ -104,6 +108,10 @@ def train_offline(task: OfflineTask, backend, train_items: Sequence[Any], cfg: L
     if spe == 0:
         raise ValueError(f"the dataset has {n} samples, fewer than --train_batch_size ({cfg.train_batch_size})")
     accum = _grad_accum(cfg, dist)
+    task_dist = getattr(task, "dist", dist)
+    if task_dist.dp_size != dist.dp_size:
+        raise ValueError(f"the task was built for {task_dist.dp_size} data-parallel ranks, the loop runs on "
+                         f"{dist.dp_size}: pass the loop's DistInfo to the task (dist=...)")
     state = LoopState()
     if cfg.load_checkpoint:
         client = backend.load_checkpoint(cfg.ckpt_path)
@@ -123,7 +131,7 @@ def train_offline(task: OfflineTask, backend, train_items: Sequence[Any], cfg: L
                      for j in range(0, len(idx), cfg.micro_train_batch_size)]
             assert len(micro) == accum
             t0 = time.time()
-            metrics = _train_step(task, backend, micro, cfg.aux_loss_coef)
+            metrics = _train_step(task, backend, micro, dist, cfg.aux_loss_coef)
             state.step += 1
             state.batch_in_epoch = b + 1
             metrics["step_time"] = time.time() - t0
@@ -164,18 +172,20 @@ def _due(step: int, every: int) -> bool:
 
 
 def _grad_accum(cfg: LoopConfig, dist: DistInfo) -> int:
-    per = cfg.micro_train_batch_size * dist.world_size
+    per = cfg.micro_train_batch_size * dist.dp_size
+    what = "world size" if dist.dp_size == dist.world_size else "data-parallel size"
     if cfg.train_batch_size % per != 0:
         raise ValueError(
             f"--train_batch_size ({cfg.train_batch_size}) must be a multiple of --micro_train_batch_size "
-            f"({cfg.micro_train_batch_size}) x world size ({dist.world_size}) = {per}")
+            f"({cfg.micro_train_batch_size}) x {what} ({dist.dp_size}) = {per}")
     return cfg.train_batch_size // per
 
 
-def _train_step(task: OfflineTask, backend, micro: list[Any], aux_loss_coef: float = 0.0) -> dict[str, float]:
+def _train_step(task: OfflineTask, backend, micro: list[Any], dist: DistInfo,
+                aux_loss_coef: float = 0.0) -> dict[str, float]:
     backend.train()
-    counts = [float(task.count(mb)) for mb in micro]
-    global_count = float(all_reduce_sum(torch.tensor(sum(counts), dtype=torch.float64)).item())
+    counts = [float(task.count(mb)) for mb in micro]  # of whole rows: summed over dp
+    global_count = float(dist.all_reduce_dp(torch.tensor(sum(counts), dtype=torch.float64)).item())
     if global_count <= 0:
         raise ValueError("an optimizer step has no loss tokens: every sample was fully masked/truncated "
                          "(check --max_len and the data)")
@@ -195,7 +205,8 @@ def _train_step(task: OfflineTask, backend, micro: list[Any], aux_loss_coef: flo
             sums[k] = sums.get(k, 0.0) + float(v)
     # task metrics are already normalised by the global count: sum them over micro-batches and ranks
     keys = sorted(sums)
-    vec = all_reduce_sum(torch.tensor([sums[k] for k in keys], dtype=torch.float64))
+    vec = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
+    vec = dist.all_reduce_loss(vec) if getattr(task, "TOKEN_ADDITIVE", False) else dist.all_reduce_dp(vec)
     out = {k: float(v) for k, v in zip(keys, vec.tolist())}
     out.update(backend.optimizer_step())
     return out
@@ -207,13 +218,13 @@ def evaluate(task: OfflineTask, backend, items: Sequence[Any], micro_batch_size:
     """Eval metrics ("eval/<name>", as the task names them) over this rank's share of `items` (the task
     reduces across ranks).
 
-    Every rank gets ceil(len(items) / world) items, wrapping around as torch's DistributedSampler
-    does (up to world - 1 items are seen twice), so all ranks run the same number of forward
+    Every dp rank gets ceil(len(items) / dp) items, wrapping around as torch's DistributedSampler
+    does (up to dp - 1 items are seen twice), so all ranks run the same number of forward
     passes: sharded models need that to stay in step.
     """
     backend.eval()
-    per = -(-len(items) // dist.world_size)
-    share = [(dist.rank + k * dist.world_size) % len(items) for k in range(per)]
+    per = -(-len(items) // dist.dp_size)
+    share = [(dist.dp_rank + k * dist.dp_size) % len(items) for k in range(per)]
     batches = [task.collate([items[i] for i in share[j:j + micro_batch_size]])
                for j in range(0, len(share), micro_batch_size)]
     out = task.eval_metrics(backend.model, batches)

@@ -15,12 +15,12 @@ Eval: `eval/loss`, `eval/acc`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
-from rlhfkit.backend.dist import all_reduce_sum
+from rlhfkit.backend.dist import DistInfo
 from rlhfkit.data.collate import pack_batch
 from rlhfkit.data.items import PRMItem, SFTItem
 from rlhfkit.data.prm import IGNORE_INDEX, collate_prm
@@ -66,6 +66,10 @@ class PRMTask:
     reward_token_ids: list[int] | None = None
     packing: bool = False
     device: torch.device | str = "cpu"
+    dist: DistInfo = field(default_factory=DistInfo)  # whose dp group reduces the metrics
+    # its loss is a sum over tokens: under context parallelism each cp rank holds a part, so the
+    # loop sums its training metrics over dp x cp (sample-level losses: over dp)
+    TOKEN_ADDITIVE = True
 
     def collate(self, items: Sequence[PRMItem]) -> PRMBatch:
         return collate_prm_batch(items, self.pad_token_id, self.packing).to(self.device)
@@ -93,6 +97,6 @@ class PRMTask:
             loss_sum, m = self._loss(model, b, 1.0)
             sums += torch.tensor([float(loss_sum), m["prm_accuracy"] * b.num_labels, b.num_labels],
                                  dtype=torch.float64)
-        s = all_reduce_sum(sums).tolist()
+        s = self.dist.all_reduce_dp(sums).tolist()
         n = max(s[2], 1.0)
         return {"eval/loss": s[0] / n, "eval/acc": s[1] / n}

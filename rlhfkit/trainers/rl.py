@@ -12,8 +12,12 @@
       -> critic.call("train_on"), policy.call("train_on")   (max_epochs x mini-batches)
       -> weight_sync.sync()                  [the policy's weights into the engines; one object per placement]
 
-Under torchrun every rank runs this loop on its own prompts; roles reduce their loss counts over
-ranks, and every logged metric is reduced over ranks (rank 0 logs the global values). A Ray placement gives groups whose `call` fans out to actors; the loop does not change.
+Under torchrun every data-parallel rank runs this loop on its own prompts (the tp / cp ranks of
+one dp rank share its prompts and train on the trajectories the first of them sampled); roles
+reduce their loss counts over the dp group, and every logged metric is reduced over it (rank 0
+logs the global values); decisions every rank must share (skip a step, stop filtering) are
+reduced over the world. A Ray placement gives groups whose `call` fans out to actors; the loop
+does not change.
 
 A step after which some rank has no trajectory to train on (every sample dropped under
 --reward_failure drop, or dynamic filtering kept no group) is skipped on every rank (the decision
@@ -46,7 +50,7 @@ from rlhfkit.algo.experience import (RewardShapingConfig, apply_length_penalties
                                      pad_trajectories)
 from rlhfkit.algo.filters import dynamic_filter
 from rlhfkit.algo.passk import pass_at_k_from_scores
-from rlhfkit.backend.dist import DistInfo, all_reduce_sum
+from rlhfkit.backend.dist import DistInfo
 from rlhfkit.roles.group import LocalWeightSync
 from rlhfkit.trainers.metrics import metrics_record, progress_bar
 from rlhfkit.trainers.offline import epoch_order
@@ -127,10 +131,11 @@ class RLTrainer:
         self.prompts, self.eval_prompts = list(prompts), list(eval_prompts)
         self.dist, self.logger, self.pad_token_id = dist, logger, pad_token_id
         self.kl_ctl, self.checkpointer = kl_ctl, checkpointer
-        if cfg.rollout_batch_size % dist.world_size:
-            raise ValueError(f"--rollout_batch_size ({cfg.rollout_batch_size}) must be a multiple of the world size "
-                             f"({dist.world_size})")
-        self.per_rank = cfg.rollout_batch_size // dist.world_size
+        if cfg.rollout_batch_size % dist.dp_size:
+            what = "world size" if dist.dp_size == dist.world_size else "data-parallel size"
+            raise ValueError(f"--rollout_batch_size ({cfg.rollout_batch_size}) must be a multiple of the {what} "
+                             f"({dist.dp_size})")
+        self.per_rank = cfg.rollout_batch_size // dist.dp_size
         self.batches_per_episode = len(self.prompts) // cfg.rollout_batch_size
         if self.batches_per_episode == 0:
             raise ValueError(f"--prompt_data has {len(self.prompts)} prompts, fewer than --rollout_batch_size "
@@ -174,11 +179,12 @@ class RLTrainer:
             if len(picked) < size:  # this episode's remaining prompts were drawn already: the next one
                 s.episode, s.batch_in_episode, s.skipped_in_episode = s.episode + 1, 0, 0
                 continue
-            first = s.batch_in_episode * size + self.dist.rank * self.per_rank
+            me = self.dist.dp_rank
+            first = s.batch_in_episode * size + me * self.per_rank
             s.batch_in_episode += 1
             s.skipped_in_episode += skipped
             used.update(picked)
-            mine = picked[self.dist.rank * self.per_rank:(self.dist.rank + 1) * self.per_rank]
+            mine = picked[me * self.per_rank:(me + 1) * self.per_rank]
             return [self.prompts[i] for i in mine], first
 
     # ------------------------------------------------------------------ rollout
@@ -194,7 +200,9 @@ class RLTrainer:
         return asyncio.run(executor.run_episodes(prompts, n))
 
     def rollout(self) -> tuple[list[Trajectory], dict[str, float]]:
-        """Trajectories of this rank's prompts (and refill rounds under dynamic filtering)."""
+        """Trajectories of this dp rank's prompts (and refill rounds under dynamic filtering); the
+        tp / cp ranks of one dp rank all get those of its first rank (sampling need not be
+        bit-identical across devices, and they must train on the same rows)."""
         c, n = self.cfg, self.cfg.n_samples_per_prompt
         kept: list[Trajectory] = []
         passed = seen = dropped = incomplete = 0
@@ -225,10 +233,10 @@ class RLTrainer:
                     kept.extend(groups[gi])
                 passed += len(res.kept_groups)
             need = self.per_rank * n
-            if int(all_reduce_sum(torch.tensor(float(len(kept) >= need))).item()) == self.dist.world_size:
+            if float(self.dist.all_reduce_world(torch.tensor(float(len(kept) >= need)), op="min")) == 1.0:
                 kept = kept[:need]
                 break
-        dropped, incomplete, passed, seen = all_reduce_sum(
+        dropped, incomplete, passed, seen = self.dist.all_reduce_dp(
             torch.tensor([dropped, incomplete, passed, seen], dtype=torch.float64)).tolist()
         self.num_dropped += int(dropped)
         metrics = {"dropped_samples": dropped}
@@ -237,7 +245,7 @@ class RLTrainer:
         if c.dynamic_filtering:
             metrics["dynamic_filtering_pass_rate"] = passed / max(seen, 1.0)
             metrics["filter_rounds"] = float(rounds)
-        return kept, metrics
+        return self.dist.broadcast_replica((kept, metrics))
 
     # ------------------------------------------------------------------ one step
 
@@ -247,7 +255,7 @@ class RLTrainer:
         trajs, metrics = self.rollout()
         t["generate"] = time.perf_counter() - t0
         # decided on every rank together: a rank skipping alone would leave the others in a collective
-        empty_ranks = int(all_reduce_sum(torch.tensor(float(not trajs))).item())
+        empty_ranks = int(self.dist.all_reduce_world(torch.tensor(float(not trajs))).item())
         metrics["skipped_steps"] = float(empty_ranks > 0)
         if empty_ranks:
             self._skip_cause = _skip_cause(metrics, self.cfg, empty_ranks, self.dist.world_size)
@@ -272,8 +280,8 @@ class RLTrainer:
             batch.values = self.critic.call("forward_values", batch)
         t["logprobs"] = time.perf_counter() - t2
         batch, exp_m = finish_experience(batch, self.adv_cfg, self.kl_ctl.value, self.cfg.kl_estimator,
-                                         kl_in_reward=not self.cfg.use_kl_loss, reduce=all_reduce_sum)
-        exp_m = _global_experience_metrics(exp_m, batch)
+                                         kl_in_reward=not self.cfg.use_kl_loss, reduce=self.dist.all_reduce_dp)
+        exp_m = _global_experience_metrics(exp_m, batch, self.dist)
         t3 = time.perf_counter()
         train_m: dict[str, float] = {}
         if self.critic is not None:
@@ -308,7 +316,7 @@ class RLTrainer:
         if not self.cfg.skip_zero_advantage_steps or self.cfg.use_kl_loss:
             return True
         mag = float((batch.advantages.abs() * batch.loss_mask).sum())
-        return float(all_reduce_sum(torch.tensor(mag, dtype=torch.float64))) > 0
+        return float(self.dist.all_reduce_world(torch.tensor(mag, dtype=torch.float64))) > 0
 
     def _rollout_metrics(self, trajs, raw_reward, resp_len, truncated) -> dict[str, float]:
         """Global means over ranks of the rollout statistics."""
@@ -318,7 +326,7 @@ class RLTrainer:
         extra_keys = sorted({k for tr in trajs for k in tr.extra_logs})
         extra = torch.tensor([sum(float(tr.extra_logs.get(k, 0.0)) for tr in trajs) for k in extra_keys],
                              dtype=torch.float64)
-        tot = all_reduce_sum(torch.cat([sums, extra]))
+        tot = self.dist.all_reduce_dp(torch.cat([sums, extra]))
         cnt = max(float(tot[0]), 1.0)
         mean = float(tot[1]) / cnt
         out = {"reward": mean, "reward_std": math.sqrt(max(float(tot[2]) / cnt - mean * mean, 0.0)),
@@ -332,15 +340,15 @@ class RLTrainer:
         if not self.eval_prompts or self.eval_executor is None:
             return {}
         n = self.cfg.eval_n_samples_per_prompt
-        share = self.eval_prompts[self.dist.rank::self.dist.world_size]
-        out = self._generate(self.eval_executor, share, n, 99_991, self.dist.rank * n)
+        share = self.eval_prompts[self.dist.dp_rank::self.dist.dp_size]
+        out = self._generate(self.eval_executor, share, n, 99_991, self.dist.dp_rank * n)
         groups = _complete_groups(out.trajectories, n)
         scores = torch.tensor([t.score for g in groups for t in g], dtype=torch.float32)
         rewards = torch.tensor([t.reward for g in groups for t in g], dtype=torch.float32)
         p1 = pass_at_k_from_scores(scores, n, 1) * len(groups) if groups else 0.0
         pk = pass_at_k_from_scores(scores, n, n) * len(groups) if groups else 0.0
-        tot = all_reduce_sum(torch.tensor([float(len(groups)), float(rewards.sum()), float(rewards.numel()), p1, pk],
-                                          dtype=torch.float64))
+        tot = self.dist.all_reduce_dp(torch.tensor([float(len(groups)), float(rewards.sum()), float(rewards.numel()),
+                                                    p1, pk], dtype=torch.float64))
         g = max(float(tot[0]), 1.0)
         return {"eval/reward": float(tot[1]) / max(float(tot[2]), 1.0), "eval/pass1": float(tot[3]) / g,
                 f"eval/pass{n}": float(tot[4]) / g}
@@ -415,7 +423,7 @@ EXPERIENCE_KEYS = ("reward", "group_reward_std", "return", "advantage", "kl")
 ROW_WEIGHTED = ("reward", "group_reward_std")  # per-row means; the others are per action token
 
 
-def _global_experience_metrics(local: dict[str, float], batch) -> dict[str, float]:
+def _global_experience_metrics(local: dict[str, float], batch, dist: DistInfo) -> dict[str, float]:
     """Rank-local means of `finish_experience` -> means over the whole global batch.
 
     Rows (reward, group_reward_std) or action tokens (return, advantage, kl) weight each rank's
@@ -425,7 +433,7 @@ def _global_experience_metrics(local: dict[str, float], batch) -> dict[str, floa
     rows, tokens = float(batch.batch_size), float(batch.loss_mask.sum())
     w = [(rows if k in ROW_WEIGHTED else tokens) if k in local else 0.0 for k in EXPERIENCE_KEYS]
     vals = [local.get(k, 0.0) * wk for k, wk in zip(EXPERIENCE_KEYS, w)]
-    tot = all_reduce_sum(torch.tensor(vals + w, dtype=torch.float64)).tolist()
+    tot = dist.all_reduce_dp(torch.tensor(vals + w, dtype=torch.float64)).tolist()
     n = len(EXPERIENCE_KEYS)
     out = {k: v for k, v in local.items() if k not in EXPERIENCE_KEYS}
     out.update({k: tot[i] / max(tot[n + i], 1e-12) for i, k in enumerate(EXPERIENCE_KEYS) if tot[n + i] > 0})

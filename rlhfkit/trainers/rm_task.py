@@ -21,12 +21,12 @@ The pair helpers (`PairBatch`, `collate_pairs`, `additive`) are shared with DPO 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
 
-from rlhfkit.backend.dist import DistInfo, all_reduce_sum
+from rlhfkit.backend.dist import DistInfo
 from rlhfkit.data.collate import PackedBatch, PaddedBatch, pack_batch, pad_batch
 from rlhfkit.data.items import PreferenceItem
 from rlhfkit.data.preference import preference_rows
@@ -98,6 +98,7 @@ class RMTask:
     margin_loss: bool = False
     packing: bool = False
     device: torch.device | str = "cpu"
+    dist: DistInfo = field(default_factory=DistInfo)  # whose dp group reduces the metrics
 
     def __post_init__(self) -> None:
         if self.loss_type not in RM_LOSSES:
@@ -146,7 +147,7 @@ class RMTask:
             sums += torch.stack([loss_sum.double().cpu(), (rc > rr).double().sum().cpu(), rc.double().sum().cpu(),
                                  rr.double().sum().cpu(), (rc - rr).double().sum().cpu(),
                                  torch.tensor(float(b.num_pairs), dtype=torch.float64)])
-        sums = all_reduce_sum(sums)
+        sums = self.dist.all_reduce_dp(sums)
         n = float(sums[5].clamp(min=1.0))
         names = ("eval/loss", "eval/acc", "eval/chosen_reward", "eval/rejected_reward", "eval/margin")
         return {k: float(v) / n for k, v in zip(names, sums[:5].tolist())}
@@ -164,8 +165,8 @@ def reward_statistics(model: torch.nn.Module, task: RMTask, items: Sequence[Pref
         raise ValueError("reward statistics need at least one preference pair")
     was_training = model.training
     model.eval()
-    share = list(range(dist.rank, len(items), dist.world_size))
-    per_rank = math.ceil(len(items) / dist.world_size)
+    share = list(range(dist.dp_rank, len(items), dist.dp_size))
+    per_rank = math.ceil(len(items) / dist.dp_size)
     stats = torch.zeros(3, dtype=torch.float64)  # sum, sum of squares, count
     for j in range(0, per_rank, micro_batch_size):
         idx = share[j:j + micro_batch_size]
@@ -175,7 +176,7 @@ def reward_statistics(model: torch.nn.Module, task: RMTask, items: Sequence[Pref
         rc, rr = task.rewards(model, task.collate([items[i] for i in idx]))
         r = torch.cat([rc[:real], rr[:real]]).double().cpu()
         stats += torch.stack([r.sum(), (r * r).sum(), torch.tensor(float(r.numel()), dtype=torch.float64)])
-    s, sq, n = all_reduce_sum(stats).tolist()
+    s, sq, n = dist.all_reduce_dp(stats).tolist()
     if was_training:
         model.train()
     mean = s / n

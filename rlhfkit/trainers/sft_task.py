@@ -6,12 +6,12 @@ Items come from `rlhfkit.data.sft` (`input_ids`, `loss_mask`); batches are padde
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
 
-from rlhfkit.backend.dist import all_reduce_sum
+from rlhfkit.backend.dist import DistInfo
 from rlhfkit.data.collate import PackedBatch, PaddedBatch, pack_batch, pad_batch
 from rlhfkit.losses.sft import sft_loss
 from rlhfkit.models.forward import token_logprobs
@@ -25,6 +25,10 @@ class SFTTask:
     pad_token_id: int
     packing: bool = False
     device: torch.device | str = "cpu"
+    dist: DistInfo = field(default_factory=DistInfo)  # whose dp group reduces the metrics
+    # its loss is a sum over tokens: under context parallelism each cp rank holds a part, so the
+    # loop sums its training metrics over dp x cp (sample-level losses: over dp)
+    TOKEN_ADDITIVE = True
 
     def collate(self, items: Sequence[Any]) -> Batch:
         batch = pack_batch(items) if self.packing else pad_batch(items, self.pad_token_id)
@@ -52,5 +56,5 @@ class SFTTask:
             mask = b.loss_mask.to(lp.dtype)
             nll += -(lp * mask).sum().double().cpu()
             cnt += mask.sum().double().cpu()
-        tot = all_reduce_sum(torch.stack([nll, cnt]))
+        tot = self.dist.all_reduce_dp(torch.stack([nll, cnt]))
         return {"eval/loss": float(tot[0] / tot[1].clamp(min=1))}

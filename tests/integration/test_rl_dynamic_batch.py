@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from rlhfkit.cli import train_ppo
+from rlhfkit.backend.dist import DistInfo
 from rlhfkit.roles.actor import micro_batches
 from rlhfkit.tasks.addition import addition_splits
 from rlhfkit.types import ExperienceBatch
@@ -20,7 +21,7 @@ def test_token_budget_micro_batches_are_consecutive_and_within_budget():
     for i, n in enumerate(lengths):
         mask[i, :n] = 1
     b = ExperienceBatch(input_ids=ids, attention_mask=mask, loss_mask=mask.clone())
-    got = [(mb.batch_size, real, int(mb.attention_mask.sum())) for mb, real in micro_batches(b, 2, max_tokens=10)]
+    got = [(mb.batch_size, real, int(mb.attention_mask.sum())) for mb, real in micro_batches(b, 2, DistInfo(), max_tokens=10)]
     # greedy runs of consecutive rows: [5,3] [7,2] [2] [9]  (the 2 after 7+2 would overflow 10: 7+2+2=11)
     assert got == [(2, 2, 8), (2, 2, 9), (1, 1, 2), (1, 1, 9)]
 

@@ -82,7 +82,7 @@ def test_offline_loop_adds_the_router_loss(tiny_moe_dir):
     for coef in (0.0, 0.5):
         b = new_backend(tiny_moe_dir)
         grads[coef], metrics[coef] = router_grad_of_step(
-            b, lambda: _train_step(task, b, [task.collate(items)], aux_loss_coef=coef))
+            b, lambda: _train_step(task, b, [task.collate(items)], CPU, aux_loss_coef=coef))
     batch = pad_batch(items, 0)
     aux, d_aux = hand_aux(tiny_moe_dir, batch.input_ids, batch.attention_mask)
     assert "aux_loss" not in metrics[0.0]
@@ -120,7 +120,7 @@ def test_dense_model_notes_once(tiny_model_dir, capsys, monkeypatch):
     b = new_backend(tiny_model_dir)
     task = SFTTask(pad_token_id=0)
     for _ in range(2):
-        m = _train_step(task, b, [task.collate(sft_items())], aux_loss_coef=0.1)
+        m = _train_step(task, b, [task.collate(sft_items())], CPU, aux_loss_coef=0.1)
     assert "aux_loss" not in m
     out = capsys.readouterr().out
     assert out.count("note: --aux_loss_coef has no effect") == 1, out
