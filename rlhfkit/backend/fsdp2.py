@@ -47,7 +47,6 @@ weights to the compute dtype (no master copy is needed) and has no optimizer.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 from typing import Any, Iterator
 
@@ -61,6 +60,7 @@ from rlhfkit.backend.ema import EMAWeights
 from rlhfkit.backend.guard import NonFiniteGuard
 from rlhfkit.backend.hf_export import export_hf, parse_size
 from rlhfkit.backend.master import MasterWeights
+from rlhfkit.backend.model_prep import autocast_forward, cast_params, compile_blocks
 from rlhfkit.backend.offload import HostStash, MoveStats
 from rlhfkit.backend.optim import build_optimizer, build_scheduler, param_groups
 from rlhfkit.backend.parallel import ParallelDims
@@ -68,7 +68,6 @@ from rlhfkit.backend.precision import DynamicLossScaler, compute_dtype_for, pars
 from rlhfkit.backend.sharding import (
     apply_fsdp2,
     clip_grads,
-    find_blocks,
     global_grad_norm,
     iter_full_param_buckets,
     sum_gradients_by_loss_scale,
@@ -106,34 +105,6 @@ def _check_dims(dims: ParallelDims, cfg: BackendConfig, dist: DistInfo) -> None:
                          f"dp_replicate={dims.dp_replicate} (use --zero_stage 0 for plain replication)")
 
 
-def _cast_params(model: nn.Module, dtype: torch.dtype, trainable_only: bool) -> None:
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.is_floating_point() and p.dtype != dtype and (p.requires_grad or not trainable_only):
-                p.data = p.data.to(dtype)
-
-
-def _autocast_forward(model: nn.Module, device_type: str, dtype: torch.dtype) -> None:
-    """Run `model.forward` (and so `model(...)` and `generate`) under autocast(dtype)."""
-    orig = model.forward
-
-    @functools.wraps(orig)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        with torch.autocast(device_type, dtype=dtype):
-            return orig(*args, **kwargs)
-
-    model.forward = forward  # type: ignore[method-assign]
-
-
-def _compile_blocks(model: nn.Module) -> None:
-    """torch.compile every transformer block in place (`--torch_compile`)."""
-    blocks = find_blocks(model)
-    if not blocks:
-        raise ValueError("--torch_compile: no transformer blocks found in the model")
-    for block in blocks:
-        block.compile()
-
-
 class FSDP2Backend:
     """Wraps one model with its optimizer and LR schedule; see the module docstring."""
 
@@ -167,9 +138,9 @@ class FSDP2Backend:
                 and not getattr(model, "is_gradient_checkpointing", False)):  # the loader's choice of reentrant stays
             enable_gradient_checkpointing(model, use_reentrant=False, need_input_grads=False)
         master = torch.float32 if self.trainable else self.compute_dtype
-        _cast_params(model, master, trainable_only=self.trainable)
+        cast_params(model, master, trainable_only=self.trainable)
         if backend_cfg.torch_compile:
-            _compile_blocks(model)
+            compile_blocks(model)
         self.master: MasterWeights | None = None
         self.model = self._shard(model) if self.is_sharded else self._place(model)
         self.optimizer: torch.optim.Optimizer | None = None
@@ -198,7 +169,7 @@ class FSDP2Backend:
             if self.cfg.mixed_precision == "master_weights":
                 self.master = MasterWeights(model, self.compute_dtype)
             else:
-                _autocast_forward(model, self.device.type, self.compute_dtype)
+                autocast_forward(model, self.device.type, self.compute_dtype)
         return model
 
     def _shard(self, model: nn.Module) -> nn.Module:
