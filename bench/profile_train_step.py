@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -28,6 +29,13 @@ def profile(step, label: str, rows: int) -> None:
         torch.cuda.synchronize()
     print(f"===== {label}")
     print(p.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70))
+    from step_profile import format_summary, summarize_trace
+
+    path = f"/tmp/profile_train_{os.getpid()}.json"
+    p.export_chrome_trace(path)
+    with open(path) as f:
+        print(format_summary(summarize_trace(json.load(f), prefix="<none>/")))
+    os.remove(path)
 
 
 def main() -> None:

@@ -44,6 +44,7 @@ import argparse
 import gc
 import json
 import os
+import shlex
 import sys
 import tempfile
 import time
@@ -142,7 +143,7 @@ def rlhfkit_argv(a: argparse.Namespace, model_dir: str, data: str, reward: str, 
             "--micro_train_batch_size", str(micro(total, a.micro_train_batch_size)),
             "--micro_rollout_batch_size", str(micro(total, a.micro_rollout_batch_size)),
             "--init_kl_coef", "0", "--generate_max_len", str(a.new_tokens),
-            "--prompt_max_len", str(a.prompt_len + 8), "--max_steps", str(a.steps + 1),
+            "--prompt_max_len", str(a.prompt_len + 8), "--max_steps", str(a.total_steps),
             "--actor_learning_rate", str(a.lr), "--temperature", "1.0", "--seed", str(a.seed),
             "--param_dtype", "bf16" if gpu else "fp32", "--device", a.device,
             "--rollout_engine", a.rollout_engine, "--disable_progress",
@@ -151,7 +152,7 @@ def rlhfkit_argv(a: argparse.Namespace, model_dir: str, data: str, reward: str, 
         argv.append("--gradient_checkpointing")
     if a.adam_offload:
         argv.append("--adam_offload")
-    return argv
+    return argv + shlex.split(a.rlhfkit_flags)
 
 
 class engine_batch:
@@ -210,7 +211,8 @@ def run_rlhfkit(a: argparse.Namespace, model_dir: str, data: str, reward: str, w
         trainer, _, _ = build_trainer(args, dist)
     try:
         min_new = force_full_length(trainer)
-        walls, metrics = time_steps(trainer, a.steps, a.device)
+        walls, metrics = time_steps(trainer, a.steps, a.device, a.warmup_steps)
+        prof = profile_step(trainer, a, prompts) if a.profile else None
     finally:  # an engine left open keeps its worker thread, weights and KV cache alive
         close = getattr(trainer.engine, "close", None)
         if callable(close):
@@ -220,23 +222,88 @@ def run_rlhfkit(a: argparse.Namespace, model_dir: str, data: str, reward: str, w
     out.update(prompts=prompts, completions=prompts * a.n, peak_gpu_gib=peak_gib(a.device), min_new_tokens=min_new,
                micro_train_batch_size=args.micro_train_batch_size,
                micro_rollout_batch_size=args.micro_rollout_batch_size,
-               engine_max_num_seqs=engine_batch_size(trainer.engine))
+               engine_max_num_seqs=engine_batch_size(trainer.engine), rlhfkit_flags=a.rlhfkit_flags)
+    if prof is not None:
+        out["profile"] = prof
     return out
 
 
-def time_steps(trainer: Any, steps: int, device: str) -> tuple[list[float], list[dict]]:
-    """One warm-up + `steps` timed `train_step()` calls (as `fit` runs them) -> wall times, metrics."""
+def python_profile(fn: Callable[[], Any], rows: int) -> list[str]:
+    """cProfile of `fn()` on this thread (the agent episodes; the engine's worker thread is not seen):
+    the `rows` functions with the most own time, as pstats prints them."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.runcall(fn)
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(rows)
+    lines = [ln for ln in buf.getvalue().splitlines() if ln.strip()]
+    head = next((i for i, ln in enumerate(lines) if "ncalls" in ln), 0)
+    table = [ln[:200] for ln in lines[head:head + rows + 1]]
+    print("[rl_step] python profile of one rollout:\n" + "\n".join(table), file=sys.stderr, flush=True)
+    return table
+
+
+def profile_step(trainer: Any, a: argparse.Namespace, prompts: int) -> dict:
+    """One more step under torch.profiler: phases, GPU busy / idle, kernels by class (step_profile.py);
+    the table goes to stderr, the summary into the run's record and `<--profile>_<prompts>.json`."""
+    from step_profile import format_summary, profile_call
+
+    def one() -> None:
+        trainer.train_step()
+        trainer.state.step += 1
+
+    trace = f"{a.profile}_{prompts}_trace.json" if a.profile_trace else None
+    summary = profile_call(one, prefix="rl/", trace_path=trace)
+    summary["python_rollout"] = python_profile(lambda: trainer.rollout(), 25)
+    print(f"[rl_step] profile of one step, {prompts} prompts x {a.n}:\n{format_summary(summary)}",
+          file=sys.stderr, flush=True)
+    with open(f"{a.profile}_{prompts}.json", "w") as f:
+        json.dump(summary, f, indent=1)
+    return summary
+
+
+def _counters(device: str) -> dict[str, float]:
+    """Process-wide counters whose change over a step explains a slow one: torch.compile graph
+    compilations and the CUDA caching allocator's retries (a full free-and-retry of cached blocks)."""
+    from torch._dynamo.utils import counters
+
+    out = {"compiles": float(sum(counters["stats"].values()) and counters["stats"].get("unique_graphs", 0))}
+    if device.startswith("cuda"):
+        out["alloc_retries"] = float(torch.cuda.memory_stats().get("num_alloc_retries", 0))
+    return out
+
+
+def time_steps(trainer: Any, steps: int, device: str, warmup: int = 1) -> tuple[list[float], list[dict]]:
+    """`warmup` untimed + `steps` timed `train_step()` calls (as `fit` runs them) -> wall times, metrics
+    (each with `gc_s`: the seconds Python's garbage collector ran during the step)."""
     walls: list[float] = []
     metrics: list[dict] = []
-    for i in range(steps + 1):
-        sync(device)
-        t0 = time.perf_counter()
-        m = trainer.train_step()
-        trainer.state.step += 1
-        sync(device)
-        if i > 0:
-            walls.append(time.perf_counter() - t0)
-            metrics.append(m)
+    gc_time = [0.0, 0.0]  # total, start of the current collection
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            gc_time[1] = time.perf_counter()
+        else:
+            gc_time[0] += time.perf_counter() - gc_time[1]
+
+    gc.callbacks.append(on_gc)
+    try:
+        for i in range(warmup + steps):
+            sync(device)
+            g0, c0 = gc_time[0], _counters(device)
+            t0 = time.perf_counter()
+            m = trainer.train_step()
+            trainer.state.step += 1
+            sync(device)
+            if i >= warmup:
+                walls.append(time.perf_counter() - t0)
+                c1 = _counters(device)
+                metrics.append(dict(m, gc_s=gc_time[0] - g0, **{k: c1[k] - c0[k] for k in c1}))
+    finally:
+        gc.callbacks.remove(on_gc)
     return walls, metrics
 
 
@@ -247,6 +314,10 @@ def summarize_rlhfkit(walls: list[float], metrics: list[dict], completions: int)
     return {
         "framework": "rlhfkit", "step_s": mean(walls), "step_s_median": median(walls), "step_s_each": walls,
         "loop_step_s": mean([m["time/step"] for m in metrics]), "phases_s": phases,
+        "phases_each": [{p: round(m[f"time/{p}"], 4) for p in PHASES} for m in metrics],
+        "gc_s_each": [round(m["gc_s"], 4) for m in metrics],
+        "compiles_each": [m.get("compiles") for m in metrics],
+        "alloc_retries_each": [m.get("alloc_retries") for m in metrics],
         "generate_share": mean([m["generate_share"] for m in metrics]),
         "gen_tokens_per_s": completions * resp / gen if gen else None,
         "response_length": resp, "truncated_rate": mean([m["truncated_rate"] for m in metrics]),
@@ -355,7 +426,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--n", type=int, default=8, help="samples per prompt")
     ap.add_argument("--prompt_len", type=int, default=128, help="tokens per prompt")
     ap.add_argument("--new_tokens", type=int, default=256, help="tokens per completion (all run to the limit)")
-    ap.add_argument("--steps", type=int, default=3, help="timed steps (+1 warm-up step)")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps")
+    ap.add_argument("--warmup_steps", type=int, default=1,
+                    help="untimed steps first (CUDA graphs, compilation; with --torch_compile the varying "
+                         "sequence lengths of the first steps also recompile the blocks once as dynamic)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--rollout_engine", default="builtin", choices=["builtin", "hf"])
     ap.add_argument("--max_num_seqs", type=int, default=0, help="engine batch; 0: all completions of a step")
@@ -373,11 +447,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--skip_trl", action="store_true")
     ap.add_argument("--skip_rlhfkit", action="store_true")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--rlhfkit_flags", default="", help="extra train_ppo flags for the rlhfkit runs, one string "
+                    "(e.g. '--torch_compile --packing_samples'); recorded in the JSON")
+    ap.add_argument("--profile", default=None, metavar="PREFIX",
+                    help="after the timed steps, profile one more rlhfkit step: phases, GPU busy/idle, kernels "
+                         "by class -> PREFIX_<prompts>.json and the run's record")
+    ap.add_argument("--profile_trace", action="store_true", help="with --profile, keep the Chrome trace too")
     add_ray_args(ap)
     a = ap.parse_args(argv)
     a.model = a.model or ("qwen2-0.5b" if a.device.startswith("cuda") else "tiny")
     gc_on = {"auto": a.device.startswith("cuda"), "on": True, "off": False}
     a.gradient_checkpointing = gc_on[a.gradient_checkpointing]
+    a.total_steps = a.warmup_steps + a.steps + 2  # + the profiled step and rollout
     a.trl_prompts = [] if a.skip_trl or a.ray_layout else (a.trl_prompts or [a.prompts])
     for name in ("prompts", "n", "prompt_len", "new_tokens", "steps"):
         if getattr(a, name) < 1:
@@ -478,12 +559,12 @@ def run_all(a: argparse.Namespace, work: str) -> dict:
     free_memory(a.device)
     rng = np.random.default_rng(a.seed)
     biggest = max([a.prompts] + a.trl_prompts)
-    prompts_text = [random_prompt(rng, a.prompt_len) for _ in range(biggest * (a.steps + 1))]
+    prompts_text = [random_prompt(rng, a.prompt_len) for _ in range(biggest * a.total_steps)]
     runs: list[dict] = []
     sizes = [] if a.skip_rlhfkit else sorted({a.prompts, *a.trl_prompts}, reverse=True)
     run = run_ray if a.ray_layout else run_rlhfkit
     for p in sizes:
-        reward, data = write_inputs(work, prompts_text[:p * (a.steps + 1)])
+        reward, data = write_inputs(work, prompts_text[:p * a.total_steps])
         runs.append(guarded(lambda: run(a, model_dir, data, reward, work, p), "rlhfkit", p, a.n))
         free_memory(a.device)
         report(a, runs, complete=False)

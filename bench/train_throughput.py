@@ -180,6 +180,9 @@ def main() -> None:
         if gpu:
             torch.cuda.empty_cache()
     res["variants"] = a.variants
+    from rlhfkit.models import fused_logprobs
+
+    res["head_grad_fp32_gemm"] = fused_logprobs._OUT_DTYPE_MM and gpu  # fp32-output GEMM for lm_head's grad
     if "baseline_tokens_per_s" in res:
         res["speedup_vs_baseline"] = res["rlhfkit_tokens_per_s"] / res["baseline_tokens_per_s"]
     print(json.dumps(res))

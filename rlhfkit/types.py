@@ -145,10 +145,18 @@ class ExperienceBatch:
     num_loss_tokens: float | None = None
     num_samples: float | None = None
 
-    def to(self, device: torch.device | str) -> "ExperienceBatch":
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "ExperienceBatch":
+        """Every tensor on `device`; `non_blocking` copies host tensors to CUDA through pinned memory
+        without waiting for the GPU (a plain copy from pageable memory synchronises the stream)."""
+        dev = torch.device(device)
+        pin = non_blocking and dev.type == "cuda"
         out = {}
         for k, v in self.__dict__.items():
-            out[k] = v.to(device) if isinstance(v, torch.Tensor) else v
+            if isinstance(v, torch.Tensor):
+                if pin and v.device.type == "cpu":
+                    v = v.pin_memory()
+                v = v.to(dev, non_blocking=pin)
+            out[k] = v
         return ExperienceBatch(**out)
 
     @property

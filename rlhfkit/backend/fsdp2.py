@@ -140,7 +140,7 @@ class FSDP2Backend:
         master = torch.float32 if self.trainable else self.compute_dtype
         cast_params(model, master, trainable_only=self.trainable)
         if backend_cfg.torch_compile:
-            compile_blocks(model)
+            compile_blocks(model, backend_cfg.compile_dynamic)
         self.master: MasterWeights | None = None
         self.model = self._shard(model) if self.is_sharded else self._place(model)
         self.optimizer: torch.optim.Optimizer | None = None

@@ -31,10 +31,10 @@ def autocast_forward(model: nn.Module, device_type: str, dtype: torch.dtype) -> 
     model.forward = forward  # type: ignore[method-assign]
 
 
-def compile_blocks(model: nn.Module) -> None:
-    """torch.compile every transformer block in place (`--torch_compile`)."""
+def compile_blocks(model: nn.Module, dynamic: bool | None = None) -> None:
+    """torch.compile every transformer block in place (`--torch_compile`); `dynamic` as torch.compile's."""
     blocks = find_blocks(model)
     if not blocks:
         raise ValueError("--torch_compile: no transformer blocks found in the model")
     for block in blocks:
-        block.compile()
+        block.compile(dynamic=dynamic)

@@ -172,8 +172,10 @@ def optimizer_steps(args: argparse.Namespace, num_prompts: int) -> int:
     return max(1, steps * per_step * args.max_epochs)
 
 
-def backend_cfg(args: argparse.Namespace) -> BackendConfig:
-    return from_args(BackendConfig, args)
+def backend_cfg(args: argparse.Namespace, **over) -> BackendConfig:
+    """The RL roles' backend settings: under --torch_compile the blocks compile for any sequence length
+    at once (every step's lengths differ; a static first compile would be thrown away at step 2)."""
+    return from_args(BackendConfig, args, compile_dynamic=True, **over)
 
 
 def build_ptx(args: argparse.Namespace, dist: DistInfo):
@@ -203,7 +205,7 @@ def build_policy(args: argparse.Namespace, dist: DistInfo, num_steps: int, dims:
     model = load_causal_lm(from_args(ModelConfig, args), master_dtype="fp32")
     optim = from_args(OptimConfig, args, learning_rate=args.actor_learning_rate)
     ema = (args.ema_beta if args.ema_beta is not None else EMA_BETA) if args.enable_ema else None
-    bcfg = from_args(BackendConfig, args, ema_decay=ema)
+    bcfg = backend_cfg(args, ema_decay=ema)
     backend = FSDP2Backend(model, bcfg, optim, num_steps, dist, parallel=dims or parallel_dims(args, dist))
     loss_cfg = PolicyLossConfig.from_flags(
         policy_loss_type=args.policy_loss_type, eps_clip=args.eps_clip, eps_clip_low_high=args.eps_clip_low_high,

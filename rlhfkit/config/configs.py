@@ -76,6 +76,9 @@ class BackendConfig:
     # copies in the optimizer) or "autocast" (fp32 module under torch.autocast)
     mixed_precision: str = "master_weights"
     torch_compile: bool = False  # torch.compile each transformer block
+    # the compiled blocks' shapes: None lets torch decide (static, then dynamic after a second shape);
+    # True compiles for any sequence length at once (RL: every step's lengths differ). Not a flag.
+    compile_dynamic: bool | None = None
     hf_max_shard_size: str = "5GB"  # largest safetensors file of a Hugging Face export (save_hf)
     # EMA of the trainable weights (--enable_ema --ema_beta; the policy only): None is off. Not named
     # after a flag, so `from_args` never turns it on for a critic or reference model.

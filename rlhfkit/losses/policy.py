@@ -132,7 +132,8 @@ def clipped_surrogate(ratio: Tensor, advantages: Tensor, eps_low: float, eps_hig
 def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss_mask: Tensor,
                 cfg: PolicyLossConfig | None = None, *, num_tokens: Count = None,
                 num_sequences: Count = None, rollout_logprobs: Tensor | None = None,
-                entropy: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+                entropy: Tensor | None = None, sync_metrics: bool = True
+                ) -> tuple[Tensor, dict[str, float]]:
     """Clipped policy loss of one micro-batch (all tensors `[B, L]`).
 
     Args:
@@ -145,6 +146,8 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss
         num_sequences: global count of non-empty rows of the step (sequence aggregation).
         rollout_logprobs: the engine's log-probs (IS correction; `vllm_kl` metric).
         entropy: per-token entropy of pi (with grad), for the bonus and the metric.
+        sync_metrics: False returns the metrics as 0-d tensors on the loss's device (no host sync, so
+            the next micro-batch's kernels queue behind this one's; the caller converts once per step).
     """
     cfg = cfg or PolicyLossConfig()
     kind = POLICY_LOSSES[cfg.policy_loss_type]
@@ -179,6 +182,8 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss
             raise ValueError("--entropy_loss_coef is set but no entropy was passed to policy_loss")
         loss = loss - cfg.entropy_coef * aggregate(entropy.float(), loss_mask, agg, num_tokens=num_tokens,
                                                    num_sequences=num_sequences)
+    if not sync_metrics:
+        return loss, metrics  # type: ignore[return-value]
     return loss, to_floats(metrics)
 
 

@@ -77,6 +77,7 @@ class FusedLinearLogprobFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
                 chunk: int, with_entropy: bool, compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.set_materialize_grads(False)  # an output the loss does not use gets no (zero) gradient pass
         n = hidden.shape[0]
         w = weight.to(hidden.dtype)
         lp = hidden.new_empty(n, dtype=torch.float32)
@@ -94,9 +95,12 @@ class FusedLinearLogprobFn(torch.autograd.Function):
         return lp, ent
 
     @staticmethod
-    def backward(ctx: Any, g_lp: torch.Tensor, g_ent: torch.Tensor) -> tuple[Any, ...]:
+    def backward(ctx: Any, g_lp: torch.Tensor | None, g_ent: torch.Tensor | None) -> tuple[Any, ...]:
         hidden, weight, targets, lse, ent = ctx.saved_tensors
         w = weight.to(hidden.dtype)
+        if g_lp is None:  # only the entropy reached the loss
+            g_lp = torch.zeros_like(lse)
+        use_ent = ctx.with_entropy and g_ent is not None  # an entropy used only as a metric adds no term
         grad_h = torch.empty_like(hidden)
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         bwd = _compiled("bwd") if ctx.compiled else _bwd_chunk
@@ -104,11 +108,31 @@ class FusedLinearLogprobFn(torch.autograd.Function):
         for s in range(0, hidden.shape[0], ctx.chunk):
             sl = slice(s, s + ctx.chunk)
             h = hidden[sl]
-            gz = bwd(h @ w.t(), targets[sl], lse[sl], ent[sl] if ctx.with_entropy else None, g_lp[sl],
-                     g_ent[sl].float() if ctx.with_entropy else None, 1.0 / ctx.temperature)
+            gz = bwd(h @ w.t(), targets[sl], lse[sl], ent[sl] if use_ent else None, g_lp[sl],
+                     g_ent[sl].float() if use_ent else None, 1.0 / ctx.temperature)
             grad_h[sl] = gz @ w
-            grad_w += (gz.t() @ h).float()
+            accumulate_outer(grad_w, gz, h)
         return grad_h, grad_w.to(weight.dtype), None, None, None, None, None
+
+
+def accumulate_outer(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc (fp32) += a^T b. On CUDA with bf16/fp16 inputs the GEMM writes fp32 straight into `acc`
+    (no low-precision partial, no extra pass); elsewhere through an fp32 temporary."""
+    if acc.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and _OUT_DTYPE_MM:
+        try:
+            torch.addmm(acc, a.t(), b, out_dtype=torch.float32, out=acc)
+            return
+        except (RuntimeError, TypeError, NotImplementedError):
+            _disable_out_dtype_mm()
+    acc += (a.t() @ b).float()
+
+
+_OUT_DTYPE_MM = True
+
+
+def _disable_out_dtype_mm() -> None:
+    global _OUT_DTYPE_MM
+    _OUT_DTYPE_MM = False
 
 
 def fusable_head(model: torch.nn.Module) -> torch.nn.Linear | None:

@@ -27,6 +27,7 @@ from rlhfkit.config.notes import note_once
 from rlhfkit.losses.aux import ptx_loss, router_aux_loss
 from rlhfkit.losses.kl import kl_loss
 from rlhfkit.losses.policy import PolicyLossConfig, policy_loss
+from rlhfkit.losses.reduce import to_floats
 from rlhfkit.models.moe import RouterAuxLoss
 from rlhfkit.types import ExperienceBatch
 
@@ -179,14 +180,17 @@ class ActorRole:
         if self.offload:
             self.backend.reload_states()
         self.backend.eval()
-        out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
+        # filled on the device and copied to the host once: a copy per micro-batch would wait for
+        # the GPU each time, and the next micro-batch's launches could not queue behind the last
+        out = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=self.device)
         row = 0
         for mb, real in micro_batches(batch, self.micro_rollout_batch_size, self.dist,
                                       max_tokens=self.rollout_max_tokens):
-            mb = mb.to(self.device)
+            mb = mb.to(self.device, non_blocking=True)
             lp = row_logprobs(self.backend, mb, temperature, False, self.packing)
-            out[row:row + real, :lp.shape[1]] = (lp.float() * mb.attention_mask).cpu()[:real]
+            out[row:row + real, :lp.shape[1]] = (lp.float() * mb.attention_mask)[:real]
             row += real
+        out = out.cpu()
         if self.offload:
             self.backend.offload_states()
         return out
@@ -211,28 +215,32 @@ class ActorRole:
         counts = self.dist.all_reduce_dp(torch.tensor([float(mini.loss_mask.sum()),
                                                        float((mini.loss_mask.sum(-1) > 0).sum())], dtype=torch.float64))
         num_tokens, num_seqs = float(counts[0]), float(counts[1])
-        sums: dict[str, float] = {}
+        sums: dict[str, Any] = {}
         mbs = list(micro_batches(mini, cfg.micro_train_batch_size, self.dist, max_tokens=cfg.max_tokens_per_micro))
         ptx = self._ptx_batches(len(mbs))
-        for i, (mb, _) in enumerate(mbs):
-            mb = mb.to(self.device)
+        # metrics stay device tensors until the step ends: a host sync per micro-batch would idle the
+        # GPU while the next forward is launched
+        for i, (mb_host, _) in enumerate(mbs):
+            mb_tokens = float(mb_host.loss_mask.sum())
+            mb = mb_host.to(self.device, non_blocking=True)
             with RouterAuxLoss(self.backend.model, enabled=cfg.aux_loss_coef != 0) as router:
                 res = row_logprobs(self.backend, mb, cfg.temperature, cfg.compute_entropy, cfg.packing)
             lp, ent = res if cfg.compute_entropy else (res, None)
             loss, m = policy_loss(lp, mb.old_logprobs, mb.advantages, mb.loss_mask, self.loss_cfg,
                                   num_tokens=num_tokens, num_sequences=num_seqs,
-                                  rollout_logprobs=mb.rollout_logprobs, entropy=ent)
+                                  rollout_logprobs=mb.rollout_logprobs, entropy=ent, sync_metrics=False)
             if cfg.use_kl_loss and mb.ref_logprobs is not None and kl_coef > 0:
                 kl_l, km = kl_loss(lp, mb.ref_logprobs, mb.loss_mask, estimator=cfg.kl_estimator,
                                    num_tokens=num_tokens)
                 loss = loss + kl_coef * kl_l
                 m["kl_loss"] = km["kl_loss"]  # its "kl" (a micro-batch mean) would hide the loop's rollout `kl`
-            loss = self._add_router_loss(router.take(), loss, m, float(mb.loss_mask.sum()), num_tokens)
+            loss = self._add_router_loss(router.take(), loss, m, mb_tokens, num_tokens)
             self.backend.backward(loss)
             if ptx is not None:
                 m.update(self._ptx_backward(ptx[0][i], ptx[1]))
             for k, v in m.items():
-                sums[k] = sums.get(k, 0.0) + v
+                sums[k] = sums[k] + v if k in sums else v
+        sums = to_floats(sums)
         out = {k: v / max(len(mbs), 1) for k, v in sums.items()}
         # losses are global-count normalised: their micro-batch sum is the step's loss
         for k in ADDITIVE:

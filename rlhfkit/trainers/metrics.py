@@ -32,8 +32,10 @@ import json
 import math
 import os
 import sys
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from rlhfkit.fileio import atomic_write_text
 from rlhfkit.optional import require
@@ -48,6 +50,23 @@ class WandbSettings:
     org: str | None = None
     group: str | None = None
     run_name: str | None = None
+
+
+class PhaseClock(dict):
+    """Wall seconds per phase of one step (`with clock("train"): ...`; a phase entered twice adds up).
+    Each phase is also a profiler range named `rl/<phase>`, which bench/rl_step.py --profile uses to split
+    the GPU's kernels by phase (a no-op when no profiler runs)."""
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        import torch
+
+        t0 = time.perf_counter()
+        try:
+            with torch.profiler.record_function(f"rl/{name}"):
+                yield
+        finally:
+            self[name] = self.get(name, 0.0) + time.perf_counter() - t0
 
 
 def metrics_record(step: int, metrics: dict[str, Any]) -> dict[str, Any]:

@@ -52,7 +52,7 @@ from rlhfkit.algo.filters import dynamic_filter
 from rlhfkit.algo.passk import pass_at_k_from_scores
 from rlhfkit.backend.dist import DistInfo
 from rlhfkit.roles.group import LocalWeightSync
-from rlhfkit.trainers.metrics import metrics_record, progress_bar
+from rlhfkit.trainers.metrics import PhaseClock, metrics_record, progress_bar
 from rlhfkit.trainers.offline import epoch_order
 from rlhfkit.types import PromptSample, Trajectory
 
@@ -250,10 +250,9 @@ class RLTrainer:
     # ------------------------------------------------------------------ one step
 
     def train_step(self) -> dict[str, float]:
-        t = {}
-        t0 = time.perf_counter()
-        trajs, metrics = self.rollout()
-        t["generate"] = time.perf_counter() - t0
+        t = PhaseClock()
+        with t("generate"):
+            trajs, metrics = self.rollout()
         # decided on every rank together: a rank skipping alone would leave the others in a collective
         empty_ranks = int(self.dist.all_reduce_world(torch.tensor(float(not trajs))).item())
         metrics["skipped_steps"] = float(empty_ranks > 0)
@@ -262,39 +261,35 @@ class RLTrainer:
             metrics["time/generate"] = metrics["time/step"] = t["generate"]
             return metrics
         batch = pad_trajectories(trajs, self.pad_token_id)
-        t1 = time.perf_counter()
-        if self.reward_model is not None:
-            batch.rewards = self.reward_model.call("forward_rewards", batch)
-            for tr, r in zip(trajs, batch.rewards.tolist()):
-                tr.score = tr.reward = r
-        t["reward"] = time.perf_counter() - t1
+        with t("reward"):
+            if self.reward_model is not None:
+                batch.rewards = self.reward_model.call("forward_rewards", batch)
+                for tr, r in zip(trajs, batch.rewards.tolist()):
+                    tr.score = tr.reward = r
         resp_len = batch.loss_mask.sum(-1).float()
         truncated = torch.tensor([float(tr.truncated) for tr in trajs])
         raw_reward = batch.rewards.clone()
         batch.rewards = apply_length_penalties(batch.rewards, resp_len, truncated.bool(), self.shaping)
-        t2 = time.perf_counter()
-        batch.old_logprobs = self.policy.call("forward_logprobs", batch, self.cfg.temperature)
-        if self.ref is not None:
-            batch.ref_logprobs = self.ref.call("forward_logprobs", batch, self.cfg.temperature)
-        if self.critic is not None:
-            batch.values = self.critic.call("forward_values", batch)
-        t["logprobs"] = time.perf_counter() - t2
+        with t("logprobs"):
+            batch.old_logprobs = self.policy.call("forward_logprobs", batch, self.cfg.temperature)
+            if self.ref is not None:
+                batch.ref_logprobs = self.ref.call("forward_logprobs", batch, self.cfg.temperature)
+            if self.critic is not None:
+                batch.values = self.critic.call("forward_values", batch)
         batch, exp_m = finish_experience(batch, self.adv_cfg, self.kl_ctl.value, self.cfg.kl_estimator,
                                          kl_in_reward=not self.cfg.use_kl_loss, reduce=self.dist.all_reduce_dp)
         exp_m = _global_experience_metrics(exp_m, batch, self.dist)
-        t3 = time.perf_counter()
         train_m: dict[str, float] = {}
-        if self.critic is not None:
-            train_m.update(self.critic.call("train_on", batch))
-        if self.state.step >= self.cfg.freezing_actor_steps:
-            if self._has_signal(batch):
-                train_m.update(self.policy.call("train_on", batch, self.kl_ctl.value))
-            else:
-                train_m["skipped_zero_advantage"] = 1.0
-        t["train"] = time.perf_counter() - t3
-        t4 = time.perf_counter()
-        metrics.update(self.weight_sync.sync())
-        t["weight_sync"] = time.perf_counter() - t4
+        with t("train"):
+            if self.critic is not None:
+                train_m.update(self.critic.call("train_on", batch))
+            if self.state.step >= self.cfg.freezing_actor_steps:
+                if self._has_signal(batch):
+                    train_m.update(self.policy.call("train_on", batch, self.kl_ctl.value))
+                else:
+                    train_m["skipped_zero_advantage"] = 1.0
+        with t("weight_sync"):
+            metrics.update(self.weight_sync.sync())
         self.kl_ctl.update(exp_m.get("kl", 0.0), self.cfg.rollout_batch_size * self.cfg.n_samples_per_prompt)
         shaped = exp_m.pop("reward", None)
         if self.shaping.overlong_buffer_len or self.shaping.stop_properly_penalty_coef is not None:

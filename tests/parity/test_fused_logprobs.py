@@ -7,9 +7,12 @@ from transformers import AutoModelForCausalLM
 from rlhfkit.models.forward import token_logprobs
 
 
-@pytest.mark.parametrize("temperature,entropy", [(1.0, False), (0.7, True)])
+@pytest.mark.parametrize("temperature,entropy,use", [(1.0, False, "lp"), (0.7, True, "both"),
+                                                     (0.7, True, "lp"), (1.0, True, "ent")])
 @pytest.mark.parametrize("chunk_kernels", ["eager", "compiled_path"])
-def test_fused_equals_unfused(tiny_qwen2_dir, temperature, entropy, chunk_kernels, monkeypatch):
+def test_fused_equals_unfused(tiny_qwen2_dir, temperature, entropy, use, chunk_kernels, monkeypatch):
+    """`use`: which outputs reach the loss -- both, the log-probs only (the entropy a metric: the
+    backward skips its term) or the entropy only (no log-prob gradient arrives)."""
     if chunk_kernels == "compiled_path":  # the CUDA code path, with its chunk functions run eagerly
         from rlhfkit.models import fused_logprobs as fl
 
@@ -27,7 +30,9 @@ def test_fused_equals_unfused(tiny_qwen2_dir, temperature, entropy, chunk_kernel
                              fused=fused, chunk_size=5)  # chunks that cut through rows
         lp, ent = res if entropy else (res, None)
         w = torch.randn(lp.shape, generator=torch.Generator().manual_seed(1))
-        loss = (lp * w).sum() + (ent.sum() * 0.3 if entropy else 0.0)
+        loss = (lp * w).sum() if use != "ent" else 0.0
+        if use != "lp":
+            loss = loss + (ent * w).sum() * 0.3
         loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         outs.append((lp.detach(), None if ent is None else ent.detach(), grads))
