@@ -6,7 +6,7 @@
     ParallelDims(dp_replicate, dp_shard, cp, tp, world_size)
       |  .build_mesh(device_type)            one named DeviceMesh, outer to inner:
       v                                      ("dp_replicate", "dp_shard", "cp", "tp")
-    FSDP2Backend: mesh[dims.fsdp_dim_names] -> fully_shard (apply_tp / apply_cp slot in before it)
+    FSDP2Backend: apply_tp(model, mesh["tp"]) (tensor_parallel.py), then fully_shard over mesh[dims.fsdp_dim_names]
 
 Data parallelism has two parts: `dp_shard` ranks shard parameters, gradients and optimizer
 states (FSDP, `--zero_stage` 1-3); `dp_replicate` ranks hold replicas of that sharded group
@@ -100,9 +100,7 @@ class ParallelDims:
         return tuple(getattr(self, name) for name in MESH_DIM_NAMES)
 
     def check_supported(self) -> None:
-        """Raise for the dimensions no backend implements yet (tensor and context parallelism)."""
-        if self.tp > 1:
-            raise ValueError(f"--ds_tensor_parallel_size {self.tp}: tensor-parallel training is not supported yet")
+        """Raise for the dimensions no backend implements yet (context parallelism)."""
         if self.cp > 1:
             raise ValueError(f"--ring_attn_size {self.cp}: context parallelism (ring attention) is not supported yet")
 
