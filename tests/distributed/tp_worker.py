@@ -111,7 +111,7 @@ def kernel_case(dist) -> dict:
 def backend_for(path: str, dist, dims, trainable: bool = True) -> FSDP2Backend:
     model = load_causal_lm(ModelConfig(pretrain=path), master_dtype="fp32")
     return FSDP2Backend(model, BackendConfig(param_dtype="fp32", zero_stage=2),
-                        OptimConfig(learning_rate=1e-2) if trainable else None, 10, dist, parallel=dims)
+                        OptimConfig(learning_rate=1e-2, lr_warmup_ratio=0.0) if trainable else None, 10, dist, parallel=dims)
 
 
 def check_sharded(backend: FSDP2Backend, tp: int) -> None:
@@ -158,14 +158,17 @@ def main() -> None:
     res["sft"] = compare("sft", loss, ref_loss, backend.model, ref_model, dist)
 
     if a.ckpt:
-        backend.optimizer_step()
+        stats = backend.optimizer_step()
+        ref_norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in ref_model.parameters()
+                                                               if p.grad is not None])))
         backend.save_checkpoint(os.path.join(a.ckpt, "dcp"), "step1", {"step": 1}, max_keep=2)
         backend.save_hf(os.path.join(a.ckpt, "hf"), dtype=torch.float32)
         sd = backend.full_state_dict()
         if dist.rank == 0:
             torch.save(sd, os.path.join(a.ckpt, "full.pt"))
         loss2, _ = task.loss(backend.model, task.collate(shard(data, dist)), count)
-        res["ckpt"] = {"loss_after_step": float(dist.all_reduce_dp(loss2.detach().double()))}
+        res["ckpt"] = {"loss_after_step": float(dist.all_reduce_dp(loss2.detach().double())),
+                       "grad_norm": stats["grad_norm"], "ref_grad_norm": ref_norm}
     del backend
     ref_model.zero_grad(set_to_none=True)
 
