@@ -114,3 +114,42 @@ def test_fsdp2_x_tp2_equals_one_process_and_checkpoints_load_in_one_process(qwen
     sd = one.model.state_dict()
     assert all(torch.equal(sd[k], full[k]) for k in full)
     assert one.steps_done == 1 and len(one.optimizer.state) > 0
+
+
+def test_train_sft_cli_tp2_first_steps_equal_one_process(llama_dir, tmp_path):
+    """`torchrun --nproc_per_node 2 -m rlhfkit.cli.train_sft ... --ds_tensor_parallel_size 2`: the
+    logged losses and gradient norms of 2 steps and the exported weights equal a 1-process run."""
+    import sys
+
+    from safetensors.torch import load_file
+
+    from rlhfkit.trainers.metrics import read_metrics
+
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    data = tmp_path / "qa.jsonl"
+    g = torch.Generator().manual_seed(0)
+    with open(data, "w") as f:
+        for _ in range(16):
+            a, b = torch.randint(0, 50, (2,), generator=g).tolist()
+            f.write(json.dumps({"question": f"{a}+{b}=", "response": str(a + b)}) + "\n")
+    args = ["--pretrain", llama_dir, "--dataset", str(data), "--input_key", "question", "--output_key", "response",
+            "--input_template", "{}", "--max_len", "32", "--train_batch_size", "8", "--micro_train_batch_size", "2",
+            "--learning_rate", "3e-3", "--lr_warmup_ratio", "0", "--disable_progress", "--param_dtype", "fp32",
+            "--max_steps", "2", "--logging_steps", "1"]
+    runs = {}
+    for name, cmd in (("tp", torchrun_cmd(2, "-m", "rlhfkit.cli.train_sft", "--ds_tensor_parallel_size", "2")),
+                      ("one", [sys.executable, "-m", "rlhfkit.cli.train_sft"])):
+        out = str(tmp_path / name)
+        proc = subprocess.run([*cmd, *args, "--save_path", out], env=subprocess_env(), cwd=ROOT,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+        runs[name] = (read_metrics(os.path.join(out, "metrics.jsonl")), load_file(os.path.join(out, "model.safetensors")))
+    (tp_rows, tp_w), (one_rows, one_w) = runs["tp"], runs["one"]
+    assert [r["step"] for r in tp_rows] == [r["step"] for r in one_rows] == [1, 2]
+    for a, b in zip(tp_rows, one_rows):
+        assert a["train/loss"] == pytest.approx(b["train/loss"], abs=TOL)
+        assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=TOL)
+    assert one_rows[0]["train/loss"] > 1.0
+    assert sorted(tp_w) == sorted(one_w)
+    assert max(float((tp_w[k] - one_w[k]).abs().max()) for k in one_w) < TOL
