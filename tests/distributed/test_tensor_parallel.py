@@ -3,6 +3,9 @@
 tp_worker.py runs under torchrun with gloo on CPU in fp32 and computes, on every rank, the one-process
 reference on the global batch next to the tensor-parallel run (module docstring there). Two meshes:
 
+Cases: SFT, DPO (reference model tensor-parallel too), an RL policy-loss step with entropy, and
+a reward / value model (squared error of its last-token rewards).
+
     TP 2          2 ranks, a Llama with grouped-query attention (4 heads, 2 KV heads), untied head
     FSDP 2 x TP 2 4 ranks, a Qwen2 (q/k/v biases) with tied embeddings; also one optimizer step,
                   a DCP checkpoint, an HF export and the full state dict, loaded here in one process
@@ -71,7 +74,7 @@ def check_equal(res: dict) -> None:
     assert max(ok.values()) < TOL, ok
     # a shard offset off by one reads the neighbour's logit as the target: log-probs and gradients move
     assert bad["lp"] > 1e-2 and bad["grad"] > 1e-2, bad
-    for case in ("sft", "dpo", "rl"):
+    for case in ("sft", "dpo", "rl", "rm"):
         r = res[case]
         assert r["loss"] == pytest.approx(r["ref_loss"], abs=TOL), (case, r)
         assert r["grad_diff"] < TOL, (case, r)
@@ -152,4 +155,31 @@ def test_train_sft_cli_tp2_first_steps_equal_one_process(llama_dir, tmp_path):
         assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=TOL)
     assert one_rows[0]["train/loss"] > 1.0
     assert sorted(tp_w) == sorted(one_w)
+    assert max(float((tp_w[k] - one_w[k]).abs().max()) for k in one_w) < TOL
+
+
+def test_train_ppo_cli_tp2_equals_one_process(llama_dir, data_dir, tmp_path):
+    """`torchrun --nproc_per_node 2 -m rlhfkit.cli.train_ppo ... --ds_tensor_parallel_size 2`: GRPO with a KL
+    loss against a tensor-parallel reference, the builtin engine fed by the weight sync (gathered TP
+    shards). Step 2 samples with the weights synced after step 1, so equal rewards there check the sync."""
+    import sys
+
+    from helpers import read_run, rl_flags
+
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    runs = {}
+    for name, cmd in (("tp", torchrun_cmd(2, "-m", "rlhfkit.cli.train_ppo", "--ds_tensor_parallel_size", "2")),
+                      ("one", [sys.executable, "-m", "rlhfkit.cli.train_ppo"])):
+        out = str(tmp_path / name)
+        proc = subprocess.run([*cmd, *rl_flags(llama_dir, data_dir, out, steps=2)], env=subprocess_env(), cwd=ROOT,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+        runs[name] = read_run(out)
+    (tp_rows, tp_w), (one_rows, one_w) = runs["tp"], runs["one"]
+    assert [r["step"] for r in tp_rows] == [r["step"] for r in one_rows] == [1, 2]
+    for a, b in zip(tp_rows, one_rows):
+        for k in ("train/reward", "train/response_length", "train/kl", "train/grad_norm", "train/entropy"):
+            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), (a["step"], k, a[k], b[k])
+    assert one_rows[0]["train/grad_norm"] > 1e-2
     assert max(float((tp_w[k] - one_w[k]).abs().max()) for k in one_w) < TOL

@@ -10,6 +10,7 @@ the reference on the *global* batch itself, so one launch compares both. Cases:
     sft     SFTTask loss on this dp rank's rows; dp-summed loss and gathered gradients
     dpo     DPOTask loss (policy and reference both tensor-parallel)
     rl      actor log-probs with entropy -> PPO policy loss with an entropy bonus
+    rm      a reward / value model (score head replicated): squared error of the last-token rewards
     ckpt    (--ckpt DIR) one SFT step, then a DCP checkpoint, an HF export and the full state dict
             (torch.save) under DIR for the test to load in one process
 
@@ -32,6 +33,7 @@ from rlhfkit.data.items import PreferenceItem, SFTItem
 from rlhfkit.losses.policy import PolicyLossConfig, policy_loss
 from rlhfkit.models.forward import logprobs_from_logits, token_logprobs
 from rlhfkit.models.loader import load_causal_lm
+from rlhfkit.models.value import load_value_model, reward_at_last_token
 from rlhfkit.models.vocab_parallel import vocab_parallel_logprobs
 from rlhfkit.roles.actor import row_logprobs
 from rlhfkit.trainers.dpo_task import DPOTask, FrozenModel
@@ -164,6 +166,10 @@ def main() -> None:
         backend.save_checkpoint(os.path.join(a.ckpt, "dcp"), "step1", {"step": 1}, max_keep=2)
         backend.save_hf(os.path.join(a.ckpt, "hf"), dtype=torch.float32)
         sd = backend.full_state_dict()
+        synced = dict(backend.named_full_params(bucket_bytes=4096))  # what the weight sync sends engines
+        if dist.rank == 0:
+            assert sorted(synced) == sorted(n for n, _ in backend.model.named_parameters()), sorted(synced)
+            assert all(torch.equal(synced[k], sd[k]) for k in synced), "weight sync != full state dict"
         if dist.rank == 0:
             torch.save(sd, os.path.join(a.ckpt, "full.pt"))
         loss2, _ = task.loss(backend.model, task.collate(shard(data, dist)), count)
@@ -221,6 +227,27 @@ def main() -> None:
     ref_loss = rl_loss(Plain(ref_model), list(range(ROWS)))
     ref_loss.backward()
     res["rl"] = compare("rl", loss, ref_loss, policy.model, ref_model, dist)
+    del policy, ref
+
+    # ---- reward / value model: tensor-parallel backbone, replicated score head
+    def value_model():
+        torch.manual_seed(1)  # the same fresh head on every rank and in the reference
+        return load_value_model(a.model, init_value_head=True)
+
+    critic = FSDP2Backend(value_model(), BackendConfig(param_dtype="fp32", zero_stage=2),
+                          OptimConfig(learning_rate=1e-2), 10, dist, parallel=dims)
+    ref_value = value_model()
+    target = torch.randn(ROWS, generator=g)
+
+    def rm_loss(forward, r):
+        rewards = reward_at_last_token(forward(input_ids=ids[r], attention_mask=attn[r]), attn[r])
+        return ((rewards - target[r]) ** 2).sum() / ROWS
+
+    loss = rm_loss(critic.forward, rows)
+    critic.backward(loss)
+    ref_loss = rm_loss(ref_value, list(range(ROWS)))
+    ref_loss.backward()
+    res["rm"] = compare("rm", loss, ref_loss, critic.model, ref_value, dist)
     if dist.rank == 0:
         with open(a.out, "w") as f:
             json.dump(res, f)
