@@ -2,8 +2,8 @@
 
     model (HF causal LM, fp32 master weights)        ParallelDims (parallel.py), from the flags
       |  one process, no process group: plain module on the device (+ autocast on CUDA)
-      |  process group (torchrun / Ray): dims.build_mesh() -> fully_shard per decoder block + root
-      |  on the mesh's data-parallel dims (sharding.py)
+      |  process group (torchrun / Ray): dims.build_mesh() -> (tp > 1: apply_tp, tensor_parallel.py)
+      |  -> fully_shard per decoder block + root on the mesh's data-parallel dims (sharding.py)
       v
     backend.forward(...) / .token_logprobs(...) -> loss / global count -> backend.backward(loss, sync_grads)
       -> backend.optimizer_step(): global grad norm, non-finite guard (guard.py: skip / stop),

@@ -145,7 +145,6 @@ def main() -> None:
     res: dict = {"kernel": kernel_case(dist)}
     ref_model = load_causal_lm(ModelConfig(pretrain=a.model), master_dtype="fp32")
     vocab = ref_model.config.vocab_size
-    plain = Plain(ref_model)
 
     # ---- SFT
     backend = backend_for(a.model, dist, dims)
@@ -181,14 +180,12 @@ def main() -> None:
     # ---- DPO: the policy and its reference both tensor-parallel
     policy = backend_for(a.model, dist, dims)
     ref = FrozenModel(backend_for(a.model, dist, dims, trainable=False))
-    # the reference starts from the same weights: move the policy first so the DPO loss is not log 2
+    # the reference starts from the same weights: move the policy (both copies) so the loss is not log 2
     with torch.no_grad():
-        for n, prm in policy.model.named_parameters():
-            if n.endswith("q_proj.weight") or n.endswith("up_proj.weight"):
-                prm.mul_(1.5)
-        for n, prm in ref_model.named_parameters():
-            if n.endswith("q_proj.weight") or n.endswith("up_proj.weight"):
-                prm.mul_(1.5)
+        for m in (policy.model, ref_model):
+            for n, prm in m.named_parameters():
+                if n.endswith(("q_proj.weight", "up_proj.weight")):
+                    prm.mul_(1.5)
     ref_plain = load_causal_lm(ModelConfig(pretrain=a.model), master_dtype="fp32")
     dpo = DPOTask(pad_token_id=0, ref=ref, beta=0.5, dist=dist)
     dpo_ref = DPOTask(pad_token_id=0, ref=FrozenModel(Plain(ref_plain)), beta=0.5)

@@ -3,6 +3,8 @@ error line naming --ds_tensor_parallel_size for what cannot be split."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -45,18 +47,12 @@ def test_plan_covers_a_value_model_without_lm_head():
     assert "lm_head" not in plan and "score" not in plan and "model.embed_tokens" in plan
 
 
-@pytest.mark.parametrize("kw, what", [(dict(vocab=103), "vocab_size (103)"), (dict(heads=4, kv=4, inter=97),
-                                                                                 "intermediate_size (97)"),
-                                      (dict(heads=4, kv=1), "num_key_value_heads (1)")])
+@pytest.mark.parametrize("kw, what", [({"vocab": 103}, "vocab_size (103)"),
+                                      ({"heads": 4, "kv": 4, "inter": 97}, "intermediate_size (97)"),
+                                      ({"heads": 4, "kv": 1}, "num_key_value_heads (1)")])
 def test_sizes_the_tp_size_does_not_divide_are_refused(kw, what):
-    with pytest.raises(ValueError, match=r"--ds_tensor_parallel_size 2 does not divide the model's " + re_escape(what)):
+    with pytest.raises(ValueError, match=r"--ds_tensor_parallel_size 2 does not divide the model's " + re.escape(what)):
         check_tp_model(tiny(**kw), 2)
-
-
-def re_escape(s: str) -> str:
-    import re
-
-    return re.escape(s)
 
 
 def test_unknown_architecture_and_lora_are_refused():
