@@ -3,7 +3,7 @@
 tp_worker.py runs under torchrun with gloo on CPU in fp32 and computes, on every rank, the one-process
 reference on the global batch next to the tensor-parallel run (module docstring there). Two meshes:
 
-Cases: SFT, DPO (reference model tensor-parallel too), an RL policy-loss step with entropy, and
+Cases: SFT (padded and packed), DPO (reference model tensor-parallel too), an RL policy-loss step with entropy, and
 a reward / value model (squared error of its last-token rewards).
 
     TP 2          2 ranks, a Llama with grouped-query attention (4 heads, 2 KV heads), untied head
@@ -74,13 +74,17 @@ def check_equal(res: dict) -> None:
     assert max(ok.values()) < TOL, ok
     # a shard offset off by one reads the neighbour's logit as the target: log-probs and gradients move
     assert bad["lp"] > 1e-2 and bad["grad"] > 1e-2, bad
-    for case in ("sft", "dpo", "rl", "rm"):
+    for case in ("sft", "sft_packed", "dpo", "rl", "rm"):
         r = res[case]
         assert r["loss"] == pytest.approx(r["ref_loss"], abs=TOL), (case, r)
         assert r["grad_diff"] < TOL, (case, r)
         assert r["grad_scale"] > 1e-2, (case, r)  # real gradients, not zeros compared with zeros
     assert res["sft"]["ref_loss"] > 1.0  # an NLL over a 104-token vocabulary
+    assert res["sft_packed"]["ref_loss"] == pytest.approx(res["sft"]["ref_loss"], abs=TOL)
     assert abs(res["rl"]["ref_loss"]) > 1e-3
+    # every TP log-prob pass (SFT padded and packed, DPO policy and reference, RL) went through the
+    # vocabulary-parallel kernel on 104 / 2 logits a rank, never the full 104
+    assert res["vocab_parallel"]["calls"] >= 5 and res["vocab_parallel"]["local_vocab"] == [52]
 
 
 def test_tp2_equals_one_process(llama_dir, tmp_path):

@@ -7,7 +7,7 @@ the reference on the *global* batch itself, so one launch compares both. Cases:
 
     kernel  vocab-parallel log-probs / entropy of random logits vs the full-vocabulary kernel
             (values and gradients), and the same with a wrong shard offset (must differ)
-    sft     SFTTask loss on this dp rank's rows; dp-summed loss and gathered gradients
+    sft     SFTTask loss on this dp rank's rows; dp-summed loss and gathered gradients (padded, packed)
     dpo     DPOTask loss (policy and reference both tensor-parallel)
     rl      actor log-probs with entropy -> PPO policy loss with an entropy bonus
     rm      a reward / value model (score head replicated): squared error of the last-token rewards
@@ -31,6 +31,7 @@ from rlhfkit.backend.sharding import full
 from rlhfkit.config.configs import BackendConfig, ModelConfig, OptimConfig
 from rlhfkit.data.items import PreferenceItem, SFTItem
 from rlhfkit.losses.policy import PolicyLossConfig, policy_loss
+from rlhfkit.models import forward as forward_mod
 from rlhfkit.models.forward import logprobs_from_logits, token_logprobs
 from rlhfkit.models.loader import load_causal_lm
 from rlhfkit.models.value import load_value_model, reward_at_last_token
@@ -143,6 +144,15 @@ def main() -> None:
     dims = ParallelDims.from_flags(dist.world_size, 2, tensor_parallel_size=a.tp)
     dist = attach_mesh(dist, dims)
     res: dict = {"kernel": kernel_case(dist)}
+    seen = {"calls": 0, "local_vocab": set()}  # the sharded path is taken: each rank holds V / tp logits
+    vocab_parallel = forward_mod.vocab_parallel_logprobs
+
+    def spy(local_logits, *args, **kw):
+        seen["calls"] += 1
+        seen["local_vocab"].add(local_logits.shape[-1])
+        return vocab_parallel(local_logits, *args, **kw)
+
+    forward_mod.vocab_parallel_logprobs = spy
     ref_model = load_causal_lm(ModelConfig(pretrain=a.model), master_dtype="fp32")
     vocab = ref_model.config.vocab_size
 
@@ -157,6 +167,15 @@ def main() -> None:
     ref_loss, _ = task.loss(ref_model, task.collate(data), count)
     ref_loss.backward()
     res["sft"] = compare("sft", loss, ref_loss, backend.model, ref_model, dist)
+    # packed rows (one row per micro-batch, positions restart per sample)
+    backend.optimizer.zero_grad(set_to_none=True)
+    ref_model.zero_grad(set_to_none=True)
+    packed = SFTTask(pad_token_id=0, packing=True, dist=dist)
+    loss, _ = packed.loss(backend.model, packed.collate(shard(data, dist)), count)
+    backend.backward(loss)
+    ref_loss, _ = packed.loss(ref_model, packed.collate(data), count)
+    ref_loss.backward()
+    res["sft_packed"] = compare("sft_packed", loss, ref_loss, backend.model, ref_model, dist)
 
     if a.ckpt:
         stats = backend.optimizer_step()
@@ -245,6 +264,7 @@ def main() -> None:
     ref_loss = rm_loss(ref_value, list(range(ROWS)))
     ref_loss.backward()
     res["rm"] = compare("rm", loss, ref_loss, critic.model, ref_value, dist)
+    res["vocab_parallel"] = {"calls": seen["calls"], "local_vocab": sorted(seen["local_vocab"])}
     if dist.rank == 0:
         with open(a.out, "w") as f:
             json.dump(res, f)
