@@ -6,7 +6,7 @@
     ParallelDims(dp_replicate, dp_shard, cp, tp, world_size)
       |  .build_mesh(device_type)            one named DeviceMesh, outer to inner:
       v                                      ("dp_replicate", "dp_shard", "cp", "tp")
-    FSDP2Backend: apply_tp(model, mesh["tp"]) (tensor_parallel.py), then fully_shard over mesh[dims.fsdp_dim_names]
+    FSDP2Backend: mesh[dims.fsdp_dim_names] -> fully_shard (apply_tp / apply_cp slot in before it)
 
 Data parallelism has two parts: `dp_shard` ranks shard parameters, gradients and optimizer
 states (FSDP, `--zero_stage` 1-3); `dp_replicate` ranks hold replicas of that sharded group
