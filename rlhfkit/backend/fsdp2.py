@@ -2,8 +2,8 @@
 
     model (HF causal LM, fp32 master weights)        ParallelDims (parallel.py), from the flags
       |  one process, no process group: plain module on the device (+ autocast on CUDA)
-      |  process group (torchrun / Ray): dims.build_mesh() -> fully_shard per decoder block + root
-      |  on the mesh's data-parallel dims (sharding.py)
+      |  process group (torchrun / Ray): dims.build_mesh() -> (tp > 1: apply_tp, tensor_parallel.py)
+      |  -> fully_shard per decoder block + root on the mesh's data-parallel dims (sharding.py)
       v
     backend.forward(...) / .token_logprobs(...) -> loss / global count -> backend.backward(loss, sync_grads)
       -> backend.optimizer_step(): global grad norm, non-finite guard (guard.py: skip / stop),
@@ -72,6 +72,7 @@ from rlhfkit.backend.sharding import (
     iter_full_param_buckets,
     sum_gradients_by_loss_scale,
 )
+from rlhfkit.backend.tensor_parallel import apply_tp
 from rlhfkit.config.configs import BackendConfig, OptimConfig
 from rlhfkit.config.notes import note_once
 from rlhfkit.models.forward import token_logprobs
@@ -93,11 +94,13 @@ def _validate(cfg: BackendConfig) -> None:
 
 
 def _check_dims(dims: ParallelDims, cfg: BackendConfig, dist: DistInfo) -> None:
-    """The mesh handed in must fit this process group and --zero_stage; tp / cp are not implemented."""
+    """The mesh handed in must fit this process group and --zero_stage; cp is not implemented."""
     if dims.world_size != dist.world_size:
         raise ValueError(f"ParallelDims was built for world size {dims.world_size}, "
                          f"but this process group has {dist.world_size} ranks")
     dims.check_supported()
+    if dims.tp > 1 and not dist.has_process_group:
+        raise ValueError(f"--ds_tensor_parallel_size {dims.tp} needs a process group (torchrun or Ray)")
     if cfg.zero_stage == 0 and dims.dp_shard > 1:
         raise ValueError(f"--zero_stage 0 replicates the model, but the mesh shards it over dp_shard={dims.dp_shard}")
     if cfg.zero_stage > 0 and dims.dp_shard == 1 and dims.dp_replicate > 1:
@@ -117,7 +120,6 @@ class FSDP2Backend:
         self.cfg, self.optim_cfg, self.dist = backend_cfg, optim_cfg, dist
         self.parallel = parallel or ParallelDims.from_flags(dist.world_size, backend_cfg.zero_stage)
         _check_dims(self.parallel, backend_cfg, dist)
-        self.mesh = None
         self.device = torch.device(dist.device)
         self.param_dtype = parse_dtype(backend_cfg.param_dtype)
         self.compute_dtype = compute_dtype_for(self.param_dtype, self.device, cpu_low_precision)
@@ -139,6 +141,9 @@ class FSDP2Backend:
             enable_gradient_checkpointing(model, use_reentrant=False, need_input_grads=False)
         master = torch.float32 if self.trainable else self.compute_dtype
         cast_params(model, master, trainable_only=self.trainable)
+        self.mesh = self._build_mesh() if self.is_sharded else None
+        if self.parallel.tp > 1:  # before compiling and sharding: FSDP2 shards the TP DTensors over dp
+            apply_tp(model, self.mesh["tp"])
         if backend_cfg.torch_compile:
             compile_blocks(model, backend_cfg.compile_dynamic)
         self.master: MasterWeights | None = None
@@ -172,12 +177,15 @@ class FSDP2Backend:
                 autocast_forward(model, self.device.type, self.compute_dtype)
         return model
 
+    def _build_mesh(self) -> Any:
+        shared = self.dist.mesh  # built once by parallel.attach_mesh, when it describes the same mesh
+        if shared is not None and shared.device_mesh is not None and shared.dims == self.parallel:
+            return shared.device_mesh
+        return self.parallel.build_mesh(self.device.type)
+
     def _shard(self, model: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
-        shared = self.dist.mesh  # built once by parallel.attach_mesh, when it describes the same mesh
-        self.mesh = (shared.device_mesh if shared is not None and shared.device_mesh is not None
-                     and shared.dims == self.parallel else self.parallel.build_mesh(self.device.type))
         low = self.compute_dtype if self.compute_dtype != torch.float32 else None
         mp = MixedPrecisionPolicy(param_dtype=low if self.trainable else None,
                                   reduce_dtype=torch.float32)

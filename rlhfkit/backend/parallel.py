@@ -100,9 +100,7 @@ class ParallelDims:
         return tuple(getattr(self, name) for name in MESH_DIM_NAMES)
 
     def check_supported(self) -> None:
-        """Raise for the dimensions no backend implements yet (tensor and context parallelism)."""
-        if self.tp > 1:
-            raise ValueError(f"--ds_tensor_parallel_size {self.tp}: tensor-parallel training is not supported yet")
+        """Raise for the dimensions no backend implements yet (context parallelism)."""
         if self.cp > 1:
             raise ValueError(f"--ring_attn_size {self.cp}: context parallelism (ring attention) is not supported yet")
 

@@ -93,19 +93,30 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def _by_mesh(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """`tensors` grouped by DTensor mesh (plain tensors together): under tensor parallelism the
+    TP-split weights live on the (dp, tp) mesh and the replicated ones (norms) on the dp mesh, and
+    one foreach / stack op cannot mix meshes."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.device_mesh if isinstance(t, DTensor) else None, []).append(t)
+    return list(groups.values())
+
+
 def global_grad_norm(params: list[nn.Parameter]) -> torch.Tensor:
-    """2-norm of all gradients over all ranks (DTensor shards reduced over the mesh)."""
+    """2-norm of all gradients over all ranks (DTensor shards reduced over their mesh)."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(())
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-    return full(norm).float()
+    norms = [full(torch.nn.utils.get_total_norm(g, norm_type=2.0)).float() for g in _by_mesh(grads)]
+    return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
 
 
 def clip_grads(params: list[nn.Parameter], max_norm: float, total_norm: torch.Tensor) -> None:
     """Scale gradients by min(1, max_norm / (total_norm + 1e-6))."""
-    torch.nn.utils.clip_grads_with_norm_([p for p in params if p.grad is not None],
-                                         max_norm, total_norm)
+    with_grad = [p for p in params if p.grad is not None]
+    for group in _by_mesh(with_grad):
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total_norm)
 
 
 def iter_full_param_buckets(model: nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None

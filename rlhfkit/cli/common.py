@@ -179,7 +179,7 @@ def check_backend_flags(args: argparse.Namespace) -> None:
     rlhfkit.config.flags: parsing prints a note for each one set.)"""
     if getattr(args, "ring_attn_size", 1) > 1:
         raise UsageError("--ring_attn_size > 1 (ring attention / context parallelism) is not supported yet")
-    if getattr(args, "ds_tensor_parallel_size", 1) > 1:
-        raise UsageError("--ds_tensor_parallel_size > 1 (tensor parallel training) is not supported yet")
+    if getattr(args, "ds_tensor_parallel_size", 1) < 1:
+        raise UsageError(f"--ds_tensor_parallel_size must be >= 1, got {args.ds_tensor_parallel_size}")
     if getattr(args, "backend", "fsdp2") != "fsdp2":
         raise UsageError(f"--backend {args.backend} is not available yet; use --backend fsdp2")

@@ -212,7 +212,8 @@ def add_backend_flags(p: FlagParser) -> None:
                help="OpenRLHF: attention heads per ring-attention step",
                inert="ring attention is not supported (--ring_attn_size must be 1)")
         p.flag("--ds_tensor_parallel_size", "--ds.tensor_parallel_size", type=int, default=1,
-               help="tensor-parallel training size; only 1 is supported")
+               help="tensor-parallel training size: attention heads, MLP and vocabulary split over this many "
+                    "ranks (Llama, Qwen2/3, Mistral), FSDP over the rest of the world")
         p.flag("--zpg", "--ds.zpg", type=int, default=1, help="OpenRLHF: ZeRO++ hierarchical partition size",
                inert=ds_only)
         p.flag("--overlap_comm", "--ds.overlap_comm", action="store_true",

@@ -22,7 +22,10 @@ Packed rows must not attend across samples. How that is ensured (`packed_mask`):
 
 Memory: the model's logits `[B, L, V]` (in the model dtype) are the only full-vocabulary
 tensor; log-softmax, the gather and the entropy run in fp32 on row chunks, and the backward pass
-recomputes the softmax per chunk instead of keeping fp32 copies (`TokenLogprobFn`).
+recomputes the softmax per chunk instead of keeping fp32 copies (`TokenLogprobFn`). Under tensor
+parallelism each rank holds only its vocabulary shard of the logits and `token_logprobs` combines
+the shards' statistics (vocab_parallel.py); `forward_logits` gathers them for callers that need
+the full distribution (distillation, PRM).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from typing import Any
 import torch
 
 from rlhfkit.models.fused_logprobs import fusable_head, fused_shifted_logprobs, head_bypassed
+from rlhfkit.models.vocab_parallel import vocab_parallel_logprobs, vocab_sharded
 
 PACKED_MASK_MODES = ("auto", "block", "hf")
 DEFAULT_CHUNK_BYTES = 1 << 28  # fp32 bytes of one chunk of rows x vocabulary
@@ -188,10 +192,16 @@ def forward_kwargs(model: torch.nn.Module, attention_mask: torch.Tensor | None,
 
 
 def forward_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                   position_ids: torch.Tensor | None = None, packed_mask: str = "auto") -> torch.Tensor:
-    """The model's logits `[B, L, V]` for a padded or packed batch."""
+                   position_ids: torch.Tensor | None = None, packed_mask: str = "auto",
+                   gather: bool = True) -> torch.Tensor:
+    """The model's logits `[B, L, V]` for a padded or packed batch. Under tensor parallelism the
+    `lm_head` returns vocabulary-sharded logits (a DTensor); `gather` makes them a plain full
+    tensor (differentiable all-gather), else they are returned as they are."""
     out = model(input_ids=input_ids, **forward_kwargs(model, attention_mask, position_ids, packed_mask))
-    return out.logits if hasattr(out, "logits") else out[0]
+    logits = out.logits if hasattr(out, "logits") else out[0]
+    if gather and hasattr(logits, "full_tensor"):
+        logits = logits.full_tensor()
+    return logits
 
 
 def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -220,8 +230,15 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
         hidden = hidden.to(tap.dtype or hidden.dtype)
         lp, ent = fused_shifted_logprobs(hidden, head.weight, input_ids, temperature, return_entropy, chunk_size)
     else:
-        logits = forward_logits(model, input_ids, attention_mask, position_ids, packed_mask)
-        lp, ent = logprobs_from_logits(logits, input_ids, temperature, return_entropy, chunk_size)
+        logits = forward_logits(model, input_ids, attention_mask, position_ids, packed_mask, gather=False)
+        sharded = vocab_sharded(logits)
+        if sharded is not None:  # tensor parallel: log-softmax over the vocabulary shards (vocab_parallel.py)
+            local, offset, group = sharded
+            lp, ent = vocab_parallel_logprobs(local, input_ids, offset, group, temperature, return_entropy, chunk_size)
+        else:
+            if hasattr(logits, "full_tensor"):
+                logits = logits.full_tensor()
+            lp, ent = logprobs_from_logits(logits, input_ids, temperature, return_entropy, chunk_size)
     keep = _predicted_positions(input_ids, attention_mask, position_ids)
     lp = torch.where(keep, lp, 0.0)
     if not return_entropy:

@@ -2,9 +2,9 @@
 
     torchrun --nproc_per_node W mesh_dp_worker.py --model DIR --tp T --out FILE
 
-The mesh is dp = W / T (FSDP2 over dp_shard) x tp = T, but the model stays replicated over tp (no
-tensor-parallel layers exist yet: `ParallelDims.check_supported` is switched off here only, the
-flags keep refusing tp > 1). The tp ranks of one dp rank must then get the same rows and the same
+The mesh is dp = W / T (FSDP2 over dp_shard) x tp = T, but the model stays replicated over tp
+(`apply_tp` is switched off here only: this test is about the reductions and the data sharding;
+test_tensor_parallel.py covers the tensor-parallel layers). The tp ranks of one dp rank must then get the same rows and the same
 gradients, so with every reduction over the dp group this run equals a W / T rank pure-DP run.
 
 Rank 0 writes JSON: the SFT loop's per-step metrics and eval loss, the RL step's metrics, the
@@ -21,7 +21,7 @@ import torch
 
 from rlhfkit.algo.advantages import AdvantageConfig
 from rlhfkit.algo.experience import finish_experience
-from rlhfkit.backend import FSDP2Backend, init_distributed
+from rlhfkit.backend import FSDP2Backend, fsdp2, init_distributed
 from rlhfkit.backend.parallel import ParallelDims, attach_mesh
 from rlhfkit.config.configs import BackendConfig, ModelConfig, OptimConfig
 from rlhfkit.data.items import SFTItem
@@ -78,7 +78,7 @@ def main() -> None:
     torch.manual_seed(0)
     dist = init_distributed("cpu")
     dims = ParallelDims(dp_shard=dist.world_size // a.tp, tp=a.tp, world_size=dist.world_size)
-    ParallelDims.check_supported = lambda self: None  # replicated over tp: see the module docstring
+    fsdp2.apply_tp = lambda model, mesh: model  # replicated over tp: see the module docstring
     dist = attach_mesh(dist, dims)
     assert (dist.dp_rank, dist.dp_size) == (dist.rank // a.tp, dims.dp), (dist.rank, dist.dp_rank, dist.dp_size)
 

@@ -46,7 +46,7 @@ def backend(parallel: ParallelDims, world_size: int, zero_stage: int = 3) -> FSD
 
 
 def test_backend_refuses_what_it_cannot_do():
-    with pytest.raises(ValueError, match="--ds_tensor_parallel_size 2: tensor-parallel training is not supported yet"):
+    with pytest.raises(ValueError, match="--ds_tensor_parallel_size 2 needs a process group"):
         backend(ParallelDims.from_flags(2, 3, tensor_parallel_size=2), 2)
     with pytest.raises(ValueError, match="--ring_attn_size 2: context parallelism .* not supported yet"):
         backend(ParallelDims.from_flags(4, 3, ring_attn_size=2), 4)
