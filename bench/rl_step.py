@@ -339,7 +339,7 @@ def run_trl(a: argparse.Namespace, model_dir: str, prompts_text: list[str], rewa
 
     gpu = a.device.startswith("cuda")
     total = prompts * a.n
-    mb = micro(total, a.micro_train_batch_size)
+    mb = micro(total, a.trl_micro_train_batch_size or a.micro_train_batch_size)
     digit_fraction = load_reward_module(reward).digit_fraction
 
     def digit_reward(completions: list[str], **kw: Any) -> list[float]:
@@ -444,6 +444,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="prompts per step of the TRL runs (default: --prompts); rlhfkit also runs at each")
     ap.add_argument("--trl_dtype", default="float32", choices=["float32", "bfloat16"],
                     help="TRL's model weights (float32: TRL's default, fp32 master + bf16 autocast like rlhfkit)")
+    ap.add_argument("--trl_micro_train_batch_size", type=int, default=0,
+                    help="TRL's per_device_train_batch_size (0: --micro_train_batch_size); TRL keeps full fp32 "
+                         "logits, so a large micro batch that suits rlhfkit's fused head can run it out of memory")
+    ap.add_argument("--switch_interval", type=float, default=None,
+                    help="sys.setswitchinterval for the whole run (Python's GIL hand-over period, default 5 ms): "
+                         "an experiment on the engine thread waiting for the GIL while episodes run Python")
     ap.add_argument("--skip_trl", action="store_true")
     ap.add_argument("--skip_rlhfkit", action="store_true")
     ap.add_argument("--out", default=None)
@@ -512,6 +518,7 @@ def report(a: argparse.Namespace, runs: list[dict], complete: bool) -> dict:
            "timed_steps": a.steps, "rollout_engine": a.rollout_engine, "ray_layout": a.ray_layout,
            "compute_dtype": "bf16" if a.device.startswith("cuda") else "fp32", "master_dtype": "fp32",
            "gradient_checkpointing": a.gradient_checkpointing, "adam_offload": a.adam_offload, "complete": complete,
+           "switch_interval_s": sys.getswitchinterval(), "warmup_steps": a.warmup_steps,
            "versions": {d: _version(d) for d in ("torch", "transformers", "accelerate", "trl", "datasets", "pyarrow", "ray")}}
     if not a.device.startswith("cuda"):
         res["load_avg_1m"] = os.getloadavg()[0]  # CPU timings are only as quiet as the machine was
@@ -544,6 +551,8 @@ def guarded(fn: Callable[[], dict], framework: str, prompts: int, n: int) -> dic
 
 def main(argv: list[str] | None = None) -> dict:
     a = parse_args(argv)
+    if a.switch_interval:
+        sys.setswitchinterval(a.switch_interval)
     with tempfile.TemporaryDirectory(prefix="rl_step_") as work:
         res = run_all(a, work)
     print(json.dumps(res))

@@ -92,7 +92,9 @@ def rlhfkit_step_fn(model, ids, device, param_dtype: str, variant: str = "master
     autocast        fp32 module under torch.autocast (--mixed_precision autocast)
     fsdp1           a one-rank process group: FSDP2 MixedPrecisionPolicy (what N ranks run)
     *_compile       the same with --torch_compile (each decoder block compiled)
-    *_eagerloss     the fused log-prob kernel's chunks in eager PyTorch instead of compiled kernels."""
+    *_eagerloss     the fused log-prob kernel's chunks in eager PyTorch instead of compiled kernels
+    *_cg            with _compile: the blocks compiled with mode="reduce-overhead" (CUDA graphs), an
+                    experiment on launch overhead, not a flag."""
     from rlhfkit.backend.dist import init_distributed
     from rlhfkit.backend.fsdp2 import FSDP2Backend
     from rlhfkit.config.configs import BackendConfig, OptimConfig
@@ -101,10 +103,22 @@ def rlhfkit_step_fn(model, ids, device, param_dtype: str, variant: str = "master
     from rlhfkit.models import fused_logprobs
 
     base, *suffixes = variant.split("_")
-    if base not in VARIANTS or not set(suffixes) <= {"compile", "eagerloss"}:
+    if base not in VARIANTS or not set(suffixes) <= {"compile", "eagerloss", "cg"}:
         raise ValueError(f"--variants: unknown variant {variant!r}; choose from {', '.join(VARIANTS)} "
                          "with optional suffixes _compile, _eagerloss")
     fused_logprobs.COMPILE_CHUNKS = "eagerloss" not in suffixes
+    if "cg" in suffixes:
+        from rlhfkit.backend import model_prep
+        from rlhfkit.backend.sharding import find_blocks
+
+        def compile_cg(model, dynamic=None):
+            for block in find_blocks(model):
+                block.compile(mode="reduce-overhead", dynamic=dynamic)
+
+        model_prep.compile_blocks = compile_cg
+        import rlhfkit.backend.fsdp2 as fsdp2_mod
+
+        fsdp2_mod.compile_blocks = compile_cg
     if base == "fsdp1":
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29561")
     dist = init_distributed(device)
@@ -163,9 +177,16 @@ def main() -> None:
     for variant in a.variants.split(","):
         model, cfg = build(shape, a.device, torch.float32, a.attn)
         n_params = sum(p.numel() for p in model.parameters())
-        step = rlhfkit_step_fn(model, ids, a.device, "bf16" if gpu else "fp32", variant)
-        t = time_steps(step, 3, steps, a.device)
         key = "rlhfkit" if variant == a.variants.split(",")[0] else f"rlhfkit_{variant}"
+        try:
+            step = rlhfkit_step_fn(model, ids, a.device, "bf16" if gpu else "fp32", variant)
+            t = time_steps(step, 3, steps, a.device)
+        except Exception as e:  # noqa: BLE001 - a failing variant is recorded, the others still run
+            res[f"{key}_error"] = f"{type(e).__name__}: {e}"[:500]
+            del model
+            if gpu:
+                torch.cuda.empty_cache()
+            continue
         res.update({"n_params": n_params, f"{key}_tokens_per_s": tokens / t, f"{key}_step_s": t})
         if gpu:
             res[f"{key}_peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
