@@ -54,6 +54,8 @@ import torch
 from torch import nn
 
 from rlhfkit.backend import checkpoint as ckpt
+from rlhfkit.backend.context_parallel import apply_cp
+from rlhfkit.backend.context_parallel import fsdp_mesh as fsdp_mesh_of
 from rlhfkit.backend import dist as D
 from rlhfkit.backend.dist import DistInfo
 from rlhfkit.backend.ema import EMAWeights
@@ -93,7 +95,7 @@ def _validate(cfg: BackendConfig) -> None:
 
 
 def _check_dims(dims: ParallelDims, cfg: BackendConfig, dist: DistInfo) -> None:
-    """The mesh handed in must fit this process group and --zero_stage; tp / cp are not implemented."""
+    """The mesh handed in must fit this process group and --zero_stage; tp is not implemented."""
     if dims.world_size != dist.world_size:
         raise ValueError(f"ParallelDims was built for world size {dims.world_size}, "
                          f"but this process group has {dist.world_size} ranks")
@@ -143,6 +145,9 @@ class FSDP2Backend:
             compile_blocks(model)
         self.master: MasterWeights | None = None
         self.model = self._shard(model) if self.is_sharded else self._place(model)
+        self.context_parallel = None
+        if self.parallel.cp > 1:  # ring attention: splits each sequence over the cp group (context_parallel.py)
+            self.context_parallel = apply_cp(self.model, self.mesh.get_group("cp"), backend_cfg.ring_head_stride)
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler = None
         self.loss_scaler: DynamicLossScaler | None = None
@@ -182,11 +187,12 @@ class FSDP2Backend:
         mp = MixedPrecisionPolicy(param_dtype=low if self.trainable else None,
                                   reduce_dtype=torch.float32)
         offload = CPUOffloadPolicy(pin_memory=True) if self.cpu_offload else None
-        apply_fsdp2(model, self.mesh[self.parallel.fsdp_dim_names], self.cfg.zero_stage, mp, offload)
+        fsdp_mesh = fsdp_mesh_of(self.mesh, self.parallel)  # dp dims, with cp folded into dp_shard
+        apply_fsdp2(model, fsdp_mesh, self.cfg.zero_stage, mp, offload)
         if offload is None:
             model.to(self.device)  # buffers not managed by FSDP (e.g. rotary tables)
         if not sum_gradients_by_loss_scale(model):
-            self._loss_multiplier = float(self.parallel.dp)
+            self._loss_multiplier = float(fsdp_mesh.size())
         return model
 
     # ------------------------------------------------------------------ training
