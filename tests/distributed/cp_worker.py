@@ -123,7 +123,8 @@ class Run:
         batch.old_logprobs = lp
         batch, _ = finish_experience(batch, AdvantageConfig(advantage_estimator="reinforce"), 0.0, "k1",
                                      kl_in_reward=False, reduce=self.dist.all_reduce_dp)
-        noise = torch.randn(batch.input_ids.shape, generator=torch.Generator().manual_seed(7 + self.dist.dp_rank))
+        noise = torch.randn((ROWS, SEQ), generator=torch.Generator().manual_seed(7))
+        noise = noise[self.dist.dp_rank * batch.batch_size:(self.dist.dp_rank + 1) * batch.batch_size]
         batch.old_logprobs = lp + 0.3 * noise * batch.loss_mask  # off-policy: ratios vary, some are clipped
         metrics = policy.train_on(batch)
         return {"logprobs": self.gather_rows(lp), "entropy": self.gather_rows(ent),
