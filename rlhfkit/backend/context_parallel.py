@@ -168,6 +168,11 @@ class _Plan:
         return self.to_batch(self.gather_flat(local))
 
 
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """A module output that is not a view (FSDP2's pre-backward hook on a view would be lost to in-place ops)."""
+    return t.clone() if t._is_view() else t
+
+
 def next_token_targets(plan: _Plan) -> torch.Tensor:
     """[t] the token after each of this rank's tokens: shifted on the full packed row, THEN split (a
     shard's last token is followed by the first token of another shard)."""
@@ -208,8 +213,8 @@ class ContextParallel:
             kwargs["use_cache"] = False
             out = inner(input_ids=plan.local_ids, position_ids=plan.local_pos, **{RING_KWARG: plan.call}, **kwargs)
             if isinstance(out, torch.Tensor):
-                return plan.gather(out)
-            out.logits = plan.gather(_first(out))
+                return _own(plan.gather(out))
+            out.logits = _own(plan.gather(_first(out)))
             return out
 
         model.forward = forward
@@ -278,9 +283,8 @@ def fsdp_mesh(mesh: Any, dims: Any) -> Any:
     when cp > 1 (so FSDP's gradient reduce-scatter also sums the cp ranks' partial gradients)."""
     if dims.cp == 1:
         return mesh[dims.fsdp_dim_names]
-    try:
-        mesh["dp_shard_cp"]
-    except (KeyError, ValueError, RuntimeError):
-        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-    names = ("dp_replicate", "dp_shard_cp") if dims.dp_replicate > 1 else ("dp_shard_cp",)
-    return mesh[names]
+    flat = getattr(mesh, "_rlhfkit_dp_shard_cp", None)  # flattened once per mesh (a collective), then reused
+    if flat is None:
+        flat = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        mesh._rlhfkit_dp_shard_cp = flat
+    return mesh["dp_replicate", "dp_shard_cp"] if dims.dp_replicate > 1 else flat

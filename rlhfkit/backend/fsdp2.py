@@ -54,7 +54,7 @@ import torch
 from torch import nn
 
 from rlhfkit.backend import checkpoint as ckpt
-from rlhfkit.backend.context_parallel import apply_cp
+from rlhfkit.backend.context_parallel import apply_cp, check_cp_model
 from rlhfkit.backend.context_parallel import fsdp_mesh as fsdp_mesh_of
 from rlhfkit.backend import dist as D
 from rlhfkit.backend.dist import DistInfo
@@ -120,6 +120,10 @@ class FSDP2Backend:
         self.parallel = parallel or ParallelDims.from_flags(dist.world_size, backend_cfg.zero_stage)
         _check_dims(self.parallel, backend_cfg, dist)
         self.mesh = None
+        if self.parallel.cp > 1:  # before any sharding: a model the ring cannot run fails here, by flag
+            check_cp_model(model, backend_cfg.ring_head_stride)
+            if not dist.has_process_group:
+                raise ValueError(f"--ring_attn_size {self.parallel.cp} needs a process group (torchrun or Ray)")
         self.device = torch.device(dist.device)
         self.param_dtype = parse_dtype(backend_cfg.param_dtype)
         self.compute_dtype = compute_dtype_for(self.param_dtype, self.device, cpu_low_precision)
