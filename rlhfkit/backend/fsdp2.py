@@ -152,6 +152,10 @@ class FSDP2Backend:
         self.context_parallel = None
         if self.parallel.cp > 1:  # ring attention: splits each sequence over the cp group (context_parallel.py)
             self.context_parallel = apply_cp(self.model, self.mesh.get_group("cp"), backend_cfg.ring_head_stride)
+            if dist.rank == 0:
+                note_once(f"note: context parallelism: ring attention over {self.parallel.cp} ranks "
+                          f"(--ring_attn_size), {backend_cfg.ring_head_stride} key/value heads per ring pass "
+                          "(--ring_head_stride)")
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler = None
         self.loss_scaler: DynamicLossScaler | None = None

@@ -20,6 +20,10 @@ Packed rows must not attend across samples. How that is ensured (`packed_mask`):
   whose code does not go through `create_causal_mask`).
 * "hf": position_ids only, whatever the attention implementation.
 
+Context parallelism (--ring_attn_size): a model the backend prepared for it carries
+`rlhfkit_context_parallel` (`CONTEXT_PARALLEL_ATTR`), and `token_logprobs` hands the call to it
+(rlhfkit.backend.context_parallel): same arguments, same result, sequences split over the ring.
+
 Memory: the model's logits `[B, L, V]` (in the model dtype) are the only full-vocabulary
 tensor; log-softmax, the gather and the entropy run in fp32 on row chunks, and the backward pass
 recomputes the softmax per chunk instead of keeping fp32 copies (`TokenLogprobFn`).
