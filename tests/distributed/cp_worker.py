@@ -10,7 +10,8 @@ share; the cp ranks of a dp rank the same rows), and rank 0 saves with torch.sav
       backward (summed over the dp ranks: that is what the optimizer steps with)
   rl / rl_packed: ActorRole.forward_logprobs of the rollout, its entropy (backend.token_logprobs), and
       the metrics and full weights after a PPO step (entropy bonus on, 4 micro-batches over the dp ranks)
-  critic: CriticRole.forward_values and a reward-model score on left-padded rows
+  critic: CriticRole.forward_values, a reward-model score on left-padded rows, and the metrics and
+      weights after a clipped value-loss step
   sft_loop: the offline loop's step metrics (loss group reductions) and eval loss
 
 `--break shift` moves the targets by one token after the split (the mistake of shifting per shard);
@@ -132,8 +133,9 @@ class Run:
                 "weights": backend.full_state_dict()}
 
     def critic(self):
-        backend = self.backend(value=True)
-        critic = CriticRole(backend, self.dist, None, None, micro_rollout_batch_size=2)
+        backend = self.backend(lr=1e-3, value=True)
+        critic = CriticRole(backend, self.dist, UpdateConfig(train_batch_size=ROWS, micro_train_batch_size=1, seed=1),
+                            value_clip=0.2, micro_rollout_batch_size=2)
         batch = self.share_batch(rollout(backend.unwrap().config.vocab_size))
         values = critic.forward_values(batch)
         left = torch.zeros_like(batch.attention_mask)  # the same rows left-padded
@@ -143,7 +145,12 @@ class Run:
             ids[i, SEQ - n:] = batch.input_ids[i, :n]
         with torch.no_grad():
             score = reward_at_last_token(backend.forward(input_ids=ids, attention_mask=left), left)
-        return {"values": self.gather_rows(values), "score": self.gather_rows(score)}
+        batch.values = values
+        batch.returns = (values + torch.linspace(-1, 1, SEQ)) * batch.loss_mask  # clipped near both ends
+        metrics = critic.train_on(batch)
+        return {"values": self.gather_rows(values), "score": self.gather_rows(score),
+                "metrics": {k: metrics[k] for k in ("value_loss", "critic_grad_norm")},
+                "weights": backend.full_state_dict()}
 
     def sft_loop(self):
         backend = self.backend()

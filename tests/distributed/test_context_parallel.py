@@ -3,8 +3,8 @@
 One process (the reference) and a ring of 2 (dp 1 x cp 2) run the same global batches through the
 FSDP2 backend and the real tasks and roles: SFT and DPO (loss and every parameter's full gradient
 after one backward), padded and packed (--packing_samples), an RL step (old log-probs, entropy,
-PPO metrics and the weights after the update, padded and packed), critic values and a left-padded
-reward score, and two steps of the SFT loop (metric reductions, eval). A 4-rank dp 2 x cp 2 run
+PPO metrics and the weights after the update, padded and packed), critic values, a left-padded
+reward score and a critic update, and two steps of the SFT loop (metric reductions, eval). A 4-rank dp 2 x cp 2 run
 must equal 2 ranks of pure data parallelism (same data shares and shuffles).
 
 Tolerance 1e-5 (absolute on gradients of size ~0.1-0.3 and on losses ~2-5; the ring adds the same
@@ -85,6 +85,7 @@ def test_ring2_equals_one_process(model_dir, reference, tmp_path):
     assert reference["rl"]["metrics"]["ppo_clip_ratio"] > 0.05
     assert abs(reference["rl"]["metrics"]["policy_loss"]) > 1e-3
     assert float(reference["rl"]["entropy"].abs().max()) > 1.0
+    assert reference["critic"]["metrics"]["value_loss"] > 1e-2
 
 
 def test_packed_equals_padded_under_ring(reference):
@@ -102,7 +103,7 @@ def test_dp2_cp2_equals_two_rank_data_parallel(model_dir, tmp_path):
         assert max_diff(dp[case], mesh[case]) < TOL, case
 
 
-@pytest.mark.parametrize("broken,cases", [("shift", ("dpo", "rl")), ("grad", ("sft_padded", "rl"))])
+@pytest.mark.parametrize("broken,cases", [("shift", ("dpo", "rl")), ("grad", ("sft_padded", "rl", "critic"))])
 def test_a_wrong_shift_or_gradient_sum_is_caught(model_dir, reference, tmp_path, broken, cases):
     _gloo()
     bad = run(2, 2, model_dir, str(tmp_path / f"{broken}.pt"), "--cases", ",".join(cases), "--break", broken)
