@@ -262,6 +262,15 @@ def check_cp_model(model: nn.Module, head_stride: int | None) -> None:
                   "the ring; attention is full causal")
 
 
+def check_cp(model: nn.Module, dims: Any, head_stride: int | None, has_process_group: bool) -> None:
+    """The backend's check before sharding: with cp > 1 the model must suit the ring and ranks must exist."""
+    if dims.cp == 1:
+        return
+    check_cp_model(model, head_stride)
+    if not has_process_group:
+        raise ValueError(f"--ring_attn_size {dims.cp} needs a process group (torchrun or Ray)")
+
+
 def apply_cp(model: nn.Module, group: Any, head_stride: int | None = None) -> ContextParallel:
     """Run `model` (an HF causal LM or rlhfkit value model, possibly FSDP2-wrapped) on the ring `group`."""
     check_cp_model(model, head_stride)
@@ -275,6 +284,9 @@ def apply_cp(model: nn.Module, group: Any, head_stride: int | None = None) -> Co
     cp = ContextParallel(group, head_stride)
     cp.wrap_forward(model)
     setattr(model, CONTEXT_PARALLEL_ATTR, cp)
+    if cp.rank == 0 and tdist.get_rank() == 0:
+        note_once(f"note: context parallelism: ring attention over {cp.world} ranks (--ring_attn_size), "
+                  f"{head_stride or 'all'} key/value heads per ring pass (--ring_head_stride)")
     return cp
 
 

@@ -3,7 +3,8 @@
     model (HF causal LM, fp32 master weights)        ParallelDims (parallel.py), from the flags
       |  one process, no process group: plain module on the device (+ autocast on CUDA)
       |  process group (torchrun / Ray): dims.build_mesh() -> fully_shard per decoder block + root
-      |  on the mesh's data-parallel dims (sharding.py)
+      |  on the mesh's data-parallel dims (sharding.py); --ring_attn_size > 1: over dp_shard x cp, then
+      |  ring attention on the model (context_parallel.py: split sequences, gathered per-token outputs)
       v
     backend.forward(...) / .token_logprobs(...) -> loss / global count -> backend.backward(loss, sync_grads)
       -> backend.optimizer_step(): global grad norm, non-finite guard (guard.py: skip / stop),
@@ -54,7 +55,7 @@ import torch
 from torch import nn
 
 from rlhfkit.backend import checkpoint as ckpt
-from rlhfkit.backend.context_parallel import apply_cp, check_cp_model
+from rlhfkit.backend.context_parallel import apply_cp, check_cp
 from rlhfkit.backend.context_parallel import fsdp_mesh as fsdp_mesh_of
 from rlhfkit.backend import dist as D
 from rlhfkit.backend.dist import DistInfo
@@ -120,10 +121,7 @@ class FSDP2Backend:
         self.parallel = parallel or ParallelDims.from_flags(dist.world_size, backend_cfg.zero_stage)
         _check_dims(self.parallel, backend_cfg, dist)
         self.mesh = None
-        if self.parallel.cp > 1:  # before any sharding: a model the ring cannot run fails here, by flag
-            check_cp_model(model, backend_cfg.ring_head_stride)
-            if not dist.has_process_group:
-                raise ValueError(f"--ring_attn_size {self.parallel.cp} needs a process group (torchrun or Ray)")
+        check_cp(model, self.parallel, backend_cfg.ring_head_stride, dist.has_process_group)  # before sharding
         self.device = torch.device(dist.device)
         self.param_dtype = parse_dtype(backend_cfg.param_dtype)
         self.compute_dtype = compute_dtype_for(self.param_dtype, self.device, cpu_low_precision)
@@ -149,13 +147,9 @@ class FSDP2Backend:
             compile_blocks(model)
         self.master: MasterWeights | None = None
         self.model = self._shard(model) if self.is_sharded else self._place(model)
-        self.context_parallel = None
-        if self.parallel.cp > 1:  # ring attention: splits each sequence over the cp group (context_parallel.py)
-            self.context_parallel = apply_cp(self.model, self.mesh.get_group("cp"), backend_cfg.ring_head_stride)
-            if dist.rank == 0:
-                note_once(f"note: context parallelism: ring attention over {self.parallel.cp} ranks "
-                          f"(--ring_attn_size), {backend_cfg.ring_head_stride} key/value heads per ring pass "
-                          "(--ring_head_stride)")
+        # ring attention (--ring_attn_size): each sequence split over the cp group (context_parallel.py)
+        self.context_parallel = (apply_cp(self.model, self.mesh.get_group("cp"), backend_cfg.ring_head_stride)
+                                 if self.parallel.cp > 1 else None)
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler = None
         self.loss_scaler: DynamicLossScaler | None = None
