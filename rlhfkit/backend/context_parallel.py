@@ -26,6 +26,10 @@ partial sums over their tokens, and FSDP2 shards over the flattened dp_shard x c
 (`fsdp_mesh`), so its reduce-scatter (a SUM, sharding.py) completes them over cp and adds the dp
 ranks. Reductions of metrics stay over dp (the loss group is the dp group; docs/parallelism.md).
 
+A mixture-of-experts router loss (--aux_loss_coef) is computed by each rank on its own tokens and
+replaced by its mean over the ring (`_ring_mean`): the load-balancing loss is not additive over tokens,
+so this approximates the whole-sequence value (exact for the language-model loss, not for this term).
+
 Limits: the per-token outputs (and, for `forward_logits` callers such as PRM and distillation, the
 full logits) are gathered on every cp rank; attention dropout, sliding windows and KV caches are
 not supported on the ring (a sliding-window config gets a note: attention is full causal). Model
@@ -198,8 +202,8 @@ class ContextParallel:
         inner = model.forward  # the bound method of the class (FSDP2's hooks run around it in __call__)
 
         def forward(*args: Any, **kwargs: Any) -> Any:
-            if RING_KWARG in kwargs:  # already split (token_logprobs below)
-                return inner(*args, **kwargs)
+            if RING_KWARG in kwargs:  # already split (token_logprobs below): local outputs
+                return self._mean_aux(inner(*args, **kwargs))
             for name, a in zip(("input_ids", "attention_mask", "position_ids"), args):
                 kwargs[name] = a
             for bad in ("labels", "inputs_embeds", "past_key_values"):
@@ -215,9 +219,21 @@ class ContextParallel:
             if isinstance(out, torch.Tensor):
                 return _own(plan.gather(out))
             out.logits = _own(plan.gather(_first(out)))
-            return out
+            return self._mean_aux(out)
 
         model.forward = forward
+
+    def _mean_aux(self, out: Any) -> Any:
+        if isinstance(getattr(out, "aux_loss", None), torch.Tensor):
+            out.aux_loss = self._ring_mean(out.aux_loss)
+        return out
+
+    def _ring_mean(self, x: torch.Tensor) -> torch.Tensor:
+        """The mean of `x` over the ring (the same value on every rank); its gradient is this rank's x / N,
+        so the ranks' parameter gradients sum to the gradient of the mean."""
+        total = x.detach().clone()
+        tdist.all_reduce(total, group=self.group)
+        return (x + (total - x.detach())) / self.world
 
     def token_logprobs(self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                        position_ids: torch.Tensor | None = None, temperature: float = 1.0,

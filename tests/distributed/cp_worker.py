@@ -13,6 +13,7 @@ share; the cp ranks of a dp rank the same rows), and rank 0 saves with torch.sav
   critic: CriticRole.forward_values, a reward-model score on left-padded rows, and the metrics and
       weights after a clipped value-loss step
   sft_loop: the offline loop's step metrics (loss group reductions) and eval loss
+  sft_aux (mixture-of-experts models, not by default): the router loss, equal on the cp ranks
 
 `--break shift` moves the targets by one token after the split (the mistake of shifting per shard);
 `--break grad` shards FSDP over dp only, so the cp ranks' partial gradients are never summed. Both
@@ -103,6 +104,22 @@ class Run:
         batch = task.collate(self.share(items(vocab, ROWS, 3)))
         count = float(self.dist.all_reduce_dp(torch.tensor(task.count(batch), dtype=torch.float64)))
         return self.loss_and_grads(task, backend, batch, count)
+
+    def sft_aux(self):
+        """A mixture-of-experts router loss (--aux_loss_coef): the same value on the cp ranks of a dp rank."""
+        from rlhfkit.models.moe import RouterAuxLoss
+
+        backend = self.backend()
+        task = SFTTask(pad_token_id=0, dist=self.dist)
+        batch = task.collate(self.share(items(backend.unwrap().config.vocab_size, ROWS, 3)))
+        with RouterAuxLoss(backend.model) as router:
+            loss, _ = task.loss(backend.model, batch, 1.0)
+        aux = router.take()
+        (loss + 0.01 * aux).backward()
+        value = float(aux.detach())
+        peer = self.dist.broadcast_replica(value)
+        assert peer == value, (self.dist.rank, peer, value)
+        return {"aux": value}
 
     def dpo(self, packing):
         backend = self.backend()
@@ -197,7 +214,7 @@ def main() -> None:
     cases = {"sft_padded": lambda: run.sft(False), "sft_packed": lambda: run.sft(True),
              "dpo": lambda: run.dpo(False), "dpo_packed": lambda: run.dpo(True),
              "rl": lambda: run.rl(False), "rl_packed": lambda: run.rl(True),
-             "critic": run.critic, "sft_loop": run.sft_loop}
+             "critic": run.critic, "sft_loop": run.sft_loop, "sft_aux": run.sft_aux}
     out = {name: cases[name]() for name in a.cases.split(",")}
     if dist.rank == 0:
         torch.save(out, a.out)
