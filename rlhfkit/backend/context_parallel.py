@@ -39,7 +39,6 @@ transformers' AttentionInterface and pass forward keywords down to it.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,12 +46,10 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
-from rlhfkit.backend.ring_attention import padded_length, ring_attention, split_for_ring, unsplit_ring
+from rlhfkit.backend.ring_attention import ring_attention, split_for_ring, unsplit_ring
 from rlhfkit.config.notes import note_once
 from rlhfkit.models.forward import CONTEXT_PARALLEL_ATTR, _predicted_positions, segment_ids, target_logprobs
 from rlhfkit.models.fused_logprobs import fusable_head, fused_target_logprobs, head_bypassed
-
-log = logging.getLogger(__name__)
 
 RING_ATTN_IMPL = "rlhfkit_ring"
 RING_KWARG = "rlhfkit_ring"
@@ -270,7 +267,7 @@ def check_cp_model(model: nn.Module, head_stride: int | None) -> None:
     if mtype not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"--ring_attn_size: model type {mtype!r} is not supported by ring attention "
                          f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
-    kv = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads")
+    kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     if head_stride is not None and (head_stride < 1 or kv % head_stride):
         raise ValueError(f"--ring_head_stride {head_stride} must divide the model's key/value heads ({kv})")
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
