@@ -14,7 +14,7 @@ switched to "rlhfkit_ring" (registered in transformers' AttentionInterface; its 
 None: the ring builds its mask from global positions and cu_seqlens), `model.forward` is wrapped to
 split and gather as above, and `model.rlhfkit_context_parallel` is set, which
 `rlhfkit.models.forward.token_logprobs` looks for: the log-prob path computes the per-token
-log-probs on the local tokens (fused lm_head when possible) and gathers only those `[T]` floats.
+log-probs on the local tokens and gathers only those `[T]` floats.
 The next-token targets are taken on the full packed row *before* the split (the label of a shard's
 last token lives on the next shard); the shift back to `logprobs[:, t] = log p(ids[t] | ids[:t])`
 is done after the gather, and sample starts / padding are zeroed as without context parallelism.
@@ -49,7 +49,6 @@ from torch import nn
 from rlhfkit.backend.ring_attention import ring_attention, split_for_ring, unsplit_ring
 from rlhfkit.config.notes import note_once
 from rlhfkit.models.forward import CONTEXT_PARALLEL_ATTR, _predicted_positions, segment_ids, target_logprobs
-from rlhfkit.models.fused_logprobs import fusable_head, fused_target_logprobs, head_bypassed
 
 RING_ATTN_IMPL = "rlhfkit_ring"
 RING_KWARG = "rlhfkit_ring"
@@ -242,14 +241,9 @@ class ContextParallel:
         plan = self.plan(input_ids, attention_mask, position_ids)
         targets = next_token_targets(plan)
         kw = {"input_ids": plan.local_ids, "position_ids": plan.local_pos, "use_cache": False, RING_KWARG: plan.call}
-        head = fusable_head(model) if fused else None
-        if head is not None:
-            with head_bypassed(model) as tap:
-                hidden = _first(model(**kw))
-            hidden = hidden.to(tap.dtype or hidden.dtype)[0]
-            lp, ent = fused_target_logprobs(hidden, head.weight, targets, temperature, return_entropy, chunk_size)
-        else:
-            lp, ent = target_logprobs(_first(model(**kw))[0], targets, temperature, return_entropy, chunk_size)
+        # (`fused` is accepted for the same signature: the fused lm_head path never applies here, as
+        # context parallelism implies FSDP2, whose sharded head `fusable_head` declines)
+        lp, ent = target_logprobs(_first(model(**kw))[0], targets, temperature, return_entropy, chunk_size)
         keep = _predicted_positions(input_ids, attention_mask, position_ids)
 
         def full(x: torch.Tensor) -> torch.Tensor:

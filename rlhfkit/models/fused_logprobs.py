@@ -154,20 +154,14 @@ def fused_shifted_logprobs(hidden: torch.Tensor, weight: torch.Tensor, input_ids
                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Like `logprobs_from_logits` but from hidden states `[B, L, H]` and the head weight `[V, H]`."""
     b, length, hdim = hidden.shape
+    vocab = weight.shape[0]
+    compiled = use_compiled_chunks(hidden)
+    chunk = chunk_size or max(1, CHUNK_BYTES // ((hidden.element_size() if compiled else 4) * vocab))
     targets = torch.roll(input_ids, shifts=-1, dims=1).reshape(-1)
-    lp, ent = fused_target_logprobs(hidden.reshape(b * length, hdim), weight, targets, temperature,
-                                    return_entropy, chunk_size)
+    lp, ent = FusedLinearLogprobFn.apply(hidden.reshape(b * length, hdim), weight, targets, float(temperature),
+                                         chunk, return_entropy, compiled)
     zero = lp.new_zeros(b, 1)
     lp = torch.cat([zero, lp.view(b, length)[:, :-1]], dim=1)
     if not return_entropy:
         return lp, None
     return lp, torch.cat([zero, ent.view(b, length)[:, :-1]], dim=1)
-
-
-def fused_target_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
-                          return_entropy: bool, chunk_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`[N]` log-probs of `targets` `[N]` (and entropy, `[0]` when not asked) from hidden rows `[N, H]`:
-    no shift (context parallelism shifts on the full sequence before splitting it)."""
-    compiled = use_compiled_chunks(hidden)
-    chunk = chunk_size or max(1, CHUNK_BYTES // ((hidden.element_size() if compiled else 4) * weight.shape[0]))
-    return FusedLinearLogprobFn.apply(hidden, weight, targets, float(temperature), chunk, return_entropy, compiled)
