@@ -35,8 +35,8 @@ removed KTO, PRM, KD, batch_inference, interactive_chat and the loops in v0.9.6,
 | train_reinforce_llama_ray_hybrid_engine.sh | REINFORCE++ with a reward model | ran | - |
 | train_gspo_ray_hybrid_engine.sh | GSPO loss, group_norm, no reference | ran | - |
 | train_dapo_ray_hybrid_engine.sh | GRPO + clip-higher + dynamic sampling | ran | ran |
-| train_reinforce_baseline_hybrid_engine.sh | REINFORCE++-baseline, agent file (flat: --fsdp2_enable_sleep) | ran | ran (dotted: async script minus async) |
-| train_reinforce_baseline_ray_agent_async.sh | --async_train with colocation (dotted: + --partial_rollout) | ran | ran |
+| train_reinforce_baseline_hybrid_engine.sh | REINFORCE++-baseline, agent file, --ring_attn_size 2 (flat: --fsdp2_enable_sleep) | ran | ran (dotted: async script minus async) |
+| train_reinforce_baseline_ray_agent_async.sh | --async_train with colocation, --ring_attn_size 2 (dotted: + --partial_rollout) | ran | ran |
 | train_reinforce_baseline_ray_agent_multiturn.sh | multi-turn agent (rlhfkit's example agent) | ran | ran (table rename) |
 | train_prorlv2_math_hybrid_engine.sh | math_reward_func, eval, ICEPOP, penalties | ran | ran |
 
