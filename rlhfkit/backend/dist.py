@@ -20,9 +20,11 @@ Reductions of data (losses, token and sample counts, metrics, whitening statisti
     dist.all_reduce_dp(x)     over the data-parallel ranks (dp_replicate x dp_shard): quantities
                               of whole rows (samples, rewards, full-row token counts); the tp and
                               cp ranks of one dp rank hold the same rows and are left out
-    dist.all_reduce_loss(x)   over dp x cp: quantities computed from the model's output on this
-                              rank's tokens (loss values, per-token metric means); under context
-                              parallelism each cp rank holds a part of every row's tokens
+    dist.all_reduce_loss(x)   over the loss group: quantities computed from the model's output
+                              (loss values, per-token metric means). It is the dp group: under
+                              context parallelism the backend gathers the per-token outputs over
+                              the ring (backend/context_parallel.py), so every cp rank computes the
+                              whole loss of its dp rank's rows
     dist.all_reduce_world(x)  over every rank: control-flow decisions (e.g. the number of
                               micro-batches, skip a step), which must agree on all ranks
     dist.broadcast_replica(o) from the first rank of this dp rank's tp x cp group to the others

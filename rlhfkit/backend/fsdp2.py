@@ -3,7 +3,9 @@
     model (HF causal LM, fp32 master weights)        ParallelDims (parallel.py), from the flags
       |  one process, no process group: plain module on the device (+ autocast on CUDA)
       |  process group (torchrun / Ray): dims.build_mesh() -> (tp > 1: apply_tp, tensor_parallel.py)
-      |  -> fully_shard per decoder block + root on the mesh's data-parallel dims (sharding.py)
+      |  -> fully_shard per decoder block + root on the mesh's data-parallel dims (sharding.py);
+      |  --ring_attn_size > 1: over dp_shard x cp, then ring attention on the model
+      |  (context_parallel.py: split sequences, gathered per-token outputs)
       v
     backend.forward(...) / .token_logprobs(...) -> loss / global count -> backend.backward(loss, sync_grads)
       -> backend.optimizer_step(): global grad norm, non-finite guard (guard.py: skip / stop),
@@ -54,6 +56,8 @@ import torch
 from torch import nn
 
 from rlhfkit.backend import checkpoint as ckpt
+from rlhfkit.backend.context_parallel import apply_cp, check_cp
+from rlhfkit.backend.context_parallel import fsdp_mesh as fsdp_mesh_of
 from rlhfkit.backend import dist as D
 from rlhfkit.backend.dist import DistInfo
 from rlhfkit.backend.ema import EMAWeights
@@ -94,7 +98,7 @@ def _validate(cfg: BackendConfig) -> None:
 
 
 def _check_dims(dims: ParallelDims, cfg: BackendConfig, dist: DistInfo) -> None:
-    """The mesh handed in must fit this process group and --zero_stage; cp is not implemented."""
+    """The mesh handed in must fit this process group and --zero_stage."""
     if dims.world_size != dist.world_size:
         raise ValueError(f"ParallelDims was built for world size {dims.world_size}, "
                          f"but this process group has {dist.world_size} ranks")
@@ -120,6 +124,7 @@ class FSDP2Backend:
         self.cfg, self.optim_cfg, self.dist = backend_cfg, optim_cfg, dist
         self.parallel = parallel or ParallelDims.from_flags(dist.world_size, backend_cfg.zero_stage)
         _check_dims(self.parallel, backend_cfg, dist)
+        check_cp(model, self.parallel, backend_cfg.ring_head_stride, dist.has_process_group)  # before sharding
         self.device = torch.device(dist.device)
         self.param_dtype = parse_dtype(backend_cfg.param_dtype)
         self.compute_dtype = compute_dtype_for(self.param_dtype, self.device, cpu_low_precision)
@@ -148,6 +153,9 @@ class FSDP2Backend:
             compile_blocks(model, backend_cfg.compile_dynamic)
         self.master: MasterWeights | None = None
         self.model = self._shard(model) if self.is_sharded else self._place(model)
+        # ring attention (--ring_attn_size): each sequence split over the cp group (context_parallel.py)
+        self.context_parallel = (apply_cp(self.model, self.mesh.get_group("cp"), backend_cfg.ring_head_stride)
+                                 if self.parallel.cp > 1 else None)
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler = None
         self.loss_scaler: DynamicLossScaler | None = None
@@ -190,11 +198,12 @@ class FSDP2Backend:
         mp = MixedPrecisionPolicy(param_dtype=low if self.trainable else None,
                                   reduce_dtype=torch.float32)
         offload = CPUOffloadPolicy(pin_memory=True) if self.cpu_offload else None
-        apply_fsdp2(model, self.mesh[self.parallel.fsdp_dim_names], self.cfg.zero_stage, mp, offload)
+        fsdp_mesh = fsdp_mesh_of(self.mesh, self.parallel)  # dp dims, with cp folded into dp_shard
+        apply_fsdp2(model, fsdp_mesh, self.cfg.zero_stage, mp, offload)
         if offload is None:
             model.to(self.device)  # buffers not managed by FSDP (e.g. rotary tables)
         if not sum_gradients_by_loss_scale(model):
-            self._loss_multiplier = float(self.parallel.dp)
+            self._loss_multiplier = float(fsdp_mesh.size())
         return model
 
     # ------------------------------------------------------------------ training

@@ -6,7 +6,8 @@
     ParallelDims(dp_replicate, dp_shard, cp, tp, world_size)
       |  .build_mesh(device_type)            one named DeviceMesh, outer to inner:
       v                                      ("dp_replicate", "dp_shard", "cp", "tp")
-    FSDP2Backend: mesh[dims.fsdp_dim_names] -> fully_shard (apply_tp / apply_cp slot in before it)
+    FSDP2Backend: mesh[dims.fsdp_dim_names] -> fully_shard (with cp > 1 over dp_shard x cp flattened,
+                  then apply_cp installs ring attention: context_parallel.py)
 
 Data parallelism has two parts: `dp_shard` ranks shard parameters, gradients and optimizer
 states (FSDP, `--zero_stage` 1-3); `dp_replicate` ranks hold replicas of that sharded group
@@ -16,7 +17,8 @@ dimensions (size 1 when unused), so later features take their sub-mesh by name.
 
 `attach_mesh(dist, dims)` builds that mesh once per process and gives `DistInfo` its process
 groups (`dist.MeshGroups`): dp (replicate x shard, the ranks that see different data), loss
-(dp x cp), tp, cp, and the replica group (tp x cp: the ranks sharing one dp rank's rows). Ranks
+(the dp group: the cp ranks gather their per-token outputs, so each computes the whole loss), tp,
+cp, and the replica group (tp x cp: the ranks sharing one dp rank's rows). Ranks
 lie in the mesh row-major, outer to inner, so dp_rank = rank // (cp x tp). With tp = cp = 1 the
 dp and loss groups stay `None` (the default group): no new process group, no change in speed.
 
@@ -100,9 +102,11 @@ class ParallelDims:
         return tuple(getattr(self, name) for name in MESH_DIM_NAMES)
 
     def check_supported(self) -> None:
-        """Raise for the dimensions no backend implements yet (context parallelism)."""
-        if self.cp > 1:
-            raise ValueError(f"--ring_attn_size {self.cp}: context parallelism (ring attention) is not supported yet")
+        """Raise for the combinations no backend implements yet: tensor and context parallelism together
+        (each works alone; the ring's gathered outputs are not vocabulary-parallel)."""
+        if self.tp > 1 and self.cp > 1:
+            raise ValueError(f"--ds_tensor_parallel_size {self.tp} with --ring_attn_size {self.cp}: tensor and "
+                             "context parallelism together are not supported yet; use one of them")
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """The named mesh over all ranks (needs the default process group)."""
@@ -146,8 +150,9 @@ def attach_mesh(dist: DistInfo, dims: ParallelDims) -> DistInfo:
     if dims.tp * dims.cp > 1:  # otherwise dp = loss = the world: the default group
         groups["dp_group"] = _subgroup([[grid[r][s][ci][ti] for r, s in cells]
                                         for ci in range(dims.cp) for ti in range(dims.tp)])
-        groups["loss_group"] = groups["dp_group"] if dims.cp == 1 else _subgroup(
-            [[grid[r][s][ci][ti] for r, s in cells for ci in range(dims.cp)] for ti in range(dims.tp)])
+        # context parallelism gathers per-token outputs over the ring (context_parallel.py): every cp
+        # rank computes the whole loss, so the loss group is the dp group
+        groups["loss_group"] = groups["dp_group"]
         groups["replica_group"] = _subgroup([[grid[r][s][ci][ti] for ci in range(dims.cp) for ti in range(dims.tp)]
                                              for r, s in cells])
     if dims.tp > 1:
@@ -156,7 +161,7 @@ def attach_mesh(dist: DistInfo, dims: ParallelDims) -> DistInfo:
         groups["cp_group"] = mesh.get_group("cp")
     dp_rank = rep * dims.dp_shard + shard
     info = MeshGroups(dims=dims, device_mesh=mesh, dp_rank=dp_rank, dp_size=dims.dp,
-                      loss_rank=dp_rank * dims.cp + c, loss_size=dims.dp * dims.cp, tp_rank=t, tp_size=dims.tp,
+                      loss_rank=dp_rank, loss_size=dims.dp, tp_rank=t, tp_size=dims.tp,
                       cp_rank=c, cp_size=dims.cp, replica_size=dims.tp * dims.cp, replica_src=grid[rep][shard][0][0],
                       **groups)
     return replace(dist, mesh=info)

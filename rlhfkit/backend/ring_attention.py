@@ -52,10 +52,10 @@ Block attention is plain torch math in fp32 (CPU/gloo and CUDA/NCCL alike); inpu
 the output in the input's dtype, log-sum-exp and dK/dV accumulators in fp32 (float64 inputs are
 computed in float64 throughout, which lets `torch.autograd.gradcheck` check the backward).
 
-Not here yet: hooking this into rlhfkit's models and trainers (tests/distributed/ring_attention_hf_worker.py
-shows the transformers `AttentionInterface` hook and how ids, position ids and shifted labels are
-split), the `--ring_attn_size` / `--ring_head_stride` flags (still refused) and a flash-kernel block
-on CUDA. The CUDA/NCCL path has not yet run on a GPU.
+The models and trainers use it through backend/context_parallel.py (`--ring_attn_size`,
+`--ring_head_stride`): the FSDP2 backend installs it as a transformers attention function and splits
+every batch (always in the packed form). Not here yet: a flash-kernel block on CUDA; the CUDA/NCCL
+path has not yet run on a GPU.
 """
 
 from __future__ import annotations

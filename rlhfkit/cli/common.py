@@ -177,8 +177,10 @@ def parallel_dims(args: argparse.Namespace, dist: DistInfo) -> ParallelDims:
 def check_backend_flags(args: argparse.Namespace) -> None:
     """Refuse parallelism we do not implement. (DeepSpeed-only flags are declared `inert` in
     rlhfkit.config.flags: parsing prints a note for each one set.)"""
-    if getattr(args, "ring_attn_size", 1) > 1:
-        raise UsageError("--ring_attn_size > 1 (ring attention / context parallelism) is not supported yet")
+    if getattr(args, "ring_attn_size", 1) < 1:
+        raise UsageError(f"--ring_attn_size must be >= 1, got {args.ring_attn_size}")
+    if getattr(args, "ring_head_stride", 1) < 1:
+        raise UsageError(f"--ring_head_stride must be >= 1, got {args.ring_head_stride}")
     if getattr(args, "ds_tensor_parallel_size", 1) < 1:
         raise UsageError(f"--ds_tensor_parallel_size must be >= 1, got {args.ds_tensor_parallel_size}")
     if getattr(args, "backend", "fsdp2") != "fsdp2":

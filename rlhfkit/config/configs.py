@@ -83,6 +83,8 @@ class BackendConfig:
     # EMA of the trainable weights (--enable_ema --ema_beta; the policy only): None is off. Not named
     # after a flag, so `from_args` never turns it on for a critic or reference model.
     ema_decay: float | None = None
+    # --ring_head_stride: key/value heads that go round the ring together (with --ring_attn_size > 1)
+    ring_head_stride: int = 1
 
 
 @dataclass

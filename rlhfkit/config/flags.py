@@ -207,10 +207,11 @@ def add_backend_flags(p: FlagParser) -> None:
         p.flag("--packing_samples", "--ds.packing_samples", action="store_true",
                help="pack several samples into one row without padding (attention kept within each sample)")
         p.flag("--ring_attn_size", "--ds.ring_attn_size", type=int, default=1,
-               help="ranks of one ring-attention (context-parallel) group; only 1 is supported")
+               help="context parallelism: each sequence is split over this many ranks, whose attention "
+                    "passes key/value blocks round a ring (must divide the world size; 1: off)")
         p.flag("--ring_head_stride", "--ds.ring_attn_head_stride", type=int, default=1,
-               help="OpenRLHF: attention heads per ring-attention step",
-               inert="ring attention is not supported (--ring_attn_size must be 1)")
+               help="key/value heads that go round the ring together with --ring_attn_size > 1 (must divide "
+                    "the model's key/value heads; larger: fewer, bigger ring passes)")
         p.flag("--ds_tensor_parallel_size", "--ds.tensor_parallel_size", type=int, default=1,
                help="tensor-parallel training size: attention heads, MLP and vocabulary split over this many "
                     "ranks (Llama, Qwen2/3, Mistral), FSDP over the rest of the world")

@@ -20,6 +20,10 @@ Packed rows must not attend across samples. How that is ensured (`packed_mask`):
   whose code does not go through `create_causal_mask`).
 * "hf": position_ids only, whatever the attention implementation.
 
+Context parallelism (--ring_attn_size): a model the backend prepared for it carries
+`rlhfkit_context_parallel` (`CONTEXT_PARALLEL_ATTR`), and `token_logprobs` hands the call to it
+(rlhfkit.backend.context_parallel): same arguments, same result, sequences split over the ring.
+
 Memory: the model's logits `[B, L, V]` (in the model dtype) are the only full-vocabulary
 tensor; log-softmax, the gather and the entropy run in fp32 on row chunks, and the backward pass
 recomputes the softmax per chunk instead of keeping fp32 copies (`TokenLogprobFn`). Under tensor
@@ -38,6 +42,8 @@ from rlhfkit.models.fused_logprobs import fusable_head, fused_shifted_logprobs, 
 from rlhfkit.models.vocab_parallel import vocab_parallel_logprobs, vocab_sharded
 
 PACKED_MASK_MODES = ("auto", "block", "hf")
+# a model trained with context parallelism carries its splitter under this attribute (set by the backend)
+CONTEXT_PARALLEL_ATTR = "rlhfkit_context_parallel"
 DEFAULT_CHUNK_BYTES = 1 << 28  # fp32 bytes of one chunk of rows x vocabulary
 
 
@@ -114,17 +120,24 @@ def logprobs_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, temperat
     `log p(input_ids[:, t] | input_ids[:, :t])`. Start-of-sample and padding positions are not
     zeroed here (see `token_logprobs`).
     """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be positive, got {temperature}")
     b, length, vocab = logits.shape
     targets = torch.roll(input_ids, shifts=-1, dims=1).reshape(-1)  # last column: unused
-    lp, ent = TokenLogprobFn.apply(logits.reshape(b * length, vocab), targets, float(temperature),
-                                   _chunk_rows(vocab, chunk_size), return_entropy)
+    lp, ent = target_logprobs(logits.reshape(b * length, vocab), targets, temperature, return_entropy, chunk_size)
     zero = lp.new_zeros(b, 1)
     lp = torch.cat([zero, lp.view(b, length)[:, :-1]], dim=1)
     if not return_entropy:
         return lp, None
     return lp, torch.cat([zero, ent.view(b, length)[:, :-1]], dim=1)
+
+
+def target_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                    return_entropy: bool = False, chunk_size: int | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[N]` log-probs of `targets` `[N]` under logits `[N, V]` (and entropy, `[0]` when not asked), no shift."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    return TokenLogprobFn.apply(logits, targets, float(temperature), _chunk_rows(logits.shape[-1], chunk_size),
+                                return_entropy)
 
 
 # ----------------------------------------------------------------------------- model call
@@ -223,6 +236,11 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     Returns:
         logprobs, or (logprobs, entropy); 0 at sample starts and padding.
     """
+    cp = getattr(model, CONTEXT_PARALLEL_ATTR, None)
+    if cp is not None:  # split over the ring, shifted on the full sequence, gathered back (backend/context_parallel.py)
+        return cp.token_logprobs(model, input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                 temperature=temperature, return_entropy=return_entropy, chunk_size=chunk_size,
+                                 fused=fused)
     head = fusable_head(model) if fused else None
     if head is not None:
         with head_bypassed(model) as tap:

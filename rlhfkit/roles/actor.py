@@ -144,9 +144,10 @@ def average(records: list[dict[str, float]]) -> dict[str, float]:
 
 
 def reduce_over_ranks(metrics: dict[str, float], sum_keys: tuple[str, ...], dist: DistInfo) -> dict[str, float]:
-    """This rank's metrics -> the global ones, over the loss group (dp x cp: each of its ranks
-    computed them from its own tokens): `sum_keys` (losses already divided by a global count, so
-    each rank holds a part) are summed, the others (local means) averaged."""
+    """This rank's metrics -> the global ones, over the loss group (the dp group: each of its ranks
+    computed them from its own rows; cp ranks gather their outputs, docs/parallelism.md): `sum_keys`
+    (losses already divided by a global count, so each rank holds a part) are summed, the others
+    (local means) averaged."""
     size = dist.loss_size
     if size == 1:
         return metrics

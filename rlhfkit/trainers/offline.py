@@ -16,8 +16,9 @@ loss; the loop owns batching, gradient accumulation, logging, evaluation and che
 
 Dividing every micro-batch loss by the *global* count makes the update independent of
 micro-batching and of the number of ranks. The step's metrics (already divided by that count)
-are summed over dp, or over dp x cp for a task whose loss is a sum over tokens
-(`TOKEN_ADDITIVE`: under context parallelism each cp rank holds a part of it).
+are summed over dp: over the loss group for a task whose loss is a sum over tokens
+(`TOKEN_ADDITIVE`), which is the dp group, as the cp ranks of context parallelism gather their
+per-token outputs and each compute the whole loss (backend/context_parallel.py).
 """
 
 from __future__ import annotations

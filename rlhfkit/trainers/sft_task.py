@@ -26,8 +26,8 @@ class SFTTask:
     packing: bool = False
     device: torch.device | str = "cpu"
     dist: DistInfo = field(default_factory=DistInfo)  # whose dp group reduces the metrics
-    # its loss is a sum over tokens: under context parallelism each cp rank holds a part, so the
-    # loop sums its training metrics over dp x cp (sample-level losses: over dp)
+    # its loss is a sum over tokens: the loop sums its training metrics over the loss group (the dp
+    # group; docs/parallelism.md)
     TOKEN_ADDITIVE = True
 
     def collate(self, items: Sequence[Any]) -> Batch:

@@ -139,8 +139,9 @@ def test_unknown_flag_fails_with_suggestion(tiny_model_dir):
     assert r.returncode == 2 and "did you mean --micro_train_batch_size" in r.stderr
 
 
-def test_unsupported_parallelism_is_refused_by_name(tiny_model_dir, qa, tmp_path):
+def test_a_ring_larger_than_the_world_is_refused_by_name(tiny_model_dir, qa, tmp_path):
     r = subprocess.run([sys.executable, "-m", "rlhfkit.cli.train_sft",
                         *sft_args(tiny_model_dir, qa[0], str(tmp_path / "o")), "--ring_attn_size", "2"],
                        capture_output=True, text=True, timeout=120)
-    assert r.returncode == 1 and "--ring_attn_size" in r.stderr
+    assert r.returncode == 1 and "must be divisible by" in r.stderr and "--ring_attn_size (2)" in r.stderr
+    assert "Traceback" not in r.stderr

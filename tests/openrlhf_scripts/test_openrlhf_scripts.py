@@ -35,8 +35,8 @@ removed KTO, PRM, KD, batch_inference, interactive_chat and the loops in v0.9.6,
 | train_reinforce_llama_ray_hybrid_engine.sh | REINFORCE++ with a reward model | ran | - |
 | train_gspo_ray_hybrid_engine.sh | GSPO loss, group_norm, no reference | ran | - |
 | train_dapo_ray_hybrid_engine.sh | GRPO + clip-higher + dynamic sampling | ran | ran |
-| train_reinforce_baseline_hybrid_engine.sh | REINFORCE++-baseline, agent file (flat: --fsdp2_enable_sleep) | ran | ran (dotted: async script minus async) |
-| train_reinforce_baseline_ray_agent_async.sh | --async_train with colocation (dotted: + --partial_rollout) | ran | ran |
+| train_reinforce_baseline_hybrid_engine.sh | REINFORCE++-baseline, agent file, --ring_attn_size 2 (flat: --fsdp2_enable_sleep) | ran | ran (dotted: async script minus async) |
+| train_reinforce_baseline_ray_agent_async.sh | --async_train with colocation, --ring_attn_size 2 (dotted: + --partial_rollout) | ran | ran |
 | train_reinforce_baseline_ray_agent_multiturn.sh | multi-turn agent (rlhfkit's example agent) | ran | ran (table rename) |
 | train_prorlv2_math_hybrid_engine.sh | math_reward_func, eval, ICEPOP, penalties | ran | ran |
 
@@ -47,7 +47,7 @@ Left out (they need what a CPU cannot give, or are not OpenRLHF training scripts
 | train_sft_jamba_qlora.sh, any --load_in_4bit | QLoRA 4-bit: bitsandbytes CUDA kernels |
 | train_sft_jamba_lora.sh | Jamba (Mamba layers): CUDA kernels (mamba-ssm / causal-conv1d) |
 | train_vlm_math_hybrid_engine.sh | vision-language model (issue scope: VLM) |
-| train_sft_llama_ring_attn.sh, train_dpo_ring_llama.sh, train_ppo_llama_ray_ring.sh | ring attention is their point (--ring_attn_size > 1): issue 17 |
+| train_sft_llama_ring_attn.sh, train_dpo_ring_llama.sh, train_ppo_llama_ray_ring.sh | not copied yet; ring attention (--ring_attn_size 2) runs in the reinforce_baseline scripts above and in tests/distributed/test_context_parallel*.py |
 | train_sft_llama_tensor_parallelism.sh, train_ppo_llama_ray_tensor_parallelism.sh | DeepSpeed AutoTP training (--ds_tensor_parallel_size > 1): issue 17 |
 | ckpt_ds_zero_to_universal.sh, test_sft_deepspeed.sh, compare_backends.sh | DeepSpeed checkpoint / backend tooling |
 | install_flash_attn.sh, upgrade_flash_attn.sh, nvidia_docker_install.sh, docker_run.sh | installs flash-attn / CUDA docker |
@@ -59,8 +59,10 @@ Left out (they need what a CPU cannot give, or are not OpenRLHF training scripts
 Spelling: "table rename" marks a dotted copy written from the flat script with OpenRLHF's flat ->
 dotted table (reference §2.8) where no dotted version of that script was found; every other dotted
 copy follows OpenRLHF's own dotted script. In scripts whose GPU counts went to 1, parallel degrees
-went down with them (vLLM tensor parallel 2 -> 1; the async / agent scripts' --ring_attn_size 2 -> 1:
-a ring of one worker), each marked on its line.
+went down with them (vLLM tensor parallel 2 -> 1), each marked on its line. The reinforce_baseline
+hybrid-engine and async scripts keep their --ring_attn_size 2 (and --ring_head_stride 2) as written: they run
+2 CPU workers for the actor and the reference (a ring of 2 each) and one engine of tensor parallel 2, and
+the test checks from their log that the ring ran.
 
 Ray: the Ray cases of one test process share one Ray head (`ray start --block`,
 started on first use and stopped at the end), so Ray starts once per xdist worker.
@@ -90,6 +92,7 @@ pytestmark = pytest.mark.slow
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 OFFLINE_TIMEOUT_S = 240
+RING_NOTE = "ring attention over 2 ranks"  # printed by the backend with --ring_attn_size 2
 RAY_TIMEOUT_S = 300
 
 
@@ -99,6 +102,7 @@ class Case:
     outputs: list[str]  # paths under $OUT that must exist afterwards
     ray: bool = False
     env: dict[str, str] = field(default_factory=dict)
+    ring: bool = False  # --ring_attn_size 2 as written: the log must show the ring
 
     @property
     def id(self) -> str:
@@ -132,9 +136,10 @@ def _cases() -> list[Case]:
         ("train_reinforce_baseline_ray_agent_multiturn", [f"{ck}/llama3-8b-rlhf-rf_baseline/config.json"]),
         ("train_prorlv2_math_hybrid_engine", ["exp/DeepSeek-R1-Qwen-1.5B-PRORLV2/config.json"]),
     ]
-    cases += [Case(f"{sp}/{name}.sh", out, ray=True) for sp in ("flat", "dotted") for name, out in ray_both]
+    cases += [Case(f"{sp}/{name}.sh", out, ray=True, ring=name == "train_reinforce_baseline_hybrid_engine")
+              for sp in ("flat", "dotted") for name, out in ray_both]
     cases += [Case(f"{sp}/train_reinforce_baseline_ray_agent_async.sh", ["exp/Qwen3-4B-Thinking/config.json"],
-                   ray=True) for sp in ("flat", "dotted")]
+                   ray=True, ring=True) for sp in ("flat", "dotted")]
     cases += [Case(f"flat/{name}.sh", out, ray=True) for name, out in [
         ("train_ppo_llama_ray", [f"{ck}/llama3-8b-rlhf/config.json"]),
         ("train_reinforce_llama_ray_hybrid_engine", ["final/llama3-8b-rlhf/config.json"]),
@@ -267,6 +272,8 @@ def test_script(case: Case, assets, ray_head, tmp_path):
         extra["RAY_ADDRESS"] = ray_head().address
     res = run_script(case.script, out, script_env(assets, out, extra), RAY_TIMEOUT_S if case.ray else OFFLINE_TIMEOUT_S)
     assert_ran(res, out, case.outputs)
+    if case.ring:
+        assert RING_NOTE in res.stdout, f"{case.script}: no ring attention in the log"
 
 
 @pytest.mark.parametrize("spelling", ["flat", "dotted"])

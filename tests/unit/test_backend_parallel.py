@@ -48,7 +48,7 @@ def backend(parallel: ParallelDims, world_size: int, zero_stage: int = 3) -> FSD
 def test_backend_refuses_what_it_cannot_do():
     with pytest.raises(ValueError, match="--ds_tensor_parallel_size 2 needs a process group"):
         backend(ParallelDims.from_flags(2, 3, tensor_parallel_size=2), 2)
-    with pytest.raises(ValueError, match="--ring_attn_size 2: context parallelism .* not supported yet"):
+    with pytest.raises(ValueError, match="--ring_attn_size: model type None is not supported by ring attention"):
         backend(ParallelDims.from_flags(4, 3, ring_attn_size=2), 4)
     with pytest.raises(ValueError, match="built for world size 4, but this process group has 2 ranks"):
         backend(ParallelDims.from_flags(4, 3), 2)

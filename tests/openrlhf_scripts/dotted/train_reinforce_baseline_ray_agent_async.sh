@@ -2,8 +2,8 @@
 # rlhfkit's copy of OpenRLHF examples/scripts/train_reinforce_baseline_ray_agent_async.sh (dotted flags,
 # OpenRLHF after ed62d0e2): REINFORCE++-baseline with an agent file, dynamic filtering and dynamic batches,
 # generating while training (--train.async_enable) with partial rollouts and the training models colocated.
-# Adapted as a user would for one CPU: module renamed, tiny model/data, 1 CPU worker, sizes cut; each changed
-# line says so. Reads MODEL, AGENT_FUNC, DATA, OUT from the environment.
+# Adapted as a user would for a CPU: module renamed, tiny model/data, 2 CPU workers (a ring of 2), sizes
+# cut; each changed line says so. Reads MODEL, AGENT_FUNC, DATA, OUT from the environment.
 
 SCRIPT_DIR="$(dirname "$0")"
 WORK_DIR=$(cd "$SCRIPT_DIR/../../.." && pwd)          # changed: ../.. -> ../../.. (this copy lives in tests/openrlhf_scripts/dotted)
@@ -68,11 +68,11 @@ ENGINE_ARGS=(
    --train.partial_rollout_enable
 
    --ref.num_nodes 1
-   --ref.num_gpus_per_node 1                          # changed: 4 GPUs -> 1 CPU worker
+   --ref.num_gpus_per_node 2                          # changed: 4 GPUs -> 2 CPU workers
    --actor.num_nodes 1
-   --actor.num_gpus_per_node 1                        # changed: 4 -> 1
+   --actor.num_gpus_per_node 2                        # changed: 4 -> 2
    --vllm.num_engines 1                               # changed: 2 -> 1 (actor workers = engines x TP)
-   --vllm.tensor_parallel_size 1                      # changed: 2 -> 1
+   --vllm.tensor_parallel_size 2
    --vllm.gpu_memory_utilization 0.95
    --train.colocate_all
    --ds.enable_sleep
@@ -82,8 +82,7 @@ ENGINE_ARGS=(
    --ds.zero_stage 3
    --actor.gradient_checkpointing_enable
    # --ds.adam_offload
-   --ds.ring_attn_size 1                              # changed: 2 -> 1 (a ring of one worker: no ring attention,
-                                                      #   which needs GPUs; the GPU counts above went to 1)
+   --ds.ring_attn_size 2
    --ds.ring_attn_head_stride 2
    --ds.param_dtype bf16
 )

@@ -1,8 +1,9 @@
 #!/bin/bash
 # rlhfkit's copy of OpenRLHF examples/scripts/train_reinforce_baseline_hybrid_engine.sh (flat flags, OpenRLHF
 # 0b08e353, its FSDP2-era version: --fsdp2_enable_sleep, no --zero_stage): REINFORCE++-baseline with an agent
-# file, dynamic filtering and dynamic batches on the hybrid engine. Adapted as a user would for one CPU: module renamed, tiny model/data, 1 CPU worker, sizes cut; each
-# changed line says so. Reads MODEL, AGENT_FUNC, DATA, OUT from the environment.
+# file, dynamic filtering and dynamic batches on the hybrid engine. Adapted as a user would for a CPU: module
+# renamed, tiny model/data, 2 CPU workers (a ring of 2), sizes cut; each changed line says so. Reads MODEL,
+# AGENT_FUNC, DATA, OUT from the environment.
 
 SCRIPT_DIR="$(dirname "$0")"
 WORK_DIR=$(cd "$SCRIPT_DIR/../../.." && pwd)          # changed: ../.. -> ../../.. (this copy lives in tests/openrlhf_scripts/flat)
@@ -64,19 +65,18 @@ ROLLOUT_ARGS=(
 
 ENGINE_ARGS=(
    --ref_num_nodes 1
-   --ref_num_gpus_per_node 1                          # changed: 4 GPUs -> 1 CPU worker
+   --ref_num_gpus_per_node 2                          # changed: 4 GPUs -> 2 CPU workers
    --actor_num_nodes 1
-   --actor_num_gpus_per_node 1                        # changed: 4 -> 1
+   --actor_num_gpus_per_node 2                        # changed: 4 -> 2
    --vllm_num_engines 1                               # changed: 2 -> 1 (actor workers = engines x TP)
-   --vllm_tensor_parallel_size 1                      # changed: 2 -> 1
+   --vllm_tensor_parallel_size 2
    --vllm_gpu_memory_utilization 0.7
    --colocate_all_models
    --fsdp2_enable_sleep
    --vllm_sync_backend nccl
    --enforce_eager
    --gradient_checkpointing
-   --ring_attn_size 1                                 # changed: 2 -> 1 (a ring of one worker: no ring attention,
-                                                      #   which needs GPUs; the GPU counts above went to 1)
+   --ring_attn_size 2
    --ring_head_stride 2
    --param_dtype bf16
 )

@@ -2,7 +2,7 @@
 # rlhfkit's copy of OpenRLHF examples/scripts/train_reinforce_baseline_ray_agent_async.sh (flat flags, OpenRLHF
 # 8b78539c): REINFORCE++-baseline with an agent file, dynamic filtering and dynamic batches, generating the
 # next batch while training (--async_train) with the training models colocated. Adapted as a user would for
-# one CPU: module renamed, tiny model/data, 1 CPU worker, sizes cut; each changed line says so.
+# a CPU: module renamed, tiny model/data, 2 CPU workers (a ring of 2), sizes cut; each changed line says so.
 # Reads MODEL, AGENT_FUNC, DATA, OUT from the environment.
 
 SCRIPT_DIR="$(dirname "$0")"
@@ -67,11 +67,11 @@ ENGINE_ARGS=(
    --async_train
 
    --ref_num_nodes 1
-   --ref_num_gpus_per_node 1                          # changed: 4 GPUs -> 1 CPU worker
+   --ref_num_gpus_per_node 2                          # changed: 4 GPUs -> 2 CPU workers
    --actor_num_nodes 1
-   --actor_num_gpus_per_node 1                        # changed: 4 -> 1
+   --actor_num_gpus_per_node 2                        # changed: 4 -> 2
    --vllm_num_engines 1                               # changed: 2 -> 1 (actor workers = engines x TP)
-   --vllm_tensor_parallel_size 1                      # changed: 2 -> 1
+   --vllm_tensor_parallel_size 2
    --vllm_gpu_memory_utilization 0.7
    --colocate_all_models
    --deepspeed_enable_sleep
@@ -81,8 +81,7 @@ ENGINE_ARGS=(
    --zero_stage 3
    --gradient_checkpointing
    # --adam_offload
-   --ring_attn_size 1                                 # changed: 2 -> 1 (a ring of one worker: no ring attention,
-                                                      #   which needs GPUs; the GPU counts above went to 1)
+   --ring_attn_size 2
    --ring_head_stride 2
    --param_dtype bf16
 )
