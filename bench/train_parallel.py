@@ -28,11 +28,12 @@ Modes:
               that runs out of GPU memory (torch.OutOfMemoryError: every rank catches it at the same
               op, as the shapes are the same on every rank; the ranks then agree with an all-reduce, free
               the gradients and cached blocks, and stop; a rank out of memory alone would leave its peers
-              waiting in a collective, so the driver puts a `timeout` on every run). Reports each length tried and longest_seq with
-              its tokens/s per GPU, step time and peak memory. The JSON is rewritten after every length,
-              so a run cut short keeps what it measured ("complete": false). --time_budget_s stops before a
-              length predicted to overrun it (stop_reason says why the run stopped). --fake_oom_above N
-              raises the error for lengths above N (how the CPU test exercises the stop).
+              waiting in a collective, so the driver puts a `timeout` on every run). Reports each length
+              tried and longest_seq with its tokens/s per GPU, step time and peak memory. The JSON is
+              rewritten after every length, so a run cut short keeps what it measured ("complete":
+              false). --time_budget_s stops before a length predicted to overrun it (stop_reason says
+              why the run stopped). --fake_oom_above N raises the error for lengths above N (how the CPU
+              test exercises the stop).
 
 Memory: peak_mem_gb is torch.cuda.max_memory_allocated per rank (reset per length in `longest`); on CPU the
 process's maximum resident set (mem_kind says which). Rank 0 prints one JSON line and writes --out.
@@ -155,6 +156,7 @@ def build(a: argparse.Namespace) -> tuple[Any, Any, Any, dict]:
     dist = init_distributed(a.device)
     dims = ParallelDims.from_flags(dist.world_size, a.zero_stage, tensor_parallel_size=a.ds_tensor_parallel_size,
                                    ring_attn_size=a.ring_attn_size)
+    dims.check_supported()  # a dimension no backend implements: refused before loading the model
     dist = attach_mesh(dist, dims)
     model = load_model(a, dist)
     facts = {"n_params": sum(p.numel() for p in model.parameters()), "config": model.config}
@@ -341,8 +343,10 @@ def main(argv: list[str] | None = None) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     res: dict[str, Any] = {
-        "bench": "train_parallel", "mode": a.mode, "device": torch.cuda.get_device_name(int(os.environ.get("LOCAL_RANK", "0"))) if gpu else "cpu",
-        "gpu_count": world if gpu else 0, "world_size": world, "model": a.model,
+        "bench": "train_parallel", "mode": a.mode,
+        "device": torch.cuda.get_device_name(int(os.environ.get("LOCAL_RANK", "0"))) if gpu else "cpu",
+        "gpu_count": world if gpu else 0, "gpus_on_host": torch.cuda.device_count() if gpu else 0,
+        "world_size": world, "model": a.model,
         "ds_tensor_parallel_size": a.ds_tensor_parallel_size, "ring_attn_size": a.ring_attn_size,
         "ring_head_stride": a.ring_head_stride, "zero_stage": a.zero_stage, "param_dtype": a.param_dtype,
         "gradient_checkpointing": a.gradient_checkpointing, "attn": a.attn, "seed": a.seed,
