@@ -65,7 +65,7 @@ case $what in
   models) models ;;
   tp) models; tp ;;
   long05) models; long05 ;;
-  long7) models; long7 "${2:?long7 RING (1, 2 or 4)}" ;;
+  long7) ring=${2:?long7 RING (1, 2 or 4)}; models; long7 "$ring" ;;
   ring32k) models; ring32k ;;
   all) models; tp; long05; for r in 1 2 4; do long7 "$r"; done; ring32k ;;
   *) echo "error: unknown part $what (models|tp|long05|long7 RING|ring32k|all)" >&2; exit 2 ;;
