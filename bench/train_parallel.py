@@ -306,8 +306,10 @@ def run_longest(a: argparse.Namespace, dist: Any, backend: Any, facts: dict, res
             torch.cuda.reset_peak_memory_stats()
         try:
             entry["step_s"] = _long_steps(a, task, backend, facts["config"].vocab_size, seq, dist)
-        except torch.OutOfMemoryError as e:
-            hit, err = True, str(e).splitlines()[0][:300]
+        except RuntimeError as e:  # torch.OutOfMemoryError, or the same raised through a collective
+            if not isinstance(e, torch.OutOfMemoryError) and "out of memory" not in str(e).lower():
+                raise
+            hit, err = True, (str(e).splitlines() or [type(e).__name__])[0][:300]
         if hit:  # free what the failed step left: gradients, cached blocks
             opt = getattr(backend, "optimizer", None)
             if opt is not None:
