@@ -22,7 +22,8 @@ Tied embeddings (`tie_word_embeddings`, e.g. Qwen2-0.5B): the embedding and `lm_
 Supported: Llama, Qwen2, Qwen3 and Mistral (HF module names), causal LMs and their value / reward
 models. Anything else (another architecture, MoE, LoRA layers, sizes that the tp size does not
 divide) is refused with one line naming --ds_tensor_parallel_size. No sequence parallelism: the
-activations between blocks are replicated over the tp group.
+activations between blocks are replicated over the tp group. Rank 0 prints one note line when it
+parallelizes a model (how a log shows that the flag took effect).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+
+from rlhfkit.config.notes import note_once
 
 FLAG = "--ds_tensor_parallel_size"
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -123,4 +126,6 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     parallelize_module(model, tp_mesh, plan)
     for mod, attr, src, src_attr in tied:  # parallelize_module replaced each side with its own DTensor
         setattr(mod, attr, getattr(src, src_attr))
+    note_once(f"note: tensor parallelism: attention, MLP, embedding and lm_head split over {tp} ranks "
+              f"({FLAG})")
     return model

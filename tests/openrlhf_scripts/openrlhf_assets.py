@@ -8,6 +8,9 @@
                         --normalize_reward works): every --reward_pretrain / RM path
     models/prm          the tiny Llama whose tokenizer also knows Math-Shepherd's step tag "ки"
                         (train_prm_mistral.sh keeps --placeholder_token ки as written)
+    models/llama_tp,    the tiny Llama and its reward model with the vocabulary padded from 103 to 104
+    models/rm_tp        rows (the tokenizer is unchanged), so --ds_tensor_parallel_size 2 divides it
+                        (the *_tensor_parallelism.sh scripts: TP_MODEL, TP_RM_MODEL)
     data/*.jsonl        rows with the keys each script reads (see DATASETS)
 
 Prompts are 2-digit additions ("12+34="), labels their sums, so reward files and agents get a
@@ -22,6 +25,7 @@ import random
 from typing import Any, Callable
 
 ROWS = 8  # rows per dataset: 1-2 optimizer steps at the scripts' reduced batch sizes
+TP_VOCAB = 104  # the character tokenizer's 103 ids, padded so a tensor-parallel size of 2 divides them
 
 
 def _additions(n: int, seed: int) -> list[tuple[str, str]]:
@@ -87,7 +91,16 @@ def build_models(models: str) -> dict[str, str]:
     model.resize_token_embeddings(len(tok))
     model.save_pretrained(prm)
     tok.save_pretrained(prm)
-    return {"MODEL": llama, "RM_MODEL": rm, "PRM_MODEL": prm}
+    tok = AutoTokenizer.from_pretrained(llama)
+    llama_tp, rm_tp = os.path.join(models, "llama_tp"), os.path.join(models, "rm_tp")
+    model = AutoModelForCausalLM.from_pretrained(llama)
+    model.resize_token_embeddings(TP_VOCAB, mean_resizing=False)
+    model.save_pretrained(llama_tp)
+    tok.save_pretrained(llama_tp)
+    value = load_value_model(rm, init_value_head=False)
+    value.resize_token_embeddings(TP_VOCAB, mean_resizing=False)
+    save_value_model(value, rm_tp, tok, mean=0.1, std=2.0)
+    return {"MODEL": llama, "RM_MODEL": rm, "PRM_MODEL": prm, "TP_MODEL": llama_tp, "TP_RM_MODEL": rm_tp}
 
 
 def build_assets(root: str) -> dict[str, str]:

@@ -39,6 +39,8 @@ removed KTO, PRM, KD, batch_inference, interactive_chat and the loops in v0.9.6,
 | train_reinforce_baseline_ray_agent_async.sh | --async_train with colocation, --ring_attn_size 2 (dotted: + --partial_rollout) | ran | ran |
 | train_reinforce_baseline_ray_agent_multiturn.sh | multi-turn agent (rlhfkit's example agent) | ran | ran (table rename) |
 | train_prorlv2_math_hybrid_engine.sh | math_reward_func, eval, ICEPOP, penalties | ran | ran |
+| train_sft_llama_tensor_parallelism.sh | SFT with --ds_tensor_parallel_size 2 (torchrun, 2 CPU processes) | ran | - |
+| train_ppo_llama_ray_tensor_parallelism.sh | PPO, all models colocated, --ds_tensor_parallel_size 2 on 2 CPU workers a role | ran | - |
 
 Left out (they need what a CPU cannot give, or are not OpenRLHF training scripts):
 
@@ -48,7 +50,6 @@ Left out (they need what a CPU cannot give, or are not OpenRLHF training scripts
 | train_sft_jamba_lora.sh | Jamba (Mamba layers): CUDA kernels (mamba-ssm / causal-conv1d) |
 | train_vlm_math_hybrid_engine.sh | vision-language model (issue scope: VLM) |
 | train_sft_llama_ring_attn.sh, train_dpo_ring_llama.sh, train_ppo_llama_ray_ring.sh | not copied yet; ring attention (--ring_attn_size 2) runs in the reinforce_baseline scripts above and in tests/distributed/test_context_parallel*.py |
-| train_sft_llama_tensor_parallelism.sh, train_ppo_llama_ray_tensor_parallelism.sh | DeepSpeed AutoTP training (--ds_tensor_parallel_size > 1): issue 17 |
 | ckpt_ds_zero_to_universal.sh, test_sft_deepspeed.sh, compare_backends.sh | DeepSpeed checkpoint / backend tooling |
 | install_flash_attn.sh, upgrade_flash_attn.sh, nvidia_docker_install.sh, docker_run.sh | installs flash-attn / CUDA docker |
 | train_llama_slurm.sh, train_ppo_llama_ray_slurm.sh, train_ppo_ray_slurm.sh, train_nonrl_slurm.sh, slurm-template.sh | SLURM clusters |
@@ -62,7 +63,11 @@ copy follows OpenRLHF's own dotted script. In scripts whose GPU counts went to 1
 went down with them (vLLM tensor parallel 2 -> 1), each marked on its line. The reinforce_baseline
 hybrid-engine and async scripts keep their --ring_attn_size 2 (and --ring_head_stride 2) as written: they run
 2 CPU workers for the actor and the reference (a ring of 2 each) and one engine of tensor parallel 2, and
-the test checks from their log that the ring ran.
+the test checks from their log that the ring ran. The two *_tensor_parallelism.sh scripts keep
+--ds_tensor_parallel_size 2 as written: 2 CPU processes (or 2 Ray workers a role) form one tensor-parallel
+pair, on the tiny models with their vocabulary padded to 104 (TP_MODEL, TP_RM_MODEL: 2 must divide it);
+`test_tensor_parallel_script` checks that the log shows the split and that the exported model holds full
+(gathered) tensors.
 
 Ray: the Ray cases of one test process share one Ray head (`ray start --block`,
 started on first use and stopped at the end), so Ray starts once per xdist worker.
@@ -340,3 +345,29 @@ def test_serve_remote_rm_then_ppo(spelling, assets, ray_head, tmp_path):
                 os.killpg(server.pid, signal.SIGKILL)
                 server.wait()
     assert server.returncode == 0 or server.returncode == -signal.SIGTERM, open(log_path).read()[-4000:]
+
+
+TP_CASES = [
+    Case("flat/train_sft_llama_tensor_parallelism.sh", ["checkpoint/llama3-8b-sft/config.json",
+                                                        "checkpoint/llama3-8b-sft/metrics.jsonl"]),
+    Case("flat/train_ppo_llama_ray_tensor_parallelism.sh", ["final/llama3-8b-rlhf/config.json"], ray=True),
+]
+TP_NOTE = "tensor parallelism: attention, MLP, embedding and lm_head split over 2 ranks"  # printed by apply_tp
+
+
+@pytest.mark.parametrize("case", TP_CASES, ids=[c.id for c in TP_CASES])
+def test_tensor_parallel_script(case: Case, assets, ray_head, tmp_path):
+    """OpenRLHF's AutoTP scripts with --ds_tensor_parallel_size 2 as written: the models were split (the note in
+    the log) and the exported policy holds full tensors (the tiny Llama: vocabulary 104, hidden 64)."""
+    from safetensors import safe_open
+
+    out = str(tmp_path)
+    extra = {"RAY_ADDRESS": ray_head().address} if case.ray else {}
+    res = run_script(case.script, out, script_env(assets, out, extra), RAY_TIMEOUT_S if case.ray else OFFLINE_TIMEOUT_S)
+    assert_ran(res, out, case.outputs)
+    assert TP_NOTE in res.stdout, f"{case.script}: no tensor parallelism in the log:\n{res.stdout[-4000:]}"
+    model_dir = os.path.dirname(os.path.join(out, case.outputs[0]))
+    with safe_open(os.path.join(model_dir, "model.safetensors"), "pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 (safe_open is no dict)
+    assert shapes["model.embed_tokens.weight"] == shapes["lm_head.weight"] == (104, 64), shapes
+    assert shapes["model.layers.0.self_attn.q_proj.weight"] == (64, 64), shapes
