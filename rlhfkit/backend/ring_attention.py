@@ -66,10 +66,23 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from rlhfkit.backend.ring_blocks import (
+    _GRAD_TAG,
+    _KV_TAG,
+    KERNELS,
+    _block_backward,
+    _block_forward,
+    backward_rects,
+    block_rectangles,
+    forward_rects,
+    merge_attention,
+    pick_kernel,
+)
+
 LAYOUTS = ("zigzag", "contiguous")
-_KV_TAG, _GRAD_TAG = 17, 18
 
 __all__ = [
+    "KERNELS",
     "LAYOUTS",
     "cu_seqlens_from_position_ids",
     "gather_from_ring",
@@ -166,48 +179,6 @@ def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([starts, end]).to(torch.int32)
 
 
-# ---------------------------------------------------------------------------------------------- merge math
-
-def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
-                    lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge two normalised partial attentions over disjoint key sets: out [..., S, D], lse [..., S].
-
-    L = log(e^L_a + e^L_b); O = e^(L_a - L) O_a + e^(L_b - L) O_b. A row that saw no key has L = -inf
-    and contributes nothing; a row with no key on either side stays (0, -inf)."""
-    m = torch.maximum(lse_a, lse_b)
-    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-    wa, wb = torch.exp(lse_a - m), torch.exp(lse_b - m)
-    denom = wa + wb
-    safe = torch.where(denom > 0, denom, torch.ones_like(denom))
-    out = (wa.unsqueeze(-1) * out_a + wb.unsqueeze(-1) * out_b) / safe.unsqueeze(-1)
-    return out, m + torch.log(denom)
-
-
-def _block_forward(q, k, v, mask, scale):
-    """q [B, Hk, g, Sq, D], k/v [B, Hk, Sk, D] (fp32), mask [Sq, Sk] bool or None -> out, lse [B, Hk, g, Sq]."""
-    s = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse).unsqueeze(-1))
-    return torch.matmul(p, v.unsqueeze(2)), lse
-
-
-def _block_backward(q, k, v, dout, lse, delta, mask, scale):
-    """FlashAttention-2 backward of one block from the final lse and delta = rowsum(dO * O)
-    -> dq [B, Hk, g, Sq, D], dk/dv [B, Hk, Sk, D] (fp32)."""
-    s = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
-    lse = torch.where(torch.isinf(lse), torch.full_like(lse, float("inf")), lse)  # a row with no key: P = 0
-    p = torch.exp(s - lse.unsqueeze(-1))
-    dv = torch.matmul(p.transpose(-1, -2), dout).sum(2)
-    ds = p * (torch.matmul(dout, v.unsqueeze(2).transpose(-1, -2)) - delta.unsqueeze(-1))
-    dq = torch.matmul(ds, k.unsqueeze(2)) * scale
-    dk = torch.matmul(ds.transpose(-1, -2), q).sum(2) * scale
-    return dq, dk, dv
-
-
 # ---------------------------------------------------------------------------------------------- ring plumbing
 
 def _world(group) -> int:
@@ -233,6 +204,9 @@ class _Ring:
     pos: list          # global positions of each rank's tokens, [S_local] each
     seg: list | None   # sequence id of each rank's tokens (-1: padding), packed form only
     total_len: int | None
+    layout: str = "zigzag"
+    bounds: list | None = None  # sequence boundaries in the full row (padded form: [0, real length])
+    kern: object = None         # a ring_blocks kernel (the rectangle path), None: the math path
 
     def peers(self) -> tuple[int, int]:
         nxt, prv = (self.rank + 1) % self.world, (self.rank - 1) % self.world
@@ -360,12 +334,15 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, ring: _Ring):
         b, hq, s, d = q.shape
         hk = k.shape[1]
-        plans = [ring.plan(src) for src in range(ring.world)]
-        q5 = q.to(ring.acc).reshape(b, hk, hq // hk, s, d)
-        out = torch.empty_like(q5)
-        lse = torch.empty(q5.shape[:-1], dtype=ring.acc, device=q.device)
-        for hs in _head_groups(ring, hk):
-            out[:, hs], lse[:, hs] = _forward_heads(ring, q5[:, hs], k[:, hs], v[:, hs], plans)
+        if ring.kern is not None:
+            out, lse = _rect_forward(ring, q, k, v)
+        else:
+            plans = [ring.plan(src) for src in range(ring.world)]
+            q5 = q.to(ring.acc).reshape(b, hk, hq // hk, s, d)
+            out = torch.empty_like(q5)
+            lse = torch.empty(q5.shape[:-1], dtype=ring.acc, device=q.device)
+            for hs in _head_groups(ring, hk):
+                out[:, hs], lse[:, hs] = _forward_heads(ring, q5[:, hs], k[:, hs], v[:, hs], plans)
         out = out.view(b, hq, s, d).to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring = ring
@@ -375,6 +352,9 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         ring = ctx.ring
+        if ring.kern is not None:
+            dq, dk, dv = _rect_backward(ring, q, k, v, dout, out, lse)
+            return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
         b, hq, s, d = q.shape
         hk = k.shape[1]
         plans = [ring.plan(src) for src in range(ring.world)]
@@ -390,12 +370,48 @@ class _RingAttention(torch.autograd.Function):
         return dq.view(b, hq, s, d).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
+def _rects(ring: _Ring, s: int):
+    return [block_rectangles(s, ring.rank, src, ring.world, ring.layout, ring.causal, ring.bounds)
+            for src in range(ring.world)]
+
+
+def _q_heads(hs: slice, g: int) -> slice:
+    return slice(hs.start * g, hs.stop * g)
+
+
+def _rect_forward(ring: _Ring, q, k, v):
+    """The rectangle path (ring_blocks): out fp32 [B, Hq, S, D], lse fp32 [B, Hq, S]."""
+    g = q.shape[1] // k.shape[1]
+    rects = _rects(ring, q.shape[2])
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    out = torch.empty(q.shape, dtype=ring.acc, device=q.device)
+    lse = torch.empty(q.shape[:-1], dtype=ring.acc, device=q.device)
+    for hs in _head_groups(ring, k.shape[1]):
+        qh = _q_heads(hs, g)
+        out[:, qh], lse[:, qh] = forward_rects(ring, ring.kern, q[:, qh], k[:, hs], v[:, hs], rects)
+    return out, lse
+
+
+def _rect_backward(ring: _Ring, q, k, v, dout, out, lse):
+    g = q.shape[1] // k.shape[1]
+    rects = _rects(ring, q.shape[2])
+    q, k, v, dout, out = (t.contiguous() for t in (q, k, v, dout.to(q.dtype), out))
+    dq = torch.empty(q.shape, dtype=ring.acc, device=q.device)
+    dk = torch.empty(k.shape, dtype=ring.acc, device=k.device)
+    dv = torch.empty_like(dk)
+    for hs in _head_groups(ring, k.shape[1]):
+        qh = _q_heads(hs, g)
+        dq[:, qh], dk[:, hs], dv[:, hs] = backward_rects(ring, ring.kern, q[:, qh], k[:, hs], v[:, hs],
+                                                         dout[:, qh], out[:, qh], lse[:, qh], rects)
+    return dq, dk, dv
+
+
 # ---------------------------------------------------------------------------------------------- entry point
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | None = None, *,
                    causal: bool = True, cu_seqlens: torch.Tensor | None = None, scale: float | None = None,
                    total_len: int | None = None, layout: str = "zigzag", head_stride: int | None = None,
-                   q_tile: int = 4096) -> torch.Tensor:
+                   q_tile: int = 4096, kernel: str = "auto") -> torch.Tensor:
     """Exact softmax(Q K^T * scale [+ causal mask]) V for this rank's part of a sequence split over `group`.
 
     Padded form: q [B, Hq, S_local, D], k/v [B, Hkv, S_local, D] -> [B, Hq, S_local, D]; `total_len`
@@ -405,7 +421,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
     k/v [T_local, Hkv, D] -> [T_local, Hq, D]. `group` None: the default group when one is
     initialised, else a single process. `scale` defaults to 1/sqrt(D). `layout` must be the one the
     inputs were split with; `head_stride` is --ring_head_stride (KV heads per ring pass, must divide
-    Hkv; None: all); `q_tile` caps the query rows of one fp32 score matrix."""
+    Hkv; None: all); `q_tile` caps the query rows of one fp32 score matrix (math path). `kernel` (KERNELS):
+    "auto" (flash / efficient CUDA kernels for fp16/bf16 on a GPU where they work, else "math"), "math"
+    (masked fp32 blocks), "blocks" (the rectangle path with the math kernel), "flash", "efficient"."""
     world = _world(group)
     rank = dist.get_rank(group) if world > 1 else 0
     packed = cu_seqlens is not None
@@ -440,8 +458,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
                for p in pos]
     elif total_len is not None and not 0 < total_len <= s * world:
         raise ValueError(f"ring_attention: total_len {total_len} is outside 1..{s * world} (S_local x ring size)")
+    kern = pick_kernel(kernel, q.device, q.dtype, hq, hk, d)
+    bounds = [int(x) for x in cu.tolist()] if packed else [0, s * world if total_len is None else total_len]
     ring = _Ring(group=group, rank=rank, world=world, causal=causal,
                  scale=1.0 / math.sqrt(d) if scale is None else float(scale), head_stride=stride, q_tile=q_tile,
-                 acc=torch.promote_types(q.dtype, torch.float32), pos=pos, seg=seg, total_len=total_len)
+                 acc=torch.promote_types(q.dtype, torch.float32), pos=pos, seg=seg, total_len=total_len,
+                 layout=layout, bounds=bounds, kern=kern)
     out = _RingAttention.apply(q, k, v, ring)
     return out.squeeze(0).transpose(0, 1) if packed else out
