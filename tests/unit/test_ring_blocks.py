@@ -2,7 +2,7 @@
 CAUSAL rectangles of every (rank, src) block of fake rings of 1, 2 and 4 cover exactly the mask the
 math path builds (`_Ring.plan`), for random packings with padding, both layouts, causal or not and the
 padded form; the rectangle driver with the math kernel equals the math path (values and gradients,
-GQA, head_stride, packed with padding); kernel selection on the CPU. Real rings: 
+GQA, head_stride, packed with padding); kernel selection on the CPU. Real rings:
 tests/distributed/test_ring_attention.py; the CUDA kernels: tests/gpu/test_ring_flash.py."""
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def test_blocks_equal_math_in_one_process(case):
         out = ring_attention(*x, kernel=kernel, **kw)
         res[kernel] = [out, *torch.autograd.grad(out, x, g_out)]
     for a, b in zip(res["math"], res["blocks"]):
-        assert (a - b).abs().max() < 1e-6
+        assert (a - b).abs().max() < 1e-6 * max(1.0, float(a.abs().max()))
 
 
 def test_kernel_choice_on_cpu():
