@@ -197,10 +197,12 @@ class EfficientKernel:
 
 
 _PROBED: dict = {}
+PROBE_FAILURES: dict = {}  # (kernel, device, dtype, hq, hk, d) -> why the probe refused it
 
 
-def _probe(kern, device, dtype, hq, hk, d) -> bool:
-    """Does `kern` match the math kernel (fwd and bwd with a merged lse, FULL and CAUSAL, GQA) here?"""
+def _probe(kern, device, dtype, hq, hk, d) -> str | None:
+    """Why `kern` does not match the math kernel here (fwd and bwd with a merged lse, FULL and CAUSAL,
+    GQA), or None when it does."""
     gen = torch.Generator(device="cpu").manual_seed(0)
     m, n, scale = 80, 48, d ** -0.5
 
@@ -214,19 +216,23 @@ def _probe(kern, device, dtype, hq, hk, d) -> bool:
         for causal, kk, vv in ((False, k, v), (True, kc, vc)):
             o_ref, l_ref = ref.forward(q, kk, vv, causal, scale)
             o, lse = kern.forward(q, kk, vv, causal, scale)
-            if (o.float() - o_ref).abs().max() > 2e-2 or (lse.float() - l_ref).abs().max() > 1e-2:
-                return False
+            err_o, err_l = float((o.float() - o_ref).abs().max()), float((lse.float() - l_ref).abs().max())
+            if not (err_o <= 2e-2 and err_l <= 1e-2):  # NaN fails too
+                return f"causal={causal}: forward off by {err_o:.3g} (out), {err_l:.3g} (lse)"
             # backward with a "final" lse that also counts other keys (as after a ring merge)
             l_fin = l_ref + 0.5
             o_fin = (o_ref * torch.exp(l_ref - l_fin).unsqueeze(-1)).to(dtype)
             g_ref = ref.backward(do, q, kk, vv, o_fin, l_fin, causal, scale)
             g_got = kern.backward(do, q, kk, vv, o_fin, l_fin.float(), causal, scale)
-            for a, b in zip(g_got, g_ref):
-                if a.shape != b.shape or (a.float() - b).abs().max() > 3e-2 * max(1.0, float(b.abs().max())):
-                    return False
-        return True
-    except (RuntimeError, NotImplementedError, TypeError, ValueError, IndexError):
-        return False
+            for name, a, b in zip(("dq", "dk", "dv"), g_got, g_ref):
+                if a.shape != b.shape:
+                    return f"causal={causal}: {name} has shape {tuple(a.shape)}, not {tuple(b.shape)}"
+                err = float((a.float() - b).abs().max())
+                if not err <= 3e-2 * max(1.0, float(b.abs().max())):
+                    return f"causal={causal}: backward {name} off by {err:.3g}"
+        return None
+    except (RuntimeError, NotImplementedError, TypeError, ValueError, IndexError) as exc:
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
 
 
 def pick_kernel(kernel: str, device: torch.device, dtype: torch.dtype, hq: int, hk: int, d: int):
@@ -246,13 +252,17 @@ def pick_kernel(kernel: str, device: torch.device, dtype: torch.dtype, hq: int, 
         key = (name, str(device), dtype, hq, hk, d)
         if key not in _PROBED:
             kern = FlashKernel() if name == "flash" else EfficientKernel()
-            _PROBED[key] = kern if _probe(kern, device, dtype, hq, hk, d) else None
+            why = _probe(kern, device, dtype, hq, hk, d)
+            _PROBED[key] = kern if why is None else None
+            if why is not None:
+                PROBE_FAILURES[key] = why
         if _PROBED[key] is not None:
             return _PROBED[key]
     if kernel == "auto":
         return None
+    why = PROBE_FAILURES.get((kernel, str(device), dtype, hq, hk, d), "needs CUDA and fp16/bf16 inputs")
     raise ValueError(f"ring attention kernel {kernel!r} is not usable here ({device.type}, {dtype}, "
-                     f"head_dim {d}); use kernel='auto' or 'math'")
+                     f"head_dim {d}: {why}); use kernel='auto' or 'math'")
 
 
 # ---------------------------------------------------------------------------------------------- ring passes
