@@ -5,10 +5,11 @@
         --head_dim 128 --dtype bf16                                                # a ring of 4 (NCCL on CUDA)
 
 Each rank holds its zig-zag part (`seq_len / ranks` tokens) of a causal sequence and runs
-`ring_attention` forward and backward `--iters` times after `--warmup`. Rank 0 prints one JSON line:
-milliseconds per fwd+bwd (the slowest rank's mean), tokens/s of the whole sequence, peak memory on
-rank 0 (CUDA only), and the attention TFLOP/s per rank (causal: 2 * B * Hq * S^2 * D for the forward,
-2.5 times that for the backward). With one process on CUDA, `--baseline` also times PyTorch's fused
+`ring_attention` forward and backward `--iters` times after `--warmup`; `--kernel` picks the block
+attention (default auto: the flash kernel on CUDA with fp16/bf16, else the math path). Rank 0 prints
+one JSON line: milliseconds per fwd+bwd (the slowest rank's mean), tokens/s of the whole sequence, peak
+memory on rank 0 (CUDA only), and the attention TFLOP/s per rank (causal: 2 * B * Hq * S^2 * D for the
+forward, 2.5 times that for the backward). With one process on CUDA, `--baseline` also times PyTorch's fused
 `scaled_dot_product_attention` on the full sequence (the single-GPU roofline to compare against).
 """
 
@@ -25,7 +26,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from rlhfkit.backend.ring_attention import padded_length, ring_attention
+from rlhfkit.backend.ring_attention import KERNELS, padded_length, ring_attention
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -55,6 +56,8 @@ def main() -> None:
     ap.add_argument("--head_dim", type=int, default=32)
     ap.add_argument("--head_stride", type=int, default=None, help="--ring_head_stride: KV heads per ring pass")
     ap.add_argument("--q_tile", type=int, default=4096)
+    ap.add_argument("--kernel", choices=KERNELS, default="auto",
+                    help="block attention: auto (flash/efficient on CUDA fp16/bf16, else math), math, ...")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--iters", type=int, default=3)
@@ -83,7 +86,7 @@ def main() -> None:
 
     def step():
         out = ring_attention(q, k, v, group, causal=True, total_len=args.seq_len, head_stride=args.head_stride,
-                             q_tile=args.q_tile)
+                             q_tile=args.q_tile, kernel=args.kernel)
         out.backward(grad)
 
     if cuda:
@@ -99,7 +102,7 @@ def main() -> None:
         "backend": (dist.get_backend() if dist.is_initialized() else "none"), "ranks": world,
         "seq_len": args.seq_len, "local_len": local, "batch": args.batch, "heads": args.heads,
         "kv_heads": args.kv_heads, "head_dim": args.head_dim, "head_stride": args.head_stride or args.kv_heads,
-        "dtype": args.dtype, "ms_fwd_bwd": round(sec * 1e3, 3),
+        "dtype": args.dtype, "kernel": args.kernel, "ms_fwd_bwd": round(sec * 1e3, 3),
         "tokens_per_s": round(args.batch * args.seq_len / sec, 1),
         "tflops_per_rank": round(3.5 * fwd_flops / world / sec / 1e12, 3),
         "peak_mem_gib_rank0": round(torch.cuda.max_memory_allocated(device) / 2 ** 30, 3) if cuda else None,

@@ -48,14 +48,21 @@ KV heads (with their Hq/Hkv query heads each) that go round the ring together. N
 one pass. A smaller stride sends smaller messages and bounds the fp32 score and buffer memory to that
 many heads, at the cost of Hkv/head_stride ring passes. `q_tile` bounds the rows of one score matrix.
 
-Block attention is plain torch math in fp32 (CPU/gloo and CUDA/NCCL alike); inputs of any float dtype,
-the output in the input's dtype, log-sum-exp and dK/dV accumulators in fp32 (float64 inputs are
-computed in float64 throughout, which lets `torch.autograd.gradcheck` check the backward).
+Block attention (`kernel=`, backend/ring_blocks.py). The math path ("math") computes each block in
+fp32 torch math with a materialised mask (CPU/gloo and CUDA/NCCL alike; inputs of any float dtype, the
+output in the input's dtype, log-sum-exp and dK/dV accumulators in fp32; float64 inputs are computed
+in float64 throughout, which lets `torch.autograd.gradcheck` check the backward). The rectangle path
+splits what a block sees into FULL and CAUSAL rectangles (`block_rectangles`: zig-zag runs cut by the
+packed sequences) and runs a fused kernel on each, merging out/lse in fp32; its backward gives each
+rectangle the final out and lse (FlashAttention-2's backward). Kernels: "flash" (torch's
+FlashAttention-2 ops), "efficient" (torch's memory-efficient ops), "blocks" (the math kernel: the CPU
+tests drive the same driver). "auto" (the default) takes flash, else efficient, on CUDA with fp16/bf16
+inputs where a small probe on that device matched the math, else the math path.
 
 The models and trainers use it through backend/context_parallel.py (`--ring_attn_size`,
 `--ring_head_stride`): the FSDP2 backend installs it as a transformers attention function and splits
-every batch (always in the packed form). Not here yet: a flash-kernel block on CUDA; the CUDA/NCCL
-path has not yet run on a GPU.
+every batch (always in the packed form), with kernel "auto". The math path measured 3.4k tokens/s for a
+32k-token row of a 0.5B model with ring 2 on 2 x H100; tests/gpu/test_ring_flash.py times both paths.
 """
 
 from __future__ import annotations

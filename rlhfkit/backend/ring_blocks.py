@@ -22,6 +22,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 FULL, CAUSAL = "full", "causal"
@@ -87,7 +89,7 @@ def block_rectangles(local_len: int, rank: int, src: int, world: int, layout: st
     indices, disjoint, whose union is the visible set. `cu`: sequence boundaries in the full row (the
     padded form is one sequence [0, total_len]); positions past cu[-1] are in no rectangle."""
     rects = []
-    segs = list(zip(cu[:-1], cu[1:]))
+    segs = list(itertools.pairwise(cu))
     for lq, gq, nq in local_runs(local_len, rank, world, layout):
         for lk, gk, nk in local_runs(local_len, src, world, layout):
             if causal and gk > gq:  # distinct runs are disjoint: k wholly after q sees nothing

@@ -16,6 +16,7 @@ Two spawned processes (one GPU each) run `ring_attention` on a ring of 2:
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -28,10 +29,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 pytestmark = [pytest.mark.gpu, pytest.mark.distributed,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")]
@@ -53,7 +54,7 @@ def _reference(q, k, v, cu):
     """float32 full attention per sequence: q [T, Hq, D], k/v [T, Hk, D]; padding rows 0."""
     g = q.shape[1] // k.shape[1]
     outs = []
-    for a, b in zip(cu[:-1], cu[1:]):
+    for a, b in itertools.pairwise(cu):
         qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))
         ks, vs = ks.repeat_interleave(g, 0), vs.repeat_interleave(g, 0)
         s = (qs @ ks.transpose(-1, -2)) / math.sqrt(q.shape[-1])

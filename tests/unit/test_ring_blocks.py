@@ -13,7 +13,13 @@ import pytest
 import torch
 
 from rlhfkit.backend.ring_attention import _Ring, ring_attention, ring_positions
-from rlhfkit.backend.ring_blocks import CAUSAL, FULL, MathKernel, block_rectangles, pick_kernel
+from rlhfkit.backend.ring_blocks import (
+    CAUSAL,
+    FULL,
+    MathKernel,
+    block_rectangles,
+    pick_kernel,
+)
 
 
 def fake_ring(world, rank, s, layout, causal, cu=None, total_len=None):
