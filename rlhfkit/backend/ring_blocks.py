@@ -233,7 +233,8 @@ def _probe(kern, device, dtype, hq, hk, d) -> str | None:
                 if not err <= 3e-2 * max(1.0, float(b.abs().max())):
                     return f"causal={causal}: backward {name} off by {err:.3g}"
         return None
-    except (RuntimeError, NotImplementedError, TypeError, ValueError, IndexError) as exc:
+    except (AttributeError, RuntimeError, NotImplementedError, TypeError, ValueError, IndexError) as exc:
+        # a missing op (AttributeError), an unsupported shape or arch (RuntimeError): refuse the kernel
         return f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
 
 
