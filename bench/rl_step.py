@@ -315,7 +315,7 @@ def summarize_rlhfkit(walls: list[float], metrics: list[dict], completions: int)
         "framework": "rlhfkit", "step_s": mean(walls), "step_s_median": median(walls), "step_s_each": walls,
         "loop_step_s": mean([m["time/step"] for m in metrics]), "phases_s": phases,
         "phases_each": [{p: round(m[f"time/{p}"], 4) for p in PHASES} for m in metrics],
-        "gc_s_each": [round(m["gc_s"], 4) for m in metrics],
+        "gc_s_each": [round(m["gc_s"], 4) if "gc_s" in m else None for m in metrics],
         "compiles_each": [m.get("compiles") for m in metrics],
         "alloc_retries_each": [m.get("alloc_retries") for m in metrics],
         "generate_share": mean([m["generate_share"] for m in metrics]),

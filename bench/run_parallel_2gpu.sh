@@ -3,7 +3,7 @@
 # attention on the Qwen2-0.5B shape, in one call of about 7 minutes. Same script and JSON as
 # run_parallel_gpu.sh (bench/train_parallel.py under torchrun over every GPU of the host):
 #   SFT throughput, FSDP 2 vs TP 2 (global batch 8 x 4096); the longest sequence that trains with ring 1 and
-#   ring 2; tokens/s of one 32k-token row with ring 2.
+#   ring 2; tokens/s of one 32k-token row with ring 2. `bash bench/run_parallel_2gpu.sh ring`: the ring runs only.
 set -uo pipefail
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
@@ -24,8 +24,11 @@ run() {  # seconds name args...
   echo "[parallel] $name exited $?"
   grep -E "Error|error" "/tmp/train_parallel_${name}.log" | tail -3 | cut -c1-400
 }
-run 100 05b_fsdp2 --batch 8 --seq 4096 --warmup 2 --steps 5
-run 100 05b_tp2 --ds_tensor_parallel_size 2 --batch 8 --seq 4096 --warmup 2 --steps 5
-run 110 longest_05b_ring1 --mode longest --lengths 8192:524288 --long_steps 1 --time_budget_s 80
-run 110 longest_05b_ring2 --mode longest --ring_attn_size 2 --lengths 8192:524288 --long_steps 1 --time_budget_s 80
+what=${1:-all}  # all | ring (the ring runs only)
+if [[ $what == all ]]; then
+  run 100 05b_fsdp2 --batch 8 --seq 4096 --warmup 2 --steps 5
+  run 100 05b_tp2 --ds_tensor_parallel_size 2 --batch 8 --seq 4096 --warmup 2 --steps 5
+  run 110 longest_05b_ring1 --mode longest --lengths 8192:524288 --long_steps 1 --time_budget_s 80
+fi
+run 130 longest_05b_ring2 --mode longest --ring_attn_size 2 --lengths 8192:524288 --long_steps 1 --time_budget_s 100
 run 90 32k_ring2_05b --ring_attn_size 2 --batch 1 --seq 32768 --warmup 1 --steps 3
