@@ -97,21 +97,6 @@ def _validate(cfg: BackendConfig) -> None:
     parse_size(cfg.hf_max_shard_size)
 
 
-def _check_dims(dims: ParallelDims, cfg: BackendConfig, dist: DistInfo) -> None:
-    """The mesh handed in must fit this process group and --zero_stage."""
-    if dims.world_size != dist.world_size:
-        raise ValueError(f"ParallelDims was built for world size {dims.world_size}, "
-                         f"but this process group has {dist.world_size} ranks")
-    dims.check_supported()
-    if dims.tp > 1 and not dist.has_process_group:
-        raise ValueError(f"--ds_tensor_parallel_size {dims.tp} needs a process group (torchrun or Ray)")
-    if cfg.zero_stage == 0 and dims.dp_shard > 1:
-        raise ValueError(f"--zero_stage 0 replicates the model, but the mesh shards it over dp_shard={dims.dp_shard}")
-    if cfg.zero_stage > 0 and dims.dp_shard == 1 and dims.dp_replicate > 1:
-        raise ValueError(f"--zero_stage {cfg.zero_stage} shards over dp_shard, but the mesh has dp_shard=1 and "
-                         f"dp_replicate={dims.dp_replicate} (use --zero_stage 0 for plain replication)")
-
-
 class FSDP2Backend:
     """Wraps one model with its optimizer and LR schedule; see the module docstring."""
 
@@ -123,7 +108,7 @@ class FSDP2Backend:
         _validate(backend_cfg)
         self.cfg, self.optim_cfg, self.dist = backend_cfg, optim_cfg, dist
         self.parallel = parallel or ParallelDims.from_flags(dist.world_size, backend_cfg.zero_stage)
-        _check_dims(self.parallel, backend_cfg, dist)
+        self.parallel.check_backend(backend_cfg.zero_stage, dist)
         check_cp(model, self.parallel, backend_cfg.ring_head_stride, dist.has_process_group)  # before sharding
         self.device = torch.device(dist.device)
         self.param_dtype = parse_dtype(backend_cfg.param_dtype)

@@ -108,6 +108,20 @@ class ParallelDims:
             raise ValueError(f"--ds_tensor_parallel_size {self.tp} with --ring_attn_size {self.cp}: tensor and "
                              "context parallelism together are not supported yet; use one of them")
 
+    def check_backend(self, zero_stage: int, dist: DistInfo) -> None:
+        """Raise unless this mesh fits the process group `dist` and --zero_stage (the backend's check)."""
+        if self.world_size != dist.world_size:
+            raise ValueError(f"ParallelDims was built for world size {self.world_size}, "
+                             f"but this process group has {dist.world_size} ranks")
+        self.check_supported()
+        if self.tp > 1 and not dist.has_process_group:
+            raise ValueError(f"--ds_tensor_parallel_size {self.tp} needs a process group (torchrun or Ray)")
+        if zero_stage == 0 and self.dp_shard > 1:
+            raise ValueError(f"--zero_stage 0 replicates the model, but the mesh shards it over dp_shard={self.dp_shard}")
+        if zero_stage > 0 and self.dp_shard == 1 and self.dp_replicate > 1:
+            raise ValueError(f"--zero_stage {zero_stage} shards over dp_shard, but the mesh has dp_shard=1 and "
+                             f"dp_replicate={self.dp_replicate} (use --zero_stage 0 for plain replication)")
+
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """The named mesh over all ranks (needs the default process group)."""
         return init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIM_NAMES)

@@ -59,7 +59,9 @@ def test_filler_tokenizer_covers_every_id():
 
 
 def test_trl_timer_and_headline_by_hand(rl_step):
-    t = rl_step._TRLTimer("cpu")
+    import rl_step_trl
+
+    t = rl_step_trl._TRLTimer("cpu")
     t.ends = [10.0, 14.0, 20.0]  # step ends: the warm-up step is not timed -> steps of 4 s and 6 s
     t.gen = [9.0, 2.0, 3.0]
     t.logs = [{"completions/mean_length": 1.0, "reward": 9.0}, {"completions/mean_length": 8.0, "reward": 0.5},
