@@ -39,12 +39,11 @@ from typing import Any
 import torch
 
 from rlhfkit.models.fused_logprobs import fusable_head, fused_shifted_logprobs, head_bypassed
-from rlhfkit.models.vocab_parallel import vocab_parallel_logprobs, vocab_sharded
+from rlhfkit.models.vocab_parallel import chunk_rows, vocab_parallel_logprobs, vocab_sharded
 
 PACKED_MASK_MODES = ("auto", "block", "hf")
 # a model trained with context parallelism carries its splitter under this attribute (set by the backend)
 CONTEXT_PARALLEL_ATTR = "rlhfkit_context_parallel"
-DEFAULT_CHUNK_BYTES = 1 << 28  # fp32 bytes of one chunk of rows x vocabulary
 
 
 # ----------------------------------------------------------------------------- log-softmax kernel
@@ -103,14 +102,6 @@ def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return z / temperature if temperature != 1.0 else z
 
 
-def _chunk_rows(vocab: int, chunk_size: int | None) -> int:
-    if chunk_size is not None:
-        if chunk_size < 1:
-            raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-        return chunk_size
-    return max(1, DEFAULT_CHUNK_BYTES // (4 * vocab))
-
-
 def logprobs_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0,
                          return_entropy: bool = False, chunk_size: int | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -136,7 +127,7 @@ def target_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: fl
     """`[N]` log-probs of `targets` `[N]` under logits `[N, V]` (and entropy, `[0]` when not asked), no shift."""
     if temperature <= 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
-    return TokenLogprobFn.apply(logits, targets, float(temperature), _chunk_rows(logits.shape[-1], chunk_size),
+    return TokenLogprobFn.apply(logits, targets, float(temperature), chunk_rows(logits.shape[-1], chunk_size),
                                 return_entropy)
 
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-DEFAULT_CHUNK_BYTES = 1 << 28  # fp32 bytes of one chunk of rows x local vocabulary
+DEFAULT_CHUNK_BYTES = 1 << 28  # fp32 bytes of one chunk of rows x (local) vocabulary; forward.py's too
 
 
 def _z(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -89,7 +89,8 @@ class VocabParallelLogprobFn(torch.autograd.Function):
         return grad, None, None, None, None, None, None
 
 
-def _chunk_rows(v_local: int, chunk_size: int | None) -> int:
+def chunk_rows(v_local: int, chunk_size: int | None) -> int:
+    """Rows per chunk of a `[rows, v_local]` fp32 block: `chunk_size`, else DEFAULT_CHUNK_BYTES' worth."""
     if chunk_size is not None:
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be positive, got {chunk_size}")
@@ -108,7 +109,7 @@ def vocab_parallel_logprobs(local_logits: torch.Tensor, input_ids: torch.Tensor,
     b, length, v_local = local_logits.shape
     targets = torch.roll(input_ids, shifts=-1, dims=1).reshape(-1)  # last column: unused
     lp, ent = VocabParallelLogprobFn.apply(local_logits.reshape(b * length, v_local), targets, int(offset), group,
-                                           float(temperature), _chunk_rows(v_local, chunk_size), return_entropy)
+                                           float(temperature), chunk_rows(v_local, chunk_size), return_entropy)
     zero = lp.new_zeros(b, 1)
     lp = torch.cat([zero, lp.view(b, length)[:, :-1]], dim=1)
     if not return_entropy:
