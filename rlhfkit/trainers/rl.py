@@ -40,7 +40,6 @@ import gc
 import itertools
 import math
 import sys
-import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
