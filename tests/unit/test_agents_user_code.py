@@ -168,7 +168,15 @@ def test_shutdown_user_threads_stops_idle_loops_and_reports_stuck_ones():
     release = threading.Event()
     idle, stuck = UserLoop("idle"), UserLoop("stuck")
     assert idle.submit(lambda: 1).result(timeout=5) == 1
-    stuck.submit(release.wait)
+    started = threading.Event()
+
+    def block():
+        started.set()
+        release.wait()
+
+    stuck.submit(block)
+    # once inside the user code (a stop queued before the call starts would cancel it instead)
+    assert started.wait(5)
     assert shutdown_user_threads(timeout_s=0.3) >= 1  # the stuck one is still inside user code
     assert idle.join(1.0)
     release.set()
