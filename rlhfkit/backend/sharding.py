@@ -33,6 +33,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from rlhfkit.models.lora import lora_layers, merged_lora_weights
+
 try:
     from torch.distributed.tensor import DTensor
 except ImportError:  # torch < 2.5
@@ -121,7 +123,8 @@ def clip_grads(params: list[nn.Parameter], max_norm: float, total_norm: torch.Te
 
 def iter_full_param_buckets(model: nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None
                             ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Lists of (name, full tensor) of at most `bucket_bytes` (a larger tensor goes alone).
+    """Lists of (name, full tensor) of at most `bucket_bytes` (a larger tensor goes alone); a peft LoRA
+    model gives its base model's names with the adapters merged (models/lora.py `merged_lora_weights`).
 
     Every rank must iterate to the end (each DTensor is all-gathered). Names are the module's
     (HF names for an HF model); tied parameters appear once. `dtype` casts (e.g. to the
@@ -132,10 +135,14 @@ def iter_full_param_buckets(model: nn.Module, bucket_bytes: int, dtype: torch.dt
 
     def gathered() -> Iterator[tuple[str, torch.Tensor]]:
         for name, p in model.named_parameters():
-            t = full(p.detach())
-            yield name, (t.to(dtype) if dtype is not None and t.dtype != dtype else t)
+            yield name, full(p.detach())
 
-    return group_by_bytes(gathered(), bucket_bytes, lambda t: t.numel() * t.element_size())
+    named: Iterable[tuple[str, torch.Tensor]] = gathered()
+    layers = lora_layers(model)
+    if layers:  # a LoRA policy: the engine gets the base model's names, each adapter merged in
+        named = merged_lora_weights(named, layers)
+    cast = ((n, t.to(dtype) if dtype is not None and t.dtype != dtype else t) for n, t in named)
+    return group_by_bytes(cast, bucket_bytes, lambda t: t.numel() * t.element_size())
 
 
 def group_by_bytes(named: Iterable[tuple[str, torch.Tensor]], limit: int, nbytes: Callable[[torch.Tensor], int]

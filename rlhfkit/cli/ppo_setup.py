@@ -7,9 +7,7 @@ own config object.
 from __future__ import annotations
 
 import argparse
-import math
-import os
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -23,6 +21,7 @@ from rlhfkit.backend.fsdp2 import FSDP2Backend
 from rlhfkit.backend.parallel import ParallelDims
 from rlhfkit.cli.common import (UsageError, check_backend_flags, check_packages, check_positions, parallel_dims,
                                 resolve_model_paths)
+from rlhfkit.cli.rl_checkpoint import RLCheckpointer
 from rlhfkit.config.configs import BackendConfig, ModelConfig, OptimConfig, from_args
 from rlhfkit.config.notes import note_once
 from rlhfkit.config.rl_flags import CRITIC_OPTIM, EMA_BETA, PTX_COEF, RAY_ONLY
@@ -217,9 +216,25 @@ def build_policy(args: argparse.Namespace, dist: DistInfo, num_steps: int, dims:
     return LocalGroup(role, "policy"), backend
 
 
-def build_ref(args: argparse.Namespace, dist: DistInfo, dims: ParallelDims | None = None):
+def ref_is_policy_base(args: argparse.Namespace) -> bool:
+    """LoRA with the reference being the policy's own base model: the policy with its adapters switched
+    off *is* the reference, so no second copy of the base model is loaded."""
+    return getattr(args, "lora_rank", 0) > 0 and args.ref_pretrain in (None, args.pretrain)
+
+
+def build_ref(args: argparse.Namespace, dist: DistInfo, dims: ParallelDims | None = None, policy_backend=None):
+    """The reference model's group, or None without a KL term. Given the policy's backend (one process or
+    torchrun) and LoRA on the same base, the reference runs the policy with its adapters off."""
     if args.init_kl_coef <= 0:
         return None
+    if policy_backend is not None and ref_is_policy_base(args):
+        note_once("note: reference model = the policy with its LoRA adapters switched off (no second copy of "
+                  "the base model)" + ("; --ref_offload has no effect: there are no separate reference weights"
+                                       if args.ref_offload else ""))
+        role = ActorRole(policy_backend, dist, micro_rollout_batch_size=args.micro_rollout_batch_size,
+                         rollout_max_tokens=rollout_max_tokens(args), packing=args.packing_samples,
+                         adapters_off=True)
+        return LocalGroup(role, "ref")
     from rlhfkit.models.loader import load_causal_lm
 
     cfg = from_args(ModelConfig, args, lora_rank=0, gradient_checkpointing=False)
@@ -380,117 +395,3 @@ def checkpointer(args: argparse.Namespace, policy_backend: Any, critic_backend: 
     return RLCheckpointer(policy_backend, critic_backend, args.save_hf_ckpt, tokenizer,
                           save_ds=not args.disable_ds_ckpt, best_metric_key=best_metric_key(args),
                           run_dir=run_dir_of(args))
-
-
-@dataclass
-class RLCheckpointer:
-    """Saves/loads the trainable roles' checkpoints under one root (actor/, critic/).
-
-    The critic is saved first and keeps one checkpoint more than --max_ckpt_num; the actor's
-    checkpoint completes the pair. Loading takes the newest actor checkpoint whose critic
-    checkpoint of the same tag is complete, so a kill between the two saves (or during either)
-    resumes from the previous pair, never from an actor and a critic of different steps.
-    `--save_hf_ckpt` adds a Hugging Face snapshot `<root>/<tag>_hf` (the EMA weights under
-    --enable_ema) with a model card (README.md, from the run's files in `run_dir`);
-    `--disable_ds_ckpt` leaves out the resumable checkpoint.
-
-    Best checkpoint (`keep_best`, --best_metric_key): after each evaluation, when the metric (""
-    = the first `eval/*pass1` one; "eval/reward", "reward" and OpenRLHF's "eval_reward" all name
-    eval/reward; higher is better) beats every earlier evaluation, the step is saved
-    as above under `<root>/best/` and the previous best is removed; its client state records the
-    key and value, so a resumed run goes on comparing with it."""
-
-    policy_backend: Any
-    critic_backend: Any = None
-    save_hf: bool = False
-    tokenizer: Any = None
-    save_ds: bool = True
-    best_metric_key: str | None = None
-    best_value: float | None = None
-    run_dir: str | None = None
-
-    def save(self, root: str, tag: str, client: dict, max_keep: int) -> None:
-        if self.save_ds and self.critic_backend is not None:
-            self.critic_backend.save_checkpoint(os.path.join(root, "critic"), tag, client, max_keep + 1)
-        if self.save_ds:
-            self.policy_backend.save_checkpoint(os.path.join(root, "actor"), tag, client, max_keep)
-        if self.save_hf:
-            self.policy_backend.save_hf(os.path.join(root, f"{tag}_hf"), self.tokenizer)
-            if self.run_dir is not None:
-                from rlhfkit.backend.dist import is_rank0
-                from rlhfkit.trainers.model_card import write_model_card
-
-                if is_rank0():
-                    step = tag.removeprefix("global_step")
-                    write_model_card(os.path.join(root, f"{tag}_hf"), run_dir=self.run_dir,
-                                     step=int(step) if step.isdigit() else None)
-
-    def keep_best(self, root: str, step: int, metrics: dict[str, float], client: dict) -> bool:
-        """Save step `step` as the best checkpoint if its eval metric is the best so far (True then)."""
-        if self.best_metric_key is None:
-            return False
-        from rlhfkit.trainers.metrics import resolve_eval_key
-
-        key = resolve_eval_key(self.best_metric_key, metrics)
-        if key is None:
-            if not self.best_metric_key:
-                return False
-            evals = ", ".join(sorted(k for k in metrics if k.startswith("eval/")))
-            raise UsageError(f"--best_metric_key {self.best_metric_key} is not an evaluation metric; "
-                             f"there are: {evals}")
-        value, best_root = float(metrics[key]), os.path.join(root, "best")
-        if self.best_value is None:
-            self.best_value = _saved_best(best_root, key)
-        if not math.isfinite(value) or (self.best_value is not None and value <= self.best_value):
-            return False
-        self.best_value = value
-        tag = f"global_step{step}"
-        self.save(best_root, tag, {**client, "best_metric_key": key, "best_metric_value": value}, 1)
-        _remove_old_snapshots(best_root, keep=f"{tag}_hf")
-        return True
-
-    def load(self, root: str) -> dict | None:
-        actor, critic = os.path.join(root, "actor"), os.path.join(root, "critic")
-        if self.critic_backend is None:
-            return self.policy_backend.load_checkpoint(actor)
-        from rlhfkit.backend.checkpoint import list_checkpoints
-
-        critic_tags = {t for _, t in list_checkpoints(critic)}
-        pairs = [t for _, t in list_checkpoints(actor) if t in critic_tags]
-        if not pairs:
-            if list_checkpoints(actor) or critic_tags:
-                raise FileNotFoundError(f"--load_checkpoint: no step has a complete checkpoint in both {actor} "
-                                        f"and {critic}")
-            return self.policy_backend.load_checkpoint(actor)  # none at all (or only incomplete: an error)
-        client = self.policy_backend.load_checkpoint(actor, pairs[-1])
-        self.critic_backend.load_checkpoint(critic, pairs[-1])
-        return client
-
-
-def _remove_old_snapshots(root: str, keep: str) -> None:
-    """Rank 0 deletes the Hugging Face snapshots of earlier best checkpoints under `root`."""
-    import shutil
-
-    from rlhfkit.backend.dist import is_rank0
-
-    if is_rank0() and os.path.isdir(root):
-        for name in os.listdir(root):
-            if name.endswith("_hf") and name != keep:
-                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-
-
-def _saved_best(best_root: str, key: str) -> float | None:
-    """The metric value of the best checkpoint an earlier run left under `best_root` (same key)."""
-    import json
-
-    from rlhfkit.backend.checkpoint import list_checkpoints
-
-    found = list_checkpoints(os.path.join(best_root, "actor"))
-    if not found:
-        return None
-    try:
-        with open(os.path.join(best_root, "actor", found[-1][1], "client_state.json")) as f:
-            client = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return float(client["best_metric_value"]) if client.get("best_metric_key") == key else None

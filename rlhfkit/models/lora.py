@@ -78,3 +78,60 @@ def apply_lora(model: torch.nn.Module, cfg: ModelConfig, modules_to_save: list[s
     from peft import get_peft_model
 
     return get_peft_model(model, lora_config(model, cfg, modules_to_save, causal))
+
+
+# ----------------------------------------------------------------------------- weight sync of a LoRA policy
+
+_LORA_PARTS = ((".base_layer.weight", "w"), (".lora_A.default.weight", "a"), (".lora_B.default.weight", "b"))
+
+
+def lora_layers(model: torch.nn.Module) -> dict[str, tuple[float, bool]]:
+    """`{module name: (scaling alpha / r, fan_in_fan_out)}` of the model's LoRA layers (empty without peft
+    adapters). A DoRA adapter is refused: its merge is not W + s B A."""
+    out: dict[str, tuple[float, bool]] = {}
+    for name, m in model.named_modules():
+        scaling = getattr(m, "scaling", None)
+        if isinstance(scaling, dict) and "default" in scaling and hasattr(m, "lora_A"):
+            if (getattr(m, "use_dora", None) or {}).get("default"):
+                raise ValueError(f"weight sync of a DoRA adapter ({name}) is not supported; use plain LoRA")
+            out[name] = (float(scaling["default"]), bool(getattr(m, "fan_in_fan_out", False)))
+    return out
+
+
+def _base_name(name: str) -> str | None:
+    """A peft parameter name -> the base model's (None: a copy peft keeps of a module it trains in full)."""
+    if ".original_module." in name:
+        return None
+    return name.replace(".modules_to_save.default.", ".").replace(".base_layer.", ".").removeprefix("base_model.model.")
+
+
+def merged_lora_weights(named: Any, layers: dict[str, tuple[float, bool]]) -> Any:
+    """(name, full tensor) pairs of a peft model, in `named_parameters` order -> the base model's names
+    with each LoRA layer's update merged (W + s B A, in fp32, then W's dtype): what an inference engine
+    that knows only the base architecture loads. A layer's three tensors may arrive in any buckets."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in named:
+        prefix = kind = None
+        for suffix, k in _LORA_PARTS:
+            if name.endswith(suffix) and name[:-len(suffix)] in layers:
+                prefix, kind = name[:-len(suffix)], k
+                break
+        if prefix is None:
+            if ".lora_" in name:
+                raise ValueError(f"weight sync: LoRA parameter {name} is of a kind rlhfkit does not merge "
+                                 "(only linear layers' lora_A / lora_B of the default adapter)")
+            base = _base_name(name)
+            if base is not None:
+                yield base, t
+            continue
+        parts = pending.setdefault(prefix, {})
+        parts[kind] = t
+        if len(parts) == 3:
+            scaling, fan_in_fan_out = layers[prefix]
+            delta = parts["b"].float() @ parts["a"].float()
+            w = parts["w"]
+            yield _base_name(prefix + ".weight"), (w.float() + scaling * (delta.t() if fan_in_fan_out else delta)
+                                                   ).to(w.dtype)
+            del pending[prefix]
+    if pending:
+        raise RuntimeError(f"weight sync: LoRA layers missing a part: {sorted(pending)[:3]}")

@@ -17,6 +17,7 @@ with `offload` keeps its weights in host memory between its passes (`--ref_offlo
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -162,9 +163,10 @@ class ActorRole:
     def __init__(self, backend: Any, dist: DistInfo, loss_cfg: PolicyLossConfig | None = None,
                  update_cfg: UpdateConfig | None = None, micro_rollout_batch_size: int = 8,
                  rollout_max_tokens: int | None = None, packing: bool = False, ptx: Any = None,
-                 offload: bool = False) -> None:
+                 offload: bool = False, adapters_off: bool = False) -> None:
         """`ptx`: a `rlhfkit.data.ptx.PtxBatches` (PPO-ptx); `offload`: a frozen model's weights
-        stay in host memory between forward passes."""
+        stay in host memory between forward passes; `adapters_off`: a reference that shares the LoRA
+        policy's backend and runs it with the adapters disabled (its log-probs are the base model's)."""
         self.backend, self.dist = backend, dist
         self.loss_cfg, self.update_cfg = loss_cfg, update_cfg
         self.micro_rollout_batch_size = micro_rollout_batch_size
@@ -172,6 +174,7 @@ class ActorRole:
         self.packing = packing
         self.ptx = ptx
         self.offload = offload and getattr(backend, "optimizer", None) is None
+        self.adapters_off = adapters_off
         self.device = torch.device(dist.device)
         if self.offload:
             backend.offload_states()
@@ -185,12 +188,13 @@ class ActorRole:
         # the GPU each time, and the next micro-batch's launches could not queue behind the last
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=self.device)
         row = 0
-        for mb, real in micro_batches(batch, self.micro_rollout_batch_size, self.dist,
-                                      max_tokens=self.rollout_max_tokens):
-            mb = mb.to(self.device, non_blocking=True)
-            lp = row_logprobs(self.backend, mb, temperature, False, self.packing)
-            out[row:row + real, :lp.shape[1]] = (lp.float() * mb.attention_mask)[:real]
-            row += real
+        with self.backend.unwrap().disable_adapter() if self.adapters_off else contextlib.nullcontext():
+            for mb, real in micro_batches(batch, self.micro_rollout_batch_size, self.dist,
+                                          max_tokens=self.rollout_max_tokens):
+                mb = mb.to(self.device, non_blocking=True)
+                lp = row_logprobs(self.backend, mb, temperature, False, self.packing)
+                out[row:row + real, :lp.shape[1]] = (lp.float() * mb.attention_mask)[:real]
+                row += real
         out = out.cpu()
         if self.offload:
             self.backend.offload_states()

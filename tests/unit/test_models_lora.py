@@ -96,3 +96,30 @@ def test_merge_errors(tiny_model_dir, tmp_path, capsys):
     assert "--lora_path" in (e := error_line(tiny_model_dir, str(tmp_path))) and "no adapter_config.json" in e
     assert "--model_path" in error_line(str(tmp_path / "x"), str(tmp_path))
     assert "--lora_path" in (e := error_line(tiny_model_dir, str(tmp_path / "x"))) and "no such directory" in e
+
+
+def test_weight_sync_stream_merges_lora_like_peft(tiny_model_dir):
+    """The (name, tensor) stream an engine gets from a LoRA policy equals peft's merge_and_unload():
+    the base model's names, W + (alpha / r) B A for every adapted layer, the rest as it is."""
+    import copy
+
+    from rlhfkit.backend.sharding import iter_full_param_buckets
+    from rlhfkit.models.lora import lora_layers
+
+    model = load_causal_lm(ModelConfig(pretrain=tiny_model_dir, param_dtype="fp32", lora_rank=4, lora_alpha=16))
+    layers = lora_layers(model)
+    assert layers and all(s == 4.0 for s, _ in layers.values())  # alpha / r
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:  # B = 0 at init: give the adapters an effect
+                p.copy_(torch.randn(p.shape, generator=g))
+    want = copy.deepcopy(model).merge_and_unload().state_dict()
+    # buckets of one tensor: a layer's base weight, A and B arrive in different buckets
+    got = dict(kv for bucket in iter_full_param_buckets(model, bucket_bytes=1) for kv in bucket)
+    assert set(got) == set(want)
+    for name, t in got.items():
+        torch.testing.assert_close(t, want[name], rtol=1e-5, atol=1e-5, msg=name)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    base = load_causal_lm(ModelConfig(pretrain=tiny_model_dir, param_dtype="fp32")).state_dict()[q]
+    assert (got[q] - base).abs().max() > 1e-2  # the update really is in there
