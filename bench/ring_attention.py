@@ -69,6 +69,9 @@ def main() -> None:
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if cuda else "gloo")
+        from rlhfkit.backend.rendezvous import destroy_at_exit
+
+        destroy_at_exit()  # gloo's threads settle before interpreter teardown
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -124,4 +127,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from rlhfkit.backend.rendezvous import run_main
+
+    run_main(main)

@@ -37,7 +37,6 @@ trainers/, algo/, losses/ and data/ free of world-wide data reductions.
 
 from __future__ import annotations
 
-import atexit
 import datetime
 import os
 from dataclasses import dataclass, field
@@ -45,6 +44,8 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+
+from rlhfkit.backend.rendezvous import destroy_at_exit, held_store
 
 T = TypeVar("T")
 
@@ -178,22 +179,16 @@ def init_distributed(device: str | None = None, timeout_minutes: int = 60) -> Di
         kw: dict[str, Any] = {"timeout": datetime.timedelta(minutes=timeout_minutes)}
         if on_cuda:
             kw["device_id"] = torch.device(device)
+        # rank 0 of a group rlhfkit formed itself serves the store it opened on a kernel-picked port
+        # (rendezvous.reserve_port); the other ranks reach it through env:// as under torchrun
+        store = held_store(int(os.environ.get("MASTER_PORT", "0"))) if os.environ.get("RANK") == "0" else None
+        if store is not None:
+            kw.update(store=dist.PrefixStore("default_pg", store), rank=0, world_size=int(os.environ["WORLD_SIZE"]))
         # On CUDA, gloo serves CPU tensors (FSDP2 CPU offload, CPU-side collectives).
         dist.init_process_group(backend="cpu:gloo,cuda:nccl" if on_cuda else "gloo", **kw)
-        atexit.register(_destroy_at_exit)
+        destroy_at_exit()
     return DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(),
                     local_rank=local_rank, device=device)
-
-
-def _destroy_at_exit() -> None:
-    """Tear the process group down while the interpreter is still whole: left to interpreter teardown,
-    a gloo group's threads could be destroyed still joinable ("terminate called without an active
-    exception", SIGABRT at exit after a finished run; seen once in a clean-clone test run)."""
-    try:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - nothing to report at exit
-        pass
 
 
 def init_single_rank_group(device: str) -> None:

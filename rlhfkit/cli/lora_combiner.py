@@ -55,4 +55,6 @@ def main(argv: Sequence[str] | None = None) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    from rlhfkit.backend.rendezvous import run_main
+
+    run_main(main)

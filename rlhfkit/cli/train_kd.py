@@ -66,4 +66,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main()
+    from rlhfkit.backend.rendezvous import run_main
+
+    run_main(main)

@@ -151,7 +151,7 @@ def _shard_specs(engine_actors: list[Any], labels: list[ActorLabel], tp: int, cf
 
     gpu = cfg.resources.accelerator == "GPU" and (cfg.device is None or cfg.device.startswith("cuda"))
     firsts = list(range(0, len(engine_actors), tp))
-    ports = wait_all([engine_actors[i].free_port.remote() for i in firsts], [labels[i] for i in firsts], monitor)
+    ports = wait_all([engine_actors[i].reserve_port.remote() for i in firsts], [labels[i] for i in firsts], monitor)
     out = []
     for e, (first, port) in enumerate(zip(firsts, ports)):
         spec = ShardGroupSpec(labels[first].node or "127.0.0.1", port, tp, "nccl" if gpu else "gloo")
@@ -183,7 +183,7 @@ def _setup(actors: dict[str, list[Any]], where: dict[str, list[tuple[str, int]]]
                 refs.append(a.setup.remote(cfg.device, num_engines, shards[r]))
                 ref_labels.append(labels[m][r])
             continue
-        port = wait_all([actors[m][0].free_port.remote()], labels[m][:1], monitor)[0] if len(actors[m]) > 1 else 0
+        port = wait_all([actors[m][0].reserve_port.remote()], labels[m][:1], monitor)[0] if len(actors[m]) > 1 else 0
         addr = labels[m][0].node or "127.0.0.1"
         for r, a in enumerate(actors[m]):
             refs.append(a.setup.remote(addr, port, cfg.device))

@@ -39,6 +39,7 @@ from typing import Any, Iterable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from rlhfkit.backend.rendezvous import held_store
 from rlhfkit.backend.sharding import group_by_bytes
 
 METHODS = ("auto", "object_store", "broadcast", "ipc")
@@ -215,7 +216,10 @@ class GroupSpec:
 def make_group(spec: GroupSpec, rank: int) -> tuple[Any, Any]:
     """(store, process group) of `spec` for `rank`, without touching the default process group."""
     timeout = datetime.timedelta(seconds=spec.timeout_s)
-    store = dist.TCPStore(spec.host, spec.port, None, rank == 0, timeout, wait_for_workers=False)
+    # rank 0 (the policy's first rank) serves the store it opened with reserve_port, if it did
+    store = held_store(spec.port, spec.timeout_s) if rank == 0 else None
+    if store is None:
+        store = dist.TCPStore(spec.host, spec.port, None, rank == 0, timeout, wait_for_workers=False)
     prefixed = dist.PrefixStore("rlhfkit_weight_sync", store)
     if spec.backend == "nccl":
         try:
@@ -393,7 +397,7 @@ def connect(choice: SyncChoice, policy: Sequence[Any], policy_ips: Sequence[str]
         return
     group = None
     if choice.method == "broadcast":
-        [port] = wait([policy[0].free_port.remote()], [("policy", 0)])
+        [port] = wait([policy[0].reserve_port.remote()], [("policy", 0)])
         local = len({*policy_ips[:1], *engine_ips}) == 1
         group = GroupSpec("127.0.0.1" if local else policy_ips[0], port, 1 + len(engines), choice.backend or "gloo",
                           local=local, timeout_s=timeout_s)

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 from typing import Any, Callable
 
 import ray
@@ -40,6 +39,7 @@ import torch
 
 from rlhfkit.backend.dist import DistInfo, init_distributed, resolve_device
 from rlhfkit.backend.offload import HostStash, MoveStats
+from rlhfkit.backend.rendezvous import reserve_port
 from rlhfkit.distributed.weight_sync import (GroupSpec, SenderPlan, TensorMeta, WeightReceiver, WeightSender,
                                              iter_buckets)
 
@@ -76,10 +76,10 @@ class RoleWorker:
     def ping(self) -> int:
         return os.getpid()
 
-    def free_port(self) -> int:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return int(s.getsockname()[1])
+    def reserve_port(self) -> int:
+        """A master store opened here on a kernel-picked port, kept for the group this rank 0 forms
+        next (race-free; rlhfkit/backend/rendezvous.py); its port."""
+        return reserve_port()
 
     def setup(self, master_addr: str, master_port: int, device: str | None) -> dict[str, Any]:
         """Join the group's process group (when world_size > 1) and build the role."""
@@ -184,10 +184,9 @@ class EngineWorker:
             raise RuntimeError(f"engine shard {self.shard_rank} stopped: {self._serving.exception()!r}")
         return os.getpid()
 
-    async def free_port(self) -> int:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return int(s.getsockname()[1])
+    async def reserve_port(self) -> int:
+        """As RoleWorker.reserve_port, for shard 0's tensor-parallel group."""
+        return reserve_port()
 
     async def setup(self, device: str | None, num_engines: int, shard: tuple[int, int, Any] | None = None
                     ) -> dict[str, Any]:

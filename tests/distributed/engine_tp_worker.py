@@ -60,6 +60,9 @@ def perturbed(path: str) -> list[tuple[str, torch.Tensor]]:
 def main() -> None:
     path, out_path = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
+    from rlhfkit.backend.rendezvous import destroy_at_exit
+
+    destroy_at_exit()  # gloo's threads settle before interpreter teardown
     torch.manual_seed(0)
     tp = make_group()
     cfg = BuiltinEngineConfig(**CFG)
@@ -104,4 +107,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from rlhfkit.backend.rendezvous import run_main
+
+    run_main(main)

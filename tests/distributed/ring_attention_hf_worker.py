@@ -96,6 +96,9 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     dist.init_process_group("gloo")
+    from rlhfkit.backend.rendezvous import destroy_at_exit
+
+    destroy_at_exit()  # gloo's threads settle before interpreter teardown
     rank, world = dist.get_rank(), dist.get_world_size()
     AttentionInterface.register("ring", ring_attention_hook)
     AttentionMaskInterface.register("ring", lambda *a, **k: None)
@@ -117,4 +120,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from rlhfkit.backend.rendezvous import run_main
+
+    run_main(main)

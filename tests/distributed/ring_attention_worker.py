@@ -93,6 +93,9 @@ def main() -> None:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         torch.backends.cuda.matmul.allow_tf32 = False
     dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo")
+    from rlhfkit.backend.rendezvous import destroy_at_exit
+
+    destroy_at_exit()  # gloo's threads settle before interpreter teardown
     rank, world = dist.get_rank(), dist.get_world_size()
     b, hq, hk, d = 2, 4, 2, 8
     res = {}
@@ -116,4 +119,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from rlhfkit.backend.rendezvous import run_main
+
+    run_main(main)

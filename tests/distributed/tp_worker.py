@@ -271,4 +271,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from rlhfkit.backend.rendezvous import run_main
+
+    run_main(main)

@@ -100,9 +100,16 @@ def join(spec: ShardGroupSpec, rank: int, device: str) -> TensorParallelGroup:
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     if not dist.is_initialized():
-        dist.init_process_group(spec.backend, init_method=f"tcp://{spec.host}:{spec.port}", rank=rank,
-                                world_size=spec.size, timeout=datetime.timedelta(seconds=spec.timeout_s),
-                                device_id=torch.device(device) if spec.backend == "nccl" else None)
+        from rlhfkit.backend.rendezvous import destroy_at_exit, held_store
+
+        timeout = datetime.timedelta(seconds=spec.timeout_s)
+        # shard 0 serves the store it opened on a kernel-picked port (reserve_port); the others connect
+        store = held_store(spec.port, spec.timeout_s) if rank == 0 else None
+        where: dict[str, Any] = ({"store": dist.PrefixStore("default_pg", store)} if store is not None
+                                 else {"init_method": f"tcp://{spec.host}:{spec.port}"})
+        dist.init_process_group(spec.backend, rank=rank, world_size=spec.size, timeout=timeout,
+                                device_id=torch.device(device) if spec.backend == "nccl" else None, **where)
+        destroy_at_exit()
     group = dist.group.WORLD
     control = dist.new_group(list(range(spec.size)), backend="gloo")
     tp = TensorParallelGroup(rank, spec.size, group, control)
