@@ -164,9 +164,10 @@ def run_main(main: Callable[[], Any]) -> None:
     code = _exit_code(exc)
     del exc
     try:
-        for t in threading.enumerate():  # as the interpreter would: non-daemon threads end first
-            if t is not threading.current_thread() and not t.daemon:
-                t.join()
+        # as the interpreter does: executors are shut down and non-daemon threads joined, then the exit handlers
+        shutdown = getattr(threading, "_shutdown", None)
+        if shutdown is not None and threading.current_thread() is threading.main_thread():
+            shutdown()
         atexit._run_exitfuncs()
         gc.collect()
     finally:

@@ -87,6 +87,9 @@ GROUP = """
             dist.init_process_group("gloo", store=store, rank=0, world_size=1)
             destroy_at_exit()
         atexit.register(lambda: open(sys.argv[1], "w").write("ran"))
+        from concurrent.futures import ThreadPoolExecutor
+        pool = ThreadPoolExecutor(2)  # non-daemon workers, shut down by the interpreter's own exit path
+        assert pool.submit(lambda: 1).result() == 1
         sys.stdout.write("partial line")  # no newline: must still reach the pipe
         {end}
 
