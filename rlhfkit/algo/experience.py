@@ -70,7 +70,9 @@ def finish_experience(batch: ExperienceBatch, adv_cfg: AdvantageConfig, kl_coef:
     mask = batch.loss_mask.float()
     kl = None
     metrics: dict[str, float] = {}
-    if batch.ref_logprobs is not None:
+    if batch.ref_logprobs is not None and batch.old_logprobs is None and kl_in_reward and kl_coef != 0:
+        raise ValueError("a KL penalty in the reward needs the old log-probs before training")
+    if batch.ref_logprobs is not None and batch.old_logprobs is not None:  # else the policy reports it
         kl_all = compute_approx_kl(batch.old_logprobs, batch.ref_logprobs, kl_estimator, mask=batch.loss_mask)
         metrics["kl"] = float((kl_all * mask).sum() / mask.sum().clamp(min=1))
         if kl_in_reward:

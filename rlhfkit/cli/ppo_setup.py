@@ -373,7 +373,9 @@ def loop_config(args: argparse.Namespace) -> RLLoopConfig:
         eval_n_samples_per_prompt=args.eval_n_samples_per_prompt, save_steps=args.save_steps,
         ckpt_path=args.ckpt_path, max_ckpt_num=args.max_ckpt_num, load_checkpoint=args.load_checkpoint,
         show_progress=not args.disable_progress, max_failed_steps=args.max_failed_steps,
-        skip_zero_advantage_steps=not ptx_active(args))  # the ptx loss moves the policy even then
+        skip_zero_advantage_steps=not ptx_active(args),  # the ptx loss moves the policy even then
+        policy_max_epochs=args.max_epochs, policy_train_batch_size=args.train_batch_size,
+        recompute_old_logprobs=args.recompute_old_logprobs)
 
 
 def advantage_config(args: argparse.Namespace) -> AdvantageConfig:

@@ -128,6 +128,9 @@ def _train(p: FlagParser) -> None:
         p.flag("--micro_train_batch_size", "--train.micro_batch_size", type=int, default=1,
                help="samples per forward/backward pass on each rank")
         p.flag("--max_epochs", "--train.max_epochs", type=int, default=1, help="PPO epochs over each rollout")
+        p.flag("--recompute_old_logprobs", action="store_true",
+               help="run the old policy's log-prob pass even when a rollout makes one optimizer step (by default "
+                    "the training pass's detached log-probs are the old ones then, ratio 1, as in TRL's GRPO)")
         p.flag("--num_episodes", "--train.num_episodes", type=int, default=1, help="passes over the prompts")
         p.flag("--max_steps", type=int, default=None, help="stop after this many RL steps")
         p.flag("--seed", "--train.seed", type=int, default=42, help="seed of python, numpy, torch, data and sampling")

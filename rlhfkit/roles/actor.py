@@ -23,6 +23,7 @@ from typing import Any, Iterator
 
 import torch
 
+from rlhfkit.algo.kl import compute_approx_kl
 from rlhfkit.backend.dist import DistInfo
 from rlhfkit.config.notes import note_once
 from rlhfkit.losses.aux import ptx_loss, router_aux_loss
@@ -207,7 +208,11 @@ class ActorRole:
         self.backend.train()
         records = []
         for epoch in range(cfg.max_epochs):
-            for mini in mini_batches(batch, cfg.train_batch_size, epoch, cfg.seed, self.dist):
+            minis = mini_batches(batch, cfg.train_batch_size, epoch, cfg.seed, self.dist)
+            if batch.old_logprobs is None and (cfg.max_epochs > 1 or len(minis) > 1):
+                raise ValueError("old log-probs may come from the training pass only when the rollout makes one "
+                                 f"optimizer step ({cfg.max_epochs} epoch(s) x {len(minis)} mini-batch(es) here)")
+            for mini in minis:
                 records.append(self._step(mini, kl_coef))
         skipped = sum(r.pop("nonfinite_skipped") for r in records)  # the same on every rank
         out = reduce_over_ranks(average(records), ADDITIVE, self.dist)
@@ -231,7 +236,9 @@ class ActorRole:
             with RouterAuxLoss(self.backend.model, enabled=cfg.aux_loss_coef != 0) as router:
                 res = row_logprobs(self.backend, mb, cfg.temperature, cfg.compute_entropy, cfg.packing)
             lp, ent = res if cfg.compute_entropy else (res, None)
-            loss, m = policy_loss(lp, mb.old_logprobs, mb.advantages, mb.loss_mask, self.loss_cfg,
+            # one optimizer step per rollout: the policy scoring these samples is the old one (ratio 1)
+            old = mb.old_logprobs if mb.old_logprobs is not None else lp.detach()
+            loss, m = policy_loss(lp, old, mb.advantages, mb.loss_mask, self.loss_cfg,
                                   num_tokens=num_tokens, num_sequences=num_seqs,
                                   rollout_logprobs=mb.rollout_logprobs, entropy=ent, sync_metrics=False)
             if cfg.use_kl_loss and mb.ref_logprobs is not None and kl_coef > 0:
@@ -239,6 +246,9 @@ class ActorRole:
                                    num_tokens=num_tokens)
                 loss = loss + kl_coef * kl_l
                 m["kl_loss"] = km["kl_loss"]  # its "kl" (a micro-batch mean) would hide the loop's rollout `kl`
+            if mb.old_logprobs is None and mb.ref_logprobs is not None:  # the rollout's KL to the reference
+                kl_tok = compute_approx_kl(old, mb.ref_logprobs, cfg.kl_estimator, mask=mb.loss_mask)
+                m["kl"] = (kl_tok * mb.loss_mask).sum() / max(num_tokens, 1.0)
             loss = self._add_router_loss(router.take(), loss, m, mb_tokens, num_tokens)
             self.backend.backward(loss)
             if ptx is not None:
@@ -293,4 +303,4 @@ class ActorRole:
         return self.backend.named_full_params()
 
 
-ADDITIVE = ("policy_loss", "kl_loss", "aux_loss", "ptx_loss")  # divided by global counts: summed, not averaged
+ADDITIVE = ("policy_loss", "kl_loss", "aux_loss", "ptx_loss", "kl")  # divided by global counts: summed, not averaged

@@ -83,6 +83,12 @@ class RLLoopConfig:
     load_checkpoint: bool = False
     show_progress: bool = True
     max_failed_steps: int = 3  # steps in a row without a trajectory to train on before the run stops
+    # the policy's update shape: a rollout that makes one optimizer step (one epoch, at most
+    # train_batch_size samples) takes its old log-probs from the training pass (ratio 1) unless
+    # recompute_old_logprobs; None = unknown, the separate pass always runs
+    policy_max_epochs: int = 1
+    policy_train_batch_size: int | None = None
+    recompute_old_logprobs: bool = False
 
     def __post_init__(self) -> None:
         if self.max_failed_steps < 1:
@@ -286,7 +292,9 @@ class RLTrainer:
         raw_reward = batch.rewards.clone()
         batch.rewards = apply_length_penalties(batch.rewards, resp_len, truncated.bool(), self.shaping)
         with t("logprobs"):
-            batch.old_logprobs = self.policy.call("forward_logprobs", batch, self.cfg.temperature)
+            if self._old_logprobs_pass(batch):
+                batch.old_logprobs = self.policy.call("forward_logprobs", batch, self.cfg.temperature)
+            metrics["old_logprobs_pass"] = float(batch.old_logprobs is not None)
             if self.ref is not None:
                 batch.ref_logprobs = self.ref.call("forward_logprobs", batch, self.cfg.temperature)
             if self.critic is not None:
@@ -305,7 +313,7 @@ class RLTrainer:
                     train_m["skipped_zero_advantage"] = 1.0
         with t("weight_sync"):
             metrics.update(self.weight_sync.sync())
-        self.kl_ctl.update(exp_m.get("kl", 0.0), self.cfg.rollout_batch_size * self.cfg.n_samples_per_prompt)
+        self.kl_ctl.update(train_m.get("kl", exp_m.get("kl", 0.0)), self.cfg.rollout_batch_size * self.cfg.n_samples_per_prompt)
         shaped = exp_m.pop("reward", None)
         if self.shaping.overlong_buffer_len or self.shaping.stop_properly_penalty_coef is not None:
             metrics["shaped_reward"] = shaped  # after length penalties; `reward` is the raw one
@@ -321,6 +329,22 @@ class RLTrainer:
         metrics["generate_share"] = t["generate"] / max(step_time, 1e-9)
         freeze_gc_once()
         return metrics
+
+    def _old_logprobs_pass(self, batch) -> bool:
+        """Whether the old policy's log-probs need a pass of their own. Not when this rollout makes
+        exactly one optimizer step of a policy that trains this step: the policy that scores the
+        samples in training is then the old one, so its log-probs (detached) are the old ones and the
+        ratio is 1 (as TRL's GRPOTrainer does). Also needed for a KL penalty in the reward, which is
+        computed before training, and for an adaptive KL controller."""
+        c = self.cfg
+        if c.recompute_old_logprobs or c.policy_train_batch_size is None or c.policy_max_epochs != 1:
+            return True
+        if self.state.step < c.freezing_actor_steps or getattr(self.kl_ctl, "target", None) is not None:
+            return True
+        if self.ref is not None and not c.use_kl_loss:
+            return True
+        rows = self.dist.all_reduce_dp(torch.tensor(float(batch.batch_size), dtype=torch.float64))
+        return float(rows) > c.policy_train_batch_size
 
     def _has_signal(self, batch) -> bool:
         """False when every advantage is 0 and no KL / entropy term could move the policy."""
