@@ -7,7 +7,7 @@
       -> pad into an ExperienceBatch
       -> reward.call("forward_rewards")     [reward model, when no reward source scored it]
       -> length penalties
-      -> policy.call("forward_logprobs") = old, ref.call(...) = ref, critic.call("forward_values")
+      -> policy.call("forward_logprobs") = old (unless one optimizer step), ref.call(...) = ref, critic.call("forward_values")
       -> KL (in reward or as loss), advantages / returns    (rlhfkit.algo)
       -> critic.call("train_on"), policy.call("train_on")   (max_epochs x mini-batches)
       -> weight_sync.sync()                  [the policy's weights into the engines; one object per placement]
@@ -40,7 +40,6 @@ import gc
 import itertools
 import math
 import sys
-from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
@@ -54,74 +53,10 @@ from rlhfkit.backend.dist import DistInfo
 from rlhfkit.roles.group import LocalWeightSync
 from rlhfkit.trainers.metrics import PhaseClock, metrics_record, progress_bar
 from rlhfkit.trainers.offline import epoch_order
+from rlhfkit.trainers.rl_config import FailedStepsError, RLLoopConfig, RLState
+
+__all__ = ["FailedStepsError", "RLLoopConfig", "RLState", "RLTrainer", "freeze_gc_once"]
 from rlhfkit.types import PromptSample, Trajectory
-
-
-@dataclass
-class RLLoopConfig:
-    rollout_batch_size: int  # global prompts per step
-    n_samples_per_prompt: int = 1
-    num_episodes: int = 1
-    max_steps: int | None = None
-    seed: int = 42
-    temperature: float = 1.0
-    init_kl_coef: float = 0.0
-    kl_estimator: str = "k1"
-    use_kl_loss: bool = False
-    dynamic_filtering: bool = False
-    dynamic_filtering_reward_range: tuple[float, float] = (0.0, 1.0)
-    max_filter_rounds: int = 8  # generation rounds of one step under dynamic filtering (the first included)
-    freezing_actor_steps: int = -1
-    skip_zero_advantage_steps: bool = True
-    logging_steps: int = 1
-    eval_steps: int = -1
-    eval_temperature: float = 0.6
-    eval_n_samples_per_prompt: int = 4
-    save_steps: int = -1
-    ckpt_path: str = "./ckpt/checkpoints_ppo"
-    max_ckpt_num: int = 3
-    load_checkpoint: bool = False
-    show_progress: bool = True
-    max_failed_steps: int = 3  # steps in a row without a trajectory to train on before the run stops
-    # the policy's update shape: a rollout that makes one optimizer step (one epoch, at most
-    # train_batch_size samples) takes its old log-probs from the training pass (ratio 1) unless
-    # recompute_old_logprobs; None = unknown, the separate pass always runs
-    policy_max_epochs: int = 1
-    policy_train_batch_size: int | None = None
-    recompute_old_logprobs: bool = False
-
-    def __post_init__(self) -> None:
-        if self.max_failed_steps < 1:
-            raise ValueError(f"--max_failed_steps must be >= 1, got {self.max_failed_steps}")
-        if self.max_filter_rounds < 1:
-            raise ValueError(f"--max_filter_rounds must be >= 1, got {self.max_filter_rounds}")
-
-
-class FailedStepsError(RuntimeError):
-    """--max_failed_steps steps in a row left no trajectory to train on; the message names the cause."""
-
-
-@dataclass
-class RLState:
-    """Progress of a run. The data cursor: `episode`, the global batches drawn from its order
-    (`batch_in_episode`) and the prompts of its order skipped because the step that crossed into
-    it had drawn them from the previous episode (`skipped_in_episode`); the next batch starts at
-    position `batch_in_episode * rollout_batch_size + skipped_in_episode` of the episode's order."""
-
-    step: int = 0
-    episode: int = 0
-    batch_in_episode: int = 0
-    kl_coef: float = 0.0
-    history: list[dict[str, float]] = field(default_factory=list)
-    skipped_in_episode: int = 0
-
-    @property
-    def cursor(self) -> tuple[int, int, int]:
-        return self.episode, self.batch_in_episode, self.skipped_in_episode
-
-    @cursor.setter
-    def cursor(self, value: tuple[int, int, int]) -> None:
-        self.episode, self.batch_in_episode, self.skipped_in_episode = value
 
 
 _GC_FROZEN = False
