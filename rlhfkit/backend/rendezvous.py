@@ -23,6 +23,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import gc
+import io
 import os
 import sys
 import threading
@@ -171,12 +172,25 @@ def run_main(main: Callable[[], Any]) -> None:
         atexit._run_exitfuncs()
         gc.collect()
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:  # noqa: BLE001 - a closed stream has nothing left to write
-                pass
+        _flush_open_files()
         os._exit(code)
+
+
+def _flush_open_files() -> None:
+    """Flush every open file object still alive (the interpreter's teardown would), stdout and stderr last."""
+    gc.unfreeze()  # objects frozen by gc.freeze() are not listed otherwise
+    for obj in gc.get_objects():
+        if isinstance(obj, io.IOBase) and obj not in (sys.stdout, sys.stderr):
+            try:
+                if not obj.closed and obj.writable():
+                    obj.flush()
+            except Exception:  # noqa: BLE001 - a broken or detached file has nothing left to write
+                pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001
+            pass
 
 
 def _joined_a_group() -> bool:

@@ -91,6 +91,9 @@ GROUP = """
         pool = ThreadPoolExecutor(2)  # non-daemon workers, shut down by the interpreter's own exit path
         assert pool.submit(lambda: 1).result() == 1
         sys.stdout.write("partial line")  # no newline: must still reach the pipe
+        global LOG
+        LOG = open(sys.argv[1] + ".log", "w")  # left open, buffered: its text must reach the disk
+        LOG.write("kept")
         {end}
 
     run_main(main)
@@ -117,6 +120,7 @@ def test_run_main_exit_status_in_a_group(tmp_path, end, code, err):
         assert "Traceback" in res.stderr
     assert res.stdout == "partial line"  # os._exit: nothing after run_main ran
     assert marker.read_text() == "ran"
+    assert (tmp_path / "atexit.txt.log").read_text() == "kept"
 
 
 @pytest.mark.parametrize("end, code", [("pass", 0), ("sys.exit(3)", 3)])
