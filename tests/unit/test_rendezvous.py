@@ -101,6 +101,15 @@ GROUP = """
 """
 
 
+def _run_group_script(tmp_path, join: bool, end: str):
+    marker = tmp_path / "atexit.txt"
+    script = tmp_path / "prog.py"
+    script.write_text(textwrap.dedent(GROUP.format(join=join, end=end)))
+    res = subprocess.run([sys.executable, str(script), str(marker)], env=subprocess_env(), capture_output=True,
+                         text=True, timeout=120, check=False)
+    return res, marker
+
+
 @pytest.mark.skipif(not tdist.is_gloo_available(), reason="gloo is not available")
 @pytest.mark.parametrize("end, code, err", [
     ("pass", 0, ""),
@@ -109,11 +118,7 @@ GROUP = """
     ("raise ValueError('row 7 is bad')", 1, "ValueError: row 7 is bad"),
 ])
 def test_run_main_exit_status_in_a_group(tmp_path, end, code, err):
-    marker = tmp_path / "atexit.txt"
-    script = tmp_path / "prog.py"
-    script.write_text(textwrap.dedent(GROUP.format(join=True, end=end)))
-    res = subprocess.run([sys.executable, str(script), str(marker)], env=subprocess_env(), capture_output=True,
-                         text=True, timeout=120, check=False)
+    res, marker = _run_group_script(tmp_path, True, end)
     assert res.returncode == code, res.stderr
     assert err in res.stderr
     if end == "raise ValueError('row 7 is bad')":
@@ -125,11 +130,7 @@ def test_run_main_exit_status_in_a_group(tmp_path, end, code, err):
 
 @pytest.mark.parametrize("end, code", [("pass", 0), ("sys.exit(3)", 3)])
 def test_run_main_outside_a_group_is_plain(tmp_path, end, code):
-    marker = tmp_path / "atexit.txt"
-    script = tmp_path / "prog.py"
-    script.write_text(textwrap.dedent(GROUP.format(join=False, end=end)))
-    res = subprocess.run([sys.executable, str(script), str(marker)], env=subprocess_env(), capture_output=True,
-                         text=True, timeout=120, check=False)
+    res, marker = _run_group_script(tmp_path, False, end)
     assert res.returncode == code, res.stderr
     assert res.stdout == ("partial linereturned\n" if code == 0 else "partial line")
     assert marker.read_text() == "ran"
