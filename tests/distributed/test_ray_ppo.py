@@ -134,7 +134,10 @@ def test_colocate_all_with_sleep_matches_one_process(tiny_model_dir, data_dir, r
     assert "time/engine_wake" not in recs[0] and all(r["time/engine_wake"] > 0 for r in recs[1:])
     # measured in the ranks: policy and ref states went to host buffers and came back (bit for bit:
     # the metrics and weights match the one-process run)
-    assert all(r["time/offload"] > 0 and r["time/reload"] > 0 and r["train/offload_gb"] > 0 for r in recs)
+    # (step 1 reloads nothing: each group starts on the device, and with one optimizer step per
+    # rollout the policy has no log-prob pass before it trains, so nothing made it leave)
+    assert all(r["time/offload"] > 0 and r["train/offload_gb"] > 0 for r in recs)
+    assert all(r["time/reload"] > 0 for r in recs[1:])
     for k, v in reference[1].items():
         torch.testing.assert_close(w[k], v, atol=1e-6, rtol=0, msg=k)
 

@@ -70,7 +70,10 @@ def spy_train_on(monkeypatch) -> list:
     real = ActorRole.train_on
 
     def train_on(self, batch, kl_coef=0.0):
-        seen.append(batch.to("cpu"))
+        kept = batch.to("cpu")
+        if kept.old_logprobs is None:  # one optimizer step: the training pass scores the samples itself;
+            kept.old_logprobs = self.forward_logprobs(batch)  # the policy's log-probs now are what it uses
+        seen.append(kept)
         return real(self, batch, kl_coef)
 
     monkeypatch.setattr(ActorRole, "train_on", train_on)
