@@ -8,6 +8,8 @@
 #    TRL: micro-batches of 16 (it keeps fp32 logits), no gradient checkpointing either.
 # 2. bench/train_throughput.py: the SFT step at 8 x 2048 tokens, plain HF + AdamW beside rlhfkit's default,
 #    --torch_compile, and compiled blocks in CUDA graphs (an experiment).
+# 3. The 8 x 8 step again with --recompute_old_logprobs: what skipping the old-log-prob pass saves (by default a
+#    rollout that makes one optimizer step takes its old log-probs from the training pass).
 set -uo pipefail
 out=${1:?output directory}
 mkdir -p "$out"
@@ -23,3 +25,7 @@ timeout 420 python3 bench/rl_step.py --model qwen2-0.5b --model_dir /tmp/bench_m
   | grep -E '^\[rl_step\]|^phase|^(generate|logprobs|train|whole) |GPU idle' 
 timeout 170 python3 bench/train_throughput.py --model qwen2-0.5b --batch 8 --seq 2048 --steps 8 \
   --variants master,master_compile,master_compile_cg --out "$out/train_throughput_$gpu.json" | cut -c1-2000
+timeout 150 python3 bench/rl_step.py --model qwen2-0.5b --model_dir /tmp/bench_model --prompts 8 --n 8 \
+  --new_tokens 256 --warmup_steps 3 --steps 6 --gradient_checkpointing off --micro_train_batch_size 64 \
+  --micro_rollout_batch_size 64 --skip_trl "--rlhfkit_flags=--torch_compile --recompute_old_logprobs" \
+  --out "$out/rl_step_${gpu}_recompute_old_8x8.json" 2>&1 | grep -E '^\[rl_step\]'
