@@ -137,3 +137,29 @@ def test_fit_saves_at_save_steps_with_the_data_cursor():
     trainer.fit()
     tags = [(tag, c["step"], c["batch_in_episode"]) for tag, c in trainer.checkpointer.saved]
     assert tags == [("global_step2", 2, 2), ("global_step4", 4, 4)]
+
+
+def test_run_coroutine_does_not_repr_the_result():
+    """asyncio.run on the main thread formats the finished main task (and its result) when it restores
+    the SIGINT handler; run_coroutine returns the same value without that."""
+    import asyncio
+    import threading
+
+    from rlhfkit.trainers.rl import run_coroutine
+
+    calls = []
+
+    class Costly:
+        def __repr__(self):
+            calls.append(1)
+            return "Costly()"
+
+    async def make():
+        return [Costly() for _ in range(10)]
+
+    out = run_coroutine(make())
+    assert len(out) == 10 and all(isinstance(x, Costly) for x in out)
+    assert calls == []
+    if threading.current_thread() is threading.main_thread():  # the cost it avoids, where it occurs
+        asyncio.run(make())
+        assert calls
