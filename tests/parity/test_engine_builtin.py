@@ -264,6 +264,37 @@ def test_agenerate_concurrent_tasks_share_the_batch(qwen2):
     assert engine.stats.decode_steps - steps_before <= 2 * (steps_before + 8)
 
 
+@pytest.mark.parametrize("window_ms, spacing_s", [(20.0, 0.0), (0.0, 0.002)])
+def test_idle_engine_gathers_a_burst_before_its_first_step(qwen2, window_ms, spacing_s):
+    """8 requests started together (as an RL step's episodes are) reach an idle engine one by one; with
+    the admission window it waits for the burst and prefills it at once (one prefill, no admission
+    while running), so no row decodes alone. Without it (window 0, requests 2 ms apart) the first
+    request starts alone and the others join mid-run, which is what the window avoids."""
+    model, tok = qwen2
+    cfg = BuiltinEngineConfig(max_num_seqs=8, max_model_len=160, sync_every=4, admit_window_ms=window_ms)
+    engine = BuiltinEngine(model, tok, device="cpu", config=cfg)
+    prompts = random_prompts([5, 9, 7, 6, 11, 4, 8, 10], seed=3)
+    reqs = [GenerationRequest(p, SamplingParams(temperature=0.0, max_new_tokens=40, min_new_tokens=40), i)
+            for i, p in enumerate(prompts)]
+
+    async def episode(r: GenerationRequest) -> list[int]:
+        if spacing_s:
+            await asyncio.sleep(spacing_s * r.request_id)
+        return (await engine.agenerate(r))[0].token_ids
+
+    async def main() -> list[list[int]]:
+        return await asyncio.gather(*(episode(r) for r in reqs))
+
+    got = asyncio.run(main())
+    engine.close()
+    assert all(len(t) == 40 for t in got)
+    if window_ms:
+        assert engine.stats.prefill_calls == 1 and engine.stats.mid_run_admissions == 0
+        assert engine.stats.decode_row_steps == 8 * engine.stats.decode_steps
+    else:
+        assert engine.stats.mid_run_admissions > 0
+
+
 def test_bad_requests_raise_clear_errors(llama):
     model, tok = llama
     engine = BuiltinEngine(model, tok, device="cpu", config=SMALL)

@@ -31,12 +31,18 @@ class BuiltinEngineConfig:
     decode_gemm: str = "auto"
     gemm_min_rows: int = 64
     lookahead_steps: int | None = None  # decode steps queued while a batch-mode sync is read; default 4 on CUDA, 0 on CPU
+    # an idle engine woken by a request waits until no request has arrived for this long (at most 10x
+    # as long in all), so that a burst (an RL step's episodes start together) is prefilled and decoded
+    # as one batch instead of its first group running alone for a chunk of steps; 0: start at once
+    admit_window_ms: float = 2.0
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_prefill_tokens", "sync_every", "sync_every_batch", "max_stop_ids",
                      "gemm_min_rows"):
             if getattr(self, name) < 1:
                 raise ValueError(f"BuiltinEngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.admit_window_ms < 0:
+            raise ValueError(f"BuiltinEngineConfig.admit_window_ms must be >= 0, got {self.admit_window_ms}")
         if self.lookahead_steps is not None and self.lookahead_steps < 0:
             raise ValueError(f"BuiltinEngineConfig.lookahead_steps must be >= 0, got {self.lookahead_steps}")
         if self.decode_attention not in ("auto",) + DECODE_ATTENTION:

@@ -20,7 +20,9 @@ row may still run by length, the sync looks ahead: flags and lengths are copied 
 after the chunk and `lookahead_steps` more steps are queued before the host reads them, so the GPU
 does not wait for the host (done rows are frozen; all rows done: those steps are wasted). `generate()` drives steps in the caller's
 thread; `agenerate()` hands the request to a background thread that steps while any work is
-pending, so concurrent agent episodes share one batch.
+pending, so concurrent agent episodes share one batch. Woken while idle, that thread first waits
+until requests stop arriving (`admit_window_ms`, inbox.py): an RL step's episodes submit one by one,
+and without the wait the first group decoded a chunk alone and the rest joined it mid-run.
 
 Device work goes through `self.steps` (step.py): the front end here plans, the step runner
 prefills, decodes and reads back. With `tp` (a `TensorParallelGroup` of N shards) the engine is
@@ -47,7 +49,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import random
 import threading
 from typing import Any, Iterable
@@ -55,6 +56,7 @@ from typing import Any, Iterable
 import torch
 
 from rlhfkit.rollout.builtin.config import BuiltinEngineConfig
+from rlhfkit.rollout.builtin.inbox import Inbox
 from rlhfkit.rollout.builtin.model import DecoderModel, resolve_decode_attention, resolve_decode_gemm
 from rlhfkit.rollout.builtin.scheduler import (Admission, RequestState, SlotScheduler, batch_bucket,
                                                 length_bucket)
@@ -119,8 +121,7 @@ class BuiltinEngine:
         self.policy_version = 0  # the version of the weights now loaded (see the module docstring)
         self._running = threading.Event()  # cleared while paused
         self._running.set()
-        self._inbox: queue.SimpleQueue[RequestState] = queue.SimpleQueue()
-        self._wake = threading.Event()
+        self._inbox = Inbox()
         self._worker: threading.Thread | None = None
         self._closing = False
         self._closed = False
@@ -228,7 +229,7 @@ class BuiltinEngine:
             if version is not None:
                 self.set_policy_version(version)
             self._running.set()
-        self._wake.set()
+        self._inbox.wake()
 
     @property
     def paused(self) -> bool:
@@ -282,7 +283,7 @@ class BuiltinEngine:
     def close(self) -> None:
         self._closing = True
         self._running.set()
-        self._wake.set()
+        self._inbox.wake()
         if self._worker is not None:
             self._worker.join(timeout=10)
             self._worker = None
@@ -309,9 +310,7 @@ class BuiltinEngine:
         return RequestState(request, on_done, seed, stop_ids, filtered)
 
     def _enqueue(self, states: list[RequestState]) -> None:
-        for st in states:
-            self._inbox.put(st)
-        self._wake.set()
+        self._inbox.put(states)
 
     def _ensure_worker(self) -> None:
         if self._worker is None or not self._worker.is_alive():
@@ -321,8 +320,9 @@ class BuiltinEngine:
 
     def _worker_loop(self) -> None:
         while not self._closing:
-            self._wake.wait(timeout=1.0)
-            self._wake.clear()
+            self._inbox.wait(timeout=1.0)
+            if not self.sched.busy():  # idle: let the rest of a burst arrive (config.admit_window_ms)
+                self._inbox.gather_burst(self.config.admit_window_ms / 1000.0, lambda: self._closing)
             while not self._closing:
                 with self._lock:
                     self._drain_inbox()
@@ -331,11 +331,7 @@ class BuiltinEngine:
                     self._run_step()
 
     def _drain_inbox(self) -> None:
-        while True:
-            try:
-                self.sched.add(self._inbox.get_nowait())
-            except queue.Empty:
-                return
+        self._inbox.drain(self.sched.add)
 
     def _run_step(self, batch: bool = False) -> None:
         try:
