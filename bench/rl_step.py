@@ -223,10 +223,9 @@ def run_rlhfkit(a: argparse.Namespace, model_dir: str, data: str, reward: str, w
     out.update(prompts=prompts, completions=prompts * a.n, peak_gpu_gib=peak_gib(a.device), min_new_tokens=min_new,
                micro_train_batch_size=args.micro_train_batch_size,
                micro_rollout_batch_size=args.micro_rollout_batch_size,
-               engine_max_num_seqs=engine_batch_size(trainer.engine), rlhfkit_flags=a.rlhfkit_flags)
-    if prof is not None:
-        out["profile"] = prof
-    return out
+               engine_max_num_seqs=engine_batch_size(trainer.engine), rlhfkit_flags=a.rlhfkit_flags,
+               engine_stats=dict(vars(trainer.engine.stats)) if hasattr(trainer.engine, "stats") else None)
+    return out if prof is None else {**out, "profile": prof}
 
 
 def python_profile(fn: Callable[[], Any], rows: int) -> list[str]:

@@ -141,6 +141,9 @@ class AgentExecutorBase(ABC):
             async with limit:
                 return await self.run_episode(sample, g)
 
+        hint = getattr(self.llm_engine, "expect_requests", None)
+        if callable(hint):  # the builtin engine then starts on the whole burst of first turns
+            hint(min(len(samples) * n_per_prompt, self.config.max_concurrency or len(samples) * n_per_prompt))
         tasks = [asyncio.ensure_future(one(s, g)) for g, s in enumerate(samples) for _ in range(n_per_prompt)]
         await _gather_or_cancel(tasks)
         results = [t.result() for t in tasks]

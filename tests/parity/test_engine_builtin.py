@@ -264,15 +264,18 @@ def test_agenerate_concurrent_tasks_share_the_batch(qwen2):
     assert engine.stats.decode_steps - steps_before <= 2 * (steps_before + 8)
 
 
-@pytest.mark.parametrize("window_ms, spacing_s", [(20.0, 0.0), (0.0, 0.002)])
-def test_idle_engine_gathers_a_burst_before_its_first_step(qwen2, window_ms, spacing_s):
+@pytest.mark.parametrize("window_ms, spacing_s, hint", [(20.0, 0.0, False), (2.0, 0.003, True), (0.0, 0.002, False)])
+def test_idle_engine_gathers_a_burst_before_its_first_step(qwen2, window_ms, spacing_s, hint):
     """8 requests started together (as an RL step's episodes are) reach an idle engine one by one; with
     the admission window it waits for the burst and prefills it at once (one prefill, no admission
-    while running), so no row decodes alone. Without it (window 0, requests 2 ms apart) the first
-    request starts alone and the others join mid-run, which is what the window avoids."""
+    while running), so no row decodes alone. With `expect_requests(8)` it waits for all 8 even when
+    they come further apart than the window (3 ms vs 2 ms). Without it (window 0, requests 2 ms
+    apart) the first request starts alone and the others join mid-run, which is what this avoids."""
     model, tok = qwen2
     cfg = BuiltinEngineConfig(max_num_seqs=8, max_model_len=160, sync_every=4, admit_window_ms=window_ms)
     engine = BuiltinEngine(model, tok, device="cpu", config=cfg)
+    if hint:
+        engine.expect_requests(8)
     prompts = random_prompts([5, 9, 7, 6, 11, 4, 8, 10], seed=3)
     reqs = [GenerationRequest(p, SamplingParams(temperature=0.0, max_new_tokens=40, min_new_tokens=40), i)
             for i, p in enumerate(prompts)]

@@ -24,6 +24,10 @@ class FakeEngine:
     def __init__(self, respond):
         self.respond = respond
         self.requests = []
+        self.expected = []  # expect_requests hints, with the requests already made when each came
+
+    def expect_requests(self, n):
+        self.expected.append((n, len(self.requests)))
 
     async def agenerate(self, req):
         self.requests.append(req)
@@ -253,6 +257,7 @@ def test_single_turn_rewards_groups_and_seeds(tok):
     assert t.action_mask == [0, 0, 0, 0, 1, 1] and t.prompt_len == 4 and t.response == "3"
     assert t.rollout_logprobs == pytest.approx([0, 0, 0, 0, -0.1, -0.2])
     assert sorted(r.params.seed for r in engine.requests) == list(range(7, 13))  # distinct per episode
+    assert engine.expected == [(6, 0)]  # the engine heard of the 6 first turns before any came
     # 6 concurrent reward calls merged into batches of at most 4: the logged batch sizes say so
     assert sorted(t.extra_logs["n"] for t in ts) == [2, 2, 4, 4, 4, 4]
     assert ex.scores_rewards

@@ -330,6 +330,11 @@ class BuiltinEngine:
                         break  # idle, or paused: resume() wakes this loop
                     self._run_step()
 
+    def expect_requests(self, n: int) -> None:
+        """A hint: `n` agenerate() calls are about to come (an RL step's episodes); an idle engine
+        starts once they are all in rather than with the first ones (admit_window_ms > 0)."""
+        self._inbox.expect(n)
+
     def _drain_inbox(self) -> None:
         self._inbox.drain(self.sched.add)
 
