@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -58,6 +59,8 @@ class AgentInstance(AgentInstanceBase):
     async def step(self, states, **kwargs):
         self.turn += 1
         if WAIT_FROM is not None and self.turn == 1 and self.index >= WAIT_FROM:
+            with open(COUNTER + ".first_turns", "a") as f:  # this episode's first turn is generated
+                f.write("x\\n")
             deadline = time.time() + 120
             while not logged(1) and time.time() < deadline:  # step 1 trained and synced its weights
                 time.sleep(0.05)
@@ -193,10 +196,32 @@ def test_colocated_async_equals_separate_actors(tiny_model_dir, data_dir, async_
         torch.testing.assert_close(w[k], v, atol=1e-6, rtol=0, msg=k)
 
 
-def test_partial_rollout_continues_generations_across_a_weight_update(tiny_model_dir, data_dir, local_ray, capsys):
+def test_partial_rollout_continues_generations_across_a_weight_update(tiny_model_dir, data_dir, local_ray, capsys,
+                                                                     monkeypatch):
+    from rlhfkit.distributed import policy_sync
+
     save = os.path.join(data_dir, "partial")
     rollout_batch, n = 4, 2
     agent = write_agent(data_dir, "partial", save, wait_from=rollout_batch * n)  # batch 2's episodes wait
+    # step 1's weight update waits until batch 2's first turns are generated (with version 0): without
+    # this the test is a race between step 1's training and batch 2's first turns, which a loaded machine
+    # (or a faster step) can lose
+    marker = os.path.join(data_dir, "partial_episodes.txt.first_turns")
+    real_sync = policy_sync.RayWeightSync.sync
+
+    def first_turns() -> int:
+        if not os.path.exists(marker):
+            return 0
+        with open(marker) as f:
+            return len(f.readlines())
+
+    def sync_after_first_turns(self):
+        deadline = time.time() + 120
+        while time.time() < deadline and first_turns() < rollout_batch * n:
+            time.sleep(0.02)
+        return real_sync(self)
+
+    monkeypatch.setattr(policy_sync.RayWeightSync, "sync", sync_after_first_turns)
     argv = flags(tiny_model_dir, data_dir, save, "--async_train", "--partial_rollout", "--enable_vllm_is_correction",
                  "--vllm_is_correction_type", "icepop", "--max_len", "64")
     i = argv.index("--remote_rm_url")
