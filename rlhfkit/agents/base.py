@@ -135,7 +135,9 @@ class AgentExecutorBase(ABC):
         """
         if not hasattr(self, "config"):
             raise RuntimeError(f"{type(self).__name__}.setup(engine, tokenizer, config) was not called")
-        limit = asyncio.Semaphore(self.config.max_concurrency or max(1, len(samples) * n_per_prompt))
+        total = len(samples) * n_per_prompt
+        concurrent = self.config.max_concurrency or max(1, total)
+        limit = asyncio.Semaphore(concurrent)
 
         async def one(sample: PromptSample, g: int) -> Trajectory | DroppedEpisode:
             async with limit:
@@ -143,7 +145,7 @@ class AgentExecutorBase(ABC):
 
         hint = getattr(self.llm_engine, "expect_requests", None)
         if callable(hint):  # the builtin engine then starts on the whole burst of first turns
-            hint(min(len(samples) * n_per_prompt, self.config.max_concurrency or len(samples) * n_per_prompt))
+            hint(min(total, concurrent))
         tasks = [asyncio.ensure_future(one(s, g)) for g, s in enumerate(samples) for _ in range(n_per_prompt)]
         await _gather_or_cancel(tasks)
         results = [t.result() for t in tasks]

@@ -7,7 +7,8 @@
       -> pad into an ExperienceBatch
       -> reward.call("forward_rewards")     [reward model, when no reward source scored it]
       -> length penalties
-      -> policy.call("forward_logprobs") = old (unless one optimizer step), ref.call(...) = ref, critic.call("forward_values")
+      -> policy.call("forward_logprobs") = old     [skipped when the rollout makes one optimizer step]
+         ref.call(...) = ref, critic.call("forward_values")
       -> KL (in reward or as loss), advantages / returns    (rlhfkit.algo)
       -> critic.call("train_on"), policy.call("train_on")   (max_epochs x mini-batches)
       -> weight_sync.sync()                  [the policy's weights into the engines; one object per placement]
@@ -54,9 +55,9 @@ from rlhfkit.roles.group import LocalWeightSync
 from rlhfkit.trainers.metrics import PhaseClock, metrics_record, progress_bar
 from rlhfkit.trainers.offline import epoch_order
 from rlhfkit.trainers.rl_config import FailedStepsError, RLLoopConfig, RLState
+from rlhfkit.types import PromptSample, Trajectory
 
 __all__ = ["FailedStepsError", "RLLoopConfig", "RLState", "RLTrainer", "freeze_gc_once"]
-from rlhfkit.types import PromptSample, Trajectory
 
 
 def run_coroutine(coro: Any) -> Any:
