@@ -23,6 +23,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 SHAPES = {
     "qwen2-0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
@@ -92,7 +93,10 @@ def rlhfkit_step_fn(model, ids, device, param_dtype: str, variant: str = "master
     autocast        fp32 module under torch.autocast (--mixed_precision autocast)
     fsdp1           a one-rank process group: FSDP2 MixedPrecisionPolicy (what N ranks run)
     *_compile       the same with --torch_compile (each decoder block compiled)
-    *_eagerloss     the fused log-prob kernel's chunks in eager PyTorch instead of compiled kernels
+    *_eagerloss     the fused log-prob head's row kernel in eager PyTorch instead of Triton
+    *_recompute     the head's softmax gradient recomputed by chunks in backward even when it fits in memory
+    *_cudnn, *_flash  SDPA restricted to cuDNN attention or to flash attention (experiments; torch picks
+                    cuDNN on an H100 by default)
     *_cg            with _compile: the blocks compiled with mode="reduce-overhead" (CUDA graphs), an
                     experiment on launch overhead, not a flag."""
     from rlhfkit.backend.dist import init_distributed
@@ -103,10 +107,11 @@ def rlhfkit_step_fn(model, ids, device, param_dtype: str, variant: str = "master
     from rlhfkit.models import fused_logprobs
 
     base, *suffixes = variant.split("_")
-    if base not in VARIANTS or not set(suffixes) <= {"compile", "eagerloss", "cg"}:
+    if base not in VARIANTS or not set(suffixes) <= {"compile", "eagerloss", "cg", "recompute", "cudnn", "flash"}:
         raise ValueError(f"--variants: unknown variant {variant!r}; choose from {', '.join(VARIANTS)} "
                          "with optional suffixes _compile, _eagerloss")
-    fused_logprobs.COMPILE_CHUNKS = "eagerloss" not in suffixes
+    fused_logprobs.USE_TRITON = "eagerloss" not in suffixes
+    fused_logprobs.KEEP_LOGITS_BYTES = 0 if "recompute" in suffixes else None
     if "cg" in suffixes:
         from rlhfkit.backend import model_prep
         from rlhfkit.backend.sharding import find_blocks
@@ -133,12 +138,38 @@ def rlhfkit_step_fn(model, ids, device, param_dtype: str, variant: str = "master
     batch = PaddedBatch(input_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=torch.ones_like(ids))
     count = float(ids.numel())
 
+    from contextlib import nullcontext
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.profiler import record_function
+
+    only = [b for k, b in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION))
+            if k in suffixes]
+
     def step():
-        loss, _ = task.loss(backend.model, batch, count)
-        backend.backward(loss)
-        backend.optimizer_step()
+        with (sdpa_kernel(only) if only else nullcontext()), \
+                record_function("sft/forward"):
+            loss, _ = task.loss(backend.model, batch, count)
+        with record_function("sft/backward"):
+            backend.backward(loss)
+        with record_function("sft/optimizer"):
+            backend.optimizer_step()
 
     return step
+
+
+def profile_step(step, top: int, trace_path: str | None = None):
+    """One more step under torch.profiler: phases sft/forward, sft/backward, sft/optimizer (bench/step_profile.py);
+    the Chrome trace is kept at `trace_path` when given."""
+    from step_profile import profile_call
+
+    return profile_call(step, prefix="sft/", top=top, trace_path=trace_path)
+
+
+def format_summary(summary: dict) -> str:
+    from step_profile import format_summary as fmt
+
+    return fmt(summary)
 
 
 def main() -> None:
@@ -152,6 +183,10 @@ def main() -> None:
     ap.add_argument("--skip_baseline", action="store_true")
     ap.add_argument("--variants", default="master", help="comma list of " + ", ".join(VARIANTS))
     ap.add_argument("--out", default=None)
+    ap.add_argument("--trace", action="store_true", help="with --profile: keep each profiled step's Chrome trace")
+    ap.add_argument("--profile", default=None, metavar="PATH",
+                    help="after timing, profile one step of each rlhfkit variant (phases forward / backward / "
+                         "optimizer, GPU idle, kernels by class) into PATH.json")
     a = ap.parse_args()
     gpu = a.device == "cuda"
     shape = a.model or ("qwen2-0.5b" if gpu else "tiny")
@@ -174,6 +209,7 @@ def main() -> None:
         if gpu:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
+    profiles: dict = {}
     for variant in a.variants.split(","):
         model, cfg = build(shape, a.device, torch.float32, a.attn)
         n_params = sum(p.numel() for p in model.parameters())
@@ -191,6 +227,9 @@ def main() -> None:
         if gpu:
             res[f"{key}_peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
             torch.cuda.reset_peak_memory_stats()
+        if a.profile:
+            profiles[key] = profile_step(step, top=20, trace_path=f"{a.profile}_{key}.trace.json" if a.trace else None)
+            print(f"[{key}]\n" + format_summary(profiles[key]), flush=True)
         fpt = flops_per_token(cfg, n_params, seq)
         peak = peak_flops(name)
         if peak:
@@ -207,6 +246,10 @@ def main() -> None:
     if "baseline_tokens_per_s" in res:
         res["speedup_vs_baseline"] = res["rlhfkit_tokens_per_s"] / res["baseline_tokens_per_s"]
     print(json.dumps(res))
+    if a.profile:
+        os.makedirs(os.path.dirname(a.profile) or ".", exist_ok=True)
+        with open(a.profile + ".json", "w") as f:
+            json.dump({"device": name, "model": shape, "batch": batch, "seq": seq, "profiles": profiles}, f, indent=1)
     if a.out:
         os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
         with open(a.out, "w") as f:

@@ -239,8 +239,9 @@ class FSDP2Backend:
 
     def optimizer_step(self) -> dict[str, float]:
         """Global grad norm -> (skip if it or a loss was non-finite on any rank) clip to --max_norm
-        -> AdamW -> check the weights -> zero -> LR step. Raises NonFiniteError (guard.py) after
-        more than --max_nonfinite_steps skips in a row or on a non-finite weight."""
+        -> AdamW -> check the weights (read with the next step's decision) -> zero -> LR step. Raises
+        NonFiniteError (guard.py) after more than --max_nonfinite_steps skips in a row or when the
+        previous step left a non-finite weight."""
         opt = self._require_optimizer()
         if self._unsynced:
             raise RuntimeError("optimizer_step after backward(sync_grads=False): the last micro-batch "
@@ -252,7 +253,7 @@ class FSDP2Backend:
                 if p.grad is not None:
                     p.grad.mul_(inv)
         norm = global_grad_norm(params)
-        finite, loss_bad = self.guard.decide(norm)
+        finite, loss_bad, norm_value = self.guard.decide(norm)
         lr = self.lr
         # under fp16 a finite loss with overflowing gradients is the loss scale's business
         counts = not finite and (self.loss_scaler is None or loss_bad
@@ -264,8 +265,8 @@ class FSDP2Backend:
                 clip_grads(params, self.optim_cfg.max_norm, norm)
             opt.step()
             opt.zero_grad(set_to_none=True)
-            self.guard.check_weights(self._named_params(params), f"after optimizer step {self.guard.steps} "
-                                     f"(grad norm {float(norm):.4g}, learning rate {lr:g})")
+            self.guard.check_weights_later(self._named_params(params), f"after optimizer step {self.guard.steps} "
+                                           f"(grad norm {norm_value:.4g}, learning rate {lr:g})")
             self.guard.stepped()
             if self.master is not None:
                 self.master.copy_to_model()
@@ -274,8 +275,8 @@ class FSDP2Backend:
             self.scheduler.step()
         else:
             opt.zero_grad(set_to_none=True)
-            self.guard.skip(counts, float(norm), lr)
-        return {"grad_norm": float(norm), "lr": lr, "skipped": 0.0 if finite else 1.0,
+            self.guard.skip(counts, norm_value, lr)
+        return {"grad_norm": norm_value, "lr": lr, "skipped": 0.0 if finite else 1.0,
                 "nonfinite_skipped": 1.0 if counts else 0.0}
 
     def _named_params(self, params: list[nn.Parameter]) -> list[tuple[str, torch.Tensor]]:
@@ -289,6 +290,7 @@ class FSDP2Backend:
         """Raise NonFiniteError if a trainable weight is NaN or infinite (all ranks call)."""
         if self.guard is not None:
             self._wake()
+            self.guard.resolve()
             self.guard.check_weights(self._named_params(self._params()), what)
 
     # ------------------------------------------------------------------ weights out
@@ -332,8 +334,11 @@ class FSDP2Backend:
 
     def full_param_buckets(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                            dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Lists of (name, full tensor) of at most `bucket_bytes`; all ranks iterate."""
+        """Lists of (name, full tensor) of at most `bucket_bytes`; all ranks iterate. Raises NonFiniteError
+        if the last optimizer step left a non-finite weight (guard.py), before anything is gathered."""
         self._wake()
+        if self.guard is not None:
+            self.guard.resolve()
         return iter_full_param_buckets(self.model, bucket_bytes, dtype)
 
     def named_full_params(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES,

@@ -2,23 +2,27 @@
 
     backward(loss):   note_loss(loss)            a device-side flag, no host sync
     optimizer_step(): grad norm (global) -> decide(norm)
-                        one collective over the ranks: [norm non-finite, some rank's loss non-finite]
+                        one host transfer of [norm non-finite, loss non-finite, the previous step's
+                        weights non-finite, norm], one collective over the ranks for the flags
                         -> every rank takes the same decision
-                      finite:     clip, step ... -> check_weights(params): one max|w| per tensor,
-                                  reduced over the ranks; a non-finite weight raises NonFiniteError
+                      finite:     clip, step ... -> check_weights_later(params): one max|w| per tensor
+                                  into a device-side flag, read with the next decision
                       non-finite: the step is skipped (weights, optimizer state and LR schedule
                                   unchanged), `nonfinite_skipped` = 1; more than `limit` skips in a
                                   row raise NonFiniteError
 
-The error ends the run before any checkpoint or model is written from the ruined weights (the
-CLIs print its message as one line and exit 1), and `check_finite` refuses to save non-finite
-weights in any case. Under fp16 a skipped step whose loss was finite is the dynamic loss scale
-overflowing, which the scaler handles (halving the scale): it is counted only once the scale
-sits at its minimum.
+A step that makes a weight non-finite raises NonFiniteError at the next of: the next optimizer step's
+decision (before that step changes anything), `resolve()` (the backend calls it before weights leave
+for an engine or a file), `check_finite` before a save. So the run ends before any checkpoint, model
+or engine gets the ruined weights (the CLIs print the message as one line and exit 1), and the
+message names the step that made them. Under fp16 a skipped step whose loss was finite is the
+dynamic loss scale overflowing, which the scaler handles (halving the scale): it is counted only
+once the scale sits at its minimum.
 
-Cost per optimizer step: one 2-float all-reduce (sharded runs), one infinity-norm pass over the
-local weights (`torch._foreach_norm`, NaN propagates through the max) and one 1-float
-all-reduce; the host syncs once for the decision and once for the weight check.
+Cost per optimizer step: one infinity-norm pass over the local weights (`torch._foreach_norm`, NaN
+propagates through the max), one 3-float all-reduce (sharded runs), and one host sync, for the
+decision. The weight check does not wait for the GPU: the host goes on to the next step while the
+optimizer's kernels run.
 """
 
 from __future__ import annotations
@@ -80,21 +84,29 @@ class NonFiniteGuard:
         self.skipped = 0
         self.steps = 0
         self._loss_bad: torch.Tensor | None = None
+        self._pending: tuple[torch.Tensor, Sequence[tuple[str, torch.Tensor]], str] | None = None
 
     def note_loss(self, loss: torch.Tensor) -> None:
         """Remember whether a micro-batch loss was non-finite (no host sync)."""
         bad = ~torch.isfinite(loss.detach()).all()
         self._loss_bad = bad if self._loss_bad is None else self._loss_bad | bad
 
-    def decide(self, grad_norm: torch.Tensor) -> tuple[bool, bool]:
-        """(step is finite, the loss was non-finite on some rank); the same on every rank."""
+    def decide(self, grad_norm: torch.Tensor) -> tuple[bool, bool, float]:
+        """(step is finite, the loss was non-finite on some rank, the grad norm as a float); the same on
+        every rank. Raises NonFiniteError first if the previous step left a non-finite weight."""
         loss_bad = self._loss_bad if self._loss_bad is not None else torch.zeros((), dtype=torch.bool)
         self._loss_bad = None
-        flags = torch.stack([(~torch.isfinite(grad_norm.detach().float())).double().cpu(),
-                             loss_bad.double().cpu()])
-        norm_bad, any_loss_bad = _reduce_any(flags)
+        norm = grad_norm.detach().float().reshape(())
+        weights_bad = self._pending[0] if self._pending is not None else torch.zeros((), dtype=torch.bool)
+        dev = norm.device
+        host = torch.stack([(~torch.isfinite(norm)).double(), loss_bad.to(dev).double(),
+                            weights_bad.to(dev).double(), norm.double()]).cpu()
+        norm_bad, any_loss_bad, any_weights_bad = _reduce_any(host[:3])
+        if any_weights_bad:
+            self._raise_pending()
+        self._pending = None
         self.steps += 1
-        return not (norm_bad or any_loss_bad), any_loss_bad
+        return not (norm_bad or any_loss_bad), any_loss_bad, float(host[3])
 
     def skip(self, counts: bool, grad_norm: float, lr: float) -> None:
         """Record a skipped step; raises NonFiniteError after more than `limit` counted in a row."""
@@ -115,10 +127,41 @@ class NonFiniteGuard:
 
     def check_weights(self, named: Sequence[tuple[str, torch.Tensor]], what: str) -> None:
         """Raise NonFiniteError if any weight is NaN or infinite on any rank (all ranks call)."""
-        norms = local_max_abs([t for _, t in named])
-        bad_here = bool(norms) and not bool(torch.isfinite(torch.stack(norms)).all())
-        if not _reduce_any(torch.tensor([float(bad_here)]))[0]:
+        self._pending = None
+        bad_here = bool(self._local_flag(named))
+        if _reduce_any(torch.tensor([float(bad_here)]))[0]:
+            self._raise(named, what, bad_here)
+
+    def check_weights_later(self, named: Sequence[tuple[str, torch.Tensor]], what: str) -> None:
+        """`check_weights` without waiting: the flag stays on the device until the next `decide` or
+        `resolve` reads it (all ranks call)."""
+        self._pending = (self._local_flag(named), named, what)
+
+    def resolve(self) -> None:
+        """Read a pending weight check now: raise NonFiniteError if it found a non-finite weight on
+        any rank (all ranks call)."""
+        if self._pending is None:
             return
+        flag = bool(self._pending[0])
+        if _reduce_any(torch.tensor([float(flag)]))[0]:
+            self._raise_pending()
+        self._pending = None
+
+    @staticmethod
+    def _local_flag(named: Sequence[tuple[str, torch.Tensor]]) -> torch.Tensor:
+        norms = local_max_abs([t for _, t in named])
+        if not norms:
+            return torch.zeros((), dtype=torch.bool)
+        return ~torch.isfinite(torch.stack(norms)).all()
+
+    def _raise_pending(self) -> None:
+        assert self._pending is not None
+        flag, named, what = self._pending
+        self._pending = None
+        self._raise(named, what, bool(flag))
+
+    @staticmethod
+    def _raise(named: Sequence[tuple[str, torch.Tensor]], what: str, bad_here: bool) -> None:
         name = first_nonfinite(named) if bad_here else None
         where = f" ({name})" if name else ""
         raise NonFiniteError(f"non-finite weights{where} {what}: stopping without saving; "

@@ -52,8 +52,20 @@ class _DictLike:
         return [f.name for f in fields(self)]  # type: ignore[arg-type]
 
     def to(self, device: torch.device | str) -> Any:
-        kw = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
-        return type(self)(**kw)
+        kw = {f.name: (v.to(device) if isinstance(v, torch.Tensor) else v)
+              for f in fields(self) for v in (getattr(self, f.name),)}  # type: ignore[arg-type]
+        out = type(self)(**kw)
+        if hasattr(self, "loss_mask"):  # counted here, on the host: reading it on a GPU would be a sync
+            out._loss_tokens = (out.loss_mask, self.num_loss_tokens)
+        return out
+
+    @property
+    def num_loss_tokens(self) -> int:
+        cached = self.__dict__.get("_loss_tokens")
+        mask = self.loss_mask  # type: ignore[attr-defined]
+        if cached is not None and cached[0] is mask:
+            return cached[1]
+        return int(mask.sum())
 
 
 @dataclass
@@ -63,10 +75,6 @@ class PaddedBatch(_DictLike):
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     loss_mask: torch.Tensor
-
-    @property
-    def num_loss_tokens(self) -> int:
-        return int(self.loss_mask.sum())
 
 
 @dataclass
@@ -80,10 +88,6 @@ class PackedBatch(_DictLike):
     position_ids: torch.Tensor
     loss_mask: torch.Tensor
     seq_lens: list[int]
-
-    @property
-    def num_loss_tokens(self) -> int:
-        return int(self.loss_mask.sum())
 
     def unpack(self, values: torch.Tensor) -> list[torch.Tensor]:
         """Split a per-token tensor `[1, T, ...]` or `[T, ...]` into one tensor per sample."""

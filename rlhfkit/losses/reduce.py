@@ -80,3 +80,34 @@ def to_floats(metrics: dict[str, Tensor | float]) -> dict[str, float]:
         vals = torch.stack([metrics[k].detach().float().reshape(()) for k in keys]).tolist()  # type: ignore[union-attr]
         out.update(zip(keys, vals))
     return {k: out[k] for k in metrics}
+
+
+class HostValues:
+    """Metrics (floats or 0-d tensors) on their way to the host without a sync now: the tensors are
+    stacked and copied into pinned memory behind the work already queued; `result()` waits only for
+    that copy. Read it after something else has synced (an optimizer step's decision) and it costs
+    nothing."""
+
+    def __init__(self, metrics: dict[str, Tensor | float]) -> None:
+        self._order = list(metrics)
+        self._floats = {k: float(v) for k, v in metrics.items() if not isinstance(v, Tensor)}
+        self._keys = [k for k, v in metrics.items() if isinstance(v, Tensor)]
+        self._host: Tensor | None = None
+        self._event = None
+        if self._keys:
+            vals = torch.stack([metrics[k].detach().double().reshape(()) for k in self._keys])  # type: ignore[union-attr]
+            if vals.is_cuda:
+                self._host = torch.empty(vals.shape, dtype=vals.dtype, pin_memory=True)
+                self._host.copy_(vals, non_blocking=True)
+                self._event = torch.cuda.Event()
+                self._event.record()
+            else:
+                self._host = vals
+
+    def result(self) -> dict[str, float]:
+        if self._event is not None:
+            self._event.synchronize()
+        out = dict(self._floats)
+        if self._host is not None:
+            out.update(zip(self._keys, self._host.tolist()))
+        return {k: out[k] for k in self._order}

@@ -4,20 +4,25 @@ For a causal LM with a bias-free `lm_head` (weight `W [V, H]`), the log-prob of 
 
     z_n = W h_n / T,    logp_n = z_n[y_n] - logsumexp(z_n),    H_n = -sum_v p_nv log p_nv
 
-Rows are processed in chunks: the forward keeps only the hidden states, `lse [N]` and the entropy;
-the backward recomputes each chunk's logits and gives
+and with S_nv = 1[v = y_n] - p_nv (the softmax's gradient, independent of the loss) the backward is
 
-    dL/dz_nv = g_n (1[v = y_n] - p_nv) - g^H_n p_nv (log p_nv + H_n)
-    dL/dh_n  = (dL/dz_n / T) W,      dL/dW = sum_n (dL/dz_n / T)^T h_n
+    dL/dz_nv = (g_n S_nv - g^H_n p_nv (log p_nv + H_n)) / T
+    dL/dh_n  = (dL/dz_n) W,      dL/dW = sum_n (dL/dz_n)^T h_n
 
-so peak memory is one chunk of logits instead of the whole `[N, V]` tensor (5 GB in bf16 for
-8 x 2048 tokens and a 152k vocabulary). The same idea as Liger's fused linear cross-entropy,
-written here for log-probs and entropy.
+When only the log-probs reach the loss (g^H = 0), the per-row factor g_n / T moves out of the GEMMs:
+dL/dh = diag(g/T) (S W) and dL/dW = S^T (diag(g/T) h), so the backward is two GEMMs on S and no
+pass over `[N, V]` at all. The row kernel that computes log-sum-exp, log-prob and entropy from a
+block of logits therefore also writes S over the logits, in place, in its second pass.
 
-On CUDA the per-chunk element-wise work (upcast, log-sum-exp, gather, entropy; in backward the
-softmax, the one-hot term and the downcast) runs as two torch.compile'd kernels that read the
-chunk's low-precision logits once and keep fp32 values in registers (`COMPILE_CHUNKS`); the eager
-path, used on CPU, materialises fp32 chunks and makes several passes over them.
+Memory: when the whole `[N, V]` block fits in `keep_budget()` (half the memory the caching allocator
+could still hand out), the forward's one GEMM writes all logits, the row kernel turns them into S and
+the backward uses S as it is: one head GEMM fewer than recomputing. Otherwise rows are processed in
+chunks of `CHUNK_BYTES`, the forward keeps only the hidden states, `lse [N]` and the entropy, and the
+backward recomputes each chunk's logits and S (the same idea as Liger's fused linear cross-entropy,
+written here for log-probs and entropy).
+
+The row kernel is one Triton program per row on CUDA (`rlhfkit/models/head_kernels.py`: online
+log-sum-exp in one read, S and the entropy in a second); elsewhere the same in eager PyTorch.
 """
 
 from __future__ import annotations
@@ -27,92 +32,93 @@ from typing import Any, Iterator
 
 import torch
 
-CHUNK_BYTES = 1 << 30  # bytes of one chunk of logits (fp32 eager, compute dtype compiled)
-COMPILE_CHUNKS = True  # compiled element-wise chunk kernels on CUDA
+from rlhfkit.models import head_kernels
+
+CHUNK_BYTES = 1 << 30  # bytes of one chunk of logits in the compute dtype (the recompute path)
+KEEP_LOGITS_BYTES: int | None = None  # None: keep_budget(); an int: a fixed budget (0: always recompute)
+KEEP_FRACTION = 0.5  # auto budget: this share of the memory the allocator could still hand out
+USE_TRITON = True  # the Triton row kernel on CUDA (bench/train_throughput.py's _eagerloss turns it off)
 
 
-def _fwd_chunk(z: torch.Tensor, targets: torch.Tensor, inv_t: float, with_entropy: bool
+def keep_budget(device: torch.device) -> int:
+    """Bytes of logits the forward may keep for the backward on `device`."""
+    if KEEP_LOGITS_BYTES is not None:
+        return KEEP_LOGITS_BYTES
+    if device.type != "cuda":
+        return 0  # host memory: the recompute costs the same GEMM either way there
+    free, _ = torch.cuda.mem_get_info(device)
+    idle = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return int(KEEP_FRACTION * (free + idle))
+
+
+def _row_stats(z: torch.Tensor, targets: torch.Tensor, inv_t: float, with_entropy: bool, write_s: bool
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(log-prob of the targets, log-sum-exp, entropy) of one chunk of logits `z` (any dtype)."""
-    z = z.float() * inv_t
-    lse = torch.logsumexp(z, dim=-1)
-    lp = z.gather(-1, targets[:, None]).squeeze(-1) - lse
-    if not with_entropy:
-        return lp, lse, None
-    logp = z - lse[:, None]
-    return lp, lse, -(logp.exp() * logp).sum(-1)
-
-
-def _bwd_chunk(z: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, ent: torch.Tensor | None,
-               g_lp: torch.Tensor, g_ent: torch.Tensor | None, inv_t: float) -> torch.Tensor:
-    """dL/dz of one chunk in z's dtype (see the module docstring for the formula)."""
-    logp = z.float() * inv_t - lse[:, None]
-    p = logp.exp()
-    gz = -p * g_lp[:, None]
-    if ent is not None and g_ent is not None:
-        gz = gz - p * (logp + ent[:, None]) * g_ent[:, None]
-    onehot = torch.arange(z.shape[-1], device=z.device)[None, :] == targets[:, None]
-    gz = gz + torch.where(onehot, g_lp[:, None], 0.0)
-    return (gz * inv_t).to(z.dtype)
-
-
-_COMPILED: dict[str, Any] = {}
-
-
-def _compiled(name: str):
-    if name not in _COMPILED:
-        fn = {"fwd": _fwd_chunk, "bwd": _bwd_chunk}[name]
-        _COMPILED[name] = torch.compile(fn, dynamic=True)
-    return _COMPILED[name]
-
-
-def use_compiled_chunks(hidden: torch.Tensor) -> bool:
-    return COMPILE_CHUNKS and hidden.is_cuda
+    """(log-prob of the targets, log-sum-exp, entropy) of a block of logits `z [n, V]`; with `write_s`
+    z is overwritten with S = onehot(targets) - softmax(z / T) in its own dtype."""
+    if USE_TRITON and head_kernels.available(z):
+        return head_kernels.row_stats(z, targets, inv_t, with_entropy, write_s)
+    return head_kernels.row_stats_eager(z, targets, inv_t, with_entropy, write_s)
 
 
 class FusedLinearLogprobFn(torch.autograd.Function):
-    """Chunked head + log-probs (module docstring); `compiled` runs each chunk's element-wise work
-    in the two torch.compile'd kernels, else eagerly (same functions)."""
+    """Head GEMM + row kernel (module docstring): keeps S when it fits, else recomputes by chunks."""
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
-                chunk: int, with_entropy: bool, compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                chunk: int, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
         ctx.set_materialize_grads(False)  # an output the loss does not use gets no (zero) gradient pass
         n = hidden.shape[0]
         w = weight.to(hidden.dtype)
-        lp = hidden.new_empty(n, dtype=torch.float32)
-        lse = hidden.new_empty(n, dtype=torch.float32)
-        ent = hidden.new_zeros(n if with_entropy else 0, dtype=torch.float32)
-        fwd = _compiled("fwd") if compiled else _fwd_chunk
-        for s in range(0, n, chunk):
-            lp_c, lse_c, ent_c = fwd(hidden[s:s + chunk] @ w.t(), targets[s:s + chunk], 1.0 / temperature,
-                                     with_entropy)
-            lp[s:s + chunk], lse[s:s + chunk] = lp_c, lse_c
-            if with_entropy:
-                ent[s:s + chunk] = ent_c
-        ctx.save_for_backward(hidden, weight, targets, lse, ent)
-        ctx.temperature, ctx.chunk, ctx.with_entropy, ctx.compiled = temperature, chunk, with_entropy, compiled
+        inv_t = 1.0 / temperature
+        nbytes = n * weight.shape[0] * hidden.element_size()
+        keep = (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]) and 0 < nbytes <= keep_budget(hidden.device)
+        if keep:  # one GEMM for all rows; S stays for the backward
+            s_all = hidden @ w.t()
+            lp, lse, ent = _row_stats(s_all, targets, inv_t, with_entropy, write_s=True)
+        else:
+            s_all = hidden.new_empty(0, weight.shape[0])
+            lp = hidden.new_empty(n, dtype=torch.float32)
+            lse = hidden.new_empty(n, dtype=torch.float32)
+            ent = hidden.new_zeros(n if with_entropy else 0, dtype=torch.float32)
+            for s in range(0, n, chunk):
+                lp_c, lse_c, ent_c = _row_stats(hidden[s:s + chunk] @ w.t(), targets[s:s + chunk], inv_t,
+                                                with_entropy, write_s=False)
+                lp[s:s + chunk], lse[s:s + chunk] = lp_c, lse_c
+                if with_entropy:
+                    ent[s:s + chunk] = ent_c
+        if ent is None:
+            ent = hidden.new_zeros(0, dtype=torch.float32)
+        ctx.keep, ctx.inv_t, ctx.chunk, ctx.with_entropy = keep, inv_t, chunk, with_entropy
+        ctx.save_for_backward(hidden, weight, targets, ent, s_all)
         return lp, ent
 
     @staticmethod
     def backward(ctx: Any, g_lp: torch.Tensor | None, g_ent: torch.Tensor | None) -> tuple[Any, ...]:
-        hidden, weight, targets, lse, ent = ctx.saved_tensors
+        hidden, weight, targets, ent, s_all = ctx.saved_tensors
         w = weight.to(hidden.dtype)
-        if g_lp is None:  # only the entropy reached the loss
-            g_lp = torch.zeros_like(lse)
+        inv_t = ctx.inv_t
         use_ent = ctx.with_entropy and g_ent is not None  # an entropy used only as a metric adds no term
+        g_lp = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device) if g_lp is None \
+            else g_lp.float()
         grad_h = torch.empty_like(hidden)
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        bwd = _compiled("bwd") if ctx.compiled else _bwd_chunk
-        g_lp = g_lp.float()
-        for s in range(0, hidden.shape[0], ctx.chunk):
-            sl = slice(s, s + ctx.chunk)
+        for s in range(0, hidden.shape[0], s_all.shape[0] if ctx.keep else ctx.chunk):
+            sl = slice(s, s + (s_all.shape[0] if ctx.keep else ctx.chunk))
             h = hidden[sl]
-            gz = bwd(h @ w.t(), targets[sl], lse[sl], ent[sl] if use_ent else None, g_lp[sl],
-                     g_ent[sl].float() if use_ent else None, 1.0 / ctx.temperature)
-            grad_h[sl] = gz @ w
-            accumulate_outer(grad_w, gz, h)
-        return grad_h, grad_w.to(weight.dtype), None, None, None, None, None
+            if ctx.keep:
+                s_blk = s_all
+            else:
+                s_blk = h @ w.t()
+                _row_stats(s_blk, targets[sl], inv_t, False, write_s=True)
+            if use_ent:  # the entropy term is not a row scaling of S: one element-wise pass
+                gz = head_kernels.grad_with_entropy(s_blk, targets[sl], ent[sl], g_lp[sl], g_ent[sl].float(), inv_t)
+                grad_h[sl] = gz @ w
+                accumulate_outer(grad_w, gz, h)
+            else:
+                scale = (g_lp[sl] * inv_t)[:, None]
+                grad_h[sl] = ((s_blk @ w).float() * scale).to(hidden.dtype)
+                accumulate_outer(grad_w, s_blk, (h.float() * scale).to(hidden.dtype))
+        return grad_h, grad_w.to(weight.dtype), None, None, None, None
 
 
 def accumulate_outer(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -179,11 +185,10 @@ def fused_shifted_logprobs(hidden: torch.Tensor, weight: torch.Tensor, input_ids
     """Like `logprobs_from_logits` but from hidden states `[B, L, H]` and the head weight `[V, H]`."""
     b, length, hdim = hidden.shape
     vocab = weight.shape[0]
-    compiled = use_compiled_chunks(hidden)
-    chunk = chunk_size or max(1, CHUNK_BYTES // ((hidden.element_size() if compiled else 4) * vocab))
+    chunk = chunk_size or max(1, CHUNK_BYTES // (hidden.element_size() * vocab))
     targets = torch.roll(input_ids, shifts=-1, dims=1).reshape(-1)
     lp, ent = FusedLinearLogprobFn.apply(hidden.reshape(b * length, hdim), weight, targets, float(temperature),
-                                         chunk, return_entropy, compiled)
+                                         chunk, return_entropy)
     zero = lp.new_zeros(b, 1)
     lp = torch.cat([zero, lp.view(b, length)[:, :-1]], dim=1)
     if not return_entropy:

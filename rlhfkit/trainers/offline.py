@@ -33,6 +33,7 @@ import torch
 from rlhfkit.backend.dist import DistInfo
 from rlhfkit.config.notes import note_once
 from rlhfkit.losses.aux import router_aux_loss
+from rlhfkit.losses.reduce import HostValues
 from rlhfkit.models.moe import RouterAuxLoss
 from rlhfkit.trainers.metrics import EVAL, MetricsLogger, NullLogger, metrics_record, progress_bar
 from rlhfkit.trainers.model_card import task_kind
@@ -190,7 +191,7 @@ def _train_step(task: OfflineTask, backend, micro: list[Any], dist: DistInfo,
     if global_count <= 0:
         raise ValueError("an optimizer step has no loss tokens: every sample was fully masked/truncated "
                          "(check --max_len and the data)")
-    sums: dict[str, float] = {}
+    sums: dict[str, torch.Tensor | float] = {}  # a task's metric may be a device tensor: no sync per micro-batch
     for i, mb in enumerate(micro):
         with RouterAuxLoss(backend.model, enabled=aux_loss_coef != 0) as router:
             loss, m = task.loss(backend.model, mb, global_count)
@@ -203,13 +204,18 @@ def _train_step(task: OfflineTask, backend, micro: list[Any], dist: DistInfo,
                       "loss (not a mixture-of-experts causal LM)")
         backend.backward(loss, sync_grads=i == len(micro) - 1)
         for k, v in m.items():
-            sums[k] = sums.get(k, 0.0) + float(v)
+            v = v.detach().double() if isinstance(v, torch.Tensor) else float(v)
+            sums[k] = sums.get(k, 0.0) + v
+    # read after the optimizer step's own sync, so the GPU is not drained one more time per step
+    pending = HostValues(sums)
+    stepped = backend.optimizer_step()
     # task metrics are already normalised by the global count: sum them over micro-batches and ranks
-    keys = sorted(sums)
-    vec = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
+    host = pending.result()
+    keys = sorted(host)
+    vec = torch.tensor([host[k] for k in keys], dtype=torch.float64)
     vec = dist.all_reduce_loss(vec) if getattr(task, "TOKEN_ADDITIVE", False) else dist.all_reduce_dp(vec)
     out = {k: float(v) for k, v in zip(keys, vec.tolist())}
-    out.update(backend.optimizer_step())
+    out.update(stepped)
     return out
 
 

@@ -45,8 +45,9 @@ class SFTTask:
              ) -> tuple[torch.Tensor, dict[str, float]]:
         lp = self._logprobs(model, batch)
         loss, _ = sft_loss(lp, batch.loss_mask, global_count)
-        # additive: summed over micro-batches and ranks it is the step's token-mean NLL
-        return loss, {"loss": float(loss.detach())}
+        # additive: summed over micro-batches and ranks it is the step's token-mean NLL; a device tensor
+        # (the loop reads it after the optimizer step's sync)
+        return loss, {"loss": loss.detach()}
 
     def eval_metrics(self, model: torch.nn.Module, batches: list[Batch]) -> dict[str, float]:
         nll = torch.zeros((), dtype=torch.float64)

@@ -9,15 +9,14 @@ from rlhfkit.models.forward import token_logprobs
 
 @pytest.mark.parametrize("temperature,entropy,use", [(1.0, False, "lp"), (0.7, True, "both"),
                                                      (0.7, True, "lp"), (1.0, True, "ent")])
-@pytest.mark.parametrize("chunk_kernels", ["eager", "compiled_path"])
-def test_fused_equals_unfused(tiny_qwen2_dir, temperature, entropy, use, chunk_kernels, monkeypatch):
+@pytest.mark.parametrize("keep", ["recompute", "keep"])
+def test_fused_equals_unfused(tiny_qwen2_dir, temperature, entropy, use, keep, monkeypatch):
     """`use`: which outputs reach the loss -- both, the log-probs only (the entropy a metric: the
-    backward skips its term) or the entropy only (no log-prob gradient arrives)."""
-    if chunk_kernels == "compiled_path":  # the CUDA code path, with its chunk functions run eagerly
-        from rlhfkit.models import fused_logprobs as fl
+    backward skips its term) or the entropy only (no log-prob gradient arrives). `keep`: S kept from
+    the forward (one GEMM, no recompute) or recomputed by chunks in the backward."""
+    from rlhfkit.models import fused_logprobs as fl
 
-        monkeypatch.setattr(fl, "use_compiled_chunks", lambda hidden: True)
-        monkeypatch.setattr(fl, "_compiled", lambda name: {"fwd": fl._fwd_chunk, "bwd": fl._bwd_chunk}[name])
+    monkeypatch.setattr(fl, "KEEP_LOGITS_BYTES", 1 << 40 if keep == "keep" else 0)
     torch.manual_seed(0)
     ids = torch.randint(3, 100, (3, 11))
     mask = torch.ones_like(ids)

@@ -89,9 +89,32 @@ def test_a_step_that_makes_a_weight_infinite_stops_the_run():
         with torch.no_grad():
             b.model.b.weight[0, 0] = float("inf")
 
-    b.optimizer.register_step_post_hook(overflow)
-    with pytest.raises(NonFiniteError, match=r"non-finite weights \(b\.weight\) after .*learning rate 0\.5"):
+    hook = b.optimizer.register_step_post_hook(overflow)
+    step(b)  # the check is read with the next step's decision, without a host sync in this one
+    hook.remove()
+    before = b.model.a.weight.detach().clone()
+    with pytest.raises(NonFiniteError, match=r"non-finite weights \(b\.weight\) after optimizer step 1 .*"
+                                             r"learning rate 0\.5"):
         step(b)
+    assert torch.equal(b.model.a.weight, before)  # raised before that step changed anything
+
+
+@pytest.mark.parametrize("then", ["save", "export"])
+def test_a_ruined_step_is_caught_before_its_weights_leave(tmp_path, then):
+    b = backend(learning_rate=0.5)
+
+    def overflow(opt, args, kwargs):
+        with torch.no_grad():
+            b.model.b.weight[0, 0] = float("nan")
+
+    b.optimizer.register_step_post_hook(overflow)
+    step(b)
+    with pytest.raises(NonFiniteError, match=r"non-finite weights \(b\.weight\) after optimizer step 1"):
+        if then == "save":
+            b.save_checkpoint(str(tmp_path / "ckpt"), "global_step1", {"step": 1}, max_keep=2)
+        else:
+            list(b.full_param_buckets())
+    assert not os.path.exists(tmp_path / "ckpt")
 
 
 def test_nothing_is_saved_from_non_finite_weights(tmp_path):
