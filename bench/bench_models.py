@@ -27,6 +27,7 @@ loaded model with it).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -308,3 +309,22 @@ __all__ = ["SHAPES", "STREAMED", "QWEN2_05B", "QWEN25_7B", "QWEN25_32B", "TINY",
 
 if __name__ == "__main__":
     main()
+
+
+def free_memory(device: str) -> None:
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_gib(device: str) -> float | None:
+    return round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.startswith("cuda") else None
+
+
+def device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name()
+    import platform
+
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} threads)"

@@ -24,9 +24,8 @@ and one optimizer step per trainer step (steps_per_generation defaults to the ac
 step time is the wall time between consecutive `on_step_end` callbacks; its generation time is
 measured around `_generate_single_turn` (HF `generate`). TRL is imported lazily.
 
-Both sides follow their own algorithm where they differ: rlhfkit runs a separate no-grad pass for
-the old log-probs (phase "logprobs"); TRL, with one optimizer step per generation and
-num_iterations=1, takes the detached current log-probs instead and skips that pass.
+With one optimizer step per generation both sides take the old log-probs from the training pass (no
+separate pass; rlhfkit's `--recompute_old_logprobs` brings it back). `train_mfu`: the training phase's MFU.
 
 The first step of every run is a warm-up (CUDA graphs, compilation) and is not timed; `step_s` is
 the mean over the timed steps (`step_s_median` beside it). With `--trl_prompts` smaller than
@@ -45,6 +44,7 @@ import gc
 import json
 import os
 import shlex
+import statistics
 import sys
 import tempfile
 import time
@@ -55,9 +55,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_models import SHAPES, make_bench_model, random_prompt  # noqa: E402
+from bench_models import SHAPES, device_name, free_memory, make_bench_model, peak_gib, random_prompt  # noqa: E402
 from rl_step_ray import RAY_HEADLINE, add_ray_args, run_ray  # noqa: E402
 from rl_step_trl import run_trl  # noqa: E402
+from train_throughput import phase_mfu  # noqa: E402
 
 for _k, _v in (("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"), ("HF_HUB_DISABLE_TELEMETRY", "1"),
                ("TOKENIZERS_PARALLELISM", "false"), ("WANDB_DISABLED", "true")):
@@ -93,12 +94,11 @@ def micro(total: int, want: int) -> int:
 
 
 def mean(xs: list[float]) -> float | None:
-    return sum(xs) / len(xs) if xs else None
+    return statistics.fmean(xs) if xs else None
 
 
 def median(xs: list[float]) -> float | None:
-    s = sorted(xs)
-    return (s[(len(s) - 1) // 2] + s[len(s) // 2]) / 2 if s else None
+    return statistics.median(xs) if xs else None
 
 
 def write_inputs(work: str, prompts: list[str]) -> tuple[str, str]:
@@ -120,17 +120,6 @@ def load_reward_module(path: str) -> Any:
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
-
-
-def free_memory(device: str) -> None:
-    gc.collect()
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-
-
-def peak_gib(device: str) -> float | None:
-    return round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.startswith("cuda") else None
 
 
 # ----------------------------------------------------------------------------- rlhfkit
@@ -220,6 +209,9 @@ def run_rlhfkit(a: argparse.Namespace, model_dir: str, data: str, reward: str, w
             close()
         trainer.logger.close()
     out = summarize_rlhfkit(walls, metrics, prompts * a.n)
+    seq = a.prompt_len + (out["response_length"] or 0)  # the training phase's MFU (median step)
+    out["train_mfu"] = phase_mfu(model_dir, prompts * a.n * seq, seq, median([m["time/train"] for m in metrics]),
+                                 device_name(a.device))
     out.update(prompts=prompts, completions=prompts * a.n, peak_gpu_gib=peak_gib(a.device), min_new_tokens=min_new,
                micro_train_batch_size=args.micro_train_batch_size,
                micro_rollout_batch_size=args.micro_rollout_batch_size,
@@ -384,14 +376,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
-def device_name(device: str) -> str:
-    if device.startswith("cuda"):
-        return torch.cuda.get_device_name()
-    import platform
-
-    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} threads)"
-
-
 def headline(a: argparse.Namespace, runs: list[dict]) -> dict:
     """Top-level figures: rlhfkit at --prompts; TRL at --prompts if it ran there, else its largest batch."""
     ok = [r for r in runs if "error" not in r]
@@ -400,7 +384,8 @@ def headline(a: argparse.Namespace, runs: list[dict]) -> dict:
     out: dict[str, Any] = {}
     base = rk.get(a.prompts)
     if base:
-        out.update(step_s=base["step_s"], phases_s=base["phases_s"], generate_share=base["generate_share"],
+        out.update(step_s=base["step_s"], phases_s=base["phases_s"], train_mfu=base.get("train_mfu"),
+                   generate_share=base["generate_share"],
                    gen_tokens_per_s=base["gen_tokens_per_s"], response_length=base["response_length"])
         out.update({k: base[k] for k in RAY_HEADLINE if k in base})
     if tr:

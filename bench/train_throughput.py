@@ -58,6 +58,20 @@ def flops_per_token(cfg, n_params: int, seq: int) -> float:
     return 6 * n_params + attn / 2
 
 
+def phase_mfu(model_dir: str, tokens: float, seq: float, seconds: float | None, device_name: str) -> float | None:
+    """MFU of a phase that trains `tokens` tokens of rows `seq` long in `seconds` (same FLOPs count as above;
+    the model's parameters counted on the meta device). None off the GPUs in PEAK_BF16."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    peak = peak_flops(device_name)
+    if not peak or not seconds:
+        return None
+    cfg = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        n = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
+    return tokens * flops_per_token(cfg, n, int(seq)) / seconds / peak
+
+
 def time_steps(step, n_warmup: int, n_steps: int, device: str) -> float:
     for _ in range(n_warmup):
         step()
@@ -98,7 +112,9 @@ def rlhfkit_step_fn(model, ids, device, param_dtype: str, variant: str = "master
     *_cudnn, *_flash  SDPA restricted to cuDNN attention or to flash attention (experiments; torch picks
                     cuDNN on an H100 by default)
     *_cg            with _compile: the blocks compiled with mode="reduce-overhead" (CUDA graphs), an
-                    experiment on launch overhead, not a flag."""
+                    experiment on launch overhead, not a flag.
+    *_autotune      with _compile: mode="max-autotune-no-cudagraphs" (Triton GEMM templates with fused
+                    epilogues tried against cuBLAS), an experiment."""
     from rlhfkit.backend.dist import init_distributed
     from rlhfkit.backend.fsdp2 import FSDP2Backend
     from rlhfkit.config.configs import BackendConfig, OptimConfig
@@ -107,18 +123,21 @@ def rlhfkit_step_fn(model, ids, device, param_dtype: str, variant: str = "master
     from rlhfkit.models import fused_logprobs
 
     base, *suffixes = variant.split("_")
-    if base not in VARIANTS or not set(suffixes) <= {"compile", "eagerloss", "cg", "recompute", "cudnn", "flash"}:
+    if base not in VARIANTS or not set(suffixes) <= {"compile", "eagerloss", "cg", "autotune", "recompute", "cudnn",
+                                                           "flash"}:
         raise ValueError(f"--variants: unknown variant {variant!r}; choose from {', '.join(VARIANTS)} "
                          "with optional suffixes _compile, _eagerloss")
     fused_logprobs.USE_TRITON = "eagerloss" not in suffixes
     fused_logprobs.KEEP_LOGITS_BYTES = 0 if "recompute" in suffixes else None
-    if "cg" in suffixes:
+    if "cg" in suffixes or "autotune" in suffixes:
         from rlhfkit.backend import model_prep
         from rlhfkit.backend.sharding import find_blocks
 
+        mode = "reduce-overhead" if "cg" in suffixes else "max-autotune-no-cudagraphs"
+
         def compile_cg(model, dynamic=None):
             for block in find_blocks(model):
-                block.compile(mode="reduce-overhead", dynamic=dynamic)
+                block.compile(mode=mode, dynamic=dynamic)
 
         model_prep.compile_blocks = compile_cg
         import rlhfkit.backend.fsdp2 as fsdp2_mod

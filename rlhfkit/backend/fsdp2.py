@@ -64,18 +64,13 @@ from rlhfkit.backend.ema import EMAWeights
 from rlhfkit.backend.guard import NonFiniteGuard
 from rlhfkit.backend.hf_export import export_hf, parse_size
 from rlhfkit.backend.master import MasterWeights
+from rlhfkit.backend.optim_step import decide_and_step
 from rlhfkit.backend.model_prep import autocast_forward, cast_params, compile_blocks
 from rlhfkit.backend.offload import HostStash, MoveStats
 from rlhfkit.backend.optim import build_optimizer, build_scheduler, param_groups
 from rlhfkit.backend.parallel import ParallelDims
 from rlhfkit.backend.precision import DynamicLossScaler, compute_dtype_for, parse_dtype
-from rlhfkit.backend.sharding import (
-    apply_fsdp2,
-    clip_grads,
-    global_grad_norm,
-    iter_full_param_buckets,
-    sum_gradients_by_loss_scale,
-)
+from rlhfkit.backend.sharding import apply_fsdp2, global_grad_norm, iter_full_param_buckets, sum_gradients_by_loss_scale
 from rlhfkit.backend.tensor_parallel import apply_tp
 from rlhfkit.config.configs import BackendConfig, OptimConfig
 from rlhfkit.config.notes import note_once
@@ -145,6 +140,7 @@ class FSDP2Backend:
         self.scheduler = None
         self.loss_scaler: DynamicLossScaler | None = None
         self.guard: NonFiniteGuard | None = None
+        self._named_cache: tuple[tuple[int, ...], list[tuple[str, torch.Tensor]]] | None = None
         self.ema: EMAWeights | None = None
         if self.trainable:
             self.guard = NonFiniteGuard(optim_cfg.max_nonfinite_steps)
@@ -253,7 +249,9 @@ class FSDP2Backend:
                 if p.grad is not None:
                     p.grad.mul_(inv)
         norm = global_grad_norm(params)
-        finite, loss_bad, norm_value = self.guard.decide(norm)
+        finite, loss_bad, norm_value = decide_and_step(opt, params, norm, self.guard, self.optim_cfg.max_norm,
+                                                       self.is_sharded or D.get_world_size() > 1,
+                                                       self.loss_scaler is not None)
         lr = self.lr
         # under fp16 a finite loss with overflowing gradients is the loss scale's business
         counts = not finite and (self.loss_scaler is None or loss_bad
@@ -261,9 +259,6 @@ class FSDP2Backend:
         if self.loss_scaler is not None:
             self.loss_scaler.update(finite)
         if finite:
-            if self.optim_cfg.max_norm > 0:
-                clip_grads(params, self.optim_cfg.max_norm, norm)
-            opt.step()
             opt.zero_grad(set_to_none=True)
             self.guard.check_weights_later(self._named_params(params), f"after optimizer step {self.guard.steps} "
                                            f"(grad norm {norm_value:.4g}, learning rate {lr:g})")
@@ -280,11 +275,14 @@ class FSDP2Backend:
                 "nonfinite_skipped": 1.0 if counts else 0.0}
 
     def _named_params(self, params: list[nn.Parameter]) -> list[tuple[str, torch.Tensor]]:
-        """(name, tensor) of the optimizer's parameters (the fp32 masters under master weights)."""
-        names = {id(p): n for n, p in self.model.named_parameters()}
-        if self.master is not None:
-            names.update({id(m): n for n, m in zip(self.master.names, self.master.masters)})
-        return [(names.get(id(p), f"param{i}"), p) for i, p in enumerate(params)]
+        """(name, tensor) of the optimizer's parameters (the fp32 masters under master weights), cached."""
+        key = tuple(map(id, params))
+        if self._named_cache is None or self._named_cache[0] != key:
+            names = {id(p): n for n, p in self.model.named_parameters()}
+            if self.master is not None:
+                names.update({id(m): n for n, m in zip(self.master.names, self.master.masters)})
+            self._named_cache = (key, [(names.get(id(p), f"param{i}"), p) for i, p in enumerate(params)])
+        return self._named_cache[1]
 
     def check_finite(self, what: str) -> None:
         """Raise NonFiniteError if a trainable weight is NaN or infinite (all ranks call)."""

@@ -94,13 +94,21 @@ class NonFiniteGuard:
     def decide(self, grad_norm: torch.Tensor) -> tuple[bool, bool, float]:
         """(step is finite, the loss was non-finite on some rank, the grad norm as a float); the same on
         every rank. Raises NonFiniteError first if the previous step left a non-finite weight."""
-        loss_bad = self._loss_bad if self._loss_bad is not None else torch.zeros((), dtype=torch.bool)
-        self._loss_bad = None
+        return self.decide_host(self.device_flags(grad_norm).cpu())
+
+    def device_flags(self, grad_norm: torch.Tensor) -> torch.Tensor:
+        """[norm non-finite, a loss non-finite, the previous step left a non-finite weight, norm] (float64)
+        on the norm's device, without a host sync; `decide_host` takes them once they are on the host."""
         norm = grad_norm.detach().float().reshape(())
-        weights_bad = self._pending[0] if self._pending is not None else torch.zeros((), dtype=torch.bool)
         dev = norm.device
-        host = torch.stack([(~torch.isfinite(norm)).double(), loss_bad.to(dev).double(),
-                            weights_bad.to(dev).double(), norm.double()]).cpu()
+        loss_bad = self._loss_bad.to(dev) if self._loss_bad is not None else torch.zeros((), dtype=torch.bool, device=dev)
+        self._loss_bad = None
+        weights_bad = self._pending[0].to(dev) if self._pending is not None else torch.zeros((), dtype=torch.bool,
+                                                                                             device=dev)
+        return torch.stack([(~torch.isfinite(norm)).double(), loss_bad.double(), weights_bad.double(), norm.double()])
+
+    def decide_host(self, host: torch.Tensor) -> tuple[bool, bool, float]:
+        """`decide` from `device_flags` copied to the host (reduced over the ranks here)."""
         norm_bad, any_loss_bad, any_weights_bad = _reduce_any(host[:3])
         if any_weights_bad:
             self._raise_pending()

@@ -181,3 +181,66 @@ def test_offline_loop_skips_one_injected_non_finite_step_and_goes_on():
         assert all(torch.equal(seen[i][1][n], seen[i - 1][1][n]) for n in seen[i][1])
     assert all(torch.isfinite(p).all() for p in b.model.parameters())
     assert sum(m["skipped"] for m, _ in seen) == 1
+
+
+def masked(b: FSDP2Backend, monkeypatch) -> FSDP2Backend:
+    """`b` with the one-GPU path (backend/optim_step.py): fused AdamW (CPU kernel here), update masked on
+    the device by `found_inf` and launched before the host decides."""
+    from rlhfkit.backend import optim_step
+
+    monkeypatch.setattr(optim_step, "can_mask_step", lambda opt, norm, ranks, scale: opt is b.optimizer)
+    for g in b.optimizer.param_groups:
+        g["fused"], g["foreach"] = True, False
+    return b
+
+
+def test_masked_step_equals_the_decided_step(monkeypatch):
+    plain, fast = backend(), masked(backend(), monkeypatch)
+    for k in range(3):
+        m0, m1 = step(plain, scale=1.0 + k), step(fast, scale=1.0 + k)
+        assert m1["grad_norm"] == pytest.approx(m0["grad_norm"], rel=1e-6) and m1["skipped"] == 0.0
+    for (n, p0), p1 in zip(plain.model.named_parameters(), fast.model.parameters()):
+        torch.testing.assert_close(p1, p0, rtol=1e-6, atol=1e-7, msg=n)
+        # the moments hold the clipped gradients (steps 2 and 3 have norms above --max_norm 1; AdamW's
+        # update itself hardly changes with a gradient's scale, its moments do)
+        for k in ("exp_avg", "exp_avg_sq", "step"):
+            torch.testing.assert_close(fast.optimizer.state[p1][k], plain.optimizer.state[p0][k], rtol=1e-6,
+                                       atol=1e-9, msg=f"{n} {k}")
+    assert not torch.equal(snapshot(fast)["a.weight"], Tiny().a.weight)  # the steps moved the weights
+
+
+def test_masked_step_skips_a_non_finite_step_on_the_device(monkeypatch):
+    b = masked(backend(), monkeypatch)
+    step(b)
+    before = snapshot(b)
+    state = {k: v.clone() for k, v in b.optimizer.state[b.optimizer.param_groups[0]["params"][0]].items()}
+    lr = b.lr
+    launched = []
+    b.optimizer.register_step_pre_hook(lambda *a: launched.append(1))
+    out = step(b, extra=float("nan"))
+    assert launched == [1]  # the update was launched (before the decision) ...
+    assert out["skipped"] == 1.0 and out["nonfinite_skipped"] == 1.0  # ... and masked
+    for n, p in snapshot(b).items():
+        assert torch.equal(p, before[n]), n
+    after = b.optimizer.state[b.optimizer.param_groups[0]["params"][0]]
+    for k, v in state.items():  # moments and step count unchanged: the fused kernel did nothing
+        assert torch.equal(after[k], v), k
+    assert b.lr == lr
+    assert step(b)["skipped"] == 0.0  # and the next finite step goes on
+    assert not torch.equal(snapshot(b)["a.weight"], before["a.weight"])
+
+
+def test_masked_step_stops_on_the_previous_step_s_weights_before_changing_anything(monkeypatch):
+    b = masked(backend(learning_rate=0.5), monkeypatch)
+
+    def overflow(opt, args, kwargs):
+        with torch.no_grad():
+            b.model.b.weight[0, 0] = float("inf")
+
+    hook = b.optimizer.register_step_post_hook(overflow)
+    step(b)
+    hook.remove()
+    before = snapshot(b)
+    with pytest.raises(NonFiniteError, match=r"non-finite weights \(b\.weight\) after optimizer step 1"):
+        step(b)
+    assert torch.equal(snapshot(b)["a.weight"], before["a.weight"])
