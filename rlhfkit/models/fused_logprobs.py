@@ -32,6 +32,7 @@ from typing import Any, Iterator
 
 import torch
 
+from rlhfkit.config.notes import note_once
 from rlhfkit.models import head_kernels
 
 CHUNK_BYTES = 1 << 30  # bytes of one chunk of logits in the compute dtype (the recompute path)
@@ -55,8 +56,14 @@ def _row_stats(z: torch.Tensor, targets: torch.Tensor, inv_t: float, with_entrop
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(log-prob of the targets, log-sum-exp, entropy) of a block of logits `z [n, V]`; with `write_s`
     z is overwritten with S = onehot(targets) - softmax(z / T) in its own dtype."""
+    global USE_TRITON
     if USE_TRITON and head_kernels.available(z):
-        return head_kernels.row_stats(z, targets, inv_t, with_entropy, write_s)
+        try:
+            return head_kernels.row_stats(z, targets, inv_t, with_entropy, write_s)
+        except Exception as e:  # noqa: BLE001 - a Triton that cannot build for this GPU: the same in PyTorch
+            USE_TRITON = False
+            note_once(f"note: the fused log-prob head's Triton kernel failed ({type(e).__name__}: "
+                      f"{str(e)[:200]}); using its PyTorch version (slower, same results)")
     return head_kernels.row_stats_eager(z, targets, inv_t, with_entropy, write_s)
 
 
@@ -73,7 +80,11 @@ class FusedLinearLogprobFn(torch.autograd.Function):
         nbytes = n * weight.shape[0] * hidden.element_size()
         keep = (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]) and 0 < nbytes <= keep_budget(hidden.device)
         if keep:  # one GEMM for all rows; S stays for the backward
-            s_all = hidden @ w.t()
+            try:
+                s_all = hidden @ w.t()
+            except torch.cuda.OutOfMemoryError:  # the estimate was wrong: by chunks after all
+                keep = False
+        if keep:
             lp, lse, ent = _row_stats(s_all, targets, inv_t, with_entropy, write_s=True)
         else:
             s_all = hidden.new_empty(0, weight.shape[0])

@@ -50,3 +50,23 @@ def test_head_is_restored_after_a_failing_forward(tiny_model_dir):
     with pytest.raises(Exception):
         token_logprobs(model, torch.tensor([[1, 2, 10_000]]))  # id out of the vocabulary
     assert model.lm_head is head
+
+
+def test_a_triton_kernel_that_fails_falls_back_to_pytorch_with_one_note(monkeypatch, capsys):
+    from rlhfkit.models import fused_logprobs as fl
+    from rlhfkit.models import head_kernels as hk
+
+    def broken(*a, **k):
+        raise RuntimeError("no kernel image for this GPU")
+
+    monkeypatch.setattr(fl, "USE_TRITON", True)
+    monkeypatch.setattr(hk, "available", lambda z: True)
+    monkeypatch.setattr(hk, "row_stats", broken)
+    z = torch.randn(5, 40)
+    t = torch.randint(0, 40, (5,))
+    got = fl._row_stats(z.clone(), t, 1.0, True, False)
+    ref = hk.row_stats_eager(z.clone(), t, 1.0, True, False)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b)
+    assert fl.USE_TRITON is False
+    assert "Triton kernel failed (RuntimeError: no kernel image" in capsys.readouterr().out
