@@ -52,19 +52,19 @@ def keep_budget(device: torch.device) -> int:
     return int(KEEP_FRACTION * (free + idle))
 
 
-def _row_stats(z: torch.Tensor, targets: torch.Tensor, inv_t: float, with_entropy: bool, write_s: bool
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def _row_stats(z: torch.Tensor, targets: torch.Tensor, inv_t: float, with_entropy: bool, write_s: bool,
+               scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(log-prob of the targets, log-sum-exp, entropy) of a block of logits `z [n, V]`; with `write_s`
-    z is overwritten with S = onehot(targets) - softmax(z / T) in its own dtype."""
+    z is overwritten with S = onehot(targets) - softmax(z / T), times `scale [n]` when given, in its own dtype."""
     global USE_TRITON
     if USE_TRITON and head_kernels.available(z):
         try:
-            return head_kernels.row_stats(z, targets, inv_t, with_entropy, write_s)
+            return head_kernels.row_stats(z, targets, inv_t, with_entropy, write_s, scale)
         except Exception as e:  # noqa: BLE001 - a Triton that cannot build for this GPU: the same in PyTorch
             USE_TRITON = False
             note_once(f"note: the fused log-prob head's Triton kernel failed ({type(e).__name__}: "
                       f"{str(e)[:200]}); using its PyTorch version (slower, same results)")
-    return head_kernels.row_stats_eager(z, targets, inv_t, with_entropy, write_s)
+    return head_kernels.row_stats_eager(z, targets, inv_t, with_entropy, write_s, scale)
 
 
 class FusedLinearLogprobFn(torch.autograd.Function):
@@ -116,19 +116,21 @@ class FusedLinearLogprobFn(torch.autograd.Function):
         for s in range(0, hidden.shape[0], s_all.shape[0] if ctx.keep else ctx.chunk):
             sl = slice(s, s + (s_all.shape[0] if ctx.keep else ctx.chunk))
             h = hidden[sl]
-            if ctx.keep:
-                s_blk = s_all
-            else:
-                s_blk = h @ w.t()
-                _row_stats(s_blk, targets[sl], inv_t, False, write_s=True)
+            scale = g_lp[sl] * inv_t
+            if ctx.keep and not use_ent:  # S from the forward: the row factor applied outside the GEMMs
+                grad_h[sl] = ((s_all @ w).float() * scale[:, None]).to(hidden.dtype)
+                accumulate_outer(grad_w, s_all, (h.float() * scale[:, None]).to(hidden.dtype))
+                continue
             if use_ent:  # the entropy term is not a row scaling of S: one element-wise pass
+                s_blk = s_all if ctx.keep else h @ w.t()
+                if not ctx.keep:
+                    _row_stats(s_blk, targets[sl], inv_t, False, write_s=True)
                 gz = head_kernels.grad_with_entropy(s_blk, targets[sl], ent[sl], g_lp[sl], g_ent[sl].float(), inv_t)
-                grad_h[sl] = gz @ w
-                accumulate_outer(grad_w, gz, h)
-            else:
-                scale = (g_lp[sl] * inv_t)[:, None]
-                grad_h[sl] = ((s_blk @ w).float() * scale).to(hidden.dtype)
-                accumulate_outer(grad_w, s_blk, (h.float() * scale).to(hidden.dtype))
+            else:  # recomputed: the row kernel writes dL/dz = S g / T straight away
+                gz = h @ w.t()
+                _row_stats(gz, targets[sl], inv_t, False, write_s=True, scale=scale)
+            grad_h[sl] = gz @ w
+            accumulate_outer(grad_w, gz, h)
         return grad_h, grad_w.to(weight.dtype), None, None, None, None
 
 

@@ -3,7 +3,7 @@
     lse = logsumexp(z / T),   lp = z[y] / T - lse,   H = lse - sum_v p_v z_v / T,   p = softmax(z / T)
 
 and, with `write_s`, z overwritten in place by S = onehot(y) - p in z's dtype (the softmax's
-gradient, which the backward multiplies into the head's two GEMMs).
+gradient, which the backward multiplies into the head's two GEMMs), or by S times a per-row `scale`.
 
 `row_stats` is one Triton program per row: the first pass reads the row once with an online
 log-sum-exp (a running max and rescaled sum per lane, as in FlashAttention's softmax, Dao et al.
@@ -33,8 +33,8 @@ def available(z: torch.Tensor) -> bool:
         torch.bfloat16, torch.float16, torch.float32)
 
 
-def row_stats_eager(z: torch.Tensor, targets: torch.Tensor, inv_t: float, with_entropy: bool, write_s: bool
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def row_stats_eager(z: torch.Tensor, targets: torch.Tensor, inv_t: float, with_entropy: bool, write_s: bool,
+                    scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     x = z.float() * inv_t
     lse = torch.logsumexp(x, dim=-1)
     lp = x.gather(-1, targets[:, None]).squeeze(-1) - lse
@@ -45,6 +45,8 @@ def row_stats_eager(z: torch.Tensor, targets: torch.Tensor, inv_t: float, with_e
             ent = lse - (p * x).sum(-1)
         if write_s:
             p.neg_().scatter_add_(-1, targets[:, None], torch.ones_like(lse)[:, None])
+            if scale is not None:
+                p.mul_(scale[:, None])
             z.copy_(p)
     return lp, lse, ent
 
@@ -62,8 +64,8 @@ def grad_with_entropy(s: torch.Tensor, targets: torch.Tensor, ent: torch.Tensor,
 if triton is not None:
 
     @triton.jit
-    def _row_kernel(z_ptr, stride, tgt_ptr, lp_ptr, lse_ptr, ent_ptr, V, inv_t,
-                    WRITE_S: tl.constexpr, WITH_ENT: tl.constexpr, BLOCK: tl.constexpr):
+    def _row_kernel(z_ptr, stride, tgt_ptr, lp_ptr, lse_ptr, ent_ptr, scale_ptr, V, inv_t,
+                    WRITE_S: tl.constexpr, WITH_ENT: tl.constexpr, SCALED: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         base = z_ptr + row * stride
         lanes = tl.arange(0, BLOCK)
@@ -83,6 +85,7 @@ if triton is not None:
         tl.store(lse_ptr + row, lse)
         if WRITE_S or WITH_ENT:
             px = tl.zeros([BLOCK], tl.float32)
+            row_scale = tl.load(scale_ptr + row) if SCALED else 1.0
             for start in range(0, V, BLOCK):
                 cols = start + lanes
                 inb = cols < V
@@ -92,18 +95,22 @@ if triton is not None:
                     px += tl.where(inb, p * x, 0.0)
                 if WRITE_S:
                     s = tl.where(cols == tgt, 1.0, 0.0) - p
+                    if SCALED:
+                        s = s * row_scale
                     tl.store(base + cols, s.to(z_ptr.dtype.element_ty), mask=inb)
             if WITH_ENT:
                 tl.store(ent_ptr + row, lse - tl.sum(px, axis=0))
 
 
-def row_stats(z: torch.Tensor, targets: torch.Tensor, inv_t: float, with_entropy: bool, write_s: bool
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def row_stats(z: torch.Tensor, targets: torch.Tensor, inv_t: float, with_entropy: bool, write_s: bool,
+              scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     n, vocab = z.shape
     lp = torch.empty(n, dtype=torch.float32, device=z.device)
     lse = torch.empty_like(lp)
     ent = torch.empty_like(lp) if with_entropy else lp
     if n:
-        _row_kernel[(n,)](z, z.stride(0), targets.contiguous(), lp, lse, ent, vocab, float(inv_t),
-                          WRITE_S=write_s, WITH_ENT=with_entropy, BLOCK=BLOCK, num_warps=WARPS)
+        row_scale = scale.float().contiguous() if scale is not None else lp
+        _row_kernel[(n,)](z, z.stride(0), targets.contiguous(), lp, lse, ent, row_scale, vocab, float(inv_t),
+                          WRITE_S=write_s, WITH_ENT=with_entropy, SCALED=scale is not None, BLOCK=BLOCK,
+                          num_warps=WARPS)
     return lp, lse, ent if with_entropy else None
