@@ -55,7 +55,8 @@ def keep_budget(device: torch.device) -> int:
 def _row_stats(z: torch.Tensor, targets: torch.Tensor, inv_t: float, with_entropy: bool, write_s: bool,
                scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(log-prob of the targets, log-sum-exp, entropy) of a block of logits `z [n, V]`; with `write_s`
-    z is overwritten with S = onehot(targets) - softmax(z / T), times `scale [n]` when given, in its own dtype."""
+    z is overwritten with S = onehot(targets) - softmax(z / T), or with g S / T given `scale` = g [n], in its
+    own dtype."""
     global USE_TRITON
     if USE_TRITON and head_kernels.available(z):
         try:
@@ -126,9 +127,9 @@ class FusedLinearLogprobFn(torch.autograd.Function):
                 if not ctx.keep:
                     _row_stats(s_blk, targets[sl], inv_t, False, write_s=True)
                 gz = head_kernels.grad_with_entropy(s_blk, targets[sl], ent[sl], g_lp[sl], g_ent[sl].float(), inv_t)
-            else:  # recomputed: the row kernel writes dL/dz = S g / T straight away
+            else:  # recomputed: the row kernel writes dL/dz = g S / T straight away
                 gz = h @ w.t()
-                _row_stats(gz, targets[sl], inv_t, False, write_s=True, scale=scale)
+                _row_stats(gz, targets[sl], inv_t, False, write_s=True, scale=g_lp[sl])
             grad_h[sl] = gz @ w
             accumulate_outer(grad_w, gz, h)
         return grad_h, grad_w.to(weight.dtype), None, None, None, None

@@ -3,7 +3,8 @@
     lse = logsumexp(z / T),   lp = z[y] / T - lse,   H = lse - sum_v p_v z_v / T,   p = softmax(z / T)
 
 and, with `write_s`, z overwritten in place by S = onehot(y) - p in z's dtype (the softmax's
-gradient, which the backward multiplies into the head's two GEMMs), or by S times a per-row `scale`.
+gradient, which the backward multiplies into the head's two GEMMs), or, given the per-row gradient
+`scale` = g, by dL/dz = g S / T itself.
 
 `row_stats` is one Triton program per row: the first pass reads the row once with an online
 log-sum-exp (a running max and rescaled sum per lane, as in FlashAttention's softmax, Dao et al.
@@ -43,10 +44,12 @@ def row_stats_eager(z: torch.Tensor, targets: torch.Tensor, inv_t: float, with_e
         p = (x - lse[:, None]).exp_()
         if with_entropy:
             ent = lse - (p * x).sum(-1)
-        if write_s:
+        if write_s and scale is None:
             p.neg_().scatter_add_(-1, targets[:, None], torch.ones_like(lse)[:, None])
-            if scale is not None:
-                p.mul_(scale[:, None])
+        elif write_s:  # (g onehot - g p) / T, in this order (the rounding of the unfused path's gradient)
+            g = scale.float()[:, None]
+            p.mul_(-g).scatter_add_(-1, targets[:, None], g).mul_(inv_t)
+        if write_s:
             z.copy_(p)
     return lp, lse, ent
 
@@ -94,9 +97,10 @@ if triton is not None:
                 if WITH_ENT:
                     px += tl.where(inb, p * x, 0.0)
                 if WRITE_S:
-                    s = tl.where(cols == tgt, 1.0, 0.0) - p
-                    if SCALED:
-                        s = s * row_scale
+                    if SCALED:  # dL/dz = (g onehot - g p) / T
+                        s = (tl.where(cols == tgt, row_scale, 0.0) - p * row_scale) * inv_t
+                    else:
+                        s = tl.where(cols == tgt, 1.0, 0.0) - p
                     tl.store(base + cols, s.to(z_ptr.dtype.element_ty), mask=inb)
             if WITH_ENT:
                 tl.store(ent_ptr + row, lse - tl.sum(px, axis=0))
