@@ -73,13 +73,14 @@ class FusedLinearLogprobFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
-                chunk: int, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                chunk: int, with_entropy: bool, backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
         ctx.set_materialize_grads(False)  # an output the loss does not use gets no (zero) gradient pass
         n = hidden.shape[0]
         w = weight.to(hidden.dtype)
         inv_t = 1.0 / temperature
         nbytes = n * weight.shape[0] * hidden.element_size()
-        keep = (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]) and 0 < nbytes <= keep_budget(hidden.device)
+        # `backward`: a graph is being recorded (ctx.needs_input_grad says True for a parameter under no_grad too)
+        keep = backward and 0 < nbytes <= keep_budget(hidden.device)
         if keep:  # one GEMM for all rows; S stays for the backward
             try:
                 s_all = hidden @ w.t()
@@ -132,7 +133,7 @@ class FusedLinearLogprobFn(torch.autograd.Function):
                 _row_stats(gz, targets[sl], inv_t, False, write_s=True, scale=g_lp[sl])
             grad_h[sl] = gz @ w
             accumulate_outer(grad_w, gz, h)
-        return grad_h, grad_w.to(weight.dtype), None, None, None, None
+        return grad_h, grad_w.to(weight.dtype), None, None, None, None, None
 
 
 def accumulate_outer(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -201,8 +202,9 @@ def fused_shifted_logprobs(hidden: torch.Tensor, weight: torch.Tensor, input_ids
     vocab = weight.shape[0]
     chunk = chunk_size or max(1, CHUNK_BYTES // (hidden.element_size() * vocab))
     targets = torch.roll(input_ids, shifts=-1, dims=1).reshape(-1)
+    backward = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     lp, ent = FusedLinearLogprobFn.apply(hidden.reshape(b * length, hdim), weight, targets, float(temperature),
-                                         chunk, return_entropy)
+                                         chunk, return_entropy, backward)
     zero = lp.new_zeros(b, 1)
     lp = torch.cat([zero, lp.view(b, length)[:, :-1]], dim=1)
     if not return_entropy:

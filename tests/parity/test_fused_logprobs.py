@@ -70,3 +70,23 @@ def test_a_triton_kernel_that_fails_falls_back_to_pytorch_with_one_note(monkeypa
         torch.testing.assert_close(a, b)
     assert fl.USE_TRITON is False
     assert "Triton kernel failed (RuntimeError: no kernel image" in capsys.readouterr().out
+
+
+def test_a_pass_without_grad_never_keeps_the_logits(monkeypatch):
+    """Under no_grad (old-log-prob and reference passes) nothing is kept for a backward, even for a weight
+    that requires grad: the rows are processed by chunks without writing S."""
+    from rlhfkit.models import fused_logprobs as fl
+
+    monkeypatch.setattr(fl, "KEEP_LOGITS_BYTES", 1 << 40)
+    seen = []
+    orig = fl._row_stats
+    monkeypatch.setattr(fl, "_row_stats", lambda z, t, inv_t, ent, write_s, scale=None: (
+        seen.append(write_s), orig(z, t, inv_t, ent, write_s, scale))[1])
+    hidden, weight = torch.randn(2, 6, 8), torch.nn.Parameter(torch.randn(50, 8))
+    ids = torch.randint(0, 50, (2, 6))
+    with torch.no_grad():
+        fl.fused_shifted_logprobs(hidden, weight, ids, 1.0, False, chunk_size=4)
+    assert seen and not any(seen)  # chunks, no S
+    seen.clear()
+    fl.fused_shifted_logprobs(hidden, weight, ids, 1.0, False, chunk_size=4)[0].sum().backward()
+    assert seen == [True]  # with a graph: one block for all rows, S kept
