@@ -135,10 +135,8 @@ class NonFiniteGuard:
 
     def check_weights(self, named: Sequence[tuple[str, torch.Tensor]], what: str) -> None:
         """Raise NonFiniteError if any weight is NaN or infinite on any rank (all ranks call)."""
-        self._pending = None
-        bad_here = bool(self._local_flag(named))
-        if _reduce_any(torch.tensor([float(bad_here)]))[0]:
-            self._raise(named, what, bad_here)
+        self.check_weights_later(named, what)
+        self.resolve()
 
     def check_weights_later(self, named: Sequence[tuple[str, torch.Tensor]], what: str) -> None:
         """`check_weights` without waiting: the flag stays on the device until the next `decide` or
@@ -150,8 +148,7 @@ class NonFiniteGuard:
         any rank (all ranks call)."""
         if self._pending is None:
             return
-        flag = bool(self._pending[0])
-        if _reduce_any(torch.tensor([float(flag)]))[0]:
+        if _reduce_any(torch.tensor([float(bool(self._pending[0]))]))[0]:
             self._raise_pending()
         self._pending = None
 
@@ -166,11 +163,7 @@ class NonFiniteGuard:
         assert self._pending is not None
         flag, named, what = self._pending
         self._pending = None
-        self._raise(named, what, bool(flag))
-
-    @staticmethod
-    def _raise(named: Sequence[tuple[str, torch.Tensor]], what: str, bad_here: bool) -> None:
-        name = first_nonfinite(named) if bad_here else None
+        name = first_nonfinite(named) if bool(flag) else None
         where = f" ({name})" if name else ""
         raise NonFiniteError(f"non-finite weights{where} {what}: stopping without saving; "
                              "lower the learning rate (or --max_norm) and resume from a checkpoint")

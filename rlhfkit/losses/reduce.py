@@ -74,12 +74,7 @@ def local_mean(x: Tensor, mask: Tensor) -> Tensor:
 
 def to_floats(metrics: dict[str, Tensor | float]) -> dict[str, float]:
     """Tensor metrics -> python floats with one device sync."""
-    keys = [k for k, v in metrics.items() if isinstance(v, Tensor)]
-    out = {k: float(v) for k, v in metrics.items() if not isinstance(v, Tensor)}
-    if keys:
-        vals = torch.stack([metrics[k].detach().float().reshape(()) for k in keys]).tolist()  # type: ignore[union-attr]
-        out.update(zip(keys, vals))
-    return {k: out[k] for k in metrics}
+    return HostValues(metrics).result()
 
 
 class HostValues:
