@@ -64,13 +64,13 @@ from rlhfkit.backend.ema import EMAWeights
 from rlhfkit.backend.guard import NonFiniteGuard
 from rlhfkit.backend.hf_export import export_hf, parse_size
 from rlhfkit.backend.master import MasterWeights
-from rlhfkit.backend.optim_step import decide_and_step
+from rlhfkit.backend.optim_step import decide_and_step, step_grad_norm
 from rlhfkit.backend.model_prep import autocast_forward, cast_params, compile_blocks
 from rlhfkit.backend.offload import HostStash, MoveStats
 from rlhfkit.backend.optim import build_optimizer, build_scheduler, param_groups
 from rlhfkit.backend.parallel import ParallelDims
 from rlhfkit.backend.precision import DynamicLossScaler, compute_dtype_for, parse_dtype
-from rlhfkit.backend.sharding import apply_fsdp2, global_grad_norm, iter_full_param_buckets, sum_gradients_by_loss_scale
+from rlhfkit.backend.sharding import apply_fsdp2, iter_full_param_buckets, sum_gradients_by_loss_scale
 from rlhfkit.backend.tensor_parallel import apply_tp
 from rlhfkit.config.configs import BackendConfig, OptimConfig
 from rlhfkit.config.notes import note_once
@@ -147,11 +147,13 @@ class FSDP2Backend:
             groups = None
             if self.master is not None:
                 groups = self.master.param_groups(param_groups(self.model, optim_cfg.l2, optim_cfg.optim == "muon"))
-            self.optimizer = build_optimizer(self.model, optim_cfg, groups=groups,
+            self.optimizer = build_optimizer(self.model, optim_cfg, groups=groups, master=self.master,
                                              fused=self.master is not None and self.device.type == "cuda")
             self.scheduler = build_scheduler(self.optimizer, optim_cfg, num_training_steps)
             if self.compute_dtype == torch.float16:
                 self.loss_scaler = DynamicLossScaler()
+            elif self.master is not None and getattr(self.optimizer, "kernel_usable", lambda: False)():
+                self.master.keep_low_grads = True  # read by the fused step (master_adamw.py)
             if backend_cfg.ema_decay is not None:
                 self.ema = EMAWeights(self._named_params(self._params()), backend_cfg.ema_decay)
 
@@ -248,10 +250,10 @@ class FSDP2Backend:
             for p in params:
                 if p.grad is not None:
                     p.grad.mul_(inv)
-        norm = global_grad_norm(params)
+        several = self.is_sharded or D.get_world_size() > 1
+        norm = step_grad_norm(opt, params, self.master, several, self.loss_scaler is not None)
         finite, loss_bad, norm_value = decide_and_step(opt, params, norm, self.guard, self.optim_cfg.max_norm,
-                                                       self.is_sharded or D.get_world_size() > 1,
-                                                       self.loss_scaler is not None)
+                                                       several, self.loss_scaler is not None)
         lr = self.lr
         # under fp16 a finite loss with overflowing gradients is the loss scale's business
         counts = not finite and (self.loss_scaler is None or loss_bad
@@ -261,9 +263,10 @@ class FSDP2Backend:
         if finite:
             opt.zero_grad(set_to_none=True)
             self.guard.check_weights_later(self._named_params(params), f"after optimizer step {self.guard.steps} "
-                                           f"(grad norm {norm_value:.4g}, learning rate {lr:g})")
+                                           f"(grad norm {norm_value:.4g}, learning rate {lr:g})",
+                                           flag=getattr(opt, "weights_bad", None))
             self.guard.stepped()
-            if self.master is not None:
+            if self.master is not None and not getattr(opt, "wrote_module", False):
                 self.master.copy_to_model()
             if self.ema is not None:
                 self.ema.update()
@@ -442,6 +445,8 @@ class FSDP2Backend:
         module parameters that have fp32 masters (after every step and load they equal the
         masters rounded, `MasterWeights.copy_to_model`). Not moved at all: what FSDP2 frees after
         resharding (the gathered bf16 parameters) and gradients that are None after a step."""
+        if self.master is not None:
+            self.master.materialize_grads()  # kept bf16 gradients travel as the masters' .grad
         names = {id(p): n for n, p in self.model.named_parameters()}
         rebuilt = {id(p) for p in self.master.params} if self.master is not None else set()
         keep: list[tuple[str, Any]] = []

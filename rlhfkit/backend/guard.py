@@ -138,10 +138,12 @@ class NonFiniteGuard:
         self.check_weights_later(named, what)
         self.resolve()
 
-    def check_weights_later(self, named: Sequence[tuple[str, torch.Tensor]], what: str) -> None:
+    def check_weights_later(self, named: Sequence[tuple[str, torch.Tensor]], what: str,
+                            flag: torch.Tensor | None = None) -> None:
         """`check_weights` without waiting: the flag stays on the device until the next `decide` or
-        `resolve` reads it (all ranks call)."""
-        self._pending = (self._local_flag(named), named, what)
+        `resolve` reads it (all ranks call). `flag`: one computed already (non-zero: a weight is
+        non-finite), e.g. by the fused optimizer step as it wrote the weights."""
+        self._pending = (self._local_flag(named) if flag is None else flag, named, what)
 
     def resolve(self) -> None:
         """Read a pending weight check now: raise NonFiniteError if it found a non-finite weight on

@@ -9,7 +9,10 @@ the module.
 
 Gradients: a post-accumulate-grad hook on every trainable parameter adds its low-precision
 gradient into the master's fp32 `.grad` and frees it, so gradient accumulation over micro-batches
-sums in fp32 and the low-precision gradient of a parameter lives only until its hook runs.
+sums in fp32 and the low-precision gradient of a parameter lives only until its hook runs. With
+`keep_low_grads` (set when the fused step of master_adamw.py runs), the first micro-batch's gradient
+is kept as it is instead, and read by that step directly; a second micro-batch upcasts it and adds
+its own in fp32, the same sums as without.
 
 State dicts use the parameter names of the module, in the layout of
 `torch.distributed.checkpoint.state_dict` (`{"state": {fqn: ...}, "param_groups": [{...,
@@ -35,7 +38,10 @@ class MasterWeights:
         self.masters: list[torch.Tensor] = []  # their fp32 copies, in the same order
         self.names: list[str] = []
         self._master_of: dict[int, torch.Tensor] = {}
+        self._low_of: dict[int, nn.Parameter] = {}  # master id -> module parameter
         self._hooks = []
+        self.keep_low_grads = False
+        self.low_grads: list[torch.Tensor | None] = []
         for name, p in model.named_parameters():  # tied parameters appear once
             if not p.requires_grad or not p.is_floating_point():
                 continue
@@ -44,26 +50,74 @@ class MasterWeights:
             self.masters.append(master)
             self.names.append(name)
             self._master_of[id(p)] = master
+            self._low_of[id(master)] = p
         with torch.no_grad():
             for p in model.parameters():
                 if p.is_floating_point() and p.dtype != compute_dtype:
                     p.data = p.data.to(compute_dtype)
-        for p, m in zip(self.params, self.masters):
-            self._hooks.append(p.register_post_accumulate_grad_hook(self._accumulate_into(m)))
+        self.low_grads = [None] * len(self.params)
+        for i, p in enumerate(self.params):
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._accumulate_into(i)))
 
-    @staticmethod
-    def _accumulate_into(master: torch.Tensor):
+    def _accumulate_into(self, i: int):
+        master = self.masters[i]
+
         def hook(p: torch.Tensor) -> None:
             g = p.grad
             if g is None:
                 return
-            if master.grad is None:
-                master.grad = g.to(torch.float32)
-            else:
+            low = self.low_grads[i]
+            if master.grad is not None:
                 master.grad.add_(g)
+            elif low is not None:  # a second micro-batch: the kept gradient upcast, this one added
+                self.low_grads[i] = None
+                master.grad = low.to(torch.float32)
+                master.grad.add_(g)
+            elif self.keep_low_grads:
+                self.low_grads[i] = g
+            else:
+                master.grad = g.to(torch.float32)
             p.grad = None
 
         return hook
+
+    # ------------------------------------------------------------------ kept low-precision gradients
+
+    def current_grads(self) -> dict[int, torch.Tensor]:
+        """master id -> its gradient this step: the fp32 `.grad`, or the kept low-precision one."""
+        out = {}
+        for m, low in zip(self.masters, self.low_grads):
+            g = m.grad if m.grad is not None else low
+            if g is not None:
+                out[id(m)] = g
+        return out
+
+    def has_low_grads(self) -> bool:
+        return any(g is not None for g in self.low_grads)
+
+    def materialize_grads(self) -> None:
+        """Kept low-precision gradients upcast into the masters' fp32 `.grad` (for torch's optimizers)."""
+        for i, low in enumerate(self.low_grads):
+            if low is not None:
+                self.low_grads[i] = None
+                self.masters[i].grad = low.to(torch.float32)
+
+    def clear_low_grads(self) -> None:
+        self.low_grads = [None] * len(self.masters)
+
+    def grad_norm(self) -> torch.Tensor:
+        """2-norm over every master's current gradient (kept ones summed in fp32), a 0-d fp32 tensor."""
+        grads = list(self.current_grads().values())
+        if not grads:
+            return torch.zeros(())
+        norms = []
+        for dtype in {g.dtype for g in grads}:
+            norms.extend(torch._foreach_norm([g for g in grads if g.dtype == dtype], 2, dtype=torch.float32))
+        return torch.linalg.vector_norm(torch.stack(norms))
+
+    def low_param_of(self, master: torch.Tensor) -> nn.Parameter:
+        """The module parameter whose fp32 copy `master` is."""
+        return self._low_of[id(master)]
 
     # ------------------------------------------------------------------ optimizer side
 
@@ -86,6 +140,7 @@ class MasterWeights:
             m.data = m.data.to(device, non_blocking=True)
             if m.grad is not None:
                 m.grad = m.grad.to(device, non_blocking=True)
+        self.low_grads = [g.to(device, non_blocking=True) if g is not None else None for g in self.low_grads]
 
     # ------------------------------------------------------------------ state dicts
 
@@ -170,7 +225,7 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     if optimizer.state:
         return
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    if any(p.grad is not None for p in params):
+    if any(p.grad is not None for p in params) or getattr(optimizer, "grads_pending", lambda: False)():
         raise RuntimeError("cannot initialise the optimizer state while gradients are pending")
     lrs = [g["lr"] for g in optimizer.param_groups]
     for p in params:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from functools import partial
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -140,10 +140,11 @@ def _validate(cfg: OptimConfig) -> None:
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, groups: list[dict] | None = None,
-                    fused: bool = False) -> torch.optim.Optimizer:
+                    fused: bool = False, master: Any = None) -> torch.optim.Optimizer:
     """AdamW (or, with `--optim muon`, Muon + AdamW) over `model`'s trainable parameters (build it
     after sharding the model), or over the given `groups` (e.g. fp32 master copies); `fused` picks
-    the single-kernel CUDA implementation of AdamW."""
+    the single-kernel CUDA implementation of AdamW. With `master` (the `MasterWeights` whose copies
+    `groups` holds) and `fused`, AdamW is `MasterAdamW`, whose step also writes the module."""
     _validate(cfg)
     groups = param_groups(model, cfg.l2, cfg.optim == "muon") if groups is None else groups
     if not groups:
@@ -154,6 +155,10 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, groups: list[dict] | Non
         from rlhfkit.backend.muon import build_muon
 
         return build_muon(groups, cfg, adamw)
+    if master is not None and fused:
+        from rlhfkit.backend.master_adamw import MasterAdamW
+
+        return MasterAdamW(groups, master, **adamw)
     return torch.optim.AdamW(groups, **adamw)
 
 

@@ -17,11 +17,13 @@ steps change the scale first), a fused optimizer on the GPU. Elsewhere the backe
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from rlhfkit.backend.guard import NonFiniteGuard
-from rlhfkit.backend.sharding import clip_grads
+from rlhfkit.backend.sharding import clip_grads, global_grad_norm
 
 
 def decide_and_step(opt: torch.optim.Optimizer, params: list[nn.Parameter], norm: torch.Tensor,
@@ -36,6 +38,19 @@ def decide_and_step(opt: torch.optim.Optimizer, params: list[nn.Parameter], norm
             clip_grads(params, max_norm, norm)
         opt.step()
     return finite, loss_bad, norm_value
+
+
+def step_grad_norm(opt: torch.optim.Optimizer, params: list[nn.Parameter], master: Any, several_ranks: bool,
+                   loss_scale: bool) -> torch.Tensor:
+    """The global gradient norm of `params`; where the master weights keep bf16 gradients for the
+    fused step (master_adamw.py), over those, upcast into `.grad` if the step will not be masked
+    (then `clip_grads` scales the masters' `.grad`)."""
+    if master is None or not master.keep_low_grads:
+        return global_grad_norm(params)
+    norm = master.grad_norm()
+    if not can_mask_step(opt, norm, several_ranks, loss_scale):
+        master.materialize_grads()
+    return norm
 
 
 def can_mask_step(opt: torch.optim.Optimizer, norm: torch.Tensor, several_ranks: bool, loss_scale: bool) -> bool:

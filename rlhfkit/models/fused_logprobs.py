@@ -114,6 +114,12 @@ class FusedLinearLogprobFn(torch.autograd.Function):
         g_lp = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device) if g_lp is None \
             else g_lp.float()
         grad_h = torch.empty_like(hidden)
+        if ctx.keep and not use_ent and hidden.is_cuda and weight.dtype == hidden.dtype:
+            # one chunk on the GPU: the weight's gradient straight out of one GEMM (fp32 sums inside,
+            # rounded once, as the fp32 buffer below would be), no fp32 buffer to zero, fill and cast
+            grad_h.copy_((s_all @ w).float() * (g_lp * inv_t)[:, None])
+            hs = (hidden.float() * (g_lp * inv_t)[:, None]).to(hidden.dtype)
+            return grad_h, s_all.t() @ hs, None, None, None, None, None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for s in range(0, hidden.shape[0], s_all.shape[0] if ctx.keep else ctx.chunk):
             sl = slice(s, s + (s_all.shape[0] if ctx.keep else ctx.chunk))
