@@ -35,5 +35,5 @@ def router_aux_loss(aux: Tensor, coef: float, units: float, global_units: float)
 def ptx_loss(logprobs: Tensor, loss_mask: Tensor, coef: float, num_tokens: Count) -> tuple[Tensor, dict[str, float]]:
     """`coef` x the SFT loss of pretraining text (`[B, L]` log-probs, global token count);
     metric `ptx_loss` is the (unweighted) SFT loss part, additive over micro-batches and ranks."""
-    loss, _ = sft_loss(logprobs, loss_mask, num_tokens)
+    loss, _ = sft_loss(logprobs, loss_mask, num_tokens, sync_metrics=False)
     return coef * loss, {"ptx_loss": float(loss.detach())}

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rlhfkit.losses.reduce import Count, local_mean, to_floats, token_sum_over
+from rlhfkit.losses.reduce import Count, finish_metrics, local_mean, token_sum_over
 
 Tensor = torch.Tensor
 
@@ -41,7 +41,8 @@ def _forward_kl(t_logp: Tensor, s_logp: Tensor) -> Tensor:
 
 
 def distill_loss(student_logits: Tensor, teacher_logits: Tensor, labels: Tensor, loss_mask: Tensor, *,
-                 kd_coef: float = 0.4, num_tokens: Count = None) -> tuple[Tensor, dict[str, float]]:
+                 kd_coef: float = 0.4, num_tokens: Count = None, sync_metrics: bool = True
+                 ) -> tuple[Tensor, dict[str, float]]:
     """KD + NLL of one micro-batch.
 
     Args:
@@ -60,4 +61,5 @@ def distill_loss(student_logits: Tensor, teacher_logits: Tensor, labels: Tensor,
     nll = -s_logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)
     loss = (1.0 - kd_coef) * token_sum_over(nll, loss_mask, num_tokens) \
         + kd_coef * token_sum_over(kd, loss_mask, num_tokens)
-    return loss, to_floats({"kd_loss": local_mean(kd, loss_mask), "nll_loss": local_mean(nll, loss_mask)})
+    return loss, finish_metrics({"kd_loss": local_mean(kd, loss_mask), "nll_loss": local_mean(nll, loss_mask)},
+                                sync_metrics)

@@ -14,17 +14,17 @@ from __future__ import annotations
 import torch
 
 from rlhfkit.algo.kl import compute_approx_kl
-from rlhfkit.losses.reduce import TOKEN, Count, aggregate, local_mean, to_floats
+from rlhfkit.losses.reduce import TOKEN, Count, aggregate, finish_metrics, local_mean
 
 Tensor = torch.Tensor
 
 
 def kl_loss(logprobs: Tensor, ref_logprobs: Tensor, loss_mask: Tensor, *, estimator: str = "k3",
             num_tokens: Count = None, num_sequences: Count = None,
-            loss_agg: str = TOKEN) -> tuple[Tensor, dict[str, float]]:
+            loss_agg: str = TOKEN, sync_metrics: bool = True) -> tuple[Tensor, dict[str, float]]:
     """Unscaled KL loss of one micro-batch (`[B, L]` inputs).
 
     Metrics: `kl_loss` (the returned value) and `kl` (local masked mean of the estimate)."""
     kl = compute_approx_kl(logprobs, ref_logprobs, estimator, mask=loss_mask)
     loss = aggregate(kl, loss_mask, loss_agg, num_tokens=num_tokens, num_sequences=num_sequences)
-    return loss, to_floats({"kl_loss": loss.detach(), "kl": local_mean(kl, loss_mask)})
+    return loss, finish_metrics({"kl_loss": loss.detach(), "kl": local_mean(kl, loss_mask)}, sync_metrics)

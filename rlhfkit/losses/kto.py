@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from rlhfkit.losses.reduce import Count, sample_sum_over, to_floats
+from rlhfkit.losses.reduce import Count, finish_metrics, sample_sum_over
 
 Tensor = torch.Tensor
 
@@ -43,7 +43,8 @@ def kto_reference_point(kl_logps: Tensor, ref_kl_logps: Tensor) -> Tensor:
 def kto_loss(logps: Tensor, ref_logps: Tensor, desirable: Tensor, *, beta: float = 0.01,
              desirable_weight: float = 1.0, undesirable_weight: float = 1.0,
              kl_reference: Tensor | float | None = None, kl_logps: Tensor | None = None,
-             ref_kl_logps: Tensor | None = None, num_samples: Count = None) -> tuple[Tensor, dict[str, float]]:
+             ref_kl_logps: Tensor | None = None, num_samples: Count = None,
+             sync_metrics: bool = True) -> tuple[Tensor, dict[str, float]]:
     """KTO loss of one micro-batch.
 
     Args:
@@ -73,4 +74,4 @@ def kto_loss(logps: Tensor, ref_logps: Tensor, desirable: Tensor, *, beta: float
         metrics["chosen_reward"] = rewards[good].mean()
     if (~good).any():
         metrics["rejected_reward"] = rewards[~good].mean()
-    return loss, to_floats(metrics)
+    return loss, finish_metrics(metrics, sync_metrics)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rlhfkit.losses.reduce import Count, sample_sum_over, to_floats
+from rlhfkit.losses.reduce import Count, finish_metrics, sample_sum_over
 
 Tensor = torch.Tensor
 
@@ -45,7 +45,7 @@ def preference_pair_losses(z: Tensor, beta: float, label_smoothing: float = 0.0,
 def dpo_loss(chosen_logps: Tensor, rejected_logps: Tensor, ref_chosen_logps: Tensor,
              ref_rejected_logps: Tensor, *, beta: float = 0.1, label_smoothing: float = 0.0,
              ipo: bool = False, num_samples: Count = None, chosen_nll: Tensor | None = None,
-             nll_loss_coef: float = 0.0) -> tuple[Tensor, dict[str, float]]:
+             nll_loss_coef: float = 0.0, sync_metrics: bool = True) -> tuple[Tensor, dict[str, float]]:
     """DPO / cDPO / IPO loss of one micro-batch of pairs.
 
     Args:
@@ -77,4 +77,4 @@ def dpo_loss(chosen_logps: Tensor, rejected_logps: Tensor, ref_chosen_logps: Ten
         nll = sample_sum_over(chosen_nll, num_samples)
         loss = loss + nll_loss_coef * nll
         metrics["nll_loss"] = nll.detach()
-    return loss, to_floats(metrics)
+    return loss, finish_metrics(metrics, sync_metrics)

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from rlhfkit.losses.reduce import Count, sample_sum_over, to_floats
+from rlhfkit.losses.reduce import Count, finish_metrics, sample_sum_over
 
 Tensor = torch.Tensor
 IGNORE_INDEX = -100
@@ -41,7 +41,7 @@ def _hard_targets(labels: Tensor, reward_token_ids: Sequence[int] | None) -> Ten
 
 def prm_loss(logits: Tensor, input_ids: Tensor, labels: Tensor, *, placeholder_token_id: int,
              reward_token_ids: Sequence[int] | None = None,
-             num_tokens: Count = None) -> tuple[Tensor, dict[str, float]]:
+             num_tokens: Count = None, sync_metrics: bool = True) -> tuple[Tensor, dict[str, float]]:
     """PRM cross-entropy of one micro-batch.
 
     Args:
@@ -72,4 +72,4 @@ def prm_loss(logits: Tensor, input_ids: Tensor, labels: Tensor, *, placeholder_t
     count = keep.float().sum()
     loss = sample_sum_over(per, num_tokens if num_tokens is not None else count)
     acc = (correct * keep.float()).sum() / count.clamp(min=1.0)
-    return loss, to_floats({"prm_loss": loss.detach(), "prm_accuracy": acc})
+    return loss, finish_metrics({"prm_loss": loss.detach(), "prm_accuracy": acc}, sync_metrics)

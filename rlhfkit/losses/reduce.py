@@ -15,6 +15,8 @@ micro-batch is the whole step. Counts are clamped to >= 1 so an empty step gives
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from rlhfkit.algo.masked import masked_mean
@@ -75,6 +77,13 @@ def local_mean(x: Tensor, mask: Tensor) -> Tensor:
 def to_floats(metrics: dict[str, Tensor | float]) -> dict[str, float]:
     """Tensor metrics -> python floats with one device sync."""
     return HostValues(metrics).result()
+
+
+def finish_metrics(metrics: dict[str, Tensor | float], sync: bool) -> dict[str, Any]:
+    """A loss function's metrics: python floats (one device sync) when `sync`, else as they are (0-d
+    device tensors, which a training loop sums over micro-batches and reads after the optimizer step's
+    own sync: a read per micro-batch would drain the GPU between each forward and its backward)."""
+    return to_floats(metrics) if sync else dict(metrics)
 
 
 class HostValues:

@@ -15,14 +15,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rlhfkit.losses.reduce import Count, sample_sum_over, to_floats
+from rlhfkit.losses.reduce import Count, finish_metrics, sample_sum_over
 
 Tensor = torch.Tensor
 RM_LOSSES = ("sigmoid", "logexp")
 
 
 def pairwise_rm_loss(chosen_rewards: Tensor, rejected_rewards: Tensor, *, margin: Tensor | None = None,
-                     loss_type: str = "sigmoid", num_samples: Count = None) -> tuple[Tensor, dict[str, float]]:
+                     loss_type: str = "sigmoid", num_samples: Count = None, sync_metrics: bool = True
+                     ) -> tuple[Tensor, dict[str, float]]:
     """Bradley-Terry loss of one micro-batch of `[B]` chosen / rejected rewards (`--loss`)."""
     if loss_type not in RM_LOSSES:
         raise ValueError(f"reward-model --loss {loss_type!r} is not one of {RM_LOSSES}")
@@ -41,4 +42,4 @@ def pairwise_rm_loss(chosen_rewards: Tensor, rejected_rewards: Tensor, *, margin
         "rejected_reward": rr.detach().mean(),
         "reward_margin": (rc - rr).detach().mean(),
     }
-    return loss, to_floats(metrics)
+    return loss, finish_metrics(metrics, sync_metrics)

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import torch
 
-from rlhfkit.losses.reduce import Count, to_floats, token_sum_over
+from rlhfkit.losses.reduce import Count, finish_metrics, token_sum_over
 
 Tensor = torch.Tensor
 
 
-def sft_loss(logprobs: Tensor, loss_mask: Tensor, num_tokens: Count = None) -> tuple[Tensor, dict[str, float]]:
+def sft_loss(logprobs: Tensor, loss_mask: Tensor, num_tokens: Count = None, sync_metrics: bool = True
+             ) -> tuple[Tensor, dict[str, float]]:
     """Token NLL from `[B, L]` log-probs of the target tokens (aligned with `loss_mask`)."""
     if logprobs.shape != loss_mask.shape:
         raise ValueError(f"logprobs {tuple(logprobs.shape)} and loss_mask {tuple(loss_mask.shape)} differ")
@@ -26,4 +27,5 @@ def sft_loss(logprobs: Tensor, loss_mask: Tensor, num_tokens: Count = None) -> t
     m = loss_mask.float()
     nll_sum = (nll.detach() * m).sum()
     count = m.sum()
-    return loss, to_floats({"nll_sum": nll_sum, "num_tokens": count, "nll": nll_sum / count.clamp(min=1.0)})
+    return loss, finish_metrics({"nll_sum": nll_sum, "num_tokens": count, "nll": nll_sum / count.clamp(min=1.0)},
+                                sync_metrics)

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import torch
 
-from rlhfkit.losses.reduce import Count, local_mean, to_floats, token_sum_over
+from rlhfkit.losses.reduce import Count, finish_metrics, local_mean, token_sum_over
 
 Tensor = torch.Tensor
 
 
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, loss_mask: Tensor, *,
-               value_clip: float | None = 0.5, num_tokens: Count = None) -> tuple[Tensor, dict[str, float]]:
+               value_clip: float | None = 0.5, num_tokens: Count = None, sync_metrics: bool = True
+               ) -> tuple[Tensor, dict[str, float]]:
     """Clipped value loss of one micro-batch (all inputs `[B, L]`)."""
     if value_clip is not None and value_clip < 0:
         raise ValueError(f"--value_clip must be >= 0, got {value_clip}")
@@ -34,4 +35,4 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, loss_mask: T
         metrics["value_clip_ratio"] = local_mean((err_clip > err).float(), loss_mask)
     loss = token_sum_over(per_token, loss_mask, num_tokens)
     metrics = {"critic_loss": loss.detach(), "values": local_mean(v, loss_mask), **metrics}
-    return loss, to_floats(metrics)
+    return loss, finish_metrics(metrics, sync_metrics)

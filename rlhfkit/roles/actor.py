@@ -243,7 +243,7 @@ class ActorRole:
                                   rollout_logprobs=mb.rollout_logprobs, entropy=ent, sync_metrics=False)
             if cfg.use_kl_loss and mb.ref_logprobs is not None and kl_coef > 0:
                 kl_l, km = kl_loss(lp, mb.ref_logprobs, mb.loss_mask, estimator=cfg.kl_estimator,
-                                   num_tokens=num_tokens)
+                                   num_tokens=num_tokens, sync_metrics=False)
                 loss = loss + kl_coef * kl_l
                 m["kl_loss"] = km["kl_loss"]  # its "kl" (a micro-batch mean) would hide the loop's rollout `kl`
             if mb.old_logprobs is None and mb.ref_logprobs is not None:  # the rollout's KL to the reference

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from rlhfkit.backend.dist import DistInfo
+from rlhfkit.losses.reduce import HostValues
 from rlhfkit.losses.value import value_loss
 from rlhfkit.models.value import reward_at_last_token
 from rlhfkit.roles.actor import UpdateConfig, average, micro_batches, mini_batches, reduce_over_ranks
@@ -65,20 +66,23 @@ class CriticRole:
                 # whole rows: summed over dp (cp ranks hold the same rows)
                 num_tokens = float(self.dist.all_reduce_dp(torch.tensor(float(mini.loss_mask.sum()),
                                                                         dtype=torch.float64)))
-                sums: dict[str, float] = {}
+                sums: dict[str, Any] = {}
                 n = 0
                 for mb, _ in micro_batches(mini, cfg.micro_train_batch_size, self.dist,
                                            max_tokens=cfg.max_tokens_per_micro):
                     mb = mb.to(self.device)
                     loss, m = value_loss(self._values(mb), mb.values, mb.returns, mb.loss_mask,
-                                         value_clip=self.value_clip, num_tokens=num_tokens)
+                                         value_clip=self.value_clip, num_tokens=num_tokens, sync_metrics=False)
                     self.backend.backward(loss)
-                    for k, v in m.items():
-                        sums[k] = sums.get(k, 0.0) + v
+                    for k, v in m.items():  # in double, as the python floats were
+                        v = v.detach().double() if isinstance(v, torch.Tensor) else float(v)
+                        sums[k] = sums[k] + v if k in sums else v
                     n += 1
+                pending = HostValues(sums)  # read after the optimizer step's own sync
+                stats = self.backend.optimizer_step()
+                sums = pending.result()
                 rec = {k: v / max(n, 1) for k, v in sums.items()}
                 rec["critic_loss"] = sums.get("critic_loss", 0.0)
-                stats = self.backend.optimizer_step()
                 rec["critic_grad_norm"] = stats.get("grad_norm", float("nan"))
                 skipped += stats.get("nonfinite_skipped", 0.0)  # the same on every rank
                 records.append(rec)

@@ -132,7 +132,7 @@ class DPOTask:
         chosen_nll = -lp[:b] / ntok[:b].clamp(min=1.0) if self.nll_loss_coef else None
         loss, _ = dpo_loss(lp[:b], lp[b:], ref_lp[:b], ref_lp[b:], beta=self.beta,
                            label_smoothing=self.label_smoothing, ipo=self.ipo, num_samples=count,
-                           chosen_nll=chosen_nll, nll_loss_coef=self.nll_loss_coef)
+                           chosen_nll=chosen_nll, nll_loss_coef=self.nll_loss_coef, sync_metrics=False)
         ratio = (lp.detach().float() - ref_lp.float()) * self.beta
         rc, rr = ratio[:b], ratio[b:]
         per = {"chosen_reward": rc, "rejected_reward": rr, "acc": (rc > rr).float(), "margin": rc - rr}
@@ -145,7 +145,8 @@ class DPOTask:
         loss, per = self._pair_terms(model, batch, global_count)
         g = max(global_count, 1.0)
         keys = list(per)
-        sums = torch.stack([loss.detach().float()] + [per[k].sum() for k in keys]).tolist()  # one device sync
+        # device tensors, read by the loop after the optimizer step (in double, as python floats would be)
+        sums = torch.stack([loss.detach().float()] + [per[k].sum() for k in keys]).double().unbind()
         metrics = {"loss": sums[0], **{k: v / g for k, v in zip(keys, sums[1:])}}
         if "nll_loss" in per:
             metrics["preference_loss"] = metrics["loss"] - self.nll_loss_coef * metrics["nll_loss"]

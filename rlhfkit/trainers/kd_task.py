@@ -61,7 +61,8 @@ class KDTask:
     def count(self, batch: Seqs) -> float:
         return float(batch.num_loss_tokens)
 
-    def _loss(self, model: torch.nn.Module, batch: Seqs, count: float) -> tuple[Tensor, dict[str, float]]:
+    def _loss(self, model: torch.nn.Module, batch: Seqs, count: float, sync: bool = True
+              ) -> tuple[Tensor, dict[str, float]]:
         with self.teacher.use() as teacher:
             t_logits = _logits(teacher, batch)
         s_logits = _logits(model, batch)
@@ -69,13 +70,13 @@ class KDTask:
             raise ValueError(f"--teacher_model has a vocabulary of {t_logits.shape[-1]} logits but the student "
                              f"(--pretrain) has {s_logits.shape[-1]}; distillation needs the same vocabulary")
         return distill_loss(s_logits[:, :-1], t_logits[:, :-1], batch.input_ids[:, 1:], batch.loss_mask[:, 1:],
-                            kd_coef=self.kd_coef, num_tokens=count)
+                            kd_coef=self.kd_coef, num_tokens=count, sync_metrics=sync)
 
     def loss(self, model: torch.nn.Module, batch: Seqs, global_count: float
              ) -> tuple[Tensor, dict[str, float]]:
-        loss, m = self._loss(model, batch, global_count)
-        n = batch.num_loss_tokens
-        return loss, {"loss": float(loss.detach()), "kd_loss": additive(m["kd_loss"], n, global_count),
+        loss, m = self._loss(model, batch, global_count, sync=False)
+        n = batch.num_loss_tokens  # device tensors, read by the loop after the optimizer step
+        return loss, {"loss": loss.detach().double(), "kd_loss": additive(m["kd_loss"], n, global_count),
                       "nll_loss": additive(m["nll_loss"], n, global_count)}
 
     @torch.no_grad()

@@ -105,7 +105,8 @@ class KTOTask:
         z = torch.tensor(max(float(kl[0] / kl[1].clamp(min=1.0)), 0.0), device=ref_lp.device)
         lp, _ = sequence_logps(model, batch.seqs)
         loss, _ = kto_loss(lp, ref_lp, batch.desirable, beta=self.beta, desirable_weight=self.desirable_weight,
-                           undesirable_weight=self.undesirable_weight, kl_reference=z, num_samples=count)
+                           undesirable_weight=self.undesirable_weight, kl_reference=z, num_samples=count,
+                           sync_metrics=False)
         return loss, z, self.beta * (lp.detach().float() - ref_lp.float())
 
     def loss(self, model: torch.nn.Module, batch: KTOBatch, global_count: float
@@ -113,8 +114,9 @@ class KTOTask:
         loss, z, rewards = self._terms(model, batch, global_count, reduce_kl=True)
         g = max(global_count, 1.0)
         sign = batch.desirable.float() * 2.0 - 1.0
-        return loss, {"loss": float(loss.detach()), "kl": float(z) * batch.size / g,
-                      "signed_reward": float((sign * rewards).sum()) / g}
+        # device tensors, read by the loop after the optimizer step (in double, as python floats would be)
+        return loss, {"loss": loss.detach().double(), "kl": z.double() * batch.size / g,
+                      "signed_reward": (sign * rewards).sum().double() / g}
 
     @torch.no_grad()
     def eval_metrics(self, model: torch.nn.Module, batches: list[KTOBatch]) -> dict[str, float]:

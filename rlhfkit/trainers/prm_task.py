@@ -77,17 +77,18 @@ class PRMTask:
     def count(self, batch: PRMBatch) -> float:
         return float(batch.num_labels)
 
-    def _loss(self, model: torch.nn.Module, batch: PRMBatch, count: float) -> tuple[Tensor, dict[str, float]]:
+    def _loss(self, model: torch.nn.Module, batch: PRMBatch, count: float, sync: bool = True
+              ) -> tuple[Tensor, dict[str, float]]:
         s = batch.seqs
         logits = forward_logits(model, s.input_ids, attention_mask=getattr(s, "attention_mask", None),
                                 position_ids=getattr(s, "position_ids", None))
         return prm_loss(logits, s.input_ids, batch.labels, placeholder_token_id=self.placeholder_token_id,
-                        reward_token_ids=self.reward_token_ids, num_tokens=count)
+                        reward_token_ids=self.reward_token_ids, num_tokens=count, sync_metrics=sync)
 
     def loss(self, model: torch.nn.Module, batch: PRMBatch, global_count: float
              ) -> tuple[Tensor, dict[str, float]]:
-        loss, m = self._loss(model, batch, global_count)
-        return loss, {"loss": float(loss.detach()),
+        loss, m = self._loss(model, batch, global_count, sync=False)  # device tensors, read after the step
+        return loss, {"loss": loss.detach().double(),
                       "acc": additive(m["prm_accuracy"], batch.num_labels, global_count)}
 
     @torch.no_grad()

@@ -66,8 +66,11 @@ def collate_pairs(items: Sequence[PreferenceItem], pad_token_id: int, packing: b
     return PairBatch(collate_seqs(preference_rows(items), pad_token_id, packing), margin)
 
 
-def additive(local_mean: float | Tensor, local_count: float, global_count: float) -> float:
-    """A local mean as the loop's additive contribution: mean * local count / global count."""
+def additive(local_mean: float | Tensor, local_count: float, global_count: float) -> float | Tensor:
+    """A local mean as the loop's additive contribution: mean * local count / global count (a device
+    tensor stays one, in double: no sync)."""
+    if isinstance(local_mean, Tensor):
+        return local_mean.detach().double() * float(local_count) / max(float(global_count), 1.0)
     return float(local_mean) * float(local_count) / max(float(global_count), 1.0)
 
 
@@ -123,7 +126,8 @@ class RMTask:
 
     def _pair_loss(self, rc: Tensor, rr: Tensor, batch: PairBatch, count: float) -> Tensor:
         margin = batch.margin if self.margin_loss else None
-        loss, _ = pairwise_rm_loss(rc, rr, margin=margin, loss_type=self.loss_type, num_samples=count)
+        loss, _ = pairwise_rm_loss(rc, rr, margin=margin, loss_type=self.loss_type, num_samples=count,
+                                   sync_metrics=False)
         return loss
 
     def loss(self, model: torch.nn.Module, batch: PairBatch, global_count: float
@@ -132,8 +136,9 @@ class RMTask:
         loss = self._pair_loss(rc, rr, batch, global_count)
         rc, rr = rc.detach(), rr.detach()
         g = max(global_count, 1.0)
-        sums = torch.stack([(rc > rr).float().sum(), rc.sum(), rr.sum(), (rc - rr).sum()]).tolist()
-        metrics = {"loss": float(loss.detach())}
+        # device tensors, read by the loop after the optimizer step (in double, as python floats would be)
+        sums = torch.stack([(rc > rr).float().sum(), rc.sum(), rr.sum(), (rc - rr).sum()]).double().unbind()
+        metrics = {"loss": loss.detach().double()}
         metrics.update({k: v / g for k, v in zip(("acc", "chosen_reward", "rejected_reward", "margin"), sums)})
         return loss, metrics
 

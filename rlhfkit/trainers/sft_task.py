@@ -44,7 +44,7 @@ class SFTTask:
     def loss(self, model: torch.nn.Module, batch: Batch, global_count: float
              ) -> tuple[torch.Tensor, dict[str, float]]:
         lp = self._logprobs(model, batch)
-        loss, _ = sft_loss(lp, batch.loss_mask, global_count)
+        loss, _ = sft_loss(lp, batch.loss_mask, global_count, sync_metrics=False)
         # additive: summed over micro-batches and ranks it is the step's token-mean NLL; a device tensor
         # (the loop reads it after the optimizer step's sync)
         return loss, {"loss": loss.detach()}
