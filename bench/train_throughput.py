@@ -53,9 +53,12 @@ def build(shape: str, device: str, dtype: torch.dtype, attn: str):
     return model.to(dtype), cfg
 
 
-def flops_per_token(cfg, n_params: int, seq: int) -> float:
-    attn = 12 * cfg.num_hidden_layers * cfg.hidden_size * seq  # fwd+bwd causal attention (x0.5 causal folded in)
-    return 6 * n_params + attn / 2
+def flops_per_token(cfg, n_params: int, seq: int, causal_half: bool = True) -> float:
+    """6 N + attention, fwd + bwd. The attention term 12 L h s is PaLM's (Chowdhery et al. 2022, app. B),
+    which counts the whole score matrix; by default it is halved here (a causal kernel skips the upper
+    triangle), `causal_half=False` gives PaLM's count (what TorchTitan and veRL report)."""
+    attn = 12 * cfg.num_hidden_layers * cfg.hidden_size * seq
+    return 6 * n_params + (attn / 2 if causal_half else attn)
 
 
 def phase_mfu(model_dir: str, tokens: float, seq: float, seconds: float | None, device_name: str) -> float | None:
@@ -85,12 +88,13 @@ def time_steps(step, n_warmup: int, n_steps: int, device: str) -> float:
     return (time.perf_counter() - t0) / n_steps
 
 
-def baseline_step_fn(model, ids, device):
+def baseline_step_fn(model, ids, device, accum: int = 1):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=(device == "cuda"))
 
     def step():
-        out = model(input_ids=ids, labels=ids)
-        out.loss.backward()
+        for _ in range(accum):
+            out = model(input_ids=ids, labels=ids)
+            (out.loss / accum).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -101,7 +105,7 @@ def baseline_step_fn(model, ids, device):
 VARIANTS = ("master", "autocast", "fsdp1")  # each may take the suffixes _compile and _eagerloss
 
 
-def rlhfkit_step_fn(model, ids, device, param_dtype: str, variant: str = "master"):
+def rlhfkit_step_fn(model, ids, device, param_dtype: str, variant: str = "master", accum: int = 1):
     """One SFT step through FSDP2Backend. Variants (one process):
     master          bf16 module, fp32 master copies in a fused AdamW (the default)
     autocast        fp32 module under torch.autocast (--mixed_precision autocast)
@@ -114,7 +118,9 @@ def rlhfkit_step_fn(model, ids, device, param_dtype: str, variant: str = "master
     *_cg            with _compile: the blocks compiled with mode="reduce-overhead" (CUDA graphs), an
                     experiment on launch overhead, not a flag.
     *_autotune      with _compile: mode="max-autotune-no-cudagraphs" (Triton GEMM templates with fused
-                    epilogues tried against cuBLAS), an experiment."""
+                    epilogues tried against cuBLAS), an experiment.
+    *_torchadam     torch's fused AdamW + a separate copy into the bf16 module instead of the one-pass
+                    master-weight kernel (backend/master_adamw.py), for an A/B in one run."""
     from rlhfkit.backend.dist import init_distributed
     from rlhfkit.backend.fsdp2 import FSDP2Backend
     from rlhfkit.config.configs import BackendConfig, OptimConfig
@@ -124,9 +130,12 @@ def rlhfkit_step_fn(model, ids, device, param_dtype: str, variant: str = "master
 
     base, *suffixes = variant.split("_")
     if base not in VARIANTS or not set(suffixes) <= {"compile", "eagerloss", "cg", "autotune", "recompute", "cudnn",
-                                                           "flash"}:
+                                                           "flash", "torchadam"}:
         raise ValueError(f"--variants: unknown variant {variant!r}; choose from {', '.join(VARIANTS)} "
                          "with optional suffixes _compile, _eagerloss")
+    from rlhfkit.backend import master_adamw
+
+    master_adamw.USE_KERNEL = "torchadam" not in suffixes
     fused_logprobs.USE_TRITON = "eagerloss" not in suffixes
     fused_logprobs.KEEP_LOGITS_BYTES = 0 if "recompute" in suffixes else None
     if "cg" in suffixes or "autotune" in suffixes:
@@ -154,8 +163,9 @@ def rlhfkit_step_fn(model, ids, device, param_dtype: str, variant: str = "master
     task = SFTTask(pad_token_id=0, device=device)
     from rlhfkit.data.collate import PaddedBatch
 
-    batch = PaddedBatch(input_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=torch.ones_like(ids))
-    count = float(ids.numel())
+    host = ids.cpu()  # collated on the host and moved, as the training loop does
+    batch = PaddedBatch(input_ids=host, attention_mask=torch.ones_like(host), loss_mask=torch.ones_like(host)).to(device)
+    count = float(ids.numel() * accum)
 
     from contextlib import nullcontext
 
@@ -166,11 +176,12 @@ def rlhfkit_step_fn(model, ids, device, param_dtype: str, variant: str = "master
             if k in suffixes]
 
     def step():
-        with (sdpa_kernel(only) if only else nullcontext()), \
-                record_function("sft/forward"):
-            loss, _ = task.loss(backend.model, batch, count)
-        with record_function("sft/backward"):
-            backend.backward(loss)
+        for _ in range(accum):
+            with (sdpa_kernel(only) if only else nullcontext()), \
+                    record_function("sft/forward"):
+                loss, _ = task.loss(backend.model, batch, count)
+            with record_function("sft/backward"):
+                backend.backward(loss)
         with record_function("sft/optimizer"):
             backend.optimizer_step()
 
@@ -198,6 +209,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=None)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--accum", type=int, default=1, help="micro-batches (of --batch x --seq) per optimizer step")
     ap.add_argument("--attn", default="sdpa")
     ap.add_argument("--skip_baseline", action="store_true")
     ap.add_argument("--variants", default="master", help="comma list of " + ", ".join(VARIANTS))
@@ -213,13 +225,14 @@ def main() -> None:
     steps = a.steps or (10 if gpu else 3)
     torch.manual_seed(0)
     ids = torch.randint(0, SHAPES[shape]["vocab_size"], (batch, seq), device=a.device)
-    tokens = batch * seq
+    tokens = batch * seq * a.accum
     name = torch.cuda.get_device_name() if gpu else "cpu"
-    res: dict = {"bench": "train_throughput", "device": name, "model": shape, "batch": batch, "seq": seq}
+    res: dict = {"bench": "train_throughput", "device": name, "model": shape, "batch": batch, "seq": seq,
+                 "accum": a.accum}
     if not a.skip_baseline:
         model, cfg = build(shape, a.device, torch.bfloat16 if gpu else torch.float32, a.attn)
         n_params = sum(p.numel() for p in model.parameters())
-        t = time_steps(baseline_step_fn(model, ids, a.device), 2, steps, a.device)
+        t = time_steps(baseline_step_fn(model, ids, a.device, a.accum), 2, steps, a.device)
         res["baseline_tokens_per_s"] = tokens / t
         res["baseline_step_s"] = t
         if gpu:
@@ -234,7 +247,7 @@ def main() -> None:
         n_params = sum(p.numel() for p in model.parameters())
         key = "rlhfkit" if variant == a.variants.split(",")[0] else f"rlhfkit_{variant}"
         try:
-            step = rlhfkit_step_fn(model, ids, a.device, "bf16" if gpu else "fp32", variant)
+            step = rlhfkit_step_fn(model, ids, a.device, "bf16" if gpu else "fp32", variant, a.accum)
             t = time_steps(step, 3, steps, a.device)
         except Exception as e:  # noqa: BLE001 - a failing variant is recorded, the others still run
             res[f"{key}_error"] = f"{type(e).__name__}: {e}"[:500]
@@ -251,10 +264,13 @@ def main() -> None:
             print(f"[{key}]\n" + format_summary(profiles[key]), flush=True)
         fpt = flops_per_token(cfg, n_params, seq)
         peak = peak_flops(name)
+        palm = flops_per_token(cfg, n_params, seq, causal_half=False)
         if peak:
             res[f"{key}_mfu"] = res[f"{key}_tokens_per_s"] * fpt / peak
+            res[f"{key}_mfu_palm"] = res[f"{key}_tokens_per_s"] * palm / peak
             if "baseline_tokens_per_s" in res:
                 res["baseline_mfu"] = res["baseline_tokens_per_s"] * fpt / peak
+                res["baseline_mfu_palm"] = res["baseline_tokens_per_s"] * palm / peak
         del model, step
         if gpu:
             torch.cuda.empty_cache()

@@ -57,6 +57,10 @@ class _DictLike:
         out = type(self)(**kw)
         if hasattr(self, "loss_mask"):  # counted here, on the host: reading it on a GPU would be a sync
             out._loss_tokens = (out.loss_mask, self.num_loss_tokens)
+        mask = getattr(self, "attention_mask", None)
+        if isinstance(mask, torch.Tensor) and mask.device.type == "cpu" and out.attention_mask is not mask \
+                and bool(mask.all()):
+            mark_no_padding(out.attention_mask)
         return out
 
     @property
@@ -66,6 +70,12 @@ class _DictLike:
         if cached is not None and cached[0] is mask:
             return cached[1]
         return int(mask.sum())
+
+
+def mark_no_padding(attention_mask: torch.Tensor) -> None:
+    """Note on a device mask that it holds no padding (known on the host before the copy), so that the
+    forward need not ask the GPU (`models.forward.forward_kwargs`)."""
+    attention_mask._rlhfkit_no_padding = True  # type: ignore[attr-defined]
 
 
 @dataclass

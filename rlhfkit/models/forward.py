@@ -172,6 +172,18 @@ def _model_dtype(model: torch.nn.Module) -> torch.dtype:
     return torch.float32
 
 
+def causal_only_masks(model: torch.nn.Module) -> dict[str, None] | None:
+    """transformers' per-layer-type mask mapping that means "causal, nothing masked" (`None` for
+    every layer type: SDPA / flash attention then run `is_causal`), where the model takes one: every
+    layer full attention (no sliding window) and an SDPA or flash attention implementation. Else None."""
+    config = getattr(model, "config", None)
+    types = set(getattr(config, "layer_types", None) or ())
+    impl = _attn_impl(model)
+    if types != {"full_attention"} or not (impl == "sdpa" or "flash" in impl):
+        return None
+    return {"full_attention": None}
+
+
 def forward_kwargs(model: torch.nn.Module, attention_mask: torch.Tensor | None,
                    position_ids: torch.Tensor | None, packed_mask: str = "auto") -> dict[str, Any]:
     """Keyword arguments (besides input_ids) for a padded or packed forward pass without cache."""
@@ -179,6 +191,12 @@ def forward_kwargs(model: torch.nn.Module, attention_mask: torch.Tensor | None,
         raise ValueError(f"packed_mask must be one of {PACKED_MASK_MODES}, got {packed_mask!r}")
     kw: dict[str, Any] = {"use_cache": False}
     if attention_mask is not None:  # padded rows
+        if position_ids is None and getattr(attention_mask, "_rlhfkit_no_padding", False) \
+                and (masks := causal_only_masks(model)) is not None:
+            # no padding (data/collate.py knew it on the host): the model's own positions 0..L-1 and
+            # plain causal attention, what this mask gives, without the model inspecting the mask on
+            # the GPU (transformers' mask builders read `mask.all()`: a host sync every forward)
+            return {**kw, "attention_mask": masks}
         if position_ids is None:
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         return {**kw, "attention_mask": attention_mask, "position_ids": position_ids}

@@ -91,3 +91,32 @@ def test_block_mask_and_segments():
     expect = torch.tensor([[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0],
                            [0, 0, 0, 1, 0, 0], [0, 0, 0, 0, 1, 0], [0, 0, 0, 0, 1, 1]], dtype=torch.bool)
     assert torch.equal(allowed, expect)
+
+
+def test_mask_known_padding_free_on_the_host_skips_the_mask_and_gives_the_same_logprobs(model, tiny_qwen2_dir):
+    from transformers import AutoModelForCausalLM
+
+    from rlhfkit.data.collate import PaddedBatch
+    from rlhfkit.models.forward import forward_kwargs
+
+    qwen2 = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.float32, attn_implementation="sdpa")
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(6, 100, (2, 7), generator=g)
+    full = PaddedBatch(input_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=torch.ones_like(ids))
+    padded = PaddedBatch(input_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=torch.ones_like(ids))
+    padded.attention_mask[1, 5:] = 0
+    moved, moved_padded = full.to("meta"), padded.to("meta")  # a copy, as to a GPU
+    assert getattr(moved.attention_mask, "_rlhfkit_no_padding", False)
+    assert not getattr(moved_padded.attention_mask, "_rlhfkit_no_padding", False)
+    assert not getattr(full.attention_mask, "_rlhfkit_no_padding", False)  # the host batch is left as it is
+    # a model that takes per-layer-type masks gets "causal, nothing masked"; others the mask itself
+    assert forward_kwargs(qwen2, moved.attention_mask, None) == {"use_cache": False,
+                                                                 "attention_mask": {"full_attention": None}}
+    assert forward_kwargs(model, moved.attention_mask, None)["attention_mask"] is moved.attention_mask
+    assert forward_kwargs(qwen2, moved_padded.attention_mask, None)["attention_mask"] is moved_padded.attention_mask
+    # the same log-probs either way (the mask marked by hand: CPU tensors are not copied)
+    marked = torch.ones_like(ids)
+    marked._rlhfkit_no_padding = True
+    a = token_logprobs(qwen2, ids, marked, return_entropy=False)
+    b = token_logprobs(qwen2, ids, torch.ones_like(ids), return_entropy=False)
+    assert torch.equal(a, b)
