@@ -224,9 +224,11 @@ def _settle(fut: asyncio.Future, result: Any = None, error: BaseException | None
 # ----------------------------------------------------------------------------- factory
 
 
-def make_reward_source(remote_rm_url: str | Sequence[str] | Callable[..., Any], timeout_s: float | None = 300.0) -> Any:
+def make_reward_source(remote_rm_url: str | Sequence[str] | Callable[..., Any], timeout_s: float | None = 300.0
+                       ) -> Any:
     """``--remote_rm_url``: one ``.py`` file -> PythonRewardSource; URL(s) (comma-separated) -> HTTP;
-    a callable ``reward_func`` (the Python API's ``reward_funcs``) -> PythonRewardSource, as a file's."""
+    a callable ``reward_func`` (the Python API's ``reward_funcs``) -> PythonRewardSource, as a file's.
+    (With ``--reward_workers``: reward_pool.reward_source_with_workers.)"""
     if callable(remote_rm_url):
         return PythonRewardSource(remote_rm_url, timeout_s=timeout_s)
     urls = [u.strip() for u in remote_rm_url.split(",")] if isinstance(remote_rm_url, str) else list(remote_rm_url)

@@ -351,12 +351,19 @@ def agent_config(args: argparse.Namespace, temperature: float) -> AgentConfig:
 def build_executor(args: argparse.Namespace, engine: Any, tokenizer: Any, temperature: float):
     from rlhfkit.agents.executors import SingleTurnAgentExecutor
     from rlhfkit.agents.loader import build_agent_executor
-    from rlhfkit.agents.reward_func import make_reward_source
+    from rlhfkit.agents.reward_pool import reward_source_with_workers
 
     cfg = agent_config(args, temperature)
+    workers = getattr(args, "reward_workers", 0)
     if args.agent_func_path:
+        if workers:
+            note_once("note: --reward_workers has no effect with --agent_func_path (agent environments run in "
+                      "threads of the trainer)")
         return build_agent_executor(args.agent_func_path, engine, tokenizer, cfg)
-    source = make_reward_source(args.remote_rm_url, args.reward_timeout) if args.remote_rm_url else None
+    if workers and not args.remote_rm_url:
+        note_once("note: --reward_workers has no effect without a --remote_rm_url reward_func file")
+    source = (reward_source_with_workers(args.remote_rm_url, args.reward_timeout, workers)
+              if args.remote_rm_url else None)
     return SingleTurnAgentExecutor().setup(engine, tokenizer, cfg, reward_source=source)
 
 
