@@ -32,6 +32,7 @@ from rlhfkit.agents.contracts import (
     coerce_sampling_params,
     create_agent_instance,
 )
+from rlhfkit.agents.decode import decoder_for
 from rlhfkit.agents.user_code import UserLoop
 from rlhfkit.types import GenerationRequest, SamplingParams, Trajectory
 
@@ -186,7 +187,7 @@ async def _multi_turn(ex: AgentExecutorBase, prompt: str, label: Any, params: Sa
         turn = await generate_turn(ex, engine, tr.token_ids, params, max_length - len(tr))
         action, t.last_finish = turn.ids, turn.finish_reason
         tr.add_action(turn)
-        action_text = tok.decode(action, skip_special_tokens=True)
+        action_text = await decoder_for(ex, tok).decode(action, skip_special_tokens=True)
         states = {"observation_text": obs_text, "action_text": action_text, "label": label,
                   "sampling_params": params}
         res = check_step_result(await call_user(agent.step, states, what="step()", timeout_s=timeout, loop=user), src)
@@ -200,6 +201,6 @@ async def _multi_turn(ex: AgentExecutorBase, prompt: str, label: Any, params: Sa
         token_ids=tr.token_ids, action_mask=tr.action_mask, rollout_logprobs=tr.logprobs,
         prompt_len=prompt_len, reward=t.reward, score=t.reward if t.score is None else t.score,
         truncated=(not t.done) or t.last_finish == "length", prompt=prompt,
-        response=tok.decode(tr.token_ids[prompt_len:], skip_special_tokens=False), label=label,
+        response=await decoder_for(ex, tok).decode(tr.token_ids[prompt_len:], skip_special_tokens=False), label=label,
         extra_logs=t.extra_logs, policy_versions=tr.policy_versions,
     )

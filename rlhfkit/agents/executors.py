@@ -14,6 +14,7 @@ import logging
 from typing import Any
 
 from rlhfkit.agents.base import AgentConfig, AgentExecutorBase, EpisodeError
+from rlhfkit.agents.decode import decoder_for
 from rlhfkit.agents.episode import (  # noqa: F401
     Action,
     Transcript,
@@ -84,12 +85,13 @@ class SingleTurnAgentExecutor(AgentExecutorBase):
         tr = Transcript()
         tr.add(ids, is_action=False)
         tr.add_action(turn)
+        dec = decoder_for(self, tok)  # decodes of the episodes finishing together: one tokenizer call
         traj = Trajectory(token_ids=tr.token_ids, action_mask=tr.action_mask, rollout_logprobs=tr.logprobs,
                           prompt_len=len(ids), truncated=turn.finish_reason == "length", prompt=prompt,
-                          response=tok.decode(turn.ids, skip_special_tokens=True), label=label,
+                          response=await dec.decode(turn.ids, skip_special_tokens=True), label=label,
                           policy_versions=tr.policy_versions)
         if self.reward_source is not None:
-            query = tok.decode(tr.token_ids, skip_special_tokens=False)
+            query = await dec.decode(tr.token_ids, skip_special_tokens=False)
             try:  # the sources run user code in worker threads themselves (reward_func.py)
                 out = await self.reward_source([query], [prompt], [label])
             except EpisodeError:
