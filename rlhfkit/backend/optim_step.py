@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from rlhfkit.backend import host_gc
 from rlhfkit.backend.guard import NonFiniteGuard
 from rlhfkit.backend.sharding import clip_grads, global_grad_norm
 
@@ -32,6 +33,7 @@ def decide_and_step(opt: torch.optim.Optimizer, params: list[nn.Parameter], norm
     """The guard's decision, and clip + step when it says finite: (finite, a loss non-finite, grad norm)."""
     if can_mask_step(opt, norm, several_ranks, loss_scale):
         return masked_step(opt, norm, guard, max_norm)
+    host_gc.collect_deferred()  # the host is about to wait for the backward anyway
     finite, loss_bad, norm_value = guard.decide(norm)
     if finite:
         if max_norm > 0:
@@ -78,6 +80,7 @@ def masked_step(opt: torch.optim.Optimizer, norm: torch.Tensor, guard: NonFinite
         opt.step()
     finally:
         del opt.found_inf, opt.grad_scale  # type: ignore[attr-defined]
+    host_gc.collect_deferred()  # the host is about to wait for the backward anyway
     if ready is not None:
         ready.synchronize()
     return guard.decide_host(host)

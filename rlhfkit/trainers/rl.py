@@ -45,6 +45,7 @@ from typing import Any, Sequence
 
 import torch
 
+from rlhfkit.backend import host_gc
 from rlhfkit.algo.advantages import AdvantageConfig, get_advantage_estimator
 from rlhfkit.algo.experience import (RewardShapingConfig, apply_length_penalties, finish_experience,
                                      pad_trajectories)
@@ -221,6 +222,13 @@ class RLTrainer:
     # ------------------------------------------------------------------ one step
 
     def train_step(self) -> dict[str, float]:
+        host_gc.pause()  # the garbage collector runs where the host next waits for the GPU (host_gc.py)
+        try:
+            return self._train_step()
+        finally:
+            host_gc.collect_deferred()  # if no optimizer step of this process did
+
+    def _train_step(self) -> dict[str, float]:
         t = PhaseClock()
         with t("generate"):
             trajs, metrics = self.rollout()

@@ -1,0 +1,40 @@
+"""Python's cyclic garbage collector moved to where the host waits for the GPU.
+
+A rollout makes hundreds of thousands of Python objects (token lists, log-probs, trajectories), so
+the collector runs during it, several times, and every pass stops the host: the rollout engine's
+loop, which the GPU waits on between decode chunks. On one H100 (bench/rl_step.py, 64 x 8 samples x
+256 tokens) collections took 0.05 to 0.2 s of a 2.8 s step.
+
+    pause()             the RL loop, before its rollout: the collector is switched off
+    collect_deferred()  the backend, just before it blocks on the GPU in an optimizer step (the
+                        training's kernels are queued, the host would only wait): one full
+                        collection, then the collector is on again. The RL loop also calls it at
+                        the end of a step (a Ray driver has no optimizer step of its own).
+
+No-op when nothing is paused, or when the collector was off already (the user's choice stands).
+"""
+
+from __future__ import annotations
+
+import gc
+
+_paused = False
+
+
+def pause() -> None:
+    global _paused
+    if not _paused and gc.isenabled():
+        gc.disable()
+        _paused = True
+
+
+def collect_deferred() -> None:
+    global _paused
+    if _paused:
+        _paused = False
+        gc.collect()
+        gc.enable()
+
+
+def paused() -> bool:
+    return _paused
