@@ -234,6 +234,13 @@ def python_profile(fn: Callable[[], Any], rows: int) -> list[str]:
     lines = [ln for ln in buf.getvalue().splitlines() if ln.strip()]
     head = next((i for i, ln in enumerate(lines) if "ncalls" in ln), 0)
     table = [ln[:200] for ln in lines[head:head + rows + 1]]
+    buf = io.StringIO()  # and by cumulative time, with who waited on the GPU (`.cpu()`)
+    stats = pstats.Stats(prof, stream=buf)
+    stats.sort_stats("cumulative").print_stats(rows)
+    stats.print_callers("method 'cpu'")
+    more = [ln for ln in buf.getvalue().splitlines() if ln.strip()]
+    head = next((i for i, ln in enumerate(more) if "ncalls" in ln), 0)
+    table += ["-- by cumulative time --"] + [ln[:200] for ln in more[head:]]
     print("[rl_step] python profile of one rollout:\n" + "\n".join(table), file=sys.stderr, flush=True)
     return table
 
