@@ -7,9 +7,12 @@ loop, which the GPU waits on between decode chunks. On one H100 (bench/rl_step.p
 
     pause()             the RL loop, before its rollout: the collector is switched off
     collect_deferred()  the backend, just before it blocks on the GPU in an optimizer step (the
-                        training's kernels are queued, the host would only wait): one full
-                        collection, then the collector is on again. The RL loop also calls it at
-                        the end of a step (a Ray driver has no optimizer step of its own).
+                        training's kernels are queued, the host would only wait): one collection
+                        of the young generations (what the rollout made; a full one would walk
+                        every long-lived object each step: 0.05 s in a bench process holding two
+                        trainers), then the collector is on again, its thresholds as before. The
+                        RL loop also calls it at the end of a step (a Ray driver has no optimizer
+                        step of its own).
 
 No-op when nothing is paused, or when the collector was off already (the user's choice stands).
 """
@@ -32,7 +35,7 @@ def collect_deferred() -> None:
     global _paused
     if _paused:
         _paused = False
-        gc.collect()
+        gc.collect(1)
         gc.enable()
 
 
