@@ -148,6 +148,10 @@ class MasterAdamW(torch.optim.AdamW):
                     st["step"] = torch.zeros((), dtype=torch.float32, device=m.device)
                     st["exp_avg"] = torch.zeros_like(m, memory_format=torch.preserve_format)
                     st["exp_avg_sq"] = torch.zeros_like(m, memory_format=torch.preserve_format)
+                elif st["step"].device != m.device or st["step"].dtype != torch.float32:
+                    # loaded from a checkpoint whose optimizer kept it on the host (the kernel reads it
+                    # on the device, as torch's fused AdamW does); the moments load as the masters are
+                    st["step"] = st["step"].to(m.device, torch.float32)
                 by_dtype.setdefault(g.dtype, []).append((g.contiguous(), m, low_of(m)))
             out.extend((group, rows) for rows in by_dtype.values())
         return out
