@@ -15,26 +15,37 @@ loop, which the GPU waits on between decode chunks. On one H100 (bench/rl_step.p
                         step of its own).
 
 No-op when nothing is paused, or when the collector was off already (the user's choice stands).
+A pause lasts at most `MAX_PAUSE_S`: a long agentic rollout whose environments make reference cycles
+gets its collector back then (the collection at the optimizer step still happens).
 """
 
 from __future__ import annotations
 
 import gc
+import threading
 
+MAX_PAUSE_S = 30.0
 _paused = False
+_timer: threading.Timer | None = None
 
 
 def pause() -> None:
-    global _paused
+    global _paused, _timer
     if not _paused and gc.isenabled():
         gc.disable()
         _paused = True
+        _timer = threading.Timer(MAX_PAUSE_S, gc.enable)
+        _timer.daemon = True
+        _timer.start()
 
 
 def collect_deferred() -> None:
-    global _paused
+    global _paused, _timer
     if _paused:
         _paused = False
+        if _timer is not None:
+            _timer.cancel()
+            _timer = None
         gc.collect(1)
         gc.enable()
 

@@ -1,6 +1,6 @@
 """backend/host_gc.py: the collector is off from pause() to the next collect_deferred(), which
 collects the young generations once and switches it on; nothing changes when the collector was off already; an RL step
-leaves it on, and a one-process step collects at its optimizer step (before the host waits)."""
+leaves it on, a pause longer than MAX_PAUSE_S ends by itself, and a one-process step collects at its optimizer step (before the host waits)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,22 @@ def test_pause_then_collect_once():
     finally:
         gc.callbacks.pop()
         gc.enable()
+
+
+def test_a_long_pause_gives_the_collector_back(monkeypatch):
+    import time
+
+    monkeypatch.setattr(host_gc, "MAX_PAUSE_S", 0.05)
+    try:
+        host_gc.pause()
+        assert not gc.isenabled()
+        deadline = time.monotonic() + 5
+        while not gc.isenabled() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert gc.isenabled() and host_gc.paused()  # on again; the deferred collection still comes
+    finally:
+        host_gc.collect_deferred()
+    assert gc.isenabled() and not host_gc.paused()
 
 
 def test_a_disabled_collector_stays_the_users_choice():
