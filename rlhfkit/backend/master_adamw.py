@@ -57,8 +57,6 @@ log = logging.getLogger(__name__)
 USE_KERNEL = True  # False: torch's AdamW + the separate copy into the module (benchmarks' A/B)
 BLOCK = 4096  # elements per program
 WARPS = 8
-# pointer table columns
-_G, _W, _M, _V, _LOW, _STEP, _NUMEL = range(7)
 
 
 class MasterAdamW(torch.optim.AdamW):
@@ -163,6 +161,7 @@ class MasterAdamW(torch.optim.AdamW):
         where every tensor is 16-byte aligned (the caching allocator's tensors are)."""
         device = rows[0][1].device
         g0, w0, l0 = rows[0]
+        # columns: gradient, master, exp_avg, exp_avg_sq, module parameter, step (element offsets), numel
         table, aligned = [], True
         for g, m, low in rows:
             st = self.state[m]
