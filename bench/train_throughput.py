@@ -75,14 +75,20 @@ def phase_mfu(model_dir: str, tokens: float, seq: float, seconds: float | None, 
     return tokens * flops_per_token(cfg, n, int(seq)) / seconds / peak
 
 
+HOST_S: list[float] = []  # host time of each timed step() call (the last time_steps call)
+
+
 def time_steps(step, n_warmup: int, n_steps: int, device: str) -> float:
     for _ in range(n_warmup):
         step()
     if device == "cuda":
         torch.cuda.synchronize()
+    HOST_S.clear()
     t0 = time.perf_counter()
     for _ in range(n_steps):
+        h = time.perf_counter()
         step()
+        HOST_S.append(time.perf_counter() - h)
     if device == "cuda":
         torch.cuda.synchronize()
     return (time.perf_counter() - t0) / n_steps
@@ -119,6 +125,7 @@ def rlhfkit_step_fn(model, ids, device, param_dtype: str, variant: str = "master
                     experiment on launch overhead, not a flag.
     *_autotune      with _compile: mode="max-autotune-no-cudagraphs" (Triton GEMM templates with fused
                     epilogues tried against cuBLAS), an experiment.
+    *_nofuse        q, k and v projected by three GEMMs instead of one (models/fused_qkv.py), for an A/B
     *_torchadam     torch's fused AdamW + a separate copy into the bf16 module instead of the one-pass
                     master-weight kernel (backend/master_adamw.py), for an A/B in one run."""
     from rlhfkit.backend.dist import init_distributed
@@ -130,12 +137,15 @@ def rlhfkit_step_fn(model, ids, device, param_dtype: str, variant: str = "master
 
     base, *suffixes = variant.split("_")
     if base not in VARIANTS or not set(suffixes) <= {"compile", "eagerloss", "cg", "autotune", "recompute", "cudnn",
-                                                           "flash", "torchadam"}:
+                                                           "flash", "torchadam", "nofuse"}:
         raise ValueError(f"--variants: unknown variant {variant!r}; choose from {', '.join(VARIANTS)} "
                          "with optional suffixes _compile, _eagerloss")
     from rlhfkit.backend import master_adamw
 
     master_adamw.USE_KERNEL = "torchadam" not in suffixes
+    from rlhfkit.models import fused_qkv
+
+    fused_qkv.ENABLED = "nofuse" not in suffixes
     fused_logprobs.USE_TRITON = "eagerloss" not in suffixes
     fused_logprobs.KEEP_LOGITS_BYTES = 0 if "recompute" in suffixes else None
     if "cg" in suffixes or "autotune" in suffixes:
@@ -255,7 +265,8 @@ def main() -> None:
             if gpu:
                 torch.cuda.empty_cache()
             continue
-        res.update({"n_params": n_params, f"{key}_tokens_per_s": tokens / t, f"{key}_step_s": t})
+        res.update({"n_params": n_params, f"{key}_tokens_per_s": tokens / t, f"{key}_step_s": t,
+                    f"{key}_host_step_s": sorted(HOST_S)[len(HOST_S) // 2]})
         if gpu:
             res[f"{key}_peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
             torch.cuda.reset_peak_memory_stats()

@@ -16,7 +16,8 @@ Precision (precision.py): fp32 master weights and optimizer states; compute in `
 module itself is cast to the compute dtype and the optimizer steps fp32 copies (master.py), or,
 with `--mixed_precision autocast`, an fp32 module runs under autocast; fp32 on CPU unless
 `cpu_low_precision=True`); fp16 uses a dynamic loss scale. `--torch_compile` compiles every
-transformer block (before sharding, so FSDP2's hooks stay outside the compiled graphs).
+transformer block (before sharding, so FSDP2's hooks stay outside the compiled graphs). On the GPU
+(no tensor parallelism) k and v are projected by one GEMM (models/fused_qkv.py).
 
 Gradient accumulation: `backward(loss, sync_grads=False)` skips the gradient reduction
 (`set_requires_gradient_sync(False)`) for stages 0-2 until the last micro-batch. Stage 3 keeps
@@ -56,8 +57,7 @@ import torch
 from torch import nn
 
 from rlhfkit.backend import checkpoint as ckpt
-from rlhfkit.backend.context_parallel import apply_cp, check_cp
-from rlhfkit.backend.context_parallel import fsdp_mesh as fsdp_mesh_of
+from rlhfkit.backend.context_parallel import apply_cp, check_cp, fsdp_mesh as fsdp_mesh_of
 from rlhfkit.backend import dist as D
 from rlhfkit.backend.dist import DistInfo
 from rlhfkit.backend.ema import EMAWeights
@@ -65,7 +65,7 @@ from rlhfkit.backend.guard import NonFiniteGuard
 from rlhfkit.backend.hf_export import export_hf, parse_size
 from rlhfkit.backend.master import MasterWeights
 from rlhfkit.backend.optim_step import decide_and_step, step_grad_norm
-from rlhfkit.backend.model_prep import autocast_forward, cast_params, compile_blocks
+from rlhfkit.backend.model_prep import autocast_forward, cast_params, compile_blocks, fuse_qkv
 from rlhfkit.backend.offload import HostStash, MoveStats
 from rlhfkit.backend.optim import build_optimizer, build_scheduler, param_groups
 from rlhfkit.backend.parallel import ParallelDims
@@ -129,6 +129,8 @@ class FSDP2Backend:
         self.mesh = self._build_mesh() if self.is_sharded else None
         if self.parallel.tp > 1:  # before compiling and sharding: FSDP2 shards the TP DTensors over dp
             apply_tp(model, self.mesh["tp"])
+        elif self.device.type == "cuda":
+            fuse_qkv(model)  # one GEMM for q, k and v (models/fused_qkv.py)
         if backend_cfg.torch_compile:
             compile_blocks(model, backend_cfg.compile_dynamic)
         self.master: MasterWeights | None = None
@@ -303,8 +305,7 @@ class FSDP2Backend:
 
         if self.master is not None:
             return self.master.model_state_dict(self.model)
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_model_state_dict(self.model, options=opts)
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def optimizer_state_dict(self) -> dict[str, Any]:
         """Full optimizer state keyed by parameter name, on CPU (rank 0 holds it; all ranks call)."""
@@ -314,8 +315,8 @@ class FSDP2Backend:
         opt = self._require_optimizer()
         if self.master is not None:
             return self.master.optimizer_state_dict(opt)
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_optimizer_state_dict(self.model, opt, options=opts)
+        return get_optimizer_state_dict(self.model, opt, options=StateDictOptions(full_state_dict=True,
+                                                                                   cpu_offload=True))
 
     def load_full_state(self, model_sd: dict[str, torch.Tensor], optim_sd: dict[str, Any] | None) -> None:
         """Load a full model (and optimizer) state; when sharded, rank 0's copy is broadcast."""
@@ -457,8 +458,7 @@ class FSDP2Backend:
         if self.master is not None:
             for n, m in zip(self.master.names, self.master.masters):
                 names[id(m)] = n
-                keep.append((f"master:{n}", m))
-                keep.append((f"master_grad:{n}", m.grad))
+                keep += [(f"master:{n}", m), (f"master_grad:{n}", m.grad)]
         if self.optimizer is not None:
             for p, state in self.optimizer.state.items():
                 for k, v in state.items():
