@@ -72,3 +72,29 @@ def test_masked_step_skips_a_non_finite_step_on_the_device():
         assert torch.equal(after[k], before[k]), k
     assert step(b, 2)["skipped"] == 0.0
     assert not torch.equal(state(b)["m0"], before["m0"])
+
+
+def test_checkpoint_round_trip_with_the_master_kernel(tmp_path):
+    """Resumed = uninterrupted with the one-pass master-weight AdamW (master_adamw.py): the state dict is
+    torch AdamW's, and a step count loaded onto the host is moved to the device before the kernel reads it."""
+    from rlhfkit.backend import master_adamw
+
+    a = make()
+    assert master_adamw.USE_KERNEL and a.master.keep_low_grads  # the kernel path is the one under test
+    for k in range(2):
+        step(a, k)
+    root = str(tmp_path / "ckpt")
+    a.save_checkpoint(root, "step2", {"step": 2}, max_keep=1)
+    for k in range(2, 4):
+        step(a, k)
+    want = state(a)
+    b = make()
+    assert b.load_checkpoint(root) == {"step": 2}
+    for k in range(2, 4):
+        step(b, k)
+    got = state(b)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    # and the bf16 module equals the masters rounded, as after every step
+    for p, m in zip(b.master.params, b.master.masters):
+        assert torch.equal(p.detach(), m.detach().to(p.dtype))
