@@ -253,6 +253,8 @@ def main() -> None:
             torch.cuda.reset_peak_memory_stats()
     profiles: dict = {}
     for variant in a.variants.split(","):
+        if gpu:
+            torch.cuda.reset_peak_memory_stats()  # the previous variant's profiled step is not this one's peak
         model, cfg = build(shape, a.device, torch.float32, a.attn)
         n_params = sum(p.numel() for p in model.parameters())
         key = "rlhfkit" if variant == a.variants.split(",")[0] else f"rlhfkit_{variant}"
