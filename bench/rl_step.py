@@ -266,12 +266,16 @@ def profile_step(trainer: Any, a: argparse.Namespace, prompts: int) -> dict:
 
 def _counters(device: str) -> dict[str, float]:
     """Process-wide counters whose change over a step explains a slow one: torch.compile graph
-    compilations and the CUDA caching allocator's retries (a full free-and-retry of cached blocks)."""
+    compilations, the CUDA caching allocator's retries (a full free-and-retry of cached blocks) and its
+    cudaMalloc / cudaFree calls (each cudaFree waits for the device)."""
     from torch._dynamo.utils import counters
 
     out = {"compiles": float(sum(counters["stats"].values()) and counters["stats"].get("unique_graphs", 0))}
     if device.startswith("cuda"):
-        out["alloc_retries"] = float(torch.cuda.memory_stats().get("num_alloc_retries", 0))
+        stats = torch.cuda.memory_stats()
+        out["alloc_retries"] = float(stats.get("num_alloc_retries", 0))
+        out["device_allocs"] = float(stats.get("num_device_alloc", 0))
+        out["device_frees"] = float(stats.get("num_device_free", 0))
     return out
 
 
@@ -317,6 +321,8 @@ def summarize_rlhfkit(walls: list[float], metrics: list[dict], completions: int)
         "gc_s_each": [round(m["gc_s"], 4) if "gc_s" in m else None for m in metrics],
         "compiles_each": [m.get("compiles") for m in metrics],
         "alloc_retries_each": [m.get("alloc_retries") for m in metrics],
+        "device_allocs_each": [m.get("device_allocs") for m in metrics],
+        "device_frees_each": [m.get("device_frees") for m in metrics],
         "generate_share": mean([m["generate_share"] for m in metrics]),
         "gen_tokens_per_s": completions * resp / gen if gen else None,
         "response_length": resp, "truncated_rate": mean([m["truncated_rate"] for m in metrics]),
