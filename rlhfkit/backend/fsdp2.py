@@ -29,10 +29,10 @@ runs on the CPU; the GPU holds only the gathered compute-dtype blocks. It needs 
 so one process without one (a one-rank Ray group, plain `python -m`) gets a one-rank group of its
 own. On CPU it has no effect (one printed line says so). A frozen model ignores it.
 
-Sleep (`offload_states` / `reload_states`, --deepspeed_enable_sleep): the states' storages go to
-host buffers allocated once and reused (offload.py), bit for bit; bf16 module parameters that
-have fp32 masters are freed and rebuilt from them instead of copied. `sleep_stats` has the
-seconds and bytes of the last round trip.
+Sleep (`offload_states` / `reload_states`, --deepspeed_enable_sleep; backend_sleep.py): the
+states' storages go to host buffers allocated once and reused (offload.py), bit for bit; bf16
+module parameters that have fp32 masters are freed and rebuilt from them instead of copied.
+`sleep_stats` has the seconds and bytes of the last round trip.
 
 `--optim muon` steps the 2-D hidden-layer weights with PyTorch's Muon and the rest with AdamW, as one
 optimizer (muon.py). `ema_decay` (--enable_ema) keeps an EMA of the trained weights in host memory,
@@ -66,7 +66,8 @@ from rlhfkit.backend.hf_export import export_hf, parse_size
 from rlhfkit.backend.master import MasterWeights
 from rlhfkit.backend.optim_step import decide_and_step, step_grad_norm
 from rlhfkit.backend.model_prep import autocast_forward, cast_params, compile_blocks, fuse_qkv
-from rlhfkit.backend.offload import HostStash, MoveStats
+from rlhfkit.backend.backend_sleep import SleepMixin
+from rlhfkit.backend.offload import HostStash
 from rlhfkit.backend.optim import build_optimizer, build_scheduler, param_groups
 from rlhfkit.backend.parallel import ParallelDims
 from rlhfkit.backend.precision import DynamicLossScaler, compute_dtype_for, parse_dtype
@@ -92,7 +93,7 @@ def _validate(cfg: BackendConfig) -> None:
     parse_size(cfg.hf_max_shard_size)
 
 
-class FSDP2Backend:
+class FSDP2Backend(SleepMixin):
     """Wraps one model with its optimizer and LR schedule; see the module docstring."""
 
     def __init__(self, model: nn.Module, backend_cfg: BackendConfig, optim_cfg: OptimConfig | None,
@@ -435,66 +436,3 @@ class FSDP2Backend:
     def load_checkpoint(self, ckpt_root: str, tag: str | None = None) -> dict | None:
         self._require_optimizer()
         return ckpt.load_checkpoint(self, ckpt_root, tag)
-
-    # ------------------------------------------------------------------ sleep / wake
-
-    def _sleep_tensors(self) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:
-        """(tensors to copy out, tensors to free and rebuild) for offload_states, by stable name.
-
-        Copied: parameters (FSDP2: the sharded DTensors; fp32 masters where the module is a bf16
-        copy of them), gradients that exist, optimizer states. Rebuilt, not copied: the bf16
-        module parameters that have fp32 masters (after every step and load they equal the
-        masters rounded, `MasterWeights.copy_to_model`). Not moved at all: what FSDP2 frees after
-        resharding (the gathered bf16 parameters) and gradients that are None after a step."""
-        if self.master is not None:
-            self.master.materialize_grads()  # kept bf16 gradients travel as the masters' .grad
-        names = {id(p): n for n, p in self.model.named_parameters()}
-        rebuilt = {id(p) for p in self.master.params} if self.master is not None else set()
-        keep: list[tuple[str, Any]] = []
-        drop: list[tuple[str, Any]] = []
-        for n, p in self.model.named_parameters():
-            (drop if id(p) in rebuilt else keep).append((f"param:{n}", p))
-            keep.append((f"grad:{n}", p.grad))
-        if self.master is not None:
-            for n, m in zip(self.master.names, self.master.masters):
-                names[id(m)] = n
-                keep += [(f"master:{n}", m), (f"master_grad:{n}", m.grad)]
-        if self.optimizer is not None:
-            for p, state in self.optimizer.state.items():
-                for k, v in state.items():
-                    if isinstance(v, torch.Tensor):
-                        keep.append((f"opt:{names.get(id(p), id(p))}:{k}", v))
-        return keep, drop
-
-    def offload_states(self) -> MoveStats:
-        """Training states into host buffers allocated once (pinned on CUDA); see offload.py.
-
-        No-op under `--adam_offload` on CUDA (FSDP2 keeps those states in host memory already).
-        On CPU the round trip still runs (it frees nothing there) so that CPU runs exercise it."""
-        if self._stash.offloaded or (self.cfg.adam_offload and self.trainable and self.device.type == "cuda"):
-            return MoveStats()
-        if self.is_sharded:
-            from torch.distributed.fsdp import FSDPModule
-
-            for m in self.model.modules():  # a no-grad forward at zero_stage < 3 leaves blocks gathered
-                if isinstance(m, FSDPModule):
-                    m.reshard()
-        keep, drop = self._sleep_tensors()
-        return self._stash.offload(keep, drop)
-
-    def _wake(self) -> None:
-        """Readers of the states (state dicts, weight iteration, saving) reload them first: asleep,
-        their storages are empty. (Forward passes are the caller's: Phases reloads before a call.)"""
-        if self._stash.offloaded:
-            self.reload_states()
-
-    def reload_states(self) -> MoveStats:
-        """Back onto the device, bit for bit; bf16 parameters are rebuilt from their fp32 masters."""
-        return self._stash.reload(self.master.copy_to_model if self.master is not None else None)
-
-    @property
-    def sleep_stats(self) -> dict[str, float]:
-        """The last offload / reload: seconds and bytes (the RL loop logs them)."""
-        a, b = self._stash.last_offload, self._stash.last_reload
-        return {"offload_s": a.seconds, "offload_bytes": float(a.nbytes),
-                "reload_s": b.seconds, "reload_bytes": float(b.nbytes)}

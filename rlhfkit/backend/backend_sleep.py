@@ -1,0 +1,89 @@
+"""Sleep and wake of a training backend's states (`offload_states` / `reload_states`,
+--deepspeed_enable_sleep), as a mixin of FSDP2Backend: which tensors move, which are rebuilt, and
+the host stash they go to (offload.py).
+
+The backend provides `model`, `master` (MasterWeights or None), `optimizer`, `cfg`, `trainable`,
+`device`, `is_sharded` and `_stash` (a HostStash).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rlhfkit.backend.offload import MoveStats
+
+
+class SleepMixin:
+    """`offload_states`, `reload_states`, `sleep_stats` and `_wake` for FSDP2Backend."""
+
+    model: Any
+    master: Any
+    optimizer: Any
+    cfg: Any
+    trainable: bool
+    device: torch.device
+    is_sharded: bool
+    _stash: Any
+
+    def _sleep_tensors(self) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:
+        """(tensors to copy out, tensors to free and rebuild) for offload_states, by stable name.
+
+        Copied: parameters (FSDP2: the sharded DTensors; fp32 masters where the module is a bf16
+        copy of them), gradients that exist, optimizer states. Rebuilt, not copied: the bf16
+        module parameters that have fp32 masters (after every step and load they equal the
+        masters rounded, `MasterWeights.copy_to_model`). Not moved at all: what FSDP2 frees after
+        resharding (the gathered bf16 parameters) and gradients that are None after a step."""
+        if self.master is not None:
+            self.master.materialize_grads()  # kept bf16 gradients travel as the masters' .grad
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        rebuilt = {id(p) for p in self.master.params} if self.master is not None else set()
+        keep: list[tuple[str, Any]] = []
+        drop: list[tuple[str, Any]] = []
+        for n, p in self.model.named_parameters():
+            (drop if id(p) in rebuilt else keep).append((f"param:{n}", p))
+            keep.append((f"grad:{n}", p.grad))
+        if self.master is not None:
+            for n, m in zip(self.master.names, self.master.masters):
+                names[id(m)] = n
+                keep += [(f"master:{n}", m), (f"master_grad:{n}", m.grad)]
+        if self.optimizer is not None:
+            for p, state in self.optimizer.state.items():
+                for k, v in state.items():
+                    if isinstance(v, torch.Tensor):
+                        keep.append((f"opt:{names.get(id(p), id(p))}:{k}", v))
+        return keep, drop
+
+    def offload_states(self) -> MoveStats:
+        """Training states into host buffers allocated once (pinned on CUDA); see offload.py.
+
+        No-op under `--adam_offload` on CUDA (FSDP2 keeps those states in host memory already).
+        On CPU the round trip still runs (it frees nothing there) so that CPU runs exercise it."""
+        if self._stash.offloaded or (self.cfg.adam_offload and self.trainable and self.device.type == "cuda"):
+            return MoveStats()
+        if self.is_sharded:
+            from torch.distributed.fsdp import FSDPModule
+
+            for m in self.model.modules():  # a no-grad forward at zero_stage < 3 leaves blocks gathered
+                if isinstance(m, FSDPModule):
+                    m.reshard()
+        keep, drop = self._sleep_tensors()
+        return self._stash.offload(keep, drop)
+
+    def _wake(self) -> None:
+        """Readers of the states (state dicts, weight iteration, saving) reload them first: asleep,
+        their storages are empty. (Forward passes are the caller's: Phases reloads before a call.)"""
+        if self._stash.offloaded:
+            self.reload_states()
+
+    def reload_states(self) -> MoveStats:
+        """Back onto the device, bit for bit; bf16 parameters are rebuilt from their fp32 masters."""
+        return self._stash.reload(self.master.copy_to_model if self.master is not None else None)
+
+    @property
+    def sleep_stats(self) -> dict[str, float]:
+        """The last offload / reload: seconds and bytes (the RL loop logs them)."""
+        a, b = self._stash.last_offload, self._stash.last_reload
+        return {"offload_s": a.seconds, "offload_bytes": float(a.nbytes),
+                "reload_s": b.seconds, "reload_bytes": float(b.nbytes)}
