@@ -21,7 +21,8 @@ Saving never gathers the model or the optimizer: every rank writes its own shard
 
 so a crash at any point leaves `latest` naming a complete checkpoint or lagging behind one (a kill
 between the rename and its update). `<tag>.tmp` leftovers are never loaded and are removed by the
-next save. Only the `max_keep` newest checkpoints (by save index) are kept; rotation renames a
+next save. Only the `max_keep` newest checkpoints (by save index) are kept, and with the backend's
+`max_ckpt_mem` (--max_ckpt_mem, GB) the oldest go while the rest hold more; rotation renames a
 directory away (`<tag>.del.tmp`) before deleting it, so a kill mid-rotation never leaves a
 half-deleted directory under a checkpoint's name.
 
@@ -267,12 +268,36 @@ def _remove(path: str) -> None:
     shutil.rmtree(away, ignore_errors=True)
 
 
-def _rotate(ckpt_root: str, max_keep: int, keep_tag: str) -> None:
-    found = [tag for _, tag in list_checkpoints(ckpt_root)]
-    while len(found) > max_keep:
+def _dir_bytes(path: str) -> int:
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.path.getsize(os.path.join(dirpath, f))
+            except OSError:  # removed meanwhile
+                pass
+    return total
+
+
+def _rotate(ckpt_root: str, max_keep: int, keep_tag: str, max_gb: float | None = None) -> None:
+    """Delete the oldest checkpoints beyond the `max_keep` newest (--max_ckpt_num), then, with `max_gb`
+    (--max_ckpt_mem, GB as in OpenRLHF), the oldest while the checkpoints hold more than that; the one
+    just saved (`keep_tag`) always stays."""
+    found = [tag for _, tag in list_checkpoints(ckpt_root) if tag != keep_tag]
+    while len(found) + 1 > max_keep:
+        _remove(os.path.join(ckpt_root, found.pop(0)))
+    if max_gb is None:
+        return
+    limit = max_gb * 2**30
+    sizes = {tag: _dir_bytes(os.path.join(ckpt_root, tag)) for tag in found + [keep_tag]}
+    while found and sum(sizes.values()) > limit:
         tag = found.pop(0)
-        if tag != keep_tag:
-            _remove(os.path.join(ckpt_root, tag))
+        _remove(os.path.join(ckpt_root, tag))
+        log.info("removed checkpoint %s: the checkpoints held more than --max_ckpt_mem %g GB", tag, max_gb)
+        del sizes[tag]
+    if sum(sizes.values()) > limit:
+        log.warning("checkpoint %s alone holds %.3g GB, more than --max_ckpt_mem %g GB; it is kept",
+                    keep_tag, sizes[keep_tag] / 2**30, max_gb)
 
 
 def _clear_stale_tmp(ckpt_root: str) -> None:
@@ -336,7 +361,7 @@ def save_checkpoint(backend, ckpt_root: str, tag: str, client_state: dict | None
         fsync_dir(os.path.join(tmp, DCP_DIR))
         fsync_dir(tmp)
         _publish(ckpt_root, tag, tmp, final)
-        _rotate(ckpt_root, max_keep, keep_tag=tag)
+        _rotate(ckpt_root, max_keep, keep_tag=tag, max_gb=getattr(getattr(backend, "cfg", None), "max_ckpt_mem", None))
     D.barrier()
     return final
 

@@ -85,6 +85,8 @@ class BackendConfig:
     ema_decay: float | None = None
     # --ring_head_stride: key/value heads that go round the ring together (with --ring_attn_size > 1)
     ring_head_stride: int = 1
+    # --max_ckpt_mem: checkpoints under a --ckpt_path may hold this many GB (OpenRLHF's unit); oldest go first
+    max_ckpt_mem: float | None = None
 
 
 @dataclass

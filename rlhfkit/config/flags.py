@@ -15,7 +15,7 @@ Flags accepted for OpenRLHF compatibility that have no effect in a command are d
 `inert="why"` (or marked later with `mark_inert`); `parse()` prints one line for each of them that
 the command line sets to a non-default value (on rank 0 only under torchrun):
 
-    note: --max_ckpt_mem has no effect: checkpoints are rotated by count (--max_ckpt_num)
+    note: --zpg has no effect in train_sft: a DeepSpeed setting; the FSDP2 backend has no equivalent
 
 Flags whose effect depends on the run (the device, the model, other flags) say so where that is
 decided. tests/unit/test_flag_audit.py checks that every flag of every command is read by the code
@@ -248,8 +248,8 @@ def add_ckpt_flags(p: FlagParser, *, ckpt_path: str = "./ckpt/checkpoints") -> N
         p.flag("--max_ckpt_num", "--ckpt.max_num", type=int, default=3,
                help="keep this many newest checkpoints; older ones are deleted")
         p.flag("--max_ckpt_mem", "--ckpt.max_mem", type=float, default=1e8,
-               help="OpenRLHF: size limit of the checkpoint folder",
-               inert="checkpoints are rotated by count only (--max_ckpt_num)")
+               help="GB the resumable checkpoints in --ckpt_path may hold: after a save the oldest are deleted "
+                    "while they hold more (the one just saved always stays); as OpenRLHF's")
         p.flag("--load_checkpoint", "--ckpt.load_enable", action="store_true",
                help="resume from the newest checkpoint in --ckpt_path, if there is one")
         p.flag("--save_hf_ckpt", "--ckpt.save_hf", action="store_true",

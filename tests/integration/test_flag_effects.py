@@ -75,11 +75,13 @@ def test_ppo_flags_take_effect(tiny_model_dir, files, tmp_path, capsys, monkeypa
         "--best_metric_key", "eval_reward", "--zpg", "2", "--max_ckpt_mem", "10", "--perf",
     ])
     out = capsys.readouterr().out
-    for note in ("note: --zpg has no effect", "note: --max_ckpt_mem has no effect", "note: --perf has no effect",
+    for note in ("note: --zpg has no effect", "note: --perf has no effect",
                  "note: --param_dtype bf16 has no effect on CPU"):
         assert out.count(note) == 1, (note, out)
+    assert "--max_ckpt_mem" not in out
 
     policy, critic = built["build_policy"], built["build_critic"]
+    assert policy.cfg.max_ckpt_mem == 10.0 and critic.cfg.max_ckpt_mem == 10.0  # rotation by size (GB)
     assert isinstance(policy.optimizer, MuonWithAdamW) and isinstance(critic.optimizer, torch.optim.AdamW)
     c = critic.optim_cfg
     assert (tuple(c.adam_betas), c.max_norm, c.lr_scheduler, c.l2) == ((0.8, 0.9), 0.5, "constant", 0.01)

@@ -219,3 +219,29 @@ def test_save_tensors_keeps_tied_weights(tmp_path):
     assert set(back) == set(sd)
     assert back["embed.weight"] is back["head.weight"]
     assert all(torch.equal(back[k], sd[k]) for k in sd)
+
+
+def test_max_ckpt_mem_removes_the_oldest_while_over_the_limit(tiny_model_dir, tmp_path, caplog):
+    """--max_ckpt_mem (GB): after a save the oldest checkpoints go while the rest hold more; the one just
+    saved always stays, with a warning when it alone is over."""
+    from rlhfkit.backend.checkpoint import _dir_bytes
+
+    root = str(tmp_path / "ckpt")
+    b = new_backend(tiny_model_dir)
+    data = batches(b.model.config.vocab_size)
+    train(b, data[:1])
+    b.save_checkpoint(root, "step1", {"step": 1}, max_keep=10)
+    one = _dir_bytes(os.path.join(root, "step1"))
+    b.cfg.max_ckpt_mem = 2.5 * one / 2**30  # room for two checkpoints of this size, not three
+    for k in (2, 3, 4):
+        train(b, data[k - 1:k])
+        b.save_checkpoint(root, f"step{k}", {"step": k}, max_keep=10)
+    assert [t for _, t in list_checkpoints(root)] == ["step3", "step4"]
+    assert not [n for n in os.listdir(root) if n.startswith("step1") or n.startswith("step2")]
+    b.cfg.max_ckpt_mem = 0.5 * one / 2**30  # smaller than one checkpoint
+    with caplog.at_level("WARNING"):
+        b.save_checkpoint(root, "step5", {"step": 5}, max_keep=10)
+    assert [t for _, t in list_checkpoints(root)] == ["step5"]
+    assert "alone holds" in caplog.text
+    c = new_backend(tiny_model_dir)
+    assert c.load_checkpoint(root) == {"step": 5}
