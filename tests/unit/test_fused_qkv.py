@@ -48,6 +48,22 @@ def _grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def _same_outputs_and_grads(ref, model, ids, monkeypatch) -> list[int]:
+    """Forward + backward of both on `ids`: logits and every gradient equal within fp32 rounding; returns
+    the output widths of the fused model's F.linear calls."""
+    a = ref(input_ids=ids, labels=ids)
+    a.loss.backward()
+    calls = _LinearCalls(monkeypatch)
+    b = model(input_ids=ids, labels=ids)
+    b.loss.backward()
+    torch.testing.assert_close(b.logits, a.logits, rtol=1e-5, atol=1e-5)
+    ga, gb = _grads(ref), _grads(model)
+    assert ga.keys() == gb.keys()
+    for name in ga:
+        torch.testing.assert_close(gb[name], ga[name], rtol=1e-5, atol=1e-6, msg=name)
+    return calls.widths
+
+
 @pytest.mark.parametrize("bias", [True, False])
 def test_fused_matches_unfused_outputs_and_grads(on_cpu, monkeypatch, bias):
     ref = _qwen2(bias=bias)
@@ -55,19 +71,9 @@ def test_fused_matches_unfused_outputs_and_grads(on_cpu, monkeypatch, bias):
     assert fused_qkv.fuse_qkv(model) == 2
     assert fused_qkv.fuse_qkv(model) == 2  # idempotent
     assert list(model.state_dict()) == list(ref.state_dict())  # names and checkpoints unchanged
-    ids = torch.randint(0, 101, (3, 12))
-    a = ref(input_ids=ids, labels=ids)
-    a.loss.backward()
-    calls = _LinearCalls(monkeypatch)
-    b = model(input_ids=ids, labels=ids)
-    b.loss.backward()
+    widths = _same_outputs_and_grads(ref, model, torch.randint(0, 101, (3, 12)), monkeypatch)
     # per layer: q_proj and o_proj (64 outputs), one k/v GEMM (2 x 16), gate, up, down
-    assert calls.widths.count(32) == 2 and calls.widths.count(16) == 0
-    torch.testing.assert_close(b.logits, a.logits, rtol=1e-5, atol=1e-5)
-    ga, gb = _grads(ref), _grads(model)
-    assert ga.keys() == gb.keys()
-    for name in ga:
-        torch.testing.assert_close(gb[name], ga[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert widths.count(32) == 2 and widths.count(16) == 0
 
 
 def test_off_device_types_and_disabled_leave_the_gemms_alone(monkeypatch):
@@ -140,14 +146,6 @@ def test_lora_base_layers_fused(on_cpu, monkeypatch):
     model = copy.deepcopy(ref)
     assert fused_qkv.fuse_qkv(model) == 2
     assert list(model.state_dict()) == list(ref.state_dict())
-    ids = torch.randint(0, 101, (2, 10))
-    a = ref(input_ids=ids, labels=ids)
-    a.loss.backward()
-    calls = _LinearCalls(monkeypatch)
-    b = model(input_ids=ids, labels=ids)
-    b.loss.backward()
+    widths = _same_outputs_and_grads(ref, model, torch.randint(0, 101, (2, 10)), monkeypatch)
     # k and v base layers: one GEMM per layer; the 16-wide GEMMs left are v_proj's lora_B
-    assert calls.widths.count(32) == 2 and calls.widths.count(16) == 2
-    torch.testing.assert_close(b.logits, a.logits, rtol=1e-5, atol=1e-5)
-    for name, g in _grads(ref).items():
-        torch.testing.assert_close(_grads(model)[name], g, rtol=1e-5, atol=1e-6, msg=name)
+    assert widths.count(32) == 2 and widths.count(16) == 2
