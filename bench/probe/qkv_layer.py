@@ -35,14 +35,28 @@ for variant in sys.argv[1].split(","):
     fused_qkv.fuse_qkv(layer)
     if "gateup" in variant:
         layer.mlp.forward = types.MethodType(gate_up_forward, layer.mlp)
+    import torch._inductor.config as icfg
+    icfg.coordinate_descent_tuning = "cdt" in variant
+    icfg.aggressive_fusion = "aggr" in variant
     layer.compile()
     x = x0.clone().requires_grad_(True)
+    from contextlib import nullcontext
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    def ctx(variant=variant):
+        return (sdpa_kernel([SDPBackend.FLASH_ATTENTION]) if "flashattn" in variant else
+                sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]) if "effattn" in variant else nullcontext())
+
     def step():
-        out = layer(x, attention_mask=None, position_embeddings=(cos, sin), position_ids=pos)
+        with ctx():
+            out = layer(x, attention_mask=None, position_embeddings=(cos, sin), position_ids=pos)
         out = out[0] if isinstance(out, tuple) else out
         out.backward(torch.ones_like(out))
-    for _ in range(3):
-        step()
+    try:
+        for _ in range(3):
+            step()
+    except Exception as e:  # noqa: BLE001
+        print(variant, "failed", type(e).__name__, str(e)[:300])
+        continue
     torch.cuda.synchronize()
     t = time.perf_counter()
     for _ in range(20):
