@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import itertools
 import math
 import sys
 from typing import Any, Sequence
@@ -56,6 +55,7 @@ from rlhfkit.roles.group import LocalWeightSync
 from rlhfkit.trainers.metrics import PhaseClock, metrics_record, progress_bar
 from rlhfkit.trainers.offline import epoch_order
 from rlhfkit.trainers.rl_config import FailedStepsError, RLLoopConfig, RLState
+from rlhfkit.trainers.rl_step_info import complete_groups, global_experience_metrics, skip_cause
 from rlhfkit.types import PromptSample, Trajectory
 
 __all__ = ["FailedStepsError", "RLLoopConfig", "RLState", "RLTrainer", "freeze_gc_once"]
@@ -193,10 +193,10 @@ class RLTrainer:
                 kept = trajs
                 if out.num_dropped and n > 1 and self.group_estimator:
                     # a group missing a dropped sample would shift every later row into the wrong group
-                    kept = [t for g in _complete_groups(trajs, n) for t in g]
+                    kept = [t for g in complete_groups(trajs, n) for t in g]
                     incomplete += len(trajs) - len(kept)
                 break
-            groups = _complete_groups(trajs, n)
+            groups = complete_groups(trajs, n)
             seen += len(groups)
             if groups:
                 scores = torch.tensor([t.score for g in groups for t in g], dtype=torch.float64)
@@ -236,7 +236,7 @@ class RLTrainer:
         empty_ranks = int(self.dist.all_reduce_world(torch.tensor(float(not trajs))).item())
         metrics["skipped_steps"] = float(empty_ranks > 0)
         if empty_ranks:
-            self._skip_cause = _skip_cause(metrics, self.cfg, empty_ranks, self.dist.world_size)
+            self._skip_cause = skip_cause(metrics, self.cfg, empty_ranks, self.dist.world_size)
             metrics["time/generate"] = metrics["time/step"] = t["generate"]
             return metrics
         batch = pad_trajectories(trajs, self.pad_token_id)
@@ -259,7 +259,7 @@ class RLTrainer:
                 batch.values = self.critic.call("forward_values", batch)
         batch, exp_m = finish_experience(batch, self.adv_cfg, self.kl_ctl.value, self.cfg.kl_estimator,
                                          kl_in_reward=not self.cfg.use_kl_loss, reduce=self.dist.all_reduce_dp)
-        exp_m = _global_experience_metrics(exp_m, batch, self.dist)
+        exp_m = global_experience_metrics(exp_m, batch, self.dist)
         train_m: dict[str, float] = {}
         with t("train"):
             if self.critic is not None:
@@ -335,7 +335,7 @@ class RLTrainer:
         n = self.cfg.eval_n_samples_per_prompt
         share = self.eval_prompts[self.dist.dp_rank::self.dist.dp_size]
         out = self._generate(self.eval_executor, share, n, 99_991, self.dist.dp_rank * n)
-        groups = _complete_groups(out.trajectories, n)
+        groups = complete_groups(out.trajectories, n)
         scores = torch.tensor([t.score for g in groups for t in g], dtype=torch.float32)
         rewards = torch.tensor([t.reward for g in groups for t in g], dtype=torch.float32)
         p1 = pass_at_k_from_scores(scores, n, 1) * len(groups) if groups else 0.0
@@ -410,52 +410,3 @@ class RLTrainer:
             return
         self.state.history.append(metrics_record(step, m))
         self.logger.log(step, m, console=self._plain, total=self._total)
-
-
-EXPERIENCE_KEYS = ("reward", "group_reward_std", "return", "advantage", "kl")
-ROW_WEIGHTED = ("reward", "group_reward_std")  # per-row means; the others are per action token
-
-
-def _global_experience_metrics(local: dict[str, float], batch, dist: DistInfo) -> dict[str, float]:
-    """Rank-local means of `finish_experience` -> means over the whole global batch.
-
-    Rows (reward, group_reward_std) or action tokens (return, advantage, kl) weight each rank's
-    mean, so the result equals the one-process value and every rank gets the same `kl` (the
-    adaptive KL controller must move identically on all ranks). The reduced keys are a fixed
-    list, so a rank lacking one (e.g. group_reward_std after a drop) still joins the collective."""
-    rows, tokens = float(batch.batch_size), float(batch.loss_mask.sum())
-    w = [(rows if k in ROW_WEIGHTED else tokens) if k in local else 0.0 for k in EXPERIENCE_KEYS]
-    vals = [local.get(k, 0.0) * wk for k, wk in zip(EXPERIENCE_KEYS, w)]
-    tot = dist.all_reduce_dp(torch.tensor(vals + w, dtype=torch.float64)).tolist()
-    n = len(EXPERIENCE_KEYS)
-    out = {k: v for k, v in local.items() if k not in EXPERIENCE_KEYS}
-    out.update({k: tot[i] / max(tot[n + i], 1e-12) for i, k in enumerate(EXPERIENCE_KEYS) if tot[n + i] > 0})
-    return out
-
-
-def _skip_cause(m: dict[str, float], cfg: RLLoopConfig, empty_ranks: int, world_size: int) -> str:
-    """Why a step has no trajectory to train on, from its (global) rollout metrics."""
-    parts = []
-    dropped, incomplete = int(m.get("dropped_samples", 0)), int(m.get("incomplete_group_samples", 0))
-    if dropped:
-        parts.append(f"{dropped} samples failed in user code and were dropped (--reward_failure drop; "
-                     f"the warnings above name the error)")
-    if incomplete:
-        parts.append(f"{incomplete} more were left out with their incomplete groups")
-    if cfg.dynamic_filtering:
-        lo, hi = cfg.dynamic_filtering_reward_range
-        rate, rounds = m.get("dynamic_filtering_pass_rate", 0.0), int(m.get("filter_rounds", 0))
-        why = (f"--max_filter_rounds {cfg.max_filter_rounds}" if rounds >= cfg.max_filter_rounds
-               else "every prompt was drawn once in this step")
-        parts.append(f"dynamic filtering kept no group in {rounds} rounds ({why}; groups with a mean score "
-                     f"inside --dynamic_filtering_reward_range {lo:g} {hi:g}: {rate:.0%})")
-    cause = "; ".join(parts) or "the rollout produced no trajectory"
-    if empty_ranks < world_size:
-        cause += f" (on {empty_ranks} of {world_size} ranks)"
-    return cause
-
-
-def _complete_groups(trajs: list[Trajectory], n: int) -> list[list[Trajectory]]:
-    """Trajectories grouped by prompt, keeping only groups that still hold all n samples."""
-    groups = [list(g) for _, g in itertools.groupby(trajs, key=lambda t: t.group_index)]
-    return [g for g in groups if len(g) == n]
