@@ -47,7 +47,8 @@ class SleepMixin:
         if self.master is not None:
             for n, m in zip(self.master.names, self.master.masters):
                 names[id(m)] = n
-                keep += [(f"master:{n}", m), (f"master_grad:{n}", m.grad)]
+                keep.append((f"master:{n}", m))
+                keep.append((f"master_grad:{n}", m.grad))
         if self.optimizer is not None:
             for p, state in self.optimizer.state.items():
                 for k, v in state.items():

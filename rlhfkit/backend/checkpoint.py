@@ -361,7 +361,8 @@ def save_checkpoint(backend, ckpt_root: str, tag: str, client_state: dict | None
         fsync_dir(os.path.join(tmp, DCP_DIR))
         fsync_dir(tmp)
         _publish(ckpt_root, tag, tmp, final)
-        _rotate(ckpt_root, max_keep, keep_tag=tag, max_gb=getattr(getattr(backend, "cfg", None), "max_ckpt_mem", None))
+        max_gb = getattr(getattr(backend, "cfg", None), "max_ckpt_mem", None)  # --max_ckpt_mem
+        _rotate(ckpt_root, max_keep, keep_tag=tag, max_gb=max_gb)
     D.barrier()
     return final
 

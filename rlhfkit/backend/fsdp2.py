@@ -57,7 +57,8 @@ import torch
 from torch import nn
 
 from rlhfkit.backend import checkpoint as ckpt
-from rlhfkit.backend.context_parallel import apply_cp, check_cp, fsdp_mesh as fsdp_mesh_of
+from rlhfkit.backend.context_parallel import apply_cp, check_cp
+from rlhfkit.backend.context_parallel import fsdp_mesh as fsdp_mesh_of
 from rlhfkit.backend import dist as D
 from rlhfkit.backend.dist import DistInfo
 from rlhfkit.backend.ema import EMAWeights
@@ -65,7 +66,7 @@ from rlhfkit.backend.guard import NonFiniteGuard
 from rlhfkit.backend.hf_export import export_hf, parse_size
 from rlhfkit.backend.master import MasterWeights
 from rlhfkit.backend.optim_step import decide_and_step, step_grad_norm
-from rlhfkit.backend.model_prep import autocast_forward, cast_params, compile_blocks, fuse_qkv
+from rlhfkit.backend.model_prep import autocast_forward, cast_params, compile_blocks
 from rlhfkit.backend.backend_sleep import SleepMixin
 from rlhfkit.backend.offload import HostStash
 from rlhfkit.backend.optim import build_optimizer, build_scheduler, param_groups
@@ -76,6 +77,7 @@ from rlhfkit.backend.tensor_parallel import apply_tp
 from rlhfkit.config.configs import BackendConfig, OptimConfig
 from rlhfkit.config.notes import note_once
 from rlhfkit.models.forward import token_logprobs
+from rlhfkit.models.fused_qkv import fuse_qkv
 from rlhfkit.models.loader import enable_gradient_checkpointing
 
 log = logging.getLogger(__name__)
@@ -131,7 +133,7 @@ class FSDP2Backend(SleepMixin):
         if self.parallel.tp > 1:  # before compiling and sharding: FSDP2 shards the TP DTensors over dp
             apply_tp(model, self.mesh["tp"])
         elif self.device.type == "cuda":
-            fuse_qkv(model)  # one GEMM for q, k and v (models/fused_qkv.py)
+            fuse_qkv(model)  # one GEMM for k and v (models/fused_qkv.py)
         if backend_cfg.torch_compile:
             compile_blocks(model, backend_cfg.compile_dynamic)
         self.master: MasterWeights | None = None
@@ -306,7 +308,8 @@ class FSDP2Backend(SleepMixin):
 
         if self.master is not None:
             return self.master.model_state_dict(self.model)
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(self.model, options=opts)
 
     def optimizer_state_dict(self) -> dict[str, Any]:
         """Full optimizer state keyed by parameter name, on CPU (rank 0 holds it; all ranks call)."""
@@ -316,8 +319,8 @@ class FSDP2Backend(SleepMixin):
         opt = self._require_optimizer()
         if self.master is not None:
             return self.master.optimizer_state_dict(opt)
-        return get_optimizer_state_dict(self.model, opt, options=StateDictOptions(full_state_dict=True,
-                                                                                   cpu_offload=True))
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_optimizer_state_dict(self.model, opt, options=opts)
 
     def load_full_state(self, model_sd: dict[str, torch.Tensor], optim_sd: dict[str, Any] | None) -> None:
         """Load a full model (and optimizer) state; when sharded, rank 0's copy is broadcast."""

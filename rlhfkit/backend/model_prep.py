@@ -1,6 +1,5 @@
 """How the training backend prepares a model in place: parameter dtype casts, a forward under
-autocast, torch.compile of each transformer block (`--torch_compile`) and, on the GPU, one GEMM for
-the k and v projections (`fuse_qkv`, models/fused_qkv.py). Used by FSDP2Backend."""
+autocast, and torch.compile of each transformer block (`--torch_compile`). Used by FSDP2Backend."""
 
 from __future__ import annotations
 
@@ -11,9 +10,6 @@ import torch
 from torch import nn
 
 from rlhfkit.backend.sharding import find_blocks
-from rlhfkit.models.fused_qkv import fuse_qkv
-
-__all__ = ["autocast_forward", "cast_params", "compile_blocks", "fuse_qkv"]
 
 
 def cast_params(model: nn.Module, dtype: torch.dtype, trainable_only: bool) -> None:
