@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Issue 17's training runs on a 4-GPU machine (bench/train_parallel.py under torchrun), in parts that each fit
-# the device tool's 10 minutes (`all` runs every part in one go):
+# Issue 17's training runs on a 4-GPU machine (bench/train_parallel.py under torchrun). Parts run in the order
+# given, inside one deadline so a call fits the device tool's 10 minutes (DEADLINE_S, default 570 s from the
+# start of this script, or DEADLINE_EPOCH); a run starts only with 60 s left and its timeout is cut to the time
+# left (`all` runs every part):
 #   bash bench/run_parallel_gpu.sh models       write the random 0.5B and 7B model directories to /tmp (cuda;
 #                                               first, in a call of its own, on a fresh machine: ~3 min)
 #   bash bench/run_parallel_gpu.sh tp           7B SFT throughput, FSDP 4 vs FSDP 2 x TP 2 (global batch 8 x 4096)
 #   bash bench/run_parallel_gpu.sh long05       0.5B longest sequence that trains, ring 1, 2, 4
-#   bash bench/run_parallel_gpu.sh long7 RING   7B longest sequence that trains with --ring_attn_size RING (1, 2, 4)
+#   bash bench/run_parallel_gpu.sh long7_RING   7B longest sequence that trains with --ring_attn_size RING (1, 2, 4)
 #   bash bench/run_parallel_gpu.sh ring32k      tokens/s at 32k tokens (one row) with ring 4, 0.5B and 7B
 #   bash bench/run_parallel_gpu.sh all
 # JSON under $OUT (default bench/results): train_parallel_<what>_<gpu>x<n>.json, logs next to them.
@@ -13,8 +15,9 @@
 # Each model load + run has a `timeout`: a longest-sequence run cut short keeps the lengths it measured.
 set -uo pipefail
 OUT=${OUT:-bench/results}
-what=${1:?models|tp|long05|long7 RING|ring32k|all}
+(($#)) || { echo "usage: run_parallel_gpu.sh PART... (models tp long05 long7_1 long7_2 long7_4 ring32k all)" >&2; exit 2; }
 mkdir -p "$OUT"
+DEADLINE_EPOCH=${DEADLINE_EPOCH:-$(($(date +%s) + ${DEADLINE_S:-570}))}
 say() { echo "[parallel $(date +%H:%M:%S)] $*"; }
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 OMP_NUM_THREADS=8
 export PYTHONPATH="$PWD:${PYTHONPATH:-}"
@@ -31,9 +34,11 @@ models() {
   [[ -f $M7/config.json ]] || timeout 200 python3 bench/bench_models.py --shape qwen2.5-7b --out "$M7" --device cuda
 }
 run() {  # seconds name args...: one torchrun over every GPU
-  local secs=$1 name=$2
+  local secs=$1 name=$2 left=$((DEADLINE_EPOCH - $(date +%s)))
   shift 2
-  say "$name"
+  if ((left < 60)); then say "$name skipped: $left s left"; return; fi
+  ((left < secs)) && secs=$left
+  say "$name (timeout $secs s)"
   timeout "$secs" torchrun --standalone --nproc_per_node "$n" bench/train_parallel.py --attn "$ATTN" \
     --out "$OUT/train_parallel_${name}_$tag.json" "$@" > "$OUT/train_parallel_${name}_$tag.log" 2>&1
   say "$name exited $?"
@@ -51,8 +56,8 @@ long05() {
   done
 }
 long7() {  # ring
-  run 570 longest_7b_ring$1 --mode longest --model qwen2.5-7b --model_dir "$M7" --ring_attn_size "$1" \
-    --lengths 4096:524288 --long_steps 1 --time_budget_s 360
+  run 420 longest_7b_ring$1 --mode longest --model qwen2.5-7b --model_dir "$M7" --ring_attn_size "$1" \
+    --lengths 4096:524288 --long_steps 1 --time_budget_s 300
 }
 ring32k() {
   run 150 32k_ring4_05b --model qwen2-0.5b --model_dir "$M05" --ring_attn_size 4 --batch 1 --seq 32768 \
@@ -61,12 +66,14 @@ ring32k() {
     --warmup 1 --steps 3
 }
 
-case $what in
-  models) models ;;
-  tp) models; tp ;;
-  long05) models; long05 ;;
-  long7) ring=${2:?long7 RING (1, 2 or 4)}; models; long7 "$ring" ;;
-  ring32k) models; ring32k ;;
-  all) models; tp; long05; for r in 1 2 4; do long7 "$r"; done; ring32k ;;
-  *) echo "error: unknown part $what (models|tp|long05|long7 RING|ring32k|all)" >&2; exit 2 ;;
-esac
+for what in "$@"; do
+  case $what in
+    models) models ;;
+    tp) models; tp ;;
+    long05) models; long05 ;;
+    long7_[124]) models; long7 "${what#long7_}" ;;
+    ring32k) models; ring32k ;;
+    all) models; tp; long05; for r in 1 2 4; do long7 "$r"; done; ring32k ;;
+    *) echo "error: unknown part $what (models tp long05 long7_1 long7_2 long7_4 ring32k all)" >&2; exit 2 ;;
+  esac
+done
