@@ -156,6 +156,12 @@ def resolve_device(device: str | None) -> str:
     return device
 
 
+def with_index(device: str) -> str:
+    """"cuda" -> "cuda:<current device>" (what `torch.cuda.set_device` and NCCL need); anything else unchanged.
+    A Ray actor sees only its own GPUs, so the current device is the one it was given."""
+    return f"cuda:{torch.cuda.current_device()}" if device == "cuda" else device
+
+
 def init_distributed(device: str | None = None, timeout_minutes: int = 60) -> DistInfo:
     """Initialise (or reuse) the default process group when launched by torchrun.
 

@@ -37,7 +37,7 @@ from typing import Any, Callable
 import ray
 import torch
 
-from rlhfkit.backend.dist import DistInfo, init_distributed, resolve_device
+from rlhfkit.backend.dist import DistInfo, init_distributed, resolve_device, with_index
 from rlhfkit.backend.offload import HostStash, MoveStats
 from rlhfkit.backend.rendezvous import reserve_port
 from rlhfkit.distributed.weight_sync import (GroupSpec, SenderPlan, TensorMeta, WeightReceiver, WeightSender,
@@ -193,7 +193,8 @@ class EngineWorker:
         """Build the engine. `shard` = (engine index, shard rank, ShardGroupSpec) for a tensor-parallel
         engine: the shards form their groups first; shards 1.. then run `serve()` in the background."""
         engine_index = self.index if shard is None else shard[0]
-        dist = DistInfo(rank=engine_index, world_size=num_engines, device=resolve_device(device))
+        # an indexed device: the shard group's set_device / NCCL need one ("cuda" alone is refused)
+        dist = DistInfo(rank=engine_index, world_size=num_engines, device=with_index(resolve_device(device)))
         self.device = dist.device
         if shard is None:
             self.engine = await asyncio.to_thread(self._build, dist)

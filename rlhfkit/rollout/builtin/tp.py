@@ -98,6 +98,9 @@ def join(spec: ShardGroupSpec, rank: int, device: str) -> TensorParallelGroup:
     import torch.distributed as dist
 
     if device.startswith("cuda"):
+        from rlhfkit.backend.dist import with_index
+
+        device = with_index(device)
         torch.cuda.set_device(torch.device(device))
     if not dist.is_initialized():
         from rlhfkit.backend.rendezvous import destroy_at_exit, held_store
