@@ -22,8 +22,9 @@ weights go by gloo broadcast.
 Same model directory, prompts, reward, batch and flags as the one-process run (rl_step.py's
 `rlhfkit_argv`: no reference model, GRPO, bf16 on GPU, min_new_tokens = max_new_tokens), plus the
 layout's flags. The driver builds the trainer as `train_ppo_ray.run` does (flags, placement, Ray
-groups), runs one warm-up and `--steps` timed `train_step()` calls, and records per step: the wall
-time, the loop's phases (generate, reward, logprobs, train, weight_sync), the Ray phases (engine
+groups), runs `--warmup_steps` warm-up and `--steps` timed `train_step()` calls, and records per step:
+the wall time, the loop's phases (generate, reward, logprobs, train, weight_sync; the rollout's
+`generate` includes the states' offload and the engines' wake-up, `generate_only_s` is without them), the Ray phases (engine
 sleep / wake, states reload / offload as the driver sees them and `offload` / `reload` as the ranks
 measured them, `time/weight_push`: the push alone), `offload_gb`, the synced MB and the sync path. Ray is started here (a local instance, whatever $RAY_ADDRESS says) with the GPUs that
 torch sees and `--ray_object_store_gb` of object store; PYTHONPATH carries the repo to the workers.
@@ -183,7 +184,7 @@ def run_ray(a: argparse.Namespace, model_dir: str, data: str, reward: str, work:
               f"{launched.weight_sync.describe()}", flush=True)
         min_new = force_full_length(trainer)
         with GpuMemoryPeak() as mem:
-            walls, metrics = timed_steps(trainer, a.steps, a.ray_layout)
+            walls, metrics = timed_steps(trainer, a.steps, a.ray_layout, a.warmup_steps)
         trainer.logger.close()
         out = summarize_rlhfkit(walls, metrics, prompts * a.n)
         out.update(ray_summary(metrics, launched, launch_s))
@@ -199,20 +200,21 @@ def run_ray(a: argparse.Namespace, model_dir: str, data: str, reward: str, work:
             ray.shutdown()
 
 
-def timed_steps(trainer: Any, steps: int, layout: str) -> tuple[list[float], list[dict]]:
-    """rl_step's `time_steps` with a progress line per step; the driver holds no GPU work to wait
-    for (each step's Ray calls return after the actors finished)."""
+def timed_steps(trainer: Any, steps: int, layout: str, warmup: int = 1) -> tuple[list[float], list[dict]]:
+    """rl_step's `time_steps` (`warmup` untimed steps first) with a progress line per step; the driver
+    holds no GPU work to wait for (each step's Ray calls return after the actors finished)."""
     walls: list[float] = []
     metrics: list[dict] = []
-    for i in range(steps + 1):
+    for i in range(warmup + steps):
         t0 = time.perf_counter()
         m = trainer.train_step()
         trainer.state.step += 1
         wall = time.perf_counter() - t0
         split = " ".join(f"{k}={m.get(f'time/{k}', 0.0):.2f}" for k in ("generate", "logprobs", "train", "weight_sync"))
-        print(f"[rl_step] ray {layout}: step {i}{' (warm-up)' if i == 0 else ''} {wall:.2f} s ({split}; "
-              f"push {m.get('time/weight_push', 0.0):.3f} s, {m.get('weight_sync_mb', 0.0):.0f} MB)", flush=True)
-        if i > 0:
+        print(f"[rl_step] ray {layout}: step {i}{' (warm-up)' if i < warmup else ''} {wall:.2f} s ({split}; "
+              f"push {m.get('time/weight_push', 0.0):.3f} s, {m.get('weight_sync_mb', 0.0):.0f} MB; "
+              f"states offload {m.get('time/states_offload', 0.0):.2f} s)", flush=True)
+        if i >= warmup:
             walls.append(wall)
             metrics.append(m)
     return walls, metrics
@@ -226,7 +228,12 @@ def ray_summary(metrics: list[dict], launched: Any, launch_s: float) -> dict:
     mb = mean([m.get("weight_sync_mb", 0.0) for m in metrics])
     push = times["weight_push"]
     methods = sorted({k.split("/", 1)[1] for m in metrics for k in m if k.startswith("weight_sync/")})
-    return {"ray_phases_s": times, "offload_gb": mean([m.get("offload_gb", 0.0) for m in metrics]),
+    # the rollout's phase includes what happens before the engines generate: the training states'
+    # offload and the engines' wake-up (sleep layouts); without them, generation alone
+    gen_only = mean([m.get("time/generate", 0.0) - m.get("time/states_offload", 0.0) - m.get("time/engine_wake", 0.0)
+                     for m in metrics])
+    return {"ray_phases_s": times, "generate_only_s": gen_only,
+            "offload_gb": mean([m.get("offload_gb", 0.0) for m in metrics]),
             "weight_sync_s": mean([m["time/weight_sync"] for m in metrics]),
             "weight_push_s": push, "weight_sync_mb": mb,
             "weight_sync_gb_per_s": mb / 1024 / push if push else None,

@@ -54,8 +54,8 @@ ray_clean() {  # a run cut short by its timeout leaves Ray's processes (and thei
   PATH="/tmp/site/bin:$PATH" ray stop --force > /dev/null 2>&1 || true
   say "GPU memory used (MiB): $(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | tr '\n' ' ')"
 }
-common=(--model qwen2.5-7b --model_dir "$MODEL7" --prompts 32 --n 8 --prompt_len 128 --new_tokens 512 --steps 1
-        --micro_train_batch_size 4 --micro_rollout_batch_size 16 --gradient_checkpointing on --skip_trl)
+common=(--model qwen2.5-7b --model_dir "$MODEL7" --prompts 32 --n 8 --prompt_len 128 --new_tokens 512 --steps 2
+        --warmup_steps 2 --micro_train_batch_size 4 --micro_rollout_batch_size 16 --gradient_checkpointing on --skip_trl)
 grpo() {  # layout
   local t
   t=$(budget 240 150) || return

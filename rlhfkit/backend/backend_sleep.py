@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from rlhfkit.backend.offload import MoveStats
+from rlhfkit.backend.offload import MoveStats, _local
 
 
 class SleepMixin:
@@ -70,7 +70,32 @@ class SleepMixin:
                 if isinstance(m, FSDPModule):
                     m.reshard()
         keep, drop = self._sleep_tensors()
-        return self._stash.offload(keep, drop)
+        return self._stash.offload(keep, drop, self._future_states())
+
+    def _future_states(self) -> list[tuple[str, int]]:
+        """(key, bytes) of the Adam states that do not exist yet (before the optimizer's first step):
+        the first offload reserves their host slots, so that the offload after the first training
+        step does not allocate and pin twice the parameters' bytes on the host (measured at 7B: 8.9 s
+        for 14 GiB a GPU, against 0.7 s to copy into slots that exist). Same keys and sizes as
+        `_sleep_tensors` gives the states once they exist (`zeros_like` of the parameter)."""
+        opt = self.optimizer
+        if opt is None or not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
+            return []
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        if self.master is not None:
+            names.update({id(m): n for n, m in zip(self.master.names, self.master.masters)})
+        out: list[tuple[str, int]] = []
+        for group in opt.param_groups:
+            moments = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group.get("amsgrad") else ())
+            for p in group["params"]:
+                local = _local(p)
+                frozen = isinstance(p, torch.nn.Parameter) and not p.requires_grad  # (fp32 masters are plain tensors)
+                if frozen or opt.state.get(p) or local.device != self.device or local.numel() == 0:
+                    continue
+                name = names.get(id(p), id(p))
+                out.extend((f"opt:{name}:{k}", local.numel() * local.element_size()) for k in moments)
+                out.append((f"opt:{name}:step", 4))  # fp32 scalar (unused where torch keeps it on the host)
+        return out
 
     def _wake(self) -> None:
         """Readers of the states (state dicts, weight iteration, saving) reload them first: asleep,

@@ -17,8 +17,8 @@ leaves the device, so nothing has to be re-registered and an FSDP2 shard's paddi
 
 Host slots are keyed by the tensor's name (`param:model.norm.weight`, `opt:...:exp_avg`), so they
 are found again at the next offload although the device addresses changed. A slot is allocated the
-first time its name is seen (the optimizer's states appear after the first step) and reused for
-every later offload; names that disappear keep their slots (a bounded set: the model's tensors).
+first time its name is seen, or reserved before that (the optimizer's states appear after the first
+step; the backend reserves theirs at the first offload), and reused for every later offload; names that disappear keep their slots (a bounded set: the model's tensors).
 Slots of one offload are carved out of one host buffer. With CUDA the buffer is page-locked with
 `cudaHostRegister`, which pins exactly the requested size (torch's pinned allocator rounds each
 allocation up to a power of two, up to 2x the states), so copies are DMA transfers that do not
@@ -143,8 +143,9 @@ class HostStash:
                 out.append((key, s, n))
         return out
 
-    def _ensure_slots(self, entries: list[tuple[str, torch.UntypedStorage, int]]) -> None:
-        missing = [(k, n) for k, _, n in entries if k not in self._slots or self._slots[k].numel() != n]
+    def _ensure_slots(self, sizes: list[tuple[str, int]]) -> None:
+        """One new host buffer carved into the slots of the keys that have none (or one of another size)."""
+        missing = [(k, n) for k, n in dict(sizes).items() if k not in self._slots or self._slots[k].numel() != n]
         if not missing:
             return
         offsets, total = [], 0
@@ -178,16 +179,19 @@ class HostStash:
 
     # ------------------------------------------------------------------ offload / reload
 
-    def offload(self, named: Named, drop: Named = ()) -> MoveStats:
+    def offload(self, named: Named, drop: Named = (), reserve: Iterable[tuple[str, int]] = ()) -> MoveStats:
         """Copy the storages of `named` to their host slots and free them on the device; free the
-        storages of `drop` without a copy (the caller rebuilds them in `reload(rebuild=...)`)."""
+        storages of `drop` without a copy (the caller rebuilds them in `reload(rebuild=...)`).
+        `reserve`: (key, bytes) of tensors that do not exist yet but will at a later offload (an
+        optimizer's states before its first step): their slots come out of this offload's buffer,
+        so the later offload allocates and pins nothing."""
         if self.offloaded:
             raise RuntimeError("HostStash.offload: already offloaded (reload first)")
         t0 = time.perf_counter()
         seen: set[int] = set()
         entries = self._unique(named, seen)
         dropped = [(s, n) for _, s, n in self._unique(drop, seen) if s.resizable()]
-        self._ensure_slots(entries)
+        self._ensure_slots([(k, n) for k, _, n in entries] + [(k, n) for k, n in reserve if k not in self._slots])
         t1 = time.perf_counter()
         self._copy([(self._slots[k], _as_bytes(s, n)) for k, s, n in entries])
         t2 = time.perf_counter()
