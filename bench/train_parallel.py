@@ -361,7 +361,8 @@ def main(argv: list[str] | None = None) -> None:
         if tdist.is_initialized():
             tdist.destroy_process_group()
         return
-    res.update(dp=dims.dp, n_params=facts["n_params"], torch=torch.__version__)
+    res.update(dp=dims.dp, n_params=facts["n_params"], torch=torch.__version__,
+               model_training=backend.model.training)  # HF checkpoints activations only in training mode
     if a.mode == "throughput":
         run_throughput(a, dist, backend, facts, res)
     else:

@@ -141,6 +141,10 @@ class FSDP2Backend(SleepMixin):
         # ring attention (--ring_attn_size): each sequence split over the cp group (context_parallel.py)
         self.context_parallel = (apply_cp(self.model, self.mesh.get_group("cp"), backend_cfg.ring_head_stride)
                                  if self.parallel.cp > 1 else None)
+        if self.trainable:
+            # a loaded model comes in eval mode, where HF skips activation checkpointing (and dropout);
+            # a backend that trains starts in training mode, as the trainers of other stacks put it
+            self.model.train()
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler = None
         self.loss_scaler: DynamicLossScaler | None = None
@@ -234,6 +238,9 @@ class FSDP2Backend(SleepMixin):
             self.model.set_requires_gradient_sync(sync_grads or self.cfg.zero_stage == 3)
         self._unsynced = not sync_grads and self.is_sharded and self.cfg.zero_stage != 3
         self.guard.note_loss(loss)
+        if self.cfg.gradient_checkpointing and not self.model.training and self.dist.rank == 0:
+            note_once("note: a backward pass of a model in eval mode: --gradient_checkpointing has no effect there "
+                      "(transformers checkpoints only in training mode; call backend.train())")
         scale = self._loss_multiplier * (self.loss_scaler.scale if self.loss_scaler else 1.0)
         (loss * scale if scale != 1.0 else loss).backward()
 

@@ -242,3 +242,46 @@ def test_init_distributed_single_process(monkeypatch):
     assert torch.equal(all_reduce_sum(torch.ones(2)), torch.ones(2))
     with pytest.raises(ValueError, match="--device"):
         init_distributed("tpu")
+
+
+def saved_bytes(b: FSDP2Backend, ids: torch.Tensor) -> int:
+    """Bytes the autograd graph of one forward keeps for the backward."""
+    total = [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        total[0] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        b.model(input_ids=ids, use_cache=False).logits.sum().backward()
+    return total[0]
+
+
+def test_a_loaded_model_trains_with_checkpointing(tiny_model_dir):
+    """`from_pretrained` returns a model in eval mode, where transformers skips activation checkpointing:
+    a trainable backend puts it in training mode, so --gradient_checkpointing keeps only each block's
+    input (a bench that never called train() measured 7B rows without it)."""
+    ids = torch.randint(3, 100, (2, 64), generator=torch.Generator().manual_seed(0))
+    kept = {}
+    for gc in (False, True):
+        model = load(tiny_model_dir)
+        assert not model.training
+        b = FSDP2Backend(model, BackendConfig(param_dtype="fp32", gradient_checkpointing=gc),
+                         OptimConfig(learning_rate=1e-3, lr_warmup_ratio=0.0), 10, CPU)
+        assert b.model.training
+        kept[gc] = saved_bytes(b, ids)
+    assert kept[True] < kept[False] / 2
+
+def test_backward_in_eval_mode_says_checkpointing_is_off(tiny_model_dir, capsys):
+    from rlhfkit.config import notes
+
+    b = FSDP2Backend(load(tiny_model_dir), BackendConfig(param_dtype="fp32", gradient_checkpointing=True),
+                     OptimConfig(learning_rate=1e-3, lr_warmup_ratio=0.0), 10, CPU)
+    ids = torch.randint(3, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    b.backward(b.model(input_ids=ids, use_cache=False).logits.float().mean())
+    assert "gradient_checkpointing has no effect" not in capsys.readouterr().out
+    b.eval()
+    notes._NOTED.clear()
+    b.backward(b.model(input_ids=ids, use_cache=False).logits.float().mean())
+    out = capsys.readouterr().out
+    assert out.count("--gradient_checkpointing has no effect there") == 1
