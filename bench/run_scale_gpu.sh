@@ -7,6 +7,7 @@
 #                      after step 2, resumed, exported to HF and loaded (scale_ckpt.py)
 #   colo4_tp1 | colo4_tp1_sleep | colo4_tp2_sleep | disagg2_tp2 | disagg2_tp2_async
 #                      GRPO 32 x 8 x 512 of the 7B shape in that layout (bench/rl_step_ray.py)
+#   colo4_tp1_dyn      colo4_tp1 with micro-batches of 16k tokens (--use_dynamic_batch) instead of 4 samples
 #   grpo1 = ckpt colo4_tp2_sleep;  grpo2 = colo4_tp1_sleep disagg2_tp2 disagg2_tp2_async
 # A part starts only with enough time left (60 s; 150 s for a layout, 300 s for ckpt), and its timeout is cut to the time left, so a call cut short keeps
 # the JSON of the parts that finished. Ray comes from the carried wheels in .whl/ (bash ../shared/device/wheels.sh
@@ -56,13 +57,13 @@ ray_clean() {  # a run cut short by its timeout leaves Ray's processes (and thei
 }
 common=(--model qwen2.5-7b --model_dir "$MODEL7" --prompts 32 --n 8 --prompt_len 128 --new_tokens 512 --steps 2
         --warmup_steps 2 --micro_train_batch_size 4 --micro_rollout_batch_size 16 --gradient_checkpointing on --skip_trl)
-grpo() {  # layout
-  local t
+grpo() {  # name [layout [more train_ppo_ray flags]]
+  local t name=$1 layout=${2:-$1} extra=${3:-}
   t=$(budget 240 150) || return
-  say "GRPO $1 (timeout $t s)"
-  timeout "$t" python3 bench/rl_step.py "${common[@]}" --ray_layout "$1" --out "$OUT/grpo_7b_$1_$tag.json" \
-    > "$OUT/grpo_7b_$1_$tag.log" 2>&1
-  say "$1 exited $?"; grep -E "^\[rl_step\]|Error|error:" "$OUT/grpo_7b_$1_$tag.log" | tail -8 | cut -c1-400
+  say "GRPO $name (timeout $t s)"
+  timeout "$t" python3 bench/rl_step.py "${common[@]}" --ray_layout "$layout" --ray_extra "$extra" \
+    --out "$OUT/grpo_7b_${name}_$tag.json" > "$OUT/grpo_7b_${name}_$tag.log" 2>&1
+  say "$name exited $?"; grep -E "^\[rl_step\]|Error|error:" "$OUT/grpo_7b_${name}_$tag.log" | tail -8 | cut -c1-400
   ray_clean
 }
 ckpt() {
@@ -82,8 +83,8 @@ for p in "$@"; do
   case $p in
     grpo1) parts+=(ckpt colo4_tp2_sleep) ;;
     grpo2) parts+=(colo4_tp1_sleep disagg2_tp2 disagg2_tp2_async) ;;
-    gen|ckpt|colo4_tp1|colo4_tp1_sleep|colo4_tp2_sleep|disagg2_tp2|disagg2_tp2_async) parts+=("$p") ;;
-    *) echo "error: unknown part $p (gen ckpt grpo1 grpo2 colo4_tp1 colo4_tp1_sleep colo4_tp2_sleep disagg2_tp2" \
+    gen|ckpt|colo4_tp1|colo4_tp1_dyn|colo4_tp1_sleep|colo4_tp2_sleep|disagg2_tp2|disagg2_tp2_async) parts+=("$p") ;;
+    *) echo "error: unknown part $p (gen ckpt grpo1 grpo2 colo4_tp1 colo4_tp1_dyn colo4_tp1_sleep colo4_tp2_sleep disagg2_tp2" \
          "disagg2_tp2_async)" >&2; exit 2 ;;
   esac
 done
@@ -91,6 +92,7 @@ for p in "${parts[@]}"; do
   case $p in
     gen) gen ;;
     ckpt) ray_setup; ckpt ;;
+    colo4_tp1_dyn) ray_setup; grpo colo4_tp1_dyn colo4_tp1 "--use_dynamic_batch --train_max_tokens_per_gpu 16384" ;;
     *) ray_setup; grpo "$p" ;;
   esac
 done
