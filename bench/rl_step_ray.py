@@ -23,11 +23,13 @@ Same model directory, prompts, reward, batch and flags as the one-process run (r
 `rlhfkit_argv`: no reference model, GRPO, bf16 on GPU, min_new_tokens = max_new_tokens), plus the
 layout's flags. The driver builds the trainer as `train_ppo_ray.run` does (flags, placement, Ray
 groups), runs `--warmup_steps` warm-up and `--steps` timed `train_step()` calls, and records per step:
-the wall time, the loop's phases (generate, reward, logprobs, train, weight_sync; the rollout's
-`generate` includes the states' offload and the engines' wake-up, `generate_only_s` is without them), the Ray phases (engine
-sleep / wake, states reload / offload as the driver sees them and `offload` / `reload` as the ranks
-measured them, `time/weight_push`: the push alone), `offload_gb`, the synced MB and the sync path. Ray is started here (a local instance, whatever $RAY_ADDRESS says) with the GPUs that
-torch sees and `--ray_object_store_gb` of object store; PYTHONPATH carries the repo to the workers.
+the wall time; the loop's phases (generate, reward, logprobs, train, weight_sync; the rollout's
+`generate` includes the states' offload and the engines' wake-up, `generate_only_s` is without
+them); the Ray phases (engine sleep / wake, states reload / offload as the driver sees them and
+`offload` / `reload` as the ranks measured them, `time/weight_push`: the push alone); `offload_gb`;
+the synced MB and the sync path. Ray is started here (a local instance, whatever $RAY_ADDRESS says)
+with the GPUs that torch sees and `--ray_object_store_gb` of object store; PYTHONPATH carries the
+repo to the workers.
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ leaves the device, so nothing has to be re-registered and an FSDP2 shard's paddi
 Host slots are keyed by the tensor's name (`param:model.norm.weight`, `opt:...:exp_avg`), so they
 are found again at the next offload although the device addresses changed. A slot is allocated the
 first time its name is seen, or reserved before that (the optimizer's states appear after the first
-step; the backend reserves theirs at the first offload), and reused for every later offload; names that disappear keep their slots (a bounded set: the model's tensors).
+step; the backend reserves theirs at the first offload), and reused for every later offload; names
+that disappear keep their slots (a bounded set: the model's tensors).
 Slots of one offload are carved out of one host buffer. With CUDA the buffer is page-locked with
 `cudaHostRegister`, which pins exactly the requested size (torch's pinned allocator rounds each
 allocation up to a power of two, up to 2x the states), so copies are DMA transfers that do not
