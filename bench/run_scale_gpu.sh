@@ -4,7 +4,8 @@
 #   gen                TP parity (2, 4) on a small fp32 model; rollout of the 7B shape at TP 1 / 2 / 4 and of
 #                      the 32B shape at TP 4 (batch 256, 512 / 512)
 #   ckpt               GRPO 32 x 8 x 512 of the 7B shape, 4 engines of TP 1 colocated, 3 steps: checkpoint saved
-#                      after step 2, resumed, exported to HF and loaded (scale_ckpt.py)
+#                      after step 2, resumed (twice: the second gives the noise the first is judged against),
+#                      exported to HF and loaded (scale_ckpt.py; about 9 minutes, a call of its own)
 #   colo4_tp1 | colo4_tp1_sleep | colo4_tp2_sleep | disagg2_tp2 | disagg2_tp2_async
 #                      GRPO 32 x 8 x 512 of the 7B shape in that layout (bench/rl_step_ray.py)
 #   colo4_tp1_dyn      colo4_tp1 with micro-batches of 16k tokens (--use_dynamic_batch) instead of 4 samples
@@ -68,13 +69,13 @@ grpo() {  # name [layout [more train_ppo_ray flags]]
 }
 ckpt() {
   local t
-  t=$(budget 420 300) || return
+  t=$(budget 540 300) || return
   say "checkpoint round trip, 4 engines TP 1 colocated (timeout $t s)"
   timeout "$t" python3 bench/scale_ckpt.py --model_dir "$MODEL7" --work /tmp/scale_ckpt \
-    --flags "--actor_num_gpus_per_node 4 --vllm_num_engines 4 --colocate_all_models" \
+    --flags "--actor_num_gpus_per_node 4 --vllm_num_engines 4 --colocate_all_models" --noise_run \
     --out "$OUT/grpo_7b_ckpt_colo4_tp1_$tag.json" > "$OUT/grpo_7b_ckpt_$tag.log" 2>&1
   say "ckpt exited $?"; grep -E "^\{|Error|error:" "$OUT/grpo_7b_ckpt_$tag.log" | tail -5 | cut -c1-1500
-  rm -rf /tmp/scale_ckpt/ckpt /tmp/scale_ckpt/hf_a /tmp/scale_ckpt/hf_b
+  rm -rf /tmp/scale_ckpt/ckpt /tmp/scale_ckpt/hf_a /tmp/scale_ckpt/hf_b /tmp/scale_ckpt/hf_c
   ray_clean
 }
 

@@ -7,7 +7,9 @@ Run A: `train_ppo_ray` for 3 steps with `--save_steps 2` (a sharded DCP checkpoi
 each policy rank writing its own shard) and the final policy exported to Hugging Face format
 (streamed into <= 5 GB safetensors files). Run B: the same command with `--load_checkpoint`
 resumes after step 2 and runs step 3. The resumed step 3 must equal run A's (same sampled
-tokens, same loss). Then the export is loaded with `AutoModelForCausalLM.from_pretrained` on one
+tokens, same loss). With `--noise_run`, run C resumes from the same checkpoint again: on a GPU, whose
+kernels are not bit-reproducible, the resume's difference from run A is judged against run C's from
+run B (`noise_max_rel_diff`). Then the export is loaded with `AutoModelForCausalLM.from_pretrained` on one
 GPU and scores one prompt (finite logits, parameter count).
 
 Reported: run A's per-step wall time and phase split (the loop's `time/*`), weight-sync MB and
@@ -53,6 +55,12 @@ class _Timer:
         setattr(obj, name, timed)
 
 
+def max_rel_diff(a: dict, b: dict) -> float:
+    """Largest relative difference over the COMPARE metrics both steps logged."""
+    return max((abs(a[k] - b[k]) / max(abs(a[k]), 1e-12) for k in COMPARE
+                if isinstance(a.get(k), float) and isinstance(b.get(k), float)), default=0.0)
+
+
 def run(argv: list[str]) -> None:
     from rlhfkit.cli import train_ppo_ray
 
@@ -69,6 +77,10 @@ def main() -> None:
     ap.add_argument("--prompt_len", type=int, default=128)
     ap.add_argument("--new_tokens", type=int, default=512)
     ap.add_argument("--micro_train_batch_size", type=int, default=4)
+    ap.add_argument("--noise_run", action="store_true",
+                    help="run C: run B again (a second resume from the same checkpoint); its step 3 against run B's "
+                         "is the run-to-run noise the resume's difference is judged against (GPU kernels are not "
+                         "bit-reproducible)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
 
@@ -127,6 +139,10 @@ def main() -> None:
         run(base + ["--load_checkpoint", "--save_path", os.path.join(a.work, "hf_b"), "--run_dir", run_b])
         out["run_b_s"] = time.perf_counter() - t0
         out["ckpt_load_s"] = seconds.pop("ckpt_load_s", None)
+        if a.noise_run:
+            run_c = os.path.join(a.work, "run_c")
+            run(base + ["--load_checkpoint", "--save_path", os.path.join(a.work, "hf_c"), "--run_dir", run_c])
+            shutil.rmtree(os.path.join(a.work, "hf_c"), ignore_errors=True)
     finally:
         if started:
             import ray
@@ -142,8 +158,11 @@ def main() -> None:
     out["step3_resumed"] = {k: b3.get(k) for k in COMPARE}
     out["resume_equal"] = all(a3.get(k) == b3.get(k)
                               for k in ("train/policy_loss", "train/reward", "train/response_length"))
-    out["resume_max_rel_diff"] = max(abs(a3[k] - b3[k]) / max(abs(a3[k]), 1e-12) for k in COMPARE
-                                     if isinstance(a3.get(k), float) and isinstance(b3.get(k), float))
+    out["resume_max_rel_diff"] = max_rel_diff(a3, b3)
+    if a.noise_run:
+        c3 = next(r for r in (json.loads(x) for x in open(os.path.join(run_c, "metrics.jsonl"))) if r["step"] == 3)
+        out["step3_resumed_again"] = {k: c3.get(k) for k in COMPARE}
+        out["noise_max_rel_diff"] = max_rel_diff(b3, c3)  # the same resume twice: what the GPU alone changes
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     t0 = time.perf_counter()
