@@ -37,7 +37,7 @@ class SleepMixin:
         resharding (the gathered bf16 parameters) and gradients that are None after a step."""
         if self.master is not None:
             self.master.materialize_grads()  # kept bf16 gradients travel as the masters' .grad
-        names = {id(p): n for n, p in self.model.named_parameters()}
+        names = self._optimized_names()
         rebuilt = {id(p) for p in self.master.params} if self.master is not None else set()
         keep: list[tuple[str, Any]] = []
         drop: list[tuple[str, Any]] = []
@@ -46,15 +46,21 @@ class SleepMixin:
             keep.append((f"grad:{n}", p.grad))
         if self.master is not None:
             for n, m in zip(self.master.names, self.master.masters):
-                names[id(m)] = n
                 keep.append((f"master:{n}", m))
                 keep.append((f"master_grad:{n}", m.grad))
         if self.optimizer is not None:
-            for p, state in self.optimizer.state.items():
+            for p, state in self.optimizer.state.items():  # keys as _future_states reserves them
                 for k, v in state.items():
                     if isinstance(v, torch.Tensor):
                         keep.append((f"opt:{names.get(id(p), id(p))}:{k}", v))
         return keep, drop
+
+    def _optimized_names(self) -> dict[int, str]:
+        """id -> name of every tensor the optimizer may hold state for: module parameters and fp32 masters."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        if self.master is not None:
+            names.update({id(m): n for n, m in zip(self.master.names, self.master.masters)})
+        return names
 
     def offload_states(self) -> MoveStats:
         """Training states into host buffers allocated once (pinned on CUDA); see offload.py.
@@ -81,9 +87,7 @@ class SleepMixin:
         opt = self.optimizer
         if opt is None or not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
             return []
-        names = {id(p): n for n, p in self.model.named_parameters()}
-        if self.master is not None:
-            names.update({id(m): n for n, m in zip(self.master.names, self.master.masters)})
+        names = self._optimized_names()
         out: list[tuple[str, int]] = []
         for group in opt.param_groups:
             moments = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group.get("amsgrad") else ())

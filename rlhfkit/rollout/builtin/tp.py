@@ -97,10 +97,7 @@ def join(spec: ShardGroupSpec, rank: int, device: str) -> TensorParallelGroup:
     default group belongs to the engine."""
     import torch.distributed as dist
 
-    if device.startswith("cuda"):
-        from rlhfkit.backend.dist import with_index
-
-        device = with_index(device)
+    if device.startswith("cuda"):  # indexed ("cuda:N"): EngineWorker.setup resolves it (dist.with_index)
         torch.cuda.set_device(torch.device(device))
     if not dist.is_initialized():
         from rlhfkit.backend.rendezvous import destroy_at_exit, held_store
