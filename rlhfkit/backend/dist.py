@@ -171,9 +171,7 @@ def init_distributed(device: str | None = None, timeout_minutes: int = 60) -> Di
     on_cuda = device.startswith("cuda")
     env_world = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if not env_world and not (dist.is_available() and dist.is_initialized()):
-        if on_cuda and ":" not in device:
-            device = f"cuda:{torch.cuda.current_device()}"
-        return DistInfo(rank=0, world_size=1, local_rank=0, device=device)
+        return DistInfo(rank=0, world_size=1, local_rank=0, device=with_index(device))
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if on_cuda:
