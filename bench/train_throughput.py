@@ -76,22 +76,62 @@ def phase_mfu(model_dir: str, tokens: float, seq: float, seconds: float | None, 
 
 
 HOST_S: list[float] = []  # host time of each timed step() call (the last time_steps call)
+# (phase name, CUDA event) marks that an rlhfkit step() records while RECORD_PHASES is on (no sync)
+RECORD_PHASES = False
+PHASE_MARKS: list[tuple[str, "torch.cuda.Event"]] = []
 
 
-def time_steps(step, n_warmup: int, n_steps: int, device: str) -> float:
+def mark(name: str) -> None:
+    if RECORD_PHASES:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        PHASE_MARKS.append((name, ev))
+
+
+def sleep_cycles_per_ms() -> float:
+    """GPU clock cycles of torch.cuda._sleep per millisecond, measured with events."""
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(10_000_000)  # wake the clocks
+    a.record()
+    torch.cuda._sleep(50_000_000)
+    b.record()
+    b.synchronize()
+    return 50_000_000 / a.elapsed_time(b)
+
+
+def time_steps(step, n_warmup: int, n_steps: int, device: str, lead_ms: float = 0.0) -> float:
+    """Seconds per step. With `lead_ms`, each step starts behind a GPU sleep of about that length (so the
+    host is ahead for the whole step and the GPU never waits for it); the sleep's nominal length is
+    subtracted, which is only approximate (the sleep counts clock cycles, and the clock moves): read the
+    GPU-only step from the phase marks instead (phase_times)."""
+    cycles = int(lead_ms * sleep_cycles_per_ms()) if lead_ms and device == "cuda" else 0
     for _ in range(n_warmup):
         step()
     if device == "cuda":
         torch.cuda.synchronize()
     HOST_S.clear()
+    PHASE_MARKS.clear()
     t0 = time.perf_counter()
     for _ in range(n_steps):
         h = time.perf_counter()
+        if cycles:
+            mark("lead")
+            torch.cuda._sleep(cycles)
+        mark("forward")
         step()
         HOST_S.append(time.perf_counter() - h)
+    mark("end")
     if device == "cuda":
         torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / n_steps
+    return (time.perf_counter() - t0) / n_steps - lead_ms / 1e3
+
+
+def phase_times() -> dict[str, float]:
+    """Mean GPU seconds between consecutive marks, by the name of the mark that opens the interval."""
+    sums: dict[str, list[float]] = {}
+    for (name, a), (_, b) in zip(PHASE_MARKS, PHASE_MARKS[1:]):
+        sums.setdefault(name, []).append(a.elapsed_time(b) / 1e3)
+    return {k: sum(v) / len(v) for k, v in sums.items()}
 
 
 def baseline_step_fn(model, ids, device, accum: int = 1):
@@ -190,8 +230,10 @@ def rlhfkit_step_fn(model, ids, device, param_dtype: str, variant: str = "master
             with (sdpa_kernel(only) if only else nullcontext()), \
                     record_function("sft/forward"):
                 loss, _ = task.loss(backend.model, batch, count)
+            mark("backward")
             with record_function("sft/backward"):
                 backend.backward(loss)
+            mark("optimizer")
         with record_function("sft/optimizer"):
             backend.optimizer_step()
 
@@ -224,6 +266,9 @@ def main() -> None:
     ap.add_argument("--skip_baseline", action="store_true")
     ap.add_argument("--variants", default="master", help="comma list of " + ", ".join(VARIANTS))
     ap.add_argument("--out", default=None)
+    ap.add_argument("--gpu_lead_ms", type=float, default=0.0,
+                    help="also time each rlhfkit variant behind a GPU sleep of this many ms per step (the host "
+                         "then never starves the GPU) and report the GPU-only step time and phase split")
     ap.add_argument("--trace", action="store_true", help="with --profile: keep each profiled step's Chrome trace")
     ap.add_argument("--profile", default=None, metavar="PATH",
                     help="after timing, profile one step of each rlhfkit variant (phases forward / backward / "
@@ -272,6 +317,17 @@ def main() -> None:
         if gpu:
             res[f"{key}_peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
             torch.cuda.reset_peak_memory_stats()
+        if gpu and a.gpu_lead_ms:
+            # the same step twice more with phase marks: as timed above, then behind a GPU sleep, whose step
+            # time is the GPU's work alone; the difference is the time the GPU waited for the host
+            global RECORD_PHASES
+            RECORD_PHASES = True
+            res[f"{key}_marked_step_s"] = time_steps(step, 1, steps, a.device)
+            res[f"{key}_phases_s"] = phase_times()
+            time_steps(step, 1, steps, a.device, lead_ms=a.gpu_lead_ms)
+            res[f"{key}_gpu_phases_s"] = {k: v for k, v in phase_times().items() if k != "lead"}
+            res[f"{key}_gpu_step_s"] = sum(res[f"{key}_gpu_phases_s"].values())
+            RECORD_PHASES = False
         if a.profile:
             profiles[key] = profile_step(step, top=20, trace_path=f"{a.profile}_{key}.trace.json" if a.trace else None)
             print(f"[{key}]\n" + format_summary(profiles[key]), flush=True)
