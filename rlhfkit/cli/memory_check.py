@@ -6,6 +6,7 @@ plan exceeds the GPU (rlhfkit/distributed/memory_plan.py has the model of every 
       flags -> MemoryInputs -> plan_memory -> one table on stdout
       GPU memory known here (CUDA in this process, not --device cpu) and the plan over it ->
         UsageError with the numbers and the flags that would fit (--skip_memory_check runs anyway)
+      the plan far inside it, without --use_dynamic_batch -> one line naming the token budget that fits
 
 The plan is skipped (one line says why) when a model config cannot be read.
 """
@@ -18,8 +19,8 @@ import torch
 
 from rlhfkit.config.dtypes import DTYPES
 from rlhfkit.cli.common import UsageError
-from rlhfkit.distributed.memory_plan import (EngineMemory, MemoryInputs, ModelShape, RoleMemory, over_budget,
-                                             plan_memory)
+from rlhfkit.distributed.memory_plan import (EngineMemory, MemoryInputs, ModelShape, RoleMemory,
+                                             larger_train_tokens, over_budget, plan_memory)
 
 
 
@@ -74,3 +75,10 @@ def check_memory(args: argparse.Namespace, slots: dict[str, int], device_bytes: 
         raise UsageError(msg + " (--skip_memory_check runs anyway)")
     if msg:
         print(f"note: {msg}; running anyway (--skip_memory_check)", flush=True)
+    elif device_bytes and not args.use_dynamic_batch:
+        budget = larger_train_tokens(inputs, device_bytes)
+        if budget:
+            print(f"note: training micro-batches hold up to {inputs.train_tokens} tokens (--micro_train_batch_size "
+                  f"{args.micro_train_batch_size} x --max_len {args.max_len}); the memory plan fits {budget} a GPU: "
+                  f"--use_dynamic_batch --train_max_tokens_per_gpu {budget} trains the same step in fewer, larger "
+                  "micro-batches (7B GRPO on 4 x H200: training 8.5 s -> 5.4 s)", flush=True)

@@ -316,3 +316,23 @@ def over_budget(x: MemoryInputs, device_bytes: int) -> str | None:
         rest = f"; not enough alone: {', '.join(others)}" if others else ""
         return msg + "; it would fit with " + ", or ".join(fits) + rest
     return msg + "; no single change fits (" + ", ".join(others) + "): combine them or use more GPUs"
+
+
+# ----------------------------------------------------------------------------- a hint: larger micro-batches
+
+HINT_MAX_TOKENS = 32768  # past this a micro-batch gains little, and a GPU's memory swings more per step
+HINT_FRACTION = 0.85  # the hint keeps the plan this far inside the GPU (the plan is an estimate)
+
+
+def larger_train_tokens(x: MemoryInputs, device_bytes: int, fraction: float = HINT_FRACTION,
+                        cap: int = HINT_MAX_TOKENS) -> int | None:
+    """The largest power of two of tokens per micro-batch (training and experience making alike, as
+    --use_dynamic_batch --train_max_tokens_per_gpu T gives) that is at least twice `x.train_tokens`, at most
+    `cap`, and whose plan stays within `fraction` of `device_bytes`; None when there is none."""
+    best, t = None, 1 << (2 * x.train_tokens - 1).bit_length()
+    while t <= cap:
+        if plan_memory(replace(x, train_tokens=t, forward_tokens=t), device_bytes).peak > fraction * device_bytes:
+            break
+        best, t = t, 2 * t
+    return best
+

@@ -53,3 +53,36 @@ def test_unreadable_config_skips_the_plan_with_a_line(tiny_model_dir, tmp_path, 
     args.ref_pretrain = str(tmp_path / "missing")
     M.check_memory(args, {"policy": 1, "ref": 1}, device_bytes=GiB // 4)
     assert capsys.readouterr().out.startswith("memory plan: skipped (")
+
+
+def test_the_hint_names_the_largest_power_of_two_of_tokens_that_fits(tiny_model_dir, tmp_path):
+    from dataclasses import replace
+
+    from rlhfkit.distributed.memory_plan import larger_train_tokens, plan_memory
+
+    x = M.memory_inputs(parse(tiny_model_dir, tmp_path), {"policy": 1, "ref": 1})
+    assert x.train_tokens == 128  # 2 x --max_len 64
+
+    def peak(t):
+        return plan_memory(replace(x, train_tokens=t, forward_tokens=t)).peak
+
+    assert peak(256) < peak(4096) < peak(8192)  # the activations grow with the budget
+    fits = int(peak(4096) / 0.85) + 1
+    assert larger_train_tokens(x, fits) == 4096
+    assert larger_train_tokens(x, int(peak(256) / 0.85) + 1) == 256  # the smallest: twice the present budget
+    assert larger_train_tokens(x, int(peak(256) / 0.85) - 1) is None
+    assert larger_train_tokens(x, 10**15) == 32768  # capped
+    assert (larger_train_tokens(x, fits, fraction=0.5) or 0) < 4096  # a smaller share of the GPU fits less
+
+
+def test_a_plan_with_room_prints_the_dynamic_batch_hint_once(tiny_model_dir, tmp_path, capsys):
+    args = parse(tiny_model_dir, tmp_path)
+    M.check_memory(args, {"policy": 1, "ref": 1}, device_bytes=80 * GiB)
+    hint = [line for line in capsys.readouterr().out.splitlines() if "--use_dynamic_batch" in line]
+    assert hint == ["note: training micro-batches hold up to 128 tokens (--micro_train_batch_size 2 x --max_len 64); "
+                    "the memory plan fits 32768 a GPU: --use_dynamic_batch --train_max_tokens_per_gpu 32768 trains "
+                    "the same step in fewer, larger micro-batches (7B GRPO on 4 x H200: training 8.5 s -> 5.4 s)"]
+    args = parse(tiny_model_dir, tmp_path, "--use_dynamic_batch", "--train_max_tokens_per_gpu", "256")
+    M.check_memory(args, {"policy": 1, "ref": 1}, device_bytes=80 * GiB)
+    M.check_memory(parse(tiny_model_dir, tmp_path), {"policy": 1, "ref": 1}, device_bytes=None)  # no GPU here
+    assert "--use_dynamic_batch" not in capsys.readouterr().out
