@@ -240,6 +240,14 @@ def rlhfkit_step_fn(model, ids, device, param_dtype: str, variant: str = "master
     return step
 
 
+def gpu_sft_step(variant: str = "master_compile", shape: str = "qwen2-0.5b", batch: int = 8, seq: int = 2048):
+    """The bench's rlhfkit step on the GPU (the probes under bench/probe/ time and trace it)."""
+    model, _ = build(shape, "cuda", torch.float32, "sdpa")
+    torch.manual_seed(0)
+    ids = torch.randint(0, SHAPES[shape]["vocab_size"], (batch, seq), device="cuda")
+    return rlhfkit_step_fn(model, ids, "cuda", "bf16", variant)
+
+
 def profile_step(step, top: int, trace_path: str | None = None):
     """One more step under torch.profiler: phases sft/forward, sft/backward, sft/optimizer (bench/step_profile.py);
     the Chrome trace is kept at `trace_path` when given."""

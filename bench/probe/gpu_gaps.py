@@ -61,10 +61,7 @@ def main() -> None:
     ap.add_argument("--variant", default="master_compile")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    model, _ = tt.build("qwen2-0.5b", "cuda", torch.float32, "sdpa")
-    torch.manual_seed(0)
-    ids = torch.randint(0, tt.SHAPES["qwen2-0.5b"]["vocab_size"], (8, 2048), device="cuda")
-    step = tt.rlhfkit_step_fn(model, ids, "cuda", "bf16", a.variant)
+    step = tt.gpu_sft_step(a.variant)
     plain = tt.time_steps(step, 3, 20, "cuda")
     from torch.profiler import ProfilerActivity, profile
 

@@ -2,11 +2,13 @@
 
     python3 bench/probe/host_time.py --out DIR [--seconds 40]
 
-The step (Qwen2-0.5B shape, 8 x 2048, --torch_compile) runs behind a GPU sleep long enough that the
-host is never waited for; then the host's own time per phase (forward, backward, optimizer) is what it
-takes to launch that phase. Writes DIR/host_time.json. While it loops for --seconds after warm-up it
-writes DIR/ready with its pid, so a sampler (py-spy) can attach for the loop alone; then one step
-runs under torch.profiler with CPU activity only, and the ops by host self time are written too.
+Host seconds per phase (forward, backward, optimizer; median of 15 steps) beside the GPU's (CUDA events),
+twice: the step as it is timed (plain), and behind a --lead_ms GPU sleep per step (lead), where the host
+is never waited for. In the lead run the backward's host time includes waits on a full launch queue, so
+compare the forward's. Writes DIR/host_time.json. Then it loops for --seconds behind the sleep and
+writes DIR/ready with its pid, so that a sampler (py-spy) can attach to the loop alone (a sampler that
+pauses the process inflates the loop's own numbers), and runs one step under torch.profiler with CPU
+activity only: DIR/host_ops.txt, the ops by host self time.
 """
 
 from __future__ import annotations
@@ -33,10 +35,7 @@ def main() -> None:
     ap.add_argument("--variant", default="master_compile")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    model, _ = tt.build("qwen2-0.5b", "cuda", torch.float32, "sdpa")
-    torch.manual_seed(0)
-    ids = torch.randint(0, tt.SHAPES["qwen2-0.5b"]["vocab_size"], (8, 2048), device="cuda")
-    step = tt.rlhfkit_step_fn(model, ids, "cuda", "bf16", a.variant)
+    step = tt.gpu_sft_step(a.variant)
     plain = tt.time_steps(step, 3, 10, "cuda")
 
     host_marks: list[tuple[str, float]] = []
