@@ -59,7 +59,7 @@ def main() -> None:
                 host.setdefault(name, []).append(t1 - t)
         return {k: sorted(v)[len(v) // 2] for k, v in host.items()}
 
-    plain_phases = {}
+    phases_by_mode = {}
     for lead in (False, True):
         for _ in range(3):
             lead_step(lead)
@@ -69,7 +69,7 @@ def main() -> None:
         for _ in range(15):
             lead_step(lead)
         torch.cuda.synchronize()
-        plain_phases["lead" if lead else "plain"] = {
+        phases_by_mode["lead" if lead else "plain"] = {
             "host_s": host_phases(),
             "gpu_s": {k: v for k, v in tt.phase_times().items() if k not in ("lead", "end")}}
 
@@ -92,7 +92,7 @@ def main() -> None:
             host.setdefault(name, []).append(t1 - t)
     gpu_phases = {k: v for k, v in tt.phase_times().items() if k not in ("lead", "end")}
     res = {"device": torch.cuda.get_device_name(), "variant": a.variant, "steps": n, "plain_step_s": plain,
-           "phases_unsampled": plain_phases,
+           "phases_unsampled": phases_by_mode,
            "gpu_step_s": sum(gpu_phases.values()), "host_s": {k: sorted(v)[len(v) // 2] for k, v in host.items() if k != "lead"},
            "gpu_s": gpu_phases,
            "note": "host_s: median host seconds per phase with the GPU asleep ahead of it (optimizer "
