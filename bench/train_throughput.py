@@ -100,10 +100,10 @@ def sleep_cycles_per_ms() -> float:
 
 
 def time_steps(step, n_warmup: int, n_steps: int, device: str, lead_ms: float = 0.0) -> float:
-    """Seconds per step. With `lead_ms`, each step starts behind a GPU sleep of about that length (so the
-    host is ahead for the whole step and the GPU never waits for it); the sleep's nominal length is
-    subtracted, which is only approximate (the sleep counts clock cycles, and the clock moves): read the
-    GPU-only step from the phase marks instead (phase_times)."""
+    """Seconds per step. With `lead_ms` (GPU only), each step starts behind a GPU sleep of about that length,
+    so the host is ahead for the whole step and the GPU never waits for it; the seconds returned then include
+    the sleep, whose length is only approximate (it counts clock cycles): read the GPU-only step from the
+    phase marks (phase_times)."""
     cycles = int(lead_ms * sleep_cycles_per_ms()) if lead_ms and device == "cuda" else 0
     for _ in range(n_warmup):
         step()
@@ -123,7 +123,7 @@ def time_steps(step, n_warmup: int, n_steps: int, device: str, lead_ms: float = 
     mark("end")
     if device == "cuda":
         torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / n_steps - lead_ms / 1e3
+    return (time.perf_counter() - t0) / n_steps
 
 
 def phase_times() -> dict[str, float]:
