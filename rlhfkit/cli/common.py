@@ -39,9 +39,10 @@ class UsageError(ValueError):
 def _run_failures() -> tuple[type[BaseException], ...]:
     """Errors that end a run for a reason the user must act on (imported late: agents, trainers)."""
     from rlhfkit.agents.base import RewardFailure
+    from rlhfkit.roles.memory import RoleOutOfMemory
     from rlhfkit.trainers.rl import FailedStepsError
 
-    return RewardFailure, FailedStepsError
+    return RewardFailure, FailedStepsError, RoleOutOfMemory
 
 
 def cli_main(prog: str, fn: Callable[[], T]) -> T:

@@ -29,6 +29,7 @@ from rlhfkit.losses.policy import PolicyLossConfig
 from rlhfkit.roles.actor import ActorRole, UpdateConfig
 from rlhfkit.roles.critic import CriticRole, RewardModelRole
 from rlhfkit.roles.group import LocalGroup
+from rlhfkit.roles.memory import RoleOutOfMemory, advice
 from rlhfkit.trainers.rl import RLLoopConfig
 from rlhfkit.types import SamplingParams
 
@@ -161,6 +162,16 @@ def rollout_max_tokens(args: argparse.Namespace) -> int | None:
     if not args.use_dynamic_batch:
         return None
     return args.rollout_max_tokens_per_gpu or args.train_max_tokens_per_gpu
+
+
+def explain_oom(args: argparse.Namespace, err: RoleOutOfMemory) -> RoleOutOfMemory:
+    """`err` with the flags to change for its phase (one line for the user)."""
+    err.hint = advice(err, dynamic_batch=args.use_dynamic_batch, train_tokens=args.train_max_tokens_per_gpu,
+                      rollout_tokens=rollout_max_tokens(args) or 0, micro_train=args.micro_train_batch_size,
+                      micro_rollout=args.micro_rollout_batch_size, checkpointing=args.gradient_checkpointing,
+                      engine_awake_in_training=bool(getattr(args, "colocate_all_models", True))
+                      and not args.vllm_enable_sleep)
+    return err
 
 
 def optimizer_steps(args: argparse.Namespace, num_prompts: int) -> int:

@@ -23,6 +23,7 @@ from rlhfkit.cli import rl_root as R
 from rlhfkit.cli.common import cli_main, disable_hf_progress_bars, parallel_dims, set_seed
 from rlhfkit.config.flags import FlagParser
 from rlhfkit.config.rl_flags import add_rl_flags
+from rlhfkit.roles.memory import RoleOutOfMemory
 
 
 def build_parser() -> FlagParser:
@@ -55,6 +56,8 @@ def run(args, parser) -> R.RLRun:
     trainer, placement, tokenizer = build_trainer(args, dist)
     try:
         trainer.fit()
+    except RoleOutOfMemory as e:
+        raise S.explain_oom(args, e) from None
     finally:  # also when the run fails: no thread may be inside torch or user code at exit
         S.close_rollout(trainer.engine)
         trainer.logger.close()

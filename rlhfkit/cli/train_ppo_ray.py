@@ -318,10 +318,14 @@ def main(argv: list[str] | None = None, hard_exit: bool = False) -> None:
     args = parser.parse(argv)
     cli_main(PROG, lambda: require("ray", PROG))  # --help works without ray; a run needs it
     from rlhfkit.distributed.health import RoleFailure
+    from rlhfkit.roles.memory import RoleOutOfMemory
 
     try:
         cli_main(PROG, lambda: run(args, parser, hard_exit))
     except (RoleFailure, ConnectionError) as e:
+        cause = getattr(e, "cause", None)
+        if isinstance(cause, RoleOutOfMemory):
+            e = S.explain_oom(args, cause)
         print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(1)
 

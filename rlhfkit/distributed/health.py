@@ -28,11 +28,16 @@ from typing import Any, Callable, Sequence
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
+from rlhfkit.roles.memory import RoleOutOfMemory
+
 log = logging.getLogger(__name__)
 
 
 class RoleFailure(RuntimeError):
-    """An actor of a role group (or an engine) died or raised; the message says which and why."""
+    """An actor of a role group (or an engine) died or raised; the message says which and why.
+    `cause`: the exception the actor raised, when it raised one."""
+
+    cause: BaseException | None = None
 
 
 @dataclass
@@ -73,8 +78,13 @@ def describe(err: BaseException, label: Any) -> RoleFailure:
         cause = err.cause if getattr(err, "cause", None) is not None else err
         if isinstance(cause, RoleFailure):
             return cause
-        first = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
-        return RoleFailure(f"{label} raised {type(cause).__name__}: {first}")
+        if isinstance(cause, RoleOutOfMemory):  # its message names the role, rank and phase already
+            failure = RoleFailure(str(cause))
+        else:
+            first = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
+            failure = RoleFailure(f"{label} raised {type(cause).__name__}: {first}")
+        failure.cause = cause
+        return failure
     return RoleFailure(f"{label} failed: {type(err).__name__}: {err}")
 
 

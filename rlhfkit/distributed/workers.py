@@ -42,6 +42,7 @@ from rlhfkit.backend.offload import HostStash, MoveStats
 from rlhfkit.backend.rendezvous import reserve_port
 from rlhfkit.distributed.weight_sync import (GroupSpec, SenderPlan, TensorMeta, WeightReceiver, WeightSender,
                                              iter_buckets)
+from rlhfkit.roles.memory import CallMemory
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20
 
@@ -63,12 +64,17 @@ class RoleWorker:
 
     def __init__(self, role: str, rank: int, world_size: int, build: Callable[[str, DistInfo], tuple[Any, Any]]):
         _quiet_env()
+        # A role's allocations change shape every micro-batch (token budgets, gathered blocks): expandable
+        # segments keep the caching allocator's fragmentation small, so the memory plan holds (a user's
+        # own setting wins). Read when this process first touches CUDA, which happens after this.
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         self.role_name, self.rank, self.world_size, self._build = role, rank, world_size, build
         self.role: Any = None
         self.backend: Any = None
         self.dist = DistInfo()
         self._sender: WeightSender | None = None
         self._stash: HostStash | None = None  # a reward model's weights under --deepspeed_enable_sleep
+        self._memory: CallMemory | None = None
 
     def info(self) -> dict[str, Any]:
         return _node_info()
@@ -89,6 +95,7 @@ class RoleWorker:
         self.dist = init_distributed(device)
         self.role, self.backend = self._build(self.role_name, self.dist)
         self.dist = getattr(self.role, "dist", None) or self.dist  # with the mesh the builder attached
+        self._memory = CallMemory(self.role_name, self.rank, self.dist.device)
         return {"device": self.dist.device, "world_size": self.dist.world_size, "dp_rank": self.dist.dp_rank}
 
     def _enter(self) -> None:
@@ -98,7 +105,13 @@ class RoleWorker:
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         self._enter()
-        return getattr(self.role, method)(*args, **kwargs)
+        with self._memory.call(method):
+            return getattr(self.role, method)(*args, **kwargs)
+
+    def memory_peaks(self) -> dict[str, dict[str, int]]:
+        """Peak reserved and allocated device bytes of each role method called since the last
+        `memory_peaks()` (rlhfkit/roles/memory.py)."""
+        return self._memory.take() if self._memory is not None else {}
 
     def publish_weights(self, dtype: str | None = None,
                         bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> tuple[list[Any], int]:
@@ -277,6 +290,15 @@ class EngineWorker:
 
     async def wake_up(self) -> None:
         await asyncio.to_thread(self.engine.wake_up)
+
+    async def memory(self) -> dict[str, int]:
+        """This engine process's device memory: reserved now and at its peak since the last call (bytes)."""
+        if not self.device.startswith("cuda"):
+            return {}
+        dev = torch.device(self.device)
+        out = {"reserved": torch.cuda.memory_reserved(dev), "peak_reserved": torch.cuda.max_memory_reserved(dev)}
+        torch.cuda.reset_peak_memory_stats(dev)
+        return out
 
     async def close(self) -> None:
         close = getattr(self.engine, "close", None)

@@ -14,13 +14,18 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from rlhfkit.roles.memory import CallMemory
+
 
 class LocalGroup:
     def __init__(self, role: Any, name: str) -> None:
         self.role, self.name = role, name
+        dist = getattr(role, "dist", None)
+        self.memory = CallMemory(name, getattr(dist, "rank", 0), getattr(dist, "device", "cpu"))
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self.role, method)(*args, **kwargs)
+        with self.memory.call(method):
+            return getattr(self.role, method)(*args, **kwargs)
 
     def __repr__(self) -> str:
         return f"LocalGroup({self.name})"
