@@ -17,6 +17,8 @@ One GPU of a role group of W ranks; b = bytes of --param_dtype; S = W at ZeRO st
         (blocks stay gathered between forward and backward), b (root + 2 blocks) at stage 3.
         --adam_offload keeps master, optimizer and grads in host memory (0 here).
     trainable, one process (W = 1): a bf16 module b P beside fp32 masters 4P, optimizer 8P, grads 4P.
+    --lora_rank r (the policy): the frozen base b P / S, and master, optimizer and grads of the adapters'
+        n = L r (2 (H + q) + 2 (H + kv) + 3 (H + I)) parameters in place of P's.
     ref (frozen, stored in the compute dtype): b P / S resident; b P gathered while and after it runs
         at stages < 3 (a no-grad forward leaves the blocks gathered until an offload reshards them).
     reward (a plain module on every rank): b P.
@@ -27,10 +29,19 @@ Activations of a training call, T tokens per micro-batch, per layer and token
     A = 16 H [two RMSNorms' fp32 input and normalised copies]
         + b (2 H + 3 q + 3 kv + 4 I) [norm outputs, q k v, rotated q k, attention output; gate, up,
                                       act(gate), act(gate) * up]
-    T L A, or with --gradient_checkpointing T (L b H + A) [block inputs + one block recomputed],
-    plus one chunk of the fused log-prob head (HEAD_CHUNK_BYTES). A forward-only call: T A + the chunk.
-Every process on a GPU holds a CUDA context (CONTEXT_BYTES). Estimates: the allocator's
-fragmentation and temporary buffers come on top.
+    T L A + T A, or with --gradient_checkpointing T (L b H + 2 A) [block inputs; one block recomputed
+    and the gradients of its activations], plus one chunk of the fused log-prob head's logits
+    (min(HEAD_CHUNK_BYTES, T V b)). A forward-only call: T A + the chunk. A sharded trainable role
+    also holds one vocabulary matrix's unsharded gradient (b V H) while it is reduce-scattered.
+The head keeps a micro-batch's whole logits (T V b) instead of recomputing them when half of the
+memory still free allows it (rlhfkit/models/fused_logprobs.py); given the GPU's size the plan adds
+that as `optional` (used only when there is room, so never a reason to refuse a layout).
+Every process on a GPU holds a CUDA context: a trainable role sharded over ranks also NCCL's
+buffers and cuBLAS workspaces (CONTEXT_SHARDED_BYTES), one process CONTEXT_BYTES, an engine
+CONTEXT_BYTES plus its CUDA graphs' pool and sampling buffers (ENGINE_WORKSPACE_BYTES; more with
+tensor parallelism's communicators). These constants are calibrated against measured peaks
+(docs/performance.md, "Memory plan against measured peaks"); the caching allocator's fragmentation
+is kept small by expandable segments (rlhfkit/distributed/workers.py).
 
 Phases of a pool: "generate" (engines awake, roles resident unless --deepspeed_enable_sleep) and
 one per role while it runs (its active footprint; the other roles resident unless
@@ -45,7 +56,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 GiB = 2**30
-CONTEXT_BYTES = GiB // 2  # CUDA context + NCCL buffers of one process
+CONTEXT_BYTES = 3 * GiB // 4  # CUDA context of one process
+CONTEXT_SHARDED_BYTES = 11 * GiB // 4  # a sharded trainable rank: context, NCCL buffers, cuBLAS workspaces
+ENGINE_WORKSPACE_BYTES = 3 * GiB // 2  # an engine: CUDA graphs' pool, sampling and logits buffers
+ENGINE_TP_BYTES = GiB  # an engine of tensor parallelism > 1: its communicators' buffers
+KEEP_FRACTION = 0.5  # rlhfkit.models.fused_logprobs.KEEP_FRACTION
 HEAD_CHUNK_BYTES = GiB  # rlhfkit.models.fused_logprobs.CHUNK_BYTES
 TRAINABLE = ("policy", "critic")
 COMPONENTS = ("weights", "master", "grads", "optimizer", "activations", "kv_cache", "context")
@@ -82,6 +97,11 @@ class ModelShape:
 
     def num_params(self) -> int:
         return self.layers * self.layer_params() + self.root_params()
+
+    def lora_params(self, rank: int) -> int:
+        """Adapter parameters of rank `rank` on every linear layer of the blocks (--target_modules all-linear)."""
+        h, q, kv, i = self.hidden, self.heads * self.hd, self.kv_heads * self.hd, self.intermediate
+        return self.layers * rank * ((h + q) * 2 + (h + kv) * 2 + (h + i) * 3)
 
     def activation_bytes_per_token_layer(self, b: int) -> int:
         h, q, kv = self.hidden, self.heads * self.hd, self.kv_heads * self.hd
@@ -134,6 +154,7 @@ class MemoryInputs:
     colocate_critic_reward: bool = False
     engine_sleep: bool = False
     train_sleep: bool = False
+    lora_rank: int = 0  # trainable roles train adapters of this rank over a frozen base (--lora_rank)
 
 
 @dataclass
@@ -143,10 +164,16 @@ class PoolPlan:
     members: list[str]
     parts: dict[str, dict[str, int]] = field(default_factory=dict)  # member -> component -> bytes (active)
     phases: dict[str, int] = field(default_factory=dict)
+    optional: dict[str, int] = field(default_factory=dict)  # phase -> the head's kept logits, when room
 
     @property
     def peak(self) -> int:
         return max(self.phases.values())
+
+    @property
+    def expected_peak(self) -> int:
+        """The peak with what the phases may take when there is room (what a GPU shows)."""
+        return max(v + self.optional.get(k, 0) for k, v in self.phases.items())
 
     @property
     def peak_phase(self) -> str:
@@ -173,7 +200,9 @@ class MemoryPlan:
                 lines.append("   " + f"{m:8}" + "".join(f"{g(parts.get(c, 0)):>8}" for c in COMPONENTS))
             of = f" of {device_bytes / GiB:.1f}" if device_bytes else ""
             phases = " | ".join(f"{k} {v / GiB:.1f}" for k, v in p.phases.items())
-            lines.append(f"   phases: {phases} -> peak {p.peak / GiB:.1f}{of} GiB ({p.peak_phase})")
+            more = (f"; up to {p.expected_peak / GiB:.1f} keeping the head's logits when there is room"
+                    if p.expected_peak > p.peak else "")
+            lines.append(f"   phases: {phases} -> peak {p.peak / GiB:.1f}{of} GiB ({p.peak_phase}){more}")
         return "\n".join(lines)
 
 
@@ -185,7 +214,7 @@ def _role_parts(r: RoleMemory, x: MemoryInputs) -> tuple[dict[str, int], dict[st
     P, b, s = r.shape.num_params(), x.param_bytes, r.shape
     S = r.world if x.zero_stage >= 1 else 1
     act_layer = s.activation_bytes_per_token_layer(b)
-    head = min(HEAD_CHUNK_BYTES, x.forward_tokens * s.vocab * 4)
+    head = min(HEAD_CHUNK_BYTES, x.forward_tokens * s.vocab * b)
     forward_act = x.forward_tokens * act_layer + head
     if r.name == "reward":
         return {"weights": b * P}, {"weights": b * P, "activations": forward_act}
@@ -195,17 +224,35 @@ def _role_parts(r: RoleMemory, x: MemoryInputs) -> tuple[dict[str, int], dict[st
         return {"weights": resident}, {"weights": max(resident, gathered), "activations": forward_act}
     tokens = x.train_tokens
     if x.gradient_checkpointing:
-        train_act = tokens * (s.layers * b * s.hidden + act_layer)
+        train_act = tokens * (s.layers * b * s.hidden + 2 * act_layer)
     else:
-        train_act = tokens * s.layers * act_layer
-    train_act += min(HEAD_CHUNK_BYTES, tokens * s.vocab * 4)
+        train_act = tokens * (s.layers + 1) * act_layer
+    train_act += min(HEAD_CHUNK_BYTES, tokens * s.vocab * b)
     if r.world == 1 and not x.adam_offload:  # one process: bf16 module + fp32 masters
         resident = {"weights": b * P, "master": 4 * P, "optimizer": 8 * P}
         return resident, {**resident, "grads": 4 * P, "activations": train_act}
     host = x.adam_offload
+    if x.lora_rank > 0 and r.name == "policy":  # a frozen base in the compute dtype + fp32 adapters
+        n = s.lora_params(x.lora_rank)
+        resident = {"weights": b * P // S, "master": 0 if host else 4 * n // S, "optimizer": 0 if host else 8 * n // S}
+        return resident, {**resident, "weights": max(b * P // S, gathered), "grads": 0 if host else 4 * n // S,
+                          "activations": train_act}
+    vocab_grad = b * s.vocab * s.hidden if r.world > 1 else 0
     resident = {"master": 0 if host else 4 * P // S, "optimizer": 0 if host else 8 * P // S}
-    return resident, {**resident, "weights": gathered, "grads": 0 if host else 4 * P // S,
+    return resident, {**resident, "weights": gathered, "grads": (0 if host else 4 * P // S) + vocab_grad,
                       "activations": train_act}
+
+
+def _kept_logits(r: RoleMemory, x: MemoryInputs) -> int:
+    """Bytes the fused head keeps beyond its chunk when memory allows: a micro-batch's whole logits."""
+    t, s = x.train_tokens, r.shape
+    return max(0, t * s.vocab * x.param_bytes - min(HEAD_CHUNK_BYTES, t * s.vocab * x.param_bytes))
+
+
+def _context(member: str, x: MemoryInputs, roles: dict[str, RoleMemory]) -> int:
+    if member == "engine":
+        return CONTEXT_BYTES + ENGINE_WORKSPACE_BYTES + (ENGINE_TP_BYTES if x.engine.tp > 1 else 0)
+    return CONTEXT_SHARDED_BYTES if roles[member].world > 1 else CONTEXT_BYTES
 
 
 def _engine_parts(e: EngineMemory, b: int, device_bytes: int | None) -> tuple[dict[str, int], dict[str, int]]:
@@ -244,20 +291,21 @@ def _sum(*parts: dict[str, int]) -> int:
 
 
 def plan_memory(x: MemoryInputs, device_bytes: int | None = None) -> MemoryPlan:
-    """The plan of `x`; `device_bytes` (one GPU's memory) sizes a vllm engine's reservation."""
+    """The plan of `x`; `device_bytes` (one GPU's memory) sizes a vllm engine's reservation and the
+    head's kept logits (`PoolPlan.optional`)."""
     roles = {r.name: r for r in x.roles}
     out = []
     for name, gpus, members in _pools(x):
         pool = PoolPlan(name, gpus, members)
-        ctx = CONTEXT_BYTES * len(members)
+        ctx = sum(_context(m, x, roles) for m in members)
         rest, active = {}, {}
         for m in members:
             if m == "engine":
                 asleep, awake = _engine_parts(x.engine, x.param_bytes, device_bytes)
-                pool.parts[m] = {**awake, "context": CONTEXT_BYTES}
+                pool.parts[m] = {**awake, "context": _context(m, x, roles)}
             else:
                 rest[m], active[m] = _role_parts(roles[m], x)
-                pool.parts[m] = {**active[m], "context": CONTEXT_BYTES}
+                pool.parts[m] = {**active[m], "context": _context(m, x, roles)}
 
         def resident(but: str | None) -> int:
             return 0 if x.train_sleep else sum(_sum(v) for k, v in rest.items() if k != but)
@@ -267,6 +315,10 @@ def plan_memory(x: MemoryInputs, device_bytes: int | None = None) -> MemoryPlan:
         for m in active:
             eng = (_sum(asleep) if x.engine_sleep else _sum(awake)) if "engine" in members else 0
             pool.phases[m] = _sum(active[m]) + resident(m) + eng + ctx
+            if m in TRAINABLE and device_bytes:
+                free = max(0, device_bytes - pool.phases[m])
+                whole = x.train_tokens * roles[m].shape.vocab * x.param_bytes
+                pool.optional[m] = _kept_logits(roles[m], x) if whole <= KEEP_FRACTION * free else 0
         out.append(pool)
     return MemoryPlan(out)
 

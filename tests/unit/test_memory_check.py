@@ -41,7 +41,7 @@ def test_table_is_printed_and_an_over_budget_plan_refuses(tiny_model_dir, tmp_pa
     M.check_memory(args, {"policy": 1, "ref": 1}, device_bytes=80 * GiB)
     out = capsys.readouterr().out
     assert "pool policy: 1 GPU(s) x [policy]" in out and "pool engines: 1 GPU(s) x [engine]" in out
-    with pytest.raises(UsageError, match=r"the memory plan needs about 0\.5 GiB .*\(--skip_memory_check runs anyway\)"):
+    with pytest.raises(UsageError, match=r"the memory plan needs about 2\.3 GiB per GPU in pool engines .*\(--skip_memory_check runs anyway\)"):
         M.check_memory(args, {"policy": 1, "ref": 1}, device_bytes=GiB // 4)
     args.skip_memory_check = True
     M.check_memory(args, {"policy": 1, "ref": 1}, device_bytes=GiB // 4)
@@ -62,6 +62,8 @@ def test_the_hint_names_the_largest_power_of_two_of_tokens_that_fits(tiny_model_
 
     x = M.memory_inputs(parse(tiny_model_dir, tmp_path), {"policy": 1, "ref": 1})
     assert x.train_tokens == 128  # 2 x --max_len 64
+
+    x = replace(x, colocate_all=True)  # one pool: the engine's context and workspace under the policy's
 
     def peak(t):
         return plan_memory(replace(x, train_tokens=t, forward_tokens=t)).peak

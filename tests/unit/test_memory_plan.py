@@ -16,8 +16,9 @@ import sys
 import pytest
 import torch
 
-from rlhfkit.distributed.memory_plan import (CONTEXT_BYTES, EngineMemory, MemoryInputs, ModelShape, RoleMemory,
-                                             over_budget, plan_memory)
+from rlhfkit.distributed.memory_plan import (CONTEXT_BYTES, CONTEXT_SHARDED_BYTES, ENGINE_TP_BYTES,
+                                             ENGINE_WORKSPACE_BYTES, EngineMemory, MemoryInputs, ModelShape,
+                                             RoleMemory, over_budget, plan_memory)
 
 GiB = 2**30
 QWEN7B = ModelShape(hidden=3584, layers=28, heads=28, kv_heads=4, intermediate=18944, vocab=152064,
@@ -69,11 +70,15 @@ def grpo_7b(**kw) -> MemoryInputs:
 
 # per layer and token: A = 16*3584 + 2*(2*3584 + 3*3584 + 3*512 + 4*18944) = 57,344 + 190,464 = 247,808
 A = 247_808
-HEAD = GiB  # 2048 x 152064 x 4 B = 1.16 GiB of fp32 logits, cut to one 1 GiB chunk
-TRAIN_ACT = 2048 * (28 * 2 * 3584 + A) + HEAD  # checkpointing: block inputs + one block, = 1,992,294,400
-FWD_ACT = 2048 * A + HEAD  # 1,581,252,608
+HEAD = 2048 * 152064 * 2  # 622,854,144 B of bf16 logits: under the 1 GiB chunk
+# checkpointing: block inputs + one block recomputed and its activations' gradients
+TRAIN_ACT = 2048 * (28 * 2 * 3584 + 2 * A) + HEAD  # = 2,048,917,504
+FWD_ACT = 2048 * A + HEAD  # 1,130,364,928
+VOCAB_GRAD = 2 * 152064 * 3584  # one vocabulary matrix's unsharded bf16 gradient: 1,089,994,752
 KV = 2 * 28 * 64 * 4 * 2048 * 128 * 2  # 7,516,192,768
-CTX = 3 * CONTEXT_BYTES
+ENGINE_CTX = CONTEXT_BYTES + ENGINE_WORKSPACE_BYTES
+CTX = 2 * CONTEXT_SHARDED_BYTES + ENGINE_CTX  # policy and ref ranks (NCCL) + the engine: 7.75 GiB
+POLICY = P + 2 * P + P + VOCAB_GRAD + 2 * P + TRAIN_ACT + 2 * P + CTX  # = 72,385,343,488 (67.4 GiB)
 
 
 def test_qwen25_7b_colocated_grpo_by_hand():
@@ -82,41 +87,65 @@ def test_qwen25_7b_colocated_grpo_by_hand():
     assert pool.name == "all" and pool.gpus == 4 and pool.members == ["policy", "ref", "engine"]
     policy = pool.parts["policy"]
     assert policy["master"] == 4 * P // 4 == 7_615_616_512  # fp32 shards
-    assert policy["optimizer"] == 8 * P // 4 and policy["grads"] == 4 * P // 4
+    assert policy["optimizer"] == 8 * P // 4 and policy["grads"] == 4 * P // 4 + VOCAB_GRAD
     assert policy["weights"] == 2 * P  # ZeRO-2: all blocks gathered in bf16 between forward and backward
-    assert policy["activations"] == TRAIN_ACT == 1_992_294_400
+    assert policy["activations"] == TRAIN_ACT == 2_048_917_504
+    assert policy["context"] == CONTEXT_SHARDED_BYTES and pool.parts["engine"]["context"] == ENGINE_CTX
     assert pool.parts["ref"]["weights"] == 2 * P and pool.parts["ref"]["activations"] == FWD_ACT
     assert pool.parts["engine"]["weights"] == 2 * P and pool.parts["engine"]["kv_cache"] == KV == 7_516_192_768
     # generate: engine awake, training states asleep; policy: its states + the builtin engine's
     # weights (sleep level 1 keeps them); ref: its gathered weights + the engine's weights
     assert pool.phases["generate"] == 2 * P + KV + CTX
-    assert pool.phases["policy"] == P + 2 * P + P + 2 * P + TRAIN_ACT + 2 * P + CTX == 64_527_839_232
+    assert pool.phases["policy"] == POLICY == 72_385_343_488
     assert pool.phases["ref"] == 2 * P + FWD_ACT + 2 * P + CTX
-    assert plan.peak == 64_527_839_232 and pool.peak_phase == "policy"  # 60.1 GiB
+    assert plan.peak == POLICY and pool.peak_phase == "policy"  # 67.4 GiB
     assert over_budget(grpo_7b(), 80 * GiB) is None
+
+
+def test_the_head_keeps_its_logits_only_where_half_the_free_memory_holds_them():
+    x = grpo_7b(train_tokens=8192)
+    whole = 8192 * 152064 * 2  # 2.32 GiB of logits; the plan already counts one 1 GiB chunk
+    roomy = plan_memory(x, 139 * GiB).pools[0]
+    assert roomy.optional == {"policy": whole - GiB} and roomy.expected_peak == roomy.peak + whole - GiB
+    need = roomy.phases["policy"]
+    tight = plan_memory(x, need + 2 * whole - 1).pools[0]  # half of what is free is one byte short
+    assert tight.optional == {"policy": 0} and tight.expected_peak == tight.peak
+    assert plan_memory(x).pools[0].optional == {}  # the GPU's size unknown: nothing optional
+    assert over_budget(x, need + 1) is None  # never a reason to refuse
+
+
+def test_lora_keeps_a_frozen_base_and_trains_the_adapters():
+    n = 28 * 16 * ((3584 + 3584) * 2 + (3584 + 512) * 2 + (3584 + 18944) * 3)  # rank 16 on every linear
+    assert QWEN7B.lora_params(16) == n == 40_370_176
+    policy = plan_memory(grpo_7b(lora_rank=16, zero_stage=3)).pools[0].parts["policy"]
+    assert policy["master"] == 4 * n // 4 and policy["optimizer"] == 8 * n // 4 and policy["grads"] == 4 * n // 4
+    assert policy["weights"] == 2 * P // 4  # the frozen shards outweigh two gathered blocks
+    full = plan_memory(grpo_7b(zero_stage=3)).pools[0].parts["policy"]
+    assert full["master"] + full["optimizer"] + full["grads"] == 16 * P // 4 + VOCAB_GRAD
 
 
 def test_without_train_sleep_the_ref_stays_and_vllm_sleep_frees_the_engine():
     awake = plan_memory(grpo_7b(train_sleep=False)).pools[0]
-    assert awake.phases["policy"] == 64_527_839_232 + 2 * P  # + the ref's gathered bf16 weights
+    assert awake.phases["policy"] == POLICY + 2 * P  # + the ref's gathered bf16 weights
     assert awake.phases["generate"] == 2 * P + KV + (3 * P) + 2 * P + CTX  # + policy master/Adam + ref
     vllm = grpo_7b(engine=EngineMemory(QWEN7B, num_engines=4, max_num_seqs=64, max_model_len=2048, kind="vllm",
                                        gpu_memory_utilization=0.5))
     pool = plan_memory(vllm, 80 * GiB).pools[0]
     assert pool.parts["engine"]["kv_cache"] == 40 * GiB - 2 * P  # vllm reserves half the GPU
-    assert pool.phases["policy"] == 64_527_839_232 - 2 * P  # asleep, vllm keeps no weights
+    assert pool.phases["policy"] == POLICY - 2 * P  # asleep, vllm keeps no weights
 
 
 def test_over_budget_names_the_numbers_and_the_flags_that_fit():
     msg = over_budget(grpo_7b(), 40 * GiB)
-    assert msg.startswith("the memory plan needs about 60.1 GiB per GPU in pool all (policy) but the GPU has 40.0 GiB")
+    assert msg.startswith("the memory plan needs about 67.4 GiB per GPU in pool all (policy) but the GPU has 40.0 GiB")
     # --adam_offload: the policy keeps only its gathered weights and activations on the GPU:
-    # 2P + 1,992,294,400 + 2P (engine) + contexts = 34,065,373,184 B = 31.7 GiB
-    assert "--adam_offload (31.7 GiB)" in msg and "would fit with" in msg
+    # 2P + TRAIN_ACT + VOCAB_GRAD (reduce-scattered before its copy to the host) + 2P (engine) + contexts
+    # = 41,922,877,440 B = 39.0 GiB
+    assert "--adam_offload (39.0 GiB)" in msg and "would fit with" in msg
     assert "not enough alone: --gradient_checkpointing" not in msg  # already set: not suggested
     assert "--zero_stage 3 (" in msg.split("not enough alone:")[1]  # tried, reported with its number
     hopeless = over_budget(grpo_7b(), 10 * GiB)
-    assert "no single change fits" in hopeless and "--adam_offload (31.7 GiB)" in hopeless
+    assert "no single change fits" in hopeless and "--adam_offload (39.0 GiB)" in hopeless
 
 
 def test_separate_pools_one_process_policy_and_engine_pool():
@@ -125,10 +154,12 @@ def test_separate_pools_one_process_policy_and_engine_pool():
                      gradient_checkpointing=True, train_tokens=1024)
     pools = {p.name: p for p in plan_memory(x).pools}
     assert set(pools) == {"policy", "engines"} and pools["engines"].gpus == 4
-    # one process: bf16 module 2P + fp32 masters 4P + Adam 8P + fp32 grads 4P
-    assert pools["policy"].phases["policy"] == 18 * P + 1024 * (28 * 2 * 3584 + A) + 1024 * 152064 * 4 + CONTEXT_BYTES
-    # tensor parallel 2: half the weights, 2 of the 4 KV heads on each GPU
-    assert pools["engines"].phases["generate"] == 2 * P // 2 + 2 * 28 * 8 * 2 * 1024 * 128 * 2 + CONTEXT_BYTES
+    # one process: bf16 module 2P + fp32 masters 4P + Adam 8P + fp32 grads 4P; no NCCL buffers
+    assert pools["policy"].phases["policy"] == (18 * P + 1024 * (28 * 2 * 3584 + 2 * A) + 1024 * 152064 * 2
+                                                + CONTEXT_BYTES)
+    # tensor parallel 2: half the weights, 2 of the 4 KV heads on each GPU, and its communicators
+    assert pools["engines"].phases["generate"] == (2 * P // 2 + 2 * 28 * 8 * 2 * 1024 * 128 * 2 + ENGINE_CTX
+                                                   + ENGINE_TP_BYTES)
 
 
 def test_the_plan_module_does_not_import_ray():
