@@ -3,6 +3,7 @@
     make_bench_model(path, "tiny")         # hidden 128, 4 layers, the character tokenizer (rlhfkit.models.tiny)
     make_bench_model(path, "qwen2-0.5b")   # Qwen2-0.5B's shape, bf16, a 151936-entry offline tokenizer
     make_bench_model(path, "qwen2.5-7b", device="cuda")    # 7.62B, streamed (below)
+    make_bench_model(path, "qwen2.5-14b", device="cuda")   # 14.8B, streamed
     make_bench_model(path, "qwen2.5-32b", device="cuda")   # 32.8B, streamed
     python bench/bench_models.py --shape qwen2.5-7b --out /path [--device cuda] [--seed 0]
 
@@ -12,7 +13,7 @@ makes a character-level BPE (no merges) over the printable characters, the ChatM
 and filler tokens "<t123>" up to `vocab_size`. Text encodes one character per token (so a prompt
 of k characters is k tokens); a filler id decodes to its "<t123>" string.
 
-Streamed shapes (7B, 32B) never build a model: `qwen2_tensors` lists every tensor's name, shape and
+Streamed shapes (7B, 14B, 32B) never build a model: `qwen2_tensors` lists every tensor's name, shape and
 init; `write_random_model` plans the shards (<= `max_shard_bytes`, 5 GB like Hugging Face), writes
 each safetensors header first and then, tensor by tensor, draws the values on `device` with a
 generator seeded from (seed, name), copies them to the host and appends their bytes (a writer
@@ -49,10 +50,13 @@ TINY = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key
 QWEN25_7B = dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
                  intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False,
                  max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6)
+QWEN25_14B = dict(hidden_size=5120, num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8,
+                  intermediate_size=13824, vocab_size=152064, tie_word_embeddings=False,
+                  max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-5)
 QWEN25_32B = dict(hidden_size=5120, num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8,
                   intermediate_size=27648, vocab_size=152064, tie_word_embeddings=False,
                   max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-5)
-STREAMED = {"qwen2.5-7b": QWEN25_7B, "qwen2.5-32b": QWEN25_32B}
+STREAMED = {"qwen2.5-7b": QWEN25_7B, "qwen2.5-14b": QWEN25_14B, "qwen2.5-32b": QWEN25_32B}
 SHAPES = ("tiny", "qwen2-0.5b", *STREAMED)
 SHARD_BYTES = 5 * 10**9
 INIT_STD = 0.02

@@ -13,7 +13,7 @@ Layouts (issue 6's on a 2-GPU machine, issue 13's on a 4-GPU one; `LAYOUTS` hold
     colocated_nosleep  the same without the two sleep flags (the baseline a sleep-mode step is
                    compared with: everything stays on the GPUs)
     colo4_tp1 / colo4_tp1_sleep   4 policy GPUs, 4 engines of TP 1 on them (sleep: both sleep flags)
-    colo4_tp2_sleep               4 policy GPUs, 2 engines of TP 2 on them, both sleep flags
+    colo4_tp2 / colo4_tp2_sleep   4 policy GPUs, 2 engines of TP 2 on them (sleep: both sleep flags)
     disagg2_tp2 / disagg2_tp2_async   2 policy GPUs + 1 engine of TP 2 on the other 2 (NCCL
                                       broadcast to both shards), without / with --async_train
 `--ray_extra "..."` appends flags (e.g. checkpointing). On CPU the slots are CPU workers and the
@@ -50,6 +50,8 @@ LAYOUTS = {  # name -> (policy ranks, flags); the colocated pair scales with --r
     "colo4_tp1": (4, ["--actor_num_gpus_per_node", "4", "--vllm_num_engines", "4", "--colocate_all_models"]),
     "colo4_tp1_sleep": (4, ["--actor_num_gpus_per_node", "4", "--vllm_num_engines", "4", "--colocate_all_models",
                             *_SLEEP]),
+    "colo4_tp2": (4, ["--actor_num_gpus_per_node", "4", "--vllm_num_engines", "2",
+                      "--vllm_tensor_parallel_size", "2", "--colocate_all_models"]),
     "colo4_tp2_sleep": (4, ["--actor_num_gpus_per_node", "4", "--vllm_num_engines", "2",
                             "--vllm_tensor_parallel_size", "2", "--colocate_all_models", *_SLEEP]),
     "disagg2_tp2": (2, ["--actor_num_gpus_per_node", "2", "--vllm_num_engines", "1", "--vllm_tensor_parallel_size", "2"]),
@@ -142,6 +144,82 @@ def start_ray(a: argparse.Namespace) -> bool:
     return True
 
 
+def plan_gib(args: Any, shapes: dict[str, Any]) -> dict[str, Any]:
+    """The memory plan train_ppo_ray printed, per pool: GPUs, members and each phase in GiB."""
+    from rlhfkit.cli import memory_check as M
+    from rlhfkit.distributed.memory_plan import GiB, plan_memory
+
+    device_bytes = M.gpu_bytes(args)
+    plan = plan_memory(M.memory_inputs(args, {n: s.slots for n, s in shapes.items()}), device_bytes)
+    return {"device_gib": device_bytes / GiB if device_bytes else None,
+            "pools": {p.name: {"gpus": p.gpus, "members": p.members, "peak_gib": p.peak / GiB,
+                               "expected_peak_gib": p.expected_peak / GiB,
+                               "phases_gib": {k: v / GiB for k, v in p.phases.items()},
+                               "parts_gib": {m: {c: v / GiB for c, v in parts.items()} for m, parts in p.parts.items()}}
+                      for p in plan.pools}}
+
+
+def _nvml_processes() -> dict[int, dict[int, float]]:
+    """GPU index -> {pid: GiB used} from NVML ({} without it)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        out = {}
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            out[i] = {p.pid: (p.usedGpuMemory or 0) / 2**30 for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)}
+        return out
+    except Exception:  # noqa: BLE001 - no NVML: no per-process figures
+        return {}
+
+
+def memory_step(launched: Any) -> dict[str, Any]:
+    """This step's peak reserved GiB of every role rank per method, and of every engine shard (its own
+    process: weights, KV cache, CUDA graphs), read from the actors (each resets its peak)."""
+    import ray
+
+    roles = {name: [{m: {k: v / 2**30 for k, v in p.items()} for m, p in peaks.items()}
+                    for peaks in g.run_all("memory_peaks")]
+             for name, g in launched.groups.items()}
+    engines = [{k: v / 2**30 for k, v in m.items()} for m in ray.get([a.memory.remote() for a in launched.router.shards])]
+    return {"roles": roles, "engines": engines}
+
+
+def measured_vs_plan(plan: dict[str, Any], steps: list[dict[str, Any]], nvml_peaks: list[float],
+                     placement: list[dict]) -> dict[str, Any]:
+    """Per pool: the plan's peak against (a) NVML's peak used memory of its GPUs (every process, CUDA
+    contexts included) and (b) the torch peaks: the largest role method peak of a GPU plus the resident
+    engine's peak; ratio = plan / measured, with the plan's expected peak (what the head may keep when there
+    is room included)."""
+    gpu_of = {}
+    for p in placement:
+        for g in p["gpu_ids"]:
+            gpu_of.setdefault((p["pool"], p["role"], p["rank"]), int(g))
+    out = {}
+    for name, pool in plan["pools"].items():
+        gpus = sorted({g for (pl, _, _), g in gpu_of.items() if pl == name})
+        nv = max((nvml_peaks[g] for g in gpus if g < len(nvml_peaks)), default=None)
+        torch_peak = 0.0
+        for g in gpus:
+            per_gpu = 0.0
+            for (pl, role, rank), gg in gpu_of.items():
+                if pl != name or gg != g:
+                    continue
+                if role == "engine":
+                    per_gpu += max((st["engines"][rank].get("peak_reserved", 0.0) for st in steps
+                                    if rank < len(st["engines"])), default=0.0)
+                else:
+                    per_gpu += max((max((p["reserved"] for p in st["roles"][role][rank].values()), default=0.0)
+                                    for st in steps
+                                    if role in st["roles"] and rank < len(st["roles"][role])), default=0.0)
+            torch_peak = max(torch_peak, per_gpu)
+        expected = pool.get("expected_peak_gib", pool["peak_gib"])
+        out[name] = {"plan_peak_gib": pool["peak_gib"], "plan_expected_peak_gib": expected, "nvml_peak_gib": nv,
+                     "torch_peak_sum_gib": torch_peak, "plan_over_nvml": expected / nv if nv else None}
+    return out
+
+
 def _build(a: argparse.Namespace, argv: list[str]) -> tuple[Any, Any, Any, Any]:
     """train_ppo_ray's checks and launch -> (args, launched, trainer, seconds to launch)."""
     from rlhfkit.cli import ppo_setup as S
@@ -154,6 +232,7 @@ def _build(a: argparse.Namespace, argv: list[str]) -> tuple[Any, Any, Any, Any]:
     S.resolve_flags(args, shapes["policy"].slots)
     R.check_ray_flags(args, shapes)
     R.check_memory(args, {name: s.slots for name, s in shapes.items()})
+    args.bench_plan = plan_gib(args, shapes)
     set_seed(args.seed)
     tokenizer, prompts, eval_prompts = load_tokenizer_and_prompts(args)
     num_steps = S.optimizer_steps(args, len(prompts))
@@ -186,7 +265,8 @@ def run_ray(a: argparse.Namespace, model_dir: str, data: str, reward: str, work:
               f"{launched.weight_sync.describe()}", flush=True)
         min_new = force_full_length(trainer)
         with GpuMemoryPeak() as mem:
-            walls, metrics = timed_steps(trainer, a.steps, a.ray_layout, a.warmup_steps)
+            walls, metrics = timed_steps(trainer, a.steps, a.ray_layout, a.warmup_steps, launched)
+        steps_mem = [m.pop("_memory") for m in metrics if "_memory" in m]
         trainer.logger.close()
         out = summarize_rlhfkit(walls, metrics, prompts * a.n)
         out.update(ray_summary(metrics, launched, launch_s))
@@ -194,6 +274,8 @@ def run_ray(a: argparse.Namespace, model_dir: str, data: str, reward: str, work:
                    micro_train_batch_size=args.micro_train_batch_size,
                    micro_rollout_batch_size=args.micro_rollout_batch_size, ray_layout=a.ray_layout,
                    argv_extra=layout_argv(a), gpu_peak_mem_gb=mem.peaks_gb)
+        out.update(memory_plan=args.bench_plan, memory_steps=steps_mem, memory_processes_gib=_nvml_processes(),
+                   memory_check=measured_vs_plan(args.bench_plan, steps_mem, mem.peaks_gb, out["placement"]))
         return out
     finally:
         if launched is not None:
@@ -202,9 +284,11 @@ def run_ray(a: argparse.Namespace, model_dir: str, data: str, reward: str, work:
             ray.shutdown()
 
 
-def timed_steps(trainer: Any, steps: int, layout: str, warmup: int = 1) -> tuple[list[float], list[dict]]:
+def timed_steps(trainer: Any, steps: int, layout: str, warmup: int = 1,
+                launched: Any = None) -> tuple[list[float], list[dict]]:
     """rl_step's `time_steps` (`warmup` untimed steps first) with a progress line per step; the driver
-    holds no GPU work to wait for (each step's Ray calls return after the actors finished)."""
+    holds no GPU work to wait for (each step's Ray calls return after the actors finished). With
+    `launched`, each timed step's metrics carry its memory peaks under "_memory" (memory_step)."""
     walls: list[float] = []
     metrics: list[dict] = []
     for i in range(warmup + steps):
@@ -216,8 +300,11 @@ def timed_steps(trainer: Any, steps: int, layout: str, warmup: int = 1) -> tuple
         print(f"[rl_step] ray {layout}: step {i}{' (warm-up)' if i < warmup else ''} {wall:.2f} s ({split}; "
               f"push {m.get('time/weight_push', 0.0):.3f} s, {m.get('weight_sync_mb', 0.0):.0f} MB; "
               f"states offload {m.get('time/states_offload', 0.0):.2f} s)", flush=True)
+        memory = memory_step(launched) if launched is not None else None  # resets the peaks each step
         if i >= warmup:
             walls.append(wall)
+            if memory is not None:
+                m["_memory"] = memory
             metrics.append(m)
     return walls, metrics
 
