@@ -43,3 +43,7 @@ def test_rl_step_ray_disaggregated_cpu(tmp_path):
     assert 0 < sum(d["phases_s"].values()) <= run["step_s"]
     assert 0 < d["weight_push_s"] <= d["weight_sync_s"] <= run["step_s"]
     assert "step 0 (warm-up)" in proc.stdout and "step 2" in proc.stdout
+    # the memory plan's pools are each compared with what was measured (nothing on CPU: no CUDA peaks)
+    assert set(run["memory_check"]) == set(run["memory_plan"]["pools"]) == {"policy", "engines"}
+    assert len(run["memory_steps"]) == 2 and len(run["memory_steps"][0]["roles"]["policy"]) == 1
+    assert run["memory_check"]["policy"]["plan_peak_gib"] == run["memory_plan"]["pools"]["policy"]["peak_gib"] > 0
