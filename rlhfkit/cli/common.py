@@ -22,6 +22,7 @@ from rlhfkit.backend.guard import NonFiniteError
 from rlhfkit.config.flags import run_dir_of, write_resolved_config
 from rlhfkit.data.io import DataError
 from rlhfkit.optional import MissingPackageError, require
+from rlhfkit.redact import redact_config
 from rlhfkit.trainers.metrics import MetricsLogger, NullLogger, WandbSettings, terminal
 
 if TYPE_CHECKING:
@@ -161,7 +162,8 @@ def make_logger(args: argparse.Namespace, rank: int, plot_keys: tuple[str, ...] 
         wandb = WandbSettings(key=args.use_wandb, project=args.wandb_project, org=args.wandb_org,
                               group=args.wandb_group, run_name=args.wandb_run_name)
     return MetricsLogger(run_dir, tensorboard_dir=args.use_tensorboard, wandb=wandb,
-                         config={k: v for k, v in vars(args).items() if k != "use_wandb"}, plot_keys=plot_keys)
+                         config=redact_config({k: v for k, v in vars(args).items() if k != "use_wandb"}),
+                         plot_keys=plot_keys)
 
 
 def parallel_dims(args: argparse.Namespace, dist: DistInfo) -> ParallelDims:

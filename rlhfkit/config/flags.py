@@ -31,6 +31,7 @@ import os
 from rlhfkit.config.flag_parser import (BACKEND, CKPT, DATA, EVAL, LOGGING, LORA, MODEL, OPTIM,  # noqa: F401
                                         TRAIN, FlagParser, describe, parsed_values, str2bool)
 from rlhfkit.fileio import atomic_write_text
+from rlhfkit.redact import redact_config
 
 
 def add_model_flags(p: FlagParser, default_dtype: str = "bf16") -> None:
@@ -289,12 +290,12 @@ def write_resolved_config(args: argparse.Namespace, run_dir: str, name: str = "r
     None -> 1024), so `--config run_config.json` replays the run (rlhfkit.config.config_file)."""
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, name)
-    data = {k: v for k, v in sorted(vars(args).items()) if k not in ("use_wandb",)}
-    data["use_wandb"] = bool(getattr(args, "use_wandb", None))
+    data = redact_config(dict(sorted(vars(args).items())))  # no secret on disk (rlhfkit.redact)
+    data["use_wandb"] = bool(data.get("use_wandb"))
     parsed = parsed_values(args)
     if parsed:
         plain = json.loads(json.dumps(data, default=str))
-        as_parsed = {k: v for k, v in json.loads(json.dumps(parsed, default=str)).items()
+        as_parsed = {k: v for k, v in json.loads(json.dumps(redact_config(parsed), default=str)).items()
                      if k in plain and k != "use_wandb" and plain[k] != v}
         if as_parsed:
             data["_as_parsed"] = as_parsed
