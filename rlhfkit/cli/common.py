@@ -13,7 +13,7 @@ import os
 import random
 import sys
 import traceback
-from typing import TYPE_CHECKING, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import numpy as np
 import torch
@@ -164,6 +164,16 @@ def make_logger(args: argparse.Namespace, rank: int, plot_keys: tuple[str, ...] 
     return MetricsLogger(run_dir, tensorboard_dir=args.use_tensorboard, wandb=wandb,
                          config=redact_config({k: v for k, v in vars(args).items() if k != "use_wandb"}),
                          plot_keys=plot_keys)
+
+
+def report_dropped(ds: Any, rows_read: int, what: str, training: bool) -> None:
+    """Count and name the rows the tokenized dataset `ds` left out, once, on rank 0; a training set
+    left with fewer than half its rows, or none, is a DataError (rlhfkit.data.items.check_dropped)."""
+    from rlhfkit.data.items import check_dropped
+
+    line = check_dropped(ds, rows_read, what, training=training)
+    if line and os.environ.get("RANK", "0") == "0":
+        print(line, flush=True)
 
 
 def parallel_dims(args: argparse.Namespace, dist: DistInfo) -> ParallelDims:

@@ -24,7 +24,7 @@ from rlhfkit.backend.dist import DistInfo, init_distributed
 from rlhfkit.backend.parallel import attach_mesh
 from rlhfkit.backend.fsdp2 import FSDP2Backend
 from rlhfkit.cli.common import (UsageError, check_backend_flags, check_positions, parallel_dims,
-                                check_packages, resolve_model_paths, set_seed)
+                                check_packages, report_dropped, resolve_model_paths, set_seed)
 from rlhfkit.config.configs import BackendConfig, ModelConfig, OptimConfig, from_args
 from rlhfkit.config.flags import (DATA, MODEL, TRAIN, FlagParser, add_backend_flags, add_ckpt_flags, add_data_flags,
                                   add_logging_flags, add_model_flags, add_train_flags)
@@ -115,11 +115,11 @@ def load_items(args: argparse.Namespace, spec: str, split: str, probs: str | Non
     rows = load_mixture(spec, probs, split=split, max_samples=args.max_samples, seed=args.seed,
                         max_row_bytes=args.max_row_bytes)
     ds = make_dataset(rows)
-    if ds.num_dropped:
-        print(f"{ds.num_dropped} of {len(rows)} samples of {spec} dropped: nothing to train on within --max_len")
+    report_dropped(ds, len(rows), f"{flag} {spec}", training=flag == "--dataset")
     if not ds.items:
-        raise DataError(f"{flag} {spec}: no usable samples ({len(rows)} rows read, {ds.num_dropped} dropped)")
+        raise DataError(f"{flag} {spec}: no usable samples ({len(rows)} rows read)")
     return list(ds.items)
+
 
 
 def load_split_items(args: argparse.Namespace, make_dataset: Callable[[list[Row]], Any]
