@@ -275,3 +275,12 @@ def broadcast_object(obj: T, src: int = 0) -> T:
     box = [obj]
     dist.broadcast_object_list(box, src=src, device=_comm_device())
     return box[0]
+
+
+def all_gather_object(obj: T) -> list[T]:
+    """Every rank's picklable `obj`, in rank order, on every rank ([obj] in one process)."""
+    if not _active():
+        return [obj]
+    out: list[Any] = [None] * get_world_size()
+    dist.all_gather_object(out, obj)
+    return out

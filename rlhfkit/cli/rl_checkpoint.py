@@ -91,9 +91,33 @@ class RLCheckpointer:
                 raise FileNotFoundError(f"--load_checkpoint: no step has a complete checkpoint in both {actor} "
                                         f"and {critic}")
             return self.policy_backend.load_checkpoint(actor)  # none at all (or only incomplete: an error)
-        client = self.policy_backend.load_checkpoint(actor, pairs[-1])
-        self.critic_backend.load_checkpoint(critic, pairs[-1])
+        tag = _newest_intact_pair(actor, critic, pairs[::-1])
+        client = self.policy_backend.load_checkpoint(actor, tag)
+        self.critic_backend.load_checkpoint(critic, tag)
         return client
+
+
+def _newest_intact_pair(actor: str, critic: str, tags: list[str]) -> str:
+    """The first of `tags` (newest first) whose actor and critic checkpoints both match their checksums;
+    a damaged one is skipped with a line naming it (rlhfkit.backend.checkpoint.newest_intact)."""
+    from rlhfkit.backend.checkpoint import newest_intact
+    from rlhfkit.backend.dist import broadcast_object, is_rank0
+
+    def pick() -> tuple[str | None, list[str]]:
+        skipped: list[str] = []
+        for tag in tags:
+            ok_a, lines_a = newest_intact(actor, [tag])
+            ok_c, lines_c = newest_intact(critic, [tag]) if ok_a else (None, [])
+            skipped += lines_a + lines_c
+            if ok_a and ok_c:
+                return tag, skipped
+        return None, skipped
+
+    tag, skipped = broadcast_object(pick() if is_rank0() else None)
+    if tag is None:
+        raise FileNotFoundError(f"--load_checkpoint: no step has an intact checkpoint in both {actor} and "
+                                f"{critic}: " + "; ".join(skipped))
+    return tag
 
 
 def _remove_old_snapshots(root: str, keep: str) -> None:
