@@ -35,12 +35,13 @@ from rlhfkit.trainers.metrics import metrics_record
 from rlhfkit.trainers.model_card import task_kind
 from rlhfkit.trainers.offline import LoopConfig, LoopState, evaluate, has_eval, train_offline
 from rlhfkit.trainers.plot import OFFLINE_PANELS
+from rlhfkit.trainers.run_settings import allowed_changes, run_settings
 
 OFFLINE_PLOT_KEYS = OFFLINE_PANELS  # the plot's panels (rlhfkit.trainers.plot.PANELS)
 
 
 def add_offline_flags(p: FlagParser, *, max_len: int, train_batch_size: int, micro_train_batch_size: int,
-                      max_epochs: int, learning_rate: float, ckpt_path: str, wandb_project: str,
+                      max_epochs: int, learning_rate: float, wandb_project: str,
                       input_template: str | None = None) -> None:
     """The flag groups every offline trainer has, with that trainer's OpenRLHF defaults."""
     add_model_flags(p)
@@ -48,7 +49,7 @@ def add_offline_flags(p: FlagParser, *, max_len: int, train_batch_size: int, mic
     add_train_flags(p, train_batch_size=train_batch_size, micro_train_batch_size=micro_train_batch_size,
                     max_epochs=max_epochs, learning_rate=learning_rate)
     add_backend_flags(p)
-    add_ckpt_flags(p, ckpt_path=ckpt_path)
+    add_ckpt_flags(p)
     add_logging_flags(p, wandb_project=wandb_project)
     with p.group(TRAIN):
         p.flag("--max_steps", type=int, default=None, help="stop after this many optimizer steps")
@@ -137,7 +138,8 @@ def loop_config(args: argparse.Namespace) -> LoopConfig:
                       eval_steps=args.eval_steps, save_steps=args.save_steps, ckpt_path=args.ckpt_path,
                       max_ckpt_num=args.max_ckpt_num, load_checkpoint=args.load_checkpoint,
                       show_progress=not args.disable_progress, max_steps=args.max_steps,
-                      aux_loss_coef=args.aux_loss_coef, save_ds=not args.disable_ds_ckpt, save_hf=args.save_hf_ckpt)
+                      aux_loss_coef=args.aux_loss_coef, save_ds=not args.disable_ds_ckpt, save_hf=args.save_hf_ckpt,
+                      run_settings=run_settings(vars(args)), allowed_changes=allowed_changes(args.allow_resume_changes))
 
 
 def num_training_steps(num_items: int, args: argparse.Namespace) -> int:

@@ -30,6 +30,7 @@ from rlhfkit.roles.actor import ActorRole, UpdateConfig
 from rlhfkit.roles.critic import CriticRole, RewardModelRole
 from rlhfkit.roles.group import LocalGroup
 from rlhfkit.trainers.rl import RLLoopConfig
+from rlhfkit.trainers.run_settings import allowed_changes, run_settings
 from rlhfkit.types import SamplingParams
 
 
@@ -382,7 +383,8 @@ def loop_config(args: argparse.Namespace) -> RLLoopConfig:
         show_progress=not args.disable_progress, max_failed_steps=args.max_failed_steps,
         skip_zero_advantage_steps=not ptx_active(args),  # the ptx loss moves the policy even then
         policy_max_epochs=args.max_epochs, policy_train_batch_size=args.train_batch_size,
-        recompute_old_logprobs=args.recompute_old_logprobs)
+        recompute_old_logprobs=args.recompute_old_logprobs, run_settings=run_settings(vars(args)),
+        allowed_changes=allowed_changes(args.allow_resume_changes))
 
 
 def advantage_config(args: argparse.Namespace) -> AdvantageConfig:

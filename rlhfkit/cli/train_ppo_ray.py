@@ -50,6 +50,7 @@ from rlhfkit.cli import rl_root as R
 from rlhfkit.cli.common import UsageError, cli_main, set_seed
 from rlhfkit.cli.memory_check import check_memory
 from rlhfkit.cli.train_ppo import build_parser as ppo_parser
+from rlhfkit.cli.run_dir import claims_run_dir
 from rlhfkit.optional import require
 from rlhfkit.config.flag_parser import RL_PLACEMENT, shell_text
 from rlhfkit.trainers.async_rl import AsyncRLTrainer
@@ -279,6 +280,7 @@ def save_final(args, launched, tokenizer) -> None:
     R.save_final(args, ray_placement(launched), tokenizer)
 
 
+@claims_run_dir
 def run(args, parser, hard_exit: bool = False) -> None:
     from rlhfkit.distributed.launch import connect
 

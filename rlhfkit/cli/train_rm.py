@@ -31,6 +31,7 @@ from rlhfkit.backend.dist import DistInfo
 from rlhfkit.cli.common import UsageError, cli_main, make_logger
 from rlhfkit.cli.offline_common import (OFFLINE_PLOT_KEYS, OfflineRun, add_offline_flags, add_pair_key_flags,
                                         load_split_items, save_model, setup, train_task, trainable_backend)
+from rlhfkit.cli.run_dir import claims_run_dir
 from rlhfkit.config.configs import ModelConfig, from_args
 from rlhfkit.config.flags import FlagParser
 from rlhfkit.data.preference import PreferenceDataConfig, PreferenceDataset
@@ -44,7 +45,7 @@ STATS_FRACTION, STATS_MIN_PAIRS = 0.01, 100
 def build_parser() -> FlagParser:
     p = FlagParser("train_rm", __doc__ or "")
     add_offline_flags(p, max_len=512, train_batch_size=128, micro_train_batch_size=1, max_epochs=1,
-                      learning_rate=9e-6, ckpt_path="./ckpt/checkpoints_rm", wandb_project="rlhfkit_train_rm")
+                      learning_rate=9e-6, wandb_project="rlhfkit_train_rm")
     add_pair_key_flags(p)
     p.flag("--value_head_prefix", "--ds.value_head_prefix", "--value_prefix_head", type=str, default="score",
            help="name of the value head module (score: loadable by AutoModelForSequenceClassification)")
@@ -83,6 +84,7 @@ def save_reward_model(args, backend, tokenizer, mean: float, std: float, dist: D
     save_model(args, backend, tokenizer, dist, logger, trainer="rm")
 
 
+@claims_run_dir
 def run(args) -> OfflineRun:
     if args.micro_train_batch_size < 1:
         raise UsageError("--micro_train_batch_size must be >= 1")

@@ -236,23 +236,30 @@ def add_local_rank_flag(p: FlagParser) -> None:
                  "the deepspeed launcher)")
 
 
-def add_ckpt_flags(p: FlagParser, *, ckpt_path: str = "./ckpt/checkpoints") -> None:
+def add_ckpt_flags(p: FlagParser) -> None:
     with p.group(CKPT):
         p.flag("--save_path", "--ckpt.output_dir", type=str, default="./ckpt",
                help="where the final model is saved in Hugging Face format")
         p.flag("--run_dir", type=str, default=None,
                help="metrics.jsonl, run_config.json and plots (default: --save_path)")
+        p.flag("--overwrite_output_dir", "--ckpt.overwrite_output_dir", action="store_true",
+               help="start over in a --save_path / --run_dir holding an earlier run: its metrics, run_config.json "
+                    "and the checkpoints inside it are removed (without it such a folder is refused)")
         p.flag("--save_steps", "--ckpt.save_steps", type=int, default=-1,
                help="save a resumable checkpoint every N optimizer steps (-1: never)")
-        p.flag("--ckpt_path", "--ckpt.path", type=str, default=ckpt_path,
-               help="folder of the resumable checkpoints (global_step<N>)")
+        p.flag("--ckpt_path", "--ckpt.path", type=str, default=None,
+               help="folder of the resumable checkpoints (global_step<N>); default: <run dir>/checkpoints")
         p.flag("--max_ckpt_num", "--ckpt.max_num", type=int, default=3,
                help="keep this many newest checkpoints; older ones are deleted")
         p.flag("--max_ckpt_mem", "--ckpt.max_mem", type=float, default=1e8,
                help="GB the resumable checkpoints in --ckpt_path may hold: after a save the oldest are deleted "
                     "while they hold more (the one just saved always stays); as OpenRLHF's")
         p.flag("--load_checkpoint", "--ckpt.load_enable", action="store_true",
-               help="resume from the newest checkpoint in --ckpt_path, if there is one")
+               help="resume from the newest intact checkpoint in --ckpt_path, if there is one; its run's model, "
+                    "data, batch and learning-rate settings must be this run's")
+        p.flag("--allow_resume_changes", type=str, default=None,
+               help="--load_checkpoint: accept these settings (comma-separated flag names, or all) differing "
+                    "from the checkpoint's run as deliberate changes")
         p.flag("--save_hf_ckpt", "--ckpt.save_hf", action="store_true",
                help="also save a Hugging Face snapshot with each checkpoint (<ckpt_path>/global_step<N>_hf)")
         p.flag("--hf_max_shard_size", type=str, default="5GB",

@@ -37,6 +37,7 @@ from rlhfkit.losses.reduce import HostValues
 from rlhfkit.models.moe import RouterAuxLoss
 from rlhfkit.trainers.metrics import EVAL, MetricsLogger, NullLogger, metrics_record, progress_bar
 from rlhfkit.trainers.model_card import task_kind
+from rlhfkit.trainers.run_settings import check_same_run
 
 
 class OfflineTask(Protocol):
@@ -70,6 +71,10 @@ class LoopConfig:
     aux_loss_coef: float = 0.0  # MoE router balance loss weight [--aux_loss_coef]
     save_ds: bool = True  # --save_steps writes resumable checkpoints [not --disable_ds_ckpt]
     save_hf: bool = False  # ... and Hugging Face snapshots [--save_hf_ckpt]
+    # what makes the run this run (rlhfkit.trainers.run_settings), recorded in each checkpoint and
+    # compared on resume; the settings accepted as changed [--allow_resume_changes]
+    run_settings: dict[str, Any] = field(default_factory=dict)
+    allowed_changes: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -118,6 +123,8 @@ def train_offline(task: OfflineTask, backend, train_items: Sequence[Any], cfg: L
     if cfg.load_checkpoint:
         client = backend.load_checkpoint(cfg.ckpt_path)
         if client is not None:
+            check_same_run(client.get("run_settings"), cfg.run_settings, cfg.allowed_changes,
+                           f"the checkpoint in --ckpt_path {cfg.ckpt_path}")
             state.step, state.epoch, state.batch_in_epoch = client["step"], client["epoch"], client["batch_in_epoch"]
             if dist.rank == 0:
                 print(f"resumed from {cfg.ckpt_path} at step {state.step} (epoch {state.epoch})")
@@ -149,7 +156,8 @@ def train_offline(task: OfflineTask, backend, train_items: Sequence[Any], cfg: L
             if _due(state.step, cfg.save_steps) and cfg.save_ds:
                 ep, bi = (state.epoch + 1, 0) if last_of_epoch else (state.epoch, state.batch_in_epoch)
                 backend.save_checkpoint(cfg.ckpt_path, f"global_step{state.step}",
-                                        {"step": state.step, "epoch": ep, "batch_in_epoch": bi}, cfg.max_ckpt_num)
+                                        {"step": state.step, "epoch": ep, "batch_in_epoch": bi,
+                                         "run_settings": cfg.run_settings}, cfg.max_ckpt_num)
             if _due(state.step, cfg.save_steps) and cfg.save_hf:
                 snapshot = os.path.join(cfg.ckpt_path, f"global_step{state.step}_hf")
                 backend.save_hf(snapshot, tokenizer)

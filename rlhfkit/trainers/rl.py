@@ -55,6 +55,7 @@ from rlhfkit.roles.group import LocalWeightSync
 from rlhfkit.trainers.metrics import PhaseClock, metrics_record, progress_bar
 from rlhfkit.trainers.offline import epoch_order
 from rlhfkit.trainers.rl_config import FailedStepsError, RLLoopConfig, RLState
+from rlhfkit.trainers.run_settings import check_same_run
 from rlhfkit.trainers.rl_step_info import complete_groups, global_experience_metrics, skip_cause
 from rlhfkit.types import PromptSample, Trajectory
 
@@ -353,6 +354,8 @@ class RLTrainer:
         if c.load_checkpoint and self.checkpointer is not None:
             client = self.checkpointer.load(c.ckpt_path)
             if client is not None:
+                check_same_run(client.get("run_settings"), c.run_settings, c.allowed_changes,
+                               f"the checkpoint in --ckpt_path {c.ckpt_path}")
                 s.step = client["step"]
                 s.cursor = (client["episode"], client["batch_in_episode"], client.get("skipped_in_episode", 0))
                 self.kl_ctl.load_state_dict(client["kl_ctl"])
@@ -386,7 +389,8 @@ class RLTrainer:
     def _client_state(self) -> dict:
         s = self.state
         return {"step": s.step, "episode": s.episode, "batch_in_episode": s.batch_in_episode,
-                "skipped_in_episode": s.skipped_in_episode, "kl_ctl": self.kl_ctl.state_dict()}
+                "skipped_in_episode": s.skipped_in_episode, "kl_ctl": self.kl_ctl.state_dict(),
+                "run_settings": self.cfg.run_settings}
 
     def _count_failed_step(self, m: dict[str, float]) -> None:
         """Count a skipped step (one line on stderr); the --max_failed_steps-th in a row ends the run.
