@@ -69,7 +69,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rlhfkit.backend import dist as D
-from rlhfkit.fileio import atomic_write_text, fsync_dir
+from rlhfkit.fileio import NoSpaceError, atomic_write_text, free_bytes, fsync_dir, is_no_space
 
 log = logging.getLogger(__name__)
 
@@ -405,11 +405,38 @@ def _dcp(fn, *args: Any, **kwargs: Any) -> Any:
         return fn(*args, no_dist=no_dist, **kwargs)
 
 
+SLACK_BYTES = 4 << 20  # RNG states, scheduler, client state and DCP metadata, at most
+
+
+def _tensor_bytes(obj: Any) -> int:
+    """Bytes of the tensors (this rank's shards) in a nested state dict."""
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    if isinstance(obj, torch.Tensor):
+        local = obj.to_local() if hasattr(obj, "to_local") else obj
+        return local.numel() * local.element_size()
+    return 0
+
+
+def expected_bytes(ckpt_root: str, state: dict[str, Any]) -> int:
+    """What a checkpoint of `state` will take (all ranks call): its tensors on every rank, or the newest
+    complete checkpoint's size if larger, plus slack for the small files."""
+    need = int(D.all_reduce_sum(_tensor_bytes(state))) + SLACK_BYTES
+    found = list_checkpoints(ckpt_root) if D.is_rank0() else []
+    if found:
+        need = max(need, _dir_bytes(os.path.join(ckpt_root, found[-1][1])))
+    return need
+
+
 def save_checkpoint(backend, ckpt_root: str, tag: str, client_state: dict | None,
                     max_keep: int) -> str:
-    """Save model, optimizer, scheduler, RNG and `client_state` as `<ckpt_root>/<tag>` (all ranks call)."""
-    import torch.distributed.checkpoint as dcp
+    """Save model, optimizer, scheduler, RNG and `client_state` as `<ckpt_root>/<tag>` (all ranks call).
 
+    The free space under `ckpt_root` is checked first against `expected_bytes`; too little, or a write
+    that runs out of space, raises NoSpaceError (after removing this save's partial files): the
+    complete checkpoints already there are untouched."""
     if max_keep < 1:
         raise ValueError(f"--max_ckpt_num must be >= 1, got {max_keep}")
     if not tag or "/" in tag or tag == LATEST or tag.endswith(TMP_SUFFIX):
@@ -418,6 +445,28 @@ def save_checkpoint(backend, ckpt_root: str, tag: str, client_state: dict | None
         client_json = json.dumps(client_state or {}, indent=2)
     except TypeError as e:
         raise TypeError(f"checkpoint client_state must be JSON-serialisable: {e}") from None
+    has_optim = backend.optimizer_has_state
+    state = backend.sharded_state_dict(with_optimizer=has_optim)
+    need = expected_bytes(ckpt_root, state)
+    short = D.broadcast_object(free_bytes(ckpt_root) if D.is_rank0() else 0)
+    if short < need:
+        raise NoSpaceError(ckpt_root, need, short)
+    tmp = os.path.join(ckpt_root, tag + TMP_SUFFIX)
+    try:
+        return _write_checkpoint(backend, ckpt_root, tag, state, has_optim, client_json, max_keep)
+    except Exception as e:
+        if D.is_rank0():
+            shutil.rmtree(tmp, ignore_errors=True)  # this save's partial files
+        have = free_bytes(ckpt_root)
+        if is_no_space(e) or have < need:
+            raise NoSpaceError(ckpt_root, need, have) from e
+        raise
+
+
+def _write_checkpoint(backend, ckpt_root: str, tag: str, state: dict[str, Any], has_optim: bool, client_json: str,
+                      max_keep: int) -> str:
+    import torch.distributed.checkpoint as dcp
+
     tmp, final = os.path.join(ckpt_root, tag + TMP_SUFFIX), os.path.join(ckpt_root, tag)
     rank0 = D.is_rank0()
     if rank0:
@@ -427,8 +476,6 @@ def save_checkpoint(backend, ckpt_root: str, tag: str, client_state: dict | None
         _clear_stale_tmp(ckpt_root)
         os.makedirs(os.path.join(tmp, DCP_DIR))
     D.barrier()
-    has_optim = backend.optimizer_has_state
-    state = backend.sharded_state_dict(with_optimizer=has_optim)
     has_ema = "ema" in state
     writer = dcp.FileSystemWriter(os.path.join(tmp, DCP_DIR), sync_files=True)
     _dcp(dcp.save, state, storage_writer=writer)

@@ -40,9 +40,10 @@ class UsageError(ValueError):
 def _run_failures() -> tuple[type[BaseException], ...]:
     """Errors that end a run for a reason the user must act on (imported late: agents, trainers)."""
     from rlhfkit.agents.base import RewardFailure
+    from rlhfkit.fileio import NoSpaceError
     from rlhfkit.trainers.rl import FailedStepsError
 
-    return RewardFailure, FailedStepsError
+    return RewardFailure, FailedStepsError, NoSpaceError
 
 
 def cli_main(prog: str, fn: Callable[[], T]) -> T:
@@ -164,6 +165,27 @@ def make_logger(args: argparse.Namespace, rank: int, plot_keys: tuple[str, ...] 
     return MetricsLogger(run_dir, tensorboard_dir=args.use_tensorboard, wandb=wandb,
                          config=redact_config({k: v for k, v in vars(args).items() if k != "use_wandb"}),
                          plot_keys=plot_keys)
+
+
+def save_or_fall_back(save: Callable[[], None], fallback: Callable[[], str] | None) -> None:
+    """The final save; when its disk is too full (NoSpaceError, partial files removed), `fallback()`
+    writes the trained state as a resumable checkpoint and the run ends with one line naming both
+    (exit 1): the trained steps are never lost to a full disk while some other disk has room."""
+    from rlhfkit.fileio import NoSpaceError
+
+    try:
+        save()
+    except NoSpaceError as e:
+        if fallback is None:
+            raise
+        try:
+            where = fallback()
+        except NoSpaceError as e2:
+            raise NoSpaceError(e.path, e.need, e.have, note=f"the resumable checkpoint did not fit either: {e2}") \
+                from e
+        raise NoSpaceError(e.path, e.need, e.have, note=f"the trained state is saved as the resumable checkpoint "
+                           f"{where} instead: free space, then run the same command with --load_checkpoint "
+                           "to write the model") from e
 
 
 def report_dropped(ds: Any, rows_read: int, what: str, training: bool) -> None:

@@ -24,7 +24,7 @@ from rlhfkit.backend.dist import DistInfo, init_distributed
 from rlhfkit.backend.parallel import attach_mesh
 from rlhfkit.backend.fsdp2 import FSDP2Backend
 from rlhfkit.cli.common import (UsageError, check_backend_flags, check_positions, parallel_dims,
-                                check_packages, report_dropped, resolve_model_paths, set_seed)
+                                check_packages, report_dropped, resolve_model_paths, save_or_fall_back, set_seed)
 from rlhfkit.config.configs import BackendConfig, ModelConfig, OptimConfig, from_args
 from rlhfkit.config.flags import (DATA, MODEL, TRAIN, FlagParser, add_backend_flags, add_ckpt_flags, add_data_flags,
                                   add_logging_flags, add_model_flags, add_train_flags)
@@ -33,7 +33,7 @@ from rlhfkit.models.loader import check_model_dir, load_causal_lm, load_tokenize
 from rlhfkit.trainers.dpo_task import FrozenModel
 from rlhfkit.trainers.metrics import metrics_record
 from rlhfkit.trainers.model_card import task_kind
-from rlhfkit.trainers.offline import LoopConfig, LoopState, evaluate, has_eval, train_offline
+from rlhfkit.trainers.offline import LoopConfig, LoopState, evaluate, has_eval, save_resumable, train_offline
 from rlhfkit.trainers.plot import OFFLINE_PANELS
 from rlhfkit.trainers.run_settings import allowed_changes, run_settings
 
@@ -198,15 +198,18 @@ def train_policy(args: argparse.Namespace, dist: DistInfo, tokenizer: Any, task:
     hook = (lambda state, metrics: on_step_end(state, metrics, backend)) if on_step_end else None
     state = train_task(task, backend, train_items, eval_items, args, dist, logger, on_step_end=hook,
                        tokenizer=tokenizer)
-    save_model(args, backend, tokenizer, dist, logger, trainer=task_kind(task))
+    save_model(args, backend, tokenizer, dist, logger, trainer=task_kind(task), state=state)
     logger.close()
     return OfflineRun(state, backend, task, tokenizer, train_items, eval_items)
 
 
 def save_model(args: argparse.Namespace, backend: Any, tokenizer: Any, dist: DistInfo, logger: Any = None,
-               trainer: str | None = None) -> None:
-    """Save in Hugging Face format to --save_path, with a model card from the run's files (`logger`)."""
-    backend.save_hf(args.save_path, tokenizer)
+               trainer: str | None = None, state: LoopState | None = None) -> None:
+    """Save in Hugging Face format to --save_path, with a model card from the run's files (`logger`).
+    Too little space there: the trained state is saved as a resumable checkpoint instead, if it fits
+    (`save_or_fall_back`)."""
+    fallback = (lambda: save_resumable(backend, loop_config(args), state)) if state is not None else None
+    save_or_fall_back(lambda: backend.save_hf(args.save_path, tokenizer), fallback)
     if logger is not None:
         logger.model_card(args.save_path, trainer=trainer)
     if dist.rank == 0:

@@ -39,10 +39,8 @@ class RLCheckpointer:
     run_dir: str | None = None
 
     def save(self, root: str, tag: str, client: dict, max_keep: int) -> None:
-        if self.save_ds and self.critic_backend is not None:
-            self.critic_backend.save_checkpoint(os.path.join(root, "critic"), tag, client, max_keep + 1)
         if self.save_ds:
-            self.policy_backend.save_checkpoint(os.path.join(root, "actor"), tag, client, max_keep)
+            self.save_resumable(root, tag, client, max_keep)
         if self.save_hf:
             self.policy_backend.save_hf(os.path.join(root, f"{tag}_hf"), self.tokenizer)
             if self.run_dir is not None:
@@ -53,6 +51,13 @@ class RLCheckpointer:
                     step = tag.removeprefix("global_step")
                     write_model_card(os.path.join(root, f"{tag}_hf"), run_dir=self.run_dir,
                                      step=int(step) if step.isdigit() else None)
+
+    def save_resumable(self, root: str, tag: str, client: dict, max_keep: int) -> str:
+        """The resumable pair only (whatever --disable_ds_ckpt says: a stopped run and the final save's
+        fallback need it); returns the actor checkpoint's path."""
+        if self.critic_backend is not None:
+            self.critic_backend.save_checkpoint(os.path.join(root, "critic"), tag, client, max_keep + 1)
+        return self.policy_backend.save_checkpoint(os.path.join(root, "actor"), tag, client, max_keep)
 
     def keep_best(self, root: str, step: int, metrics: dict[str, float], client: dict) -> bool:
         """Save step `step` as the best checkpoint if its eval metric is the best so far (True then)."""

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from rlhfkit.backend.dist import DistInfo
 from rlhfkit.cli import ppo_setup as S
-from rlhfkit.cli.common import UsageError, make_logger, parallel_dims, report_dropped
+from rlhfkit.cli.common import UsageError, make_logger, parallel_dims, report_dropped, save_or_fall_back
 from rlhfkit.data.io import load_mixture
 from rlhfkit.data.prompts import PromptDataConfig, PromptDataset
 from rlhfkit.models.loader import load_tokenizer
@@ -137,13 +137,14 @@ def build_trainer(args, placement: Placement, data: RLData, trainer_cls: type = 
                        weight_sync=p.weight_sync, **extra)
 
 
-def save_final(args, placement: Placement, tokenizer: Any) -> None:
+def save_final(args, placement: Placement, tokenizer: Any, fallback: Callable[[], str] | None = None) -> None:
     """The policy (and with --save_value_network the critic) in Hugging Face format, each with a
-    model card (README.md) written by rank 0 / the driver from the run's files."""
+    model card (README.md) written by rank 0 / the driver from the run's files. Too little space in
+    --save_path: `fallback()` (the trainer's resumable checkpoint) instead (common.save_or_fall_back)."""
     from rlhfkit.config.flags import run_dir_of
     from rlhfkit.trainers.model_card import write_model_card
 
-    placement.policy_backend.save_hf(args.save_path, tokenizer)
+    save_or_fall_back(lambda: placement.policy_backend.save_hf(args.save_path, tokenizer), fallback)
     if placement.dist.rank == 0:
         write_model_card(args.save_path, run_dir=run_dir_of(args), trainer="rl")
     if args.save_value_network and placement.save_critic is not None:

@@ -60,7 +60,7 @@ def run(args, parser) -> R.RLRun:
     finally:  # also when the run fails: no thread may be inside torch or user code at exit
         S.close_rollout(trainer.engine)
         trainer.logger.close()
-    R.save_final(args, placement, tokenizer)
+    R.save_final(args, placement, tokenizer, fallback=trainer.save_checkpoint)
     return R.RLRun(trainer.state, placement, tokenizer)
 
 

@@ -276,8 +276,8 @@ def build_ray_trainer(args, launched, phases, tokenizer, prompts, eval_prompts) 
                            partial_rollout=args.partial_rollout, take_turns=async_mode(args) == "turns")
 
 
-def save_final(args, launched, tokenizer) -> None:
-    R.save_final(args, ray_placement(launched), tokenizer)
+def save_final(args, launched, tokenizer, fallback=None) -> None:
+    R.save_final(args, ray_placement(launched), tokenizer, fallback=fallback)
 
 
 @claims_run_dir
@@ -300,7 +300,7 @@ def run(args, parser, hard_exit: bool = False) -> None:
         trainer = build_ray_trainer(args, launched, phases, data.tokenizer, data.prompts, data.eval_prompts)
         trainer.fit()
         trainer.logger.close()
-        save_final(args, launched, data.tokenizer)
+        save_final(args, launched, data.tokenizer, fallback=trainer.save_checkpoint)
     finally:
         if launched is not None:
             from rlhfkit.agents.user_code import shutdown_user_threads

@@ -68,7 +68,8 @@ def statistics_items(train_items: Sequence[Any], eval_items: Sequence[Any] | Non
     return train_items[:min(n, max(math.ceil(STATS_FRACTION * n), STATS_MIN_PAIRS))]
 
 
-def save_reward_model(args, backend, tokenizer, mean: float, std: float, dist: DistInfo, logger=None) -> None:
+def save_reward_model(args, backend, tokenizer, mean: float, std: float, dist: DistInfo, logger=None,
+                      state=None) -> None:
     """Store mean/std (and the head name, pad id) in the config, then save in Hugging Face format.
     `tokenizer` is the scoring tokenizer (appends EOS: plain transformers then scores text as rlhfkit
     does; rlhfkit.models.value.scoring_tokenizer)."""
@@ -81,7 +82,7 @@ def save_reward_model(args, backend, tokenizer, mean: float, std: float, dist: D
         update_reward_config(base.config, tokenizer)
     if base is not model and dist.rank == 0:  # LoRA: the adapter plus the reward config (lora_combiner --is_rm)
         base.config.save_pretrained(args.save_path)
-    save_model(args, backend, tokenizer, dist, logger, trainer="rm")
+    save_model(args, backend, tokenizer, dist, logger, trainer="rm", state=state)
 
 
 @claims_run_dir
@@ -104,7 +105,7 @@ def run(args) -> OfflineRun:
     stats = {"reward_mean": mean, "reward_std": std, "reward_stats_count": n}
     state.history.append(metrics_record(state.step, stats))
     logger.log(state.step, stats, console=True)
-    save_reward_model(args, backend, save_tokenizer, mean, std, dist, logger)
+    save_reward_model(args, backend, save_tokenizer, mean, std, dist, logger, state=state)
     logger.close()
     return OfflineRun(state, backend, task, tokenizer, train_items, eval_items, {"mean": mean, "std": std})
 

@@ -25,13 +25,16 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
+from rlhfkit.backend.checkpoint import checkpoint_gap
 from rlhfkit.backend.dist import DistInfo
 from rlhfkit.config.notes import note_once
+from rlhfkit.fileio import NoSpaceError
 from rlhfkit.losses.aux import router_aux_loss
 from rlhfkit.losses.reduce import HostValues
 from rlhfkit.models.moe import RouterAuxLoss
@@ -154,14 +157,11 @@ def train_offline(task: OfflineTask, backend, train_items: Sequence[Any], cfg: L
                 state.history.append(metrics_record(state.step, metrics))
                 logger.log(state.step, metrics, console=bar.disable, total=total)
             if _due(state.step, cfg.save_steps) and cfg.save_ds:
-                ep, bi = (state.epoch + 1, 0) if last_of_epoch else (state.epoch, state.batch_in_epoch)
-                backend.save_checkpoint(cfg.ckpt_path, f"global_step{state.step}",
-                                        {"step": state.step, "epoch": ep, "batch_in_epoch": bi,
-                                         "run_settings": cfg.run_settings}, cfg.max_ckpt_num)
+                warn_if_no_space(lambda: save_resumable(backend, cfg, state, last_of_epoch), state.step)
             if _due(state.step, cfg.save_steps) and cfg.save_hf:
                 snapshot = os.path.join(cfg.ckpt_path, f"global_step{state.step}_hf")
-                backend.save_hf(snapshot, tokenizer)
-                logger.model_card(snapshot, step=state.step, trainer=task_kind(task))
+                if warn_if_no_space(lambda: backend.save_hf(snapshot, tokenizer), state.step):
+                    logger.model_card(snapshot, step=state.step, trainer=task_kind(task))
             stop = on_step_end(state, metrics) if on_step_end is not None else False
             if state.step >= total or stop:
                 done = True
@@ -171,6 +171,30 @@ def train_offline(task: OfflineTask, backend, train_items: Sequence[Any], cfg: L
             state.batch_in_epoch = 0
     bar.close()
     return state
+
+
+def save_resumable(backend, cfg: LoopConfig, state: LoopState, last_of_epoch: bool = False) -> str:
+    """A resumable checkpoint of `state` as `<ckpt_path>/global_step<N>` (all ranks call; one of this
+    step already there is kept); its path."""
+    existing = os.path.join(cfg.ckpt_path, f"global_step{state.step}")
+    if os.path.isdir(existing) and checkpoint_gap(existing) is None:
+        return existing
+    ep, bi = (state.epoch + 1, 0) if last_of_epoch else (state.epoch, state.batch_in_epoch)
+    return backend.save_checkpoint(cfg.ckpt_path, f"global_step{state.step}",
+                                   {"step": state.step, "epoch": ep, "batch_in_epoch": bi,
+                                    "run_settings": cfg.run_settings}, cfg.max_ckpt_num)
+
+
+def warn_if_no_space(save: Callable[[], Any], step: int) -> bool:
+    """Run `save`; when the disk is too full for it, one warning line and False (the run goes on with
+    the checkpoints it has; the save removed its own partial files)."""
+    try:
+        save()
+    except NoSpaceError as e:
+        print(f"warning: step {step}: not saved: {e}; the checkpoints saved before are kept", file=sys.stderr,
+              flush=True)
+        return False
+    return True
 
 
 def has_eval(metrics: dict[str, Any]) -> bool:

@@ -39,12 +39,14 @@ from __future__ import annotations
 import asyncio
 import gc
 import math
+import os
 import sys
 from typing import Any, Sequence
 
 import torch
 
 from rlhfkit.backend import host_gc
+from rlhfkit.backend.checkpoint import checkpoint_gap
 from rlhfkit.algo.advantages import AdvantageConfig, get_advantage_estimator
 from rlhfkit.algo.experience import (RewardShapingConfig, apply_length_penalties, finish_experience,
                                      pad_trajectories)
@@ -53,7 +55,7 @@ from rlhfkit.algo.passk import pass_at_k_from_scores
 from rlhfkit.backend.dist import DistInfo
 from rlhfkit.roles.group import LocalWeightSync
 from rlhfkit.trainers.metrics import PhaseClock, metrics_record, progress_bar
-from rlhfkit.trainers.offline import epoch_order
+from rlhfkit.trainers.offline import epoch_order, warn_if_no_space
 from rlhfkit.trainers.rl_config import FailedStepsError, RLLoopConfig, RLState
 from rlhfkit.trainers.run_settings import check_same_run
 from rlhfkit.trainers.rl_step_info import complete_groups, global_experience_metrics, skip_cause
@@ -378,13 +380,25 @@ class RLTrainer:
             if c.eval_steps > 0 and (s.step % c.eval_steps == 0 or s.step == total):
                 m.update(self.evaluate())
                 if getattr(self.checkpointer, "keep_best", None) is not None:  # --best_metric_key
-                    self.checkpointer.keep_best(c.ckpt_path, s.step, m, self._client_state())
+                    warn_if_no_space(lambda: self.checkpointer.keep_best(c.ckpt_path, s.step, m, self._client_state()),
+                                     s.step)
             if s.step % max(c.logging_steps, 1) == 0 or s.step == total:
                 self._log(s.step, m)
             if c.save_steps > 0 and s.step % c.save_steps == 0 and self.checkpointer is not None:
-                self.checkpointer.save(c.ckpt_path, f"global_step{s.step}", self._client_state(), c.max_ckpt_num)
+                warn_if_no_space(lambda: self.checkpointer.save(c.ckpt_path, f"global_step{s.step}",
+                                                                self._client_state(), c.max_ckpt_num), s.step)
         bar.close()
         return s
+
+    def save_checkpoint(self) -> str:
+        """A resumable checkpoint of the current step under --ckpt_path (all ranks call; one of this step
+        already there is kept); its path."""
+        c = self.cfg
+        existing = os.path.join(c.ckpt_path, "actor", f"global_step{self.state.step}")
+        if os.path.isdir(existing) and checkpoint_gap(existing) is None:
+            return existing
+        return self.checkpointer.save_resumable(c.ckpt_path, f"global_step{self.state.step}", self._client_state(),
+                                                c.max_ckpt_num)
 
     def _client_state(self) -> dict:
         s = self.state
