@@ -1,6 +1,7 @@
 """Shared CLI plumbing: error reporting, seeding, run directory, metrics logger.
 
-`cli_main(fn)` turns the errors a user can cause (bad data, bad flags, missing files or hub models, a
+`cli_main(fn)` ends a run stopped by SIGINT / SIGTERM (rlhfkit.trainers.stop.RunStopped) with its one
+line and exit code 130 / 143, and turns the errors a user can cause (bad data, bad flags, missing files or hub models, a
 missing optional package, a learning rate that makes the weights non-finite, a failing reward_func
 under `--reward_failure stop`, `--max_failed_steps` steps without a trajectory) into one clear line on
 stderr and exit code 1, instead of a traceback; set `RLHFKIT_TRACEBACK=1` to see the traceback anyway.
@@ -51,8 +52,13 @@ def cli_main(prog: str, fn: Callable[[], T]) -> T:
     if not terminal():  # output to a file or pipe: no carriage-return bars of transformers either
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         disable_hf_progress_bars()
+    from rlhfkit.trainers.stop import RunStopped
+
     try:
         return fn()
+    except RunStopped as e:  # SIGINT / SIGTERM: the checkpoint and the resume command, exit 130 / 143
+        print(f"{prog}: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(e.exit_code) from None
     except Exception as e:
         if not isinstance(e, (DataError, UsageError, FileNotFoundError, ValueError, NonFiniteError,
                               MissingPackageError) + _run_failures()):

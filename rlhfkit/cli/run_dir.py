@@ -1,6 +1,8 @@
-"""One run per folder: every trainer's `run()` (SFT family and RL alike) is wrapped by `claims_run_dir`.
+"""One run per folder: every trainer's `run()` (SFT family and RL alike) is wrapped by `training_run`,
+which holds the run's claim on its folders (`RunDirectory`) and its stop handling (SIGINT / SIGTERM:
+rlhfkit.trainers.stop) while it runs.
 
-    @claims_run_dir
+    @training_run
     def run(args, ...): ...
 
 On entry, all ranks: --ckpt_path, when not given, becomes `<run dir>/checkpoints` (the run
@@ -35,12 +37,14 @@ import json
 import os
 import shutil
 import socket
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
 from rlhfkit.cli.common import UsageError
 from rlhfkit.config.flags import run_dir_of
+from rlhfkit.trainers import stop
 from rlhfkit.trainers.run_settings import allowed_changes, check_same_run, run_settings
 
 LOCK = ".rlhfkit-run.lock"
@@ -322,12 +326,32 @@ class RunDirectory:
         self.release()
 
 
-def claims_run_dir(run: F) -> F:
-    """Wrap a trainer's `run(args, ...)` in its `RunDirectory` claim."""
+def resume_command() -> str:
+    """This run's command line with --load_checkpoint (and without --overwrite_output_dir)."""
+    from rlhfkit.trainers.model_card import this_command
+
+    argv = [a for a in sys.argv[1:] if a not in ("--overwrite_output_dir", "--ckpt.overwrite_output_dir")]
+    if not any(a in ("--load_checkpoint", "--ckpt.load_enable") for a in argv):
+        argv.append("--load_checkpoint")
+    return this_command(argv)
+
+
+def training_run(run: F) -> F:
+    """Wrap a trainer's `run(args, ...)`: its `RunDirectory` claim and its stop handling (a stopped run
+    raises RunStopped whose line ends with the command that resumes it)."""
 
     @functools.wraps(run)
     def wrapped(args: argparse.Namespace, *rest: Any, **kw: Any) -> Any:
-        with RunDirectory(args):
-            return run(args, *rest, **kw)
+        with RunDirectory(args), stop.active(grace_s=getattr(args, "stop_grace_s", 10.0),
+                                             can_abandon=os.environ.get("WORLD_SIZE", "1") == "1") as signals:
+            try:
+                out = run(args, *rest, **kw)
+            except stop.RunStopped as e:
+                if e.saved:
+                    raise stop.RunStopped(e.signum, f"{e}; resume with: {resume_command()}", e.saved) from None
+                raise
+            if signals.signum and _rank0():
+                print(f"note: {signals.name} came after the last step; the run finished", flush=True)
+            return out
 
     return wrapped  # type: ignore[return-value]

@@ -26,7 +26,7 @@ from rlhfkit.cli.offline_common import (
     setup,
     train_policy,
 )
-from rlhfkit.cli.run_dir import claims_run_dir
+from rlhfkit.cli.run_dir import training_run
 from rlhfkit.config.configs import from_args
 from rlhfkit.config.flags import FlagParser
 from rlhfkit.data.preference import PreferenceDataConfig, PreferenceDataset
@@ -51,7 +51,7 @@ def build_parser() -> FlagParser:
     return p
 
 
-@claims_run_dir
+@training_run
 def run(args) -> OfflineRun:
     check_dpo_settings(args.beta, args.label_smoothing, args.ipo, args.nll_loss_coef)
     dist, tokenizer = setup(args)

@@ -23,7 +23,7 @@ from rlhfkit.cli.offline_common import (
     setup,
     train_policy,
 )
-from rlhfkit.cli.run_dir import claims_run_dir
+from rlhfkit.cli.run_dir import training_run
 from rlhfkit.config.configs import from_args
 from rlhfkit.config.flags import FlagParser
 from rlhfkit.data.sft import SFTDataConfig, SFTDataset
@@ -47,7 +47,7 @@ def build_parser() -> FlagParser:
     return p
 
 
-@claims_run_dir
+@training_run
 def run(args) -> OfflineRun:
     require(args, "teacher_model")
     if not 0.0 <= args.kd_coef <= 1.0:

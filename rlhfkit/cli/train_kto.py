@@ -24,7 +24,7 @@ from rlhfkit.cli.offline_common import (
     setup,
     train_policy,
 )
-from rlhfkit.cli.run_dir import claims_run_dir
+from rlhfkit.cli.run_dir import training_run
 from rlhfkit.config.configs import from_args
 from rlhfkit.config.flags import FlagParser
 from rlhfkit.data.preference import UnpairedDataConfig, UnpairedDataset
@@ -59,7 +59,7 @@ def check_settings(args) -> None:
         raise UsageError("--desirable_loss_weight and --undesirable_loss_weight must be >= 0")
 
 
-@claims_run_dir
+@training_run
 def run(args) -> OfflineRun:
     check_settings(args)
     dist, tokenizer = setup(args)

@@ -50,7 +50,7 @@ from rlhfkit.cli import rl_root as R
 from rlhfkit.cli.common import UsageError, cli_main, set_seed
 from rlhfkit.cli.memory_check import check_memory
 from rlhfkit.cli.train_ppo import build_parser as ppo_parser
-from rlhfkit.cli.run_dir import claims_run_dir
+from rlhfkit.cli.run_dir import training_run
 from rlhfkit.optional import require
 from rlhfkit.config.flag_parser import RL_PLACEMENT, shell_text
 from rlhfkit.trainers.async_rl import AsyncRLTrainer
@@ -280,10 +280,12 @@ def save_final(args, launched, tokenizer, fallback=None) -> None:
     R.save_final(args, ray_placement(launched), tokenizer, fallback=fallback)
 
 
-@claims_run_dir
+@training_run
 def run(args, parser, hard_exit: bool = False) -> None:
     from rlhfkit.distributed.launch import connect
+    from rlhfkit.trainers.stop import current as stop_signals
 
+    stop_signals().can_abandon = False  # a step of Ray actors always finishes before the stop checkpoint
     shapes = role_shapes(args)
     S.resolve_flags(args, shapes["policy"].slots)
     check_ray_flags(args, shapes)

@@ -22,7 +22,7 @@ from rlhfkit.cli.offline_common import (
     setup,
     train_policy,
 )
-from rlhfkit.cli.run_dir import claims_run_dir
+from rlhfkit.cli.run_dir import training_run
 from rlhfkit.config.configs import from_args
 from rlhfkit.config.flags import FlagParser
 from rlhfkit.data.prm import PRMDataConfig, PRMDataset
@@ -45,7 +45,7 @@ def build_parser() -> FlagParser:
     return p
 
 
-@claims_run_dir
+@training_run
 def run(args) -> OfflineRun:
     if not args.placeholder_token:
         raise UsageError("--placeholder_token is required (the token that ends each step)")

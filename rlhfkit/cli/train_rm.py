@@ -31,7 +31,7 @@ from rlhfkit.backend.dist import DistInfo
 from rlhfkit.cli.common import UsageError, cli_main, make_logger
 from rlhfkit.cli.offline_common import (OFFLINE_PLOT_KEYS, OfflineRun, add_offline_flags, add_pair_key_flags,
                                         load_split_items, save_model, setup, train_task, trainable_backend)
-from rlhfkit.cli.run_dir import claims_run_dir
+from rlhfkit.cli.run_dir import training_run
 from rlhfkit.config.configs import ModelConfig, from_args
 from rlhfkit.config.flags import FlagParser
 from rlhfkit.data.preference import PreferenceDataConfig, PreferenceDataset
@@ -85,7 +85,7 @@ def save_reward_model(args, backend, tokenizer, mean: float, std: float, dist: D
     save_model(args, backend, tokenizer, dist, logger, trainer="rm", state=state)
 
 
-@claims_run_dir
+@training_run
 def run(args) -> OfflineRun:
     if args.micro_train_batch_size < 1:
         raise UsageError("--micro_train_batch_size must be >= 1")

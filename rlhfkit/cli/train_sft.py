@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from rlhfkit.cli import offline_common as C
 from rlhfkit.cli.common import cli_main
-from rlhfkit.cli.run_dir import claims_run_dir
+from rlhfkit.cli.run_dir import training_run
 from rlhfkit.config.configs import from_args
 from rlhfkit.config.flags import FlagParser
 from rlhfkit.data.sft import SFTDataConfig, SFTDataset
@@ -30,7 +30,7 @@ def build_parser() -> FlagParser:
     return p
 
 
-@claims_run_dir
+@training_run
 def run(args, on_step_end=None) -> C.OfflineRun:
     """Train; `on_step_end(state, metrics, backend)` runs after each step (True stops early)."""
     dist, tokenizer = C.setup(args)

@@ -266,6 +266,9 @@ def add_ckpt_flags(p: FlagParser) -> None:
                help="largest safetensors file of a Hugging Face export, e.g. 5GB, 500MB or bytes")
         p.flag("--disable_ds_ckpt", "--ckpt.disable_ds", action="store_true",
                help="--save_steps writes no resumable checkpoint (only --save_hf_ckpt snapshots)")
+        p.flag("--stop_grace_s", type=float, default=10.0,
+               help="on SIGINT / SIGTERM the current step may finish within this many seconds (else it is "
+                    "abandoned); then a resumable checkpoint is written, the resume command printed, exit 130 / 143")
 
 
 def add_logging_flags(p: FlagParser, *, wandb_project: str = "rlhfkit", eval_default: str = "once per epoch") -> None:

@@ -105,13 +105,13 @@ def final_metrics(rows: list[dict[str, Any]], step: int | None = None) -> dict[s
     return out
 
 
-def this_command(extra: tuple[str, ...] = ()) -> str:
+def this_command(args: list[str] | None = None) -> str:
     """This process's command line (secrets replaced: rlhfkit.redact), as `python -m rlhfkit.cli.<name>
-    ...` when it ran an rlhfkit CLI; `extra` words are appended."""
+    ...` when it ran an rlhfkit CLI; `args` in place of its arguments when given."""
     argv = list(sys.argv) or ["python"]
     script = os.path.abspath(argv[0]) if argv[0] else ""
     cli = os.path.join("rlhfkit", "cli") + os.sep
-    rest = redact_argv(argv[1:]) + list(extra)
+    rest = redact_argv(list(argv[1:] if args is None else args))
     if cli in script and script.endswith(".py"):
         mod = "rlhfkit.cli." + os.path.basename(script)[:-3]
         return shlex.join(["python", "-m", mod, *rest])

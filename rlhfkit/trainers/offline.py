@@ -41,6 +41,8 @@ from rlhfkit.models.moe import RouterAuxLoss
 from rlhfkit.trainers.metrics import EVAL, MetricsLogger, NullLogger, metrics_record, progress_bar
 from rlhfkit.trainers.model_card import task_kind
 from rlhfkit.trainers.run_settings import check_same_run
+from rlhfkit.trainers.stop import StepAbandoned
+from rlhfkit.trainers.stop import current as stop_signals
 
 
 class OfflineTask(Protocol):
@@ -135,6 +137,8 @@ def train_offline(task: OfflineTask, backend, train_items: Sequence[Any], cfg: L
     total = spe * cfg.max_epochs if cfg.max_steps is None else min(cfg.max_steps, spe * cfg.max_epochs)
     bar = progress_bar(total, state.step, "train", cfg.show_progress and dist.rank == 0)
     done = state.step >= total
+    signals = stop_signals()  # SIGINT / SIGTERM: a checkpoint after this step, then RunStopped (trainers/stop.py)
+    signals.start_training()
     while not done and state.epoch < cfg.max_epochs:
         order = epoch_order(n, state.epoch, cfg.seed)
         for b in range(state.batch_in_epoch, spe):
@@ -143,7 +147,11 @@ def train_offline(task: OfflineTask, backend, train_items: Sequence[Any], cfg: L
                      for j in range(0, len(idx), cfg.micro_train_batch_size)]
             assert len(micro) == accum
             t0 = time.time()
-            metrics = _train_step(task, backend, micro, dist, cfg.aux_loss_coef)
+            try:
+                with signals.step():
+                    metrics = _train_step(task, backend, micro, dist, cfg.aux_loss_coef)
+            except StepAbandoned:
+                raise signals.stop(state.step, lambda: save_resumable(backend, cfg, state), abandoned=True) from None
             state.step += 1
             state.batch_in_epoch = b + 1
             metrics["step_time"] = time.time() - t0
@@ -166,9 +174,13 @@ def train_offline(task: OfflineTask, backend, train_items: Sequence[Any], cfg: L
             if state.step >= total or stop:
                 done = True
                 break
+            if signals.requested(dist.agree if dist.world_size > 1 else None):
+                raise signals.stop(state.step, lambda: save_resumable(backend, cfg, state, last_of_epoch),
+                                   abandoned=False)
         if not done:
             state.epoch += 1
             state.batch_in_epoch = 0
+    signals.end_training()
     bar.close()
     return state
 
@@ -240,6 +252,7 @@ def _train_step(task: OfflineTask, backend, micro: list[Any], dist: DistInfo,
             sums[k] = sums.get(k, 0.0) + v
     # read after the optimizer step's own sync, so the GPU is not drained one more time per step
     pending = HostValues(sums)
+    stop_signals().commit()  # from here the step changes the weights: it is never abandoned
     stepped = backend.optimizer_step()
     # task metrics are already normalised by the global count: sum them over micro-batches and ranks
     host = pending.result()

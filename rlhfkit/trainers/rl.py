@@ -58,6 +58,8 @@ from rlhfkit.trainers.metrics import PhaseClock, metrics_record, progress_bar
 from rlhfkit.trainers.offline import epoch_order, warn_if_no_space
 from rlhfkit.trainers.rl_config import FailedStepsError, RLLoopConfig, RLState
 from rlhfkit.trainers.run_settings import check_same_run
+from rlhfkit.trainers.stop import StepAbandoned
+from rlhfkit.trainers.stop import current as stop_signals
 from rlhfkit.trainers.rl_step_info import complete_groups, global_experience_metrics, skip_cause
 from rlhfkit.types import PromptSample, Trajectory
 
@@ -264,6 +266,7 @@ class RLTrainer:
                                          kl_in_reward=not self.cfg.use_kl_loss, reduce=self.dist.all_reduce_dp)
         exp_m = global_experience_metrics(exp_m, batch, self.dist)
         train_m: dict[str, float] = {}
+        stop_signals().commit()  # from here the step changes the weights: it is never abandoned
         with t("train"):
             if self.critic is not None:
                 train_m.update(self.critic.call("train_on", batch))
@@ -370,8 +373,16 @@ class RLTrainer:
         self._plain, self._total = bar.disable, total
         if s.step == 0 and c.eval_steps > 0:
             self._log(0, self.evaluate())
+        signals = stop_signals()  # SIGINT / SIGTERM: a checkpoint after this step, then RunStopped (trainers/stop.py)
+        signals.start_training()
         while s.step < total:
-            m = self.train_step()
+            cursor = s.cursor
+            try:
+                with signals.step():
+                    m = self.train_step()
+            except StepAbandoned:
+                s.cursor = cursor  # the abandoned step's prompts are drawn again on resume
+                raise signals.stop(s.step, self.save_checkpoint, abandoned=True) from None
             s.step += 1
             self._count_failed_step(m)
             bar.update(1)
@@ -387,6 +398,9 @@ class RLTrainer:
             if c.save_steps > 0 and s.step % c.save_steps == 0 and self.checkpointer is not None:
                 warn_if_no_space(lambda: self.checkpointer.save(c.ckpt_path, f"global_step{s.step}",
                                                                 self._client_state(), c.max_ckpt_num), s.step)
+            if s.step < total and signals.requested(self.dist.agree if self.dist.world_size > 1 else None):
+                raise signals.stop(s.step, self.save_checkpoint, abandoned=False)
+        signals.end_training()
         bar.close()
         return s
 
