@@ -41,10 +41,11 @@ class UsageError(ValueError):
 def _run_failures() -> tuple[type[BaseException], ...]:
     """Errors that end a run for a reason the user must act on (imported late: agents, trainers)."""
     from rlhfkit.agents.base import RewardFailure
+    from rlhfkit.agents.user_file import UserFileError
     from rlhfkit.fileio import NoSpaceError
     from rlhfkit.trainers.rl import FailedStepsError
 
-    return RewardFailure, FailedStepsError, NoSpaceError
+    return RewardFailure, FailedStepsError, NoSpaceError, UserFileError
 
 
 def cli_main(prog: str, fn: Callable[[], T]) -> T:
