@@ -136,7 +136,7 @@ def test_reward_output_validation():
     assert (out.rewards, out.scores, out.extra_logs) == ([0.5], [1.0], {"ok": [1.0]})
     for bad, msg in [({"scores": [1]}, "no 'rewards'"), ({"rewards": [1]}, "1 values for 2 samples"),
                      ({"rewards": [1, float("nan")]}, "not finite"), ({"rewards": [1, "a"]}, "must be a number"),
-                     ({"rewards": [True, False]}, "must be a number"), ({"rewards": 1.0}, "must be a list of 2"),
+                     ({"rewards": [True, False]}, "must be a number"), ({"rewards": 1.0}, r"one number \(1.0\) for 2 samples"),
                      ({"rewards": [1, 2], "extra_logs": {"x": "a"}}, "'extra_logs.x' must be a number")]:
         with pytest.raises(ValueError, match=msg):
             RewardOutput.from_mapping(bad, 2, "f.py")
