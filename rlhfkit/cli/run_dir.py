@@ -12,7 +12,8 @@ On entry, rank 0 (the driver under Ray), for each output folder (the run directo
 --ckpt_path; one inside another is covered by it):
 
  1. writable: the folder is created and a file written and removed in it; an unwritable one is
-    refused in one line naming its flag, before anything is loaded.
+    refused in one line naming its flag, before anything is loaded (a folder made here that the
+    run leaves empty, e.g. when it fails on its flags, is removed again).
  2. locked: `<folder>/.rlhfkit-run.lock` is created exclusively and holds this run's pid, host,
     start time and command (secrets redacted). A folder locked by a live process is refused in
     one line naming that run; a lock left by a process that died (same host, pid gone or reused)
@@ -80,9 +81,11 @@ def output_folders(args: argparse.Namespace) -> list[tuple[str, str]]:
     return found
 
 
-def check_writable(flag: str, path: str) -> None:
-    """Create `path` and write a file in it; refuse it in one line naming `flag` if that fails."""
+def check_writable(flag: str, path: str) -> bool:
+    """Create `path` and write a file in it; refuse it in one line naming `flag` if that fails.
+    Returns whether `path` was created here."""
     probe = os.path.join(path, f".rlhfkit-write-test-{os.getpid()}.tmp")
+    created = not os.path.isdir(path)
     try:
         os.makedirs(path, exist_ok=True)
         with open(probe, "w") as f:
@@ -90,6 +93,7 @@ def check_writable(flag: str, path: str) -> None:
         os.remove(probe)
     except OSError as e:
         raise UsageError(f"{flag} {path} is not writable: {e.strerror or e}") from None
+    return created
 
 
 # ----------------------------------------------------------------------------- the lock
@@ -297,6 +301,7 @@ class RunDirectory:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.locks: list[RunLock] = []
+        self.created: list[str] = []  # folders made here: removed again if the run leaves them empty
 
     def __enter__(self) -> "RunDirectory":
         resolve_ckpt_path(self.args)
@@ -305,9 +310,10 @@ class RunDirectory:
         from rlhfkit.trainers.model_card import this_command
 
         folders = output_folders(self.args)
-        for flag, path in folders:
-            check_writable(flag, path)
         try:
+            for flag, path in folders:
+                if check_writable(flag, path):
+                    self.created.append(path)
             for flag, path in folders:
                 lock = RunLock(flag, path)
                 lock.acquire(this_command())
@@ -321,6 +327,11 @@ class RunDirectory:
     def release(self) -> None:
         while self.locks:
             self.locks.pop().release()
+        while self.created:  # a run that failed before writing anything leaves no empty folder behind
+            try:
+                os.rmdir(self.created.pop())
+            except OSError:
+                pass
 
     def __exit__(self, *exc: Any) -> None:
         self.release()

@@ -20,7 +20,6 @@ others), nor under Ray (`can_abandon`).
 
 from __future__ import annotations
 
-import _thread
 import signal
 import threading
 from contextlib import contextmanager
@@ -86,7 +85,9 @@ class StopSignals:
         if self.signum is None:  # training: finish the step, then stop
             self.signum = signum
             if self.can_abandon and self.grace_s >= 0:
-                self._timer = threading.Timer(self.grace_s, _thread.interrupt_main, args=(signum,))
+                # a real signal to the main thread: it also wakes a blocking call (a sleep, a wait on a lock)
+                main = threading.main_thread().ident
+                self._timer = threading.Timer(self.grace_s, signal.pthread_kill, args=(main, signum))
                 self._timer.daemon = True
                 self._timer.start()
             return
