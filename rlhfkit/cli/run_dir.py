@@ -20,6 +20,11 @@ On entry, rank 0 (the driver under Ray), for each output folder (the run directo
     is taken over with a note. The locks go when `run()` returns or raises.
  3. not another run's: an earlier run is there when the run directory has logged steps
     (metrics.jsonl), --save_path holds a saved model, or --ckpt_path holds checkpoints.
+      --pretrain is --save_path a new run trains from the model there and replaces it, as OpenRLHF's
+                                iterative scripts do: the earlier run's metrics.jsonl, metrics.png,
+                                run_config.json and checkpoints inside the folder are moved to
+                                `<run dir>/earlier_runs/<its start time>/` (with a note), so they
+                                never mix with this run's
       --load_checkpoint         resumes it (a finished run too, e.g. with a larger --max_steps);
                                 its run_config.json must record the same model, data, batch and
                                 learning-rate settings (rlhfkit.trainers.run_settings), else the
@@ -260,6 +265,34 @@ def _start_over(args: argparse.Namespace) -> None:
         print(f"note: --overwrite_output_dir: removed the earlier run's {', '.join(removed)} in {run_dir}", flush=True)
 
 
+def _same_folder(a: str, b: str) -> bool:
+    return os.path.isdir(a) and os.path.isdir(b) and os.path.samefile(a, b)
+
+
+def _set_aside(args: argparse.Namespace) -> None:
+    """--pretrain is --save_path: move the earlier run's records (and the checkpoints inside the run
+    directory) to `<run dir>/earlier_runs/<its start time>/`."""
+    run_dir = run_dir_of(args)
+    if _has_checkpoints(args.ckpt_path) and not _inside(args.ckpt_path, run_dir):
+        raise UsageError(f"--ckpt_path {args.ckpt_path} holds checkpoints of an earlier run: resume it with "
+                         "--load_checkpoint or choose another --ckpt_path")
+    moving = [os.path.join(run_dir, n) for n in RECORDS if os.path.isfile(os.path.join(run_dir, n))]
+    if _has_checkpoints(args.ckpt_path):
+        moving.append(args.ckpt_path)
+    if not moving:
+        return
+    first = os.path.join(run_dir, "run_config.json")
+    started = os.path.getmtime(first) if os.path.isfile(first) else time.time()
+    dest = os.path.join(run_dir, "earlier_runs", time.strftime("%Y%m%d-%H%M%S", time.localtime(started)))
+    while os.path.exists(dest):
+        dest += "+"
+    os.makedirs(dest)
+    for path in moving:
+        os.replace(path, os.path.join(dest, os.path.basename(path)))
+    print(f"note: --save_path {args.save_path} is --pretrain: this run trains from the model there and replaces "
+          f"it; the earlier run's {', '.join(os.path.basename(p) for p in moving)} moved to {dest}", flush=True)
+
+
 def check_earlier_run(args: argparse.Namespace) -> None:
     """Refuse, resume or start over an earlier run in the output folders (module docstring, step 3)."""
     overwrite, resume = getattr(args, "overwrite_output_dir", False), getattr(args, "load_checkpoint", False)
@@ -270,6 +303,9 @@ def check_earlier_run(args: argparse.Namespace) -> None:
         return
     if overwrite:
         _start_over(args)
+        return
+    if not resume and getattr(args, "pretrain", None) and _same_folder(args.pretrain, args.save_path):
+        _set_aside(args)
         return
     run_flag = "--run_dir" if getattr(args, "run_dir", None) else "--save_path"
     if not resume:

@@ -169,3 +169,22 @@ def test_unwritable_outputs_are_refused_at_start(tmp_path, flag):
     with pytest.raises(UsageError, match=rf"^{flag} {bad} is not writable: "):
         with RunDirectory(a):
             pass
+
+
+def test_training_in_place_from_the_folder_sets_the_earlier_run_aside(tmp_path, capsys):
+    """OpenRLHF's iterative scripts train each round from --save_path into --save_path."""
+    run = tmp_path / "policy"
+    run.mkdir()
+    (run / "config.json").write_text("{}")
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run / "run_config.json").write_text("{}")
+    os.makedirs(run / "checkpoints" / "global_step1")
+    (run / "checkpoints" / "latest").write_text("global_step1")
+    a = build_parser().parse(["--pretrain", str(run), "--dataset", "d.jsonl", "--save_path", str(run)])
+    with RunDirectory(a):
+        pass
+    (kept,) = os.listdir(run / "earlier_runs")
+    assert sorted(os.listdir(run / "earlier_runs" / kept)) == ["checkpoints", "metrics.jsonl", "run_config.json"]
+    assert not (run / "metrics.jsonl").exists() and (run / "config.json").exists()  # the model it trains from stays
+    assert f"the earlier run's metrics.jsonl, run_config.json, checkpoints moved to {run}/earlier_runs/" in \
+        capsys.readouterr().out
