@@ -448,9 +448,9 @@ def save_checkpoint(backend, ckpt_root: str, tag: str, client_state: dict | None
     has_optim = backend.optimizer_has_state
     state = backend.sharded_state_dict(with_optimizer=has_optim)
     need = expected_bytes(ckpt_root, state)
-    short = D.broadcast_object(free_bytes(ckpt_root) if D.is_rank0() else 0)
-    if short < need:
-        raise NoSpaceError(ckpt_root, need, short)
+    free = D.broadcast_object(free_bytes(ckpt_root) if D.is_rank0() else 0)  # every rank stops together
+    if free < need:
+        raise NoSpaceError(ckpt_root, need, free)
     tmp = os.path.join(ckpt_root, tag + TMP_SUFFIX)
     try:
         return _write_checkpoint(backend, ckpt_root, tag, state, has_optim, client_json, max_keep)
