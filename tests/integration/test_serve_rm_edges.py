@@ -7,7 +7,7 @@ import json
 import socket
 
 import pytest
-from helpers import free_port, post_json
+from helpers import post_json
 from test_serve_rm_abuse import Server, _read_until_closed, rm_dir  # noqa: F401 - rm_dir: a fixture
 
 
