@@ -8,6 +8,12 @@
                                       adapter_config.json of `path`; move the other files in;
                                       move config.json / adapter_config.json in last
 
+Free space (`check_space`, `NoSpaceError`): a save checks the free space where it writes against the
+bytes it expects to write before writing anything, and a write that still runs out of space
+(`is_no_space`) is reported the same way, naming the path:
+
+    no space left on ./ckpt/checkpoints: need 2.61 GB, have 0.734 GB
+
 A Hugging Face directory is usually also the run directory (metrics.jsonl, run_config.json,
 plots), so it cannot be swapped whole by one rename. Instead config.json (adapter_config.json for
 a peft adapter), without which `from_pretrained` refuses the directory, is taken out first and put
@@ -18,12 +24,14 @@ export.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
 from typing import Callable
 
 TMP_SUFFIX = ".tmp"
+GB = 2**30
 STAGING = ".rlhfkit-staging" + TMP_SUFFIX
 MARKERS = ("config.json", "adapter_config.json")
 _WEIGHT_FILE = re.compile(r"(model|pytorch_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?"
@@ -101,3 +109,43 @@ def publish_staged(stage: str, path: str, clear: Callable[[str], None] | None = 
         os.replace(os.path.join(stage, name), dst)
     fsync_dir(path)
     os.rmdir(stage)
+
+
+class NoSpaceError(OSError):
+    """Too little free space for a save; names the path, the bytes needed and those free."""
+
+    def __init__(self, path: str, need: int, have: int, note: str = "") -> None:
+        text = f"no space left on {path}: need {need / GB:.3g} GB, have {have / GB:.3g} GB"
+        super().__init__(errno.ENOSPC, text + (f"; {note}" if note else ""))
+        self.path, self.need, self.have = path, need, have
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def free_bytes(path: str) -> int:
+    """Free bytes on the filesystem of `path` (its nearest existing ancestor)."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return shutil.disk_usage(path).free
+
+
+def check_space(path: str, need: int) -> None:
+    """Raise NoSpaceError when the filesystem of `path` has fewer than `need` bytes free."""
+    have = free_bytes(path)
+    if have < need:
+        raise NoSpaceError(path, need, have)
+
+
+def is_no_space(exc: BaseException) -> bool:
+    """Whether `exc` (or an exception it was raised from) is a write that ran out of disk space."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(exc) or "Disk quota exceeded" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return False

@@ -4,10 +4,15 @@
            ->  {"rewards": [...], "scores": [...], "extra_logs": {...}}
 
 `RemoteRewardClient(urls)` sends each call to the next URL (round robin); a failed attempt (connection
-error, timeout, HTTP 5xx / 408 / 429) is retried on the next URL after an exponential backoff
-(backoff_s * 2**attempt, capped at max_backoff_s), up to `max_retries` retries. Other 4xx answers are
-the request's fault and fail at once. Once retries are spent the error names every URL tried and the
-last failure. Answers are validated by `RewardOutput.from_mapping` (lengths, numbers).
+error, timeout, HTTP 5xx / 408 / 429: the server's fault, whatever the samples) is retried, the whole
+batch at once, on the next URL after an exponential backoff (backoff_s * 2**attempt, capped at
+max_backoff_s), up to `max_retries` retries and within `deadline_s` in all (default twice
+`timeout_s`; each attempt gets at most what is left). Once they are spent the call raises
+`RewardServerDown`, naming every URL tried and the last failure: the callers of the batch all fail
+with it, none is retried on its own (rlhfkit.agents.reward_func.BatchingRewardSource). Other 4xx
+answers are the request's fault (a sample the server refuses) and raise `RewardServerError` at
+once, which the batching source retries sample by sample. Answers are validated by
+`RewardOutput.from_mapping` (lengths, numbers).
 
 OpenRLHF's client makes 5 attempts one second apart and, on failure, leaves the sample without a
 reward; here failures raise `RewardServerError`, and the caller's failure policy decides.
@@ -29,6 +34,10 @@ class RewardServerError(RuntimeError):
     """A reward server could not give rewards (after retries, or a request it rejects)."""
 
 
+class RewardServerDown(RewardServerError):
+    """The reward server failed the whole batch (unreachable, timing out, 5xx) through every retry."""
+
+
 class _Retryable(Exception):
     pass
 
@@ -41,7 +50,7 @@ class RemoteRewardClient:
     """Round-robin, retrying client for one or more reward server URLs (each the full endpoint URL)."""
 
     def __init__(self, urls: Sequence[str] | str, timeout_s: float = 180.0, max_retries: int = 5,
-                 backoff_s: float = 1.0, max_backoff_s: float = 30.0) -> None:
+                 backoff_s: float = 1.0, max_backoff_s: float = 30.0, deadline_s: float | None = None) -> None:
         urls = [u.strip() for u in urls.split(",")] if isinstance(urls, str) else [u.strip() for u in urls]
         urls = [u for u in urls if u]
         if not urls:
@@ -55,6 +64,7 @@ class RemoteRewardClient:
         self.urls = urls
         self.timeout_s, self.max_retries = float(timeout_s), int(max_retries)
         self.backoff_s, self.max_backoff_s = float(backoff_s), float(max_backoff_s)
+        self.deadline_s = 2.0 * self.timeout_s if deadline_s is None else float(deadline_s)
         self._next = 0
         self._session: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -89,33 +99,39 @@ class RemoteRewardClient:
         start = self._next
         self._next = (self._next + 1) % len(self.urls)
         errors: list[tuple[str, str]] = []  # (url, failure)
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self.deadline_s
         for attempt in range(self.max_retries + 1):
             url = self.urls[(start + attempt) % len(self.urls)]
             try:
-                data = await self._post(url, payload)
+                data = await self._post(url, payload, min(self.timeout_s, max(end - loop.time(), 1e-3)))
                 return RewardOutput.from_mapping(data, n, f"reward server {url}")
             except _Retryable as e:
                 errors.append((url, str(e)))
-            if attempt < self.max_retries:
-                await asyncio.sleep(min(self.backoff_s * 2 ** attempt, self.max_backoff_s))
+            wait = min(self.backoff_s * 2 ** attempt, self.max_backoff_s)
+            if attempt == self.max_retries or loop.time() + wait >= end:
+                break
+            await asyncio.sleep(wait)
         tried = ", ".join(dict.fromkeys(u for u, _ in errors))
-        raise RewardServerError(f"reward server {tried} failed {len(errors)} times "
-                                f"(max_retries={self.max_retries}); last error from {errors[-1][0]}: {errors[-1][1]}")
+        raise RewardServerDown(f"reward server {tried} failed {len(errors)} times in a row for a batch of {n} "
+                               f"(retries up to {self.max_retries} within {self.deadline_s:g} s); last error from "
+                               f"{errors[-1][0]}: {errors[-1][1]}")
 
     async def __call__(self, queries: Sequence[str], prompts: Sequence[str] | None = None,
                        labels: Sequence[Any] | None = None, **kwargs: Any) -> dict[str, Any]:
         """reward_func-style call: the same as `get_rewards` but returns the protocol's dict."""
         return (await self.get_rewards(queries, prompts, labels)).to_dict()
 
-    async def _post(self, url: str, payload: dict[str, Any]) -> Any:
+    async def _post(self, url: str, payload: dict[str, Any], timeout_s: float) -> Any:
         """One attempt; raises _Retryable for transient failures, RewardServerError for final ones."""
         aiohttp = _aiohttp()
         try:
-            async with self._get_session().post(url, json=payload) as resp:
+            async with self._get_session().post(url, json=payload,
+                                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
                 body = await resp.read()
                 status = resp.status
         except asyncio.TimeoutError:
-            raise _Retryable(f"no answer within {self.timeout_s:g} s") from None
+            raise _Retryable(f"no answer within {timeout_s:g} s") from None
         except aiohttp.ClientError as e:
             raise _Retryable(f"{type(e).__name__}: {e}") from None
         text = body.decode("utf-8", errors="replace")

@@ -18,10 +18,15 @@ an ``async def`` that blocks (``time.sleep``) is ended too; a thread that runs p
 cannot be stopped: it is abandoned (the sample fails).
 
 Failures (exception, ``SystemExit``, time limit, bad return value) raise ``EpisodeError`` naming
-the file; the executor applies ``--reward_failure``. ``BatchingRewardSource`` merges concurrent
-per-sample calls into one batch call; when that call fails it is retried one caller (one sample,
-for the executors) at a time, so only the failing samples fail, and the error a caller gets is its
-own sample's.
+the file; the executor applies ``--reward_failure``. The return value is checked on every call: one
+finite reward per sample (a single number for the batch is refused, whatever the batch size).
+``BatchingRewardSource`` merges concurrent per-sample calls into one batch call; when that call
+fails for one sample's sake (an exception, a sample's NaN, a request the server rejects) it is
+retried one caller (one sample, for the executors) at a time, so only the failing samples fail,
+and the error a caller gets is its own sample's. A failure of the whole call is not retried sample
+by sample: an answer of the wrong shape (``RewardReturnError``) or a reward server that is down
+after its own batch retries (``remote_reward.RewardServerDown``) fails every caller of the batch at
+once.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import logging
 import os
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
-from rlhfkit.agents.reward_types import RewardOutput
+from rlhfkit.agents.reward_types import RewardOutput, RewardShapeError
 from rlhfkit.agents.user_code import EpisodeError, run_user_code
 from rlhfkit.agents.user_file import import_user_file
 
@@ -54,33 +59,40 @@ class RewardSource(Protocol):
 _KNOWN_KEYS = {"rewards", "scores", "extra_logs"}
 
 
+class RewardReturnError(EpisodeError):
+    """A reward answer of the wrong shape for the whole batch (one number, a wrong length, no 'rewards')."""
+
+
+def _check(obj: Any, n: int, source: str) -> RewardOutput:
+    try:
+        return RewardOutput.from_mapping(obj, n, source)
+    except RewardShapeError as e:
+        raise RewardReturnError(str(e)) from None
+    except ValueError as e:
+        raise EpisodeError(str(e)) from e
+
+
 def parse_reward_return(raw: Any, n: int, source: str) -> RewardOutput:
     """Check what ``reward_func`` returned for a batch of ``n`` and build a RewardOutput."""
     if isinstance(raw, RewardOutput):
         return check_reward_output(raw, n, source)
     if not isinstance(raw, dict):
         if raw is None or isinstance(raw, (str, bytes)):
-            raise EpisodeError(f"{source}: reward_func must return a dict with 'rewards' or the rewards "
-                               f"themselves (tensor / list), got {type(raw).__name__}")
+            raise RewardReturnError(f"{source}: reward_func must return a dict with 'rewards' or the rewards "
+                                    f"themselves (tensor / list), got {type(raw).__name__}")
         raw = {"rewards": raw}
     unknown = set(raw) - _KNOWN_KEYS
     if unknown:  # OpenRLHF ignores other keys; say so, since a typo ('score') loses data
         logger.warning("%s: reward_func's dict has keys that are ignored: %s (known: rewards, scores, "
                        "extra_logs)", source, sorted(map(str, unknown)))
-    try:
-        return RewardOutput.from_mapping(raw, n, source)
-    except ValueError as e:
-        raise EpisodeError(str(e)) from e
+    return _check(raw, n, source)
 
 
 def check_reward_output(out: Any, n: int, source: str) -> RewardOutput:
     """Validate any source's answer for a batch of ``n`` (lengths, finite numbers, extra_logs)."""
     if not isinstance(out, RewardOutput):
-        raise EpisodeError(f"{source}: reward source returned {type(out).__name__}, expected RewardOutput")
-    try:
-        return RewardOutput.from_mapping(out.to_dict(), n, source)
-    except ValueError as e:
-        raise EpisodeError(str(e)) from e
+        raise RewardReturnError(f"{source}: reward source returned {type(out).__name__}, expected RewardOutput")
+    return _check(out.to_dict(), n, source)
 
 
 def split_reward_output(out: Any, n: int, source: str) -> list[tuple[float, float, dict[str, float]]]:
@@ -121,9 +133,10 @@ class PythonRewardSource:
         if isinstance(func_or_path, (str, os.PathLike)):
             self.name = str(func_or_path)
             self.func = load_reward_func(self.name)
+            self.label = f"{self.name}: reward_func"  # names the function in every error
         else:
             self.func = func_or_path
-            self.name = name or getattr(func_or_path, "__qualname__", "reward_func")
+            self.name = self.label = name or getattr(func_or_path, "__qualname__", "reward_func")
         self.timeout_s = timeout_s
 
     async def __call__(self, queries: Sequence[str], prompts: Sequence[str], labels: Sequence[Any]) -> RewardOutput:
@@ -131,7 +144,7 @@ class PythonRewardSource:
         if len(prompts) != n or len(labels) != n:
             raise ValueError(f"queries/prompts/labels lengths differ: {n}, {len(prompts)}, {len(labels)}")
         raw = await self._run(list(queries), list(prompts), list(labels))
-        return parse_reward_return(raw, n, self.name)
+        return parse_reward_return(raw, n, self.label)
 
     async def _run(self, queries: list[str], prompts: list[str], labels: list[Any]) -> Any:
         return await run_user_code(self.func, queries, prompts, labels, what=f"{self.name}: reward_func",
@@ -189,8 +202,9 @@ class BatchingRewardSource:
         try:
             out = check_reward_output(await self.source(q, p, lab), len(q), self.name)
         except Exception as e:
-            if len(batch) == 1:
-                _settle(batch[0][3], error=e)
+            if len(batch) == 1 or _whole_call_failure(e):  # one error for every caller, no retries one by one
+                for item in batch:
+                    _settle(item[3], error=e)
                 return
             self.num_retried_batches += 1
             logger.info("%s: a batched reward call of %d samples failed (%s: %s); scoring them one at a time",
@@ -210,6 +224,14 @@ class BatchingRewardSource:
                                                     self.name))
         except Exception as e:
             _settle(fut, error=e)
+
+
+def _whole_call_failure(e: BaseException) -> bool:
+    """An answer of the wrong shape, or a reward server down after its batch retries: scoring the samples
+    one at a time would fail the same way, once per sample."""
+    from rlhfkit.agents.remote_reward import RewardServerDown
+
+    return isinstance(e, (RewardReturnError, RewardServerDown))
 
 
 def _settle(fut: asyncio.Future, result: Any = None, error: BaseException | None = None) -> None:

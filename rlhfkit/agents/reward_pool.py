@@ -119,7 +119,7 @@ class ProcessRewardSource:
         if len(prompts) != n or len(labels) != n:
             raise ValueError(f"queries/prompts/labels lengths differ: {n}, {len(prompts)}, {len(labels)}")
         raw = await asyncio.to_thread(self._call, pickle.dumps((list(queries), list(prompts), list(labels))))
-        return parse_reward_return(raw, n, self.name)
+        return parse_reward_return(raw, n, f"{self.name}: reward_func")
 
     def _take(self) -> _Worker:
         """An idle worker, a new one while fewer than `workers` live, else the next to be freed."""

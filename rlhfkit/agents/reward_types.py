@@ -15,18 +15,26 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+class RewardShapeError(ValueError):
+    """A reward answer of the wrong shape for the whole call (one number, not a list, a wrong length),
+    as opposed to one bad value (a sample's NaN)."""
+
+
 def _as_floats(value: Any, n: int, what: str, source: str, allow_bool: bool = False) -> list[float]:
-    """A tensor / array / list / tuple (or a scalar when n == 1) -> n finite floats.
+    """A tensor / array / list / tuple -> n finite floats: one per sample, never one number for all
+    (not even for one sample: a function returning one number would be broadcast silently).
 
     Booleans count as 0/1 only where `allow_bool` (extra_logs such as {"correct": [True, False]})."""
     if hasattr(value, "tolist") and not isinstance(value, (list, tuple)):
         value = value.tolist()  # torch tensors, numpy arrays
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and n == 1:
-        value = [value]
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        samples = "1 sample" if n == 1 else f"{n} samples"
+        raise RewardShapeError(f"{source}: '{what}' is one number ({value!r}) for {samples}; return one per "
+                               f"sample (a list or tensor of {n})")
     if not isinstance(value, (list, tuple)):
-        raise ValueError(f"{source}: '{what}' must be a list of {n} numbers, got {type(value).__name__}")
+        raise RewardShapeError(f"{source}: '{what}' must be a list of {n} numbers, got {type(value).__name__}")
     if len(value) != n:
-        raise ValueError(f"{source}: '{what}' has {len(value)} values for {n} samples")
+        raise RewardShapeError(f"{source}: '{what}' has {len(value)} values for {n} samples")
     out = []
     for i, v in enumerate(value):
         if isinstance(v, (list, tuple)) and len(v) == 1:  # [[r], ...] as an [n, 1] tensor gives
@@ -76,9 +84,9 @@ class RewardOutput:
     def from_mapping(cls, obj: Any, n: int, source: str) -> "RewardOutput":
         """Validate a `{"rewards", "scores"?, "extra_logs"?}` dict for n samples; `source` names it in errors."""
         if not isinstance(obj, Mapping):
-            raise ValueError(f"{source}: expected a dict with 'rewards', got {type(obj).__name__}")
+            raise RewardShapeError(f"{source}: expected a dict with 'rewards', got {type(obj).__name__}")
         if "rewards" not in obj:
-            raise ValueError(f"{source}: the result has no 'rewards' (keys: {sorted(map(str, obj))})")
+            raise RewardShapeError(f"{source}: the result has no 'rewards' (keys: {sorted(map(str, obj))})")
         rewards = _as_floats(obj["rewards"], n, "rewards", source)
         scores = rewards if obj.get("scores") is None else _as_floats(obj["scores"], n, "scores", source)
         return cls(rewards, list(scores), _extra_logs(obj.get("extra_logs"), n, source))

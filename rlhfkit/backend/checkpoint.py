@@ -10,13 +10,16 @@ Layout of `<ckpt_root>/<tag>/`:
     trainer.pt            LR scheduler state and the fp16 loss scaler (rank 0)
     rng_<rank>.pt         python / numpy / torch CPU / CUDA generator states of each rank
     client_state.json     the caller's JSON-able state (step, data position, ...) (rank 0)
-    meta.json             written last (rank 0): tag, save index, world size, format, has_optim
+    meta.json             written last (rank 0): tag, save index, world size, format, has_optim, and
+                          `files`: the size and SHA-256 of every other file of the checkpoint
 
 Saving never gathers the model or the optimizer: every rank writes its own shards
 
     all ranks:  sharded_state_dict() -> dcp.save -> <tag>.tmp/dcp/  (each file fsynced)
                 rng_<rank>.pt
-    rank 0:     trainer.pt, client_state.json, meta.json (fsynced), fsync the directories,
+    rank 0:     trainer.pt, client_state.json
+    all ranks:  SHA-256 of a share of the files (rank r: every world_size-th file from r), gathered
+    rank 0:     meta.json with the checksums (fsynced), fsync the directories,
                 os.replace(<tag>.tmp, <tag>), rewrite `latest` (latest.tmp + os.replace), rotate
 
 so a crash at any point leaves `latest` naming a complete checkpoint or lagging behind one (a kill
@@ -37,6 +40,12 @@ so a checkpoint saved on N ranks loads on M ranks (resharding). A checkpoint tak
 state; loading it resets the optimizer. Older full-state checkpoints (`model.safetensors` +
 `optim.pt`, written by rank 0) still load, broadcast from rank 0. A shared filesystem is assumed.
 
+Integrity (`checkpoint_damage`): loading checks the newest complete checkpoint's files against the
+sizes and checksums in its meta.json before reading any of them. A damaged checkpoint (a file cut
+short, zeroed or altered bytes, a broken zip structure in a torch file) is skipped with one line
+naming it and the file, and the newest intact one is loaded instead; when none is intact, that is
+the error. Checkpoints written before checksums were recorded load unverified.
+
 Trust: trainer.pt, rng_<rank>.pt and the old-format files load with `torch.load(weights_only=True)`,
 but torch.distributed.checkpoint itself unpickles its `.metadata` file and non-tensor entries (the
 optimizer's param_groups): load only checkpoints you wrote.
@@ -44,6 +53,7 @@ optimizer's param_groups): load only checkpoints you wrote.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -51,6 +61,7 @@ import random
 import shutil
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -58,7 +69,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rlhfkit.backend import dist as D
-from rlhfkit.fileio import atomic_write_text, fsync_dir
+from rlhfkit.fileio import NoSpaceError, atomic_write_text, free_bytes, fsync_dir, is_no_space
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +78,10 @@ META = "meta.json"
 TMP_SUFFIX = ".tmp"
 DCP_DIR = "dcp"
 FORMAT = "dcp-v1"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not load (damaged, or not of this model); the message names it."""
 
 
 # ----------------------------------------------------------------------------- tensors
@@ -208,6 +223,76 @@ def checkpoint_gap(path: str) -> str | None:
     return None
 
 
+# ----------------------------------------------------------------------------- integrity
+
+
+HASH_CHUNK = 8 << 20
+
+
+def file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _checkpoint_files(path: str) -> list[str]:
+    """Every file of a checkpoint directory but meta.json, relative to it, sorted."""
+    out = []
+    for dirpath, _, names in os.walk(path):
+        for name in names:
+            rel = os.path.relpath(os.path.join(dirpath, name), path)
+            if rel != META:
+                out.append(rel)
+    return sorted(out)
+
+
+def _digest_share(path: str, files: list[str], rank: int, world: int) -> dict[str, dict[str, Any]]:
+    """{file: {"bytes", "sha256"}} of this rank's share of `files` (every world-th from `rank`)."""
+    mine = files[rank::world]
+    with ThreadPoolExecutor(max_workers=max(1, min(8, len(mine)))) as pool:
+        sums = list(pool.map(lambda rel: file_sha256(os.path.join(path, rel)), mine))
+    return {rel: {"bytes": os.path.getsize(os.path.join(path, rel)), "sha256": h} for rel, h in zip(mine, sums)}
+
+
+def checkpoint_damage(path: str) -> str | None:
+    """Which file of checkpoint `path` differs from the size and SHA-256 its meta.json records
+    (None when all match, or when the checkpoint records no checksums)."""
+    files = (_read_meta(path) or {}).get("files")
+    if not isinstance(files, dict):
+        return None
+    names = sorted(files)
+    for rel in names:  # sizes first: cheap, and a truncation is named without reading anything
+        full = os.path.join(path, rel)
+        if not os.path.isfile(full):
+            return f"{rel} is missing"
+        have, want = os.path.getsize(full), int(files[rel].get("bytes", -1))
+        if have != want:
+            return f"{rel} has {have} bytes, {want} were written"
+    with ThreadPoolExecutor(max_workers=max(1, min(8, len(names)))) as pool:
+        sums = list(pool.map(lambda rel: file_sha256(os.path.join(path, rel)), names))
+    for rel, h in zip(names, sums):
+        if h != files[rel].get("sha256"):
+            return f"{rel} does not match its checksum (its bytes were altered)"
+    return None
+
+
+def newest_intact(ckpt_root: str, tags: list[str]) -> tuple[str | None, list[str]]:
+    """(the first of `tags` (newest first) whose checkpoint under `ckpt_root` is intact, or None;
+    one line per damaged checkpoint skipped on the way, each also logged as a warning)."""
+    skipped = []
+    for tag in tags:
+        path = os.path.join(ckpt_root, tag)
+        damage = checkpoint_damage(path)
+        if damage is None:
+            return tag, skipped
+        line = f"checkpoint {path} is damaged: {damage}; skipped"
+        log.warning("%s", line)
+        skipped.append(line)
+    return None, skipped
+
+
 def _candidates(ckpt_root: str) -> list[str]:
     """Directories under `ckpt_root` that look like checkpoints (a meta.json, no `.tmp` suffix)."""
     if not os.path.isdir(ckpt_root):
@@ -320,11 +405,38 @@ def _dcp(fn, *args: Any, **kwargs: Any) -> Any:
         return fn(*args, no_dist=no_dist, **kwargs)
 
 
+SLACK_BYTES = 4 << 20  # RNG states, scheduler, client state and DCP metadata, at most
+
+
+def _tensor_bytes(obj: Any) -> int:
+    """Bytes of the tensors (this rank's shards) in a nested state dict."""
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    if isinstance(obj, torch.Tensor):
+        local = obj.to_local() if hasattr(obj, "to_local") else obj
+        return local.numel() * local.element_size()
+    return 0
+
+
+def expected_bytes(ckpt_root: str, state: dict[str, Any]) -> int:
+    """What a checkpoint of `state` will take (all ranks call): its tensors on every rank, or the newest
+    complete checkpoint's size if larger, plus slack for the small files."""
+    need = int(D.all_reduce_sum(_tensor_bytes(state))) + SLACK_BYTES
+    found = list_checkpoints(ckpt_root) if D.is_rank0() else []
+    if found:
+        need = max(need, _dir_bytes(os.path.join(ckpt_root, found[-1][1])))
+    return need
+
+
 def save_checkpoint(backend, ckpt_root: str, tag: str, client_state: dict | None,
                     max_keep: int) -> str:
-    """Save model, optimizer, scheduler, RNG and `client_state` as `<ckpt_root>/<tag>` (all ranks call)."""
-    import torch.distributed.checkpoint as dcp
+    """Save model, optimizer, scheduler, RNG and `client_state` as `<ckpt_root>/<tag>` (all ranks call).
 
+    The free space under `ckpt_root` is checked first against `expected_bytes`; too little, or a write
+    that runs out of space, raises NoSpaceError (after removing this save's partial files): the
+    complete checkpoints already there are untouched."""
     if max_keep < 1:
         raise ValueError(f"--max_ckpt_num must be >= 1, got {max_keep}")
     if not tag or "/" in tag or tag == LATEST or tag.endswith(TMP_SUFFIX):
@@ -333,6 +445,28 @@ def save_checkpoint(backend, ckpt_root: str, tag: str, client_state: dict | None
         client_json = json.dumps(client_state or {}, indent=2)
     except TypeError as e:
         raise TypeError(f"checkpoint client_state must be JSON-serialisable: {e}") from None
+    has_optim = backend.optimizer_has_state
+    state = backend.sharded_state_dict(with_optimizer=has_optim)
+    need = expected_bytes(ckpt_root, state)
+    free = D.broadcast_object(free_bytes(ckpt_root) if D.is_rank0() else 0)  # every rank stops together
+    if free < need:
+        raise NoSpaceError(ckpt_root, need, free)
+    tmp = os.path.join(ckpt_root, tag + TMP_SUFFIX)
+    try:
+        return _write_checkpoint(backend, ckpt_root, tag, state, has_optim, client_json, max_keep)
+    except Exception as e:
+        if D.is_rank0():
+            shutil.rmtree(tmp, ignore_errors=True)  # this save's partial files
+        have = free_bytes(ckpt_root)
+        if is_no_space(e) or have < need:
+            raise NoSpaceError(ckpt_root, need, have) from e
+        raise
+
+
+def _write_checkpoint(backend, ckpt_root: str, tag: str, state: dict[str, Any], has_optim: bool, client_json: str,
+                      max_keep: int) -> str:
+    import torch.distributed.checkpoint as dcp
+
     tmp, final = os.path.join(ckpt_root, tag + TMP_SUFFIX), os.path.join(ckpt_root, tag)
     rank0 = D.is_rank0()
     if rank0:
@@ -342,8 +476,6 @@ def save_checkpoint(backend, ckpt_root: str, tag: str, client_state: dict | None
         _clear_stale_tmp(ckpt_root)
         os.makedirs(os.path.join(tmp, DCP_DIR))
     D.barrier()
-    has_optim = backend.optimizer_has_state
-    state = backend.sharded_state_dict(with_optimizer=has_optim)
     has_ema = "ema" in state
     writer = dcp.FileSystemWriter(os.path.join(tmp, DCP_DIR), sync_files=True)
     _dcp(dcp.save, state, storage_writer=writer)
@@ -353,10 +485,13 @@ def save_checkpoint(backend, ckpt_root: str, tag: str, client_state: dict | None
         _torch_save(backend.trainer_state(), os.path.join(tmp, "trainer.pt"))
         _write_file(os.path.join(tmp, "client_state.json"), client_json)
     D.barrier()
+    files = D.broadcast_object(_checkpoint_files(tmp) if rank0 else None)
+    shares = D.all_gather_object(_digest_share(tmp, files, D.get_rank(), D.get_world_size()))
     if rank0:
         index = max([i for i, _ in list_checkpoints(ckpt_root)], default=-1) + 1
         meta = {"tag": tag, "index": index, "world_size": D.get_world_size(), "time": time.time(),
-                "format": FORMAT, "has_optim": has_optim, "has_ema": has_ema}
+                "format": FORMAT, "has_optim": has_optim, "has_ema": has_ema,
+                "files": {k: v for share in shares for k, v in sorted(share.items())}}
         _write_file(os.path.join(tmp, META), json.dumps(meta))
         fsync_dir(os.path.join(tmp, DCP_DIR))
         fsync_dir(tmp)
@@ -390,7 +525,7 @@ def _load_sharded(backend, path: str, meta: dict) -> None:
     try:
         _dcp(dcp.load, state, storage_reader=dcp.FileSystemReader(os.path.join(path, DCP_DIR)))
     except Exception as e:  # noqa: BLE001 - DCP wraps per-rank failures; name the checkpoint
-        raise RuntimeError(f"--load_checkpoint: {path} does not match this model and optimizer "
+        raise CheckpointError(f"--load_checkpoint: {path} does not match this model and optimizer "
                            f"(saved on {meta.get('world_size')} ranks): {e}") from e
     backend.load_sharded_state_dict(state)
 
@@ -404,19 +539,24 @@ def _load_full_state(backend, path: str) -> None:
 
 
 def _find_for_load(ckpt_root: str, tag: str | None) -> tuple[str | None, str | None]:
-    """(newest complete checkpoint, or `tag`, or None; error): checkpoint directories that are all
-    incomplete, or an incomplete `tag`, are an error rather than a silent fresh start."""
+    """(newest complete and intact checkpoint, or `tag`, or None; error): checkpoint directories that
+    are all incomplete or damaged, or an incomplete or damaged `tag`, are an error rather than a
+    silent fresh start."""
     if tag is not None:
         path = os.path.join(ckpt_root, tag)
-        gap = checkpoint_gap(path)
+        gap = checkpoint_gap(path) or checkpoint_damage(path)
         return (path, None) if gap is None else (None, f"--load_checkpoint: {path}: {gap}")
-    path = latest_checkpoint(ckpt_root)
-    if path is None:
+    newest = latest_checkpoint(ckpt_root)
+    if newest is None:
         bad = _incomplete(ckpt_root)
         if bad:
             return None, "--load_checkpoint: no complete checkpoint in {}: {}".format(
                 ckpt_root, "; ".join(f"{p}: {gap}" for p, gap in bad))
-    return path, None
+        return None, None
+    found, skipped = newest_intact(ckpt_root, [t for _, t in reversed(list_checkpoints(ckpt_root))])
+    if found is None:
+        return None, f"--load_checkpoint: no intact checkpoint in {ckpt_root}: " + "; ".join(skipped)
+    return os.path.join(ckpt_root, found), None
 
 
 def load_checkpoint(backend, ckpt_root: str, tag: str | None = None) -> dict | None:
@@ -433,13 +573,26 @@ def load_checkpoint(backend, ckpt_root: str, tag: str | None = None) -> dict | N
         _load_sharded(backend, path, meta)
     else:
         _load_full_state(backend, path)
-    backend.load_trainer_state(torch.load(os.path.join(path, "trainer.pt"), weights_only=True))
-    rng_file = os.path.join(path, f"rng_{D.get_rank()}.pt")
-    if not os.path.exists(rng_file):
+    backend.load_trainer_state(_load_file(path, "trainer.pt"))
+    rng_name = f"rng_{D.get_rank()}.pt"
+    if not os.path.exists(os.path.join(path, rng_name)):
         log.warning("%s has no RNG state for rank %d; using rank 0's", path, D.get_rank())
-        rng_file = os.path.join(path, "rng_0.pt")
-    set_rng_state(torch.load(rng_file, weights_only=True))
-    with open(os.path.join(path, "client_state.json")) as f:
-        client_state = json.load(f)
+        rng_name = "rng_0.pt"
+    set_rng_state(_load_file(path, rng_name))
+    client_state = _load_file(path, "client_state.json")
     D.barrier()
     return client_state
+
+
+def _load_file(path: str, name: str) -> Any:
+    """torch.load (weights only) or json.load of one file of checkpoint `path`; a file that does not
+    read is an error naming the checkpoint and the file."""
+    full = os.path.join(path, name)
+    try:
+        if name.endswith(".json"):
+            with open(full) as f:
+                return json.load(f)
+        return torch.load(full, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - zip, pickle or JSON damage, whatever the exception
+        raise CheckpointError(f"--load_checkpoint: {full} of checkpoint {path} does not read "
+                           f"({type(e).__name__}: {e})") from e

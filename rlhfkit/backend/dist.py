@@ -134,6 +134,10 @@ class DistInfo:
         """`x` reduced over every rank: for decisions all ranks must take together."""
         return _all_reduce(x, op, None, get_world_size())
 
+    def agree(self, flag: bool) -> bool:
+        """True on every rank when `flag` is True on any (a decision every rank takes together)."""
+        return bool(self.all_reduce_world(int(flag), op="max"))
+
     def broadcast_replica(self, obj: T) -> T:
         """The first rank's `obj` on every rank of this dp rank's tp x cp group (no-op when it is one rank)."""
         m = self.mesh
@@ -275,3 +279,12 @@ def broadcast_object(obj: T, src: int = 0) -> T:
     box = [obj]
     dist.broadcast_object_list(box, src=src, device=_comm_device())
     return box[0]
+
+
+def all_gather_object(obj: T) -> list[T]:
+    """Every rank's picklable `obj`, in rank order, on every rank ([obj] in one process)."""
+    if not _active():
+        return [obj]
+    out: list[Any] = [None] * get_world_size()
+    dist.all_gather_object(out, obj)
+    return out

@@ -383,9 +383,16 @@ class FSDP2Backend(SleepMixin):
 
     def load_trainer_state(self, state: dict[str, Any]) -> None:
         if self.scheduler is not None and state.get("scheduler") is not None:
+            peak = list(self.scheduler.base_lrs)
             self.scheduler.load_state_dict(state["scheduler"])
+            # the position comes from the checkpoint; the peak rates are this run's (--learning_rate,
+            # the same unless changed with --allow_resume_changes), as is the schedule's shape
+            self.scheduler.base_lrs = peak
+            step = self.scheduler.last_epoch
+            rates = [base * fn(step) for base, fn in zip(peak, self.scheduler.lr_lambdas)]
+            self.scheduler._last_lr = rates  # what get_last_lr() reports
             # the rate of the next step (also when the checkpoint had no optimizer state to carry it)
-            for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+            for group, lr in zip(self.optimizer.param_groups, rates):
                 group["lr"] = lr
         if self.loss_scaler is not None and state.get("loss_scaler") is not None:
             self.loss_scaler.load_state_dict(state["loss_scaler"])

@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import struct
 import sys
 from dataclasses import dataclass
@@ -43,7 +44,8 @@ from torch import nn
 
 from rlhfkit.backend import dist as D
 from rlhfkit.backend.sharding import full
-from rlhfkit.fileio import clear_weight_files, new_staging_dir, publish_staged
+from rlhfkit.fileio import (STAGING, NoSpaceError, clear_weight_files, free_bytes, is_no_space, new_staging_dir,
+                            publish_staged)
 
 log = logging.getLogger(__name__)
 
@@ -262,6 +264,37 @@ def export_hf(model: nn.Module, path: str, dtype: torch.dtype, max_shard_bytes: 
     """
     tensors = export_tensors(model, dtype, master_of)
     writer = D.is_rank0()
+    need = export_bytes(model, tensors, dtype)
+    have = D.broadcast_object(free_bytes(path) if writer else 0)  # every rank stops together
+    if have < need:
+        raise NoSpaceError(path, need, have)
+    try:
+        _export(model, path, dtype, max_shard_bytes, tokenizer, tensors, full_state_dict)
+    except Exception as e:
+        if writer:
+            shutil.rmtree(os.path.join(path, STAGING), ignore_errors=True)  # this export's partial files
+        have = free_bytes(path)
+        if is_no_space(e) or have < need:
+            raise NoSpaceError(path, need, have) from e
+        raise
+    D.barrier()
+
+
+EXPORT_SLACK_BYTES = 16 << 20  # config, generation config, tokenizer files
+
+
+def export_bytes(model: nn.Module, tensors: list["ExportTensor"], dtype: torch.dtype) -> int:
+    """What the export writes: every tensor (a peft model: its trainable adapter weights), plus slack."""
+    if _is_peft(model):
+        size = sum(p.numel() for p in model.parameters() if p.requires_grad) * dtype.itemsize
+    else:
+        size = sum(t.nbytes for t in tensors)
+    return size + EXPORT_SLACK_BYTES
+
+
+def _export(model: nn.Module, path: str, dtype: torch.dtype, max_shard_bytes: int, tokenizer: Any,
+            tensors: list["ExportTensor"], full_state_dict: Callable[[], dict[str, torch.Tensor]] | None) -> None:
+    writer = D.is_rank0()
     stage = new_staging_dir(path) if writer else path  # other ranks only take part in the gathers
     if _is_peft(model) or _needs_weight_conversion(model, tensors):
         if full_state_dict is None:
@@ -277,4 +310,3 @@ def export_hf(model: nn.Module, path: str, dtype: torch.dtype, max_shard_bytes: 
         if tokenizer is not None:
             tokenizer.save_pretrained(stage)
         publish_staged(stage, path)
-    D.barrier()

@@ -1,6 +1,7 @@
 """Shared CLI plumbing: error reporting, seeding, run directory, metrics logger.
 
-`cli_main(fn)` turns the errors a user can cause (bad data, bad flags, missing files or hub models, a
+`cli_main(fn)` ends a run stopped by SIGINT / SIGTERM (rlhfkit.trainers.stop.RunStopped) with its one
+line and exit code 130 / 143, and turns the errors a user can cause (bad data, bad flags, missing files or hub models, a
 missing optional package, a learning rate that makes the weights non-finite, a failing reward_func
 under `--reward_failure stop`, `--max_failed_steps` steps without a trajectory) into one clear line on
 stderr and exit code 1, instead of a traceback; set `RLHFKIT_TRACEBACK=1` to see the traceback anyway.
@@ -13,7 +14,7 @@ import os
 import random
 import sys
 import traceback
-from typing import TYPE_CHECKING, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import numpy as np
 import torch
@@ -22,6 +23,7 @@ from rlhfkit.backend.guard import NonFiniteError
 from rlhfkit.config.flags import run_dir_of, write_resolved_config
 from rlhfkit.data.io import DataError
 from rlhfkit.optional import MissingPackageError, require
+from rlhfkit.redact import redact_config
 from rlhfkit.trainers.metrics import MetricsLogger, NullLogger, WandbSettings, terminal
 
 if TYPE_CHECKING:
@@ -39,10 +41,12 @@ class UsageError(ValueError):
 def _run_failures() -> tuple[type[BaseException], ...]:
     """Errors that end a run for a reason the user must act on (imported late: agents, trainers)."""
     from rlhfkit.agents.base import RewardFailure
+    from rlhfkit.agents.user_file import UserFileError
+    from rlhfkit.fileio import NoSpaceError
     from rlhfkit.roles.memory import RoleOutOfMemory
     from rlhfkit.trainers.rl import FailedStepsError
 
-    return RewardFailure, FailedStepsError, RoleOutOfMemory
+    return RewardFailure, FailedStepsError, NoSpaceError, UserFileError, RoleOutOfMemory
 
 
 def cli_main(prog: str, fn: Callable[[], T]) -> T:
@@ -50,8 +54,13 @@ def cli_main(prog: str, fn: Callable[[], T]) -> T:
     if not terminal():  # output to a file or pipe: no carriage-return bars of transformers either
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         disable_hf_progress_bars()
+    from rlhfkit.trainers.stop import RunStopped
+
     try:
         return fn()
+    except RunStopped as e:  # SIGINT / SIGTERM: the checkpoint and the resume command, exit 130 / 143
+        print(f"{prog}: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(e.exit_code) from None
     except Exception as e:
         if not isinstance(e, (DataError, UsageError, FileNotFoundError, ValueError, NonFiniteError,
                               MissingPackageError) + _run_failures()):
@@ -162,7 +171,39 @@ def make_logger(args: argparse.Namespace, rank: int, plot_keys: tuple[str, ...] 
         wandb = WandbSettings(key=args.use_wandb, project=args.wandb_project, org=args.wandb_org,
                               group=args.wandb_group, run_name=args.wandb_run_name)
     return MetricsLogger(run_dir, tensorboard_dir=args.use_tensorboard, wandb=wandb,
-                         config={k: v for k, v in vars(args).items() if k != "use_wandb"}, plot_keys=plot_keys)
+                         config=redact_config({k: v for k, v in vars(args).items() if k != "use_wandb"}),
+                         plot_keys=plot_keys)
+
+
+def save_or_fall_back(save: Callable[[], None], fallback: Callable[[], str] | None) -> None:
+    """The final save; when its disk is too full (NoSpaceError, partial files removed), `fallback()`
+    writes the trained state as a resumable checkpoint and the run ends with one line naming both
+    (exit 1): the trained steps are never lost to a full disk while some other disk has room."""
+    from rlhfkit.fileio import NoSpaceError
+
+    try:
+        save()
+    except NoSpaceError as e:
+        if fallback is None:
+            raise
+        try:
+            where = fallback()
+        except NoSpaceError as e2:
+            raise NoSpaceError(e.path, e.need, e.have, note=f"the resumable checkpoint did not fit either: {e2}") \
+                from e
+        raise NoSpaceError(e.path, e.need, e.have, note=f"the trained state is saved as the resumable checkpoint "
+                           f"{where} instead: free space, then run the same command with --load_checkpoint "
+                           "to write the model") from e
+
+
+def report_dropped(ds: Any, rows_read: int, what: str, training: bool) -> None:
+    """Count and name the rows the tokenized dataset `ds` left out, once, on rank 0; a training set
+    left with fewer than half its rows, or none, is a DataError (rlhfkit.data.items.check_dropped)."""
+    from rlhfkit.data.items import check_dropped
+
+    line = check_dropped(ds, rows_read, what, training=training)
+    if line and os.environ.get("RANK", "0") == "0":
+        print(line, flush=True)
 
 
 def parallel_dims(args: argparse.Namespace, dist: DistInfo) -> ParallelDims:

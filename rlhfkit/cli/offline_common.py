@@ -24,7 +24,7 @@ from rlhfkit.backend.dist import DistInfo, init_distributed
 from rlhfkit.backend.parallel import attach_mesh
 from rlhfkit.backend.fsdp2 import FSDP2Backend
 from rlhfkit.cli.common import (UsageError, check_backend_flags, check_positions, parallel_dims,
-                                check_packages, resolve_model_paths, set_seed)
+                                check_packages, report_dropped, resolve_model_paths, save_or_fall_back, set_seed)
 from rlhfkit.config.configs import BackendConfig, ModelConfig, OptimConfig, from_args
 from rlhfkit.config.flags import (DATA, MODEL, TRAIN, FlagParser, add_backend_flags, add_ckpt_flags, add_data_flags,
                                   add_logging_flags, add_model_flags, add_train_flags)
@@ -33,14 +33,15 @@ from rlhfkit.models.loader import check_model_dir, load_causal_lm, load_tokenize
 from rlhfkit.trainers.dpo_task import FrozenModel
 from rlhfkit.trainers.metrics import metrics_record
 from rlhfkit.trainers.model_card import task_kind
-from rlhfkit.trainers.offline import LoopConfig, LoopState, evaluate, has_eval, train_offline
+from rlhfkit.trainers.offline import LoopConfig, LoopState, evaluate, has_eval, save_resumable, train_offline
 from rlhfkit.trainers.plot import OFFLINE_PANELS
+from rlhfkit.trainers.run_settings import allowed_changes, run_settings
 
 OFFLINE_PLOT_KEYS = OFFLINE_PANELS  # the plot's panels (rlhfkit.trainers.plot.PANELS)
 
 
 def add_offline_flags(p: FlagParser, *, max_len: int, train_batch_size: int, micro_train_batch_size: int,
-                      max_epochs: int, learning_rate: float, ckpt_path: str, wandb_project: str,
+                      max_epochs: int, learning_rate: float, wandb_project: str,
                       input_template: str | None = None) -> None:
     """The flag groups every offline trainer has, with that trainer's OpenRLHF defaults."""
     add_model_flags(p)
@@ -48,7 +49,7 @@ def add_offline_flags(p: FlagParser, *, max_len: int, train_batch_size: int, mic
     add_train_flags(p, train_batch_size=train_batch_size, micro_train_batch_size=micro_train_batch_size,
                     max_epochs=max_epochs, learning_rate=learning_rate)
     add_backend_flags(p)
-    add_ckpt_flags(p, ckpt_path=ckpt_path)
+    add_ckpt_flags(p)
     add_logging_flags(p, wandb_project=wandb_project)
     with p.group(TRAIN):
         p.flag("--max_steps", type=int, default=None, help="stop after this many optimizer steps")
@@ -115,11 +116,11 @@ def load_items(args: argparse.Namespace, spec: str, split: str, probs: str | Non
     rows = load_mixture(spec, probs, split=split, max_samples=args.max_samples, seed=args.seed,
                         max_row_bytes=args.max_row_bytes)
     ds = make_dataset(rows)
-    if ds.num_dropped:
-        print(f"{ds.num_dropped} of {len(rows)} samples of {spec} dropped: nothing to train on within --max_len")
+    report_dropped(ds, len(rows), f"{flag} {spec}", training=flag == "--dataset")
     if not ds.items:
-        raise DataError(f"{flag} {spec}: no usable samples ({len(rows)} rows read, {ds.num_dropped} dropped)")
+        raise DataError(f"{flag} {spec}: no usable samples ({len(rows)} rows read)")
     return list(ds.items)
+
 
 
 def load_split_items(args: argparse.Namespace, make_dataset: Callable[[list[Row]], Any]
@@ -137,7 +138,8 @@ def loop_config(args: argparse.Namespace) -> LoopConfig:
                       eval_steps=args.eval_steps, save_steps=args.save_steps, ckpt_path=args.ckpt_path,
                       max_ckpt_num=args.max_ckpt_num, load_checkpoint=args.load_checkpoint,
                       show_progress=not args.disable_progress, max_steps=args.max_steps,
-                      aux_loss_coef=args.aux_loss_coef, save_ds=not args.disable_ds_ckpt, save_hf=args.save_hf_ckpt)
+                      aux_loss_coef=args.aux_loss_coef, save_ds=not args.disable_ds_ckpt, save_hf=args.save_hf_ckpt,
+                      run_settings=run_settings(vars(args)), allowed_changes=allowed_changes(args.allow_resume_changes))
 
 
 def num_training_steps(num_items: int, args: argparse.Namespace) -> int:
@@ -196,15 +198,18 @@ def train_policy(args: argparse.Namespace, dist: DistInfo, tokenizer: Any, task:
     hook = (lambda state, metrics: on_step_end(state, metrics, backend)) if on_step_end else None
     state = train_task(task, backend, train_items, eval_items, args, dist, logger, on_step_end=hook,
                        tokenizer=tokenizer)
-    save_model(args, backend, tokenizer, dist, logger, trainer=task_kind(task))
+    save_model(args, backend, tokenizer, dist, logger, trainer=task_kind(task), state=state)
     logger.close()
     return OfflineRun(state, backend, task, tokenizer, train_items, eval_items)
 
 
 def save_model(args: argparse.Namespace, backend: Any, tokenizer: Any, dist: DistInfo, logger: Any = None,
-               trainer: str | None = None) -> None:
-    """Save in Hugging Face format to --save_path, with a model card from the run's files (`logger`)."""
-    backend.save_hf(args.save_path, tokenizer)
+               trainer: str | None = None, state: LoopState | None = None) -> None:
+    """Save in Hugging Face format to --save_path, with a model card from the run's files (`logger`).
+    Too little space there: the trained state is saved as a resumable checkpoint instead, if it fits
+    (`save_or_fall_back`)."""
+    fallback = (lambda: save_resumable(backend, loop_config(args), state)) if state is not None else None
+    save_or_fall_back(lambda: backend.save_hf(args.save_path, tokenizer), fallback)
     if logger is not None:
         logger.model_card(args.save_path, trainer=trainer)
     if dist.rank == 0:

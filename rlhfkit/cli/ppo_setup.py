@@ -20,7 +20,7 @@ from rlhfkit.backend.dist import DistInfo
 from rlhfkit.backend.fsdp2 import FSDP2Backend
 from rlhfkit.backend.parallel import ParallelDims
 from rlhfkit.cli.common import (UsageError, check_backend_flags, check_packages, check_positions, parallel_dims,
-                                resolve_model_paths)
+                                report_dropped, resolve_model_paths)
 from rlhfkit.cli.rl_checkpoint import RLCheckpointer
 from rlhfkit.config.configs import BackendConfig, ModelConfig, OptimConfig, from_args
 from rlhfkit.config.notes import note_once
@@ -31,6 +31,7 @@ from rlhfkit.roles.critic import CriticRole, RewardModelRole
 from rlhfkit.roles.group import LocalGroup
 from rlhfkit.roles.memory import RoleOutOfMemory, advice
 from rlhfkit.trainers.rl import RLLoopConfig
+from rlhfkit.trainers.run_settings import allowed_changes, run_settings
 from rlhfkit.types import SamplingParams
 
 
@@ -203,6 +204,7 @@ def build_ptx(args: argparse.Namespace, dist: DistInfo):
     rows = load_mixture(args.pretrain_data, args.pretrain_data_probs, split=args.pretrain_split,
                         max_samples=args.max_samples, seed=args.seed, max_row_bytes=args.max_row_bytes)
     ds = SFTDataset(rows, tokenizer, SFTDataConfig(input_key=args.input_key, pretrain_mode=True, max_len=args.max_len))
+    report_dropped(ds, len(rows), f"--pretrain_data {args.pretrain_data}", training=True)
     if not ds.items:
         raise DataError(f"--pretrain_data {args.pretrain_data}: no usable text in --input_key {args.input_key}")
     return PtxBatches(ds.items, args.micro_train_batch_size, tokenizer.pad_token_id, dist.dp_rank, dist.dp_size,
@@ -393,7 +395,8 @@ def loop_config(args: argparse.Namespace) -> RLLoopConfig:
         show_progress=not args.disable_progress, max_failed_steps=args.max_failed_steps,
         skip_zero_advantage_steps=not ptx_active(args),  # the ptx loss moves the policy even then
         policy_max_epochs=args.max_epochs, policy_train_batch_size=args.train_batch_size,
-        recompute_old_logprobs=args.recompute_old_logprobs)
+        recompute_old_logprobs=args.recompute_old_logprobs, run_settings=run_settings(vars(args)),
+        allowed_changes=allowed_changes(args.allow_resume_changes))
 
 
 def advantage_config(args: argparse.Namespace) -> AdvantageConfig:

@@ -90,7 +90,8 @@ def sft_args(args, base: str, run: str, sft_dir: str) -> list[str]:
             "--train_batch_size", "64", "--micro_train_batch_size", "64", "--max_epochs", "100",
             "--max_steps", str(args.sft_max_steps), "--learning_rate", str(args.sft_lr), "--lr_warmup_ratio", "0.02",
             "--lr_scheduler", "constant_with_warmup", "--param_dtype", "fp32", "--attn_implementation", "eager",
-            "--save_path", sft_dir, "--logging_steps", "20", "--seed", str(args.seed), "--device", "cpu"]
+            "--save_path", sft_dir, "--overwrite_output_dir",  # the quickstart remakes all it trains on
+            "--logging_steps", "20", "--seed", str(args.seed), "--device", "cpu"]
 
 
 def rl_args(args, sft_dir: str, run: str, rl_dir: str, reward_file: str, max_new: int) -> list[str]:
@@ -101,8 +102,8 @@ def rl_args(args, sft_dir: str, run: str, rl_dir: str, reward_file: str, max_new
             "--temperature", "1.0", "--generate_max_len", str(max_new), "--prompt_max_len", "16",
             "--init_kl_coef", "0", "--actor_learning_rate", str(args.rl_lr), "--lr_warmup_ratio", "0",
             "--lr_scheduler", "constant", "--max_steps", str(args.rl_steps), "--param_dtype", "fp32",
-            "--attn_implementation", "eager", "--save_path", rl_dir, "--logging_steps", "5", "--seed", str(args.seed),
-            "--device", "cpu"]
+            "--attn_implementation", "eager", "--save_path", rl_dir, "--overwrite_output_dir", "--logging_steps", "5",
+            "--seed", str(args.seed), "--device", "cpu"]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -39,10 +39,8 @@ class RLCheckpointer:
     run_dir: str | None = None
 
     def save(self, root: str, tag: str, client: dict, max_keep: int) -> None:
-        if self.save_ds and self.critic_backend is not None:
-            self.critic_backend.save_checkpoint(os.path.join(root, "critic"), tag, client, max_keep + 1)
         if self.save_ds:
-            self.policy_backend.save_checkpoint(os.path.join(root, "actor"), tag, client, max_keep)
+            self.save_resumable(root, tag, client, max_keep)
         if self.save_hf:
             self.policy_backend.save_hf(os.path.join(root, f"{tag}_hf"), self.tokenizer)
             if self.run_dir is not None:
@@ -53,6 +51,13 @@ class RLCheckpointer:
                     step = tag.removeprefix("global_step")
                     write_model_card(os.path.join(root, f"{tag}_hf"), run_dir=self.run_dir,
                                      step=int(step) if step.isdigit() else None)
+
+    def save_resumable(self, root: str, tag: str, client: dict, max_keep: int) -> str:
+        """The resumable pair only (whatever --disable_ds_ckpt says: a stopped run and the final save's
+        fallback need it); returns the actor checkpoint's path."""
+        if self.critic_backend is not None:
+            self.critic_backend.save_checkpoint(os.path.join(root, "critic"), tag, client, max_keep + 1)
+        return self.policy_backend.save_checkpoint(os.path.join(root, "actor"), tag, client, max_keep)
 
     def keep_best(self, root: str, step: int, metrics: dict[str, float], client: dict) -> bool:
         """Save step `step` as the best checkpoint if its eval metric is the best so far (True then)."""
@@ -91,9 +96,33 @@ class RLCheckpointer:
                 raise FileNotFoundError(f"--load_checkpoint: no step has a complete checkpoint in both {actor} "
                                         f"and {critic}")
             return self.policy_backend.load_checkpoint(actor)  # none at all (or only incomplete: an error)
-        client = self.policy_backend.load_checkpoint(actor, pairs[-1])
-        self.critic_backend.load_checkpoint(critic, pairs[-1])
+        tag = _newest_intact_pair(actor, critic, pairs[::-1])
+        client = self.policy_backend.load_checkpoint(actor, tag)
+        self.critic_backend.load_checkpoint(critic, tag)
         return client
+
+
+def _newest_intact_pair(actor: str, critic: str, tags: list[str]) -> str:
+    """The first of `tags` (newest first) whose actor and critic checkpoints both match their checksums;
+    a damaged one is skipped with a line naming it (rlhfkit.backend.checkpoint.newest_intact)."""
+    from rlhfkit.backend.checkpoint import newest_intact
+    from rlhfkit.backend.dist import broadcast_object, is_rank0
+
+    def pick() -> tuple[str | None, list[str]]:
+        skipped: list[str] = []
+        for tag in tags:
+            ok_a, lines_a = newest_intact(actor, [tag])
+            ok_c, lines_c = newest_intact(critic, [tag]) if ok_a else (None, [])
+            skipped += lines_a + lines_c
+            if ok_a and ok_c:
+                return tag, skipped
+        return None, skipped
+
+    tag, skipped = broadcast_object(pick() if is_rank0() else None)
+    if tag is None:
+        raise FileNotFoundError(f"--load_checkpoint: no step has an intact checkpoint in both {actor} and "
+                                f"{critic}: " + "; ".join(skipped))
+    return tag
 
 
 def _remove_old_snapshots(root: str, keep: str) -> None:

@@ -23,9 +23,9 @@ from typing import Any, Callable
 
 from rlhfkit.backend.dist import DistInfo
 from rlhfkit.cli import ppo_setup as S
-from rlhfkit.cli.common import UsageError, make_logger, parallel_dims
+from rlhfkit.cli.common import UsageError, make_logger, parallel_dims, report_dropped, save_or_fall_back
 from rlhfkit.data.io import load_mixture
-from rlhfkit.data.prompts import PromptDataConfig, build_prompt_samples
+from rlhfkit.data.prompts import PromptDataConfig, PromptDataset
 from rlhfkit.models.loader import load_tokenizer
 from rlhfkit.trainers.plot import RL_PANELS
 from rlhfkit.trainers.rl import RLTrainer
@@ -68,13 +68,18 @@ class RLRun:
     tokenizer: Any
 
 
-def load_prompts(args, tokenizer, spec: str, split: str, probs: str | None, max_samples: int) -> list:
+def load_prompts(args, tokenizer, spec: str, split: str, probs: str | None, max_samples: int,
+                 flag: str = "--prompt_data") -> list:
+    """The prompts of `spec`; those left out (longer than --prompt_max_len) are counted and named once,
+    and a training set left with fewer than half its rows is an error (common.report_dropped)."""
     rows = load_mixture(spec, probs, split=split, max_samples=max_samples, seed=args.seed,
                         max_row_bytes=args.max_row_bytes)
     cfg = PromptDataConfig(input_key=args.input_key, label_key=args.label_key, input_template=args.input_template,
                            apply_chat_template=args.apply_chat_template,
                            tokenizer_chat_template=args.tokenizer_chat_template, max_prompt_len=args.prompt_max_len)
-    return build_prompt_samples(rows, tokenizer, cfg)
+    ds = PromptDataset(rows, tokenizer, cfg)
+    report_dropped(ds, len(rows), f"{flag} {spec}", training=flag == "--prompt_data")
+    return ds.samples
 
 
 def load_data(args) -> RLData:
@@ -83,7 +88,8 @@ def load_data(args) -> RLData:
     prompts = load_prompts(args, tokenizer, args.prompt_data, args.prompt_split, args.prompt_data_probs,
                            args.max_samples)
     eval_prompts = (load_prompts(args, tokenizer, args.eval_dataset, args.eval_split, None,
-                                 args.eval_max_samples or args.max_samples) if args.eval_dataset else [])
+                                 args.eval_max_samples or args.max_samples, "--eval_dataset")
+                    if args.eval_dataset else [])
     return RLData(tokenizer, prompts, eval_prompts)
 
 
@@ -131,13 +137,14 @@ def build_trainer(args, placement: Placement, data: RLData, trainer_cls: type = 
                        weight_sync=p.weight_sync, **extra)
 
 
-def save_final(args, placement: Placement, tokenizer: Any) -> None:
+def save_final(args, placement: Placement, tokenizer: Any, fallback: Callable[[], str] | None = None) -> None:
     """The policy (and with --save_value_network the critic) in Hugging Face format, each with a
-    model card (README.md) written by rank 0 / the driver from the run's files."""
+    model card (README.md) written by rank 0 / the driver from the run's files. Too little space in
+    --save_path: `fallback()` (the trainer's resumable checkpoint) instead (common.save_or_fall_back)."""
     from rlhfkit.config.flags import run_dir_of
     from rlhfkit.trainers.model_card import write_model_card
 
-    placement.policy_backend.save_hf(args.save_path, tokenizer)
+    save_or_fall_back(lambda: placement.policy_backend.save_hf(args.save_path, tokenizer), fallback)
     if placement.dist.rank == 0:
         write_model_card(args.save_path, run_dir=run_dir_of(args), trainer="rl")
     if args.save_value_network and placement.save_critic is not None:

@@ -28,7 +28,10 @@ JSON, lone surrogates, missing `query`, wrong types or lengths); 408 a body not 
 --max_json_depth) or a query that is empty or longer than --max_len tokens (we reject rather than
 truncate, unlike OpenRLHF, which silently cuts the end of the text: a reward for a cut text is not the
 reward of the text); 500 a model error. A 408 or 413 also closes the connection. A connection whose
-request headers do not arrive within --read_timeout_s is closed. SIGTERM stops accepting connections,
+request headers do not arrive within --read_timeout_s is closed; an oversized body is read through
+before its 413 so the client gets the answer, not a reset; input that is not HTTP gets a JSON 400 too.
+The port is bound before the model loads: a busy one ends the server in one line before anything says
+it listens. SIGTERM stops accepting connections,
 lets requests in progress finish for up to --shutdown_timeout_s, then cancels them and exits.
 
 Threads (--num_threads 0, the default): on CPU the model gets one torch thread per core but one, and
@@ -56,6 +59,7 @@ import dataclasses
 import gc
 import logging
 import os
+import socket
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -406,16 +410,37 @@ def main(argv: Sequence[str] | None = None) -> None:
     one_malloc_arena()
     cfg.device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch.set_num_threads(choose_num_threads(args.num_threads, cfg.device))
+    sock = bind_port(args.host, args.port)  # a busy port fails here, before the model loads
     t0 = time.time()
     scorer = RewardScorer(cfg)
     app = create_app(scorer, cfg)
+    sock.listen(2048)
     print(f"serve_rm: {cfg.reward_pretrain} loaded in {time.time() - t0:.1f} s on {scorer.device} "
           f"({torch.get_num_threads()} torch threads); listening on http://{args.host}:{args.port}/get_reward",
           file=sys.stderr, flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                             http=header_timeout_protocol(cfg.read_timeout_s),
                             timeout_graceful_shutdown=args.shutdown_timeout_s)
-    uvicorn.Server(config).run()
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+def bind_port(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to `host:port` (not listening yet); a port in use or an address that is not
+    this host's ends the server in one line, before anything says it listens."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise SystemExit(f"serve_rm: error: --host {host}: {e.strerror}") from None
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # not another listener's port: a TIME_WAIT one
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise SystemExit(f"serve_rm: error: cannot listen on {host}:{port} (--host / --port): {e.strerror}") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 if __name__ == "__main__":

@@ -12,6 +12,10 @@
 | time to send the headers | --read_timeout_s    | connection closed (header_timeout_protocol) |
 | time to send the body    | --read_timeout_s    | 408, connection closed |
 
+An oversized body is read through (and dropped) before its 413, so that a client sending it all before
+reading gets the answer rather than a reset (`read_body`). Input that is not HTTP at all gets a JSON 400
+too (`header_timeout_protocol`): every error body is JSON.
+
 Anything else that is not a valid request (invalid UTF-8, malformed JSON, lone surrogates, wrong types,
 integers too long for Python) is a 400. No input reaches the tokenizer or the model before passing here.
 
@@ -79,32 +83,54 @@ class RewardRequest:
 # ----------------------------------------------------------------------------- body
 
 
+def drain_cap(limit: int) -> int:
+    """Bytes of an oversized body read through (and dropped) before its 413 is sent."""
+    return max(2 * limit, 64 << 20)
+
+
 async def read_body(receive: Callable[[], Awaitable[dict]], content_length: str | None,
                     limits: RequestLimits) -> bytearray:
     """The body from ASGI `receive`; RequestError 413 past --max_body_mb, 408 past --read_timeout_s;
-    ClientGone if the client disconnects first."""
+    ClientGone if the client disconnects first.
+
+    An oversized body is read to its end and dropped (up to `drain_cap` bytes, within --read_timeout_s)
+    before the 413 goes out: a client that sends its whole body before reading the answer (most do)
+    then gets the 413, where closing on unread data would reset the connection under it. A body
+    declared larger than the cap is answered at once."""
     limit = limits.max_body_bytes
-    if content_length is not None and content_length.strip().isdigit() and int(content_length) > limit:
-        raise RequestError(413, f"request body of {int(content_length)} bytes exceeds --max_body_mb "
-                                f"({limit} bytes)")
+    declared = int(content_length) if content_length is not None and content_length.strip().isdigit() else None
+    too_big = (f"request body of {declared} bytes exceeds --max_body_mb ({limit} bytes)"
+               if declared is not None and declared > limit else None)
+    if too_big and declared > drain_cap(limit):
+        raise RequestError(413, too_big)
     body = bytearray()
+    seen = 0
 
     async def read() -> None:
+        nonlocal seen, too_big
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
                 raise ClientGone()
-            body.extend(message.get("body", b""))
-            if len(body) > limit:
-                raise RequestError(413, f"request body exceeds --max_body_mb ({limit} bytes)")
-            if not message.get("more_body", False):
+            chunk = message.get("body", b"")
+            seen += len(chunk)
+            if too_big is None:
+                body.extend(chunk)
+                if len(body) > limit:
+                    too_big = f"request body exceeds --max_body_mb ({limit} bytes)"
+                    body.clear()
+            if not message.get("more_body", False) or (too_big and seen > drain_cap(limit)):
                 return
 
     try:
         await asyncio.wait_for(read(), limits.read_timeout_s)
     except asyncio.TimeoutError:
+        if too_big:
+            raise RequestError(413, too_big) from None
         raise RequestError(408, f"request body not received within --read_timeout_s "
                                 f"({limits.read_timeout_s:g} s; {len(body)} bytes arrived)") from None
+    if too_big:
+        raise RequestError(413, too_big)
     return body
 
 
@@ -147,6 +173,13 @@ def header_timeout_protocol(timeout_s: float) -> type:
             waiting = self.cycle is None or self.cycle.response_complete  # no request in progress
             if waiting and not self.transport.is_closing():
                 self.transport.close()
+
+        def send_400_response(self, msg: str) -> None:
+            """Input that is not HTTP: a JSON error body like every other answer (uvicorn's is plain text)."""
+            body = json.dumps({"error": f"malformed HTTP request: {msg}"}).encode()
+            self.transport.write(b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
+                                 b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
+            self.transport.close()
 
     return HeaderTimeoutProtocol
 

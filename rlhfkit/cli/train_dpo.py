@@ -26,6 +26,7 @@ from rlhfkit.cli.offline_common import (
     setup,
     train_policy,
 )
+from rlhfkit.cli.run_dir import training_run
 from rlhfkit.config.configs import from_args
 from rlhfkit.config.flags import FlagParser
 from rlhfkit.data.preference import PreferenceDataConfig, PreferenceDataset
@@ -35,7 +36,7 @@ from rlhfkit.trainers.dpo_task import DPOTask, check_dpo_settings
 def build_parser() -> FlagParser:
     p = FlagParser("train_dpo", __doc__ or "")
     add_offline_flags(p, max_len=512, train_batch_size=128, micro_train_batch_size=8, max_epochs=1,
-                      learning_rate=1e-5, ckpt_path="./ckpt/checkpoints_dpo", wandb_project="rlhfkit_train_dpo")
+                      learning_rate=1e-5, wandb_project="rlhfkit_train_dpo")
     p.set_defaults(eval_split="test")
     add_pair_key_flags(p)
     add_ref_flags(p)
@@ -50,6 +51,7 @@ def build_parser() -> FlagParser:
     return p
 
 
+@training_run
 def run(args) -> OfflineRun:
     check_dpo_settings(args.beta, args.label_smoothing, args.ipo, args.nll_loss_coef)
     dist, tokenizer = setup(args)

@@ -23,6 +23,7 @@ from rlhfkit.cli.offline_common import (
     setup,
     train_policy,
 )
+from rlhfkit.cli.run_dir import training_run
 from rlhfkit.config.configs import from_args
 from rlhfkit.config.flags import FlagParser
 from rlhfkit.data.sft import SFTDataConfig, SFTDataset
@@ -34,7 +35,7 @@ KD_PLOT_KEYS = ("loss", "kd", "grad_norm", "lr")  # rlhfkit.trainers.plot.PANELS
 def build_parser() -> FlagParser:
     p = FlagParser("train_kd", __doc__ or "")
     add_offline_flags(p, max_len=2048, train_batch_size=128, micro_train_batch_size=8, max_epochs=2,
-                      learning_rate=5e-6, ckpt_path="./ckpt/checkpoints_kd", wandb_project="rlhfkit_train_kd",
+                      learning_rate=5e-6, wandb_project="rlhfkit_train_kd",
                       input_template="User: {}\nAssistant: ")
     p.flag("--teacher_model", "--teacher.model_name_or_path", type=str, default=None,
            help="frozen teacher model directory or hub id (same vocabulary as --pretrain)")
@@ -46,6 +47,7 @@ def build_parser() -> FlagParser:
     return p
 
 
+@training_run
 def run(args) -> OfflineRun:
     require(args, "teacher_model")
     if not 0.0 <= args.kd_coef <= 1.0:

@@ -24,6 +24,7 @@ from rlhfkit.cli.offline_common import (
     setup,
     train_policy,
 )
+from rlhfkit.cli.run_dir import training_run
 from rlhfkit.config.configs import from_args
 from rlhfkit.config.flags import FlagParser
 from rlhfkit.data.preference import UnpairedDataConfig, UnpairedDataset
@@ -35,7 +36,7 @@ KTO_PLOT_KEYS = ("loss", "kl", "signed_reward", "rewards", "grad_norm", "lr")  #
 def build_parser() -> FlagParser:
     p = FlagParser("train_kto", __doc__ or "")
     add_offline_flags(p, max_len=2048, train_batch_size=128, micro_train_batch_size=8, max_epochs=1,
-                      learning_rate=1e-5, ckpt_path="./ckpt/checkpoints_kto", wandb_project="rlhfkit_train_kto")
+                      learning_rate=1e-5, wandb_project="rlhfkit_train_kto")
     p.set_defaults(output_key="output")
     add_ref_flags(p)
     p.flag("--beta", "--model.beta", type=float, default=0.01, help="KTO beta")
@@ -58,6 +59,7 @@ def check_settings(args) -> None:
         raise UsageError("--desirable_loss_weight and --undesirable_loss_weight must be >= 0")
 
 
+@training_run
 def run(args) -> OfflineRun:
     check_settings(args)
     dist, tokenizer = setup(args)

@@ -21,6 +21,7 @@ from rlhfkit.backend.parallel import attach_mesh
 from rlhfkit.cli import ppo_setup as S
 from rlhfkit.cli import rl_root as R
 from rlhfkit.cli.common import cli_main, disable_hf_progress_bars, parallel_dims, set_seed
+from rlhfkit.cli.run_dir import training_run
 from rlhfkit.config.flags import FlagParser
 from rlhfkit.config.rl_flags import add_rl_flags
 from rlhfkit.roles.memory import RoleOutOfMemory
@@ -45,6 +46,7 @@ def build_trainer(args, dist):
     return R.build_trainer(args, placement, data), placement, data.tokenizer
 
 
+@training_run
 def run(args, parser) -> R.RLRun:
     dist = init_distributed(args.device)
     S.resolve_flags(args, dist.world_size)  # refuses tp / cp > 1, so the world is data parallel here
@@ -61,7 +63,7 @@ def run(args, parser) -> R.RLRun:
     finally:  # also when the run fails: no thread may be inside torch or user code at exit
         S.close_rollout(trainer.engine)
         trainer.logger.close()
-    R.save_final(args, placement, tokenizer)
+    R.save_final(args, placement, tokenizer, fallback=trainer.save_checkpoint)
     return R.RLRun(trainer.state, placement, tokenizer)
 
 

@@ -50,6 +50,7 @@ from rlhfkit.cli import rl_root as R
 from rlhfkit.cli.common import UsageError, cli_main, set_seed
 from rlhfkit.cli.memory_check import check_memory
 from rlhfkit.cli.train_ppo import build_parser as ppo_parser
+from rlhfkit.cli.run_dir import training_run
 from rlhfkit.optional import require
 from rlhfkit.config.flag_parser import RL_PLACEMENT, shell_text
 from rlhfkit.trainers.async_rl import AsyncRLTrainer
@@ -275,13 +276,16 @@ def build_ray_trainer(args, launched, phases, tokenizer, prompts, eval_prompts) 
                            partial_rollout=args.partial_rollout, take_turns=async_mode(args) == "turns")
 
 
-def save_final(args, launched, tokenizer) -> None:
-    R.save_final(args, ray_placement(launched), tokenizer)
+def save_final(args, launched, tokenizer, fallback=None) -> None:
+    R.save_final(args, ray_placement(launched), tokenizer, fallback=fallback)
 
 
+@training_run
 def run(args, parser, hard_exit: bool = False) -> None:
     from rlhfkit.distributed.launch import connect
+    from rlhfkit.trainers.stop import current as stop_signals
 
+    stop_signals().can_abandon = False  # a step of Ray actors always finishes before the stop checkpoint
     shapes = role_shapes(args)
     S.resolve_flags(args, shapes["policy"].slots)
     check_ray_flags(args, shapes)
@@ -298,7 +302,7 @@ def run(args, parser, hard_exit: bool = False) -> None:
         trainer = build_ray_trainer(args, launched, phases, data.tokenizer, data.prompts, data.eval_prompts)
         trainer.fit()
         trainer.logger.close()
-        save_final(args, launched, data.tokenizer)
+        save_final(args, launched, data.tokenizer, fallback=trainer.save_checkpoint)
     finally:
         if launched is not None:
             from rlhfkit.agents.user_code import shutdown_user_threads

@@ -22,6 +22,7 @@ from rlhfkit.cli.offline_common import (
     setup,
     train_policy,
 )
+from rlhfkit.cli.run_dir import training_run
 from rlhfkit.config.configs import from_args
 from rlhfkit.config.flags import FlagParser
 from rlhfkit.data.prm import PRMDataConfig, PRMDataset
@@ -32,7 +33,7 @@ from rlhfkit.trainers.prm_task import PRMTask
 def build_parser() -> FlagParser:
     p = FlagParser("train_prm", __doc__ or "")
     add_offline_flags(p, max_len=2048, train_batch_size=128, micro_train_batch_size=1, max_epochs=1,
-                      learning_rate=1e-6, ckpt_path="./ckpt/checkpoints_prm", wandb_project="rlhfkit_train_prm")
+                      learning_rate=1e-6, wandb_project="rlhfkit_train_prm")
     p.flag("--label_key", "--data.label_key", type=str, default="value",
            help="column with one label per step (reward tokens, or numbers for soft labels)")
     p.flag("--placeholder_token", "--data.placeholder_token", type=str, default=None,
@@ -44,6 +45,7 @@ def build_parser() -> FlagParser:
     return p
 
 
+@training_run
 def run(args) -> OfflineRun:
     if not args.placeholder_token:
         raise UsageError("--placeholder_token is required (the token that ends each step)")

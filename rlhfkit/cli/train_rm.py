@@ -31,6 +31,7 @@ from rlhfkit.backend.dist import DistInfo
 from rlhfkit.cli.common import UsageError, cli_main, make_logger
 from rlhfkit.cli.offline_common import (OFFLINE_PLOT_KEYS, OfflineRun, add_offline_flags, add_pair_key_flags,
                                         load_split_items, save_model, setup, train_task, trainable_backend)
+from rlhfkit.cli.run_dir import training_run
 from rlhfkit.config.configs import ModelConfig, from_args
 from rlhfkit.config.flags import FlagParser
 from rlhfkit.data.preference import PreferenceDataConfig, PreferenceDataset
@@ -44,7 +45,7 @@ STATS_FRACTION, STATS_MIN_PAIRS = 0.01, 100
 def build_parser() -> FlagParser:
     p = FlagParser("train_rm", __doc__ or "")
     add_offline_flags(p, max_len=512, train_batch_size=128, micro_train_batch_size=1, max_epochs=1,
-                      learning_rate=9e-6, ckpt_path="./ckpt/checkpoints_rm", wandb_project="rlhfkit_train_rm")
+                      learning_rate=9e-6, wandb_project="rlhfkit_train_rm")
     add_pair_key_flags(p)
     p.flag("--value_head_prefix", "--ds.value_head_prefix", "--value_prefix_head", type=str, default="score",
            help="name of the value head module (score: loadable by AutoModelForSequenceClassification)")
@@ -67,7 +68,8 @@ def statistics_items(train_items: Sequence[Any], eval_items: Sequence[Any] | Non
     return train_items[:min(n, max(math.ceil(STATS_FRACTION * n), STATS_MIN_PAIRS))]
 
 
-def save_reward_model(args, backend, tokenizer, mean: float, std: float, dist: DistInfo, logger=None) -> None:
+def save_reward_model(args, backend, tokenizer, mean: float, std: float, dist: DistInfo, logger=None,
+                      state=None) -> None:
     """Store mean/std (and the head name, pad id) in the config, then save in Hugging Face format.
     `tokenizer` is the scoring tokenizer (appends EOS: plain transformers then scores text as rlhfkit
     does; rlhfkit.models.value.scoring_tokenizer)."""
@@ -80,9 +82,10 @@ def save_reward_model(args, backend, tokenizer, mean: float, std: float, dist: D
         update_reward_config(base.config, tokenizer)
     if base is not model and dist.rank == 0:  # LoRA: the adapter plus the reward config (lora_combiner --is_rm)
         base.config.save_pretrained(args.save_path)
-    save_model(args, backend, tokenizer, dist, logger, trainer="rm")
+    save_model(args, backend, tokenizer, dist, logger, trainer="rm", state=state)
 
 
+@training_run
 def run(args) -> OfflineRun:
     if args.micro_train_batch_size < 1:
         raise UsageError("--micro_train_batch_size must be >= 1")
@@ -102,7 +105,7 @@ def run(args) -> OfflineRun:
     stats = {"reward_mean": mean, "reward_std": std, "reward_stats_count": n}
     state.history.append(metrics_record(state.step, stats))
     logger.log(state.step, stats, console=True)
-    save_reward_model(args, backend, save_tokenizer, mean, std, dist, logger)
+    save_reward_model(args, backend, save_tokenizer, mean, std, dist, logger, state=state)
     logger.close()
     return OfflineRun(state, backend, task, tokenizer, train_items, eval_items, {"mean": mean, "std": std})
 

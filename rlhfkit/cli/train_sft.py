@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from rlhfkit.cli import offline_common as C
 from rlhfkit.cli.common import cli_main
+from rlhfkit.cli.run_dir import training_run
 from rlhfkit.config.configs import from_args
 from rlhfkit.config.flags import FlagParser
 from rlhfkit.data.sft import SFTDataConfig, SFTDataset
@@ -20,7 +21,7 @@ from rlhfkit.trainers.sft_task import SFTTask
 def build_parser() -> FlagParser:
     p = FlagParser("train_sft", __doc__ or "")
     C.add_offline_flags(p, max_len=2048, train_batch_size=128, micro_train_batch_size=8, max_epochs=2,
-                        learning_rate=5e-6, ckpt_path="./ckpt/checkpoints_sft", wandb_project="rlhfkit_train_sft",
+                        learning_rate=5e-6, wandb_project="rlhfkit_train_sft",
                         input_template="User: {}\nAssistant: ")
     p.flag("--multiturn", "--data.multiturn", action="store_true",
            help="--input_key holds a conversation; the loss covers every assistant turn")
@@ -29,6 +30,7 @@ def build_parser() -> FlagParser:
     return p
 
 
+@training_run
 def run(args, on_step_end=None) -> C.OfflineRun:
     """Train; `on_step_end(state, metrics, backend)` runs after each step (True stops early)."""
     dist, tokenizer = C.setup(args)

@@ -31,6 +31,7 @@ import os
 from rlhfkit.config.flag_parser import (BACKEND, CKPT, DATA, EVAL, LOGGING, LORA, MODEL, OPTIM,  # noqa: F401
                                         TRAIN, FlagParser, describe, parsed_values, str2bool)
 from rlhfkit.fileio import atomic_write_text
+from rlhfkit.redact import redact_config
 
 
 def add_model_flags(p: FlagParser, default_dtype: str = "bf16") -> None:
@@ -235,29 +236,39 @@ def add_local_rank_flag(p: FlagParser) -> None:
                  "the deepspeed launcher)")
 
 
-def add_ckpt_flags(p: FlagParser, *, ckpt_path: str = "./ckpt/checkpoints") -> None:
+def add_ckpt_flags(p: FlagParser) -> None:
     with p.group(CKPT):
         p.flag("--save_path", "--ckpt.output_dir", type=str, default="./ckpt",
                help="where the final model is saved in Hugging Face format")
         p.flag("--run_dir", type=str, default=None,
                help="metrics.jsonl, run_config.json and plots (default: --save_path)")
+        p.flag("--overwrite_output_dir", "--ckpt.overwrite_output_dir", action="store_true",
+               help="start over in a --save_path / --run_dir holding an earlier run: its metrics, run_config.json "
+                    "and the checkpoints inside it are removed (without it such a folder is refused)")
         p.flag("--save_steps", "--ckpt.save_steps", type=int, default=-1,
                help="save a resumable checkpoint every N optimizer steps (-1: never)")
-        p.flag("--ckpt_path", "--ckpt.path", type=str, default=ckpt_path,
-               help="folder of the resumable checkpoints (global_step<N>)")
+        p.flag("--ckpt_path", "--ckpt.path", type=str, default=None,
+               help="folder of the resumable checkpoints (global_step<N>); default: <run dir>/checkpoints")
         p.flag("--max_ckpt_num", "--ckpt.max_num", type=int, default=3,
                help="keep this many newest checkpoints; older ones are deleted")
         p.flag("--max_ckpt_mem", "--ckpt.max_mem", type=float, default=1e8,
                help="GB the resumable checkpoints in --ckpt_path may hold: after a save the oldest are deleted "
                     "while they hold more (the one just saved always stays); as OpenRLHF's")
         p.flag("--load_checkpoint", "--ckpt.load_enable", action="store_true",
-               help="resume from the newest checkpoint in --ckpt_path, if there is one")
+               help="resume from the newest intact checkpoint in --ckpt_path, if there is one; its run's model, "
+                    "data, batch and learning-rate settings must be this run's")
+        p.flag("--allow_resume_changes", type=str, default=None,
+               help="--load_checkpoint: accept these settings (comma-separated flag names, or all) differing "
+                    "from the checkpoint's run as deliberate changes")
         p.flag("--save_hf_ckpt", "--ckpt.save_hf", action="store_true",
                help="also save a Hugging Face snapshot with each checkpoint (<ckpt_path>/global_step<N>_hf)")
         p.flag("--hf_max_shard_size", type=str, default="5GB",
                help="largest safetensors file of a Hugging Face export, e.g. 5GB, 500MB or bytes")
         p.flag("--disable_ds_ckpt", "--ckpt.disable_ds", action="store_true",
                help="--save_steps writes no resumable checkpoint (only --save_hf_ckpt snapshots)")
+        p.flag("--stop_grace_s", type=float, default=10.0,
+               help="on SIGINT / SIGTERM the current step may finish within this many seconds (else it is "
+                    "abandoned); then a resumable checkpoint is written, the resume command printed, exit 130 / 143")
 
 
 def add_logging_flags(p: FlagParser, *, wandb_project: str = "rlhfkit", eval_default: str = "once per epoch") -> None:
@@ -289,12 +300,12 @@ def write_resolved_config(args: argparse.Namespace, run_dir: str, name: str = "r
     None -> 1024), so `--config run_config.json` replays the run (rlhfkit.config.config_file)."""
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, name)
-    data = {k: v for k, v in sorted(vars(args).items()) if k not in ("use_wandb",)}
-    data["use_wandb"] = bool(getattr(args, "use_wandb", None))
+    data = redact_config(dict(sorted(vars(args).items())))  # no secret on disk (rlhfkit.redact)
+    data["use_wandb"] = bool(data.get("use_wandb"))
     parsed = parsed_values(args)
     if parsed:
         plain = json.loads(json.dumps(data, default=str))
-        as_parsed = {k: v for k, v in json.loads(json.dumps(parsed, default=str)).items()
+        as_parsed = {k: v for k, v in json.loads(json.dumps(redact_config(parsed), default=str)).items()
                      if k in plain and k != "use_wandb" and plain[k] != v}
         if as_parsed:
             data["_as_parsed"] = as_parsed

@@ -24,7 +24,7 @@ ROLES = ["actor", "ref", "critic", "reward"]
 def add_rl_flags(p: FlagParser) -> None:
     add_model_flags(p)
     add_backend_flags(p)
-    add_ckpt_flags(p, ckpt_path="./ckpt/checkpoints_ppo")
+    add_ckpt_flags(p)
     add_logging_flags(p, wandb_project="rlhfkit_train_ppo", eval_default="never")
     _models(p)
     _data(p)

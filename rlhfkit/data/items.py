@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 from torch.utils.data import Dataset
 
-from rlhfkit.data.io import Row
+from rlhfkit.data.io import DataError, Row
 from rlhfkit.data.templates import encode, require_chat_template, set_chat_template
 
 
@@ -101,7 +101,8 @@ def join_prompt_response(prompt_ids: list[int], response_ids: list[int], eos_id:
 
 
 class TokenizedDataset(Dataset):
-    """Items built once from rows by `encode_row` (None drops a row, counted in `num_dropped`).
+    """Items built once from rows by `encode_row` (None drops a row, counted in `num_dropped`; the
+    first dropped row is `first_dropped`, the reason `drop_reason`).
 
     `chat_flag` names the flag that needs the tokenizer's chat template (None: not needed);
     `chat_template` (`--tokenizer_chat_template`) replaces the tokenizer's template first.
@@ -116,12 +117,20 @@ class TokenizedDataset(Dataset):
         self.eos_id: int | None = tokenizer.eos_token_id
         self.items: list[Any] = []
         self.num_dropped = 0
+        self.first_dropped: Row | None = None
         for row in rows:
             item = self.encode_row(row)
             if item is None:
                 self.num_dropped += 1
+                self.first_dropped = self.first_dropped or row
             else:
                 self.items.append(item)
+
+    @property
+    def drop_reason(self) -> str:
+        """Why `encode_row` leaves a row out (for the load report)."""
+        max_len = getattr(getattr(self, "config", None), "max_len", None)
+        return f"no token to train on within --max_len {max_len}" if max_len else "no token to train on"
 
     def encode_row(self, row: Row) -> Any:
         """One row -> one item, or None to drop it."""
@@ -142,3 +151,21 @@ class TokenizedDataset(Dataset):
         """Encode prompt and response (trailing newlines stripped) and join them."""
         return join_prompt_response(encode(self.tokenizer, prompt),
                                     encode(self.tokenizer, response.rstrip("\n")), self.eos_id, max_len)
+
+
+def check_dropped(ds: TokenizedDataset, rows_read: int, what: str, training: bool = True) -> str | None:
+    """The load report of a tokenized dataset: one line counting and naming the rows it left out
+    (None when none was), e.g.
+
+        --dataset data.jsonl: 104 of 200 rows left out: longer than --prompt_max_len 9 tokens (the first: data.jsonl row 3)
+
+    For training data (`training`), keeping fewer than half the rows, or none, is a DataError with that reason."""
+    if not ds.num_dropped:
+        return None
+    first = f" (the first: {ds.first_dropped.where})" if ds.first_dropped is not None else ""
+    line = f"{what}: {ds.num_dropped} of {rows_read} rows left out: {ds.drop_reason}{first}"
+    kept = len(ds.items)
+    if not kept or (training and 2 * kept < rows_read):
+        raise DataError(f"{line}; {'no row is' if not kept else f'only {kept} rows are'} left to train on "
+                        "(lengthen the limit or shorten the data)")
+    return line

@@ -6,7 +6,9 @@ is; the generation prompt is added) or `--input_template`. `label` is the `--lab
 passed untouched to `reward_func` and agents (missing or null is an error naming file and row); `datasource` is the row's `datasource` column
 (default "default"), used to split evaluation metrics per source, as in OpenRLHF.
 
-With `max_prompt_len`, prompts longer than that many tokens are dropped and counted.
+With `max_prompt_len`, prompts longer than that many tokens are dropped and counted
+(`rlhfkit.data.items.check_dropped` reports them). An empty or whitespace-only prompt is an error
+naming file, row and key.
 """
 
 from __future__ import annotations
@@ -57,9 +59,17 @@ class PromptDataset(TokenizedDataset):
     def lengths(self) -> list[int]:
         return [len(encode(self.tokenizer, s.prompt)) for s in self.items]
 
+    @property
+    def drop_reason(self) -> str:
+        return f"longer than --prompt_max_len {self.config.max_prompt_len} tokens"
+
     def encode_row(self, row: Row) -> PromptSample | None:
         cfg = self.config
-        prompt = self.format.prompt_text(self.tokenizer, row.get(cfg.input_key, "--input_key"), row, cfg.input_key)
+        value = row.get(cfg.input_key, "--input_key")
+        if (isinstance(value, str) and not value.strip()) or (isinstance(value, (list, tuple)) and not value):
+            what = "empty" if not value else "only whitespace"
+            raise row.error(f"key {cfg.input_key!r} (--input_key) is {what}: a prompt needs text")
+        prompt = self.format.prompt_text(self.tokenizer, value, row, cfg.input_key)
         if cfg.max_prompt_len is not None and len(encode(self.tokenizer, prompt)) > cfg.max_prompt_len:
             return None
         label = row.get(cfg.label_key, "--label_key") if cfg.label_key else None

@@ -21,6 +21,7 @@ import sys
 from typing import Any
 
 from rlhfkit.fileio import atomic_write_text
+from rlhfkit.redact import redact_argv, redact_config, redact_text
 from rlhfkit.trainers.metric_names import CONSOLE_KEYS
 
 # run_config.json flags shown under "Key settings", in this order (those set)
@@ -58,10 +59,12 @@ def write_model_card(model_dir: str, *, run_dir: str | None = None, step: int | 
     base = base_model if base_model is not None else config.get("pretrain")
     data = datasets if datasets is not None else list(dict.fromkeys(str(config[k]) for k in DATA_FLAGS
                                                                      if config.get(k)))
-    chosen = settings if settings is not None else key_settings(config)
+    chosen = redact_config(settings if settings is not None else key_settings(config))
     kind = trainer or _trainer_of(config)
     final = final_metrics(rows, step)
-    text = render_card(model_dir, base, data, command or this_command(), chosen, final, kind,
+    # a card is made to be published: no key, token or URL credential in it (rlhfkit.redact)
+    text = render_card(model_dir, redact_text(base) if base else base, [redact_text(d) for d in data],
+                       redact_text(command) if command else this_command(), chosen, final, kind,
                        _pipeline_tag(model_dir), step)
     path = os.path.join(model_dir, "README.md")
     atomic_write_text(path, text)
@@ -102,15 +105,17 @@ def final_metrics(rows: list[dict[str, Any]], step: int | None = None) -> dict[s
     return out
 
 
-def this_command() -> str:
-    """This process's command line, as `python -m rlhfkit.cli.<name> ...` when it ran an rlhfkit CLI."""
+def this_command(args: list[str] | None = None) -> str:
+    """This process's command line (secrets replaced: rlhfkit.redact), as `python -m rlhfkit.cli.<name>
+    ...` when it ran an rlhfkit CLI; `args` in place of its arguments when given."""
     argv = list(sys.argv) or ["python"]
     script = os.path.abspath(argv[0]) if argv[0] else ""
     cli = os.path.join("rlhfkit", "cli") + os.sep
+    rest = redact_argv(list(argv[1:] if args is None else args))
     if cli in script and script.endswith(".py"):
         mod = "rlhfkit.cli." + os.path.basename(script)[:-3]
-        return shlex.join(["python", "-m", mod, *argv[1:]])
-    return shlex.join([os.path.basename(argv[0]) if argv[0] else "python", *argv[1:]])
+        return shlex.join(["python", "-m", mod, *rest])
+    return shlex.join([os.path.basename(argv[0]) if argv[0] else "python", *rest])
 
 
 def render_card(model_dir: str, base: str | None, data: list[str], command: str, settings: dict[str, Any],

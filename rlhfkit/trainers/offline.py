@@ -25,18 +25,24 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
+from rlhfkit.backend.checkpoint import checkpoint_gap
 from rlhfkit.backend.dist import DistInfo
 from rlhfkit.config.notes import note_once
+from rlhfkit.fileio import NoSpaceError
 from rlhfkit.losses.aux import router_aux_loss
 from rlhfkit.losses.reduce import HostValues
 from rlhfkit.models.moe import RouterAuxLoss
 from rlhfkit.trainers.metrics import EVAL, MetricsLogger, NullLogger, metrics_record, progress_bar
 from rlhfkit.trainers.model_card import task_kind
+from rlhfkit.trainers.run_settings import check_same_run
+from rlhfkit.trainers.stop import StepAbandoned
+from rlhfkit.trainers.stop import current as stop_signals
 
 
 class OfflineTask(Protocol):
@@ -70,6 +76,10 @@ class LoopConfig:
     aux_loss_coef: float = 0.0  # MoE router balance loss weight [--aux_loss_coef]
     save_ds: bool = True  # --save_steps writes resumable checkpoints [not --disable_ds_ckpt]
     save_hf: bool = False  # ... and Hugging Face snapshots [--save_hf_ckpt]
+    # what makes the run this run (rlhfkit.trainers.run_settings), recorded in each checkpoint and
+    # compared on resume; the settings accepted as changed [--allow_resume_changes]
+    run_settings: dict[str, Any] = field(default_factory=dict)
+    allowed_changes: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -118,6 +128,8 @@ def train_offline(task: OfflineTask, backend, train_items: Sequence[Any], cfg: L
     if cfg.load_checkpoint:
         client = backend.load_checkpoint(cfg.ckpt_path)
         if client is not None:
+            check_same_run(client.get("run_settings"), cfg.run_settings, cfg.allowed_changes,
+                           f"the checkpoint in --ckpt_path {cfg.ckpt_path}")
             state.step, state.epoch, state.batch_in_epoch = client["step"], client["epoch"], client["batch_in_epoch"]
             if dist.rank == 0:
                 print(f"resumed from {cfg.ckpt_path} at step {state.step} (epoch {state.epoch})")
@@ -125,6 +137,8 @@ def train_offline(task: OfflineTask, backend, train_items: Sequence[Any], cfg: L
     total = spe * cfg.max_epochs if cfg.max_steps is None else min(cfg.max_steps, spe * cfg.max_epochs)
     bar = progress_bar(total, state.step, "train", cfg.show_progress and dist.rank == 0)
     done = state.step >= total
+    signals = stop_signals()  # SIGINT / SIGTERM: a checkpoint after this step, then RunStopped (trainers/stop.py)
+    signals.start_training()
     while not done and state.epoch < cfg.max_epochs:
         order = epoch_order(n, state.epoch, cfg.seed)
         for b in range(state.batch_in_epoch, spe):
@@ -133,7 +147,11 @@ def train_offline(task: OfflineTask, backend, train_items: Sequence[Any], cfg: L
                      for j in range(0, len(idx), cfg.micro_train_batch_size)]
             assert len(micro) == accum
             t0 = time.time()
-            metrics = _train_step(task, backend, micro, dist, cfg.aux_loss_coef)
+            try:
+                with signals.step():
+                    metrics = _train_step(task, backend, micro, dist, cfg.aux_loss_coef)
+            except StepAbandoned:
+                raise signals.stop(state.step, lambda: save_resumable(backend, cfg, state), abandoned=True) from None
             state.step += 1
             state.batch_in_epoch = b + 1
             metrics["step_time"] = time.time() - t0
@@ -147,22 +165,48 @@ def train_offline(task: OfflineTask, backend, train_items: Sequence[Any], cfg: L
                 state.history.append(metrics_record(state.step, metrics))
                 logger.log(state.step, metrics, console=bar.disable, total=total)
             if _due(state.step, cfg.save_steps) and cfg.save_ds:
-                ep, bi = (state.epoch + 1, 0) if last_of_epoch else (state.epoch, state.batch_in_epoch)
-                backend.save_checkpoint(cfg.ckpt_path, f"global_step{state.step}",
-                                        {"step": state.step, "epoch": ep, "batch_in_epoch": bi}, cfg.max_ckpt_num)
+                warn_if_no_space(lambda: save_resumable(backend, cfg, state, last_of_epoch), state.step)
             if _due(state.step, cfg.save_steps) and cfg.save_hf:
                 snapshot = os.path.join(cfg.ckpt_path, f"global_step{state.step}_hf")
-                backend.save_hf(snapshot, tokenizer)
-                logger.model_card(snapshot, step=state.step, trainer=task_kind(task))
+                if warn_if_no_space(lambda: backend.save_hf(snapshot, tokenizer), state.step):
+                    logger.model_card(snapshot, step=state.step, trainer=task_kind(task))
             stop = on_step_end(state, metrics) if on_step_end is not None else False
             if state.step >= total or stop:
                 done = True
                 break
+            if signals.requested(dist.agree if dist.world_size > 1 else None):
+                raise signals.stop(state.step, lambda: save_resumable(backend, cfg, state, last_of_epoch),
+                                   abandoned=False)
         if not done:
             state.epoch += 1
             state.batch_in_epoch = 0
+    signals.end_training()
     bar.close()
     return state
+
+
+def save_resumable(backend, cfg: LoopConfig, state: LoopState, last_of_epoch: bool = False) -> str:
+    """A resumable checkpoint of `state` as `<ckpt_path>/global_step<N>` (all ranks call; one of this
+    step already there is kept); its path."""
+    existing = os.path.join(cfg.ckpt_path, f"global_step{state.step}")
+    if os.path.isdir(existing) and checkpoint_gap(existing) is None:
+        return existing
+    ep, bi = (state.epoch + 1, 0) if last_of_epoch else (state.epoch, state.batch_in_epoch)
+    return backend.save_checkpoint(cfg.ckpt_path, f"global_step{state.step}",
+                                   {"step": state.step, "epoch": ep, "batch_in_epoch": bi,
+                                    "run_settings": cfg.run_settings}, cfg.max_ckpt_num)
+
+
+def warn_if_no_space(save: Callable[[], Any], step: int) -> bool:
+    """Run `save`; when the disk is too full for it, one warning line and False (the run goes on with
+    the checkpoints it has; the save removed its own partial files)."""
+    try:
+        save()
+    except NoSpaceError as e:
+        print(f"warning: step {step}: not saved: {e}; the checkpoints saved before are kept", file=sys.stderr,
+              flush=True)
+        return False
+    return True
 
 
 def has_eval(metrics: dict[str, Any]) -> bool:
@@ -208,6 +252,7 @@ def _train_step(task: OfflineTask, backend, micro: list[Any], dist: DistInfo,
             sums[k] = sums.get(k, 0.0) + v
     # read after the optimizer step's own sync, so the GPU is not drained one more time per step
     pending = HostValues(sums)
+    stop_signals().commit()  # from here the step changes the weights: it is never abandoned
     stepped = backend.optimizer_step()
     # task metrics are already normalised by the global count: sum them over micro-batches and ranks
     host = pending.result()

@@ -39,12 +39,14 @@ from __future__ import annotations
 import asyncio
 import gc
 import math
+import os
 import sys
 from typing import Any, Sequence
 
 import torch
 
 from rlhfkit.backend import host_gc
+from rlhfkit.backend.checkpoint import checkpoint_gap
 from rlhfkit.algo.advantages import AdvantageConfig, get_advantage_estimator
 from rlhfkit.algo.experience import (RewardShapingConfig, apply_length_penalties, finish_experience,
                                      pad_trajectories)
@@ -53,8 +55,11 @@ from rlhfkit.algo.passk import pass_at_k_from_scores
 from rlhfkit.backend.dist import DistInfo
 from rlhfkit.roles.group import LocalWeightSync
 from rlhfkit.trainers.metrics import PhaseClock, metrics_record, progress_bar
-from rlhfkit.trainers.offline import epoch_order
+from rlhfkit.trainers.offline import epoch_order, warn_if_no_space
 from rlhfkit.trainers.rl_config import FailedStepsError, RLLoopConfig, RLState
+from rlhfkit.trainers.run_settings import check_same_run
+from rlhfkit.trainers.stop import StepAbandoned
+from rlhfkit.trainers.stop import current as stop_signals
 from rlhfkit.trainers.rl_step_info import complete_groups, global_experience_metrics, skip_cause
 from rlhfkit.types import PromptSample, Trajectory
 
@@ -261,6 +266,7 @@ class RLTrainer:
                                          kl_in_reward=not self.cfg.use_kl_loss, reduce=self.dist.all_reduce_dp)
         exp_m = global_experience_metrics(exp_m, batch, self.dist)
         train_m: dict[str, float] = {}
+        stop_signals().commit()  # from here the step changes the weights: it is never abandoned
         with t("train"):
             if self.critic is not None:
                 train_m.update(self.critic.call("train_on", batch))
@@ -353,6 +359,8 @@ class RLTrainer:
         if c.load_checkpoint and self.checkpointer is not None:
             client = self.checkpointer.load(c.ckpt_path)
             if client is not None:
+                check_same_run(client.get("run_settings"), c.run_settings, c.allowed_changes,
+                               f"the checkpoint in --ckpt_path {c.ckpt_path}")
                 s.step = client["step"]
                 s.cursor = (client["episode"], client["batch_in_episode"], client.get("skipped_in_episode", 0))
                 self.kl_ctl.load_state_dict(client["kl_ctl"])
@@ -365,8 +373,16 @@ class RLTrainer:
         self._plain, self._total = bar.disable, total
         if s.step == 0 and c.eval_steps > 0:
             self._log(0, self.evaluate())
+        signals = stop_signals()  # SIGINT / SIGTERM: a checkpoint after this step, then RunStopped (trainers/stop.py)
+        signals.start_training()
         while s.step < total:
-            m = self.train_step()
+            cursor = s.cursor
+            try:
+                with signals.step():
+                    m = self.train_step()
+            except StepAbandoned:
+                s.cursor = cursor  # the abandoned step's prompts are drawn again on resume
+                raise signals.stop(s.step, self.save_checkpoint, abandoned=True) from None
             s.step += 1
             self._count_failed_step(m)
             bar.update(1)
@@ -375,18 +391,34 @@ class RLTrainer:
             if c.eval_steps > 0 and (s.step % c.eval_steps == 0 or s.step == total):
                 m.update(self.evaluate())
                 if getattr(self.checkpointer, "keep_best", None) is not None:  # --best_metric_key
-                    self.checkpointer.keep_best(c.ckpt_path, s.step, m, self._client_state())
+                    warn_if_no_space(lambda: self.checkpointer.keep_best(c.ckpt_path, s.step, m, self._client_state()),
+                                     s.step)
             if s.step % max(c.logging_steps, 1) == 0 or s.step == total:
                 self._log(s.step, m)
             if c.save_steps > 0 and s.step % c.save_steps == 0 and self.checkpointer is not None:
-                self.checkpointer.save(c.ckpt_path, f"global_step{s.step}", self._client_state(), c.max_ckpt_num)
+                warn_if_no_space(lambda: self.checkpointer.save(c.ckpt_path, f"global_step{s.step}",
+                                                                self._client_state(), c.max_ckpt_num), s.step)
+            if s.step < total and signals.requested(self.dist.agree if self.dist.world_size > 1 else None):
+                raise signals.stop(s.step, self.save_checkpoint, abandoned=False)
+        signals.end_training()
         bar.close()
         return s
+
+    def save_checkpoint(self) -> str:
+        """A resumable checkpoint of the current step under --ckpt_path (all ranks call; one of this step
+        already there is kept); its path."""
+        c = self.cfg
+        existing = os.path.join(c.ckpt_path, "actor", f"global_step{self.state.step}")
+        if os.path.isdir(existing) and checkpoint_gap(existing) is None:
+            return existing
+        return self.checkpointer.save_resumable(c.ckpt_path, f"global_step{self.state.step}", self._client_state(),
+                                                c.max_ckpt_num)
 
     def _client_state(self) -> dict:
         s = self.state
         return {"step": s.step, "episode": s.episode, "batch_in_episode": s.batch_in_episode,
-                "skipped_in_episode": s.skipped_in_episode, "kl_ctl": self.kl_ctl.state_dict()}
+                "skipped_in_episode": s.skipped_in_episode, "kl_ctl": self.kl_ctl.state_dict(),
+                "run_settings": self.cfg.run_settings}
 
     def _count_failed_step(self, m: dict[str, float]) -> None:
         """Count a skipped step (one line on stderr); the --max_failed_steps-th in a row ends the run.

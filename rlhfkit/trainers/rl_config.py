@@ -4,6 +4,7 @@ resumable progress (`RLState`) and the error that ends a run of failed steps."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -38,6 +39,10 @@ class RLLoopConfig:
     policy_max_epochs: int = 1
     policy_train_batch_size: int | None = None
     recompute_old_logprobs: bool = False
+    # what makes the run this run (rlhfkit.trainers.run_settings), recorded in each checkpoint and
+    # compared on resume; the settings accepted as changed [--allow_resume_changes]
+    run_settings: dict[str, Any] = field(default_factory=dict)
+    allowed_changes: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if self.max_failed_steps < 1:

@@ -120,7 +120,7 @@ def test_train_returns_the_metrics_jsonl_records(example):
 def run_config(d: str) -> dict:
     with open(os.path.join(d, "run_config.json")) as f:
         cfg = json.load(f)
-    return {k: v for k, v in cfg.items() if k not in ("pretrain", "dataset", "save_path")}
+    return {k: v for k, v in cfg.items() if k not in ("pretrain", "dataset", "save_path", "ckpt_path")}
 
 
 def test_sft_rows_in_memory_equal_the_file(tiny_model_dir, tmp_path):

@@ -50,6 +50,9 @@ def test_replay_from_run_config_gives_the_same_first_step(tiny_model_dir, qa, tm
     a, b = (json.load(open(os.path.join(d, "run_config.json"))) for d in (first, second))
     assert b.pop("config") == os.path.join(first, "run_config.json") and a.pop("config") is None
     assert b.pop("save_path") == second and a.pop("save_path") == first
+    # the default --ckpt_path lies in each run's own folder
+    assert b.pop("ckpt_path") == os.path.join(second, "checkpoints") and a.pop("ckpt_path") == os.path.join(
+        first, "checkpoints")
     assert a == b  # every other resolved value is the same
     assert first_loss(first) == first_loss(second)
 

@@ -104,11 +104,11 @@ def test_logged_metrics_and_saved_policy(trained):
 def test_ipo_cdpo_nll_and_packing_run(tiny_model_dir, tmp_path):
     train, _ = addition_pairs(n=3, train_wrong=2)
     data = write_jsonl(str(tmp_path / "t.jsonl"), train)
-    for extra in (["--ipo"], ["--label_smoothing", "0.1", "--nll_loss_coef", "0.5", "--packing_samples"]):
+    for i, extra in enumerate((["--ipo"], ["--label_smoothing", "0.1", "--nll_loss_coef", "0.5", "--packing_samples"])):
         args = build_parser().parse([
             "--pretrain", tiny_model_dir, "--dataset", data, "--prompt_key", "prompt", "--train_batch_size", "8",
             "--micro_train_batch_size", "4", "--max_steps", "2", "--learning_rate", "1e-3", "--max_len", "64",
-            "--save_path", str(tmp_path / "o"), "--disable_progress", *extra])
+            "--save_path", str(tmp_path / f"o{i}"), "--disable_progress", *extra])
         hist = run(args).state.history
         assert [h["step"] for h in hist] == [1, 2] and all(math.isfinite(h["train/loss"]) for h in hist)
         if "--nll_loss_coef" in extra:

@@ -1,0 +1,49 @@
+"""A full disk during a run (train_sft on the tiny model, free space faked): a periodic save that does
+not fit is one warning and the run goes on with the checkpoints it has; a final save that does not fit
+writes the resumable checkpoint instead and says so in one line (exit 1); resuming writes the model."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from rlhfkit.backend import checkpoint as ckpt
+from rlhfkit.backend import hf_export
+from rlhfkit.cli import train_sft
+from rlhfkit.fileio import GB
+from rlhfkit.trainers.metrics import read_metrics
+
+from test_run_folders import sft, write_qa
+
+
+def test_full_disk_at_a_save_and_at_the_final_save(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    data = write_qa(tmp_path / "d.jsonl")
+    out = str(tmp_path / "run")
+    ck = os.path.join(out, "checkpoints")
+    calls = {"n": 0}
+
+    def ckpt_free(path):  # room for the step-1 checkpoint, none for step 2's, room again for the fallback
+        calls["n"] += 1
+        return 0 if calls["n"] == 2 else 10 * GB
+
+    monkeypatch.setattr(ckpt, "free_bytes", ckpt_free)
+    monkeypatch.setattr(hf_export, "free_bytes", lambda path: 1000)
+    with pytest.raises(SystemExit) as e:
+        train_sft.main(sft(tiny_model_dir, data, out, "--save_steps", "1", "--max_steps", "3"))
+    cap = capsys.readouterr()
+    warnings = [x for x in cap.err.splitlines() if x.startswith("warning:")]
+    assert warnings == [f"warning: step 2: not saved: no space left on {ck}: need "
+                        f"{warnings[0].split('need ')[1].split(' GB')[0]} GB, have 0 GB; the checkpoints saved "
+                        "before are kept"], cap.err
+    last = cap.err.strip().splitlines()[-1]
+    assert e.value.code == 1 and last.startswith(f"train_sft: error: no space left on {out}: need ") and last.endswith(
+        f"have 9.31e-07 GB; the trained state is saved as the resumable checkpoint {ck}/global_step3 instead: "
+        "free space, then run the same command with --load_checkpoint to write the model"), last
+    assert sorted(os.listdir(ck)) == ["global_step1", "global_step3", "latest"]
+    assert not os.path.exists(os.path.join(out, "model.safetensors"))
+    monkeypatch.undo()
+    history = train_sft.main(sft(tiny_model_dir, data, out, "--save_steps", "1", "--max_steps", "3",
+                                 "--load_checkpoint"))
+    assert history == [] and os.path.isfile(os.path.join(out, "model.safetensors"))
+    assert [r["step"] for r in read_metrics(os.path.join(out, "metrics.jsonl"))] == [1, 2, 3]

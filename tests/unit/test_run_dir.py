@@ -1,0 +1,190 @@
+"""One run per folder (rlhfkit.cli.run_dir): the lock, earlier runs, the default checkpoint folder,
+unwritable outputs; and the resume settings check (rlhfkit.trainers.run_settings)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from rlhfkit.cli.common import UsageError
+from rlhfkit.cli.run_dir import LOCK, RunDirectory
+from rlhfkit.cli.train_sft import build_parser
+from rlhfkit.trainers.run_settings import ResumeMismatch, allowed_changes, check_same_run, run_settings
+
+
+def args(save: str, *extra: str):
+    return build_parser().parse(["--pretrain", "m", "--dataset", "d.jsonl", "--save_path", save, *extra])
+
+
+def write_lock(folder: str, pid: int, host: str | None = None) -> str:
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, LOCK)
+    with open(path, "w") as f:
+        json.dump({"pid": pid, "host": host or socket.gethostname(), "started": "2030-01-01 00:00:00"}, f)
+    return path
+
+
+def test_default_ckpt_path_is_under_the_run_directory(tmp_path):
+    a = args(str(tmp_path / "run"))
+    with RunDirectory(a):
+        assert a.ckpt_path == str(tmp_path / "run" / "checkpoints")
+        lock = json.load(open(tmp_path / "run" / LOCK))
+        assert lock["pid"] == os.getpid() and lock["host"] == socket.gethostname() and lock["started"]
+    assert not (tmp_path / "run" / LOCK).exists()  # released
+    b = args(str(tmp_path / "run2"), "--run_dir", str(tmp_path / "logs"))
+    with RunDirectory(b):
+        assert b.ckpt_path == str(tmp_path / "logs" / "checkpoints")
+        assert (tmp_path / "run2" / LOCK).exists() and (tmp_path / "logs" / LOCK).exists()
+
+
+def test_a_folder_locked_by_a_live_run_is_refused_in_one_line(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        write_lock(str(tmp_path / "run"), holder.pid)
+        with pytest.raises(UsageError, match=rf"^--save_path {tmp_path}/run is in use by another run \(pid "
+                                             rf"{holder.pid} on {socket.gethostname()}, started 2030-01-01 "
+                                             r"00:00:00\): wait for it to end or choose another --save_path$"):
+            with RunDirectory(args(str(tmp_path / "run"))):
+                pass
+        # an explicit --ckpt_path shared with that run is refused too
+        write_lock(str(tmp_path / "ck"), holder.pid)
+        with pytest.raises(UsageError, match=r"^--ckpt_path .*/ck is in use by another run"):
+            with RunDirectory(args(str(tmp_path / "other"), "--ckpt_path", str(tmp_path / "ck"))):
+                pass
+        assert not (tmp_path / "other" / LOCK).exists()  # the lock it took first was given back
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_stale_lock_of_a_dead_process_is_taken_over_with_a_note(tmp_path, capsys):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    write_lock(str(tmp_path / "run"), dead.pid)
+    with RunDirectory(args(str(tmp_path / "run"))):
+        assert json.load(open(tmp_path / "run" / LOCK))["pid"] == os.getpid()
+    out = capsys.readouterr().out
+    assert f"taking over the lock of a run that ended without releasing it (pid {dead.pid}" in out
+
+
+def test_a_lock_of_another_host_is_refused_with_the_way_out(tmp_path):
+    path = write_lock(str(tmp_path / "run"), 1, host="elsewhere")
+    with pytest.raises(UsageError, match=rf"in use by another run \(pid 1 on elsewhere, .*\): .*; if that run is "
+                                         rf"gone, remove {path}$"):
+        with RunDirectory(args(str(tmp_path / "run"))):
+            pass
+
+
+def test_an_earlier_run_is_refused_unless_resumed_or_overwritten(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    (run / "run_config.json").write_text(json.dumps({"pretrain": "m", "learning_rate": 5e-6}))
+    with pytest.raises(UsageError, match=rf"^--save_path {run} holds an earlier run \(2 logged steps in "
+                                         rf"{run}/metrics.jsonl\): resume it with --load_checkpoint, start over "
+                                         r"with --overwrite_output_dir, or choose another --save_path$"):
+        with RunDirectory(args(str(run))):
+            pass
+    (run / "config.json").write_text("{}")  # a finished run: its saved model
+    with pytest.raises(UsageError, match=r"holds an earlier run \(2 logged steps .*; a saved model in "):
+        with RunDirectory(args(str(run))):
+            pass
+    with RunDirectory(args(str(run), "--load_checkpoint")):  # resuming (a finished run too) is allowed
+        pass
+    with pytest.raises(UsageError, match="give one"):
+        with RunDirectory(args(str(run), "--load_checkpoint", "--overwrite_output_dir")):
+            pass
+    os.makedirs(run / "checkpoints" / "global_step2")
+    (run / "checkpoints" / "latest").write_text("global_step2")
+    with RunDirectory(args(str(run), "--overwrite_output_dir")):
+        pass
+    assert not (run / "metrics.jsonl").exists() and not (run / "run_config.json").exists()
+    assert os.listdir(run / "checkpoints") == []
+    assert "--overwrite_output_dir: removed the earlier run's metrics.jsonl, run_config.json, the checkpoints" in \
+        capsys.readouterr().out
+
+
+def test_an_external_ckpt_path_with_checkpoints_is_never_emptied(tmp_path):
+    ck = tmp_path / "ck"
+    os.makedirs(ck / "global_step1")
+    (ck / "latest").write_text("global_step1")
+    with pytest.raises(UsageError, match=r"holds an earlier run \(checkpoints in .*/ck\)"):
+        with RunDirectory(args(str(tmp_path / "run"), "--ckpt_path", str(ck))):
+            pass
+    with pytest.raises(UsageError, match=r"--ckpt_path .*/ck holds checkpoints of an earlier run and lies outside"):
+        with RunDirectory(args(str(tmp_path / "run"), "--ckpt_path", str(ck), "--overwrite_output_dir")):
+            pass
+    assert (ck / "latest").exists()
+
+
+def test_resuming_a_run_with_other_settings_names_the_flags(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    old = vars(args(str(run), "--learning_rate", "2e-4", "--train_batch_size", "8"))
+    (run / "run_config.json").write_text(json.dumps(old, default=str))
+    with pytest.raises(ResumeMismatch, match=rf"^--load_checkpoint: the run in --save_path {run} was made by a run "
+                                             r"with other settings: --train_batch_size 8 \(now 16\); --learning_rate "
+                                             r"0.0002 \(now 0.0001\)\. Resume with the same settings, or pass "
+                                             r"--allow_resume_changes train_batch_size,learning_rate to change"):
+        with RunDirectory(args(str(run), "--load_checkpoint", "--learning_rate", "1e-4", "--train_batch_size", "16")):
+            pass
+    with RunDirectory(args(str(run), "--load_checkpoint", "--learning_rate", "1e-4", "--train_batch_size", "16",
+                           "--allow_resume_changes", "learning_rate,--train_batch_size")):
+        pass
+    with RunDirectory(args(str(run), "--load_checkpoint", "--learning_rate", "2e-4", "--train_batch_size", "8",
+                           "--max_steps", "99")):  # the same run, only longer
+        pass
+
+
+def test_run_settings_compare_paths_and_skip_what_cannot_be_given(tmp_path):
+    (tmp_path / "m").mkdir()
+    here = os.getcwd()
+    try:
+        os.chdir(tmp_path)
+        rel = run_settings({"pretrain": "m", "dataset": object(), "seed": 1})
+    finally:
+        os.chdir(here)
+    assert rel == {"pretrain": str(tmp_path / "m"), "seed": 1}  # a real path; an object is not compared
+    check_same_run(rel, run_settings({"pretrain": str(tmp_path / "m") + "/", "seed": 1}), (), "x")
+    assert run_settings({"pretrain": "/tmp/rlhfkit_api_abc/model"}) == {}
+    with pytest.raises(ResumeMismatch, match=r"--seed 1 \(now 2\)"):
+        check_same_run(rel, run_settings({"pretrain": str(tmp_path / "m"), "seed": 2}), (), "x")
+    assert allowed_changes("all") >= {"seed", "pretrain", "learning_rate"}
+
+
+@pytest.mark.parametrize("flag", ["--save_path", "--ckpt_path"])
+def test_unwritable_outputs_are_refused_at_start(tmp_path, flag):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    bad = str(blocker / "sub")  # under a regular file: never creatable, whoever runs the test
+    a = args(str(tmp_path / "run")) if flag == "--ckpt_path" else args(bad)
+    if flag == "--ckpt_path":
+        a.ckpt_path = bad
+    with pytest.raises(UsageError, match=rf"^{flag} {bad} is not writable: "):
+        with RunDirectory(a):
+            pass
+
+
+def test_training_in_place_from_the_folder_sets_the_earlier_run_aside(tmp_path, capsys):
+    """OpenRLHF's iterative scripts train each round from --save_path into --save_path."""
+    run = tmp_path / "policy"
+    run.mkdir()
+    (run / "config.json").write_text("{}")
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run / "run_config.json").write_text("{}")
+    os.makedirs(run / "checkpoints" / "global_step1")
+    (run / "checkpoints" / "latest").write_text("global_step1")
+    a = build_parser().parse(["--pretrain", str(run), "--dataset", "d.jsonl", "--save_path", str(run)])
+    with RunDirectory(a):
+        pass
+    (kept,) = os.listdir(run / "earlier_runs")
+    assert sorted(os.listdir(run / "earlier_runs" / kept)) == ["checkpoints", "metrics.jsonl", "run_config.json"]
+    assert not (run / "metrics.jsonl").exists() and (run / "config.json").exists()  # the model it trains from stays
+    assert f"the earlier run's metrics.jsonl, run_config.json, checkpoints moved to {run}/earlier_runs/" in \
+        capsys.readouterr().out
