@@ -267,6 +267,10 @@ class FSDP2Backend(SleepMixin):
         finite, loss_bad, norm_value = decide_and_step(opt, params, norm, self.guard, self.optim_cfg.max_norm,
                                                        several, self.loss_scaler is not None)
         lr = self.lr
+        if lr == 0 and self.scheduler.last_epoch == 0 and self.optim_cfg.learning_rate > 0:
+            note_once(f"note: optimizer step 1 trains at learning rate 0: the linear warm-up (--lr_warmup_ratio "
+                      f"{self.optim_cfg.lr_warmup_ratio:g}) starts from 0, as Hugging Face's schedules do; "
+                      "--lr_warmup_ratio 0 starts at the peak")
         # under fp16 a finite loss with overflowing gradients is the loss scale's business
         counts = not finite and (self.loss_scaler is None or loss_bad
                                  or self.loss_scaler.scale <= self.loss_scaler.min_scale)

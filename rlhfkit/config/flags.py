@@ -33,6 +33,14 @@ from rlhfkit.config.flag_parser import (BACKEND, CKPT, DATA, EVAL, LOGGING, LORA
 from rlhfkit.fileio import atomic_write_text
 
 
+# --lr_scheduler: the names of transformers.SchedulerType that need nothing but warm-up and total steps
+# (and --min_lr_ratio); reduce_lr_on_plateau needs a metric, warmup_stable_decay its own phase lengths
+LR_SCHEDULES = ("cosine_with_min_lr", "cosine", "linear", "constant", "constant_with_warmup", "cosine_with_restarts",
+                "polynomial", "inverse_sqrt", "cosine_warmup_with_min_lr")
+LR_SCHEDULER_HELP = ("learning-rate schedule (transformers.get_scheduler), after a linear warm-up from 0")
+MIN_LR_HELP = "cosine_with_min_lr, cosine_warmup_with_min_lr: the learning rate ends at this fraction of the peak"
+
+
 def add_model_flags(p: FlagParser, default_dtype: str = "bf16") -> None:
     with p.group(MODEL):
         p.flag("--pretrain", "--model.model_name_or_path", "--actor.model_name_or_path",
@@ -153,13 +161,11 @@ def add_train_flags(p: FlagParser, *, train_batch_size: int = 128, micro_train_b
         p.flag("--adam_eps", "--adam.eps", type=float, default=1e-8, help="AdamW epsilon")
         p.flag("--l2", "--adam.weight_decay", type=float, default=0.0, help="AdamW weight decay")
         add_optimizer_choice_flags(p)
-        p.flag("--lr_scheduler", type=str, default="cosine_with_min_lr",
-               help="learning-rate schedule after warm-up: cosine_with_min_lr, cosine, linear, constant, "
-                    "constant_with_warmup")
+        p.flag("--lr_scheduler", type=str, default="cosine_with_min_lr", choices=LR_SCHEDULES,
+               help=LR_SCHEDULER_HELP)
         p.flag("--lr_warmup_ratio", type=float, default=0.03,
                help="fraction of the optimizer steps spent warming up linearly from 0")
-        p.flag("--min_lr_ratio", type=float, default=0.1,
-               help="cosine_with_min_lr: the learning rate ends at this fraction of the peak")
+        p.flag("--min_lr_ratio", type=float, default=0.1, help=MIN_LR_HELP)
         p.flag("--max_norm", type=float, default=1.0, help="clip the gradient's global L2 norm to this (0 disables)")
         add_nonfinite_flag(p)
 

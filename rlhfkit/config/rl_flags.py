@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from rlhfkit.config.flag_parser import (RL_ALGO, RL_ASYNC, RL_CRITIC, RL_MODELS, RL_PLACEMENT, RL_PTX, RL_REWARD,
                                         RL_ROLLOUT)
-from rlhfkit.config.flags import (CKPT, DATA, EVAL, OPTIM, TRAIN, FlagParser, add_backend_flags, add_ckpt_flags,
+from rlhfkit.config.flags import (CKPT, DATA, EVAL, LR_SCHEDULER_HELP, LR_SCHEDULES, MIN_LR_HELP, OPTIM, TRAIN,
+                                  FlagParser, add_backend_flags, add_ckpt_flags,
                                   add_dataloader_workers_flag, add_logging_flags, add_max_row_bytes_flag,
                                   add_model_flags, add_nonfinite_flag, add_optimizer_choice_flags)
 
@@ -169,12 +170,10 @@ def _train(p: FlagParser) -> None:
         p.flag("--l2", "--actor.adam.weight_decay", type=float, default=0.0,
                help="AdamW weight decay (the flat name sets the critic's too)")
         p.flag("--lr_scheduler", "--actor.lr_scheduler", type=str, default="cosine_with_min_lr",
-               help="learning-rate schedule after warm-up: cosine_with_min_lr, cosine, linear, constant, "
-                    "constant_with_warmup")
+               choices=LR_SCHEDULES, help=LR_SCHEDULER_HELP)
         p.flag("--lr_warmup_ratio", "--actor.lr_warmup_ratio", type=float, default=0.03,
                help="fraction of the optimizer steps spent warming up linearly from 0")
-        p.flag("--min_lr_ratio", "--actor.min_lr_ratio", type=float, default=0.1,
-               help="cosine_with_min_lr: the learning rate ends at this fraction of the peak")
+        p.flag("--min_lr_ratio", "--actor.min_lr_ratio", type=float, default=0.1, help=MIN_LR_HELP)
         p.flag("--max_norm", "--actor.max_norm", type=float, default=1.0,
                help="clip the gradient's global L2 norm to this (0 disables)")
         add_optimizer_choice_flags(p, dotted=("actor.",))
@@ -210,6 +209,7 @@ CRITIC_OPTIM = {
 def _critic_optim(p: FlagParser) -> None:
     for dest, (dotted, typ, nargs) in CRITIC_OPTIM.items():
         p.flag(f"--critic_{dest}", dotted, type=typ, nargs=nargs, default=None,
+               choices=LR_SCHEDULES if dest == "lr_scheduler" else None,
                help=f"the critic's --{dest} (default: the actor's)")
     add_optimizer_choice_flags(p, flat="critic_", dotted=("critic.",))
 
