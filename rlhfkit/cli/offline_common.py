@@ -33,7 +33,7 @@ from rlhfkit.models.loader import check_model_dir, load_causal_lm, load_tokenize
 from rlhfkit.trainers.dpo_task import FrozenModel
 from rlhfkit.trainers.metrics import metrics_record
 from rlhfkit.trainers.model_card import task_kind
-from rlhfkit.trainers.offline import LoopConfig, LoopState, evaluate, has_eval, train_offline
+from rlhfkit.trainers.offline import LoopConfig, LoopState, evaluate, has_eval, total_steps, train_offline
 from rlhfkit.trainers.plot import OFFLINE_PANELS
 
 OFFLINE_PLOT_KEYS = OFFLINE_PANELS  # the plot's panels (rlhfkit.trainers.plot.PANELS)
@@ -51,7 +51,8 @@ def add_offline_flags(p: FlagParser, *, max_len: int, train_batch_size: int, mic
     add_ckpt_flags(p, ckpt_path=ckpt_path)
     add_logging_flags(p, wandb_project=wandb_project)
     with p.group(TRAIN):
-        p.flag("--max_steps", type=int, default=None, help="stop after this many optimizer steps")
+        p.flag("--max_steps", type=int, default=None,
+               help="optimizer steps to take, cycling the data as often as needed (overrides --max_epochs)")
 
 
 def add_pair_key_flags(p: FlagParser) -> None:
@@ -142,10 +143,7 @@ def loop_config(args: argparse.Namespace) -> LoopConfig:
 
 def num_training_steps(num_items: int, args: argparse.Namespace) -> int:
     """Optimizer steps the LR schedule spans (>= 1)."""
-    steps = (num_items // args.train_batch_size) * args.max_epochs
-    if args.max_steps:
-        steps = min(steps, args.max_steps)
-    return max(steps, 1)
+    return max(total_steps(num_items, loop_config(args)), 1)
 
 
 def trainable_backend(model: torch.nn.Module, args: argparse.Namespace, dist: DistInfo,

@@ -164,11 +164,16 @@ def rollout_max_tokens(args: argparse.Namespace) -> int | None:
 
 
 def optimizer_steps(args: argparse.Namespace, num_prompts: int) -> int:
-    steps = (num_prompts // args.rollout_batch_size) * args.num_episodes
-    if args.max_steps:
-        steps = min(steps, args.max_steps)
-    per_step = -(-args.rollout_batch_size * args.n_samples_per_prompt // args.train_batch_size)
-    return max(1, steps * per_step * args.max_epochs)
+    """The policy's optimizer steps in the run (the LR schedule's length). --max_steps counts RL steps
+    (a rollout and its update); when one makes several optimizer steps, one line says how many."""
+    steps = args.max_steps if args.max_steps else (num_prompts // args.rollout_batch_size) * args.num_episodes
+    per_step = -(-args.rollout_batch_size * args.n_samples_per_prompt // args.train_batch_size) * args.max_epochs
+    if args.max_steps and per_step > 1:
+        note_once(f"note: --max_steps {args.max_steps} counts RL steps; each makes {per_step} optimizer steps "
+                  f"(--rollout_batch_size {args.rollout_batch_size} x --n_samples_per_prompt "
+                  f"{args.n_samples_per_prompt} / --train_batch_size {args.train_batch_size}, x --max_epochs "
+                  f"{args.max_epochs}): {args.max_steps * per_step} in all")
+    return max(1, steps * per_step)
 
 
 def backend_cfg(args: argparse.Namespace, **over) -> BackendConfig:

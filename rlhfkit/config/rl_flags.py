@@ -133,7 +133,9 @@ def _train(p: FlagParser) -> None:
                help="run the old policy's log-prob pass even when a rollout makes one optimizer step (by default "
                     "the training pass's detached log-probs are the old ones then, ratio 1, as in TRL's GRPO)")
         p.flag("--num_episodes", "--train.num_episodes", type=int, default=1, help="passes over the prompts")
-        p.flag("--max_steps", type=int, default=None, help="stop after this many RL steps")
+        p.flag("--max_steps", type=int, default=None,
+               help="RL steps to take (a rollout and its policy update each), cycling the prompts as often as "
+                    "needed (overrides --num_episodes)")
         p.flag("--seed", "--train.seed", type=int, default=42, help="seed of python, numpy, torch, data and sampling")
         p.flag("--full_determinism", "--train.full_determinism_enable", action="store_true",
                help="deterministic torch algorithms (transformers.enable_full_determinism): reproducible, slower")

@@ -123,8 +123,8 @@ class RLTrainer:
     # ------------------------------------------------------------------ prompts
 
     def total_steps(self) -> int:
-        total = self.batches_per_episode * self.cfg.num_episodes
-        return total if self.cfg.max_steps is None else min(total, self.cfg.max_steps)
+        """--max_steps when given (the prompts cycled as often as needed), else --num_episodes passes."""
+        return self.cfg.max_steps if self.cfg.max_steps is not None else self.batches_per_episode * self.cfg.num_episodes
 
     def _next_prompts(self, used: set[int] | None = None) -> tuple[list[PromptSample], int] | None:
         """This rank's prompts of the next global batch and the global index of its first one (for

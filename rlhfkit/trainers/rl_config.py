@@ -11,7 +11,7 @@ class RLLoopConfig:
     rollout_batch_size: int  # global prompts per step
     n_samples_per_prompt: int = 1
     num_episodes: int = 1
-    max_steps: int | None = None
+    max_steps: int | None = None  # RL steps, cycling the prompts; overrides num_episodes
     seed: int = 42
     temperature: float = 1.0
     init_kl_coef: float = 0.0
@@ -42,6 +42,8 @@ class RLLoopConfig:
     def __post_init__(self) -> None:
         if self.max_failed_steps < 1:
             raise ValueError(f"--max_failed_steps must be >= 1, got {self.max_failed_steps}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"--max_steps must be >= 1, got {self.max_steps}")
         if self.max_filter_rounds < 1:
             raise ValueError(f"--max_filter_rounds must be >= 1, got {self.max_filter_rounds}")
 

@@ -163,3 +163,15 @@ def test_run_coroutine_does_not_repr_the_result():
     if threading.current_thread() is threading.main_thread():  # the cost it avoids, where it occurs
         asyncio.run(make())
         assert calls
+
+
+def test_max_steps_cycles_the_prompts_past_num_episodes():
+    """8 prompts in batches of 2 are 4 steps an episode; --max_steps 6 (num_episodes 1) takes 6 steps,
+    the last 2 from the second episode's order."""
+    trainer, policy, _, ex = make([[1.0, 0.0], [0.5, 0.5]], steps=6)
+    assert trainer.cfg.num_episodes == 1 and trainer.total_steps() == 6
+    state = trainer.fit()
+    assert state.step == 6 and ex.calls == 6 and [s for s, _ in trainer.logger.logged] == [1, 2, 3, 4, 5, 6]
+    assert (state.episode, state.batch_in_episode) == (1, 2)
+    with pytest.raises(ValueError, match="--max_steps must be >= 1"):
+        RLLoopConfig(rollout_batch_size=2, max_steps=0)
