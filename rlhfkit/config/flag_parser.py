@@ -219,7 +219,8 @@ class FlagParser(argparse.ArgumentParser):
 
     # ------------------------------------------------------------------ parsing
 
-    def parse(self, argv: Sequence[str] | None = None) -> argparse.Namespace:
+    def parse(self, argv: Sequence[str] | None = None, notes: bool = True) -> argparse.Namespace:
+        """Parse `argv` (default: the command line); `notes`: print a note per inert flag set."""
         argv = list(sys.argv[1:] if argv is None else argv)
         from rlhfkit.config import config_file
 
@@ -245,7 +246,7 @@ class FlagParser(argparse.ArgumentParser):
             self.error(f"unexpected arguments: {' '.join(unknown)}")
         self.check_conflicts(given)
         _remember(ns)
-        if os.environ.get("RANK", "0") == "0":
+        if notes and os.environ.get("RANK", "0") == "0":
             for line in self.inert_notes(ns):
                 print(line, flush=True)
         return ns
