@@ -1503,6 +1503,13 @@ class TrainPPOFields(FlagConfig):
     --logger.tensorboard_dir]"""
     disable_progress: bool = False
     """no progress bar [--disable_progress]"""
+    log_completions_steps: int = 10
+    """every N RL steps (and at step 1) log a table of sampled prompts, completions, rewards and labels:
+    completions.jsonl in the run directory, TensorBoard text, a wandb table, and its first rows on the console
+    (0: off) [--log_completions_steps]"""
+    log_completions_rows: int = 8
+    """samples in each --log_completions_steps table, taken from as many prompts as possible
+    [--log_completions_rows]"""
 
     # distributed backend
     backend: Literal["fsdp2", "deepspeed"] = "fsdp2"

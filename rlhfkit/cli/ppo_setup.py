@@ -381,6 +381,7 @@ def loop_config(args: argparse.Namespace) -> RLLoopConfig:
         dynamic_filtering_reward_range=tuple(args.dynamic_filtering_reward_range),
         max_filter_rounds=args.max_filter_rounds,
         freezing_actor_steps=args.freezing_actor_steps, logging_steps=args.logging_steps,
+        log_completions_steps=args.log_completions_steps, log_completions_rows=args.log_completions_rows,
         eval_steps=args.eval_steps, eval_temperature=args.eval_temperature,
         eval_n_samples_per_prompt=args.eval_n_samples_per_prompt, save_steps=args.save_steps,
         ckpt_path=args.ckpt_path, max_ckpt_num=args.max_ckpt_num, load_checkpoint=args.load_checkpoint,

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from rlhfkit.config.flag_parser import (RL_ALGO, RL_ASYNC, RL_CRITIC, RL_MODELS, RL_PLACEMENT, RL_PTX, RL_REWARD,
                                         RL_ROLLOUT)
-from rlhfkit.config.flags import (CKPT, DATA, EVAL, LR_SCHEDULER_HELP, LR_SCHEDULES, MIN_LR_HELP, OPTIM, TRAIN,
-                                  FlagParser, add_backend_flags, add_ckpt_flags,
-                                  add_dataloader_workers_flag, add_logging_flags, add_max_row_bytes_flag,
-                                  add_model_flags, add_nonfinite_flag, add_optimizer_choice_flags)
+from rlhfkit.config.flags import (CKPT, DATA, EVAL, LOGGING, LR_SCHEDULER_HELP, LR_SCHEDULES, MIN_LR_HELP, OPTIM,
+                                  TRAIN, FlagParser, add_backend_flags, add_ckpt_flags, add_dataloader_workers_flag,
+                                  add_logging_flags, add_max_row_bytes_flag, add_model_flags, add_nonfinite_flag,
+                                  add_optimizer_choice_flags)
 
 ESTIMATORS = ["gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo"]
 EMA_BETA = 0.992  # --ema_beta when not given (OpenRLHF's default)
@@ -27,6 +27,7 @@ def add_rl_flags(p: FlagParser) -> None:
     add_backend_flags(p)
     add_ckpt_flags(p, ckpt_path="./ckpt/checkpoints_ppo")
     add_logging_flags(p, wandb_project="rlhfkit_train_ppo", eval_default="never")
+    _sample_logging(p)
     _models(p)
     _data(p)
     _rollout(p)
@@ -36,6 +37,16 @@ def add_rl_flags(p: FlagParser) -> None:
     _placement(p)
     _eval(p)
     _ptx(p)
+
+
+def _sample_logging(p: FlagParser) -> None:
+    with p.group(LOGGING):
+        p.flag("--log_completions_steps", type=int, default=10,
+               help="every N RL steps (and at step 1) log a table of sampled prompts, completions, rewards and "
+                    "labels: completions.jsonl in the run directory, TensorBoard text, a wandb table, and its first "
+                    "rows on the console (0: off)")
+        p.flag("--log_completions_rows", type=int, default=8,
+               help="samples in each --log_completions_steps table, taken from as many prompts as possible")
 
 
 def _models(p: FlagParser) -> None:

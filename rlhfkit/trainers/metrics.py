@@ -90,8 +90,26 @@ def progress_bar(total: int, initial: int, desc: str, enabled: bool):
     return tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True, disable=not (enabled and terminal()))
 
 
+@dataclass
+class SampleRow:
+    """One sampled completion of an RL step, as the --log_completions_steps table shows it."""
+
+    prompt: str
+    completion: str
+    reward: float
+    label: Any = None
+
+    def record(self, step: int) -> dict[str, Any]:
+        label = self.label if self.label is None or isinstance(self.label, (str, int, float, bool)) else str(self.label)
+        return {"step": int(step), "prompt": self.prompt, "completion": self.completion,
+                "reward": float(self.reward), "label": label}
+
+
 class NullLogger:
     def log(self, step: int, metrics: dict[str, Any], console: bool = True, total: int | None = None) -> None:
+        pass
+
+    def log_completions(self, step: int, rows: list[SampleRow]) -> None:
         pass
 
     def truncate(self, keep_through: int) -> None:
@@ -150,19 +168,35 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log(scalars, step=int(step))
 
+    def log_completions(self, step: int, rows: list[SampleRow]) -> None:
+        """A table of sampled completions: rows of completions.jsonl, TensorBoard text, a wandb table, and
+        its first rows on the console."""
+        if not rows:
+            return
+        with open(self.completions_path, "a") as f:
+            f.writelines(json.dumps(r.record(step), default=str) + "\n" for r in rows)
+        for line in sample_lines(step, rows):
+            _write(line)
+        if self._tb is not None:
+            self._tb.add_text("completions", sample_markdown(rows), int(step))
+        if self._wandb is not None:
+            import wandb
+
+            table = wandb.Table(columns=["step", "prompt", "completion", "reward", "label"],
+                                data=[list(r.record(step).values()) for r in rows])
+            self._wandb.log({"completions": table}, step=int(step))
+
+    @property
+    def completions_path(self) -> str:
+        return os.path.join(self.run_dir, "completions.jsonl")
+
     def truncate(self, keep_through: int) -> None:
-        """Keep only the records of steps <= `keep_through` (a resume; -1 drops them all)."""
+        """Keep only the records of steps <= `keep_through` (a resume; -1 drops them all), in metrics.jsonl
+        and completions.jsonl."""
         self._f.close()
-        kept = []
-        with open(self.path) as f:
-            for line in f:
-                try:
-                    rec = json.loads(line)
-                except ValueError:  # a line cut by the kill
-                    continue
-                if isinstance(rec, dict) and int(rec.get("step", 0)) <= keep_through:
-                    kept.append(line if line.endswith("\n") else line + "\n")
-        atomic_write_text(self.path, "".join(kept))
+        _truncate_jsonl(self.path, keep_through)
+        if os.path.exists(self.completions_path):
+            _truncate_jsonl(self.completions_path, keep_through)
         self._f = open(self.path, "a")
 
     def model_card(self, model_dir: str, **kw: Any) -> None:
@@ -184,6 +218,47 @@ class MetricsLogger:
             plot_metrics(self.path, os.path.join(self.run_dir, "metrics.png"), self.plot_keys)
         except Exception as e:  # a plot must never lose a finished run
             print(f"warning: could not write metrics.png: {e}")
+
+
+def _truncate_jsonl(path: str, keep_through: int) -> None:
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except ValueError:  # a line cut by the kill
+                continue
+            if isinstance(rec, dict) and int(rec.get("step", 0)) <= keep_through:
+                kept.append(line if line.endswith("\n") else line + "\n")
+    atomic_write_text(path, "".join(kept))
+
+
+CONSOLE_SAMPLES = 3  # rows of a completions table shown on the console
+
+
+def _short(text: str, limit: int = 60) -> str:
+    shown = repr(text)
+    return shown if len(shown) <= limit else shown[:limit - 4] + "...'"
+
+
+def sample_lines(step: int, rows: list[SampleRow]) -> list[str]:
+    """The console lines of a completions table: a header and its first CONSOLE_SAMPLES rows."""
+    more = f" (first {CONSOLE_SAMPLES} of {len(rows)}; all in completions.jsonl)" if len(rows) > CONSOLE_SAMPLES else ""
+    out = [f"[samples step {step}]{more}"]
+    for r in rows[:CONSOLE_SAMPLES]:
+        label = "" if r.label is None else f" label={_short(str(r.label), 24)}"
+        out.append(f"  reward={_fmt(float(r.reward))}{label} {_short(r.prompt)} -> {_short(r.completion)}")
+    return out
+
+
+def sample_markdown(rows: list[SampleRow]) -> str:
+    """A markdown table of the rows (TensorBoard renders text as markdown)."""
+    def cell(v: Any) -> str:
+        return str(v).replace("|", "\\|").replace("\n", "\\n").replace("<", "&lt;")
+
+    head = "| prompt | completion | reward | label |\n| --- | --- | --- | --- |\n"
+    return head + "\n".join(f"| {cell(r.prompt)} | {cell(r.completion)} | {_fmt(float(r.reward))} | "
+                            f"{cell('' if r.label is None else r.label)} |" for r in rows)
 
 
 def _is_number(v: Any) -> bool:

@@ -52,7 +52,7 @@ from rlhfkit.algo.filters import dynamic_filter
 from rlhfkit.algo.passk import pass_at_k_from_scores
 from rlhfkit.backend.dist import DistInfo
 from rlhfkit.roles.group import LocalWeightSync
-from rlhfkit.trainers.metrics import PhaseClock, metrics_record, progress_bar
+from rlhfkit.trainers.metrics import PhaseClock, SampleRow, metrics_record, progress_bar
 from rlhfkit.trainers.offline import epoch_order
 from rlhfkit.trainers.rl_config import FailedStepsError, RLLoopConfig, RLState
 from rlhfkit.trainers.rl_step_info import complete_groups, global_experience_metrics, skip_cause
@@ -90,6 +90,13 @@ def freeze_gc_once() -> None:
         _GC_FROZEN = True
 
 
+def sample_rows(trajs: Sequence[Trajectory], n: int, rows: int) -> list[SampleRow]:
+    """`rows` of a step's trajectories for the completions table, from as many prompts as possible: the
+    first sample of each prompt's group of `n`, then the second, ..."""
+    order = sorted(range(len(trajs)), key=lambda i: (i % max(n, 1), i // max(n, 1)))[:rows]
+    return [SampleRow(trajs[i].prompt, trajs[i].response, trajs[i].reward, trajs[i].label) for i in order]
+
+
 class RLTrainer:
     def __init__(self, cfg: RLLoopConfig, adv_cfg: AdvantageConfig, shaping: RewardShapingConfig, *,
                  policy: Any, engine: Any, executor: Any, prompts: Sequence[PromptSample], dist: DistInfo,
@@ -119,6 +126,7 @@ class RLTrainer:
         self.num_skipped = 0  # steps skipped for want of a trajectory, in all
         self.failed_in_row = 0  # ... in a row, up to now
         self._skip_cause = ""
+        self._samples: list[Trajectory] = []  # the last step's trajectories (--log_completions_steps)
 
     # ------------------------------------------------------------------ prompts
 
@@ -229,6 +237,7 @@ class RLTrainer:
             host_gc.collect_deferred()  # if no optimizer step of this process did
 
     def _train_step(self) -> dict[str, float]:
+        self._samples = []
         t = PhaseClock()
         with t("generate"):
             trajs, metrics = self.rollout()
@@ -245,6 +254,7 @@ class RLTrainer:
                 batch.rewards = self.reward_model.call("forward_rewards", batch)
                 for tr, r in zip(trajs, batch.rewards.tolist()):
                     tr.score = tr.reward = r
+        self._samples = trajs
         resp_len = batch.loss_mask.sum(-1).float()
         truncated = torch.tensor([float(tr.truncated) for tr in trajs])
         raw_reward = batch.rewards.clone()
@@ -378,6 +388,9 @@ class RLTrainer:
                     self.checkpointer.keep_best(c.ckpt_path, s.step, m, self._client_state())
             if s.step % max(c.logging_steps, 1) == 0 or s.step == total:
                 self._log(s.step, m)
+            if c.log_completions_steps and (s.step == 1 or s.step % c.log_completions_steps == 0):
+                self.logger.log_completions(s.step, sample_rows(self._samples, c.n_samples_per_prompt,
+                                                                c.log_completions_rows))
             if c.save_steps > 0 and s.step % c.save_steps == 0 and self.checkpointer is not None:
                 self.checkpointer.save(c.ckpt_path, f"global_step{s.step}", self._client_state(), c.max_ckpt_num)
         bar.close()

@@ -126,3 +126,46 @@ def test_model_card_of_a_snapshot(tmp_path):
     assert "step_time" not in card and "lora_alpha" not in card and "| `seed` | `0` |" in card
     assert "python -m x --y 1" in card and "AutoModelForSequenceClassification" in card
     assert C.write_model_card(str(tmp_path / "elsewhere")) is None  # not on this host: nothing written
+
+
+def test_completions_table_goes_to_jsonl_console_tensorboard_and_wandb(tmp_path, monkeypatch, capsys):
+    seen: list = []
+
+    class Table:
+        def __init__(self, columns, data):
+            self.columns, self.data = columns, data
+
+    class Run:
+        def log(self, data, step=None):
+            seen.append((step, data))
+
+        def finish(self):
+            pass
+
+    fake = types.ModuleType("wandb")
+    fake.init, fake.Table = (lambda **kw: Run()), Table
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    pytest.importorskip("tensorboard")
+    tb = tmp_path / "tb"
+    logger = M.MetricsLogger(str(tmp_path / "run"), tensorboard_dir=str(tb), wandb=M.WandbSettings())
+    rows = [M.SampleRow("1+2=", "3</s>", 1.0, "3"), M.SampleRow("4+4=", "9</s>", 0.0, "8"),
+            M.SampleRow("a|b\n", "x", 0.5, None), M.SampleRow("5+5=", "01</s>", 1.0, "01")]
+    logger.log_completions(3, rows)
+    logger.truncate(2)  # a resume from step 2 drops the step-3 table too
+    logger.log_completions(3, rows[:1])
+    logger.close()
+    got = [json.loads(line) for line in open(tmp_path / "run" / "completions.jsonl")]
+    assert got == [{"step": 3, "prompt": "1+2=", "completion": "3</s>", "reward": 1.0, "label": "3"}]
+    out = capsys.readouterr().out
+    assert "[samples step 3] (first 3 of 4; all in completions.jsonl)" in out
+    assert "  reward=1 label='3' '1+2=' -> '3</s>'" in out and "'5+5='" not in out
+    (step, data), = seen[:1]
+    assert step == 3 and data["completions"].columns == ["step", "prompt", "completion", "reward", "label"]
+    assert data["completions"].data[1] == [3, "4+4=", "9</s>", 0.0, "8"]
+    md = M.sample_markdown(rows[2:3])
+    assert md.splitlines()[2] == "| a\\|b\\n | x | 0.5 |  |"
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tb), size_guidance={"tensors": 0})
+    acc.Reload()
+    assert any("completions" in t for t in acc.Tags()["tensors"])
