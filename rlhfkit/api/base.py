@@ -14,6 +14,7 @@ Errors are raised as they are (the CLI turns the same ones into one line and exi
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any
 
 from rlhfkit.api.config import FlagConfig, command_parser
@@ -74,7 +75,17 @@ class BaseTrainer:
         finally:
             self._scratch.close()
         self.history = self.result.state.history
+        self._name_after_save_path()
         return self.history
+
+    def _name_after_save_path(self) -> None:
+        """The trained model now lives in save_path (train() saved it there): its `name_or_path` says so,
+        so a trainer it is passed to next names it as its base model (model cards)."""
+        model = self.backend.unwrap()
+        if os.path.isdir(self.args.save_path) and hasattr(model, "name_or_path"):
+            model.name_or_path = self.args.save_path
+            if getattr(model, "config", None) is not None:
+                model.config.name_or_path = self.args.save_path
 
     # ------------------------------------------------------------------ results
 

@@ -199,10 +199,11 @@ class TrainSFTFields(FlagConfig):
     wandb_project: str = "rlhfkit_train_sft"
     """wandb project [--wandb_project, --logger.wandb.project]"""
     wandb_run_name: str | None = None
-    """wandb run name (default: wandb's) [--wandb_run_name, --logger.wandb.run_name]"""
+    """wandb run name (default: wandb's), also the TensorBoard run's folder under --use_tensorboard
+    [--wandb_run_name, --logger.wandb.run_name]"""
     use_tensorboard: str | None = None
-    """write TensorBoard event files to this folder (needs tensorboard) [--use_tensorboard,
-    --logger.tensorboard_dir]"""
+    """write TensorBoard event files to <this folder>/<run name>: --wandb_run_name, else the run directory's name
+    and the start time (needs tensorboard) [--use_tensorboard, --logger.tensorboard_dir]"""
     disable_progress: bool = False
     """no progress bar [--disable_progress]"""
 
@@ -454,10 +455,11 @@ class TrainRMFields(FlagConfig):
     wandb_project: str = "rlhfkit_train_rm"
     """wandb project [--wandb_project, --logger.wandb.project]"""
     wandb_run_name: str | None = None
-    """wandb run name (default: wandb's) [--wandb_run_name, --logger.wandb.run_name]"""
+    """wandb run name (default: wandb's), also the TensorBoard run's folder under --use_tensorboard
+    [--wandb_run_name, --logger.wandb.run_name]"""
     use_tensorboard: str | None = None
-    """write TensorBoard event files to this folder (needs tensorboard) [--use_tensorboard,
-    --logger.tensorboard_dir]"""
+    """write TensorBoard event files to <this folder>/<run name>: --wandb_run_name, else the run directory's name
+    and the start time (needs tensorboard) [--use_tensorboard, --logger.tensorboard_dir]"""
     disable_progress: bool = False
     """no progress bar [--disable_progress]"""
 
@@ -712,10 +714,11 @@ class TrainDPOFields(FlagConfig):
     wandb_project: str = "rlhfkit_train_dpo"
     """wandb project [--wandb_project, --logger.wandb.project]"""
     wandb_run_name: str | None = None
-    """wandb run name (default: wandb's) [--wandb_run_name, --logger.wandb.run_name]"""
+    """wandb run name (default: wandb's), also the TensorBoard run's folder under --use_tensorboard
+    [--wandb_run_name, --logger.wandb.run_name]"""
     use_tensorboard: str | None = None
-    """write TensorBoard event files to this folder (needs tensorboard) [--use_tensorboard,
-    --logger.tensorboard_dir]"""
+    """write TensorBoard event files to <this folder>/<run name>: --wandb_run_name, else the run directory's name
+    and the start time (needs tensorboard) [--use_tensorboard, --logger.tensorboard_dir]"""
     disable_progress: bool = False
     """no progress bar [--disable_progress]"""
 
@@ -963,10 +966,11 @@ class TrainKTOFields(FlagConfig):
     wandb_project: str = "rlhfkit_train_kto"
     """wandb project [--wandb_project, --logger.wandb.project]"""
     wandb_run_name: str | None = None
-    """wandb run name (default: wandb's) [--wandb_run_name, --logger.wandb.run_name]"""
+    """wandb run name (default: wandb's), also the TensorBoard run's folder under --use_tensorboard
+    [--wandb_run_name, --logger.wandb.run_name]"""
     use_tensorboard: str | None = None
-    """write TensorBoard event files to this folder (needs tensorboard) [--use_tensorboard,
-    --logger.tensorboard_dir]"""
+    """write TensorBoard event files to <this folder>/<run name>: --wandb_run_name, else the run directory's name
+    and the start time (needs tensorboard) [--use_tensorboard, --logger.tensorboard_dir]"""
     disable_progress: bool = False
     """no progress bar [--disable_progress]"""
 
@@ -1497,10 +1501,11 @@ class TrainPPOFields(FlagConfig):
     wandb_project: str = "rlhfkit_train_ppo"
     """wandb project [--wandb_project, --logger.wandb.project]"""
     wandb_run_name: str | None = None
-    """wandb run name (default: wandb's) [--wandb_run_name, --logger.wandb.run_name]"""
+    """wandb run name (default: wandb's), also the TensorBoard run's folder under --use_tensorboard
+    [--wandb_run_name, --logger.wandb.run_name]"""
     use_tensorboard: str | None = None
-    """write TensorBoard event files to this folder (needs tensorboard) [--use_tensorboard,
-    --logger.tensorboard_dir]"""
+    """write TensorBoard event files to <this folder>/<run name>: --wandb_run_name, else the run directory's name
+    and the start time (needs tensorboard) [--use_tensorboard, --logger.tensorboard_dir]"""
     disable_progress: bool = False
     """no progress bar [--disable_progress]"""
     log_completions_steps: int = 10

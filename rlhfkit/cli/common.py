@@ -22,7 +22,7 @@ from rlhfkit.backend.guard import NonFiniteError
 from rlhfkit.config.flags import run_dir_of, write_resolved_config
 from rlhfkit.data.io import DataError
 from rlhfkit.optional import MissingPackageError, require
-from rlhfkit.trainers.metrics import MetricsLogger, NullLogger, WandbSettings, terminal
+from rlhfkit.trainers.metrics import MetricsLogger, NullLogger, WandbSettings, tensorboard_run_dir, terminal
 
 if TYPE_CHECKING:
     from rlhfkit.backend.dist import DistInfo
@@ -160,7 +160,8 @@ def make_logger(args: argparse.Namespace, rank: int, plot_keys: tuple[str, ...] 
     if getattr(args, "use_wandb", None):
         wandb = WandbSettings(key=args.use_wandb, project=args.wandb_project, org=args.wandb_org,
                               group=args.wandb_group, run_name=args.wandb_run_name)
-    return MetricsLogger(run_dir, tensorboard_dir=args.use_tensorboard, wandb=wandb,
+    tb = tensorboard_run_dir(args.use_tensorboard, args.wandb_run_name, run_dir) if args.use_tensorboard else None
+    return MetricsLogger(run_dir, tensorboard_dir=tb, wandb=wandb,
                          config={k: v for k, v in vars(args).items() if k != "use_wandb"}, plot_keys=plot_keys)
 
 

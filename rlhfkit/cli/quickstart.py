@@ -8,7 +8,8 @@
 4. GRPO with `train_ppo` (`--advantage_estimator group_norm`, groups of 8) and the exact-match
    `reward_func`;
 5. prints greedy held-out accuracy before and after RL and writes `results.json`, the metrics and
-   `reward_curve.png` into the run directory.
+   `reward_curve.png` (the training reward, and the held-out accuracy every tenth of the RL steps)
+   into the run directory.
 Everything goes through the same CLIs a user runs.
 """
 
@@ -94,7 +95,12 @@ def sft_args(args, base: str, run: str, sft_dir: str) -> list[str]:
 
 
 def rl_args(args, sft_dir: str, run: str, rl_dir: str, reward_file: str, max_new: int) -> list[str]:
-    return [*quiet(), "--pretrain", sft_dir, "--remote_rm_url", reward_file, "--prompt_data", os.path.join(run, "train.jsonl"),
+    """GRPO; every --eval_steps the held-out questions are answered greedily (eval/pass1: the accuracy
+    the quickstart reports, drawn in reward_curve.png)."""
+    evals = ["--eval_dataset", os.path.join(run, "eval.jsonl"), "--eval_steps", str(max(args.rl_steps // 10, 1)),
+             "--eval_temperature", "0", "--eval_n_samples_per_prompt", "1"]
+    return [*quiet(), *evals, "--pretrain", sft_dir, "--remote_rm_url", reward_file,
+            "--prompt_data", os.path.join(run, "train.jsonl"),
             "--input_key", "input", "--label_key", "label", "--advantage_estimator", "group_norm",
             "--n_samples_per_prompt", "8", "--rollout_batch_size", "16", "--train_batch_size", "128",
             "--micro_train_batch_size", "128", "--micro_rollout_batch_size", "128", "--max_epochs", "1",

@@ -276,9 +276,10 @@ def add_logging_flags(p: FlagParser, *, wandb_project: str = "rlhfkit", eval_def
         p.flag("--wandb_group", "--logger.wandb.group", type=str, default=None, help="wandb run group")
         p.flag("--wandb_project", "--logger.wandb.project", type=str, default=wandb_project, help="wandb project")
         p.flag("--wandb_run_name", "--logger.wandb.run_name", type=str, default=None,
-               help="wandb run name (default: wandb's)")
+               help="wandb run name (default: wandb's), also the TensorBoard run's folder under --use_tensorboard")
         p.flag("--use_tensorboard", "--logger.tensorboard_dir", type=str, default=None,
-               help="write TensorBoard event files to this folder (needs tensorboard)")
+               help="write TensorBoard event files to <this folder>/<run name>: --wandb_run_name, else the run "
+                    "directory's name and the start time (needs tensorboard)")
         p.flag("--disable_progress", action="store_true", help="no progress bar")
     with p.group(EVAL):
         p.flag("--eval_steps", "--eval.steps", type=int, default=-1,

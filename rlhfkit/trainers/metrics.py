@@ -149,6 +149,7 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=tensorboard_dir)
+            print(f"TensorBoard: {tensorboard_dir}")
         self._wandb = None
         if wandb is not None:
             self._wandb = _init_wandb(wandb, wandb_config(config or {}))
@@ -218,6 +219,20 @@ class MetricsLogger:
             plot_metrics(self.path, os.path.join(self.run_dir, "metrics.png"), self.plot_keys)
         except Exception as e:  # a plot must never lose a finished run
             print(f"warning: could not write metrics.png: {e}")
+
+
+def tensorboard_run_dir(root: str, run_name: str | None, run_dir: str) -> str:
+    """`root`/<run name>, so that each training run is one TensorBoard run (as OpenRLHF does): the run
+    name is --wandb_run_name, else the run directory's name and the start time (a suffix -2, -3, ...
+    when that folder exists already)."""
+    if run_name:
+        return os.path.join(root, run_name)
+    base = f"{os.path.basename(os.path.normpath(os.path.abspath(run_dir)))}_{time.strftime('%Y%m%d-%H%M%S')}"
+    path, n = os.path.join(root, base), 1
+    while os.path.exists(path):
+        n += 1
+        path = os.path.join(root, f"{base}-{n}")
+    return path
 
 
 def _truncate_jsonl(path: str, keep_through: int) -> None:

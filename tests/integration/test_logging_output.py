@@ -65,7 +65,10 @@ def test_sft_log_tensorboard_plot_and_model_card(tiny_model_dir, tmp_path):
     assert {"train/loss", "train/grad_norm", "train/lr", "eval/loss"} <= names
     assert all(k.startswith(("train/", "eval/")) for k in names), names
 
-    acc = EventAccumulator(tb)
+    runs = os.listdir(tb)  # one TensorBoard run folder per training run, named after the run directory
+    assert len(runs) == 1 and re.fullmatch(r"sft_\d{8}-\d{6}", runs[0]), runs
+    assert f"TensorBoard: {os.path.join(tb, runs[0])}" in text
+    acc = EventAccumulator(os.path.join(tb, runs[0]))
     acc.Reload()
     assert set(acc.Tags()["scalars"]) == names  # TensorBoard's tags are metrics.jsonl's names
     tb_loss = [(e.step, e.value) for e in acc.Scalars("train/loss")]

@@ -169,3 +169,34 @@ def test_completions_table_goes_to_jsonl_console_tensorboard_and_wandb(tmp_path,
     acc = EventAccumulator(str(tb), size_guidance={"tensors": 0})
     acc.Reload()
     assert any("completions" in t for t in acc.Tags()["tensors"])
+
+
+def test_tensorboard_run_folders(tmp_path, monkeypatch):
+    """Each run writes <root>/<run name>: --wandb_run_name, else the run directory's name and the time;
+    a folder that exists already gets a suffix, so two runs never merge into one TensorBoard run."""
+    root = str(tmp_path / "tb")
+    monkeypatch.setattr(M.time, "strftime", lambda fmt: "20250102-030405")
+    assert M.tensorboard_run_dir(root, "exp1", "ckpt/sft") == os.path.join(root, "exp1")
+    first = M.tensorboard_run_dir(root, None, "ckpt/sft/")
+    assert first == os.path.join(root, "sft_20250102-030405")
+    os.makedirs(first)
+    assert M.tensorboard_run_dir(root, None, "ckpt/sft") == first + "-2"
+
+
+def test_axis_ticks_are_readable_at_any_scale():
+    """A curve moving in its fifth digit gets distinct tick labels (not "3.17" five times); large and
+    small magnitudes keep 3 significant digits."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    assert P.tick_digits([3.17012, 3.17014, 3.17016]) == 6 and P.tick_digits([0.0, 0.5, 1.0]) == 3
+    for values in ([3.1701 + 1e-4 * i for i in range(9)], [1e-7 * i for i in range(9)], [1e6 + i for i in range(9)]):
+        rows = [{"step": i + 1, "train/entropy": v} for i, v in enumerate(values)]
+        fig, ax = plt.subplots()
+        P._draw(ax, P.PANELS["entropy"], ["train/entropy"], rows)
+        fig.canvas.draw()
+        labels = [t.get_text() for t in ax.get_yticklabels() if t.get_text()]
+        plt.close(fig)
+        assert len(labels) >= 3 and len(set(labels)) == len(labels), labels
