@@ -112,6 +112,9 @@ def test_train_returns_the_metrics_jsonl_records(example):
     same_records(ns["sft"].history, os.path.join(run, "sft", "metrics.jsonl"))
     assert [r["step"] for r in ns["sft"].history] == [50, 100, 150, 200]
     assert os.path.isfile(os.path.join(run, "grpo", "model.safetensors"))
+    # GRPO got the SFT model as an object: its card names where that model lives, not a temporary copy
+    card = open(os.path.join(run, "grpo", "README.md")).read()
+    assert f"| base model | `{run}/sft` |" in card
 
 
 # ----------------------------------------------------------------------------- one path with the CLIs
