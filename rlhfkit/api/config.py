@@ -62,6 +62,20 @@ def flag_dests(parser: Any) -> dict[str, list[argparse.Action]]:
     return out
 
 
+_READ_BACK: dict[type, type] = {}
+
+
+def _read_back(value: Any) -> Any:
+    """`value` as read through a TRL name: marked (a subclass of its str / int / float type), so that
+    `dataclasses.replace`, which passes every init-only argument back in, changes nothing through it."""
+    t = type(value)
+    if t not in (str, int, float):
+        return value
+    if t not in _READ_BACK:
+        _READ_BACK[t] = type(f"ReadBack{t.__name__.title()}", (t,), {"__slots__": ()})
+    return _READ_BACK[t](value)
+
+
 def trl_names(cls: type[T]) -> type[T]:
     """Class decorator of the generated field classes: each TRL name declared as an init-only
     argument (`output_dir: InitVar[str | None] = None`) also reads and writes our field."""
@@ -69,7 +83,7 @@ def trl_names(cls: type[T]) -> type[T]:
     aliases = tuple(n for n in cls.__dataclass_fields__ if n in TRL_NAMES and n not in own)  # type: ignore[attr-defined]
     for name in aliases:
         ours = TRL_NAMES[name]
-        setattr(cls, name, property(lambda self, o=ours: getattr(self, o),
+        setattr(cls, name, property(lambda self, o=ours: _read_back(getattr(self, o)),
                                     lambda self, v, o=ours: setattr(self, o, v), doc=f"TRL's name for `{ours}`"))
     cls.TRL_ALIASES = aliases  # type: ignore[attr-defined]
     return cls
@@ -100,6 +114,10 @@ class FlagConfig:
         ours = TRL_NAMES[name]
         f = next(f for f in dataclasses.fields(self) if f.name == ours)
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+        if type(value) in _READ_BACK.values():  # read from a config (dataclasses.replace passes it back)
+            if getattr(self, ours) == default:
+                setattr(self, ours, type(value).__mro__[1](value))
+            return
         if getattr(self, ours) not in (default, value):
             raise ValueError(f"{type(self).__name__}: {name}={value!r} (TRL's name for {ours}) and "
                              f"{ours}={getattr(self, ours)!r} both given; give one")

@@ -101,3 +101,16 @@ def test_generator_check_mode(tmp_path, monkeypatch):
     assert gen_fields.main(["--check"]) == 1
     assert gen_fields.main([]) == 0 and gen_fields.main(["--check"]) == 0
     assert os.path.getsize(stale) > 10_000
+
+
+def test_replace_and_copies_keep_working_with_trl_names():
+    """dataclasses.replace passes every init-only argument back in, read through its property: that
+    read-back never overrides the field the call changes, and a TRL name read from one config can
+    set another."""
+    base = GRPOConfig(output_dir="a", num_generations=4, learning_rate=1e-5)
+    moved = dataclasses.replace(base, save_path="b", n_samples_per_prompt=2)
+    assert (moved.save_path, moved.n_samples_per_prompt, moved.actor_learning_rate) == ("b", 2, 1e-5)
+    assert dataclasses.replace(base, seed=3).save_path == "a" and type(moved.save_path) is str
+    other = SFTConfig(output_dir=base.output_dir, per_device_train_batch_size=base.num_generations)
+    assert (other.save_path, other.micro_train_batch_size) == ("a", 4)
+    assert type(other.save_path) is str and type(other.micro_train_batch_size) is int
