@@ -17,6 +17,7 @@ import importlib
 import os
 from typing import Any
 
+from rlhfkit import logs
 from rlhfkit.api.config import FlagConfig, command_parser
 from rlhfkit.api.inputs import Scratch, data_source, model_dir
 from rlhfkit.config.flag_parser import set_as_given
@@ -71,9 +72,11 @@ class BaseTrainer:
         """Train; returns the metrics history (one dict per logged step: the records of metrics.jsonl)."""
         try:
             ns, parser = self.build_args()
+            logs.route_transformers()
             self.result = self._run(ns, parser)
         finally:
             self._scratch.close()
+            logs.close_run_logs()
         self.history = self.result.state.history
         self._name_after_save_path()
         return self.history

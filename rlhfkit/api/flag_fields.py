@@ -22,6 +22,11 @@ class TrainSFTFields(FlagConfig):
     COMMAND: ClassVar[str] = "train_sft"
     INPUTS: ClassVar[tuple[str, ...]] = ("pretrain", "dataset", "eval_dataset")
 
+    # general
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """console messages from this level up (debug: also transformers' info messages and third-party progress bars);
+    the run directory's train.log gets every level [--log_level]"""
+
     # train_sft options
     multiturn: bool = False
     """--input_key holds a conversation; the loss covers every assistant turn [--multiturn, --data.multiturn]"""
@@ -264,6 +269,11 @@ class TrainRMFields(FlagConfig):
 
     COMMAND: ClassVar[str] = "train_rm"
     INPUTS: ClassVar[tuple[str, ...]] = ("pretrain", "dataset", "eval_dataset")
+
+    # general
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """console messages from this level up (debug: also transformers' info messages and third-party progress bars);
+    the run directory's train.log gets every level [--log_level]"""
 
     # train_rm options
     value_head_prefix: str = "score"
@@ -520,6 +530,11 @@ class TrainDPOFields(FlagConfig):
 
     COMMAND: ClassVar[str] = "train_dpo"
     INPUTS: ClassVar[tuple[str, ...]] = ("pretrain", "dataset", "eval_dataset")
+
+    # general
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """console messages from this level up (debug: also transformers' info messages and third-party progress bars);
+    the run directory's train.log gets every level [--log_level]"""
 
     # train_dpo options
     beta: float = 0.1
@@ -780,6 +795,11 @@ class TrainKTOFields(FlagConfig):
     COMMAND: ClassVar[str] = "train_kto"
     INPUTS: ClassVar[tuple[str, ...]] = ("pretrain", "dataset", "eval_dataset")
 
+    # general
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """console messages from this level up (debug: also transformers' info messages and third-party progress bars);
+    the run directory's train.log gets every level [--log_level]"""
+
     # train_kto options
     beta: float = 0.01
     """KTO beta [--beta, --model.beta]"""
@@ -1031,6 +1051,11 @@ class TrainPPOFields(FlagConfig):
 
     COMMAND: ClassVar[str] = "train_ppo"
     INPUTS: ClassVar[tuple[str, ...]] = ("pretrain", "prompt_data", "eval_dataset", "remote_rm_url")
+
+    # general
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """console messages from this level up (debug: also transformers' info messages and third-party progress bars);
+    the run directory's train.log gets every level [--log_level]"""
 
     # model
     param_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"

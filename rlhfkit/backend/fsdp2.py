@@ -115,9 +115,6 @@ class FSDP2Backend(SleepMixin):
         self.cpu_offload = backend_cfg.adam_offload and self.trainable and self.device.type == "cuda"
         if backend_cfg.adam_offload and self.trainable and self.device.type != "cuda" and dist.rank == 0:
             note_once("note: --adam_offload has no effect on CPU (the optimizer states are already in host memory)")
-        if self.trainable and self.compute_dtype != self.param_dtype and dist.rank == 0:
-            note_once(f"note: --param_dtype {backend_cfg.param_dtype} has no effect on CPU: training computes in "
-                      "fp32 (low-precision CPU compute is slow)")
         if self.cpu_offload and not dist.has_process_group:
             D.init_single_rank_group(dist.device)  # FSDP2's CPUOffloadPolicy needs a process group
         self.is_sharded = dist.has_process_group

@@ -15,6 +15,7 @@ loop of rlhfkit.trainers.offline, then a final evaluation when the last step had
 from __future__ import annotations
 
 import argparse
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -23,7 +24,7 @@ import torch
 from rlhfkit.backend.dist import DistInfo, init_distributed
 from rlhfkit.backend.parallel import attach_mesh
 from rlhfkit.backend.fsdp2 import FSDP2Backend
-from rlhfkit.cli.common import (UsageError, check_backend_flags, check_positions, parallel_dims,
+from rlhfkit.cli.common import (UsageError, check_backend_flags, check_positions, note_cpu_dtype, parallel_dims,
                                 check_packages, resolve_model_paths, set_seed)
 from rlhfkit.config.configs import BackendConfig, ModelConfig, OptimConfig, from_args
 from rlhfkit.config.flags import (DATA, MODEL, TRAIN, FlagParser, add_backend_flags, add_ckpt_flags, add_data_flags,
@@ -35,6 +36,8 @@ from rlhfkit.trainers.metrics import metrics_record
 from rlhfkit.trainers.model_card import task_kind
 from rlhfkit.trainers.offline import LoopConfig, LoopState, evaluate, has_eval, total_steps, train_offline
 from rlhfkit.trainers.plot import OFFLINE_PANELS
+
+log = logging.getLogger(__name__)
 
 OFFLINE_PLOT_KEYS = OFFLINE_PANELS  # the plot's panels (rlhfkit.trainers.plot.PANELS)
 
@@ -103,6 +106,7 @@ def setup(args: argparse.Namespace) -> tuple[DistInfo, Any]:
     check_model_dir(args.pretrain, "--pretrain")
     check_positions(args.pretrain, args.max_len, f"--max_len {args.max_len}")
     dist = init_distributed(args.device)
+    note_cpu_dtype(args, dist.device)
     dist = attach_mesh(dist, parallel_dims(args, dist))  # the dp / tp / cp process groups, built once
     set_seed(args.seed, args.full_determinism)
     tokenizer = load_tokenizer(args.pretrain, chat_template=args.tokenizer_chat_template,
@@ -117,7 +121,7 @@ def load_items(args: argparse.Namespace, spec: str, split: str, probs: str | Non
                         max_row_bytes=args.max_row_bytes)
     ds = make_dataset(rows)
     if ds.num_dropped:
-        print(f"{ds.num_dropped} of {len(rows)} samples of {spec} dropped: nothing to train on within --max_len")
+        log.info(f"{ds.num_dropped} of {len(rows)} samples of {spec} dropped: nothing to train on within --max_len")
     if not ds.items:
         raise DataError(f"{flag} {spec}: no usable samples ({len(rows)} rows read, {ds.num_dropped} dropped)")
     return list(ds.items)
@@ -206,5 +210,5 @@ def save_model(args: argparse.Namespace, backend: Any, tokenizer: Any, dist: Dis
     if logger is not None:
         logger.model_card(args.save_path, trainer=trainer)
     if dist.rank == 0:
-        print(f"model saved to {args.save_path}")
+        log.info(f"model saved to {args.save_path}")
 

@@ -7,6 +7,7 @@ own config object.
 from __future__ import annotations
 
 import argparse
+import logging
 from dataclasses import replace
 from typing import Any
 
@@ -31,6 +32,8 @@ from rlhfkit.roles.critic import CriticRole, RewardModelRole
 from rlhfkit.roles.group import LocalGroup
 from rlhfkit.trainers.rl import RLLoopConfig
 from rlhfkit.types import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 def resolve_flags(args: argparse.Namespace, world_size: int) -> None:
@@ -71,7 +74,7 @@ def resolve_flags(args: argparse.Namespace, world_size: int) -> None:
         if not (args.remote_rm_url or args.agent_func_path):
             raise UsageError("--dynamic_filtering needs --remote_rm_url or --agent_func_path (0-1 scores)")
     if args.critic_pretrain and args.advantage_estimator != "gae":
-        print(f"note: --critic_pretrain is unused with --advantage_estimator {args.advantage_estimator} (no critic)")
+        log.info(f"note: --critic_pretrain is unused with --advantage_estimator {args.advantage_estimator} (no critic)")
     per = args.micro_train_batch_size * world_size
     if args.train_batch_size % per:
         raise UsageError(f"--train_batch_size ({args.train_batch_size}) must be a multiple of "
@@ -144,7 +147,7 @@ def note_ray_only_flags(args: argparse.Namespace, parser: Any, prog: str) -> Non
     set_flags = [d for d in RAY_ONLY if getattr(args, d) != parser.get_default(d)]
     if set_flags:
         names = ", ".join("--" + d for d in set_flags)
-        print(f"note: {prog} runs in one process per rank; {names} take effect in train_ppo_ray only")
+        log.info(f"note: {prog} runs in one process per rank; {names} take effect in train_ppo_ray only")
 
 
 def actor_update_cfg(args: argparse.Namespace) -> UpdateConfig:
@@ -339,11 +342,11 @@ def close_rollout(engine: Any, user_code_grace_s: float = 5.0) -> None:
         try:
             close()
         except Exception as e:  # noqa: BLE001 - must not hide the error that ended the run
-            print(f"note: closing the rollout engine failed: {type(e).__name__}: {e}")
+            log.info(f"note: closing the rollout engine failed: {type(e).__name__}: {e}")
     stuck = shutdown_user_threads(user_code_grace_s)
     if stuck:
-        print(f"note: {stuck} reward_func / agent call(s) still running after {user_code_grace_s:g} s were "
-              "abandoned")
+        log.info(f"note: {stuck} reward_func / agent call(s) still running after {user_code_grace_s:g} s were "
+                 "abandoned")
 
 
 def agent_config(args: argparse.Namespace, temperature: float) -> AgentConfig:

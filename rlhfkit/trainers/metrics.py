@@ -11,10 +11,13 @@ loops' `state.history` holds the same records as metrics.jsonl.
 
 Console: a tqdm bar only when stdout and stderr are both terminals (`terminal()`) and
 --disable_progress is off; otherwise (a log redirected to a file, --disable_progress) one plain
-line per logged step and one per evaluation, no carriage returns:
+line per logged step and one per evaluation, no carriage returns; the seconds per step are the mean
+since the previous line (evaluations and checkpoints in between count), measured from `start(step)`:
 
     [step 5/12] loss=2.740 grad_norm=2.460 lr=0.002325 (0.028 s/step)
     [eval step 5] loss=2.596
+
+Lines go through the `logging` module (rlhfkit.logs), so they are in the run's train.log too.
 
 Evaluation lines are printed in bar mode too (through tqdm.write, above the bar).
 
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import logging
 import math
 import os
 import sys
@@ -41,6 +45,8 @@ from rlhfkit.fileio import atomic_write_text
 from rlhfkit.optional import require
 from rlhfkit.trainers.metric_names import (CONSOLE_KEYS, EVAL, SECONDS_KEYS, TIME, TRAIN,  # noqa: F401
                                            qualified, read_metrics)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -106,6 +112,9 @@ class SampleRow:
 
 
 class NullLogger:
+    def start(self, step: int) -> None:
+        pass
+
     def log(self, step: int, metrics: dict[str, Any], console: bool = True, total: int | None = None) -> None:
         pass
 
@@ -143,24 +152,36 @@ class MetricsLogger:
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self._f = open(self.path, "a")
         self.plot_keys = plot_keys
+        self._clock: tuple[float, int] | None = None  # (time, step) of the last training line
         self._tb = None
         if tensorboard_dir:
             require("tensorboard", "--use_tensorboard")
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=tensorboard_dir)
-            print(f"TensorBoard: {tensorboard_dir}")
+            log.info(f"TensorBoard: {tensorboard_dir}")
         self._wandb = None
         if wandb is not None:
             self._wandb = _init_wandb(wandb, wandb_config(config or {}))
 
+    def start(self, step: int) -> None:
+        """The loop starts (or resumes) at `step`: the first training line's time per step counts from here."""
+        self._clock = (time.monotonic(), int(step))
+
     def log(self, step: int, metrics: dict[str, Any], console: bool = True, total: int | None = None) -> None:
-        """One record; `console`: also print the training line (plain mode). An evaluation line is
-        always printed when the record has eval metrics."""
+        """One record; `console`: also print the training line (plain mode), whose time per step is the
+        mean since the previous training line (or `start`). An evaluation line is always printed when the
+        record has eval metrics."""
         rec = metrics_record(step, metrics)
         self._f.write(json.dumps(rec) + "\n")
         self._f.flush()
-        for line in console_lines(rec, total, train=console):
+        mean = None
+        if any(k.startswith(TRAIN) for k in rec):
+            now = time.monotonic()
+            if self._clock is not None and step > self._clock[1]:
+                mean = (now - self._clock[0]) / (step - self._clock[1])
+            self._clock = (now, int(step))
+        for line in console_lines(rec, total, train=console, seconds_per_step=mean):
             _write(line)
         scalars = {k: v for k, v in rec.items() if k != "step" and _is_number(v)}
         if self._tb is not None:
@@ -218,7 +239,7 @@ class MetricsLogger:
 
             plot_metrics(self.path, os.path.join(self.run_dir, "metrics.png"), self.plot_keys)
         except Exception as e:  # a plot must never lose a finished run
-            print(f"warning: could not write metrics.png: {e}")
+            log.warning(f"warning: could not write metrics.png: {e}")
 
 
 def tensorboard_run_dir(root: str, run_name: str | None, run_dir: str) -> str:
@@ -281,10 +302,7 @@ def _is_number(v: Any) -> bool:
 
 
 def _write(line: str) -> None:
-    from tqdm.auto import tqdm
-
-    tqdm.write(line, file=sys.stdout)  # above an active bar; a plain print otherwise
-    sys.stdout.flush()
+    log.info(line)  # rlhfkit.logs' console handler writes it above an active bar
 
 
 def _fmt(v: Any) -> str:
@@ -293,16 +311,19 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def console_lines(rec: dict[str, Any], total: int | None = None, train: bool = True) -> list[str]:
-    """The console lines of one record: the training line (main metrics and the step's seconds) and
-    the evaluation line (every eval metric); each only when the record has such metrics."""
+def console_lines(rec: dict[str, Any], total: int | None = None, train: bool = True,
+                  seconds_per_step: float | None = None) -> list[str]:
+    """The console lines of one record: the training line (main metrics and the seconds per step:
+    `seconds_per_step`, else the record's own step time) and the evaluation line (every eval metric);
+    each only when the record has such metrics."""
     step = rec.get("step", 0)
     lines = []
     tr = {k[len(TRAIN):]: v for k, v in rec.items() if k.startswith(TRAIN)}
     if train and tr:
         shown = [k for k in CONSOLE_KEYS if k in tr] or [k for k in tr if _is_number(tr[k])][:6]
         body = " ".join(f"{k}={_fmt(tr[k])}" for k in shown)
-        secs = next((rec[k] for k in SECONDS_KEYS if _is_number(rec.get(k))), None)
+        secs = seconds_per_step if seconds_per_step is not None else next(
+            (rec[k] for k in SECONDS_KEYS if _is_number(rec.get(k))), None)
         where = f"{step}/{total}" if total else f"{step}"
         lines.append(f"[step {where}] {body}" + (f" ({secs:.3g} s/step)" if secs is not None else ""))
     ev = {k[len(EVAL):]: v for k, v in rec.items() if k.startswith(EVAL)}

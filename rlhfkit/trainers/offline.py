@@ -23,6 +23,7 @@ per-token outputs and each compute the whole loss (backend/context_parallel.py).
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
@@ -37,6 +38,8 @@ from rlhfkit.losses.reduce import HostValues
 from rlhfkit.models.moe import RouterAuxLoss
 from rlhfkit.trainers.metrics import EVAL, MetricsLogger, NullLogger, metrics_record, progress_bar
 from rlhfkit.trainers.model_card import task_kind
+
+log = logging.getLogger(__name__)
 
 
 class OfflineTask(Protocol):
@@ -130,13 +133,14 @@ def train_offline(task: OfflineTask, backend, train_items: Sequence[Any], cfg: L
         if client is not None:
             state.step, state.epoch, state.batch_in_epoch = client["step"], client["epoch"], client["batch_in_epoch"]
             if dist.rank == 0:
-                print(f"resumed from {cfg.ckpt_path} at step {state.step} (epoch {state.epoch})")
+                log.info(f"resumed from {cfg.ckpt_path} at step {state.step} (epoch {state.epoch})")
         logger.truncate(state.step if client is not None else -1)  # no step logged twice
     total = total_steps(n, cfg)
     if cfg.max_steps is not None and total > spe * cfg.max_epochs and dist.rank == 0:
-        print(f"--max_steps {total}: {total / spe:.3g} passes over the data (the samples are cycled; "
-              f"--max_epochs {cfg.max_epochs} would give {spe * cfg.max_epochs} steps)")
+        log.info(f"--max_steps {total}: {total / spe:.3g} passes over the data (the samples are cycled; "
+                 f"--max_epochs {cfg.max_epochs} would give {spe * cfg.max_epochs} steps)")
     bar = progress_bar(total, state.step, "train", cfg.show_progress and dist.rank == 0)
+    logger.start(state.step)
     done = state.step >= total
     while not done:
         order = epoch_order(n, state.epoch, cfg.seed)
@@ -169,7 +173,7 @@ def train_offline(task: OfflineTask, backend, train_items: Sequence[Any], cfg: L
                 logger.model_card(snapshot, step=state.step, trainer=task_kind(task))
             stop = on_step_end(state, metrics) if on_step_end is not None else False
             if stop and state.step < total and dist.rank == 0:
-                print(f"stopped at step {state.step} of {total}: on_step_end returned True")
+                log.info(f"stopped at step {state.step} of {total}: on_step_end returned True")
             if state.step >= total or stop:
                 done = True
                 break

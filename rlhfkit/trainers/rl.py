@@ -38,8 +38,8 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import math
-import sys
 from typing import Any, Sequence
 
 import torch
@@ -57,6 +57,8 @@ from rlhfkit.trainers.offline import epoch_order
 from rlhfkit.trainers.rl_config import FailedStepsError, RLLoopConfig, RLState
 from rlhfkit.trainers.rl_step_info import complete_groups, global_experience_metrics, skip_cause
 from rlhfkit.types import PromptSample, Trajectory
+
+log = logging.getLogger(__name__)
 
 __all__ = ["FailedStepsError", "RLLoopConfig", "RLState", "RLTrainer", "freeze_gc_once"]
 
@@ -132,7 +134,8 @@ class RLTrainer:
 
     def total_steps(self) -> int:
         """--max_steps when given (the prompts cycled as often as needed), else --num_episodes passes."""
-        return self.cfg.max_steps if self.cfg.max_steps is not None else self.batches_per_episode * self.cfg.num_episodes
+        c = self.cfg
+        return c.max_steps if c.max_steps is not None else self.batches_per_episode * c.num_episodes
 
     def _next_prompts(self, used: set[int] | None = None) -> tuple[list[PromptSample], int] | None:
         """This rank's prompts of the next global batch and the global index of its first one (for
@@ -186,6 +189,7 @@ class RLTrainer:
         c, n = self.cfg, self.cfg.n_samples_per_prompt
         kept: list[Trajectory] = []
         passed = seen = dropped = incomplete = 0
+        first_drop = None  # this rank's first dropped sample (one line per step names it)
         used: set[int] = set()  # dataset indices drawn in this step (the same set on every rank)
         rounds = 0
         for r in range(c.max_filter_rounds if c.dynamic_filtering else 1):
@@ -196,6 +200,7 @@ class RLTrainer:
             rounds += 1
             out = self._generate(self.executor, prompts, n, self.state.step * 131 + r, first)
             dropped += out.num_dropped
+            first_drop = first_drop or (out.dropped[0] if out.dropped else None)
             trajs = out.trajectories
             if not c.dynamic_filtering:
                 kept = trajs
@@ -219,6 +224,10 @@ class RLTrainer:
         dropped, incomplete, passed, seen = self.dist.all_reduce_dp(
             torch.tensor([dropped, incomplete, passed, seen], dtype=torch.float64)).tolist()
         self.num_dropped += int(dropped)
+        if dropped and self.dist.rank == 0:
+            first = (f"; the first: {first_drop.reason}; prompt: {first_drop.prompt[:200]!r}" if first_drop
+                     else " (on other ranks)")
+            log.warning(f"step {self.state.step + 1}: {int(dropped)} sample(s) dropped (--reward_failure drop){first}")
         metrics = {"dropped_samples": dropped}
         if incomplete:
             metrics["incomplete_group_samples"] = incomplete
@@ -368,11 +377,12 @@ class RLTrainer:
                 self.kl_ctl.load_state_dict(client["kl_ctl"])
                 self.weight_sync.sync()
                 if self.dist.rank == 0:
-                    print(f"resumed from {c.ckpt_path} at step {s.step}")
+                    log.info(f"resumed from {c.ckpt_path} at step {s.step}")
             self.logger.truncate(s.step if client is not None else -1)  # no step logged twice
         total = self.total_steps()
         bar = progress_bar(total, s.step, "rl", c.show_progress and self.dist.rank == 0)
         self._plain, self._total = bar.disable, total
+        self.logger.start(s.step)
         if s.step == 0 and c.eval_steps > 0:
             self._log(0, self.evaluate())
         while s.step < total:
@@ -414,9 +424,8 @@ class RLTrainer:
             raise FailedStepsError(f"{self.failed_in_row} steps in a row (--max_failed_steps {limit}) left no "
                                    f"trajectory to train on; last one (step {self.state.step}): {self._skip_cause}")
         if self.dist.rank == 0:
-            print(f"step {self.state.step}: skipped, no trajectory to train on: {self._skip_cause} "
-                  f"({self.failed_in_row} in a row; the run stops at --max_failed_steps {limit})",
-                  file=sys.stderr, flush=True)
+            log.warning(f"step {self.state.step}: skipped, no trajectory to train on: {self._skip_cause} "
+                        f"({self.failed_in_row} in a row; the run stops at --max_failed_steps {limit})")
 
     def _log(self, step: int, m: dict[str, float]) -> None:
         if not m:

@@ -81,6 +81,9 @@ class FakeLogger:
         self.logged: list[tuple[int, dict]] = []
         self.samples: list[tuple[int, list]] = []
 
+    def start(self, step) -> None:
+        pass
+
     def log(self, step, m, console=False, total=None) -> None:
         self.logged.append((step, dict(m)))
 
