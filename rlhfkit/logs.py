@@ -6,7 +6,8 @@ and, once a run directory is known, to the run's log file.
     log.warning("...")                            # stderr
     log.debug("...")                              # the log file; the console with --log_level debug
 
-    setup("info")                 the console handler (FlagParser.parse calls it with --log_level)
+    setup("info")                 the console handler (FlagParser.parse calls it with --log_level);
+                                  ensure_setup() installs it only when missing (MetricsLogger)
     add_run_log(run_dir)          also everything, at every level, into <run_dir>/train.log, with times
                                   and levels; records from before it was known are written first
     close_run_logs()              at the end of a run (the CLIs' cli_main, the API's train())
@@ -113,6 +114,12 @@ def setup(level: str = "info") -> None:
     quiet_third_party(not _verbose)
     if "transformers" in sys.modules:
         route_transformers()
+
+
+def ensure_setup() -> None:
+    """`setup()` unless a console handler is installed already (code used without a command line)."""
+    if _console is None:
+        setup()
 
 
 def quiet_third_party(quiet: bool) -> None:

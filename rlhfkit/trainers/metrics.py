@@ -41,6 +41,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
+from rlhfkit import logs
 from rlhfkit.fileio import atomic_write_text
 from rlhfkit.optional import require
 from rlhfkit.trainers.metric_names import (CONSOLE_KEYS, EVAL, SECONDS_KEYS, TIME, TRAIN,  # noqa: F401
@@ -148,6 +149,7 @@ class MetricsLogger:
                  plot_keys: tuple[str, ...] | None = None) -> None:
         """`plot_keys`: the plot's panels (names in rlhfkit.trainers.plot.PANELS; None: every panel with data)."""
         os.makedirs(run_dir, exist_ok=True)
+        logs.ensure_setup()  # the console lines go through rlhfkit.logs
         self.run_dir = run_dir
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self._f = open(self.path, "a")

@@ -200,3 +200,19 @@ def test_axis_ticks_are_readable_at_any_scale():
         labels = [t.get_text() for t in ax.get_yticklabels() if t.get_text()]
         plt.close(fig)
         assert len(labels) >= 3 and len(set(labels)) == len(labels), labels
+
+
+def test_seconds_per_step_is_the_mean_since_the_last_line(tmp_path, monkeypatch, capsys):
+    """Steps 1-2 take 10 s in all, steps 3-4 (with an evaluation between) 38 s: the lines say 5 and 19
+    s/step, whatever the last step's own time (0.39 s) was."""
+    clock = iter([10.0, 48.0])
+    logger = M.MetricsLogger(str(tmp_path))
+    monkeypatch.setattr(M.time, "monotonic", lambda: 0.0)
+    logger.start(0)
+    monkeypatch.setattr(M.time, "monotonic", lambda: next(clock))
+    logger.log(2, {"loss": 1.0, "step_time": 0.39}, total=4)
+    logger.log(4, {"loss": 0.5, "step_time": 0.39, "eval/loss": 0.7}, total=4)
+    logger.close()
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "[step 2/4] loss=1 (5 s/step)" and out[1] == "[step 4/4] loss=0.5 (19 s/step)"
+    assert out[2] == "[eval step 4] loss=0.7"
