@@ -73,7 +73,7 @@ class _Early(logging.Handler):
         self.records: list[logging.LogRecord] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        if len(self.records) < EARLY_RECORDS:
+        if not _files and len(self.records) < EARLY_RECORDS:  # an open run log has them already
             self.records.append(record)
 
 
@@ -92,9 +92,10 @@ def _loggers() -> list[logging.Logger]:
     return [logging.getLogger(ROOT), logging.getLogger("transformers"), logging.getLogger("py.warnings")]
 
 
-def setup(level: str = "info") -> None:
-    """Install the console handler once (later calls change its level and start a new run's early
-    records); INFO by default. Python warnings are logged too (`py.warnings`)."""
+def setup(level: str = "info", new_run: bool = True) -> None:
+    """Install the console handler once (later calls change its level); INFO by default. Python
+    warnings are logged too (`py.warnings`). `new_run`: a run starts (a command line was parsed), so the
+    last run's log file is closed and the early records start anew."""
     global _console, _early, _verbose
     lvl = getattr(logging, level.upper())
     if _console is None:
@@ -107,8 +108,10 @@ def setup(level: str = "info") -> None:
             lg.setLevel(logging.DEBUG)  # records still reach handlers a user put on the root logger
             lg.addHandler(_console)
             lg.addHandler(_early)
-    if _early is not None:
-        _early.records = []
+    if new_run:
+        close_run_logs()
+        if _early is not None:
+            _early.records = []
     _console.setLevel(lvl)
     _verbose = lvl <= logging.DEBUG
     quiet_third_party(not _verbose)
@@ -156,10 +159,12 @@ def route_transformers() -> None:
 
 
 def add_run_log(run_dir: str) -> str:
-    """Write every record from now on (and those kept since setup) to <run_dir>/train.log."""
+    """Write every record from now on (and those kept since setup) to <run_dir>/train.log; a run log
+    still open from an earlier run of this process (the quickstart's SFT, say) is closed first."""
     path = os.path.join(run_dir, LOG_FILE)
     if path in _files:
         return path
+    close_run_logs()
     if _console is None:
         setup()
     os.makedirs(run_dir, exist_ok=True)

@@ -264,7 +264,7 @@ class FlagParser(argparse.ArgumentParser):
         self.check_conflicts(given)
         _remember(ns, {action.dest for _, action, _ in given} | set(saved["defaults"] if saved else ()))
         if self._log_level is not None:
-            logs.setup(ns.log_level)
+            logs.setup(ns.log_level, new_run=notes)  # notes=False: an API config checking its values
         if notes and os.environ.get("RANK", "0") == "0":
             for line in self.inert_notes(ns):
                 log.info(line)

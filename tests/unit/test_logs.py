@@ -61,6 +61,17 @@ def test_run_log_has_every_level_early_records_and_transformers(fresh, tmp_path,
     assert "load report red" in capsys.readouterr().err  # transformers' warning on the console too, once
 
 
+def test_a_new_run_log_closes_the_last_one(fresh, tmp_path):
+    log = logging.getLogger("rlhfkit.test")
+    first = logs.add_run_log(str(tmp_path / "sft"))
+    log.info("sft line")
+    second = logs.add_run_log(str(tmp_path / "rl"))  # one process, two runs (the quickstart)
+    log.info("rl line")
+    logs.close_run_logs()
+    assert "rl line" not in open(first).read() and "sft line" in open(first).read()
+    assert "sft line" not in open(second).read() and "rl line" in open(second).read()
+
+
 def test_third_party_progress_bars_only_with_debug(fresh, monkeypatch):
     from transformers.utils import logging as hf_logging
 
