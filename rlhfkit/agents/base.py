@@ -179,8 +179,8 @@ class AgentExecutorBase(ABC):
 
     def _drop(self, sample: PromptSample, group_index: int, reason: str) -> DroppedEpisode:
         self.num_dropped += 1
-        logger.warning("%s: dropped a sample (--reward_failure drop): %s; prompt: %r",
-                       self.source_name, reason, sample.prompt[:200])
+        logger.debug("%s: dropped a sample (--reward_failure drop): %s; prompt: %r",  # the loop sums them up
+                     self.source_name, reason, sample.prompt[:200])
         return DroppedEpisode(sample.prompt, sample.label, group_index, reason)
 
 

@@ -207,7 +207,7 @@ class BatchingRewardSource:
                     _settle(item[3], error=e)
                 return
             self.num_retried_batches += 1
-            logger.info("%s: a batched reward call of %d samples failed (%s: %s); scoring them one at a time",
+            logger.debug("%s: a batched reward call of %d samples failed (%s: %s); scoring them one at a time",
                         self.name, len(q), type(e).__name__, e)
             await asyncio.gather(*(self._run_alone(*item) for item in batch))
             return

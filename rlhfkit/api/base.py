@@ -14,8 +14,10 @@ Errors are raised as they are (the CLI turns the same ones into one line and exi
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any
 
+from rlhfkit import logs
 from rlhfkit.api.config import FlagConfig, command_parser
 from rlhfkit.api.inputs import Scratch, data_source, model_dir
 from rlhfkit.config.flag_parser import set_as_given
@@ -70,11 +72,23 @@ class BaseTrainer:
         """Train; returns the metrics history (one dict per logged step: the records of metrics.jsonl)."""
         try:
             ns, parser = self.build_args()
+            logs.route_transformers()
             self.result = self._run(ns, parser)
         finally:
             self._scratch.close()
+            logs.close_run_logs()
         self.history = self.result.state.history
+        self._name_after_save_path()
         return self.history
+
+    def _name_after_save_path(self) -> None:
+        """The trained model now lives in save_path (train() saved it there): its `name_or_path` says so,
+        so a trainer it is passed to next names it as its base model (model cards)."""
+        model = self.backend.unwrap()
+        if os.path.isdir(self.args.save_path) and hasattr(model, "name_or_path"):
+            model.name_or_path = self.args.save_path
+            if getattr(model, "config", None) is not None:
+                model.config.name_or_path = self.args.save_path
 
     # ------------------------------------------------------------------ results
 

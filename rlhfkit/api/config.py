@@ -1,18 +1,18 @@
-"""Config dataclasses whose fields are a command's flags: one resolved run config for the API and the CLI.
+"""Behaviour of the API configs, whose fields are a command's flags: one resolved run for the API and the CLI.
 
-    @flag_config("train_sft", inputs=("pretrain", "dataset", "eval_dataset"))
-    @dataclass(repr=False)
-    class SFTConfig(FlagConfig):
-        learning_rate: float = FLAG      # declared for IDEs and docs; the default is the flag's
-        ...                              # every other flag of train_sft is added as a field too
+The fields themselves are generated from the flag tables into rlhfkit/api/flag_fields.py
+(`python -m rlhfkit.api.gen_fields`): one dataclass per command, a typed field per flag dest (the
+flat names of rlhfkit / OpenRLHF: `learning_rate`, `max_len`, `n_samples_per_prompt`, ...) with the
+parser's own default and its help line as docstring, so editors complete and explain them and a
+default can never drift from the CLI's. The configs users build subclass those (rlhfkit.api.offline,
+rlhfkit.api.rl); a subclass may change a default (GRPOConfig's estimator).
 
-`flag_config` reads the command's `build_parser()` and gives the class one field per flag dest
-(the flat flag names of rlhfkit / OpenRLHF: `learning_rate`, `max_len`, `n_samples_per_prompt`, ...),
-each with the parser's own default, so a default can never drift from the CLI's. Fields declared
-with `FLAG` get that default too; a subclass may change a default (GRPOConfig's estimator).
-The `inputs` dests (model path, dataset files, reward file) are not fields: the trainers take
-those as objects.
+    SFTConfig(learning_rat=1e-3)           TypeError: SFTConfig has no field 'learning_rat' (did you mean 'learning_rate'?)
+    GRPOConfig(advantage_estimator="grpo") ValueError: ... --advantage_estimator: invalid choice ...
+    GRPOConfig(num_generations=8)          TRL's name for n_samples_per_prompt (TRL_NAMES)
 
+A config is checked when it is made: its fields go through the command's parser (`to_args`), so a
+bad value fails at construction with the error the command line would give, naming the flag.
 `to_argv()` writes the fields that differ from the parser's defaults as a command line, and
 `to_args()` parses it with the command's own parser: the API and the CLI resolve a run through the
 same parser, the same type conversion, choices and notes, and the same `run()` afterwards.
@@ -23,12 +23,24 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import importlib
-import inspect
 import shlex
-from typing import Any, Callable, Sequence
+from typing import Any, TypeVar
 
-FLAG: Any = object()  # "the command's default" placeholder for declared fields
+T = TypeVar("T")
+
+# Hugging Face TRL's config names that mean the same as one of our flags: accepted by the configs
+# that have the flag under its own name only (init-only arguments; reading one reads our field)
+TRL_NAMES = {"output_dir": "save_path", "learning_rate": "actor_learning_rate",
+             "per_device_train_batch_size": "micro_train_batch_size", "num_generations": "n_samples_per_prompt",
+             "max_completion_length": "generate_max_len"}
+# TRL names whose meaning differs: named in the error for them, with our closest setting(s)
+TRL_HINTS = {"num_train_epochs": ("num_episodes", "max_epochs"), "gradient_accumulation_steps": ("train_batch_size",),
+             "max_length": ("max_len",), "max_prompt_length": ("prompt_max_len",), "beta": ("init_kl_coef",),
+             "warmup_ratio": ("lr_warmup_ratio",), "lr_scheduler_type": ("lr_scheduler",), "weight_decay": ("l2",),
+             "max_grad_norm": ("max_norm",), "logging_dir": ("run_dir",), "report_to": ("use_tensorboard",),
+             "bf16": ("param_dtype",), "loss_type": ("ipo", "advantage_estimator")}
 
 
 def command_parser(command: str) -> Any:
@@ -50,45 +62,66 @@ def flag_dests(parser: Any) -> dict[str, list[argparse.Action]]:
     return out
 
 
-def _field_for(default: Any) -> Any:
-    if isinstance(default, (list, dict, set)):
-        return dataclasses.field(default_factory=lambda d=default: type(d)(d))
-    return dataclasses.field(default=default)
+_READ_BACK: dict[type, type] = {}
 
 
-def flag_config(command: str, inputs: Sequence[str] = ()) -> Callable[[type], type]:
-    """Class decorator: make `cls` a dataclass with one field per flag of `command` (see module doc).
-    Apply it to a class that is not yet a dataclass."""
+def _read_back(value: Any) -> Any:
+    """`value` as read through a TRL name: marked (a subclass of its str / int / float type), so that
+    `dataclasses.replace`, which passes every init-only argument back in, changes nothing through it."""
+    t = type(value)
+    if t not in (str, int, float):
+        return value
+    if t not in _READ_BACK:
+        _READ_BACK[t] = type(f"ReadBack{t.__name__.title()}", (t,), {"__slots__": ()})
+    return _READ_BACK[t](value)
 
-    def wrap(cls: type) -> type:
-        parser = command_parser(command)
-        dests = flag_dests(parser)
-        ann = dict(inspect.get_annotations(cls))
-        for name in list(ann):
-            if name in inputs or name not in dests:
-                if getattr(cls, name, None) is FLAG:
-                    raise TypeError(f"{cls.__name__}.{name}: no flag {name!r} in {command}")
-                continue
-            value = cls.__dict__.get(name, FLAG)
-            setattr(cls, name, _field_for(parser.get_default(name) if value is FLAG else value))
-        for dest in dests:
-            if dest in inputs or dest in ann:
-                continue
-            ann[dest] = Any
-            setattr(cls, dest, _field_for(parser.get_default(dest)))
-        cls.__annotations__ = ann
-        cls.COMMAND = command
-        cls.INPUTS = tuple(inputs)
-        return dataclasses.dataclass(repr=False, kw_only=True)(cls)
 
-    return wrap
+def trl_names(cls: type[T]) -> type[T]:
+    """Class decorator of the generated field classes: each TRL name declared as an init-only
+    argument (`output_dir: InitVar[str | None] = None`) also reads and writes our field."""
+    own = {f.name for f in dataclasses.fields(cls)}
+    aliases = tuple(n for n in cls.__dataclass_fields__ if n in TRL_NAMES and n not in own)  # type: ignore[attr-defined]
+    for name in aliases:
+        ours = TRL_NAMES[name]
+        setattr(cls, name, property(lambda self, o=ours: _read_back(getattr(self, o)),
+                                    lambda self, v, o=ours: setattr(self, o, v), doc=f"TRL's name for `{ours}`"))
+    cls.TRL_ALIASES = aliases  # type: ignore[attr-defined]
+    return cls
 
 
 class FlagConfig:
-    """Base of the API configs; subclasses are made by `flag_config`."""
+    """Base of the API configs (the generated field classes of rlhfkit/api/flag_fields.py)."""
 
     COMMAND: str = ""
     INPUTS: tuple[str, ...] = ()
+    TRL_ALIASES: tuple[str, ...] = ()
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        """An unknown field name fails here, with the closest field (or our name for a TRL one)."""
+        known = getattr(cls, "__dataclass_fields__", {})
+        for name in kwargs:
+            if name not in known:
+                raise TypeError(f"{cls.__name__} has no field {name!r}{_suggestion(name, cls)}")
+        return super().__new__(cls)
+
+    def __post_init__(self, *trl_values: Any) -> None:
+        for name, value in zip(self.TRL_ALIASES, trl_values):
+            if value is not None:
+                self._take_trl_name(name, value)
+        self.to_args(notes=False)  # a bad value fails now, naming the flag
+
+    def _take_trl_name(self, name: str, value: Any) -> None:
+        ours = TRL_NAMES[name]
+        f = next(f for f in dataclasses.fields(self) if f.name == ours)
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+        if type(value) in _READ_BACK.values():  # read from a config (dataclasses.replace passes it back)
+            if getattr(self, ours) == default:
+                setattr(self, ours, type(value).__mro__[1](value))
+            return
+        if getattr(self, ours) not in (default, value):
+            raise ValueError(f"{type(self).__name__}: {name}={value!r} (TRL's name for {ours}) and "
+                             f"{ours}={getattr(self, ours)!r} both given; give one")
+        setattr(self, ours, value)
 
     def __repr__(self) -> str:
         """Only the fields set away from the command's defaults."""
@@ -113,13 +146,14 @@ class FlagConfig:
             argv += _render(f.name, value, dests[f.name], type(self).__name__)
         return argv
 
-    def to_args(self, parser: Any = None) -> argparse.Namespace:
+    def to_args(self, parser: Any = None, notes: bool = True) -> argparse.Namespace:
         """Parse `to_argv()` with the command's parser: the namespace its CLI would build. A bad value
-        (type, choices) raises ValueError naming the flag."""
+        (type, choices) raises ValueError naming the flag. `notes`: print the parser's notes on flags
+        that have no effect."""
         parser = parser or command_parser(self.COMMAND)
         parser.exit_on_error = False
         try:
-            return parser.parse(self.to_argv())
+            return parser.parse(self.to_argv(), notes=notes)
         except argparse.ArgumentError as e:
             raise ValueError(f"{type(self).__name__}: {e}") from None
 
@@ -154,3 +188,12 @@ def _token(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
     return repr(v) if isinstance(v, float) else str(v)
+
+
+def _suggestion(name: str, cls: type) -> str:
+    fields = [f.name for f in dataclasses.fields(cls)] + list(getattr(cls, "TRL_ALIASES", ()))
+    hint = next((h for h in TRL_HINTS.get(name, ()) if h in fields), None)
+    if hint:
+        return f" (for TRL's {name!r} see {hint!r}; docs/api.md maps TRL's names to ours)"
+    close = difflib.get_close_matches(name, fields, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""

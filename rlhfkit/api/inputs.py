@@ -30,20 +30,44 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 class Scratch:
-    """A temporary directory for models given as objects; removed by `close()`."""
+    """A temporary directory for models given as objects; removed by `close()`. Model cards name each
+    model saved here by its origin (`origin`), never by the temporary path."""
 
     def __init__(self) -> None:
         self.path: str | None = None
+        self.named: list[str] = []
 
     def dir(self, name: str) -> str:
         if self.path is None:
             self.path = tempfile.mkdtemp(prefix="rlhfkit_api_")
         return os.path.join(self.path, name)
 
+    def origin(self, path: str, name: str) -> None:
+        from rlhfkit.trainers.model_card import show_model_path_as
+
+        show_model_path_as(path, name)
+        self.named.append(path)
+
     def close(self) -> None:
+        from rlhfkit.trainers.model_card import show_model_path_as
+
+        for p in self.named:
+            show_model_path_as(p, None)
+        self.named = []
         if self.path is not None:
             shutil.rmtree(self.path, ignore_errors=True)
             self.path = None
+
+
+def model_origin(model: Any) -> str:
+    """What a model card calls a loaded model: the directory or hub id it was loaded from (its
+    `name_or_path`; after an API trainer's train(), the directory it was saved to), else its class."""
+    from rlhfkit.trainers.model_card import is_hub_id
+
+    source = str(getattr(model, "name_or_path", "") or "")
+    if source and (os.path.isdir(source) or is_hub_id(source)):
+        return source
+    return f"a {type(model).__name__} passed to the Python API"
 
 
 def model_dir(model: Any, tokenizer: Any, scratch: Scratch, what: str = "model") -> str:
@@ -61,6 +85,7 @@ def model_dir(model: Any, tokenizer: Any, scratch: Scratch, what: str = "model")
             if name not in TOKENIZER_FILES:
                 os.symlink(os.path.abspath(os.path.join(path, name)), os.path.join(out, name))
         _save_tokenizer(tokenizer, out, what)
+        scratch.origin(out, path)
         return out
     if not hasattr(model, "save_pretrained"):
         raise TypeError(f"{what} must be a model directory or a transformers model, got {type(model).__name__}")
@@ -73,6 +98,7 @@ def model_dir(model: Any, tokenizer: Any, scratch: Scratch, what: str = "model")
     out = scratch.dir(what)
     model.save_pretrained(out, safe_serialization=True)
     _save_tokenizer(tokenizer, out, what)
+    scratch.origin(out, model_origin(model))
     return out
 
 

@@ -18,87 +18,28 @@ from __future__ import annotations
 from typing import Any
 
 from rlhfkit.api.base import BaseTrainer
-from rlhfkit.api.config import FLAG, FlagConfig, flag_config
+from rlhfkit.api.flag_fields import TrainDPOFields, TrainKTOFields, TrainRMFields, TrainSFTFields
 from rlhfkit.api.inputs import model_dir
 
-OFFLINE_INPUTS = ("pretrain", "dataset", "eval_dataset")
 
-
-class _OfflineFields(FlagConfig):
-    """Fields every offline command has (declared for IDEs; defaults come from each command)."""
-
-    save_path: str = FLAG
-    max_len: int = FLAG
-    max_epochs: int = FLAG
-    max_steps: int | None = FLAG
-    train_batch_size: int = FLAG
-    micro_train_batch_size: int = FLAG
-    learning_rate: float = FLAG
-    lr_scheduler: str = FLAG
-    lr_warmup_ratio: float = FLAG
-    seed: int = FLAG
-    input_key: str = FLAG
-    output_key: str | None = FLAG
-    input_template: str | None = FLAG
-    apply_chat_template: bool = FLAG
-    logging_steps: int = FLAG
-    eval_steps: int = FLAG
-    param_dtype: str = FLAG
-    device: str | None = FLAG
-    lora_rank: int = FLAG
-    lora_alpha: int = FLAG
-    gradient_checkpointing: bool = FLAG
-    packing_samples: bool = FLAG
-    disable_progress: bool = FLAG
-
-
-@flag_config("train_sft", inputs=OFFLINE_INPUTS)
-class SFTConfig(_OfflineFields):
+class SFTConfig(TrainSFTFields):
     """Supervised fine-tuning settings: the flags of `python -m rlhfkit.cli.train_sft` as fields.
 
     Rows: `input_key` (prompt) and `output_key` (answer), loss on the answer tokens; `pretrain_mode`:
     loss on every token; `multiturn`: conversations, loss on every assistant turn."""
 
-    multiturn: bool = FLAG
-    pretrain_mode: bool = FLAG
 
-
-@flag_config("train_rm", inputs=OFFLINE_INPUTS)
-class RewardConfig(_OfflineFields):
+class RewardConfig(TrainRMFields):
     """Reward-model settings: the flags of `python -m rlhfkit.cli.train_rm` (pairwise Bradley-Terry loss)."""
 
-    prompt_key: str | None = FLAG
-    chosen_key: str = FLAG
-    rejected_key: str = FLAG
-    loss: str = FLAG
-    margin_loss: bool = FLAG
-    value_head_prefix: str = FLAG
 
-
-@flag_config("train_dpo", inputs=OFFLINE_INPUTS)
-class DPOConfig(_OfflineFields):
+class DPOConfig(TrainDPOFields):
     """DPO settings: the flags of `python -m rlhfkit.cli.train_dpo`; `ipo=True` for IPO,
     `label_smoothing` > 0 for cDPO."""
 
-    beta: float = FLAG
-    ipo: bool = FLAG
-    label_smoothing: float = FLAG
-    nll_loss_coef: float = FLAG
-    prompt_key: str | None = FLAG
-    chosen_key: str = FLAG
-    rejected_key: str = FLAG
-    ref_offload: bool = FLAG
 
-
-@flag_config("train_kto", inputs=OFFLINE_INPUTS)
-class KTOConfig(_OfflineFields):
+class KTOConfig(TrainKTOFields):
     """KTO settings: the flags of `python -m rlhfkit.cli.train_kto` (unpaired rows with a boolean `label_key`)."""
-
-    beta: float = FLAG
-    desirable_loss_weight: float = FLAG
-    undesirable_loss_weight: float = FLAG
-    label_key: str = FLAG
-    ref_offload: bool = FLAG
 
 
 class SFTTrainer(BaseTrainer):

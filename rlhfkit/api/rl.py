@@ -27,55 +27,17 @@ a reward_func file is, `--reward_failure` (stop / drop) included.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
 from rlhfkit.api.base import BaseTrainer
-from rlhfkit.api.config import FLAG, FlagConfig, flag_config
+from rlhfkit.api.flag_fields import TrainPPOFields
 from rlhfkit.api.inputs import data_source, model_dir, reward_inputs
 
-RL_INPUTS = ("pretrain", "prompt_data", "eval_dataset", "remote_rm_url")
+Estimator = Literal["gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo"]
 
 
-@flag_config("train_ppo", inputs=RL_INPUTS)
-class PPOConfig(FlagConfig):
+class PPOConfig(TrainPPOFields):
     """RL settings: the flags of `python -m rlhfkit.cli.train_ppo` as fields (same defaults)."""
-
-    advantage_estimator: str = FLAG
-    n_samples_per_prompt: int = FLAG
-    rollout_batch_size: int = FLAG
-    micro_rollout_batch_size: int = FLAG
-    train_batch_size: int = FLAG
-    micro_train_batch_size: int = FLAG
-    max_epochs: int = FLAG
-    num_episodes: int = FLAG
-    max_steps: int | None = FLAG
-    prompt_max_len: int = FLAG
-    generate_max_len: int | None = FLAG
-    max_len: int | None = FLAG
-    temperature: float = FLAG
-    top_p: float = FLAG
-    actor_learning_rate: float = FLAG
-    critic_learning_rate: float = FLAG
-    lr_scheduler: str = FLAG
-    lr_warmup_ratio: float = FLAG
-    init_kl_coef: float = FLAG
-    use_kl_loss: bool = FLAG
-    kl_estimator: str = FLAG
-    eps_clip: float = FLAG
-    input_key: str = FLAG
-    label_key: str | None = FLAG
-    input_template: str | None = FLAG
-    apply_chat_template: bool = FLAG
-    reward_failure: str = FLAG
-    reward_timeout: float = FLAG
-    dynamic_filtering: bool = FLAG
-    eval_steps: int = FLAG
-    logging_steps: int = FLAG
-    seed: int = FLAG
-    save_path: str = FLAG
-    param_dtype: str = FLAG
-    device: str | None = FLAG
-    disable_progress: bool = FLAG
 
 
 @dataclass(repr=False, kw_only=True)
@@ -83,10 +45,10 @@ class GRPOConfig(PPOConfig):
     """PPOConfig with GRPO's defaults: group_norm advantages over groups of 8 samples, KL to the
     reference as a loss term (k3, coefficient 1e-3), as OpenRLHF's GRPO recipe."""
 
-    advantage_estimator: str = "group_norm"
+    advantage_estimator: Estimator = "group_norm"
     n_samples_per_prompt: int = 8
     use_kl_loss: bool = True
-    kl_estimator: str = "k3"
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     init_kl_coef: float = 1e-3
 
 
@@ -94,7 +56,7 @@ class GRPOConfig(PPOConfig):
 class RLOOConfig(PPOConfig):
     """PPOConfig with RLOO's defaults: leave-one-out baseline over groups of 4 samples."""
 
-    advantage_estimator: str = "rloo"
+    advantage_estimator: Estimator = "rloo"
     n_samples_per_prompt: int = 4
 
 

@@ -18,10 +18,10 @@ from rlhfkit.backend.dist import (
 )
 from rlhfkit.backend.fsdp2 import FSDP2Backend
 from rlhfkit.backend.parallel import ParallelDims
-from rlhfkit.backend.optim import SCHEDULES, build_optimizer, build_scheduler, register_schedule
+from rlhfkit.backend.optim import SCHEDULES, build_optimizer, build_scheduler
 
 __all__ = [
     "TrainBackend", "FSDP2Backend", "ParallelDims", "DistInfo", "init_distributed", "all_reduce_sum", "barrier",
     "broadcast_object", "is_rank0", "build_optimizer", "build_scheduler", "SCHEDULES",
-    "register_schedule", "save_checkpoint", "load_checkpoint", "latest_checkpoint",
+    "save_checkpoint", "load_checkpoint", "latest_checkpoint",
 ]

@@ -115,9 +115,6 @@ class FSDP2Backend(SleepMixin):
         self.cpu_offload = backend_cfg.adam_offload and self.trainable and self.device.type == "cuda"
         if backend_cfg.adam_offload and self.trainable and self.device.type != "cuda" and dist.rank == 0:
             note_once("note: --adam_offload has no effect on CPU (the optimizer states are already in host memory)")
-        if self.trainable and self.compute_dtype != self.param_dtype and dist.rank == 0:
-            note_once(f"note: --param_dtype {backend_cfg.param_dtype} has no effect on CPU: training computes in "
-                      "fp32 (low-precision CPU compute is slow)")
         if self.cpu_offload and not dist.has_process_group:
             D.init_single_rank_group(dist.device)  # FSDP2's CPUOffloadPolicy needs a process group
         self.is_sharded = dist.has_process_group
@@ -269,6 +266,10 @@ class FSDP2Backend(SleepMixin):
         finite, loss_bad, norm_value = decide_and_step(opt, params, norm, self.guard, self.optim_cfg.max_norm,
                                                        several, self.loss_scaler is not None)
         lr = self.lr
+        if lr == 0 and self.scheduler.last_epoch == 0 and self.optim_cfg.learning_rate > 0:
+            note_once(f"note: optimizer step 1 trains at learning rate 0: the linear warm-up (--lr_warmup_ratio "
+                      f"{self.optim_cfg.lr_warmup_ratio:g}) starts from 0, as Hugging Face's schedules do; "
+                      "--lr_warmup_ratio 0 starts at the peak")
         # under fp16 a finite loss with overflowing gradients is the loss scale's business
         counts = not finite and (self.loss_scaler is None or loss_bad
                                  or self.loss_scaler.scale <= self.loss_scaler.min_scale)

@@ -5,84 +5,29 @@ Optimizer: AdamW (Loshchilov & Hutter, "Decoupled Weight Decay Regularization", 
 of normalisation layers (LayerNorm, RMSNorm, ...) get no decay. `--optim muon` steps the hidden
 layers' 2-D weights with Muon instead (muon.py; `--muon_lr`, same decay `--l2`).
 
-Schedules (`--lr_scheduler`), as a factor f(step) of the base learning rate, with
-W = ceil(--lr_warmup_ratio * total) warm-up steps and progress p = (step - W) / max(1, total - W)
-clamped to [0, 1]:
-
-    constant               f = 1
-    constant_with_warmup   f = step / W during warm-up, then 1
-    linear                 warm-up, then f = 1 - p
-    cosine                 warm-up, then f = 0.5 (1 + cos(pi p))
-    cosine_with_min_lr     warm-up, then f = m + (1 - m) 0.5 (1 + cos(pi p)),  m = --min_lr_ratio
-
-Warm-up starts at f = 0 at step 0, as Hugging Face's schedulers do. Unlike them, progress is
-clamped, so steps past `total` stay at the final value instead of rising again.
-The schedules are `LambdaLR` factors; `LambdaLR.state_dict()` keeps only the step counters,
-which load under `torch.load(weights_only=True)`.
+Schedules (`--lr_scheduler`): `transformers.get_scheduler`, the schedules Hugging Face's Trainer,
+TRL and OpenRLHF use, with W = ceil(--lr_warmup_ratio * total) warm-up steps over `total` optimizer
+steps; `cosine_with_min_lr` and `cosine_warmup_with_min_lr` end at --min_lr_ratio of the peak.
+Warm-up starts at a factor of 0 at the first optimizer step, as in those libraries: that step
+trains at a learning rate of 0, and the backend says so in one line (fsdp2.py). The schedules are
+`LambdaLR`s whose `state_dict()` keeps only the step counters, which load under
+`torch.load(weights_only=True)`.
 """
 
 from __future__ import annotations
 
 import math
-from functools import partial
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from rlhfkit.config.configs import OptimConfig
+from rlhfkit.config.flags import LR_SCHEDULES
 
-ScheduleFn = Callable[[int, int, int, float], float]  # (step, warmup, total, min_lr_ratio) -> factor
-
-
-def _progress(step: int, warmup: int, total: int) -> float:
-    return min(1.0, max(0.0, (step - warmup) / max(1, total - warmup)))
-
-
-def _warm(step: int, warmup: int) -> float | None:
-    """The warm-up factor while `step < warmup`, else None."""
-    return step / warmup if step < warmup else None
-
-
-def constant(step: int, warmup: int, total: int, min_ratio: float) -> float:
-    return 1.0
-
-
-def constant_with_warmup(step: int, warmup: int, total: int, min_ratio: float) -> float:
-    w = _warm(step, warmup)
-    return 1.0 if w is None else w
-
-
-def linear(step: int, warmup: int, total: int, min_ratio: float) -> float:
-    w = _warm(step, warmup)
-    return 1.0 - _progress(step, warmup, total) if w is None else w
-
-
-def cosine(step: int, warmup: int, total: int, min_ratio: float) -> float:
-    w = _warm(step, warmup)
-    return 0.5 * (1.0 + math.cos(math.pi * _progress(step, warmup, total))) if w is None else w
-
-
-def cosine_with_min_lr(step: int, warmup: int, total: int, min_ratio: float) -> float:
-    w = _warm(step, warmup)
-    if w is not None:
-        return w
-    return min_ratio + (1.0 - min_ratio) * cosine(step, warmup, total, min_ratio)
-
-
-SCHEDULES: dict[str, ScheduleFn] = {
-    "cosine_with_min_lr": cosine_with_min_lr,
-    "constant": constant,
-    "constant_with_warmup": constant_with_warmup,
-    "linear": linear,
-    "cosine": cosine,
-}
-
-
-def register_schedule(name: str, fn: ScheduleFn) -> None:
-    """Add a schedule usable as `--lr_scheduler <name>`."""
-    SCHEDULES[name] = fn
+SCHEDULES = LR_SCHEDULES  # transformers.SchedulerType names that --lr_scheduler accepts
+MIN_LR_SCHEDULES = ("cosine_with_min_lr", "cosine_warmup_with_min_lr")
 
 
 def num_warmup_steps(cfg: OptimConfig, num_training_steps: int) -> int:
@@ -162,24 +107,17 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, groups: list[dict] | Non
     return torch.optim.AdamW(groups, **adamw)
 
 
-def schedule_fn(cfg: OptimConfig, num_training_steps: int) -> Callable[[int], float]:
-    """The factor f(step) for `--lr_scheduler`; unknown names raise naming the flag."""
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig,
+                    num_training_steps: int) -> LambdaLR:
+    """`transformers.get_scheduler(--lr_scheduler)` over `num_training_steps`; call `.step()` once per
+    optimizer step. Unknown names raise naming the flag."""
+    from transformers import get_scheduler
+
     if cfg.lr_scheduler not in SCHEDULES:
-        raise ValueError(f"--lr_scheduler {cfg.lr_scheduler!r} is not known; choose one of "
-                         f"{', '.join(sorted(SCHEDULES))}")
+        raise ValueError(f"--lr_scheduler {cfg.lr_scheduler!r} is not known; choose one of {', '.join(SCHEDULES)}")
     if num_training_steps < 1:
         raise ValueError(f"the number of optimizer steps must be >= 1, got {num_training_steps} "
                          "(check --train_batch_size, --max_epochs and the dataset size)")
-    warm = num_warmup_steps(cfg, num_training_steps)
-    return partial(_apply_schedule, SCHEDULES[cfg.lr_scheduler], warm, num_training_steps,
-                   float(cfg.min_lr_ratio))
-
-
-def _apply_schedule(fn: ScheduleFn, warm: int, total: int, min_ratio: float, step: int) -> float:
-    return fn(step, warm, total, min_ratio)
-
-
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig,
-                    num_training_steps: int) -> LambdaLR:
-    """`LambdaLR` with the `--lr_scheduler` factor; call `.step()` once per optimizer step."""
-    return LambdaLR(optimizer, schedule_fn(cfg, num_training_steps))
+    extra = {"min_lr_rate": float(cfg.min_lr_ratio)} if cfg.lr_scheduler in MIN_LR_SCHEDULES else None
+    return get_scheduler(cfg.lr_scheduler, optimizer, num_warmup_steps=num_warmup_steps(cfg, num_training_steps),
+                         num_training_steps=num_training_steps, scheduler_specific_kwargs=extra)

@@ -40,7 +40,7 @@ def compute_dtype_for(param_dtype: torch.dtype, device: torch.device,
                       cpu_low_precision: bool = False) -> torch.dtype:
     """The dtype forward/backward run in: `param_dtype`, except fp32 on CPU unless asked."""
     if device.type == "cpu" and param_dtype != torch.float32 and not cpu_low_precision:
-        log.info("--param_dtype %s on CPU: computing in fp32 (low-precision CPU compute is slow); "
+        log.debug("--param_dtype %s on CPU: computing in fp32 (low-precision CPU compute is slow); "
                  "pass cpu_low_precision=True to keep %s", param_dtype, param_dtype)
         return torch.float32
     return param_dtype

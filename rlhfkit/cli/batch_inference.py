@@ -54,8 +54,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
-import sys
 import tempfile
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -67,6 +67,8 @@ from rlhfkit.config.dtypes import dtype_flag_name, run_dtype
 from rlhfkit.config.flags import BACKEND, MODEL, FlagParser, add_data_flags, add_model_flags, mark_training_only
 from rlhfkit.data.io import DataError, Row, load_mixture
 from rlhfkit.data.post_processors import DEFAULT_CSFT_PROMPT, csft_prompt_suffix, resolve_post_processor
+
+log = logging.getLogger(__spec__.name if __spec__ else __name__)  # also when run as __main__
 
 TASKS = ("generate", "generate_vllm", "rm")
 GENERATE_ONLY = ("rollout_engine", "best_of_n", "prompt_max_len", "max_new_tokens", "greedy_sampling", "temperature",
@@ -310,8 +312,8 @@ def run_generate(args: argparse.Namespace) -> list[dict[str, str]] | None:
         prompts = [csft_prompt_suffix(p, args.csft_prompt) for p in prompts]
     ids, cut = encode_prompts(tokenizer, prompts, cfg.prompt_max_len)
     if cut:
-        print(f"note: {cut} of {len(ids)} prompts longer than --prompt_max_len {cfg.prompt_max_len} "
-              "were cut to their last tokens", file=sys.stderr)
+        log.info(f"note: {cut} of {len(ids)} prompts longer than --prompt_max_len {cfg.prompt_max_len} "
+                 "were cut to their last tokens")
     limit = min(cfg.max_len, model_position_limit(args.pretrain) or cfg.max_len)
     requests = build_requests(ids, rows, cfg, first, limit)
     longest = max(len(r.prompt_token_ids) + r.params.max_new_tokens for r in requests)
@@ -323,8 +325,7 @@ def run_generate(args: argparse.Namespace) -> list[dict[str, str]] | None:
     out = generate_samples(engine, tokenizer, prompts, requests, cfg, not args.disable_progress)
     if getattr(engine, "tp", None) is not None:
         engine.close()
-    print(f"{PROG}: {len(out)} samples for {len(prompts)} prompts [{first}, {first + len(prompts)})",
-          file=sys.stderr)
+    log.info(f"{PROG}: {len(out)} samples for {len(prompts)} prompts [{first}, {first + len(prompts)})")
     return out
 
 
@@ -359,7 +360,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     if rows is None:  # a tensor-parallel shard other than 0: shard 0 writes
         return []
     write_jsonl_atomic(args.output_path, rows)
-    print(f"{PROG}: wrote {len(rows)} rows to {args.output_path}", file=sys.stderr)
+    log.info(f"{PROG}: wrote {len(rows)} rows to {args.output_path}")
     return rows
 
 
@@ -368,7 +369,7 @@ def note_unused(args: argparse.Namespace, parser: FlagParser) -> None:
     other = RM_ONLY if args.eval_task in ("generate", "generate_vllm") else GENERATE_ONLY
     changed = [f"--{d}" for d in other if getattr(args, d) != parser.get_default(d)]
     if args.eval_task and changed:
-        print(f"note: no effect with --eval_task {args.eval_task}: {', '.join(changed)}", file=sys.stderr)
+        log.info(f"note: no effect with --eval_task {args.eval_task}: {', '.join(changed)}")
 
 
 def main(argv: Sequence[str] | None = None) -> None:

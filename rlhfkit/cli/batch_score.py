@@ -5,6 +5,7 @@ rlhfkit.cli.batch_inference describes the flags and rules."""
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -16,6 +17,8 @@ from rlhfkit.config.dtypes import run_dtype
 from rlhfkit.data.io import DataError, Row, load_mixture
 from rlhfkit.data.post_processors import (ScoredSample, apply_post_processor, check_reward_template,
                                           resolve_post_processor)
+
+log = logging.getLogger(__name__)
 
 PROG = "batch_inference"
 
@@ -151,18 +154,18 @@ def run_rm(args: argparse.Namespace) -> list[dict[str, Any]]:
         raise DataError(f"--dataset {args.dataset}: no rows to score")
     items, texts, cut = score_items(tokenizer, rows, cfg)
     if cut:
-        print(f"note: {cut} of {len(items)} rows longer than --max_len {cfg.max_len} were scored on their "
-              "first --max_len tokens", file=sys.stderr)
+        log.info(f"note: {cut} of {len(items)} rows longer than --max_len {cfg.max_len} were scored on their "
+                 "first --max_len tokens")
     device = resolve_device(args)
     model = load_reward_model(args, device)
     rewards = reward_scores(model, items, tokenizer.pad_token_id, cfg.micro_batch_size, device,
                             not args.disable_progress)
     r = torch.tensor(rewards, dtype=torch.float64)
     std = r.std().item() if len(rewards) > 1 else 0.0
-    print(f"{PROG}: {len(rewards)} rows scored, reward mean {r.mean().item():.4f} std {std:.4f}", file=sys.stderr)
+    log.info(f"{PROG}: {len(rewards)} rows scored, reward mean {r.mean().item():.4f} std {std:.4f}")
     if processor is None:
         return [{**row.data, "reward": rew} for row, rew in zip(rows, rewards)]
     samples = [ScoredSample(t.input, t.output, rew, t.where) for t, rew in zip(texts, rewards)]
     out, summary = apply_post_processor(processor, samples, args.reward_template)
-    print(f"{PROG}: {summary}", file=sys.stderr)
+    log.info(f"{PROG}: {summary}")
     return out

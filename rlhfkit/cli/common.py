@@ -10,6 +10,7 @@ stderr and exit code 1, instead of a traceback; set `RLHFKIT_TRACEBACK=1` to see
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import random
 import sys
@@ -19,12 +20,15 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 import numpy as np
 import torch
 
+from rlhfkit import logs
 from rlhfkit.backend.guard import NonFiniteError
+from rlhfkit.config.flag_parser import set_explicitly
 from rlhfkit.config.flags import run_dir_of, write_resolved_config
+from rlhfkit.config.notes import note_once
 from rlhfkit.data.io import DataError
 from rlhfkit.optional import MissingPackageError, require
 from rlhfkit.redact import redact_config
-from rlhfkit.trainers.metrics import MetricsLogger, NullLogger, WandbSettings, terminal
+from rlhfkit.trainers.metrics import MetricsLogger, NullLogger, WandbSettings, tensorboard_run_dir
 
 if TYPE_CHECKING:
     from rlhfkit.backend.dist import DistInfo
@@ -32,6 +36,7 @@ if TYPE_CHECKING:
 
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class UsageError(ValueError):
@@ -50,10 +55,11 @@ def _run_failures() -> tuple[type[BaseException], ...]:
 
 
 def cli_main(prog: str, fn: Callable[[], T]) -> T:
-    """Run `fn` and return its result; a user error becomes one line on stderr and exit code 1."""
-    if not terminal():  # output to a file or pipe: no carriage-return bars of transformers either
-        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-        disable_hf_progress_bars()
+    """Run `fn` and return its result; a user error becomes one line on stderr (with the frames of the
+    user's own code under it, when it came from there) and exit code 1. The full traceback goes to the
+    run's log file (rlhfkit.logs) either way. SIGINT / SIGTERM end it with the checkpoint and the resume
+    command, exit 130 / 143."""
+    logs.route_transformers()  # its log records too go through rlhfkit's console handler and log file
     from rlhfkit.trainers.stop import RunStopped
 
     try:
@@ -62,13 +68,16 @@ def cli_main(prog: str, fn: Callable[[], T]) -> T:
         print(f"{prog}: {e}", file=sys.stderr, flush=True)
         raise SystemExit(e.exit_code) from None
     except Exception as e:
+        log.debug("%s failed", prog, exc_info=e)
         if not isinstance(e, (DataError, UsageError, FileNotFoundError, ValueError, NonFiniteError,
                               MissingPackageError) + _run_failures()):
             raise
         if os.environ.get("RLHFKIT_TRACEBACK"):
             traceback.print_exc()
-        print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+        log.error("\n".join(logs.user_error_lines(prog, e)))
         raise SystemExit(1)
+    finally:
+        logs.close_run_logs()
 
 
 def model_positions(path: str | None) -> int | None:
@@ -90,6 +99,15 @@ def check_positions(path: str | None, length: int, what: str, flag: str = "--pre
     if limit is not None and length > limit:
         raise UsageError(f"{what} exceeds the model's max_position_embeddings {limit} ({flag} {path}); "
                          "lower it")
+
+
+def note_cpu_dtype(args: argparse.Namespace, device: str | None) -> None:
+    """One line when --param_dtype (given, not left at its default) asks a CPU run for low precision:
+    CPU training computes in fp32 (rlhfkit.backend.precision)."""
+    dtype = getattr(args, "param_dtype", "fp32")
+    if dtype != "fp32" and str(device or "cpu").startswith("cpu") and set_explicitly(args, "param_dtype"):
+        note_once(f"note: --param_dtype {dtype} has no effect on CPU: training computes in fp32 (low-precision "
+                  "CPU compute is slow)")
 
 
 def disable_hf_progress_bars() -> None:
@@ -139,7 +157,7 @@ def resolve_modelscope_paths(args: argparse.Namespace) -> None:
     remote = [d for d in MODEL_PATH_FLAGS if getattr(args, d, None)
               for p in getattr(args, d).split(",") if p and not os.path.isdir(p)]
     if not remote:
-        print("note: --use_ms has no effect: every model path is a local directory")
+        log.info("note: --use_ms has no effect: every model path is a local directory")
         return
     snapshot_download = require("modelscope", "--use_ms (downloads from ModelScope)").snapshot_download
     for d in dict.fromkeys(remote):
@@ -166,13 +184,17 @@ def make_logger(args: argparse.Namespace, rank: int, plot_keys: tuple[str, ...] 
         return NullLogger()
     run_dir = run_dir_of(args)
     write_resolved_config(args, run_dir)
+    logs.add_run_log(run_dir)
     wandb = None
     if getattr(args, "use_wandb", None):
         wandb = WandbSettings(key=args.use_wandb, project=args.wandb_project, org=args.wandb_org,
                               group=args.wandb_group, run_name=args.wandb_run_name)
-    return MetricsLogger(run_dir, tensorboard_dir=args.use_tensorboard, wandb=wandb,
+    tb = tensorboard_run_dir(args.use_tensorboard, args.wandb_run_name, run_dir) if args.use_tensorboard else None
+    return MetricsLogger(run_dir, tensorboard_dir=tb, wandb=wandb,
                          config=redact_config({k: v for k, v in vars(args).items() if k != "use_wandb"}),
                          plot_keys=plot_keys)
+
+
 
 
 def save_or_fall_back(save: Callable[[], None], fallback: Callable[[], str] | None) -> None:
@@ -203,7 +225,7 @@ def report_dropped(ds: Any, rows_read: int, what: str, training: bool) -> None:
 
     line = check_dropped(ds, rows_read, what, training=training)
     if line and os.environ.get("RANK", "0") == "0":
-        print(line, flush=True)
+        log.info(line)
 
 
 def parallel_dims(args: argparse.Namespace, dist: DistInfo) -> ParallelDims:

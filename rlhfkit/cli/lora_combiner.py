@@ -14,9 +14,12 @@ may be a Hugging Face hub id. Errors (a missing directory, no adapter, no peft) 
 from __future__ import annotations
 
 import argparse
+import logging
 from typing import Sequence
 
 from rlhfkit.config.flags import FlagParser
+
+log = logging.getLogger(__spec__.name if __spec__ else __name__)  # also when run as __main__
 
 
 def build_parser() -> FlagParser:
@@ -41,7 +44,7 @@ def run(args: argparse.Namespace) -> str:
 
     write_model_card(out, trainer="lora_combiner", base_model=args.model_path,
                      settings={"lora_path": args.lora_path, "is_rm": args.is_rm, "param_dtype": args.param_dtype})
-    print(f"lora_combiner: merged {args.lora_path} into {args.model_path} -> {out}")
+    log.info(f"lora_combiner: merged {args.lora_path} into {args.model_path} -> {out}")
     return out
 
 

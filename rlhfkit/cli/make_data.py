@@ -25,11 +25,14 @@ from __future__ import annotations
 
 import difflib
 import json
+import logging
 import os
 import random
 from typing import Callable
 
 from rlhfkit.config.flags import FlagParser
+
+log = logging.getLogger(__spec__.name if __spec__ else __name__)  # also when run as __main__
 
 KINDS = ("addition", "preference", "kto", "prm", "chat", "examples")
 
@@ -154,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
         if path.endswith(".jsonl"):
             with open(path) as f:
                 rows = f" ({sum(1 for _ in f)} rows)"
-        print(f"wrote {path}{rows}")
+        log.info(f"wrote {path}{rows}")
 
 
 if __name__ == "__main__":

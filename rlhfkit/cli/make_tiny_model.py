@@ -5,9 +5,12 @@
 
 from __future__ import annotations
 
+import logging
 from rlhfkit.config.configs import from_args
 from rlhfkit.config.flags import FlagParser
 from rlhfkit.models.tiny import TinyModelSpec, make_tiny_model
+
+log = logging.getLogger(__spec__.name if __spec__ else __name__)  # also when run as __main__
 
 
 def build_parser() -> FlagParser:
@@ -34,7 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse(argv)
     spec = from_args(TinyModelSpec, args)
     path = make_tiny_model(args.save_path, spec)
-    print(f"tiny {spec.arch} model and tokenizer written to {path}")
+    log.info(f"tiny {spec.arch} model and tokenizer written to {path}")
 
 
 if __name__ == "__main__":

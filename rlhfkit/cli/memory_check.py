@@ -14,6 +14,7 @@ The plan is skipped (one line says why) when a model config cannot be read.
 from __future__ import annotations
 
 import argparse
+import logging
 
 import torch
 
@@ -21,6 +22,8 @@ from rlhfkit.config.dtypes import DTYPES
 from rlhfkit.cli.common import UsageError
 from rlhfkit.distributed.memory_plan import (EngineMemory, MemoryInputs, ModelShape, RoleMemory,
                                              larger_train_tokens, over_budget, plan_memory)
+
+log = logging.getLogger(__name__)
 
 
 
@@ -66,19 +69,19 @@ def check_memory(args: argparse.Namespace, slots: dict[str, int], device_bytes: 
     try:
         inputs = memory_inputs(args, slots)
     except Exception as e:  # a hub id without network, an unknown architecture, ...
-        print(f"memory plan: skipped ({type(e).__name__}: {e})", flush=True)
+        log.info(f"memory plan: skipped ({type(e).__name__}: {e})")
         return
     device_bytes = device_bytes if device_bytes is not None else gpu_bytes(args)
-    print(plan_memory(inputs, device_bytes).table(device_bytes), flush=True)
+    log.info(plan_memory(inputs, device_bytes).table(device_bytes))
     msg = over_budget(inputs, device_bytes) if device_bytes else None
     if msg and not args.skip_memory_check:
         raise UsageError(msg + " (--skip_memory_check runs anyway)")
     if msg:
-        print(f"note: {msg}; running anyway (--skip_memory_check)", flush=True)
+        log.info(f"note: {msg}; running anyway (--skip_memory_check)")
     elif device_bytes and not args.use_dynamic_batch:
         budget = larger_train_tokens(inputs, device_bytes)
         if budget:
-            print(f"note: training micro-batches hold up to {inputs.train_tokens} tokens (--micro_train_batch_size "
-                  f"{args.micro_train_batch_size} x --max_len {args.max_len}); the memory plan fits {budget} a GPU: "
-                  f"--use_dynamic_batch --train_max_tokens_per_gpu {budget} trains the same step in fewer, larger "
-                  "micro-batches (7B GRPO on 4 x H200: training 8.5 s -> 5.4 s)", flush=True)
+            log.info(f"note: training micro-batches hold up to {inputs.train_tokens} tokens (--micro_train_batch_size "
+                     f"{args.micro_train_batch_size} x --max_len {args.max_len}); the memory plan fits {budget} a GPU: "
+                     f"--use_dynamic_batch --train_max_tokens_per_gpu {budget} trains the same step in fewer, larger "
+                     "micro-batches (7B GRPO on 4 x H200: training 8.5 s -> 5.4 s)")

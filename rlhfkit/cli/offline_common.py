@@ -15,6 +15,7 @@ loop of rlhfkit.trainers.offline, then a final evaluation when the last step had
 from __future__ import annotations
 
 import argparse
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -23,7 +24,7 @@ import torch
 from rlhfkit.backend.dist import DistInfo, init_distributed
 from rlhfkit.backend.parallel import attach_mesh
 from rlhfkit.backend.fsdp2 import FSDP2Backend
-from rlhfkit.cli.common import (UsageError, check_backend_flags, check_positions, parallel_dims,
+from rlhfkit.cli.common import (UsageError, check_backend_flags, check_positions, note_cpu_dtype, parallel_dims,
                                 check_packages, report_dropped, resolve_model_paths, save_or_fall_back, set_seed)
 from rlhfkit.config.configs import BackendConfig, ModelConfig, OptimConfig, from_args
 from rlhfkit.config.flags import (DATA, MODEL, TRAIN, FlagParser, add_backend_flags, add_ckpt_flags, add_data_flags,
@@ -33,9 +34,12 @@ from rlhfkit.models.loader import check_model_dir, load_causal_lm, load_tokenize
 from rlhfkit.trainers.dpo_task import FrozenModel
 from rlhfkit.trainers.metrics import metrics_record
 from rlhfkit.trainers.model_card import task_kind
-from rlhfkit.trainers.offline import LoopConfig, LoopState, evaluate, has_eval, save_resumable, train_offline
+from rlhfkit.trainers.offline import (LoopConfig, LoopState, evaluate, has_eval, save_resumable, total_steps,
+                                      train_offline)
 from rlhfkit.trainers.plot import OFFLINE_PANELS
 from rlhfkit.trainers.run_settings import allowed_changes, run_settings
+
+log = logging.getLogger(__name__)
 
 OFFLINE_PLOT_KEYS = OFFLINE_PANELS  # the plot's panels (rlhfkit.trainers.plot.PANELS)
 
@@ -52,7 +56,8 @@ def add_offline_flags(p: FlagParser, *, max_len: int, train_batch_size: int, mic
     add_ckpt_flags(p)
     add_logging_flags(p, wandb_project=wandb_project)
     with p.group(TRAIN):
-        p.flag("--max_steps", type=int, default=None, help="stop after this many optimizer steps")
+        p.flag("--max_steps", type=int, default=None,
+               help="optimizer steps to take, cycling the data as often as needed (overrides --max_epochs)")
 
 
 def add_pair_key_flags(p: FlagParser) -> None:
@@ -103,6 +108,7 @@ def setup(args: argparse.Namespace) -> tuple[DistInfo, Any]:
     check_model_dir(args.pretrain, "--pretrain")
     check_positions(args.pretrain, args.max_len, f"--max_len {args.max_len}")
     dist = init_distributed(args.device)
+    note_cpu_dtype(args, dist.device)
     dist = attach_mesh(dist, parallel_dims(args, dist))  # the dp / tp / cp process groups, built once
     set_seed(args.seed, args.full_determinism)
     tokenizer = load_tokenizer(args.pretrain, chat_template=args.tokenizer_chat_template,
@@ -144,10 +150,7 @@ def loop_config(args: argparse.Namespace) -> LoopConfig:
 
 def num_training_steps(num_items: int, args: argparse.Namespace) -> int:
     """Optimizer steps the LR schedule spans (>= 1)."""
-    steps = (num_items // args.train_batch_size) * args.max_epochs
-    if args.max_steps:
-        steps = min(steps, args.max_steps)
-    return max(steps, 1)
+    return max(total_steps(num_items, loop_config(args)), 1)
 
 
 def trainable_backend(model: torch.nn.Module, args: argparse.Namespace, dist: DistInfo,
@@ -213,5 +216,5 @@ def save_model(args: argparse.Namespace, backend: Any, tokenizer: Any, dist: Dis
     if logger is not None:
         logger.model_card(args.save_path, trainer=trainer)
     if dist.rank == 0:
-        print(f"model saved to {args.save_path}")
+        log.info(f"model saved to {args.save_path}")
 

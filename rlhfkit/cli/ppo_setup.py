@@ -7,6 +7,7 @@ own config object.
 from __future__ import annotations
 
 import argparse
+import logging
 from dataclasses import replace
 from typing import Any
 
@@ -33,6 +34,8 @@ from rlhfkit.roles.memory import RoleOutOfMemory, advice
 from rlhfkit.trainers.rl import RLLoopConfig
 from rlhfkit.trainers.run_settings import allowed_changes, run_settings
 from rlhfkit.types import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 def resolve_flags(args: argparse.Namespace, world_size: int) -> None:
@@ -73,7 +76,7 @@ def resolve_flags(args: argparse.Namespace, world_size: int) -> None:
         if not (args.remote_rm_url or args.agent_func_path):
             raise UsageError("--dynamic_filtering needs --remote_rm_url or --agent_func_path (0-1 scores)")
     if args.critic_pretrain and args.advantage_estimator != "gae":
-        print(f"note: --critic_pretrain is unused with --advantage_estimator {args.advantage_estimator} (no critic)")
+        log.info(f"note: --critic_pretrain is unused with --advantage_estimator {args.advantage_estimator} (no critic)")
     per = args.micro_train_batch_size * world_size
     if args.train_batch_size % per:
         raise UsageError(f"--train_batch_size ({args.train_batch_size}) must be a multiple of "
@@ -146,7 +149,7 @@ def note_ray_only_flags(args: argparse.Namespace, parser: Any, prog: str) -> Non
     set_flags = [d for d in RAY_ONLY if getattr(args, d) != parser.get_default(d)]
     if set_flags:
         names = ", ".join("--" + d for d in set_flags)
-        print(f"note: {prog} runs in one process per rank; {names} take effect in train_ppo_ray only")
+        log.info(f"note: {prog} runs in one process per rank; {names} take effect in train_ppo_ray only")
 
 
 def actor_update_cfg(args: argparse.Namespace) -> UpdateConfig:
@@ -176,11 +179,16 @@ def explain_oom(args: argparse.Namespace, err: RoleOutOfMemory) -> RoleOutOfMemo
 
 
 def optimizer_steps(args: argparse.Namespace, num_prompts: int) -> int:
-    steps = (num_prompts // args.rollout_batch_size) * args.num_episodes
-    if args.max_steps:
-        steps = min(steps, args.max_steps)
-    per_step = -(-args.rollout_batch_size * args.n_samples_per_prompt // args.train_batch_size)
-    return max(1, steps * per_step * args.max_epochs)
+    """The policy's optimizer steps in the run (the LR schedule's length). --max_steps counts RL steps
+    (a rollout and its update); when one makes several optimizer steps, one line says how many."""
+    steps = args.max_steps if args.max_steps else (num_prompts // args.rollout_batch_size) * args.num_episodes
+    per_step = -(-args.rollout_batch_size * args.n_samples_per_prompt // args.train_batch_size) * args.max_epochs
+    if args.max_steps and per_step > 1:
+        note_once(f"note: --max_steps {args.max_steps} counts RL steps; each makes {per_step} optimizer steps "
+                  f"(--rollout_batch_size {args.rollout_batch_size} x --n_samples_per_prompt "
+                  f"{args.n_samples_per_prompt} / --train_batch_size {args.train_batch_size}, x --max_epochs "
+                  f"{args.max_epochs}): {args.max_steps * per_step} in all")
+    return max(1, steps * per_step)
 
 
 def backend_cfg(args: argparse.Namespace, **over) -> BackendConfig:
@@ -347,11 +355,11 @@ def close_rollout(engine: Any, user_code_grace_s: float = 5.0) -> None:
         try:
             close()
         except Exception as e:  # noqa: BLE001 - must not hide the error that ended the run
-            print(f"note: closing the rollout engine failed: {type(e).__name__}: {e}")
+            log.info(f"note: closing the rollout engine failed: {type(e).__name__}: {e}")
     stuck = shutdown_user_threads(user_code_grace_s)
     if stuck:
-        print(f"note: {stuck} reward_func / agent call(s) still running after {user_code_grace_s:g} s were "
-              "abandoned")
+        log.info(f"note: {stuck} reward_func / agent call(s) still running after {user_code_grace_s:g} s were "
+                 "abandoned")
 
 
 def agent_config(args: argparse.Namespace, temperature: float) -> AgentConfig:
@@ -389,6 +397,7 @@ def loop_config(args: argparse.Namespace) -> RLLoopConfig:
         dynamic_filtering_reward_range=tuple(args.dynamic_filtering_reward_range),
         max_filter_rounds=args.max_filter_rounds,
         freezing_actor_steps=args.freezing_actor_steps, logging_steps=args.logging_steps,
+        log_completions_steps=args.log_completions_steps, log_completions_rows=args.log_completions_rows,
         eval_steps=args.eval_steps, eval_temperature=args.eval_temperature,
         eval_n_samples_per_prompt=args.eval_n_samples_per_prompt, save_steps=args.save_steps,
         ckpt_path=args.ckpt_path, max_ckpt_num=args.max_ckpt_num, load_checkpoint=args.load_checkpoint,

@@ -8,18 +8,22 @@
 4. GRPO with `train_ppo` (`--advantage_estimator group_norm`, groups of 8) and the exact-match
    `reward_func`;
 5. prints greedy held-out accuracy before and after RL and writes `results.json`, the metrics and
-   `reward_curve.png` into the run directory.
+   `reward_curve.png` (the training reward, and the held-out accuracy every tenth of the RL steps)
+   into the run directory.
 Everything goes through the same CLIs a user runs.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
 
 from rlhfkit.config.flags import FlagParser
+
+log = logging.getLogger(__spec__.name if __spec__ else __name__)  # also when run as __main__
 
 
 def build_parser() -> FlagParser:
@@ -95,7 +99,12 @@ def sft_args(args, base: str, run: str, sft_dir: str) -> list[str]:
 
 
 def rl_args(args, sft_dir: str, run: str, rl_dir: str, reward_file: str, max_new: int) -> list[str]:
-    return [*quiet(), "--pretrain", sft_dir, "--remote_rm_url", reward_file, "--prompt_data", os.path.join(run, "train.jsonl"),
+    """GRPO; every --eval_steps the held-out questions are answered greedily (eval/pass1: the accuracy
+    the quickstart reports, drawn in reward_curve.png)."""
+    evals = ["--eval_dataset", os.path.join(run, "eval.jsonl"), "--eval_steps", str(max(args.rl_steps // 10, 1)),
+             "--eval_temperature", "0", "--eval_n_samples_per_prompt", "1"]
+    return [*quiet(), *evals, "--pretrain", sft_dir, "--remote_rm_url", reward_file,
+            "--prompt_data", os.path.join(run, "train.jsonl"),
             "--input_key", "input", "--label_key", "label", "--advantage_estimator", "group_norm",
             "--n_samples_per_prompt", "8", "--rollout_batch_size", "16", "--train_batch_size", "128",
             "--micro_train_batch_size", "128", "--micro_rollout_batch_size", "128", "--max_epochs", "1",
@@ -128,20 +137,20 @@ def main(argv: list[str] | None = None) -> None:
     reward_file = os.path.join(run, "reward_func.py")
     with open(reward_file, "w") as f:
         f.write("from rlhfkit.tasks.addition import reward_func  # exact match of the sum\n")
-    print(f"[quickstart] tiny model; {len(train)} train, {len(val)} validation, {len(test)} held-out questions "
-          f"in {run}")
+    log.info(f"[quickstart] tiny model; {len(train)} train, {len(val)} validation, {len(test)} held-out questions "
+             f"in {run}")
 
     def stop_at_target(state, metrics, backend) -> bool:
         """SFT until greedy validation accuracy reaches --sft_target: a mediocre start for RL."""
         if state.step < args.sft_min_steps or state.step % 20:
             return False
         acc = greedy_accuracy(backend.unwrap(), tok, val)
-        print(f"[quickstart] SFT step {state.step}: validation accuracy {acc:.1%}", flush=True)
+        log.info(f"[quickstart] SFT step {state.step}: validation accuracy {acc:.1%}")
         return acc >= args.sft_target
 
     train_sft.run(train_sft.build_parser().parse(sft_args(args, base, run, sft_dir)), on_step_end=stop_at_target)
     before = greedy_accuracy(sft_dir, tok, test)
-    print(f"[quickstart] after SFT: held-out greedy accuracy {before:.1%} ({time.time() - t0:.0f}s)")
+    log.info(f"[quickstart] after SFT: held-out greedy accuracy {before:.1%} ({time.time() - t0:.0f}s)")
 
     train_ppo.main(rl_args(args, sft_dir, run, rl_dir, reward_file, args_digits_budget(test)))
     after = greedy_accuracy(rl_dir, tok, test)
@@ -151,10 +160,10 @@ def main(argv: list[str] | None = None) -> None:
     with open(os.path.join(run, "results.json"), "w") as f:
         json.dump(result, f, indent=2)
     png = plot_curve(run, rl_dir)
-    print("\n| stage | held-out greedy accuracy |\n| --- | --- |")
-    print(f"| after SFT | {before:.1%} |\n| after GRPO | {after:.1%} |")
-    print(f"\n[quickstart] {100 * (after - before):+.1f} points in {elapsed:.0f}s; curves: {png}; "
-          f"metrics: {rl_dir}/metrics.jsonl")
+    log.info("\n| stage | held-out greedy accuracy |\n| --- | --- |")
+    log.info(f"| after SFT | {before:.1%} |\n| after GRPO | {after:.1%} |")
+    log.info(f"\n[quickstart] {100 * (after - before):+.1f} points in {elapsed:.0f}s; curves: {png}; "
+             f"metrics: {rl_dir}/metrics.jsonl")
     sys.stdout.flush()
 
 

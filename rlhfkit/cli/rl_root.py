@@ -18,6 +18,7 @@ train_ppo_ray adds only what placing actors needs (shapes, Ray options, async mo
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -29,6 +30,8 @@ from rlhfkit.data.prompts import PromptDataConfig, PromptDataset
 from rlhfkit.models.loader import load_tokenizer
 from rlhfkit.trainers.plot import RL_PANELS
 from rlhfkit.trainers.rl import RLTrainer
+
+log = logging.getLogger(__name__)
 
 PLOT_KEYS = RL_PANELS  # the plot's panels (rlhfkit.trainers.plot.PANELS)
 
@@ -154,7 +157,7 @@ def save_final(args, placement: Placement, tokenizer: Any, fallback: Callable[[]
             write_model_card(critic_dir, run_dir=run_dir_of(args), trainer="critic",
                              base_model=args.critic_pretrain or args.pretrain)
     if placement.dist.rank == 0:
-        print(f"policy saved to {args.save_path}")
+        log.info(f"policy saved to {args.save_path}")
 
 
 def critic_saver_on_group(group: Any) -> Callable[[str, Any], None]:

@@ -14,6 +14,7 @@ the weights so that w_d * n_desirable / (w_u * n_undesirable) lies in [1, 4/3].
 
 from __future__ import annotations
 
+import logging
 from rlhfkit.cli.common import UsageError, cli_main
 from rlhfkit.cli.offline_common import (
     OfflineRun,
@@ -29,6 +30,8 @@ from rlhfkit.config.configs import from_args
 from rlhfkit.config.flags import FlagParser
 from rlhfkit.data.preference import UnpairedDataConfig, UnpairedDataset
 from rlhfkit.trainers.kto_task import KTOTask
+
+log = logging.getLogger(__spec__.name if __spec__ else __name__)  # also when run as __main__
 
 KTO_PLOT_KEYS = ("loss", "kl", "signed_reward", "rewards", "grad_norm", "lr")  # rlhfkit.trainers.plot.PANELS
 
@@ -67,7 +70,7 @@ def run(args) -> OfflineRun:
     train_items, eval_items = load_split_items(args, lambda rows: UnpairedDataset(rows, tokenizer, data_cfg))
     good = sum(1 for it in train_items if it.label)
     if dist.rank == 0:
-        print(f"KTO data: {good} desirable, {len(train_items) - good} undesirable answers")
+        log.info(f"KTO data: {good} desirable, {len(train_items) - good} undesirable answers")
     ref = frozen_model(args.ref_pretrain or args.pretrain, args, dist,
                        "--ref_pretrain" if args.ref_pretrain else "--pretrain", args.ref_offload)
     task = KTOTask(pad_token_id=tokenizer.pad_token_id, ref=ref, max_len=args.max_len, beta=args.beta,

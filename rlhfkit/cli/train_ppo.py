@@ -20,7 +20,7 @@ from rlhfkit.backend.dist import init_distributed
 from rlhfkit.backend.parallel import attach_mesh
 from rlhfkit.cli import ppo_setup as S
 from rlhfkit.cli import rl_root as R
-from rlhfkit.cli.common import cli_main, disable_hf_progress_bars, parallel_dims, set_seed
+from rlhfkit.cli.common import cli_main, disable_hf_progress_bars, note_cpu_dtype, parallel_dims, set_seed
 from rlhfkit.cli.run_dir import training_run
 from rlhfkit.config.flags import FlagParser
 from rlhfkit.config.rl_flags import add_rl_flags
@@ -49,6 +49,7 @@ def build_trainer(args, dist):
 @training_run
 def run(args, parser) -> R.RLRun:
     dist = init_distributed(args.device)
+    note_cpu_dtype(args, dist.device)
     S.resolve_flags(args, dist.world_size)  # refuses tp / cp > 1, so the world is data parallel here
     dist = attach_mesh(dist, parallel_dims(args, dist))  # the dp / tp / cp process groups, built once
     S.note_ray_only_flags(args, parser, "train_ppo")

@@ -38,8 +38,8 @@ An actor that dies ends the run within seconds with its role, rank and error.
 from __future__ import annotations
 
 import functools
+import logging
 import os
-import sys
 import threading
 import time
 from typing import Any
@@ -47,13 +47,15 @@ from typing import Any
 from rlhfkit.backend.dist import DistInfo
 from rlhfkit.cli import ppo_setup as S
 from rlhfkit.cli import rl_root as R
-from rlhfkit.cli.common import UsageError, cli_main, set_seed
+from rlhfkit.cli.common import UsageError, cli_main, note_cpu_dtype, set_seed
 from rlhfkit.cli.memory_check import check_memory
 from rlhfkit.cli.train_ppo import build_parser as ppo_parser
 from rlhfkit.cli.run_dir import training_run
 from rlhfkit.optional import require
 from rlhfkit.config.flag_parser import RL_PLACEMENT, shell_text
 from rlhfkit.trainers.async_rl import AsyncRLTrainer
+
+log = logging.getLogger(__spec__.name if __spec__ else __name__)  # also when run as __main__
 
 PROG = "train_ppo_ray"
 VLLM_ONLY = ("vllm_gpu_memory_utilization", "enable_prefix_caching", "enforce_eager")
@@ -138,18 +140,19 @@ def warn_async(args) -> None:
     """One line each: what --async_train does with colocated engines; --partial_rollout without IS correction."""
     mode = async_mode(args)
     if mode == "overlap" and args.colocate_all_models:
-        print("warning: --async_train with --colocate_all_models: the engines share the training GPUs and generate "
-              "the next batch while the roles train, so both hold GPU memory at once (OpenRLHF colocates only "
-              "the training models here)")
+        log.warning("warning: --async_train with --colocate_all_models: the engines share the training GPUs and "
+                    "generate the next batch while the roles train, so both hold GPU memory at once (OpenRLHF "
+                    "colocates only the training models here)")
     elif mode == "turns":
         extra = "; --partial_rollout then has no generation in flight at a weight update" if args.partial_rollout \
             else ""
-        print("warning: --async_train with --colocate_all_models --vllm_enable_sleep: the engines sleep while the "
-              "roles work, so generation and training take turns on the shared GPUs instead of overlapping; each "
-              f"batch is still generated up to --async_queue_size steps ahead of the policy that trains on it{extra}")
+        log.warning("warning: --async_train with --colocate_all_models --vllm_enable_sleep: the engines sleep while "
+                    "the roles work, so generation and training take turns on the shared GPUs instead of overlapping; "
+                    "each batch is still generated up to --async_queue_size steps ahead of the policy that trains on "
+                    f"it{extra}")
     if args.partial_rollout and not args.enable_vllm_is_correction:
-        print("note: --partial_rollout mixes policy versions inside a sample; --enable_vllm_is_correction weights "
-              "each token by its own rollout log-prob")
+        log.info("note: --partial_rollout mixes policy versions inside a sample; --enable_vllm_is_correction weights "
+                 "each token by its own rollout log-prob")
 
 
 def note_no_effect(args, parser) -> None:
@@ -157,9 +160,9 @@ def note_no_effect(args, parser) -> None:
     vllm_only = [d for d in changed if d in VLLM_ONLY and args.rollout_engine != "vllm"]
     none = [d for d in changed if d in NO_EFFECT]
     if vllm_only:
-        print(f"note: {', '.join('--' + d for d in vllm_only)} take effect with --rollout_engine vllm only")
+        log.info(f"note: {', '.join('--' + d for d in vllm_only)} take effect with --rollout_engine vllm only")
     if none:
-        print(f"note: {', '.join('--' + d for d in none)} have no effect: --weight_sync picks the weight path")
+        log.info(f"note: {', '.join('--' + d for d in none)} have no effect: --weight_sync picks the weight path")
 
 
 # ----------------------------------------------------------------------------- builders (run in actors)
@@ -221,7 +224,7 @@ def _exit_after(grace_s: float):
     def on_failure(failure) -> None:
         def later() -> None:
             time.sleep(grace_s)
-            print(f"{PROG}: error: {failure}", file=sys.stderr, flush=True)
+            log.error(f"{PROG}: error: {failure}")
             os._exit(1)
         threading.Thread(target=later, daemon=True).start()
     return on_failure
@@ -234,6 +237,8 @@ def launch_roles(args, num_steps: int, shapes: dict[str, Any], hard_exit: bool):
     from rlhfkit.distributed.placement import SlotResources, detect_accelerator
 
     accel = detect_accelerator(args.ray_accelerator_resource)
+    if _weights_dtype(args, accel) is None:  # the roles train on CPUs
+        note_cpu_dtype(args, "cpu")
     monitor = HealthMonitor(args.ray_health_interval, on_failure=_exit_after(10.0) if hard_exit else None)
     phases = Phases(engine_sleep=args.vllm_enable_sleep, train_sleep=args.deepspeed_enable_sleep,
                     rollout_flush=async_mode(args) != "overlap")
@@ -249,10 +254,10 @@ def launch_roles(args, num_steps: int, shapes: dict[str, Any], hard_exit: bool):
                        weight_sync_backend=args.vllm_sync_backend, engine_direct=args.rollout_engine != "vllm")
     launched = launch(roles, engines, cfg, monitor, phases)
     for p in launched.placement:
-        print(f"placement: {p['role']} rank {p['rank']} pid {p['pid']} node {p['node_id'][:12]} ({p['ip']}) "
-              f"pool {p['pool']} bundle {p['bundle']} gpus {p['gpu_ids']}", flush=True)
-    print(f"weight sync: {launched.weight_sync.describe()}, buckets of "
-          f"{getattr(args, 'weight_sync_bucket_mb', 256)} MB", flush=True)
+        log.info(f"placement: {p['role']} rank {p['rank']} pid {p['pid']} node {p['node_id'][:12]} ({p['ip']}) "
+                 f"pool {p['pool']} bundle {p['bundle']} gpus {p['gpu_ids']}")
+    log.info(f"weight sync: {launched.weight_sync.describe()}, buckets of "
+             f"{getattr(args, 'weight_sync_bucket_mb', 256)} MB")
     return launched, phases
 
 
@@ -309,7 +314,7 @@ def run(args, parser, hard_exit: bool = False) -> None:
 
             stuck = shutdown_user_threads(5.0)  # reward_func / agent threads of the driver's executors
             if stuck:
-                print(f"note: {stuck} reward_func / agent call(s) still running after 5 s were abandoned")
+                log.info(f"note: {stuck} reward_func / agent call(s) still running after 5 s were abandoned")
             launched.shutdown()
         if started:
             import ray
@@ -330,7 +335,7 @@ def main(argv: list[str] | None = None, hard_exit: bool = False) -> None:
         cause = getattr(e, "cause", None)
         if isinstance(cause, RoleOutOfMemory):
             e = S.explain_oom(args, cause)
-        print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
+        log.error(f"{PROG}: error: {e}")
         raise SystemExit(1)
 
 

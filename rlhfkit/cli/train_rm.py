@@ -24,6 +24,7 @@ honest accuracy).
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, Sequence
 
@@ -38,6 +39,8 @@ from rlhfkit.data.preference import PreferenceDataConfig, PreferenceDataset
 from rlhfkit.models.value import load_value_model, scoring_tokenizer, update_reward_config
 from rlhfkit.trainers.metrics import metrics_record
 from rlhfkit.trainers.rm_task import RMTask, reward_statistics
+
+log = logging.getLogger(__spec__.name if __spec__ else __name__)  # also when run as __main__
 
 STATS_FRACTION, STATS_MIN_PAIRS = 0.01, 100
 
@@ -78,7 +81,7 @@ def save_reward_model(args, backend, tokenizer, mean: float, std: float, dist: D
     if std > 0:
         update_reward_config(base.config, tokenizer, mean=mean, std=std)
     else:
-        print(f"warning: all reward scores are equal (std 0); no mean/std stored in {args.save_path}")
+        log.warning(f"warning: all reward scores are equal (std 0); no mean/std stored in {args.save_path}")
         update_reward_config(base.config, tokenizer)
     if base is not model and dist.rank == 0:  # LoRA: the adapter plus the reward config (lora_combiner --is_rm)
         base.config.save_pretrained(args.save_path)

@@ -11,6 +11,7 @@ conflict checks. The flag table itself (which flags each command has) is in rlhf
   reference in docs/ is generated from it, see rlhfkit.cli.main.flag_reference).
 - Inert flags (`inert="why"`): accepted for OpenRLHF command lines, no effect here; parsing prints
   one note for each one set to a non-default value (rank 0 only under torchrun).
+- `--log_level` (every command): the console's level; parsing sets up logging (rlhfkit.logs).
 - `--config FILE` (YAML or JSON, rlhfkit.config.config_file): its values become the defaults, so
   every flag on the command line overrides the file. A run's `run_config.json` is such a file.
 - Conflicts (exit code 2, one line naming both flags): two names of one setting given different
@@ -25,11 +26,17 @@ import argparse
 import contextlib
 import copy
 import difflib
+import logging
 import os
 import re
 import sys
 import weakref
 from typing import Any, Iterator, Sequence
+
+from rlhfkit import logs
+from rlhfkit.logs import LEVELS
+
+log = logging.getLogger(__name__)
 
 # argparse actions whose repeated use is accumulation, not a conflict
 _ACCUMULATING = (argparse._AppendAction, argparse._AppendConstAction, argparse._CountAction,
@@ -117,6 +124,11 @@ class FlagParser(argparse.ArgumentParser):
         self._exclusive: list[tuple[str, str, str]] = []
         self.add_argument("--version", action="version", version=f"rlhfkit {package_version()}",
                           help="print the rlhfkit version and exit")
+        # a command that declares its own --log_level (serve_rm: uvicorn's) configures its logging itself
+        self._log_level: argparse.Action | None = self.add_argument(
+            "--log_level", type=str, default="info", choices=list(LEVELS),
+            help="console messages from this level up (debug: also transformers' info messages and third-party "
+                 "progress bars); the run directory's train.log gets every level")
         if config_file:
             self.add_argument("--config", type=str, default=None, metavar="FILE",
                               help="YAML or JSON file of flag values (flat or dotted names, nested mappings "
@@ -141,6 +153,11 @@ class FlagParser(argparse.ArgumentParser):
         aliases. `inert`: the flag is accepted but has no effect in this command, for this reason."""
         if "dest" not in kw:
             kw["dest"] = names[0].lstrip("-").replace(".", "_").replace("-", "_")
+        if "--log_level" in names and self._log_level is not None:
+            self._remove_action(self._log_level)
+            self._optionals._group_actions.remove(self._log_level)
+            del self._option_string_actions["--log_level"]
+            self._log_level = None
         action = (self._current or self._own_group()).add_argument(*names, **kw)
         if inert:
             self._set_inert(action, inert)
@@ -219,7 +236,8 @@ class FlagParser(argparse.ArgumentParser):
 
     # ------------------------------------------------------------------ parsing
 
-    def parse(self, argv: Sequence[str] | None = None) -> argparse.Namespace:
+    def parse(self, argv: Sequence[str] | None = None, notes: bool = True) -> argparse.Namespace:
+        """Parse `argv` (default: the command line); `notes`: print a note per inert flag set."""
         argv = list(sys.argv[1:] if argv is None else argv)
         from rlhfkit.config import config_file
 
@@ -244,10 +262,12 @@ class FlagParser(argparse.ArgumentParser):
         if unknown:
             self.error(f"unexpected arguments: {' '.join(unknown)}")
         self.check_conflicts(given)
-        _remember(ns)
-        if os.environ.get("RANK", "0") == "0":
+        _remember(ns, {action.dest for _, action, _ in given} | set(saved["defaults"] if saved else ()))
+        if self._log_level is not None:
+            logs.setup(ns.log_level, new_run=notes)  # notes=False: an API config checking its values
+        if notes and os.environ.get("RANK", "0") == "0":
             for line in self.inert_notes(ns):
-                print(line, flush=True)
+                log.info(line)
         return ns
 
     def _track(self, given: list) -> None:
@@ -290,12 +310,19 @@ class FlagParser(argparse.ArgumentParser):
                 self.error(f"{_shown(*ga)} and {_shown(*gb)} conflict: {why}; give one of them")
 
 
-_PARSED: dict[int, tuple[weakref.ref, dict[str, Any]]] = {}
+_PARSED: dict[int, tuple[weakref.ref, dict[str, Any], set[str]]] = {}
 
 
-def _remember(ns: argparse.Namespace) -> None:
+def _remember(ns: argparse.Namespace, explicit: set[str]) -> None:
     key = id(ns)
-    _PARSED[key] = (weakref.ref(ns, lambda _r: _PARSED.pop(key, None)), copy.deepcopy(vars(ns)))
+    _PARSED[key] = (weakref.ref(ns, lambda _r: _PARSED.pop(key, None)), copy.deepcopy(vars(ns)), explicit)
+
+
+def set_explicitly(ns: argparse.Namespace, dest: str) -> bool:
+    """Whether the command line (or its --config file) gave `dest` a value, rather than its default.
+    True for a namespace that parse did not make (nothing known: assume it was given)."""
+    entry = _PARSED.get(id(ns))
+    return True if not (entry and entry[0]() is ns) else dest in entry[2]
 
 
 def set_as_given(ns: argparse.Namespace, dest: str, value: Any) -> None:

@@ -34,6 +34,14 @@ from rlhfkit.fileio import atomic_write_text
 from rlhfkit.redact import redact_config
 
 
+# --lr_scheduler: the names of transformers.SchedulerType that need nothing but warm-up and total steps
+# (and --min_lr_ratio); reduce_lr_on_plateau needs a metric, warmup_stable_decay its own phase lengths
+LR_SCHEDULES = ("cosine_with_min_lr", "cosine", "linear", "constant", "constant_with_warmup", "cosine_with_restarts",
+                "polynomial", "inverse_sqrt", "cosine_warmup_with_min_lr")
+LR_SCHEDULER_HELP = ("learning-rate schedule (transformers.get_scheduler), after a linear warm-up from 0")
+MIN_LR_HELP = "cosine_with_min_lr, cosine_warmup_with_min_lr: the learning rate ends at this fraction of the peak"
+
+
 def add_model_flags(p: FlagParser, default_dtype: str = "bf16") -> None:
     with p.group(MODEL):
         p.flag("--pretrain", "--model.model_name_or_path", "--actor.model_name_or_path",
@@ -154,13 +162,11 @@ def add_train_flags(p: FlagParser, *, train_batch_size: int = 128, micro_train_b
         p.flag("--adam_eps", "--adam.eps", type=float, default=1e-8, help="AdamW epsilon")
         p.flag("--l2", "--adam.weight_decay", type=float, default=0.0, help="AdamW weight decay")
         add_optimizer_choice_flags(p)
-        p.flag("--lr_scheduler", type=str, default="cosine_with_min_lr",
-               help="learning-rate schedule after warm-up: cosine_with_min_lr, cosine, linear, constant, "
-                    "constant_with_warmup")
+        p.flag("--lr_scheduler", type=str, default="cosine_with_min_lr", choices=LR_SCHEDULES,
+               help=LR_SCHEDULER_HELP)
         p.flag("--lr_warmup_ratio", type=float, default=0.03,
                help="fraction of the optimizer steps spent warming up linearly from 0")
-        p.flag("--min_lr_ratio", type=float, default=0.1,
-               help="cosine_with_min_lr: the learning rate ends at this fraction of the peak")
+        p.flag("--min_lr_ratio", type=float, default=0.1, help=MIN_LR_HELP)
         p.flag("--max_norm", type=float, default=1.0, help="clip the gradient's global L2 norm to this (0 disables)")
         add_nonfinite_flag(p)
 
@@ -281,9 +287,10 @@ def add_logging_flags(p: FlagParser, *, wandb_project: str = "rlhfkit", eval_def
         p.flag("--wandb_group", "--logger.wandb.group", type=str, default=None, help="wandb run group")
         p.flag("--wandb_project", "--logger.wandb.project", type=str, default=wandb_project, help="wandb project")
         p.flag("--wandb_run_name", "--logger.wandb.run_name", type=str, default=None,
-               help="wandb run name (default: wandb's)")
+               help="wandb run name (default: wandb's), also the TensorBoard run's folder under --use_tensorboard")
         p.flag("--use_tensorboard", "--logger.tensorboard_dir", type=str, default=None,
-               help="write TensorBoard event files to this folder (needs tensorboard)")
+               help="write TensorBoard event files to <this folder>/<run name>: --wandb_run_name, else the run "
+                    "directory's name and the start time (needs tensorboard)")
         p.flag("--disable_progress", action="store_true", help="no progress bar")
     with p.group(EVAL):
         p.flag("--eval_steps", "--eval.steps", type=int, default=-1,

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from rlhfkit.config.flag_parser import (RL_ALGO, RL_ASYNC, RL_CRITIC, RL_MODELS, RL_PLACEMENT, RL_PTX, RL_REWARD,
                                         RL_ROLLOUT)
-from rlhfkit.config.flags import (CKPT, DATA, EVAL, OPTIM, TRAIN, FlagParser, add_backend_flags, add_ckpt_flags,
-                                  add_dataloader_workers_flag, add_logging_flags, add_max_row_bytes_flag,
-                                  add_model_flags, add_nonfinite_flag, add_optimizer_choice_flags)
+from rlhfkit.config.flags import (CKPT, DATA, EVAL, LOGGING, LR_SCHEDULER_HELP, LR_SCHEDULES, MIN_LR_HELP, OPTIM,
+                                  TRAIN, FlagParser, add_backend_flags, add_ckpt_flags, add_dataloader_workers_flag,
+                                  add_logging_flags, add_max_row_bytes_flag, add_model_flags, add_nonfinite_flag,
+                                  add_optimizer_choice_flags)
 
 ESTIMATORS = ["gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo"]
 EMA_BETA = 0.992  # --ema_beta when not given (OpenRLHF's default)
@@ -26,6 +27,7 @@ def add_rl_flags(p: FlagParser) -> None:
     add_backend_flags(p)
     add_ckpt_flags(p)
     add_logging_flags(p, wandb_project="rlhfkit_train_ppo", eval_default="never")
+    _sample_logging(p)
     _models(p)
     _data(p)
     _rollout(p)
@@ -35,6 +37,16 @@ def add_rl_flags(p: FlagParser) -> None:
     _placement(p)
     _eval(p)
     _ptx(p)
+
+
+def _sample_logging(p: FlagParser) -> None:
+    with p.group(LOGGING):
+        p.flag("--log_completions_steps", type=int, default=10,
+               help="every N RL steps (and at step 1) log a table of sampled prompts, completions, rewards and "
+                    "labels: completions.jsonl in the run directory, TensorBoard text, a wandb table, and its first "
+                    "rows on the console (0: off)")
+        p.flag("--log_completions_rows", type=int, default=8,
+               help="samples in each --log_completions_steps table, taken from as many prompts as possible")
 
 
 def _models(p: FlagParser) -> None:
@@ -132,7 +144,9 @@ def _train(p: FlagParser) -> None:
                help="run the old policy's log-prob pass even when a rollout makes one optimizer step (by default "
                     "the training pass's detached log-probs are the old ones then, ratio 1, as in TRL's GRPO)")
         p.flag("--num_episodes", "--train.num_episodes", type=int, default=1, help="passes over the prompts")
-        p.flag("--max_steps", type=int, default=None, help="stop after this many RL steps")
+        p.flag("--max_steps", type=int, default=None,
+               help="RL steps to take (a rollout and its policy update each), cycling the prompts as often as "
+                    "needed (overrides --num_episodes)")
         p.flag("--seed", "--train.seed", type=int, default=42, help="seed of python, numpy, torch, data and sampling")
         p.flag("--full_determinism", "--train.full_determinism_enable", action="store_true",
                help="deterministic torch algorithms (transformers.enable_full_determinism): reproducible, slower")
@@ -169,12 +183,10 @@ def _train(p: FlagParser) -> None:
         p.flag("--l2", "--actor.adam.weight_decay", type=float, default=0.0,
                help="AdamW weight decay (the flat name sets the critic's too)")
         p.flag("--lr_scheduler", "--actor.lr_scheduler", type=str, default="cosine_with_min_lr",
-               help="learning-rate schedule after warm-up: cosine_with_min_lr, cosine, linear, constant, "
-                    "constant_with_warmup")
+               choices=LR_SCHEDULES, help=LR_SCHEDULER_HELP)
         p.flag("--lr_warmup_ratio", "--actor.lr_warmup_ratio", type=float, default=0.03,
                help="fraction of the optimizer steps spent warming up linearly from 0")
-        p.flag("--min_lr_ratio", "--actor.min_lr_ratio", type=float, default=0.1,
-               help="cosine_with_min_lr: the learning rate ends at this fraction of the peak")
+        p.flag("--min_lr_ratio", "--actor.min_lr_ratio", type=float, default=0.1, help=MIN_LR_HELP)
         p.flag("--max_norm", "--actor.max_norm", type=float, default=1.0,
                help="clip the gradient's global L2 norm to this (0 disables)")
         add_optimizer_choice_flags(p, dotted=("actor.",))
@@ -210,6 +222,7 @@ CRITIC_OPTIM = {
 def _critic_optim(p: FlagParser) -> None:
     for dest, (dotted, typ, nargs) in CRITIC_OPTIM.items():
         p.flag(f"--critic_{dest}", dotted, type=typ, nargs=nargs, default=None,
+               choices=LR_SCHEDULES if dest == "lr_scheduler" else None,
                help=f"the critic's --{dest} (default: the actor's)")
     add_optimizer_choice_flags(p, flat="critic_", dotted=("critic.",))
 

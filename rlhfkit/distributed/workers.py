@@ -37,6 +37,7 @@ from typing import Any, Callable
 import ray
 import torch
 
+from rlhfkit import logs
 from rlhfkit.backend.dist import DistInfo, init_distributed, resolve_device, with_index
 from rlhfkit.backend.offload import HostStash, MoveStats
 from rlhfkit.backend.rendezvous import reserve_port
@@ -57,6 +58,7 @@ def _node_info() -> dict[str, Any]:
 def _quiet_env() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    logs.setup()  # an actor's notes reach the driver's console (Ray forwards its output)
 
 
 class RoleWorker:

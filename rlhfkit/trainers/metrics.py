@@ -11,10 +11,13 @@ loops' `state.history` holds the same records as metrics.jsonl.
 
 Console: a tqdm bar only when stdout and stderr are both terminals (`terminal()`) and
 --disable_progress is off; otherwise (a log redirected to a file, --disable_progress) one plain
-line per logged step and one per evaluation, no carriage returns:
+line per logged step and one per evaluation, no carriage returns; the seconds per step are the mean
+since the previous line (evaluations and checkpoints in between count), measured from `start(step)`:
 
     [step 5/12] loss=2.740 grad_norm=2.460 lr=0.002325 (0.028 s/step)
     [eval step 5] loss=2.596
+
+Lines go through the `logging` module (rlhfkit.logs), so they are in the run's train.log too.
 
 Evaluation lines are printed in bar mode too (through tqdm.write, above the bar).
 
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import logging
 import math
 import os
 import sys
@@ -37,10 +41,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
+from rlhfkit import logs
 from rlhfkit.fileio import atomic_write_text
 from rlhfkit.optional import require
 from rlhfkit.trainers.metric_names import (CONSOLE_KEYS, EVAL, SECONDS_KEYS, TIME, TRAIN,  # noqa: F401
                                            qualified, read_metrics)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -90,8 +97,29 @@ def progress_bar(total: int, initial: int, desc: str, enabled: bool):
     return tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True, disable=not (enabled and terminal()))
 
 
+@dataclass
+class SampleRow:
+    """One sampled completion of an RL step, as the --log_completions_steps table shows it."""
+
+    prompt: str
+    completion: str
+    reward: float
+    label: Any = None
+
+    def record(self, step: int) -> dict[str, Any]:
+        label = self.label if self.label is None or isinstance(self.label, (str, int, float, bool)) else str(self.label)
+        return {"step": int(step), "prompt": self.prompt, "completion": self.completion,
+                "reward": float(self.reward), "label": label}
+
+
 class NullLogger:
+    def start(self, step: int) -> None:
+        pass
+
     def log(self, step: int, metrics: dict[str, Any], console: bool = True, total: int | None = None) -> None:
+        pass
+
+    def log_completions(self, step: int, rows: list[SampleRow]) -> None:
         pass
 
     def truncate(self, keep_through: int) -> None:
@@ -121,27 +149,41 @@ class MetricsLogger:
                  plot_keys: tuple[str, ...] | None = None) -> None:
         """`plot_keys`: the plot's panels (names in rlhfkit.trainers.plot.PANELS; None: every panel with data)."""
         os.makedirs(run_dir, exist_ok=True)
+        logs.ensure_setup()  # the console lines go through rlhfkit.logs
         self.run_dir = run_dir
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self._f = open(self.path, "a")
         self.plot_keys = plot_keys
+        self._clock: tuple[float, int] | None = None  # (time, step) of the last training line
         self._tb = None
         if tensorboard_dir:
             require("tensorboard", "--use_tensorboard")
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=tensorboard_dir)
+            log.info(f"TensorBoard: {tensorboard_dir}")
         self._wandb = None
         if wandb is not None:
             self._wandb = _init_wandb(wandb, wandb_config(config or {}))
 
+    def start(self, step: int) -> None:
+        """The loop starts (or resumes) at `step`: the first training line's time per step counts from here."""
+        self._clock = (time.monotonic(), int(step))
+
     def log(self, step: int, metrics: dict[str, Any], console: bool = True, total: int | None = None) -> None:
-        """One record; `console`: also print the training line (plain mode). An evaluation line is
-        always printed when the record has eval metrics."""
+        """One record; `console`: also print the training line (plain mode), whose time per step is the
+        mean since the previous training line (or `start`). An evaluation line is always printed when the
+        record has eval metrics."""
         rec = metrics_record(step, metrics)
         self._f.write(json.dumps(rec) + "\n")
         self._f.flush()
-        for line in console_lines(rec, total, train=console):
+        mean = None
+        if any(k.startswith(TRAIN) for k in rec):
+            now = time.monotonic()
+            if self._clock is not None and step > self._clock[1]:
+                mean = (now - self._clock[0]) / (step - self._clock[1])
+            self._clock = (now, int(step))
+        for line in console_lines(rec, total, train=console, seconds_per_step=mean):
             _write(line)
         scalars = {k: v for k, v in rec.items() if k != "step" and _is_number(v)}
         if self._tb is not None:
@@ -150,19 +192,35 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log(scalars, step=int(step))
 
+    def log_completions(self, step: int, rows: list[SampleRow]) -> None:
+        """A table of sampled completions: rows of completions.jsonl, TensorBoard text, a wandb table, and
+        its first rows on the console."""
+        if not rows:
+            return
+        with open(self.completions_path, "a") as f:
+            f.writelines(json.dumps(r.record(step), default=str) + "\n" for r in rows)
+        for line in sample_lines(step, rows):
+            _write(line)
+        if self._tb is not None:
+            self._tb.add_text("completions", sample_markdown(rows), int(step))
+        if self._wandb is not None:
+            import wandb
+
+            table = wandb.Table(columns=["step", "prompt", "completion", "reward", "label"],
+                                data=[list(r.record(step).values()) for r in rows])
+            self._wandb.log({"completions": table}, step=int(step))
+
+    @property
+    def completions_path(self) -> str:
+        return os.path.join(self.run_dir, "completions.jsonl")
+
     def truncate(self, keep_through: int) -> None:
-        """Keep only the records of steps <= `keep_through` (a resume; -1 drops them all)."""
+        """Keep only the records of steps <= `keep_through` (a resume; -1 drops them all), in metrics.jsonl
+        and completions.jsonl."""
         self._f.close()
-        kept = []
-        with open(self.path) as f:
-            for line in f:
-                try:
-                    rec = json.loads(line)
-                except ValueError:  # a line cut by the kill
-                    continue
-                if isinstance(rec, dict) and int(rec.get("step", 0)) <= keep_through:
-                    kept.append(line if line.endswith("\n") else line + "\n")
-        atomic_write_text(self.path, "".join(kept))
+        _truncate_jsonl(self.path, keep_through)
+        if os.path.exists(self.completions_path):
+            _truncate_jsonl(self.completions_path, keep_through)
         self._f = open(self.path, "a")
 
     def model_card(self, model_dir: str, **kw: Any) -> None:
@@ -183,7 +241,62 @@ class MetricsLogger:
 
             plot_metrics(self.path, os.path.join(self.run_dir, "metrics.png"), self.plot_keys)
         except Exception as e:  # a plot must never lose a finished run
-            print(f"warning: could not write metrics.png: {e}")
+            log.warning(f"warning: could not write metrics.png: {e}")
+
+
+def tensorboard_run_dir(root: str, run_name: str | None, run_dir: str) -> str:
+    """`root`/<run name>, so that each training run is one TensorBoard run (as OpenRLHF does): the run
+    name is --wandb_run_name, else the run directory's name and the start time (a suffix -2, -3, ...
+    when that folder exists already)."""
+    if run_name:
+        return os.path.join(root, run_name)
+    base = f"{os.path.basename(os.path.normpath(os.path.abspath(run_dir)))}_{time.strftime('%Y%m%d-%H%M%S')}"
+    path, n = os.path.join(root, base), 1
+    while os.path.exists(path):
+        n += 1
+        path = os.path.join(root, f"{base}-{n}")
+    return path
+
+
+def _truncate_jsonl(path: str, keep_through: int) -> None:
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except ValueError:  # a line cut by the kill
+                continue
+            if isinstance(rec, dict) and int(rec.get("step", 0)) <= keep_through:
+                kept.append(line if line.endswith("\n") else line + "\n")
+    atomic_write_text(path, "".join(kept))
+
+
+CONSOLE_SAMPLES = 3  # rows of a completions table shown on the console
+
+
+def _short(text: str, limit: int = 60) -> str:
+    shown = repr(text)
+    return shown if len(shown) <= limit else shown[:limit - 4] + "...'"
+
+
+def sample_lines(step: int, rows: list[SampleRow]) -> list[str]:
+    """The console lines of a completions table: a header and its first CONSOLE_SAMPLES rows."""
+    more = f" (first {CONSOLE_SAMPLES} of {len(rows)}; all in completions.jsonl)" if len(rows) > CONSOLE_SAMPLES else ""
+    out = [f"[samples step {step}]{more}"]
+    for r in rows[:CONSOLE_SAMPLES]:
+        label = "" if r.label is None else f" label={_short(str(r.label), 24)}"
+        out.append(f"  reward={_fmt(float(r.reward))}{label} {_short(r.prompt)} -> {_short(r.completion)}")
+    return out
+
+
+def sample_markdown(rows: list[SampleRow]) -> str:
+    """A markdown table of the rows (TensorBoard renders text as markdown)."""
+    def cell(v: Any) -> str:
+        return str(v).replace("|", "\\|").replace("\n", "\\n").replace("<", "&lt;")
+
+    head = "| prompt | completion | reward | label |\n| --- | --- | --- | --- |\n"
+    return head + "\n".join(f"| {cell(r.prompt)} | {cell(r.completion)} | {_fmt(float(r.reward))} | "
+                            f"{cell('' if r.label is None else r.label)} |" for r in rows)
 
 
 def _is_number(v: Any) -> bool:
@@ -191,10 +304,7 @@ def _is_number(v: Any) -> bool:
 
 
 def _write(line: str) -> None:
-    from tqdm.auto import tqdm
-
-    tqdm.write(line, file=sys.stdout)  # above an active bar; a plain print otherwise
-    sys.stdout.flush()
+    log.info(line)  # rlhfkit.logs' console handler writes it above an active bar
 
 
 def _fmt(v: Any) -> str:
@@ -203,16 +313,19 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def console_lines(rec: dict[str, Any], total: int | None = None, train: bool = True) -> list[str]:
-    """The console lines of one record: the training line (main metrics and the step's seconds) and
-    the evaluation line (every eval metric); each only when the record has such metrics."""
+def console_lines(rec: dict[str, Any], total: int | None = None, train: bool = True,
+                  seconds_per_step: float | None = None) -> list[str]:
+    """The console lines of one record: the training line (main metrics and the seconds per step:
+    `seconds_per_step`, else the record's own step time) and the evaluation line (every eval metric);
+    each only when the record has such metrics."""
     step = rec.get("step", 0)
     lines = []
     tr = {k[len(TRAIN):]: v for k, v in rec.items() if k.startswith(TRAIN)}
     if train and tr:
         shown = [k for k in CONSOLE_KEYS if k in tr] or [k for k in tr if _is_number(tr[k])][:6]
         body = " ".join(f"{k}={_fmt(tr[k])}" for k in shown)
-        secs = next((rec[k] for k in SECONDS_KEYS if _is_number(rec.get(k))), None)
+        secs = seconds_per_step if seconds_per_step is not None else next(
+            (rec[k] for k in SECONDS_KEYS if _is_number(rec.get(k))), None)
         where = f"{step}/{total}" if total else f"{step}"
         lines.append(f"[step {where}] {body}" + (f" ({secs:.3g} s/step)" if secs is not None else ""))
     ev = {k[len(EVAL):]: v for k, v in rec.items() if k.startswith(EVAL)}

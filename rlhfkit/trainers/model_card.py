@@ -44,6 +44,19 @@ TAGS = {"sft": "sft", "rm": "reward-model", "dpo": "dpo", "kto": "kto", "prm": "
         "lora_combiner": "lora-merged"}
 
 
+# model directory -> the name a card gives it: the Python API saves a model passed as an object into a
+# temporary directory, which the card names by the model's origin instead (rlhfkit.api.inputs)
+_SHOWN_AS: dict[str, str] = {}
+
+
+def show_model_path_as(path: str, name: str | None) -> None:
+    """Cards name the base model `path` as `name` (None: forget it)."""
+    if name is None:
+        _SHOWN_AS.pop(path, None)
+    else:
+        _SHOWN_AS[path] = name
+
+
 def write_model_card(model_dir: str, *, run_dir: str | None = None, step: int | None = None,
                      trainer: str | None = None, command: str | None = None, base_model: str | None = None,
                      datasets: list[str] | None = None, settings: dict[str, Any] | None = None) -> str | None:
@@ -57,6 +70,7 @@ def write_model_card(model_dir: str, *, run_dir: str | None = None, step: int | 
     config = _read_json(os.path.join(run_dir, "run_config.json")) if run_dir else {}
     rows = _read_rows(os.path.join(run_dir, "metrics.jsonl")) if run_dir else []
     base = base_model if base_model is not None else config.get("pretrain")
+    base = _SHOWN_AS.get(base, base) if isinstance(base, str) else base
     data = datasets if datasets is not None else list(dict.fromkeys(str(config[k]) for k in DATA_FLAGS
                                                                      if config.get(k)))
     chosen = redact_config(settings if settings is not None else key_settings(config))
@@ -122,9 +136,9 @@ def render_card(model_dir: str, base: str | None, data: list[str], command: str,
                 final: dict[str, tuple[int, Any]], kind: str | None, pipeline_tag: str, step: int | None) -> str:
     tags = ["rlhfkit"] + ([TAGS.get(kind, kind)] if kind else [])
     head = ["---", "library_name: rlhfkit"]
-    if base and _is_hub_id(base):
+    if base and is_hub_id(base):
         head.append(f"base_model: {base}")
-    hub_data = [d for d in data if _is_hub_id(d)]
+    hub_data = [d for d in data if is_hub_id(d)]
     if hub_data:
         head += ["datasets:"] + [f"- {d}" for d in hub_data]
     head += ["tags:"] + [f"- {t}" for t in tags] + [f"pipeline_tag: {pipeline_tag}", "---", ""]
@@ -173,7 +187,7 @@ def _code(s: str) -> str:
     return "`" + str(s).replace("`", "'").replace("|", "\\|") + "`"
 
 
-def _is_hub_id(s: str) -> bool:
+def is_hub_id(s: str) -> bool:
     """`owner/name` (or `name`) that is no local path."""
     if os.path.exists(s) or s.startswith((".", "/", "~")) or "@" in s or "," in s or s.count("/") > 1:
         return False

@@ -23,6 +23,7 @@ per-token outputs and each compute the whole loss (backend/context_parallel.py).
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import sys
@@ -43,6 +44,8 @@ from rlhfkit.trainers.model_card import task_kind
 from rlhfkit.trainers.run_settings import check_same_run
 from rlhfkit.trainers.stop import StepAbandoned
 from rlhfkit.trainers.stop import current as stop_signals
+
+log = logging.getLogger(__name__)
 
 
 class OfflineTask(Protocol):
@@ -72,7 +75,7 @@ class LoopConfig:
     max_ckpt_num: int = 3
     load_checkpoint: bool = False
     show_progress: bool = True
-    max_steps: int | None = None  # stop early (tests, demos)
+    max_steps: int | None = None  # optimizer steps, cycling the data; overrides max_epochs
     aux_loss_coef: float = 0.0  # MoE router balance loss weight [--aux_loss_coef]
     save_ds: bool = True  # --save_steps writes resumable checkpoints [not --disable_ds_ckpt]
     save_hf: bool = False  # ... and Hugging Face snapshots [--save_hf_ckpt]
@@ -80,6 +83,10 @@ class LoopConfig:
     # compared on resume; the settings accepted as changed [--allow_resume_changes]
     run_settings: dict[str, Any] = field(default_factory=dict)
     allowed_changes: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"--max_steps must be >= 1, got {self.max_steps}")
 
 
 @dataclass
@@ -98,6 +105,12 @@ def epoch_order(n: int, epoch: int, seed: int) -> list[int]:
 
 def steps_per_epoch(n: int, train_batch_size: int) -> int:
     return n // train_batch_size
+
+
+def total_steps(n: int, cfg: LoopConfig) -> int:
+    """Optimizer steps of the run: --max_steps when given (the data cycled as often as needed, as in
+    Hugging Face's Trainer), else --max_epochs passes over `n` samples."""
+    return cfg.max_steps if cfg.max_steps is not None else steps_per_epoch(n, cfg.train_batch_size) * cfg.max_epochs
 
 
 def rank_share(global_idx: list[int], dist: DistInfo) -> list[int]:
@@ -132,14 +145,18 @@ def train_offline(task: OfflineTask, backend, train_items: Sequence[Any], cfg: L
                            f"the checkpoint in --ckpt_path {cfg.ckpt_path}")
             state.step, state.epoch, state.batch_in_epoch = client["step"], client["epoch"], client["batch_in_epoch"]
             if dist.rank == 0:
-                print(f"resumed from {cfg.ckpt_path} at step {state.step} (epoch {state.epoch})")
+                log.info(f"resumed from {cfg.ckpt_path} at step {state.step} (epoch {state.epoch})")
         logger.truncate(state.step if client is not None else -1)  # no step logged twice
-    total = spe * cfg.max_epochs if cfg.max_steps is None else min(cfg.max_steps, spe * cfg.max_epochs)
+    total = total_steps(n, cfg)
+    if cfg.max_steps is not None and total > spe * cfg.max_epochs and dist.rank == 0:
+        log.info(f"--max_steps {total}: {total / spe:.3g} passes over the data (the samples are cycled; "
+                 f"--max_epochs {cfg.max_epochs} would give {spe * cfg.max_epochs} steps)")
     bar = progress_bar(total, state.step, "train", cfg.show_progress and dist.rank == 0)
+    logger.start(state.step)
     done = state.step >= total
     signals = stop_signals()  # SIGINT / SIGTERM: a checkpoint after this step, then RunStopped (trainers/stop.py)
     signals.start_training()
-    while not done and state.epoch < cfg.max_epochs:
+    while not done:
         order = epoch_order(n, state.epoch, cfg.seed)
         for b in range(state.batch_in_epoch, spe):
             idx = rank_share(order[b * cfg.train_batch_size:(b + 1) * cfg.train_batch_size], dist)
@@ -171,6 +188,8 @@ def train_offline(task: OfflineTask, backend, train_items: Sequence[Any], cfg: L
                 if warn_if_no_space(lambda: backend.save_hf(snapshot, tokenizer), state.step):
                     logger.model_card(snapshot, step=state.step, trainer=task_kind(task))
             stop = on_step_end(state, metrics) if on_step_end is not None else False
+            if stop and state.step < total and dist.rank == 0:
+                log.info(f"stopped at step {state.step} of {total}: on_step_end returned True")
             if state.step >= total or stop:
                 done = True
                 break

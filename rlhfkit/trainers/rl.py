@@ -38,9 +38,9 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import math
 import os
-import sys
 from typing import Any, Sequence
 
 import torch
@@ -54,7 +54,7 @@ from rlhfkit.algo.filters import dynamic_filter
 from rlhfkit.algo.passk import pass_at_k_from_scores
 from rlhfkit.backend.dist import DistInfo
 from rlhfkit.roles.group import LocalWeightSync
-from rlhfkit.trainers.metrics import PhaseClock, metrics_record, progress_bar
+from rlhfkit.trainers.metrics import PhaseClock, SampleRow, metrics_record, progress_bar
 from rlhfkit.trainers.offline import epoch_order, warn_if_no_space
 from rlhfkit.trainers.rl_config import FailedStepsError, RLLoopConfig, RLState
 from rlhfkit.trainers.run_settings import check_same_run
@@ -62,6 +62,8 @@ from rlhfkit.trainers.stop import StepAbandoned
 from rlhfkit.trainers.stop import current as stop_signals
 from rlhfkit.trainers.rl_step_info import complete_groups, global_experience_metrics, skip_cause
 from rlhfkit.types import PromptSample, Trajectory
+
+log = logging.getLogger(__name__)
 
 __all__ = ["FailedStepsError", "RLLoopConfig", "RLState", "RLTrainer", "freeze_gc_once"]
 
@@ -95,6 +97,13 @@ def freeze_gc_once() -> None:
         _GC_FROZEN = True
 
 
+def sample_rows(trajs: Sequence[Trajectory], n: int, rows: int) -> list[SampleRow]:
+    """`rows` of a step's trajectories for the completions table, from as many prompts as possible: the
+    first sample of each prompt's group of `n`, then the second, ..."""
+    order = sorted(range(len(trajs)), key=lambda i: (i % max(n, 1), i // max(n, 1)))[:rows]
+    return [SampleRow(trajs[i].prompt, trajs[i].response, trajs[i].reward, trajs[i].label) for i in order]
+
+
 class RLTrainer:
     def __init__(self, cfg: RLLoopConfig, adv_cfg: AdvantageConfig, shaping: RewardShapingConfig, *,
                  policy: Any, engine: Any, executor: Any, prompts: Sequence[PromptSample], dist: DistInfo,
@@ -124,12 +133,14 @@ class RLTrainer:
         self.num_skipped = 0  # steps skipped for want of a trajectory, in all
         self.failed_in_row = 0  # ... in a row, up to now
         self._skip_cause = ""
+        self._samples: list[Trajectory] = []  # the last step's trajectories (--log_completions_steps)
 
     # ------------------------------------------------------------------ prompts
 
     def total_steps(self) -> int:
-        total = self.batches_per_episode * self.cfg.num_episodes
-        return total if self.cfg.max_steps is None else min(total, self.cfg.max_steps)
+        """--max_steps when given (the prompts cycled as often as needed), else --num_episodes passes."""
+        c = self.cfg
+        return c.max_steps if c.max_steps is not None else self.batches_per_episode * c.num_episodes
 
     def _next_prompts(self, used: set[int] | None = None) -> tuple[list[PromptSample], int] | None:
         """This rank's prompts of the next global batch and the global index of its first one (for
@@ -183,6 +194,7 @@ class RLTrainer:
         c, n = self.cfg, self.cfg.n_samples_per_prompt
         kept: list[Trajectory] = []
         passed = seen = dropped = incomplete = 0
+        first_drop = None  # this rank's first dropped sample (one line per step names it)
         used: set[int] = set()  # dataset indices drawn in this step (the same set on every rank)
         rounds = 0
         for r in range(c.max_filter_rounds if c.dynamic_filtering else 1):
@@ -193,6 +205,7 @@ class RLTrainer:
             rounds += 1
             out = self._generate(self.executor, prompts, n, self.state.step * 131 + r, first)
             dropped += out.num_dropped
+            first_drop = first_drop or (out.dropped[0] if out.dropped else None)
             trajs = out.trajectories
             if not c.dynamic_filtering:
                 kept = trajs
@@ -216,6 +229,10 @@ class RLTrainer:
         dropped, incomplete, passed, seen = self.dist.all_reduce_dp(
             torch.tensor([dropped, incomplete, passed, seen], dtype=torch.float64)).tolist()
         self.num_dropped += int(dropped)
+        if dropped and self.dist.rank == 0:
+            first = (f"; the first: {first_drop.reason}; prompt: {first_drop.prompt[:200]!r}" if first_drop
+                     else " (on other ranks)")
+            log.warning(f"step {self.state.step + 1}: {int(dropped)} sample(s) dropped (--reward_failure drop){first}")
         metrics = {"dropped_samples": dropped}
         if incomplete:
             metrics["incomplete_group_samples"] = incomplete
@@ -234,6 +251,7 @@ class RLTrainer:
             host_gc.collect_deferred()  # if no optimizer step of this process did
 
     def _train_step(self) -> dict[str, float]:
+        self._samples = []
         t = PhaseClock()
         with t("generate"):
             trajs, metrics = self.rollout()
@@ -250,6 +268,7 @@ class RLTrainer:
                 batch.rewards = self.reward_model.call("forward_rewards", batch)
                 for tr, r in zip(trajs, batch.rewards.tolist()):
                     tr.score = tr.reward = r
+        self._samples = trajs
         resp_len = batch.loss_mask.sum(-1).float()
         truncated = torch.tensor([float(tr.truncated) for tr in trajs])
         raw_reward = batch.rewards.clone()
@@ -366,11 +385,12 @@ class RLTrainer:
                 self.kl_ctl.load_state_dict(client["kl_ctl"])
                 self.weight_sync.sync()
                 if self.dist.rank == 0:
-                    print(f"resumed from {c.ckpt_path} at step {s.step}")
+                    log.info(f"resumed from {c.ckpt_path} at step {s.step}")
             self.logger.truncate(s.step if client is not None else -1)  # no step logged twice
         total = self.total_steps()
         bar = progress_bar(total, s.step, "rl", c.show_progress and self.dist.rank == 0)
         self._plain, self._total = bar.disable, total
+        self.logger.start(s.step)
         if s.step == 0 and c.eval_steps > 0:
             self._log(0, self.evaluate())
         signals = stop_signals()  # SIGINT / SIGTERM: a checkpoint after this step, then RunStopped (trainers/stop.py)
@@ -395,6 +415,9 @@ class RLTrainer:
                                      s.step)
             if s.step % max(c.logging_steps, 1) == 0 or s.step == total:
                 self._log(s.step, m)
+            if c.log_completions_steps and (s.step == 1 or s.step % c.log_completions_steps == 0):
+                self.logger.log_completions(s.step, sample_rows(self._samples, c.n_samples_per_prompt,
+                                                                c.log_completions_rows))
             if c.save_steps > 0 and s.step % c.save_steps == 0 and self.checkpointer is not None:
                 warn_if_no_space(lambda: self.checkpointer.save(c.ckpt_path, f"global_step{s.step}",
                                                                 self._client_state(), c.max_ckpt_num), s.step)
@@ -433,9 +456,8 @@ class RLTrainer:
             raise FailedStepsError(f"{self.failed_in_row} steps in a row (--max_failed_steps {limit}) left no "
                                    f"trajectory to train on; last one (step {self.state.step}): {self._skip_cause}")
         if self.dist.rank == 0:
-            print(f"step {self.state.step}: skipped, no trajectory to train on: {self._skip_cause} "
-                  f"({self.failed_in_row} in a row; the run stops at --max_failed_steps {limit})",
-                  file=sys.stderr, flush=True)
+            log.warning(f"step {self.state.step}: skipped, no trajectory to train on: {self._skip_cause} "
+                        f"({self.failed_in_row} in a row; the run stops at --max_failed_steps {limit})")
 
     def _log(self, step: int, m: dict[str, float]) -> None:
         if not m:

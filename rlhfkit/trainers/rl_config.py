@@ -12,7 +12,7 @@ class RLLoopConfig:
     rollout_batch_size: int  # global prompts per step
     n_samples_per_prompt: int = 1
     num_episodes: int = 1
-    max_steps: int | None = None
+    max_steps: int | None = None  # RL steps, cycling the prompts; overrides num_episodes
     seed: int = 42
     temperature: float = 1.0
     init_kl_coef: float = 0.0
@@ -24,6 +24,8 @@ class RLLoopConfig:
     freezing_actor_steps: int = -1
     skip_zero_advantage_steps: bool = True
     logging_steps: int = 1
+    log_completions_steps: int = 10  # a table of samples at step 1 and every N steps (0: off)
+    log_completions_rows: int = 8
     eval_steps: int = -1
     eval_temperature: float = 0.6
     eval_n_samples_per_prompt: int = 4
@@ -47,6 +49,11 @@ class RLLoopConfig:
     def __post_init__(self) -> None:
         if self.max_failed_steps < 1:
             raise ValueError(f"--max_failed_steps must be >= 1, got {self.max_failed_steps}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"--max_steps must be >= 1, got {self.max_steps}")
+        if self.log_completions_steps < 0 or self.log_completions_rows < 1:
+            raise ValueError("--log_completions_steps must be >= 0 and --log_completions_rows >= 1, got "
+                             f"{self.log_completions_steps} and {self.log_completions_rows}")
         if self.max_filter_rounds < 1:
             raise ValueError(f"--max_filter_rounds must be >= 1, got {self.max_filter_rounds}")
 

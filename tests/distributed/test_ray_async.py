@@ -152,7 +152,7 @@ def test_agent_async_script_flags_run(tiny_model_dir, data_dir, local_ray, capsy
     save = os.path.join(data_dir, f"script_{dotted}")
     agent = write_agent(data_dir, f"script_{dotted}", save, None)
     train_ppo_ray.main(script_flags(tiny_model_dir, data_dir, save, agent, dotted))
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err  # warnings go to stderr
     assert out.count("warning: --async_train with --colocate_all_models") == 1
     recs, _ = read(save)
     assert [r["step"] for r in recs] == [1, 2]
@@ -178,7 +178,7 @@ def test_colocated_async_equals_separate_actors(tiny_model_dir, data_dir, async_
     save = os.path.join(data_dir, f"async_colocated_{sleep}")
     extra = ["--vllm_enable_sleep", "--deepspeed_enable_sleep"] if sleep else []
     train_ppo_ray.main(async_flags(tiny_model_dir, data_dir, save, "--colocate_all_models", *extra))
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err  # warnings go to stderr
     (warning,) = [line for line in out.splitlines() if line.startswith("warning: --async_train")]
     assert ("take turns" in warning) == sleep and ("generate the next batch while the roles train" in warning) != sleep
     recs, w = read(save)

@@ -112,6 +112,9 @@ def test_train_returns_the_metrics_jsonl_records(example):
     same_records(ns["sft"].history, os.path.join(run, "sft", "metrics.jsonl"))
     assert [r["step"] for r in ns["sft"].history] == [50, 100, 150, 200]
     assert os.path.isfile(os.path.join(run, "grpo", "model.safetensors"))
+    # GRPO got the SFT model as an object: its card names where that model lives, not a temporary copy
+    card = open(os.path.join(run, "grpo", "README.md")).read()
+    assert f"| base model | `{run}/sft` |" in card
 
 
 # ----------------------------------------------------------------------------- one path with the CLIs
@@ -332,3 +335,32 @@ def test_rows_in_memory_forms_and_errors(tiny_model_dir, tmp_path):
     with pytest.raises(DataError, match="train_dataset: expected a list of dicts"):
         SFTTrainer(tiny_model_dir, train_dataset=42,
                    args=SFTConfig(max_len=32, save_path=str(tmp_path / "x"), **CPU)).train()
+
+
+def test_model_cards_name_where_a_loaded_model_came_from(tiny_model_dir, tmp_path):
+    """A model passed as an object is saved into a temporary directory for the run; the card names its
+    origin instead (the directory it was loaded from, which exists), or says it was a Python object.
+    After train() the trained model's name_or_path is its save_path, so a next trainer's card names that."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    rows, _ = addition_splits(16, 0, digits=1, seed=0)
+    cfg = dict(output_key="output", input_template="{}", max_len=32, train_batch_size=8, micro_train_batch_size=8,
+               max_steps=1, **CPU)
+
+    def card_base(save: str) -> str:
+        card = open(os.path.join(save, "README.md")).read()
+        return next(line for line in card.splitlines() if line.startswith("| base model |"))
+
+    loaded = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    first = SFTTrainer(loaded, train_dataset=rows, args=SFTConfig(save_path=str(tmp_path / "a"), **cfg))
+    first.train()
+    assert card_base(str(tmp_path / "a")) == f"| base model | `{tiny_model_dir}` |"
+    assert first.model.name_or_path == str(tmp_path / "a")
+    SFTTrainer(first.model, processing_class=first.tokenizer, train_dataset=rows,
+               args=SFTConfig(save_path=str(tmp_path / "b"), **cfg)).train()
+    assert card_base(str(tmp_path / "b")) == f"| base model | `{tmp_path / 'a'}` |"
+    fresh = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_model_dir))
+    fresh.name_or_path = ""  # built in Python, loaded from nowhere
+    SFTTrainer(fresh, processing_class=AutoTokenizer.from_pretrained(tiny_model_dir), train_dataset=rows,
+               args=SFTConfig(save_path=str(tmp_path / "c"), **cfg)).train()
+    assert card_base(str(tmp_path / "c")) == "| base model | `a LlamaForCausalLM passed to the Python API` |"

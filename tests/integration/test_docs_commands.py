@@ -1,7 +1,8 @@
-"""The README's and docs/*.md's shell commands run as written, on the tiny model, in a temp folder.
+"""The README's and docs/*.md's commands and Python examples run as written, on the tiny model, in a temp folder.
 
-Every ```bash block of README.md and docs/*.md is extracted and run with `bash -euo pipefail`,
-with this venv's bin/ first on PATH (as after `make demo` with the venv activated):
+Every ```bash block of README.md and docs/*.md is extracted and run with `bash -euo pipefail`, and
+every ```python block with this venv's python, with this venv's bin/ first on PATH (as after
+`make demo` with the venv activated):
 
 - the README's block marked `<!-- docs-test: setup -->` (tiny model, `rlhfkit make_data`) runs once
   into a fresh folder; each page then runs in its own copy of that folder, so a page may use
@@ -9,7 +10,10 @@ with this venv's bin/ first on PATH (as after `make demo` with the venv activate
 - a page's blocks run in order in the same folder, so a block may use what an earlier one wrote;
 - a block marked `<!-- docs-test: skip (reason) -->` (on the line before the fence, blank lines
   allowed) is not run (it needs GPUs, a cluster, or a network); each one is reported as a skipped
-  test with its reason, and still has to parse (`bash -n`).
+  test with its reason, and still has to parse (`bash -n`, or Python's compiler).
+
+The README itself is a user's page: at most README_MAX_LINES lines, and its first commands are the
+two that set up a fresh machine (`make demo`, `make test`).
 """
 
 from __future__ import annotations
@@ -26,8 +30,9 @@ import pytest
 from helpers import ROOT, subprocess_env
 
 MARK = re.compile(r"^<!--\s*docs-test:\s*(skip|setup)\s*(?:\((.*)\))?\s*-->$")
-FENCE = re.compile(r"^```(bash|sh|shell)\s*$")
+FENCE = re.compile(r"^```(bash|sh|shell|python)\s*$")
 BLOCK_TIMEOUT = 600
+README_MAX_LINES = 200
 
 
 @dataclasses.dataclass
@@ -37,6 +42,7 @@ class Block:
     kind: str  # run | skip | setup
     reason: str
     text: str
+    lang: str = "bash"  # bash | python
 
     @property
     def where(self) -> str:
@@ -48,7 +54,8 @@ def extract(text: str, page: str) -> list[Block]:
     lines = text.splitlines()
     out, i = [], 0
     while i < len(lines):
-        if not FENCE.match(lines[i].strip()):
+        fence = FENCE.match(lines[i].strip())
+        if not fence:
             if lines[i].strip().startswith("```"):  # another language's block: skip over it whole
                 j = i + 1
                 while j < len(lines) and lines[j].strip() != "```":
@@ -69,7 +76,8 @@ def extract(text: str, page: str) -> list[Block]:
             end += 1
         if end == len(lines):
             raise ValueError(f"{page}:{i + 1}: unclosed code block")
-        out.append(Block(page, i + 1, kind, reason, "\n".join(lines[i + 1:end]) + "\n"))
+        lang = "python" if fence.group(1) == "python" else "bash"
+        out.append(Block(page, i + 1, kind, reason, "\n".join(lines[i + 1:end]) + "\n", lang))
         i = end + 1
     return out
 
@@ -95,12 +103,12 @@ def env() -> dict[str, str]:
 
 
 def run_block(block: Block, cwd: str) -> None:
-    script = os.path.join(cwd, f".docs_block_{block.line}.sh")
+    script = os.path.join(cwd, f".docs_block_{block.line}.{'py' if block.lang == 'python' else 'sh'}")
     with open(script, "w") as f:
         f.write(block.text)
+    cmd = [sys.executable, script] if block.lang == "python" else ["bash", "-euo", "pipefail", script]
     try:
-        proc = subprocess.run(["bash", "-euo", "pipefail", script], cwd=cwd, env=env(), capture_output=True,
-                              text=True, timeout=BLOCK_TIMEOUT)
+        proc = subprocess.run(cmd, cwd=cwd, env=env(), capture_output=True, text=True, timeout=BLOCK_TIMEOUT)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"{block.where}: still running after {BLOCK_TIMEOUT} s:\n{block.text}\n{e.stdout or ''}")
     if proc.returncode != 0:
@@ -134,21 +142,39 @@ def test_block_not_run_here(where):
     pytest.skip(f"{where}: {block.reason}")
 
 
-def test_every_block_parses_as_bash(tmp_path):
+def test_every_block_parses(tmp_path):
     bad = []
     for b in ALL_BLOCKS:
+        if b.lang == "python":
+            try:
+                compile(b.text, b.where, "exec")
+            except SyntaxError as e:
+                bad.append(f"{b.where}: {e}")
+            continue
         proc = subprocess.run(["bash", "-n"], input=b.text, capture_output=True, text=True)
         if proc.returncode:
             bad.append(f"{b.where}: {proc.stderr.strip()}")
     assert not bad, "\n".join(bad)
 
 
+def test_readme_is_a_users_page():
+    """At most README_MAX_LINES lines; its first commands set up a fresh machine; a command line and a
+    Python example that are really run (not skipped)."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        n = len(f.read().splitlines())
+    assert n <= README_MAX_LINES, n
+    blocks = blocks_of("README.md")
+    assert blocks[0].text.split()[:2] == ["make", "demo"] and "\nmake test" in blocks[0].text, blocks[0].text
+    assert any(b.kind == "run" and b.lang == "bash" for b in blocks)
+    assert any(b.kind == "run" and b.lang == "python" for b in blocks)
+
+
 def test_extract_reads_marks_and_order():
     text = ("# t\n```bash\necho one\n```\n<!-- docs-test: skip (needs 8 GPUs) -->\n\n```bash\ntorchrun x\n```\n"
-            "```python\nprint(1)\n```\n<!-- docs-test: setup -->\n```sh\nmkdir d\n```\n")
-    got = [(b.line, b.kind, b.reason, b.text) for b in extract(text, "t.md")]
-    assert got == [(2, "run", "", "echo one\n"), (7, "skip", "needs 8 GPUs", "torchrun x\n"),
-                   (14, "setup", "", "mkdir d\n")]
+            "```python\nprint(1)\n```\n```yaml\na: 1\n```\n<!-- docs-test: setup -->\n```sh\nmkdir d\n```\n")
+    got = [(b.line, b.kind, b.reason, b.text, b.lang) for b in extract(text, "t.md")]
+    assert got == [(2, "run", "", "echo one\n", "bash"), (7, "skip", "needs 8 GPUs", "torchrun x\n", "bash"),
+                   (10, "run", "", "print(1)\n", "python"), (17, "setup", "", "mkdir d\n", "bash")]
     with pytest.raises(ValueError, match="t.md:2: a docs-test skip needs a reason"):
         extract("<!-- docs-test: skip -->\n```bash\nx\n```\n", "t.md")
 

@@ -56,6 +56,9 @@ def test_sft_log_tensorboard_plot_and_model_card(tiny_model_dir, tmp_path):
     assert "\r" not in text
     # bars would be on (no --disable_progress), but the output is a file: plain lines instead
     assert step_lines(text) == [2, 3, 4, 6] and eval_lines(text) == [3, 6]  # step 3: logged for its evaluation
+    assert "Loading weights" not in text and "Writing model shards" not in text  # no third-party bars
+    run_log = open(os.path.join(out, "train.log")).read()  # the run's log file: the same lines, with times
+    assert "\x1b[" not in run_log and " INFO rlhfkit.trainers.metrics: [step 6/6] loss=" in run_log
     line = next(x for x in text.splitlines() if x.startswith("[step 2/6]"))
     assert re.fullmatch(r"\[step 2/6\] loss=\S+ grad_norm=\S+ lr=\S+ \(\S+ s/step\)", line), line
 
@@ -65,7 +68,10 @@ def test_sft_log_tensorboard_plot_and_model_card(tiny_model_dir, tmp_path):
     assert {"train/loss", "train/grad_norm", "train/lr", "eval/loss"} <= names
     assert all(k.startswith(("train/", "eval/")) for k in names), names
 
-    acc = EventAccumulator(tb)
+    runs = os.listdir(tb)  # one TensorBoard run folder per training run, named after the run directory
+    assert len(runs) == 1 and re.fullmatch(r"sft_\d{8}-\d{6}", runs[0]), runs
+    assert f"TensorBoard: {os.path.join(tb, runs[0])}" in text
+    acc = EventAccumulator(os.path.join(tb, runs[0]))
     acc.Reload()
     assert set(acc.Tags()["scalars"]) == names  # TensorBoard's tags are metrics.jsonl's names
     tb_loss = [(e.step, e.value) for e in acc.Scalars("train/loss")]

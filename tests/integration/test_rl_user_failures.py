@@ -90,6 +90,10 @@ def test_drop_retries_a_failing_batch_one_sample_at_a_time(tiny_model_dir, tmp_p
     calls = [tuple(map(int, line.split())) for line in log.read_text().splitlines()]
     assert any(size > 1 and bad for size, bad in calls), calls  # a batch failed and was retried
     assert "SystemExit: 3" in caplog.text and "picky_reward.py" in caplog.text
+    # on the console, one line per step with drops: the count and the first failure
+    summary = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "dropped" in r.getMessage()]
+    assert len(summary) == 2 and all(" sample(s) dropped (--reward_failure drop); the first: " in s for s in summary)
+    assert sum(int(s.split(": ")[1].split()[0]) for s in summary) == 3 * N and "picky_reward.py" in summary[0]
 
     from transformers import AutoTokenizer
 
@@ -171,12 +175,15 @@ def run_cli(args: list[str], timeout_s: float) -> subprocess.CompletedProcess:
                           env=env, timeout=timeout_s)
 
 
-def one_error_line(proc: subprocess.CompletedProcess) -> str:
+def one_error_line(proc: subprocess.CompletedProcess, user_file: str) -> str:
+    """The error line; under it only the user's own frames (`  File "<user_file>", ...` and its source line)."""
     assert proc.returncode == 1, (proc.returncode, proc.stderr[-3000:])
     assert "terminate called" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr[-3000:]
-    assert lines[0].startswith("train_ppo: error: ")
+    assert lines[0].startswith("train_ppo: error: "), proc.stderr[-3000:]
+    frames = lines[1::2]
+    assert all(f.startswith(f'  File "{user_file}", line ') for f in frames), proc.stderr[-3000:]
+    assert len(lines) == 1 + 2 * len(frames), proc.stderr[-3000:]
     return lines[0]
 
 
@@ -184,10 +191,14 @@ def test_stop_subprocess_one_line_with_the_failing_prompt(tiny_model_dir, tmp_pa
     inputs = write_prompts(tmp_path / "prompts.jsonl", bad={5: "x"})
     rf = tmp_path / "picky_reward.py"
     rf.write_text(REWARD.format(log=str(tmp_path / "calls.log")))
-    line = one_error_line(run_cli(argv(tiny_model_dir, tmp_path, str(rf)), timeout_s=300))
+    proc = run_cli(argv(tiny_model_dir, tmp_path, str(rf)), timeout_s=300)
+    line = one_error_line(proc, str(rf))
+    assert 'in reward_func' in proc.stderr  # the user's frame is shown
     assert str(rf) in line and "ValueError: no verifier for this question" in line
     assert f"sample prompt: {inputs[5]!r}" in line  # the failing sample's, not another of its batch
     assert not os.path.exists(tmp_path / "out" / "model.safetensors")
+    log = (tmp_path / "out" / "train.log").read_text()  # the run's log file has the whole traceback
+    assert "Traceback (most recent call last)" in log and "rlhfkit/agents/base.py" in log and str(rf) in log
 
 
 def test_blocking_async_reward_func_is_ended_by_reward_timeout(tiny_model_dir, tmp_path):
@@ -196,6 +207,7 @@ def test_blocking_async_reward_func_is_ended_by_reward_timeout(tiny_model_dir, t
     rf.write_text("import time\n\nasync def reward_func(queries, prompts, labels):\n"
                   "    time.sleep(600)  # blocks its event loop\n    return [0.0] * len(queries)\n")
     t0 = time.monotonic()
-    line = one_error_line(run_cli(argv(tiny_model_dir, tmp_path, str(rf), "--reward_timeout", "2"), timeout_s=300))
+    line = one_error_line(run_cli(argv(tiny_model_dir, tmp_path, str(rf), "--reward_timeout", "2"), timeout_s=300),
+                          str(rf))
     assert "reward_func did not return within 2 s (--reward_timeout)" in line and str(rf) in line
     assert time.monotonic() - t0 < 120

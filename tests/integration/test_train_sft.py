@@ -145,3 +145,18 @@ def test_a_ring_larger_than_the_world_is_refused_by_name(tiny_model_dir, qa, tmp
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "must be divisible by" in r.stderr and "--ring_attn_size (2)" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_max_steps_takes_that_many_steps_cycling_the_data(tiny_model_dir, tmp_path, capsys):
+    """16 rows in batches of 8 are 2 steps an epoch; --max_epochs 1 --max_steps 5 takes 5 optimizer
+    steps over epochs 0, 0, 1, 1, 2 (as Hugging Face's Trainer: max_steps overrides the epochs), says
+    so in one line, and the LR schedule spans the 5 steps (linear: the 5th step's rate is 1/5 of the peak)."""
+    data = write_qa(str(tmp_path / "small.jsonl"), 16)
+    out = str(tmp_path / "sft")
+    args = sft_args(tiny_model_dir, data, out, "--train_batch_size", "8", "--max_epochs", "1", "--max_steps", "5",
+                    "--lr_scheduler", "linear", "--param_dtype", "fp32")
+    hist = train_sft.main(args)
+    assert [r["step"] for r in hist] == [1, 2, 3, 4, 5]
+    assert [r["train/epoch"] for r in hist] == [0, 0, 1, 1, 2]
+    assert hist[-1]["train/lr"] == pytest.approx(3e-3 / 5)
+    assert "--max_steps 5: 2.5 passes over the data" in capsys.readouterr().out

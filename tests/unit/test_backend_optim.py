@@ -39,15 +39,14 @@ def test_cosine_with_min_lr_by_hand():
     assert v[2] == pytest.approx(1.0)
     assert v[4] == pytest.approx(0.1 + 0.9 * C4)  # 0.868198
     assert v[6] == pytest.approx(0.55)  # p = 1/2: 0.1 + 0.9 * 0.5
-    assert v[10] == pytest.approx(0.1)
-    assert v[12] == pytest.approx(0.1)  # past the end: stays at min
+    assert v[10] == pytest.approx(0.1)  # the end of the schedule: the minimum
 
 
 def test_cosine_linear_constant_by_hand():
     c = lrs("cosine")
     assert (c[1], c[2], c[4], c[6], c[10]) == pytest.approx((0.5, 1.0, C4, 0.5, 0.0))
     lin = lrs("linear")
-    assert (lin[1], lin[2], lin[4], lin[6], lin[10], lin[12]) == pytest.approx((0.5, 1.0, 0.75, 0.5, 0.0, 0.0))
+    assert (lin[1], lin[2], lin[4], lin[6], lin[10]) == pytest.approx((0.5, 1.0, 0.75, 0.5, 0.0))
     assert lrs("constant") == pytest.approx([1.0] * 13)
     cw = lrs("constant_with_warmup")
     assert (cw[0], cw[1], cw[2], cw[9]) == pytest.approx((0.0, 0.5, 1.0, 1.0))
@@ -65,6 +64,8 @@ def test_scheduler_errors_name_the_flag():
     opt = torch.optim.AdamW([nn.Parameter(torch.zeros(1))])
     with pytest.raises(ValueError, match="--lr_scheduler"):
         build_scheduler(opt, OptimConfig(lr_scheduler="cosine_restarts"), 10)
+    with pytest.raises(ValueError, match="--lr_scheduler 'reduce_lr_on_plateau'"):  # needs a metric
+        build_scheduler(opt, OptimConfig(lr_scheduler="reduce_lr_on_plateau"), 10)
     with pytest.raises(ValueError, match="--lr_warmup_ratio"):
         build_optimizer(nn.Linear(2, 2), OptimConfig(lr_warmup_ratio=1.5))
     with pytest.raises(ValueError, match="--adam_betas"):
@@ -119,3 +120,20 @@ def test_adamw_decay_applies_only_to_decay_group():
     torch.testing.assert_close(after["proj.bias"], before["proj.bias"])
     torch.testing.assert_close(after["ln.weight"], before["ln.weight"])
     torch.testing.assert_close(after["frozen.weight"], before["frozen.weight"])
+
+
+def test_schedule_state_loads_weights_only_and_resumes(tmp_path):
+    """A resumed scheduler (state saved, loaded with weights_only=True) gives the uninterrupted rates."""
+    whole = lrs("cosine_with_min_lr", upto=10)
+    p = nn.Parameter(torch.zeros(1))
+    cfg = OptimConfig(learning_rate=1.0, lr_scheduler="cosine_with_min_lr", lr_warmup_ratio=0.2, min_lr_ratio=0.1)
+    opt = torch.optim.AdamW([p], lr=1.0)
+    sched = build_scheduler(opt, cfg, 10)
+    for _ in range(4):
+        opt.step()
+        sched.step()
+    torch.save(sched.state_dict(), tmp_path / "s.pt")
+    opt2 = torch.optim.AdamW([nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched2 = build_scheduler(opt2, cfg, 10)
+    sched2.load_state_dict(torch.load(tmp_path / "s.pt", weights_only=True))
+    assert sched2.get_last_lr()[0] == pytest.approx(whole[4])

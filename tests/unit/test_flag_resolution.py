@@ -103,3 +103,20 @@ def test_experts_implementation(tmp_path, tiny_model_dir, capsys):
     dense = load_causal_lm(ModelConfig(pretrain=tiny_model_dir, param_dtype="fp32", experts_implementation="eager"))
     assert isinstance(dense, torch.nn.Module)
     assert "note: --experts_implementation eager has no effect on" in capsys.readouterr().out
+
+
+def test_param_dtype_note_on_cpu_only_when_the_flag_was_given(capsys):
+    """CPU training computes in fp32: --param_dtype bf16 given on the command line gets one note; the
+    default bf16 (the flag not given), or fp32, gets none."""
+    from rlhfkit.cli import train_sft
+    from rlhfkit.cli.common import note_cpu_dtype
+    from rlhfkit.config import notes
+
+    notes._NOTED.clear()
+    parse = train_sft.build_parser().parse
+    note_cpu_dtype(parse(["--pretrain", "m"]), "cpu")
+    note_cpu_dtype(parse(["--pretrain", "m", "--param_dtype", "fp32"]), "cpu")
+    note_cpu_dtype(parse(["--pretrain", "m", "--bf16"]), "cuda:0")
+    assert "param_dtype" not in capsys.readouterr().out
+    note_cpu_dtype(parse(["--pretrain", "m", "--bf16"]), "cpu")
+    assert capsys.readouterr().out.count("note: --param_dtype bf16 has no effect on CPU") == 1

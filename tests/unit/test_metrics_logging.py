@@ -126,3 +126,93 @@ def test_model_card_of_a_snapshot(tmp_path):
     assert "step_time" not in card and "lora_alpha" not in card and "| `seed` | `0` |" in card
     assert "python -m x --y 1" in card and "AutoModelForSequenceClassification" in card
     assert C.write_model_card(str(tmp_path / "elsewhere")) is None  # not on this host: nothing written
+
+
+def test_completions_table_goes_to_jsonl_console_tensorboard_and_wandb(tmp_path, monkeypatch, capsys):
+    seen: list = []
+
+    class Table:
+        def __init__(self, columns, data):
+            self.columns, self.data = columns, data
+
+    class Run:
+        def log(self, data, step=None):
+            seen.append((step, data))
+
+        def finish(self):
+            pass
+
+    fake = types.ModuleType("wandb")
+    fake.init, fake.Table = (lambda **kw: Run()), Table
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    pytest.importorskip("tensorboard")
+    tb = tmp_path / "tb"
+    logger = M.MetricsLogger(str(tmp_path / "run"), tensorboard_dir=str(tb), wandb=M.WandbSettings())
+    rows = [M.SampleRow("1+2=", "3</s>", 1.0, "3"), M.SampleRow("4+4=", "9</s>", 0.0, "8"),
+            M.SampleRow("a|b\n", "x", 0.5, None), M.SampleRow("5+5=", "01</s>", 1.0, "01")]
+    logger.log_completions(3, rows)
+    logger.truncate(2)  # a resume from step 2 drops the step-3 table too
+    logger.log_completions(3, rows[:1])
+    logger.close()
+    got = [json.loads(line) for line in open(tmp_path / "run" / "completions.jsonl")]
+    assert got == [{"step": 3, "prompt": "1+2=", "completion": "3</s>", "reward": 1.0, "label": "3"}]
+    out = capsys.readouterr().out
+    assert "[samples step 3] (first 3 of 4; all in completions.jsonl)" in out
+    assert "  reward=1 label='3' '1+2=' -> '3</s>'" in out and "'5+5='" not in out
+    (step, data), = seen[:1]
+    assert step == 3 and data["completions"].columns == ["step", "prompt", "completion", "reward", "label"]
+    assert data["completions"].data[1] == [3, "4+4=", "9</s>", 0.0, "8"]
+    md = M.sample_markdown(rows[2:3])
+    assert md.splitlines()[2] == "| a\\|b\\n | x | 0.5 |  |"
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tb), size_guidance={"tensors": 0})
+    acc.Reload()
+    assert any("completions" in t for t in acc.Tags()["tensors"])
+
+
+def test_tensorboard_run_folders(tmp_path, monkeypatch):
+    """Each run writes <root>/<run name>: --wandb_run_name, else the run directory's name and the time;
+    a folder that exists already gets a suffix, so two runs never merge into one TensorBoard run."""
+    root = str(tmp_path / "tb")
+    monkeypatch.setattr(M.time, "strftime", lambda fmt: "20250102-030405")
+    assert M.tensorboard_run_dir(root, "exp1", "ckpt/sft") == os.path.join(root, "exp1")
+    first = M.tensorboard_run_dir(root, None, "ckpt/sft/")
+    assert first == os.path.join(root, "sft_20250102-030405")
+    os.makedirs(first)
+    assert M.tensorboard_run_dir(root, None, "ckpt/sft") == first + "-2"
+
+
+def test_axis_ticks_are_readable_at_any_scale():
+    """A curve moving in its fifth digit gets distinct tick labels (not "3.17" five times); large and
+    small magnitudes keep 3 significant digits."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    assert P.tick_digits([3.17012, 3.17014, 3.17016]) == 6 and P.tick_digits([0.0, 0.5, 1.0]) == 3
+    for values in ([3.1701 + 1e-4 * i for i in range(9)], [1e-7 * i for i in range(9)], [1e6 + i for i in range(9)]):
+        rows = [{"step": i + 1, "train/entropy": v} for i, v in enumerate(values)]
+        fig, ax = plt.subplots()
+        P._draw(ax, P.PANELS["entropy"], ["train/entropy"], rows)
+        fig.canvas.draw()
+        labels = [t.get_text() for t in ax.get_yticklabels() if t.get_text()]
+        plt.close(fig)
+        assert len(labels) >= 3 and len(set(labels)) == len(labels), labels
+
+
+def test_seconds_per_step_is_the_mean_since_the_last_line(tmp_path, monkeypatch, capsys):
+    """Steps 1-2 take 10 s in all, steps 3-4 (with an evaluation between) 38 s: the lines say 5 and 19
+    s/step, whatever the last step's own time (0.39 s) was."""
+    clock = iter([10.0, 48.0])
+    logger = M.MetricsLogger(str(tmp_path))
+    monkeypatch.setattr(M.time, "monotonic", lambda: 0.0)
+    logger.start(0)
+    monkeypatch.setattr(M.time, "monotonic", lambda: next(clock))
+    logger.log(2, {"loss": 1.0, "step_time": 0.39}, total=4)
+    logger.log(4, {"loss": 0.5, "step_time": 0.39, "eval/loss": 0.7}, total=4)
+    logger.close()
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "[step 2/4] loss=1 (5 s/step)" and out[1] == "[step 4/4] loss=0.5 (19 s/step)"
+    assert out[2] == "[eval step 4] loss=0.7"

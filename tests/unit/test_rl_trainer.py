@@ -79,9 +79,16 @@ class FakeSync:
 class FakeLogger:
     def __init__(self) -> None:
         self.logged: list[tuple[int, dict]] = []
+        self.samples: list[tuple[int, list]] = []
+
+    def start(self, step) -> None:
+        pass
 
     def log(self, step, m, console=False, total=None) -> None:
         self.logged.append((step, dict(m)))
+
+    def log_completions(self, step, rows) -> None:
+        self.samples.append((step, rows))
 
     def truncate(self, step) -> None:
         pass
@@ -163,3 +170,30 @@ def test_run_coroutine_does_not_repr_the_result():
     if threading.current_thread() is threading.main_thread():  # the cost it avoids, where it occurs
         asyncio.run(make())
         assert calls
+
+
+def test_max_steps_cycles_the_prompts_past_num_episodes():
+    """8 prompts in batches of 2 are 4 steps an episode; --max_steps 6 (num_episodes 1) takes 6 steps,
+    the last 2 from the second episode's order."""
+    trainer, policy, _, ex = make([[1.0, 0.0], [0.5, 0.5]], steps=6)
+    assert trainer.cfg.num_episodes == 1 and trainer.total_steps() == 6
+    state = trainer.fit()
+    assert state.step == 6 and ex.calls == 6 and [s for s, _ in trainer.logger.logged] == [1, 2, 3, 4, 5, 6]
+    assert (state.episode, state.batch_in_episode) == (1, 2)
+    with pytest.raises(ValueError, match="--max_steps must be >= 1"):
+        RLLoopConfig(rollout_batch_size=2, max_steps=0)
+
+
+def test_completions_table_at_step_1_and_every_n_steps_from_many_prompts():
+    """--log_completions_steps 2 logs steps 1, 2, 4 (of 4); each table takes the first sample of each
+    prompt before any second one (rows 3 of 2 prompts x 2 samples: p0 s0, p1 s0, p0 s1)."""
+    trainer, _, _, _ = make([[1.0, 0.0], [0.5, 0.25]], steps=4)
+    trainer.cfg.log_completions_steps, trainer.cfg.log_completions_rows = 2, 3
+    trainer.fit()
+    assert [s for s, _ in trainer.logger.samples] == [1, 2, 4]
+    rows = trainer.logger.samples[0][1]
+    assert [r.reward for r in rows] == [1.0, 0.5, 0.0]
+    trainer, _, _, _ = make([[1.0, 0.0], [0.5, 0.25]], steps=2)
+    trainer.cfg.log_completions_steps = 0
+    trainer.fit()
+    assert trainer.logger.samples == []
