@@ -4,7 +4,8 @@ out: the transcript's token ids are never re-tokenized, so what the policy train
 what the engine sampled.
 
 Single-turn: the prompt is tokenized (no special tokens added) and left-truncated to leave
-``max_new_tokens`` of room; one generation; ``reward_func``/HTTP/RM gives reward and score for the
+``max_new_tokens`` of room (a prompt with pictures is never cut: its placeholder runs expand to
+the pictures' tokens, which go with the request); one generation; ``reward_func``/HTTP/RM gives reward and score for the
 decoded prompt + response (special tokens kept), merged into batches by ``BatchingRewardSource``.
 """
 
@@ -22,6 +23,7 @@ from rlhfkit.agents.episode import (  # noqa: F401
     fit_prompt,
     generate_action,
     generate_turn,
+    prompt_ids,
     run_multi_turn,
 )
 from rlhfkit.agents.reward_func import (
@@ -80,8 +82,8 @@ class SingleTurnAgentExecutor(AgentExecutorBase):
                       images: Any = None) -> Trajectory:
         tok, engine = hf_tokenizer or self.hf_tokenizer, llm_engine or self.llm_engine
         max_length = max_length or self.max_length
-        ids = fit_prompt(encode(tok, prompt), max_length, sampling_params.max_new_tokens, self.source_name)
-        turn = await generate_turn(self, engine, ids, sampling_params, max_length - len(ids))
+        ids, pics = prompt_ids(self, tok, prompt, images, max_length, sampling_params.max_new_tokens)
+        turn = await generate_turn(self, engine, ids, sampling_params, max_length - len(ids), pics)
         tr = Transcript()
         tr.add(ids, is_action=False)
         tr.add_action(turn)
@@ -89,7 +91,7 @@ class SingleTurnAgentExecutor(AgentExecutorBase):
         traj = Trajectory(token_ids=tr.token_ids, action_mask=tr.action_mask, rollout_logprobs=tr.logprobs,
                           prompt_len=len(ids), truncated=turn.finish_reason == "length", prompt=prompt,
                           response=await dec.decode(turn.ids, skip_special_tokens=True), label=label,
-                          policy_versions=tr.policy_versions)
+                          policy_versions=tr.policy_versions, images=pics)
         if self.reward_source is not None:
             query = await dec.decode(tr.token_ids, skip_special_tokens=False)
             try:  # the sources run user code in worker threads themselves (reward_func.py)

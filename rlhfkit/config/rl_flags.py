@@ -12,7 +12,8 @@ from __future__ import annotations
 from rlhfkit.config.flag_parser import (RL_ALGO, RL_ASYNC, RL_CRITIC, RL_MODELS, RL_PLACEMENT, RL_PTX, RL_REWARD,
                                         RL_ROLLOUT)
 from rlhfkit.config.flags import (CKPT, DATA, EVAL, OPTIM, TRAIN, FlagParser, add_backend_flags, add_ckpt_flags,
-                                  add_dataloader_workers_flag, add_logging_flags, add_max_row_bytes_flag,
+                                  add_dataloader_workers_flag, add_image_flags, add_logging_flags,
+                                  add_max_row_bytes_flag,
                                   add_model_flags, add_nonfinite_flag, add_optimizer_choice_flags)
 
 ESTIMATORS = ["gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo"]
@@ -28,6 +29,7 @@ def add_rl_flags(p: FlagParser) -> None:
     add_logging_flags(p, wandb_project="rlhfkit_train_ppo", eval_default="never")
     _models(p)
     _data(p)
+    add_image_flags(p)
     _rollout(p)
     _train(p)
     _algo(p)
@@ -336,9 +338,10 @@ def _placement(p: FlagParser) -> None:
                help="the reference model shares the actor's GPUs")
         p.flag("--colocate_critic_reward", "--train.colocate_critic_reward", action="store_true",
                help="the reward model shares the critic's GPUs")
-        p.flag("--deepspeed_enable_sleep", "--ds.enable_sleep", "--fsdp2_enable_sleep", action="store_true",
+        p.flag("--deepspeed_enable_sleep", "--ds.enable_sleep", "--fsdp2_enable_sleep", "--fsdp.enable_sleep",
+               action="store_true",
                help="training states (optimizer, fp32 master weights, gradients) to host memory between phases; "
-                    "--fsdp2_enable_sleep is OpenRLHF's FSDP2-era name of the same flag")
+                    "--fsdp2_enable_sleep and --fsdp.enable_sleep are OpenRLHF's FSDP2-era names of the same flag")
         p.flag("--skip_memory_check", action="store_true",
                help="start even when the per-GPU memory plan exceeds the GPU (train_ppo_ray prints the plan)")
 

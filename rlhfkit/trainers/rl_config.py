@@ -38,6 +38,10 @@ class RLLoopConfig:
     policy_max_epochs: int = 1
     policy_train_batch_size: int | None = None
     recompute_old_logprobs: bool = False
+    # a VLM's picture placeholders and markers: never in the loss (where they stand in a trajectory)
+    no_loss_token_ids: tuple[int, ...] = ()
+    # constants logged with every step, e.g. rows the data reading dropped (data/dropped_image_rows)
+    data_metrics: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.max_failed_steps < 1:
