@@ -6,7 +6,8 @@ what the engine sampled.
 Single-turn: the prompt is tokenized (no special tokens added) and left-truncated to leave
 ``max_new_tokens`` of room (a prompt with pictures is never cut: its placeholder runs expand to
 the pictures' tokens, which go with the request); one generation; ``reward_func``/HTTP/RM gives reward and score for the
-decoded prompt + response (special tokens kept), merged into batches by ``BatchingRewardSource``.
+decoded prompt + response (special tokens kept; with pictures, the prompt text holds one placeholder
+per picture, not its token run), merged into batches by ``BatchingRewardSource``.
 """
 
 from __future__ import annotations
@@ -93,7 +94,10 @@ class SingleTurnAgentExecutor(AgentExecutorBase):
                           response=await dec.decode(turn.ids, skip_special_tokens=True), label=label,
                           policy_versions=tr.policy_versions, images=pics)
         if self.reward_source is not None:
-            query = await dec.decode(tr.token_ids, skip_special_tokens=False)
+            if pics is None:
+                query = await dec.decode(tr.token_ids, skip_special_tokens=False)
+            else:  # the prompt's text, with one placeholder per picture (not each picture's token run)
+                query = prompt + await dec.decode(turn.ids, skip_special_tokens=False)
             try:  # the sources run user code in worker threads themselves (reward_func.py)
                 out = await self.reward_source([query], [prompt], [label])
             except EpisodeError:

@@ -115,8 +115,12 @@ def load_items(args: argparse.Namespace, spec: str, split: str, probs: str | Non
     rows = load_mixture(spec, probs, split=split, max_samples=args.max_samples, seed=args.seed,
                         max_row_bytes=args.max_row_bytes)
     ds = make_dataset(rows)
-    if ds.num_dropped:
-        print(f"{ds.num_dropped} of {len(rows)} samples of {spec} dropped: nothing to train on within --max_len")
+    bad = getattr(ds, "num_bad_images", 0)
+    if bad:
+        print(f"{bad} of {len(rows)} rows of {spec} dropped for a bad picture (--image_failure drop)")
+    if ds.num_dropped - bad:
+        print(f"{ds.num_dropped - bad} of {len(rows)} samples of {spec} dropped: nothing to train on within --max_len "
+              "(or a picture's tokens cut)")
     if not ds.items:
         raise DataError(f"{flag} {spec}: no usable samples ({len(rows)} rows read, {ds.num_dropped} dropped)")
     return list(ds.items)

@@ -79,8 +79,7 @@ def load_prompt_dataset(args, tokenizer, spec: str, split: str, probs: str | Non
     cfg = PromptDataConfig(input_key=args.input_key, label_key=args.label_key, input_template=args.input_template,
                            apply_chat_template=args.apply_chat_template,
                            tokenizer_chat_template=args.tokenizer_chat_template, max_prompt_len=args.prompt_max_len)
-    ds = PromptDataset(rows, tokenizer, cfg, V.row_images(args, vision),
-                       vision.layout.image_token_id if vision is not None else None)
+    ds = PromptDataset(rows, tokenizer, cfg, V.row_images(args, vision))
     if ds.num_bad_images:
         print(f"{ds.num_bad_images} of {len(rows)} rows of {spec} dropped for a bad picture (--image_failure drop)")
     return ds

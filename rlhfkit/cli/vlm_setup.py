@@ -38,6 +38,32 @@ def check_image_flags(args: argparse.Namespace) -> None:
             note_once(f"note: {', '.join(changed)} have no effect without --max_images_per_prompt > 0")
 
 
+def check_vlm_offline_flags(args: argparse.Namespace) -> None:
+    """train_sft / train_dpo: what vision-language mode excludes."""
+    check_image_flags(args)
+    if not vlm_mode(args):
+        return
+    _check_parallel(args)
+    if getattr(args, "pretrain_mode", False):
+        raise UsageError("--max_images_per_prompt: --pretrain_mode reads no pictures (it has no prompt)")
+    _no_packing(args)
+
+
+def _check_parallel(args: argparse.Namespace) -> None:
+    if args.ring_attn_size > 1:
+        raise UsageError("--ring_attn_size > 1 is not available with --max_images_per_prompt (vision-language "
+                         "samples run padded, on one rank each)")
+    if args.ds_tensor_parallel_size > 1:
+        raise UsageError("--ds_tensor_parallel_size > 1 is not available with --max_images_per_prompt")
+
+
+def _no_packing(args: argparse.Namespace) -> None:
+    if args.packing_samples:
+        note_once("note: --packing_samples has no effect with --max_images_per_prompt: vision-language samples "
+                  "run padded (pictures stay per sample), as in OpenRLHF")
+        args.packing_samples = False
+
+
 def check_vlm_rl_flags(args: argparse.Namespace) -> None:
     """The RL commands' settings that vision-language mode excludes (one error or note each)."""
     check_image_flags(args)
@@ -49,15 +75,8 @@ def check_vlm_rl_flags(args: argparse.Namespace) -> None:
     if args.reward_pretrain and not (args.remote_rm_url or args.agent_func_path):
         raise UsageError("--max_images_per_prompt: a --reward_pretrain model scores text only; score "
                          "vision-language samples with --remote_rm_url (a reward_func file or server) or an agent")
-    if args.ring_attn_size > 1:
-        raise UsageError("--ring_attn_size > 1 is not available with --max_images_per_prompt (vision-language "
-                         "samples run padded, on one rank each)")
-    if args.ds_tensor_parallel_size > 1:
-        raise UsageError("--ds_tensor_parallel_size > 1 is not available with --max_images_per_prompt")
-    if args.packing_samples:
-        note_once("note: --packing_samples has no effect with --max_images_per_prompt: vision-language samples "
-                  "run padded (pictures stay per sample), as in OpenRLHF")
-        args.packing_samples = False
+    _check_parallel(args)
+    _no_packing(args)
 
 
 def vision_context(args: argparse.Namespace, tokenizer: Any, flag: str = "--pretrain") -> VisionContext | None:
@@ -83,4 +102,5 @@ def row_images(args: argparse.Namespace, vision: VisionContext | None) -> RowIma
         return None
     cfg = ImageDataConfig(args.image_key, args.max_images_per_prompt, args.image_failure,
                           ImageLimits(args.max_image_bytes, args.max_image_pixels))
-    return RowImages(cfg, vision.processor, vision.placeholder_text)
+    return RowImages(cfg, vision.processor, vision.placeholder_text, vision.layout.image_token_id,
+                     vision.layout.special_ids)

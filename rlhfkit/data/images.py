@@ -274,8 +274,48 @@ class RowImages:
     user turn; a different count is an error naming the row.
     """
 
-    def __init__(self, cfg: ImageDataConfig, processor: VisionProcessor, placeholder_text: str) -> None:
+    def __init__(self, cfg: ImageDataConfig, processor: VisionProcessor, placeholder_text: str,
+                 image_token_id: int, no_loss_ids: tuple[int, ...] = ()) -> None:
         self.cfg, self.processor, self.placeholder_text = cfg, processor, placeholder_text
+        self.image_token_id, self.no_loss_ids = image_token_id, no_loss_ids
+        self.num_dropped = 0  # rows left out for a bad picture (--image_failure drop)
+
+    def read_or_drop(self, row: Any) -> list[ImageRef] | None:
+        """`read`, or None (counted) for a bad picture under --image_failure drop."""
+        try:
+            return self.read(row)
+        except DataError:
+            if self.cfg.image_failure != "drop":
+                raise
+            self.num_dropped += 1
+            return None
+
+    def expand(self, ids: list[int], refs: Sequence[ImageRef], row: Any, mask: list[int] | None = None
+               ) -> tuple[list[int], list[int] | None]:
+        """Each picture's single placeholder token -> its run of `num_tokens` (the mask, if given,
+        is 0 there); the count of placeholders must match the pictures (an error naming the row)."""
+        pad = self.image_token_id
+        found = ids.count(pad)
+        if found != len(refs):
+            raise row.error(f"the text holds {found} image placeholder token(s) for {len(refs)} picture(s)")
+        counts = iter(r.num_tokens for r in refs)
+        out_ids: list[int] = []
+        out_mask: list[int] = []
+        for i, t in enumerate(ids):
+            n = next(counts) if t == pad else 1
+            out_ids.extend([t] * n)
+            if mask is not None:
+                out_mask.extend([0] * n if t == pad else [mask[i]])
+        return out_ids, (out_mask if mask is not None else None)
+
+    def intact(self, ids: Sequence[int], refs: Sequence[ImageRef]) -> bool:
+        """Whether every picture's placeholder run survived truncation."""
+        return sum(1 for t in ids if t == self.image_token_id) == sum(r.num_tokens for r in refs)
+
+    def mask_out(self, ids: Sequence[int], mask: list[int]) -> list[int]:
+        """The loss mask with the vision placeholder and marker tokens set to 0."""
+        banned = set(self.no_loss_ids) | {self.image_token_id}
+        return [0 if t in banned else m for t, m in zip(ids, mask)]
 
     def read(self, row: Any) -> list[ImageRef]:
         values = as_list(row.opt(self.cfg.image_key))

@@ -48,11 +48,10 @@ class PromptDataset(TokenizedDataset):
     """`PromptSample`s; `samples[i].index == i`."""
 
     def __init__(self, rows: Sequence[Row], tokenizer: Any, config: PromptDataConfig,
-                 images: RowImages | None = None, image_token_id: int | None = None) -> None:
+                 images: RowImages | None = None) -> None:
         self.config = config
         self.format = PromptFormat(config.input_template, config.apply_chat_template)
-        self.images, self.image_token_id = images, image_token_id
-        self.num_bad_images = 0  # rows dropped for a bad picture (--image_failure drop)
+        self.images = images
         super().__init__(rows, tokenizer, config.tokenizer_chat_template,
                          "--apply_chat_template" if config.apply_chat_template else None)
 
@@ -64,30 +63,28 @@ class PromptDataset(TokenizedDataset):
         return self.items
 
     @property
+    def num_bad_images(self) -> int:
+        """Rows dropped for a bad picture (--image_failure drop)."""
+        return 0 if self.images is None else self.images.num_dropped
+
+    @property
     def lengths(self) -> list[int]:
-        return [len(encode(self.tokenizer, s.prompt)) for s in self.items]
+        return [len(encode(self.tokenizer, s.prompt)) + sum(r.num_tokens - 1 for r in s.images) for s in self.items]
 
     def encode_row(self, row: Row) -> PromptSample | None:
         cfg = self.config
         value = row.get(cfg.input_key, "--input_key")
         refs = []
         if self.images is not None:
-            try:
-                refs = self.images.read(row)
-            except DataError:
-                if self.images.cfg.image_failure != "drop":
-                    raise
-                self.num_bad_images += 1
+            refs = self.images.read_or_drop(row)
+            if refs is None:
                 return None
             value = self.images.place(value, len(refs), row, cfg.input_key, cfg.apply_chat_template)
         prompt = self.format.prompt_text(self.tokenizer, value, row, cfg.input_key)
         ids = encode(self.tokenizer, prompt)
         if self.images is not None:
-            found = ids.count(self.image_token_id)
-            if found != len(refs):
-                how = "the chat template" if cfg.apply_chat_template else "the prompt"
-                raise row.error(f"{how} wrote {found} image placeholder token(s) for {len(refs)} picture(s)")
-        length = len(ids) + sum(r.num_tokens - 1 for r in refs)
+            ids, _ = self.images.expand(ids, refs, row)  # checks the template wrote one placeholder each
+        length = len(ids)
         if cfg.max_prompt_len is not None and length > cfg.max_prompt_len:
             return None
         label = row.get(cfg.label_key, "--label_key") if cfg.label_key else None

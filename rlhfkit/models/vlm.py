@@ -236,6 +236,19 @@ def batch_forward_kwargs(input_ids: torch.Tensor, attention_mask: torch.Tensor,
     return kw
 
 
+def picture_logprob_kwargs(model: torch.nn.Module, batch: Any) -> dict[str, Any]:
+    """`token_logprobs` keywords of a padded batch whose rows carry pictures (`batch.images`): the
+    3-D `position_ids` and the pictures as `model_kwargs`; {} for text batches or text models."""
+    images = getattr(batch, "images", None)
+    if images is None or getattr(batch, "attention_mask", None) is None:
+        return {}
+    layout = layout_of_model(model)
+    if layout is None:
+        raise VisionModelError("rows with pictures reached a model without a vision tower")
+    kw = batch_forward_kwargs(batch.input_ids, batch.attention_mask, images, layout)
+    return {"position_ids": kw.pop("position_ids"), "model_kwargs": kw}
+
+
 def mrope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, layout: VisionLayout,
                   scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary cos / sin `[..., L, head_dim]` (fp32) of `[3, ..., L]` positions: frequency f turns
