@@ -17,7 +17,8 @@ Vision-language episodes (`config.vision`): the prompt's pictures, and the pictu
 as `environment_images` (one placeholder each in its feedback), are processed and sent with every
 later generation; their placeholders expand to each picture's token run. Pictures beyond
 --max_images_per_prompt in an episode, or feedback pictures that do not fit the token budget, are
-left out and their placeholder tokens stripped (as OpenRLHF does), with one warning.
+left out and their placeholder tokens stripped (as OpenRLHF does), with one warning; the trajectory
+logs `episode_pictures`, the pictures it holds.
 The executor is duck-typed here (`source_name`, `config`, `max_steps`, `agent_instance_cls`,
 `next_request_id`), so this module needs only `contracts` and `AgentExecutorBase.execute` can run
 it without an import cycle.
@@ -293,10 +294,13 @@ async def _multi_turn(ex: AgentExecutorBase, prompt: str, label: Any, params: Sa
         pics = ImageInputs.concat([pics, new])
         tr.add(fb, is_action=False)
         params = coerce_sampling_params(res.sampling_params, params, src)
+    extra = t.extra_logs
+    if ex.config.vision is not None:  # pictures the transcript holds: the prompt's and the environment's
+        extra = {**extra, "episode_pictures": float(0 if pics is None else len(pics))}
     return Trajectory(
         token_ids=tr.token_ids, action_mask=tr.action_mask, rollout_logprobs=tr.logprobs,
         prompt_len=prompt_len, reward=t.reward, score=t.reward if t.score is None else t.score,
         truncated=(not t.done) or t.last_finish == "length", prompt=prompt,
         response=await decoder_for(ex, tok).decode(tr.token_ids[prompt_len:], skip_special_tokens=False), label=label,
-        extra_logs=t.extra_logs, policy_versions=tr.policy_versions, images=pics,
+        extra_logs=extra, policy_versions=tr.policy_versions, images=pics,
     )

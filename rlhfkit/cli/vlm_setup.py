@@ -75,6 +75,9 @@ def check_vlm_rl_flags(args: argparse.Namespace) -> None:
     if args.reward_pretrain and not (args.remote_rm_url or args.agent_func_path):
         raise UsageError("--max_images_per_prompt: a --reward_pretrain model scores text only; score "
                          "vision-language samples with --remote_rm_url (a reward_func file or server) or an agent")
+    if args.rollout_engine == "vllm":
+        raise UsageError("--rollout_engine vllm does not take pictures in rlhfkit yet; vision-language rollouts run on "
+                         "--rollout_engine builtin (default) or hf")
     _check_parallel(args)
     _no_packing(args)
 
