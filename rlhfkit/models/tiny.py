@@ -108,9 +108,9 @@ def make_tiny_model(save_path: str, spec: TinyModelSpec | None = None) -> str:
 
     spec = spec or TinyModelSpec()
     if spec.arch in VLM_ARCHS:
-        from rlhfkit.models.tiny_vlm import make_tiny_vlm
+        from rlhfkit.models.tiny_vlm import VISION_SPECIALS, VLM_CHAT_TEMPLATE, make_tiny_vlm
 
-        return make_tiny_vlm(save_path, spec)
+        return make_tiny_vlm(save_path, spec, build_tokenizer(VISION_SPECIALS, VLM_CHAT_TEMPLATE))
     tok = build_tokenizer()
     config = build_config(spec, len(tok), tok)
     torch.manual_seed(spec.seed)

@@ -105,13 +105,11 @@ def image_processor_config(arch: str) -> dict[str, Any]:
             "size": {"shortest_edge": lo, "longest_edge": hi}}
 
 
-def make_tiny_vlm(save_path: str, spec: Any) -> str:
-    """Write tokenizer, image processor and a random tiny VLM of `spec.arch` to `save_path`."""
+def make_tiny_vlm(save_path: str, spec: Any, tok: Any) -> str:
+    """Write `tok` (tiny.build_tokenizer(VISION_SPECIALS, VLM_CHAT_TEMPLATE)), the image processor and a
+    random tiny VLM of `spec.arch` to `save_path`."""
     from transformers import AutoModelForImageTextToText
 
-    from rlhfkit.models.tiny import build_tokenizer
-
-    tok = build_tokenizer(VISION_SPECIALS, VLM_CHAT_TEMPLATE)
     config = build_vlm_config(spec, tok)
     torch.manual_seed(spec.seed)
     model = AutoModelForImageTextToText.from_config(config)
