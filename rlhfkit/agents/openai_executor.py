@@ -129,7 +129,6 @@ class OpenAIAgentExecutor(AgentExecutorBase):
         if self.multi_segment not in SEGMENT_POLICIES:
             raise ValueError(f"multi_segment must be one of {SEGMENT_POLICIES}, got {self.multi_segment!r}")
         self._sessions: dict[str, Session] = {}
-        self._pictures: dict[str, Any] = {}  # session id -> the ImageInputs of its last request
         self._serving: _Serving | None = None
         self._warned: set[str] = set()
         self.num_split_sessions = 0
@@ -177,16 +176,15 @@ class OpenAIAgentExecutor(AgentExecutorBase):
             finally:
                 session.closed = True
                 self._sessions.pop(sid, None)
-                pictures = self._pictures.pop(sid, None)
                 user.close()
             if session.engine_error is not None:
                 raise session.engine_error
-            return self._trajectory(session, result, pictures)
+            return self._trajectory(session, result)
 
-    def _trajectory(self, session: Session, result: Any, pictures: Any = None) -> Trajectory:
+    def _trajectory(self, session: Session, result: Any) -> Trajectory:
         traj = session.trajectory(self.multi_segment, self._decode)
         if self.config.vision is not None:
-            traj = _expand_trajectory(traj, pictures, self.config.vision)
+            traj = _expand_trajectory(traj, session.pictures, self.config.vision)
         reward, score, logs = reward_from_agent_result(result, to_float, to_float_logs)
         if len(session.segments()) > 1:
             self.num_split_sessions += 1
@@ -329,7 +327,7 @@ class OpenAIAgentExecutor(AgentExecutorBase):
             except ValueError as e:
                 raise RequestError(400, str(e)) from None
             pictures = vision.process(decoded)
-            self._pictures[session.session_id] = pictures
+        session.pictures = pictures
         return vision.expand(ids, pictures), pictures
 
     def _content(self, ids: list[int], finish: str, stops: list[str]) -> str:
