@@ -343,11 +343,11 @@ def close_rollout(engine: Any, user_code_grace_s: float = 5.0) -> None:
               "abandoned")
 
 
-def agent_config(args: argparse.Namespace, temperature: float, vision: Any = None) -> AgentConfig:
+def agent_config(args: argparse.Namespace, temperature: float) -> AgentConfig:
     sp = SamplingParams(temperature=temperature, top_p=args.top_p, top_k=args.top_k,
                         max_new_tokens=args.generate_max_len, seed=args.seed)
     return AgentConfig(max_length=args.max_len, sampling_params=sp, step_timeout_s=args.reward_timeout,
-                       reward_timeout_s=args.reward_timeout, reward_failure=args.reward_failure, vision=vision)
+                       reward_timeout_s=args.reward_timeout, reward_failure=args.reward_failure)
 
 
 def build_executor(args: argparse.Namespace, engine: Any, tokenizer: Any, temperature: float, vision: Any = None):
@@ -355,7 +355,7 @@ def build_executor(args: argparse.Namespace, engine: Any, tokenizer: Any, temper
     from rlhfkit.agents.loader import build_agent_executor
     from rlhfkit.agents.reward_pool import reward_source_with_workers
 
-    cfg = agent_config(args, temperature, vision)
+    cfg = replace(agent_config(args, temperature), vision=vision)  # a VLM's picture handling (or None)
     workers = getattr(args, "reward_workers", 0)
     if args.agent_func_path:
         if workers:
