@@ -61,6 +61,7 @@ class VisionLayout:
     mrope_section: tuple[int, ...]
     interleaved: bool  # Qwen3-VL: t, h, w frequencies interleaved
     deepstack_layers: int  # Qwen3-VL: vision features added after the first k decoder layers
+    patch_dim: int = 1176  # values of one patch: channels x temporal patch x patch x patch
 
     @classmethod
     def of(cls, config: Any, flag: str = "--pretrain") -> "VisionLayout":
@@ -83,7 +84,8 @@ class VisionLayout:
                    vision_end_token_id=int(getattr(config, "vision_end_token_id", -1) or -1),
                    spatial_merge_size=int(vision.spatial_merge_size), mrope_section=section,
                    interleaved=mtype == "qwen3_vl",
-                   deepstack_layers=len(getattr(vision, "deepstack_visual_indexes", None) or ()))
+                   deepstack_layers=len(getattr(vision, "deepstack_visual_indexes", None) or ()),
+                   patch_dim=_patch_dim(vision))
 
     @property
     def special_ids(self) -> tuple[int, ...]:
@@ -100,6 +102,14 @@ class VisionLayout:
         for c in (1, 2):
             comp[c:self.mrope_section[c] * 3:3] = c
         return comp
+
+
+def _patch_dim(vision: Any) -> int:
+    def first(v: Any) -> int:
+        return int(v[0] if isinstance(v, (list, tuple)) else v)
+
+    patch, temporal = first(getattr(vision, "patch_size", 14)), first(getattr(vision, "temporal_patch_size", 2))
+    return int(getattr(vision, "in_channels", 3)) * temporal * patch * patch
 
 
 def layout_of_model(model: Any) -> VisionLayout | None:
@@ -234,6 +244,25 @@ def batch_forward_kwargs(input_ids: torch.Tensor, attention_mask: torch.Tensor,
         kw["pixel_values"] = joined.pixel_values.to(input_ids.device)
         kw["image_grid_thw"] = joined.grid_thw.to(input_ids.device)
     return kw
+
+
+def with_picture_row(input_ids: torch.Tensor, attention_mask: torch.Tensor, images: Sequence[ImageInputs | None] | None,
+                     layout: VisionLayout) -> tuple[torch.Tensor, torch.Tensor, list[ImageInputs | None]]:
+    """The batch plus one row `[vision_start, image_pad, vision_end]` showing a blank picture of one
+    merged patch (callers drop its log-probs): under data parallelism every rank must run the vision
+    tower in every forward pass (its sharded blocks gather their weights collectively), also for
+    micro-batches of text rows."""
+    m = layout.spatial_merge_size
+    row = [layout.vision_start_token_id, layout.image_token_id] + (
+        [layout.vision_end_token_id] if layout.vision_end_token_id >= 0 else [])
+    b, width = input_ids.shape
+    ids = input_ids.new_zeros(b + 1, max(width, len(row)))
+    mask = attention_mask.new_zeros(b + 1, ids.shape[1])
+    ids[:b, :width], mask[:b, :width] = input_ids, attention_mask
+    ids[b, :len(row)] = torch.tensor(row, device=ids.device)
+    mask[b, :len(row)] = 1
+    blank = ImageInputs(torch.zeros(m * m, layout.patch_dim), torch.tensor([[1, m, m]]), ["rlhfkit-blank"])
+    return ids, mask, list(images or [None] * b) + [blank]
 
 
 def picture_logprob_kwargs(model: torch.nn.Module, batch: Any) -> dict[str, Any]:

@@ -147,3 +147,28 @@ def test_weight_update_with_vision_weights_empties_the_picture_cache(tiny_vlm_di
     [[c]] = engine.generate([req])
     assert calls.n == 2  # the new tower encoded the picture again
     assert max_gap(model, layout, ids, pics, [c]) < 1e-5  # and the engine follows the perturbed model
+
+
+def test_a_blank_picture_row_runs_the_tower_without_changing_text_rows(tiny_vlm_dir):
+    """Under data parallelism each forward pass runs the vision tower (`tower_every_pass`): a micro-batch of
+    text rows gets a blank-picture row, which leaves the rows' log-probs as they are."""
+    from types import SimpleNamespace
+
+    from rlhfkit.models.forward import token_logprobs
+    from rlhfkit.roles.actor import row_logprobs
+    from rlhfkit.types import ExperienceBatch
+
+    model, tok, layout, _ = load_vlm(tiny_vlm_dir)
+    rows = [prompt(tok, layout, chat("a text row"), None), prompt(tok, layout, chat("another, longer text row"), None)]
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+    mb = ExperienceBatch(input_ids=ids, attention_mask=mask, loss_mask=mask.clone(), images=[None, None])
+    backend = SimpleNamespace(token_logprobs=lambda x, **kw: token_logprobs(model, x, **kw))
+    calls = []
+    model.model.visual.register_forward_hook(lambda *a: calls.append(1))
+    with torch.no_grad():
+        plain = row_logprobs(backend, mb, 1.0, False, False, layout, tower_every_pass=False)
+        lp, ent = row_logprobs(backend, mb, 1.0, True, False, layout, tower_every_pass=True)
+    assert len(calls) == 1 and lp.shape == plain.shape == ent.shape == ids.shape
+    assert torch.allclose(lp, plain, atol=1e-6)
