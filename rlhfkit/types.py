@@ -6,7 +6,9 @@ Shapes use B = batch rows, L = padded row length, T = total packed tokens.
     engine --Completion-->   agents  --Trajectory-->         algo
     algo  --ExperienceBatch--> losses / roles
 
-Every field is typed; no dicts with magic keys travel inside the framework.
+Every field is typed; no dicts with magic keys travel inside the framework. A vision-language
+sample's pictures travel as `ImageInputs` (processed patches) with the request, the trajectory and
+the experience rows; its token ids hold one run of image placeholder tokens per picture.
 """
 
 from __future__ import annotations
@@ -18,18 +20,77 @@ import torch
 
 
 @dataclass
+class ImageInputs:
+    """The processed pictures of one sequence, in the order of their placeholders.
+
+    pixel_values: `[P, D]` patches of every picture, picture after picture (P = sum of t*h*w).
+    grid_thw: `[N, 3]` long, each picture's patch grid (temporal, height, width).
+    keys: one content hash per picture (the same picture gives the same key), so an engine can
+        reuse a picture's vision-tower output.
+    A picture fills grid t*h*w / merge**2 placeholder tokens (merge: the vision tower's spatial merge).
+    """
+
+    pixel_values: torch.Tensor
+    grid_thw: torch.Tensor
+    keys: list[str]
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def patch_counts(self) -> list[int]:
+        return [int(x) for x in self.grid_thw.prod(-1).tolist()]
+
+    def token_counts(self, merge: int) -> list[int]:
+        return [n // (merge * merge) for n in self.patch_counts()]
+
+    def picture(self, i: int) -> "ImageInputs":
+        """Picture `i` alone."""
+        counts = self.patch_counts()
+        start = sum(counts[:i])
+        return ImageInputs(self.pixel_values[start:start + counts[i]], self.grid_thw[i:i + 1], [self.keys[i]])
+
+    @staticmethod
+    def concat(parts: "list[ImageInputs | None]") -> "ImageInputs | None":
+        """The pictures of `parts` one after the other (None when there are none)."""
+        parts = [p for p in parts if p is not None and len(p)]
+        if not parts:
+            return None
+        if len(parts) == 1:
+            return parts[0]
+        return ImageInputs(torch.cat([p.pixel_values for p in parts]), torch.cat([p.grid_thw for p in parts]),
+                           [k for p in parts for k in p.keys])
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """One picture a data row names, checked when the data was read (`rlhfkit.data.images`).
+
+    source: a resolved file path, the picture's encoded bytes (a URL's download, a base64 data
+    URI, a datasets `Image` cell), or an in-memory PIL image. where: the row and the picture's
+    position in it, for errors ("data.jsonl row 3 image 1"). num_tokens: placeholder tokens it
+    fills once processed (0 when unknown).
+    """
+
+    source: Any
+    where: str
+    num_tokens: int = 0
+
+
+@dataclass
 class PromptSample:
     """One prompt from a prompt dataset.
 
     `prompt` is the already-templated text fed to the tokenizer (chat template or
     `--input_template` applied); `label` is the `--label_key` column, passed untouched
-    to `reward_func` and agents.
+    to `reward_func` and agents. `images` (vision-language prompts, `--image_key`): the row's
+    pictures, one placeholder each in `prompt`.
     """
 
     prompt: str
     label: Any = None
     datasource: str = "default"
     index: int = 0
+    images: list[ImageRef] = field(default_factory=list)
 
 
 @dataclass
@@ -59,11 +120,13 @@ class SamplingParams:
 
 @dataclass
 class GenerationRequest:
-    """Prompt token ids in; `params.n` completions come back for it."""
+    """Prompt token ids in; `params.n` completions come back for it. `images`: the pictures of a
+    vision-language prompt, whose placeholder runs `prompt_token_ids` holds."""
 
     prompt_token_ids: list[int]
     params: SamplingParams
     request_id: int = 0
+    images: ImageInputs | None = None
 
 
 @dataclass
@@ -100,6 +163,8 @@ class Trajectory:
         (-1 where action_mask is 0); None when the engine did not report versions.
     policy_version: the oldest version among its action tokens (the one it started with); set by
         the Ray loop, which knows the version of the batch when the engine reports none.
+    images: the pictures whose placeholder runs `token_ids` holds (the prompt's, then those the
+        environment returned), for the training forward passes; None for text.
     """
 
     token_ids: list[int]
@@ -116,6 +181,7 @@ class Trajectory:
     extra_logs: dict[str, float] = field(default_factory=dict)
     policy_version: int = 0
     policy_versions: list[int] | None = None
+    images: ImageInputs | None = None
 
 
 @dataclass
@@ -130,6 +196,8 @@ class ExperienceBatch:
 
     `num_loss_tokens` is the global (all ranks, all micro-batches of an optimizer step)
     count of loss tokens; losses divide by it so results do not depend on micro-batching.
+    `images` (vision-language rows): one `ImageInputs` or None per row; `select` keeps them with
+    their rows, `to` leaves them on the host (the forward pass moves them).
     """
 
     input_ids: torch.Tensor
@@ -144,6 +212,7 @@ class ExperienceBatch:
     rewards: torch.Tensor | None = None  # [B] scalar reward per row
     num_loss_tokens: float | None = None
     num_samples: float | None = None
+    images: list[ImageInputs | None] | None = None
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "ExperienceBatch":
         """Every tensor on `device`; `non_blocking` copies host tensors to CUDA through pinned memory
@@ -166,6 +235,9 @@ class ExperienceBatch:
     def select(self, idx: torch.Tensor | list[int]) -> "ExperienceBatch":
         """Rows `idx` of every tensor (counts are left as they are)."""
         out = {}
+        rows = idx.tolist() if isinstance(idx, torch.Tensor) else list(idx)
         for k, v in self.__dict__.items():
             out[k] = v[idx] if isinstance(v, torch.Tensor) else v
+        if self.images is not None:
+            out["images"] = [self.images[i] for i in rows]
         return ExperienceBatch(**out)

@@ -43,3 +43,35 @@ def tiny_long_model_dir(tmp_path_factory) -> str:
     path = str(tmp_path_factory.mktemp("tiny_llama_8k"))
     return make_tiny_model(path, TinyModelSpec(arch="llama", hidden_size=64, num_hidden_layers=2,
                                                num_attention_heads=4, max_position_embeddings=8192))
+
+
+def _tiny_vlm(tmp_path_factory, arch: str) -> str:
+    from rlhfkit.models.tiny import TinyModelSpec, make_tiny_model
+
+    path = str(tmp_path_factory.mktemp(f"tiny_{arch}"))
+    return make_tiny_model(path, TinyModelSpec(arch=arch, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                               num_key_value_heads=2, max_position_embeddings=512))
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_dir(tmp_path_factory) -> str:
+    """A 2-layer Qwen2.5-VL (4 heads, 2 kv heads, q/k/v biases) with a 2-block vision tower and its image
+    processor (28-pixel merged patches)."""
+    return _tiny_vlm(tmp_path_factory, "qwen2_5_vl")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_vl_dir(tmp_path_factory) -> str:
+    """A 2-layer Qwen3-VL (q/k norms, interleaved M-RoPE, one deepstack layer; 32-pixel merged patches)."""
+    return _tiny_vlm(tmp_path_factory, "qwen3_vl")
+
+
+@pytest.fixture(scope="session")
+def shapes_dir(tmp_path_factory) -> str:
+    """`make_data shapes` pictures and rows (64 train, 32 prompts, 32 held out, 16 pairs)."""
+    from rlhfkit.cli import make_data
+
+    path = str(tmp_path_factory.mktemp("shapes"))
+    make_data.main(["shapes", "--out", path, "--num_train", "64", "--num_prompts", "32", "--num_eval", "32",
+                    "--num_pairs", "16"])
+    return path

@@ -94,7 +94,7 @@ class AgentExecutorBase(ABC):
         params = inspect.signature(self.execute).parameters.values()
         self._execute_params = {p.name for p in params}
         if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-            self._execute_params |= {"max_length", "hf_tokenizer", "llm_engine"}
+            self._execute_params |= {"max_length", "hf_tokenizer", "llm_engine", "images"}
         return self
 
     async def execute(self, prompt: str, label: Any, sampling_params: SamplingParams,
@@ -105,7 +105,7 @@ class AgentExecutorBase(ABC):
             raise NotImplementedError(f"{type(self).__name__} must implement execute() or be given an "
                                       "AgentInstance class")
         return await run_multi_turn(self, prompt, label, sampling_params, max_length or self.max_length,
-                                    hf_tokenizer or self.hf_tokenizer, llm_engine or self.llm_engine)
+                                    hf_tokenizer or self.hf_tokenizer, llm_engine or self.llm_engine, images)
 
     def reseed(self, seed: int | None) -> None:
         """Base seed for the next ``run_episodes`` call; episode k then samples with ``seed + k``."""
@@ -161,7 +161,8 @@ class AgentExecutorBase(ABC):
 
     async def _call_execute(self, sample: PromptSample, params: SamplingParams) -> Any:
         """Pass only the arguments the (possibly user-overridden) ``execute`` accepts."""
-        extra = {"max_length": self.max_length, "hf_tokenizer": self.hf_tokenizer, "llm_engine": self.llm_engine}
+        extra = {"max_length": self.max_length, "hf_tokenizer": self.hf_tokenizer, "llm_engine": self.llm_engine,
+                 "images": sample.images or None}
         kw = {k: v for k, v in extra.items() if k in self._execute_params}
         if not self._user_execute:
             return await self.execute(sample.prompt, sample.label, params, **kw)

@@ -14,12 +14,15 @@ import numbers
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from rlhfkit.agents.user_code import EpisodeError, UserLoop, run_user_code
 from rlhfkit.types import SamplingParams, Trajectory
+
+if TYPE_CHECKING:
+    from rlhfkit.models.vlm import VisionContext
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +48,9 @@ class AgentConfig:
     reward_batch_size: single-turn: concurrent reward calls are merged into batches of at most
         this many samples (1 = one call per sample, as OpenRLHF does).
     max_concurrency: episodes in flight at once; None = all.
+    vision: a vision-language policy's picture handling (`rlhfkit.models.vlm.VisionContext`): the
+        prompts' pictures and those ``step()`` returns as ``environment_images`` are processed with
+        it and sent with each generation; None for text.
     """
 
     max_length: int = 2048
@@ -54,6 +60,7 @@ class AgentConfig:
     reward_failure: str = "stop"
     reward_batch_size: int = 64
     max_concurrency: int | None = None
+    vision: "VisionContext | None" = None
 
     def __post_init__(self) -> None:
         if self.reward_failure not in FAILURE_POLICIES:
@@ -185,10 +192,11 @@ class StepResult:
     done: bool
     sampling_params: Any
     extra_logs: dict[str, float]
+    images: list[Any] = field(default_factory=list)  # environment_images: pictures the feedback shows
 
 
 _STEP_REQUIRED = ("rewards", "environment_feedback", "done")
-_STEP_KNOWN = set(_STEP_REQUIRED) | {"scores", "sampling_params", "extra_logs"}
+_STEP_KNOWN = set(_STEP_REQUIRED) | {"scores", "sampling_params", "extra_logs", "environment_images"}
 
 
 def check_step_result(result: Any, source: str) -> StepResult:
@@ -198,7 +206,8 @@ def check_step_result(result: Any, source: str) -> StepResult:
     missing = [k for k in _STEP_REQUIRED if k not in result]
     if missing:
         raise EpisodeError(f"step() result lacks {missing} (got keys {sorted(result)}); required: "
-                           f"{list(_STEP_REQUIRED)}, optional: scores, sampling_params, extra_logs")
+                           f"{list(_STEP_REQUIRED)}, optional: scores, sampling_params, extra_logs, "
+                           "environment_images")
     extra = set(result) - _STEP_KNOWN
     if extra:
         logger.warning("%s: step() returned keys that are ignored: %s", source, sorted(extra))
@@ -206,6 +215,11 @@ def check_step_result(result: Any, source: str) -> StepResult:
     if not isinstance(feedback, str):
         raise EpisodeError(f"step() environment_feedback must be a str, got {type(feedback).__name__}")
     scores = result.get("scores")
+    images = result.get("environment_images")
+    if images is None:
+        images = []
+    elif not isinstance(images, (list, tuple)):
+        raise EpisodeError(f"step() environment_images must be a list of pictures, got {type(images).__name__}")
     return StepResult(
         reward=to_float(result["rewards"], "step() rewards", source),
         score=None if scores is None else to_float(scores, "step() scores", source),
@@ -213,6 +227,7 @@ def check_step_result(result: Any, source: str) -> StepResult:
         done=to_bool(result["done"], "step() done"),
         sampling_params=result.get("sampling_params"),
         extra_logs=to_float_logs(result.get("extra_logs"), "step() extra_logs", source),
+        images=list(images),
     )
 
 

@@ -12,6 +12,13 @@
 
 As in OpenRLHF, the environment feedback of the final step is appended too (masked out). Each
 action token keeps the policy version the engine reports for it (`Completion.policy_versions`).
+
+Vision-language episodes (`config.vision`): the prompt's pictures, and the pictures a step returns
+as `environment_images` (one placeholder each in its feedback), are processed and sent with every
+later generation; their placeholders expand to each picture's token run. Pictures beyond
+--max_images_per_prompt in an episode, or feedback pictures that do not fit the token budget, are
+left out and their placeholder tokens stripped (as OpenRLHF does), with one warning; the trajectory
+logs `episode_pictures`, the pictures it holds.
 The executor is duck-typed here (`source_name`, `config`, `max_steps`, `agent_instance_cls`,
 `next_request_id`), so this module needs only `contracts` and `AgentExecutorBase.execute` can run
 it without an import cycle.
@@ -33,8 +40,8 @@ from rlhfkit.agents.contracts import (
     create_agent_instance,
 )
 from rlhfkit.agents.decode import decoder_for
-from rlhfkit.agents.user_code import UserLoop
-from rlhfkit.types import GenerationRequest, SamplingParams, Trajectory
+from rlhfkit.agents.user_code import EpisodeError, UserLoop
+from rlhfkit.types import GenerationRequest, ImageInputs, ImageRef, SamplingParams, Trajectory
 
 if TYPE_CHECKING:
     from rlhfkit.agents.base import AgentExecutorBase
@@ -67,10 +74,16 @@ def encode(tokenizer: Any, text: str) -> list[int]:
     return list(ids)
 
 
-def fit_prompt(ids: list[int], max_length: int, max_new_tokens: int, source: str) -> list[int]:
+def fit_prompt(ids: list[int], max_length: int, max_new_tokens: int, source: str,
+               whole: bool = False) -> list[int]:
     """Left-truncate the prompt so that ``max_new_tokens`` still fit in ``max_length``
-    (``max_new_tokens == max_length``: no per-generation limit, one token of room is kept)."""
+    (``max_new_tokens == max_length``: no per-generation limit, one token of room is kept).
+    `whole` (a prompt with pictures, whose placeholder runs must stay intact): too long is an error."""
     room = max_length - max_new_tokens if max_new_tokens < max_length else max_length - 1
+    if len(ids) > room and whole:
+        raise ValueError(f"{source}: a prompt of {len(ids)} tokens with pictures does not leave --generate_max_len "
+                         f"{max_new_tokens} tokens of room within --max_len {max_length}; raise --max_len or lower "
+                         "--prompt_max_len")
     if len(ids) > room:
         logger.warning("%s: prompt of %d tokens left-truncated to %d (--max_len %d, --generate_max_len %d)",
                        source, len(ids), room, max_length, max_new_tokens)
@@ -97,11 +110,12 @@ async def generate_action(executor: AgentExecutorBase, engine: Any, prompt_ids: 
 
 
 async def generate_turn(executor: AgentExecutorBase, engine: Any, prompt_ids: list[int],
-                        params: SamplingParams, budget: int) -> Action:
-    """`generate_action` with the per-token policy versions."""
+                        params: SamplingParams, budget: int, images: ImageInputs | None = None) -> Action:
+    """`generate_action` with the per-token policy versions; `images`: the pictures whose placeholder
+    runs `prompt_ids` holds."""
     limit = min(params.max_new_tokens, budget)
     request = GenerationRequest(list(prompt_ids), params.replace(n=1, max_new_tokens=limit),
-                                request_id=executor.next_request_id())
+                                request_id=executor.next_request_id(), images=images)
     outs = await engine.agenerate(request)
     if not outs:
         raise RuntimeError(f"engine returned no completion for request {request.request_id}")
@@ -163,28 +177,108 @@ class _Tally:
     last_finish: str = ""
 
 
+def prompt_ids(ex: AgentExecutorBase, tok: Any, text: str, images: Sequence[ImageRef] | None,
+               max_length: int, max_new_tokens: int) -> tuple[list[int], ImageInputs | None]:
+    """(token ids of a prompt, fitted to the budget, and its processed pictures). Under a VLM
+    (`config.vision`) each picture's placeholder expands to its token run and nothing is cut."""
+    vision = ex.config.vision
+    ids = encode(tok, text)
+    if vision is None:
+        return fit_prompt(ids, max_length, max_new_tokens, ex.source_name), None
+    pics = vision.inputs_of(images) if images else None
+    try:
+        ids = vision.expand(ids, pics, "the observation")
+    except ValueError as e:  # reset() returned an observation without the prompt's placeholders
+        raise EpisodeError(f"{e} (reset() must keep one placeholder per prompt picture)") from None
+    return fit_prompt(ids, max_length, max_new_tokens, ex.source_name, whole=pics is not None), pics
+
+
+def feedback_ids(ex: AgentExecutorBase, tok: Any, text: str, pictures: list[Any], have: int, room: int
+                 ) -> tuple[list[int], ImageInputs | None]:
+    """(token ids of a step's feedback, at most `room`; the pictures it shows). `have`: pictures the
+    episode holds already. Pictures over --max_images_per_prompt, or all of them when the expanded
+    feedback does not fit, are left out with their placeholder tokens."""
+    vision = ex.config.vision
+    ids = encode(tok, text)
+    if vision is None:
+        if pictures:
+            _warn_once(f"{ex.source_name}: step() returned environment_images, which a text-only run ignores "
+                       "(vision-language mode: --max_images_per_prompt > 0)")
+        return ids[:room], None
+    pad = vision.layout.image_token_id
+    if ids.count(pad) != len(pictures):
+        raise EpisodeError(f"step() environment_feedback holds {ids.count(pad)} picture placeholder(s) "
+                           f"({vision.placeholder_text}) for {len(pictures)} environment_images")
+    keep = max(0, min(len(pictures), vision.max_images - have))
+    pics = _environment_pictures(vision, pictures[:keep])
+    expanded = vision.expand(_strip_placeholders(ids, pad, keep), pics)
+    if len(expanded) > room and keep:
+        keep, pics = 0, None
+        expanded = _strip_placeholders(ids, pad, 0)
+    if keep < len(pictures):
+        _warn_once(f"{ex.source_name}: {len(pictures) - keep} environment picture(s) left out (over "
+                   f"--max_images_per_prompt {vision.max_images} in the episode, or over the token budget)")
+    return expanded[:room], pics
+
+
+def _environment_pictures(vision: Any, pictures: list[Any]) -> ImageInputs | None:
+    from rlhfkit.data.images import check_image
+
+    decoded = []
+    for i, p in enumerate(pictures):
+        try:
+            decoded.append(check_image(p, f"environment_images[{i}]", vision.processor.limits)[1])
+        except ValueError as e:
+            raise EpisodeError(f"step() {e}") from None
+    return vision.process(decoded)
+
+
+def _strip_placeholders(ids: list[int], pad: int, keep: int) -> list[int]:
+    """`ids` with the placeholder tokens after the first `keep` ones removed."""
+    out, seen = [], 0
+    for t in ids:
+        if t == pad:
+            seen += 1
+            if seen > keep:
+                continue
+        out.append(t)
+    return out
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(msg: str) -> None:
+    if msg not in _WARNED:
+        _WARNED.add(msg)
+        logger.warning(msg)
+
+
 async def run_multi_turn(ex: AgentExecutorBase, prompt: str, label: Any, params: SamplingParams,
-                         max_length: int, tok: Any, engine: Any) -> Trajectory:
-    """The multi-turn loop drawn in the module docstring."""
+                         max_length: int, tok: Any, engine: Any, images: Sequence[ImageRef] | None = None
+                         ) -> Trajectory:
+    """The multi-turn loop drawn in the module docstring (`images`: the prompt's pictures)."""
     user = UserLoop(f"rlhfkit-agent:{ex.agent_instance_cls.__name__}")  # this episode's user code runs there
     try:
-        return await _multi_turn(ex, prompt, label, params, max_length, tok, engine, user)
+        return await _multi_turn(ex, prompt, label, params, max_length, tok, engine, user, images)
     finally:
         user.close()
 
 
 async def _multi_turn(ex: AgentExecutorBase, prompt: str, label: Any, params: SamplingParams,
-                      max_length: int, tok: Any, engine: Any, user: UserLoop) -> Trajectory:
+                      max_length: int, tok: Any, engine: Any, user: UserLoop,
+                      images: Sequence[ImageRef] | None) -> Trajectory:
     src, timeout = ex.source_name, ex.config.step_timeout_s
     agent = await create_agent_instance(ex.agent_instance_cls, timeout, user)
     reset = await call_user(agent.reset, {"observation": prompt, "label": label},
                             what="reset()", timeout_s=timeout, loop=user)
     obs_text = check_reset_result(reset)
     tr = Transcript()
-    tr.add(fit_prompt(encode(tok, obs_text), max_length, params.max_new_tokens, src), is_action=False)
+    ids, pics = prompt_ids(ex, tok, obs_text, images, max_length, params.max_new_tokens)
+    tr.add(ids, is_action=False)
     prompt_len, t = len(tr), _Tally()
     while not t.done and (ex.max_steps is None or t.steps < ex.max_steps) and len(tr) < max_length:
-        turn = await generate_turn(ex, engine, tr.token_ids, params, max_length - len(tr))
+        turn = await generate_turn(ex, engine, tr.token_ids, params, max_length - len(tr), pics)
         action, t.last_finish = turn.ids, turn.finish_reason
         tr.add_action(turn)
         action_text = await decoder_for(ex, tok).decode(action, skip_special_tokens=True)
@@ -195,12 +289,18 @@ async def _multi_turn(ex: AgentExecutorBase, prompt: str, label: Any, params: Sa
         t.reward += res.reward
         t.score, t.extra_logs, t.done = res.score, res.extra_logs, res.done
         obs_text = obs_text + action_text + res.feedback
-        tr.add(encode(tok, res.feedback)[: max_length - len(tr)], is_action=False)
+        have = 0 if pics is None else len(pics)
+        fb, new = feedback_ids(ex, tok, res.feedback, res.images, have, max_length - len(tr))
+        pics = ImageInputs.concat([pics, new])
+        tr.add(fb, is_action=False)
         params = coerce_sampling_params(res.sampling_params, params, src)
+    extra = t.extra_logs
+    if ex.config.vision is not None:  # pictures the transcript holds: the prompt's and the environment's
+        extra = {**extra, "episode_pictures": float(0 if pics is None else len(pics))}
     return Trajectory(
         token_ids=tr.token_ids, action_mask=tr.action_mask, rollout_logprobs=tr.logprobs,
         prompt_len=prompt_len, reward=t.reward, score=t.reward if t.score is None else t.score,
         truncated=(not t.done) or t.last_finish == "length", prompt=prompt,
         response=await decoder_for(ex, tok).decode(tr.token_ids[prompt_len:], skip_special_tokens=False), label=label,
-        extra_logs=t.extra_logs, policy_versions=tr.policy_versions,
+        extra_logs=extra, policy_versions=tr.policy_versions, images=pics,
     )

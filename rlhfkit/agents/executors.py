@@ -4,8 +4,10 @@ out: the transcript's token ids are never re-tokenized, so what the policy train
 what the engine sampled.
 
 Single-turn: the prompt is tokenized (no special tokens added) and left-truncated to leave
-``max_new_tokens`` of room; one generation; ``reward_func``/HTTP/RM gives reward and score for the
-decoded prompt + response (special tokens kept), merged into batches by ``BatchingRewardSource``.
+``max_new_tokens`` of room (a prompt with pictures is never cut: its placeholder runs expand to
+the pictures' tokens, which go with the request); one generation; ``reward_func``/HTTP/RM gives reward and score for the
+decoded prompt + response (special tokens kept; with pictures, the prompt text holds one placeholder
+per picture, not its token run), merged into batches by ``BatchingRewardSource``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from rlhfkit.agents.episode import (  # noqa: F401
     fit_prompt,
     generate_action,
     generate_turn,
+    prompt_ids,
     run_multi_turn,
 )
 from rlhfkit.agents.reward_func import (
@@ -80,8 +83,8 @@ class SingleTurnAgentExecutor(AgentExecutorBase):
                       images: Any = None) -> Trajectory:
         tok, engine = hf_tokenizer or self.hf_tokenizer, llm_engine or self.llm_engine
         max_length = max_length or self.max_length
-        ids = fit_prompt(encode(tok, prompt), max_length, sampling_params.max_new_tokens, self.source_name)
-        turn = await generate_turn(self, engine, ids, sampling_params, max_length - len(ids))
+        ids, pics = prompt_ids(self, tok, prompt, images, max_length, sampling_params.max_new_tokens)
+        turn = await generate_turn(self, engine, ids, sampling_params, max_length - len(ids), pics)
         tr = Transcript()
         tr.add(ids, is_action=False)
         tr.add_action(turn)
@@ -89,9 +92,12 @@ class SingleTurnAgentExecutor(AgentExecutorBase):
         traj = Trajectory(token_ids=tr.token_ids, action_mask=tr.action_mask, rollout_logprobs=tr.logprobs,
                           prompt_len=len(ids), truncated=turn.finish_reason == "length", prompt=prompt,
                           response=await dec.decode(turn.ids, skip_special_tokens=True), label=label,
-                          policy_versions=tr.policy_versions)
+                          policy_versions=tr.policy_versions, images=pics)
         if self.reward_source is not None:
-            query = await dec.decode(tr.token_ids, skip_special_tokens=False)
+            if pics is None:
+                query = await dec.decode(tr.token_ids, skip_special_tokens=False)
+            else:  # the prompt's text, with one placeholder per picture (not each picture's token run)
+                query = prompt + await dec.decode(turn.ids, skip_special_tokens=False)
             try:  # the sources run user code in worker threads themselves (reward_func.py)
                 out = await self.reward_source([query], [prompt], [label])
             except EpisodeError:

@@ -25,6 +25,14 @@ A user file (``--agent_func_path``) either subclasses the executor::
 or defines a module-level ``async def run_agent(prompt, label, session)`` (the loader then builds
 this executor). OpenRLHF's ``extra_body={"session_id": ...}`` routing works too.
 
+Pictures (a vision-language policy, ``--max_images_per_prompt`` > 0): chat messages may carry
+OpenAI image content parts (``{"type": "image_url", "image_url": {"url": ...}}``, the URL a
+``data:image/...;base64,`` URI, an http(s) URL or a file path; or ``{"type": "image", "image": ...}``).
+Each becomes one placeholder in the rendered prompt; the request's pictures go to the engine with
+it, and the trajectory carries the pictures of the episode's last request. A session keeps its
+token ids with one placeholder token per picture; the runs are expanded for the engine and the
+trajectory. A text-only policy answers a request with pictures with HTTP 400.
+
 Failures: ``run_agent`` errors, a time limit (``--reward_timeout`` for the whole episode, generation
 included) and a bad return value fall under ``--reward_failure``; an engine error ends the run
 even when the agent code caught the HTTP 500 it caused.
@@ -175,6 +183,8 @@ class OpenAIAgentExecutor(AgentExecutorBase):
 
     def _trajectory(self, session: Session, result: Any) -> Trajectory:
         traj = session.trajectory(self.multi_segment, self._decode)
+        if self.config.vision is not None:
+            traj = _expand_trajectory(traj, session.pictures, self.config.vision)
         reward, score, logs = reward_from_agent_result(result, to_float, to_float_logs)
         if len(session.segments()) > 1:
             self.num_split_sessions += 1
@@ -237,7 +247,8 @@ class OpenAIAgentExecutor(AgentExecutorBase):
         tok = self.hf_tokenizer
         if not getattr(tok, "chat_template", None):
             raise RequestError(400, "the tokenizer has no chat template: use /v1/completions with a prompt string")
-        messages = [dict(m, content=_text_content(m.get("content"))) if isinstance(m, dict) else m
+        vision = self.config.vision is not None
+        messages = [dict(m, content=_message_content(m.get("content"), vision)) if isinstance(m, dict) else m
                     for m in body.get("messages") or []]
         cont = bool(body.get("continue_final_message", False))
         kwargs = dict(body.get("chat_template_kwargs") or {})
@@ -276,7 +287,13 @@ class OpenAIAgentExecutor(AgentExecutorBase):
             limit = min(p.max_new_tokens, room, max_tokens or p.max_new_tokens)
             seed = None if p.seed is None else p.seed + 7919 * len(session.turns)
             params = p.replace(n=1, max_new_tokens=limit, seed=seed, stop=list(p.stop) + stops, logprobs=True)
-            request = GenerationRequest(list(ids), params, request_id=self.next_request_id())
+            engine_ids, pictures = self._with_pictures(session, body, ids, prompt_text is not None)
+            limit = min(limit, session.max_length - len(engine_ids))
+            if limit < 1:
+                raise RequestError(400, f"the prompt's pictures take its {len(engine_ids)} tokens past --max_len "
+                                        f"{session.max_length}")
+            params = params.replace(max_new_tokens=limit)
+            request = GenerationRequest(engine_ids, params, request_id=self.next_request_id(), images=pictures)
             try:
                 outs = await self.llm_engine.agenerate(request)
                 if not outs or len(outs[0].token_ids) > limit:
@@ -288,6 +305,30 @@ class OpenAIAgentExecutor(AgentExecutorBase):
             text = self._decode(list(c.token_ids))
             return session.record(ids, c, segment, prompt_text, text, self._content(c.token_ids, c.finish_reason,
                                                                                      params.stop))
+
+    def _with_pictures(self, session: Session, body: dict, ids: list[int], chat: bool) -> tuple[list[int], Any]:
+        """(the engine's prompt ids, the request's pictures): a VLM's chat request has each message's
+        image parts processed and each placeholder expanded to its picture's run."""
+        vision = self.config.vision
+        if vision is None:
+            return list(ids), None
+        sources = _picture_sources(body.get("messages") or []) if chat else []
+        pad = vision.layout.image_token_id
+        if ids.count(pad) != len(sources):
+            raise RequestError(400, f"the prompt holds {ids.count(pad)} picture placeholder(s) for {len(sources)} "
+                                    "image content part(s) (pictures come as image_url parts of chat messages)")
+        pictures = None
+        if sources:
+            from rlhfkit.data.images import check_image
+
+            try:
+                decoded = [check_image(src, f"image part {i + 1}", vision.processor.limits)[1]
+                           for i, src in enumerate(sources)]
+            except ValueError as e:
+                raise RequestError(400, str(e)) from None
+            pictures = vision.process(decoded)
+        session.pictures = pictures
+        return vision.expand(ids, pictures), pictures
 
     def _content(self, ids: list[int], finish: str, stops: list[str]) -> str:
         """The text a client gets: special tokens dropped, cut before a stop string (vLLM's way)."""
@@ -319,6 +360,62 @@ def _text_content(content: Any) -> Any:
     if isinstance(content, list):
         return "".join(part.get("text", "") for part in content if isinstance(part, dict))
     return content
+
+
+def _is_picture(part: Any) -> bool:
+    return isinstance(part, dict) and (part.get("type") in ("image_url", "image") or "image_url" in part)
+
+
+def _message_content(content: Any, vision: bool) -> Any:
+    """A message's content for the chat template: text parts joined; under a VLM, image parts stay
+    (as ``{"type": "image"}``, which the template renders as one placeholder) between text parts."""
+    if not isinstance(content, list) or not any(_is_picture(p) for p in content):
+        return _text_content(content)
+    if not vision:
+        raise RequestError(400, "image content parts need a vision-language policy (--max_images_per_prompt > 0)")
+    return [{"type": "image"} if _is_picture(p) else {"type": "text", "text": p.get("text", "")}
+            for p in content if isinstance(p, dict)]
+
+
+def _picture_sources(messages: list[Any]) -> list[Any]:
+    """The pictures of chat messages' image parts, in order: a URL / data URI / path or raw value."""
+    out = []
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        for part in content if isinstance(content, list) else []:
+            if not _is_picture(part):
+                continue
+            value = part.get("image_url", part.get("image"))
+            out.append(value.get("url") if isinstance(value, dict) else value)
+    return out
+
+
+def _expand_trajectory(traj: Trajectory, pictures: Any, vision: Any) -> Trajectory:
+    """A session's trajectory (one placeholder token per picture) with each picture's run expanded;
+    the expanded tokens are not actions (mask 0, log-prob 0, version -1)."""
+    pad = vision.layout.image_token_id
+    if traj.token_ids.count(pad) != (0 if pictures is None else len(pictures)):
+        raise EpisodeError("the episode's last segment holds other pictures than its last request")
+    if pictures is None:
+        return traj
+    counts = iter(pictures.token_counts(vision.layout.spatial_merge_size))
+    ids, mask, logps, versions = [], [], [], []
+    old_versions = traj.policy_versions
+    prompt_len = traj.prompt_len
+    for i, t in enumerate(traj.token_ids):
+        if i == traj.prompt_len:
+            prompt_len = len(ids)
+        n = next(counts) if t == pad else 1
+        ids += [t] * n
+        mask += [0] * n if t == pad else [traj.action_mask[i]]
+        logps += [0.0] * n if t == pad else [traj.rollout_logprobs[i]]
+        if old_versions is not None:
+            versions += [-1] * n if t == pad else [old_versions[i]]
+    traj.token_ids, traj.action_mask, traj.rollout_logprobs = ids, mask, logps
+    traj.policy_versions = versions if old_versions is not None else None
+    traj.prompt_len = prompt_len
+    traj.images = pictures
+    return traj
 
 
 def _stop_strings(stop: Any) -> list[str]:

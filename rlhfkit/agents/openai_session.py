@@ -73,6 +73,7 @@ class Session:
     breaks: list[str] = field(default_factory=list)  # why each new segment started
     engine_error: BaseException | None = None
     closed: bool = False
+    pictures: Any = None  # a VLM's: the ImageInputs of the session's last request (its trajectory's pictures)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     # ---------------------------------------------------------------- prompts

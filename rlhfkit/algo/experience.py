@@ -19,8 +19,10 @@ from rlhfkit.algo.shaping import overlong_penalty, stop_properly_penalty
 from rlhfkit.types import ExperienceBatch, Trajectory
 
 
-def pad_trajectories(trajs: list[Trajectory], pad_id: int) -> ExperienceBatch:
-    """Right-pad trajectories into `[B, L]` tensors; `rewards` holds each one's scalar reward."""
+def pad_trajectories(trajs: list[Trajectory], pad_id: int, no_loss_ids: tuple[int, ...] = ()) -> ExperienceBatch:
+    """Right-pad trajectories into `[B, L]` tensors; `rewards` holds each one's scalar reward.
+    Tokens in `no_loss_ids` (a VLM's picture placeholders and markers) never enter the loss;
+    trajectories with pictures give `images`, one entry per row."""
     if not trajs:
         raise ValueError("no trajectories to train on")
     L = max(len(t.token_ids) for t in trajs)
@@ -37,9 +39,12 @@ def pad_trajectories(trajs: list[Trajectory], pad_id: int) -> ExperienceBatch:
         if t.rollout_logprobs:
             rlp[i, :n] = torch.tensor(t.rollout_logprobs, dtype=torch.float32)
     mask[:, 0] = 0  # token 0 is never predicted
+    for t in no_loss_ids:
+        mask[ids == t] = 0
     rewards = torch.tensor([float(t.reward) for t in trajs], dtype=torch.float32)
+    images = [t.images for t in trajs] if any(t.images is not None for t in trajs) else None
     return ExperienceBatch(input_ids=ids, attention_mask=attn, loss_mask=mask, rollout_logprobs=rlp,
-                           rewards=rewards)
+                           rewards=rewards, images=images)
 
 
 @dataclass

@@ -8,7 +8,8 @@
       every rank:  full = tensor.full_tensor()        (DTensor: all-gather over its mesh)
       rank 0:      cast to `dtype`, append its bytes to the current file, drop it
     rank 0: model.safetensors.index.json (when several files), config.json (dtype,
-      architectures), generation_config.json, tokenizer files
+      architectures), generation_config.json, tokenizer files, and a vision-language model's image
+      processor files, copied from the tokenizer's source directory
     rank 0: all of it was written into `<path>/.rlhfkit-staging.tmp`; publish it into `path`
       (rlhfkit.fileio: fsync, config.json out first and in last, so a kill never leaves a
       directory that loads a mix of old and new files)
@@ -309,4 +310,24 @@ def _export(model: nn.Module, path: str, dtype: torch.dtype, max_shard_bytes: in
     if writer:
         if tokenizer is not None:
             tokenizer.save_pretrained(stage)
+            copy_processor_files(getattr(tokenizer, "name_or_path", None), stage)
         publish_staged(stage, path)
+
+
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
+                   "chat_template.json")
+
+
+def copy_processor_files(src: str | None, dst: str) -> list[str]:
+    """Copy a VLM's image / video processor configs from the source model directory `src` (what the
+    tokenizer was loaded from) to `dst`, so the export loads with `AutoProcessor` too."""
+    import shutil
+
+    if not src or not os.path.isdir(src) or os.path.abspath(src) == os.path.abspath(dst):
+        return []
+    done = []
+    for name in PROCESSOR_FILES:
+        if os.path.isfile(os.path.join(src, name)) and not os.path.exists(os.path.join(dst, name)):
+            shutil.copy(os.path.join(src, name), os.path.join(dst, name))
+            done.append(name)
+    return done

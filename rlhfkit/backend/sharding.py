@@ -34,6 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from rlhfkit.models.lora import lora_layers, merged_lora_weights
+from rlhfkit.models.vlm import synced_name
 
 try:
     from torch.distributed.tensor import DTensor
@@ -128,14 +129,17 @@ def iter_full_param_buckets(model: nn.Module, bucket_bytes: int, dtype: torch.dt
 
     Every rank must iterate to the end (each DTensor is all-gathered). Names are the module's
     (HF names for an HF model); tied parameters appear once. `dtype` casts (e.g. to the
-    engine's bf16) right after gathering.
+    engine's bf16) right after gathering. A vision tower frozen by --freeze_visual_encoder is left
+    out (`rlhfkit.models.vlm.synced_name`): it never changes, and the engines loaded it.
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+    keep = synced_name(model)
 
     def gathered() -> Iterator[tuple[str, torch.Tensor]]:
         for name, p in model.named_parameters():
-            yield name, full(p.detach())
+            if keep(name):
+                yield name, full(p.detach())
 
     named: Iterable[tuple[str, torch.Tensor]] = gathered()
     layers = lora_layers(model)

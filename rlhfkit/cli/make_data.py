@@ -15,10 +15,16 @@ from them on a CPU. The same --seed writes the same files. Kinds and the files t
               train_prm --placeholder_token '#' --reward_tokens + -)
   chat        chat.jsonl (messages: a user question and the assistant's answer, for
               --apply_chat_template / --multiturn)
+  shapes      pictures for vision-language models (rlhfkit.tasks.shapes: "What colour is the
+              background?", answered by the picture alone), under shapes/, and shapes_train.jsonl (SFT:
+              prompt, images, output, label; --num_train rows), shapes_prompts.jsonl (RL prompts;
+              --num_prompts), shapes_eval.jsonl (held-out pictures; --num_eval) and
+              shapes_preference.jsonl (DPO: prompt, images, chosen, rejected; --num_pairs)
   examples    the shipped reward and agent files (rlhfkit.examples: reward_func.py, agent_func.py, ...)
-  all         every data kind above (not examples)
+  all         every data kind above but shapes (not examples)
 
-Nothing here imports torch: it takes about as long as Python's start.
+Nothing here imports torch: it takes about as long as Python's start (shapes draws its pictures
+with Pillow).
 """
 
 from __future__ import annotations
@@ -34,13 +40,14 @@ from rlhfkit.config.flags import FlagParser
 
 log = logging.getLogger(__spec__.name if __spec__ else __name__)  # also when run as __main__
 
-KINDS = ("addition", "preference", "kto", "prm", "chat", "examples")
+KINDS = ("addition", "preference", "kto", "prm", "chat", "shapes", "examples")
+NOT_IN_ALL = ("shapes", "examples")
 
 
 def build_parser() -> FlagParser:
     p = FlagParser("make_data", __doc__ or "")
     p.add_argument("kinds", nargs="*", metavar="KIND",  # checked in main (argparse rejects an empty list with choices)
-                   help=f"what to write: {', '.join(KINDS)}, or all (every data kind)")
+                   help=f"what to write: {', '.join(KINDS)}, or all (every data kind but shapes)")
     p.flag("--out", type=str, default="data", help="folder the files go to (made if missing)")
     p.flag("--seed", type=int, default=0, help="the same seed writes the same rows")
     p.flag("--digits", type=int, default=2, help="digits per operand")
@@ -117,6 +124,21 @@ class Maker:
                 for r in self.train[:self.args.num_pairs]]
         return [write_jsonl(os.path.join(out, "chat.jsonl"), rows)]
 
+    def shapes(self, out: str) -> list[str]:
+        from rlhfkit.tasks.shapes import shapes_rows, wrong_colour
+
+        a, seed = self.args, self.args.seed
+        train = shapes_rows(a.num_train, out, "train", seed)
+        held = shapes_rows(a.num_eval, out, "eval", seed + 10_007)
+        prompts = [{k: r[k] for k in ("prompt", "images", "label")} for r in train[:a.num_prompts]]
+        rng = random.Random(seed + 3)
+        pairs = [{"prompt": r["prompt"], "images": r["images"], "chosen": r["output"],
+                  "rejected": wrong_colour(r["output"], rng)} for r in train[:a.num_pairs]]
+        return [write_jsonl(os.path.join(out, "shapes_train.jsonl"), train),
+                write_jsonl(os.path.join(out, "shapes_prompts.jsonl"), prompts),
+                write_jsonl(os.path.join(out, "shapes_eval.jsonl"), held),
+                write_jsonl(os.path.join(out, "shapes_preference.jsonl"), pairs)]
+
     def examples(self, out: str) -> list[str]:
         from rlhfkit.examples import copy_to
 
@@ -125,7 +147,7 @@ class Maker:
 
 def make(args) -> list[str]:
     """Write the requested kinds into args.out; returns the written paths in order."""
-    kinds = [k for k in KINDS if k != "examples"] if "all" in args.kinds else []
+    kinds = [k for k in KINDS if k not in NOT_IN_ALL] if "all" in args.kinds else []
     kinds += [k for k in dict.fromkeys(args.kinds) if k != "all" and k not in kinds]
     os.makedirs(args.out, exist_ok=True)
     maker = Maker(args)

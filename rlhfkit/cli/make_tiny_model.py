@@ -1,6 +1,9 @@
 """Build a tiny random causal LM and a character-level tokenizer, offline.
 
     python -m rlhfkit.cli.make_tiny_model --save_path ./tiny [--arch llama|qwen2|mixtral] [--hidden_size 128]
+
+`--arch qwen2_5_vl` or `qwen3_vl` builds a vision-language model instead: the language model of
+these sizes, a two-block vision tower, and an image processor for small pictures (docs/vlm.md).
 """
 
 from __future__ import annotations
@@ -8,7 +11,7 @@ from __future__ import annotations
 import logging
 from rlhfkit.config.configs import from_args
 from rlhfkit.config.flags import FlagParser
-from rlhfkit.models.tiny import TinyModelSpec, make_tiny_model
+from rlhfkit.models.tiny import VLM_ARCHS, TinyModelSpec, make_tiny_model
 
 log = logging.getLogger(__spec__.name if __spec__ else __name__)  # also when run as __main__
 
@@ -20,8 +23,9 @@ def build_parser() -> FlagParser:
                help="directory to write the model and tokenizer to (Hugging Face format)")
         p.flag("--seed", type=int, default=0, help="seed of the random initial weights")
     with p.group("architecture"):
-        p.flag("--arch", type=str, default="llama", choices=["llama", "qwen2", "mixtral"],
-               help="transformers model family (mixtral: a mixture of experts)")
+        p.flag("--arch", type=str, default="llama", choices=["llama", "qwen2", "mixtral", "qwen2_5_vl", "qwen3_vl"],
+               help="transformers model family (mixtral: a mixture of experts; qwen2_5_vl, qwen3_vl: "
+                    "vision-language models with an image processor)")
         p.flag("--hidden_size", type=int, default=128, help="width of the residual stream")
         p.flag("--num_hidden_layers", "--num_layers", type=int, default=4, help="transformer blocks")
         p.flag("--num_attention_heads", type=int, default=4, help="query heads per attention layer")
@@ -37,7 +41,8 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse(argv)
     spec = from_args(TinyModelSpec, args)
     path = make_tiny_model(args.save_path, spec)
-    log.info(f"tiny {spec.arch} model and tokenizer written to {path}")
+    what = "model, tokenizer and image processor" if spec.arch in VLM_ARCHS else "model and tokenizer"
+    log.info(f"tiny {spec.arch} {what} written to {path}")
 
 
 if __name__ == "__main__":

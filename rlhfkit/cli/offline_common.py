@@ -122,6 +122,9 @@ def load_items(args: argparse.Namespace, spec: str, split: str, probs: str | Non
     rows = load_mixture(spec, probs, split=split, max_samples=args.max_samples, seed=args.seed,
                         max_row_bytes=args.max_row_bytes)
     ds = make_dataset(rows)
+    bad = getattr(ds, "num_bad_images", 0)
+    if bad:
+        log.info(f"{bad} of {len(rows)} rows of {spec} dropped for a bad picture (--image_failure drop)")
     report_dropped(ds, len(rows), f"{flag} {spec}", training=flag == "--dataset")
     if not ds.items:
         raise DataError(f"{flag} {spec}: no usable samples ({len(rows)} rows read)")

@@ -23,6 +23,7 @@ from rlhfkit.backend.parallel import ParallelDims
 from rlhfkit.cli.common import (UsageError, check_backend_flags, check_packages, check_positions, parallel_dims,
                                 report_dropped, resolve_model_paths)
 from rlhfkit.cli.rl_checkpoint import RLCheckpointer
+from rlhfkit.cli.vlm_setup import check_vlm_rl_flags
 from rlhfkit.config.configs import BackendConfig, ModelConfig, OptimConfig, from_args
 from rlhfkit.config.notes import note_once
 from rlhfkit.config.rl_flags import CRITIC_OPTIM, EMA_BETA, PTX_COEF, RAY_ONLY
@@ -46,6 +47,7 @@ def resolve_flags(args: argparse.Namespace, world_size: int) -> None:
         raise UsageError("--prompt_data is required")
     check_backend_flags(args)
     check_packages(args)
+    check_vlm_rl_flags(args)
     resolve_optional_terms(args)
     if args.clip_eps_low is not None or args.clip_eps_high is not None:
         lo = args.clip_eps_low if args.clip_eps_low is not None else args.eps_clip
@@ -369,12 +371,12 @@ def agent_config(args: argparse.Namespace, temperature: float) -> AgentConfig:
                        reward_timeout_s=args.reward_timeout, reward_failure=args.reward_failure)
 
 
-def build_executor(args: argparse.Namespace, engine: Any, tokenizer: Any, temperature: float):
+def build_executor(args: argparse.Namespace, engine: Any, tokenizer: Any, temperature: float, vision: Any = None):
     from rlhfkit.agents.executors import SingleTurnAgentExecutor
     from rlhfkit.agents.loader import build_agent_executor
     from rlhfkit.agents.reward_pool import reward_source_with_workers
 
-    cfg = agent_config(args, temperature)
+    cfg = replace(agent_config(args, temperature), vision=vision)  # a VLM's picture handling (or None)
     workers = getattr(args, "reward_workers", 0)
     if args.agent_func_path:
         if workers:
@@ -388,8 +390,12 @@ def build_executor(args: argparse.Namespace, engine: Any, tokenizer: Any, temper
     return SingleTurnAgentExecutor().setup(engine, tokenizer, cfg, reward_source=source)
 
 
-def loop_config(args: argparse.Namespace) -> RLLoopConfig:
+def loop_config(args: argparse.Namespace, vision: Any = None, dropped_image_rows: int = 0) -> RLLoopConfig:
+    """The loop's settings; `vision` (a VLM's context) keeps its picture tokens out of the loss, and rows
+    dropped for a bad picture are logged with every step."""
     return RLLoopConfig(
+        no_loss_token_ids=vision.layout.special_ids if vision is not None else (),
+        data_metrics={"data/dropped_image_rows": float(dropped_image_rows)} if vision is not None else {},
         rollout_batch_size=args.rollout_batch_size, n_samples_per_prompt=args.n_samples_per_prompt,
         num_episodes=args.num_episodes, max_steps=args.max_steps, seed=args.seed, temperature=args.temperature,
         init_kl_coef=args.init_kl_coef, kl_estimator=args.kl_estimator, use_kl_loss=args.use_kl_loss,

@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 from rlhfkit.backend.dist import DistInfo
 from rlhfkit.cli import ppo_setup as S
+from rlhfkit.cli import vlm_setup as V
 from rlhfkit.cli.common import UsageError, make_logger, parallel_dims, report_dropped, save_or_fall_back
 from rlhfkit.data.io import load_mixture
 from rlhfkit.data.prompts import PromptDataConfig, PromptDataset
@@ -41,6 +42,8 @@ class RLData:
     tokenizer: Any
     prompts: list
     eval_prompts: list
+    vision: Any = None  # rlhfkit.models.vlm.VisionContext under --max_images_per_prompt > 0
+    dropped_image_rows: int = 0  # rows left out for a bad picture (--image_failure drop)
 
 
 @dataclass
@@ -71,29 +74,39 @@ class RLRun:
     tokenizer: Any
 
 
-def load_prompts(args, tokenizer, spec: str, split: str, probs: str | None, max_samples: int,
-                 flag: str = "--prompt_data") -> list:
-    """The prompts of `spec`; those left out (longer than --prompt_max_len) are counted and named once,
-    and a training set left with fewer than half its rows is an error (common.report_dropped)."""
+def load_prompt_dataset(args, tokenizer, spec: str, split: str, probs: str | None, max_samples: int,
+                        vision: Any = None, flag: str = "--prompt_data") -> PromptDataset:
+    """The prompts of `spec`; with `vision` (a VLM) each row's pictures are read and placed. Those left out
+    (longer than --prompt_max_len) are counted and named once, and a training set left with fewer than half
+    its rows is an error (common.report_dropped)."""
     rows = load_mixture(spec, probs, split=split, max_samples=max_samples, seed=args.seed,
                         max_row_bytes=args.max_row_bytes)
     cfg = PromptDataConfig(input_key=args.input_key, label_key=args.label_key, input_template=args.input_template,
                            apply_chat_template=args.apply_chat_template,
                            tokenizer_chat_template=args.tokenizer_chat_template, max_prompt_len=args.prompt_max_len)
-    ds = PromptDataset(rows, tokenizer, cfg)
+    ds = PromptDataset(rows, tokenizer, cfg, V.row_images(args, vision))
+    if ds.num_bad_images:
+        log.info(f"{ds.num_bad_images} of {len(rows)} rows of {spec} dropped for a bad picture (--image_failure drop)")
     report_dropped(ds, len(rows), f"{flag} {spec}", training=flag == "--prompt_data")
-    return ds.samples
+    return ds
+
+
+def load_prompts(args, tokenizer, spec: str, split: str, probs: str | None, max_samples: int,
+                 flag: str = "--prompt_data") -> list:
+    return load_prompt_dataset(args, tokenizer, spec, split, probs, max_samples, flag=flag).samples
 
 
 def load_data(args) -> RLData:
     tokenizer = load_tokenizer(args.pretrain, chat_template=args.tokenizer_chat_template,
                                use_fast=not args.disable_fast_tokenizer)
-    prompts = load_prompts(args, tokenizer, args.prompt_data, args.prompt_split, args.prompt_data_probs,
-                           args.max_samples)
-    eval_prompts = (load_prompts(args, tokenizer, args.eval_dataset, args.eval_split, None,
-                                 args.eval_max_samples or args.max_samples, "--eval_dataset")
-                    if args.eval_dataset else [])
-    return RLData(tokenizer, prompts, eval_prompts)
+    vision = V.vision_context(args, tokenizer)
+    train = load_prompt_dataset(args, tokenizer, args.prompt_data, args.prompt_split, args.prompt_data_probs,
+                                args.max_samples, vision)
+    evals = (load_prompt_dataset(args, tokenizer, args.eval_dataset, args.eval_split, None,
+                                 args.eval_max_samples or args.max_samples, vision, "--eval_dataset")
+             if args.eval_dataset else None)
+    dropped = train.num_bad_images + (evals.num_bad_images if evals is not None else 0)
+    return RLData(tokenizer, train.samples, evals.samples if evals is not None else [], vision, dropped)
 
 
 def save_critic(path: str, tokenizer: Any, role: Any, backend: Any, dist: DistInfo) -> None:
@@ -126,13 +139,15 @@ def _save_local_critic(path: str, tokenizer: Any, *, backend: Any, dist: DistInf
 def build_trainer(args, placement: Placement, data: RLData, trainer_cls: type = RLTrainer, **extra: Any) -> Any:
     """The loop over `placement` (extra: the trainer class's own keywords)."""
     p, tok = placement, data.tokenizer
-    executor = S.build_executor(args, p.engine, tok, args.temperature)
-    eval_executor = S.build_executor(args, p.engine, tok, args.eval_temperature) if data.eval_prompts else None
+    executor = S.build_executor(args, p.engine, tok, args.temperature, data.vision)
+    eval_executor = S.build_executor(args, p.engine, tok, args.eval_temperature, data.vision) \
+        if data.eval_prompts else None
     if data.eval_prompts and p.reward is not None:
         raise UsageError("--eval_dataset scores with --remote_rm_url or --agent_func_path; "
                          "evaluation with a reward model is not supported")
     ckpt = S.checkpointer(args, p.policy_backend, p.critic_backend, tok)
-    return trainer_cls(S.loop_config(args), S.advantage_config(args), S.shaping_config(args), policy=p.policy,
+    loop = S.loop_config(args, data.vision, data.dropped_image_rows)
+    return trainer_cls(loop, S.advantage_config(args), S.shaping_config(args), policy=p.policy,
                        engine=p.engine, executor=executor, prompts=data.prompts, dist=p.dist,
                        logger=make_logger(args, p.dist.rank, PLOT_KEYS), pad_token_id=tok.pad_token_id,
                        kl_ctl=S.kl_controller(args), ref=p.ref, critic=p.critic, reward_model=p.reward,

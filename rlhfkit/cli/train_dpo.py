@@ -10,10 +10,13 @@ Losses (rlhfkit.losses.preference): DPO (default), cDPO with `--label_smoothing`
 `--ref_pretrain` (default: `--pretrain`), frozen; its log-probs are computed per micro-batch
 (rlhfkit.trainers.dpo_task says why); `--ref_offload` keeps it in CPU memory between uses.
 Logged: loss, chosen_reward, rejected_reward, acc, margin (and eval_* on `--eval_dataset`).
+Vision-language models: `--max_images_per_prompt N --image_key images`; both sides of a pair
+show the row's pictures (docs/vlm.md).
 """
 
 from __future__ import annotations
 
+from rlhfkit.cli import vlm_setup as V
 from rlhfkit.cli.common import cli_main
 from rlhfkit.cli.offline_common import (
     OFFLINE_PLOT_KEYS,
@@ -28,7 +31,7 @@ from rlhfkit.cli.offline_common import (
 )
 from rlhfkit.cli.run_dir import training_run
 from rlhfkit.config.configs import from_args
-from rlhfkit.config.flags import FlagParser
+from rlhfkit.config.flags import FlagParser, add_image_flags
 from rlhfkit.data.preference import PreferenceDataConfig, PreferenceDataset
 from rlhfkit.trainers.dpo_task import DPOTask, check_dpo_settings
 
@@ -48,20 +51,24 @@ def build_parser() -> FlagParser:
            help="weight of the chosen answers' NLL (Llama 3.1 / RPO style)")
     for dest in ("input_key", "output_key"):
         p.mark_inert(dest, "pairs are read from --prompt_key, --chosen_key and --rejected_key")
+    add_image_flags(p)
     return p
 
 
 @training_run
 def run(args) -> OfflineRun:
     check_dpo_settings(args.beta, args.label_smoothing, args.ipo, args.nll_loss_coef)
+    V.check_vlm_offline_flags(args)
     dist, tokenizer = setup(args)
     data_cfg = from_args(PreferenceDataConfig, args)
-    train_items, eval_items = load_split_items(args, lambda rows: PreferenceDataset(rows, tokenizer, data_cfg))
+    vision = V.vision_context(args, tokenizer)
+    train_items, eval_items = load_split_items(
+        args, lambda rows: PreferenceDataset(rows, tokenizer, data_cfg, V.row_images(args, vision)))
     ref = frozen_model(args.ref_pretrain or args.pretrain, args, dist,
                        "--ref_pretrain" if args.ref_pretrain else "--pretrain", args.ref_offload)
     task = DPOTask(pad_token_id=tokenizer.pad_token_id, ref=ref, beta=args.beta, label_smoothing=args.label_smoothing,
                    ipo=args.ipo, nll_loss_coef=args.nll_loss_coef, packing=args.packing_samples,
-                   device=dist.device, dist=dist)
+                   device=dist.device, dist=dist, vision=vision)
     return train_policy(args, dist, tokenizer, task, train_items, eval_items, plot_keys=OFFLINE_PLOT_KEYS)
 
 

@@ -274,8 +274,12 @@ def ray_placement(launched) -> Any:
                        save_critic=R.critic_saver_on_group(critic) if critic is not None else None)
 
 
-def build_ray_trainer(args, launched, phases, tokenizer, prompts, eval_prompts) -> AsyncRLTrainer:
-    return R.build_trainer(args, ray_placement(launched), R.RLData(tokenizer, prompts, eval_prompts),
+def build_ray_trainer(args, launched, phases, tokenizer, prompts, eval_prompts, data: R.RLData | None = None
+                      ) -> AsyncRLTrainer:
+    """The loop over the launched actors; `data` (what `R.load_data` read) also carries a VLM's
+    picture handling, else the data is the tokenizer and the prompts."""
+    data = data if data is not None else R.RLData(tokenizer, prompts, eval_prompts)
+    return R.build_trainer(args, ray_placement(launched), data,
                            AsyncRLTrainer, router=launched.router, phases=phases, monitor=launched.monitor,
                            async_queue_size=args.async_queue_size if args.async_train else 0,
                            partial_rollout=args.partial_rollout, take_turns=async_mode(args) == "turns")
@@ -304,7 +308,7 @@ def run(args, parser, hard_exit: bool = False) -> None:
     launched = None
     try:
         launched, phases = launch_roles(args, num_steps, shapes, hard_exit)
-        trainer = build_ray_trainer(args, launched, phases, data.tokenizer, data.prompts, data.eval_prompts)
+        trainer = build_ray_trainer(args, launched, phases, data.tokenizer, data.prompts, data.eval_prompts, data)
         trainer.fit()
         trainer.logger.close()
         save_final(args, launched, data.tokenizer, fallback=trainer.save_checkpoint)

@@ -5,15 +5,18 @@
         --max_len 4096 --zero_stage 2 --param_dtype bf16 --learning_rate 5e-6 --save_path ./ckpt/sft
 
 Loss on response tokens only (`--pretrain_mode`: all tokens; `--multiturn`: every assistant turn).
+Vision-language models: `--max_images_per_prompt N --image_key images` reads each row's pictures
+(docs/vlm.md); `--freeze_visual_encoder` trains the language model only.
 """
 
 from __future__ import annotations
 
 from rlhfkit.cli import offline_common as C
+from rlhfkit.cli import vlm_setup as V
 from rlhfkit.cli.common import cli_main
 from rlhfkit.cli.run_dir import training_run
 from rlhfkit.config.configs import from_args
-from rlhfkit.config.flags import FlagParser
+from rlhfkit.config.flags import FlagParser, add_image_flags
 from rlhfkit.data.sft import SFTDataConfig, SFTDataset
 from rlhfkit.trainers.sft_task import SFTTask
 
@@ -27,16 +30,21 @@ def build_parser() -> FlagParser:
            help="--input_key holds a conversation; the loss covers every assistant turn")
     p.flag("--pretrain_mode", "--model.pretrain_mode_enable", action="store_true",
            help="loss on every token of the raw text (no template; continued pretraining)")
+    add_image_flags(p)
     return p
 
 
 @training_run
 def run(args, on_step_end=None) -> C.OfflineRun:
     """Train; `on_step_end(state, metrics, backend)` runs after each step (True stops early)."""
+    V.check_vlm_offline_flags(args)
     dist, tokenizer = C.setup(args)
     data_cfg = from_args(SFTDataConfig, args)
-    train_items, eval_items = C.load_split_items(args, lambda rows: SFTDataset(rows, tokenizer, data_cfg))
-    task = SFTTask(pad_token_id=tokenizer.pad_token_id, packing=args.packing_samples, device=dist.device, dist=dist)
+    vision = V.vision_context(args, tokenizer)
+    train_items, eval_items = C.load_split_items(
+        args, lambda rows: SFTDataset(rows, tokenizer, data_cfg, V.row_images(args, vision)))
+    task = SFTTask(pad_token_id=tokenizer.pad_token_id, packing=args.packing_samples, device=dist.device, dist=dist,
+                   vision=vision)
     return C.train_policy(args, dist, tokenizer, task, train_items, eval_items, on_step_end=on_step_end)
 
 

@@ -41,6 +41,7 @@ class ModelConfig:
     load_in_4bit: bool = False
     disable_fast_tokenizer: bool = False
     experts_implementation: str | None = None  # MoE kernels of transformers (eager, grouped_mm, ...)
+    freeze_visual_encoder: bool = False  # a VLM's vision tower stays as loaded [--freeze_visual_encoder]
 
 
 @dataclass

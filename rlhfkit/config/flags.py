@@ -47,11 +47,12 @@ def add_model_flags(p: FlagParser, default_dtype: str = "bf16") -> None:
         p.flag("--pretrain", "--model.model_name_or_path", "--actor.model_name_or_path",
                type=str, default=None, help="the model to train or run: a Hugging Face model directory, or a hub id "
                                             "(org/name: the HF cache, else the hub when online)")
-        p.flag("--param_dtype", "--ds.param_dtype", type=str, default=default_dtype,
+        p.flag("--param_dtype", "--ds.param_dtype", "--fsdp.param_dtype", type=str, default=default_dtype,
                choices=["bf16", "fp16", "fp32"],
                help="compute dtype on GPU (master weights stay fp32); CPU training computes in fp32")
         p.flag("--bf16", dest="param_dtype", action="store_const", const="bf16", help="alias of --param_dtype bf16")
-        p.flag("--attn_implementation", "--ds.attn_implementation", type=str, default="sdpa",
+        p.flag("--attn_implementation", "--ds.attn_implementation", "--fsdp.attn_implementation", type=str,
+               default="sdpa",
                help="attention kernel of transformers: sdpa, eager, flash_attention_2 (when installed)")
         p.flag("--flash_attn", dest="attn_implementation", action="store_const", const="flash_attention_2",
                help="alias of --attn_implementation flash_attention_2")
@@ -131,6 +132,27 @@ def add_data_flags(p: FlagParser, *, max_len: int = 2048, max_samples: int = 1_0
         p.flag("--eval_dataset", "--eval.dataset", type=str, default=None,
                help="evaluation data, same format as --dataset (default: no evaluation)")
         p.flag("--eval_split", "--eval.split", type=str, default="train", help="split of --eval_dataset to read")
+
+
+def add_image_flags(p: FlagParser) -> None:
+    """Vision-language data and models (docs/vlm.md): the pictures of a row, their limits, and
+    whether the vision tower trains."""
+    with p.group(DATA):
+        p.flag("--image_key", "--data.image_key", type=str, default="images",
+               help="column with a row's pictures: file paths, http(s) URLs, base64 data URIs or image bytes "
+                    "(one, or a list)")
+        p.flag("--max_images_per_prompt", "--data.max_images_per_prompt", type=int, default=0,
+               help="> 0 turns on vision-language mode: pictures of --image_key go with each sample, at most "
+                    "this many (a row with more is an error)")
+        p.flag("--image_failure", type=str, default="stop", choices=["stop", "drop"],
+               help="a missing, unreadable or too large picture: stop with an error naming file and row, or "
+                    "drop its row (counted)")
+        p.flag("--max_image_bytes", type=int, default=32 * 2**20, help="largest picture file in bytes")
+        p.flag("--max_image_pixels", type=int, default=4096 * 4096, help="largest picture in pixels (width x height)")
+    with p.group(MODEL):
+        p.flag("--freeze_visual_encoder", "--actor.freeze_visual_encoder", action="store_true",
+               help="vision-language models: the vision tower does not train (nor go to the rollout engines); "
+                    "the language model and its head do")
 
 
 def add_dataloader_workers_flag(p: FlagParser) -> None:

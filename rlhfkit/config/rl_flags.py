@@ -13,8 +13,8 @@ from rlhfkit.config.flag_parser import (RL_ALGO, RL_ASYNC, RL_CRITIC, RL_MODELS,
                                         RL_ROLLOUT)
 from rlhfkit.config.flags import (CKPT, DATA, EVAL, LOGGING, LR_SCHEDULER_HELP, LR_SCHEDULES, MIN_LR_HELP, OPTIM,
                                   TRAIN, FlagParser, add_backend_flags, add_ckpt_flags, add_dataloader_workers_flag,
-                                  add_logging_flags, add_max_row_bytes_flag, add_model_flags, add_nonfinite_flag,
-                                  add_optimizer_choice_flags)
+                                  add_image_flags, add_logging_flags, add_max_row_bytes_flag, add_model_flags,
+                                  add_nonfinite_flag, add_optimizer_choice_flags)
 
 ESTIMATORS = ["gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo"]
 EMA_BETA = 0.992  # --ema_beta when not given (OpenRLHF's default)
@@ -30,6 +30,7 @@ def add_rl_flags(p: FlagParser) -> None:
     _sample_logging(p)
     _models(p)
     _data(p)
+    add_image_flags(p)
     _rollout(p)
     _train(p)
     _algo(p)
@@ -349,9 +350,10 @@ def _placement(p: FlagParser) -> None:
                help="the reference model shares the actor's GPUs")
         p.flag("--colocate_critic_reward", "--train.colocate_critic_reward", action="store_true",
                help="the reward model shares the critic's GPUs")
-        p.flag("--deepspeed_enable_sleep", "--ds.enable_sleep", "--fsdp2_enable_sleep", action="store_true",
+        p.flag("--deepspeed_enable_sleep", "--ds.enable_sleep", "--fsdp2_enable_sleep", "--fsdp.enable_sleep",
+               action="store_true",
                help="training states (optimizer, fp32 master weights, gradients) to host memory between phases; "
-                    "--fsdp2_enable_sleep is OpenRLHF's FSDP2-era name of the same flag")
+                    "--fsdp2_enable_sleep and --fsdp.enable_sleep are OpenRLHF's FSDP2-era names of the same flag")
         p.flag("--skip_memory_check", action="store_true",
                help="start even when the per-GPU memory plan exceeds the GPU (train_ppo_ray prints the plan)")
 

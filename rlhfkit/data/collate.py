@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -80,11 +80,13 @@ def mark_no_padding(attention_mask: torch.Tensor) -> None:
 
 @dataclass
 class PaddedBatch(_DictLike):
-    """Right-padded batch: `input_ids`, `attention_mask`, `loss_mask`, all `[B, L]` long."""
+    """Right-padded batch: `input_ids`, `attention_mask`, `loss_mask`, all `[B, L]` long; `images`
+    (a VLM's rows): each row's processed pictures (`ImageInputs`) or None, left on the host."""
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     loss_mask: torch.Tensor
+    images: list[Any] | None = None
 
 
 @dataclass
@@ -112,13 +114,21 @@ class PackedBatch(_DictLike):
         return out
 
 
-def pad_batch(items: Sequence[Any], pad_id: int, side: str = "right") -> PaddedBatch:
-    """Items with `input_ids` and `loss_mask` (lists) -> `PaddedBatch` `[B, L]`."""
+def pad_batch(items: Sequence[Any], pad_id: int, side: str = "right",
+              pictures: Callable[[Sequence[Any]], Any] | None = None) -> PaddedBatch:
+    """Items with `input_ids` and `loss_mask` (lists) -> `PaddedBatch` `[B, L]`. `pictures` turns an
+    item's `images` (refs) into its row's `ImageInputs` (a VLM's data)."""
     ids = [_field(it, "input_ids") for it in items]
+    images = None
+    if pictures is not None and any(getattr(it, "images", None) for it in items):
+        if side != "right":
+            raise ValueError("pad_batch: rows with pictures are right padded")
+        images = [pictures(it.images) if it.images else None for it in items]
     return PaddedBatch(
         input_ids=pad_sequences(ids, pad_id, side),
         attention_mask=pad_sequences([[1] * len(s) for s in ids], 0, side),
         loss_mask=pad_sequences([_field(it, "loss_mask") for it in items], 0, side),
+        images=images,
     )
 
 

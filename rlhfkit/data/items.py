@@ -19,21 +19,24 @@ response is trained as a cut response, not taught to stop mid-sentence.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from torch.utils.data import Dataset
 
 from rlhfkit.data.io import DataError, Row
+from rlhfkit.types import ImageRef
 from rlhfkit.data.templates import encode, require_chat_template, set_chat_template
 
 
 @dataclass
 class SFTItem:
-    """One SFT sample: `input_ids [L]`, `loss_mask [L]`."""
+    """One SFT sample: `input_ids [L]`, `loss_mask [L]`; `images`: its pictures (a VLM's, one
+    placeholder run each in `input_ids`), processed when a batch is collated."""
 
     input_ids: list[int]
     loss_mask: list[int]
+    images: list[ImageRef] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -48,6 +51,7 @@ class PreferenceItem:
     rejected_ids: list[int]
     rejected_loss_mask: list[int]
     margin: float = 0.0
+    images: list[ImageRef] = field(default_factory=list)  # the prompt's pictures (both sides show them)
 
     def __len__(self) -> int:
         return len(self.chosen_ids) + len(self.rejected_ids)
@@ -147,10 +151,23 @@ class TokenizedDataset(Dataset):
         """Token count of each item (for token-budget batching)."""
         return [len(it) for it in self.items]
 
-    def _join(self, prompt: str, response: str, max_len: int) -> tuple[list[int], list[int]] | None:
-        """Encode prompt and response (trailing newlines stripped) and join them."""
-        return join_prompt_response(encode(self.tokenizer, prompt),
-                                    encode(self.tokenizer, response.rstrip("\n")), self.eos_id, max_len)
+    def _join(self, prompt: str, response: str, max_len: int, images: Any = None, refs: Sequence[ImageRef] = (),
+              row: Row | None = None) -> tuple[list[int], list[int]] | None:
+        """Encode prompt and response (trailing newlines stripped) and join them. With `images` (a
+        `RowImages`) the pictures' placeholders expand to their runs, those tokens stay out of the
+        loss, and a sample whose runs the cut would break is dropped (None)."""
+        prompt_ids = encode(self.tokenizer, prompt)
+        response_ids = encode(self.tokenizer, response.rstrip("\n"))
+        if images is None:
+            return join_prompt_response(prompt_ids, response_ids, self.eos_id, max_len)
+        images.expand(prompt_ids + response_ids, refs, row)  # one placeholder per picture, or an error
+        k = prompt_ids.count(images.image_token_id)
+        prompt_ids, _ = images.expand(prompt_ids, refs[:k], row)
+        response_ids, _ = images.expand(response_ids, refs[k:], row)
+        joined = join_prompt_response(prompt_ids, response_ids, self.eos_id, max_len)
+        if joined is None or not images.intact(joined[0], refs):
+            return None
+        return joined[0], images.mask_out(joined[0], joined[1])
 
 
 def check_dropped(ds: TokenizedDataset, rows_read: int, what: str, training: bool = True) -> str | None:

@@ -16,6 +16,10 @@ pairs whose log-ratios estimate KTO's reference point z0 = KL(pi || pi_ref).
 
 Both use the joining and truncation rule of `rlhfkit.data.items`; a pair is dropped (and counted)
 when either side has no response token left within `--max_len`.
+
+Vision-language pairs (`images`, a `RowImages`): the row's pictures are placed in the prompt (or,
+without `--prompt_key`, in each side's conversation or text) and both sides show them; their
+tokens never enter the loss.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from rlhfkit.data.images import RowImages
 from rlhfkit.data.io import DataError, Row
 from rlhfkit.data.items import PreferenceItem, SFTItem, TokenizedDataset, UnpairedItem, join_prompt_response
 from rlhfkit.data.templates import PromptFormat, check_input_template, chat_prompt_response, encode, to_messages
@@ -49,19 +54,30 @@ class PreferenceDataConfig:
 class PreferenceDataset(TokenizedDataset):
     """Chosen/rejected pairs -> `PreferenceItem`."""
 
-    def __init__(self, rows: Sequence[Row], tokenizer: Any, config: PreferenceDataConfig) -> None:
+    def __init__(self, rows: Sequence[Row], tokenizer: Any, config: PreferenceDataConfig,
+                 images: RowImages | None = None) -> None:
         self.config = config
+        self.images = images
         self.format = PromptFormat(config.input_template, config.apply_chat_template)
         super().__init__(rows, tokenizer, config.tokenizer_chat_template,
                          "--apply_chat_template" if config.apply_chat_template else None)
 
-    def _side(self, row: Row, key: str, flag: str) -> tuple[str, str]:
-        """(prompt text, response text) of one side."""
+    @property
+    def num_bad_images(self) -> int:
+        """Rows dropped for a bad picture (--image_failure drop)."""
+        return 0 if self.images is None else self.images.num_dropped
+
+    def _side(self, row: Row, key: str, flag: str, refs: list) -> tuple[str, str]:
+        """(prompt text, response text) of one side (its pictures placed, when there are any)."""
         cfg = self.config
         value = row.get(key, flag)
         if cfg.prompt_key:
             prompt = row.get(cfg.prompt_key, "--prompt_key")
+            if self.images is not None:
+                prompt = self.images.place(prompt, len(refs), row, cfg.prompt_key, cfg.apply_chat_template)
             return self.format.prompt_and_response(self.tokenizer, prompt, value, row, (cfg.prompt_key, key))
+        if self.images is not None:
+            value = self.images.place(value, len(refs), row, key, cfg.apply_chat_template)
         if not cfg.apply_chat_template:
             if not isinstance(value, str):
                 raise row.error(f"key {key!r} ({flag}) must be a string without --apply_chat_template, "
@@ -74,20 +90,26 @@ class PreferenceDataset(TokenizedDataset):
 
     def encode_row(self, row: Row) -> PreferenceItem | None:
         cfg = self.config
-        chosen = self._join(*self._side(row, cfg.chosen_key, "--chosen_key"), cfg.max_len)
-        rejected = self._join(*self._side(row, cfg.rejected_key, "--rejected_key"), cfg.max_len)
+        refs = []
+        if self.images is not None:
+            refs = self.images.read_or_drop(row)
+            if refs is None:
+                return None
+        chosen = self._join(*self._side(row, cfg.chosen_key, "--chosen_key", refs), cfg.max_len, self.images, refs, row)
+        rejected = self._join(*self._side(row, cfg.rejected_key, "--rejected_key", refs), cfg.max_len, self.images,
+                              refs, row)
         margin = row.opt("margin", 0.0)
         if isinstance(margin, bool) or not isinstance(margin, (int, float)):
             raise row.error(f"key 'margin' must be a number, got {type(margin).__name__}")
         if chosen is None or rejected is None:
             return None
-        return PreferenceItem(chosen[0], chosen[1], rejected[0], rejected[1], float(margin))
+        return PreferenceItem(chosen[0], chosen[1], rejected[0], rejected[1], float(margin), refs)
 
 
 def preference_rows(items: Sequence[PreferenceItem]) -> list[SFTItem]:
     """The 2B sequences of B pairs for one forward pass: all chosen first, then all rejected."""
-    return ([SFTItem(it.chosen_ids, it.chosen_loss_mask) for it in items]
-            + [SFTItem(it.rejected_ids, it.rejected_loss_mask) for it in items])
+    return ([SFTItem(it.chosen_ids, it.chosen_loss_mask, it.images) for it in items]
+            + [SFTItem(it.rejected_ids, it.rejected_loss_mask, it.images) for it in items])
 
 
 # ----------------------------------------------------------------------------- KTO

@@ -8,7 +8,13 @@ passed untouched to `reward_func` and agents (missing or null is an error naming
 
 With `max_prompt_len`, prompts longer than that many tokens are dropped and counted
 (`rlhfkit.data.items.check_dropped` reports them). An empty or whitespace-only prompt is an error
-naming file, row and key.
+naming file, row and key (one with a picture may have no text).
+
+Vision-language prompts (`images`, a `rlhfkit.data.images.RowImages`: `--image_key`,
+`--max_images_per_prompt`): each row's pictures are read and checked, and the prompt gets one
+placeholder per picture (`<image>` tags or image content parts, through the chat template); a
+prompt's length counts each picture's placeholder tokens. A bad picture is an error naming the row,
+or under `--image_failure drop` the row is left out and counted in `num_bad_images`.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from rlhfkit.data.images import RowImages
 from rlhfkit.data.io import DataError, Row
 from rlhfkit.data.items import TokenizedDataset
 from rlhfkit.data.templates import PromptFormat, check_input_template, encode
@@ -42,9 +49,11 @@ class PromptDataConfig:
 class PromptDataset(TokenizedDataset):
     """`PromptSample`s; `samples[i].index == i`."""
 
-    def __init__(self, rows: Sequence[Row], tokenizer: Any, config: PromptDataConfig) -> None:
+    def __init__(self, rows: Sequence[Row], tokenizer: Any, config: PromptDataConfig,
+                 images: RowImages | None = None) -> None:
         self.config = config
         self.format = PromptFormat(config.input_template, config.apply_chat_template)
+        self.images = images
         super().__init__(rows, tokenizer, config.tokenizer_chat_template,
                          "--apply_chat_template" if config.apply_chat_template else None)
 
@@ -56,8 +65,13 @@ class PromptDataset(TokenizedDataset):
         return self.items
 
     @property
+    def num_bad_images(self) -> int:
+        """Rows dropped for a bad picture (--image_failure drop)."""
+        return 0 if self.images is None else self.images.num_dropped
+
+    @property
     def lengths(self) -> list[int]:
-        return [len(encode(self.tokenizer, s.prompt)) for s in self.items]
+        return [len(encode(self.tokenizer, s.prompt)) + sum(r.num_tokens - 1 for r in s.images) for s in self.items]
 
     @property
     def drop_reason(self) -> str:
@@ -66,18 +80,30 @@ class PromptDataset(TokenizedDataset):
     def encode_row(self, row: Row) -> PromptSample | None:
         cfg = self.config
         value = row.get(cfg.input_key, "--input_key")
-        if (isinstance(value, str) and not value.strip()) or (isinstance(value, (list, tuple)) and not value):
+        refs = []
+        if self.images is not None:
+            refs = self.images.read_or_drop(row)
+            if refs is None:
+                return None
+        if not refs and ((isinstance(value, str) and not value.strip())
+                         or (isinstance(value, (list, tuple)) and not value)):
             what = "empty" if not value else "only whitespace"
             raise row.error(f"key {cfg.input_key!r} (--input_key) is {what}: a prompt needs text")
+        if self.images is not None:
+            value = self.images.place(value, len(refs), row, cfg.input_key, cfg.apply_chat_template)
         prompt = self.format.prompt_text(self.tokenizer, value, row, cfg.input_key)
-        if cfg.max_prompt_len is not None and len(encode(self.tokenizer, prompt)) > cfg.max_prompt_len:
+        ids = encode(self.tokenizer, prompt)
+        if self.images is not None:
+            ids, _ = self.images.expand(ids, refs, row)  # checks the template wrote one placeholder each
+        length = len(ids)
+        if cfg.max_prompt_len is not None and length > cfg.max_prompt_len:
             return None
         label = row.get(cfg.label_key, "--label_key") if cfg.label_key else None
         if cfg.label_key and label is None:
             raise row.error(f"key {cfg.label_key!r} (--label_key) is null; every prompt needs a label "
                             "when --label_key is given")
         source = row.opt("datasource", "default")
-        return PromptSample(prompt=prompt, label=label, datasource=str(source), index=len(self.items))
+        return PromptSample(prompt=prompt, label=label, datasource=str(source), index=len(self.items), images=refs)
 
 
 def build_prompt_samples(rows: Sequence[Row], tokenizer: Any, config: PromptDataConfig) -> list[PromptSample]:

@@ -20,6 +20,11 @@ Three modes (OpenRLHF `train_sft` flags):
 
 Samples longer than `--max_len` are cut; a sample with no response token left is dropped and
 counted in `num_dropped`.
+
+Vision-language SFT (`images`, a `RowImages`: `--image_key`, `--max_images_per_prompt`): a row's
+pictures get one placeholder each in its prompt or conversation (`<image>` tags or image content
+parts), expanded to each picture's token run; those tokens never enter the loss, and a sample whose
+runs the cut would break is dropped. Not with `--pretrain_mode`.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from rlhfkit.data.images import RowImages
 from rlhfkit.data.io import DataError, Row
 from rlhfkit.data.items import SFTItem, TokenizedDataset
 from rlhfkit.data.templates import (Message, PromptFormat, check_input_template, chat_prompt_response, encode,
@@ -60,8 +66,12 @@ class SFTDataConfig:
 class SFTDataset(TokenizedDataset):
     """Tokenized SFT items; `num_dropped` counts samples whose response did not fit `max_len`."""
 
-    def __init__(self, rows: Sequence[Row], tokenizer: Any, config: SFTDataConfig) -> None:
+    def __init__(self, rows: Sequence[Row], tokenizer: Any, config: SFTDataConfig,
+                 images: RowImages | None = None) -> None:
         self.config = config
+        self.images = images
+        if images is not None and config.pretrain_mode:
+            raise DataError("--max_images_per_prompt: --pretrain_mode reads no pictures (it has no prompt)")
         self.format = PromptFormat(config.input_template, config.apply_chat_template)
         chat_flag = ("--multiturn" if config.multiturn else
                      "--apply_chat_template" if config.apply_chat_template and not config.pretrain_mode else None)
@@ -74,9 +84,19 @@ class SFTDataset(TokenizedDataset):
         """One row -> item (None: dropped by truncation)."""
         if self.config.pretrain_mode:
             return self._pretrain(row)
+        refs = []
+        if self.images is not None:
+            refs = self.images.read_or_drop(row)
+            if refs is None:
+                return None
         if self.config.multiturn:
-            return self._multiturn(row)
-        return self._prompt_response(row)
+            return self._multiturn(row, refs)
+        return self._prompt_response(row, refs)
+
+    @property
+    def num_bad_images(self) -> int:
+        """Rows dropped for a bad picture (--image_failure drop)."""
+        return 0 if self.images is None else self.images.num_dropped
 
     # ------------------------------------------------------------------ modes
 
@@ -89,9 +109,11 @@ class SFTDataset(TokenizedDataset):
             return None
         return SFTItem(ids, [0] + [1] * (len(ids) - 1))
 
-    def _prompt_response(self, row: Row) -> SFTItem | None:
+    def _prompt_response(self, row: Row, refs: list) -> SFTItem | None:
         cfg = self.config
         value = row.get(cfg.input_key, "--input_key")
+        if self.images is not None:
+            value = self.images.place(value, len(refs), row, cfg.input_key, cfg.apply_chat_template)
         if cfg.output_key:
             response = row.get(cfg.output_key, "--output_key")
             prompt, answer = self.format.prompt_and_response(
@@ -102,19 +124,22 @@ class SFTDataset(TokenizedDataset):
                 raise row.error(f"key {cfg.input_key!r} must be a conversation ending with an assistant "
                                 "message when --output_key is not given")
             prompt, answer = chat_prompt_response(self.tokenizer, msgs[:-1], msgs[-1:], row)
-        joined = self._join(prompt, answer, cfg.max_len)
-        return None if joined is None else SFTItem(*joined)
+        joined = self._join(prompt, answer, cfg.max_len, self.images, refs, row)
+        return None if joined is None else SFTItem(*joined, images=refs)
 
-    def _conversation(self, row: Row) -> list[Message]:
+    def _conversation(self, row: Row, refs: list) -> list[Message]:
         cfg = self.config
-        msgs = to_messages(row.get(cfg.input_key, "--input_key"), row, cfg.input_key)
+        value = row.get(cfg.input_key, "--input_key")
+        if self.images is not None:
+            value = self.images.place(value, len(refs), row, cfg.input_key, True)
+        msgs = to_messages(value, row, cfg.input_key)
         if cfg.output_key:
             extra = row.get(cfg.output_key, "--output_key")
             msgs = msgs + to_messages(extra, row, cfg.output_key, role="assistant")
         return msgs
 
-    def _multiturn(self, row: Row) -> SFTItem | None:
-        msgs = self._conversation(row)
+    def _multiturn(self, row: Row, refs: list) -> SFTItem | None:
+        msgs = self._conversation(row, refs)
         pieces = conversation_pieces(self.tokenizer, msgs, row)
         ids: list[int] = []
         mask: list[int] = []
@@ -126,10 +151,15 @@ class SFTDataset(TokenizedDataset):
                 piece.append(self.eos_id)
             ids += piece
             mask += [int(trained)] * len(piece)
+        if self.images is not None:
+            ids, mask = self.images.expand(ids, refs, row, mask)
+            mask = self.images.mask_out(ids, mask)
         ids, mask = ids[: self.config.max_len], mask[: self.config.max_len]
         if mask:
             mask[0] = 0
-        return SFTItem(ids, mask) if any(mask) else None
+        if self.images is not None and not self.images.intact(ids, refs):
+            return None
+        return SFTItem(ids, mask, refs) if any(mask) else None
 
 
 def conversation_pieces(tokenizer: Any, msgs: list[Message], row: Row) -> list[tuple[str, bool]]:

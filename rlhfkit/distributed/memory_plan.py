@@ -109,16 +109,20 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, cfg: Any, value_head: bool = False) -> "ModelShape":
-        """From a Hugging Face config (object or dict) of a Llama / Qwen2 / Qwen3 / Mistral-like model."""
+        """From a Hugging Face config (object or dict) of a Llama / Qwen2 / Qwen3 / Mistral-like model; a
+        vision-language model's language model (its `text_config`; the vision tower is not counted)."""
         get = cfg.get if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
+        if get("vision_config", None) is not None and get("text_config", None) is not None:
+            return cls.from_config(get("text_config"), value_head)
         kind = get("model_type", "")
         bias = get("attention_bias", None)
         heads = get("num_attention_heads")
         return cls(hidden=get("hidden_size"), layers=get("num_hidden_layers"), heads=heads,
                    kv_heads=get("num_key_value_heads", None) or heads, intermediate=get("intermediate_size"),
                    vocab=get("vocab_size"), tied=bool(get("tie_word_embeddings", False)),
-                   head_dim=get("head_dim", None), qkv_bias=bool(bias) if bias is not None else kind == "qwen2",
-                   qk_norm=kind == "qwen3", value_head=value_head)
+                   head_dim=get("head_dim", None),
+                   qkv_bias=bool(bias) if bias is not None else kind in ("qwen2", "qwen2_vl_text", "qwen2_5_vl_text"),
+                   qk_norm=kind in ("qwen3", "qwen3_vl_text"), value_head=value_head)
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,8 @@ FILES = {
     "math_reward_func.py": "math answer reward with rlhfkit.utils.grade_answer: --remote_rm_url",
     "agent_func.py": "single-turn environment (one answer, checked against the label): --agent_func_path",
     "agent_func_multiturn.py": "multi-turn environment (a retry with feedback after a wrong answer): --agent_func_path",
+    "agent_func_vlm.py": "multi-turn environment of a vision-language policy (sends a picture with its feedback): "
+                         "--agent_func_path",
     "agent_func_openai.py": "agent written against the OpenAI API (needs pip install openai): --agent_func_path",
     "agent_func_gem.py": "GEM game environment (needs pip install gem-llm): --agent_func_path",
     "scripts/rejection_sampling.sh": "rejection-sampling loop: generate -> score and keep the best -> train_sft",

@@ -20,6 +20,9 @@ Packed rows must not attend across samples. How that is ensured (`packed_mask`):
   whose code does not go through `create_causal_mask`).
 * "hf": position_ids only, whatever the attention implementation.
 
+Vision-language models take their pictures as `model_kwargs` (`pixel_values`, `image_grid_thw`,
+rlhfkit.models.vlm.batch_forward_kwargs) and 3-D `position_ids` `[3, B, L]` with the padded layout.
+
 Context parallelism (--ring_attn_size): a model the backend prepared for it carries
 `rlhfkit_context_parallel` (`CONTEXT_PARALLEL_ATTR`), and `token_logprobs` hands the call to it
 (rlhfkit.backend.context_parallel): same arguments, same result, sequences split over the ring.
@@ -215,11 +218,13 @@ def forward_kwargs(model: torch.nn.Module, attention_mask: torch.Tensor | None,
 
 def forward_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                    position_ids: torch.Tensor | None = None, packed_mask: str = "auto",
-                   gather: bool = True) -> torch.Tensor:
+                   gather: bool = True, model_kwargs: dict[str, Any] | None = None) -> torch.Tensor:
     """The model's logits `[B, L, V]` for a padded or packed batch. Under tensor parallelism the
     `lm_head` returns vocabulary-sharded logits (a DTensor); `gather` makes them a plain full
-    tensor (differentiable all-gather), else they are returned as they are."""
-    out = model(input_ids=input_ids, **forward_kwargs(model, attention_mask, position_ids, packed_mask))
+    tensor (differentiable all-gather), else they are returned as they are. `model_kwargs` go to
+    the model as they are (a VLM's pictures)."""
+    out = model(input_ids=input_ids, **forward_kwargs(model, attention_mask, position_ids, packed_mask),
+                **(model_kwargs or {}))
     logits = out.logits if hasattr(out, "logits") else out[0]
     if gather and hasattr(logits, "full_tensor"):
         logits = logits.full_tensor()
@@ -229,7 +234,7 @@ def forward_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
 def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                    position_ids: torch.Tensor | None = None, temperature: float = 1.0,
                    return_entropy: bool = False, chunk_size: int | None = None,
-                   packed_mask: str = "auto", fused: bool = True
+                   packed_mask: str = "auto", fused: bool = True, model_kwargs: dict[str, Any] | None = None
                    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probs `[B, L]` (fp32) of `input_ids` under `model` with logits divided by `temperature`.
 
@@ -242,10 +247,13 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
         packed_mask: how packed samples are kept apart (module docstring).
         fused: project the hidden states through `lm_head` chunk by chunk inside the log-prob
             kernel (`fused_logprobs.py`: no full-vocabulary logits) when the model allows it.
+        model_kwargs: further model inputs (a VLM's `pixel_values`, `image_grid_thw`).
     Returns:
         logprobs, or (logprobs, entropy); 0 at sample starts and padding.
     """
     cp = getattr(model, CONTEXT_PARALLEL_ATTR, None)
+    if cp is not None and model_kwargs:
+        raise ValueError("context parallelism (--ring_attn_size) does not take pictures (vision-language inputs)")
     if cp is not None:  # split over the ring, shifted on the full sequence, gathered back (backend/context_parallel.py)
         return cp.token_logprobs(model, input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                  temperature=temperature, return_entropy=return_entropy, chunk_size=chunk_size,
@@ -253,11 +261,13 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     head = fusable_head(model) if fused else None
     if head is not None:
         with head_bypassed(model) as tap:
-            hidden = forward_logits(model, input_ids, attention_mask, position_ids, packed_mask)
+            hidden = forward_logits(model, input_ids, attention_mask, position_ids, packed_mask,
+                                    model_kwargs=model_kwargs)
         hidden = hidden.to(tap.dtype or hidden.dtype)
         lp, ent = fused_shifted_logprobs(hidden, head.weight, input_ids, temperature, return_entropy, chunk_size)
     else:
-        logits = forward_logits(model, input_ids, attention_mask, position_ids, packed_mask, gather=False)
+        logits = forward_logits(model, input_ids, attention_mask, position_ids, packed_mask, gather=False,
+                                model_kwargs=model_kwargs)
         sharded = vocab_sharded(logits)
         if sharded is not None:  # tensor parallel: log-softmax over the vocabulary shards (vocab_parallel.py)
             local, offset, group = sharded

@@ -80,7 +80,24 @@ def load_tokenizer(path: str, padding_side: str = "right", chat_template: str | 
         tok.pad_token = tok.eos_token
     if chat_template is not None:
         tok.chat_template = chat_template
+    elif not getattr(tok, "chat_template", None):
+        tok.chat_template = _processor_chat_template(path)
     return tok
+
+
+def _processor_chat_template(path: str) -> str | None:
+    """The chat template a VLM directory keeps for its processor (chat_template.json / .jinja), or None."""
+    import json
+
+    jinja, js = os.path.join(path, "chat_template.jinja"), os.path.join(path, "chat_template.json")
+    if os.path.isfile(jinja):
+        with open(jinja, encoding="utf-8") as f:
+            return f.read()
+    if os.path.isfile(js):
+        with open(js, encoding="utf-8") as f:
+            value = json.load(f).get("chat_template")
+        return value if isinstance(value, str) else None
+    return None
 
 
 def weight_file_keys(path: str, safetensors_name: str, bin_name: str) -> set[str] | None:

@@ -1,13 +1,15 @@
 """Load Hugging Face tokenizers and causal LMs from a `ModelConfig`.
 
     load_tokenizer(path)             -> tokenizer (pad token = eos when the tokenizer has none)
-    load_causal_lm(cfg, device)      -> AutoModelForCausalLM, with
+    load_causal_lm(cfg, device)      -> AutoModelForCausalLM (a vision-language model, one whose config has
+                                        a vision_config: AutoModelForImageTextToText), with
         dtype              --param_dtype (bf16/fp16/fp32), or `master_dtype` for backends that keep
                            fp32 master weights and cast to --param_dtype for compute (FSDP2 mixed precision)
         attention          --attn_implementation (sdpa default; flash_attention_2 needs `flash_attn`)
         checkpointing      --gradient_checkpointing [--gradient_checkpointing_use_reentrant]
         LoRA               --lora_rank > 0 (peft; see rlhfkit.models.lora)
         QLoRA              --load_in_4bit (bitsandbytes NF4, CUDA only)
+        vision tower       --freeze_visual_encoder (a VLM's vision tower does not train; rlhfkit.models.vlm)
     (reward / critic models: rlhfkit.models.value.load_value_model)
 
 A model path is a local directory or a Hugging Face hub id (`org/name`), resolved by `hub.py` through
@@ -119,17 +121,26 @@ def finish_model(model: Any, cfg: ModelConfig, device: str | torch.device | None
 def load_causal_lm(cfg: ModelConfig, device: str | torch.device | None = None,
                    master_dtype: str | torch.dtype | None = None, path: str | None = None,
                    flag: str = "--pretrain") -> Any:
-    """Load `cfg.pretrain` (or `path`) as an `AutoModelForCausalLM`.
+    """Load `cfg.pretrain` (or `path`) as an `AutoModelForCausalLM`, or as an
+    `AutoModelForImageTextToText` when its config has a vision config (a VLM).
 
     Weights are loaded in `master_dtype` when given (e.g. fp32 master weights under FSDP2 mixed
     precision, which casts to --param_dtype for compute), else in --param_dtype.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from rlhfkit.models.vlm import freeze_visual_encoder, is_vlm_config
 
     path = check_model_dir(path or cfg.pretrain, flag)
     compute = resolve_dtype(cfg.param_dtype)
     dtype = compute if master_dtype is None else resolve_dtype(master_dtype, "master_dtype")
     if cfg.load_in_4bit and compute != torch.bfloat16:
         raise ValueError("--load_in_4bit requires --param_dtype bf16")
-    model = AutoModelForCausalLM.from_pretrained(path, **pretrained_kwargs(cfg, dtype, device, path=path))
+    vlm = is_vlm_config(AutoConfig.from_pretrained(path, trust_remote_code=False))
+    if cfg.freeze_visual_encoder and not vlm:
+        raise ValueError(f"--freeze_visual_encoder: {flag} {path} is not a vision-language model (no vision_config)")
+    auto = AutoModelForImageTextToText if vlm else AutoModelForCausalLM
+    model = auto.from_pretrained(path, **pretrained_kwargs(cfg, dtype, device, path=path))
+    if vlm and cfg.freeze_visual_encoder:
+        freeze_visual_encoder(model)
     return finish_model(model, cfg, device, causal=True)

@@ -13,6 +13,9 @@ micro-batch's share of the action tokens) and PPO-ptx (`ptx`, `ptx_coef`: one pr
 micro-batch per policy micro-batch, its NLL divided by the step's global count of pretraining
 tokens; backward separately, so the two graphs are never alive together). A reference model
 with `offload` keeps its weights in host memory between its passes (`--ref_offload`).
+
+Vision-language rows (`batch.images`) go through the model with their pictures and 3-D positions
+(rlhfkit.models.vlm); such micro-batches are padded, never packed.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from rlhfkit.losses.kl import kl_loss
 from rlhfkit.losses.policy import PolicyLossConfig, policy_loss
 from rlhfkit.losses.reduce import to_floats
 from rlhfkit.models.moe import RouterAuxLoss
+from rlhfkit.models.vlm import VisionLayout, batch_forward_kwargs, layout_of_model, with_picture_row
 from rlhfkit.types import ExperienceBatch
 
 
@@ -93,10 +97,25 @@ def micro_batches(batch: ExperienceBatch, size: int, dist: DistInfo, aligned: bo
         yield (trim(batch.select(rows)), len(rows)) if rows else (dummy_like(batch), 0)
 
 
-def row_logprobs(backend: Any, mb: ExperienceBatch, temperature: float, entropy: bool, packed: bool):
+def row_logprobs(backend: Any, mb: ExperienceBatch, temperature: float, entropy: bool, packed: bool,
+                 layout: VisionLayout | None = None, tower_every_pass: bool = False):
     """Log-probs (and entropy) `[B, L]` of a right-padded micro-batch through `backend.token_logprobs`;
     `packed` runs its rows as one packed row (positions restart per sample, no cross-sample
-    attention) and scatters back."""
+    attention) and scatters back. A VLM (`layout`) with rows that carry pictures runs padded, with
+    the pictures and the 3-D positions; `tower_every_pass` (several ranks) adds a blank-picture row to
+    a micro-batch without pictures, so every rank runs the vision tower (`with_picture_row`)."""
+    has_pictures = mb.images is not None and any(i is not None for i in mb.images)
+    if layout is not None and (has_pictures or tower_every_pass):
+        ids, mask, images = mb.input_ids, mb.attention_mask, mb.images
+        if not has_pictures:
+            ids, mask, images = with_picture_row(ids, mask, images, layout)
+        kw = batch_forward_kwargs(ids, mask, images, layout)
+        res = backend.token_logprobs(ids, attention_mask=mask, position_ids=kw.pop("position_ids"),
+                                     temperature=temperature, return_entropy=entropy, model_kwargs=kw)
+        if has_pictures:
+            return res
+        width = mb.input_ids.shape[1]
+        return tuple(t[:-1, :width] for t in res) if entropy else res[:-1, :width]
     if not packed:
         return backend.token_logprobs(mb.input_ids, attention_mask=mb.attention_mask, temperature=temperature,
                                       return_entropy=entropy)
@@ -176,6 +195,8 @@ class ActorRole:
         self.ptx = ptx
         self.offload = offload and getattr(backend, "optimizer", None) is None
         self.adapters_off = adapters_off
+        self.layout = layout_of_model(backend.unwrap())  # a VLM's: its rows may carry pictures
+        self.tower_every_pass = self.layout is not None and dist.world_size > 1
         self.device = torch.device(dist.device)
         if self.offload:
             backend.offload_states()
@@ -193,7 +214,8 @@ class ActorRole:
             for mb, real in micro_batches(batch, self.micro_rollout_batch_size, self.dist,
                                           max_tokens=self.rollout_max_tokens):
                 mb = mb.to(self.device, non_blocking=True)
-                lp = row_logprobs(self.backend, mb, temperature, False, self.packing)
+                lp = row_logprobs(self.backend, mb, temperature, False, self.packing, self.layout,
+                                  self.tower_every_pass)
                 out[row:row + real, :lp.shape[1]] = (lp.float() * mb.attention_mask)[:real]
                 row += real
         out = out.cpu()
@@ -234,7 +256,8 @@ class ActorRole:
             mb_tokens = float(mb_host.loss_mask.sum())
             mb = mb_host.to(self.device, non_blocking=True)
             with RouterAuxLoss(self.backend.model, enabled=cfg.aux_loss_coef != 0) as router:
-                res = row_logprobs(self.backend, mb, cfg.temperature, cfg.compute_entropy, cfg.packing)
+                res = row_logprobs(self.backend, mb, cfg.temperature, cfg.compute_entropy, cfg.packing, self.layout,
+                                   self.tower_every_pass)
             lp, ent = res if cfg.compute_entropy else (res, None)
             # one optimizer step per rollout: the policy scoring these samples is the old one (ratio 1)
             old = mb.old_logprobs if mb.old_logprobs is not None else lp.detach()

@@ -2,7 +2,8 @@
 
     build_engine("builtin" | "hf" | "vllm", model_or_path, tokenizer, device, dtype, **options)
 
-`model_or_path` is an HF `*ForCausalLM` module, a model directory or a hub id (its cached snapshot).
+`model_or_path` is an HF `*ForCausalLM` module (or a vision-language `*ForConditionalGeneration`), a
+model directory or a hub id (its cached snapshot).
 The builtin engine reads a directory's safetensors files itself (tensor by tensor; a tensor-parallel
 shard, `tp=`, only its slices); the hf engine takes the module (loading the directory with
 transformers); vLLM loads the directory itself, so it needs a path.
@@ -22,9 +23,13 @@ ENGINE_NAMES = ("builtin", "hf", "vllm")
 def _load_hf(model_or_path: Any, tokenizer: Any, dtype: torch.dtype | None) -> tuple[Any, Any]:
     if not isinstance(model_or_path, str):
         return model_or_path, tokenizer
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(model_or_path, dtype=dtype or "auto")
+    from rlhfkit.models.vlm import is_vlm_config
+
+    vlm = is_vlm_config(AutoConfig.from_pretrained(model_or_path))
+    auto = AutoModelForImageTextToText if vlm else AutoModelForCausalLM
+    model = auto.from_pretrained(model_or_path, dtype=dtype or "auto")
     if tokenizer is None:
         tokenizer = AutoTokenizer.from_pretrained(model_or_path)
     return model.eval(), tokenizer

@@ -26,6 +26,8 @@ class EngineStats:
     generated_tokens: int = 0
     slot_moves: int = 0
     weight_updates: int = 0
+    vision_calls: int = 0  # vision-tower passes (a VLM's pictures; one per prefill with new pictures)
+    pictures_encoded: int = 0  # pictures through the vision tower (each cached picture once)
 
 
 def validate_request(request: GenerationRequest, vocab_size: int, max_model_len: int | None) -> None:

@@ -5,7 +5,11 @@
              -> per row: cut at the first stop id / stop string (rlhfkit.rollout.stops),
                 log-probs = log_softmax(raw logits / T)[token] (T = 1 for greedy), finish reason
 
-The n samples of a request are n copies of its prompt (no prefix sharing). A seeded group runs
+The n samples of a request are n copies of its prompt (no prefix sharing). A vision-language
+model's requests carry their pictures (`GenerationRequest.images`), which go to `generate` with the
+rows (pixel values in row order, grids, and the token types newer transformers read to place the
+3-D positions); the vision markers are suppressed (never sampled), while the reported log-probs
+come from the raw logits. A seeded group runs
 under `torch.manual_seed(seed)` inside `torch.random.fork_rng`, so it is reproducible for the same
 batch. `agenerate` collects the requests that arrive while a batch runs and generates them
 together in a worker thread.
@@ -13,12 +17,14 @@ together in a worker thread.
 
 from __future__ import annotations
 
+import inspect
 from collections import defaultdict
 from typing import Any, Iterable
 
 import torch
 import torch.nn.functional as F
 
+from rlhfkit.models.vlm import layout_of_model, placeholder_runs
 from rlhfkit.rollout.engine_utils import ThreadBatchingAsync, eos_ids_of, make_decode, validate_request
 from rlhfkit.rollout.stops import finish_completion
 from rlhfkit.types import Completion, GenerationRequest, SamplingParams
@@ -46,6 +52,7 @@ class HFEngine(ThreadBatchingAsync):
             pad_token_id = getattr(model.config, "pad_token_id", None)
         self.pad_token_id = 0 if pad_token_id is None else int(pad_token_id)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.layout = layout_of_model(model)  # a VLM's; None for text
         self._on_cpu = False
 
     # ---------------------------------------------------------------- generation
@@ -53,6 +60,10 @@ class HFEngine(ThreadBatchingAsync):
     def generate(self, requests: list[GenerationRequest]) -> list[list[Completion]]:
         for r in requests:
             validate_request(r, self.vocab_size, None)
+            if self.layout is not None:
+                placeholder_runs(r.prompt_token_ids, r.images, self.layout, f"request {r.request_id}")
+            elif r.images is not None and len(r.images):
+                raise ValueError(f"request {r.request_id}: pictures for a model without a vision tower")
             if r.params.stop and self._decode is None:
                 raise ValueError(f"request {r.request_id}: SamplingParams.stop needs a tokenizer")
         out: list[list[Completion | None]] = [[None] * r.params.n for r in requests]
@@ -83,6 +94,7 @@ class HFEngine(ThreadBatchingAsync):
             max_new_tokens=p.max_new_tokens, min_new_tokens=p.min_new_tokens or None,
             eos_token_id=stop_ids or None, pad_token_id=self.pad_token_id,
             repetition_penalty=p.repetition_penalty if p.repetition_penalty != 1.0 else None,
+            suppress_tokens=list(self.layout.special_ids) if self.layout is not None else None,
             output_logits=True, return_dict_in_generate=True)
         kw: dict[str, Any] = {"generation_config": cfg}
         if p.stop and p.min_new_tokens == 0 and self.tokenizer is not None and hasattr(self.tokenizer, "decode"):
@@ -99,6 +111,7 @@ class HFEngine(ThreadBatchingAsync):
             ids[i, plen - len(x):] = torch.tensor(x)
             mask[i, plen - len(x):] = 1
         kw = self._generation_kwargs(p)
+        kw.update(self._picture_kwargs(reqs, ids))
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             if p.seed is not None:
                 torch.manual_seed(p.seed)
@@ -113,6 +126,19 @@ class HFEngine(ThreadBatchingAsync):
             t, l, reason = finish_completion(toks, lp, stop_set, p.min_new_tokens, p.stop, self._decode)
             comps.append(Completion(list(r.prompt_token_ids), t, l if p.logprobs else None, reason, r.request_id))
         return comps
+
+    def _picture_kwargs(self, reqs: list[GenerationRequest], ids: torch.Tensor) -> dict[str, Any]:
+        """`generate` keywords of a batch's pictures (none for text rows)."""
+        from rlhfkit.types import ImageInputs
+
+        joined = ImageInputs.concat([r.images for r in reqs])
+        if self.layout is None or joined is None:
+            return {}
+        kw: dict[str, Any] = {"pixel_values": joined.pixel_values.to(self.device),
+                              "image_grid_thw": joined.grid_thw.to(self.device)}
+        if "mm_token_type_ids" in inspect.signature(self.model.forward).parameters:
+            kw["mm_token_type_ids"] = (ids == self.layout.image_token_id).int().to(self.device)
+        return kw
 
     # ---------------------------------------------------------------- weights and memory
     @torch.no_grad()

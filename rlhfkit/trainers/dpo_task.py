@@ -35,6 +35,7 @@ from rlhfkit.data.collate import PackedBatch
 from rlhfkit.data.items import PreferenceItem
 from rlhfkit.losses.preference import dpo_loss
 from rlhfkit.models.forward import token_logprobs
+from rlhfkit.models.vlm import picture_logprob_kwargs
 from rlhfkit.trainers.rm_task import PairBatch, Seqs, collate_pairs
 
 Tensor = torch.Tensor
@@ -82,8 +83,9 @@ def masked_sums(values: Tensor, seqs: Seqs) -> tuple[Tensor, Tensor]:
 
 def sequence_logps(model: torch.nn.Module, seqs: Seqs) -> tuple[Tensor, Tensor]:
     """(`[N]` summed response log-probs, `[N]` response token counts) of padded or packed sequences."""
-    lp = token_logprobs(model, seqs.input_ids, attention_mask=getattr(seqs, "attention_mask", None),
-                        position_ids=getattr(seqs, "position_ids", None))
+    kw: dict[str, Any] = {"position_ids": getattr(seqs, "position_ids", None)}
+    kw.update(picture_logprob_kwargs(model, seqs))  # a VLM's rows with pictures
+    lp = token_logprobs(model, seqs.input_ids, attention_mask=getattr(seqs, "attention_mask", None), **kw)
     return masked_sums(lp, seqs)
 
 
@@ -112,12 +114,14 @@ class DPOTask:
     packing: bool = False
     device: torch.device | str = "cpu"
     dist: DistInfo = field(default_factory=DistInfo)  # whose dp group reduces the metrics
+    vision: Any = None  # a VLM's picture processing (VisionContext): both sides of a pair show its pictures
 
     def __post_init__(self) -> None:
         check_dpo_settings(self.beta, self.label_smoothing, self.ipo, self.nll_loss_coef)
 
     def collate(self, items: Sequence[PreferenceItem]) -> PairBatch:
-        return collate_pairs(items, self.pad_token_id, self.packing).to(self.device)
+        pictures = self.vision.inputs_of if self.vision is not None else None
+        return collate_pairs(items, self.pad_token_id, self.packing, pictures).to(self.device)
 
     def count(self, batch: PairBatch) -> float:
         return float(batch.num_pairs)

@@ -262,7 +262,7 @@ class RLTrainer:
             self._skip_cause = skip_cause(metrics, self.cfg, empty_ranks, self.dist.world_size)
             metrics["time/generate"] = metrics["time/step"] = t["generate"]
             return metrics
-        batch = pad_trajectories(trajs, self.pad_token_id)
+        batch = pad_trajectories(trajs, self.pad_token_id, self.cfg.no_loss_token_ids)
         with t("reward"):
             if self.reward_model is not None:
                 batch.rewards = self.reward_model.call("forward_rewards", batch)
@@ -310,6 +310,7 @@ class RLTrainer:
         metrics.update({f"time/{k}": v for k, v in t.items()})
         metrics["time/step"] = step_time
         metrics["generate_share"] = t["generate"] / max(step_time, 1e-9)
+        metrics.update(self.cfg.data_metrics)
         freeze_gc_once()
         return metrics
 

@@ -45,6 +45,10 @@ class RLLoopConfig:
     # compared on resume; the settings accepted as changed [--allow_resume_changes]
     run_settings: dict[str, Any] = field(default_factory=dict)
     allowed_changes: frozenset[str] = frozenset()
+    # a VLM's picture placeholders and markers: never in the loss (where they stand in a trajectory)
+    no_loss_token_ids: tuple[int, ...] = ()
+    # constants logged with every step, e.g. rows the data reading dropped (data/dropped_image_rows)
+    data_metrics: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.max_failed_steps < 1:

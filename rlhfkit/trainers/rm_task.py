@@ -53,17 +53,19 @@ class PairBatch:
         return PairBatch(self.seqs.to(device), self.margin.to(device))
 
 
-def collate_seqs(items: Sequence[Any], pad_token_id: int, packing: bool) -> Seqs:
-    """Items with `input_ids`/`loss_mask` -> right-padded `[N, L]` or one packed row `[1, T]`."""
-    return pack_batch(items) if packing else pad_batch(items, pad_token_id)
+def collate_seqs(items: Sequence[Any], pad_token_id: int, packing: bool, pictures: Any = None) -> Seqs:
+    """Items with `input_ids`/`loss_mask` -> right-padded `[N, L]` or one packed row `[1, T]`
+    (`pictures`: a VLM's refs -> `ImageInputs`, padded rows only)."""
+    return pack_batch(items) if packing else pad_batch(items, pad_token_id, pictures=pictures)
 
 
-def collate_pairs(items: Sequence[PreferenceItem], pad_token_id: int, packing: bool) -> PairBatch:
+def collate_pairs(items: Sequence[PreferenceItem], pad_token_id: int, packing: bool,
+                  pictures: Any = None) -> PairBatch:
     """Preference pairs -> one `PairBatch` (chosen first, then rejected; `preference_rows`)."""
     if not items:
         raise ValueError("collate_pairs: empty micro-batch")
     margin = torch.tensor([float(it.margin) for it in items], dtype=torch.float32)
-    return PairBatch(collate_seqs(preference_rows(items), pad_token_id, packing), margin)
+    return PairBatch(collate_seqs(preference_rows(items), pad_token_id, packing, pictures), margin)
 
 
 def additive(local_mean: float | Tensor, local_count: float, global_count: float) -> float | Tensor:

@@ -1,7 +1,9 @@
 """SFT as an offline task: token NLL on response tokens, normalised by the global token count.
 
 Items come from `rlhfkit.data.sft` (`input_ids`, `loss_mask`); batches are padded or, with
-`--packing_samples`, packed into one row whose positions restart per sample.
+`--packing_samples`, packed into one row whose positions restart per sample. A VLM's items carry
+pictures (`vision`, a `rlhfkit.models.vlm.VisionContext`): they are processed when a batch is
+collated and go through the model with their rows (padded batches only).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from rlhfkit.backend.dist import DistInfo
 from rlhfkit.data.collate import PackedBatch, PaddedBatch, pack_batch, pad_batch
 from rlhfkit.losses.sft import sft_loss
 from rlhfkit.models.forward import token_logprobs
+from rlhfkit.models.vlm import picture_logprob_kwargs
 
 
 Batch = PaddedBatch | PackedBatch
@@ -26,20 +29,23 @@ class SFTTask:
     packing: bool = False
     device: torch.device | str = "cpu"
     dist: DistInfo = field(default_factory=DistInfo)  # whose dp group reduces the metrics
+    vision: Any = None  # a VLM's picture processing (VisionContext), None for text
     # its loss is a sum over tokens: the loop sums its training metrics over the loss group (the dp
     # group; docs/parallelism.md)
     TOKEN_ADDITIVE = True
 
     def collate(self, items: Sequence[Any]) -> Batch:
-        batch = pack_batch(items) if self.packing else pad_batch(items, self.pad_token_id)
+        pictures = self.vision.inputs_of if self.vision is not None else None
+        batch = pack_batch(items) if self.packing else pad_batch(items, self.pad_token_id, pictures=pictures)
         return batch.to(self.device)
 
     def count(self, batch: Batch) -> float:
         return float(batch.num_loss_tokens)
 
     def _logprobs(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
-        return token_logprobs(model, batch.input_ids, attention_mask=getattr(batch, "attention_mask", None),
-                              position_ids=getattr(batch, "position_ids", None))
+        kw: dict[str, Any] = {"position_ids": getattr(batch, "position_ids", None)}
+        kw.update(picture_logprob_kwargs(model, batch))
+        return token_logprobs(model, batch.input_ids, attention_mask=getattr(batch, "attention_mask", None), **kw)
 
     def loss(self, model: torch.nn.Module, batch: Batch, global_count: float
              ) -> tuple[torch.Tensor, dict[str, float]]:

@@ -30,12 +30,12 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
 
-def run_shards(model_dir: str, out: str, nproc: int = 2) -> dict:
+def run_shards(model_dir: str, out: str, nproc: int = 2, worker: str = "engine_tp_worker.py") -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
-           "127.0.0.1", "--master_port", str(free_port()), os.path.join(HERE, "engine_tp_worker.py"), model_dir, out]
+           "127.0.0.1", "--master_port", str(free_port()), os.path.join(HERE, worker), model_dir, out]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     with open(out) as f:

@@ -11,7 +11,10 @@
     models/llama_tp,    the tiny Llama and its reward model with the vocabulary padded from 103 to 104
     models/rm_tp        rows (the tokenizer is unchanged), so --ds_tensor_parallel_size 2 divides it
                         (the *_tensor_parallelism.sh scripts: TP_MODEL, TP_RM_MODEL)
+    models/vlm          a tiny Qwen3-VL with its image processor (the VLM scripts' Qwen3.5: VLM_MODEL)
     data/*.jsonl        rows with the keys each script reads (see DATASETS)
+    data/geometry3k.jsonl + data/geo/*.png   hiyouga/geometry3k's keys (prompt as chat messages with an
+                        image part, images, label): one small picture per addition question
 
 Prompts are 2-digit additions ("12+34="), labels their sums, so reward files and agents get a
 label to compare with. Nothing is downloaded.
@@ -103,14 +106,40 @@ def build_models(models: str) -> dict[str, str]:
     return {"MODEL": llama, "RM_MODEL": rm, "PRM_MODEL": prm, "TP_MODEL": llama_tp, "TP_RM_MODEL": rm_tp}
 
 
+def build_vlm(models: str) -> str:
+    from rlhfkit.models.tiny import TinyModelSpec, make_tiny_model
+
+    return make_tiny_model(os.path.join(models, "vlm"), TinyModelSpec(
+        arch="qwen3_vl", hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=512))
+
+
+def write_geometry(data: str, pairs: list[tuple[str, str]]) -> str:
+    """geometry3k's keys: a user message of an image part and the question, the picture's path
+    (relative to this file's folder), the answer."""
+    from rlhfkit.tasks.shapes import draw
+
+    os.makedirs(os.path.join(data, "geo"), exist_ok=True)
+    rng = random.Random(5)
+    rows = []
+    for i, (q, a) in enumerate(pairs):
+        rel = os.path.join("geo", f"{i}.png")
+        draw(rng.choice(["red", "green", "blue", "yellow"]), 1 + i % 3, rng).save(os.path.join(data, rel))
+        prompt = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": f"Find x. {q}"}]}]
+        rows.append({"prompt": prompt, "images": [rel], "label": a})
+    return write_jsonl(os.path.join(data, "geometry3k.jsonl"), rows)
+
+
 def build_assets(root: str) -> dict[str, str]:
     """Models and data under `root`; returns the environment the scripts read (MODEL, RM_MODEL, DATA...)."""
     data = os.path.join(root, "data")
     os.makedirs(data, exist_ok=True)
     env = build_models(os.path.join(root, "models"))
+    env["VLM_MODEL"] = build_vlm(os.path.join(root, "models"))
     pairs = _additions(ROWS, seed=0)
     for name, row in DATASETS.items():
         write_jsonl(os.path.join(data, name), [row(i, q, a) for i, (q, a) in enumerate(pairs)])
+    write_geometry(data, pairs)
     env["DATA"] = data
     return env
 

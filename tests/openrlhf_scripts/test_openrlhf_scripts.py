@@ -41,6 +41,8 @@ removed KTO, PRM, KD, batch_inference, interactive_chat and the loops in v0.9.6,
 | train_prorlv2_math_hybrid_engine.sh | math_reward_func, eval, ICEPOP, penalties | ran | ran |
 | train_sft_llama_tensor_parallelism.sh | SFT with --ds_tensor_parallel_size 2 (torchrun, 2 CPU processes) | ran | - |
 | train_ppo_llama_ray_tensor_parallelism.sh | PPO, all models colocated, --ds_tensor_parallel_size 2 on 2 CPU workers a role | ran | - |
+| train_vlm_math_hybrid_engine.sh | vision-language REINFORCE++-baseline: pictures, --freeze_visual_encoder (tiny Qwen3-VL) | ran | ran |
+| examples/python/vlm_multiturn_agent.py (train_vlm_multiturn_agent.sh) | multi-turn VLM agent, environment_images; run by its docstring's command on the VLM script's flags | ran | ran |
 
 Left out (they need what a CPU cannot give, or are not OpenRLHF training scripts):
 
@@ -48,7 +50,6 @@ Left out (they need what a CPU cannot give, or are not OpenRLHF training scripts
 | --- | --- |
 | train_sft_jamba_qlora.sh, any --load_in_4bit | QLoRA 4-bit: bitsandbytes CUDA kernels |
 | train_sft_jamba_lora.sh | Jamba (Mamba layers): CUDA kernels (mamba-ssm / causal-conv1d) |
-| train_vlm_math_hybrid_engine.sh | vision-language model (issue scope: VLM) |
 | train_sft_llama_ring_attn.sh, train_dpo_ring_llama.sh, train_ppo_llama_ray_ring.sh | not copied yet; ring attention (--ring_attn_size 2) runs in the reinforce_baseline scripts above and in tests/distributed/test_context_parallel*.py |
 | ckpt_ds_zero_to_universal.sh, test_sft_deepspeed.sh, compare_backends.sh | DeepSpeed checkpoint / backend tooling |
 | install_flash_attn.sh, upgrade_flash_attn.sh, nvidia_docker_install.sh, docker_run.sh | installs flash-attn / CUDA docker |
@@ -77,6 +78,7 @@ Run alone: pytest tests/openrlhf_scripts -n 2 (part of `make test`)
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -108,6 +110,8 @@ class Case:
     ray: bool = False
     env: dict[str, str] = field(default_factory=dict)
     ring: bool = False  # --ring_attn_size 2 as written: the log must show the ring
+    # (metrics.jsonl under $OUT, metric, least mean over the run's steps) the run must have logged
+    metric_min: tuple[str, str, float] | None = None
 
     @property
     def id(self) -> str:
@@ -145,6 +149,13 @@ def _cases() -> list[Case]:
               for sp in ("flat", "dotted") for name, out in ray_both]
     cases += [Case(f"{sp}/train_reinforce_baseline_ray_agent_async.sh", ["exp/Qwen3-4B-Thinking/config.json"],
                    ray=True, ring=True) for sp in ("flat", "dotted")]
+    cases += [Case(f"{sp}/{name}.sh", out, ray=True) for sp in ("flat", "dotted") for name, out in [
+        ("train_vlm_math_hybrid_engine", ["exp/Qwen3.5-2B-VLM-RLHF/config.json",
+                                          "exp/Qwen3.5-2B-VLM-RLHF/preprocessor_config.json"]),
+    ]] + [Case(f"{sp}/train_vlm_multiturn_agent.sh", ["exp/Qwen3.5-0.8B-VLM-Agent/config.json"], ray=True,
+               # every episode holds its prompt's picture and the screenshot of turn 2
+               metric_min=("exp/Qwen3.5-0.8B-VLM-Agent/metrics.jsonl", "train/episode_pictures", 2.0))
+           for sp in ("flat", "dotted")]
     cases += [Case(f"flat/{name}.sh", out, ray=True) for name, out in [
         ("train_ppo_llama_ray", [f"{ck}/llama3-8b-rlhf/config.json"]),
         ("train_reinforce_llama_ray_hybrid_engine", ["final/llama3-8b-rlhf/config.json"]),
@@ -279,6 +290,11 @@ def test_script(case: Case, assets, ray_head, tmp_path):
     assert_ran(res, out, case.outputs)
     if case.ring:
         assert RING_NOTE in res.stdout, f"{case.script}: no ring attention in the log"
+    if case.metric_min is not None:
+        path, key, least = case.metric_min
+        with open(os.path.join(out, path)) as f:
+            values = [rec[key] for rec in map(json.loads, f) if key in rec]
+        assert values and sum(values) / len(values) >= least, f"{case.script}: {key} {values} (want >= {least})"
 
 
 @pytest.mark.parametrize("spelling", ["flat", "dotted"])

@@ -108,3 +108,20 @@ def test_cpu_smoke_run(rl_step, tmp_path):
     import rlhfkit.rollout as R
 
     assert R.build_engine.__name__ == "build_engine"  # the bench's engine-size hook was removed
+
+
+def test_rollout_vlm_smoke_counts_one_tower_call_per_run():
+    """bench/rollout_vlm.py on a tiny shape: every sequence runs its tokens in both engines; the n samples of
+    a prompt share its picture (2 prompts of n = 2: one tower call of 2 pictures per run)."""
+    sys.path.insert(0, BENCH)
+    try:
+        rollout_vlm = importlib.import_module("rollout_vlm")
+    finally:
+        sys.path.remove(BENCH)
+    rep = rollout_vlm.main(["--shape", "tiny", "--device", "cpu", "--batch", "4", "--shapes", "8x6", "--n", "2",
+                            "--picture", "56", "--repeat", "1"])
+    (row,) = rep["rows"]
+    assert json.loads(json.dumps(rep)) == rep  # one JSON line
+    assert row["picture_tokens"] == 4 and row["prompt_tokens"] == 14
+    assert row["builtin_vision_calls_per_run"] == 1 and row["builtin_pictures_per_run"] == 2
+    assert row["builtin_tok_s"] > 0 and row["speedup_vs_hf"] == pytest.approx(row["builtin_tok_s"] / row["hf_tok_s"])

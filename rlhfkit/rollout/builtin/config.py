@@ -35,10 +35,11 @@ class BuiltinEngineConfig:
     # as long in all), so that a burst (an RL step's episodes start together) is prefilled and decoded
     # as one batch instead of its first group running alone for a chunk of steps; 0: start at once
     admit_window_ms: float = 2.0
+    vision_cache_pictures: int = 256  # a VLM's vision-tower outputs kept per picture (LRU; vision.py)
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_prefill_tokens", "sync_every", "sync_every_batch", "max_stop_ids",
-                     "gemm_min_rows"):
+                     "gemm_min_rows", "vision_cache_pictures"):
             if getattr(self, name) < 1:
                 raise ValueError(f"BuiltinEngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.admit_window_ms < 0:

@@ -33,6 +33,12 @@ Memory: the KV cache is preallocated, 2 x layers x max_num_seqs x kv_heads x max
 head_dim elements (per shard: its KV heads); `sleep()` frees it (and the decode graphs, keeping
 the compiled step), `wake_up()` reallocates it.
 
+Vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): a request's `images` go through the
+model's vision tower once per picture (cached by content key, so the n samples of a prompt share
+it), their features are spliced into the prompt's placeholder run at prefill, with the prompt's
+3-D rotary positions shifted so that decoding stays ordinary 1-D RoPE (vision.py). The vision
+markers are never sampled (`banned`); reported log-probs are those of the unmasked distribution.
+
 Weight updates with requests in flight (partial rollout, as vLLM's `pause_generation(mode="keep")`):
 weights change only between engine steps (`update_weights` takes the engine lock), so a sequence
 keeps its slot and KV cache across an update and continues with the new weights. `pause()` stops
@@ -55,6 +61,7 @@ from typing import Any, Iterable
 
 import torch
 
+from rlhfkit.models.vlm import is_vision_name, placeholder_runs
 from rlhfkit.rollout.builtin.config import BuiltinEngineConfig
 from rlhfkit.rollout.builtin.inbox import Inbox
 from rlhfkit.rollout.builtin.model import DecoderModel, resolve_decode_attention, resolve_decode_gemm
@@ -62,7 +69,8 @@ from rlhfkit.rollout.builtin.scheduler import RequestState, SlotScheduler, batch
 from rlhfkit.rollout.builtin.step import StepRunner
 from rlhfkit.rollout.builtin.stepping import EngineStepping
 from rlhfkit.rollout.builtin.tp import TensorParallelGroup, load_weights, mirror
-from rlhfkit.rollout.builtin.weights import rope_tables
+from rlhfkit.rollout.builtin.vision import VisionIndex, load_vision_tower
+from rlhfkit.rollout.builtin.weights import rope_inv_freq, rope_tables
 from rlhfkit.rollout.engine_utils import EngineStats, Waiter, eos_ids_of, make_decode, validate_request
 from rlhfkit.types import Completion, GenerationRequest
 
@@ -99,6 +107,11 @@ class BuiltinEngine(EngineStepping):
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's sliding window "
                              f"{self.spec.sliding_window}, which the builtin engine does not implement")
         cos, sin = rope_tables(hf_config, self.spec, self.max_model_len, self.dtype, self.device)
+        tower = load_vision_tower(model, hf_config, self.dtype, self.device)
+        self.vision_layout = tower.layout if tower is not None else None
+        self.banned = self.vision_layout.special_ids if tower is not None else ()
+        self._vision_index = VisionIndex(tower.layout, cfg.vision_cache_pictures) if tower is not None else None
+        inv_freq, rope_scaling = rope_inv_freq(hf_config, self.spec)
         attn = resolve_decode_attention(cfg.decode_attention, self.spec, self.device)
         gemm = resolve_decode_gemm(cfg.decode_gemm, self.spec, weights, self.device)
         on_cuda = self.device.type == "cuda"
@@ -112,7 +125,8 @@ class BuiltinEngine(EngineStepping):
             num_slots=cfg.max_num_seqs, max_model_len=self.max_model_len, max_stop_ids=cfg.max_stop_ids,
             device=self.device, dtype=self.dtype, cuda_graphs=graphs, compile_step=compile_step,
             compile_prefill=compile_step if cfg.compile_prefill is None else cfg.compile_prefill,
-            compile_mode=cfg.compile_mode, fast_sampling=cfg.fast_sampling)
+            compile_mode=cfg.compile_mode, fast_sampling=cfg.fast_sampling, vision=tower,
+            inv_freq=inv_freq, rope_scaling=rope_scaling)
         self.steps = mirror(self._local, self.tp)
         self.stats = EngineStats()
         self._rng = random.Random(cfg.seed)  # seeds of requests without one (host side: no torch op per request)
@@ -168,6 +182,8 @@ class BuiltinEngine(EngineStepping):
                 raise RuntimeError("BuiltinEngine.sleep() called with requests in flight")
             if not self._local.asleep:
                 self.steps.sleep(level)
+                if self._vision_index is not None:
+                    self._vision_index.clear()  # the shards' vision caches were emptied with it
 
     def wake_up(self) -> None:
         self._front_end("wake_up")
@@ -199,15 +215,28 @@ class BuiltinEngine(EngineStepping):
         engine steps: requests in flight continue with the new weights (policy version + 1)."""
         self._front_end("update_weights")
         with self._lock:
+            named_tensors = self._note_vision_update(named_tensors)
             self.steps.update_weights(named_tensors)
             self.stats.weight_updates += 1
             self.set_policy_version(self.policy_version + 1)
+
+    def _note_vision_update(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        """A VLM's front end forgets its picture index when vision-tower weights arrive (the shards'
+        towers empty their caches as they load them)."""
+        if self._vision_index is None:
+            return named
+        named = list(named)
+        if any(is_vision_name(n.removeprefix("module.")) for n, _ in named):
+            self._vision_index.clear()
+        return named
 
     def update_weights_local(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """This shard's slices of full HF-named tensors (each shard of a tensor-parallel engine gets
         the same tensors from the weight sync itself); returns the number of names loaded. One
         call per bucket, between engine steps; the caller sets the version when all are loaded."""
         with self._lock:
+            if self.tp is None or self.tp.rank == 0:
+                named_tensors = self._note_vision_update(named_tensors)
             n = self._local.update_weights(named_tensors)
             if self.tp is None or self.tp.rank == 0:
                 self.stats.weight_updates += 1
@@ -297,16 +326,28 @@ class BuiltinEngine(EngineStepping):
             raise RuntimeError("the engine is asleep: call wake_up() before generating")
         p = request.params
         validate_request(request, self.spec.vocab_size, self.max_model_len)
+        self._check_pictures(request)
         stop_ids = sorted(set(self.eos_token_ids) | set(p.stop_token_ids))
-        if len(stop_ids) > self.config.max_stop_ids:
-            raise ValueError(f"request {request.request_id}: {len(stop_ids)} stop token ids (eos included) "
-                             f"exceed BuiltinEngineConfig.max_stop_ids={self.config.max_stop_ids}")
+        if len(set(stop_ids) | set(self.banned)) > self.config.max_stop_ids:
+            raise ValueError(f"request {request.request_id}: {len(stop_ids)} stop token ids (eos included) and "
+                             f"{len(self.banned)} vision markers exceed BuiltinEngineConfig.max_stop_ids="
+                             f"{self.config.max_stop_ids}")
         if p.stop and self._decode_text is None:
             raise ValueError(f"request {request.request_id}: SamplingParams.stop needs a tokenizer")
         seed = p.seed if p.seed is not None else self._rng.getrandbits(62)
         # top-k / top-p and the repetition penalty take the sampler's filtered (torch) path
         filtered = p.top_p < 1.0 or 0 < p.top_k < self.spec.vocab_size or p.repetition_penalty != 1.0
         return RequestState(request, on_done, seed, stop_ids, filtered)
+
+    def _check_pictures(self, request: GenerationRequest) -> None:
+        """A request's pictures must match its placeholder runs; a text model takes none."""
+        has = request.images is not None and len(request.images) > 0
+        if self.vision_layout is None:
+            if has:
+                raise ValueError(f"request {request.request_id}: pictures for a model without a vision tower")
+            return
+        placeholder_runs(request.prompt_token_ids, request.images, self.vision_layout,
+                         f"request {request.request_id}")
 
     def _enqueue(self, states: list[RequestState]) -> None:
         self._inbox.put(states)

@@ -43,7 +43,7 @@ step as a CUDA graph. The math mirrors Hugging Face's Llama/Qwen2/Qwen3 modules 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed._functional_collectives  # noqa: F401 - registers the _c10d_functional ops
@@ -340,20 +340,30 @@ class DecoderModel:
         return final_logits(self.spec, self.weights.final_norm, self.weights.lm_head, x)
 
     def prefill(self, cache: KVCache, tokens: torch.Tensor, lengths: torch.Tensor,
-                slots: torch.Tensor, slot_slice: slice | None = None) -> torch.Tensor:
+                slots: torch.Tensor, slot_slice: slice | None = None, mm: Any = None) -> torch.Tensor:
         """Right-padded prompts `tokens [b, P]`; returns the last real position's logits `[b, V]`.
 
         `slot_slice`: the caller's word that `slots` are the rows of this slice (evenly spaced), so the
-        K/V go to the cache as one strided copy per layer instead of an indexed scatter."""
+        K/V go to the cache as one strided copy per layer instead of an indexed scatter. `mm` (a
+        vision.PrefillInputs, a VLM's batch with pictures): the embeddings with the pictures spliced
+        in and per-row rotary tables replace the token embeddings and the 1-D tables; its deepstack
+        features are added at the picture positions after the first layers."""
         spec, w = self.spec, self.weights
         b, plen = tokens.shape
-        cos, sin = self.cos[:plen, None, :], self.sin[:plen, None, :]  # [P, 1, D]
-        x = F.embedding(tokens, w.embed)
+        if mm is None:
+            cos, sin = self.cos[:plen, None, :], self.sin[:plen, None, :]  # [P, 1, D]
+            x = F.embedding(tokens, w.embed)
+        else:
+            cos, sin, x = mm.cos, mm.sin, mm.embeds  # [b, P, 1, D], [b, P, H]
+            if len(mm.deepstack) >= len(w.layers):
+                raise ValueError(f"{len(mm.deepstack)} deepstack layers need a deeper model than {len(w.layers)} layers")
         last = lengths - 1
         rows = slots if slot_slice is None else slot_slice
         for li, layer in enumerate(w.layers):
             x, k, v = self.prefill_fn(spec, layer, x, cos, sin, self.scale,
                                       last if li == len(w.layers) - 1 else None)
+            if mm is not None and li < len(mm.deepstack):
+                x = x.index_put((mm.rows, mm.cols), mm.deepstack[li], accumulate=True)
             cache.k[li][rows, :, :plen] = k
             cache.v[li][rows, :, :plen] = v
         return self._logits(x)

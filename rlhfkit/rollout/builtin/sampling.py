@@ -10,7 +10,8 @@ Sampling of one row, given fp32 logits z and temperature T (T = 0 means greedy):
     s = z / T (T := 1 for greedy rows),  logprob(tok) = s[tok] - logsumexp(s)      (reported)
     s' = s, or (z penalised: z / r where z > 0, z * r otherwise, for the tokens of the prompt and
          the completion so far, r = repetition penalty; Keskar et al. 2019, arXiv 1909.05858) / T
-    s' = s' with stop ids set to -inf while generated < min_new_tokens
+    s' = s' with stop ids set to -inf while generated < min_new_tokens, and banned ids (a VLM's
+         picture placeholder and markers, which a policy never writes) always
     s' = s' with tokens outside top-k / top-p (Holtzman et al. 2019, arXiv 1904.09751) set to -inf
     tok = argmax s' (greedy), or a draw from softmax(s') in two Gumbel-max steps:
           chunk c = argmax_c (logsumexp(s'[chunk c]) + g_c)      (chunks of SAMPLE_CHUNK tokens)
@@ -61,6 +62,7 @@ class SlotState:
     max_new: torch.Tensor  # [S]
     stop_ids: torch.Tensor  # [S, M] stop token ids (eos included), padded with the first one
     stop_valid: torch.Tensor  # [S, M] bool
+    ban_always: torch.Tensor  # [S, M] bool: entries of stop_ids that are never sampled (not stops)
     seeds: torch.Tensor  # [S] int64 in [0, 2^63): the sample's noise stream
     rep_penalty: torch.Tensor  # [S] f32 repetition penalty, 1 = none
     seen: torch.Tensor  # [S, V] bool: tokens in the prompt or the completion so far ([S, 0] until a penalty is used)
@@ -78,7 +80,8 @@ class SlotState:
             done=torch.ones(num_slots, dtype=torch.bool, device=device),
             temperature=z(num_slots, dtype=f32), top_p=z(num_slots, dtype=f32), top_k=z(num_slots),
             min_new=z(num_slots), max_new=z(num_slots), stop_ids=z(num_slots, max_stop_ids),
-            stop_valid=z(num_slots, max_stop_ids, dtype=torch.bool), seeds=z(num_slots),
+            stop_valid=z(num_slots, max_stop_ids, dtype=torch.bool),
+            ban_always=z(num_slots, max_stop_ids, dtype=torch.bool), seeds=z(num_slots),
             rep_penalty=torch.ones(num_slots, dtype=f32, device=device), seen=z(num_slots, 0, dtype=torch.bool),
             out_tokens=z(num_slots, cap + 1), out_logprobs=z(num_slots, cap + 1, dtype=f32),
         )
@@ -98,7 +101,8 @@ class SlotState:
         return True
 
     def admit(self, to_device: Callable, slot: list, pos: list, temp: list, top_p: list, top_k: list,
-              min_new: list, max_new: list, stop: list, valid: list, seed: list, penalty: list) -> torch.Tensor:
+              min_new: list, max_new: list, stop: list, valid: list, banned: list, seed: list,
+              penalty: list) -> torch.Tensor:
         """Fresh counters and the sampling settings of newly admitted slots (one host list per
         field, `to_device(list, dtype=None)` copies one over); returns the slot indices on the device."""
         f32 = torch.float32
@@ -113,6 +117,7 @@ class SlotState:
         self.max_new[idx] = to_device(max_new)
         self.stop_ids[idx] = to_device(stop)
         self.stop_valid[idx] = to_device(valid)
+        self.ban_always[idx] = to_device(banned)
         self.seeds[idx] = to_device(seed)
         self.rep_penalty[idx] = to_device(penalty, f32)
         return idx
@@ -376,7 +381,7 @@ def sample_and_advance(state: SlotState, rows: torch.Tensor | None, logits: torc
     gen = get(state.gen)
     active = ~get(state.done)
     stop_ids, stop_valid = get(state.stop_ids), get(state.stop_valid)
-    ban_mask = stop_valid & (gen < get(state.min_new))[:, None]
+    ban_mask = (stop_valid & (gen < get(state.min_new))[:, None]) | get(state.ban_always)
     tracked = filtered and state.seen.shape[1] == logits.shape[1]  # a repetition penalty is in use
     tok, logprob = sample_tokens(logits, get(state.temperature), get(state.top_p), get(state.top_k),
                                  stop_ids, ban_mask, get(state.seeds), gen, filtered, fast,

@@ -39,6 +39,7 @@ import torch
 from rlhfkit.rollout.builtin.model import DecoderModel, KVCache
 from rlhfkit.rollout.builtin.runner import DecodeRunner
 from rlhfkit.rollout.builtin.sampling import SlotState
+from rlhfkit.rollout.builtin.vision import MultimodalPlan, VisionIndex, VisionTower
 from rlhfkit.rollout.builtin.weights import copy_named_tensors
 from rlhfkit.rollout.engine_utils import to_device
 
@@ -53,8 +54,9 @@ class AdmitPlan:
     sample slot; `step` > 0 when they are evenly spaced); fan_src / fan_dst copy a prompt's K/V to
     its other sample slots; `slots` and `row_of` list every sample slot and its prompt row;
     `settings` holds one tuple per slot for `SlotState.admit` (columns: slot, pos, temperature,
-    top_p, top_k, min_new, max_new, stop ids, stop valid, seed, penalty); `penalised` lists
-    `(slots, prompt ids)` of requests with a repetition penalty; `vocab` sizes its mask.
+    top_p, top_k, min_new, max_new, stop ids, stop valid, banned, seed, penalty: the stop-id columns
+    also carry the `banned` ids, never sampled); `penalised` lists `(slots, prompt ids)` of requests
+    with a repetition penalty; `vocab` sizes its mask. `mm`: the pictures of the batch (vision.py).
     """
 
     tokens: np.ndarray
@@ -69,11 +71,14 @@ class AdmitPlan:
     penalised: list[tuple[list[int], list[int]]]
     filtered: bool
     vocab: int
+    mm: MultimodalPlan | None = None
 
     @classmethod
-    def from_admissions(cls, admissions: list[Any], vocab: int, max_stop_ids: int) -> "AdmitPlan":
+    def from_admissions(cls, admissions: list[Any], vocab: int, max_stop_ids: int, banned: tuple[int, ...] = (),
+                        vision: VisionIndex | None = None) -> "AdmitPlan":
         """The plan of one prefill call from the scheduler's `Admission`s (their requests' prompts,
-        sampling settings and seeds; `max_stop_ids` pads each slot's stop ids)."""
+        sampling settings and seeds; `max_stop_ids` pads each slot's stop ids and `banned` ids;
+        `vision` plans the pictures of a VLM's requests)."""
         prompts = [a.req.request.prompt_token_ids for a in admissions]
         plen = max(len(p) for p in prompts)
         padded = np.zeros((len(prompts), plen), dtype=np.int64)  # row by row: 3x faster than torch.tensor(lists)
@@ -85,10 +90,9 @@ class AdmitPlan:
         settings = []  # a full batch admits hundreds at once
         for a in admissions:
             p, req = a.req.request.params, a.req
-            ids = req.stop_ids or [0]
+            cols = stop_columns(req.stop_ids, banned, max_stop_ids)
             const = (req.prompt_len - 1, p.temperature, p.top_p, p.top_k if 0 < p.top_k < vocab else vocab,
-                     p.min_new_tokens, p.max_new_tokens, ids + [ids[0]] * (max_stop_ids - len(ids)),
-                     [bool(req.stop_ids)] * max_stop_ids)
+                     p.min_new_tokens, p.max_new_tokens, *cols)
             for i, slot in enumerate(a.slots):
                 settings.append((slot, *const, hash((req.seed, a.first_sample + i)) & (2**63 - 1),
                                  p.repetition_penalty))
@@ -101,7 +105,20 @@ class AdmitPlan:
             settings=settings,
             penalised=[(list(a.slots), list(a.req.request.prompt_token_ids)) for a in admissions
                        if a.req.request.params.repetition_penalty != 1.0],
-            filtered=any(a.req.filtered for a in admissions), vocab=vocab)
+            filtered=any(a.req.filtered for a in admissions), vocab=vocab,
+            mm=vision.plan([a.req.request for a in admissions], plen) if vision is not None else None)
+
+
+def stop_columns(stop_ids: list[int], banned: tuple[int, ...], width: int) -> tuple[list[int], list[bool], list[bool]]:
+    """A slot's (ids, is-stop, is-banned) columns: its stop ids, then the banned ids, padded to `width`
+    with copies of the first entry that are neither stops nor banned."""
+    ids = list(stop_ids) + [t for t in banned if t not in stop_ids]
+    stop = [True] * len(stop_ids) + [False] * (len(ids) - len(stop_ids))
+    ban = [False] * len(stop_ids) + [True] * (len(ids) - len(stop_ids))
+    if not ids:
+        ids, stop, ban = [0], [False], [False]
+    pad = width - len(ids)
+    return ids + [ids[0]] * pad, stop + [stop[0]] * pad, ban + [False] * pad
 
 
 class StepRunner:
@@ -109,8 +126,10 @@ class StepRunner:
 
     def __init__(self, model: DecoderModel, *, num_slots: int, max_model_len: int, max_stop_ids: int,
                  device: torch.device, dtype: torch.dtype, cuda_graphs: bool, compile_step: bool,
-                 compile_prefill: bool, compile_mode: str | None, fast_sampling: bool):
+                 compile_prefill: bool, compile_mode: str | None, fast_sampling: bool,
+                 vision: VisionTower | None = None, inv_freq: torch.Tensor | None = None, rope_scaling: float = 1.0):
         self.model, self.device, self.dtype = model, device, dtype
+        self.vision, self.inv_freq, self.rope_scaling = vision, inv_freq, rope_scaling
         self.num_slots, self.max_model_len, self.max_stop_ids = num_slots, max_model_len, max_stop_ids
         self._h2d = functools.partial(to_device, device=device)
         self.lock = threading.RLock()
@@ -143,6 +162,8 @@ class StepRunner:
             self.runner.reset()
             self.runner.cache = self.runner.state = None
             self.cache = self.state = None
+            if self.vision is not None:
+                self.vision.cache.clear()  # (the front end forgets its index at the same time)
             if level == 2:
                 self._move_weights(torch.device("cpu"))
             self.asleep = level
@@ -163,20 +184,32 @@ class StepRunner:
         w = self.model.weights
         w.replace_tensors({k: v.to(device) for k, v in w.tensors().items()})
         self.model.cos, self.model.sin = self.model.cos.to(device), self.model.sin.to(device)
+        if self.vision is not None:
+            self.vision.to(device)
 
     @torch.no_grad()
     def update_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Copy full HF-named tensors (this shard's slices) into the weights in place; graphs stay valid."""
+        """Copy full HF-named tensors (this shard's slices) into the weights in place; graphs stay valid.
+        A VLM's vision-tower tensors go to the tower (which then forgets its cached outputs)."""
         with self.lock:
-            return len(copy_named_tensors(self.model.weights, self.model.spec, named))
+            if self.vision is None:
+                return len(copy_named_tensors(self.model.weights, self.model.spec, named))
+            named = list(named)
+            return len(copy_named_tensors(self.model.weights, self.model.spec, named)) + len(self.vision.load(named))
 
     # ---------------------------------------------------------------- generation
     def admit(self, plan: AdmitPlan) -> None:
         with self.lock, torch.inference_mode():
             h2d = self._h2d
             slot_slice = (slice(plan.first_slots[0], plan.first_slots[-1] + 1, plan.step) if plan.step > 0 else None)
-            logits = self.runner.prefill(self.cache, h2d(torch.from_numpy(plan.tokens)), h2d(plan.lengths),
-                                         h2d(plan.first_slots), slot_slice)
+            tokens = h2d(torch.from_numpy(plan.tokens))
+            mm = None
+            if plan.mm is not None:
+                if self.vision is None:
+                    raise ValueError("a request with pictures reached an engine whose model has no vision tower")
+                mm = self.vision.prefill_inputs(plan.mm, tokens, plan.tokens, self.model.weights.embed, self.inv_freq,
+                                                self.rope_scaling, self.dtype)
+            logits = self.runner.prefill(self.cache, tokens, h2d(plan.lengths), h2d(plan.first_slots), slot_slice, mm)
             if plan.fan_dst:
                 self.cache.copy_rows(h2d(plan.fan_src), h2d(plan.fan_dst), plan.tokens.shape[1])
             self._init_slots(plan)

@@ -5,8 +5,8 @@ engine.py describes the chunk sizes, the look-ahead and the syncs; the device wo
 `self.steps` (step.py).
 
 The engine provides `sched` (SlotScheduler), `steps` (the step runner or its tensor-parallel mirror),
-`stats`, `config`, `spec`, `max_model_len`, `policy_version`, `_inbox`, `_lookahead` and
-`_decode_text`.
+`stats`, `config`, `spec`, `max_model_len`, `policy_version`, `_inbox`, `_lookahead`, `_decode_text`,
+`banned` (token ids never sampled) and `_vision_index` (a VLM's picture plan, vision.py, or None).
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ class EngineStepping:
     _inbox: Any
     _lookahead: int
     _decode_text: Any
+    banned: tuple[int, ...]
+    _vision_index: Any
 
     def _step(self, batch: bool = False) -> None:
         self._drain_inbox()
@@ -54,8 +56,12 @@ class EngineStepping:
             self._move_slots(moves)
 
     def _prefill(self, admissions: list[Admission]) -> None:
-        plan = AdmitPlan.from_admissions(admissions, self.spec.vocab_size, self.config.max_stop_ids)
+        plan = AdmitPlan.from_admissions(admissions, self.spec.vocab_size, self.config.max_stop_ids, self.banned,
+                                         self._vision_index)
         self.steps.admit(plan)
+        if plan.mm is not None and plan.mm.encode:
+            self.stats.vision_calls += 1
+            self.stats.pictures_encoded += len(plan.mm.encode)
         self.stats.prefill_calls += 1
         self.stats.prefill_sequences += len(admissions)
         self.stats.prefill_tokens += sum(plan.lengths)

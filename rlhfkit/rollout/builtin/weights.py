@@ -1,6 +1,8 @@
 """Model description and weights of the builtin engine, read from a Hugging Face decoder-only model.
 
-Supported families (`config.model_type`): llama, qwen2, qwen3, mistral. They share one block:
+Supported families (`config.model_type`): llama, qwen2, qwen3, mistral, and the language models of
+the vision-language qwen2_vl, qwen2_5_vl (a qwen2 block) and qwen3_vl (a qwen3 block), whose vision
+tower lives in vision.py. They share one block:
 
     x -> RMSNorm -> q,k,v projections (optional bias; Qwen3: RMSNorm on each head of q and k)
       -> RoPE -> attention (grouped-query) -> o projection -> + x
@@ -35,7 +37,11 @@ from typing import Iterable
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+from rlhfkit.models.vlm import is_vision_name
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+VLM_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")  # their language model (`text_config`) is the decoder here
+QK_NORM_TYPES = ("qwen3", "qwen3_vl")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -112,6 +118,11 @@ class ModelSpec:
     @classmethod
     def from_hf_config(cls, config) -> "ModelSpec":
         model_type = getattr(config, "model_type", "")
+        if model_type in VLM_MODEL_TYPES:
+            tie = getattr(config, "tie_word_embeddings", None)
+            config = config.text_config
+            if tie is not None and not getattr(config, "tie_word_embeddings", False):
+                config.tie_word_embeddings = tie
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"the builtin rollout engine supports model_type {SUPPORTED_MODEL_TYPES}, got {model_type!r}; "
@@ -130,7 +141,7 @@ class ModelSpec:
             head_dim=head_dim,
             intermediate_size=config.intermediate_size,
             rms_norm_eps=config.rms_norm_eps,
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in QK_NORM_TYPES,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             max_position_embeddings=config.max_position_embeddings,
             sliding_window=_active_sliding_window(config),
@@ -150,6 +161,19 @@ def _active_sliding_window(config) -> int | None:
 def rope_tables(config, spec: ModelSpec, max_len: int, dtype: torch.dtype,
                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables `[max_len, head_dim]`, computed in fp32 as Hugging Face does, then cast."""
+    inv_freq, scaling = rope_inv_freq(config, spec)
+    positions = torch.arange(max_len, dtype=torch.float32)
+    freqs = positions[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos() * scaling, emb.sin() * scaling
+    return cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
+
+
+def rope_inv_freq(config, spec: ModelSpec) -> tuple[torch.Tensor, float]:
+    """The rotary inverse frequencies `[head_dim / 2]` (fp32, host) and the cos / sin scaling; a
+    VLM's language model (its `text_config`) rotates text with the same frequencies."""
+    if getattr(config, "model_type", "") in VLM_MODEL_TYPES:
+        config = config.text_config
     params = dict(getattr(config, "rope_parameters", None) or {})
     if not params:  # transformers < 5 style config
         params = dict(getattr(config, "rope_scaling", None) or {})
@@ -167,11 +191,7 @@ def rope_tables(config, spec: ModelSpec, max_len: int, dtype: torch.dtype,
 
         inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
         inv_freq = inv_freq.float().cpu()
-    positions = torch.arange(max_len, dtype=torch.float32)
-    freqs = positions[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = emb.cos() * scaling, emb.sin() * scaling
-    return cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
+    return inv_freq, float(scaling)
 
 
 @dataclass
@@ -286,8 +306,10 @@ def targets(weights: ModelWeights, spec: ModelSpec, name: str) -> list[Target]:
     """
     if name.startswith("module."):
         name = name[len("module."):]
-    if name.endswith(_IGNORED_SUFFIXES):
-        return []
+    if name.startswith("model.language_model."):  # a VLM's language model (transformers 5 module names)
+        name = "model." + name[len("model.language_model."):]
+    if name.endswith(_IGNORED_SUFFIXES) or (spec.model_type in VLM_MODEL_TYPES and is_vision_name(name)):
+        return []  # the rotary buffers are recomputed; a VLM's vision tower is loaded by vision.py
     if name == "model.embed_tokens.weight":
         out = [(weights.embed, _ALL)]
         if spec.tie_word_embeddings and weights.lm_head is not weights.embed and not _lm_head_is_embed_view(spec):
@@ -312,6 +334,12 @@ def targets(weights: ModelWeights, spec: ModelSpec, name: str) -> list[Target]:
         return [(tensor, src)]
     start, end = _part_bounds(spec, attr, part)
     return [(tensor[start:end], src)]
+
+
+def normalized_name(name: str) -> str:
+    """An HF name as `targets` reads it (no `module.` prefix; a VLM's `model.language_model.` -> `model.`)."""
+    name = name.removeprefix("module.")
+    return "model." + name[len("model.language_model."):] if name.startswith("model.language_model.") else name
 
 
 def target_view(weights: ModelWeights, spec: ModelSpec, name: str) -> torch.Tensor | None:
@@ -339,7 +367,7 @@ def copy_named_tensors(weights: ModelWeights, spec: ModelSpec,
         for dst, index in found:
             _copy_into(dst, tensor.detach()[index], name)
         if found:
-            done.add(name)
+            done.add(normalized_name(name))
     return done
 
 
@@ -353,6 +381,9 @@ def allocate_weights(spec: ModelSpec, names: set[str], dtype: torch.dtype,
     rows); optional biases exist when `names` holds them."""
     def empty(*shape: int) -> torch.Tensor:
         return torch.empty(*shape, dtype=dtype, device=device)
+
+    if spec.model_type in VLM_MODEL_TYPES:  # the vision tower's biases say nothing about the decoder's
+        names = {n for n in names if not is_vision_name(n.removeprefix("module."))}
 
     h, i, qkv_rows = spec.hidden_size, spec.intermediate_size, spec.q_size + 2 * spec.kv_size
     layers = []
@@ -449,7 +480,7 @@ def load_from_safetensors(path: str, config, dtype: torch.dtype, device: torch.d
                     piece = f.get_slice(name)[index] if index != _ALL else f.get_tensor(name)
                     _copy_into(dst, piece.to(dtype), name)
                 if found:
-                    loaded.add(name.removeprefix("module."))
+                    loaded.add(normalized_name(name))
     if spec.tie_word_embeddings and "lm_head.weight" in loaded:
         loaded.add("model.embed_tokens.weight")
     _check_loaded(spec, loaded)

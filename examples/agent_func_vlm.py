@@ -1,0 +1,1 @@
+../rlhfkit/examples/agent_func_vlm.py
