@@ -37,10 +37,10 @@ class TrainSFTFields(FlagConfig):
     # model
     param_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
     """compute dtype on GPU (master weights stay fp32); CPU training computes in fp32 [--param_dtype,
-    --ds.param_dtype; --bf16 sets "bf16"]"""
+    --ds.param_dtype, --fsdp.param_dtype; --bf16 sets "bf16"]"""
     attn_implementation: str = "sdpa"
     """attention kernel of transformers: sdpa, eager, flash_attention_2 (when installed) [--attn_implementation,
-    --ds.attn_implementation; --flash_attn sets "flash_attention_2"]"""
+    --ds.attn_implementation, --fsdp.attn_implementation; --flash_attn sets "flash_attention_2"]"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass: less memory, about a third more compute
     [--gradient_checkpointing, --model.gradient_checkpointing_enable, --actor.gradient_checkpointing_enable]"""
@@ -67,6 +67,9 @@ class TrainSFTFields(FlagConfig):
     own) [--experts_implementation, --ds.experts_implementation]"""
     use_ms: bool = False
     """download model ids from ModelScope (needs modelscope) [--use_ms]"""
+    freeze_visual_encoder: bool = False
+    """vision-language models: the vision tower does not train (nor go to the rollout engines); the language model
+    and its head do [--freeze_visual_encoder, --actor.freeze_visual_encoder]"""
 
     # LoRA / QLoRA
     lora_rank: int = 0
@@ -112,6 +115,19 @@ class TrainSFTFields(FlagConfig):
     dataloader_num_workers: int = 0
     """OpenRLHF: DataLoader worker processes; no effect in train_sft: data is tokenized once up front and batched in
     the training process (no loader workers) [--dataloader_num_workers, --data.dataloader_num_workers]"""
+    image_key: str = "images"
+    """column with a row's pictures: file paths, http(s) URLs, base64 data URIs or image bytes (one, or a list)
+    [--image_key, --data.image_key]"""
+    max_images_per_prompt: int = 0
+    """> 0 turns on vision-language mode: pictures of --image_key go with each sample, at most this many (a row with
+    more is an error) [--max_images_per_prompt, --data.max_images_per_prompt]"""
+    image_failure: Literal["stop", "drop"] = "stop"
+    """a missing, unreadable or too large picture: stop with an error naming file and row, or drop its row (counted)
+    [--image_failure]"""
+    max_image_bytes: int = 33554432
+    """largest picture file in bytes [--max_image_bytes]"""
+    max_image_pixels: int = 16777216
+    """largest picture in pixels (width x height) [--max_image_pixels]"""
 
     # training
     train_batch_size: int = 128
@@ -172,17 +188,26 @@ class TrainSFTFields(FlagConfig):
     """where the final model is saved in Hugging Face format [--save_path, --ckpt.output_dir]"""
     run_dir: str | None = None
     """metrics.jsonl, run_config.json and plots (default: --save_path) [--run_dir]"""
+    overwrite_output_dir: bool = False
+    """start over in a --save_path / --run_dir holding an earlier run: its metrics, run_config.json and the
+    checkpoints inside it are removed (without it such a folder is refused) [--overwrite_output_dir,
+    --ckpt.overwrite_output_dir]"""
     save_steps: int = -1
     """save a resumable checkpoint every N optimizer steps (-1: never) [--save_steps, --ckpt.save_steps]"""
-    ckpt_path: str = "./ckpt/checkpoints_sft"
-    """folder of the resumable checkpoints (global_step<N>) [--ckpt_path, --ckpt.path]"""
+    ckpt_path: str | None = None
+    """folder of the resumable checkpoints (global_step<N>); default: <run dir>/checkpoints [--ckpt_path,
+    --ckpt.path]"""
     max_ckpt_num: int = 3
     """keep this many newest checkpoints; older ones are deleted [--max_ckpt_num, --ckpt.max_num]"""
     max_ckpt_mem: float = 100000000.0
     """GB the resumable checkpoints in --ckpt_path may hold: after a save the oldest are deleted while they hold
     more (the one just saved always stays); as OpenRLHF's [--max_ckpt_mem, --ckpt.max_mem]"""
     load_checkpoint: bool = False
-    """resume from the newest checkpoint in --ckpt_path, if there is one [--load_checkpoint, --ckpt.load_enable]"""
+    """resume from the newest intact checkpoint in --ckpt_path, if there is one; its run's model, data, batch and
+    learning-rate settings must be this run's [--load_checkpoint, --ckpt.load_enable]"""
+    allow_resume_changes: str | None = None
+    """--load_checkpoint: accept these settings (comma-separated flag names, or all) differing from the checkpoint's
+    run as deliberate changes [--allow_resume_changes]"""
     save_hf_ckpt: bool = False
     """also save a Hugging Face snapshot with each checkpoint (<ckpt_path>/global_step<N>_hf) [--save_hf_ckpt,
     --ckpt.save_hf]"""
@@ -191,6 +216,9 @@ class TrainSFTFields(FlagConfig):
     disable_ds_ckpt: bool = False
     """--save_steps writes no resumable checkpoint (only --save_hf_ckpt snapshots) [--disable_ds_ckpt,
     --ckpt.disable_ds]"""
+    stop_grace_s: float = 10.0
+    """on SIGINT / SIGTERM the current step may finish within this many seconds (else it is abandoned); then a
+    resumable checkpoint is written, the resume command printed, exit 130 / 143 [--stop_grace_s]"""
 
     # logging
     logging_steps: int = 1
@@ -290,10 +318,10 @@ class TrainRMFields(FlagConfig):
     # model
     param_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
     """compute dtype on GPU (master weights stay fp32); CPU training computes in fp32 [--param_dtype,
-    --ds.param_dtype; --bf16 sets "bf16"]"""
+    --ds.param_dtype, --fsdp.param_dtype; --bf16 sets "bf16"]"""
     attn_implementation: str = "sdpa"
     """attention kernel of transformers: sdpa, eager, flash_attention_2 (when installed) [--attn_implementation,
-    --ds.attn_implementation; --flash_attn sets "flash_attention_2"]"""
+    --ds.attn_implementation, --fsdp.attn_implementation; --flash_attn sets "flash_attention_2"]"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass: less memory, about a third more compute
     [--gradient_checkpointing, --model.gradient_checkpointing_enable, --actor.gradient_checkpointing_enable]"""
@@ -433,17 +461,26 @@ class TrainRMFields(FlagConfig):
     """where the final model is saved in Hugging Face format [--save_path, --ckpt.output_dir]"""
     run_dir: str | None = None
     """metrics.jsonl, run_config.json and plots (default: --save_path) [--run_dir]"""
+    overwrite_output_dir: bool = False
+    """start over in a --save_path / --run_dir holding an earlier run: its metrics, run_config.json and the
+    checkpoints inside it are removed (without it such a folder is refused) [--overwrite_output_dir,
+    --ckpt.overwrite_output_dir]"""
     save_steps: int = -1
     """save a resumable checkpoint every N optimizer steps (-1: never) [--save_steps, --ckpt.save_steps]"""
-    ckpt_path: str = "./ckpt/checkpoints_rm"
-    """folder of the resumable checkpoints (global_step<N>) [--ckpt_path, --ckpt.path]"""
+    ckpt_path: str | None = None
+    """folder of the resumable checkpoints (global_step<N>); default: <run dir>/checkpoints [--ckpt_path,
+    --ckpt.path]"""
     max_ckpt_num: int = 3
     """keep this many newest checkpoints; older ones are deleted [--max_ckpt_num, --ckpt.max_num]"""
     max_ckpt_mem: float = 100000000.0
     """GB the resumable checkpoints in --ckpt_path may hold: after a save the oldest are deleted while they hold
     more (the one just saved always stays); as OpenRLHF's [--max_ckpt_mem, --ckpt.max_mem]"""
     load_checkpoint: bool = False
-    """resume from the newest checkpoint in --ckpt_path, if there is one [--load_checkpoint, --ckpt.load_enable]"""
+    """resume from the newest intact checkpoint in --ckpt_path, if there is one; its run's model, data, batch and
+    learning-rate settings must be this run's [--load_checkpoint, --ckpt.load_enable]"""
+    allow_resume_changes: str | None = None
+    """--load_checkpoint: accept these settings (comma-separated flag names, or all) differing from the checkpoint's
+    run as deliberate changes [--allow_resume_changes]"""
     save_hf_ckpt: bool = False
     """also save a Hugging Face snapshot with each checkpoint (<ckpt_path>/global_step<N>_hf) [--save_hf_ckpt,
     --ckpt.save_hf]"""
@@ -452,6 +489,9 @@ class TrainRMFields(FlagConfig):
     disable_ds_ckpt: bool = False
     """--save_steps writes no resumable checkpoint (only --save_hf_ckpt snapshots) [--disable_ds_ckpt,
     --ckpt.disable_ds]"""
+    stop_grace_s: float = 10.0
+    """on SIGINT / SIGTERM the current step may finish within this many seconds (else it is abandoned); then a
+    resumable checkpoint is written, the resume command printed, exit 130 / 143 [--stop_grace_s]"""
 
     # logging
     logging_steps: int = 1
@@ -550,10 +590,10 @@ class TrainDPOFields(FlagConfig):
     # model
     param_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
     """compute dtype on GPU (master weights stay fp32); CPU training computes in fp32 [--param_dtype,
-    --ds.param_dtype; --bf16 sets "bf16"]"""
+    --ds.param_dtype, --fsdp.param_dtype; --bf16 sets "bf16"]"""
     attn_implementation: str = "sdpa"
     """attention kernel of transformers: sdpa, eager, flash_attention_2 (when installed) [--attn_implementation,
-    --ds.attn_implementation; --flash_attn sets "flash_attention_2"]"""
+    --ds.attn_implementation, --fsdp.attn_implementation; --flash_attn sets "flash_attention_2"]"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass: less memory, about a third more compute
     [--gradient_checkpointing, --model.gradient_checkpointing_enable, --actor.gradient_checkpointing_enable]"""
@@ -584,6 +624,9 @@ class TrainDPOFields(FlagConfig):
     """reference model directory or hub id (default: --pretrain) [--ref_pretrain, --ref.model_name_or_path]"""
     ref_offload: bool = False
     """keep the reference model in CPU memory between its forward passes [--ref_offload, --ref.offload]"""
+    freeze_visual_encoder: bool = False
+    """vision-language models: the vision tower does not train (nor go to the rollout engines); the language model
+    and its head do [--freeze_visual_encoder, --actor.freeze_visual_encoder]"""
 
     # LoRA / QLoRA
     lora_rank: int = 0
@@ -637,6 +680,19 @@ class TrainDPOFields(FlagConfig):
     """column with the preferred answer (or whole text / conversation) [--chosen_key, --data.chosen_key]"""
     rejected_key: str = "rejected"
     """column with the dispreferred answer (or whole text / conversation) [--rejected_key, --data.rejected_key]"""
+    image_key: str = "images"
+    """column with a row's pictures: file paths, http(s) URLs, base64 data URIs or image bytes (one, or a list)
+    [--image_key, --data.image_key]"""
+    max_images_per_prompt: int = 0
+    """> 0 turns on vision-language mode: pictures of --image_key go with each sample, at most this many (a row with
+    more is an error) [--max_images_per_prompt, --data.max_images_per_prompt]"""
+    image_failure: Literal["stop", "drop"] = "stop"
+    """a missing, unreadable or too large picture: stop with an error naming file and row, or drop its row (counted)
+    [--image_failure]"""
+    max_image_bytes: int = 33554432
+    """largest picture file in bytes [--max_image_bytes]"""
+    max_image_pixels: int = 16777216
+    """largest picture in pixels (width x height) [--max_image_pixels]"""
 
     # training
     train_batch_size: int = 128
@@ -697,17 +753,26 @@ class TrainDPOFields(FlagConfig):
     """where the final model is saved in Hugging Face format [--save_path, --ckpt.output_dir]"""
     run_dir: str | None = None
     """metrics.jsonl, run_config.json and plots (default: --save_path) [--run_dir]"""
+    overwrite_output_dir: bool = False
+    """start over in a --save_path / --run_dir holding an earlier run: its metrics, run_config.json and the
+    checkpoints inside it are removed (without it such a folder is refused) [--overwrite_output_dir,
+    --ckpt.overwrite_output_dir]"""
     save_steps: int = -1
     """save a resumable checkpoint every N optimizer steps (-1: never) [--save_steps, --ckpt.save_steps]"""
-    ckpt_path: str = "./ckpt/checkpoints_dpo"
-    """folder of the resumable checkpoints (global_step<N>) [--ckpt_path, --ckpt.path]"""
+    ckpt_path: str | None = None
+    """folder of the resumable checkpoints (global_step<N>); default: <run dir>/checkpoints [--ckpt_path,
+    --ckpt.path]"""
     max_ckpt_num: int = 3
     """keep this many newest checkpoints; older ones are deleted [--max_ckpt_num, --ckpt.max_num]"""
     max_ckpt_mem: float = 100000000.0
     """GB the resumable checkpoints in --ckpt_path may hold: after a save the oldest are deleted while they hold
     more (the one just saved always stays); as OpenRLHF's [--max_ckpt_mem, --ckpt.max_mem]"""
     load_checkpoint: bool = False
-    """resume from the newest checkpoint in --ckpt_path, if there is one [--load_checkpoint, --ckpt.load_enable]"""
+    """resume from the newest intact checkpoint in --ckpt_path, if there is one; its run's model, data, batch and
+    learning-rate settings must be this run's [--load_checkpoint, --ckpt.load_enable]"""
+    allow_resume_changes: str | None = None
+    """--load_checkpoint: accept these settings (comma-separated flag names, or all) differing from the checkpoint's
+    run as deliberate changes [--allow_resume_changes]"""
     save_hf_ckpt: bool = False
     """also save a Hugging Face snapshot with each checkpoint (<ckpt_path>/global_step<N>_hf) [--save_hf_ckpt,
     --ckpt.save_hf]"""
@@ -716,6 +781,9 @@ class TrainDPOFields(FlagConfig):
     disable_ds_ckpt: bool = False
     """--save_steps writes no resumable checkpoint (only --save_hf_ckpt snapshots) [--disable_ds_ckpt,
     --ckpt.disable_ds]"""
+    stop_grace_s: float = 10.0
+    """on SIGINT / SIGTERM the current step may finish within this many seconds (else it is abandoned); then a
+    resumable checkpoint is written, the resume command printed, exit 130 / 143 [--stop_grace_s]"""
 
     # logging
     logging_steps: int = 1
@@ -815,10 +883,10 @@ class TrainKTOFields(FlagConfig):
     # model
     param_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
     """compute dtype on GPU (master weights stay fp32); CPU training computes in fp32 [--param_dtype,
-    --ds.param_dtype; --bf16 sets "bf16"]"""
+    --ds.param_dtype, --fsdp.param_dtype; --bf16 sets "bf16"]"""
     attn_implementation: str = "sdpa"
     """attention kernel of transformers: sdpa, eager, flash_attention_2 (when installed) [--attn_implementation,
-    --ds.attn_implementation; --flash_attn sets "flash_attention_2"]"""
+    --ds.attn_implementation, --fsdp.attn_implementation; --flash_attn sets "flash_attention_2"]"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass: less memory, about a third more compute
     [--gradient_checkpointing, --model.gradient_checkpointing_enable, --actor.gradient_checkpointing_enable]"""
@@ -954,17 +1022,26 @@ class TrainKTOFields(FlagConfig):
     """where the final model is saved in Hugging Face format [--save_path, --ckpt.output_dir]"""
     run_dir: str | None = None
     """metrics.jsonl, run_config.json and plots (default: --save_path) [--run_dir]"""
+    overwrite_output_dir: bool = False
+    """start over in a --save_path / --run_dir holding an earlier run: its metrics, run_config.json and the
+    checkpoints inside it are removed (without it such a folder is refused) [--overwrite_output_dir,
+    --ckpt.overwrite_output_dir]"""
     save_steps: int = -1
     """save a resumable checkpoint every N optimizer steps (-1: never) [--save_steps, --ckpt.save_steps]"""
-    ckpt_path: str = "./ckpt/checkpoints_kto"
-    """folder of the resumable checkpoints (global_step<N>) [--ckpt_path, --ckpt.path]"""
+    ckpt_path: str | None = None
+    """folder of the resumable checkpoints (global_step<N>); default: <run dir>/checkpoints [--ckpt_path,
+    --ckpt.path]"""
     max_ckpt_num: int = 3
     """keep this many newest checkpoints; older ones are deleted [--max_ckpt_num, --ckpt.max_num]"""
     max_ckpt_mem: float = 100000000.0
     """GB the resumable checkpoints in --ckpt_path may hold: after a save the oldest are deleted while they hold
     more (the one just saved always stays); as OpenRLHF's [--max_ckpt_mem, --ckpt.max_mem]"""
     load_checkpoint: bool = False
-    """resume from the newest checkpoint in --ckpt_path, if there is one [--load_checkpoint, --ckpt.load_enable]"""
+    """resume from the newest intact checkpoint in --ckpt_path, if there is one; its run's model, data, batch and
+    learning-rate settings must be this run's [--load_checkpoint, --ckpt.load_enable]"""
+    allow_resume_changes: str | None = None
+    """--load_checkpoint: accept these settings (comma-separated flag names, or all) differing from the checkpoint's
+    run as deliberate changes [--allow_resume_changes]"""
     save_hf_ckpt: bool = False
     """also save a Hugging Face snapshot with each checkpoint (<ckpt_path>/global_step<N>_hf) [--save_hf_ckpt,
     --ckpt.save_hf]"""
@@ -973,6 +1050,9 @@ class TrainKTOFields(FlagConfig):
     disable_ds_ckpt: bool = False
     """--save_steps writes no resumable checkpoint (only --save_hf_ckpt snapshots) [--disable_ds_ckpt,
     --ckpt.disable_ds]"""
+    stop_grace_s: float = 10.0
+    """on SIGINT / SIGTERM the current step may finish within this many seconds (else it is abandoned); then a
+    resumable checkpoint is written, the resume command printed, exit 130 / 143 [--stop_grace_s]"""
 
     # logging
     logging_steps: int = 1
@@ -1060,10 +1140,10 @@ class TrainPPOFields(FlagConfig):
     # model
     param_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
     """compute dtype on GPU (master weights stay fp32); CPU training computes in fp32 [--param_dtype,
-    --ds.param_dtype; --bf16 sets "bf16"]"""
+    --ds.param_dtype, --fsdp.param_dtype; --bf16 sets "bf16"]"""
     attn_implementation: str = "sdpa"
     """attention kernel of transformers: sdpa, eager, flash_attention_2 (when installed) [--attn_implementation,
-    --ds.attn_implementation; --flash_attn sets "flash_attention_2"]"""
+    --ds.attn_implementation, --fsdp.attn_implementation; --flash_attn sets "flash_attention_2"]"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass: less memory, about a third more compute
     [--gradient_checkpointing, --model.gradient_checkpointing_enable, --actor.gradient_checkpointing_enable]"""
@@ -1090,6 +1170,9 @@ class TrainPPOFields(FlagConfig):
     own) [--experts_implementation, --ds.experts_implementation]"""
     use_ms: bool = False
     """download model ids from ModelScope (needs modelscope) [--use_ms]"""
+    freeze_visual_encoder: bool = False
+    """vision-language models: the vision tower does not train (nor go to the rollout engines); the language model
+    and its head do [--freeze_visual_encoder, --actor.freeze_visual_encoder]"""
 
     # LoRA / QLoRA
     lora_rank: int = 0
@@ -1137,6 +1220,19 @@ class TrainPPOFields(FlagConfig):
     dataloader_num_workers: int = 0
     """OpenRLHF: DataLoader worker processes; no effect in train_ppo: data is tokenized once up front and batched in
     the training process (no loader workers) [--dataloader_num_workers, --data.dataloader_num_workers]"""
+    image_key: str = "images"
+    """column with a row's pictures: file paths, http(s) URLs, base64 data URIs or image bytes (one, or a list)
+    [--image_key, --data.image_key]"""
+    max_images_per_prompt: int = 0
+    """> 0 turns on vision-language mode: pictures of --image_key go with each sample, at most this many (a row with
+    more is an error) [--max_images_per_prompt, --data.max_images_per_prompt]"""
+    image_failure: Literal["stop", "drop"] = "stop"
+    """a missing, unreadable or too large picture: stop with an error naming file and row, or drop its row (counted)
+    [--image_failure]"""
+    max_image_bytes: int = 33554432
+    """largest picture file in bytes [--max_image_bytes]"""
+    max_image_pixels: int = 16777216
+    """largest picture in pixels (width x height) [--max_image_pixels]"""
 
     # training
     train_batch_size: int = 128
@@ -1468,8 +1564,8 @@ class TrainPPOFields(FlagConfig):
     """the reward model shares the critic's GPUs [--colocate_critic_reward, --train.colocate_critic_reward]"""
     deepspeed_enable_sleep: bool = False
     """training states (optimizer, fp32 master weights, gradients) to host memory between phases;
-    --fsdp2_enable_sleep is OpenRLHF's FSDP2-era name of the same flag [--deepspeed_enable_sleep,
-    --ds.enable_sleep, --fsdp2_enable_sleep]"""
+    --fsdp2_enable_sleep and --fsdp.enable_sleep are OpenRLHF's FSDP2-era names of the same flag
+    [--deepspeed_enable_sleep, --ds.enable_sleep, --fsdp2_enable_sleep, --fsdp.enable_sleep]"""
     skip_memory_check: bool = False
     """start even when the per-GPU memory plan exceeds the GPU (train_ppo_ray prints the plan) [--skip_memory_check]"""
 
@@ -1491,17 +1587,26 @@ class TrainPPOFields(FlagConfig):
     """where the final model is saved in Hugging Face format [--save_path, --ckpt.output_dir]"""
     run_dir: str | None = None
     """metrics.jsonl, run_config.json and plots (default: --save_path) [--run_dir]"""
+    overwrite_output_dir: bool = False
+    """start over in a --save_path / --run_dir holding an earlier run: its metrics, run_config.json and the
+    checkpoints inside it are removed (without it such a folder is refused) [--overwrite_output_dir,
+    --ckpt.overwrite_output_dir]"""
     save_steps: int = -1
     """save a resumable checkpoint every N optimizer steps (-1: never) [--save_steps, --ckpt.save_steps]"""
-    ckpt_path: str = "./ckpt/checkpoints_ppo"
-    """folder of the resumable checkpoints (global_step<N>) [--ckpt_path, --ckpt.path]"""
+    ckpt_path: str | None = None
+    """folder of the resumable checkpoints (global_step<N>); default: <run dir>/checkpoints [--ckpt_path,
+    --ckpt.path]"""
     max_ckpt_num: int = 3
     """keep this many newest checkpoints; older ones are deleted [--max_ckpt_num, --ckpt.max_num]"""
     max_ckpt_mem: float = 100000000.0
     """GB the resumable checkpoints in --ckpt_path may hold: after a save the oldest are deleted while they hold
     more (the one just saved always stays); as OpenRLHF's [--max_ckpt_mem, --ckpt.max_mem]"""
     load_checkpoint: bool = False
-    """resume from the newest checkpoint in --ckpt_path, if there is one [--load_checkpoint, --ckpt.load_enable]"""
+    """resume from the newest intact checkpoint in --ckpt_path, if there is one; its run's model, data, batch and
+    learning-rate settings must be this run's [--load_checkpoint, --ckpt.load_enable]"""
+    allow_resume_changes: str | None = None
+    """--load_checkpoint: accept these settings (comma-separated flag names, or all) differing from the checkpoint's
+    run as deliberate changes [--allow_resume_changes]"""
     save_hf_ckpt: bool = False
     """also save a Hugging Face snapshot with each checkpoint (<ckpt_path>/global_step<N>_hf) [--save_hf_ckpt,
     --ckpt.save_hf]"""
@@ -1510,6 +1615,9 @@ class TrainPPOFields(FlagConfig):
     disable_ds_ckpt: bool = False
     """--save_steps writes no resumable checkpoint (only --save_hf_ckpt snapshots) [--disable_ds_ckpt,
     --ckpt.disable_ds]"""
+    stop_grace_s: float = 10.0
+    """on SIGINT / SIGTERM the current step may finish within this many seconds (else it is abandoned); then a
+    resumable checkpoint is written, the resume command printed, exit 130 / 143 [--stop_grace_s]"""
     best_metric_key: str = ""
     """eval metric that picks the best checkpoint ('': the first *_pass1 one; none: off) [--best_metric_key,
     --ckpt.best_metric_key]"""
