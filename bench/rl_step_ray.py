@@ -223,9 +223,9 @@ def measured_vs_plan(plan: dict[str, Any], steps: list[dict[str, Any]], nvml_pea
 def _build(a: argparse.Namespace, argv: list[str]) -> tuple[Any, Any, Any, Any]:
     """train_ppo_ray's checks and launch -> (args, launched, trainer, seconds to launch)."""
     from rlhfkit.cli import ppo_setup as S
+    from rlhfkit.cli import rl_root
     from rlhfkit.cli import train_ppo_ray as R
     from rlhfkit.cli.common import set_seed
-    from rlhfkit.cli.train_ppo import load_tokenizer_and_prompts
 
     args = R.build_parser().parse(argv)
     shapes = R.role_shapes(args)
@@ -234,12 +234,12 @@ def _build(a: argparse.Namespace, argv: list[str]) -> tuple[Any, Any, Any, Any]:
     R.check_memory(args, {name: s.slots for name, s in shapes.items()})
     args.bench_plan = plan_gib(args, shapes)
     set_seed(args.seed)
-    tokenizer, prompts, eval_prompts = load_tokenizer_and_prompts(args)
-    num_steps = S.optimizer_steps(args, len(prompts))
+    data = rl_root.load_data(args)  # with --max_images_per_prompt: the pictures' processor and layout too
+    num_steps = S.optimizer_steps(args, len(data.prompts))
     t0 = time.perf_counter()
     launched, phases = R.launch_roles(args, num_steps, shapes, hard_exit=False)
     try:
-        trainer = R.build_ray_trainer(args, launched, phases, tokenizer, prompts, eval_prompts)
+        trainer = R.build_ray_trainer(args, launched, phases, data.tokenizer, data.prompts, data.eval_prompts, data)
     except BaseException:
         launched.shutdown()
         raise
