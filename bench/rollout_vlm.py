@@ -14,7 +14,8 @@ tokens over wall time (prefill and the vision tower included), after a warm-up r
 time is the median of `--repeat` generate() calls; HF's is one call.
 
 Prints one JSON line: shape, device, picture tokens, and per (batch, shape) `builtin_tok_s`,
-`hf_tok_s`, `speedup_vs_hf`, the builtin's vision-tower calls and pictures encoded per run.
+`hf_tok_s`, `speedup_vs_hf`, the builtin's vision-tower calls and pictures encoded per run. `--out`
+is rewritten after every row (`"complete": false` until the last).
 """
 
 from __future__ import annotations
@@ -161,7 +162,7 @@ def main(argv: list[str] | None = None) -> dict:
     vocab = model.config.text_config.vocab_size
     report: dict = {"bench": "rollout_vlm", "shape": args.shape, "device": torch.cuda.get_device_name(device)
                     if device.type == "cuda" else "cpu", "dtype": str(dtype).replace("torch.", ""), "n": args.n,
-                    "picture_px": args.picture, "rows": []}
+                    "picture_px": args.picture, "complete": False, "rows": []}
     for batch in (int(b) for b in args.batch.split(",")):
         if batch % args.n:
             p.error(f"--batch {batch} must be a multiple of --n {args.n}")
@@ -175,14 +176,20 @@ def main(argv: list[str] | None = None) -> dict:
                 row.update(run_hf(model, device, reqs, new))
                 row["speedup_vs_hf"] = row["builtin_tok_s"] / row["hf_tok_s"]
             report["rows"].append(row)
-    line = json.dumps(report)
-    print(line)
-    if args.out:
-        out = args.out if os.sep in args.out else os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                                 args.out)
-        with open(out, "w") as f:
-            f.write(line + "\n")
+            write(args.out, report)  # a run cut short keeps the rows that finished
+    report["complete"] = True
+    print(write(args.out, report))
     return report
+
+
+def write(out: str | None, report: dict) -> str:
+    """The report as one JSON line, also written to `out` (bench/results/ when a bare name)."""
+    line = json.dumps(report)
+    if out:
+        path = out if os.sep in out else os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", out)
+        with open(path, "w") as f:
+            f.write(line + "\n")
+    return line
 
 
 if __name__ == "__main__":
