@@ -19,7 +19,8 @@ optional. `--warmup_steps` untimed steps (CUDA graphs, compilation) and `--steps
 Inputs, written here, offline:
 - the model directory (`--model_dir`, reused when it holds a finished model): transformers' Qwen2.5-VL
   built from the `--shape` config of bench/rollout_vlm.py (qwen2.5-vl-7b: Qwen2.5-VL-7B-Instruct's
-  language model and 32-block vision tower) with random weights (bf16 on GPU), `save_pretrained`;
+  language model and 32-block vision tower; tiny: 2 layers of width 64, a 512-entry vocabulary) with
+  random weights (bf16 on GPU, fp32 on CPU), `save_pretrained`;
   a character-level tokenizer covering the whole vocabulary (printable characters, the ChatML and
   vision tokens, filler tokens: any sampled id decodes) with a chat template that renders image
   parts; and Qwen2-VL's image processor configuration with the vision config's patch, merge and
@@ -31,11 +32,11 @@ Inputs, written here, offline:
   group differ and every step trains (a random model is never right).
 
 Prints one JSON line and writes it to `--out` (rewritten after every step; `"complete": false` until
-the end, `"error"` when the run failed or was stopped by SIGTERM): device name and count, shape, step_s and each step's
-seconds, the loop's phases (generate, reward, logprobs, train, weight_sync) per step and their means,
-`gen_tokens_per_s` (completion tokens over the generate phase, vision tower and prefill included),
-picture and prompt tokens per prompt (read from the step's trajectories), NVML peak used memory of
-every GPU over the timed steps (`gpu_peak_mem_gb`; every process) and each actor's torch peaks
+the end, `"error"` when the run failed or was stopped by SIGTERM): device name and count, shape,
+step_s and each step's seconds, the loop's phases (generate, reward, logprobs, train, weight_sync)
+per step and their means, `gen_tokens_per_s` (completion tokens over the generate phase, vision
+tower and prefill included), picture and prompt tokens per prompt (read from the step's
+trajectories), NVML peak used memory of every GPU over the timed steps (`gpu_peak_mem_gb`; every process) and each actor's torch peaks
 (`memory_steps`), the memory plan train_ppo_ray printed against them (`memory_check`), and the
 weight-sync figures. With one optimizer step a rollout and no reference model the loop takes the old
 log-probs from the training pass: `logprobs` is near zero unless `--recompute_old_logprobs`.
@@ -48,6 +49,7 @@ import copy
 import json
 import os
 import shlex
+import shutil
 import signal
 import sys
 import tempfile
@@ -165,8 +167,6 @@ def write_vlm_model(path: str, shape: str, device: str, seed: int = 0) -> dict:
     with open(os.path.join(tmp, DONE), "w") as f:
         f.write(shape + "\n")
     if os.path.exists(path):
-        import shutil
-
         shutil.rmtree(path)
     os.replace(tmp, path)
     return {"seconds": time.perf_counter() - t0, "parameters": params, "reused": False}

@@ -58,7 +58,8 @@ grpo() {  # name extra-flags
 for q in $parts; do
   case $q in
     rollout_vlm)
-      l=$(left); cap=${ROLLOUT_S:-240}; [[ $parts == *grpo* ]] && ((l - ${GRPO_MIN_S:-300} < cap)) && cap=$((l - ${GRPO_MIN_S:-300}))
+      cap=${ROLLOUT_S:-240}; keep=0; [[ $parts == *grpo* ]] && keep=${GRPO_MIN_S:-300}
+      (($(left) - keep < cap)) && cap=$(($(left) - keep))
       if ((cap < 60)); then say "skipped rollout_vlm: $cap s"; continue; fi
       say "rollout_vlm on GPU 0 (timeout $cap s)"
       CUDA_VISIBLE_DEVICES=0 timeout "$cap" python3 bench/rollout_vlm.py --shape qwen2.5-vl-7b --batch 64,256 \
