@@ -24,16 +24,24 @@ OUTPUT_LAYER_NAMES = ("lm_head",)
 
 
 def linear_module_names(model: torch.nn.Module, exclude: tuple[str, ...] = ()) -> list[str]:
-    """Sorted distinct leaf names of the linear layers, skipping `exclude` and the output layer."""
+    """Sorted names of the linear layers, skipping `exclude` and the output layer: distinct leaf names
+    (`q_proj`), and a linear layer's full name where its leaf name also names a module that is not linear
+    (a VLM's vision merger `mlp.0` beside the vision tower's `blocks.0`), since peft matches by suffix."""
     skip = set(OUTPUT_LAYER_NAMES) | set(exclude)
     out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    names = set()
+    linear: dict[str, list[str]] = {}
+    other: set[str] = set()
     for full_name, module in model.named_modules():
         leaf = full_name.rsplit(".", 1)[-1]
         if isinstance(module, torch.nn.Linear) and module is not out_emb and leaf not in skip:
-            names.add(leaf)
-    if not names:
+            linear.setdefault(leaf, []).append(full_name)
+        else:
+            other.add(leaf)
+    if not linear:
         raise ValueError("--target_modules all-linear: the model has no linear layers to adapt")
+    names = set()
+    for leaf, fulls in linear.items():
+        names |= set(fulls) if leaf in other else {leaf}
     return sorted(names)
 
 

@@ -123,3 +123,26 @@ def test_weight_sync_stream_merges_lora_like_peft(tiny_model_dir):
     q = "model.layers.0.self_attn.q_proj.weight"
     base = load_causal_lm(ModelConfig(pretrain=tiny_model_dir, param_dtype="fp32")).state_dict()[q]
     assert (got[q] - base).abs().max() > 1e-2  # the update really is in there
+
+
+def test_all_linear_on_a_vlm_adapts_every_linear_layer_and_merges_like_peft(tiny_vlm_dir):
+    """A VLM's vision merger has linear layers named `0`, `2` beside the vision blocks `blocks.0`: peft
+    matches target names by suffix, so those are named in full. Every linear layer but the output layer
+    gets an adapter, and the weights the engines receive (`merged_lora_weights`) are peft's merge."""
+    from rlhfkit.models.lora import linear_module_names, lora_layers, merged_lora_weights
+
+    cfg = ModelConfig(pretrain=tiny_vlm_dir, param_dtype="fp32", lora_rank=RANK, lora_alpha=ALPHA)
+    peft_model = load_causal_lm(cfg).eval()
+    base = peft_model.get_base_model()
+    linears = [n for n, m in base.named_modules() if isinstance(m, torch.nn.Linear) and not hasattr(m, "lora_A")
+               and ".lora_" not in n and ".base_layer" not in n]
+    assert linears == ["lm_head"]  # every other linear layer was wrapped
+    names = linear_module_names(load_causal_lm(ModelConfig(pretrain=tiny_vlm_dir, param_dtype="fp32")))
+    assert "q_proj" in names and any(n.endswith("merger.mlp.0") for n in names)
+    _randomise_adapters(peft_model)
+    got = dict(merged_lora_weights(((n, p.detach()) for n, p in peft_model.named_parameters()),
+                                   lora_layers(peft_model)))
+    want = peft_model.merge_and_unload().state_dict()
+    assert sorted(got) == sorted(k for k in want if k in got) and len(got) == len(dict(base.named_parameters()))
+    for k, v in got.items():
+        torch.testing.assert_close(v, want[k], rtol=1e-5, atol=1e-6)
