@@ -9,6 +9,7 @@
 #                  32 prompts x 8 samples x 256 new tokens, 448-pixel pictures (256 picture tokens),
 #                  --gradient_checkpointing, 1 warm-up + 2 timed steps -> grpo_vlm7b_<gpu>x<n>.json (+ .log)
 #   grpo_vlm7b_frozen   the same with --freeze_visual_encoder
+#   grpo_vlm7b_lora     the same with --lora_rank 64 --lora_alpha 128 (all linear layers; fits one GPU)
 # The GRPO parts' model directory (/tmp/bench_qwen2.5-vl-7b, 16.6 GB) is written on GPU 1 while rollout_vlm
 # runs on GPU 0. Ray comes from the carried wheels in .whl/. Writes under $OUT (JSON and .log files).
 set -uo pipefail
@@ -43,14 +44,14 @@ wait_model() {
   say "model written (exit $rc): $(tail -1 "$OUT/vlm7b_model_write.log" | cut -c1-200)"
   return $rc
 }
-grpo() {  # name extra-flags
+grpo() {  # name [rl_step_vlm flags...]
   wait_model || { say "skipped $1: no model"; return; }
   local l; l=$(left)
   ((l > 90)) || { say "skipped $1: $l s left"; return; }
   say "$1 (timeout $l s)"
   timeout -k 30 "$((l - 5))" python3 bench/rl_step_vlm.py --shape qwen2.5-vl-7b --model_dir "$MODEL" \
     --ray_gpus "$n" --engine_tp 1 --prompts 32 --n 8 --new_tokens 256 --picture 448 --steps 2 --warmup_steps 1 \
-    --gradient_checkpointing on $2 --out "$OUT/$1_$tag.json" > "$OUT/$1_$tag.log" 2>&1
+    --gradient_checkpointing on "${@:2}" --out "$OUT/$1_$tag.json" > "$OUT/$1_$tag.log" 2>&1
   say "$1 exited $?"
   grep -E "^\[rl_step_vlm\]|Error|error:|Traceback" "$OUT/$1_$tag.log" | tail -12 | cut -c1-300
   PATH="/tmp/site/bin:$PATH" ray stop --force > /dev/null 2>&1 || true
@@ -65,9 +66,10 @@ for q in $parts; do
       CUDA_VISIBLE_DEVICES=0 timeout "$cap" python3 bench/rollout_vlm.py --shape qwen2.5-vl-7b --batch 64,256 \
         --shapes 128x256 --out "$OUT/rollout_vlm_$gpu.json" > "$OUT/rollout_vlm_$gpu.log" 2>&1
       say "rollout_vlm exited $?"; tail -c 1500 "$OUT/rollout_vlm_$gpu.log" ;;
-    grpo_vlm7b) grpo grpo_vlm7b "" ;;
-    grpo_vlm7b_frozen) grpo grpo_vlm7b_frozen "--freeze_visual_encoder" ;;
-    *) echo "unknown part $q (rollout_vlm grpo_vlm7b grpo_vlm7b_frozen)" >&2; exit 2 ;;
+    grpo_vlm7b) grpo grpo_vlm7b ;;
+    grpo_vlm7b_frozen) grpo grpo_vlm7b_frozen --freeze_visual_encoder ;;
+    grpo_vlm7b_lora) grpo grpo_vlm7b_lora --extra "--lora_rank 64 --lora_alpha 128" ;;
+    *) echo "unknown part $q (rollout_vlm grpo_vlm7b grpo_vlm7b_frozen grpo_vlm7b_lora)" >&2; exit 2 ;;
   esac
 done
 wait_model

@@ -232,15 +232,15 @@ def _role_parts(r: RoleMemory, x: MemoryInputs) -> tuple[dict[str, int], dict[st
     else:
         train_act = tokens * (s.layers + 1) * act_layer
     train_act += min(HEAD_CHUNK_BYTES, tokens * s.vocab * b)
-    if r.world == 1 and not x.adam_offload:  # one process: bf16 module + fp32 masters
-        resident = {"weights": b * P, "master": 4 * P, "optimizer": 8 * P}
-        return resident, {**resident, "grads": 4 * P, "activations": train_act}
     host = x.adam_offload
     if x.lora_rank > 0 and r.name == "policy":  # a frozen base in the compute dtype + fp32 adapters
         n = s.lora_params(x.lora_rank)
         resident = {"weights": b * P // S, "master": 0 if host else 4 * n // S, "optimizer": 0 if host else 8 * n // S}
         return resident, {**resident, "weights": max(b * P // S, gathered), "grads": 0 if host else 4 * n // S,
                           "activations": train_act}
+    if r.world == 1 and not host:  # one process: bf16 module + fp32 masters
+        resident = {"weights": b * P, "master": 4 * P, "optimizer": 8 * P}
+        return resident, {**resident, "grads": 4 * P, "activations": train_act}
     vocab_grad = b * s.vocab * s.hidden if r.world > 1 else 0
     resident = {"master": 0 if host else 4 * P // S, "optimizer": 0 if host else 8 * P // S}
     return resident, {**resident, "weights": gathered, "grads": (0 if host else 4 * P // S) + vocab_grad,

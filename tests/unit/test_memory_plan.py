@@ -122,6 +122,9 @@ def test_lora_keeps_a_frozen_base_and_trains_the_adapters():
     assert policy["weights"] == 2 * P // 4  # the frozen shards outweigh two gathered blocks
     full = plan_memory(grpo_7b(zero_stage=3)).pools[0].parts["policy"]
     assert full["master"] + full["optimizer"] + full["grads"] == 16 * P // 4 + VOCAB_GRAD
+    # one rank: the module in bf16 (the base frozen), fp32 masters, Adam and gradients of the adapters only
+    one = plan_memory(grpo_7b(lora_rank=16, roles=(RoleMemory("policy", QWEN7B, 1),))).pools[0].parts["policy"]
+    assert (one["weights"], one["master"], one["optimizer"], one["grads"]) == (2 * P, 4 * n, 8 * n, 4 * n)
 
 
 def test_without_train_sleep_the_ref_stays_and_vllm_sleep_frees_the_engine():
