@@ -10,6 +10,7 @@
 #                  --gradient_checkpointing, 1 warm-up + 2 timed steps -> grpo_vlm7b_<gpu>x<n>.json (+ .log)
 #   grpo_vlm7b_frozen   the same with --freeze_visual_encoder
 #   grpo_vlm7b_lora     the same with --lora_rank 64 --lora_alpha 128 (all linear layers; fits one GPU)
+#   grpo_vlm7b_lora_dyn grpo_vlm7b_lora with --use_dynamic_batch --train_max_tokens_per_gpu DYN_TOKENS (32768)
 # The GRPO parts' model directory (/tmp/bench_qwen2.5-vl-7b, 16.6 GB) is written on GPU 1 while rollout_vlm
 # runs on GPU 0. Ray comes from the carried wheels in .whl/. Writes under $OUT (JSON and .log files).
 set -uo pipefail
@@ -69,7 +70,9 @@ for q in $parts; do
     grpo_vlm7b) grpo grpo_vlm7b ;;
     grpo_vlm7b_frozen) grpo grpo_vlm7b_frozen --freeze_visual_encoder ;;
     grpo_vlm7b_lora) grpo grpo_vlm7b_lora --extra "--lora_rank 64 --lora_alpha 128" ;;
-    *) echo "unknown part $q (rollout_vlm grpo_vlm7b grpo_vlm7b_frozen grpo_vlm7b_lora)" >&2; exit 2 ;;
+    grpo_vlm7b_lora_dyn) grpo grpo_vlm7b_lora_dyn --extra "--lora_rank 64 --lora_alpha 128 --use_dynamic_batch \
+--train_max_tokens_per_gpu ${DYN_TOKENS:-32768}" ;;
+    *) echo "unknown part $q (rollout_vlm grpo_vlm7b grpo_vlm7b_frozen grpo_vlm7b_lora grpo_vlm7b_lora_dyn)" >&2; exit 2 ;;
   esac
 done
 wait_model

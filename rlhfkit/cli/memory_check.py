@@ -84,4 +84,4 @@ def check_memory(args: argparse.Namespace, slots: dict[str, int], device_bytes: 
             log.info(f"note: training micro-batches hold up to {inputs.train_tokens} tokens (--micro_train_batch_size "
                      f"{args.micro_train_batch_size} x --max_len {args.max_len}); the memory plan fits {budget} a GPU: "
                      f"--use_dynamic_batch --train_max_tokens_per_gpu {budget} trains the same step in fewer, larger "
-                     "micro-batches (7B GRPO on 4 x H200: training 8.5 s -> 5.4 s)")
+                     "micro-batches (docs/performance.md)")

@@ -83,7 +83,7 @@ def test_a_plan_with_room_prints_the_dynamic_batch_hint_once(tiny_model_dir, tmp
     hint = [line for line in capsys.readouterr().out.splitlines() if "--use_dynamic_batch" in line]
     assert hint == ["note: training micro-batches hold up to 128 tokens (--micro_train_batch_size 2 x --max_len 64); "
                     "the memory plan fits 32768 a GPU: --use_dynamic_batch --train_max_tokens_per_gpu 32768 trains "
-                    "the same step in fewer, larger micro-batches (7B GRPO on 4 x H200: training 8.5 s -> 5.4 s)"]
+                    "the same step in fewer, larger micro-batches (docs/performance.md)"]
     args = parse(tiny_model_dir, tmp_path, "--use_dynamic_batch", "--train_max_tokens_per_gpu", "256")
     M.check_memory(args, {"policy": 1, "ref": 1}, device_bytes=80 * GiB)
     M.check_memory(parse(tiny_model_dir, tmp_path), {"policy": 1, "ref": 1}, device_bytes=None)  # no GPU here
