@@ -126,6 +126,8 @@ class FSDP2Backend(SleepMixin):
             enable_gradient_checkpointing(model, use_reentrant=False, need_input_grads=False)
         master = torch.float32 if self.trainable else self.compute_dtype
         cast_params(model, master, trainable_only=self.trainable)
+        if self.trainable:  # frozen weights (a LoRA base, a frozen vision tower) have no masters: compute dtype
+            cast_params(model, self.compute_dtype, trainable_only=False, frozen_only=True)
         self.mesh = self._build_mesh() if self.is_sharded else None
         if self.parallel.tp > 1:  # before compiling and sharding: FSDP2 shards the TP DTensors over dp
             apply_tp(model, self.mesh["tp"])

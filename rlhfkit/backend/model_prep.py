@@ -12,10 +12,12 @@ from torch import nn
 from rlhfkit.backend.sharding import find_blocks
 
 
-def cast_params(model: nn.Module, dtype: torch.dtype, trainable_only: bool) -> None:
+def cast_params(model: nn.Module, dtype: torch.dtype, trainable_only: bool, frozen_only: bool = False) -> None:
+    """Cast the floating-point parameters to `dtype`: all, the trainable ones only, or the frozen ones only."""
     with torch.no_grad():
         for p in model.parameters():
-            if p.is_floating_point() and p.dtype != dtype and (p.requires_grad or not trainable_only):
+            pick = p.requires_grad if trainable_only else (not p.requires_grad if frozen_only else True)
+            if p.is_floating_point() and p.dtype != dtype and pick:
                 p.data = p.data.to(dtype)
 
 

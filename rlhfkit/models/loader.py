@@ -125,7 +125,9 @@ def load_causal_lm(cfg: ModelConfig, device: str | torch.device | None = None,
     `AutoModelForImageTextToText` when its config has a vision config (a VLM).
 
     Weights are loaded in `master_dtype` when given (e.g. fp32 master weights under FSDP2 mixed
-    precision, which casts to --param_dtype for compute), else in --param_dtype.
+    precision, which casts to --param_dtype for compute), else in --param_dtype. With --lora_rank the
+    base is frozen and loaded in --param_dtype (half the host memory of fp32 at bf16); peft keeps the
+    adapters in fp32, and the backend casts frozen weights to its compute dtype.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
@@ -133,7 +135,7 @@ def load_causal_lm(cfg: ModelConfig, device: str | torch.device | None = None,
 
     path = check_model_dir(path or cfg.pretrain, flag)
     compute = resolve_dtype(cfg.param_dtype)
-    dtype = compute if master_dtype is None else resolve_dtype(master_dtype, "master_dtype")
+    dtype = compute if master_dtype is None or cfg.lora_rank > 0 else resolve_dtype(master_dtype, "master_dtype")
     if cfg.load_in_4bit and compute != torch.bfloat16:
         raise ValueError("--load_in_4bit requires --param_dtype bf16")
     vlm = is_vlm_config(AutoConfig.from_pretrained(path, trust_remote_code=False))

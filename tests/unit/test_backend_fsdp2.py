@@ -285,3 +285,19 @@ def test_backward_in_eval_mode_says_checkpointing_is_off(tiny_model_dir, capsys)
     b.backward(b.model(input_ids=ids, use_cache=False).logits.float().mean())
     out = capsys.readouterr().out
     assert out.count("--gradient_checkpointing has no effect there") == 1
+
+
+def test_frozen_weights_take_the_compute_dtype(tiny_model_dir):
+    """A LoRA base loaded in bf16 (--param_dtype) computes in fp32 on the CPU: the backend casts the frozen
+    weights to its compute dtype (no masters for them), the adapters keep fp32 masters, and a step runs."""
+    from rlhfkit.config.configs import ModelConfig
+    from rlhfkit.models.loader import load_causal_lm
+
+    model = load_causal_lm(ModelConfig(pretrain=tiny_model_dir, param_dtype="bf16", lora_rank=4, lora_alpha=8),
+                           master_dtype="fp32")
+    assert {p.dtype for p in model.parameters() if not p.requires_grad} == {torch.bfloat16}
+    b = FSDP2Backend(model, BackendConfig(param_dtype="bf16"), OptimConfig(learning_rate=1e-2), 5, CPU)
+    assert b.compute_dtype == torch.float32 and {p.dtype for p in b.model.parameters()} == {torch.float32}
+    rows = make_rows(model.config.vocab_size, n=2)
+    b.backward(token_sum_loss(b.model, rows, 10.0))
+    assert b.optimizer_step()["skipped"] == 0.0
