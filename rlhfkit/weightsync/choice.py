@@ -92,7 +92,6 @@ def _auto(p: Placement) -> WeightTransport:
 # --weight_sync value -> how it resolves (flags.METHODS, the flag's choices, in order)
 REQUESTS: dict[str, Callable[[Placement], WeightTransport]] = dict(zip(METHODS, (_auto, _object_store, _broadcast,
                                                                                  _ipc), strict=True))
-DIRECT_ONLY = frozenset(REQUESTS) - {"object_store"}  # requests vLLM engines cannot take
 
 
 def choose_transport(requested: str, policy: Sequence[Endpoint], engines: Sequence[Endpoint], *,
@@ -102,7 +101,7 @@ def choose_transport(requested: str, policy: Sequence[Endpoint], engines: Sequen
     resolve = REQUESTS.get(requested)
     if resolve is None:
         raise ValueError(f"--weight_sync {requested!r}: choose one of {', '.join(METHODS)}")
-    if not engine_direct and requested in DIRECT_ONLY:
+    if not engine_direct and resolve is not _object_store:
         return ObjectStoreTransport(reason=f"--weight_sync {requested} falls back: vLLM engines load "
                                            "weights through their own path")
     return resolve(Placement(policy, engines, backend))
