@@ -64,8 +64,7 @@ class TrainBackend(Protocol):
         """Full fp32 CPU state dict on rank 0, `{}` on other ranks (all ranks must call)."""
         ...
 
-    def named_full_params(self, bucket_bytes: int = ...,
-                          dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def named_full_params(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor) for weight sync to a rollout engine (all ranks iterate)."""
         ...
 

@@ -72,7 +72,7 @@ from rlhfkit.backend.offload import HostStash
 from rlhfkit.backend.optim import build_optimizer, build_scheduler, param_groups
 from rlhfkit.backend.parallel import ParallelDims
 from rlhfkit.backend.precision import DynamicLossScaler, compute_dtype_for, parse_dtype
-from rlhfkit.backend.sharding import apply_fsdp2, iter_full_param_buckets, sum_gradients_by_loss_scale
+from rlhfkit.backend.sharding import apply_fsdp2, iter_full_params, sum_gradients_by_loss_scale
 from rlhfkit.backend.tensor_parallel import apply_tp
 from rlhfkit.config.configs import BackendConfig, OptimConfig
 from rlhfkit.config.notes import note_once
@@ -81,8 +81,6 @@ from rlhfkit.models.fused_qkv import fuse_qkv
 from rlhfkit.models.loader import enable_gradient_checkpointing
 
 log = logging.getLogger(__name__)
-
-DEFAULT_BUCKET_BYTES = 512 * 2**20
 
 
 def _validate(cfg: BackendConfig) -> None:
@@ -350,20 +348,14 @@ class FSDP2Backend(SleepMixin):
         if optim_sd is not None:
             set_optimizer_state_dict(self.model, self._require_optimizer(), optim_sd, options=opts)
 
-    def full_param_buckets(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                           dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Lists of (name, full tensor) of at most `bucket_bytes`; all ranks iterate. Raises NonFiniteError
-        if the last optimizer step left a non-finite weight (guard.py), before anything is gathered."""
+    def named_full_params(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, full tensor) pairs for weight sync, gathered one at a time; all ranks iterate. Raises
+        NonFiniteError if the last optimizer step left a non-finite weight (guard.py), before
+        anything is gathered."""
         self._wake()
         if self.guard is not None:
             self.guard.resolve()
-        return iter_full_param_buckets(self.model, bucket_bytes, dtype)
-
-    def named_full_params(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                          dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, full tensor) pairs for weight sync, gathered in buckets; all ranks iterate."""
-        for bucket in self.full_param_buckets(bucket_bytes, dtype):
-            yield from bucket
+        yield from iter_full_params(self.model, dtype)
 
     def save_hf(self, path: str, tokenizer: Any = None, dtype: torch.dtype | None = None,
                 max_shard_size: int | str | None = None) -> None:

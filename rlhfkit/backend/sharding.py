@@ -26,7 +26,7 @@ named `layers`, `h`, `blocks` or `block`.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator
+from typing import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -122,18 +122,16 @@ def clip_grads(params: list[nn.Parameter], max_norm: float, total_norm: torch.Te
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total_norm)
 
 
-def iter_full_param_buckets(model: nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None
-                            ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Lists of (name, full tensor) of at most `bucket_bytes` (a larger tensor goes alone); a peft LoRA
-    model gives its base model's names with the adapters merged (models/lora.py `merged_lora_weights`).
+def iter_full_params(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) one at a time, for weight sync (which buckets them: rlhfkit/weightsync); a
+    peft LoRA model gives its base model's names with the adapters merged (models/lora.py
+    `merged_lora_weights`).
 
     Every rank must iterate to the end (each DTensor is all-gathered). Names are the module's
     (HF names for an HF model); tied parameters appear once. `dtype` casts (e.g. to the
     engine's bf16) right after gathering. A vision tower frozen by --freeze_visual_encoder is left
     out (`rlhfkit.models.vlm.synced_name`): it never changes, and the engines loaded it.
     """
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
     keep = synced_name(model)
 
     def gathered() -> Iterator[tuple[str, torch.Tensor]]:
@@ -145,22 +143,4 @@ def iter_full_param_buckets(model: nn.Module, bucket_bytes: int, dtype: torch.dt
     layers = lora_layers(model)
     if layers:  # a LoRA policy: the engine gets the base model's names, each adapter merged in
         named = merged_lora_weights(named, layers)
-    cast = ((n, t.to(dtype) if dtype is not None and t.dtype != dtype else t) for n, t in named)
-    return group_by_bytes(cast, bucket_bytes, lambda t: t.numel() * t.element_size())
-
-
-def group_by_bytes(named: Iterable[tuple[str, torch.Tensor]], limit: int, nbytes: Callable[[torch.Tensor], int]
-                   ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Consecutive lists of (name, tensor) whose `nbytes` sum to at most `limit` (a larger tensor
-    goes alone); consumes `named` to the end."""
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, t in named:
-        n = nbytes(t)
-        if bucket and size + n > limit:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += n
-    if bucket:
-        yield bucket
+    return ((n, t.to(dtype) if dtype is not None and t.dtype != dtype else t) for n, t in named)

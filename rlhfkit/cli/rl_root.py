@@ -31,6 +31,7 @@ from rlhfkit.data.prompts import PromptDataConfig, PromptDataset
 from rlhfkit.models.loader import load_tokenizer
 from rlhfkit.trainers.plot import RL_PANELS
 from rlhfkit.trainers.rl import RLTrainer
+from rlhfkit.weightsync.sync import WeightSync
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ class Placement:
     critic: Any = None
     reward: Any = None
     critic_backend: Any = None
-    weight_sync: Any = None  # None: the in-process engine takes the policy's weights (LocalWeightSync)
+    weight_sync: WeightSync | None = None  # None: the in-process engine takes the policy's weights (LocalWeightSync)
     save_critic: Callable[[str, Any], None] | None = None
 
 

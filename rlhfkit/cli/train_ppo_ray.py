@@ -54,6 +54,7 @@ from rlhfkit.cli.run_dir import training_run
 from rlhfkit.optional import require
 from rlhfkit.config.flag_parser import RL_PLACEMENT, shell_text
 from rlhfkit.trainers.async_rl import AsyncRLTrainer
+from rlhfkit.weightsync.flags import DEFAULT_BUCKET_MB, METHODS
 
 log = logging.getLogger(__spec__.name if __spec__ else __name__)  # also when run as __main__
 
@@ -115,11 +116,9 @@ def check_ray_flags(args, shapes: dict[str, Any]) -> None:
     if args.partial_rollout and args.rollout_engine != "builtin":
         raise UsageError(f"--partial_rollout needs --rollout_engine builtin: it loads weights between decode "
                          f"steps with generations in flight, which the {args.rollout_engine} engine cannot")
-    from rlhfkit.distributed.weight_sync import METHODS
-
     if getattr(args, "weight_sync", "auto") not in METHODS:
         raise UsageError(f"--weight_sync {args.weight_sync!r}: choose one of {', '.join(METHODS)}")
-    if getattr(args, "weight_sync_bucket_mb", 256) < 1:
+    if getattr(args, "weight_sync_bucket_mb", DEFAULT_BUCKET_MB) < 1:
         raise UsageError(f"--weight_sync_bucket_mb must be >= 1, got {args.weight_sync_bucket_mb}")
     if args.vllm_sync_backend not in ("nccl", "gloo"):
         raise UsageError(f"--vllm_sync_backend must be nccl or gloo, got {args.vllm_sync_backend!r}")
@@ -250,14 +249,14 @@ def launch_roles(args, num_steps: int, shapes: dict[str, Any], hard_exit: bool):
                        colocate_critic_reward=args.colocate_critic_reward,
                        placement_timeout_s=args.ray_placement_timeout, unit=args.n_samples_per_prompt,
                        weights_dtype=_weights_dtype(args, accel), weight_sync=getattr(args, "weight_sync", "auto"),
-                       weight_sync_bucket_bytes=getattr(args, "weight_sync_bucket_mb", 256) * 2**20,
+                       weight_sync_bucket_bytes=getattr(args, "weight_sync_bucket_mb", DEFAULT_BUCKET_MB) * 2**20,
                        weight_sync_backend=args.vllm_sync_backend, engine_direct=args.rollout_engine != "vllm")
     launched = launch(roles, engines, cfg, monitor, phases)
     for p in launched.placement:
         log.info(f"placement: {p['role']} rank {p['rank']} pid {p['pid']} node {p['node_id'][:12]} ({p['ip']}) "
                  f"pool {p['pool']} bundle {p['bundle']} gpus {p['gpu_ids']}")
     log.info(f"weight sync: {launched.weight_sync.describe()}, buckets of "
-             f"{getattr(args, 'weight_sync_bucket_mb', 256)} MB")
+             f"{getattr(args, 'weight_sync_bucket_mb', DEFAULT_BUCKET_MB)} MB")
     return launched, phases
 
 

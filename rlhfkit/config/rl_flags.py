@@ -15,6 +15,7 @@ from rlhfkit.config.flags import (CKPT, DATA, EVAL, LOGGING, LR_SCHEDULER_HELP, 
                                   TRAIN, FlagParser, add_backend_flags, add_ckpt_flags, add_dataloader_workers_flag,
                                   add_image_flags, add_logging_flags, add_max_row_bytes_flag, add_model_flags,
                                   add_nonfinite_flag, add_optimizer_choice_flags)
+from rlhfkit.weightsync.flags import DEFAULT_BUCKET_MB, METHODS
 
 ESTIMATORS = ["gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo"]
 EMA_BETA = 0.992  # --ema_beta when not given (OpenRLHF's default)
@@ -331,11 +332,11 @@ def _placement(p: FlagParser) -> None:
                help="process-group backend of the weight broadcast to engines: nccl or gloo")
         p.flag("--vllm_sync_with_ray", "--vllm.sync_with_ray", action="store_true",
                help="OpenRLHF: weight sync through ray.util.collective")
-        p.flag("--weight_sync", type=str, default="auto", choices=["auto", "object_store", "broadcast", "ipc"],
+        p.flag("--weight_sync", type=str, default="auto", choices=list(METHODS),
                help="policy -> engines weight sync after each step: broadcast (an NCCL group on GPUs, gloo on "
                     "CPU), ipc (CUDA IPC handles, engines colocated with the policy), object_store (Ray's object "
                     "store); auto: ipc when every engine shares a GPU with a policy rank, else broadcast")
-        p.flag("--weight_sync_bucket_mb", type=int, default=256,
+        p.flag("--weight_sync_bucket_mb", type=int, default=DEFAULT_BUCKET_MB,
                help="weight sync bucket size in MB (one broadcast / IPC handle each)")
         p.flag("--vllm_gpu_memory_utilization", "--vllm.gpu_memory_utilization", type=float, default=0.95,
                help="fraction of GPU memory a vLLM engine may take")

@@ -4,7 +4,7 @@ used by the agent executors exactly like a local engine.
 An engine is `tp` shard actors (`--vllm_tensor_parallel_size`); `actors` are the engines' first
 shards, which serve requests and mirror every step to their other shards, so the router talks to
 them alone for generation and sleep / wake. Weights go to every shard (`shards`): each one copies
-its own slice of the full tensors (`RayWeightSync` in policy_sync.py pushes them once per step;
+its own slice of the full tensors (`weightsync.RayWeightSync` pushes them once per step;
 `update_weights(named)` of the RolloutEngine protocol goes through the object store).
 
 Routing: each `agenerate` request goes to the engine with the fewest requests in flight (ties:
@@ -33,22 +33,21 @@ import time
 from contextlib import contextmanager, nullcontext
 from typing import Any, Iterable, Iterator
 
-import ray
 import torch
 
 from rlhfkit.distributed.group import Phases
 from rlhfkit.distributed.health import ActorLabel, HealthMonitor, describe, wait_all
-from rlhfkit.distributed.weight_sync import iter_buckets
 from rlhfkit.types import Completion, GenerationRequest
-
-BUCKET_BYTES = 256 * 2**20
+from rlhfkit.weightsync.buckets import DEFAULT_BUCKET_MB
+from rlhfkit.weightsync.object_store import put_buckets
 
 
 class RayEngineRouter:
     """See the module docstring. `phases` (optional) wakes sleeping engines before generating."""
 
     def __init__(self, actors: list[Any], labels: list[ActorLabel], monitor: HealthMonitor | None = None,
-                 phases: Phases | None = None, sleep_level: int = 1, bucket_bytes: int = BUCKET_BYTES,
+                 phases: Phases | None = None, sleep_level: int = 1,
+                 bucket_bytes: int = DEFAULT_BUCKET_MB * 2**20,
                  shards: list[Any] | None = None, shard_labels: list[ActorLabel] | None = None) -> None:
         if not actors:
             raise ValueError("RayEngineRouter needs at least one engine actor")
@@ -56,7 +55,6 @@ class RayEngineRouter:
         self.shards = list(shards) if shards is not None else list(actors)
         self.shard_labels = list(shard_labels) if shard_labels is not None else list(labels)
         self.phases, self.sleep_level, self.bucket_bytes = phases, sleep_level, bucket_bytes
-        self.sync_choice: Any = None  # weight_sync.SyncChoice, set by the launcher
         # builtin / hf engines load weights in place while asleep (sleep frees the KV cache only, or
         # keeps the weights in CPU memory at level 2); vLLM's must be woken first
         self.wake_for_update = True
@@ -153,11 +151,7 @@ class RayEngineRouter:
         self.before_update()
         with self.updating():
             t0 = time.perf_counter()
-            refs, nbytes = [], 0
-            for b in iter_buckets(named_tensors, self.bucket_bytes):
-                b = [(n, t.detach().cpu()) for n, t in b]
-                nbytes += sum(t.numel() * t.element_size() for _, t in b)
-                refs.append(ray.put(b))
+            refs, nbytes = put_buckets(named_tensors, self.bucket_bytes)
             counts = self.load_from_object_store(refs)
             if len(set(counts)) > 1:
                 raise RuntimeError(f"engine shards loaded different numbers of tensors (object_store): {counts}")

@@ -8,6 +8,7 @@
                                                (roles already reduce them over their process group,
                                                so every rank holds the global value)
     group.call(other, *args)                   every rank runs it; rank 0's result
+    group.push_weights(dtype, bucket_bytes)    every rank's weight-sync push (weightsync.RayWeightSync)
 
 The driver's loop sees the whole batch (world size 1 from its point of view); data parallelism
 happens inside the group, whose ranks share one torch process group.
@@ -26,13 +27,14 @@ through the group: every rank takes part, rank 0's answer is returned.
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Iterator
 
 import torch
 
 from rlhfkit.distributed.health import ActorLabel, HealthMonitor, wait_all
 from rlhfkit.types import ExperienceBatch
+from rlhfkit.weightsync.protocol import PushStats
 
 
 def split_rows(num_rows: int, num_shards: int, unit: int) -> list[tuple[int, int]]:
@@ -187,6 +189,14 @@ class RayGroup:
         refs = [getattr(a, method).remote(*args, **kwargs) for a in self.actors]
         return wait_all(refs, self.labels, self.monitor)
 
+    def push_weights(self, dtype: str | None, bucket_bytes: int) -> list[PushStats]:
+        """`RoleWorker.push_weights` on every rank (each gathers; the senders send); rank order."""
+        return wait_all([a.push_weights.remote(dtype, bucket_bytes) for a in self.actors], self.labels, self.monitor)
+
+    def states_on_device(self) -> AbstractContextManager[None]:
+        """The group's training states on the device for a call outside `call` (--deepspeed_enable_sleep)."""
+        return self.phases.states_on_device(self) if self.phases is not None else nullcontext()
+
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         if self.phases is not None:
             self.phases.before_group(self)
@@ -199,7 +209,7 @@ class RayGroup:
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         if method == "weights":
             raise ValueError("a Ray policy group's weights reach the engines through "
-                             "distributed.policy_sync.RayWeightSync, not group.call('weights')")
+                             "weightsync.RayWeightSync, not group.call('weights')")
         if args and isinstance(args[0], ExperienceBatch):
             batch, rest = args[0], args[1:]
             ranges = split_rows(batch.batch_size, self.dp_size, self.unit)

@@ -7,8 +7,8 @@
         -> info (pid, node) -> rank 0's address + a free port -> setup on every actor at once
            (each role group forms its own torch process group; the shards of a tensor-parallel
            engine form theirs; engines load their weights, each shard its slices)
-        -> weight sync path (weight_sync.choose_method over every engine shard; broadcast: policy
-           rank 0 and the shards form their own group) -> `RayWeightSync` (policy_sync.py)
+        -> weight sync transport (weightsync.choose_transport over every engine shard, then its
+           `connect`; broadcast: policy rank 0 and the shards form their own group) -> `RayWeightSync`
     roles.groups["policy"].call(...), roles.router.agenerate(...)
     roles.shutdown()
 
@@ -29,10 +29,12 @@ from rlhfkit.distributed.group import Phases, RayGroup
 from rlhfkit.distributed.health import ActorLabel, HealthMonitor, wait_all
 from rlhfkit.distributed.placement import (ReadyPool, Shape, SlotResources, check_fits, create_pool,
                                            plan_pools, remove_pools)
-from rlhfkit.distributed.policy_sync import RayWeightSync
-from rlhfkit.distributed.weight_sync import DEFAULT_TIMEOUT_S, Endpoint, SyncChoice, choose_method
-from rlhfkit.distributed.weight_sync import connect as connect_sync
 from rlhfkit.distributed.workers import EngineWorker, RoleWorker
+from rlhfkit.weightsync.buckets import DEFAULT_BUCKET_MB
+from rlhfkit.weightsync.choice import Endpoint, choose_transport
+from rlhfkit.weightsync.collective import DEFAULT_TIMEOUT_S
+from rlhfkit.weightsync.protocol import SyncPeers, WeightTransport
+from rlhfkit.weightsync.sync import RayWeightSync
 
 
 def connect(address: str | None = None) -> bool:
@@ -73,8 +75,8 @@ class LaunchConfig:
     placement_timeout_s: float = 60.0
     unit: int = 1  # rows that stay on one rank (samples of one prompt)
     weights_dtype: str | None = None  # dtype of the weights sent to engines (None: as trained)
-    weight_sync: str = "auto"  # auto | object_store | broadcast | ipc (weight_sync.choose_method)
-    weight_sync_bucket_bytes: int = 256 * 2**20
+    weight_sync: str = "auto"  # --weight_sync (weightsync.choice.choose_transport)
+    weight_sync_bucket_bytes: int = DEFAULT_BUCKET_MB * 2**20
     weight_sync_backend: str = "nccl"  # broadcast on GPUs: nccl, or gloo to force CPU buffers
     weight_sync_timeout_s: float = DEFAULT_TIMEOUT_S
     engine_direct: bool = True  # False: engines with their own loading path (vLLM) use the object store
@@ -87,7 +89,7 @@ class LaunchedRoles:
     pools: list[ReadyPool]
     monitor: HealthMonitor
     placement: list[dict[str, Any]]  # one line per actor: role, rank, pid, node, pool, bundle
-    weight_sync: SyncChoice | None = None
+    weight_sync: WeightTransport | None = None
     sync: RayWeightSync | None = None  # the loop's weight-sync object
 
     def shutdown(self) -> None:
@@ -190,7 +192,7 @@ def _setup(actors: dict[str, list[Any]], where: dict[str, list[tuple[str, int]]]
             ref_labels.append(labels[m][r])
     done = wait_all(refs, ref_labels, monitor)
     devices = {(lab.role, lab.rank): d["device"] for lab, d in zip(ref_labels, done)}
-    choice = _weight_sync(actors, labels, placement, devices, cfg, monitor)
+    transport = _weight_sync(actors, labels, placement, devices, cfg, monitor)
     monitor.start()
     dp_of = {(lab.role, lab.rank): d.get("dp_rank", lab.rank) for lab, d in zip(ref_labels, done)}
     groups = {m: RayGroup(m, actors[m], labels[m], monitor, unit=cfg.unit, phases=phases,
@@ -200,15 +202,14 @@ def _setup(actors: dict[str, list[Any]], where: dict[str, list[tuple[str, int]]]
     router = RayEngineRouter([actors["engine"][i] for i in first], [labels["engine"][i] for i in first], monitor,
                              phases, bucket_bytes=cfg.weight_sync_bucket_bytes, shards=actors["engine"],
                              shard_labels=labels["engine"])
-    router.sync_choice = choice
     router.wake_for_update = not cfg.engine_direct
-    sync = RayWeightSync(groups["policy"], router, choice, cfg.weights_dtype, cfg.weight_sync_bucket_bytes)
-    return LaunchedRoles(groups, router, pools, monitor, placement, choice, sync)
+    sync = RayWeightSync(groups["policy"], router, transport, cfg.weights_dtype, cfg.weight_sync_bucket_bytes)
+    return LaunchedRoles(groups, router, pools, monitor, placement, transport, sync)
 
 
 def _weight_sync(actors: dict[str, list[Any]], labels: dict[str, list[ActorLabel]], placement: list[dict[str, Any]],
-                 devices: dict[tuple[str, int], str], cfg: LaunchConfig, monitor: HealthMonitor) -> SyncChoice:
-    """Choose the policy -> engines weight path from where the actors ended up, and set it up."""
+                 devices: dict[tuple[str, int], str], cfg: LaunchConfig, monitor: HealthMonitor) -> WeightTransport:
+    """Choose the policy -> engines weight transport from where the actors ended up, and connect it."""
     where = {(p["role"], p["rank"]): p for p in placement}
 
     def endpoint(role: str, rank: int) -> Endpoint:
@@ -217,13 +218,13 @@ def _weight_sync(actors: dict[str, list[Any]], labels: dict[str, list[ActorLabel
 
     policy = [endpoint("policy", r) for r in range(len(actors["policy"]))]
     engines = [endpoint("engine", i) for i in range(len(actors["engine"]))]
-    choice = choose_method(cfg.weight_sync, policy, engines, engine_direct=cfg.engine_direct,
-                           backend=cfg.weight_sync_backend)
+    transport = choose_transport(cfg.weight_sync, policy, engines, engine_direct=cfg.engine_direct,
+                                 backend=cfg.weight_sync_backend)
 
     def wait(refs: list[Any], who: list[tuple[str, int]]) -> list[Any]:
         return wait_all(refs, [labels[m][r] for m, r in who], monitor, timeout=cfg.weight_sync_timeout_s + 60)
 
-    connect_sync(choice, actors["policy"], [where[("policy", r)]["ip"] for r in range(len(policy))],
-                 actors["engine"], [where[("engine", i)]["ip"] for i in range(len(engines))], wait,
-                 cfg.weight_sync_timeout_s)
-    return choice
+    transport.connect(SyncPeers(actors["policy"], [where[("policy", r)]["ip"] for r in range(len(policy))],
+                                actors["engine"], [where[("engine", i)]["ip"] for i in range(len(engines))], wait,
+                                cfg.weight_sync_timeout_s))
+    return transport

@@ -7,11 +7,10 @@ both take a *builder* callable from the CLI, so this package never reads the fla
       .setup(master_addr, master_port, device)     env RANK/WORLD_SIZE/MASTER_* -> init_distributed
                                                    (gloo on CPU, NCCL + gloo on GPU) -> build
       .call(method, *args)                         role.forward_logprobs / train_on / forward_values ...
-      .publish_weights(dtype, bucket_bytes)        all ranks gather full params together (FSDP2);
-                                                   rank 0 puts CPU buckets in the object store
-      .init_weight_sync(plan) / .push_weights(dtype, bucket_bytes)
-                                                   direct sync (weight_sync.py): all ranks gather,
-                                                   the sending ranks broadcast / pass IPC handles
+      .init_weight_sync(sender) / .push_weights(dtype, bucket_bytes)
+                                                   weight sync (rlhfkit/weightsync): all ranks gather
+                                                   full params together (FSDP2), the sender the
+                                                   transport gave this rank buckets and sends them
     EngineWorker(index, build)                     build(DistInfo[, tp]) -> RolloutEngine (async actor)
       .setup(device, num_engines, shard)           shard: (engine, rank, ShardGroupSpec) of a
                                                    tensor-parallel engine; shards 1.. then serve
@@ -19,7 +18,7 @@ both take a *builder* callable from the CLI, so this package never reads the fla
       .agenerate / .generate / .sleep / .wake_up   (first shards only)
       .pause / .resume(version) / .set_policy_version(version)
                                                    (first shards; engines without them: no-ops)
-      .update_weights(refs) / .init_weight_sync(method, group, rank) / .load_bucket(metas, payload)
+      .update_weights(refs) / .init_weight_sync(receiver) / .load_bucket(metas, payload)
                                                    (every shard: each keeps its slice)
 
 A group of one rank creates no process group, exactly like one-process train_ppo (so a Ray run
@@ -41,11 +40,9 @@ from rlhfkit import logs
 from rlhfkit.backend.dist import DistInfo, init_distributed, resolve_device, with_index
 from rlhfkit.backend.offload import HostStash, MoveStats
 from rlhfkit.backend.rendezvous import reserve_port
-from rlhfkit.distributed.weight_sync import (GroupSpec, SenderPlan, TensorMeta, WeightReceiver, WeightSender,
-                                             iter_buckets)
 from rlhfkit.roles.memory import CallMemory
-
-DEFAULT_BUCKET_BYTES = 256 * 2**20
+from rlhfkit.weightsync.buckets import TensorMeta
+from rlhfkit.weightsync.protocol import BucketReceiver, PushStats, WeightSender
 
 
 def _node_info() -> dict[str, Any]:
@@ -115,32 +112,14 @@ class RoleWorker:
         `memory_peaks()` (rlhfkit/roles/memory.py)."""
         return self._memory.take() if self._memory is not None else {}
 
-    def publish_weights(self, dtype: str | None = None,
-                        bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> tuple[list[Any], int]:
-        """Full weights in CPU buckets in the object store: (refs, bytes) on rank 0, ([], 0) elsewhere.
-
-        Every rank iterates `role.weights()` to the end: under FSDP2 each parameter is all-gathered."""
+    def init_weight_sync(self, sender: WeightSender) -> None:
+        """Take this rank's part of the weight sync (broadcast: rank 0 forms the group with the engines)."""
         self._enter()
-        cast = getattr(torch, dtype) if dtype else None
-        refs: list[Any] = []
-        total = 0
-        for bucket in iter_buckets(self.role.weights(), bucket_bytes, cast):
-            if self.rank != 0:
-                continue
-            host = [(n, t.detach().to("cpu", dtype=cast if cast is not None and t.is_floating_point() else t.dtype))
-                    for n, t in bucket]
-            total += sum(t.numel() * t.element_size() for _, t in host)
-            refs.append(ray.put(host))
-        return refs, total
+        sender.open(self.dist.device)
+        self._sender = sender
 
-    def init_weight_sync(self, plan: SenderPlan) -> None:
-        """Join the direct weight sync (broadcast: rank 0 forms the group with the engines)."""
-        self._enter()
-        self._sender = WeightSender(plan, self.dist.device)
-        self._sender.check()
-
-    def push_weights(self, dtype: str | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict[str, Any]:
-        """Every rank iterates the full weights (FSDP2 gathers); senders hand buckets to their engines."""
+    def push_weights(self, dtype: str | None, bucket_bytes: int) -> PushStats:
+        """Every rank iterates the full weights (FSDP2 gathers: to the end); the sender sends its buckets."""
         self._enter()
         if self._sender is None:
             raise RuntimeError(f"{self.role_name} rank {self.rank}: push_weights before init_weight_sync")
@@ -188,7 +167,7 @@ class EngineWorker:
         self.engine: Any = None
         self.device = "cpu"
         self.shard_rank = 0
-        self._receiver: WeightReceiver | None = None
+        self._receiver: BucketReceiver | None = None
         self._serving: Any = None
 
     async def info(self) -> dict[str, Any]:
@@ -247,13 +226,10 @@ class EngineWorker:
         await asyncio.to_thread(self._load, iter(pairs))
         return len(pairs)
 
-    async def init_weight_sync(self, method: str, group: GroupSpec | None, rank: int) -> None:
-        """Become a receiver of the direct weight sync (broadcast: join the group as `rank`)."""
-        def join() -> WeightReceiver:
-            r = WeightReceiver(method, self.device, group, rank)
-            r.check()
-            return r
-        self._receiver = await asyncio.to_thread(join)
+    async def init_weight_sync(self, receiver: BucketReceiver) -> None:
+        """Become a receiver of a direct weight sync (broadcast: join the group)."""
+        await asyncio.to_thread(receiver.open, self.device)
+        self._receiver = receiver
 
     async def load_bucket(self, metas: list[TensorMeta], payload: Any) -> int:
         """Receive one bucket (broadcast: its size; IPC: the handle) and load it; the tensor count."""

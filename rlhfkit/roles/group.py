@@ -5,13 +5,12 @@ in-process role (one process, or one torchrun rank, each rank holding its own sh
 batch). The Ray group in `rlhfkit.distributed` holds N actors and splits the batch across them.
 
 Weights reach the rollout engine through one weight-sync object per placement, which the loop
-calls once per step (`sync() -> metrics`): `LocalWeightSync` here (the policy's full weights go
-straight into the in-process engine), `distributed.policy_sync.RayWeightSync` on Ray.
+calls once per step (`sync() -> metrics`): rlhfkit/weightsync (`LocalWeightSync` in process,
+`RayWeightSync` on Ray).
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from rlhfkit.roles.memory import CallMemory
@@ -30,14 +29,3 @@ class LocalGroup:
     def __repr__(self) -> str:
         return f"LocalGroup({self.name})"
 
-
-class LocalWeightSync:
-    """The policy's full weights (`role.weights()`, FSDP2-gathered per tensor) into the in-process engine."""
-
-    def __init__(self, policy: Any, engine: Any) -> None:
-        self.policy, self.engine = policy, engine
-
-    def sync(self) -> dict[str, float]:
-        t0 = time.perf_counter()
-        self.engine.update_weights(self.policy.call("weights"))
-        return {"time/weight_push": time.perf_counter() - t0}

@@ -53,11 +53,11 @@ from rlhfkit.algo.experience import (RewardShapingConfig, apply_length_penalties
 from rlhfkit.algo.filters import dynamic_filter
 from rlhfkit.algo.passk import pass_at_k_from_scores
 from rlhfkit.backend.dist import DistInfo
-from rlhfkit.roles.group import LocalWeightSync
 from rlhfkit.trainers.metrics import PhaseClock, SampleRow, metrics_record, progress_bar
 from rlhfkit.trainers.offline import epoch_order, warn_if_no_space
 from rlhfkit.trainers.rl_config import FailedStepsError, RLLoopConfig, RLState
 from rlhfkit.trainers.run_settings import check_same_run
+from rlhfkit.weightsync.sync import LocalWeightSync, WeightSync
 from rlhfkit.trainers.stop import StepAbandoned
 from rlhfkit.trainers.stop import current as stop_signals
 from rlhfkit.trainers.rl_step_info import complete_groups, global_experience_metrics, skip_cause
@@ -109,11 +109,11 @@ class RLTrainer:
                  policy: Any, engine: Any, executor: Any, prompts: Sequence[PromptSample], dist: DistInfo,
                  logger: Any, pad_token_id: int, kl_ctl: Any, ref: Any = None, critic: Any = None,
                  reward_model: Any = None, eval_executor: Any = None, eval_prompts: Sequence[PromptSample] = (),
-                 checkpointer: Any = None, weight_sync: Any = None) -> None:
+                 checkpointer: Any = None, weight_sync: WeightSync | None = None) -> None:
         self.cfg, self.adv_cfg, self.shaping = cfg, adv_cfg, shaping
         self.policy, self.ref, self.critic, self.reward_model = policy, ref, critic, reward_model
         self.engine, self.executor, self.eval_executor = engine, executor, eval_executor
-        self.weight_sync = weight_sync if weight_sync is not None else LocalWeightSync(policy, engine)
+        self.weight_sync: WeightSync = weight_sync if weight_sync is not None else LocalWeightSync(policy, engine)
         self.prompts, self.eval_prompts = list(prompts), list(eval_prompts)
         self.dist, self.logger, self.pad_token_id = dist, logger, pad_token_id
         self.kl_ctl, self.checkpointer = kl_ctl, checkpointer

@@ -148,7 +148,7 @@ def extra_checks(model_dir: str, out: str, stage: int, dist: DistInfo, steps: in
     res["cuda_mem_before_during_offload"] = mem
     res["uninterrupted_losses"], _ = train_steps(b, batches[3:], dist)
     full = b.full_state_dict()
-    named = {n: t.cpu() for n, t in b.named_full_params(bucket_bytes=64 * 1024)}
+    named = {n: t.cpu() for n, t in b.named_full_params()}
     hf_dir = os.path.join(out, "hf")
     gathers = []
     b.full_state_dict = lambda: gathers.append(1) or {}  # the streamed export must not gather it

@@ -198,7 +198,7 @@ def test_colocated_async_equals_separate_actors(tiny_model_dir, data_dir, async_
 
 def test_partial_rollout_continues_generations_across_a_weight_update(tiny_model_dir, data_dir, local_ray, capsys,
                                                                      monkeypatch):
-    from rlhfkit.distributed import policy_sync
+    from rlhfkit.weightsync import sync as policy_sync
 
     save = os.path.join(data_dir, "partial")
     rollout_batch, n = 4, 2

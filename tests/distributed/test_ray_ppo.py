@@ -190,13 +190,10 @@ def test_memory_plan_over_the_gpu_refuses_before_ray_starts(tiny_model_dir, data
 def test_broadcast_group_delivers_identical_buckets(local_ray):
     """A policy-like actor (RoleWorker over a fake role) and 2 engine-like actors (EngineWorker
     over a recording engine) form the gloo group; small buckets force several broadcasts."""
-    from rlhfkit.distributed.weight_sync import (
-        Endpoint,
-        choose_method,
-        connect,
-        iter_buckets,
-    )
     from rlhfkit.distributed.workers import EngineWorker, RoleWorker
+    from rlhfkit.weightsync.buckets import iter_buckets
+    from rlhfkit.weightsync.choice import Endpoint, choose_transport
+    from rlhfkit.weightsync.protocol import SyncPeers
 
     def tensors() -> list[tuple[str, torch.Tensor]]:
         g = torch.Generator().manual_seed(3)
@@ -231,15 +228,15 @@ def test_broadcast_group_delivers_identical_buckets(local_ray):
     engines = [ray.remote(EngineWorker).options(num_cpus=0).remote(i, build_engine) for i in range(2)]
     ray.get([policy.setup.remote("127.0.0.1", 0, "cpu"), *[e.setup.remote("cpu", 2) for e in engines]])
     cpu = Endpoint("n", (), "cpu")
-    choice = choose_method("broadcast", [cpu], [cpu, cpu])
-    connect(choice, [policy], ["127.0.0.1"], engines, ["127.0.0.1"] * 2,
-            lambda refs, who: ray.get(refs, timeout=60), timeout_s=30)
+    transport = choose_transport("broadcast", [cpu], [cpu, cpu])
+    transport.connect(SyncPeers([policy], ["127.0.0.1"], engines, ["127.0.0.1"] * 2,
+                                lambda refs, who: ray.get(refs, timeout=60), timeout_s=30))
     stats = ray.get(policy.push_weights.remote(None, 600), timeout=60)
     want = tensors()
     n_buckets = len(list(iter_buckets(iter(want), 600)))
     assert n_buckets == 3  # bytes rounded to 64: 512 64 | 64 128 64 64 | 512 (the head, alone), by hand
-    assert stats["method"] == "broadcast" and stats["buckets"] == n_buckets
-    assert stats["engine_tensors"] == {0: len(want), 1: len(want)}
+    assert stats.method == "broadcast" and stats.buckets == n_buckets
+    assert stats.engine_tensors == {0: len(want), 1: len(want)}
     for got, calls in ray.get([e.generate.remote([]) for e in engines]):
         assert calls == n_buckets and sorted(got) == sorted(n for n, _ in want)
         for name, t in want:

@@ -9,8 +9,12 @@ import threading
 import pytest
 import torch
 
-from rlhfkit.distributed.weight_sync import (ALIGN, Endpoint, GroupSpec, broadcast, check_group, choose_method,
-                                             iter_buckets, make_group, pack_bucket, unpack_bucket)
+from rlhfkit.weightsync.broadcast import BroadcastTransport
+from rlhfkit.weightsync.buckets import ALIGN, iter_buckets, pack_bucket, unpack_bucket
+from rlhfkit.weightsync.choice import Endpoint, choose_transport
+from rlhfkit.weightsync.collective import GroupSpec, broadcast, check_group, make_group
+from rlhfkit.weightsync.ipc import IpcTransport
+from rlhfkit.weightsync.object_store import ObjectStoreTransport
 
 
 def mixed() -> list[tuple[str, torch.Tensor]]:
@@ -100,33 +104,31 @@ def gpu(node: str, gid: str) -> Endpoint:
     return Endpoint(node, (gid,), "cuda:0")
 
 
-def test_choose_method():
+def test_choose_transport():
     # CPU: auto -> gloo broadcast; ipc impossible -> broadcast with the reason
-    c = choose_method("auto", [CPU], [CPU])
-    assert (c.method, c.backend) == ("broadcast", "gloo") and "CPU" in c.reason
-    c = choose_method("ipc", [CPU, CPU], [CPU])
-    assert (c.method, c.backend) == ("broadcast", "gloo") and "--weight_sync ipc falls back" in c.reason
+    c = choose_transport("auto", [CPU], [CPU])
+    assert isinstance(c, BroadcastTransport) and c.backend == "gloo" and "CPU" in c.reason
+    c = choose_transport("ipc", [CPU, CPU], [CPU])
+    assert isinstance(c, BroadcastTransport) and c.backend == "gloo" and "--weight_sync ipc falls back" in c.reason
     # disaggregated GPUs: NCCL; --vllm_sync_backend gloo forces gloo
     dis = ([gpu("n0", "0")], [gpu("n0", "1")])
-    assert choose_method("auto", *dis) == choose_method("broadcast", *dis)
-    assert (choose_method("auto", *dis).method, choose_method("auto", *dis).backend) == ("broadcast", "nccl")
-    assert choose_method("broadcast", *dis, backend="gloo").backend == "gloo"
+    assert choose_transport("auto", *dis) == choose_transport("broadcast", *dis) == BroadcastTransport("nccl")
+    assert choose_transport("broadcast", *dis, backend="gloo").backend == "gloo"
     # colocated over 2 GPUs: engine i on policy rank i's GPU -> ipc from rank i
     col = ([gpu("n0", "0"), gpu("n0", "1")], [gpu("n0", "1"), gpu("n0", "0")])
-    c = choose_method("auto", *col)
-    assert c.method == "ipc" and c.ipc_source == (1, 0)
+    c = choose_transport("auto", *col)
+    assert isinstance(c, IpcTransport) and c.sources == (1, 0)
     # asked for broadcast while an engine shares rank 0's GPU: NCCL cannot, gloo it is
-    c = choose_method("broadcast", *col)
-    assert (c.method, c.backend) == ("broadcast", "gloo") and "rank 0's GPU" in c.reason
+    c = choose_transport("broadcast", *col)
+    assert isinstance(c, BroadcastTransport) and c.backend == "gloo" and "rank 0's GPU" in c.reason
     # same GPU id on another node is not the same GPU
-    c = choose_method("auto", [gpu("n0", "0")], [gpu("n1", "0")])
-    assert (c.method, c.backend) == ("broadcast", "nccl")
+    assert choose_transport("auto", [gpu("n0", "0")], [gpu("n1", "0")]) == BroadcastTransport("nccl")
     # vLLM engines keep the object store, with the reason; object_store as asked
-    c = choose_method("broadcast", *dis, engine_direct=False)
-    assert c.method == "object_store" and "vLLM" in c.reason
-    assert choose_method("object_store", *col).method == "object_store"
+    c = choose_transport("broadcast", *dis, engine_direct=False)
+    assert isinstance(c, ObjectStoreTransport) and "vLLM" in c.reason
+    assert choose_transport("object_store", *col) == ObjectStoreTransport()
     with pytest.raises(ValueError, match="--weight_sync 'nccl'"):
-        choose_method("nccl", *dis)
+        choose_transport("nccl", *dis)
 
 
 def test_gloo_group_broadcasts_buckets_in_threads():

@@ -184,7 +184,7 @@ def main() -> None:
         backend.save_checkpoint(os.path.join(a.ckpt, "dcp"), "step1", {"step": 1}, max_keep=2)
         backend.save_hf(os.path.join(a.ckpt, "hf"), dtype=torch.float32)
         sd = backend.full_state_dict()
-        synced = dict(backend.named_full_params(bucket_bytes=4096))  # what the weight sync sends engines
+        synced = dict(backend.named_full_params())  # what the weight sync sends engines
         if dist.rank == 0:
             assert sorted(synced) == sorted(n for n, _ in backend.model.named_parameters()), sorted(synced)
             assert all(torch.equal(synced[k], sd[k]) for k in synced), "weight sync != full state dict"

@@ -1,4 +1,4 @@
-"""Direct weight sync on GPUs (rlhfkit.distributed.weight_sync): CUDA IPC and NCCL broadcast.
+"""Direct weight sync on GPUs (rlhfkit/weightsync): CUDA IPC and NCCL broadcast.
 
 - CUDA IPC (1 GPU): a spawned process opens the handle of a packed GPU bucket (mixed dtypes, a
   tied pair) and gets the same bytes; the sender frees the bucket only after the answer.
@@ -17,8 +17,9 @@ import torch
 import torch.multiprocessing as mp
 
 from helpers import free_port
-from rlhfkit.distributed.weight_sync import (GroupSpec, broadcast, check_group, ipc_handle, make_group, open_ipc,
-                                             pack_bucket, unpack_bucket)
+from rlhfkit.weightsync.buckets import pack_bucket, unpack_bucket
+from rlhfkit.weightsync.collective import GroupSpec, broadcast, check_group, make_group
+from rlhfkit.weightsync.ipc import ipc_handle, open_ipc
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
@@ -103,8 +104,9 @@ def test_ray_actors_sync_on_gpus(layout, method):
     ray = pytest.importorskip("ray")
     from ray import cloudpickle
 
-    from rlhfkit.distributed.weight_sync import Endpoint, choose_method, connect
     from rlhfkit.distributed.workers import EngineWorker, RoleWorker
+    from rlhfkit.weightsync.choice import Endpoint, choose_transport
+    from rlhfkit.weightsync.protocol import SyncPeers
 
     class FakeRole:
         def weights(self):
@@ -146,12 +148,12 @@ def test_ray_actors_sync_on_gpus(layout, method):
         ray.get([policy.setup.remote("127.0.0.1", 0, "cuda"), engine.setup.remote("cuda", 1)])
         infos = ray.get([policy.info.remote(), engine.info.remote()])
         ends = [Endpoint(i["node_id"], tuple(i["gpu_ids"]), "cuda") for i in infos]
-        choice = choose_method("auto", ends[:1], ends[1:])
-        assert choice.describe().startswith(method), (choice, infos)
-        connect(choice, [policy], [infos[0]["ip"]], [engine], [infos[1]["ip"]],
-                lambda refs, who: ray.get(refs, timeout=120), timeout_s=60)
+        transport = choose_transport("auto", ends[:1], ends[1:])
+        assert transport.describe().startswith(method), (transport, infos)
+        transport.connect(SyncPeers([policy], [infos[0]["ip"]], [engine], [infos[1]["ip"]],
+                                    lambda refs, who: ray.get(refs, timeout=120), timeout_s=60))
         stats = ray.get(policy.push_weights.remote("bfloat16", 4096), timeout=120)
-        assert stats["buckets"] >= 2 and stats["engine_tensors"] == {0: 5}
+        assert stats.buckets >= 2 and stats.engine_tensors == {0: 5}
         got = ray.get(engine.generate.remote([]), timeout=60)
         for n, t in tensors():
             want = t.bfloat16() if t.is_floating_point() else t

@@ -66,13 +66,13 @@ def test_freeze_keeps_every_vision_weight_while_the_language_model_moves(tiny_vl
 
 
 def test_weight_sync_leaves_a_frozen_tower_out(tiny_vlm_dir):
-    from rlhfkit.backend.sharding import iter_full_param_buckets
+    from rlhfkit.backend.sharding import iter_full_params
     from rlhfkit.config.configs import ModelConfig
     from rlhfkit.models.loader import load_causal_lm
 
     def synced(freeze):
         model = load_causal_lm(ModelConfig(pretrain=tiny_vlm_dir, param_dtype="fp32", freeze_visual_encoder=freeze))
-        return [n for b in iter_full_param_buckets(model, 2**20) for n, _ in b]
+        return [n for n, _ in iter_full_params(model)]
 
     frozen, full = synced(True), synced(False)
     assert not any("visual" in n for n in frozen) and any("visual" in n for n in full)

@@ -103,7 +103,7 @@ def test_weight_sync_stream_merges_lora_like_peft(tiny_model_dir):
     the base model's names, W + (alpha / r) B A for every adapted layer, the rest as it is."""
     import copy
 
-    from rlhfkit.backend.sharding import iter_full_param_buckets
+    from rlhfkit.backend.sharding import iter_full_params
     from rlhfkit.models.lora import lora_layers
 
     model = load_causal_lm(ModelConfig(pretrain=tiny_model_dir, param_dtype="fp32", lora_rank=4, lora_alpha=16))
@@ -115,8 +115,7 @@ def test_weight_sync_stream_merges_lora_like_peft(tiny_model_dir):
             if "lora_B" in name:  # B = 0 at init: give the adapters an effect
                 p.copy_(torch.randn(p.shape, generator=g))
     want = copy.deepcopy(model).merge_and_unload().state_dict()
-    # buckets of one tensor: a layer's base weight, A and B arrive in different buckets
-    got = dict(kv for bucket in iter_full_param_buckets(model, bucket_bytes=1) for kv in bucket)
+    got = dict(iter_full_params(model))  # one tensor at a time: a layer's base weight, A and B apart
     assert set(got) == set(want)
     for name, t in got.items():
         torch.testing.assert_close(t, want[name], rtol=1e-5, atol=1e-5, msg=name)

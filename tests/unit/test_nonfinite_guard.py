@@ -113,7 +113,7 @@ def test_a_ruined_step_is_caught_before_its_weights_leave(tmp_path, then):
         if then == "save":
             b.save_checkpoint(str(tmp_path / "ckpt"), "global_step1", {"step": 1}, max_keep=2)
         else:
-            list(b.full_param_buckets())
+            list(b.named_full_params())
     assert not os.path.exists(tmp_path / "ckpt")
 
 
