@@ -33,7 +33,7 @@ import logging
 from abc import ABC
 from typing import Any, Sequence
 
-from rlhfkit.agents.contracts import (  # noqa: F401 - re-exported: the agent API's historical home
+from rlhfkit.agents.contracts import (  # noqa: F401 - re-exported: where agent files import the API from
     FAILURE_POLICIES,
     AgentConfig,
     AgentInstanceBase,

@@ -1,10 +1,9 @@
 """Token ids -> text for concurrent episodes, one tokenizer call per turn of the event loop.
 
 When a rollout's samples finish together, each episode decodes its response and its whole
-transcript (the reward function's `queries`) one after the other on the trainer's event loop:
-on one H100 (bench/rl_step.py, 64 x 8 samples x 256 tokens) 1024 `tokenizer.decode` calls took
-0.31 s after the last decode step, the GPU idle, of which two thirds were transformers' Python
-around the Rust tokenizer. `BatchDecoder.decode` gathers the calls made in one turn of the loop
+transcript (the reward function's `queries`) one after the other on the trainer's event loop,
+after the last decode step with the GPU idle, mostly in transformers' Python around the Rust
+tokenizer. `BatchDecoder.decode` gathers the calls made in one turn of the loop
 and answers them with one `decode_batch` of the Rust tokenizer (which also decodes in parallel
 unless TOKENIZERS_PARALLELISM=false). The text equals `tokenizer.decode(ids, skip_special_tokens)`:
 the batch path is taken only for a fast tokenizer that does not clean up tokenization spaces

@@ -57,8 +57,8 @@ def encode(tokenizer: Any, text: str) -> list[int]:
     """Text -> token ids without special tokens (BOS etc. must already be in the text).
 
     The n samples of a prompt start from the same text: the last few thousand texts are remembered
-    per tokenizer (a tokenizer call costs ~0.3 ms of Python, which at 512 samples a step kept the GPU
-    waiting at the start of every rollout)."""
+    per tokenizer (a tokenizer call is mostly Python; one per sample kept the GPU waiting at the start
+    of every rollout)."""
     try:
         cache = _ENCODED.setdefault(tokenizer, OrderedDict())
     except TypeError:  # not weak-referenceable: no cache

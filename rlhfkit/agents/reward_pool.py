@@ -3,8 +3,8 @@
 In the trainer's process a ``reward_func`` runs in threads (``PythonRewardSource``), so CPU-bound
 reward code (string scans, answer parsing, sympy) holds the GIL that the rollout engine's loop
 needs: the GPU idles between decode chunks while rewards are computed, and what is left of the
-rewards runs after the last chunk with the GPU idle. Measured on one H100 (bench/rl_step.py,
-64 x 8 samples): 0.46 s of a 1.25 s generation phase was GPU idle with the host in Python.
+rewards runs after the last chunk with the GPU idle (bench/rl_step.py shows how much of the
+generation phase that is).
 
 ``ProcessRewardSource`` sends each (batched) call to one of N worker processes
 (``reward_worker.py``, which imports the file once and serves calls until its stdin closes); up to

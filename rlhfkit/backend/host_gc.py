@@ -2,8 +2,8 @@
 
 A rollout makes hundreds of thousands of Python objects (token lists, log-probs, trajectories), so
 the collector runs during it, several times, and every pass stops the host: the rollout engine's
-loop, which the GPU waits on between decode chunks. On one H100 (bench/rl_step.py, 64 x 8 samples x
-256 tokens) collections took 0.05 to 0.2 s of a 2.8 s step.
+loop, which the GPU waits on between decode chunks (bench/rl_step.py reports the collections' time
+per step as gc_s_each).
 
     pause()             the RL loop, before its rollout: the collector is switched off
     collect_deferred()  the backend, just before it blocks on the GPU in an optimizer step (the

@@ -13,11 +13,9 @@ forward and its gradient split back by autograd. A v_proj called with another in
 computes its own GEMM. Under peft LoRA the base layers are fused (peft calls `base_layer(x)` with
 the input the adapters see).
 
-Measured on an H100 (bench/probe/qkv_layer.py, one compiled Qwen2-0.5B layer, forward + backward of
-8 x 2048 tokens): 3.778 ms unfused, 3.731 ms with k and v fused, 3.767 ms with q fused too. With q
-in the GEMM the backward has to assemble the [tokens, 1152] gradient from q's rotary backward, and
-the one kernel inductor makes of that (index arithmetic per element over three slices) costs more
-than the GEMMs save, so q keeps its own GEMM.
+q keeps its own GEMM: with q in it, the backward has to assemble the fused gradient from q's rotary
+backward, and the one kernel inductor makes of that (index arithmetic per element over three slices)
+costs more than the GEMMs save (bench/probe/qkv_layer.py compares the three layouts).
 
 Left as they are: layers whose weights are DTensors in the forward (tensor parallel), whose two
 layers differ in input size, dtype or in having a bias, and every layer on the CPU (there the

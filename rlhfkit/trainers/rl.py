@@ -72,7 +72,7 @@ def run_coroutine(coro: Any) -> Any:
     """`asyncio.run(coro)`, with the result kept out of the main task. On the main thread asyncio.run
     asks `signal.getsignal(SIGINT)` when it ends, and CPython's conversion of the handler to an enum
     fails with a message that formats the handler, a partial holding the finished task and so its
-    result: the repr of six whole trajectories, every step (17 ms on CPU for 256-token samples)."""
+    result: the repr of six whole trajectories, every step."""
     box: list[Any] = []
 
     async def main() -> None:
@@ -88,8 +88,8 @@ _GC_FROZEN = False
 def freeze_gc_once() -> None:
     """After the first full step, move everything alive (models, compiled graphs, CUDA graphs, tokenizers:
     millions of objects that live for the whole run) out of the cyclic garbage collector's reach: a later
-    full collection no longer walks them. Measured on one H100 (bench/rl_step.py, 512 samples a step): a
-    step with a full collection took 0.7 s more before. Cycles made later are still collected."""
+    full collection no longer walks them (a full collection of them costs a large share of a small
+    step: bench/rl_step.py's gc_s_each). Cycles made later are still collected."""
     global _GC_FROZEN
     if not _GC_FROZEN:
         gc.collect()

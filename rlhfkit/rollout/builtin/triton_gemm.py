@@ -1,9 +1,8 @@
 """Triton GEMMs for the decode step's small-M projections (one token per row, M = batch rows).
 
-cuBLAS picks tiles for these shapes that leave most of an H100 idle: at M = 256 the MLP's down
-projection (K = 4864, N = 896) ran as 112 programs of 64 x 32 that each walk all of K, 10 us for
-8.7 MB of weights (0.9 TB/s), and gate_up (N = 2 x 4864) ran as 168 x 128 tiles that fill 256
-rows with 336 and spill into a second wave. Two ops replace them in the decode layer:
+cuBLAS picks tiles for these shapes that leave most of the GPU idle: few programs that each walk
+all of K (a memory-bound GEMM far below the HBM bandwidth), or tiles that overfill M and spill into
+a second wave (bench/gemm_decode.py measures both). Two ops replace them in the decode layer:
 
 `rlhfkit::mm_partials(a [M, K], w [N, K]) -> [S, M, N] fp32`
     a @ w.T split over K into S slices (split-K): program (m, n, s) sums its slice of K into an
@@ -24,11 +23,11 @@ rows with 336 and spill into a second wave. Two ops replace them in the decode l
     program. It replaces the kernel torch.compile generated for the same expression so that this
     boundary too takes part in programmatic dependent launch (the norm weight is read before the wait).
 
-Launch parameters come from `gemm_config` / `gate_up_config` (measured on an H100, see
-bench/gemm_decode.py) and can be overridden through `GEMM_CONFIG` for sweeps. Both kernels take
+Launch parameters come from `gemm_config` / `gate_up_config` (chosen with bench/gemm_decode.py)
+and can be overridden through `GEMM_CONFIG` for sweeps. Both kernels take
 part in programmatic dependent launch (`triton_ops.use_pdl`): they wait for the kernel before them
-only when they need its output, the activations. (Asking L2 for the weight tiles before that wait
-was tried: 5% slower decode steps on an H100, the prefetches competing with the kernel before.)
+only when they need its output, the activations. The weight tiles are not prefetched into L2
+before that wait: the prefetches would compete with the kernel before.
 """
 
 from __future__ import annotations
@@ -69,9 +68,8 @@ def splits_for(n: int, k: int) -> int:
 
 
 def gemm_config(m: int, n: int, k: int, splits: int) -> dict:
-    """H100, Qwen2-0.5B's o (K = 896, S = 2) and down (K = 4864, S = 4) projections: 64 x 32 tiles at
-    M <= 64 (3.8 and 7.6 us against cuBLAS' 4.0 and 8.3), 64 x 64 above (M = 256: 4.3 and 9.1 us
-    against 4.9 and 10.2); bench/results/gemm_decode_h100.json."""
+    """64 x 32 tiles at M <= 64, 64 x 64 above: the fastest for Qwen2-0.5B's o and down projections in
+    bench/results/gemm_decode_h100.json, where both beat cuBLAS."""
     cfg = {"block_m": 64, "block_n": 32 if m <= 64 else 64, "block_k": 64, "num_warps": 4, "num_stages": 4}
     if (k // splits) % cfg["block_k"]:
         cfg["block_k"] = 32

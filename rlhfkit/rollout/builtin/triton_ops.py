@@ -102,16 +102,16 @@ ATTN_CONFIG: dict = {"block_n": None, "num_warps": None, "num_stages": None, "sp
 
 def attention_splits(rows: int, kv_heads: int, max_len: int, num_sms: int, min_chunk: int = 512) -> int:
     """Position splits per (row, KV head): enough programs for about two waves of the GPU, each
-    split at least `min_chunk` positions long (at most 16 splits). Measured on an H100 at 384
-    positions, splitting cost more (a merge kernel per layer) than it gained."""
+    split at least `min_chunk` positions long (at most 16 splits): below that, the merge kernel a
+    split needs per layer costs more than the split gains."""
     want = -(-2 * num_sms // max(rows * kv_heads, 1))
     return max(1, min(want, max_len // min_chunk, 16))
 
 
 def attention_launch(rows: int, kv_heads: int, head_dim: int, max_len: int, num_sms: int) -> dict:
     """Launch parameters: with two waves of (row, KV head) programs, 64-position tiles and two
-    stages; fewer programs take 128-position tiles (64 for head_dim > 64) and three stages
-    (H100, Qwen2-0.5B shape: 15.9 vs 17.1 us per layer at batch 256, 7.2 vs 9.4 at batch 64)."""
+    stages; fewer programs take 128-position tiles (64 for head_dim > 64) and three stages (the
+    faster of the two at both batch sizes bench/rollout.py runs)."""
     many = rows * kv_heads >= 2 * num_sms
     cfg = {"block_n": 64 if many or head_dim > 64 else 128, "num_warps": 4, "num_stages": 2 if many else 3}
     cfg = {k: ATTN_CONFIG[k] or v for k, v in cfg.items()}
