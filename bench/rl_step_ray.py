@@ -250,7 +250,7 @@ def run_ray(a: argparse.Namespace, model_dir: str, data: str, reward: str, work:
     """Launch the layout, 1 warm-up + `a.steps` timed steps, shut the actors (and a Ray we started) down."""
     import ray
 
-    from rl_step import force_full_length, micro, rlhfkit_argv, summarize_rlhfkit
+    from rl_step_common import force_full_length, micro, rlhfkit_argv, summarize_rlhfkit
 
     per_rank = prompts * a.n // policy_ranks(a)  # micro batches are per policy rank
     argv = rlhfkit_argv(a, model_dir, data, reward, work, prompts) + layout_argv(a) + [
@@ -311,7 +311,7 @@ def timed_steps(trainer: Any, steps: int, layout: str, warmup: int = 1,
 
 def ray_summary(metrics: list[dict], launched: Any, launch_s: float) -> dict:
     """Weight-sync figures, the Ray-only phases and the placement of every actor."""
-    from rl_step import mean
+    from rl_step_common import mean
 
     times = {k: mean([m.get(f"time/{k}", 0.0) for m in metrics]) for k in RAY_TIMES}
     mb = mean([m.get("weight_sync_mb", 0.0) for m in metrics])

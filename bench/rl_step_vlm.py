@@ -198,7 +198,7 @@ def picture_tokens(picture: int, vision: dict) -> int:
 
 def train_argv(a: argparse.Namespace, model_dir: str, data: str, reward: str, work: str) -> list[str]:
     """train_ppo_ray's flags of the run."""
-    from rl_step import micro
+    from rl_step_common import micro
 
     total = a.prompts * a.n
     per_rank = total // a.ray_gpus
@@ -236,7 +236,7 @@ def prompt_figures(trainer: Any, image_token_id: int) -> dict:
     trajs = getattr(trainer, "_samples", None) or []
     if not trajs:
         return {"prompt_tokens": None, "picture_tokens": None}
-    from rl_step import mean
+    from rl_step_common import mean
 
     return {"prompt_tokens": mean([float(t.prompt_len) for t in trajs]),
             "picture_tokens": mean([float(sum(1 for i in t.token_ids[:t.prompt_len] if i == image_token_id))
@@ -284,7 +284,7 @@ def run(a: argparse.Namespace, work: str, report: dict) -> None:
     import ray
     from transformers import AutoConfig
 
-    from rl_step import force_full_length, summarize_rlhfkit
+    from rl_step_common import force_full_length, summarize_rlhfkit
     from rl_step_ray import GpuMemoryPeak, _build, _nvml_processes, measured_vs_plan, ray_summary, start_ray
 
     model_dir = a.model_dir or os.path.join(work, f"model_{a.shape}")

@@ -88,7 +88,7 @@ def main() -> None:
     import torch
 
     from bench_models import random_prompt
-    from rl_step import write_inputs
+    from rl_step_common import write_inputs
     from rl_step_ray import GpuMemoryPeak, start_ray
 
     os.makedirs(a.work, exist_ok=True)
