@@ -168,7 +168,7 @@ def rlhfkit_step_fn(model, ids, device, param_dtype: str, variant: str = "master
     *_nofuse        q, k and v projected by three GEMMs instead of one (models/fused_qkv.py), for an A/B
     *_torchadam     torch's fused AdamW + a separate copy into the bf16 module instead of the one-pass
                     master-weight kernel (backend/master_adamw.py), for an A/B in one run."""
-    from rlhfkit.backend.dist import init_distributed
+    from rlhfkit.parallel.dist import init_distributed
     from rlhfkit.backend.fsdp2 import FSDP2Backend
     from rlhfkit.config.configs import BackendConfig, OptimConfig
     from rlhfkit.trainers.sft_task import SFTTask
@@ -190,7 +190,7 @@ def rlhfkit_step_fn(model, ids, device, param_dtype: str, variant: str = "master
     fused_logprobs.KEEP_LOGITS_BYTES = 0 if "recompute" in suffixes else None
     if "cg" in suffixes or "autotune" in suffixes:
         from rlhfkit.backend import model_prep
-        from rlhfkit.backend.sharding import find_blocks
+        from rlhfkit.parallel.sharding import find_blocks
 
         mode = "reduce-overhead" if "cg" in suffixes else "max-autotune-no-cudagraphs"
 

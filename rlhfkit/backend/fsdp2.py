@@ -56,24 +56,24 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from rlhfkit.backend import checkpoint as ckpt
-from rlhfkit.backend.context_parallel import apply_cp, check_cp
-from rlhfkit.backend.context_parallel import fsdp_mesh as fsdp_mesh_of
-from rlhfkit.backend import dist as D
-from rlhfkit.backend.dist import DistInfo
+from rlhfkit.checkpoint import sharded as ckpt
+from rlhfkit.parallel.context_parallel import apply_cp, check_cp
+from rlhfkit.parallel.context_parallel import fsdp_mesh as fsdp_mesh_of
+from rlhfkit.parallel import dist as D
+from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.backend.ema import EMAWeights
 from rlhfkit.backend.guard import NonFiniteGuard
-from rlhfkit.backend.hf_export import export_hf, parse_size
+from rlhfkit.checkpoint.hf_export import export_hf, parse_size
 from rlhfkit.backend.master import MasterWeights
 from rlhfkit.backend.optim_step import decide_and_step, step_grad_norm
 from rlhfkit.backend.model_prep import autocast_forward, cast_params, compile_blocks
 from rlhfkit.backend.backend_sleep import SleepMixin
 from rlhfkit.backend.offload import HostStash
 from rlhfkit.backend.optim import build_optimizer, build_scheduler, param_groups
-from rlhfkit.backend.parallel import ParallelDims
+from rlhfkit.parallel.mesh import ParallelDims
 from rlhfkit.backend.precision import DynamicLossScaler, compute_dtype_for, parse_dtype
-from rlhfkit.backend.sharding import apply_fsdp2, iter_full_params, sum_gradients_by_loss_scale
-from rlhfkit.backend.tensor_parallel import apply_tp
+from rlhfkit.parallel.sharding import apply_fsdp2, iter_full_params, sum_gradients_by_loss_scale
+from rlhfkit.parallel.tensor_parallel import apply_tp
 from rlhfkit.config.configs import BackendConfig, OptimConfig
 from rlhfkit.config.notes import note_once
 from rlhfkit.models.forward import token_logprobs

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rlhfkit.backend.sharding import find_blocks
+from rlhfkit.parallel.sharding import find_blocks
 
 
 def cast_params(model: nn.Module, dtype: torch.dtype, trainable_only: bool, frozen_only: bool = False) -> None:

@@ -21,8 +21,9 @@ import torch
 
 from rlhfkit.algo.advantages import AdvantageConfig
 from rlhfkit.algo.experience import finish_experience
-from rlhfkit.backend import FSDP2Backend, fsdp2, init_distributed
-from rlhfkit.backend.parallel import ParallelDims, attach_mesh
+from rlhfkit.backend import FSDP2Backend, fsdp2
+from rlhfkit.parallel import init_distributed
+from rlhfkit.parallel.mesh import ParallelDims, attach_mesh
 from rlhfkit.config.configs import BackendConfig, ModelConfig, OptimConfig
 from rlhfkit.data.items import SFTItem
 from rlhfkit.losses.policy import PolicyLossConfig
@@ -121,6 +122,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from rlhfkit.backend.rendezvous import run_main
+    from rlhfkit.parallel.rendezvous import run_main
 
     run_main(main)
