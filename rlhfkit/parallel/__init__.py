@@ -13,6 +13,8 @@ builds on it, and rollout engines use its process-group layer for their own shar
 
 from rlhfkit.parallel.dist import DistInfo, all_reduce_sum, barrier, broadcast_object, init_distributed, is_rank0
 from rlhfkit.parallel.mesh import ParallelDims, attach_mesh
+from rlhfkit.parallel.apply import Parallelized, ParallelizeConfig, parallelize
 
 __all__ = ["DistInfo", "init_distributed", "all_reduce_sum", "barrier", "broadcast_object", "is_rank0",
-           "ParallelDims", "attach_mesh"]
+           "ParallelDims", "attach_mesh",
+           "parallelize", "ParallelizeConfig", "Parallelized"]

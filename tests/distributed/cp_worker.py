@@ -206,7 +206,7 @@ def main() -> None:
     dist = attach_mesh(dist, dims)
     if a.broken == "grad":
         context_parallel.fsdp_mesh = lambda mesh, d: mesh["dp_shard"]
-        import rlhfkit.backend.fsdp2 as f
+        import rlhfkit.parallel.apply as f
 
         f.fsdp_mesh_of = context_parallel.fsdp_mesh
     if a.broken == "shift":  # each shard's next token from its own ids: wrong at every shard's end
