@@ -96,7 +96,7 @@ def legacy_reload(b) -> None:
 
 
 def slowest(x: float) -> float:
-    from rlhfkit.backend.dist import get_world_size
+    from rlhfkit.parallel.dist import get_world_size
 
     t = torch.tensor([x], dtype=torch.float64)
     if get_world_size() > 1:
@@ -109,7 +109,7 @@ def mem_gib(device: str) -> float:
 
 
 def timed(fn) -> float:
-    from rlhfkit.backend.dist import barrier
+    from rlhfkit.parallel.dist import barrier
 
     barrier()
     t0 = time.perf_counter()
@@ -125,7 +125,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    from rlhfkit.backend.dist import init_distributed
+    from rlhfkit.parallel.dist import init_distributed
 
     dist = init_distributed(a.device)
     b, vocab = build(a.shape, dist.device, dist)

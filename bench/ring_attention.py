@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from rlhfkit.backend.ring_attention import KERNELS, padded_length, ring_attention
+from rlhfkit.parallel.ring_attention import KERNELS, padded_length, ring_attention
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -69,7 +69,7 @@ def main() -> None:
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if cuda else "gloo")
-        from rlhfkit.backend.rendezvous import destroy_at_exit
+        from rlhfkit.parallel.rendezvous import destroy_at_exit
 
         destroy_at_exit()  # gloo's threads settle before interpreter teardown
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -127,6 +127,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from rlhfkit.backend.rendezvous import run_main
+    from rlhfkit.parallel.rendezvous import run_main
 
     run_main(main)

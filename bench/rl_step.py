@@ -98,7 +98,7 @@ class engine_batch:
 
 def run_rlhfkit(a: argparse.Namespace, model_dir: str, data: str, reward: str, work: str, prompts: int) -> dict:
     """Build train_ppo's trainer from its flags; 1 warm-up + `a.steps` timed `train_step()` calls."""
-    from rlhfkit.backend.dist import init_distributed
+    from rlhfkit.parallel.dist import init_distributed
     from rlhfkit.cli import ppo_setup
     from rlhfkit.cli.common import set_seed
     from rlhfkit.cli.train_ppo import build_parser, build_trainer

@@ -111,7 +111,7 @@ def _worker(rank: int, tp_size: int, port: int, job: dict, out_path: str) -> Non
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=tp_size,
                                 device_id=torch.device(device) if cuda else None)
-        from rlhfkit.backend.rendezvous import destroy_at_exit
+        from rlhfkit.parallel.rendezvous import destroy_at_exit
 
         destroy_at_exit()
     dtype = getattr(torch, job["dtype"])

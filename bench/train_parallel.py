@@ -149,8 +149,9 @@ def build(a: argparse.Namespace) -> tuple[Any, Any, Any, dict]:
     """(dist, dims, backend, facts); raises ValueError for a mesh or model the backend refuses."""
     from dataclasses import fields
 
-    from rlhfkit.backend import FSDP2Backend, init_distributed
-    from rlhfkit.backend.parallel import ParallelDims, attach_mesh
+    from rlhfkit.backend import FSDP2Backend
+    from rlhfkit.parallel import init_distributed
+    from rlhfkit.parallel.mesh import ParallelDims, attach_mesh
     from rlhfkit.config.configs import BackendConfig, OptimConfig
 
     dist = init_distributed(a.device)
@@ -374,6 +375,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from rlhfkit.backend.rendezvous import run_main
+    from rlhfkit.parallel.rendezvous import run_main
 
     run_main(main)

@@ -168,7 +168,7 @@ def rlhfkit_step_fn(model, ids, device, param_dtype: str, variant: str = "master
     *_nofuse        q, k and v projected by three GEMMs instead of one (models/fused_qkv.py), for an A/B
     *_torchadam     torch's fused AdamW + a separate copy into the bf16 module instead of the one-pass
                     master-weight kernel (backend/master_adamw.py), for an A/B in one run."""
-    from rlhfkit.backend.dist import init_distributed
+    from rlhfkit.parallel.dist import init_distributed
     from rlhfkit.backend.fsdp2 import FSDP2Backend
     from rlhfkit.config.configs import BackendConfig, OptimConfig
     from rlhfkit.trainers.sft_task import SFTTask
@@ -189,8 +189,8 @@ def rlhfkit_step_fn(model, ids, device, param_dtype: str, variant: str = "master
     fused_logprobs.USE_TRITON = "eagerloss" not in suffixes
     fused_logprobs.KEEP_LOGITS_BYTES = 0 if "recompute" in suffixes else None
     if "cg" in suffixes or "autotune" in suffixes:
-        from rlhfkit.backend import model_prep
-        from rlhfkit.backend.sharding import find_blocks
+        from rlhfkit.parallel import apply as parallel_apply
+        from rlhfkit.parallel.sharding import find_blocks
 
         mode = "reduce-overhead" if "cg" in suffixes else "max-autotune-no-cudagraphs"
 
@@ -198,10 +198,7 @@ def rlhfkit_step_fn(model, ids, device, param_dtype: str, variant: str = "master
             for block in find_blocks(model):
                 block.compile(mode=mode, dynamic=dynamic)
 
-        model_prep.compile_blocks = compile_cg
-        import rlhfkit.backend.fsdp2 as fsdp2_mod
-
-        fsdp2_mod.compile_blocks = compile_cg
+        parallel_apply.compile_blocks = compile_cg
     if base == "fsdp1":
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29561")
     dist = init_distributed(device)

@@ -19,7 +19,7 @@ from typing import Any, Iterator, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from rlhfkit.backend.dist import DistInfo
+from rlhfkit.parallel.dist import DistInfo
 
 
 @runtime_checkable

@@ -1,11 +1,13 @@
 """`FSDP2Backend`: the default `TrainBackend` (PyTorch FSDP2, nothing extra to install).
 
-    model (HF causal LM, fp32 master weights)        ParallelDims (parallel.py), from the flags
-      |  one process, no process group: plain module on the device (+ autocast on CUDA)
-      |  process group (torchrun / Ray): dims.build_mesh() -> (tp > 1: apply_tp, tensor_parallel.py)
-      |  -> fully_shard per decoder block + root on the mesh's data-parallel dims (sharding.py);
-      |  --ring_attn_size > 1: over dp_shard x cp, then ring attention on the model
-      |  (context_parallel.py: split sequences, gathered per-token outputs)
+    model (HF causal LM)                             ParallelDims (rlhfkit.parallel.mesh), from the flags
+      |  cast: fp32 trainable weights (the masters), frozen ones in the compute dtype
+      |  process group (torchrun / Ray): the mesh (dims.build_mesh(), or the one attach_mesh built)
+      |  parallelize(model, dims, cfg, mesh) (rlhfkit.parallel.apply): activation checkpointing ->
+      |  tp > 1: apply_tp -> torch.compile per block -> fully_shard per block + root on the mesh's
+      |  data-parallel dims (dp_shard x cp with --ring_attn_size) -> cp > 1: ring attention
+      |  one process, no process group: the same without FSDP2 and ring attention, then the plain
+      |  module on the device (master weights or autocast on CUDA)
       v
     backend.forward(...) / .token_logprobs(...) -> loss / global count -> backend.backward(loss, sync_grads)
       -> backend.optimizer_step(): global grad norm, non-finite guard (guard.py: skip / stop),
@@ -15,9 +17,8 @@ Precision (precision.py): fp32 master weights and optimizer states; compute in `
 (FSDP2 MixedPrecisionPolicy with fp32 gradient reduction when sharded; in one CUDA process the
 module itself is cast to the compute dtype and the optimizer steps fp32 copies (master.py), or,
 with `--mixed_precision autocast`, an fp32 module runs under autocast; fp32 on CPU unless
-`cpu_low_precision=True`); fp16 uses a dynamic loss scale. `--torch_compile` compiles every
-transformer block (before sharding, so FSDP2's hooks stay outside the compiled graphs). On the GPU
-(no tensor parallelism) k and v are projected by one GEMM (models/fused_qkv.py).
+`cpu_low_precision=True`); fp16 uses a dynamic loss scale. On the GPU (no tensor parallelism)
+k and v are projected by one GEMM (models/fused_qkv.py, applied by `parallelize`).
 
 Gradient accumulation: `backward(loss, sync_grads=False)` skips the gradient reduction
 (`set_requires_gradient_sync(False)`) for stages 0-2 until the last micro-batch. Stage 3 keeps
@@ -38,10 +39,10 @@ module parameters that have fp32 masters are freed and rebuilt from them instead
 optimizer (muon.py). `ema_decay` (--enable_ema) keeps an EMA of the trained weights in host memory,
 updated after every optimizer step; `save_hf` exports the EMA weights (ema.py).
 
-Checkpoints (checkpoint.py) go through `sharded_state_dict()`: each rank's DTensor shards (or,
+Checkpoints (rlhfkit.checkpoint.sharded) go through `sharded_state_dict()`: each rank's DTensor shards (or,
 in one process, the fp32 masters) and optimizer state, written by torch.distributed.checkpoint
 with no gather. `save_hf` streams full tensors one at a time into size-capped safetensors files
-(hf_export.py).
+(rlhfkit.checkpoint.hf_export).
 
 An inference-only backend (`optim_cfg=None`, e.g. a reference or reward model) casts the
 weights to the compute dtype (no master copy is needed) and has no optimizer.
@@ -56,29 +57,26 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from rlhfkit.backend import checkpoint as ckpt
-from rlhfkit.backend.context_parallel import apply_cp, check_cp
-from rlhfkit.backend.context_parallel import fsdp_mesh as fsdp_mesh_of
-from rlhfkit.backend import dist as D
-from rlhfkit.backend.dist import DistInfo
 from rlhfkit.backend.ema import EMAWeights
 from rlhfkit.backend.guard import NonFiniteGuard
-from rlhfkit.backend.hf_export import export_hf, parse_size
 from rlhfkit.backend.master import MasterWeights
 from rlhfkit.backend.optim_step import decide_and_step, step_grad_norm
-from rlhfkit.backend.model_prep import autocast_forward, cast_params, compile_blocks
+from rlhfkit.backend.model_prep import autocast_forward, cast_params
 from rlhfkit.backend.backend_sleep import SleepMixin
 from rlhfkit.backend.offload import HostStash
 from rlhfkit.backend.optim import build_optimizer, build_scheduler, param_groups
-from rlhfkit.backend.parallel import ParallelDims
 from rlhfkit.backend.precision import DynamicLossScaler, compute_dtype_for, parse_dtype
-from rlhfkit.backend.sharding import apply_fsdp2, iter_full_params, sum_gradients_by_loss_scale
-from rlhfkit.backend.tensor_parallel import apply_tp
+from rlhfkit.checkpoint import sharded as ckpt
+from rlhfkit.checkpoint.hf_export import export_hf, parse_size
 from rlhfkit.config.configs import BackendConfig, OptimConfig
 from rlhfkit.config.notes import note_once
 from rlhfkit.models.forward import token_logprobs
-from rlhfkit.models.fused_qkv import fuse_qkv
-from rlhfkit.models.loader import enable_gradient_checkpointing
+from rlhfkit.parallel import dist as D
+from rlhfkit.parallel.apply import ParallelizeConfig, parallelize
+from rlhfkit.parallel.context_parallel import check_cp
+from rlhfkit.parallel.dist import DistInfo
+from rlhfkit.parallel.mesh import ParallelDims
+from rlhfkit.parallel.sharding import iter_full_params
 
 log = logging.getLogger(__name__)
 
@@ -116,28 +114,20 @@ class FSDP2Backend(SleepMixin):
         if self.cpu_offload and not dist.has_process_group:
             D.init_single_rank_group(dist.device)  # FSDP2's CPUOffloadPolicy needs a process group
         self.is_sharded = dist.has_process_group
-        self._loss_multiplier = 1.0
         self._unsynced = False
         self._stash = HostStash(self.device)
-        if (backend_cfg.gradient_checkpointing and self.trainable and hasattr(model, "gradient_checkpointing_enable")
-                and not getattr(model, "is_gradient_checkpointing", False)):  # the loader's choice of reentrant stays
-            enable_gradient_checkpointing(model, use_reentrant=False, need_input_grads=False)
         master = torch.float32 if self.trainable else self.compute_dtype
         cast_params(model, master, trainable_only=self.trainable)
         if self.trainable:  # frozen weights (a LoRA base, a frozen vision tower) have no masters: compute dtype
             cast_params(model, self.compute_dtype, trainable_only=False, frozen_only=True)
         self.mesh = self._build_mesh() if self.is_sharded else None
-        if self.parallel.tp > 1:  # before compiling and sharding: FSDP2 shards the TP DTensors over dp
-            apply_tp(model, self.mesh["tp"])
-        elif self.device.type == "cuda":
-            fuse_qkv(model)  # one GEMM for k and v (models/fused_qkv.py)
-        if backend_cfg.torch_compile:
-            compile_blocks(model, backend_cfg.compile_dynamic)
         self.master: MasterWeights | None = None
-        self.model = self._shard(model) if self.is_sharded else self._place(model)
-        # ring attention (--ring_attn_size): each sequence split over the cp group (context_parallel.py)
-        self.context_parallel = (apply_cp(self.model, self.mesh.get_group("cp"), backend_cfg.ring_head_stride)
-                                 if self.parallel.cp > 1 else None)
+        # checkpointing, TP, compile, FSDP2, ring attention: all of it in parallel/apply.py
+        done = parallelize(model, self.parallel, self._parallelize_config(), self.mesh)
+        self.model = done.model if self.is_sharded else self._place(done.model)
+        self._loss_multiplier = done.loss_multiplier
+        # ring attention (--ring_attn_size): each sequence split over the cp group (parallel/context_parallel.py)
+        self.context_parallel = done.context_parallel
         if self.trainable:
             # a loaded model comes in eval mode, where HF skips activation checkpointing (and dropout);
             # a backend that trains starts in training mode, as the trainers of other stacks put it
@@ -182,20 +172,16 @@ class FSDP2Backend(SleepMixin):
             return shared.device_mesh
         return self.parallel.build_mesh(self.device.type)
 
-    def _shard(self, model: nn.Module) -> nn.Module:
+    def _parallelize_config(self) -> ParallelizeConfig:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
         low = self.compute_dtype if self.compute_dtype != torch.float32 else None
-        mp = MixedPrecisionPolicy(param_dtype=low if self.trainable else None,
-                                  reduce_dtype=torch.float32)
-        offload = CPUOffloadPolicy(pin_memory=True) if self.cpu_offload else None
-        fsdp_mesh = fsdp_mesh_of(self.mesh, self.parallel)  # dp dims, with cp folded into dp_shard
-        apply_fsdp2(model, fsdp_mesh, self.cfg.zero_stage, mp, offload)
-        if offload is None:
-            model.to(self.device)  # buffers not managed by FSDP (e.g. rotary tables)
-        if not sum_gradients_by_loss_scale(model):
-            self._loss_multiplier = float(fsdp_mesh.size())
-        return model
+        mp = MixedPrecisionPolicy(param_dtype=low if self.trainable else None, reduce_dtype=torch.float32)
+        return ParallelizeConfig(
+            zero_stage=self.cfg.zero_stage, activation_checkpointing=self.cfg.gradient_checkpointing and self.trainable,
+            compile=self.cfg.torch_compile, compile_dynamic=self.cfg.compile_dynamic,
+            fuse_qkv=self.device.type == "cuda", ring_head_stride=self.cfg.ring_head_stride, device=str(self.device),
+            mp_policy=mp, offload=CPUOffloadPolicy(pin_memory=True) if self.cpu_offload else None)
 
     # ------------------------------------------------------------------ training
 

@@ -32,7 +32,7 @@ from typing import Sequence
 
 import torch
 
-from rlhfkit.backend import dist as D
+from rlhfkit.parallel import dist as D
 
 log = logging.getLogger(__name__)
 

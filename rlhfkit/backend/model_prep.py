@@ -1,5 +1,5 @@
-"""How the training backend prepares a model in place: parameter dtype casts, a forward under
-autocast, and torch.compile of each transformer block (`--torch_compile`). Used by FSDP2Backend."""
+"""How the training backend sets a model's precision in place: parameter dtype casts and a forward
+under autocast. Used by FSDP2Backend (parallelism is applied by rlhfkit.parallel.apply)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,6 @@ from typing import Any
 
 import torch
 from torch import nn
-
-from rlhfkit.backend.sharding import find_blocks
 
 
 def cast_params(model: nn.Module, dtype: torch.dtype, trainable_only: bool, frozen_only: bool = False) -> None:
@@ -32,11 +30,3 @@ def autocast_forward(model: nn.Module, device_type: str, dtype: torch.dtype) -> 
 
     model.forward = forward  # type: ignore[method-assign]
 
-
-def compile_blocks(model: nn.Module, dynamic: bool | None = None) -> None:
-    """torch.compile every transformer block in place (`--torch_compile`); `dynamic` as torch.compile's."""
-    blocks = find_blocks(model)
-    if not blocks:
-        raise ValueError("--torch_compile: no transformer blocks found in the model")
-    for block in blocks:
-        block.compile(dynamic=dynamic)

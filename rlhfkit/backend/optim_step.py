@@ -24,7 +24,7 @@ from torch import nn
 
 from rlhfkit.backend import host_gc
 from rlhfkit.backend.guard import NonFiniteGuard
-from rlhfkit.backend.sharding import clip_grads, global_grad_norm
+from rlhfkit.parallel.sharding import clip_grads, global_grad_norm
 
 
 def decide_and_step(opt: torch.optim.Optimizer, params: list[nn.Parameter], norm: torch.Tensor,

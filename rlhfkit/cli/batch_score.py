@@ -33,7 +33,7 @@ def progress_bar(total: int, desc: str, disable: bool) -> Any:
 
 
 def resolve_device(args: argparse.Namespace) -> str:
-    from rlhfkit.backend.dist import resolve_device as resolve
+    from rlhfkit.parallel.dist import resolve_device as resolve
 
     return resolve(args.device)
 

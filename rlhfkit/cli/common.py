@@ -31,8 +31,8 @@ from rlhfkit.redact import redact_config
 from rlhfkit.trainers.metrics import MetricsLogger, NullLogger, WandbSettings, tensorboard_run_dir
 
 if TYPE_CHECKING:
-    from rlhfkit.backend.dist import DistInfo
-    from rlhfkit.backend.parallel import ParallelDims
+    from rlhfkit.parallel.dist import DistInfo
+    from rlhfkit.parallel.mesh import ParallelDims
 
 
 T = TypeVar("T")
@@ -231,7 +231,7 @@ def report_dropped(ds: Any, rows_read: int, what: str, training: bool) -> None:
 def parallel_dims(args: argparse.Namespace, dist: DistInfo) -> ParallelDims:
     """The training mesh of this process group, from --zero_stage, --ds_tensor_parallel_size and
     --ring_attn_size (handed to every FSDP2Backend of the group)."""
-    from rlhfkit.backend.parallel import ParallelDims
+    from rlhfkit.parallel.mesh import ParallelDims
 
     return ParallelDims.from_flags(dist.world_size, getattr(args, "zero_stage", 2),
                                    tensor_parallel_size=getattr(args, "ds_tensor_parallel_size", 1),

@@ -206,7 +206,7 @@ def chat_loop(model: Any, tokenizer: Any, session: ChatSession, cfg: ReplyConfig
 
 def load(args: argparse.Namespace) -> tuple[Any, Any]:
     """(model, tokenizer) of --pretrain through rlhfkit's loader."""
-    from rlhfkit.backend.dist import resolve_device
+    from rlhfkit.parallel.dist import resolve_device
     from rlhfkit.config.configs import ModelConfig, from_args
     from rlhfkit.models.loader import load_causal_lm, load_tokenizer
 
@@ -245,6 +245,6 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from rlhfkit.backend.rendezvous import run_main
+    from rlhfkit.parallel.rendezvous import run_main
 
     run_main(main)

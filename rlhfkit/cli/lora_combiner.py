@@ -58,6 +58,6 @@ def main(argv: Sequence[str] | None = None) -> str:
 
 
 if __name__ == "__main__":
-    from rlhfkit.backend.rendezvous import run_main
+    from rlhfkit.parallel.rendezvous import run_main
 
     run_main(main)

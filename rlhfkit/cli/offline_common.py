@@ -21,8 +21,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from rlhfkit.backend.dist import DistInfo, init_distributed
-from rlhfkit.backend.parallel import attach_mesh
+from rlhfkit.parallel.dist import DistInfo, init_distributed
+from rlhfkit.parallel.mesh import attach_mesh
 from rlhfkit.backend.fsdp2 import FSDP2Backend
 from rlhfkit.cli.common import (UsageError, check_backend_flags, check_positions, note_cpu_dtype, parallel_dims,
                                 check_packages, report_dropped, resolve_model_paths, save_or_fall_back, set_seed)

@@ -17,9 +17,9 @@ from rlhfkit.agents.base import AgentConfig
 from rlhfkit.algo.advantages import AdvantageConfig, get_advantage_estimator
 from rlhfkit.algo.experience import RewardShapingConfig
 from rlhfkit.algo.kl import make_kl_controller
-from rlhfkit.backend.dist import DistInfo
+from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.backend.fsdp2 import FSDP2Backend
-from rlhfkit.backend.parallel import ParallelDims
+from rlhfkit.parallel.mesh import ParallelDims
 from rlhfkit.cli.common import (UsageError, check_backend_flags, check_packages, check_positions, parallel_dims,
                                 report_dropped, resolve_model_paths)
 from rlhfkit.cli.rl_checkpoint import RLCheckpointer

@@ -44,7 +44,7 @@ class RLCheckpointer:
         if self.save_hf:
             self.policy_backend.save_hf(os.path.join(root, f"{tag}_hf"), self.tokenizer)
             if self.run_dir is not None:
-                from rlhfkit.backend.dist import is_rank0
+                from rlhfkit.parallel.dist import is_rank0
                 from rlhfkit.trainers.model_card import write_model_card
 
                 if is_rank0():
@@ -87,7 +87,7 @@ class RLCheckpointer:
         actor, critic = os.path.join(root, "actor"), os.path.join(root, "critic")
         if self.critic_backend is None:
             return self.policy_backend.load_checkpoint(actor)
-        from rlhfkit.backend.checkpoint import list_checkpoints
+        from rlhfkit.checkpoint.sharded import list_checkpoints
 
         critic_tags = {t for _, t in list_checkpoints(critic)}
         pairs = [t for _, t in list_checkpoints(actor) if t in critic_tags]
@@ -104,9 +104,9 @@ class RLCheckpointer:
 
 def _newest_intact_pair(actor: str, critic: str, tags: list[str]) -> str:
     """The first of `tags` (newest first) whose actor and critic checkpoints both match their checksums;
-    a damaged one is skipped with a line naming it (rlhfkit.backend.checkpoint.newest_intact)."""
-    from rlhfkit.backend.checkpoint import newest_intact
-    from rlhfkit.backend.dist import broadcast_object, is_rank0
+    a damaged one is skipped with a line naming it (rlhfkit.checkpoint.sharded.newest_intact)."""
+    from rlhfkit.checkpoint.sharded import newest_intact
+    from rlhfkit.parallel.dist import broadcast_object, is_rank0
 
     def pick() -> tuple[str | None, list[str]]:
         skipped: list[str] = []
@@ -129,7 +129,7 @@ def _remove_old_snapshots(root: str, keep: str) -> None:
     """Rank 0 deletes the Hugging Face snapshots of earlier best checkpoints under `root`."""
     import shutil
 
-    from rlhfkit.backend.dist import is_rank0
+    from rlhfkit.parallel.dist import is_rank0
 
     if is_rank0() and os.path.isdir(root):
         for name in os.listdir(root):
@@ -141,7 +141,7 @@ def _saved_best(best_root: str, key: str) -> float | None:
     """The metric value of the best checkpoint an earlier run left under `best_root` (same key)."""
     import json
 
-    from rlhfkit.backend.checkpoint import list_checkpoints
+    from rlhfkit.checkpoint.sharded import list_checkpoints
 
     found = list_checkpoints(os.path.join(best_root, "actor"))
     if not found:

@@ -22,7 +22,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from rlhfkit.backend.dist import DistInfo
+from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.cli import ppo_setup as S
 from rlhfkit.cli import vlm_setup as V
 from rlhfkit.cli.common import UsageError, make_logger, parallel_dims, report_dropped, save_or_fall_back

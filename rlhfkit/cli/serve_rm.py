@@ -444,6 +444,6 @@ def bind_port(host: str, port: int) -> socket.socket:
 
 
 if __name__ == "__main__":
-    from rlhfkit.backend.rendezvous import run_main
+    from rlhfkit.parallel.rendezvous import run_main
 
     run_main(main)

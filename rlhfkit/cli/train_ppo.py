@@ -16,8 +16,8 @@ train_ppo_ray's is. `run(args, parser)` is also what the Python API's PPO/GRPO/R
 
 from __future__ import annotations
 
-from rlhfkit.backend.dist import init_distributed
-from rlhfkit.backend.parallel import attach_mesh
+from rlhfkit.parallel.dist import init_distributed
+from rlhfkit.parallel.mesh import attach_mesh
 from rlhfkit.cli import ppo_setup as S
 from rlhfkit.cli import rl_root as R
 from rlhfkit.cli.common import cli_main, disable_hf_progress_bars, note_cpu_dtype, parallel_dims, set_seed
@@ -76,6 +76,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    from rlhfkit.backend.rendezvous import run_main
+    from rlhfkit.parallel.rendezvous import run_main
 
     run_main(main)

@@ -44,7 +44,7 @@ import threading
 import time
 from typing import Any
 
-from rlhfkit.backend.dist import DistInfo
+from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.cli import ppo_setup as S
 from rlhfkit.cli import rl_root as R
 from rlhfkit.cli.common import UsageError, cli_main, note_cpu_dtype, set_seed
@@ -170,7 +170,7 @@ def note_no_effect(args, parser) -> None:
 def build_role(args, num_steps: int, role: str, dist: DistInfo) -> tuple[Any, Any]:
     """One rank of `role` (runs inside its Ray actor) -> (role object, backend or None)."""
     set_seed(args.seed, args.full_determinism)
-    from rlhfkit.backend.parallel import attach_mesh
+    from rlhfkit.parallel.mesh import attach_mesh
     from rlhfkit.cli.common import parallel_dims
 
     dist = attach_mesh(dist, parallel_dims(args, dist))  # this group's dp / tp / cp process groups

@@ -28,7 +28,7 @@ import logging
 import math
 from typing import Any, Sequence
 
-from rlhfkit.backend.dist import DistInfo
+from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.cli.common import UsageError, cli_main, make_logger
 from rlhfkit.cli.offline_common import (OFFLINE_PLOT_KEYS, OfflineRun, add_offline_flags, add_pair_key_flags,
                                         load_split_items, save_model, setup, train_task, trainable_backend)
@@ -120,6 +120,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    from rlhfkit.backend.rendezvous import run_main
+    from rlhfkit.parallel.rendezvous import run_main
 
     run_main(main)

@@ -37,9 +37,9 @@ import ray
 import torch
 
 from rlhfkit import logs
-from rlhfkit.backend.dist import DistInfo, init_distributed, resolve_device, with_index
+from rlhfkit.parallel.dist import DistInfo, init_distributed, resolve_device, with_index
 from rlhfkit.backend.offload import HostStash, MoveStats
-from rlhfkit.backend.rendezvous import reserve_port
+from rlhfkit.parallel.rendezvous import reserve_port
 from rlhfkit.roles.memory import CallMemory
 from rlhfkit.weightsync.buckets import TensorMeta
 from rlhfkit.weightsync.protocol import BucketReceiver, PushStats, WeightSender
@@ -83,7 +83,7 @@ class RoleWorker:
 
     def reserve_port(self) -> int:
         """A master store opened here on a kernel-picked port, kept for the group this rank 0 forms
-        next (race-free; rlhfkit/backend/rendezvous.py); its port."""
+        next (race-free; rlhfkit/parallel/rendezvous.py); its port."""
         return reserve_port()
 
     def setup(self, master_addr: str, master_port: int, device: str | None) -> dict[str, Any]:

@@ -25,7 +25,7 @@ rlhfkit.models.vlm.batch_forward_kwargs) and 3-D `position_ids` `[3, B, L]` with
 
 Context parallelism (--ring_attn_size): a model the backend prepared for it carries
 `rlhfkit_context_parallel` (`CONTEXT_PARALLEL_ATTR`), and `token_logprobs` hands the call to it
-(rlhfkit.backend.context_parallel): same arguments, same result, sequences split over the ring.
+(rlhfkit.parallel.context_parallel): same arguments, same result, sequences split over the ring.
 
 Memory: the model's logits `[B, L, V]` (in the model dtype) are the only full-vocabulary
 tensor; log-softmax, the gather and the entropy run in fp32 on row chunks, and the backward pass
@@ -254,7 +254,7 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     cp = getattr(model, CONTEXT_PARALLEL_ATTR, None)
     if cp is not None and model_kwargs:
         raise ValueError("context parallelism (--ring_attn_size) does not take pictures (vision-language inputs)")
-    if cp is not None:  # split over the ring, shifted on the full sequence, gathered back (backend/context_parallel.py)
+    if cp is not None:  # split over the ring, shifted on the full sequence, gathered back (parallel/context_parallel.py)
         return cp.token_logprobs(model, input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                  temperature=temperature, return_entropy=return_entropy, chunk_size=chunk_size,
                                  fused=fused)

@@ -1,6 +1,6 @@
 """Token log-probs and entropy from vocabulary-sharded logits, without gathering the vocabulary.
 
-Under tensor parallelism (backend/tensor_parallel.py) `lm_head` is split by rows: tensor-parallel
+Under tensor parallelism (parallel/tensor_parallel.py) `lm_head` is split by rows: tensor-parallel
 rank r holds the logits of vocabulary ids [r * V_r, (r + 1) * V_r) for every position. With
 z = logits / T, the log-prob of target y and the entropy need only three numbers per row from
 each rank, combined by two all-reduces over the tensor-parallel group:

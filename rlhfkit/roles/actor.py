@@ -27,7 +27,7 @@ from typing import Any, Iterator
 import torch
 
 from rlhfkit.algo.kl import compute_approx_kl
-from rlhfkit.backend.dist import DistInfo
+from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.config.notes import note_once
 from rlhfkit.losses.aux import ptx_loss, router_aux_loss
 from rlhfkit.losses.kl import kl_loss

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from rlhfkit.backend.dist import DistInfo
+from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.losses.reduce import HostValues
 from rlhfkit.losses.value import value_loss
 from rlhfkit.models.value import reward_at_last_token

@@ -30,7 +30,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from rlhfkit.backend.dist import DistInfo
+from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.data.collate import PackedBatch
 from rlhfkit.data.items import PreferenceItem
 from rlhfkit.losses.preference import dpo_loss

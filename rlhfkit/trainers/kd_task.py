@@ -22,7 +22,7 @@ from typing import Sequence
 
 import torch
 
-from rlhfkit.backend.dist import DistInfo
+from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.data.items import SFTItem
 from rlhfkit.losses.distill import distill_loss
 from rlhfkit.models.forward import forward_logits

@@ -29,7 +29,7 @@ from typing import Sequence
 
 import torch
 
-from rlhfkit.backend.dist import DistInfo
+from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.data.items import UnpairedItem
 from rlhfkit.data.preference import kto_mismatched
 from rlhfkit.losses.kto import kto_loss

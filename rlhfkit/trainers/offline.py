@@ -18,7 +18,7 @@ Dividing every micro-batch loss by the *global* count makes the update independe
 micro-batching and of the number of ranks. The step's metrics (already divided by that count)
 are summed over dp: over the loss group for a task whose loss is a sum over tokens
 (`TOKEN_ADDITIVE`), which is the dp group, as the cp ranks of context parallelism gather their
-per-token outputs and each compute the whole loss (backend/context_parallel.py).
+per-token outputs and each compute the whole loss (parallel/context_parallel.py).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
-from rlhfkit.backend.checkpoint import checkpoint_gap
-from rlhfkit.backend.dist import DistInfo
+from rlhfkit.checkpoint.sharded import checkpoint_gap
+from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.config.notes import note_once
 from rlhfkit.fileio import NoSpaceError
 from rlhfkit.losses.aux import router_aux_loss

@@ -20,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-from rlhfkit.backend.dist import DistInfo
+from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.data.collate import pack_batch
 from rlhfkit.data.items import PRMItem, SFTItem
 from rlhfkit.data.prm import IGNORE_INDEX, collate_prm

@@ -46,13 +46,13 @@ from typing import Any, Sequence
 import torch
 
 from rlhfkit.backend import host_gc
-from rlhfkit.backend.checkpoint import checkpoint_gap
+from rlhfkit.checkpoint.sharded import checkpoint_gap
 from rlhfkit.algo.advantages import AdvantageConfig, get_advantage_estimator
 from rlhfkit.algo.experience import (RewardShapingConfig, apply_length_penalties, finish_experience,
                                      pad_trajectories)
 from rlhfkit.algo.filters import dynamic_filter
 from rlhfkit.algo.passk import pass_at_k_from_scores
-from rlhfkit.backend.dist import DistInfo
+from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.trainers.metrics import PhaseClock, SampleRow, metrics_record, progress_bar
 from rlhfkit.trainers.offline import epoch_order, warn_if_no_space
 from rlhfkit.trainers.rl_config import FailedStepsError, RLLoopConfig, RLState

@@ -7,7 +7,7 @@ import itertools
 
 import torch
 
-from rlhfkit.backend.dist import DistInfo
+from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.trainers.rl_config import RLLoopConfig
 from rlhfkit.types import Trajectory
 

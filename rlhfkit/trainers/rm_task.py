@@ -26,7 +26,7 @@ from typing import Any, Sequence
 
 import torch
 
-from rlhfkit.backend.dist import DistInfo
+from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.data.collate import PackedBatch, PaddedBatch, pack_batch, pad_batch
 from rlhfkit.data.items import PreferenceItem
 from rlhfkit.data.preference import preference_rows

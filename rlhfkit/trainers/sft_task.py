@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 import torch
 
-from rlhfkit.backend.dist import DistInfo
+from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.data.collate import PackedBatch, PaddedBatch, pack_batch, pad_batch
 from rlhfkit.losses.sft import sft_loss
 from rlhfkit.models.forward import token_logprobs

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rlhfkit.backend.rendezvous import held_store
+from rlhfkit.parallel.rendezvous import held_store
 
 DEFAULT_TIMEOUT_S = 120.0
 _CHECK = 0x5A  # the rendezvous broadcast's byte

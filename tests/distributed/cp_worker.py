@@ -28,9 +28,10 @@ import torch
 
 from rlhfkit.algo.advantages import AdvantageConfig
 from rlhfkit.algo.experience import finish_experience
-from rlhfkit.backend import FSDP2Backend, context_parallel, init_distributed
-from rlhfkit.backend.parallel import ParallelDims, attach_mesh
-from rlhfkit.backend.sharding import full
+from rlhfkit.backend import FSDP2Backend
+from rlhfkit.parallel import context_parallel, init_distributed
+from rlhfkit.parallel.mesh import ParallelDims, attach_mesh
+from rlhfkit.parallel.sharding import full
 from rlhfkit.config.configs import BackendConfig, ModelConfig, OptimConfig
 from rlhfkit.data.items import PreferenceItem, SFTItem
 from rlhfkit.losses.policy import PolicyLossConfig
@@ -205,7 +206,7 @@ def main() -> None:
     dist = attach_mesh(dist, dims)
     if a.broken == "grad":
         context_parallel.fsdp_mesh = lambda mesh, d: mesh["dp_shard"]
-        import rlhfkit.backend.fsdp2 as f
+        import rlhfkit.parallel.apply as f
 
         f.fsdp_mesh_of = context_parallel.fsdp_mesh
     if a.broken == "shift":  # each shard's next token from its own ids: wrong at every shard's end
@@ -221,6 +222,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from rlhfkit.backend.rendezvous import run_main
+    from rlhfkit.parallel.rendezvous import run_main
 
     run_main(main)

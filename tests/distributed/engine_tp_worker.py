@@ -60,7 +60,7 @@ def perturbed(path: str) -> list[tuple[str, torch.Tensor]]:
 def main() -> None:
     path, out_path = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
-    from rlhfkit.backend.rendezvous import destroy_at_exit
+    from rlhfkit.parallel.rendezvous import destroy_at_exit
 
     destroy_at_exit()  # gloo's threads settle before interpreter teardown
     torch.manual_seed(0)
@@ -107,6 +107,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from rlhfkit.backend.rendezvous import run_main
+    from rlhfkit.parallel.rendezvous import run_main
 
     run_main(main)

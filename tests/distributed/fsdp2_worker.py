@@ -22,9 +22,10 @@ import shutil
 
 import torch
 
-from rlhfkit.backend import FSDP2Backend, all_reduce_sum, barrier, init_distributed
-from rlhfkit.backend.checkpoint import save_tensors
-from rlhfkit.backend.dist import DistInfo
+from rlhfkit.backend import FSDP2Backend
+from rlhfkit.parallel import all_reduce_sum, barrier, init_distributed
+from rlhfkit.checkpoint.sharded import save_tensors
+from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.config.configs import BackendConfig, OptimConfig
 
 GLOBAL_BATCH, MICRO, SEQ, PROMPT = 8, 2, 16, 3
@@ -244,6 +245,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from rlhfkit.backend.rendezvous import run_main
+    from rlhfkit.parallel.rendezvous import run_main
 
     run_main(main)

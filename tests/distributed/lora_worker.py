@@ -22,9 +22,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from fsdp2_worker import make_batches, train_steps  # noqa: E402
 
-from rlhfkit.backend import FSDP2Backend, init_distributed  # noqa: E402
-from rlhfkit.backend.checkpoint import save_tensors  # noqa: E402
-from rlhfkit.backend.dist import DistInfo  # noqa: E402
+from rlhfkit.backend import FSDP2Backend  # noqa: E402
+from rlhfkit.parallel import init_distributed  # noqa: E402
+from rlhfkit.checkpoint.sharded import save_tensors  # noqa: E402
+from rlhfkit.parallel.dist import DistInfo  # noqa: E402
 from rlhfkit.config.configs import BackendConfig, ModelConfig, OptimConfig  # noqa: E402
 
 

@@ -21,8 +21,9 @@ import torch
 
 from rlhfkit.algo.advantages import AdvantageConfig
 from rlhfkit.algo.experience import finish_experience
-from rlhfkit.backend import FSDP2Backend, fsdp2, init_distributed
-from rlhfkit.backend.parallel import ParallelDims, attach_mesh
+from rlhfkit.backend import FSDP2Backend
+from rlhfkit.parallel import apply as parallel_apply, init_distributed
+from rlhfkit.parallel.mesh import ParallelDims, attach_mesh
 from rlhfkit.config.configs import BackendConfig, ModelConfig, OptimConfig
 from rlhfkit.data.items import SFTItem
 from rlhfkit.losses.policy import PolicyLossConfig
@@ -78,7 +79,7 @@ def main() -> None:
     torch.manual_seed(0)
     dist = init_distributed("cpu")
     dims = ParallelDims(dp_shard=dist.world_size // a.tp, tp=a.tp, world_size=dist.world_size)
-    fsdp2.apply_tp = lambda model, mesh: model  # replicated over tp: see the module docstring
+    parallel_apply.apply_tp = lambda model, mesh: model  # replicated over tp: see the module docstring
     dist = attach_mesh(dist, dims)
     assert (dist.dp_rank, dist.dp_size) == (dist.rank // a.tp, dims.dp), (dist.rank, dist.dp_rank, dist.dp_size)
 
@@ -121,6 +122,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from rlhfkit.backend.rendezvous import run_main
+    from rlhfkit.parallel.rendezvous import run_main
 
     run_main(main)

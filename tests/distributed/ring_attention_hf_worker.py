@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, AutoModelForCausalLM
 from transformers.masking_utils import AttentionMaskInterface
 
-from rlhfkit.backend.ring_attention import (
+from rlhfkit.parallel.ring_attention import (
     cu_seqlens_from_position_ids,
     gather_from_ring,
     ring_attention,
@@ -96,7 +96,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     dist.init_process_group("gloo")
-    from rlhfkit.backend.rendezvous import destroy_at_exit
+    from rlhfkit.parallel.rendezvous import destroy_at_exit
 
     destroy_at_exit()  # gloo's threads settle before interpreter teardown
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -120,6 +120,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from rlhfkit.backend.rendezvous import run_main
+    from rlhfkit.parallel.rendezvous import run_main
 
     run_main(main)

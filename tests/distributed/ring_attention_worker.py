@@ -21,7 +21,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from rlhfkit.backend.ring_attention import (
+from rlhfkit.parallel.ring_attention import (
     gather_from_ring,
     ring_attention,
     split_for_ring,
@@ -93,7 +93,7 @@ def main() -> None:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         torch.backends.cuda.matmul.allow_tf32 = False
     dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo")
-    from rlhfkit.backend.rendezvous import destroy_at_exit
+    from rlhfkit.parallel.rendezvous import destroy_at_exit
 
     destroy_at_exit()  # gloo's threads settle before interpreter teardown
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -119,6 +119,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from rlhfkit.backend.rendezvous import run_main
+    from rlhfkit.parallel.rendezvous import run_main
 
     run_main(main)

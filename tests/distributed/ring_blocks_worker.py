@@ -17,7 +17,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from rlhfkit.backend.ring_attention import ring_attention, split_for_ring
+from rlhfkit.parallel.ring_attention import ring_attention, split_for_ring
 
 CU = [0, 7, 8, 23, 30, 41]  # five sequences (one of length 1) in a row of 44 or more: padding at the end
 
@@ -52,7 +52,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     dist.init_process_group("gloo")
-    from rlhfkit.backend.rendezvous import destroy_at_exit
+    from rlhfkit.parallel.rendezvous import destroy_at_exit
 
     destroy_at_exit()  # gloo's threads settle before interpreter teardown
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -71,6 +71,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from rlhfkit.backend.rendezvous import run_main
+    from rlhfkit.parallel.rendezvous import run_main
 
     run_main(main)

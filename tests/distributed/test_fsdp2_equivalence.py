@@ -21,8 +21,8 @@ import sys
 import pytest
 import torch
 
-from rlhfkit.backend.checkpoint import load_tensors
-from rlhfkit.backend.dist import DistInfo
+from rlhfkit.checkpoint.sharded import load_tensors
+from rlhfkit.parallel.dist import DistInfo
 from helpers import free_port  # noqa: E402
 
 pytestmark = pytest.mark.distributed

@@ -27,7 +27,7 @@ def test_two_ranks_shard_a_bf16_base_with_fp32_adapters_like_one_process(tiny_mo
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from rlhfkit.backend.dist import DistInfo
+    from rlhfkit.parallel.dist import DistInfo
 
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")

@@ -23,7 +23,8 @@ WORKER = r'''
 import json, os, sys
 import torch
 from torch import nn
-from rlhfkit.backend import FSDP2Backend, init_distributed
+from rlhfkit.backend import FSDP2Backend
+from rlhfkit.parallel import init_distributed
 from rlhfkit.backend.guard import NonFiniteError
 from rlhfkit.config.configs import BackendConfig, OptimConfig
 

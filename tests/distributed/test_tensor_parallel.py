@@ -93,7 +93,7 @@ def test_tp2_equals_one_process(llama_dir, tmp_path):
 
 def test_fsdp2_x_tp2_equals_one_process_and_checkpoints_load_in_one_process(qwen2_tied_dir, tmp_path):
     from rlhfkit.backend import FSDP2Backend
-    from rlhfkit.backend.dist import DistInfo
+    from rlhfkit.parallel.dist import DistInfo
     from rlhfkit.config.configs import BackendConfig, ModelConfig, OptimConfig
     from rlhfkit.models.loader import load_causal_lm
 

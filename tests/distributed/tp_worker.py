@@ -25,9 +25,10 @@ import os
 
 import torch
 
-from rlhfkit.backend import FSDP2Backend, init_distributed
-from rlhfkit.backend.parallel import ParallelDims, attach_mesh
-from rlhfkit.backend.sharding import full
+from rlhfkit.backend import FSDP2Backend
+from rlhfkit.parallel import init_distributed
+from rlhfkit.parallel.mesh import ParallelDims, attach_mesh
+from rlhfkit.parallel.sharding import full
 from rlhfkit.config.configs import BackendConfig, ModelConfig, OptimConfig
 from rlhfkit.data.items import PreferenceItem, SFTItem
 from rlhfkit.losses.policy import PolicyLossConfig, policy_loss
@@ -271,6 +272,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from rlhfkit.backend.rendezvous import run_main
+    from rlhfkit.parallel.rendezvous import run_main
 
     run_main(main)

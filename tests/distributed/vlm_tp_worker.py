@@ -34,7 +34,7 @@ def chat(text: str) -> str:
 def main() -> None:
     path, out_path = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
-    from rlhfkit.backend.rendezvous import destroy_at_exit
+    from rlhfkit.parallel.rendezvous import destroy_at_exit
 
     destroy_at_exit()
     torch.manual_seed(0)
@@ -77,6 +77,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from rlhfkit.backend.rendezvous import run_main
+    from rlhfkit.parallel.rendezvous import run_main
 
     run_main(main)

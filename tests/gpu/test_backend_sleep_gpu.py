@@ -25,7 +25,7 @@ def make(seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from rlhfkit.backend import FSDP2Backend
-    from rlhfkit.backend.dist import DistInfo
+    from rlhfkit.parallel.dist import DistInfo
     from rlhfkit.config.configs import BackendConfig, OptimConfig
 
     torch.manual_seed(seed)
@@ -81,7 +81,7 @@ ADAM_OFFLOAD = r'''
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from rlhfkit.backend import FSDP2Backend
-from rlhfkit.backend.dist import DistInfo
+from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.config.configs import BackendConfig, OptimConfig
 from torch.distributed.tensor import DTensor
 torch.manual_seed(0)

@@ -57,7 +57,7 @@ def test_backend_fuses_on_gpu():
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from rlhfkit.backend import FSDP2Backend
-    from rlhfkit.backend.dist import DistInfo
+    from rlhfkit.parallel.dist import DistInfo
     from rlhfkit.config.configs import BackendConfig
 
     cfg = Qwen2Config(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -71,7 +71,8 @@ _FSDP_WORKER = r"""
 import json, sys
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
-from rlhfkit.backend import FSDP2Backend, init_distributed
+from rlhfkit.backend import FSDP2Backend
+from rlhfkit.parallel import init_distributed
 from rlhfkit.config.configs import BackendConfig, OptimConfig
 from rlhfkit.models import fused_qkv
 

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 def make():
     from rlhfkit.backend import FSDP2Backend
-    from rlhfkit.backend.dist import DistInfo
+    from rlhfkit.parallel.dist import DistInfo
     from rlhfkit.config.configs import BackendConfig, OptimConfig
 
     torch.manual_seed(0)

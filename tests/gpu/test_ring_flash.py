@@ -1,4 +1,4 @@
-"""Ring attention's CUDA kernel path (backend/ring_blocks.py) on 2 GPUs over NCCL.
+"""Ring attention's CUDA kernel path (parallel/ring_blocks.py) on 2 GPUs over NCCL.
 
 Two spawned processes (one GPU each) run `ring_attention` on a ring of 2:
 
@@ -70,7 +70,7 @@ def _rel_err(got, want) -> float:
 
 
 def _accuracy(rank, world, dev):
-    from rlhfkit.backend.ring_attention import ring_attention, split_for_ring
+    from rlhfkit.parallel.ring_attention import ring_attention, split_for_ring
 
     gen = torch.Generator().manual_seed(0)
     q, k, v, g_out = (torch.randn(ROW, h, D, generator=gen).to(dev, torch.bfloat16) for h in (HQ, HK, HK, HQ))
@@ -108,7 +108,7 @@ def _time(fn, iters):
 
 
 def _speed(rank, world, dev):
-    from rlhfkit.backend.ring_attention import ring_attention, split_for_ring
+    from rlhfkit.parallel.ring_attention import ring_attention, split_for_ring
 
     gen = torch.Generator().manual_seed(1)
     full = [torch.randn(LONG, h, D, generator=gen).to(dev, torch.bfloat16) for h in (HQ, HK, HK, HQ)]
@@ -138,7 +138,7 @@ def _worker(rank, world, port, out_dir):
     torch.backends.cuda.matmul.allow_tf32 = False
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        from rlhfkit.backend.ring_blocks import PROBE_FAILURES, pick_kernel
+        from rlhfkit.parallel.ring_blocks import PROBE_FAILURES, pick_kernel
 
         kern = pick_kernel("auto", dev, torch.bfloat16, HQ, HK, D)
         res = {"kernel": None if kern is None else kern.name,

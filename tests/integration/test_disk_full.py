@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from rlhfkit.backend import checkpoint as ckpt
-from rlhfkit.backend import hf_export
+from rlhfkit.checkpoint import sharded as ckpt
+from rlhfkit.checkpoint import hf_export
 from rlhfkit.cli import train_sft
 from rlhfkit.fileio import GB
 from rlhfkit.trainers.metrics import read_metrics

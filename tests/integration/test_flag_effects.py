@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 
-from rlhfkit.backend.checkpoint import list_checkpoints, load_tensors
+from rlhfkit.checkpoint.sharded import list_checkpoints, load_tensors
 from rlhfkit.backend.muon import MuonWithAdamW
 from rlhfkit.cli import ppo_setup, train_ppo, train_sft
 from rlhfkit.config import notes

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rlhfkit.cli import train_ppo
-from rlhfkit.backend.dist import DistInfo
+from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.roles.actor import micro_batches
 from rlhfkit.tasks.addition import addition_splits
 from rlhfkit.types import ExperienceBatch

@@ -8,7 +8,7 @@ import json
 import torch
 from helpers import EVEN_REWARD
 
-from rlhfkit.backend.dist import init_distributed
+from rlhfkit.parallel.dist import init_distributed
 from rlhfkit.cli import ppo_setup as S
 from rlhfkit.cli.train_ppo import build_parser
 from rlhfkit.types import ExperienceBatch

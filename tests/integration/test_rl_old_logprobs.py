@@ -24,7 +24,7 @@ import pytest
 import torch
 from helpers import read_run, rl_flags, write_rl_data
 
-from rlhfkit.backend.dist import DistInfo
+from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.cli import train_ppo
 from rlhfkit.trainers.rl import RLLoopConfig, RLTrainer
 

@@ -66,7 +66,7 @@ def test_freeze_keeps_every_vision_weight_while_the_language_model_moves(tiny_vl
 
 
 def test_weight_sync_leaves_a_frozen_tower_out(tiny_vlm_dir):
-    from rlhfkit.backend.sharding import iter_full_params
+    from rlhfkit.parallel.sharding import iter_full_params
     from rlhfkit.config.configs import ModelConfig
     from rlhfkit.models.loader import load_causal_lm
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from rlhfkit.backend import FSDP2Backend
-from rlhfkit.backend.dist import DistInfo
+from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.config import notes
 from rlhfkit.config.configs import BackendConfig, OptimConfig
 from rlhfkit.data.collate import pad_batch

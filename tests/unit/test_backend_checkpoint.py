@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from rlhfkit.backend import FSDP2Backend
-from rlhfkit.backend.checkpoint import latest_checkpoint, list_checkpoints, load_tensors, save_tensors
-from rlhfkit.backend.dist import DistInfo
+from rlhfkit.checkpoint.sharded import latest_checkpoint, list_checkpoints, load_tensors, save_tensors
+from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.config.configs import BackendConfig, OptimConfig
 
 
@@ -127,7 +127,7 @@ def test_full_state_checkpoint_of_the_earlier_format_loads(tiny_model_dir, tmp_p
     save_tensors(str(old / "model.safetensors"), a.full_state_dict())
     torch.save(a.optimizer_state_dict(), old / "optim.pt")
     torch.save(a.trainer_state(), old / "trainer.pt")
-    from rlhfkit.backend.checkpoint import rng_state
+    from rlhfkit.checkpoint.sharded import rng_state
 
     torch.save(rng_state(), old / "rng_0.pt")
     (old / "client_state.json").write_text('{"step": 2}')
@@ -147,7 +147,7 @@ def test_full_state_checkpoint_of_the_earlier_format_loads(tiny_model_dir, tmp_p
 def test_crash_mid_save_is_never_loaded(tiny_model_dir, tmp_path, monkeypatch, crash_at):
     """A save killed after the shards were written (before / after meta.json) leaves `<tag>.tmp`,
     which is never loaded; the next save removes it."""
-    from rlhfkit.backend import checkpoint as ckpt
+    from rlhfkit.checkpoint import sharded as ckpt
 
     root = str(tmp_path)
     a = new_backend(tiny_model_dir)
@@ -224,7 +224,7 @@ def test_save_tensors_keeps_tied_weights(tmp_path):
 def test_max_ckpt_mem_removes_the_oldest_while_over_the_limit(tiny_model_dir, tmp_path, caplog):
     """--max_ckpt_mem (GB): after a save the oldest checkpoints go while the rest hold more; the one just
     saved always stays, with a warning when it alone is over."""
-    from rlhfkit.backend.checkpoint import _dir_bytes
+    from rlhfkit.checkpoint.sharded import _dir_bytes
 
     root = str(tmp_path / "ckpt")
     b = new_backend(tiny_model_dir)

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from rlhfkit.backend import FSDP2Backend
-from rlhfkit.backend.checkpoint import load_tensors
-from rlhfkit.backend.dist import DistInfo
+from rlhfkit.checkpoint.sharded import load_tensors
+from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.config.configs import BackendConfig, OptimConfig
 from rlhfkit.models.forward import token_logprobs
 

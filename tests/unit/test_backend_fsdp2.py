@@ -8,8 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from rlhfkit.backend import FSDP2Backend, init_distributed
-from rlhfkit.backend.dist import DistInfo
+from rlhfkit.backend import FSDP2Backend
+from rlhfkit.parallel import init_distributed
+from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.backend.precision import DynamicLossScaler
 from rlhfkit.config.configs import BackendConfig, OptimConfig
 
@@ -227,7 +228,7 @@ def test_inference_only_backend_and_config_errors(tiny_model_dir):
 
 
 def test_init_distributed_single_process(monkeypatch):
-    from rlhfkit.backend import all_reduce_sum, barrier, broadcast_object, is_rank0
+    from rlhfkit.parallel import all_reduce_sum, barrier, broadcast_object, is_rank0
 
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(k, raising=False)

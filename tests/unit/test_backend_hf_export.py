@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from rlhfkit.backend import FSDP2Backend
-from rlhfkit.backend.dist import DistInfo
-from rlhfkit.backend.hf_export import parse_size, safetensors_header, ExportTensor
+from rlhfkit.parallel.dist import DistInfo
+from rlhfkit.checkpoint.hf_export import parse_size, safetensors_header, ExportTensor
 from rlhfkit.config.configs import BackendConfig, OptimConfig
 
 CPU = DistInfo(device="cpu")

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from rlhfkit.backend import FSDP2Backend
-from rlhfkit.backend.dist import DistInfo
+from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.backend.offload import HostStash
 from rlhfkit.config.configs import BackendConfig, OptimConfig
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from rlhfkit.backend import FSDP2Backend
-from rlhfkit.backend.dist import DistInfo
-from rlhfkit.backend.parallel import MESH_DIM_NAMES, ParallelDims
+from rlhfkit.parallel.dist import DistInfo
+from rlhfkit.parallel.mesh import MESH_DIM_NAMES, ParallelDims
 from rlhfkit.config.configs import BackendConfig, OptimConfig
 
 

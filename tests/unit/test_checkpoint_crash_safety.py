@@ -10,8 +10,8 @@ import shutil
 import pytest
 import torch
 
-from rlhfkit.backend import checkpoint as ckpt
-from rlhfkit.backend.checkpoint import checkpoint_gap, latest_checkpoint, list_checkpoints
+from rlhfkit.checkpoint import sharded as ckpt
+from rlhfkit.checkpoint.sharded import checkpoint_gap, latest_checkpoint, list_checkpoints
 
 from test_backend_checkpoint import batches, new_backend, train, weights
 

@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 
-from rlhfkit.backend.checkpoint import checkpoint_damage, list_checkpoints
+from rlhfkit.checkpoint.sharded import checkpoint_damage, list_checkpoints
 
 from test_backend_checkpoint import batches, new_backend, train, weights
 
@@ -73,7 +73,7 @@ def test_a_damaged_checkpoint_is_skipped_for_the_newest_intact_one(tiny_model_di
     root, at_s1 = two
     damage(os.path.join(root, "s2", file))
     b = new_backend(tiny_model_dir)
-    with caplog.at_level(logging.WARNING, logger="rlhfkit.backend.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="rlhfkit.checkpoint.sharded"):
         assert b.load_checkpoint(root) == {"step": 1}
     lines = [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()]
     assert len(lines) == 1 and lines[0].startswith(f"checkpoint {root}/s2 is damaged: ") and lines[0].endswith(
@@ -108,7 +108,7 @@ def test_rl_pair_falls_back_past_a_damaged_critic(tiny_model_dir, tmp_path, capl
             actor_at_1 = weights(actor)
     zero_tensor_bytes(os.path.join(root, "critic", "global_step2", "dcp", "__0_0.distcp"))
     a2, c2 = new_backend(tiny_model_dir), new_backend(tiny_model_dir)
-    with caplog.at_level(logging.WARNING, logger="rlhfkit.backend.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="rlhfkit.checkpoint.sharded"):
         assert RLCheckpointer(a2, c2).load(root) == {"step": 1}
     assert any(f"{root}/critic/global_step2 is damaged: dcp/__0_0.distcp" in r.getMessage() for r in caplog.records)
     assert all(torch.equal(actor_at_1[k], v) for k, v in weights(a2).items())

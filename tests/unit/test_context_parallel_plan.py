@@ -1,4 +1,4 @@
-"""How context parallelism packs, splits and restores a batch (backend/context_parallel.py), in one process.
+"""How context parallelism packs, splits and restores a batch (parallel/context_parallel.py), in one process.
 
 `_Plan` needs only the ring's rank and size, so each rank of a ring of 2 is played in turn here; the
 ring attention itself and the gathers are checked under torchrun (tests/distributed/test_context_parallel.py).
@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rlhfkit.backend.context_parallel import _Plan, check_cp, check_cp_model, next_token_targets
-from rlhfkit.backend.parallel import ParallelDims
-from rlhfkit.backend.ring_attention import unsplit_ring
+from rlhfkit.parallel.context_parallel import _Plan, check_cp, check_cp_model, next_token_targets
+from rlhfkit.parallel.mesh import ParallelDims
+from rlhfkit.parallel.ring_attention import unsplit_ring
 
 
 def plans(input_ids, attention_mask=None, position_ids=None, world=2):

@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 
-from rlhfkit.backend import checkpoint as ckpt
-from rlhfkit.backend import hf_export
+from rlhfkit.checkpoint import sharded as ckpt
+from rlhfkit.checkpoint import hf_export
 from rlhfkit.fileio import GB, NoSpaceError, is_no_space
 
 from test_backend_checkpoint import batches, new_backend, train, weights

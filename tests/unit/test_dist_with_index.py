@@ -2,7 +2,7 @@
 
 import torch
 
-from rlhfkit.backend.dist import with_index
+from rlhfkit.parallel.dist import with_index
 
 
 def test_bare_cuda_gets_the_current_index(monkeypatch):

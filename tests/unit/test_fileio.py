@@ -11,8 +11,8 @@ import torch
 
 from rlhfkit import fileio
 from rlhfkit.backend import FSDP2Backend
-from rlhfkit.backend import hf_export
-from rlhfkit.backend.dist import DistInfo
+from rlhfkit.checkpoint import hf_export
+from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.config.configs import BackendConfig, OptimConfig
 from rlhfkit.config.flags import write_resolved_config
 

@@ -61,7 +61,7 @@ def test_the_optimizer_step_collects_before_waiting(monkeypatch):
     from torch import nn
 
     from rlhfkit.backend import FSDP2Backend
-    from rlhfkit.backend.dist import DistInfo
+    from rlhfkit.parallel.dist import DistInfo
     from rlhfkit.config.configs import BackendConfig, OptimConfig
 
     model = nn.Linear(4, 2)

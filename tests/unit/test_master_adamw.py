@@ -24,7 +24,7 @@ from rlhfkit.backend import master_adamw
 from rlhfkit.backend.master import MasterWeights
 from rlhfkit.backend.master_adamw import MasterAdamW, fused_step_eager
 from rlhfkit.backend.optim import param_groups
-from rlhfkit.backend.sharding import global_grad_norm
+from rlhfkit.parallel.sharding import global_grad_norm
 
 BETAS = (0.9, 0.95)
 

@@ -10,8 +10,8 @@ import torch
 from rlhfkit.algo.advantages import AdvantageConfig
 from rlhfkit.algo.experience import RewardShapingConfig
 from rlhfkit.algo.kl import FixedKLController
-from rlhfkit.backend.dist import DistInfo, MeshGroups
-from rlhfkit.backend.parallel import ParallelDims, attach_mesh
+from rlhfkit.parallel.dist import DistInfo, MeshGroups
+from rlhfkit.parallel.mesh import ParallelDims, attach_mesh
 from rlhfkit.trainers.offline import rank_share
 from rlhfkit.trainers.rl import RLLoopConfig, RLTrainer
 from rlhfkit.types import PromptSample

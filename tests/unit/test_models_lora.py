@@ -103,7 +103,7 @@ def test_weight_sync_stream_merges_lora_like_peft(tiny_model_dir):
     the base model's names, W + (alpha / r) B A for every adapted layer, the rest as it is."""
     import copy
 
-    from rlhfkit.backend.sharding import iter_full_params
+    from rlhfkit.parallel.sharding import iter_full_params
     from rlhfkit.models.lora import lora_layers
 
     model = load_causal_lm(ModelConfig(pretrain=tiny_model_dir, param_dtype="fp32", lora_rank=4, lora_alpha=16))

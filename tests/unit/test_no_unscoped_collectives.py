@@ -3,10 +3,10 @@
 With tensor or context parallelism the tp / cp ranks of one data-parallel rank hold the same
 samples, so a sum over the whole world counts them several times. Reductions there go through
 `DistInfo` (`all_reduce_dp`, `all_reduce_loss`, `all_reduce_world` for decisions; see
-rlhfkit/backend/dist.py). This test reads those packages' source (AST) and fails on:
+rlhfkit/parallel/dist.py). This test reads those packages' source (AST) and fails on:
 
 * a torch.distributed collective called without an explicit `group=`;
-* an import of the world-wide helpers of rlhfkit.backend(.dist) (`all_reduce_sum`,
+* an import of the world-wide helpers of rlhfkit.parallel(.dist) (`all_reduce_sum`,
   `broadcast_object`, `barrier`).
 """
 
@@ -24,7 +24,7 @@ COLLECTIVES = {"all_reduce", "all_gather", "all_gather_object", "all_gather_into
                "all_to_all_single", "gather", "gather_object", "scatter", "scatter_object_list", "barrier",
                "monitored_barrier"}
 WORLD_HELPERS = {"all_reduce_sum", "broadcast_object", "barrier"}
-HELPER_MODULES = {"rlhfkit.backend.dist", "rlhfkit.backend"}
+HELPER_MODULES = {"rlhfkit.parallel.dist", "rlhfkit.parallel"}
 
 
 def _dotted(node: ast.AST) -> str | None:
@@ -86,7 +86,7 @@ def test_packages_reduce_only_over_named_groups():
     for path in files:
         with open(path, encoding="utf-8") as f:
             bad += violations(f.read(), os.path.relpath(path, os.path.dirname(ROOT)))
-    assert not bad, "use DistInfo's scoped reductions (backend/dist.py):\n" + "\n".join(bad)
+    assert not bad, "use DistInfo's scoped reductions (parallel/dist.py):\n" + "\n".join(bad)
 
 
 @pytest.mark.parametrize("src, n", [
@@ -95,8 +95,8 @@ def test_packages_reduce_only_over_named_groups():
     ("import torch\ntorch.distributed.all_gather(out, t)\n", 1),
     ("from torch import distributed as d\nd.broadcast_object_list(box, src=0)\n", 1),
     ("from torch.distributed import all_reduce as ar\nar(t)\n", 1),
-    ("from rlhfkit.backend.dist import DistInfo, all_reduce_sum\n", 1),
-    ("from rlhfkit.backend import barrier\n", 1),
+    ("from rlhfkit.parallel.dist import DistInfo, all_reduce_sum\n", 1),
+    ("from rlhfkit.parallel import barrier\n", 1),
     ("import torch.distributed as dist\ndist.all_reduce(t, group=g)\ndist.get_rank()\n", 0),
     ("x = dist_info.all_reduce_dp(t)\nself.dist.all_reduce_world(1, op='max')\n", 0),
 ])

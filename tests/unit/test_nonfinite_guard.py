@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from rlhfkit.backend import FSDP2Backend
-from rlhfkit.backend.dist import DistInfo
+from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.backend.guard import NonFiniteError
 from rlhfkit.config.configs import BackendConfig, OptimConfig
 from rlhfkit.trainers.metrics import NullLogger

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rlhfkit.backend import FSDP2Backend
-from rlhfkit.backend.dist import DistInfo
+from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.config.configs import BackendConfig, OptimConfig
 from rlhfkit.data.items import SFTItem
 from rlhfkit.data.ptx import PtxBatches

@@ -1,4 +1,4 @@
-"""rlhfkit/backend/rendezvous.py: race-free master ports, the gloo exit settle, and run_main's exit.
+"""rlhfkit/parallel/rendezvous.py: race-free master ports, the gloo exit settle, and run_main's exit.
 
     reserve_port      the kernel-picked port is served at once (a second bind of it fails with
                       EADDRINUSE, a client store reaches it); held_store hands it over once
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as tdist
 from helpers import subprocess_env
 
-from rlhfkit.backend import rendezvous
+from rlhfkit.parallel import rendezvous
 
 
 def test_reserved_port_is_served_and_handed_over_once():
@@ -56,8 +56,8 @@ def test_rank0_forms_its_group_on_the_held_store(tmp_path):
     code = """
         import os, subprocess, sys
         import torch
-        from rlhfkit.backend import rendezvous
-        from rlhfkit.backend.dist import init_distributed
+        from rlhfkit.parallel import rendezvous
+        from rlhfkit.parallel.dist import init_distributed
 
         if len(sys.argv) == 1:  # rank 0: reserve, start rank 1 on the port, join
             port = rendezvous.reserve_port(60)
@@ -79,7 +79,7 @@ def test_rank0_forms_its_group_on_the_held_store(tmp_path):
 GROUP = """
     import atexit, os, sys, datetime
     import torch.distributed as dist
-    from rlhfkit.backend.rendezvous import destroy_at_exit, run_main
+    from rlhfkit.parallel.rendezvous import destroy_at_exit, run_main
 
     def main():
         if {join}:

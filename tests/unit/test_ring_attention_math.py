@@ -1,4 +1,4 @@
-"""Ring attention in one process (rlhfkit/backend/ring_attention.py): the online-softmax merge worked
+"""Ring attention in one process (rlhfkit/parallel/ring_attention.py): the online-softmax merge worked
 out by hand, the zig-zag split and its inverse, each rank's view of the causal mask across blocks in
 a fake ring of 4, a group of one against float64 attention (gradcheck in float64), packed rows, and
 the errors for bad shapes and strides. The real ring (2 and 4 ranks over gloo) is
@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from rlhfkit.backend.ring_attention import (
+from rlhfkit.parallel.ring_attention import (
     _block_forward,
     _Ring,
     cu_seqlens_from_position_ids,

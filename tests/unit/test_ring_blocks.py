@@ -1,4 +1,4 @@
-"""The rectangle path of ring attention in one process (rlhfkit/backend/ring_blocks.py): the FULL /
+"""The rectangle path of ring attention in one process (rlhfkit/parallel/ring_blocks.py): the FULL /
 CAUSAL rectangles of every (rank, src) block of fake rings of 1, 2 and 4 cover exactly the mask the
 math path builds (`_Ring.plan`), for random packings with padding, both layouts, causal or not and the
 padded form; the rectangle driver with the math kernel equals the math path (values and gradients,
@@ -12,8 +12,8 @@ import random
 import pytest
 import torch
 
-from rlhfkit.backend.ring_attention import _Ring, ring_attention, ring_positions
-from rlhfkit.backend.ring_blocks import (
+from rlhfkit.parallel.ring_attention import _Ring, ring_attention, ring_positions
+from rlhfkit.parallel.ring_blocks import (
     CAUSAL,
     FULL,
     MathKernel,

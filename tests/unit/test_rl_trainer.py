@@ -21,7 +21,7 @@ from rlhfkit.agents.contracts import EpisodeBatch
 from rlhfkit.algo.advantages import AdvantageConfig
 from rlhfkit.algo.experience import RewardShapingConfig
 from rlhfkit.algo.kl import FixedKLController
-from rlhfkit.backend.dist import DistInfo
+from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.trainers.rl import RLLoopConfig, RLTrainer
 from rlhfkit.types import PromptSample, Trajectory
 

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from rlhfkit.config import notes
-from rlhfkit.backend.dist import DistInfo
+from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.cli import ppo_setup as S
 from rlhfkit.cli import train_ppo_ray
 

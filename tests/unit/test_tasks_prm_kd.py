@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rlhfkit.backend.dist import DistInfo
+from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.backend.fsdp2 import FSDP2Backend
 from rlhfkit.config.configs import BackendConfig
 from rlhfkit.data.items import PRMItem, SFTItem

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rlhfkit.backend.dist import DistInfo
+from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.data.items import PreferenceItem
 from rlhfkit.models.loader import load_tokenizer
 from rlhfkit.models.value import load_value_model

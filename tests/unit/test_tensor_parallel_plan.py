@@ -8,8 +8,8 @@ import re
 import pytest
 import torch
 
-from rlhfkit.backend.parallel import ParallelDims
-from rlhfkit.backend.tensor_parallel import check_tp_model, tp_plan
+from rlhfkit.parallel.mesh import ParallelDims
+from rlhfkit.parallel.tensor_parallel import check_tp_model, tp_plan
 
 
 def tiny(arch: str = "llama", vocab: int = 104, heads: int = 4, kv: int = 2, inter: int = 96, tied: bool = False):

@@ -100,7 +100,7 @@ def join(spec: ShardGroupSpec, rank: int, device: str) -> TensorParallelGroup:
     if device.startswith("cuda"):  # indexed ("cuda:N"): EngineWorker.setup resolves it (dist.with_index)
         torch.cuda.set_device(torch.device(device))
     if not dist.is_initialized():
-        from rlhfkit.backend.rendezvous import destroy_at_exit, held_store
+        from rlhfkit.parallel.rendezvous import destroy_at_exit, held_store
 
         timeout = datetime.timedelta(seconds=spec.timeout_s)
         # shard 0 serves the store it opened on a kernel-picked port (reserve_port); the others connect

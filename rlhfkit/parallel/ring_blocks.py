@@ -1,4 +1,4 @@
-"""Block attention for ring attention (backend/ring_attention.py): the math and the fast CUDA path.
+"""Block attention for ring attention (parallel/ring_attention.py): the math and the fast CUDA path.
 
 * `merge_attention`, `_block_forward`, `_block_backward`: the online-softmax merge and the masked fp32
   block attention of the math path (any device, any float dtype; float64 stays float64).

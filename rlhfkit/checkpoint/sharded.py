@@ -68,7 +68,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from rlhfkit.backend import dist as D
+from rlhfkit.parallel import dist as D
 from rlhfkit.fileio import NoSpaceError, atomic_write_text, free_bytes, fsync_dir, is_no_space
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ world; the backend uses them for decisions every rank must share (skip a step, a
 
 Reductions of data (losses, token and sample counts, metrics, whitening statistics) go through
 `DistInfo`'s scoped helpers instead, which know the training mesh (`MeshGroups`, attached by
-`rlhfkit.backend.parallel.attach_mesh`):
+`rlhfkit.parallel.mesh.attach_mesh`):
 
     dist.all_reduce_dp(x)     over the data-parallel ranks (dp_replicate x dp_shard): quantities
                               of whole rows (samples, rewards, full-row token counts); the tp and
@@ -23,7 +23,7 @@ Reductions of data (losses, token and sample counts, metrics, whitening statisti
     dist.all_reduce_loss(x)   over the loss group: quantities computed from the model's output
                               (loss values, per-token metric means). It is the dp group: under
                               context parallelism the backend gathers the per-token outputs over
-                              the ring (backend/context_parallel.py), so every cp rank computes the
+                              the ring (parallel/context_parallel.py), so every cp rank computes the
                               whole loss of its dp rank's rows
     dist.all_reduce_world(x)  over every rank: control-flow decisions (e.g. the number of
                               micro-batches, skip a step), which must agree on all ranks
@@ -45,7 +45,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from rlhfkit.backend.rendezvous import destroy_at_exit, held_store
+from rlhfkit.parallel.rendezvous import destroy_at_exit, held_store
 
 T = TypeVar("T")
 

@@ -48,7 +48,7 @@ KV heads (with their Hq/Hkv query heads each) that go round the ring together. N
 one pass. A smaller stride sends smaller messages and bounds the fp32 score and buffer memory to that
 many heads, at the cost of Hkv/head_stride ring passes. `q_tile` bounds the rows of one score matrix.
 
-Block attention (`kernel=`, backend/ring_blocks.py). The math path ("math") computes each block in
+Block attention (`kernel=`, parallel/ring_blocks.py). The math path ("math") computes each block in
 fp32 torch math with a materialised mask (CPU/gloo and CUDA/NCCL alike; inputs of any float dtype, the
 output in the input's dtype, log-sum-exp and dK/dV accumulators in fp32; float64 inputs are computed
 in float64 throughout, which lets `torch.autograd.gradcheck` check the backward). The rectangle path
@@ -59,7 +59,7 @@ FlashAttention-2 ops), "efficient" (torch's memory-efficient ops), "blocks" (the
 tests drive the same driver). "auto" (the default) takes flash, else efficient, on CUDA with fp16/bf16
 inputs where a small probe on that device matched the math, else the math path.
 
-The models and trainers use it through backend/context_parallel.py (`--ring_attn_size`,
+The models and trainers use it through parallel/context_parallel.py (`--ring_attn_size`,
 `--ring_head_stride`): the FSDP2 backend installs it as a transformers attention function and splits
 every batch (always in the packed form), with kernel "auto". tests/gpu/test_ring_flash.py times the
 math and flash paths against each other.
@@ -73,7 +73,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from rlhfkit.backend.ring_blocks import (
+from rlhfkit.parallel.ring_blocks import (
     _GRAD_TAG,
     _KV_TAG,
     KERNELS,
@@ -85,7 +85,7 @@ from rlhfkit.backend.ring_blocks import (
     merge_attention,
     pick_kernel,
 )
-from rlhfkit.backend.ring_layout import (  # noqa: F401 - re-exported: the layout is part of this module's API
+from rlhfkit.parallel.ring_layout import (  # noqa: F401 - re-exported: the layout is part of this module's API
     LAYOUTS,
     _num_chunks,
     _world,

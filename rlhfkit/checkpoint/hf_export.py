@@ -43,8 +43,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from rlhfkit.backend import dist as D
-from rlhfkit.backend.sharding import full
+from rlhfkit.parallel import dist as D
+from rlhfkit.parallel.sharding import full
 from rlhfkit.fileio import (STAGING, NoSpaceError, clear_weight_files, free_bytes, is_no_space, new_staging_dir,
                             publish_staged)
 

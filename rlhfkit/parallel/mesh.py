@@ -33,7 +33,7 @@ from typing import Any
 import torch.distributed as tdist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from rlhfkit.backend.dist import DistInfo, MeshGroups
+from rlhfkit.parallel.dist import DistInfo, MeshGroups
 
 MESH_DIM_NAMES = ("dp_replicate", "dp_shard", "cp", "tp")
 _FLAG_OF = {"tp": "--ds_tensor_parallel_size", "cp": "--ring_attn_size",

@@ -1,7 +1,7 @@
 """FSDP2 wrapping (per decoder block and root), global gradient norms, full-weight iteration.
 
 `--zero_stage` on FSDP2 (`torch.distributed.fsdp.fully_shard`), on the data-parallel dims of
-the mesh that `ParallelDims` (parallel.py) builds:
+the mesh that `ParallelDims` (mesh.py) builds:
 
     3    1-D mesh ("dp_shard"=world,), reshard_after_forward=True: parameters, gradients and
          optimizer states are sharded; blocks are all-gathered again for backward.

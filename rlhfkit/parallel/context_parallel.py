@@ -46,7 +46,7 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
-from rlhfkit.backend.ring_attention import ring_attention, split_for_ring, unsplit_ring
+from rlhfkit.parallel.ring_attention import ring_attention, split_for_ring, unsplit_ring
 from rlhfkit.config.notes import note_once
 from rlhfkit.models.forward import CONTEXT_PARALLEL_ATTR, _predicted_positions, segment_ids, target_logprobs
 
