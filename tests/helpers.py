@@ -14,15 +14,28 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# the fraction of even-numbered characters in the completion: rises when GRPO works, never constant
-EVEN_REWARD = '''
-def reward_func(queries, prompts, labels):
-    rewards = []
-    for q, p in zip(queries, prompts):
-        c = q[len(p):]
-        rewards.append(sum(ord(ch) % 2 == 0 for ch in c) / max(len(c), 1))
-    return {"rewards": rewards, "scores": rewards, "extra_logs": {"even_frac": rewards}}
+# the fraction of even-numbered characters in a completion (`query` minus its `prompt`): rises when GRPO works,
+# never constant. Reward files paste EVEN_FRACTION_DEF and wrap it (even_reward_src, or their own reward_func).
+EVEN_FRACTION_DEF = '''
+def even_fraction(query, prompt):
+    c = query[len(prompt):]
+    return sum(ord(ch) % 2 == 0 for ch in c) / max(len(c), 1)
 '''
+
+
+def even_reward_src(scores: bool = True, extra_logs: bool = False, prefix: str = "", before: str = "") -> str:
+    """A reward file whose reward_func returns {"rewards": even fractions} (+ the same as "scores", + them as
+    extra_logs["even_frac"]); `prefix` is module code before it (imports, state), `before` lines run first in
+    reward_func (4-space indented)."""
+    ret = '{"rewards": rewards'
+    ret += ', "scores": rewards' if scores else ""
+    ret += ', "extra_logs": {"even_frac": rewards}' if extra_logs else ""
+    return (prefix + EVEN_FRACTION_DEF + "\n\ndef reward_func(queries, prompts, labels):\n" + before
+            + "    rewards = [even_fraction(q, p) for q, p in zip(queries, prompts)]\n"
+            + "    return " + ret + "}\n")
+
+
+EVEN_REWARD = even_reward_src(scores=True, extra_logs=True)
 # even digits in the completion, over 3
 DIGIT_REWARD = '''
 def reward_func(queries, prompts, labels):

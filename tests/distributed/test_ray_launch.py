@@ -32,7 +32,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-from helpers import free_port
+from helpers import even_reward_src, free_port
 import torch
 from safetensors.torch import load_file
 
@@ -44,23 +44,16 @@ pytestmark = pytest.mark.distributed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-REWARD_FILE = '''
+# the even-character reward; while the file `stall` exists (the fault test makes it), reward_func hangs
+REWARD_FILE = even_reward_src(prefix='''
 import os
 import time
 
 STALL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stall")
-
-
-def reward_func(queries, prompts, labels):
-    if os.path.exists(STALL):  # the fault test makes the driver hang here
+''', before='''    if os.path.exists(STALL):  # the fault test makes the driver hang here
         open(STALL + "ed", "w").close()
         time.sleep(300)
-    rewards = []
-    for q, p in zip(queries, prompts):
-        c = q[len(p):]
-        rewards.append(sum(ord(ch) % 2 == 0 for ch in c) / max(len(c), 1))
-    return {"rewards": rewards, "scores": rewards}
-'''
+''')
 
 
 
