@@ -80,16 +80,40 @@ def write_rl_data(d: str, num_prompts: int = 12, reward_src: str = EVEN_REWARD, 
     return d
 
 
+def cli_flags(**kw) -> list[str]:
+    """`--name value` per keyword, in order: True gives the bare flag, None or False leaves it out, a list or
+    tuple gives several values (`--critic.adam.betas 0.8 0.9`); a dotted flag is spelled with "__"."""
+    out: list[str] = []
+    for name, value in kw.items():
+        if value is None or value is False:
+            continue
+        out.append("--" + name.replace("__", "."))
+        if value is True:
+            continue
+        out += [str(v) for v in value] if isinstance(value, (list, tuple)) else [str(value)]
+    return out
+
+
+# the RL tests' common run: GRPO (group_norm) on CPU, 2 samples of 4 prompts a step, completions of 6 tokens
+RL_BASE = dict(input_key="input", label_key="label", advantage_estimator="group_norm", n_samples_per_prompt=2,
+               rollout_batch_size=4, train_batch_size=8, micro_train_batch_size=2, generate_max_len=6,
+               prompt_max_len=16, disable_progress=True, device="cpu")
+
+
+def ppo_flags(model: str, prompts: str, save: str, *extra: str, reward: str | None = None, **kw) -> list[str]:
+    """train_ppo's command line: --pretrain model, --prompt_data prompts, --remote_rm_url reward (if given),
+    RL_BASE updated by `kw` (None drops a flag of RL_BASE), --save_path save, then `extra` (last: it wins)."""
+    head = ["--pretrain", model, "--prompt_data", prompts] + (["--remote_rm_url", reward] if reward else [])
+    return [*head, *cli_flags(**{**RL_BASE, **kw}), "--save_path", save, *extra]
+
+
 def rl_flags(model: str, d: str, save: str, *extra: str, steps: int = 2) -> list[str]:
     """GRPO on the tiny model: 4 prompts x 2 samples a step, one optimizer step per RL step, KL as a
-    loss against a reference model, the builtin engine on CPU (the RL equivalence tests' run)."""
-    return ["--pretrain", model, "--remote_rm_url", os.path.join(d, "reward.py"),
-            "--prompt_data", os.path.join(d, "prompts.jsonl"), "--input_key", "input", "--label_key", "label",
-            "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "2", "--rollout_batch_size", "4",
-            "--train_batch_size", "8", "--micro_train_batch_size", "2", "--generate_max_len", "6",
-            "--prompt_max_len", "16", "--max_steps", str(steps), "--init_kl_coef", "0.01", "--use_kl_loss",
-            "--actor_learning_rate", "1e-3", "--lr_warmup_ratio", "0", "--save_path", save,
-            "--disable_progress", "--device", "cpu", *extra]
+    loss against a reference model, the builtin engine on CPU (the RL equivalence tests' run), on the
+    prompts and reward file of write_rl_data(d)."""
+    return ppo_flags(model, os.path.join(d, "prompts.jsonl"), save, *extra, reward=os.path.join(d, "reward.py"),
+                     max_steps=steps, init_kl_coef="0.01", use_kl_loss=True, actor_learning_rate="1e-3",
+                     lr_warmup_ratio=0)
 
 
 def read_run(save: str) -> tuple[list[dict], dict[str, torch.Tensor]]:

@@ -32,7 +32,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-from helpers import even_reward_src, free_port
+from helpers import even_reward_src, free_port, ppo_flags
 import torch
 from safetensors.torch import load_file
 
@@ -66,12 +66,8 @@ def _dashboard_deps() -> bool:
 
 
 def flags(model: str, d: str, save: str, *extra: str) -> list[str]:
-    return ["--pretrain", model, "--remote_rm_url", os.path.join(d, "reward.py"),
-            "--prompt_data", os.path.join(d, "prompts.jsonl"), "--input_key", "input", "--label_key", "label",
-            "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "2", "--rollout_batch_size", "4",
-            "--train_batch_size", "8", "--micro_train_batch_size", "2", "--generate_max_len", "6",
-            "--prompt_max_len", "16", "--actor_learning_rate", "1e-3", "--lr_warmup_ratio", "0",
-            "--save_path", save, "--disable_progress", "--device", "cpu", *extra]
+    return ppo_flags(model, os.path.join(d, "prompts.jsonl"), save, *extra, reward=os.path.join(d, "reward.py"),
+                     actor_learning_rate="1e-3", lr_warmup_ratio=0)
 
 
 def metrics(save: str) -> list[dict]:
