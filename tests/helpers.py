@@ -36,6 +36,15 @@ def even_reward_src(scores: bool = True, extra_logs: bool = False, prefix: str =
 
 
 EVEN_REWARD = even_reward_src(scores=True, extra_logs=True)
+
+
+def length_reward_src(before: str = "") -> str:
+    """A reward file whose reward_func returns a plain list: the query's length mod 3, halved (0, 0.5 or 1: never
+    constant over a group); `before` lines run first (4-space indented)."""
+    return ("def reward_func(queries, prompts, labels):\n" + before
+            + "    return [len(q) % 3 / 2.0 for q in queries]\n")
+
+
 # even digits in the completion, over 3
 DIGIT_REWARD = '''
 def reward_func(queries, prompts, labels):
