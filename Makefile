@@ -22,8 +22,9 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/rlhfkit quickstart
 
+# --dist loadgroup: tests marked xdist_group(name) run on one worker (they share a session fixture)
 test: $(STAMP)
-	$(VPY) -m pytest -q -n 2 --durations=15 tests
+	$(VPY) -m pytest -q -n 2 --dist loadgroup --durations=15 tests
 
 bench-cpu: $(STAMP)
 	$(VPY) bench/train_throughput.py --device cpu

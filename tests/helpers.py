@@ -14,15 +14,37 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# the fraction of even-numbered characters in the completion: rises when GRPO works, never constant
-EVEN_REWARD = '''
-def reward_func(queries, prompts, labels):
-    rewards = []
-    for q, p in zip(queries, prompts):
-        c = q[len(p):]
-        rewards.append(sum(ord(ch) % 2 == 0 for ch in c) / max(len(c), 1))
-    return {"rewards": rewards, "scores": rewards, "extra_logs": {"even_frac": rewards}}
+# the fraction of even-numbered characters in a completion (`query` minus its `prompt`): rises when GRPO works,
+# never constant. Reward files paste EVEN_FRACTION_DEF and wrap it (even_reward_src, or their own reward_func).
+EVEN_FRACTION_DEF = '''
+def even_fraction(query, prompt):
+    c = query[len(prompt):]
+    return sum(ord(ch) % 2 == 0 for ch in c) / max(len(c), 1)
 '''
+
+
+def even_reward_src(scores: bool = True, extra_logs: bool = False, prefix: str = "", before: str = "") -> str:
+    """A reward file whose reward_func returns {"rewards": even fractions} (+ the same as "scores", + them as
+    extra_logs["even_frac"]); `prefix` is module code before it (imports, state), `before` lines run first in
+    reward_func (4-space indented)."""
+    ret = '{"rewards": rewards'
+    ret += ', "scores": rewards' if scores else ""
+    ret += ', "extra_logs": {"even_frac": rewards}' if extra_logs else ""
+    return (prefix + EVEN_FRACTION_DEF + "\n\ndef reward_func(queries, prompts, labels):\n" + before
+            + "    rewards = [even_fraction(q, p) for q, p in zip(queries, prompts)]\n"
+            + "    return " + ret + "}\n")
+
+
+EVEN_REWARD = even_reward_src(scores=True, extra_logs=True)
+
+
+def length_reward_src(before: str = "") -> str:
+    """A reward file whose reward_func returns a plain list: the query's length mod 3, halved (0, 0.5 or 1: never
+    constant over a group); `before` lines run first (4-space indented)."""
+    return ("def reward_func(queries, prompts, labels):\n" + before
+            + "    return [len(q) % 3 / 2.0 for q in queries]\n")
+
+
 # even digits in the completion, over 3
 DIGIT_REWARD = '''
 def reward_func(queries, prompts, labels):
@@ -67,16 +89,40 @@ def write_rl_data(d: str, num_prompts: int = 12, reward_src: str = EVEN_REWARD, 
     return d
 
 
+def cli_flags(**kw) -> list[str]:
+    """`--name value` per keyword, in order: True gives the bare flag, None or False leaves it out, a list or
+    tuple gives several values (`--critic.adam.betas 0.8 0.9`); a dotted flag is spelled with "__"."""
+    out: list[str] = []
+    for name, value in kw.items():
+        if value is None or value is False:
+            continue
+        out.append("--" + name.replace("__", "."))
+        if value is True:
+            continue
+        out += [str(v) for v in value] if isinstance(value, (list, tuple)) else [str(value)]
+    return out
+
+
+# the RL tests' common run: GRPO (group_norm) on CPU, 2 samples of 4 prompts a step, completions of 6 tokens
+RL_BASE = dict(input_key="input", label_key="label", advantage_estimator="group_norm", n_samples_per_prompt=2,
+               rollout_batch_size=4, train_batch_size=8, micro_train_batch_size=2, generate_max_len=6,
+               prompt_max_len=16, disable_progress=True, device="cpu")
+
+
+def ppo_flags(model: str, prompts: str, save: str, *extra: str, reward: str | None = None, **kw) -> list[str]:
+    """train_ppo's command line: --pretrain model, --prompt_data prompts, --remote_rm_url reward (if given),
+    RL_BASE updated by `kw` (None drops a flag of RL_BASE), --save_path save, then `extra` (last: it wins)."""
+    head = ["--pretrain", model, "--prompt_data", prompts] + (["--remote_rm_url", reward] if reward else [])
+    return [*head, *cli_flags(**{**RL_BASE, **kw}), "--save_path", save, *extra]
+
+
 def rl_flags(model: str, d: str, save: str, *extra: str, steps: int = 2) -> list[str]:
     """GRPO on the tiny model: 4 prompts x 2 samples a step, one optimizer step per RL step, KL as a
-    loss against a reference model, the builtin engine on CPU (the RL equivalence tests' run)."""
-    return ["--pretrain", model, "--remote_rm_url", os.path.join(d, "reward.py"),
-            "--prompt_data", os.path.join(d, "prompts.jsonl"), "--input_key", "input", "--label_key", "label",
-            "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "2", "--rollout_batch_size", "4",
-            "--train_batch_size", "8", "--micro_train_batch_size", "2", "--generate_max_len", "6",
-            "--prompt_max_len", "16", "--max_steps", str(steps), "--init_kl_coef", "0.01", "--use_kl_loss",
-            "--actor_learning_rate", "1e-3", "--lr_warmup_ratio", "0", "--save_path", save,
-            "--disable_progress", "--device", "cpu", *extra]
+    loss against a reference model, the builtin engine on CPU (the RL equivalence tests' run), on the
+    prompts and reward file of write_rl_data(d)."""
+    return ppo_flags(model, os.path.join(d, "prompts.jsonl"), save, *extra, reward=os.path.join(d, "reward.py"),
+                     max_steps=steps, init_kl_coef="0.01", use_kl_loss=True, actor_learning_rate="1e-3",
+                     lr_warmup_ratio=0)
 
 
 def read_run(save: str) -> tuple[list[dict], dict[str, torch.Tensor]]:

@@ -32,7 +32,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-from helpers import free_port
+from helpers import even_reward_src, free_port, ppo_flags
 import torch
 from safetensors.torch import load_file
 
@@ -44,23 +44,16 @@ pytestmark = pytest.mark.distributed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-REWARD_FILE = '''
+# the even-character reward; while the file `stall` exists (the fault test makes it), reward_func hangs
+REWARD_FILE = even_reward_src(prefix='''
 import os
 import time
 
 STALL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stall")
-
-
-def reward_func(queries, prompts, labels):
-    if os.path.exists(STALL):  # the fault test makes the driver hang here
+''', before='''    if os.path.exists(STALL):  # the fault test makes the driver hang here
         open(STALL + "ed", "w").close()
         time.sleep(300)
-    rewards = []
-    for q, p in zip(queries, prompts):
-        c = q[len(p):]
-        rewards.append(sum(ord(ch) % 2 == 0 for ch in c) / max(len(c), 1))
-    return {"rewards": rewards, "scores": rewards}
-'''
+''')
 
 
 
@@ -73,12 +66,8 @@ def _dashboard_deps() -> bool:
 
 
 def flags(model: str, d: str, save: str, *extra: str) -> list[str]:
-    return ["--pretrain", model, "--remote_rm_url", os.path.join(d, "reward.py"),
-            "--prompt_data", os.path.join(d, "prompts.jsonl"), "--input_key", "input", "--label_key", "label",
-            "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "2", "--rollout_batch_size", "4",
-            "--train_batch_size", "8", "--micro_train_batch_size", "2", "--generate_max_len", "6",
-            "--prompt_max_len", "16", "--actor_learning_rate", "1e-3", "--lr_warmup_ratio", "0",
-            "--save_path", save, "--disable_progress", "--device", "cpu", *extra]
+    return ppo_flags(model, os.path.join(d, "prompts.jsonl"), save, *extra, reward=os.path.join(d, "reward.py"),
+                     actor_learning_rate="1e-3", lr_warmup_ratio=0)
 
 
 def metrics(save: str) -> list[dict]:

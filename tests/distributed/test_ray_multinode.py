@@ -16,6 +16,7 @@ import os
 import time
 
 import pytest
+from helpers import ppo_flags
 import torch
 from safetensors.torch import load_file
 
@@ -38,12 +39,8 @@ def reward_func(queries, prompts, labels):
 
 
 def flags(model: str, d: str, save: str, *extra: str) -> list[str]:
-    return ["--pretrain", model, "--remote_rm_url", os.path.join(d, "reward.py"),
-            "--prompt_data", os.path.join(d, "prompts.jsonl"), "--input_key", "input",
-            "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "2", "--rollout_batch_size", "4",
-            "--train_batch_size", "8", "--micro_train_batch_size", "2", "--generate_max_len", "6",
-            "--prompt_max_len", "16", "--max_steps", "2", "--init_kl_coef", "0", "--actor_learning_rate", "1e-3",
-            "--lr_warmup_ratio", "0", "--save_path", save, "--disable_progress", "--device", "cpu", *extra]
+    return ppo_flags(model, os.path.join(d, "prompts.jsonl"), save, *extra, reward=os.path.join(d, "reward.py"),
+                     label_key=None, max_steps=2, init_kl_coef=0, actor_learning_rate="1e-3", lr_warmup_ratio=0)
 
 
 RAY_FLAGS = ("--ray_accelerator_resource", "fake_gpu", "--ray_num_cpus_per_worker", "0.5",
@@ -63,6 +60,8 @@ def data_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def two_nodes():
+    if ray.is_initialized():  # the shared local Ray of an earlier module (conftest.local_ray): end it
+        ray.shutdown()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"fake_gpu": 2},
                                                             "include_dashboard": False})
     cluster.add_node(num_cpus=2, resources={"fake_gpu": 2})

@@ -21,11 +21,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
-from helpers import free_port, read_run, rl_flags
+from helpers import length_reward_src, read_run, rl_flags, subprocess_env, torchrun_cmd
 from safetensors.torch import load_file
 
 from rlhfkit.cli import train_ppo
@@ -44,12 +43,8 @@ def test_two_ranks_match_one_process(tiny_model_dir, data_dir):
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
     two = os.path.join(data_dir, "two_ranks")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), "-m", "rlhfkit.cli.train_ppo", *rl_flags(tiny_model_dir, data_dir, two, steps=3)]
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cmd = torchrun_cmd(2, "-m", "rlhfkit.cli.train_ppo", *rl_flags(tiny_model_dir, data_dir, two, steps=3))
+    proc = subprocess.Popen(cmd, env=subprocess_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     one = os.path.join(data_dir, "one_process")  # runs while torchrun starts up
     train_ppo.main(rl_flags(tiny_model_dir, data_dir, one, steps=3))
     out, err = proc.communicate(timeout=240)
@@ -81,18 +76,12 @@ def test_step_with_no_trajectory_on_one_rank_is_skipped_on_both(tiny_model_dir, 
     with open(tmp_path / "prompts.jsonl", "w") as f:
         f.writelines(json.dumps({"input": ("x" if i in bad else "") + r["input"], "label": r["label"]}) + "\n"
                      for i, r in enumerate(rows))
-    (tmp_path / "reward.py").write_text(
-        "def reward_func(queries, prompts, labels):\n"
-        "    if any('x' in p for p in prompts):\n        raise ValueError('no verifier')\n"
-        "    return [len(q) % 3 / 2.0 for q in queries]\n")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
+    (tmp_path / "reward.py").write_text(length_reward_src(
+        "    if any('x' in p for p in prompts):\n        raise ValueError('no verifier')\n"))
     save = str(tmp_path / "out")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), "-m", "rlhfkit.cli.train_ppo",
-           *rl_flags(tiny_model_dir, str(tmp_path), save, steps=3), "--reward_failure", "drop"]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    cmd = torchrun_cmd(2, "-m", "rlhfkit.cli.train_ppo", *rl_flags(tiny_model_dir, str(tmp_path), save, steps=3),
+                       "--reward_failure", "drop")
+    proc = subprocess.run(cmd, env=subprocess_env(), cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     recs, _ = read_run(save)
     assert [r["train/skipped_steps"] for r in recs] == [1.0, 0.0, 0.0]

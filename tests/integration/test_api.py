@@ -23,6 +23,7 @@ import runpy
 import sys
 
 import pytest
+from helpers import even_reward_src
 
 from rlhfkit import (
     DPOConfig,
@@ -172,14 +173,7 @@ def even_fraction(completion: str, prompt: str, label) -> float:
     return sum(ord(c) % 2 == 0 for c in completion) / max(len(completion), 1)
 
 
-EVEN_SRC = '''
-def reward_func(queries, prompts, labels):
-    out = []
-    for q, p in zip(queries, prompts):
-        c = q[len(p):]
-        out.append(sum(ord(ch) % 2 == 0 for ch in c) / max(len(c), 1))
-    return {"rewards": out}
-'''
+EVEN_SRC = even_reward_src(scores=False)  # {"rewards": the fraction of even characters of each completion}
 
 
 def rl_config(save: str, **kw) -> GRPOConfig:

@@ -127,6 +127,7 @@ def prepared(tmp_path_factory) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("docs_pages")  # with `--dist loadgroup` (make test) one worker runs every page: one set-up
 @pytest.mark.parametrize("page", [p for p in pages() if any(b.kind == "run" for b in blocks_of(p))])
 def test_page_commands_run(page, prepared, tmp_path):
     work = str(tmp_path / "work")

@@ -14,6 +14,7 @@ import json
 import os
 
 import pytest
+from helpers import even_reward_src
 import torch
 
 from rlhfkit.checkpoint.sharded import list_checkpoints, load_tensors
@@ -23,11 +24,7 @@ from rlhfkit.config import notes
 from rlhfkit.tasks.addition import addition_splits
 from rlhfkit.trainers.metrics import read_metrics
 
-REWARD_FILE = '''
-def reward_func(queries, prompts, labels):
-    r = [sum(ord(ch) % 2 == 0 for ch in q[len(p):]) / max(len(q) - len(p), 1) for q, p in zip(queries, prompts)]
-    return {"rewards": r, "scores": r}
-'''
+REWARD_FILE = even_reward_src()  # rewards = scores = the fraction of even characters of each completion
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ import sys
 
 import pytest
 from helpers import DIGIT_REWARD as REWARD_FILE
+from helpers import ppo_flags
 
 from rlhfkit.cli import train_ppo
 from rlhfkit.tasks.addition import addition_splits
@@ -38,11 +39,8 @@ def rl_data(tmp_path):
 
 
 def rl_argv(model: str, d, save: str, *extra: str) -> list[str]:
-    return ["--pretrain", model, "--remote_rm_url", str(d / "reward.py"), "--prompt_data", str(d / "prompts.jsonl"),
-            "--input_key", "input", "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "2",
-            "--rollout_batch_size", "4", "--train_batch_size", "4", "--micro_train_batch_size", "2",
-            "--generate_max_len", "6", "--prompt_max_len", "16", "--init_kl_coef", "0", "--save_path", save,
-            "--disable_progress", "--device", "cpu", *extra]
+    return ppo_flags(model, str(d / "prompts.jsonl"), save, *extra, reward=str(d / "reward.py"), label_key=None,
+                     train_batch_size=4, init_kl_coef=0)
 
 
 def test_sft_at_learning_rate_1e6_exits_1_without_weights(tiny_model_dir, tmp_path):

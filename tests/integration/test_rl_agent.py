@@ -15,6 +15,7 @@ import json
 import os
 
 import torch
+from helpers import ppo_flags
 
 from rlhfkit.cli import train_ppo
 from rlhfkit.roles.actor import ActorRole
@@ -67,12 +68,10 @@ def test_multi_turn_agent_masks_environment_tokens(tiny_model_dir, tmp_path, mon
     seen = []
     real = ActorRole.train_on
     monkeypatch.setattr(ActorRole, "train_on", lambda self, b, kl=0.0: seen.append(b) or real(self, b, kl))
-    train_ppo.main(["--pretrain", tiny_model_dir, "--agent_func_path", AGENT_FILE, "--prompt_data", str(prompts),
-                    "--input_key", "input", "--label_key", "answer", "--advantage_estimator", "reinforce_baseline",
-                    "--n_samples_per_prompt", "2", "--rollout_batch_size", "2", "--train_batch_size", "4",
-                    "--micro_train_batch_size", "2", "--generate_max_len", str(GEN), "--prompt_max_len", "16",
-                    "--max_len", str(MAX_LEN), "--max_steps", "2", "--init_kl_coef", "0.01", "--use_kl_loss",
-                    "--save_path", str(tmp_path / "out"), "--disable_progress", "--device", "cpu"])
+    train_ppo.main(ppo_flags(tiny_model_dir, str(prompts), str(tmp_path / "out"), "--agent_func_path", AGENT_FILE,
+                             label_key="answer", advantage_estimator="reinforce_baseline", rollout_batch_size=2,
+                             train_batch_size=4, generate_max_len=GEN, max_len=MAX_LEN, max_steps=2,
+                             init_kl_coef="0.01", use_kl_loss=True))
 
     env, tok = load_env(), AutoTokenizer.from_pretrained(tiny_model_dir)
     labels = {r["input"]: r["label"] for r in rows}

@@ -5,6 +5,7 @@ import json
 import os
 
 import pytest
+from helpers import length_reward_src, ppo_flags
 import torch
 
 from rlhfkit.cli import train_ppo
@@ -31,16 +32,11 @@ def run(tmp_path, name, model, *extra):
     data = tmp_path / "p.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in train))
     rf = tmp_path / "rf.py"
-    rf.write_text("def reward_func(queries, prompts, labels):\n"
-                  "    return [len(q) % 3 / 2.0 for q in queries]\n")
+    rf.write_text(length_reward_src())
     out = tmp_path / name
-    train_ppo.main(["--pretrain", model, "--remote_rm_url", str(rf), "--prompt_data", str(data),
-                    "--input_key", "input", "--label_key", "label", "--advantage_estimator", "group_norm",
-                    "--n_samples_per_prompt", "4", "--rollout_batch_size", "4", "--train_batch_size", "16",
-                    "--micro_train_batch_size", "4", "--micro_rollout_batch_size", "4", "--generate_max_len", "6",
-                    "--prompt_max_len", "16", "--max_steps", "2", "--init_kl_coef", "0.01", "--use_kl_loss",
-                    "--kl_estimator", "k3", "--actor_learning_rate", "1e-3", "--param_dtype", "fp32",
-                    "--save_path", str(out), "--disable_progress", "--device", "cpu", *extra])
+    train_ppo.main(ppo_flags(model, str(data), str(out), *extra, reward=str(rf), n_samples_per_prompt=4, train_batch_size=16,
+                             micro_train_batch_size=4, micro_rollout_batch_size=4, max_steps=2, init_kl_coef="0.01",
+                             use_kl_loss=True, kl_estimator="k3", actor_learning_rate="1e-3", param_dtype="fp32"))
     with open(out / "metrics.jsonl") as f:
         rows = [json.loads(x) for x in f]
     from safetensors.torch import load_file

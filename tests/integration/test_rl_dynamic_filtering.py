@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import ppo_flags
 
 from rlhfkit.cli import train_ppo
 from rlhfkit.tasks.addition import addition_splits
@@ -43,14 +44,10 @@ def setup(tmp_path) -> tuple[list[str], str]:
 
 
 def argv(model: str, tmp_path, reward: str, out: str, *extra: str) -> list[str]:
-    return ["--pretrain", model, "--remote_rm_url", reward, "--prompt_data", str(tmp_path / "prompts.jsonl"),
-            "--input_key", "input", "--label_key", "label", "--advantage_estimator", "group_norm",
-            "--n_samples_per_prompt", str(N), "--rollout_batch_size", str(PER_STEP),
-            "--train_batch_size", str(N * PER_STEP), "--micro_train_batch_size", "2", "--generate_max_len", "4",
-            "--prompt_max_len", "16", "--init_kl_coef", "0", "--dynamic_filtering",
-            "--dynamic_filtering_reward_range", "0", "1", "--max_filter_rounds", str(ROUNDS),
-            "--save_path", str(tmp_path / out), "--disable_progress", "--device", "cpu", "--seed", str(SEED),
-            "--num_episodes", "3", *extra]
+    return ppo_flags(model, str(tmp_path / "prompts.jsonl"), str(tmp_path / out), "--seed", str(SEED),
+                     "--num_episodes", "3", *extra, reward=reward, n_samples_per_prompt=N, rollout_batch_size=PER_STEP,
+                     train_batch_size=N * PER_STEP, generate_max_len=4, init_kl_coef=0, dynamic_filtering=True,
+                     dynamic_filtering_reward_range=(0, 1), max_filter_rounds=ROUNDS)
 
 
 def records(path) -> list[dict]:

@@ -21,6 +21,7 @@ import os
 
 import pytest
 from helpers import EVEN_REWARD as REWARD_FILE
+from helpers import ppo_flags
 import torch
 
 from rlhfkit.cli import ppo_setup, train_ppo
@@ -55,13 +56,11 @@ def rl_files(tmp_path_factory) -> tuple[str, str]:
 
 
 def base_argv(model: str, prompts: str, reward: str, out: str, est: str) -> list[str]:
-    argv = ["--pretrain", model, "--remote_rm_url", reward, "--prompt_data", prompts, "--input_key", "input",
-            "--label_key", "label", "--advantage_estimator", est, "--n_samples_per_prompt", str(N),
-            "--rollout_batch_size", str(PROMPTS_PER_STEP), "--train_batch_size", str(PROMPTS_PER_STEP * N),
-            "--micro_train_batch_size", "4", "--generate_max_len", str(GEN), "--prompt_max_len", "16",
-            "--max_steps", "2", "--init_kl_coef", "0.01", "--actor_learning_rate", "1e-3",
-            "--lr_warmup_ratio", "0", "--save_path", os.path.join(out, "model"),
-            "--run_dir", os.path.join(out, "run"), "--disable_progress", "--device", "cpu"]
+    argv = ppo_flags(model, prompts, os.path.join(out, "model"), "--run_dir", os.path.join(out, "run"),
+                     reward=reward, advantage_estimator=est, n_samples_per_prompt=N,
+                     rollout_batch_size=PROMPTS_PER_STEP, train_batch_size=PROMPTS_PER_STEP * N,
+                     micro_train_batch_size=4, generate_max_len=GEN, max_steps=2, init_kl_coef="0.01",
+                     actor_learning_rate="1e-3", lr_warmup_ratio=0)
     return argv if est == "gae" else argv + ["--use_kl_loss"]  # gae: KL in the reward (PPO's default)
 
 

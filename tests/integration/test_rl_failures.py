@@ -16,6 +16,7 @@ import json
 import os
 
 import pytest
+from helpers import ppo_flags
 
 from rlhfkit.cli import ppo_setup, train_ppo
 from rlhfkit.roles.actor import ActorRole
@@ -31,12 +32,10 @@ def write_prompts(path, seed: int = 5) -> list[dict]:
 
 
 def argv(model: str, tmp_path, reward: str, *extra: str) -> list[str]:
-    return ["--pretrain", model, "--remote_rm_url", reward, "--prompt_data", str(tmp_path / "prompts.jsonl"),
-            "--input_key", "input", "--label_key", "label", "--advantage_estimator", "group_norm",
-            "--n_samples_per_prompt", str(N), "--rollout_batch_size", str(PROMPTS_PER_STEP),
-            "--train_batch_size", str(N * PROMPTS_PER_STEP), "--micro_train_batch_size", "4",
-            "--generate_max_len", "6", "--prompt_max_len", "16", "--max_steps", "2", "--init_kl_coef", "0.01",
-            "--use_kl_loss", "--save_path", str(tmp_path / "out"), "--disable_progress", "--device", "cpu", *extra]
+    return ppo_flags(model, str(tmp_path / "prompts.jsonl"), str(tmp_path / "out"), *extra, reward=reward,
+                     n_samples_per_prompt=N, rollout_batch_size=PROMPTS_PER_STEP,
+                     train_batch_size=N * PROMPTS_PER_STEP, micro_train_batch_size=4, max_steps=2,
+                     init_kl_coef="0.01", use_kl_loss=True)
 
 
 def stopped_with(capsys, argv_: list[str]) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import torch
-from helpers import EVEN_REWARD
+from helpers import EVEN_REWARD, ppo_flags
 
 from rlhfkit.parallel.dist import init_distributed
 from rlhfkit.cli import ppo_setup as S
@@ -73,14 +73,10 @@ def test_lora_grpo_with_kl_runs_and_syncs_merged_weights(tiny_model_dir, tmp_pat
     prompts.write_text("".join(json.dumps({"input": f"{i}+{i}="}) + "\n" for i in range(8)))
     reward.write_text(EVEN_REWARD)
     out = tmp_path / "out"
-    train_ppo.main(["--pretrain", tiny_model_dir, "--prompt_data", str(prompts), "--remote_rm_url", str(reward),
-                    "--input_key", "input", "--n_samples_per_prompt", "2", "--rollout_batch_size", "4",
-                    "--train_batch_size", "8", "--micro_train_batch_size", "4", "--micro_rollout_batch_size", "4",
-                    "--prompt_max_len", "16", "--generate_max_len", "8", "--max_steps", "2", "--lora_rank", "4",
-                    "--lora_alpha", "8", "--init_kl_coef", "0.01", "--use_kl_loss", "--actor_learning_rate", "1e-2",
-                    "--lr_warmup_ratio", "0",
-                    "--advantage_estimator", "group_norm", "--param_dtype", "fp32", "--device", "cpu",
-                    "--save_path", str(out), "--disable_progress"])
+    train_ppo.main(ppo_flags(tiny_model_dir, str(prompts), str(out), reward=str(reward), label_key=None,
+                             micro_train_batch_size=4, micro_rollout_batch_size=4, generate_max_len=8, max_steps=2,
+                             lora_rank=4, lora_alpha=8, init_kl_coef="0.01", use_kl_loss=True,
+                             actor_learning_rate="1e-2", lr_warmup_ratio=0, param_dtype="fp32"))
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     kls = [r["train/kl"] for r in rows if "train/kl" in r]
     assert len(kls) == 2 and kls[0] == 0.0 and kls[1] != 0.0

@@ -8,6 +8,7 @@ import os
 
 import torch
 
+from helpers import ppo_flags
 from rlhfkit.agents.reward_func import load_reward_func
 from rlhfkit.cli import train_ppo
 from rlhfkit.roles.actor import ActorRole
@@ -41,12 +42,9 @@ def test_math_reward_file_drives_train_ppo(tiny_model_dir, tmp_path, monkeypatch
     seen = []
     real = ActorRole.train_on
     monkeypatch.setattr(ActorRole, "train_on", lambda self, b, kl=0.0: seen.append(b.to("cpu")) or real(self, b, kl))
-    train_ppo.main(["--pretrain", tiny_model_dir, "--remote_rm_url", REWARD_FILE, "--prompt_data", str(prompts),
-                    "--input_key", "input", "--label_key", "answer", "--advantage_estimator", "reinforce_baseline",
-                    "--n_samples_per_prompt", "2", "--rollout_batch_size", "2", "--train_batch_size", "4",
-                    "--micro_train_batch_size", "2", "--generate_max_len", "8", "--prompt_max_len", "16",
-                    "--max_steps", "2", "--init_kl_coef", "0.01", "--use_kl_loss",
-                    "--save_path", str(tmp_path / "out"), "--disable_progress", "--device", "cpu"])
+    train_ppo.main(ppo_flags(tiny_model_dir, str(prompts), str(tmp_path / "out"), reward=REWARD_FILE, label_key="answer",
+                             advantage_estimator="reinforce_baseline", rollout_batch_size=2, train_batch_size=4,
+                             generate_max_len=8, max_steps=2, init_kl_coef="0.01", use_kl_loss=True))
 
     from transformers import AutoTokenizer
 

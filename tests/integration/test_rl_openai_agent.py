@@ -8,6 +8,7 @@ import json
 import os
 
 import pytest
+from helpers import ppo_flags
 import torch
 
 from rlhfkit.agents import AgentConfig, OpenAIAgentExecutor, build_agent_executor
@@ -90,12 +91,9 @@ def test_openai_agent_drives_train_ppo(tiny_model_dir, tmp_path, monkeypatch):
                         lambda self, b, kl=0.0: seen.append(b.to("cpu")) or real_train(self, b, kl))
     monkeypatch.setattr(OpenAIAgentExecutor, "_trajectory",
                         lambda self, s, r: made.append(real_traj(self, s, r)) or made[-1])
-    train_ppo.main(["--pretrain", tiny_model_dir, "--agent_func_path", AGENT_FILE, "--prompt_data", str(prompts),
-                    "--input_key", "input", "--label_key", "answer", "--advantage_estimator", "reinforce_baseline",
-                    "--n_samples_per_prompt", "2", "--rollout_batch_size", "2", "--train_batch_size", "4",
-                    "--micro_train_batch_size", "2", "--generate_max_len", "6", "--prompt_max_len", "16",
-                    "--max_len", "128", "--max_steps", "2", "--init_kl_coef", "0.01", "--use_kl_loss",
-                    "--save_path", str(tmp_path / "out"), "--disable_progress", "--device", "cpu"])
+    train_ppo.main(ppo_flags(tiny_model_dir, str(prompts), str(tmp_path / "out"), "--agent_func_path", AGENT_FILE,
+                             label_key="answer", advantage_estimator="reinforce_baseline", rollout_batch_size=2,
+                             train_batch_size=4, max_len=128, max_steps=2, init_kl_coef="0.01", use_kl_loss=True))
 
     assert len(seen) == 2 and len(made) == 8
     by_ids = {tuple(t.token_ids): t for t in made}

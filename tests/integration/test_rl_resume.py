@@ -19,6 +19,7 @@ import os
 
 import pytest
 from helpers import DIGIT_REWARD as REWARD_FILE
+from helpers import ppo_flags
 import torch
 
 from rlhfkit.cli import train_ppo
@@ -34,13 +35,10 @@ class Crash(Exception):
 
 
 def argv(model: str, d, save: str, *extra: str) -> list[str]:
-    return ["--pretrain", model, "--remote_rm_url", str(d / "reward.py"), "--prompt_data", str(d / "prompts.jsonl"),
-            "--input_key", "input", "--advantage_estimator", "gae", "--n_samples_per_prompt", "2",
-            "--rollout_batch_size", "4", "--train_batch_size", "4", "--micro_train_batch_size", "2",
-            "--generate_max_len", "6", "--prompt_max_len", "16", "--max_steps", "4", "--init_kl_coef", "0.05",
-            "--kl_target", "0.01", "--kl_horizon", "20", "--actor_learning_rate", "1e-3",
-            "--critic_learning_rate", "1e-3", "--save_path", save, "--save_value_network",
-            "--disable_progress", "--device", "cpu", *extra]
+    return ppo_flags(model, str(d / "prompts.jsonl"), save, *extra, reward=str(d / "reward.py"), label_key=None,
+                     advantage_estimator="gae", train_batch_size=4, max_steps=4, init_kl_coef="0.05",
+                     kl_target="0.01", kl_horizon=20, actor_learning_rate="1e-3", critic_learning_rate="1e-3",
+                     save_value_network=True)
 
 
 def metrics(path: str) -> list[dict]:

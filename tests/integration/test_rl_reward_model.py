@@ -14,6 +14,7 @@ import json
 import os
 
 import pytest
+from helpers import ppo_flags
 import torch
 
 from rlhfkit.cli import train_ppo, train_rm
@@ -48,13 +49,10 @@ def test_ppo_with_critic_and_trained_reward_model(tiny_model_dir, reward_model, 
     real = ActorRole.train_on
     monkeypatch.setattr(ActorRole, "train_on", lambda self, b, kl=0.0: seen.append(b) or real(self, b, kl))
     save = str(tmp_path / "ppo")
-    train_ppo.main(["--pretrain", tiny_model_dir, "--reward_pretrain", reward_model, "--normalize_reward",
-                    "--prompt_data", str(prompts), "--input_key", "input", "--advantage_estimator", "gae",
-                    "--n_samples_per_prompt", "2", "--rollout_batch_size", "4", "--train_batch_size", "8",
-                    "--micro_train_batch_size", "4", "--generate_max_len", "6", "--prompt_max_len", "16",
-                    "--max_steps", "2", "--init_kl_coef", "0.01", "--critic_learning_rate", "1e-3",
-                    "--lr_warmup_ratio", "0", "--save_path", save, "--save_value_network",
-                    "--disable_progress", "--device", "cpu"])
+    train_ppo.main(ppo_flags(tiny_model_dir, str(prompts), save, "--reward_pretrain", reward_model, "--normalize_reward",
+                             label_key=None, advantage_estimator="gae", micro_train_batch_size=4, max_steps=2,
+                             init_kl_coef="0.01", critic_learning_rate="1e-3", lr_warmup_ratio=0,
+                             save_value_network=True))
 
     rm = AutoModelForSequenceClassification.from_pretrained(reward_model).eval()
     cfg = json.load(open(os.path.join(reward_model, "config.json")))

@@ -19,6 +19,7 @@ import sys
 import time
 
 import pytest
+from helpers import ppo_flags
 
 import rlhfkit
 from rlhfkit.cli import train_ppo
@@ -38,13 +39,10 @@ def write_prompts(path, bad: dict[int, str] | None = None) -> list[str]:
 
 
 def argv(model: str, tmp_path, reward: str, *extra: str) -> list[str]:
-    return ["--pretrain", model, "--remote_rm_url", reward, "--prompt_data", str(tmp_path / "prompts.jsonl"),
-            "--input_key", "input", "--label_key", "label", "--advantage_estimator", "group_norm",
-            "--n_samples_per_prompt", str(N), "--rollout_batch_size", str(PER_STEP),
-            "--train_batch_size", str(N * PER_STEP), "--micro_train_batch_size", "4",
-            "--generate_max_len", "6", "--prompt_max_len", "16", "--max_steps", "2", "--init_kl_coef", "0.01",
-            "--use_kl_loss", "--save_path", str(tmp_path / "out"), "--disable_progress", "--device", "cpu",
-            "--seed", str(SEED), *extra]
+    return ppo_flags(model, str(tmp_path / "prompts.jsonl"), str(tmp_path / "out"), "--seed", str(SEED), *extra,
+                     reward=reward, n_samples_per_prompt=N, rollout_batch_size=PER_STEP,
+                     train_batch_size=N * PER_STEP, micro_train_batch_size=4, max_steps=2, init_kl_coef="0.01",
+                     use_kl_loss=True)
 
 
 def metrics(tmp_path) -> list[dict]:

@@ -13,7 +13,7 @@ import sys
 import time
 
 import pytest
-from helpers import ROOT, rl_flags, subprocess_env, write_rl_data
+from helpers import ROOT, even_reward_src, rl_flags, subprocess_env, write_rl_data
 
 from rlhfkit.cli import train_ppo, train_sft
 from rlhfkit.trainers.metrics import read_metrics
@@ -52,20 +52,15 @@ def test_ctrl_c_stops_sft_with_a_checkpoint_and_the_resume_command(tiny_model_di
 
 
 # the EVEN reward; the first call of step STEP (8 samples a step) sends this process SIGTERM, then sleeps SLEEP s
-SIGNAL_AT_STEP = """
+SIGNAL_AT_STEP = even_reward_src(scores=False, prefix="""
 import os, signal, time
 SEEN = []
-
-
-def reward_func(queries, prompts, labels):
-    if sum(SEEN) >= 8 * (STEP - 1) and not SEEN.count(-1):
+""", before="""    if sum(SEEN) >= 8 * (STEP - 1) and not SEEN.count(-1):
         SEEN.append(-1)
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(SLEEP)
     SEEN.append(len(queries))
-    rewards = [sum(ord(ch) % 2 == 0 for ch in q[len(p):]) / max(len(q) - len(p), 1) for q, p in zip(queries, prompts)]
-    return {"rewards": rewards}
-"""
+""")
 
 
 def rl_run(tmp_path, model, step: int, sleep: float, *extra: str) -> tuple[list[str], str]:
