@@ -8,8 +8,16 @@ The mesh and parallelism it trains under are `rlhfkit.parallel`; checkpoints and
     backend = FSDP2Backend(model, backend_cfg, optim_cfg, num_training_steps, dist, parallel=dims)
 """
 
-from rlhfkit.backend.base import TrainBackend
-from rlhfkit.backend.fsdp2 import FSDP2Backend
-from rlhfkit.backend.optim import SCHEDULES, build_optimizer, build_scheduler
+from importlib import import_module
+from typing import Any
 
-__all__ = ["TrainBackend", "FSDP2Backend", "build_optimizer", "build_scheduler", "SCHEDULES"]
+# imported on first use, so that `import rlhfkit.backend.<module>` does not load FSDP2 and DTensor
+_LAZY = {"TrainBackend": "rlhfkit.backend.base", "FSDP2Backend": "rlhfkit.backend.fsdp2",
+         **dict.fromkeys(("build_optimizer", "build_scheduler", "SCHEDULES"), "rlhfkit.backend.optim")}
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(_LAZY[name]), name)

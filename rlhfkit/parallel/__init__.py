@@ -18,10 +18,19 @@ gradient norm and the full-weight reads of FSDP2's DTensors (the backend's optim
 full weights for weight sync, the HF export).
 """
 
-from rlhfkit.parallel.dist import DistInfo, all_reduce_sum, barrier, broadcast_object, init_distributed, is_rank0
-from rlhfkit.parallel.mesh import ParallelDims, attach_mesh
-from rlhfkit.parallel.apply import Parallelized, ParallelizeConfig, parallelize
+from importlib import import_module
+from typing import Any
 
-__all__ = ["DistInfo", "init_distributed", "all_reduce_sum", "barrier", "broadcast_object", "is_rank0",
-           "ParallelDims", "attach_mesh",
-           "parallelize", "ParallelizeConfig", "Parallelized"]
+# names -> their module, imported on first use: `import rlhfkit.parallel.dist` (every Ray actor, torchrun
+# rank and engine shard) then costs the process-group layer only, not FSDP2, compile and the model loader
+_LAZY = {**dict.fromkeys(("DistInfo", "init_distributed", "all_reduce_sum", "barrier", "broadcast_object", "is_rank0"),
+                         "rlhfkit.parallel.dist"),
+         **dict.fromkeys(("ParallelDims", "attach_mesh"), "rlhfkit.parallel.mesh"),
+         **dict.fromkeys(("parallelize", "ParallelizeConfig", "Parallelized"), "rlhfkit.parallel.apply")}
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(_LAZY[name]), name)
