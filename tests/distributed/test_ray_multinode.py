@@ -29,7 +29,8 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from rlhfkit.cli import train_ppo_ray  # noqa: E402
 from rlhfkit.distributed.placement import PoolSpec, Shape, SlotResources, create_pool, remove_pools  # noqa: E402
 
-pytestmark = pytest.mark.distributed
+# one worker runs the module: its tests share the two-node cluster
+pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("ray_two_nodes")]
 
 REWARD_FILE = '''
 def reward_func(queries, prompts, labels):
@@ -64,17 +65,24 @@ def two_nodes():
         ray.shutdown()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"fake_gpu": 2},
                                                             "include_dashboard": False})
+    # Cluster records its address in /tmp/ray/ray_current_cluster, where a plain ray.init() on this
+    # machine looks for a running cluster: a train_ppo_ray run of another test process (xdist worker)
+    # would join this cluster and hold its resources. Remove the record while it is ours.
+    record = ray._private.utils.get_ray_address_file(None)
+
+    def forget() -> None:
+        if os.path.exists(record) and open(record).read().strip() == cluster.gcs_address:
+            os.remove(record)
+
+    forget()
     cluster.add_node(num_cpus=2, resources={"fake_gpu": 2})
+    forget()
     cluster.wait_for_nodes()
     ray.init(address=cluster.address)
     yield cluster
     ray.shutdown()
     cluster.shutdown()
-    # Cluster records its address in /tmp/ray/ray_current_cluster, where a later plain ray.init()
-    # on this machine would look for a running cluster: remove the record if it is still ours
-    record = ray._private.utils.get_ray_address_file(None)
-    if os.path.exists(record) and open(record).read().strip() == cluster.gcs_address:
-        os.remove(record)
+    forget()
 
 
 def test_ranks_are_numbered_node_by_node(two_nodes):
