@@ -108,13 +108,14 @@ def run_rlhfkit(a: argparse.Namespace, model_dir: str, data: str, reward: str, w
     ppo_setup.resolve_flags(args, dist.world_size)
     set_seed(args.seed)
     with engine_batch(a.max_num_seqs or prompts * a.n):
-        trainer, _, _ = build_trainer(args, dist)
+        trainer, placement, _ = build_trainer(args, dist)
+    engine = placement.engine
     try:
         min_new = force_full_length(trainer)
         walls, metrics = time_steps(trainer, a.steps, a.device, a.warmup_steps)
         prof = profile_step(trainer, a, prompts) if a.profile else None
     finally:  # an engine left open keeps its worker thread, weights and KV cache alive
-        close = getattr(trainer.engine, "close", None)
+        close = getattr(engine, "close", None)
         if callable(close):
             close()
         trainer.logger.close()
@@ -125,8 +126,8 @@ def run_rlhfkit(a: argparse.Namespace, model_dir: str, data: str, reward: str, w
     out.update(prompts=prompts, completions=prompts * a.n, peak_gpu_gib=peak_gib(a.device), min_new_tokens=min_new,
                micro_train_batch_size=args.micro_train_batch_size,
                micro_rollout_batch_size=args.micro_rollout_batch_size,
-               engine_max_num_seqs=engine_batch_size(trainer.engine), rlhfkit_flags=a.rlhfkit_flags,
-               engine_stats=dict(vars(trainer.engine.stats)) if hasattr(trainer.engine, "stats") else None)
+               engine_max_num_seqs=engine_batch_size(engine), rlhfkit_flags=a.rlhfkit_flags,
+               engine_stats=dict(vars(engine.stats)) if hasattr(engine, "stats") else None)
     return out if prof is None else {**out, "profile": prof}
 
 

@@ -179,8 +179,10 @@ def memory_step(launched: Any) -> dict[str, Any]:
     process: weights, KV cache, CUDA graphs), read from the actors (each resets its peak)."""
     import ray
 
+    from rlhfkit.distributed.workers import RoleWorker
+
     roles = {name: [{m: {k: v / 2**30 for k, v in p.items()} for m, p in peaks.items()}
-                    for peaks in g.run_all("memory_peaks")]
+                    for peaks in g.run_all(RoleWorker.memory_peaks)]
              for name, g in launched.groups.items()}
     engines = [{k: v / 2**30 for k, v in m.items()} for m in ray.get([a.memory.remote() for a in launched.router.shards])]
     return {"roles": roles, "engines": engines}

@@ -89,3 +89,14 @@ class TrainBackend(Protocol):
     def reload_states(self) -> Any:
         """Move them back to the training device, bit for bit (wake up); returns `MoveStats`."""
         ...
+
+
+class CheckpointingBackend(Protocol):
+    """What saving and resuming a role needs of its backend: a `TrainBackend`, or on Ray the group's
+    `distributed.group.GroupBackend` (every rank takes part, rank 0's answer is returned)."""
+
+    def save_checkpoint(self, ckpt_root: str, tag: str, client_state: dict | None, max_keep: int) -> str: ...
+
+    def load_checkpoint(self, ckpt_root: str, tag: str | None = None) -> dict | None: ...
+
+    def save_hf(self, path: str, tokenizer: Any = None, dtype: torch.dtype | None = None) -> None: ...

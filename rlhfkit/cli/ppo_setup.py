@@ -30,7 +30,6 @@ from rlhfkit.config.rl_flags import CRITIC_OPTIM, EMA_BETA, PTX_COEF, RAY_ONLY
 from rlhfkit.losses.policy import PolicyLossConfig
 from rlhfkit.roles.actor import ActorRole, UpdateConfig
 from rlhfkit.roles.critic import CriticRole, RewardModelRole
-from rlhfkit.roles.group import LocalGroup
 from rlhfkit.roles.memory import RoleOutOfMemory, advice
 from rlhfkit.trainers.rl import RLLoopConfig
 from rlhfkit.trainers.run_settings import allowed_changes, run_settings
@@ -221,7 +220,9 @@ def build_ptx(args: argparse.Namespace, dist: DistInfo):
                       args.seed)
 
 
-def build_policy(args: argparse.Namespace, dist: DistInfo, num_steps: int, dims: ParallelDims | None = None):
+def build_policy(args: argparse.Namespace, dist: DistInfo, num_steps: int,
+                 dims: ParallelDims | None = None) -> tuple[ActorRole, FSDP2Backend]:
+    """This rank's policy role and its backend (wrapped in a group and a handle by the placement)."""
     from rlhfkit.models.loader import load_causal_lm
 
     model = load_causal_lm(from_args(ModelConfig, args), master_dtype="fp32")
@@ -236,7 +237,7 @@ def build_policy(args: argparse.Namespace, dist: DistInfo, num_steps: int, dims:
         vllm_is_truncated_threshold=args.vllm_is_truncated_threshold, entropy_loss_coef=args.entropy_loss_coef)
     role = ActorRole(backend, dist, loss_cfg, actor_update_cfg(args), args.micro_rollout_batch_size,
                      rollout_max_tokens(args), args.packing_samples, ptx=build_ptx(args, dist))
-    return LocalGroup(role, "policy"), backend
+    return role, backend
 
 
 def ref_is_policy_base(args: argparse.Namespace) -> bool:
@@ -245,8 +246,9 @@ def ref_is_policy_base(args: argparse.Namespace) -> bool:
     return getattr(args, "lora_rank", 0) > 0 and args.ref_pretrain in (None, args.pretrain)
 
 
-def build_ref(args: argparse.Namespace, dist: DistInfo, dims: ParallelDims | None = None, policy_backend=None):
-    """The reference model's group, or None without a KL term. Given the policy's backend (one process or
+def build_ref(args: argparse.Namespace, dist: DistInfo, dims: ParallelDims | None = None,
+              policy_backend: FSDP2Backend | None = None) -> ActorRole | None:
+    """The reference model's role, or None without a KL term. Given the policy's backend (one process or
     torchrun) and LoRA on the same base, the reference runs the policy with its adapters off."""
     if args.init_kl_coef <= 0:
         return None
@@ -257,7 +259,7 @@ def build_ref(args: argparse.Namespace, dist: DistInfo, dims: ParallelDims | Non
         role = ActorRole(policy_backend, dist, micro_rollout_batch_size=args.micro_rollout_batch_size,
                          rollout_max_tokens=rollout_max_tokens(args), packing=args.packing_samples,
                          adapters_off=True)
-        return LocalGroup(role, "ref")
+        return role
     from rlhfkit.models.loader import load_causal_lm
 
     cfg = from_args(ModelConfig, args, lora_rank=0, gradient_checkpointing=False)
@@ -266,7 +268,7 @@ def build_ref(args: argparse.Namespace, dist: DistInfo, dims: ParallelDims | Non
     role = ActorRole(backend, dist, micro_rollout_batch_size=args.micro_rollout_batch_size,
                      rollout_max_tokens=rollout_max_tokens(args), packing=args.packing_samples,
                      offload=args.ref_offload)
-    return LocalGroup(role, "ref")
+    return role
 
 
 def critic_path(args: argparse.Namespace) -> str:
@@ -277,7 +279,8 @@ def critic_path(args: argparse.Namespace) -> str:
     return args.pretrain
 
 
-def build_critic(args: argparse.Namespace, dist: DistInfo, num_steps: int, dims: ParallelDims | None = None):
+def build_critic(args: argparse.Namespace, dist: DistInfo, num_steps: int, dims: ParallelDims | None = None
+                 ) -> tuple[CriticRole, FSDP2Backend] | tuple[None, None]:
     if args.advantage_estimator != "gae":
         return None, None
     from rlhfkit.models.value import checkpoint_keys, load_value_model
@@ -293,7 +296,7 @@ def build_critic(args: argparse.Namespace, dist: DistInfo, num_steps: int, dims:
     if args.aux_loss_coef:
         note_once("note: --aux_loss_coef has no effect on the critic: a value model returns no router loss")
     role = CriticRole(backend, dist, upd, args.value_clip, args.micro_rollout_batch_size, rollout_max_tokens(args))
-    return LocalGroup(role, "critic"), backend
+    return role, backend
 
 
 def critic_optim(args: argparse.Namespace) -> dict[str, Any]:
@@ -310,7 +313,7 @@ def critic_optim(args: argparse.Namespace) -> dict[str, Any]:
             "muon_ns_steps": args.critic_muon_ns_steps, "muon_nesterov": args.critic_muon_nesterov}
 
 
-def build_reward_model(args: argparse.Namespace, dist: DistInfo):
+def build_reward_model(args: argparse.Namespace, dist: DistInfo) -> RewardModelRole | None:
     if not args.reward_pretrain or args.remote_rm_url or args.agent_func_path:
         return None
     from rlhfkit.models.loader import resolve_dtype
@@ -321,8 +324,7 @@ def build_reward_model(args: argparse.Namespace, dist: DistInfo):
                                attn_implementation=args.attn_implementation, device=dist.device,
                                flag="--reward_pretrain")
               for p in args.reward_pretrain.split(",") if p]
-    return LocalGroup(RewardModelRole(models, dist, args.micro_rollout_batch_size, offload=args.reward_offload),
-                      "reward")
+    return RewardModelRole(models, dist, args.micro_rollout_batch_size, offload=args.reward_offload)
 
 
 def engine_max_num_seqs(args: argparse.Namespace, num_engines: int) -> int:

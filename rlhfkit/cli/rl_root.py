@@ -20,8 +20,9 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
+from rlhfkit.backend.base import CheckpointingBackend
 from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.cli import ppo_setup as S
 from rlhfkit.cli import vlm_setup as V
@@ -30,8 +31,17 @@ from rlhfkit.data.io import load_mixture
 from rlhfkit.data.prompts import PromptDataConfig, PromptDataset
 from rlhfkit.models.loader import load_tokenizer
 from rlhfkit.trainers.plot import RL_PANELS
+from rlhfkit.roles.group import LocalGroup
+from rlhfkit.roles.handles import (CriticCalls, CriticHandle, PolicyCalls, PolicyHandle, ReferenceCalls,
+                                   ReferenceHandle, RewardCalls, RewardHandle)
+from rlhfkit.rollout.base import RolloutEngine
 from rlhfkit.trainers.rl import RLTrainer
-from rlhfkit.weightsync.sync import WeightSync
+from rlhfkit.weightsync.sync import LocalWeightSync, WeightSync
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from rlhfkit.distributed.group import RayGroup
 
 log = logging.getLogger(__name__)
 
@@ -49,20 +59,20 @@ class RLData:
 
 @dataclass
 class Placement:
-    """Where the roles and the engine live, as the loop sees them (`group.call(...)`, `engine`,
+    """Where the roles and the engine live, as the loop sees them (typed role handles, `engine`,
     `weight_sync.sync()`), plus the backends that save and export. `save_critic(path, tokenizer)`
     writes the value network on every critic rank (rank 0 writes)."""
 
     dist: DistInfo
-    policy: Any
-    engine: Any
-    policy_backend: Any
-    ref: Any = None
-    critic: Any = None
-    reward: Any = None
-    critic_backend: Any = None
-    weight_sync: WeightSync | None = None  # None: the in-process engine takes the policy's weights (LocalWeightSync)
-    save_critic: Callable[[str, Any], None] | None = None
+    policy: PolicyCalls
+    engine: RolloutEngine
+    policy_backend: CheckpointingBackend
+    weight_sync: WeightSync
+    ref: ReferenceCalls | None = None
+    critic: CriticCalls | None = None
+    reward: RewardCalls | None = None
+    critic_backend: CheckpointingBackend | None = None
+    save_critic: Callable[[str, PreTrainedTokenizerBase], None] | None = None
 
 
 @dataclass
@@ -129,7 +139,11 @@ def local_placement(args, dist: DistInfo, tokenizer: Any, num_steps: int) -> Pla
     saver = None
     if critic_backend is not None:
         saver = functools.partial(_save_local_critic, backend=critic_backend, dist=dist)
-    return Placement(dist, policy, engine, policy_backend, ref=ref, critic=critic, reward=reward,
+    handle = PolicyHandle(LocalGroup(policy, "policy"))
+    return Placement(dist, handle, engine, policy_backend, LocalWeightSync(handle, engine),
+                     ref=ReferenceHandle(LocalGroup(ref, "ref")) if ref is not None else None,
+                     critic=CriticHandle(LocalGroup(critic, "critic")) if critic is not None else None,
+                     reward=RewardHandle(LocalGroup(reward, "reward")) if reward is not None else None,
                      critic_backend=critic_backend, save_critic=saver)
 
 
@@ -149,7 +163,7 @@ def build_trainer(args, placement: Placement, data: RLData, trainer_cls: type = 
     ckpt = S.checkpointer(args, p.policy_backend, p.critic_backend, tok)
     loop = S.loop_config(args, data.vision, data.dropped_image_rows)
     return trainer_cls(loop, S.advantage_config(args), S.shaping_config(args), policy=p.policy,
-                       engine=p.engine, executor=executor, prompts=data.prompts, dist=p.dist,
+                       executor=executor, prompts=data.prompts, dist=p.dist,
                        logger=make_logger(args, p.dist.rank, PLOT_KEYS), pad_token_id=tok.pad_token_id,
                        kl_ctl=S.kl_controller(args), ref=p.ref, critic=p.critic, reward_model=p.reward,
                        eval_executor=eval_executor, eval_prompts=data.eval_prompts, checkpointer=ckpt,
@@ -176,6 +190,8 @@ def save_final(args, placement: Placement, tokenizer: Any, fallback: Callable[[]
         log.info(f"policy saved to {args.save_path}")
 
 
-def critic_saver_on_group(group: Any) -> Callable[[str, Any], None]:
-    """`Placement.save_critic` for a role group whose ranks run `apply(fn, *args)` (Ray)."""
-    return lambda path, tok: group.run_all("apply", functools.partial(save_critic, path, tok))
+def critic_saver_on_group(group: RayGroup) -> Callable[[str, PreTrainedTokenizerBase], None]:
+    """`Placement.save_critic` for a Ray role group: every rank runs `save_critic` in its actor."""
+    from rlhfkit.distributed.workers import RoleWorker
+
+    return lambda path, tok: group.run_all(RoleWorker.apply, functools.partial(save_critic, path, tok))

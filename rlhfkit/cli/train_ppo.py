@@ -62,7 +62,7 @@ def run(args, parser) -> R.RLRun:
     except RoleOutOfMemory as e:
         raise S.explain_oom(args, e) from None
     finally:  # also when the run fails: no thread may be inside torch or user code at exit
-        S.close_rollout(trainer.engine)
+        S.close_rollout(placement.engine)
         trainer.logger.close()
     R.save_final(args, placement, tokenizer, fallback=trainer.save_checkpoint)
     return R.RLRun(trainer.state, placement, tokenizer)

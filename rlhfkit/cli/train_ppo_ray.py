@@ -175,16 +175,14 @@ def build_role(args, num_steps: int, role: str, dist: DistInfo) -> tuple[Any, An
 
     dist = attach_mesh(dist, parallel_dims(args, dist))  # this group's dp / tp / cp process groups
     if role == "policy":
-        group, backend = S.build_policy(args, dist, num_steps)
-        return group.role, backend
+        return S.build_policy(args, dist, num_steps)
     if role == "ref":
-        group = S.build_ref(args, dist)
-        return group.role, group.role.backend
+        ref = S.build_ref(args, dist)
+        return ref, ref.backend
     if role == "critic":
-        group, backend = S.build_critic(args, dist, num_steps)
-        return group.role, backend
+        return S.build_critic(args, dist, num_steps)
     if role == "reward":
-        return S.build_reward_model(args, dist).role, None
+        return S.build_reward_model(args, dist), None
     raise ValueError(f"unknown role {role!r}")
 
 
@@ -260,16 +258,19 @@ def launch_roles(args, num_steps: int, shapes: dict[str, Any], hard_exit: bool):
     return launched, phases
 
 
-def ray_placement(launched) -> Any:
+def ray_placement(launched) -> R.Placement:
     """The Ray groups and the engine router as the loop sees them (rl_root.Placement)."""
     from rlhfkit.distributed.group import GroupBackend
+    from rlhfkit.roles.handles import CriticHandle, PolicyHandle, ReferenceHandle, RewardHandle
 
     g = launched.groups
     critic = g.get("critic")
-    return R.Placement(DistInfo(), g["policy"], launched.router, GroupBackend(g["policy"]), ref=g.get("ref"),
-                       critic=critic, reward=g.get("reward"),
+    ref, reward = g.get("ref"), g.get("reward")
+    return R.Placement(DistInfo(), PolicyHandle(g["policy"]), launched.router, GroupBackend(g["policy"]),
+                       launched.sync, ref=ReferenceHandle(ref) if ref is not None else None,
+                       critic=CriticHandle(critic) if critic is not None else None,
+                       reward=RewardHandle(reward) if reward is not None else None,
                        critic_backend=GroupBackend(critic) if critic is not None else None,
-                       weight_sync=launched.sync,
                        save_critic=R.critic_saver_on_group(critic) if critic is not None else None)
 
 

@@ -2,7 +2,7 @@
 
     placement.py      slots, pools (colocation plans), feasibility check, placement groups
     workers.py        RoleWorker (one rank of policy / ref / critic / reward), EngineWorker
-    group.py          RayGroup (the loop's `group.call`), Phases (sleep / wake), GroupBackend
+    group.py          RayGroup (a RoleGroup of actors: roles/handles.py), Phases (sleep / wake), GroupBackend
     engines.py        RayEngineRouter: engine actors (and their tensor-parallel shards) behind the
                       RolloutEngine protocol; pause / resume for partial rollout
     health.py         RoleFailure, wait_all (bounded waits), HealthMonitor (actor deaths)

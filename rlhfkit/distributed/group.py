@@ -1,14 +1,16 @@
-"""`RayGroup`: a role group of N Ray actors behind the same `call` as `roles.group.LocalGroup`.
+"""`RayGroup`: a role group of N Ray actors behind the `RoleGroup` contract of rlhfkit/roles/handles.py
+(the typed handles call it; `roles.group.LocalGroup` is the one-process side).
 
-    group.call("forward_logprobs", batch, T)   batch split by rows into one contiguous shard (whole
-                                               prompt groups of `unit` rows) per data-parallel rank;
-                                               the tp / cp ranks of one dp rank get the same shard;
-                                               the dp ranks' [b_i, L] / [b_i] tensors are concatenated
-    group.call("train_on", batch, kl_coef)     same split; the ranks' metric dicts are averaged
-                                               (roles already reduce them over their process group,
-                                               so every rank holds the global value)
-    group.call(other, *args)                   every rank runs it; rank 0's result
-    group.push_weights(dtype, bucket_bytes)    every rank's weight-sync push (weightsync.RayWeightSync)
+    group.on_batch(ActorRole.forward_logprobs, batch, T)
+                                     batch split by rows into one contiguous shard (whole prompt
+                                     groups of `unit` rows) per data-parallel rank; the tp / cp ranks
+                                     of one dp rank get the same shard; the dp ranks' [b_i, L] / [b_i]
+                                     tensors are concatenated, their metric dicts averaged (roles
+                                     already reduce them over their process group, so every rank
+                                     holds the global value)
+    group.on_every_rank(method, *args)  every rank runs the role's method; rank 0's result
+    group.run_all(RoleWorker.offload)   a method of the actors themselves on every rank, rank order
+    group.push_weights(dtype, bucket_bytes)  every rank's weight-sync push (weightsync.RayWeightSync)
 
 The driver's loop sees the whole batch (world size 1 from its point of view); data parallelism
 happens inside the group, whose ranks share one torch process group.
@@ -28,13 +30,18 @@ from __future__ import annotations
 
 import time
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, Iterator
+from typing import Any, Callable, Concatenate, Iterator, ParamSpec, TypeVar
 
 import torch
 
+from rlhfkit.backend.base import TrainBackend
 from rlhfkit.distributed.health import ActorLabel, HealthMonitor, wait_all
+from rlhfkit.distributed.workers import RoleWorker
 from rlhfkit.types import ExperienceBatch
 from rlhfkit.weightsync.protocol import PushStats
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 def split_rows(num_rows: int, num_shards: int, unit: int) -> list[tuple[int, int]]:
@@ -66,11 +73,6 @@ def merge_results(results: list[Any]) -> Any:
     raise TypeError(f"cannot merge per-rank results of type {type(first).__name__}")
 
 
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
-
-
 class Phases:
     """Sleep / wake between phases; see the module docstring. `engine` is set by the router.
 
@@ -100,7 +102,7 @@ class Phases:
             return
         self._pending = None
         t0 = time.perf_counter()
-        self._record("offload", g.run_all("offload"))
+        self._record("offload", g.run_all(RoleWorker.offload))
         self._time("states_offload", t0)
 
     def _record(self, kind: str, stats: list[Any]) -> None:
@@ -127,7 +129,7 @@ class Phases:
             self._pending = None
             return
         t1 = time.perf_counter()
-        self._record("reload", group.run_all("reload"))
+        self._record("reload", group.run_all(RoleWorker.reload))
         self._time("states_reload", t1)
 
     @contextmanager
@@ -184,9 +186,9 @@ class RayGroup:
     def dp_size(self) -> int:
         return max(self.dp_ranks) + 1
 
-    def run_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        """`method` on every rank with the same arguments; results in rank order."""
-        refs = [getattr(a, method).remote(*args, **kwargs) for a in self.actors]
+    def run_all(self, method: Callable[Concatenate[RoleWorker, P], R], *args: P.args, **kwargs: P.kwargs) -> list[R]:
+        """A `RoleWorker` method on every rank with the same arguments; results in rank order."""
+        refs = [getattr(a, method.__name__).remote(*args, **kwargs) for a in self.actors]
         return wait_all(refs, self.labels, self.monitor)
 
     def push_weights(self, dtype: str | None, bucket_bytes: int) -> list[PushStats]:
@@ -197,29 +199,31 @@ class RayGroup:
         """The group's training states on the device for a call outside `call` (--deepspeed_enable_sleep)."""
         return self.phases.states_on_device(self) if self.phases is not None else nullcontext()
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+    @contextmanager
+    def _working(self) -> Iterator[None]:
+        """The phase hooks around a call: engines asleep and this group's states back, if they sleep."""
         if self.phases is not None:
             self.phases.before_group(self)
         try:
-            return self._call(method, *args, **kwargs)
+            yield
         finally:
             if self.phases is not None:
                 self.phases.after_group(self)
 
-    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        if method == "weights":
-            raise ValueError("a Ray policy group's weights reach the engines through "
-                             "weightsync.RayWeightSync, not group.call('weights')")
-        if args and isinstance(args[0], ExperienceBatch):
-            batch, rest = args[0], args[1:]
+    def on_batch(self, method: Callable[Concatenate[Any, ExperienceBatch, P], R], batch: ExperienceBatch,
+                 *args: P.args, **kwargs: P.kwargs) -> R:
+        with self._working():
             ranges = split_rows(batch.batch_size, self.dp_size, self.unit)
-            refs = [a.call.remote(method, batch.select(list(range(*ranges[d]))), *rest, **kwargs)
+            refs = [a.call.remote(method.__name__, batch.select(list(range(*ranges[d]))), *args, **kwargs)
                     for a, d in zip(self.actors, self.dp_ranks)]
             first: dict[int, Any] = {}  # the replicas of one dp rank return the same result
             for d, res in zip(self.dp_ranks, wait_all(refs, self.labels, self.monitor)):
                 first.setdefault(d, res)
             return merge_results([first[d] for d in range(self.dp_size)])
-        return self.run_all("call", method, *args, **kwargs)[0]
+
+    def on_every_rank(self, method: Callable[Concatenate[Any, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
+        with self._working():
+            return self.run_all(RoleWorker.call, method.__name__, *args, **kwargs)[0]
 
     def __repr__(self) -> str:
         return f"RayGroup({self.name}, {self.world_size} ranks)"
@@ -231,20 +235,15 @@ class GroupBackend:
     def __init__(self, group: RayGroup) -> None:
         self.group = group
 
-    def _all(self, method: str, *args: Any) -> Any:
-        if self.group.phases is not None:
-            self.group.phases.before_group(self.group)
-        try:
-            return self.group.run_all("backend_call", method, *args)[0]
-        finally:
-            if self.group.phases is not None:
-                self.group.phases.after_group(self.group)
+    def _all(self, method: Callable[Concatenate[TrainBackend, P], R], *args: P.args) -> R:
+        with self.group._working():
+            return self.group.run_all(RoleWorker.backend_call, method.__name__, *args)[0]
 
     def save_checkpoint(self, ckpt_root: str, tag: str, client_state: dict | None, max_keep: int) -> str:
-        return self._all("save_checkpoint", ckpt_root, tag, client_state, max_keep)
+        return self._all(TrainBackend.save_checkpoint, ckpt_root, tag, client_state, max_keep)
 
     def load_checkpoint(self, ckpt_root: str, tag: str | None = None) -> dict | None:
-        return self._all("load_checkpoint", ckpt_root, tag)
+        return self._all(TrainBackend.load_checkpoint, ckpt_root, tag)
 
     def save_hf(self, path: str, tokenizer: Any = None, dtype: torch.dtype | None = None) -> None:
-        self._all("save_hf", path, tokenizer, dtype)
+        self._all(TrainBackend.save_hf, path, tokenizer, dtype)

@@ -1,8 +1,7 @@
-"""Role groups: how the RL loop calls a role, wherever the role lives.
-
-The loop only ever writes `group.call("forward_logprobs", batch)`. A `LocalGroup` holds one
-in-process role (one process, or one torchrun rank, each rank holding its own share of the
-batch). The Ray group in `rlhfkit.distributed` holds N actors and splits the batch across them.
+"""`LocalGroup`: a role in this process (one process, or one torchrun rank holding its own share of
+the batch), behind the `RoleGroup` contract of rlhfkit/roles/handles.py; the Ray side is
+rlhfkit/distributed/group.py's `RayGroup`. Each call's device memory peak is kept per method, and an
+out-of-memory inside a call becomes `RoleOutOfMemory` naming the role, rank and phase.
 
 Weights reach the rollout engine through one weight-sync object per placement, which the loop
 calls once per step (`sync() -> metrics`): rlhfkit/weightsync (`LocalWeightSync` in process,
@@ -11,21 +10,34 @@ calls once per step (`sync() -> metrics`): rlhfkit/weightsync (`LocalWeightSync`
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Callable, Concatenate, ParamSpec, TypeVar
 
 from rlhfkit.roles.memory import CallMemory
+from rlhfkit.types import ExperienceBatch
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 class LocalGroup:
     def __init__(self, role: Any, name: str) -> None:
+        """`role`: any object with the methods the handles call (ActorRole, CriticRole, RewardModelRole)."""
         self.role, self.name = role, name
         dist = getattr(role, "dist", None)
         self.memory = CallMemory(name, getattr(dist, "rank", 0), getattr(dist, "device", "cpu"))
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        with self.memory.call(method):
-            return getattr(self.role, method)(*args, **kwargs)
+    def on_every_rank(self, method: Callable[Concatenate[Any, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
+        # the role's own attribute of that name: a subclass's override, or a test's fake role
+        with self.memory.call(method.__name__):
+            return getattr(self.role, method.__name__)(*args, **kwargs)
+
+    def on_batch(self, method: Callable[Concatenate[Any, ExperienceBatch, P], R], batch: ExperienceBatch,
+                 *args: P.args, **kwargs: P.kwargs) -> R:
+        return self.on_every_rank(method, batch, *args, **kwargs)
+
+    def states_on_device(self) -> AbstractContextManager[None]:
+        return nullcontext()
 
     def __repr__(self) -> str:
         return f"LocalGroup({self.name})"
-

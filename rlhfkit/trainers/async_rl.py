@@ -30,6 +30,7 @@ from typing import Any, Iterator
 
 from rlhfkit.trainers.async_queue import AsyncRolloutQueue, staleness_metrics, stamp_versions
 from rlhfkit.trainers.rl import RLState, RLTrainer
+from rlhfkit.trainers.rl_contracts import Liveness, PhaseMetrics, VersionedEngines
 
 
 @dataclass
@@ -49,8 +50,9 @@ class AsyncRLTrainer(RLTrainer):
     """See the module docstring. The producer's batches keep the prompt order and sampling seeds of
     a synchronous run; consuming a batch moves this trainer's data cursor to it."""
 
-    def __init__(self, *args: Any, router: Any, phases: Any, monitor: Any, async_queue_size: int = 0,
-                 partial_rollout: bool = False, take_turns: bool = False, **kw: Any) -> None:
+    def __init__(self, *args: Any, router: VersionedEngines, phases: PhaseMetrics, monitor: Liveness,
+                 async_queue_size: int = 0, partial_rollout: bool = False, take_turns: bool = False,
+                 **kw: Any) -> None:
         super().__init__(*args, **kw)
         self.router, self.phases, self.monitor = router, phases, monitor
         self.async_queue_size = async_queue_size
@@ -58,7 +60,7 @@ class AsyncRLTrainer(RLTrainer):
         self._turn = threading.Lock() if take_turns else None
         self._closing = False
         self._aligned = False
-        self._producer: Any = None
+        self._producer: AsyncRolloutQueue | None = None
 
     def rollout(self):
         if not self._aligned:  # the engines hold the weights of this step (a resumed run: not 0)

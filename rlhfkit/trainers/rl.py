@@ -5,20 +5,20 @@
       -> dynamic filtering (whole groups)   [--dynamic_filtering]
          (group estimators also leave out a group that lost a sample under --reward_failure drop)
       -> pad into an ExperienceBatch
-      -> reward.call("forward_rewards")     [reward model, when no reward source scored it]
+      -> reward.forward_rewards(batch)     [reward model, when no reward source scored it]
       -> length penalties
-      -> policy.call("forward_logprobs") = old     [skipped when the rollout makes one optimizer step]
-         ref.call(...) = ref, critic.call("forward_values")
+      -> policy.forward_logprobs(batch) = old     [skipped when the rollout makes one optimizer step]
+         ref.forward_logprobs(batch) = ref, critic.forward_values(batch)
       -> KL (in reward or as loss), advantages / returns    (rlhfkit.algo)
-      -> critic.call("train_on"), policy.call("train_on")   (max_epochs x mini-batches)
+      -> critic.train_on(batch), policy.train_on(batch, kl)   (max_epochs x mini-batches)
       -> weight_sync.sync()                  [the policy's weights into the engines; one object per placement]
 
 Under torchrun every data-parallel rank runs this loop on its own prompts (the tp / cp ranks of
 one dp rank share its prompts and train on the trajectories the first of them sampled); roles
 reduce their loss counts over the dp group, and every logged metric is reduced over it (rank 0
 logs the global values); decisions every rank must share (skip a step, stop filtering) are
-reduced over the world. A Ray placement gives groups whose `call` fans out to actors; the loop
-does not change.
+reduced over the world. The roles are typed handles (rlhfkit/roles/handles.py) over a group in this
+process or, on Ray, a group whose calls fan out to actors; the loop does not change.
 
 A step after which some rank has no trajectory to train on (every sample dropped under
 --reward_failure drop, or dynamic filtering kept no group) is skipped on every rank (the decision
@@ -55,9 +55,11 @@ from rlhfkit.algo.passk import pass_at_k_from_scores
 from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.trainers.metrics import PhaseClock, SampleRow, metrics_record, progress_bar
 from rlhfkit.trainers.offline import epoch_order, warn_if_no_space
+from rlhfkit.roles.handles import CriticCalls, PolicyCalls, ReferenceCalls, RewardCalls
 from rlhfkit.trainers.rl_config import FailedStepsError, RLLoopConfig, RLState
+from rlhfkit.trainers.rl_contracts import EpisodeRunner, KLControl, RLCheckpointing, StepLogger
 from rlhfkit.trainers.run_settings import check_same_run
-from rlhfkit.weightsync.sync import LocalWeightSync, WeightSync
+from rlhfkit.weightsync.sync import WeightSync
 from rlhfkit.trainers.stop import StepAbandoned
 from rlhfkit.trainers.stop import current as stop_signals
 from rlhfkit.trainers.rl_step_info import complete_groups, global_experience_metrics, skip_cause
@@ -106,14 +108,15 @@ def sample_rows(trajs: Sequence[Trajectory], n: int, rows: int) -> list[SampleRo
 
 class RLTrainer:
     def __init__(self, cfg: RLLoopConfig, adv_cfg: AdvantageConfig, shaping: RewardShapingConfig, *,
-                 policy: Any, engine: Any, executor: Any, prompts: Sequence[PromptSample], dist: DistInfo,
-                 logger: Any, pad_token_id: int, kl_ctl: Any, ref: Any = None, critic: Any = None,
-                 reward_model: Any = None, eval_executor: Any = None, eval_prompts: Sequence[PromptSample] = (),
-                 checkpointer: Any = None, weight_sync: WeightSync | None = None) -> None:
+                 policy: PolicyCalls, weight_sync: WeightSync, executor: EpisodeRunner,
+                 prompts: Sequence[PromptSample], dist: DistInfo, logger: StepLogger, pad_token_id: int,
+                 kl_ctl: KLControl, ref: ReferenceCalls | None = None, critic: CriticCalls | None = None,
+                 reward_model: RewardCalls | None = None, eval_executor: EpisodeRunner | None = None,
+                 eval_prompts: Sequence[PromptSample] = (), checkpointer: RLCheckpointing | None = None) -> None:
         self.cfg, self.adv_cfg, self.shaping = cfg, adv_cfg, shaping
         self.policy, self.ref, self.critic, self.reward_model = policy, ref, critic, reward_model
-        self.engine, self.executor, self.eval_executor = engine, executor, eval_executor
-        self.weight_sync: WeightSync = weight_sync if weight_sync is not None else LocalWeightSync(policy, engine)
+        self.executor, self.eval_executor = executor, eval_executor
+        self.weight_sync = weight_sync
         self.prompts, self.eval_prompts = list(prompts), list(eval_prompts)
         self.dist, self.logger, self.pad_token_id = dist, logger, pad_token_id
         self.kl_ctl, self.checkpointer = kl_ctl, checkpointer
@@ -177,13 +180,13 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ rollout
 
-    def _reseed(self, executor: Any, salt: int, first_global: int, n: int) -> None:
+    def _reseed(self, executor: EpisodeRunner, salt: int, first_global: int, n: int) -> None:
         """Per-episode seeds that depend on (seed, step, global sample index) only, so runs are
         reproducible across resumes and equal for any number of ranks."""
         base = (self.cfg.seed * 1_000_003 + salt * 10_007) % (2**31 - 1)
         executor.reseed(base + first_global * n)
 
-    def _generate(self, executor: Any, prompts: list[PromptSample], n: int, salt: int, first_global: int):
+    def _generate(self, executor: EpisodeRunner, prompts: list[PromptSample], n: int, salt: int, first_global: int):
         self._reseed(executor, salt, first_global, n)
         return run_coroutine(executor.run_episodes(prompts, n))
 
@@ -265,7 +268,7 @@ class RLTrainer:
         batch = pad_trajectories(trajs, self.pad_token_id, self.cfg.no_loss_token_ids)
         with t("reward"):
             if self.reward_model is not None:
-                batch.rewards = self.reward_model.call("forward_rewards", batch)
+                batch.rewards = self.reward_model.forward_rewards(batch)
                 for tr, r in zip(trajs, batch.rewards.tolist()):
                     tr.score = tr.reward = r
         self._samples = trajs
@@ -275,12 +278,12 @@ class RLTrainer:
         batch.rewards = apply_length_penalties(batch.rewards, resp_len, truncated.bool(), self.shaping)
         with t("logprobs"):
             if self._old_logprobs_pass(batch):
-                batch.old_logprobs = self.policy.call("forward_logprobs", batch, self.cfg.temperature)
+                batch.old_logprobs = self.policy.forward_logprobs(batch, self.cfg.temperature)
             metrics["old_logprobs_pass"] = float(batch.old_logprobs is not None)
             if self.ref is not None:
-                batch.ref_logprobs = self.ref.call("forward_logprobs", batch, self.cfg.temperature)
+                batch.ref_logprobs = self.ref.forward_logprobs(batch, self.cfg.temperature)
             if self.critic is not None:
-                batch.values = self.critic.call("forward_values", batch)
+                batch.values = self.critic.forward_values(batch)
         batch, exp_m = finish_experience(batch, self.adv_cfg, self.kl_ctl.value, self.cfg.kl_estimator,
                                          kl_in_reward=not self.cfg.use_kl_loss, reduce=self.dist.all_reduce_dp)
         exp_m = global_experience_metrics(exp_m, batch, self.dist)
@@ -288,10 +291,10 @@ class RLTrainer:
         stop_signals().commit()  # from here the step changes the weights: it is never abandoned
         with t("train"):
             if self.critic is not None:
-                train_m.update(self.critic.call("train_on", batch))
+                train_m.update(self.critic.train_on(batch))
             if self.state.step >= self.cfg.freezing_actor_steps:
                 if self._has_signal(batch):
-                    train_m.update(self.policy.call("train_on", batch, self.kl_ctl.value))
+                    train_m.update(self.policy.train_on(batch, self.kl_ctl.value))
                 else:
                     train_m["skipped_zero_advantage"] = 1.0
         with t("weight_sync"):

@@ -1,6 +1,6 @@
 """The loop's weight-sync object, one per placement: `sync() -> metrics`, once per step.
 
-    LocalWeightSync   the policy's full weights (`role.weights()`, FSDP2-gathered per tensor)
+    LocalWeightSync   the policy's full weights (`policy.weights()`, FSDP2-gathered per tensor)
                       straight into the in-process engine
     RayWeightSync     the policy ranks into every engine shard through a `WeightTransport`:
       engines.before_update(); engines.updating():   wait for the batch being generated, or under
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from contextlib import AbstractContextManager
-from typing import Any, Iterable, Protocol
+from typing import Iterable, Protocol
 
 import torch
 
@@ -34,7 +34,9 @@ class WeightSync(Protocol):
 
 
 class LocalPolicy(Protocol):
-    def call(self, method: str, *args: Any) -> Any: ...
+    def weights(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """The full weights, tensor by tensor (roles.handles.PolicyHandle)."""
+        ...
 
 
 class LocalEngine(Protocol):
@@ -49,7 +51,7 @@ class LocalWeightSync:
 
     def sync(self) -> dict[str, float]:
         t0 = time.perf_counter()
-        self.engine.update_weights(self.policy.call("weights"))
+        self.engine.update_weights(self.policy.weights())
         return {"time/weight_push": time.perf_counter() - t0}
 
 

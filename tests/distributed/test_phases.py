@@ -10,8 +10,8 @@ class FakeGroup:
     def __init__(self, name: str, log: list[str]) -> None:
         self.name, self.log = name, log
 
-    def run_all(self, method: str, *args) -> list[None]:
-        self.log.append(f"{self.name}.{method}")
+    def run_all(self, method, *args) -> list[None]:  # method: a RoleWorker method
+        self.log.append(f"{self.name}.{method.__name__}")
         return [None]
 
 

@@ -10,6 +10,8 @@ token, that advantages and rollout log-probs are 0 there too, and that feedback 
 
 from __future__ import annotations
 
+from functools import wraps
+
 import importlib.util
 import json
 import os
@@ -67,7 +69,7 @@ def test_multi_turn_agent_masks_environment_tokens(tiny_model_dir, tmp_path, mon
     prompts.write_text("".join(json.dumps({"input": r["input"], "answer": r["label"]}) + "\n" for r in rows))
     seen = []
     real = ActorRole.train_on
-    monkeypatch.setattr(ActorRole, "train_on", lambda self, b, kl=0.0: seen.append(b) or real(self, b, kl))
+    monkeypatch.setattr(ActorRole, "train_on", wraps(real)(lambda self, b, kl=0.0: seen.append(b) or real(self, b, kl)))
     train_ppo.main(ppo_flags(tiny_model_dir, str(prompts), str(tmp_path / "out"), "--agent_func_path", AGENT_FILE,
                              label_key="answer", advantage_estimator="reinforce_baseline", rollout_batch_size=2,
                              train_batch_size=4, generate_max_len=GEN, max_len=MAX_LEN, max_steps=2,

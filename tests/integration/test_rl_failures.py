@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+from functools import wraps
+
 import json
 import os
 
@@ -97,7 +99,7 @@ def test_drop_counts_failed_samples_and_keeps_whole_groups(tiny_model_dir, tmp_p
     monkeypatch.setattr(ppo_setup, "agent_config", one_sample_calls)
     seen = []
     real = ActorRole.train_on
-    monkeypatch.setattr(ActorRole, "train_on", lambda self, b, kl=0.0: seen.append(b) or real(self, b, kl))
+    monkeypatch.setattr(ActorRole, "train_on", wraps(real)(lambda self, b, kl=0.0: seen.append(b) or real(self, b, kl)))
     train_ppo.main(argv(tiny_model_dir, tmp_path, str(rf), "--reward_failure", "drop"))
 
     with open(tmp_path / "out" / "metrics.jsonl") as f:

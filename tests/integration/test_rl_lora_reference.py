@@ -36,7 +36,7 @@ def test_lora_reference_is_the_policy_without_adapters(tiny_model_dir, tmp_path,
     separate = S.build_ref(args, dist)  # the old way: the base model loaded again
     out = capsys.readouterr().out
     assert "policy with its LoRA adapters switched off" in out and "--ref_offload has no effect" in out
-    assert shared.role.backend is backend and separate.role.backend is not backend
+    assert shared.backend is backend and separate.backend is not backend
     with torch.no_grad():  # trained adapters: B = 0 at init would make the adapters a no-op
         g = torch.Generator().manual_seed(0)
         for name, p in backend.model.named_parameters():
@@ -46,12 +46,12 @@ def test_lora_reference_is_the_policy_without_adapters(tiny_model_dir, tmp_path,
     mask = torch.ones_like(ids)
     mask[2, 6:] = 0
     batch = ExperienceBatch(input_ids=ids, attention_mask=mask, loss_mask=mask.clone())
-    pol = policy.call("forward_logprobs", batch)
-    ref_shared = shared.call("forward_logprobs", batch)
-    ref_separate = separate.call("forward_logprobs", batch)
+    pol = policy.forward_logprobs(batch)
+    ref_shared = shared.forward_logprobs(batch)
+    ref_separate = separate.forward_logprobs(batch)
     torch.testing.assert_close(ref_shared, ref_separate, rtol=1e-5, atol=1e-6)
     assert (pol - ref_shared).abs().max() > 1e-2  # the adapters were really off for the reference
-    torch.testing.assert_close(policy.call("forward_logprobs", batch), pol)  # and are on again afterwards
+    torch.testing.assert_close(policy.forward_logprobs(batch), pol)  # and are on again afterwards
 
 
 def test_another_reference_model_is_still_loaded(tiny_model_dir, tiny_qwen2_dir, tmp_path):
@@ -59,8 +59,8 @@ def test_another_reference_model_is_still_loaded(tiny_model_dir, tiny_qwen2_dir,
     dist = init_distributed("cpu")
     _, backend = S.build_policy(args, dist, num_steps=4)
     ref = S.build_ref(args, dist, policy_backend=backend)
-    assert ref.role.backend is not backend and not ref.role.adapters_off
-    assert ref.role.backend.unwrap().config.model_type == "qwen2"  # the --ref_pretrain model, not the policy
+    assert ref.backend is not backend and not ref.adapters_off
+    assert ref.backend.unwrap().config.model_type == "qwen2"  # the --ref_pretrain model, not the policy
 
 
 def test_lora_grpo_with_kl_runs_and_syncs_merged_weights(tiny_model_dir, tmp_path):

@@ -3,6 +3,8 @@ and drives two train_ppo steps on the tiny model as `--remote_rm_url`."""
 
 from __future__ import annotations
 
+from functools import wraps
+
 import json
 import os
 
@@ -41,7 +43,7 @@ def test_math_reward_file_drives_train_ppo(tiny_model_dir, tmp_path, monkeypatch
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
     seen = []
     real = ActorRole.train_on
-    monkeypatch.setattr(ActorRole, "train_on", lambda self, b, kl=0.0: seen.append(b.to("cpu")) or real(self, b, kl))
+    monkeypatch.setattr(ActorRole, "train_on", wraps(real)(lambda self, b, kl=0.0: seen.append(b.to("cpu")) or real(self, b, kl)))
     train_ppo.main(ppo_flags(tiny_model_dir, str(prompts), str(tmp_path / "out"), reward=REWARD_FILE, label_key="answer",
                              advantage_estimator="reinforce_baseline", rollout_batch_size=2, train_batch_size=4,
                              generate_max_len=8, max_steps=2, init_kl_coef="0.01", use_kl_loss=True))

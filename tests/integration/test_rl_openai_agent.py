@@ -3,6 +3,8 @@ engine: the token ids and log-probs it trains on are the engine's, and it drives
 
 from __future__ import annotations
 
+from functools import wraps
+
 import asyncio
 import json
 import os
@@ -88,7 +90,7 @@ def test_openai_agent_drives_train_ppo(tiny_model_dir, tmp_path, monkeypatch):
     seen, made = [], []
     real_train, real_traj = ActorRole.train_on, OpenAIAgentExecutor._trajectory
     monkeypatch.setattr(ActorRole, "train_on",
-                        lambda self, b, kl=0.0: seen.append(b.to("cpu")) or real_train(self, b, kl))
+                        wraps(real_train)(lambda self, b, kl=0.0: seen.append(b.to("cpu")) or real_train(self, b, kl)))
     monkeypatch.setattr(OpenAIAgentExecutor, "_trajectory",
                         lambda self, s, r: made.append(real_traj(self, s, r)) or made[-1])
     train_ppo.main(ppo_flags(tiny_model_dir, str(prompts), str(tmp_path / "out"), "--agent_func_path", AGENT_FILE,

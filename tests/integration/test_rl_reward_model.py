@@ -10,6 +10,8 @@ by the mean/std train_rm stored in config.json), checks the critic started from 
 
 from __future__ import annotations
 
+from functools import wraps
+
 import json
 import os
 
@@ -47,7 +49,7 @@ def test_ppo_with_critic_and_trained_reward_model(tiny_model_dir, reward_model, 
     prompts.write_text("".join(json.dumps({"input": r["input"]}) + "\n" for r in rows))
     seen = []
     real = ActorRole.train_on
-    monkeypatch.setattr(ActorRole, "train_on", lambda self, b, kl=0.0: seen.append(b) or real(self, b, kl))
+    monkeypatch.setattr(ActorRole, "train_on", wraps(real)(lambda self, b, kl=0.0: seen.append(b) or real(self, b, kl)))
     save = str(tmp_path / "ppo")
     train_ppo.main(ppo_flags(tiny_model_dir, str(prompts), save, "--reward_pretrain", reward_model, "--normalize_reward",
                              label_key=None, advantage_estimator="gae", micro_train_batch_size=4, max_steps=2,

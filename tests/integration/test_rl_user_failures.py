@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+from functools import wraps
+
 import json
 import os
 import subprocess
@@ -78,7 +80,7 @@ def test_drop_retries_a_failing_batch_one_sample_at_a_time(tiny_model_dir, tmp_p
     rf.write_text(REWARD.format(log=str(log)))
     seen = []
     real = ActorRole.train_on
-    monkeypatch.setattr(ActorRole, "train_on", lambda self, b, kl=0.0: seen.append(b) or real(self, b, kl))
+    monkeypatch.setattr(ActorRole, "train_on", wraps(real)(lambda self, b, kl=0.0: seen.append(b) or real(self, b, kl)))
     train_ppo.main(argv(tiny_model_dir, tmp_path, str(rf), "--reward_failure", "drop"))  # default batching
 
     recs = metrics(tmp_path)

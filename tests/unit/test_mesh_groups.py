@@ -60,7 +60,7 @@ def test_offline_share_follows_the_dp_rank():
 def _trainer(dist: DistInfo) -> RLTrainer:
     cfg = RLLoopConfig(rollout_batch_size=4, n_samples_per_prompt=1, show_progress=False)
     return RLTrainer(cfg, AdvantageConfig(advantage_estimator="reinforce"), RewardShapingConfig(), policy=None,
-                     engine=None, executor=None, prompts=[PromptSample(prompt=f"p{i}", index=i) for i in range(8)],
+                     executor=None, prompts=[PromptSample(prompt=f"p{i}", index=i) for i in range(8)],
                      dist=dist, logger=None, pad_token_id=0, kl_ctl=FixedKLController(0.0), weight_sync=object())
 
 
@@ -81,6 +81,7 @@ def test_ray_group_splits_by_dp_rank(monkeypatch):
     half of the batch, and the merged result holds each half once."""
     pytest.importorskip("ray")
     from rlhfkit.distributed import group as G
+    from rlhfkit.roles.actor import ActorRole
     from rlhfkit.types import ExperienceBatch
 
     class Remote:
@@ -93,6 +94,7 @@ def test_ray_group_splits_by_dp_rank(monkeypatch):
             self.call = Remote(self._call)
 
         def _call(self, method, batch):
+            assert method == "forward_logprobs"
             self.seen = batch.input_ids[:, 0].tolist()
             return batch.input_ids[:, :1].float() * 10
 
@@ -100,7 +102,7 @@ def test_ray_group_splits_by_dp_rank(monkeypatch):
     actors = [FakeActor() for _ in range(4)]
     g = G.RayGroup("policy", actors, [None] * 4, dp_ranks=[0, 0, 1, 1], unit=2)
     ids = torch.arange(8)[:, None].repeat(1, 3)
-    out = g.call("forward_logprobs", ExperienceBatch(input_ids=ids, attention_mask=torch.ones_like(ids),
+    out = g.on_batch(ActorRole.forward_logprobs, ExperienceBatch(input_ids=ids, attention_mask=torch.ones_like(ids),
                                                      loss_mask=torch.ones_like(ids)))
     assert [a.seen for a in actors] == [[0, 1, 2, 3], [0, 1, 2, 3], [4, 5, 6, 7], [4, 5, 6, 7]]
     assert out[:, 0].tolist() == [0.0, 10.0, 20.0, 30.0, 40.0, 50.0, 60.0, 70.0]

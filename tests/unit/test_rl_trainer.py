@@ -54,17 +54,17 @@ class FakeExecutor:
 
 @dataclass
 class FakePolicy:
+    """The loop's PolicyCalls contract; records the calls."""
     log: list = field(default_factory=list)
+    name: str = "policy"
 
-    def call(self, method: str, *args):
-        self.log.append((method, args))
-        if method == "forward_logprobs":
-            return torch.full(args[0].input_ids.shape, -0.5)
-        if method == "train_on":
-            return {"policy_loss": 0.25}
-        if method == "weights":
-            return iter([("w", torch.zeros(1))])
-        raise AssertionError(method)
+    def forward_logprobs(self, batch, temperature):
+        self.log.append(("forward_logprobs", (batch, temperature)))
+        return torch.full(batch.input_ids.shape, -0.5)
+
+    def train_on(self, batch, kl_coef):
+        self.log.append(("train_on", (batch, kl_coef)))
+        return {"policy_loss": 0.25}
 
 
 @dataclass
@@ -111,7 +111,7 @@ def make(rewards, steps=2, empty=(), save_steps=-1):
                        save_steps=save_steps, skip_zero_advantage_steps=False)
     prompts = [PromptSample(prompt=f"p{i}", index=i) for i in range(8)]
     trainer = RLTrainer(cfg, AdvantageConfig(advantage_estimator="group_norm", n_samples_per_prompt=2), RewardShapingConfig(),
-                        policy=policy, engine=None, executor=ex, prompts=prompts, dist=DistInfo(),
+                        policy=policy, executor=ex, prompts=prompts, dist=DistInfo(),
                         logger=FakeLogger(), pad_token_id=0, kl_ctl=FixedKLController(0.0),
                         checkpointer=FakeCheckpointer(), weight_sync=sync)
     return trainer, policy, sync, ex

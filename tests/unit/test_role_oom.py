@@ -11,14 +11,15 @@ import torch
 from rlhfkit.cli import ppo_setup as S
 from rlhfkit.cli import train_ppo_ray
 from rlhfkit.roles.group import LocalGroup
+from rlhfkit.roles.handles import PolicyHandle, ReferenceHandle
 from rlhfkit.roles.memory import RoleOutOfMemory
 
 
 class _Role:
-    def train_on(self, batch):
+    def train_on(self, batch, kl_coef=0.0):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\nmore text")
 
-    def forward_logprobs(self, batch):
+    def forward_logprobs(self, batch, temperature=1.0):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB.")
 
     def other(self):
@@ -35,9 +36,9 @@ def parse(tmp_path, *extra):
 
 
 def test_oom_in_training_names_role_phase_and_flag(tmp_path):
-    group = LocalGroup(_Role(), "policy")
+    policy = PolicyHandle(LocalGroup(_Role(), "policy"))
     with pytest.raises(RoleOutOfMemory) as info:
-        group.call("train_on", None)
+        policy.train_on(None, 0.0)
     err = info.value
     assert (err.role, err.rank, err.method, err.phase) == ("policy", 0, "train_on", "training")
     assert "Tried to allocate 2.00 GiB." in str(err) and "more text" not in str(err)
@@ -49,20 +50,20 @@ def test_oom_in_training_names_role_phase_and_flag(tmp_path):
 
 
 def test_dynamic_batches_and_sleep_change_the_advice(tmp_path):
-    err = pytest.raises(RoleOutOfMemory, LocalGroup(_Role(), "ref").call, "forward_logprobs", None).value
+    err = pytest.raises(RoleOutOfMemory, ReferenceHandle(LocalGroup(_Role(), "ref")).forward_logprobs, None, 1.0).value
     args = parse(tmp_path, "--use_dynamic_batch", "--train_max_tokens_per_gpu", "8192", "--colocate_all_models",
                  "--vllm_enable_sleep", "--gradient_checkpointing")
     line = str(S.explain_oom(args, err))
     assert "ref rank 0 ran out of GPU memory in experience making (log-probs)" in line
     assert "lower --rollout_max_tokens_per_gpu 8192" in line and "--vllm_enable_sleep" not in line
-    err = pytest.raises(RoleOutOfMemory, LocalGroup(_Role(), "policy").call, "train_on", None).value
+    err = pytest.raises(RoleOutOfMemory, PolicyHandle(LocalGroup(_Role(), "policy")).train_on, None, 0.0).value
     line = str(S.explain_oom(args, err))
     assert "lower --train_max_tokens_per_gpu 8192" in line and "gradient_checkpointing" not in line
 
 
 def test_other_errors_pass_unchanged():
     with pytest.raises(ValueError, match="not memory"):
-        LocalGroup(_Role(), "policy").call("other")
+        LocalGroup(_Role(), "policy").on_every_rank(_Role.other)
 
 
 def test_the_error_crosses_a_process_boundary_and_ray_keeps_it():
