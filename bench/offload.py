@@ -144,7 +144,7 @@ def main() -> None:
         st = b.sleep_stats
         res["stash"].append({"offload_s": off, "reload_s": on, "gib": round(st["offload_bytes"] / 2**30, 3),
                              "mem_gib_asleep": asleep, "bit_identical": same,
-                             "host_buffers": len(b._stash.buffers), "pinned": b._stash.pin})
+                             "host_buffers": len(b.offloader.stash.buffers), "pinned": b.offloader.stash.pin})
         del before
     train_step(b, vocab, a.tokens)  # the stashed states train on
     for r in range(a.rounds):

@@ -239,11 +239,10 @@ def trace_generate(engine: BuiltinEngine, reqs: list) -> dict:
                 events.append((label, e0, e1))
         setattr(obj, name, timed)
 
-    for obj, name, label in ((engine, "_prefill", "prefill"), (engine.runner, "sample", "first_token_sample"),
-                             (engine, "_decode", "decode"), (engine, "_sync", "sync"),
-                             (engine, "_init_slots", "init_slots"), (engine, "_prepare", "prepare"),
-                             (engine.sched, "plan_admissions", "plan_admissions"),
-                             (engine, "_finish", "finish")):
+    for obj, name, label in ((engine.loop, "prefill", "prefill"), (engine.runner, "sample", "first_token_sample"),
+                             (engine.loop, "decode", "decode"), (engine.loop, "sync", "sync"),
+                             (engine, "_prepare", "prepare"), (engine.sched, "plan_admissions", "plan_admissions"),
+                             (engine.loop, "finish", "finish")):
         wrap(obj, name, label)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]):  # the profiler's own start-up
         engine.generate(reqs)

@@ -1,33 +1,38 @@
 """Sleep and wake of a training backend's states (`offload_states` / `reload_states`,
---deepspeed_enable_sleep), as a mixin of FSDP2Backend: which tensors move, which are rebuilt, and
-the host stash they go to (offload.py).
+--deepspeed_enable_sleep): `StateOffloader`, owned by FSDP2Backend, decides which tensors move and
+which are rebuilt, and keeps the host stash they go to (offload.py).
 
-The backend provides `model`, `master` (MasterWeights or None), `optimizer`, `cfg`, `trainable`,
-`device`, `is_sharded` and `_stash` (a HostStash).
+    backend.offloader = StateOffloader(model, master, optimizer, device, is_sharded, on_host)
+    offloader.offload()   reshard (FSDP2), then parameters, gradients, fp32 masters and Adam states
+                          -> host slots; bf16 copies of masters are freed, not copied
+    offloader.reload()    back, bit for bit; bf16 parameters rebuilt from their masters
+    offloader.wake()      reload if asleep (readers of the states call it first)
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
+from torch import nn
 
-from rlhfkit.backend.offload import MoveStats, _local
+from rlhfkit.backend.master import MasterWeights
+from rlhfkit.backend.offload import HostStash, MoveStats, Named, _local
 
 
-class SleepMixin:
-    """`offload_states`, `reload_states`, `sleep_stats` and `_wake` for FSDP2Backend."""
+class StateOffloader:
+    """See the module docstring. `on_host`: the optimizer states already live in host memory (FSDP2's
+    CPUOffloadPolicy under --adam_offload on CUDA): offloading is a no-op."""
 
-    model: Any
-    master: Any
-    optimizer: Any
-    cfg: Any
-    trainable: bool
-    device: torch.device
-    is_sharded: bool
-    _stash: Any
+    def __init__(self, model: nn.Module, master: MasterWeights | None, optimizer: torch.optim.Optimizer | None,
+                 device: torch.device, is_sharded: bool, on_host: bool = False) -> None:
+        self.model, self.master, self.optimizer = model, master, optimizer
+        self.device, self.is_sharded, self.on_host = device, is_sharded, on_host
+        self.stash = HostStash(device)
 
-    def _sleep_tensors(self) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:
+    @property
+    def asleep(self) -> bool:
+        return self.stash.offloaded
+
+    def _sleep_tensors(self) -> tuple[Named, Named]:
         """(tensors to copy out, tensors to free and rebuild) for offload_states, by stable name.
 
         Copied: parameters (FSDP2: the sharded DTensors; fp32 masters where the module is a bf16
@@ -39,8 +44,8 @@ class SleepMixin:
             self.master.materialize_grads()  # kept bf16 gradients travel as the masters' .grad
         names = self._optimized_names()
         rebuilt = {id(p) for p in self.master.params} if self.master is not None else set()
-        keep: list[tuple[str, Any]] = []
-        drop: list[tuple[str, Any]] = []
+        keep: list[tuple[str, torch.Tensor | None]] = []
+        drop: list[tuple[str, torch.Tensor | None]] = []
         for n, p in self.model.named_parameters():
             (drop if id(p) in rebuilt else keep).append((f"param:{n}", p))
             keep.append((f"grad:{n}", p.grad))
@@ -62,12 +67,12 @@ class SleepMixin:
             names.update({id(m): n for n, m in zip(self.master.names, self.master.masters)})
         return names
 
-    def offload_states(self) -> MoveStats:
+    def offload(self) -> MoveStats:
         """Training states into host buffers allocated once (pinned on CUDA); see offload.py.
 
         No-op under `--adam_offload` on CUDA (FSDP2 keeps those states in host memory already).
         On CPU the round trip still runs (it frees nothing there) so that CPU runs exercise it."""
-        if self._stash.offloaded or (self.cfg.adam_offload and self.trainable and self.device.type == "cuda"):
+        if self.stash.offloaded or self.on_host:
             return MoveStats()
         if self.is_sharded:
             from torch.distributed.fsdp import FSDPModule
@@ -76,7 +81,7 @@ class SleepMixin:
                 if isinstance(m, FSDPModule):
                     m.reshard()
         keep, drop = self._sleep_tensors()
-        return self._stash.offload(keep, drop, self._future_states())
+        return self.stash.offload(keep, drop, self._future_states())
 
     def _future_states(self) -> list[tuple[str, int]]:
         """(key, bytes) of the Adam states that do not exist yet (before the optimizer's first step):
@@ -101,19 +106,19 @@ class SleepMixin:
                 out.append((f"opt:{name}:step", 4))  # fp32 scalar (unused where torch keeps it on the host)
         return out
 
-    def _wake(self) -> None:
+    def wake(self) -> None:
         """Readers of the states (state dicts, weight iteration, saving) reload them first: asleep,
         their storages are empty. (Forward passes are the caller's: Phases reloads before a call.)"""
-        if self._stash.offloaded:
-            self.reload_states()
+        if self.stash.offloaded:
+            self.reload()
 
-    def reload_states(self) -> MoveStats:
+    def reload(self) -> MoveStats:
         """Back onto the device, bit for bit; bf16 parameters are rebuilt from their fp32 masters."""
-        return self._stash.reload(self.master.copy_to_model if self.master is not None else None)
+        return self.stash.reload(self.master.copy_to_model if self.master is not None else None)
 
     @property
-    def sleep_stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, float]:
         """The last offload / reload: seconds and bytes (the RL loop logs them)."""
-        a, b = self._stash.last_offload, self._stash.last_reload
+        a, b = self.stash.last_offload, self.stash.last_reload
         return {"offload_s": a.seconds, "offload_bytes": float(a.nbytes),
                 "reload_s": b.seconds, "reload_bytes": float(b.nbytes)}

@@ -62,8 +62,8 @@ from rlhfkit.backend.guard import NonFiniteGuard
 from rlhfkit.backend.master import MasterWeights
 from rlhfkit.backend.optim_step import decide_and_step, step_grad_norm
 from rlhfkit.backend.model_prep import autocast_forward, cast_params
-from rlhfkit.backend.backend_sleep import SleepMixin
-from rlhfkit.backend.offload import HostStash
+from rlhfkit.backend.backend_sleep import StateOffloader
+from rlhfkit.backend.offload import MoveStats
 from rlhfkit.backend.optim import build_optimizer, build_scheduler, param_groups
 from rlhfkit.backend.precision import DynamicLossScaler, compute_dtype_for, parse_dtype
 from rlhfkit.checkpoint import sharded as ckpt
@@ -91,7 +91,7 @@ def _validate(cfg: BackendConfig) -> None:
     parse_size(cfg.hf_max_shard_size)
 
 
-class FSDP2Backend(SleepMixin):
+class FSDP2Backend:
     """Wraps one model with its optimizer and LR schedule; see the module docstring."""
 
     def __init__(self, model: nn.Module, backend_cfg: BackendConfig, optim_cfg: OptimConfig | None,
@@ -115,7 +115,6 @@ class FSDP2Backend(SleepMixin):
             D.init_single_rank_group(dist.device)  # FSDP2's CPUOffloadPolicy needs a process group
         self.is_sharded = dist.has_process_group
         self._unsynced = False
-        self._stash = HostStash(self.device)
         master = torch.float32 if self.trainable else self.compute_dtype
         cast_params(model, master, trainable_only=self.trainable)
         if self.trainable:  # frozen weights (a LoRA base, a frozen vision tower) have no masters: compute dtype
@@ -154,6 +153,23 @@ class FSDP2Backend(SleepMixin):
                 self.master.keep_low_grads = True  # read by the fused step (master_adamw.py)
             if backend_cfg.ema_decay is not None:
                 self.ema = EMAWeights(self._named_params(self._params()), backend_cfg.ema_decay)
+        self.offloader = StateOffloader(self.model, self.master, self.optimizer, self.device, self.is_sharded,
+                                        on_host=self.cpu_offload)
+
+    # ------------------------------------------------------------------ sleep (backend_sleep.py)
+
+    def offload_states(self) -> MoveStats:
+        return self.offloader.offload()
+
+    def reload_states(self) -> MoveStats:
+        return self.offloader.reload()
+
+    @property
+    def sleep_stats(self) -> dict[str, float]:
+        return self.offloader.stats
+
+    def _wake(self) -> None:
+        self.offloader.wake()
 
     # ------------------------------------------------------------------ wrapping
 

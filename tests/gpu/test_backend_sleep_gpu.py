@@ -65,15 +65,15 @@ def test_pinned_round_trip_frees_memory_and_matches_a_twin():
     n = sum(m.numel() for m in b.master.masters)
     assert freed >= 14 * n  # bf16 params (2) + fp32 masters (4) + Adam (8) per parameter left the GPU
     assert st.nbytes >= 12 * n  # copied: masters + Adam (+ fused AdamW's step scalars); bf16 rebuilt
-    assert b._stash.pin and all(buf.is_pinned() for buf in b._stash.buffers)
+    assert b.offloader.stash.pin and all(buf.is_pinned() for buf in b.offloader.stash.buffers)
     b.reload_states()
     assert all(torch.equal(x, y) for x, y in zip(before, states(b)))
-    ptrs = [buf.data_ptr() for buf in b._stash.buffers]
+    ptrs = [buf.data_ptr() for buf in b.offloader.stash.buffers]
     for s in (2, 3):
         assert step(b, s) == step(twin, s)
         b.offload_states()
         b.reload_states()
-    assert [buf.data_ptr() for buf in b._stash.buffers] == ptrs  # allocated once
+    assert [buf.data_ptr() for buf in b.offloader.stash.buffers] == ptrs  # allocated once
     assert all(torch.equal(x, y) for x, y in zip(states(twin), states(b)))
 
 

@@ -60,7 +60,7 @@ def teacher(model, prompt: list[int], completion: list[int]) -> list[float]:
 def pausing_engine(model, tok) -> tuple[BuiltinEngine, threading.Event]:
     """An engine that pauses itself after PAUSE_AFTER steps; the event is set when it has."""
     engine = BuiltinEngine(model, tok, device="cpu", config=CFG)
-    real, count, paused = engine._step, [0], threading.Event()
+    real, count, paused = engine.loop.step, [0], threading.Event()
 
     def step(batch: bool = False) -> None:
         real(batch)
@@ -68,7 +68,7 @@ def pausing_engine(model, tok) -> tuple[BuiltinEngine, threading.Event]:
         if count[0] == PAUSE_AFTER:
             engine.pause()
             paused.set()
-    engine._step = step
+    engine.loop.step = step
     return engine, paused
 
 

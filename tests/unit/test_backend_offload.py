@@ -14,10 +14,45 @@ from torch import nn
 
 from rlhfkit.backend import FSDP2Backend
 from rlhfkit.parallel.dist import DistInfo
+from rlhfkit.backend.backend_sleep import StateOffloader
 from rlhfkit.backend.offload import HostStash
 from rlhfkit.config.configs import BackendConfig, OptimConfig
 
 CPU = DistInfo(device="cpu")
+
+
+# ----------------------------------------------------------------------------- StateOffloader alone
+
+
+def test_state_offloader_alone_moves_params_grads_and_adam_states():
+    """A plain module and AdamW, no backend: after one step every parameter, gradient and Adam moment leaves
+    the device and comes back bit for bit; the step after the round trip equals a twin's that never slept;
+    with the states already on the host (`on_host`) offloading does nothing."""
+    def made():
+        torch.manual_seed(0)
+        m = nn.Linear(4, 3)
+        opt = torch.optim.AdamW(m.parameters(), lr=0.1)
+        m(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        m(torch.ones(2, 4)).pow(2).sum().backward()
+        return m, opt
+
+    (m, opt), (twin, twin_opt) = made(), made()
+    off = StateOffloader(m, None, opt, torch.device("cpu"), is_sharded=False)
+    st = off.offload()
+    moments = [v for state in opt.state.values() for k, v in state.items() if k.startswith("exp_avg")]
+    assert off.asleep and len(moments) == 4
+    assert all(t.untyped_storage().nbytes() == 0 for t in [*m.parameters(), *(p.grad for p in m.parameters()),
+                                                            *moments])
+    assert st.nbytes >= 3 * (12 + 3) * 4  # params, grads, two moments (+ step counters)
+    off.wake()
+    assert not off.asleep and off.stats["reload_bytes"] == st.nbytes
+    opt.step()
+    twin_opt.step()
+    for a, b in zip(m.parameters(), twin.parameters()):
+        assert torch.equal(a, b)
+    on_host = StateOffloader(twin, None, twin_opt, torch.device("cpu"), is_sharded=False, on_host=True)
+    assert on_host.offload().nbytes == 0 and not on_host.asleep
 
 
 # ----------------------------------------------------------------------------- HostStash
@@ -146,7 +181,7 @@ def test_master_weights_round_trip_rebuilds_bf16_params_instead_of_copying():
     n = sum(m.numel() for m in b.master.masters)
     # fp32 masters + Adam states + steps; the bf16 module copies are not moved (rebuilt from the masters)
     assert nbytes == 12 * n + 4 * len(b.master.masters)
-    assert b._stash.slot("param:model.norm.weight") is None and b._stash.slot("master:model.norm.weight") is not None
+    assert b.offloader.stash.slot("param:model.norm.weight") is None and b.offloader.stash.slot("master:model.norm.weight") is not None
     for p, m in zip(b.master.params, b.master.masters):
         assert torch.equal(p, m.to(torch.bfloat16))
 
@@ -157,22 +192,22 @@ def test_repeated_sleeps_reuse_the_host_buffer_reserved_at_the_first(low_precisi
     the first step creates, so no later offload allocates (or, on CUDA, pins) a host buffer."""
     b = make_backend(low_precision)
     st = b.offload_states()
-    reserved = b._stash.host_bytes
+    reserved = b.offloader.stash.host_bytes
     assert reserved > 3 * st.nbytes  # parameters copied, and room for exp_avg + exp_avg_sq (+ steps)
     b.reload_states()
-    buffers = [t.data_ptr() for t in b._stash.buffers]
+    buffers = [t.data_ptr() for t in b.offloader.stash.buffers]
     for s in range(3):
         step(b, s)
         assert b.offload_states().nbytes > 2 * st.nbytes  # the Adam states moved too ...
         b.reload_states()
-    assert [t.data_ptr() for t in b._stash.buffers] == buffers and b._stash.host_bytes == reserved  # ... into it
+    assert [t.data_ptr() for t in b.offloader.stash.buffers] == buffers and b.offloader.stash.host_bytes == reserved  # ... into it
 
 
 def test_bf16_params_come_back_from_the_masters_not_from_a_copy():
     b = make_backend(low_precision=True)
     step(b, 0)
     b.offload_states()
-    slot = b._stash.slot("master:model.norm.weight").view(torch.float32)
+    slot = b.offloader.stash.slot("master:model.norm.weight").view(torch.float32)
     slot.add_(1.0)  # what the reload restores into the master, the rebuild rounds into the bf16 parameter
     b.reload_states()
     norm = dict(b.model.named_parameters())["model.norm.weight"]
@@ -188,7 +223,7 @@ def test_state_readers_wake_the_states_first():
     opt = b.optimizer_state_dict()["state"]["model.norm.weight"]["exp_avg"].clone()
     b.offload_states()
     got = b.full_state_dict()
-    assert not b._stash.offloaded and all(torch.equal(want[k], got[k]) for k in want)
+    assert not b.offloader.stash.offloaded and all(torch.equal(want[k], got[k]) for k in want)
     b.offload_states()
     assert torch.equal(b.optimizer_state_dict()["state"]["model.norm.weight"]["exp_avg"], opt)
     b.offload_states()

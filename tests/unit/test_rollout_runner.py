@@ -64,15 +64,15 @@ def test_failing_decode_step_drops_compile_and_stays_exact(qwen2):
 
 
 def _count_syncs(engine: BuiltinEngine) -> dict:
-    """Wrap `engine._sync` to count its calls in the returned dict's "n"."""
+    """Wrap the engine loop's `sync` to count its calls in the returned dict's "n"."""
     syncs = {"n": 0}
-    orig = engine._sync
+    orig = engine.loop.sync
 
     def counting(*args) -> None:
         syncs["n"] += 1
         orig(*args)
 
-    engine._sync = counting
+    engine.loop.sync = counting
     return syncs
 
 

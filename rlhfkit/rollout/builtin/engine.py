@@ -1,6 +1,6 @@
 """BuiltinEngine: the fast rollout engine (RolloutEngine protocol) for HF Llama/Qwen2/Qwen3/Mistral.
 
-One engine step (`_step`, under the engine lock; stepping.py):
+One engine step (`EngineLoop.step`, under the engine lock; stepping.py):
 
     inbox -> scheduler.waiting                       (requests from generate() / agenerate())
     admit: while slots are free, prefill waiting prompts (one prefill per request, its K/V
@@ -67,7 +67,7 @@ from rlhfkit.rollout.builtin.inbox import Inbox
 from rlhfkit.rollout.builtin.model import DecoderModel, resolve_decode_attention, resolve_decode_gemm
 from rlhfkit.rollout.builtin.scheduler import RequestState, SlotScheduler, batch_bucket, length_bucket
 from rlhfkit.rollout.builtin.step import StepRunner
-from rlhfkit.rollout.builtin.stepping import EngineStepping
+from rlhfkit.rollout.builtin.stepping import EngineLoop
 from rlhfkit.rollout.builtin.tp import TensorParallelGroup, load_weights, mirror
 from rlhfkit.rollout.builtin.vision import VisionIndex, load_vision_tower
 from rlhfkit.rollout.builtin.weights import rope_inv_freq, rope_tables
@@ -77,7 +77,7 @@ from rlhfkit.types import Completion, GenerationRequest
 log = logging.getLogger(__name__)
 
 
-class BuiltinEngine(EngineStepping):
+class BuiltinEngine:
     """Continuous-batching engine over its own copy of an HF model's weights.
 
     `model`: an HF `*ForCausalLM` module, or a model directory (read tensor by tensor from its
@@ -98,7 +98,8 @@ class BuiltinEngine(EngineStepping):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.tp = tp if tp is not None and tp.size > 1 else None
         self.tokenizer = tokenizer
-        self._decode_text = make_decode(tokenizer)
+        decode_text = make_decode(tokenizer)
+        self._decode_text = decode_text
         hf_config, gen_source, self.dtype, self.spec, weights = load_weights(model, dtype, self.device, self.tp)
         self.eos_token_ids = eos_ids_of(gen_source, tokenizer) if eos_token_ids is None else list(eos_token_ids)
         cfg = self.config
@@ -117,7 +118,7 @@ class BuiltinEngine(EngineStepping):
         on_cuda = self.device.type == "cuda"
         graphs = on_cuda if cfg.cuda_graphs is None else cfg.cuda_graphs
         compile_step = on_cuda if cfg.compile is None else cfg.compile
-        self._lookahead = (4 if on_cuda else 0) if cfg.lookahead_steps is None else cfg.lookahead_steps
+        lookahead = (4 if on_cuda else 0) if cfg.lookahead_steps is None else cfg.lookahead_steps
         if graphs and not on_cuda:
             raise ValueError("BuiltinEngineConfig.cuda_graphs needs a CUDA device")
         self._local = StepRunner(
@@ -131,14 +132,24 @@ class BuiltinEngine(EngineStepping):
         self.stats = EngineStats()
         self._rng = random.Random(cfg.seed)  # seeds of requests without one (host side: no torch op per request)
         self._lock = threading.RLock()
-        self.policy_version = 0  # the version of the weights now loaded (see the module docstring)
         self._running = threading.Event()  # cleared while paused
         self._running.set()
         self._inbox = Inbox()
         self._worker: threading.Thread | None = None
         self._closing = False
         self._closed = False
-        self.sched = SlotScheduler(cfg.max_num_seqs, cfg.max_prefill_tokens)
+        self.loop = EngineLoop(self.steps, cfg, self._inbox, self.stats, vocab_size=self.spec.vocab_size,
+                               max_model_len=self.max_model_len, lookahead=lookahead, banned=self.banned,
+                               vision_index=self._vision_index, decode_text=decode_text)
+
+    @property
+    def sched(self) -> SlotScheduler:
+        return self.loop.sched
+
+    @property
+    def policy_version(self) -> int:
+        """The version of the weights now loaded (see the module docstring)."""
+        return self.loop.version
 
     # ---------------------------------------------------------------- the device side (step.py)
     @property
@@ -267,9 +278,9 @@ class BuiltinEngine(EngineStepping):
         """The policy version of the loaded weights: every running sample's next token starts a
         span of `version` (requests admitted later start with it)."""
         with self._lock:
-            self.policy_version = int(version)
+            self.loop.version = int(version)
             for seq in self.sched.running.values():
-                seq.mark_version(self.policy_version)
+                seq.mark_version(self.loop.version)
 
     # ---------------------------------------------------------------- public generation API
     def generate(self, requests: list[GenerationRequest]) -> list[list[Completion]]:
@@ -376,21 +387,16 @@ class BuiltinEngine(EngineStepping):
         self._inbox.expect(n)
 
     def _drain_inbox(self) -> None:
-        self._inbox.drain(self.sched.add)
+        self.loop.drain_inbox()
 
     def _run_step(self, batch: bool = False) -> None:
         try:
             with torch.inference_mode():
-                self._step(batch)
+                self.loop.step(batch)
         except BaseException as exc:  # fail every request in flight rather than hang its caller
             self._fail_all(exc)
             raise
 
     def _fail_all(self, exc: BaseException) -> None:
-        self._drain_inbox()
-        reqs = {id(s.req): s.req for s in self.sched.running.values()}
-        reqs.update({id(r): r for r in self.sched.waiting})
-        self.sched = SlotScheduler(self.config.max_num_seqs, self.config.max_prefill_tokens)
-        self.steps.fail_all()
-        for r in reqs.values():
+        for r in self.loop.reset():
             r.on_done(exc)

@@ -1,63 +1,88 @@
-"""One step of the builtin engine (`EngineStepping._step`, a mixin of BuiltinEngine, run under the engine
-lock): admit waiting prompts into free slots (prefill), queue a chunk of decode steps, read the rows'
-new tokens back and finish the rows that are done, then compact the slots. The module docstring of
-engine.py describes the chunk sizes, the look-ahead and the syncs; the device work goes through
-`self.steps` (step.py).
+"""The builtin engine's step loop (`EngineLoop`, owned by BuiltinEngine and run under its lock):
 
-The engine provides `sched` (SlotScheduler), `steps` (the step runner or its tensor-parallel mirror),
-`stats`, `config`, `spec`, `max_model_len`, `policy_version`, `_inbox`, `_lookahead`, `_decode_text`,
-`banned` (token ids never sampled) and `_vision_index` (a VLM's picture plan, vision.py, or None).
+    step(batch)   drain the inbox into the scheduler
+                  schedule: admit waiting prompts into free slots (prefill), as long as slots are free
+                  run:      queue a chunk of decode steps (and, in a quiet batch, a look-ahead chunk)
+                  postprocess: read the rows' new tokens back, finish the rows that are done,
+                            then compact the slots
+
+engine.py's module docstring describes the chunk sizes, the look-ahead and the syncs; the device
+work goes through `steps` (step.py: the step runner, or its tensor-parallel mirror).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Callable
 
-from rlhfkit.rollout.builtin.scheduler import Admission, length_bucket
-from rlhfkit.rollout.builtin.step import AdmitPlan
+from rlhfkit.rollout.builtin.config import BuiltinEngineConfig
+from rlhfkit.rollout.builtin.inbox import Inbox
+from rlhfkit.rollout.builtin.scheduler import Admission, RequestState, SlotScheduler, length_bucket
+from rlhfkit.rollout.builtin.step import AdmitPlan, MirroredSteps, StepRunner
+from rlhfkit.rollout.builtin.vision import VisionIndex
+from rlhfkit.rollout.engine_utils import EngineStats
 from rlhfkit.rollout.stops import finish_completion, stop_string_cut
 from rlhfkit.types import Completion
 
 
-class EngineStepping:
-    """`_step` and the prefill / decode / sync / finish / compaction it is made of."""
+class EngineLoop:
+    """See the module docstring. `version`: the policy version of the loaded weights (the engine sets it);
+    `banned`: token ids never sampled (a VLM's vision markers); `vision_index`: a VLM's picture plan;
+    `decode_text`: token ids -> text, for stop strings."""
 
-    sched: Any
-    steps: Any
-    stats: Any
-    config: Any
-    spec: Any
-    max_model_len: int
-    policy_version: int
-    _inbox: Any
-    _lookahead: int
-    _decode_text: Any
-    banned: tuple[int, ...]
-    _vision_index: Any
+    def __init__(self, steps: StepRunner | MirroredSteps, config: BuiltinEngineConfig, inbox: Inbox,
+                 stats: EngineStats, *, vocab_size: int, max_model_len: int, lookahead: int,
+                 banned: tuple[int, ...] = (), vision_index: VisionIndex | None = None,
+                 decode_text: Callable[[list[int]], str] | None = None) -> None:
+        self.steps, self.config, self.inbox, self.stats = steps, config, inbox, stats
+        self.vocab_size, self.max_model_len, self.lookahead = vocab_size, max_model_len, lookahead
+        self.banned, self.vision_index, self.decode_text = banned, vision_index, decode_text
+        self.sched = SlotScheduler(config.max_num_seqs, config.max_prefill_tokens)
+        self.version = 0
 
-    def _step(self, batch: bool = False) -> None:
-        self._drain_inbox()
+    def drain_inbox(self) -> None:
+        self.inbox.drain(self.sched.add)
+
+    def reset(self) -> list[RequestState]:
+        """Forget every request (a failed step): the scheduler starts empty; returns the requests that were
+        running or waiting, for the caller to fail."""
+        self.drain_inbox()
+        reqs = {id(s.req): s.req for s in self.sched.running.values()}
+        reqs.update({id(r): r for r in self.sched.waiting})
+        self.sched = SlotScheduler(self.config.max_num_seqs, self.config.max_prefill_tokens)
+        self.steps.fail_all()
+        return list(reqs.values())
+
+    def step(self, batch: bool = False) -> None:
+        self.drain_inbox()
+        self.schedule()
+        self.run(batch)
+        moves = self.sched.plan_compaction()
+        if moves:
+            self.move_slots(moves)
+
+    def schedule(self) -> None:
+        """Fill every free slot before decoding (one prefill call per token budget)."""
         had_running = bool(self.sched.running)
-        while True:  # fill every free slot before decoding (one prefill call per token budget)
-            admissions = self.sched.plan_admissions(self.policy_version)
+        while True:
+            admissions = self.sched.plan_admissions(self.version)
             if not admissions:
                 break
             self.stats.mid_run_admissions += had_running
-            self._prefill(admissions)
-        steps, quiet = self._decode(batch, hold=self._lookahead)
-        if steps and quiet and self._lookahead:
-            snap = self._snapshot()  # as of the end of this chunk
-            ahead, _ = self._decode(batch, cap=self._lookahead)
-            self._sync(snap, ahead)
-        else:
-            self._sync()
-        moves = self.sched.plan_compaction()
-        if moves:
-            self._move_slots(moves)
+            self.prefill(admissions)
 
-    def _prefill(self, admissions: list[Admission]) -> None:
-        plan = AdmitPlan.from_admissions(admissions, self.spec.vocab_size, self.config.max_stop_ids, self.banned,
-                                         self._vision_index)
+    def run(self, batch: bool) -> None:
+        """A chunk of decode steps and the sync after it; a quiet batch looks ahead (engine.py)."""
+        steps, quiet = self.decode(batch, hold=self.lookahead)
+        if steps and quiet and self.lookahead:
+            snap = self.snapshot()  # as of the end of this chunk
+            ahead, _ = self.decode(batch, cap=self.lookahead)
+            self.sync(snap, ahead)
+        else:
+            self.sync()
+
+    def prefill(self, admissions: list[Admission]) -> None:
+        plan = AdmitPlan.from_admissions(admissions, self.vocab_size, self.config.max_stop_ids, self.banned,
+                                         self.vision_index)
         self.steps.admit(plan)
         if plan.mm is not None and plan.mm.encode:
             self.stats.vision_calls += 1
@@ -66,7 +91,7 @@ class EngineStepping:
         self.stats.prefill_sequences += len(admissions)
         self.stats.prefill_tokens += sum(plan.lengths)
 
-    def _decode(self, batch: bool = False, cap: int | None = None, hold: int = 0) -> tuple[int, bool]:
+    def decode(self, batch: bool = False, cap: int | None = None, hold: int = 0) -> tuple[int, bool]:
         """Queue the next chunk of decode steps (at most `cap`); returns the number of steps and
         whether the chunk is `quiet`: batch mode (no waiting request, no stop strings) with some row
         that cannot finish by length inside the chunk, so a look-ahead cannot be wasted on lengths.
@@ -91,7 +116,7 @@ class EngineStepping:
         if min_left is None:
             return 0, False
         every = self.config.sync_every
-        quiet = batch and not stops and not self.sched.waiting and self._inbox.empty()
+        quiet = batch and not stops and not self.sched.waiting and self.inbox.empty()
         if quiet:
             every = self.config.sync_every_batch
         steps = min(every, min_left, cap or every)
@@ -109,7 +134,7 @@ class EngineStepping:
         self.stats.decode_row_steps += steps * rows
         return steps, quiet
 
-    def _snapshot(self, wait: bool = False) -> tuple:
+    def snapshot(self, wait: bool = False) -> tuple:
         """`SlotState.read_out` of slots 0..max(running), each from its last read column."""
         running = self.sched.running
         reads, width = [0] * (max(running) + 1), 1
@@ -118,13 +143,13 @@ class EngineStepping:
             width = max(width, seq.gen_bound - seq.read)
         return self.steps.read_out(reads, width, wait)
 
-    def _sync(self, snap: tuple | None = None, after: int = 0) -> None:
+    def sync(self, snap: tuple | None = None, after: int = 0) -> None:
         """Read every running row's new tokens; finish rows that are done. `snap`: a `_snapshot()`
         taken `after` decode steps ago (rows not done then may have advanced since)."""
         running = self.sched.running
         if not running:
             return
-        flags, toks, lps, event = snap or self._snapshot(wait=True)
+        flags, toks, lps, event = snap or self.snapshot(wait=True)
         if event is not None:
             event.synchronize()
         done, gen = flags[0].tolist(), flags[1].tolist()
@@ -144,19 +169,19 @@ class EngineStepping:
             seq = running[slot]
             if not done[slot]:
                 p = seq.req.request.params
-                keep, seq.checked_chars = stop_string_cut(seq.tokens, self._decode_text, p.stop, seq.checked_chars,
+                keep, seq.checked_chars = stop_string_cut(seq.tokens, self.decode_text, p.stop, seq.checked_chars,
                                                           p.min_new_tokens)
                 if keep is None:
                     continue
-            self._finish(self.sched.release(slot), seq.tokens, seq.logprobs)
+            self.finish(self.sched.release(slot), seq.tokens, seq.logprobs)
             freed.append(slot)
         if freed:
             self.steps.release(freed)
 
-    def _finish(self, seq, tokens: list[int], logprobs: list[float]) -> None:
+    def finish(self, seq, tokens: list[int], logprobs: list[float]) -> None:
         req, p = seq.req, seq.req.request.params
         ids, lps, reason = finish_completion(tokens, logprobs, req.stop_set, p.min_new_tokens, p.stop,
-                                             self._decode_text)
+                                             self.decode_text)
         req.completions[seq.sample] = Completion(
             prompt_token_ids=list(req.request.prompt_token_ids), token_ids=ids,
             logprobs=lps if p.logprobs else None, finish_reason=reason, request_id=req.request.request_id,
@@ -166,7 +191,7 @@ class EngineStepping:
         if req.remaining == 0:
             req.on_done(list(req.completions))
 
-    def _move_slots(self, moves: list[tuple[int, int]]) -> None:
+    def move_slots(self, moves: list[tuple[int, int]]) -> None:
         longest = max(self.sched.running[d].pos_bound + 1 for _, d in moves)
         self.steps.move([m[0] for m in moves], [m[1] for m in moves], min(longest, self.max_model_len))
         self.stats.slot_moves += len(moves)
