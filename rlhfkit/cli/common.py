@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from rlhfkit import logs
+from rlhfkit.config.errors import UsageError  # noqa: F401 (every command raises it from here)
 from rlhfkit.backend.guard import NonFiniteError
 from rlhfkit.config.flag_parser import set_explicitly
 from rlhfkit.config.flags import run_dir_of, write_resolved_config
@@ -37,10 +38,6 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
-
-
-class UsageError(ValueError):
-    """A bad combination of flags, named in the message."""
 
 
 def _run_failures() -> tuple[type[BaseException], ...]:

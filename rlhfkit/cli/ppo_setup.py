@@ -22,7 +22,7 @@ from rlhfkit.backend.fsdp2 import FSDP2Backend
 from rlhfkit.parallel.mesh import ParallelDims
 from rlhfkit.cli.common import (UsageError, check_backend_flags, check_packages, check_positions, parallel_dims,
                                 report_dropped, resolve_model_paths)
-from rlhfkit.cli.rl_checkpoint import RLCheckpointer
+from rlhfkit.trainers.rl_checkpoint import RLCheckpointer
 from rlhfkit.cli.vlm_setup import check_vlm_rl_flags
 from rlhfkit.config.configs import BackendConfig, ModelConfig, OptimConfig, from_args
 from rlhfkit.config.notes import note_once

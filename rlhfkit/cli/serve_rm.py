@@ -8,8 +8,8 @@
     GET  /health      {"status": "ok", "forwards": ..., "sequences": ..., "cancelled": ..., ...}
 
 Data flow. A request's body is read under --read_timeout_s and --max_body_mb and parsed under the
-item, character and depth limits (`serve_rm_request.py`) before anything is tokenised; its queries then
-join the round-robin scheduler (`serve_rm_batcher.py`), which hands one worker thread micro-batches of
+item, character and depth limits (`serving/request.py`) before anything is tokenised; its queries then
+join the round-robin scheduler (`serving/batcher.py`), which hands one worker thread micro-batches of
 at most --batch_size queries taken in turn from every pending request; the thread tokenises and scores
 each micro-batch. A small request is therefore answered after a forward or two even behind a huge one,
 and a request whose client disconnects loses its queries not yet scored:
@@ -68,8 +68,8 @@ from typing import Any, Sequence
 
 import torch
 
-from rlhfkit.cli.serve_rm_batcher import FairBatcher, Rejected
-from rlhfkit.cli.serve_rm_request import (ClientGone, RequestError, RequestLimits, header_timeout_protocol,
+from rlhfkit.serving.batcher import FairBatcher, Rejected
+from rlhfkit.serving.request import (ClientGone, RequestError, RequestLimits, header_timeout_protocol,
                                           parse_or_error, read_body)
 from rlhfkit.config.configs import from_args
 from rlhfkit.config.flags import FlagParser

@@ -4,7 +4,7 @@ are rlhfkit/roles/handles.py) and the weight sync (rlhfkit/weightsync/sync.py `W
     EpisodeRunner    the agent executor: seeded episodes of a prompt batch (rlhfkit/agents)
     StepLogger       the run's metrics and completions table (trainers/metrics.py MetricsLogger)
     KLControl        the KL coefficient and its controller (algo/kl.py)
-    RLCheckpointing  resumable and Hugging Face checkpoints of the roles (cli/rl_checkpoint.py)
+    RLCheckpointing  resumable and Hugging Face checkpoints of the roles (trainers/rl_checkpoint.py)
     VersionedEngines, PhaseMetrics, Liveness
                      what `AsyncRLTrainer` adds: engines that count weight versions, the sleep /
                      wake metrics, and the check that every worker is alive

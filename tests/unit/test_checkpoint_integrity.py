@@ -94,7 +94,7 @@ def test_none_intact_is_an_error_naming_each(tiny_model_dir, two):
 
 
 def test_rl_pair_falls_back_past_a_damaged_critic(tiny_model_dir, tmp_path, caplog):
-    from rlhfkit.cli.rl_checkpoint import RLCheckpointer
+    from rlhfkit.trainers.rl_checkpoint import RLCheckpointer
 
     root = str(tmp_path / "rl")
     actor, critic = new_backend(tiny_model_dir), new_backend(tiny_model_dir)

@@ -10,8 +10,8 @@ import threading
 
 import pytest
 
-from rlhfkit.cli.serve_rm_batcher import FairBatcher, Rejected
-from rlhfkit.cli.serve_rm_request import (VALUES_PER_QUERY, ClientGone, RequestError, RequestLimits,
+from rlhfkit.serving.batcher import FairBatcher, Rejected
+from rlhfkit.serving.request import (VALUES_PER_QUERY, ClientGone, RequestError, RequestLimits,
                                           parse_or_error, parse_request, read_body)
 
 LIMITS = RequestLimits(max_queries=100, max_query_chars=50, max_json_depth=6)

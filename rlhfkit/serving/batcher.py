@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
-from rlhfkit.cli.serve_rm_request import RequestError
+from rlhfkit.serving.request import RequestError
 
 logger = logging.getLogger("rlhfkit.serve_rm")
 

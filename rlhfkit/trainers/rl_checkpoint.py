@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from rlhfkit.cli.common import UsageError
+from rlhfkit.config.errors import UsageError
 
 
 @dataclass
