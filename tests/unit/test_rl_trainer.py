@@ -150,6 +150,7 @@ def test_run_coroutine_does_not_repr_the_result():
     """asyncio.run on the main thread formats the finished main task (and its result) when it restores
     the SIGINT handler; run_coroutine returns the same value without that."""
     import asyncio
+    import signal
     import threading
 
     from rlhfkit.trainers.rl import run_coroutine
@@ -167,8 +168,14 @@ def test_run_coroutine_does_not_repr_the_result():
     out = run_coroutine(make())
     assert len(out) == 10 and all(isinstance(x, Costly) for x in out)
     assert calls == []
-    if threading.current_thread() is threading.main_thread():  # the cost it avoids, where it occurs
-        asyncio.run(make())
+    if threading.current_thread() is threading.main_thread():  # the cost it avoids, where it occurs:
+        # asyncio.run installs its own SIGINT handler only over Python's default one (an earlier test of this
+        # process may have left the run's stop handler installed)
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            asyncio.run(make())
+        finally:
+            signal.signal(signal.SIGINT, previous)
         assert calls
 
 
