@@ -35,7 +35,7 @@ from rlhfkit.roles.group import LocalGroup
 from rlhfkit.roles.handles import (CriticCalls, CriticHandle, PolicyCalls, PolicyHandle, ReferenceCalls,
                                    ReferenceHandle, RewardCalls, RewardHandle)
 from rlhfkit.rollout.base import RolloutEngine
-from rlhfkit.trainers.rl import RLTrainer
+from rlhfkit.trainers.rl import RLState, RLTrainer
 from rlhfkit.weightsync.sync import LocalWeightSync, WeightSync
 
 if TYPE_CHECKING:
@@ -50,7 +50,7 @@ PLOT_KEYS = RL_PANELS  # the plot's panels (rlhfkit.trainers.plot.PANELS)
 
 @dataclass
 class RLData:
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase
     prompts: list
     eval_prompts: list
     vision: Any = None  # rlhfkit.models.vlm.VisionContext under --max_images_per_prompt > 0
@@ -80,9 +80,9 @@ class RLRun:
     """A finished run: the loop state (`state.history`: the logged metrics), where the roles live,
     and the tokenizer (for saving the policy again)."""
 
-    state: Any
+    state: RLState
     placement: Placement
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase
 
 
 def load_prompt_dataset(args, tokenizer, spec: str, split: str, probs: str | None, max_samples: int,
