@@ -21,7 +21,9 @@ engines sleep while any role group works and wake for generation or a weight upd
 Its metrics per step: `time/engine_sleep`, `time/engine_wake`, `time/states_offload` and
 `time/states_reload` (driver side, Ray calls included) and, as the ranks measured them,
 `time/offload` / `time/reload` (per group the slowest rank, summed over groups) and `offload_gb`
-(per group the largest rank's bytes, summed: what one GPU moved off).
+(per group the largest rank's bytes, summed: what one GPU moved off). `time/rollout_transitions`: what
+the rollout waited for before generating (training states leaving the device, the engines waking);
+the loop's `time/generate` includes it, `time/generate_engines` (AsyncRLTrainer) does not.
 `GroupBackend` lets the loop's checkpointer (which expects a backend) save, load and export
 through the group: every rank takes part, rank 0's answer is returned.
 """
@@ -146,12 +148,14 @@ class Phases:
             self._pending = group
 
     def before_rollout(self) -> None:
+        t_all = time.perf_counter()
         if self.rollout_flush:
             self.flush()
         if self.engine_sleep and self.engine is not None and self.engine.asleep:
             t0 = time.perf_counter()
             self.engine.wake_up()
             self._time("engine_wake", t0)
+        self._time("rollout_transitions", t_all)  # inside the loop's time/generate: the states' offload and the wake
 
     def take_metrics(self) -> dict[str, float]:
         """This step's metrics (see the module docstring), reset."""

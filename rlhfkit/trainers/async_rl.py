@@ -129,7 +129,13 @@ class AsyncRLTrainer(RLTrainer):
     def train_step(self) -> dict[str, float]:
         m = super().train_step()
         m.update(self.router.take_metrics())
-        m.update(self.phases.take_metrics())
+        phases = self.phases.take_metrics()
+        m.update(phases)
+        waited = phases.get("time/rollout_transitions")
+        if waited is not None and not self.async_queue_size and "time/generate" in m:
+            # the rollout first waited for the training states to leave the device and the engines to
+            # wake (sleep modes): generation proper is the rest
+            m["time/generate_engines"] = m["time/generate"] - waited
         return m
 
     def fit(self) -> RLState:

@@ -44,7 +44,10 @@ def test_push_after_training_needs_no_reload_and_offload_happens_before_the_roll
     assert log == ["engine.sleep", "ref.reload", "ref.offload", "policy.reload", "push", "policy.offload",
                    "engine.wake"]
     metrics = ph.take_metrics()
-    assert set(metrics) == {"time/engine_sleep", "time/states_reload", "time/states_offload", "time/engine_wake"}
+    assert set(metrics) == {"time/engine_sleep", "time/states_reload", "time/states_offload", "time/engine_wake",
+                            "time/rollout_transitions"}
+    # both rollouts' waits: the second held the policy's offload and the wake
+    assert metrics["time/rollout_transitions"] >= metrics["time/engine_wake"]
     assert ph.take_metrics() == {}
 
 

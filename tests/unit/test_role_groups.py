@@ -176,7 +176,7 @@ class Sync:
 
 class Phases:
     def take_metrics(self):
-        return {"time/fake_phase": 2.0}
+        return {"time/fake_phase": 2.0, "time/rollout_transitions": 0.25}
 
 
 class Monitor:
@@ -224,3 +224,6 @@ def test_async_trainer_trains_on_the_synchronous_batches():
     assert all(m["engine/fake"] == 1.0 and m["time/fake_phase"] == 2.0 for m in logged + sync_logged)
     assert all(0 <= m["staleness_max"] <= 1 for m in logged)  # the producer runs one batch ahead at most
     assert router.version == 4 and Monitor.checks > 0
+    # synchronous: the rollout's wait for the sleep transitions is taken out of generation proper
+    assert all(m["time/generate_engines"] == pytest.approx(m["time/generate"] - 0.25) for m in sync_logged)
+    assert all("time/generate_engines" not in m for m in logged)  # async: generation is the producer's
