@@ -18,6 +18,7 @@ from rlhfkit.algo.advantages import AdvantageConfig, get_advantage_estimator
 from rlhfkit.algo.experience import RewardShapingConfig
 from rlhfkit.algo.kl import make_kl_controller
 from rlhfkit.parallel.dist import DistInfo
+from rlhfkit.backend.base import CheckpointingBackend
 from rlhfkit.backend.fsdp2 import FSDP2Backend
 from rlhfkit.parallel.mesh import ParallelDims
 from rlhfkit.cli.common import (UsageError, check_backend_flags, check_packages, check_positions, parallel_dims,
@@ -428,10 +429,10 @@ def kl_controller(args: argparse.Namespace):
     return make_kl_controller(args.init_kl_coef, args.kl_target, args.kl_horizon)
 
 
-def checkpointer(args: argparse.Namespace, policy_backend: Any, critic_backend: Any, tokenizer: Any
-                 ) -> "RLCheckpointer":
+def checkpointer(args: argparse.Namespace, policy_backend: CheckpointingBackend,
+                 critic_backend: CheckpointingBackend | None, tokenizer: Any, dist: DistInfo) -> RLCheckpointer:
     from rlhfkit.config.flags import run_dir_of
 
     return RLCheckpointer(policy_backend, critic_backend, args.save_hf_ckpt, tokenizer,
                           save_ds=not args.disable_ds_ckpt, best_metric_key=best_metric_key(args),
-                          run_dir=run_dir_of(args))
+                          run_dir=run_dir_of(args), dist=dist)

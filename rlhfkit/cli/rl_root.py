@@ -160,7 +160,7 @@ def build_trainer(args, placement: Placement, data: RLData, trainer_cls: type = 
     if data.eval_prompts and p.reward is not None:
         raise UsageError("--eval_dataset scores with --remote_rm_url or --agent_func_path; "
                          "evaluation with a reward model is not supported")
-    ckpt = S.checkpointer(args, p.policy_backend, p.critic_backend, tok)
+    ckpt = S.checkpointer(args, p.policy_backend, p.critic_backend, tok, p.dist)
     loop = S.loop_config(args, data.vision, data.dropped_image_rows)
     return trainer_cls(loop, S.advantage_config(args), S.shaping_config(args), policy=p.policy,
                        executor=executor, prompts=data.prompts, dist=p.dist,

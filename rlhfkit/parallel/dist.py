@@ -138,6 +138,11 @@ class DistInfo:
         """True on every rank when `flag` is True on any (a decision every rank takes together)."""
         return bool(self.all_reduce_world(int(flag), op="max"))
 
+    def from_rank0(self, obj: T) -> T:
+        """Rank 0's picklable `obj` on every rank: a decision all ranks take together (which checkpoint
+        to resume from), never data."""
+        return broadcast_object(obj)
+
     def broadcast_replica(self, obj: T) -> T:
         """The first rank's `obj` on every rank of this dp rank's tp x cp group (no-op when it is one rank)."""
         m = self.mesh

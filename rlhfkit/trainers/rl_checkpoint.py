@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from rlhfkit.backend.base import CheckpointingBackend
 from rlhfkit.config.errors import UsageError
+from rlhfkit.parallel.dist import DistInfo
 
 
 @dataclass
@@ -29,14 +31,15 @@ class RLCheckpointer:
     as above under `<root>/best/` and the previous best is removed; its client state records the
     key and value, so a resumed run goes on comparing with it."""
 
-    policy_backend: Any
-    critic_backend: Any = None
+    policy_backend: CheckpointingBackend
+    critic_backend: CheckpointingBackend | None = None
     save_hf: bool = False
     tokenizer: Any = None
     save_ds: bool = True
     best_metric_key: str | None = None
     best_value: float | None = None
     run_dir: str | None = None
+    dist: DistInfo = field(default_factory=DistInfo)  # the ranks that resume together
 
     def save(self, root: str, tag: str, client: dict, max_keep: int) -> None:
         if self.save_ds:
@@ -96,17 +99,16 @@ class RLCheckpointer:
                 raise FileNotFoundError(f"--load_checkpoint: no step has a complete checkpoint in both {actor} "
                                         f"and {critic}")
             return self.policy_backend.load_checkpoint(actor)  # none at all (or only incomplete: an error)
-        tag = _newest_intact_pair(actor, critic, pairs[::-1])
+        tag = _newest_intact_pair(actor, critic, pairs[::-1], self.dist)
         client = self.policy_backend.load_checkpoint(actor, tag)
         self.critic_backend.load_checkpoint(critic, tag)
         return client
 
 
-def _newest_intact_pair(actor: str, critic: str, tags: list[str]) -> str:
+def _newest_intact_pair(actor: str, critic: str, tags: list[str], dist: DistInfo) -> str:
     """The first of `tags` (newest first) whose actor and critic checkpoints both match their checksums;
     a damaged one is skipped with a line naming it (rlhfkit.checkpoint.sharded.newest_intact)."""
     from rlhfkit.checkpoint.sharded import newest_intact
-    from rlhfkit.parallel.dist import broadcast_object, is_rank0
 
     def pick() -> tuple[str | None, list[str]]:
         skipped: list[str] = []
@@ -118,7 +120,7 @@ def _newest_intact_pair(actor: str, critic: str, tags: list[str]) -> str:
                 return tag, skipped
         return None, skipped
 
-    tag, skipped = broadcast_object(pick() if is_rank0() else None)
+    tag, skipped = dist.from_rank0(pick() if dist.is_rank0 else None)
     if tag is None:
         raise FileNotFoundError(f"--load_checkpoint: no step has an intact checkpoint in both {actor} and "
                                 f"{critic}: " + "; ".join(skipped))
