@@ -320,8 +320,10 @@ def ray_summary(metrics: list[dict], launched: Any, launch_s: float) -> dict:
     push = times["weight_push"]
     methods = sorted({k.split("/", 1)[1] for m in metrics for k in m if k.startswith("weight_sync/")})
     # the rollout's phase includes what happens before the engines generate: the training states'
-    # offload and the engines' wake-up (sleep layouts); without them, generation alone
-    gen_only = mean([m.get("time/generate", 0.0) - m.get("time/states_offload", 0.0) - m.get("time/engine_wake", 0.0)
+    # offload and the engines' wake-up (sleep layouts); without them, generation alone (logged by the
+    # loop as time/generate_engines; the async producer's generation has no such figure)
+    gen_only = mean([m["time/generate_engines"] if "time/generate_engines" in m else
+                     m.get("time/generate", 0.0) - m.get("time/states_offload", 0.0) - m.get("time/engine_wake", 0.0)
                      for m in metrics])
     return {"ray_phases_s": times, "generate_only_s": gen_only,
             "offload_gb": mean([m.get("offload_gb", 0.0) for m in metrics]),
