@@ -86,7 +86,7 @@ class AgentSession:
     api_key: str = "EMPTY"
 
     def client(self, **kwargs: Any) -> Any:
-        """An ``openai.AsyncOpenAI`` for this session."""
+        """An ``openai.AsyncOpenAI`` client for the episode these routes serve."""
         AsyncOpenAI = require("openai", "the OpenAI-API agent client").AsyncOpenAI
         return AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, **kwargs)
 
