@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import textwrap
 
@@ -99,7 +100,8 @@ def test_a_broken_file_stops_at_construction(tmp_path):
         ProcessRewardSource(str(bad), workers=2)
 
 
-def test_the_flag_picks_worker_processes_for_a_file_only(reward_file, capsys):
+def test_the_flag_picks_worker_processes_for_a_file_only(reward_file, caplog):
+    caplog.set_level(logging.INFO)  # the note is a log record (printed once a CLI has set up logging)
     pool = reward_source_with_workers(reward_file, 5.0, workers=3)
     assert isinstance(pool, ProcessRewardSource) and pool.workers == 3 and pool.timeout_s == 5.0
     pool.close()
@@ -107,6 +109,6 @@ def test_the_flag_picks_worker_processes_for_a_file_only(reward_file, capsys):
     assert isinstance(make_reward_source(reward_file, 5.0), PythonRewardSource)
     assert isinstance(reward_source_with_workers(lambda q, p, lab: [0.0] * len(q), 5.0, workers=2),
                       PythonRewardSource)
-    assert "--reward_workers has no effect" in capsys.readouterr().out
+    assert "--reward_workers has no effect" in caplog.text
     with pytest.raises(ValueError, match="--reward_workers"):
         reward_source_with_workers(reward_file, 5.0, workers=-1)
