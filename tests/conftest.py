@@ -1,4 +1,5 @@
-"""Shared fixtures: offline tiny models (nothing is downloaded)."""
+"""Shared fixtures: offline tiny models (nothing is downloaded); the processes the tests start run on
+warm interpreters (tests/warmstart: torch and transformers imported once per run, not once per process)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,41 @@ import os
 
 import pytest
 import torch
+import warmstart
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# what the runs set for themselves (rlhfkit.logs.quiet_third_party; one thread a process, as this one uses):
+# set from the start, the environment a module sees while importing is the same in every process of the run
+for _var in ("HF_HUB_DISABLE_PROGRESS_BARS", "HF_DATASETS_DISABLE_PROGRESS_BARS", "OMP_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+# Ray started by a test keeps no idle workers (a warm one starts in a fraction of a second) and collects no
+# metrics: an idle local Ray then costs half the CPU it would
+for _var, _value in (("RAY_enable_worker_prestart", "0"), ("RAY_num_workers_soft_limit", "0"),
+                     ("RAY_enable_metrics_collection", "0"), ("RAY_USAGE_STATS_ENABLED", "0")):
+    os.environ.setdefault(_var, _value)
 torch.set_num_threads(1)
+
+_WARM_DIR: str | None = None
+
+
+def pytest_configure(config):
+    """Warm interpreters for this run: the controller (the process that is not an xdist worker) starts the
+    first ones while the workers start: for the environment helpers.subprocess_env gives the CLI runs, and
+    for this process's own (the workers of a Ray started in-process)."""
+    global _WARM_DIR
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    owner = os.getppid() if worker else os.getpid()
+    from helpers import subprocess_env
+
+    _WARM_DIR = warmstart.configure(is_controller=not worker, owner=owner,
+                                    prewarm_envs=[subprocess_env(), dict(os.environ)])
+
+
+def pytest_unconfigure(config):
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        warmstart.unconfigure(_WARM_DIR)
 
 
 @pytest.fixture(scope="session")

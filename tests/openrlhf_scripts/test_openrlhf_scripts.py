@@ -90,6 +90,7 @@ import urllib.request
 from dataclasses import dataclass, field
 
 import pytest
+import warmstart
 
 from openrlhf_assets import build_assets
 from helpers import free_port, subprocess_env
@@ -197,6 +198,7 @@ class RayHead:
         self.address = f"127.0.0.1:{self.port}"
         ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
         self.log = open(os.path.join(self.tmp, "head.log"), "w")
+        warmstart.wait_ready(_base_env())  # the head's workers start warm only if the head does
         self.proc = subprocess.Popen(
             [ray_bin, "start", "--head", "--block", f"--port={self.port}", "--node-ip-address=127.0.0.1",
              "--num-cpus=8", "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={self.tmp}",
