@@ -22,9 +22,11 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/rlhfkit quickstart
 
-# --dist loadgroup: tests marked xdist_group(name) run on one worker (they share a session fixture)
+# --dist loadgroup: tests marked xdist_group(name) run on one worker (they share a session fixture).
+# Bytecode caches on (whatever PYTHONDONTWRITEBYTECODE says): every worker and every server of
+# tests/warmstart imports rlhfkit and the test modules, which otherwise compile again each time.
 test: $(STAMP)
-	$(VPY) -m pytest -q -n 2 --dist loadgroup --durations=15 tests
+	env -u PYTHONDONTWRITEBYTECODE $(VPY) -m pytest -q -n 2 --dist loadgroup --durations=15 tests
 
 bench-cpu: $(STAMP)
 	$(VPY) bench/train_throughput.py --device cpu
