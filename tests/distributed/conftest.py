@@ -1,8 +1,8 @@
 """Fixtures of the distributed tests: the RL runs' data directory (12 additions, the even-character
 reward), once per module that asks, and a local Ray of 3 CPUs, started once per test process (xdist
 worker) by the first module that asks and shared by the later ones (a Ray start and stop costs about
-10 s of the two cores); a module that needs another cluster (test_ray_multinode.py) ends it first, and
-the next module that asks starts it again."""
+10 s of the two cores) while the tests that follow ask for it; a module that needs another cluster
+(test_ray_multinode.py) ends it first, and the next module that asks starts it again."""
 
 from __future__ import annotations
 
@@ -11,6 +11,9 @@ import sys
 import pytest
 import warmstart
 from helpers import write_rl_data
+
+
+LOCAL_RAY_CPUS = 3
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +42,10 @@ def _leftovers(ray) -> bool:
 @pytest.fixture(scope="module")
 def local_ray(_local_ray_session):
     ray = pytest.importorskip("ray")
-    if ray.is_initialized() and _leftovers(ray):  # a failed run left actors: the next module gets a fresh Ray
+    # a failed run left actors, or the Ray up is not this one (a test's run started one of its own): a fresh Ray
+    if ray.is_initialized() and (_leftovers(ray) or ray.cluster_resources().get("CPU") != LOCAL_RAY_CPUS):
         ray.shutdown()
     if not ray.is_initialized():
         warmstart.wait_ready()  # its workers start from this process's environment
-        ray.init(address="local", num_cpus=3, include_dashboard=False)
+        ray.init(address="local", num_cpus=LOCAL_RAY_CPUS, include_dashboard=False)
     yield

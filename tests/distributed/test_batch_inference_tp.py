@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from helpers import free_port
+from helpers import free_port, pythonpath
 from rlhfkit.cli.batch_inference import main
 
 pytestmark = pytest.mark.distributed
@@ -28,7 +28,7 @@ def test_tp2_batch_inference_equals_one_process(tiny_qwen2_dir, tmp_path):
              "--input_key", "question", "--input_template", "Q: {}\nA: ", "--max_new_tokens", "12",
              "--greedy_sampling", "--best_of_n", "1", "--device", "cpu", "--disable_progress"]
     main(flags + ["--output_path", str(tmp_path / "one.jsonl")])
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=pythonpath(ROOT))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), "-m", "rlhfkit.cli.batch_inference", *flags,
            "--tp_size", "2", "--output_path", str(tmp_path / "tp2.jsonl")]

@@ -21,7 +21,7 @@ import sys
 
 import pytest
 import torch
-from helpers import free_port  # noqa: E402
+from helpers import free_port, pythonpath  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
@@ -31,7 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
 def run_shards(model_dir: str, out: str, nproc: int = 2, worker: str = "engine_tp_worker.py") -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=pythonpath(ROOT))
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",

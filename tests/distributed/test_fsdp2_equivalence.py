@@ -23,7 +23,7 @@ import torch
 
 from rlhfkit.checkpoint.sharded import load_tensors
 from rlhfkit.parallel.dist import DistInfo
-from helpers import free_port  # noqa: E402
+from helpers import free_port, pythonpath  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
@@ -64,7 +64,7 @@ def two_ranks(tiny_model_dir, tmp_path_factory, one_rank) -> tuple[str, dict]:
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
     out = str(tmp_path_factory.mktemp("fsdp2_two_ranks"))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=pythonpath(ROOT))
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",

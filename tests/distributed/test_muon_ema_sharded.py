@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from rlhfkit.checkpoint.sharded import load_tensors
-from helpers import free_port  # noqa: E402
+from helpers import free_port, pythonpath  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
@@ -42,7 +42,7 @@ def test_two_ranks_match_one_process(tiny_model_dir, tmp_path):
         pytest.skip("torch.distributed with gloo is not available")
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
     _worker().run(tiny_model_dir, one)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=pythonpath(ROOT))
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",

@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import free_port
+from helpers import free_port, pythonpath
 import torch
 
 pytestmark = pytest.mark.distributed
@@ -61,7 +61,7 @@ def test_ranks_take_the_same_decision(tmp_path):
         pytest.skip("torch.distributed with gloo is not available")
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=pythonpath(ROOT))
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",

@@ -32,7 +32,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-from helpers import even_reward_src, free_port, ppo_flags
+from helpers import even_reward_src, free_port, ppo_flags, pythonpath
 import torch
 from safetensors.torch import load_file
 
@@ -110,7 +110,7 @@ def cluster():
     ports = {k: free_port() for k in ("port", "dashboard-port", "ray-client-server-port",
                                        "dashboard-agent-listen-port")}
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
+               PYTHONPATH=pythonpath(ROOT), OMP_NUM_THREADS="1",
                RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled")
     env.pop("RAY_ADDRESS", None)
     cmd = [os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--head", "--block", "--num-cpus", "2",

@@ -7,11 +7,11 @@ import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from helpers import ROOT, pythonpath
 
 
 def run(module: str, *argv: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": pythonpath(ROOT)}
     return subprocess.run([sys.executable, "-m", module, *argv], capture_output=True, text=True, timeout=300, env=env)
 
 

@@ -18,7 +18,7 @@ import sys
 
 import pytest
 from helpers import DIGIT_REWARD as REWARD_FILE
-from helpers import ppo_flags
+from helpers import ppo_flags, pythonpath
 
 from rlhfkit.cli import train_ppo
 from rlhfkit.tasks.addition import addition_splits
@@ -27,7 +27,7 @@ from rlhfkit.tasks.addition import addition_splits
 
 def env() -> dict[str, str]:
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
+    return {**os.environ, "PYTHONPATH": pythonpath(here)}
 
 
 @pytest.fixture()

@@ -21,7 +21,7 @@ import sys
 import time
 
 import pytest
-from helpers import ppo_flags
+from helpers import ppo_flags, pythonpath
 
 import rlhfkit
 from rlhfkit.cli import train_ppo
@@ -170,7 +170,7 @@ def test_sys_exit_in_reward_func_under_stop_names_the_file(tiny_model_dir, tmp_p
 
 def run_cli(args: list[str], timeout_s: float) -> subprocess.CompletedProcess:
     root = os.path.dirname(os.path.dirname(os.path.abspath(rlhfkit.__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=pythonpath(root))
     return subprocess.run([sys.executable, "-m", "rlhfkit.cli.train_ppo", *args], capture_output=True, text=True,
                           env=env, timeout=timeout_s)
 
