@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import hashlib
 import os
 import socket
 import subprocess
@@ -139,18 +140,19 @@ def test_run_main_outside_a_group_is_plain(tmp_path, end, code):
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
 def test_wait_threads_idle_sees_a_busy_native_thread():
     assert rendezvous.wait_threads_idle(("rlhfkit_none",), timeout_s=0.5)
-    stop = threading.Event()
+    stop, named = threading.Event(), threading.Event()
     libc = ctypes.CDLL(None)
 
     def busy():
         libc.prctl(15, b"rlhfkit_busy", 0, 0, 0)  # PR_SET_NAME
-        a = torch.randn(400, 400)
-        while not stop.is_set():
-            for _ in range(20):  # the GIL is released while the product runs
-                a = torch.tanh(a @ a)
+        named.set()
+        blob = bytes(16 << 20)
+        while not stop.is_set():  # hashing runs on this thread with the GIL released (a matmul may run on
+            hashlib.sha256(blob)  # torch's worker threads while this one sleeps)
 
     t = threading.Thread(target=busy, daemon=True)
     t.start()
+    assert named.wait(30)  # before it has its name, no thread of that name exists (and none is busy)
     try:
         assert not rendezvous.wait_threads_idle(("rlhfkit_busy",), timeout_s=0.3)
     finally:

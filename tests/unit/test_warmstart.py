@@ -146,14 +146,38 @@ def test_each_warm_run_draws_its_own_random_numbers(warm, probe, tmp_path):
     assert len(draws) == 3
 
 
+def _default_signals() -> None:
+    """In the client before it starts: SIGINT and SIGTERM neither ignored nor blocked, whatever earlier
+    tests or libraries left in this process (an ignored or blocked signal would not end a real
+    interpreter either; what is inherited is compared in the test above)."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _signal_state(pid: int) -> str:
+    try:
+        lines = open(f"/proc/{pid}/status").read().splitlines()
+    except OSError:
+        return f"{pid}: gone"
+    return f"{pid}: " + " ".join(x.replace("\t", "") for x in lines if x.startswith(("State", "SigBlk", "SigIgn", "SigCgt")))
+
+
 def test_signals_reach_the_child_and_a_killed_client_takes_it_along(warm, probe, tmp_path):
     env_warm, _, python = warm
     for sig in (signal.SIGTERM, signal.SIGINT):
-        p = subprocess.Popen([python, probe, "sleep"], env=env_warm, stdout=subprocess.PIPE, text=True)
+        p = subprocess.Popen([python, probe, "sleep"], env=env_warm, stdout=subprocess.PIPE, text=True,
+                             preexec_fn=_default_signals)
         pid = int([p.stdout.readline() for _ in range(3)][-1])
         assert pid != p.pid  # the child of the server
         p.send_signal(sig)
-        assert p.wait(30) == -sig  # SIGINT: an unhandled KeyboardInterrupt, which ends CPython by SIGINT
+        try:
+            code = p.wait(30)  # SIGINT: an unhandled KeyboardInterrupt, which ends CPython by SIGINT
+        except subprocess.TimeoutExpired:
+            states = [_signal_state(x) for x in (os.getpid(), p.pid, pid)]
+            p.kill()
+            pytest.fail(f"{sig.name} did not end the client; this process, client, child: {states}")
+        assert code == -sig
     p = subprocess.Popen([python, probe, "sleep"], env=env_warm, stdout=subprocess.PIPE, text=True)
     pid = int([p.stdout.readline() for _ in range(3)][-1])
     p.kill()
