@@ -25,7 +25,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
              signal.SIGALRM, signal.SIGWINCH)
-MAX_WARM = 8  # warm interpreters a run may start (each holds torch + transformers, ~0.5 GB)
+MAX_WARM = 12  # warm interpreters a run may start (each holds torch + transformers, ~0.5 GB)
 
 
 def main(real: str, executable: str, args: list[str]) -> None:

@@ -223,6 +223,8 @@ class Server:
         os.close(rd)
         if answer == b"ok":
             self.children[pid] = conn  # from here on, what becomes of the child is reported (or it is killed)
+            if req["env"].get("RLHFKIT_WARM_TRACE"):
+                print(f"warmstart {self.key}: child {pid}: {' '.join(req['args'])[:200]}", flush=True)
             try:
                 send_msg(conn, {"pid": pid})
             except OSError:
