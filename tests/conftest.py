@@ -4,7 +4,6 @@ warm interpreters (tests/warmstart: torch and transformers imported once per run
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
@@ -38,23 +37,6 @@ def pytest_configure(config):
 
     _WARM_DIR = warmstart.configure(is_controller=not worker, owner=owner,
                                     prewarm_envs=[subprocess_env(), dict(os.environ)])
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_teardown(item, nextitem):
-    """After the test's own teardown: stop the clusters the next test does not use (helpers.stop_when_unused),
-    and the Ray of this process (local_ray's, or one a run started on its own) unless the next test uses it."""
-    yield
-    from helpers import IN_PROCESS_RAY_FIXTURES, STOP_WHEN_UNUSED
-
-    uses = set(nextitem.fixturenames) if nextitem is not None else set()
-    for name, stop in list(STOP_WHEN_UNUSED.items()):
-        if name not in uses:
-            del STOP_WHEN_UNUSED[name]
-            stop()
-    ray = sys.modules.get("ray")
-    if not uses & IN_PROCESS_RAY_FIXTURES and ray is not None and getattr(ray, "is_initialized", lambda: False)():
-        ray.shutdown()
 
 
 def pytest_unconfigure(config):

@@ -59,20 +59,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# A cluster a test process keeps for its later tests, stopped once the next test asks for none
-# (tests/conftest.py's pytest_runtest_teardown): fixture name -> how to stop it. An idle Ray costs
-# CPU all the while, and tests are handed to a worker in runs of neighbours, so one that is idle after
-# a run of tests is rarely needed again (and then started again).
-STOP_WHEN_UNUSED: dict[str, object] = {}
-# the fixtures whose tests use a Ray initialised in the test process (ray.init): kept up between two of them
-IN_PROCESS_RAY_FIXTURES = {"local_ray", "two_nodes"}
-
-
-def stop_when_unused(fixture: str, stop) -> None:
-    """Call `stop()` after the current test if the next test of this process does not use `fixture`."""
-    STOP_WHEN_UNUSED[fixture] = stop
-
-
 def pythonpath(*dirs: str) -> str:
     """PYTHONPATH with `dirs` first, then this process's entries; no empty entry (one would put the
     child's working folder on its sys.path)."""

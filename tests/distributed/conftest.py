@@ -1,7 +1,7 @@
 """Fixtures of the distributed tests: the RL runs' data directory (12 additions, the even-character
 reward), once per module that asks, and a local Ray of 3 CPUs, started once per test process (xdist
 worker) by the first module that asks and shared by the later ones (a Ray start and stop costs about
-10 s of the two cores) while the tests that follow ask for it; a module that needs another cluster
+10 s of the two cores, an idle one about 2.5% of a core); a module that needs another cluster
 (test_ray_multinode.py) ends it first, and the next module that asks starts it again."""
 
 from __future__ import annotations

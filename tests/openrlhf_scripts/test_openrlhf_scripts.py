@@ -70,9 +70,8 @@ pair, on the tiny models with their vocabulary padded to 104 (TP_MODEL, TP_RM_MO
 `test_tensor_parallel_script` checks that the log shows the split and that the exported model holds full
 (gathered) tensors.
 
-Ray: the Ray cases of one test process share one Ray head (`ray start --block`, started on first use
-and stopped when the process's next test is not one of this module's), so Ray starts about once per
-xdist worker.
+Ray: the Ray cases of one test process share one Ray head (`ray start --block`,
+started on first use and stopped at the end), so Ray starts once per xdist worker.
 
 Run alone: pytest tests/openrlhf_scripts -n 2 (part of `make test`)
 """
@@ -94,7 +93,7 @@ import pytest
 import warmstart
 
 from openrlhf_assets import build_assets
-from helpers import free_port, stop_when_unused, subprocess_env
+from helpers import free_port, subprocess_env
 
 pytestmark = pytest.mark.slow
 
@@ -241,7 +240,6 @@ def ray_head():
         pytest.importorskip("ray")
         if not heads:
             heads.append(RayHead())
-            stop_when_unused("ray_head", lambda: heads.pop().stop())
         return heads[0]
 
     yield get
