@@ -14,10 +14,13 @@ $(VPY):
 # torch: keep an importable one; otherwise install the pinned CPU wheel.
 # Bytecode is compiled once on every core (compileall -j 0) rather than file by file by pip; a file
 # written for a newer Python (torch ships one) does not compile, as under pip, and is skipped.
+# Left to compile when first imported: packages' own tests, the installers, the model families of
+# transformers and the Ray libraries that rlhfkit does not use, and openai's type stubs (half the files).
+NO_PRECOMPILE := /(tests?|pip|setuptools|virtualenv|fontTools)/|/transformers/models/(?!(auto|llama|qwen|mistral|mixtral))|/ray/(rllib|tune|train|data|serve|llm|air|workflow)/|/openai/types/
 $(STAMP): $(VPY) pyproject.toml
 	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q --no-compile torch==2.13.0
 	$(VPY) -m pip install -q --no-compile -e ".[$(EXTRAS)]"
-	$(VPY) -m compileall -q -j 0 $$($(VPY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") > /dev/null || true
+	$(VPY) -m compileall -q -j 0 -x '$(NO_PRECOMPILE)' $$($(VPY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") > /dev/null || true
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -16,6 +16,8 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # set from the start, the environment a module sees while importing is the same in every process of the run
 for _var in ("HF_HUB_DISABLE_PROGRESS_BARS", "HF_DATASETS_DISABLE_PROGRESS_BARS", "OMP_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
+# inductor builds its kernels in this process rather than in a pool of fresh interpreters, each importing torch
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 # Ray started by a test keeps no idle workers (a warm one starts in a fraction of a second) and collects no
 # metrics: an idle local Ray then costs half the CPU it would
 for _var, _value in (("RAY_enable_worker_prestart", "0"), ("RAY_num_workers_soft_limit", "0"),

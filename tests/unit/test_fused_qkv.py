@@ -117,8 +117,7 @@ def test_compiled_block_fused_matches_eager_unfused(on_cpu):
     ref = _qwen2(seed=1)
     model = copy.deepcopy(ref)
     fused_qkv.fuse_qkv(model)
-    for layer in model.model.layers:
-        layer.compile()
+    model.model.layers[0].compile()  # one compiled block beside an eager one (each compiled layer is a compile of its own)
     ids = torch.randint(0, 101, (2, 16))
     a = ref(input_ids=ids, labels=ids)
     a.loss.backward()

@@ -70,15 +70,9 @@ def warm():
     env = dict(os.environ, PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""), RLHFKIT_WARM_DIR=d,
                RLHFKIT_WARM_OWNER=str(os.getpid()), RLHFKIT_WARM_PRELOAD="json", PROBE_VAR="x y")
     env.pop("RLHFKIT_TEST_WARMSTART", None)
-    sys.path.insert(0, warmstart.HERE)
-    try:
-        import client
-        import warm_keys
-
-        client._start_server(d, warm_keys.env_key(env, real), real, env, now=True)
-        sock = os.path.join(d, warm_keys.env_key(env, real) + ".sock")
-    finally:
-        sys.path.remove(warmstart.HERE)
+    client, warm_keys = warmstart.tool("client"), warmstart.tool("warm_keys")
+    client._start_server(d, warm_keys.env_key(env, real), real, env, now=True)
+    sock = os.path.join(d, warm_keys.env_key(env, real) + ".sock")
     deadline = time.monotonic() + 60
     while not os.path.exists(sock) and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -24,6 +24,7 @@ modules imported ahead ran their import-time code once in the server.
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 import sys
@@ -32,6 +33,15 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 PYTHON_NAMES = ("python", "python3", f"python3.{sys.version_info.minor}")
 ENV_OFF = "RLHFKIT_TEST_WARMSTART"
+
+
+def tool(name: str):
+    """A module of this folder (client, warm_keys) imported by its own name, as they import each other."""
+    sys.path.insert(0, HERE)
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(HERE)
 
 
 def enabled() -> bool:
@@ -76,12 +86,7 @@ def _write_client(path: str, real: str, exe: str, script: str | None) -> None:
 
 
 def _is_console_script(path: str) -> bool:
-    sys.path.insert(0, HERE)
-    try:
-        import warm_keys
-    finally:
-        sys.path.remove(HERE)
-    return os.path.isfile(path) and not os.path.islink(path) and warm_keys._is_console_script(path)
+    return os.path.isfile(path) and not os.path.islink(path) and tool("warm_keys")._is_console_script(path)
 
 
 def configure(is_controller: bool, owner: int, prewarm_envs: list[dict[str, str]] = ()) -> str | None:
@@ -101,17 +106,11 @@ def configure(is_controller: bool, owner: int, prewarm_envs: list[dict[str, str]
     os.environ.update(RLHFKIT_WARM_DIR=directory, RLHFKIT_WARM_OWNER=str(owner), RLHFKIT_WARM_REAL=real)
     sys.executable = os.path.join(bin_dir, "python")
     if is_controller and prewarm_envs:
-        sys.path.insert(0, HERE)
-        try:
-            import client
-            import warm_keys
-
-            ours = {k: os.environ[k] for k in ("PATH", "RLHFKIT_WARM_DIR", "RLHFKIT_WARM_OWNER", "RLHFKIT_WARM_REAL")}
-            for env in prewarm_envs:
-                env = {**env, **ours}
-                client._start_server(directory, warm_keys.env_key(env, real), real, env, now=True)
-        finally:
-            sys.path.remove(HERE)
+        client, warm_keys = tool("client"), tool("warm_keys")
+        ours = {k: os.environ[k] for k in ("PATH", "RLHFKIT_WARM_DIR", "RLHFKIT_WARM_OWNER", "RLHFKIT_WARM_REAL")}
+        for env in prewarm_envs:
+            env = {**env, **ours}
+            client._start_server(directory, warm_keys.env_key(env, real), real, env, now=True)
     return directory
 
 
@@ -123,13 +122,7 @@ def wait_ready(env: dict[str, str] | None = None, timeout_s: float = 60.0) -> bo
     if not enabled() or not directory:
         return False
     env = dict(os.environ) if env is None else env
-    sys.path.insert(0, HERE)
-    try:
-        import warm_keys
-
-        key = warm_keys.env_key(env, os.environ.get("RLHFKIT_WARM_REAL", sys.executable))
-    finally:
-        sys.path.remove(HERE)
+    key = tool("warm_keys").env_key(env, os.environ.get("RLHFKIT_WARM_REAL", sys.executable))
     sock, log = (os.path.join(directory, key + ext) for ext in (".sock", ".log"))
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
