@@ -32,8 +32,12 @@ demo: $(STAMP)
 # -n 3 on two cores: a third worker runs while the others wait on a Ray, a server or a subprocess.
 # Bytecode caches on (whatever PYTHONDONTWRITEBYTECODE says): every worker and every server of
 # tests/warmstart imports rlhfkit and the test modules, which otherwise compile again each time.
+# TMPDIR in memory (/dev/shm where there is one, removed afterwards): the tests save hundreds of small
+# checkpoints, each file fsynced as a real run does, and on a disk those flushes stall every process.
 test: $(STAMP)
-	env -u PYTHONDONTWRITEBYTECODE $(VPY) -m pytest -q -n 3 --dist loadgroup --durations=15 tests
+	d=$$(mktemp -d /dev/shm/rk-XXXXXX 2>/dev/null || mktemp -d); \
+	TMPDIR=$$d env -u PYTHONDONTWRITEBYTECODE $(VPY) -m pytest -q -n 3 --dist loadgroup --durations=15 tests; \
+	rc=$$?; rm -rf $$d; exit $$rc
 
 bench-cpu: $(STAMP)
 	$(VPY) bench/train_throughput.py --device cpu

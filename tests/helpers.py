@@ -59,6 +59,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def listening_pid(port: int) -> int | None:
+    """The pid of this machine's process listening on TCP `port` (Linux /proc), None when none is found: the
+    server itself, also when a launcher (or a warm interpreter of tests/warmstart) stands between it and us."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            f = row.split()
+            if f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:  # state 0A: LISTEN
+                inodes.add(f"socket:[{f[9]}]")
+    for pid in filter(str.isdigit, os.listdir("/proc") if inodes else ()):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}") in inodes for fd in fds):
+                return int(pid)
+        except OSError:
+            continue
+    return None
+
+
 def pythonpath(*dirs: str) -> str:
     """PYTHONPATH with `dirs` first, then this process's entries; no empty entry (one would put the
     child's working folder on its sys.path)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -20,7 +21,7 @@ from rlhfkit.agents.remote_reward import RemoteRewardClient, RewardServerError, 
 from rlhfkit.agents.reward_types import RewardOutput
 from rlhfkit.models.loader import load_tokenizer
 from rlhfkit.models.value import load_value_model, reward_at_last_token, save_value_model
-from helpers import free_port, get_json, post_json  # noqa: E402
+from helpers import free_port, get_json, listening_pid, post_json  # noqa: E402
 
 MEAN, STD, MAX_LEN = 0.5, 2.0, 64
 QUERIES = ["<|im_start|>user\n1+2=<|im_end|>\n<|im_start|>assistant\n3<|im_end|>", "ab", "hello world",
@@ -112,11 +113,21 @@ def test_bad_requests_get_4xx_and_server_keeps_serving(server, expected):
 
 
 def test_concurrent_requests_are_batched(server, expected):
+    """18 one-query requests that arrive together share forwards. The server is stopped (SIGSTOP) while
+    they are sent, so they are all waiting when it reads them, however slowly this process sends."""
     before = get_json(server + "/health")
+    pid = listening_pid(int(server.rsplit(":", 1)[1]))
 
     async def run() -> list[RewardOutput]:
         async with RemoteRewardClient([server + "/get_reward"], timeout_s=30, max_retries=0) as client:
-            return await asyncio.gather(*[client.get_rewards([q]) for q in QUERIES * 3])
+            calls = [asyncio.ensure_future(client.get_rewards([q])) for q in QUERIES * 3]
+            if pid is not None:
+                os.kill(pid, signal.SIGSTOP)
+                try:
+                    await asyncio.sleep(1.0)  # every request connected and written
+                finally:
+                    os.kill(pid, signal.SIGCONT)
+            return await asyncio.gather(*calls)
 
     outs = asyncio.run(run())
     assert [o.extra_logs["raw_reward"][0] for o in outs] == pytest.approx(expected * 3, abs=1e-5)
