@@ -202,3 +202,19 @@ def test_what_cannot_run_warm_runs_on_the_real_interpreter(warm, probe, tmp_path
     assert run(python, other, str(script), cwd=str(tmp_path)).stdout.strip() == real
     (tmp_path / "json.py").write_text("print('the local json')\n")  # shadows a module the server imported
     assert run(python, env_warm, str(script), cwd=str(tmp_path)).stdout.strip() == real
+
+
+def test_the_trace_reports_each_childs_cpu_time(warm, tmp_path):
+    """With RLHFKIT_WARM_TRACE set, the server's log names each child's command and the CPU it used
+    (the suite's profile): 0.3 s of work counts, 0.4 s asleep does not."""
+    (tmp_path / "burn.py").write_text("import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3:\n"
+                                      "    pass\ntime.sleep(0.4)\n")
+    env, _, python = warm
+    p = run(python, dict(env, RLHFKIT_WARM_TRACE="1"), str(tmp_path / "burn.py"), "burn-marker", cwd=str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    key = warmstart.tool("warm_keys").env_key(env, os.environ.get("RLHFKIT_WARM_REAL", sys.executable))
+    log = open(os.path.join(env["RLHFKIT_WARM_DIR"], key + ".log")).read()
+    ended = [line for line in log.splitlines() if " ended (0) after " in line and "burn-marker" in line]
+    assert len(ended) == 1, log[-2000:]
+    cpu = float(ended[0].split(" after ")[1].split(" s of CPU")[0])
+    assert 0.28 <= cpu < 0.65, ended[0]

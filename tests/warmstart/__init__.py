@@ -16,6 +16,8 @@ with `python`, `python3` and the venv's console scripts (rlhfkit, torchrun, ray 
 every other entry of the venv's bin/ linked as it is, and points `sys.executable` at the client, so
 torchrun ranks and the workers of a Ray started from the tests go through it too. The servers end
 with the pytest run. `RLHFKIT_TEST_WARMSTART=0` turns all of it off (every process is a real one).
+`RLHFKIT_WARM_TRACE=1` keeps the servers' logs (<dir>-logs), which then name every child's command
+and the CPU time it used, and lists the commands run cold (fallbacks.log): a profile of the suite.
 
 Known differences from a fresh interpreter, none of which a test reads: the child's parent is the
 server, not the client (signals reach it through the client); it shares the server's str hash seed;

@@ -73,6 +73,7 @@ class Server:
         self.dir, self.key = directory, key
         self.owner = int(os.environ.get("RLHFKIT_WARM_OWNER", "0") or 0)
         self.children: dict[int, socket.socket] = {}  # child pid -> its client's connection
+        self.traced: dict[int, str] = {}  # child pid -> its command line, with RLHFKIT_WARM_TRACE set
         self.conns: dict[int, socket.socket] = {}  # fileno -> connection whose request is awaited
         self.unfit = ""  # why this interpreter cannot fork faithfully (then it refuses every request)
 
@@ -181,12 +182,15 @@ class Server:
     def reap(self) -> None:
         while self.children:
             try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
+                pid, status, usage = os.wait4(-1, os.WNOHANG)
             except ChildProcessError:
                 return
             if pid == 0:
                 return
             conn = self.children.pop(pid, None)
+            if pid in self.traced:  # its CPU, with that of the children it waited for: a profile of the suite
+                print(f"warmstart {self.key}: child {pid} ended ({status}) after "
+                      f"{usage.ru_utime + usage.ru_stime:.2f} s of CPU: {self.traced.pop(pid)}", flush=True)
             if conn is not None:
                 try:
                     send_msg(conn, {"status": status})
@@ -224,7 +228,8 @@ class Server:
         if answer == b"ok":
             self.children[pid] = conn  # from here on, what becomes of the child is reported (or it is killed)
             if req["env"].get("RLHFKIT_WARM_TRACE"):
-                print(f"warmstart {self.key}: child {pid}: {' '.join(req['args'])[:200]}", flush=True)
+                self.traced[pid] = " ".join(req["args"])[:300]
+                print(f"warmstart {self.key}: child {pid}: {self.traced[pid][:200]}", flush=True)
             try:
                 send_msg(conn, {"pid": pid})
             except OSError:
