@@ -38,8 +38,8 @@ import types
 import warm_keys as keys  # this file's folder is sys.path[0] (the child replaces it)
 from warm_wire import recv_msg, send_msg
 
-# imported ahead: what a rlhfkit command, a torchrun rank or a Ray actor of the tests imports first (ray's
-# settings, read from RAY_* while it is imported, are part of the key).
+# imported ahead: what a rlhfkit command, a torchrun rank or a Ray actor of the tests imports first.
+# Nothing here may import ray (its settings are read from RAY_* at import and are not part of the key).
 PRELOAD = (
     "numpy", "torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp",
     "torch.distributed.checkpoint", "torch.distributed.run", "torch.nn.attention.flex_attention",
@@ -53,12 +53,11 @@ PRELOAD = (
     "rlhfkit.cli.train_ppo", "rlhfkit.cli.ppo_setup", "rlhfkit.cli.batch_inference", "rlhfkit.cli.serve_rm",
     "rlhfkit.cli.make_data", "rlhfkit.cli.make_tiny_model", "rlhfkit.backend.fsdp2", "rlhfkit.roles",
     "rlhfkit.rollout.builtin", "rlhfkit.trainers", "rlhfkit.models.loader", "rlhfkit.models.tiny",
-    "rlhfkit.agents.executors", "ray", "ray.util.placement_group", "ray.util.scheduling_strategies",
-    "rlhfkit.distributed.workers", "rlhfkit.distributed.engines",
+    "rlhfkit.agents.executors",
 )
 if os.environ.get("RLHFKIT_WARM_PRELOAD") is not None:  # the tests of this tool: a server that starts at once
     PRELOAD = tuple(m for m in os.environ["RLHFKIT_WARM_PRELOAD"].split(",") if m)
-NEVER_PRELOADED = ("vllm", "wandb", "deepspeed")
+NEVER_PRELOADED = ("ray", "vllm", "wandb", "deepspeed")
 FILE_TYPES = (io.BufferedWriter, io.BufferedRandom, io.TextIOWrapper)  # concrete: no isinstance hooks run
 
 

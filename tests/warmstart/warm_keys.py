@@ -11,11 +11,10 @@ the fresh one would have imported the same things the same way. Two things decid
   after a fork (`parse_command`). Any other option (-E, -I, -S, -O, -W, -X, -c ...) is run by the real
   interpreter, and so are the scripts of Ray's own daemons (`DAEMON_SCRIPTS`), which watch their parent.
 - The environment that modules read while they are imported (`IMPORT_ENV_PREFIXES`: Python's own
-  variables, locale, the torch / Hugging Face / numerics / Ray settings, library paths). A warm
-  interpreter is keyed by those variables (`env_key`); a process whose variables differ gets another
-  one, or the real interpreter. Everything else (RANK, MASTER_PORT, a script's MODEL or OUT, and the
-  variables Ray sets for each worker or cluster, `RUNTIME_ENV_PREFIXES`: none is read while ray is
-  imported) is read at run time and passed to the child as it is.
+  variables, locale, the torch / Hugging Face / numerics / Ray-free library settings, library paths).
+  A warm interpreter is keyed by those variables (`env_key`); a process whose variables differ gets
+  another one, or the real interpreter. Everything else (RANK, MASTER_PORT, RAY_ADDRESS, a script's
+  MODEL or OUT) is read at run time and passed to the child as it is.
 """
 
 from __future__ import annotations
@@ -30,18 +29,11 @@ IMPORT_ENV_PREFIXES = (
     "HF_", "HUGGINGFACE", "TRANSFORMERS_", "TOKENIZERS_", "SAFETENSORS_", "USE_TORCH", "USE_TF", "USE_FLAX", "USE_JAX",
     "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "NPY_", "NUMEXPR_", "NUMBA_", "MPL", "DISPLAY",
     "AIOHTTP_", "PROTOCOL_BUFFERS_", "GRPC_", "SSL_CERT", "RLHFKIT_",
-    # Ray: its constants, and what `import ray` reads besides (terminal size, msgpack, psutil, device lists)
-    "RAY_", "COLUMNS", "LINES", "MSGPACK_", "PSUTIL_", "FUNCTION_SIZE_", "AGENT_GRPC_", "ASCEND_", "HABANA_",
-    "NEURON_", "TPU_", "FURIOSA_", "RBLN_", "TT_VISIBLE", "QBRUNTIME_",
 )
 # read at run time only, though their prefixes say otherwise (torchrun sets them per rank; torch sets its
-# compile cache folder while importing, so every child of a torch process has it; this tool's own; what
-# Ray sets for a worker, a job or a cluster, none of which `import ray` reads; RAY_AUTH_MODE is not one of
-# them: ray's C++ side fixes it while importing, and a worker forked with another one fails to authenticate)
+# compile cache folder while importing, so every child of a torch process has it; this tool's own)
 RUNTIME_ENV_PREFIXES = ("TORCHELASTIC_", "TORCH_NCCL_", "RLHFKIT_WARM_", "TORCHINDUCTOR_CACHE_DIR",
-                        "PYTHONBREAKPOINT",  # read by breakpoint() when called (Ray sets it for its workers)
-                        "RAY_RAYLET_PID", "RAY_JOB_ID", "RAY_NODE_ID", "RAY_ADDRESS",
-                        "RAY_JOB_CONFIG_JSON_ENV_VAR", "RAY_NODE_IP_ADDRESS")
+                        "PYTHONBREAKPOINT")  # read by breakpoint() when called (Ray sets it for its workers)
 
 # Ray's daemons check that their parent is the process that started them: never forked from here
 DAEMON_SCRIPTS = ("/ray/dashboard/", "/ray/_private/log_monitor.py", "/ray/autoscaler/",
