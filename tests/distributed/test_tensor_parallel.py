@@ -30,6 +30,10 @@ pytestmark = pytest.mark.distributed
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 TOL = 1e-5
+# Weights after Adam steps: Adam divides each gradient by its own running size, so where a gradient is
+# near zero the order of a sum (2 shards vs 1) shows in the step (seen: 1.5e-5 on AVX-512 CPUs); a wrong
+# split moves a weight by about the learning rate a step (1e-3 and 3e-3 here), 10 to 30 times this.
+WEIGHT_TOL = 1e-4
 
 
 def tiny_tp_model(path: str, arch: str, tied: bool) -> str:
@@ -159,7 +163,7 @@ def test_train_sft_cli_tp2_first_steps_equal_one_process(llama_dir, tmp_path):
         assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=TOL)
     assert one_rows[0]["train/loss"] > 1.0
     assert sorted(tp_w) == sorted(one_w)
-    assert max(float((tp_w[k] - one_w[k]).abs().max()) for k in one_w) < TOL
+    assert max(float((tp_w[k] - one_w[k]).abs().max()) for k in one_w) < WEIGHT_TOL
 
 
 def test_train_ppo_cli_tp2_equals_one_process(llama_dir, data_dir, tmp_path):
@@ -186,4 +190,4 @@ def test_train_ppo_cli_tp2_equals_one_process(llama_dir, data_dir, tmp_path):
         for k in ("train/reward", "train/response_length", "train/kl", "train/grad_norm", "train/entropy"):
             assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), (a["step"], k, a[k], b[k])
     assert one_rows[0]["train/grad_norm"] > 1e-2
-    assert max(float((tp_w[k] - one_w[k]).abs().max()) for k in one_w) < TOL
+    assert max(float((tp_w[k] - one_w[k]).abs().max()) for k in one_w) < WEIGHT_TOL

@@ -109,6 +109,13 @@ def _lookahead_run(model, ahead: int, stop_ids: list[int] | None = None) -> tupl
     return [c.token_ids for c in outs], [c.logprobs for c in outs], syncs["n"], engine.stats.decode_steps
 
 
+def _same_logprobs(a: list[list[float]], b: list[list[float]]) -> bool:
+    """Equal up to float rounding: a look-ahead step may run a batch of another size (rows that ended
+    still in it), and on some CPUs (AVX-512) the matmul kernel then sums in another order (seen: 5e-7)."""
+    return [len(x) for x in a] == [len(x) for x in b] and all(
+        abs(p - q) <= 1e-5 for x, y in zip(a, b) for p, q in zip(x, y))
+
+
 def test_lookahead_keeps_every_token_and_wastes_no_step_on_lengths(qwen2):
     """Batch-mode syncs read the flags while `lookahead_steps` more steps run: the same tokens and
     log-probs as without, the same number of decode steps when rows end by length, and the rows
@@ -116,12 +123,12 @@ def test_lookahead_keeps_every_token_and_wastes_no_step_on_lengths(qwen2):
     a chunk at a time (`Sequence.read`), each exactly once."""
     toks, lps, syncs, steps = _lookahead_run(qwen2, 0)
     toks_a, lps_a, syncs_a, steps_a = _lookahead_run(qwen2, 3)
-    assert toks_a == toks and lps_a == lps and [len(t) for t in toks] == [40, 40, 25]
+    assert toks_a == toks and _same_logprobs(lps_a, lps) and [len(t) for t in toks] == [40, 40, 25]
     assert steps_a == steps == 39 and syncs <= syncs_a <= syncs + 1  # + 1: the last chunk is read before its end
     # stop ids taken from the generations themselves: rows end early, mid-chunk and mid-look-ahead
     stop_ids = [toks[0][6], toks[1][17], toks[2][19]]
     toks, lps, _, _ = _lookahead_run(qwen2, 0, stop_ids)
     for ahead in (1, 3, 7):
         toks_a, lps_a, _, steps_a = _lookahead_run(qwen2, ahead, stop_ids)
-        assert toks_a == toks and lps_a == lps, ahead
+        assert toks_a == toks and _same_logprobs(lps_a, lps), ahead
     assert all(len(t) < 40 for t in toks[:2])
