@@ -19,7 +19,10 @@ echo "srun@$node $*" >> "$LOG"; exec "$@"''',
     "scontrol": 'echo node-a; echo node-b; echo node-c',
     "hostname": 'echo "10.0.0.1 fe80::1"',
     "ray": 'echo "ray RAY_AUTH_MODE=$RAY_AUTH_MODE $*" >> "$LOG"',
-    "python": 'echo "$FAKE_ALIVE"',
+    # the node count the script polls for, given once every background `ray start` has logged its call: the
+    # script's EXIT trap ends those jobs, and with `sleep` faked nothing else waits for them to start
+    "python": '''for _ in $(seq 300); do (($(grep -c "^ray .* start " "$LOG" 2>/dev/null) >= 3)) && break; /bin/sleep 0.05; done
+echo "$FAKE_ALIVE"''',
     "sleep": 'true',
 }
 
