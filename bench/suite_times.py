@@ -5,7 +5,7 @@
 Each run clones the repository's HEAD into a new folder and times `make test` there from nothing
 (the venv's creation and install included, as CI does); the runs follow one another, so nothing
 else shares the machine. The JSON lists each run's seconds, exit status and pytest's summary line,
-with the CPU's name and core count.
+with the CPU's name, vector units and core count.
 """
 
 from __future__ import annotations
@@ -46,6 +46,16 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_flags() -> str:
+    """The vector units that decide the float rounding of torch's CPU kernels (the tests' numbers depend on it)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    return " ".join(x for x in ("avx2", "avx512f", "amx_bf16") if x in flags)
+
+
 def one_run(index: int, work: str, log_dir: str) -> dict:
     clone = os.path.join(work, f"run-{index}")
     subprocess.run(["git", "clone", "--quiet", ROOT, clone], check=True)
@@ -71,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="suite-times-")
     os.makedirs(log_dir, exist_ok=True)
     result = {"what": "fresh-clone `make test`, wall seconds per run, consecutive", "commit": head,
-              "cpu": cpu_name(), "cores": os.cpu_count(), "budget_seconds": 600, "runs": []}
+              "cpu": cpu_name(), "cpu_flags": cpu_flags(), "cores": os.cpu_count(), "budget_seconds": 600, "runs": []}
     with tempfile.TemporaryDirectory(prefix="suite-times-") as work:
         for i in range(1, args.runs + 1):
             row = one_run(i, work, log_dir)
