@@ -35,24 +35,22 @@ def pytest_summary(text: str) -> str:
     return found
 
 
-def cpu_name() -> str:
+def cpuinfo_field(name: str) -> str:
+    """The first `name : value` line of /proc/cpuinfo (one per core, all alike), or "" where there is none."""
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+            return next((line.split(":", 1)[1].strip() for line in f if line.split(":", 1)[0].strip() == name), "")
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        return ""
+
+
+def cpu_name() -> str:
+    return cpuinfo_field("model name") or platform.processor() or platform.machine()
 
 
 def cpu_flags() -> str:
     """The vector units that decide the float rounding of torch's CPU kernels (the tests' numbers depend on it)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        flags = []
+    flags = cpuinfo_field("flags").split()
     return " ".join(x for x in ("avx2", "avx512f", "amx_bf16") if x in flags)
 
 
