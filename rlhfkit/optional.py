@@ -30,6 +30,7 @@ PACKAGES: dict[str, tuple[str, str | None]] = {
     "datasets": ("datasets", "datasets"),
     "vllm": ("vllm", "vllm"),
     "math_verify": ("math-verify", "math"),
+    "gguf": ("gguf", "gguf"),
     "modelscope": ("modelscope", None),
     "flash_attn": ("flash-attn", None),
 }

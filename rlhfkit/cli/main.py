@@ -28,6 +28,7 @@ COMMANDS = {
     "serve_rm": "serve_rm",
     "batch_inference": "batch_inference",
     "lora_combiner": "lora_combiner",
+    "import_gguf": "import_gguf",
     "chat": "interactive_chat",
     "make_tiny_model": "make_tiny_model",
     "make_data": "make_data",
