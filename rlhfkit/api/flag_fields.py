@@ -1365,9 +1365,10 @@ class TrainPPOFields(FlagConfig):
     [--stop_properly_penalty_coef, --reward.stop_properly_penalty_coef]"""
 
     # RL: rollout (generation)
-    rollout_engine: Literal["builtin", "hf", "vllm"] = "builtin"
+    rollout_engine: Literal["auto", "builtin", "hf", "vllm"] = "auto"
     """generation engine: builtin (continuous batching, no extra package), hf (transformers generate, slow
-    reference) or vllm (when installed) [--rollout_engine]"""
+    reference) or vllm (when installed); auto: builtin when it supports the model, else vllm when installed, else
+    hf (one line says which and why) [--rollout_engine]"""
     rollout_max_num_seqs: int | None = None
     """sequences the engine decodes at once (default: all samples of a step on this rank, at most 512)
     [--rollout_max_num_seqs]"""

@@ -17,7 +17,7 @@ Generation (`--eval_task generate`; `generate_vllm` is the same task, OpenRLHF's
       (--apply_chat_template | --input_template; --enable_csft appends " " + --csft_prompt + " ")
     -> token ids, the first ones cut so that at most --prompt_max_len remain (the end of a prompt,
        with the generation prompt, is kept: vLLM's truncate_prompt_tokens rule)
-    -> rollout engine (--rollout_engine builtin | hf | vllm), --best_of_n samples per prompt,
+    -> rollout engine (--rollout_engine auto | builtin | hf | vllm), --best_of_n samples per prompt,
        max new tokens = min(--max_new_tokens, L - prompt tokens), L = min(--max_len, the model's
        max_position_embeddings); --greedy_sampling = temperature 0
     -> rows {"input": prompt text (before truncation), "output": completion text}, the n samples
@@ -62,7 +62,8 @@ from typing import Any, Sequence
 
 from rlhfkit.cli.batch_score import (PROG, ScoreConfig, progress_bar, resolve_device, reward_scores,  # noqa: F401
                                      run_rm, score_items)  # the rm task; re-exported
-from rlhfkit.cli.common import UsageError, check_packages, cli_main, resolve_model_paths, set_seed
+from rlhfkit.cli.common import (UsageError, check_packages, cli_main, resolve_model_paths, resolve_rollout_engine,
+                                set_seed)
 from rlhfkit.config.dtypes import dtype_flag_name, run_dtype
 from rlhfkit.config.flags import BACKEND, MODEL, FlagParser, add_data_flags, add_model_flags, mark_training_only
 from rlhfkit.data.io import DataError, Row, load_mixture
@@ -94,8 +95,9 @@ def build_parser() -> FlagParser:
                help="generate for prompts [iter * rollout_batch_size, (iter + 1) * rollout_batch_size)")
         p.flag("--rollout_batch_size", type=int, default=2048, help="prompts per --iter slice")
     with p.group("generation (--eval_task generate)"):
-        p.flag("--rollout_engine", type=str, default="builtin", choices=["builtin", "hf", "vllm"],
-               help="generation engine: builtin (no extra package), hf (transformers generate) or vllm")
+        p.flag("--rollout_engine", type=str, default="auto", choices=["auto", "builtin", "hf", "vllm"],
+               help="generation engine: builtin (no extra package), hf (transformers generate) or vllm; auto: "
+                    "builtin when it supports the model, else vllm when installed, else hf")
         p.flag("--best_of_n", type=int, default=1, help="samples per prompt")
         p.flag("--prompt_max_len", type=int, default=1024, help="longest prompt in tokens (earlier tokens are cut)")
         p.flag("--max_new_tokens", type=int, default=1024, help="new tokens of one generation at most")
@@ -318,6 +320,8 @@ def run_generate(args: argparse.Namespace) -> list[dict[str, str]] | None:
     requests = build_requests(ids, rows, cfg, first, limit)
     longest = max(len(r.prompt_token_ids) + r.params.max_new_tokens for r in requests)
     device = resolve_device(args)
+    resolve_rollout_engine(args, longest + 1)
+    check_engine_tp(args)
     engine = load_engine(args, tokenizer, device, max_model_len=longest + 1)
     if getattr(engine, "tp", None) is not None and engine.tp.rank > 0:
         engine.serve()  # the other shards run shard 0's steps until it closes the engine
@@ -332,6 +336,12 @@ def run_generate(args: argparse.Namespace) -> list[dict[str, str]] | None:
 # ----------------------------------------------------------------------------- entry point
 
 
+def check_engine_tp(args: argparse.Namespace) -> None:
+    if args.tp_size > 1 and args.rollout_engine == "hf":
+        raise UsageError(f"--tp_size {args.tp_size}: the hf engine runs on one device; use --rollout_engine builtin "
+                         "(under torchrun) or vllm")
+
+
 def check_args(args: argparse.Namespace) -> None:
     if args.eval_task is None:
         raise UsageError(f"--eval_task is required: one of {', '.join(TASKS)}")
@@ -341,9 +351,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError("--dataset is required (prompts for generate, input/output rows for rm)")
     if args.lora_rank > 0:
         raise UsageError("--lora_rank: batch_inference loads full models; merge an adapter with lora_combiner")
-    if args.tp_size > 1 and args.rollout_engine == "hf":
-        raise UsageError(f"--tp_size {args.tp_size}: the hf engine runs on one device; use --rollout_engine builtin "
-                         "(under torchrun) or vllm")
+    check_engine_tp(args)
     if args.load_in_4bit and args.eval_task != "rm":
         raise UsageError("--load_in_4bit is supported for --eval_task rm only (the rollout engines need "
                          "unquantised weights)")

@@ -162,6 +162,25 @@ def resolve_modelscope_paths(args: argparse.Namespace) -> None:
         setattr(args, d, ",".join(parts))
 
 
+def _rank0_line(line: str) -> None:
+    """One line of this run (every run of a process says it: not `note_once`), from rank 0 only."""
+    if os.environ.get("RANK", "0") == "0":
+        log.info(line)
+
+
+def resolve_rollout_engine(args: argparse.Namespace, max_model_len: int | None, pictures: bool = False) -> None:
+    """--rollout_engine, resolved once for --pretrain (rlhfkit.rollout.choice; auto: builtin when it
+    can run the model, else vllm when installed, else hf) before any model loads: the flag then names
+    the engine that runs, which every later check and the Ray engine actors read. A fallback of auto
+    is announced in one line; an explicit builtin the model cannot use is an error naming the flag."""
+    from rlhfkit.rollout.choice import choose_engine
+
+    choice = choose_engine(args.rollout_engine, args.pretrain, max_model_len=max_model_len, pictures=pictures)
+    if choice.fell_back:
+        _rank0_line(choice.describe())
+    args.rollout_engine = choice.name
+
+
 # flag (dest) -> (package, what the message calls the feature) for `check_packages`
 FLAG_PACKAGES = (("lora_rank", "peft", "--lora_rank"), ("load_in_4bit", "bitsandbytes", "--load_in_4bit"),
                  ("use_tensorboard", "tensorboard", "--use_tensorboard"), ("use_wandb", "wandb", "--use_wandb"))

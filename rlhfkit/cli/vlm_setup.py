@@ -77,7 +77,7 @@ def check_vlm_rl_flags(args: argparse.Namespace) -> None:
                          "vision-language samples with --remote_rm_url (a reward_func file or server) or an agent")
     if args.rollout_engine == "vllm":
         raise UsageError("--rollout_engine vllm does not take pictures in rlhfkit yet; vision-language rollouts run on "
-                         "--rollout_engine builtin (default) or hf")
+                         "--rollout_engine auto (the default), builtin or hf")
     _check_parallel(args)
     _no_packing(args)
 

@@ -75,9 +75,10 @@ def _models(p: FlagParser) -> None:
         p.flag("--agent_func_path", "--train.agent_func_path", type=str, default=None,
                help="a .py file defining AgentExecutor (multi-turn) or AgentInstance (step() gives the reward)")
     with p.group(RL_ROLLOUT):
-        p.flag("--rollout_engine", type=str, default="builtin", choices=["builtin", "hf", "vllm"],
+        p.flag("--rollout_engine", type=str, default="auto", choices=["auto", "builtin", "hf", "vllm"],
                help="generation engine: builtin (continuous batching, no extra package), hf (transformers "
-                    "generate, slow reference) or vllm (when installed)")
+                    "generate, slow reference) or vllm (when installed); auto: builtin when it supports the "
+                    "model, else vllm when installed, else hf (one line says which and why)")
         p.flag("--rollout_max_num_seqs", type=int, default=None,
                help="sequences the engine decodes at once (default: all samples of a step on this rank, at "
                     "most 512)")

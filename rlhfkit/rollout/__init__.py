@@ -1,5 +1,6 @@
-"""Rollout engines behind one protocol (rollout/base.py): builtin (default, fast), hf (reference), vllm.
+"""Rollout engines behind one protocol (rollout/base.py): builtin (fast), hf (reference), vllm.
 
+    choose_engine("auto" | "builtin" | "hf" | "vllm", model) -> EngineChoice   (choice.py: the flag, resolved once)
     build_engine("builtin" | "hf" | "vllm", model_or_path, tokenizer, device, dtype, **options)
 
 `model_or_path` is an HF `*ForCausalLM` module (or a vision-language `*ForConditionalGeneration`), a
@@ -16,8 +17,8 @@ from typing import Any
 import torch
 
 from rlhfkit.rollout.base import RolloutEngine
-
-ENGINE_NAMES = ("builtin", "hf", "vllm")
+from rlhfkit.rollout.choice import ENGINES as ENGINE_NAMES
+from rlhfkit.rollout.choice import EngineChoice, choose_engine
 
 
 def _load_hf(model_or_path: Any, tokenizer: Any, dtype: torch.dtype | None) -> tuple[Any, Any]:
@@ -51,6 +52,9 @@ def build_engine(name: str, model_or_path: Any, tokenizer: Any = None, device: s
     eos_token_ids; hf -> max_batch_size, eos_token_ids, pad_token_id; vllm -> VLLMEngine keywords.
     `tp`: this process's `TensorParallelGroup` of a tensor-parallel builtin engine.
     """
+    if name == "auto":
+        raise ValueError("build_engine: resolve --rollout_engine auto first (rlhfkit.rollout.choose_engine gives "
+                         "the engine for the model)")
     if name not in ENGINE_NAMES:
         raise ValueError(f"--rollout_engine must be one of {ENGINE_NAMES}, got {name!r}")
     if isinstance(model_or_path, str):  # a hub id -> its local snapshot (rlhfkit.models.hub)
@@ -95,4 +99,4 @@ def build_engine(name: str, model_or_path: Any, tokenizer: Any = None, device: s
                          eos_token_ids=options.get("eos_token_ids"), tp=tp)
 
 
-__all__ = ["ENGINE_NAMES", "RolloutEngine", "build_engine"]
+__all__ = ["ENGINE_NAMES", "EngineChoice", "RolloutEngine", "build_engine", "choose_engine"]

@@ -10,8 +10,10 @@
     tp.py        tensor-parallel shard groups, per-shard weight loading, mirroring
     config.py    BuiltinEngineConfig
     engine.py    BuiltinEngine: the RolloutEngine protocol, sync and async (the front end)
+    support.py   builtin_support(config): whether the engine can run a model (its own checks, from the config)
 """
 
 from rlhfkit.rollout.builtin.engine import BuiltinEngine, BuiltinEngineConfig
+from rlhfkit.rollout.builtin.support import builtin_support
 
-__all__ = ["BuiltinEngine", "BuiltinEngineConfig"]
+__all__ = ["BuiltinEngine", "BuiltinEngineConfig", "builtin_support"]
