@@ -162,6 +162,18 @@ def resolve_modelscope_paths(args: argparse.Namespace) -> None:
         setattr(args, d, ",".join(parts))
 
 
+def _config_of(path: str | None) -> Any:
+    """The transformers config of the local model directory `path` (None when there is none to read)."""
+    if not path or not os.path.isfile(os.path.join(path, "config.json")):
+        return None
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path)
+    except Exception:  # noqa: BLE001 - an unreadable config is reported where the model is loaded
+        return None
+
+
 def _rank0_line(line: str) -> None:
     """One line of this run (every run of a process says it: not `note_once`), from rank 0 only."""
     if os.environ.get("RANK", "0") == "0":
@@ -179,6 +191,23 @@ def resolve_rollout_engine(args: argparse.Namespace, max_model_len: int | None, 
     if choice.fell_back:
         _rank0_line(choice.describe())
     args.rollout_engine = choice.name
+
+
+def check_packing(args: argparse.Namespace, *models: tuple[str, str | None]) -> None:
+    """--packing_samples with a model whose layers carry a state along the sequence (linear attention,
+    state-space: rlhfkit.models.forward.packing_refusal) would mix packed samples: such a run trains
+    padded, and one line says so. `models`: (flag, local model directory) of each model that packs."""
+    from rlhfkit.models.forward import packing_refusal
+
+    if not args.packing_samples:
+        return
+    for flag, path in models:
+        config = _config_of(path)
+        why = packing_refusal(config) if config is not None else None
+        if why is not None:
+            _rank0_line(f"note: --packing_samples is off for this run: {flag} {path}: {why}; samples run padded")
+            args.packing_samples = False
+            return
 
 
 # flag (dest) -> (package, what the message calls the feature) for `check_packages`

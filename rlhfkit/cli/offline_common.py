@@ -24,8 +24,9 @@ import torch
 from rlhfkit.parallel.dist import DistInfo, init_distributed
 from rlhfkit.parallel.mesh import attach_mesh
 from rlhfkit.backend.fsdp2 import FSDP2Backend
-from rlhfkit.cli.common import (UsageError, check_backend_flags, check_positions, note_cpu_dtype, parallel_dims,
-                                check_packages, report_dropped, resolve_model_paths, save_or_fall_back, set_seed)
+from rlhfkit.cli.common import (UsageError, check_backend_flags, check_packing, check_positions, note_cpu_dtype,
+                                parallel_dims, check_packages, report_dropped, resolve_model_paths, save_or_fall_back,
+                                set_seed)
 from rlhfkit.config.configs import BackendConfig, ModelConfig, OptimConfig, from_args
 from rlhfkit.config.flags import (DATA, MODEL, TRAIN, FlagParser, add_backend_flags, add_ckpt_flags, add_data_flags,
                                   add_logging_flags, add_model_flags, add_train_flags)
@@ -107,6 +108,7 @@ def setup(args: argparse.Namespace) -> tuple[DistInfo, Any]:
     resolve_model_paths(args)
     check_model_dir(args.pretrain, "--pretrain")
     check_positions(args.pretrain, args.max_len, f"--max_len {args.max_len}")
+    check_packing(args, ("--pretrain", args.pretrain))
     dist = init_distributed(args.device)
     note_cpu_dtype(args, dist.device)
     dist = attach_mesh(dist, parallel_dims(args, dist))  # the dp / tp / cp process groups, built once

@@ -21,8 +21,8 @@ from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.backend.base import CheckpointingBackend
 from rlhfkit.backend.fsdp2 import FSDP2Backend
 from rlhfkit.parallel.mesh import ParallelDims
-from rlhfkit.cli.common import (UsageError, check_backend_flags, check_packages, check_positions, parallel_dims,
-                                report_dropped, resolve_model_paths, resolve_rollout_engine)
+from rlhfkit.cli.common import (UsageError, check_backend_flags, check_packages, check_packing, check_positions,
+                                parallel_dims, report_dropped, resolve_model_paths, resolve_rollout_engine)
 from rlhfkit.trainers.rl_checkpoint import RLCheckpointer
 from rlhfkit.cli.vlm_setup import check_vlm_rl_flags, vlm_mode
 from rlhfkit.config.configs import BackendConfig, ModelConfig, OptimConfig, from_args
@@ -103,6 +103,8 @@ def resolve_flags(args: argparse.Namespace, world_size: int) -> None:
         check_positions(args.pretrain, args.max_len, f"--prompt_max_len {args.prompt_max_len} + --generate_max_len "
                         f"{args.generate_max_len} = {args.max_len} (the default --max_len)")
     resolve_rollout_engine(args, args.max_len, pictures=vlm_mode(args))
+    critic = (("the critic", critic_path(args)),) if args.advantage_estimator == "gae" else ()
+    check_packing(args, ("--pretrain", args.pretrain), ("--ref_pretrain", args.ref_pretrain), *critic)
 
 
 def resolve_optional_terms(args: argparse.Namespace) -> None:

@@ -1,6 +1,6 @@
 """--rollout_engine auto (issue 41, part 2): `builtin_support` asks the builtin engine's own checks,
 `choose_engine` takes builtin when they pass and otherwise vllm (installed) or hf with its reason,
-an explicit builtin refuses naming the flag.
+an explicit builtin refuses naming the flag; packed rows are refused for layers with a state.
 Configs only: no weights are built here (tests/integration/test_rl_engine_fallback.py runs GRPO)."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
 from rlhfkit.cli import batch_inference, ppo_setup, train_ppo
 from rlhfkit.config.errors import UsageError
+from rlhfkit.models.forward import packing_refusal
 from rlhfkit.rollout import build_engine
 from rlhfkit.rollout.builtin import builtin_support
 from rlhfkit.rollout.choice import CHOICES, EngineChoice, choose_engine
@@ -104,3 +105,11 @@ def test_train_ppo_resolves_auto_once_into_the_flag(tiny_model_dir, tmp_path, ca
     assert args.rollout_engine == "builtin"  # the fast path is not announced
     assert not any(r.getMessage().startswith("rollout engine:") for r in caplog.records)
 
+
+def test_packing_is_refused_for_layers_with_a_state():
+    assert packing_refusal(LlamaConfig(**SMALL)) is None
+    assert "linear_attention layers" in packing_refusal(qwen3_5_text())
+    mamba = transformers.MambaConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2)
+    assert "model_type 'mamba' has" in packing_refusal(mamba)
+    rwkv = transformers.RwkvConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2)  # no layer_types
+    assert "'rwkv' has recurrent (state-space) layers" in packing_refusal(rwkv)
