@@ -1,6 +1,6 @@
 """Build a tiny random causal LM and a character-level tokenizer, offline.
 
-    python -m rlhfkit.cli.make_tiny_model --save_path ./tiny [--arch llama|qwen2|mixtral] [--hidden_size 128]
+    python -m rlhfkit.cli.make_tiny_model --save_path ./tiny [--arch llama|qwen2|gemma3_text|qwen3_moe|gpt_oss|phi3|olmo2|...] [--hidden_size 128]
 
 `--arch qwen2_5_vl` or `qwen3_vl` builds a vision-language model instead: the language model of
 these sizes, a two-block vision tower, and an image processor for small pictures (docs/vlm.md).
@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from rlhfkit.config.configs import from_args
 from rlhfkit.config.flags import FlagParser
-from rlhfkit.models.tiny import VLM_ARCHS, TinyModelSpec, make_tiny_model
+from rlhfkit.models.tiny import ARCHS, VLM_ARCHS, TinyModelSpec, make_tiny_model
 
 log = logging.getLogger(__spec__.name if __spec__ else __name__)  # also when run as __main__
 
@@ -23,7 +23,7 @@ def build_parser() -> FlagParser:
                help="directory to write the model and tokenizer to (Hugging Face format)")
         p.flag("--seed", type=int, default=0, help="seed of the random initial weights")
     with p.group("architecture"):
-        p.flag("--arch", type=str, default="llama", choices=["llama", "qwen2", "mixtral", "qwen2_5_vl", "qwen3_vl"],
+        p.flag("--arch", type=str, default="llama", choices=list(ARCHS),
                help="transformers model family (mixtral: a mixture of experts; qwen2_5_vl, qwen3_vl: "
                     "vision-language models with an image processor)")
         p.flag("--hidden_size", type=int, default=128, help="width of the residual stream")

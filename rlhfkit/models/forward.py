@@ -17,7 +17,10 @@ Packed rows must not attend across samples. How that is ensured (`packed_mask`):
   no cache is used (`masking_utils.find_packed_sequence_indices`; checked by
   tests/parity/test_packing.py against a padded batch); older versions -> "block".
 * "block": we build a block-diagonal causal mask `[B, 1, T, T]` (O(T^2) memory; for models
-  whose code does not go through `create_causal_mask`).
+  whose code does not go through `create_causal_mask`); a model whose config names layer types
+  gets one per type (`layer_type_masks`: the sliding layers' within their window). "auto" takes
+  this path too for sliding-window models and for models whose mask builder is not given the
+  positions (`MASK_WITHOUT_POSITIONS`: gpt-oss), where transformers cannot see the boundaries.
 * "hf": position_ids only, whatever the attention implementation.
 
 Positions keep attention layers apart, nothing else: a layer that carries a state along the sequence
@@ -173,15 +176,42 @@ def segment_ids(position_ids: torch.Tensor) -> torch.Tensor:
     return (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
 
 
-def block_causal_mask(position_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Additive mask `[B, 1, T, T]`: 0 where query i may see key j (same sample, j <= i), else -inf-ish."""
+def block_causal_mask(position_ids: torch.Tensor, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
+    """Additive mask `[B, 1, T, T]`: 0 where query i may see key j (same sample, j <= i, and with a
+    sliding `window` i - j < window), else -inf-ish."""
     seg = segment_ids(position_ids)
     t = position_ids.shape[-1]
     causal = torch.ones(t, t, dtype=torch.bool, device=position_ids.device).tril()
+    if window is not None:
+        causal &= ~torch.ones(t, t, dtype=torch.bool, device=position_ids.device).tril(-window)
     allowed = (seg[:, :, None] == seg[:, None, :]) & causal
     mask = torch.zeros(allowed.shape, dtype=dtype, device=position_ids.device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[:, None]
+
+
+# model types whose mask builder is not given the position_ids (transformers then cannot see the
+# packed samples' boundaries): their packed rows always get rlhfkit's own masks
+MASK_WITHOUT_POSITIONS = ("gpt_oss",)
+
+
+def layer_type_masks(model: torch.nn.Module, position_ids: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    """transformers' per-layer-type mask mapping for packed rows (`block_causal_mask` per type, the
+    sliding layers within their window), for a model whose config names layer types; else None."""
+    config = getattr(model, "config", None)
+    types = set(getattr(config, "layer_types", None) or ())
+    if not types:
+        return None
+    dtype, window = _model_dtype(model), getattr(config, "sliding_window", None)
+    return {t: block_causal_mask(position_ids, dtype, window if t == "sliding_attention" else None) for t in types}
+
+
+def _own_packed_masks(model: torch.nn.Module) -> bool:
+    """Whether packed rows need rlhfkit's masks under "auto": sliding-window layers (each layer type
+    its own mask), or a model whose mask builder does not see the positions."""
+    config = getattr(model, "config", None)
+    types = set(getattr(config, "layer_types", None) or ())
+    return "sliding_attention" in types or getattr(config, "model_type", "") in MASK_WITHOUT_POSITIONS
 
 
 def _attn_impl(model: torch.nn.Module) -> str:
@@ -228,11 +258,12 @@ def forward_kwargs(model: torch.nn.Module, attention_mask: torch.Tensor | None,
         return kw
     impl = _attn_impl(model)
     use_block = packed_mask == "block" or (
-        packed_mask == "auto" and "flash" not in impl and not hf_detects_packing())
+        packed_mask == "auto" and "flash" not in impl and (not hf_detects_packing() or _own_packed_masks(model)))
     if use_block:
         if "flash" in impl or impl == "flex_attention":
             raise ValueError(f"packed_mask='block' needs an sdpa/eager model, not {impl!r}")
-        return {**kw, "attention_mask": block_causal_mask(position_ids, _model_dtype(model)),
+        masks = layer_type_masks(model, position_ids)
+        return {**kw, "attention_mask": masks if masks is not None else block_causal_mask(position_ids, _model_dtype(model)),
                 "position_ids": position_ids}
     return {**kw, "position_ids": position_ids}
 

@@ -163,9 +163,12 @@ def _disable_out_dtype_mm() -> None:
 
 
 def fusable_head(model: torch.nn.Module) -> torch.nn.Linear | None:
-    """The model's `lm_head` when the fused path applies: a plain bias-free Linear, not sharded."""
+    """The model's `lm_head` when the fused path applies: a plain bias-free Linear, not sharded, and
+    nothing after it (a final logit soft-cap, Gemma 2's, acts on the logits the fused path never makes)."""
     head = model._modules.get("lm_head")  # a direct child (not through a wrapper's __getattr__)
     if not isinstance(head, torch.nn.Linear) or head.bias is not None:
+        return None
+    if getattr(getattr(model, "config", None), "final_logit_softcapping", None):
         return None
     if type(head.weight).__name__ == "DTensor" or type(head.weight.data).__name__ == "DTensor":
         return None  # FSDP2-sharded: the weight only exists whole inside the module's own forward

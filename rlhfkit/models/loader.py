@@ -87,11 +87,30 @@ def experts_kwargs(cfg: ModelConfig, path: str | None) -> dict[str, Any]:
     return {"experts_implementation": cfg.experts_implementation}
 
 
+def attention_for(name: str, path: str | None) -> str:
+    """--attn_implementation for the model at `path`: as given, except that SDPA becomes eager (with
+    one note) for a model class transformers runs without SDPA (gpt-oss: its attention sinks)."""
+    name = check_attn_implementation(name)
+    if name != "sdpa" or path is None:
+        return name
+    import transformers
+    from transformers import AutoConfig
+
+    archs = getattr(AutoConfig.from_pretrained(path, trust_remote_code=False), "architectures", None) or []
+    cls = getattr(transformers, archs[0], None) if archs else None
+    if cls is not None and getattr(cls, "_supports_sdpa", True) is False:
+        from rlhfkit.config.notes import note_once
+
+        note_once(f"note: transformers runs {cls.__name__} without SDPA attention: --attn_implementation eager")
+        return "eager"
+    return name
+
+
 def pretrained_kwargs(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device | None,
                       skip_quantization: list[str] | None = None, path: str | None = None) -> dict[str, Any]:
     """Keyword arguments for `from_pretrained`: dtype, attention, 4-bit quantization, and the MoE
     experts kernels of the model at `path`."""
-    kw: dict[str, Any] = {"dtype": dtype, "attn_implementation": check_attn_implementation(cfg.attn_implementation),
+    kw: dict[str, Any] = {"dtype": dtype, "attn_implementation": attention_for(cfg.attn_implementation, path),
                           "trust_remote_code": False, **experts_kwargs(cfg, path)}
     qcfg = quantization_config(cfg, skip_quantization)
     if qcfg is not None:

@@ -36,7 +36,7 @@ CHAT_TEMPLATE = (
 
 @dataclass
 class TinyModelSpec:
-    arch: str = "llama"  # llama | qwen2 | mixtral (4 experts, top 2) | qwen2_5_vl | qwen3_vl (vision-language)
+    arch: str = "llama"  # TEXT_ARCHS (build_config) or qwen2_5_vl | qwen3_vl (vision-language)
     hidden_size: int = 128
     num_hidden_layers: int = 4
     num_attention_heads: int = 4
@@ -76,15 +76,29 @@ def build_tokenizer(extra_specials: tuple[str, ...] = (), chat_template: str = C
     return tok
 
 
-def build_config(spec: TinyModelSpec, vocab_size: int, tok):
-    from transformers import LlamaConfig, MixtralConfig, Qwen2Config
+TEXT_ARCHS = ("llama", "qwen2", "mixtral", "gemma3_text", "qwen3_moe", "gpt_oss", "phi3", "olmo2", "olmo3")
+ARCHS = TEXT_ARCHS + VLM_ARCHS
+TINY_WINDOW = 8  # the sliding window of the tiny windowed families: a short generation crosses it
 
+
+def _alternating(n: int) -> list[str]:
+    return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+
+
+def build_config(spec: TinyModelSpec, vocab_size: int, tok):
+    """The HF config of a tiny `spec.arch` model. The families beyond Llama keep what sets them apart
+    at tiny size: Gemma 3 local / global layers with a window of TINY_WINDOW tokens and two rope
+    tables, Qwen3-MoE 8 experts (top 2) with one dense layer, gpt-oss 4 experts (top 2) with
+    attention sinks and windows, Phi-3 half the head dims rotary, OLMo 3 windows."""
+    import transformers
+
+    heads = spec.num_attention_heads
     common = dict(
         vocab_size=vocab_size,
         hidden_size=spec.hidden_size,
         num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads or spec.num_attention_heads,
+        num_attention_heads=heads,
+        num_key_value_heads=spec.num_key_value_heads or heads,
         intermediate_size=spec.intermediate_size or 4 * spec.hidden_size,
         max_position_embeddings=spec.max_position_embeddings,
         tie_word_embeddings=spec.tie_word_embeddings,
@@ -93,13 +107,35 @@ def build_config(spec: TinyModelSpec, vocab_size: int, tok):
         eos_token_id=tok.eos_token_id,
         rms_norm_eps=1e-6,
     )
-    if spec.arch == "llama":
-        return LlamaConfig(**common)
-    if spec.arch == "qwen2":
-        return Qwen2Config(**common)
-    if spec.arch == "mixtral":
-        return MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
-    raise ValueError(f"--arch must be llama, qwen2, mixtral, qwen2_5_vl or qwen3_vl, got {spec.arch!r}")
+    n, head_dim = spec.num_hidden_layers, spec.hidden_size // heads
+    arch = spec.arch
+    if arch == "llama":
+        return transformers.LlamaConfig(**common)
+    if arch == "qwen2":
+        return transformers.Qwen2Config(**common)
+    if arch == "mixtral":
+        return transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
+    if arch == "gemma3_text":
+        return transformers.Gemma3TextConfig(
+            **common, head_dim=head_dim, query_pre_attn_scalar=head_dim, sliding_window=TINY_WINDOW,
+            layer_types=_alternating(n), rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}})
+    if arch == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(
+            **common, head_dim=head_dim, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+            moe_intermediate_size=max(16, spec.hidden_size // 2), mlp_only_layers=[n - 1] if n > 1 else [])
+    if arch == "gpt_oss":
+        gpt = {**common, "intermediate_size": max(16, spec.hidden_size // 2)}
+        return transformers.GptOssConfig(**gpt, head_dim=head_dim, num_local_experts=4, num_experts_per_tok=2,
+                                         sliding_window=TINY_WINDOW, layer_types=_alternating(n))
+    if arch == "phi3":
+        return transformers.Phi3Config(**common, partial_rotary_factor=0.5)
+    if arch == "olmo2":
+        return transformers.Olmo2Config(**common)
+    if arch == "olmo3":
+        return transformers.Olmo3Config(**common, sliding_window=TINY_WINDOW, layer_types=_alternating(n))
+    raise ValueError(f"--arch must be one of {', '.join(ARCHS)}, got {arch!r}")
 
 
 def make_tiny_model(save_path: str, spec: TinyModelSpec | None = None) -> str:

@@ -42,11 +42,17 @@ def test_builtin_support_gives_the_engines_own_reason_in_one_line():
     assert "'dynamic'" in builtin_support(dynamic)
 
 
-def test_builtin_support_checks_the_sliding_window_the_engine_refuses():
-    """engine.py refuses a max_model_len beyond the window; when it learns windows, drop the check in support.py."""
+def test_builtin_support_checks_rope_at_the_engines_length():
+    """Sliding windows run on the builtin engine at any length; longrope only within its original length."""
     windowed = MistralConfig(**SMALL, sliding_window=32)
-    assert builtin_support(windowed, max_model_len=32) is None
-    assert "sliding window of 32" in builtin_support(windowed, max_model_len=64)
+    assert builtin_support(windowed, max_model_len=64) is None
+    from transformers import Phi3Config
+
+    longrope = Phi3Config(**SMALL, original_max_position_embeddings=64, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
+        "short_factor": [1.0] * 8, "long_factor": [2.0] * 8})
+    assert builtin_support(longrope, max_model_len=64) is None
+    assert "longrope" in builtin_support(longrope, max_model_len=128)
 
 
 def test_auto_takes_the_builtin_engine_when_it_can():

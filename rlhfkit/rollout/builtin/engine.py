@@ -1,4 +1,4 @@
-"""BuiltinEngine: the fast rollout engine (RolloutEngine protocol) for HF Llama/Qwen2/Qwen3/Mistral.
+"""BuiltinEngine: the fast rollout engine (RolloutEngine protocol) for the HF families of families.py.
 
 One engine step (`EngineLoop.step`, under the engine lock; stepping.py):
 
@@ -70,7 +70,7 @@ from rlhfkit.rollout.builtin.step import StepRunner
 from rlhfkit.rollout.builtin.stepping import EngineLoop
 from rlhfkit.rollout.builtin.tp import TensorParallelGroup, load_weights, mirror
 from rlhfkit.rollout.builtin.vision import VisionIndex, load_vision_tower
-from rlhfkit.rollout.builtin.weights import rope_inv_freq, rope_tables
+from rlhfkit.rollout.builtin.weights import rope_inv_freq, rope_table_set
 from rlhfkit.rollout.engine_utils import EngineStats, Waiter, eos_ids_of, make_decode, validate_request
 from rlhfkit.types import Completion, GenerationRequest
 
@@ -104,10 +104,7 @@ class BuiltinEngine:
         self.eos_token_ids = eos_ids_of(gen_source, tokenizer) if eos_token_ids is None else list(eos_token_ids)
         cfg = self.config
         self.max_model_len = cfg.max_model_len or min(self.spec.max_position_embeddings, 2048)
-        if self.spec.sliding_window is not None and self.max_model_len > self.spec.sliding_window:
-            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's sliding window "
-                             f"{self.spec.sliding_window}, which the builtin engine does not implement")
-        cos, sin = rope_tables(hf_config, self.spec, self.max_model_len, self.dtype, self.device)
+        tables = rope_table_set(hf_config, self.spec, self.max_model_len, self.dtype, self.device)
         tower = load_vision_tower(model, hf_config, self.dtype, self.device)
         self.vision_layout = tower.layout if tower is not None else None
         self.banned = self.vision_layout.special_ids if tower is not None else ()
@@ -122,7 +119,7 @@ class BuiltinEngine:
         if graphs and not on_cuda:
             raise ValueError("BuiltinEngineConfig.cuda_graphs needs a CUDA device")
         self._local = StepRunner(
-            DecoderModel(self.spec, weights, cos, sin, attn, gemm, cfg.gemm_min_rows),
+            DecoderModel(self.spec, weights, *tables[0], attn, gemm, cfg.gemm_min_rows, tables=tables),
             num_slots=cfg.max_num_seqs, max_model_len=self.max_model_len, max_stop_ids=cfg.max_stop_ids,
             device=self.device, dtype=self.dtype, cuda_graphs=graphs, compile_step=compile_step,
             compile_prefill=compile_step if cfg.compile_prefill is None else cfg.compile_prefill,

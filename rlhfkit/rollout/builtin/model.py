@@ -50,6 +50,7 @@ import torch.distributed._functional_collectives  # noqa: F401 - registers the _
 import torch.nn.functional as F
 
 from rlhfkit.rollout.builtin import triton_gemm, triton_ops  # triton_gemm registers the GEMM ops
+from rlhfkit.rollout.builtin.families import MoESpec
 from rlhfkit.rollout.builtin.weights import LayerWeights, ModelSpec, ModelWeights
 
 _c10d = torch.ops._c10d_functional  # functional collectives: traceable, capturable, gloo on CPU
@@ -106,18 +107,33 @@ def _write_kv_fake(k_cache, v_cache, rows, pos, k, v) -> None:
     return None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm as Hugging Face computes it: normalise in fp32, cast back, scale."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, style: str = "llama") -> torch.Tensor:
+    """RMSNorm as Hugging Face computes it: normalise in fp32, then scale in one of the families'
+    three roundings (families.py): "llama" casts back and scales, "fp32" scales in fp32 and casts,
+    "gemma" scales by (1 + weight) in fp32 and casts."""
     dtype = x.dtype
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(dtype)
+    if style == "llama":
+        return weight * xf.to(dtype)
+    w = weight.float() + 1.0 if style == "gemma" else weight.float()
+    return (w * xf).to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE: x * cos + rotate_half(x) * sin, cos/sin broadcast over heads."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _norm(spec: ModelSpec, weight: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """The family's RMSNorm of `x` by `weight`; `x` itself where the family has no such norm."""
+    return x if weight is None else rms_norm(x, weight, spec.rms_norm_eps, spec.family.norm)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int | None = None) -> torch.Tensor:
+    """Rotate-half RoPE: x * cos + rotate_half(x) * sin, cos/sin broadcast over heads. With a
+    partial rotary dimension `rot` only x[..., :rot] rotates (the tables hold cos 1, sin 0 past it)."""
+    if rot is None:
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    else:
+        half = rot // 2
+        rotated = torch.cat((-x[..., half:rot], x[..., :half], torch.zeros_like(x[..., rot:])), dim=-1)
     return x * cos + rotated * sin
 
 
@@ -125,21 +141,22 @@ def _qkv(layer: LayerWeights, spec: ModelSpec, h: torch.Tensor, cos: torch.Tenso
          sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`_project_qkv` with RoPE applied to q and k."""
     q, k, v = _project_qkv(layer, spec, h)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+    return apply_rope(q, cos, sin, spec.rotary_dim), apply_rope(k, cos, sin, spec.rotary_dim), v
 
 
 def _project_qkv(layer: LayerWeights, spec: ModelSpec, h: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Projections of normalised hidden states `h [..., H]` -> q `[..., Hq, D]`, k, v `[..., KV, D]`
-    (q/k norms applied, no RoPE)."""
+    (q/k norms applied: over the whole projection (OLMo) or over each head; no RoPE)."""
     qkv = F.linear(h, layer.qkv, layer.qkv_bias)
     q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
+    if spec.family.qk_norm == "full":
+        q, k = _norm(spec, layer.q_norm, q), _norm(spec, layer.k_norm, k)
     q = q.unflatten(-1, (spec.num_heads, spec.head_dim))
     k = k.unflatten(-1, (spec.num_kv_heads, spec.head_dim))
     v = v.unflatten(-1, (spec.num_kv_heads, spec.head_dim))
-    if layer.q_norm is not None:
-        q = rms_norm(q, layer.q_norm, spec.rms_norm_eps)
-        k = rms_norm(k, layer.k_norm, spec.rms_norm_eps)
+    if spec.family.qk_norm == "head":
+        q, k = _norm(spec, layer.q_norm, q), _norm(spec, layer.k_norm, k)
     return q, k, v
 
 
@@ -161,13 +178,101 @@ def _gather_vocab(spec: ModelSpec, logits: torch.Tensor) -> torch.Tensor:
     return full.view(n, rows, cols).permute(1, 0, 2).reshape(rows, n * cols)[:, :spec.vocab_size]
 
 
-def _mlp_block(layer: LayerWeights, spec: ModelSpec, x: torch.Tensor) -> torch.Tensor:
-    return x + _mlp(layer, spec, rms_norm(x, layer.post_norm, spec.rms_norm_eps))
+def _gate(spec: ModelSpec, x: torch.Tensor) -> torch.Tensor:
+    return F.silu(x) if spec.activation == "silu" else F.gelu(x, approximate="tanh")
 
 
 def _mlp(layer: LayerWeights, spec: ModelSpec, h: torch.Tensor) -> torch.Tensor:
     gate, up = F.linear(h, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
-    return _row_parallel(spec, F.silu(gate) * up, layer.down, layer.down_bias)
+    return _row_parallel(spec, _gate(spec, gate) * up, layer.down, layer.down_bias)
+
+
+# ---------------------------------------------------------------- routed experts
+
+_ROUTE_LOG: list[torch.Tensor] | None = None
+
+
+class record_routing:
+    """`with record_routing() as log:` appends each eager MoE layer's expert choices `[T, k]`
+    (in layer order) to `log` (for tests and benchmarks that compare them with the trainer's)."""
+
+    def __enter__(self) -> list[torch.Tensor]:
+        global _ROUTE_LOG
+        self.prev, _ROUTE_LOG = _ROUTE_LOG, []
+        return _ROUTE_LOG
+
+    def __exit__(self, *exc: Any) -> None:
+        global _ROUTE_LOG
+        _ROUTE_LOG = self.prev
+
+
+def route(logits: torch.Tensor, moe: MoESpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits `[T, E]` -> (weights `[T, k]` in the logits' dtype, expert ids `[T, k]`):
+    top k of the softmax (renormalised with `norm_topk_prob`), or the softmax of the top k logits."""
+    if moe.router == "softmax_topk":
+        weights, ids = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), moe.top_k, dim=-1)
+        if moe.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(logits.dtype), ids
+    top, ids = torch.topk(logits, moe.top_k, dim=-1)
+    return torch.softmax(top, dim=-1, dtype=top.dtype), ids
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, experts: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows `x [S, K]` sorted by expert (`offsets [E]`: cumulative rows per expert, `experts [S]`:
+    each row's expert) times their expert's `weight [E, N, K]` -> `[S, N]`: one grouped GEMM
+    (`torch._grouped_mm`). On CUDA it takes bf16 only; other dtypes there (fp32 tests) gather each
+    row's matrix instead."""
+    if x.device.type == "cuda" and x.dtype != torch.bfloat16:
+        out = torch.bmm(weight[experts], x.unsqueeze(-1)).squeeze(-1)
+    else:
+        out = torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+    return out if bias is None else out + bias[experts]
+
+
+def _expert_act(moe: MoESpec, gate_up: torch.Tensor) -> torch.Tensor:
+    if moe.act == "silu":
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    # gpt-oss: gate and up interleaved, both clamped, gate * sigmoid(alpha gate) * (up + 1)
+    gate, up = gate_up[..., ::2].clamp(max=moe.swiglu_limit), gate_up[..., 1::2].clamp(-moe.swiglu_limit,
+                                                                                         moe.swiglu_limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * moe.swiglu_alpha))
+
+
+def _moe(layer: LayerWeights, spec: ModelSpec, h: torch.Tensor) -> torch.Tensor:
+    """Routed experts over `h [..., H]`: route each token to k experts, sort the T x k (token,
+    expert) rows by expert, two grouped GEMMs, weight each row by its router weight, and sum each
+    token's k rows (in their routing order, so the sum rounds as the reference model's does)."""
+    moe = spec.moe
+    shape = h.shape
+    x = h.reshape(-1, shape[-1])
+    weights, ids = route(F.linear(x, layer.router, layer.router_bias), moe)
+    if _ROUTE_LOG is not None and not torch.compiler.is_compiling():
+        _ROUTE_LOG.append(ids.detach().clone())
+    flat = ids.reshape(-1)
+    experts, perm = torch.sort(flat, stable=True)
+    counts = torch.zeros(moe.num_experts, dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    rows = x[perm // moe.top_k]
+    act = _expert_act(moe, grouped_linear(rows, layer.experts_gate_up, offsets, experts, layer.experts_gate_up_bias))
+    out = grouped_linear(act, layer.experts_down, offsets, experts, layer.experts_down_bias)
+    out = out * weights.reshape(-1)[perm, None]
+    out = torch.empty_like(out).index_copy_(0, perm, out)  # back to (token, k) order
+    return out.view(-1, moe.top_k, shape[-1]).sum(dim=1).to(h.dtype).reshape(shape)
+
+
+def _ffn(layer: LayerWeights, spec: ModelSpec, x: torch.Tensor) -> torch.Tensor:
+    """The MLP half of a layer from the residual stream `x`: [norm] -> MLP or experts -> [out norm]."""
+    h = _norm(spec, layer.mlp_norm, x)
+    out = _moe(layer, spec, h) if layer.kind.moe else _mlp(layer, spec, h)
+    return _norm(spec, layer.mlp_out_norm, out)
+
+
+def _mlp_block(layer: LayerWeights, spec: ModelSpec, x: torch.Tensor) -> torch.Tensor:
+    return x + _ffn(layer, spec, x)
 
 
 def _residual(x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
@@ -179,8 +284,13 @@ def _residual(x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
 
 
 def triton_gemm_supported(spec: ModelSpec, weights: ModelWeights) -> bool:
-    """Whether the Triton decode GEMMs apply: no o / MLP biases and K dims they tile."""
+    """Whether the Triton decode GEMMs apply: a Llama-style block (pre-norms with Llama's rounding,
+    SiLU, dense MLPs), no o / MLP biases and K dims they tile."""
     if not triton_gemm.available() or spec.tp.active:
+        return False
+    fam = spec.family
+    if (fam.norm != "llama" or not fam.pre_norms or fam.post_norms or spec.activation != "silu"
+            or spec.moe is not None):
         return False
     if any(lw.o_bias is not None or lw.gate_up_bias is not None or lw.down_bias is not None
            for lw in weights.layers):
@@ -190,21 +300,45 @@ def triton_gemm_supported(spec: ModelSpec, weights: ModelWeights) -> bool:
             and spec.hidden_size % 64 == 0)
 
 
-def _torch_decode_attention(spec: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor,
-                            sin: torch.Tensor, bias: torch.Tensor, scale: float, use_sdpa: bool) -> torch.Tensor:
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor | None,
+            scale: float, sinks: torch.Tensor | None, use_sdpa: bool = True) -> torch.Tensor:
+    """Grouped-query attention of `q [b, Hq, Lq, D]` over `keys/values [b, KV, Lk, D]`; `visible`
+    (bool, broadcast to `[b, 1, Lq, Lk]`) or an additive float mask; `sinks [Hq]`: one extra logit
+    per head in every softmax's denominator (gpt-oss). Explicit path: scores in the model dtype,
+    softmax in fp32 (as Hugging Face's eager attention)."""
+    b, hq, lq, d = q.shape
+    kv = keys.shape[1]
+    if sinks is None and use_sdpa:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=scale,
+                                              enable_gqa=hq != kv)
+    qg = q.reshape(b, kv, hq // kv, lq, d)
+    scores = torch.matmul(qg, keys.unsqueeze(2).transpose(-1, -2)).float() * scale  # [b, KV, G, Lq, Lk]
+    if visible is not None:
+        mask = visible.unsqueeze(1) if visible.dim() == 4 else visible  # [b, 1, 1, Lq, Lk]: over KV and G
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()
+    if sinks is not None:
+        sink = sinks.float().reshape(1, kv, hq // kv, 1, 1).expand(b, kv, hq // kv, lq, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs.to(q.dtype), values.unsqueeze(2)).reshape(b, hq, lq, d)
+
+
+def _torch_decode_attention(spec: ModelSpec, layer: LayerWeights, q: torch.Tensor, k: torch.Tensor,
+                            v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
+                            cos: torch.Tensor, sin: torch.Tensor, bias: torch.Tensor, scale: float,
+                            use_sdpa: bool) -> torch.Tensor:
     """RoPE, K/V write and attention over the first `kv_len = bias.shape[-1]` positions -> `[B, Hq, D]`."""
     nrows, kv_len = q.shape[0], bias.shape[-1]
     cos_p, sin_p = cos[pos][:, None, :], sin[pos][:, None, :]  # [B, 1, D]
-    q, k = apply_rope(q, cos_p, sin_p), apply_rope(k, cos_p, sin_p)
+    q, k = apply_rope(q, cos_p, sin_p, spec.rotary_dim), apply_rope(k, cos_p, sin_p, spec.rotary_dim)
     write_kv(k_cache, v_cache, torch.arange(nrows, device=q.device), pos, k, v)
     keys, values = k_cache[:nrows, :, :kv_len], v_cache[:nrows, :, :kv_len]  # [B, KV, Lb, D]
-    qg = q.reshape(nrows, spec.num_kv_heads, spec.num_heads // spec.num_kv_heads, spec.head_dim)
-    if use_sdpa:
+    if layer.sinks is None and use_sdpa:
+        qg = q.reshape(nrows, spec.num_kv_heads, spec.num_heads // spec.num_kv_heads, spec.head_dim)
         return F.scaled_dot_product_attention(qg, keys, values, attn_mask=bias, scale=scale)
-    # explicit: scores in the model dtype, softmax in fp32 (as HF's eager attention)
-    scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale + bias.float()
-    return torch.matmul(torch.softmax(scores, dim=-1).to(qg.dtype), values)
+    out = _attend(q.unsqueeze(2), keys, values, bias, scale, layer.sinks, use_sdpa=False)  # q [B, Hq, 1, D]
+    return out.squeeze(2)
 
 
 def decode_layer(spec: ModelSpec, layer: LayerWeights, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -213,15 +347,17 @@ def decode_layer(spec: ModelSpec, layer: LayerWeights, k_cache: torch.Tensor, v_
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decoder layer for one token per row; the residual stream enters as `x + delta`.
 
-    Returns `(x', delta')` with the layer's output `x' + delta'` (delta' = the MLP's output): the
-    add is left to the next layer (or the head), where torch.compile fuses it with the RMSNorm
+    Returns `(x', delta')` with the layer's output `x' + delta'` (delta' = the MLP half's output):
+    the add is left to the next layer (or the head), where torch.compile fuses it with the RMSNorm
     that follows it, one kernel fewer per layer. K/V of the new token go to `[row, :, pos[row]]`.
-    The same function serves every layer (only the tensors differ), so a torch.compile'd version
-    is compiled once, not once per layer. `cos`/`sin` are the full rope tables `[L, D]`.
+    The same function serves every layer (only the tensors and the layer's `kind` differ), so a
+    torch.compile'd version is compiled once per kind of layer, not once per layer. `cos`/`sin`
+    are the layer's full rope tables `[L, D]`.
 
-    attn: "triton" (fused RoPE + K/V write + attention kernel over each row's own length; `bias`
-    unused), "sdpa" or "matmul" (attend over the first `Lb` positions under `bias [B, 1, 1, Lb]`,
-    0 where a key is visible and -inf elsewhere, built once per step).
+    attn: "triton" (fused RoPE + K/V write + attention kernel over each row's own length and
+    window; `bias` unused), "sdpa" or "matmul" (attend over the first `Lb` positions under `bias
+    [B, 1, 1, Lb]`, 0 where a key is visible (in the layer's window) and -inf elsewhere, built once
+    per step and window). Attention sinks take the explicit (matmul) path.
     gemm: "torch" (delta' is `[B, H]`) or "triton" (delta' is the down projection's split-K
     partials `[S, B, H]` fp32; `delta` may be either; partials are summed by the Triton
     residual-add + RMSNorm kernel, `triton_gemm.residual_rmsnorm`, as the o projection's are).
@@ -231,44 +367,64 @@ def decode_layer(spec: ModelSpec, layer: LayerWeights, k_cache: torch.Tensor, v_
         x, h = torch.ops.rlhfkit.residual_rmsnorm(x, delta, layer.input_norm, spec.rms_norm_eps)
     else:
         x = _residual(x, delta)
-        h = rms_norm(x, layer.input_norm, spec.rms_norm_eps)
+        h = _norm(spec, layer.input_norm, x)
     q, k, v = _project_qkv(layer, spec, h)
     if attn == "triton":
-        out = torch.ops.rlhfkit.decode_attention(q, k, v, k_cache, v_cache, cos, sin, pos, scale)
+        out = torch.ops.rlhfkit.decode_attention(q, k, v, k_cache, v_cache, cos, sin, pos, scale,
+                                                 layer.kind.window or 0, layer.sinks, spec.rotary_dim or 0)
     else:
-        out = _torch_decode_attention(spec, q, k, v, k_cache, v_cache, pos, cos, sin, bias, scale, attn == "sdpa")
+        out = _torch_decode_attention(spec, layer, q, k, v, k_cache, v_cache, pos, cos, sin, bias, scale,
+                                      attn == "sdpa")
     if gemm == "triton":
         o = torch.ops.rlhfkit.mm_partials(out.reshape(nrows, spec.q_size), layer.o)
-        x, h = torch.ops.rlhfkit.residual_rmsnorm(x, o, layer.post_norm, spec.rms_norm_eps)
+        x, h = torch.ops.rlhfkit.residual_rmsnorm(x, o, layer.mlp_norm, spec.rms_norm_eps)
         return x, torch.ops.rlhfkit.mm_partials(torch.ops.rlhfkit.gate_up_silu(h, layer.gate_up), layer.down)
+    a = _norm(spec, layer.attn_out_norm, _row_parallel(spec, out.reshape(nrows, spec.q_size), layer.o, layer.o_bias))
     # the residual add in fp32 (as bf16 + bf16 rounds anyway) keeps inductor from folding it into
     # an addmm, which would first copy x into the GEMM's output buffer
-    x = (x.float() + _row_parallel(spec, out.reshape(nrows, spec.q_size), layer.o, layer.o_bias).float()).to(x.dtype)
-    return x, _mlp(layer, spec, rms_norm(x, layer.post_norm, spec.rms_norm_eps))
+    x = (x.float() + a.float()).to(x.dtype)
+    return x, _ffn(layer, spec, x)
+
+
+def _window_visible(window: int | None, plen: int, device: torch.device) -> torch.Tensor | None:
+    """Causal visibility `[P, P]` within a window (None: no window, plain causal attention)."""
+    if window is None:
+        return None
+    i = torch.arange(plen, device=device)
+    return (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
 
 
 def prefill_layer(spec: ModelSpec, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   scale: float, last: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One decoder layer over right-padded prompts `x [b, P, H]` (causal); returns the layer's
-    output and the post-RoPE keys and values `[b, KV, P, D]` for the cache.
+    """One decoder layer over right-padded prompts `x [b, P, H]` (causal, within the layer's
+    window); returns the layer's output and the post-RoPE keys and values `[b, KV, P, D]` for the cache.
 
     With `last [b]` (each prompt's last position; used for the final layer) only those positions
     go on past the K/V projection: the output is `[b, H]`, the hidden state the logits need, and
     the attention, o projection and MLP of every other position are skipped."""
-    q, k, v = _qkv(layer, spec, rms_norm(x, layer.input_norm, spec.rms_norm_eps), cos, sin)
+    q, k, v = _qkv(layer, spec, _norm(spec, layer.input_norm, x), cos, sin)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, heads, P, D]
-    gqa = spec.num_heads != spec.num_kv_heads
+    window, plen = layer.kind.window, x.shape[1]
     if last is None:
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-        x = x + _row_parallel(spec, attn.transpose(1, 2).flatten(2), layer.o, layer.o_bias)
-        return _mlp_block(layer, spec, x), k, v
+        visible = _window_visible(window, plen, x.device)
+        if visible is None and layer.sinks is None:
+            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                  enable_gqa=spec.num_heads != spec.num_kv_heads)
+        else:
+            if visible is None:
+                visible = _window_visible(plen, plen, x.device)  # plain causal
+            attn = _attend(q, k, v, visible, scale, layer.sinks)
+        a = _norm(spec, layer.attn_out_norm, _row_parallel(spec, attn.transpose(1, 2).flatten(2), layer.o, layer.o_bias))
+        return _mlp_block(layer, spec, x + a), k, v
     rows = torch.arange(x.shape[0], device=x.device)
     q_last = q[rows, :, last].unsqueeze(2)  # [b, Hq, 1, D]
-    visible = torch.arange(x.shape[1], device=x.device)[None, :] <= last[:, None]  # [b, P]
-    attn = F.scaled_dot_product_attention(q_last, k, v, attn_mask=visible[:, None, None, :], scale=scale,
-                                          enable_gqa=gqa)
-    x = x[rows, last] + _row_parallel(spec, attn.flatten(1), layer.o, layer.o_bias)
-    return _mlp_block(layer, spec, x), k, v
+    j = torch.arange(plen, device=x.device)[None, :]
+    visible = j <= last[:, None]  # [b, P]
+    if window is not None:
+        visible = visible & (j > last[:, None] - window)
+    attn = _attend(q_last, k, v, visible[:, None, None, :], scale, layer.sinks)
+    a = _norm(spec, layer.attn_out_norm, _row_parallel(spec, attn.flatten(1), layer.o, layer.o_bias))
+    return _mlp_block(layer, spec, x[rows, last] + a), k, v
 
 
 def final_logits(spec: ModelSpec, final_norm: torch.Tensor, lm_head: torch.Tensor, x: torch.Tensor,
@@ -278,7 +434,10 @@ def final_logits(spec: ModelSpec, final_norm: torch.Tensor, lm_head: torch.Tenso
         return F.linear(h, lm_head)
     if delta is not None:
         x = _residual(x, delta)
-    return _gather_vocab(spec, F.linear(rms_norm(x, final_norm, spec.rms_norm_eps), lm_head))
+    logits = _gather_vocab(spec, F.linear(_norm(spec, final_norm, x), lm_head))
+    if spec.final_softcap:
+        logits = torch.tanh(logits / spec.final_softcap) * spec.final_softcap
+    return logits
 
 
 DECODE_ATTENTION = ("triton", "sdpa", "matmul")
@@ -311,25 +470,42 @@ def resolve_decode_gemm(choice: str, spec, weights, device: torch.device) -> str
 class DecoderModel:
     """Functional decoder over `ModelWeights`; holds the rope tables and the model constants.
 
-    `layer_fn` / `head_fn` / `prefill_fn` default to the eager functions above; the decode runner
-    replaces them with compiled versions. `attn` is the decode attention ("triton" needs CUDA).
+    `tables` holds one (cos, sin) pair per rope table of the spec's layer kinds (`cos`, `sin` are
+    the first). `layer_fn` / `head_fn` / `prefill_fn` default to the eager functions above; the
+    decode runner replaces them with compiled versions. `attn` is the decode attention ("triton"
+    needs CUDA).
     """
 
     def __init__(self, spec: ModelSpec, weights: ModelWeights, cos: torch.Tensor, sin: torch.Tensor,
-                 decode_attention: str = "sdpa", decode_gemm: str = "torch", gemm_min_rows: int = 1):
+                 decode_attention: str = "sdpa", decode_gemm: str = "torch", gemm_min_rows: int = 1,
+                 tables: list[tuple[torch.Tensor, torch.Tensor]] | None = None):
         if decode_gemm not in DECODE_GEMM:
             raise ValueError(f"decode_gemm must be one of {DECODE_GEMM}, got {decode_gemm!r}")
         if decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention must be one of {DECODE_ATTENTION}, got {decode_attention!r}")
         if decode_attention == "triton" and not cos.is_cuda:
             raise ValueError("decode_attention='triton' needs a CUDA device")
-        self.spec, self.weights, self.cos, self.sin = spec, weights, cos, sin
+        self.spec, self.weights = spec, weights
+        self.tables = list(tables) if tables is not None else [(cos, sin)]
+        if len(self.tables) < spec.num_rope_tables:
+            raise ValueError(f"{spec.model_type}: {spec.num_rope_tables} rope tables needed, {len(self.tables)} given")
         self.attn = decode_attention
         self.gemm, self.gemm_min_rows = decode_gemm, gemm_min_rows
-        self.scale = spec.head_dim ** -0.5
+        self.scale = spec.scale
         self.layer_fn: Callable = decode_layer
         self.head_fn: Callable = final_logits
         self.prefill_fn: Callable = prefill_layer
+
+    @property
+    def cos(self) -> torch.Tensor:
+        return self.tables[0][0]
+
+    @property
+    def sin(self) -> torch.Tensor:
+        return self.tables[0][1]
+
+    def move_tables(self, device: torch.device) -> None:
+        self.tables = [(c.to(device), s.to(device)) for c, s in self.tables]
 
     @property
     def uses_kv_len(self) -> bool:
@@ -338,6 +514,13 @@ class DecoderModel:
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return final_logits(self.spec, self.weights.final_norm, self.weights.lm_head, x)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token embeddings (Gemma: times sqrt(hidden), the factor rounded to the model dtype first)."""
+        x = F.embedding(tokens, self.weights.embed)
+        if self.spec.embed_scale is not None:
+            x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype, device=x.device)
+        return x
 
     def prefill(self, cache: KVCache, tokens: torch.Tensor, lengths: torch.Tensor,
                 slots: torch.Tensor, slot_slice: slice | None = None, mm: Any = None) -> torch.Tensor:
@@ -351,15 +534,16 @@ class DecoderModel:
         spec, w = self.spec, self.weights
         b, plen = tokens.shape
         if mm is None:
-            cos, sin = self.cos[:plen, None, :], self.sin[:plen, None, :]  # [P, 1, D]
-            x = F.embedding(tokens, w.embed)
+            tables = [(c[:plen, None, :], s[:plen, None, :]) for c, s in self.tables]  # [P, 1, D]
+            x = self.embed(tokens)
         else:
-            cos, sin, x = mm.cos, mm.sin, mm.embeds  # [b, P, 1, D], [b, P, H]
+            tables, x = [(mm.cos, mm.sin)], mm.embeds  # [b, P, 1, D], [b, P, H]
             if len(mm.deepstack) >= len(w.layers):
                 raise ValueError(f"{len(mm.deepstack)} deepstack layers need a deeper model than {len(w.layers)} layers")
         last = lengths - 1
         rows = slots if slot_slice is None else slot_slice
         for li, layer in enumerate(w.layers):
+            cos, sin = tables[layer.kind.rope]
             x, k, v = self.prefill_fn(spec, layer, x, cos, sin, self.scale,
                                       last if li == len(w.layers) - 1 else None)
             if mm is not None and li < len(mm.deepstack):
@@ -368,17 +552,26 @@ class DecoderModel:
             cache.v[li][rows, :, :plen] = v
         return self._logits(x)
 
+    def _biases(self, pos: torch.Tensor, kv_len: int) -> dict[int | None, torch.Tensor]:
+        """The additive masks `[B, 1, 1, Lb]` of one decode step, one per window in use (None: full):
+        0 where key j is visible from a row at `pos` (j <= pos, and j > pos - window), -inf elsewhere."""
+        j = torch.arange(kv_len, device=pos.device)[None, :]
+        out = {}
+        for window in {layer.kind.window for layer in self.weights.layers}:
+            hidden = j > pos[:, None]  # [B, Lb]
+            if window is not None:
+                hidden = hidden | (j <= pos[:, None] - window)
+            bias = torch.zeros(hidden.shape, dtype=self.cos.dtype, device=pos.device)
+            out[window] = bias.masked_fill(hidden, float("-inf"))[:, None, None, :]
+        return out
+
     def decode(self, cache: KVCache, tokens: torch.Tensor, pos: torch.Tensor, kv_len: int) -> torch.Tensor:
         """One token for each of the rows 0..B-1 (row = slot); returns logits `[B, V]` (model dtype).
 
         `kv_len` (the length bucket) matters only when `uses_kv_len`."""
         w = self.weights
-        bias = None
-        if self.uses_kv_len:
-            hidden = torch.arange(kv_len, device=tokens.device)[None, :] > pos[:, None]  # [B, Lb]
-            bias = torch.zeros(hidden.shape, dtype=self.cos.dtype, device=tokens.device)
-            bias = bias.masked_fill(hidden, float("-inf"))[:, None, None, :]
-        x = F.embedding(tokens, w.embed)
+        biases = self._biases(pos, kv_len) if self.uses_kv_len else {}
+        x = self.embed(tokens)
         gemm = self.gemm if tokens.shape[0] >= self.gemm_min_rows else "torch"
         if gemm == "triton":  # partials of the shape every layer returns: one compiled graph for all layers
             splits = triton_gemm.splits_for(self.spec.hidden_size, w.layers[0].down.shape[1])
@@ -386,6 +579,7 @@ class DecoderModel:
         else:
             delta = torch.zeros_like(x)
         for li, layer in enumerate(w.layers):
-            x, delta = self.layer_fn(self.spec, layer, cache.k[li], cache.v[li], x, delta, pos, self.cos, self.sin,
-                                     bias, self.scale, self.attn, gemm)
+            cos, sin = self.tables[layer.kind.rope]
+            x, delta = self.layer_fn(self.spec, layer, cache.k[li], cache.v[li], x, delta, pos, cos, sin,
+                                     biases.get(layer.kind.window), self.scale, self.attn, gemm)
         return self.head_fn(self.spec, w.final_norm, w.lm_head, x, delta)

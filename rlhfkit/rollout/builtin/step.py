@@ -183,7 +183,7 @@ class StepRunner:
     def _move_weights(self, device: torch.device) -> None:
         w = self.model.weights
         w.replace_tensors({k: v.to(device) for k, v in w.tensors().items()})
-        self.model.cos, self.model.sin = self.model.cos.to(device), self.model.sin.to(device)
+        self.model.move_tables(device)
         if self.vision is not None:
             self.vision.to(device)
 

@@ -6,8 +6,7 @@ This is not a second list of families: it runs the checks the engine itself make
 in the order it meets them, and reports the first refusal:
 
     ModelSpec.from_hf_config   the model family (`model_type`), the MLP activation, ... (weights.py)
-    rope_inv_freq              the rotary embedding type (weights.py)
-    the sliding window         a max_model_len beyond the model's window (engine.py)
+    rope_table_set             the rotary embedding types, at the engine's max_model_len (weights.py)
 
 so a family the engine learns is supported here the moment its own checks accept it. The engine's
 advice to pick another `--rollout_engine` is left out of the reason: the caller (rollout/choice.py)
@@ -36,16 +35,15 @@ def builtin_support(config: Any, max_model_len: int | None = None) -> str | None
     """None when the builtin engine accepts `config` (a transformers `PretrainedConfig`) with
     `max_model_len` tokens per sequence (default: the engine's, min(max_position_embeddings, 2048));
     else why it does not, as one line."""
-    from rlhfkit.rollout.builtin.weights import ModelSpec, rope_inv_freq
+    import torch
+
+    from rlhfkit.rollout.builtin.weights import ModelSpec, rope_table_set
 
     config = copy.deepcopy(config)  # from_hf_config may fill a VLM's text config in place
     try:
         spec = ModelSpec.from_hf_config(config)
-        rope_inv_freq(config, spec)
+        length = max_model_len or min(spec.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+        rope_table_set(config, spec, length, torch.float32, torch.device("cpu"))
     except _REFUSALS as e:
         return _reason(e)
-    length = max_model_len or min(spec.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
-    if spec.sliding_window is not None and length > spec.sliding_window:
-        return (f"sequences of {length} tokens exceed the model's sliding window of {spec.sliding_window}, "
-                "which the builtin engine does not implement")
     return None

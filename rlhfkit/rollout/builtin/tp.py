@@ -165,6 +165,8 @@ def random_weights(config: Any, dtype: torch.dtype, device: torch.device,
     spec = _shard_spec(config, shard)
     qkv_bias = getattr(config, "model_type", "") in ("qwen2", "qwen2_vl", "qwen2_5_vl")
     names = {"model.layers.0.self_attn.q_proj.bias"} if qkv_bias else set()
+    if getattr(config, "attention_bias", False):
+        names |= {"model.layers.0.self_attn.q_proj.bias", "model.layers.0.self_attn.o_proj.bias"}
     weights = allocate_weights(spec, names, dtype, device)
     g = torch.Generator(device=device).manual_seed(seed + 7919 * (shard[0] if shard else 0))
     std = float(getattr(config, "initializer_range", 0.02))

@@ -85,10 +85,10 @@ def pdl_launch(device: torch.device) -> dict:
 
 
 def attention_supported(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-    """Shapes the attention kernel handles: power-of-two head_dim in [16, 128], G <= 64."""
+    """Shapes the attention kernel handles: power-of-two head_dim in [16, 256], G <= 64."""
     if num_kv_heads < 1 or num_heads % num_kv_heads:
         return False
-    return (head_dim & (head_dim - 1)) == 0 and 16 <= head_dim <= 128 and num_heads // num_kv_heads <= 64
+    return (head_dim & (head_dim - 1)) == 0 and 16 <= head_dim <= 256 and num_heads // num_kv_heads <= 64
 
 
 @functools.lru_cache(maxsize=None)
@@ -111,9 +111,12 @@ def attention_splits(rows: int, kv_heads: int, max_len: int, num_sms: int, min_c
 def attention_launch(rows: int, kv_heads: int, head_dim: int, max_len: int, num_sms: int) -> dict:
     """Launch parameters: with two waves of (row, KV head) programs, 64-position tiles and two
     stages; fewer programs take 128-position tiles (64 for head_dim > 64) and three stages (the
-    faster of the two at both batch sizes bench/rollout.py runs)."""
+    faster of the two at both batch sizes bench/rollout.py runs). head_dim 256 (Gemma 3) takes
+    32-position tiles in two stages, so that K and V tiles fit shared memory."""
     many = rows * kv_heads >= 2 * num_sms
     cfg = {"block_n": 64 if many or head_dim > 64 else 128, "num_warps": 4, "num_stages": 2 if many else 3}
+    if head_dim > 128:
+        cfg.update(block_n=32, num_stages=2)
     cfg = {k: ATTN_CONFIG[k] or v for k, v in cfg.items()}
     cfg["splits"] = ATTN_CONFIG["splits"] or attention_splits(rows, kv_heads, max_len, num_sms,
                                                               ATTN_CONFIG["min_chunk"])
@@ -129,19 +132,21 @@ if triton is not None:
         return x * cos + sign * xp * sin
 
     @triton.jit
-    def _decode_attn_kernel(Q, K, V, KC, VC, Cos, Sin, Pos, Out, PartO, PartL,
+    def _decode_attn_kernel(Q, K, V, KC, VC, Cos, Sin, Pos, Sinks, Out, PartO, PartL,
                             sqb, sqh, skb, skh, svb, svh, scb, sch, scl, scos, sob, soh,
-                            scale, chunk,
+                            scale, chunk, window,
                             G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                            SPLITS: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
+                            SPLITS: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr, ROT: tl.constexpr,
+                            HAS_SINKS: tl.constexpr):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
         pos = tl.load(Pos + b).to(tl.int32)
         dt = KC.dtype.element_ty
         offs_d = tl.arange(0, D)
-        offs_rot = (offs_d + D // 2) % D
-        sign = tl.where(offs_d < D // 2, -1.0, 1.0)
+        # rotate-half over the first ROT dims; past them the tables hold cos 1, sin 0 (partial rotary)
+        offs_rot = tl.where(offs_d < ROT, (offs_d + ROT // 2) % ROT, offs_d)
+        sign = tl.where(offs_d < ROT // 2, -1.0, 1.0)
         cos = tl.load(Cos + pos * scos + offs_d).to(tl.float32)
         sin = tl.load(Sin + pos * scos + offs_d).to(tl.float32)
         if PDL:  # q, k, v come from the kernel before
@@ -167,6 +172,8 @@ if triton is not None:
         acc = tl.where(first, 1.0, 0.0) * vn.to(tl.float32)[None, :] + tl.zeros([G_PAD, D], dtype=tl.float32)
         lo = split * chunk
         hi = tl.minimum(lo + chunk, pos)
+        if window > 0:  # keys older than the window (j <= pos - window) are not visible
+            lo = tl.maximum(lo, pos - window + 1)
         for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             nmask = offs_n < hi
@@ -185,6 +192,11 @@ if triton is not None:
             gdc_launch_dependents()
         heads = kvh * G + offs_g
         if SPLITS == 1:
+            if HAS_SINKS:  # the sink logit joins the denominator and carries no value
+                sink = tl.load(Sinks + heads, mask=gmask, other=0.0).to(tl.float32)
+                m_f = tl.maximum(m, sink)
+                acc = acc * tl.exp(m - m_f)[:, None]
+                l_i = l_i * tl.exp(m - m_f) + tl.exp(sink - m_f)
             out = acc / l_i[:, None]
             tl.store(Out + b * sob + heads[:, None] * soh + offs_d[None, :], out.to(Out.dtype.element_ty),
                      mask=gmask[:, None])
@@ -195,8 +207,8 @@ if triton is not None:
             tl.store(PartL + part, m + tl.log(l_i), mask=gmask)
 
     @triton.jit
-    def _merge_splits_kernel(PartO, PartL, Out, sob, soh, H, SPLITS: tl.constexpr, S_PAD: tl.constexpr,
-                             D: tl.constexpr, PDL: tl.constexpr):
+    def _merge_splits_kernel(PartO, PartL, Sinks, Out, sob, soh, H, SPLITS: tl.constexpr, S_PAD: tl.constexpr,
+                             D: tl.constexpr, PDL: tl.constexpr, HAS_SINKS: tl.constexpr):
         if PDL:
             gdc_wait()
         b = tl.program_id(0)
@@ -205,8 +217,15 @@ if triton is not None:
         smask = offs_s < SPLITS
         row = (b * H + h) * SPLITS
         lse = tl.load(PartL + row + offs_s, mask=smask, other=float("-inf"))
-        w = tl.exp(lse - tl.max(lse, 0))
-        w = w / tl.sum(w, 0)
+        top = tl.max(lse, 0)
+        if HAS_SINKS:
+            sink = tl.load(Sinks + h).to(tl.float32)
+            top = tl.maximum(top, sink)
+            w = tl.exp(lse - top)
+            w = w / (tl.sum(w, 0) + tl.exp(sink - top))
+        else:
+            w = tl.exp(lse - top)
+            w = w / tl.sum(w, 0)
         offs_d = tl.arange(0, D)
         o = tl.load(PartO + (row + offs_s)[:, None] * D + offs_d[None, :], mask=smask[:, None], other=0.0)
         out = tl.sum(w[:, None] * o, 0)
@@ -357,9 +376,12 @@ def _num_chunks(vocab: int) -> int:
 @torch.library.custom_op("rlhfkit::decode_attention", mutates_args=("k_cache", "v_cache"))
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+                     scale: float, window: int = 0, sinks: torch.Tensor | None = None,
+                     rotary_dim: int = 0) -> torch.Tensor:
     """q `[B, Hq, D]`, k/v `[B, KV, D]` (q, k before RoPE; any strides with a unit last one), caches
-    `[S, KV, L, D]` (row b = slot b), rope tables `[>= L, D]`, pos `[B]` -> attention output `[B, Hq, D]`."""
+    `[S, KV, L, D]` (row b = slot b), rope tables `[>= L, D]`, pos `[B]` -> attention output `[B, Hq, D]`.
+    `window` > 0: only keys j > pos - window are visible; `sinks [Hq]`: one logit per head added to
+    the softmax's denominator; `rotary_dim` > 0: only the first `rotary_dim` dims rotate."""
     if triton is None:
         raise RuntimeError("rlhfkit::decode_attention needs Triton")
     rows, hq, d = q.shape
@@ -381,21 +403,24 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     else:
         part_o = part_l = out
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    has_sinks = sinks is not None
+    sinks_arg = sinks.contiguous() if has_sinks else pos  # any pointer when there are no sinks
     _decode_attn_kernel[(rows, kvh, splits)](
-        q, k, v, k_cache, v_cache, cos, sin, pos, out, part_o, part_l,
+        q, k, v, k_cache, v_cache, cos, sin, pos, sinks_arg, out, part_o, part_l,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), cos.stride(0), out.stride(0), out.stride(1),
-        scale, chunk, G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, BLOCK_N=block_n,
-        SPLITS=splits, PREC=prec, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(q.device))
+        scale, chunk, window, G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, BLOCK_N=block_n,
+        SPLITS=splits, PREC=prec, ROT=rotary_dim or d, HAS_SINKS=has_sinks and splits == 1,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(q.device))
     if splits > 1:
-        _merge_splits_kernel[(rows, hq)](part_o, part_l, out, out.stride(0), out.stride(1), hq, SPLITS=splits,
-                                         S_PAD=triton.next_power_of_2(splits), D=d, num_warps=1,
-                                         **pdl_launch(q.device))
+        _merge_splits_kernel[(rows, hq)](part_o, part_l, sinks_arg, out, out.stride(0), out.stride(1), hq,
+                                         SPLITS=splits, S_PAD=triton.next_power_of_2(splits), D=d,
+                                         HAS_SINKS=has_sinks, num_warps=1, **pdl_launch(q.device))
     return out
 
 
 @decode_attention.register_fake
-def _decode_attention_fake(q, k, v, k_cache, v_cache, cos, sin, pos, scale):
+def _decode_attention_fake(q, k, v, k_cache, v_cache, cos, sin, pos, scale, window=0, sinks=None, rotary_dim=0):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
