@@ -40,6 +40,7 @@ from rlhfkit.agents.contracts import (
     create_agent_instance,
 )
 from rlhfkit.agents.decode import decoder_for
+from rlhfkit.data.templates import encode as encode_text
 from rlhfkit.agents.user_code import EpisodeError, UserLoop
 from rlhfkit.types import GenerationRequest, ImageInputs, ImageRef, SamplingParams, Trajectory
 
@@ -49,12 +50,13 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-_ENCODED: "weakref.WeakKeyDictionary[Any, OrderedDict[str, tuple[int, ...]]]" = weakref.WeakKeyDictionary()
+_ENCODED: "weakref.WeakKeyDictionary[Any, OrderedDict[tuple[str, bool], tuple[int, ...]]]" = weakref.WeakKeyDictionary()
 _ENCODE_CACHE = 4096  # texts remembered per tokenizer
 
 
-def encode(tokenizer: Any, text: str) -> list[int]:
-    """Text -> token ids without special tokens (BOS etc. must already be in the text).
+def encode(tokenizer: Any, text: str, start: bool = False) -> list[int]:
+    """Text -> token ids without special tokens; `start` (a prompt, which begins the sequence): with the
+    BOS the tokenizer adds, once (the BOS rule of rlhfkit.data.templates).
 
     The n samples of a prompt start from the same text: the last few thousand texts are remembered
     per tokenizer (a tokenizer call is mostly Python; one per sample kept the GPU waiting at the start
@@ -62,16 +64,22 @@ def encode(tokenizer: Any, text: str) -> list[int]:
     try:
         cache = _ENCODED.setdefault(tokenizer, OrderedDict())
     except TypeError:  # not weak-referenceable: no cache
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    ids = cache.get(text)
+        return encode_text(tokenizer, text, start)
+    key = (text, start)
+    ids = cache.get(key)
     if ids is None:
-        ids = tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
-        cache[text] = ids
+        ids = tuple(encode_text(tokenizer, text, start))
+        cache[key] = ids
         if len(cache) > _ENCODE_CACHE:
             cache.popitem(last=False)
     else:
-        cache.move_to_end(text)
+        cache.move_to_end(key)
     return list(ids)
+
+
+def bos_lead(tokenizer: Any, text: str) -> int:
+    """How many ids the BOS rule puts before `text`'s own (0 or 1): a prompt's ids minus its text's."""
+    return len(encode(tokenizer, text, start=True)) - len(encode(tokenizer, text))
 
 
 def fit_prompt(ids: list[int], max_length: int, max_new_tokens: int, source: str,
@@ -179,12 +187,15 @@ class _Tally:
 
 def prompt_ids(ex: AgentExecutorBase, tok: Any, text: str, images: Sequence[ImageRef] | None,
                max_length: int, max_new_tokens: int) -> tuple[list[int], ImageInputs | None]:
-    """(token ids of a prompt, fitted to the budget, and its processed pictures). Under a VLM
+    """(token ids of a prompt, fitted to the budget, and its processed pictures). The ids start with the
+    BOS the tokenizer adds, once (`bos_lead`; a left-truncated prompt keeps it). Under a VLM
     (`config.vision`) each picture's placeholder expands to its token run and nothing is cut."""
     vision = ex.config.vision
-    ids = encode(tok, text)
+    ids = encode(tok, text, start=True)
     if vision is None:
-        return fit_prompt(ids, max_length, max_new_tokens, ex.source_name), None
+        lead = ids[:bos_lead(tok, text)]
+        fitted = fit_prompt(ids, max_length, max_new_tokens, ex.source_name)
+        return (fitted if fitted[:len(lead)] == lead else lead + fitted[len(lead):]), None
     pics = vision.inputs_of(images) if images else None
     try:
         ids = vision.expand(ids, pics, "the observation")

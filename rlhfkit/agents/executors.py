@@ -20,6 +20,7 @@ from rlhfkit.agents.decode import decoder_for
 from rlhfkit.agents.episode import (  # noqa: F401
     Action,
     Transcript,
+    bos_lead,
     encode,
     fit_prompt,
     generate_action,
@@ -94,8 +95,8 @@ class SingleTurnAgentExecutor(AgentExecutorBase):
                           response=await dec.decode(turn.ids, skip_special_tokens=True), label=label,
                           policy_versions=tr.policy_versions, images=pics)
         if self.reward_source is not None:
-            if pics is None:
-                query = await dec.decode(tr.token_ids, skip_special_tokens=False)
+            if pics is None:  # the prompt's text and the response (without a BOS the BOS rule added)
+                query = await dec.decode(tr.token_ids[bos_lead(tok, prompt):], skip_special_tokens=False)
             else:  # the prompt's text, with one placeholder per picture (not each picture's token run)
                 query = prompt + await dec.decode(turn.ids, skip_special_tokens=False)
             try:  # the sources run user code in worker threads themselves (reward_func.py)

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from rlhfkit.agents.base import AgentExecutorBase, call_user, to_float, to_float_logs
+from rlhfkit.agents.episode import encode
 from rlhfkit.agents.openai_server import RequestError, build_app
 from rlhfkit.agents.openai_session import (
     SEGMENT_POLICIES,
@@ -228,8 +229,8 @@ class OpenAIAgentExecutor(AgentExecutorBase):
 
     # ---------------------------------------------------------------- the server's backend
 
-    def _encode(self, text: str) -> list[int]:
-        return list(self.hf_tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+    def _encode(self, text: str, start: bool) -> list[int]:
+        return encode(self.hf_tokenizer, text, start)  # start: the BOS rule (rlhfkit.data.templates)
 
     def _decode(self, ids: list[int]) -> str:
         return self.hf_tokenizer.decode(ids, skip_special_tokens=False)

@@ -4,7 +4,8 @@ Every completion request of an episode (a *session*) becomes a ``Turn``: the pro
 engine was given and the token ids / log-probs it generated, exactly as the engine returned them.
 A turn's prompt text is never re-tokenized as a whole when it continues the turn before it:
 
-    turn k:    prompt_ids_k                          + generated_k
+    turn k:    prompt_ids_k                          + generated_k   (turn 0: encode(text) with the BOS
+                                                                      the tokenizer adds, once)
     turn k+1:  prompt_ids_k + generated_k + encode(delta)  + generated_k+1
                where the new prompt text = text_k + delta   (text_k: turn k's prompt text + its
                generated text, or + the content the client got: that drops special tokens and a
@@ -68,7 +69,7 @@ class Session:
     session_id: str
     params: SamplingParams
     max_length: int
-    encode: Callable[[str], list[int]]
+    encode: Callable[[str, bool], list[int]]  # (text, starts the sequence: the BOS rule) -> ids
     turns: list[Turn] = field(default_factory=list)
     breaks: list[str] = field(default_factory=list)  # why each new segment started
     engine_error: BaseException | None = None
@@ -82,18 +83,18 @@ class Session:
         """Token ids for a turn asked with ``text`` and the segment it belongs to."""
         last = self.turns[-1] if self.turns else None
         if last is None:
-            return self.encode(text), 0
+            return self.encode(text, True), 0
         if last.prompt_text is not None:
             heads = [last.prompt_text + last.text]
             if last.content != last.text:
                 heads.append(last.prompt_text + last.content)
             for head in heads:
                 if text.startswith(head):
-                    return last.full_ids + self.encode(text[len(head):]), last.segment
+                    return last.full_ids + self.encode(text[len(head):], False), last.segment
             self.breaks.append(_first_difference(heads[0], text))
         else:
             self.breaks.append("the previous turn was asked with token ids, this one with text")
-        return self.encode(text), last.segment + 1
+        return self.encode(text, True), last.segment + 1
 
     def prompt_from_ids(self, ids: Sequence[int]) -> tuple[list[int], int]:
         """A turn asked with token ids continues the last turn when it starts with all its ids."""

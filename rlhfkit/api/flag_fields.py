@@ -96,12 +96,12 @@ class TrainSFTFields(FlagConfig):
     """column with the prompt (or the whole text / conversation) [--input_key, --data.input_key]"""
     output_key: str | None = None
     """column with the response (see the command's description) [--output_key, --data.output_key]"""
-    input_template: str = "User: {}\nAssistant: "
-    """format of the prompt with one {} for the --input_key text; '' uses the text as it is [--input_template,
-    --data.input_template]"""
+    input_template: str | None = None
+    """format of the prompt with one {} for the --input_key text (default, or '': the text as it is)
+    [--input_template, --data.input_template]"""
     apply_chat_template: bool = False
-    """format conversations and prompts with the tokenizer's chat template (not --input_template)
-    [--apply_chat_template, --data.apply_chat_template]"""
+    """format prompts and conversations with the tokenizer's chat template (off: one line says when the tokenizer
+    has one) [--apply_chat_template, --data.apply_chat_template]"""
     tokenizer_chat_template: str | None = None
     """a Jinja chat template that replaces the tokenizer's own [--tokenizer_chat_template,
     --data.tokenizer_chat_template]"""
@@ -377,11 +377,11 @@ class TrainRMFields(FlagConfig):
     """column with the response (see the command's description); no effect in train_rm: pairs are read from
     --prompt_key, --chosen_key and --rejected_key [--output_key, --data.output_key]"""
     input_template: str | None = None
-    """format of the prompt with one {} for the --input_key text; '' uses the text as it is [--input_template,
-    --data.input_template]"""
+    """format of the prompt with one {} for the --input_key text (default, or '': the text as it is)
+    [--input_template, --data.input_template]"""
     apply_chat_template: bool = False
-    """format conversations and prompts with the tokenizer's chat template (not --input_template)
-    [--apply_chat_template, --data.apply_chat_template]"""
+    """format prompts and conversations with the tokenizer's chat template (off: one line says when the tokenizer
+    has one) [--apply_chat_template, --data.apply_chat_template]"""
     tokenizer_chat_template: str | None = None
     """a Jinja chat template that replaces the tokenizer's own [--tokenizer_chat_template,
     --data.tokenizer_chat_template]"""
@@ -656,11 +656,11 @@ class TrainDPOFields(FlagConfig):
     """column with the response (see the command's description); no effect in train_dpo: pairs are read from
     --prompt_key, --chosen_key and --rejected_key [--output_key, --data.output_key]"""
     input_template: str | None = None
-    """format of the prompt with one {} for the --input_key text; '' uses the text as it is [--input_template,
-    --data.input_template]"""
+    """format of the prompt with one {} for the --input_key text (default, or '': the text as it is)
+    [--input_template, --data.input_template]"""
     apply_chat_template: bool = False
-    """format conversations and prompts with the tokenizer's chat template (not --input_template)
-    [--apply_chat_template, --data.apply_chat_template]"""
+    """format prompts and conversations with the tokenizer's chat template (off: one line says when the tokenizer
+    has one) [--apply_chat_template, --data.apply_chat_template]"""
     tokenizer_chat_template: str | None = None
     """a Jinja chat template that replaces the tokenizer's own [--tokenizer_chat_template,
     --data.tokenizer_chat_template]"""
@@ -944,11 +944,11 @@ class TrainKTOFields(FlagConfig):
     output_key: str = "output"
     """column with the response (see the command's description) [--output_key, --data.output_key]"""
     input_template: str | None = None
-    """format of the prompt with one {} for the --input_key text; '' uses the text as it is [--input_template,
-    --data.input_template]"""
+    """format of the prompt with one {} for the --input_key text (default, or '': the text as it is)
+    [--input_template, --data.input_template]"""
     apply_chat_template: bool = False
-    """format conversations and prompts with the tokenizer's chat template (not --input_template)
-    [--apply_chat_template, --data.apply_chat_template]"""
+    """format prompts and conversations with the tokenizer's chat template (off: one line says when the tokenizer
+    has one) [--apply_chat_template, --data.apply_chat_template]"""
     tokenizer_chat_template: str | None = None
     """a Jinja chat template that replaces the tokenizer's own [--tokenizer_chat_template,
     --data.tokenizer_chat_template]"""
@@ -1201,10 +1201,11 @@ class TrainPPOFields(FlagConfig):
     """column handed to reward_func / the agent as the label (e.g. the reference answer) [--label_key,
     --data.label_key]"""
     input_template: str | None = None
-    """format of the prompt with one {} for the --input_key text (default: the text as it is) [--input_template,
-    --data.input_template]"""
+    """format of the prompt with one {} for the --input_key text (default, or '': the text as it is)
+    [--input_template, --data.input_template]"""
     apply_chat_template: bool = False
-    """format prompts with the tokenizer's chat template [--apply_chat_template, --data.apply_chat_template]"""
+    """format prompts and conversations with the tokenizer's chat template (off: one line says when the tokenizer
+    has one) [--apply_chat_template, --data.apply_chat_template]"""
     tokenizer_chat_template: str | None = None
     """a Jinja chat template that replaces the tokenizer's own [--tokenizer_chat_template,
     --data.tokenizer_chat_template]"""

@@ -15,8 +15,9 @@ Generation (`--eval_task generate`; `generate_vllm` is the same task, OpenRLHF's
 
     --dataset rows (capped at --max_samples) -> [--iter slice] -> PromptDataset text
       (--apply_chat_template | --input_template; --enable_csft appends " " + --csft_prompt + " ")
-    -> token ids, the first ones cut so that at most --prompt_max_len remain (the end of a prompt,
-       with the generation prompt, is kept: vLLM's truncate_prompt_tokens rule)
+    -> token ids (with the BOS the tokenizer adds, once: rlhfkit.data.templates), the first ones after it
+       cut so that at most --prompt_max_len remain (the end of a prompt, with the generation prompt, is
+       kept: vLLM's truncate_prompt_tokens rule)
     -> rollout engine (--rollout_engine auto | builtin | hf | vllm), --best_of_n samples per prompt,
        max new tokens = min(--max_new_tokens, L - prompt tokens), L = min(--max_len, the model's
        max_position_embeddings); --greedy_sampling = temperature 0
@@ -212,15 +213,18 @@ def select_rows(rows: Sequence[Row], it: int | None, rollout_batch_size: int) ->
 
 
 def encode_prompts(tokenizer: Any, prompts: Sequence[str], max_tokens: int) -> tuple[list[list[int]], int]:
-    """Token ids (no special tokens added), keeping the last `max_tokens`; returns (ids, number cut)."""
-    from rlhfkit.data.templates import encode
+    """Token ids (no special tokens added but the BOS the tokenizer adds, once: the BOS rule of
+    rlhfkit.data.templates), keeping the BOS and the last tokens within `max_tokens`; returns (ids, number cut)."""
+    from rlhfkit.data.templates import bos_prefix, encode
 
     out, cut = [], 0
     for text in prompts:
-        ids = encode(tokenizer, text)
-        if len(ids) > max_tokens:
-            ids, cut = ids[-max_tokens:], cut + 1
-        out.append(ids)
+        body = encode(tokenizer, text)
+        lead = bos_prefix(tokenizer, body)
+        keep = max(max_tokens - len(lead), 0)
+        if len(lead) + len(body) > max_tokens:
+            body, cut = body[len(body) - keep:], cut + 1
+        out.append(lead + body)
     return out, cut
 
 

@@ -66,10 +66,11 @@ def score_items(tokenizer: Any, rows: Sequence[Row], cfg: ScoreConfig) -> tuple[
 
     Formatting and joining follow train_rm's data (PromptFormat, join_prompt_response).
     """
-    from rlhfkit.data.items import SFTItem, join_prompt_response
-    from rlhfkit.data.templates import PromptFormat, encode
+    from rlhfkit.data.items import SFTItem, encode_prompt_response, join_prompt_response
+    from rlhfkit.data.templates import PromptFormat
 
     fmt = PromptFormat(cfg.input_template, cfg.apply_chat_template)
+    fmt.note_unused(tokenizer)
     items, texts, cut = [], [], 0
     for row in rows:
         value_in = row.get(cfg.input_key, "--input_key")
@@ -80,7 +81,7 @@ def score_items(tokenizer: Any, rows: Sequence[Row], cfg: ScoreConfig) -> tuple[
             value_out = row.get(cfg.output_key, "--output_key")
             prompt, response = fmt.prompt_and_response(tokenizer, value_in, value_out, row,
                                                        (cfg.input_key, cfg.output_key))
-        p_ids, r_ids = encode(tokenizer, prompt), encode(tokenizer, response.rstrip("\n"))
+        p_ids, r_ids = encode_prompt_response(tokenizer, prompt, response)
         joined = join_prompt_response(p_ids, r_ids, tokenizer.eos_token_id, cfg.max_len)
         if joined is None:
             raise row.error(f"the input alone has {len(p_ids)} tokens, filling --max_len {cfg.max_len}: "

@@ -9,14 +9,20 @@ ends the session, `clear` forgets the conversation.
 
 Conversation text:
 
-* `--apply_chat_template`: messages [system (--ta_prompt)] + user/assistant turns, rendered by the
-  tokenizer's chat template with the generation prompt (rlhfkit.data.templates.render_chat).
-* otherwise: --ta_prompt text, then per turn `"\\n"` (except before the first piece) +
-  --input_template filled with the user line + the reply. (OpenRLHF dropped the replies from the
-  history in this mode; they are kept here.)
+* the chat template: messages [system (--ta_prompt)] + user/assistant turns, rendered by the
+  tokenizer's chat template with the generation prompt (rlhfkit.data.templates.render_chat). Used
+  whenever the tokenizer has a chat template and no --input_template is given (one line says so;
+  OpenRLHF needed --apply_chat_template, which still forces it), as `transformers chat` does.
+* otherwise (an --input_template is given, or the tokenizer has no chat template): --ta_prompt text,
+  then per turn `"\\n"` (except before the first piece) + --input_template filled with the user line
+  (default: the line as typed, as in every command: rlhfkit.config.flags.DEFAULT_INPUT_TEMPLATE)
+  + the reply. (OpenRLHF dropped the replies from the history in this mode; they are kept here.)
 * `--enable_csft` appends " " + --csft_prompt + " " to the prompt of each turn (the same rule as
   batch_inference, rlhfkit.data.post_processors.csft_prompt_suffix); the history keeps the turn
   without it.
+
+The token ids of the conversation start with the BOS the tokenizer adds, once (the BOS rule of
+rlhfkit.data.templates).
 
 `--ta_prompt` is a path to a text file holding the system prompt (OpenRLHF's meaning), or, when no
 such file exists, the system prompt itself.
@@ -37,12 +43,12 @@ from typing import Any, Iterator, Sequence, TextIO
 import torch
 
 from rlhfkit.cli.common import UsageError, check_packages, cli_main, resolve_model_paths, set_seed
-from rlhfkit.config.flags import MODEL, FlagParser, add_model_flags, mark_training_only
+from rlhfkit.config.flags import (DEFAULT_INPUT_TEMPLATE, MODEL, FlagParser, add_model_flags, add_template_flags,
+                                  mark_training_only)
 from rlhfkit.data.post_processors import DEFAULT_CSFT_PROMPT, csft_prompt_suffix
-from rlhfkit.data.templates import check_input_template, fill_template, render_chat
+from rlhfkit.data.templates import check_input_template, fill_template, has_chat_template, render_chat
 
 PROG = "interactive_chat"
-DEFAULT_INPUT_TEMPLATE = "User: {}\nAssistant: "
 
 
 def build_parser() -> FlagParser:
@@ -61,12 +67,10 @@ def build_parser() -> FlagParser:
                help="1.0 = none; > 1 discourages repeating tokens of the prompt and the reply")
         p.flag("--seed", type=int, default=42, help="sampling seed")
     with p.group("prompt format"):
-        p.flag("--input_template", "--data.input_template", type=str, default=DEFAULT_INPUT_TEMPLATE,
-               help="format of each user turn with one {} for the text (without --apply_chat_template)")
-        p.flag("--apply_chat_template", "--data.apply_chat_template", action="store_true",
-               help="render the conversation with the tokenizer's chat template")
-        p.flag("--tokenizer_chat_template", "--data.tokenizer_chat_template", type=str, default=None,
-               help="a Jinja chat template that replaces the tokenizer's own")
+        add_template_flags(p, input_help="format of each user turn with one {} for the text, instead of the chat "
+                           "template (default: the chat template when the tokenizer has one, else the line as typed)",
+                           chat_help="render the conversation with the tokenizer's chat template (the default when "
+                           "it has one and no --input_template is given)")
         p.flag("--ta_prompt", type=str, default=None, help="system prompt: a text file, or the text itself")
         p.flag("--enable_csft", action="store_true", help="append ' ' + --csft_prompt + ' ' to each prompt")
         p.flag("--csft_prompt", type=str, default=DEFAULT_CSFT_PROMPT,
@@ -137,13 +141,14 @@ class PromptTooLong(Exception):
 
 @torch.no_grad()
 def generate_reply(model: Any, tokenizer: Any, prompt: str, cfg: ReplyConfig) -> str:
-    """HF `generate` on `prompt` (no special tokens added); the new text without special tokens."""
+    """HF `generate` on `prompt` (no special tokens added but the BOS the tokenizer adds, once); the new
+    text without special tokens."""
     from transformers import GenerationConfig
 
     from rlhfkit.data.templates import encode
     from rlhfkit.rollout.engine_utils import eos_ids_of
 
-    ids = encode(tokenizer, prompt)
+    ids = encode(tokenizer, prompt, start=True)
     budget = cfg.max_len - len(ids)
     if budget < 1:
         raise PromptTooLong(f"the conversation is {len(ids)} tokens; --max_len {cfg.max_len} leaves no room "
@@ -223,16 +228,37 @@ def load(args: argparse.Namespace) -> tuple[Any, Any]:
     return load_causal_lm(cfg, device=device).eval(), tokenizer
 
 
+def use_chat_template(tokenizer: Any, apply_chat_template: bool, input_template: str | None) -> bool:
+    """The chat template renders the conversation: asked for, or the tokenizer has one and no
+    --input_template is given (module docstring); one line on stderr says which format is used when not
+    asked (stdout holds the replies only)."""
+    if apply_chat_template:
+        if input_template is not None:
+            print(f"note: {PROG}: --input_template has no effect: --apply_chat_template renders the conversation",
+                  file=sys.stderr)
+        return True
+    if input_template is not None:
+        return False
+    if has_chat_template(tokenizer):
+        print(f"note: {PROG}: turns are rendered with the tokenizer's chat template (give --input_template for a "
+              "plain template instead)", file=sys.stderr)
+        return True
+    print(f"note: {PROG}: the tokenizer has no chat template; each turn is the line as typed (give "
+          "--input_template, e.g. $'User: {}\\nAssistant: ', for a plain template)", file=sys.stderr)
+    return False
+
+
 def run(args: argparse.Namespace, stream: TextIO | None = None, out: TextIO | None = None) -> int:
     if not args.pretrain:
         raise UsageError("--pretrain is required (a model directory or hub id)")
-    template = None if args.apply_chat_template else check_input_template(args.input_template)
+    template = check_input_template(args.input_template)
     cfg = ReplyConfig(args.max_len, args.greedy_sampling, args.temperature, args.top_p, args.repetition_penalty)
     check_packages(args)
     resolve_model_paths(args)
     set_seed(args.seed)
     model, tokenizer = load(args)
-    session = ChatSession(tokenizer, read_system_prompt(args.ta_prompt), template, args.apply_chat_template,
+    chat = use_chat_template(tokenizer, args.apply_chat_template, args.input_template)
+    session = ChatSession(tokenizer, read_system_prompt(args.ta_prompt), None if chat else template, chat,
                           args.csft_prompt if args.enable_csft else None)
     if (stream or sys.stdin).isatty():
         print(f"{PROG}: type a message; 'clear' starts over, 'exit' quits", file=sys.stderr)

@@ -46,11 +46,10 @@ OFFLINE_PLOT_KEYS = OFFLINE_PANELS  # the plot's panels (rlhfkit.trainers.plot.P
 
 
 def add_offline_flags(p: FlagParser, *, max_len: int, train_batch_size: int, micro_train_batch_size: int,
-                      max_epochs: int, learning_rate: float, wandb_project: str,
-                      input_template: str | None = None) -> None:
+                      max_epochs: int, learning_rate: float, wandb_project: str) -> None:
     """The flag groups every offline trainer has, with that trainer's OpenRLHF defaults."""
     add_model_flags(p)
-    add_data_flags(p, max_len=max_len, input_template=input_template)
+    add_data_flags(p, max_len=max_len)
     add_train_flags(p, train_batch_size=train_batch_size, micro_train_batch_size=micro_train_batch_size,
                     max_epochs=max_epochs, learning_rate=learning_rate)
     add_backend_flags(p)

@@ -209,9 +209,13 @@ class RewardScorer:
         return max((len(t) for t in vocab), default=1)
 
     def score_texts(self, texts: list[str]) -> list[float | Rejected]:
-        """Tokenise one micro-batch (no special tokens added: queries are decoded with them) and score
-        it; an empty or too long text is `Rejected` instead (the worker thread of FairBatcher)."""
-        ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        """Tokenise one micro-batch (no special tokens added: queries are decoded with them; but a query
+        without the BOS the tokenizer adds gets it, as in training: the BOS rule of rlhfkit.data.templates)
+        and score it; an empty or too long text is `Rejected` instead (the worker thread of FairBatcher)."""
+        from rlhfkit.data.templates import bos_prefix
+
+        ids = [bos_prefix(self.tokenizer, row) + list(row) if row else []
+               for row in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
         out: list[float | Rejected] = [0.0] * len(texts)
         rows, where = [], []
         for k, row in enumerate(ids):

@@ -35,8 +35,7 @@ KD_PLOT_KEYS = ("loss", "kd", "grad_norm", "lr")  # rlhfkit.trainers.plot.PANELS
 def build_parser() -> FlagParser:
     p = FlagParser("train_kd", __doc__ or "")
     add_offline_flags(p, max_len=2048, train_batch_size=128, micro_train_batch_size=8, max_epochs=2,
-                      learning_rate=5e-6, wandb_project="rlhfkit_train_kd",
-                      input_template="User: {}\nAssistant: ")
+                      learning_rate=5e-6, wandb_project="rlhfkit_train_kd")
     p.flag("--teacher_model", "--teacher.model_name_or_path", type=str, default=None,
            help="frozen teacher model directory or hub id (same vocabulary as --pretrain)")
     p.flag("--kd_coef", "--model.kd_coef", type=float, default=0.4, help="weight of the KD term, in [0, 1]")

@@ -24,8 +24,7 @@ from rlhfkit.trainers.sft_task import SFTTask
 def build_parser() -> FlagParser:
     p = FlagParser("train_sft", __doc__ or "")
     C.add_offline_flags(p, max_len=2048, train_batch_size=128, micro_train_batch_size=8, max_epochs=2,
-                        learning_rate=5e-6, wandb_project="rlhfkit_train_sft",
-                        input_template="User: {}\nAssistant: ")
+                        learning_rate=5e-6, wandb_project="rlhfkit_train_sft")
     p.flag("--multiturn", "--data.multiturn", action="store_true",
            help="--input_key holds a conversation; the loss covers every assistant turn")
     p.flag("--pretrain_mode", "--model.pretrain_mode_enable", action="store_true",

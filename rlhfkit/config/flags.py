@@ -103,8 +103,22 @@ def mark_training_only(p: FlagParser) -> None:
         p.mark_inert(dest, f"a training setting; {p.prog} does not train")
 
 
-def add_data_flags(p: FlagParser, *, max_len: int = 2048, max_samples: int = 1_000_000,
-                   input_template: str | None = None) -> None:
+DEFAULT_INPUT_TEMPLATE: str | None = None  # every command: the prompt as it is (rlhfkit.data.templates)
+INPUT_TEMPLATE_HELP = "format of the prompt with one {} for the --input_key text (default, or '': the text as it is)"
+CHAT_TEMPLATE_HELP = ("format prompts and conversations with the tokenizer's chat template (off: one line says when "
+                      "the tokenizer has one)")
+
+
+def add_template_flags(p: FlagParser, input_help: str = INPUT_TEMPLATE_HELP, chat_help: str = CHAT_TEMPLATE_HELP
+                       ) -> None:
+    """--input_template (one default for every command), --apply_chat_template, --tokenizer_chat_template."""
+    p.flag("--input_template", "--data.input_template", type=str, default=DEFAULT_INPUT_TEMPLATE, help=input_help)
+    p.flag("--apply_chat_template", "--data.apply_chat_template", action="store_true", help=chat_help)
+    p.flag("--tokenizer_chat_template", "--data.tokenizer_chat_template", type=str, default=None,
+           help="a Jinja chat template that replaces the tokenizer's own")
+
+
+def add_data_flags(p: FlagParser, *, max_len: int = 2048, max_samples: int = 1_000_000) -> None:
     with p.group(DATA):
         p.flag("--dataset", "--data.dataset", type=str, default=None,
                help="training data: comma-separated .jsonl/.json/.parquet/.csv files, folders or dataset names")
@@ -116,12 +130,7 @@ def add_data_flags(p: FlagParser, *, max_len: int = 2048, max_samples: int = 1_0
                help="column with the prompt (or the whole text / conversation)")
         p.flag("--output_key", "--data.output_key", type=str, default=None,
                help="column with the response (see the command's description)")
-        p.flag("--input_template", "--data.input_template", type=str, default=input_template,
-               help="format of the prompt with one {} for the --input_key text; '' uses the text as it is")
-        p.flag("--apply_chat_template", "--data.apply_chat_template", action="store_true",
-               help="format conversations and prompts with the tokenizer's chat template (not --input_template)")
-        p.flag("--tokenizer_chat_template", "--data.tokenizer_chat_template", type=str, default=None,
-               help="a Jinja chat template that replaces the tokenizer's own")
+        add_template_flags(p)
         p.flag("--max_len", "--data.max_len", type=int, default=max_len,
                help="longest sample in tokens; longer samples are dropped (counted and reported)")
         p.flag("--max_samples", "--data.max_samples", type=int, default=max_samples,

@@ -14,7 +14,7 @@ from rlhfkit.config.flag_parser import (RL_ALGO, RL_ASYNC, RL_CRITIC, RL_MODELS,
 from rlhfkit.config.flags import (CKPT, DATA, EVAL, LOGGING, LR_SCHEDULER_HELP, LR_SCHEDULES, MIN_LR_HELP, OPTIM,
                                   TRAIN, FlagParser, add_backend_flags, add_ckpt_flags, add_dataloader_workers_flag,
                                   add_image_flags, add_logging_flags, add_max_row_bytes_flag, add_model_flags,
-                                  add_nonfinite_flag, add_optimizer_choice_flags)
+                                  add_nonfinite_flag, add_optimizer_choice_flags, add_template_flags)
 from rlhfkit.weightsync.flags import DEFAULT_BUCKET_MB, METHODS
 
 ESTIMATORS = ["gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo"]
@@ -96,12 +96,7 @@ def _data(p: FlagParser) -> None:
                help="column with the prompt text or conversation")
         p.flag("--label_key", "--data.label_key", type=str, default=None,
                help="column handed to reward_func / the agent as the label (e.g. the reference answer)")
-        p.flag("--input_template", "--data.input_template", type=str, default=None,
-               help="format of the prompt with one {} for the --input_key text (default: the text as it is)")
-        p.flag("--apply_chat_template", "--data.apply_chat_template", action="store_true",
-               help="format prompts with the tokenizer's chat template")
-        p.flag("--tokenizer_chat_template", "--data.tokenizer_chat_template", type=str, default=None,
-               help="a Jinja chat template that replaces the tokenizer's own")
+        add_template_flags(p)
         p.flag("--max_samples", "--data.max_samples", type=int, default=int(1e8),
                help="read at most this many prompts")
         add_max_row_bytes_flag(p)

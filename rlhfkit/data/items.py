@@ -4,8 +4,10 @@ Items hold plain lists; `rlhfkit.data.collate` turns them into tensors. A `loss_
 marks token `t` as trained on, i.e. its log-prob `log p(ids[t] | ids[:t])` enters the loss
 (docs/architecture.md); `loss_mask[0]` is therefore always 0, since token 0 is not predicted.
 
-Joining rule (SFT, DPO/RM, KTO):
+Joining rule (SFT, DPO/RM, KTO; `encode_prompt_response`, `join_prompt_response`):
 
+    prompt_ids   = encode(prompt, start=True)          (the BOS rule: the tokenizer's BOS, once)
+    response_ids = encode(response with trailing newlines stripped)
     ids       = prompt_ids + response_ids + [eos]      (eos only if the response does not end with it)
     loss_mask = [0] * len(prompt_ids) + [1] * (len(ids) - len(prompt_ids))
     ids, loss_mask cut to max_len; None when no response token survives.
@@ -89,6 +91,12 @@ class PRMItem:
         return len(self.input_ids)
 
 
+def encode_prompt_response(tokenizer: Any, prompt: str, response: str) -> tuple[list[int], list[int]]:
+    """(prompt ids, response ids) by the joining rule above: the prompt starts the sequence (the BOS rule,
+    `rlhfkit.data.templates`), the response's trailing newlines are stripped."""
+    return encode(tokenizer, prompt, start=True), encode(tokenizer, response.rstrip("\n"))
+
+
 def join_prompt_response(prompt_ids: list[int], response_ids: list[int], eos_id: int | None,
                          max_len: int) -> tuple[list[int], list[int]] | None:
     """`(ids, loss_mask)` by the joining rule above, or None when the response is cut away."""
@@ -156,8 +164,7 @@ class TokenizedDataset(Dataset):
         """Encode prompt and response (trailing newlines stripped) and join them. With `images` (a
         `RowImages`) the pictures' placeholders expand to their runs, those tokens stay out of the
         loss, and a sample whose runs the cut would break is dropped (None)."""
-        prompt_ids = encode(self.tokenizer, prompt)
-        response_ids = encode(self.tokenizer, response.rstrip("\n"))
+        prompt_ids, response_ids = encode_prompt_response(self.tokenizer, prompt, response)
         if images is None:
             return join_prompt_response(prompt_ids, response_ids, self.eos_id, max_len)
         images.expand(prompt_ids + response_ids, refs, row)  # one placeholder per picture, or an error

@@ -29,8 +29,10 @@ from typing import Any, Sequence
 
 from rlhfkit.data.images import RowImages
 from rlhfkit.data.io import DataError, Row
-from rlhfkit.data.items import PreferenceItem, SFTItem, TokenizedDataset, UnpairedItem, join_prompt_response
-from rlhfkit.data.templates import PromptFormat, check_input_template, chat_prompt_response, encode, to_messages
+from rlhfkit.data.items import (PreferenceItem, SFTItem, TokenizedDataset, UnpairedItem, encode_prompt_response,
+                                join_prompt_response)
+from rlhfkit.data.templates import (DEFAULT_INPUT_TEMPLATE, PromptFormat, check_input_template, chat_prompt_response,
+                                    to_messages)
 
 
 @dataclass
@@ -40,7 +42,7 @@ class PreferenceDataConfig:
     prompt_key: str | None = None
     chosen_key: str = "chosen"
     rejected_key: str = "rejected"
-    input_template: str | None = None
+    input_template: str | None = DEFAULT_INPUT_TEMPLATE
     apply_chat_template: bool = False
     tokenizer_chat_template: str | None = None
     max_len: int = 512
@@ -59,6 +61,7 @@ class PreferenceDataset(TokenizedDataset):
         self.config = config
         self.images = images
         self.format = PromptFormat(config.input_template, config.apply_chat_template)
+        self.format.note_unused(tokenizer)
         super().__init__(rows, tokenizer, config.tokenizer_chat_template,
                          "--apply_chat_template" if config.apply_chat_template else None)
 
@@ -122,7 +125,7 @@ class UnpairedDataConfig:
     input_key: str = "input"
     output_key: str | None = "output"
     label_key: str = "label"
-    input_template: str | None = None
+    input_template: str | None = DEFAULT_INPUT_TEMPLATE
     apply_chat_template: bool = False
     tokenizer_chat_template: str | None = None
     max_len: int = 2048
@@ -156,6 +159,7 @@ class UnpairedDataset(TokenizedDataset):
     def __init__(self, rows: Sequence[Row], tokenizer: Any, config: UnpairedDataConfig) -> None:
         self.config = config
         self.format = PromptFormat(config.input_template, config.apply_chat_template)
+        self.format.note_unused(tokenizer)
         super().__init__(rows, tokenizer, config.tokenizer_chat_template,
                          "--apply_chat_template" if config.apply_chat_template else None)
 
@@ -166,9 +170,8 @@ class UnpairedDataset(TokenizedDataset):
         prompt, response = self.format.prompt_and_response(
             self.tokenizer, row.get(cfg.input_key, "--input_key"), row.get(cfg.output_key, "--output_key"),
             row, (cfg.input_key, cfg.output_key))
-        prompt_ids = encode(self.tokenizer, prompt)
-        joined = join_prompt_response(prompt_ids, encode(self.tokenizer, response.rstrip("\n")),
-                                      self.eos_id, cfg.max_len)
+        prompt_ids, response_ids = encode_prompt_response(self.tokenizer, prompt, response)
+        joined = join_prompt_response(prompt_ids, response_ids, self.eos_id, cfg.max_len)
         if joined is None:
             return None
         return UnpairedItem(joined[0], joined[1], label, prompt_len=len(prompt_ids))

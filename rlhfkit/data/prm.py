@@ -82,7 +82,7 @@ class PRMDataset(TokenizedDataset):
 
     def encode_row(self, row: Row) -> PRMItem | None:
         cfg = self.config
-        ids = encode(self.tokenizer, row.get_str(cfg.input_key, "--input_key"))
+        ids = encode(self.tokenizer, row.get_str(cfg.input_key, "--input_key"), start=True)
         values, soft = self._label_values(row)
         steps = [t for t, tok in enumerate(ids) if tok == self.placeholder_id]
         if len(steps) != len(values):

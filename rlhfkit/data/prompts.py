@@ -2,7 +2,9 @@
 
 Each sample's `prompt` is the final text given to the tokenizer: the `--input_key` value run
 through `--apply_chat_template` (a string becomes one user message; a message list is used as
-is; the generation prompt is added) or `--input_template`. `label` is the `--label_key` value,
+is; the generation prompt is added) or `--input_template`. Its token ids start with the BOS the
+tokenizer adds, once (`encode(..., start=True)`: the BOS rule of rlhfkit.data.templates); the text
+itself does not get it (reward functions see the prompt as formatted). `label` is the `--label_key` value,
 passed untouched to `reward_func` and agents (missing or null is an error naming file and row); `datasource` is the row's `datasource` column
 (default "default"), used to split evaluation metrics per source, as in OpenRLHF.
 
@@ -25,7 +27,7 @@ from typing import Any, Sequence
 from rlhfkit.data.images import RowImages
 from rlhfkit.data.io import DataError, Row
 from rlhfkit.data.items import TokenizedDataset
-from rlhfkit.data.templates import PromptFormat, check_input_template, encode
+from rlhfkit.data.templates import DEFAULT_INPUT_TEMPLATE, PromptFormat, check_input_template, encode
 from rlhfkit.types import PromptSample
 
 
@@ -35,7 +37,7 @@ class PromptDataConfig:
 
     input_key: str = "input"
     label_key: str | None = None
-    input_template: str | None = None
+    input_template: str | None = DEFAULT_INPUT_TEMPLATE
     apply_chat_template: bool = False
     tokenizer_chat_template: str | None = None
     max_prompt_len: int | None = None
@@ -53,6 +55,7 @@ class PromptDataset(TokenizedDataset):
                  images: RowImages | None = None) -> None:
         self.config = config
         self.format = PromptFormat(config.input_template, config.apply_chat_template)
+        self.format.note_unused(tokenizer)
         self.images = images
         super().__init__(rows, tokenizer, config.tokenizer_chat_template,
                          "--apply_chat_template" if config.apply_chat_template else None)
@@ -71,7 +74,8 @@ class PromptDataset(TokenizedDataset):
 
     @property
     def lengths(self) -> list[int]:
-        return [len(encode(self.tokenizer, s.prompt)) + sum(r.num_tokens - 1 for r in s.images) for s in self.items]
+        return [len(encode(self.tokenizer, s.prompt, start=True)) + sum(r.num_tokens - 1 for r in s.images)
+                for s in self.items]
 
     @property
     def drop_reason(self) -> str:
@@ -92,7 +96,7 @@ class PromptDataset(TokenizedDataset):
         if self.images is not None:
             value = self.images.place(value, len(refs), row, cfg.input_key, cfg.apply_chat_template)
         prompt = self.format.prompt_text(self.tokenizer, value, row, cfg.input_key)
-        ids = encode(self.tokenizer, prompt)
+        ids = encode(self.tokenizer, prompt, start=True)
         if self.images is not None:
             ids, _ = self.images.expand(ids, refs, row)  # checks the template wrote one placeholder each
         length = len(ids)

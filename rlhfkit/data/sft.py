@@ -35,8 +35,8 @@ from typing import Any, Sequence
 from rlhfkit.data.images import RowImages
 from rlhfkit.data.io import DataError, Row
 from rlhfkit.data.items import SFTItem, TokenizedDataset
-from rlhfkit.data.templates import (Message, PromptFormat, check_input_template, chat_prompt_response, encode,
-                                    render_chat, to_messages)
+from rlhfkit.data.templates import (DEFAULT_INPUT_TEMPLATE, Message, PromptFormat, bos_prefix, check_input_template,
+                                    chat_prompt_response, encode, render_chat, to_messages)
 
 
 @dataclass
@@ -45,7 +45,7 @@ class SFTDataConfig:
 
     input_key: str = "input"
     output_key: str | None = None
-    input_template: str | None = None
+    input_template: str | None = DEFAULT_INPUT_TEMPLATE
     apply_chat_template: bool = False
     tokenizer_chat_template: str | None = None
     multiturn: bool = False
@@ -75,6 +75,8 @@ class SFTDataset(TokenizedDataset):
         self.format = PromptFormat(config.input_template, config.apply_chat_template)
         chat_flag = ("--multiturn" if config.multiturn else
                      "--apply_chat_template" if config.apply_chat_template and not config.pretrain_mode else None)
+        if not (config.multiturn or config.pretrain_mode):
+            self.format.note_unused(tokenizer)
         super().__init__(rows, tokenizer, config.tokenizer_chat_template, chat_flag)
 
     def __getitem__(self, idx: int) -> SFTItem:
@@ -104,7 +106,7 @@ class SFTDataset(TokenizedDataset):
         text = row.get_str(self.config.input_key, "--input_key")
         if self.config.output_key:
             text += row.get_str(self.config.output_key, "--output_key")
-        ids = encode(self.tokenizer, text)[: self.config.max_len]
+        ids = encode(self.tokenizer, text, start=True)[: self.config.max_len]
         if len(ids) < 2:
             return None
         return SFTItem(ids, [0] + [1] * (len(ids) - 1))
@@ -151,6 +153,8 @@ class SFTDataset(TokenizedDataset):
                 piece.append(self.eos_id)
             ids += piece
             mask += [int(trained)] * len(piece)
+        lead = bos_prefix(self.tokenizer, ids)  # the BOS rule (rlhfkit.data.templates)
+        ids, mask = lead + ids, [0] * len(lead) + mask
         if self.images is not None:
             ids, mask = self.images.expand(ids, refs, row, mask)
             mask = self.images.mask_out(ids, mask)

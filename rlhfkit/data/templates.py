@@ -1,4 +1,5 @@
-"""Prompt building: `--input_template`, `--apply_chat_template`, `--tokenizer_chat_template`.
+"""Prompt building and encoding: `--input_template`, `--apply_chat_template`, `--tokenizer_chat_template`,
+and the BOS rule every encode path follows.
 
 Two ways to turn a dataset value into model text, as in OpenRLHF:
 
@@ -7,24 +8,46 @@ Two ways to turn a dataset value into model text, as in OpenRLHF:
   template: the value is used as it is, as OpenRLHF does.
 * `--apply_chat_template`: the value (a string, taken as one user message, or a list of
   `{"role", "content"}` messages) goes through `tokenizer.apply_chat_template`. When both are
-  given the chat template wins (the SFT command has a default `--input_template`).
+  given the chat template wins (and one line says --input_template has no effect).
+
+Defaults, the same in every command (declared once: `rlhfkit.config.flags.DEFAULT_INPUT_TEMPLATE`, with
+the three flags, `add_template_flags`):
+
+* No input template: a string value is used as it is (RL, RM, DPO, KTO and TRL's string prompts all
+  work so; OpenRLHF's train_sft alone defaulted to `User: {}\\nAssistant: `, which an SFT'd model then
+  expected while RL fed it raw text).
+* The chat template is used when asked for (`--apply_chat_template`), as OpenRLHF's command lines
+  mean; when the tokenizer has one and a data command neither asks for it nor gives an input template,
+  one line says so (`PromptFormat.note_unused`). The chat command (`rlhfkit chat`) renders its
+  conversation with the chat template whenever the tokenizer has one (a conversation is what a chat
+  template is for; `--input_template` picks a plain template instead).
 
 `--tokenizer_chat_template` replaces the tokenizer's template (Jinja text, or a path to a file
 holding it).
 
 A response under a chat template is the text the template adds after the generation prompt:
 `render(prompt + [assistant]) [len(render(prompt, add_generation_prompt=True)):]`. Rendering
-is always done with `tokenize=False` (transformers 5 returns a dict for `tokenize=True`), and
-text is encoded without special tokens, so templates that write `<s>` themselves are not doubled.
+is always done with `tokenize=False` (transformers 5 returns a dict for `tokenize=True`).
+
+The BOS rule (`encode(..., start=True)`, `bos_prefix`): text is encoded without special tokens, and
+a sequence that starts there (a prompt, a training row, a chat turn's whole conversation) gets the BOS
+the tokenizer adds, once: `[bos] + ids` when `tokenizer("x")` puts `bos_token_id` before the ids of
+`tokenizer("x", add_special_tokens=False)` (Llama 3, Gemma: yes; Qwen, SmolLM2/ChatML: no) and the
+text's own ids do not start with it already (Gemma's chat template writes `<bos>` itself: not
+doubled). Nothing else the tokenizer would add (an EOS some tokenizers append) is added, and text in
+the middle of a sequence (a response, an agent's environment feedback, a multi-turn piece) gets none.
 """
 
 from __future__ import annotations
 
 import os
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from rlhfkit.config.flags import DEFAULT_INPUT_TEMPLATE
+from rlhfkit.config.notes import note_once
 from rlhfkit.data.io import DataError, Row
 
 Message = dict[str, Any]
@@ -63,6 +86,10 @@ def set_chat_template(tokenizer: Any, template: str | None) -> None:
     """Replace the tokenizer's chat template (no-op for None)."""
     if template:
         tokenizer.chat_template = load_chat_template(template)
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
 
 
 def require_chat_template(tokenizer: Any, flag: str) -> None:
@@ -106,11 +133,39 @@ def chat_prompt_response(tokenizer: Any, prompt: Sequence[Message], response: Se
     return head, full[len(head):]
 
 
-def encode(tokenizer: Any, text: str) -> list[int]:
-    """Token ids of `text`, without special tokens added."""
-    if not text:
-        return []
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+_BOS: "weakref.WeakKeyDictionary[Any, int | None]" = weakref.WeakKeyDictionary()
+
+
+def added_bos(tokenizer: Any) -> int | None:
+    """The BOS id `tokenizer(text)` (special tokens on) puts before the text's ids, or None when it adds
+    none (probed once per tokenizer object)."""
+    try:
+        return _BOS[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    bos = tokenizer.bos_token_id
+    with_special = list(tokenizer("a")["input_ids"])
+    plain = list(tokenizer("a", add_special_tokens=False)["input_ids"])
+    found = bos if bos is not None and with_special[:1] == [bos] and plain[:1] != [bos] else None
+    try:
+        _BOS[tokenizer] = found
+    except TypeError:  # not weak-referenceable: probed on every call
+        pass
+    return found
+
+
+def bos_prefix(tokenizer: Any, ids: Sequence[int]) -> list[int]:
+    """What the BOS rule puts before `ids` that start a sequence: `[bos]` when the tokenizer adds a BOS
+    and `ids` do not start with it, else `[]`."""
+    bos = added_bos(tokenizer)
+    return [bos] if bos is not None and list(ids[:1]) != [bos] else []
+
+
+def encode(tokenizer: Any, text: str, start: bool = False) -> list[int]:
+    """Token ids of `text`, without special tokens added; `start`: the text begins a sequence, so it
+    gets the BOS the tokenizer adds, once (the BOS rule, module docstring)."""
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+    return bos_prefix(tokenizer, ids) + ids if start else ids
 
 
 def token_id(tokenizer: Any, token: str, flag: str) -> int:
@@ -125,7 +180,7 @@ def token_id(tokenizer: Any, token: str, flag: str) -> int:
 class PromptFormat:
     """How a prompt value becomes text: `--input_template` and/or `--apply_chat_template`."""
 
-    input_template: str | None = None
+    input_template: str | None = DEFAULT_INPUT_TEMPLATE
     apply_chat_template: bool = False
 
     def __post_init__(self) -> None:
@@ -139,6 +194,17 @@ class PromptFormat:
             raise row.error(f"key {key!r} is a {type(value).__name__}; chat messages need "
                             "--apply_chat_template, otherwise give a string")
         return fill_template(self.input_template, value)
+
+    def note_unused(self, tokenizer: Any) -> None:
+        """One line when --input_template is given with --apply_chat_template (the chat template wins), or
+        when the tokenizer has a chat template that neither flag asks for (module docstring)."""
+        if self.apply_chat_template and self.input_template:
+            note_once("note: --input_template has no effect: --apply_chat_template formats the prompts")
+        if self.apply_chat_template or self.input_template is not None or not has_chat_template(tokenizer):
+            return
+        note_once("note: the tokenizer has a chat template, but --apply_chat_template is off: prompts are used "
+                  "as they are (pass --apply_chat_template to use it, or --input_template '{}' for raw text "
+                  "without this note)")
 
     def prompt_and_response(self, tokenizer: Any, prompt: Any, response: Any, row: Row,
                             keys: tuple[str, str]) -> tuple[str, str]:
