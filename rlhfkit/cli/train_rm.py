@@ -74,8 +74,8 @@ def statistics_items(train_items: Sequence[Any], eval_items: Sequence[Any] | Non
 def save_reward_model(args, backend, tokenizer, mean: float, std: float, dist: DistInfo, logger=None,
                       state=None) -> None:
     """Store mean/std (and the head name, pad id) in the config, then save in Hugging Face format.
-    `tokenizer` is the scoring tokenizer (appends EOS: plain transformers then scores text as rlhfkit
-    does; rlhfkit.models.value.scoring_tokenizer)."""
+    `tokenizer` is the scoring tokenizer (plain transformers then scores text as rlhfkit does;
+    rlhfkit.models.scoring_tokenizer)."""
     model = backend.unwrap()
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if std > 0:
@@ -101,7 +101,9 @@ def run(args) -> OfflineRun:
                              dtype="fp32", cfg=from_args(ModelConfig, args), flag="--pretrain")
     backend = trainable_backend(model, args, dist, len(train_items))
     logger = make_logger(args, dist.rank, plot_keys=OFFLINE_PLOT_KEYS)
-    save_tokenizer = scoring_tokenizer(tokenizer)  # goes with every saved model, checkpoints' HF copies too
+    # goes with every saved model, checkpoints' HF copies too; with --apply_chat_template its chat template
+    # renders a conversation as training scored it (rlhfkit.models.scoring_tokenizer)
+    save_tokenizer = scoring_tokenizer(tokenizer, chat=data_cfg.apply_chat_template)
     state = train_task(task, backend, train_items, eval_items, args, dist, logger, tokenizer=save_tokenizer)
     mean, std, n = reward_statistics(backend.model, task, statistics_items(train_items, eval_items),
                                      args.micro_train_batch_size, dist)

@@ -10,20 +10,22 @@ sequence-classification checkpoint: `AutoModelForSequenceClassification.from_pre
 num_labels=1)` loads the same weights and gives the same score (it takes the rightmost token that is
 not `pad_token_id`; we take the last token of `attention_mask`, which also works when pad == eos).
 
-Scoring in plain transformers. rlhfkit scores `ids(prompt) + ids(response) + [eos]` (the EOS
-appended as in training: `rlhfkit.data.items.join_prompt_response`), with no BOS added. A saved reward
-or critic model therefore carries a tokenizer that does the same when called as plain transformers
-calls it (`scoring_tokenizer`): `tokenizer(text)` gives the text's ids + EOS (a fast tokenizer's
-post-processor `$A </s>`), and its pad token is not EOS (when the base pads with EOS, the BOS or another
-special token pads instead), with `config.pad_token_id` set to it, so the rightmost non-pad token that
-`*ForSequenceClassification` scores is that EOS; `config.problem_type = "regression"` makes
+Scoring in plain transformers. rlhfkit scores `encode(prompt, start=True) + encode(response) + [eos]`
+(the BOS the tokenizer adds, once; the EOS appended as in training:
+`rlhfkit.data.items.join_prompt_response`). A saved reward or critic model therefore carries a tokenizer
+that gives those ids when plain transformers calls it on the text the docs name
+(`rlhfkit.models.scoring_tokenizer`: prompt + response text, or for a model trained with
+`--apply_chat_template` the saved tokenizer's `apply_chat_template(messages, tokenize=False)`), and whose
+pad token is not EOS, with `config.pad_token_id` set to it, so that the rightmost non-pad token that
+`*ForSequenceClassification` scores is the last real one; `config.problem_type = "regression"` makes
 `pipeline("text-classification")` return the raw score instead of its sigmoid. Then
 
     AutoModelForSequenceClassification.from_pretrained(d)(**AutoTokenizer.from_pretrained(d)(texts,
         padding=True, return_tensors="pt")).logits[:, 0]
 
 equals rlhfkit's rewards for `texts` (right padding, as the tokenizer pads; raw, not normalised).
-rlhfkit itself encodes without special tokens, so the saved tokenizer changes none of its scores.
+rlhfkit itself encodes without the tokenizer's post-processing, so the saved tokenizer changes none of
+its scores.
 
 A head named by `value_head_prefix` other than `score` (older OpenRLHF reward models use
 `value_head`) is supported; as in OpenRLHF, a prefix stored in the model's config.json wins over the
@@ -37,7 +39,6 @@ whatever its padding. Values at padding positions are 0.
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import math
@@ -47,10 +48,10 @@ from typing import Any
 import torch
 
 from rlhfkit.config.configs import ModelConfig
-from rlhfkit.config.notes import note_once
 from rlhfkit.fileio import new_staging_dir, publish_staged
 from rlhfkit.models.loader import (check_model_dir, finish_model, pretrained_kwargs, resolve_dtype,
                                    weight_file_keys)
+from rlhfkit.models.scoring_tokenizer import appends_eos, scoring_tokenizer  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
 
@@ -221,46 +222,6 @@ def _is_peft(model: Any) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
 
-def appends_eos(tokenizer: Any) -> bool:
-    """`tokenizer(text)` (special tokens on, as plain transformers calls it) is the text's ids + EOS."""
-    probe = "1 a"
-    plain = tokenizer(probe, add_special_tokens=False)["input_ids"]
-    return tokenizer(probe)["input_ids"] == list(plain) + [tokenizer.eos_token_id]
-
-
-def _pad_other_than_eos(tokenizer: Any) -> str | None:
-    """A special token that is not EOS, to pad with (BOS first)."""
-    eos = tokenizer.eos_token_id
-    names = [tokenizer.bos_token, tokenizer.unk_token, *getattr(tokenizer, "all_special_tokens", [])]
-    return next((t for t in names if t is not None and tokenizer.convert_tokens_to_ids(t) != eos), None)
-
-
-def scoring_tokenizer(tokenizer: Any) -> Any:
-    """A copy of `tokenizer` to save with a reward/critic model: plain transformers then scores text
-    as rlhfkit does (module docstring). The tokenizer itself is returned (and a note printed) when
-    it cannot be made to append EOS (a slow tokenizer, or no EOS token)."""
-    if tokenizer is None:
-        return None
-    try:
-        tok = copy.deepcopy(tokenizer)
-        if tok.eos_token_id is None:
-            raise ValueError("no EOS token")
-        tok.add_bos_token = False
-        tok.add_eos_token = True  # fast tokenizers: the post-processor becomes `$A <eos>`
-        if not appends_eos(tok):
-            raise ValueError("its post-processing cannot be set")
-    except (AttributeError, ValueError, TypeError) as e:
-        note_once(f"note: the saved tokenizer does not append EOS ({e}); in plain transformers append "
-                  "tokenizer.eos_token to the text to get rlhfkit's reward")
-        return tokenizer
-    tok.init_kwargs.update(add_bos_token=False, add_eos_token=True)  # transformers 4 reads these from the config
-    if tok.pad_token_id is None or tok.pad_token_id == tok.eos_token_id:
-        pad = _pad_other_than_eos(tok)
-        if pad is not None:
-            tok.pad_token = pad
-    return tok
-
-
 def update_reward_config(config: Any, tokenizer: Any = None, mean: float | None = None,
                          std: float | None = None, normalize_reward: bool | None = None) -> None:
     """Write the reward keys into `config`; with a (scoring) tokenizer, its pad_token_id too."""
@@ -282,18 +243,20 @@ def update_reward_config(config: Any, tokenizer: Any = None, mean: float | None 
 
 def save_value_model(model: Any, path: str, tokenizer: Any = None, mean: float | None = None,
                      std: float | None = None, normalize_reward: bool | None = None,
-                     state_dict: dict[str, torch.Tensor] | None = None, is_main_process: bool = True) -> str:
+                     state_dict: dict[str, torch.Tensor] | None = None, is_main_process: bool = True,
+                     chat: bool | None = None) -> str:
     """Save a reward/critic model so that `AutoModelForSequenceClassification` loads it and, with the
     saved tokenizer (`scoring_tokenizer(tokenizer)`), scores text as rlhfkit does.
 
     config.json gets `value_head_prefix`, `normalize_reward`, `mean`, `std`, `pad_token_id` and
     `problem_type`.
+    `chat`: trained on rows rendered by the chat template (`scoring_tokenizer`; None: as `tokenizer` says).
     `state_dict` lets a sharded backend pass the gathered full weights. A peft (LoRA) model saves
     its adapter (with the head, trained in full) plus this config.json; `lora_combiner --is_rm`
     merges it.
     """
     base = model.get_base_model() if _is_peft(model) else model
-    tokenizer = scoring_tokenizer(tokenizer)
+    tokenizer = scoring_tokenizer(tokenizer, chat)
     update_reward_config(base.config, tokenizer, mean, std, normalize_reward)
     if not is_main_process:
         return path
