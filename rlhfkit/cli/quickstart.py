@@ -105,7 +105,8 @@ def rl_args(args, sft_dir: str, run: str, rl_dir: str, reward_file: str, max_new
              "--eval_temperature", "0", "--eval_n_samples_per_prompt", "1"]
     return [*quiet(), *evals, "--pretrain", sft_dir, "--remote_rm_url", reward_file,
             "--prompt_data", os.path.join(run, "train.jsonl"),
-            "--input_key", "input", "--label_key", "label", "--advantage_estimator", "group_norm",
+            "--input_key", "input", "--label_key", "label", "--input_template", "{}", "--advantage_estimator",
+            "group_norm",
             "--n_samples_per_prompt", "8", "--rollout_batch_size", "16", "--train_batch_size", "128",
             "--micro_train_batch_size", "128", "--micro_rollout_batch_size", "128", "--max_epochs", "1",
             "--temperature", "1.0", "--generate_max_len", str(max_new), "--prompt_max_len", "16",
