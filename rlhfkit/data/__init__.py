@@ -2,7 +2,7 @@
 
     --dataset files/folders/names --> io.load_mixture --> list[Row] (data + file + row number)
     Row --> SFTDataset / PreferenceDataset / UnpairedDataset / PRMDataset / PromptDataset
-         (templates.py: --input_template, --apply_chat_template, --tokenizer_chat_template)
+         (templates.py: --input_template, --apply_chat_template, --tokenizer_chat_template; the BOS rule)
     items --> collate.pad_batch [B, L] | collate.pack_batch [1, T]
     ResumableDistributedSampler: which indices each rank reads, resumable mid-epoch
 """
