@@ -159,7 +159,7 @@ def test_grpo_two_steps_save_a_model_that_generates_as_the_trained_one(hf, real_
         real_model_dir, prompts, out, "--apply_chat_template", "--run_dir", str(tmp_path / "run"), reward=str(reward),
         n_samples_per_prompt=2, rollout_batch_size=1, train_batch_size=2, micro_train_batch_size=2,
         generate_max_len=8, prompt_max_len=96, max_steps=2, init_kl_coef=0, actor_learning_rate="1e-5",
-        lr_warmup_ratio=0, temperature="1.0", param_dtype="fp32"))
+        lr_warmup_ratio=0, temperature="1.0", param_dtype="fp32", rollout_engine="builtin"))
     result = train_ppo.run(args, parser)
     steps = [h for h in result.state.history if "train/reward" in h]
     assert len(steps) == 2
