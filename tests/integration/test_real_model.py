@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -44,6 +45,14 @@ def reward_func(queries, prompts, labels):
         out.append(1.0 if numbers and numbers[-1] == str(label) else 0.5 * digits)
     return {"rewards": out, "scores": out}
 '''
+
+
+@pytest.fixture(autouse=True)
+def _remove_saved_models(tmp_path):
+    """Each test saves the model in fp32 (540 MB): removed at once, not at the end of the session (make test keeps
+    TMPDIR in memory)."""
+    yield
+    shutil.rmtree(tmp_path, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
