@@ -76,6 +76,11 @@ def test_cli_errors_name_the_flag_and_the_package(capsys, monkeypatch, tmp_path)
         f"import_gguf: error: --gguf '{missing}': no such file"
     assert _cli_error(capsys, ["--gguf", str(tmp_path), "--save_path", str(tmp_path / "o")]) == \
         f"import_gguf: error: --gguf '{tmp_path}': a directory, not a .gguf file"
+    junk = tmp_path / "junk.gguf"
+    junk.write_text("not a model")
+    err = _cli_error(capsys, ["--gguf", str(junk), "--save_path", str(tmp_path / "o")])
+    assert err.startswith(f"import_gguf: error: --gguf '{junk}': transformers cannot load it as a causal LM: ")
+    assert not (tmp_path / "o").exists()
     monkeypatch.setitem(sys.modules, "gguf", None)
     assert _cli_error(capsys, ["--gguf", missing, "--save_path", str(tmp_path / "o")]) == \
         "import_gguf: error: import_gguf needs the `gguf` package, which is not installed: pip install 'rlhfkit[gguf]'"
