@@ -53,7 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_models import device_name, free_memory, peak_gib  # noqa: E402
-from rl_step_common import load_reward_module, mean, median, micro, sync  # noqa: E402
+from rl_step_common import load_reward_module, median, micro, sync  # noqa: E402
 
 for _k, _v in (("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"), ("HF_HUB_DISABLE_TELEMETRY", "1"),
                ("TOKENIZERS_PARALLELISM", "false"), ("WANDB_DISABLED", "true")):
@@ -64,7 +64,7 @@ QUESTION = "What is {a}+{b}? Answer with the number only."
 DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "models",
                              "smollm2-135m-instruct")
 
-REWARD_SRC = '''"""grpo_real's reward (rlhfkit reward_func API): 1 when the completion's last integer is the sum (the label)."""
+REWARD_SRC = '''"""grpo_real's reward (rlhfkit reward_func API): 1 when the completion's last integer is the label."""
 import re
 
 
@@ -409,7 +409,8 @@ def headline(runs: dict[str, dict], before: float) -> dict:
                            "trl_accuracy_after": tr.get("accuracy_after"), "rlhfkit_wall_s": rk.get("wall_s"),
                            "trl_wall_s": tr.get("wall_s"), "rlhfkit_first_step_s": rk.get("first_step_s"),
                            "trl_first_step_s": tr.get("first_step_s"),
-                           "rlhfkit_step_s_median": rk.get("step_s_median"), "trl_step_s_median": tr.get("step_s_median")}
+                           "rlhfkit_step_s_median": rk.get("step_s_median"),
+                           "trl_step_s_median": tr.get("step_s_median")}
     if rk.get("wall_s") and tr.get("wall_s"):
         out["wall_ratio"] = rk["wall_s"] / tr["wall_s"]
         out["rlhfkit_wall_at_most_half_of_trl"] = rk["wall_s"] <= 0.5 * tr["wall_s"]
