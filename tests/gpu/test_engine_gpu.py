@@ -20,7 +20,7 @@ import torch
 from rlhfkit.rollout.builtin import BuiltinEngine, BuiltinEngineConfig
 from rlhfkit.rollout.builtin.model import _torch_decode_attention
 from rlhfkit.rollout.builtin.sampling import combine_partials, reference_partials, sample_tokens
-from rlhfkit.rollout.builtin.weights import ModelSpec
+from rlhfkit.rollout.builtin.weights import LayerWeights, ModelSpec
 from rlhfkit.types import GenerationRequest, SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -140,7 +140,8 @@ def test_triton_decode_attention_matches_torch(dtype, rows, heads, kv_heads, dim
     cos, sin = _rope_tables(max_len, dim, dtype)
     hidden = torch.arange(max_len, device="cuda")[None, :] > pos[:, None]
     bias = torch.zeros(hidden.shape, dtype=dtype, device="cuda").masked_fill(hidden, float("-inf"))[:, None, None, :]
-    ref = _torch_decode_attention(spec, q, k, v, *ref_caches, pos, cos, sin, bias, dim ** -0.5, True)
+    layer = LayerWeights(qkv=qkv, o=qkv)  # only `sinks` (None) and the layer's window (none) are read
+    ref = _torch_decode_attention(spec, layer, q, k, v, *ref_caches, pos, cos, sin, bias, dim ** -0.5, True)
     out = torch.ops.rlhfkit.decode_attention(q, k, v, *caches, cos, sin, pos, dim ** -0.5)
     ref = ref.reshape(rows, heads, dim).float()
     rel = ((out.float() - ref).norm() / ref.norm()).item()

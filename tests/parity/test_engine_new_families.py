@@ -192,3 +192,15 @@ def test_hf_export_reloads_with_equal_logits(arch, tmp_path):
     b.eval()
     with torch.no_grad():
         torch.testing.assert_close(again(input_ids=ids).logits, b.model(input_ids=ids).logits, rtol=0, atol=0)
+
+
+def test_dispatch_groups_rows_by_expert_stably():
+    from rlhfkit.rollout.builtin.model import dispatch
+
+    ids = torch.tensor([[2, 0], [1, 2], [2, 1], [0, 3]])  # rows (token, k): 2 0 1 2 2 1 0 3
+    dest, perm, offsets = dispatch(ids, 5)
+    # expert 0: rows 1, 6; expert 1: rows 2, 5; expert 2: rows 0, 3, 4; expert 3: row 7; expert 4: none
+    assert perm.tolist() == [1, 6, 2, 5, 0, 3, 4, 7]
+    assert offsets.tolist() == [2, 4, 7, 8, 8] and offsets.dtype == torch.int32
+    assert torch.equal(dest[perm], torch.arange(8)) and torch.equal(ids.reshape(-1)[perm].sort().values,
+                                                                    ids.reshape(-1)[perm])

@@ -241,27 +241,37 @@ def _expert_act(moe: MoESpec, gate_up: torch.Tensor) -> torch.Tensor:
     return (up + 1) * (gate * torch.sigmoid(gate * moe.swiglu_alpha))
 
 
+def dispatch(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group the S = T x k (token, choice) rows of `ids [T, k]` by expert, stably, without a sort
+    (a counting sort: one-hot prefix sums, a few fused kernels where `torch.sort` launches several):
+    returns `dest [S]` (each row's place in expert order), `perm [S]` (the row at each place, the
+    inverse of dest) and `offsets [E]` (cumulative rows per expert, int32, for the grouped GEMMs)."""
+    flat = ids.reshape(-1)
+    onehot = F.one_hot(flat, num_experts).to(torch.int32)  # [S, E]
+    counts = onehot.sum(0)
+    rank = (onehot.cumsum(0) * onehot).sum(1) - 1  # rows of the same expert before this one
+    dest = (counts.cumsum(0) - counts)[flat] + rank
+    perm = torch.empty_like(dest).index_copy_(0, dest, torch.arange(dest.shape[0], device=dest.device))
+    return dest, perm, counts.cumsum(0, dtype=torch.int32)
+
+
 def _moe(layer: LayerWeights, spec: ModelSpec, h: torch.Tensor) -> torch.Tensor:
-    """Routed experts over `h [..., H]`: route each token to k experts, sort the T x k (token,
-    expert) rows by expert, two grouped GEMMs, weight each row by its router weight, and sum each
-    token's k rows (in their routing order, so the sum rounds as the reference model's does)."""
+    """Routed experts over `h [..., H]`: route each token to k experts, group the T x k (token,
+    expert) rows by expert (`dispatch`), two grouped GEMMs, then each token's k rows in their
+    routing order, weighted by the router and summed (so the sum rounds as the reference model's does)."""
     moe = spec.moe
     shape = h.shape
     x = h.reshape(-1, shape[-1])
     weights, ids = route(F.linear(x, layer.router, layer.router_bias), moe)
     if _ROUTE_LOG is not None and not torch.compiler.is_compiling():
         _ROUTE_LOG.append(ids.detach().clone())
-    flat = ids.reshape(-1)
-    experts, perm = torch.sort(flat, stable=True)
-    counts = torch.zeros(moe.num_experts, dtype=torch.int32, device=x.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-    rows = x[perm // moe.top_k]
-    act = _expert_act(moe, grouped_linear(rows, layer.experts_gate_up, offsets, experts, layer.experts_gate_up_bias))
-    out = grouped_linear(act, layer.experts_down, offsets, experts, layer.experts_down_bias)
-    out = out * weights.reshape(-1)[perm, None]
-    out = torch.empty_like(out).index_copy_(0, perm, out)  # back to (token, k) order
-    return out.view(-1, moe.top_k, shape[-1]).sum(dim=1).to(h.dtype).reshape(shape)
+    dest, perm, offsets = dispatch(ids, moe.num_experts)
+    experts = ids.reshape(-1)[perm]  # each grouped row's expert
+    act = _expert_act(moe, grouped_linear(x[perm // moe.top_k], layer.experts_gate_up, offsets, experts,
+                                          layer.experts_gate_up_bias))
+    out = grouped_linear(act, layer.experts_down, offsets, experts, layer.experts_down_bias)[dest]  # (token, k) order
+    out = out.view(-1, moe.top_k, shape[-1]) * weights[..., None]
+    return out.sum(dim=1).to(h.dtype).reshape(shape)
 
 
 def _ffn(layer: LayerWeights, spec: ModelSpec, x: torch.Tensor) -> torch.Tensor:
@@ -495,6 +505,7 @@ class DecoderModel:
         self.layer_fn: Callable = decode_layer
         self.head_fn: Callable = final_logits
         self.prefill_fn: Callable = prefill_layer
+        self._embed_scale: torch.Tensor | None = None
 
     @property
     def cos(self) -> torch.Tensor:
@@ -516,11 +527,15 @@ class DecoderModel:
         return final_logits(self.spec, self.weights.final_norm, self.weights.lm_head, x)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Token embeddings (Gemma: times sqrt(hidden), the factor rounded to the model dtype first)."""
+        """Token embeddings (Gemma: times sqrt(hidden), the factor rounded to the model dtype first;
+        a device tensor made once, so that a captured decode step copies nothing from the host)."""
         x = F.embedding(tokens, self.weights.embed)
-        if self.spec.embed_scale is not None:
-            x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype, device=x.device)
-        return x
+        if self.spec.embed_scale is None:
+            return x
+        scale = self._embed_scale
+        if scale is None or scale.device != x.device or scale.dtype != x.dtype:
+            scale = self._embed_scale = torch.tensor(self.spec.embed_scale, dtype=x.dtype, device=x.device)
+        return x * scale
 
     def prefill(self, cache: KVCache, tokens: torch.Tensor, lengths: torch.Tensor,
                 slots: torch.Tensor, slot_slice: slice | None = None, mm: Any = None) -> torch.Tensor:

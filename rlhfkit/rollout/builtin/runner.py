@@ -57,6 +57,12 @@ def compile_model(model: DecoderModel, prefill: bool = True, mode: str | None = 
     all layers, which keeps compilation to seconds for deep models. Between the graphs Python
     runs, but inside a CUDA graph replay none of it remains.
     """
+    # one graph per kind of layer (families.py LayerKind: window, rope table, experts), per final-layer
+    # prefill variant and per size-1 specialisation: a family with local and global layers needs more
+    # than dynamo's default of 8 before it would fall back to running a function eagerly
+    from torch._dynamo import config as dynamo_config
+
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
     # decode_layer(spec, layer, k_cache, v_cache, x, delta, pos, cos, sin, bias, scale, attn, gemm)
     model.layer_fn = _batch_dynamic(torch.compile(decode_layer, mode=mode), {4: (0,), 5: (-2,), 6: (0,), 9: (0, 3)})
     # final_logits(spec, final_norm, lm_head, x, delta)
