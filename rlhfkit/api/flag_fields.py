@@ -1373,6 +1373,10 @@ class TrainPPOFields(FlagConfig):
     rollout_max_num_seqs: int | None = None
     """sequences the engine decodes at once (default: all samples of a step on this rank, at most 512)
     [--rollout_max_num_seqs]"""
+    rollout_compile: bool = False
+    """torch.compile the builtin engine's decode step (GPU): fewer, fused kernels per step, for long runs; its
+    compilation adds 20-30 s to the first step (a few seconds with the cache a previous run left,
+    docs/performance.md); off: eager kernels replayed as CUDA graphs [--rollout_compile]"""
     rollout_batch_size: int = 1024
     """prompts per RL step [--rollout_batch_size, --rollout.batch_size]"""
     n_samples_per_prompt: int = 1

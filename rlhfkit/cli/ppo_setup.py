@@ -346,7 +346,7 @@ def build_engine_for(args: argparse.Namespace, tokenizer: Any, dist: DistInfo, t
     seqs = engine_max_num_seqs(args, dist.dp_size)  # each dp rank (or Ray engine) samples its share
     opts: dict[str, Any] = {}
     if args.rollout_engine == "builtin":
-        opts = {"max_model_len": args.max_len, "max_num_seqs": seqs}
+        opts = {"max_model_len": args.max_len, "max_num_seqs": seqs, "compile": args.rollout_compile}
     elif args.rollout_engine == "hf":
         opts = {"max_batch_size": seqs}
     return build_engine(args.rollout_engine, args.pretrain, tokenizer, device=dist.device, dtype=dtype, tp=tp, **opts)

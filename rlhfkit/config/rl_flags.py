@@ -82,6 +82,10 @@ def _models(p: FlagParser) -> None:
         p.flag("--rollout_max_num_seqs", type=int, default=None,
                help="sequences the engine decodes at once (default: all samples of a step on this rank, at "
                     "most 512)")
+        p.flag("--rollout_compile", action="store_true",
+               help="torch.compile the builtin engine's decode step (GPU): fewer, fused kernels per step, for "
+                    "long runs; its compilation adds 20-30 s to the first step (a few seconds with the cache a "
+                    "previous run left, docs/performance.md); off: eager kernels replayed as CUDA graphs")
 
 
 def _data(p: FlagParser) -> None:

@@ -71,9 +71,12 @@ class Parallelized:
 
 def compile_blocks(model: nn.Module, dynamic: bool | None = None) -> None:
     """torch.compile every transformer block in place (`--torch_compile`); `dynamic` as torch.compile's."""
+    from rlhfkit.compile_cache import use_persistent_cache
+
     blocks = find_blocks(model)
     if not blocks:
         raise ValueError("--torch_compile: no transformer blocks found in the model")
+    use_persistent_cache()
     for block in blocks:
         block.compile(dynamic=dynamic)
 

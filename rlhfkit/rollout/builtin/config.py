@@ -17,7 +17,10 @@ class BuiltinEngineConfig:
     sync_every: int = 16
     sync_every_batch: int = 64  # in generate() when no request waits and no stop strings are watched
     cuda_graphs: bool | None = None  # default: on for CUDA devices
-    compile: bool | None = None  # torch.compile the decode step; default: on for CUDA devices
+    # torch.compile the decode step: about 10% faster decoding of a 0.5B model, but its compilation
+    # costs 20-30 s on the first generate (bench/results/first_step_h100.json); eager kernels replayed
+    # as CUDA graphs start in a few seconds. None: off
+    compile: bool | None = None
     max_stop_ids: int = 8
     seed: int = 0
     compile_prefill: bool | None = None  # torch.compile the prefill layer too; default: as `compile`

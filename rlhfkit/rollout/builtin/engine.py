@@ -114,7 +114,7 @@ class BuiltinEngine:
         gemm = resolve_decode_gemm(cfg.decode_gemm, self.spec, weights, self.device)
         on_cuda = self.device.type == "cuda"
         graphs = on_cuda if cfg.cuda_graphs is None else cfg.cuda_graphs
-        compile_step = on_cuda if cfg.compile is None else cfg.compile
+        compile_step = bool(cfg.compile)
         lookahead = (4 if on_cuda else 0) if cfg.lookahead_steps is None else cfg.lookahead_steps
         if graphs and not on_cuda:
             raise ValueError("BuiltinEngineConfig.cuda_graphs needs a CUDA device")

@@ -62,6 +62,9 @@ def compile_model(model: DecoderModel, prefill: bool = True, mode: str | None = 
     # than dynamo's default of 8 before it would fall back to running a function eagerly
     from torch._dynamo import config as dynamo_config
 
+    from rlhfkit.compile_cache import use_persistent_cache
+
+    use_persistent_cache()
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
     # decode_layer(spec, layer, k_cache, v_cache, x, delta, pos, cos, sin, bias, scale, attn, gemm)
     model.layer_fn = _batch_dynamic(torch.compile(decode_layer, mode=mode), {4: (0,), 5: (-2,), 6: (0,), 9: (0, 3)})
