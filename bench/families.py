@@ -15,7 +15,7 @@ family's proportions):
   transformers) against transformers in fp32 on the same weights and tokens. MoE families also give the share of
   (token, expert) choices the engine's router makes as transformers' does, over the prompts and the
   generated tokens (an eager engine's prefill, record_routing).
-- throughput: bench/rollout.py's builtin measurement (batch x prompt / new tokens, temperature 1,
+- throughput (the engine as a user gets it: eager kernels replayed as CUDA graphs): bench/rollout.py's builtin measurement (batch x prompt / new tokens, temperature 1,
   eos ignored, median of --repeat generate() calls) for the family and for its Qwen2 twin: the same
   hidden size, layers, heads, head_dim and vocabulary with a dense MLP widened to the family's total
   parameter count; `ratio_vs_qwen2` = Qwen2 twin tokens/s over the family's (1.0: as fast).
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     # bench/rollout.py's run_builtin reads these engine settings: the defaults a user gets
-    for key, value in dict(sync_every=16, sync_every_batch=64, max_prefill_tokens=16384, compile=True, cuda_graphs=True,
+    for key, value in dict(sync_every=16, sync_every_batch=64, max_prefill_tokens=16384, compile=False, cuda_graphs=True,
                            compile_prefill=True, fast_sampling=True, decode_attention="auto", compile_mode=None,
                            decode_gemm="auto", gemm_min_rows=64, lookahead_steps=None, trace=False,
                            profile=False).items():
