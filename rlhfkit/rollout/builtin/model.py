@@ -274,10 +274,40 @@ def _moe(layer: LayerWeights, spec: ModelSpec, h: torch.Tensor) -> torch.Tensor:
     return out.sum(dim=1).to(h.dtype).reshape(shape)
 
 
+_MOE_COMPILED: dict[str, Any] = {"fn": None, "failed": None}
+
+
+def _routed(layer: LayerWeights, spec: ModelSpec, h: torch.Tensor) -> torch.Tensor:
+    """`_moe`, on CUDA through torch.compile even when the engine runs eagerly: routing, the counting
+    sort and the weighted sum are a dozen small kernels that compilation fuses into a few (eagerly a
+    Qwen3-MoE decode step ran 2.5x slower). Inside a compiled decode step, under `record_routing`,
+    on CPU or after a failed compilation (logged once) it runs as written."""
+    if (not h.is_cuda or torch.compiler.is_compiling() or _ROUTE_LOG is not None
+            or _MOE_COMPILED["failed"] is not None):
+        return _moe(layer, spec, h)
+    if _MOE_COMPILED["fn"] is None:
+        from torch._dynamo import config as dynamo_config
+
+        from rlhfkit.compile_cache import use_persistent_cache
+
+        use_persistent_cache()
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
+        _MOE_COMPILED["fn"] = torch.compile(_moe, dynamic=True)
+    try:
+        return _MOE_COMPILED["fn"](layer, spec, h)
+    except Exception as exc:  # noqa: BLE001 - an inductor failure: the eager experts still run
+        import logging
+
+        _MOE_COMPILED["failed"] = f"{type(exc).__name__}: {exc}"[:2000]
+        logging.getLogger(__name__).warning("torch.compile of the routed experts failed, running them eagerly: %s",
+                                            _MOE_COMPILED["failed"])
+        return _moe(layer, spec, h)
+
+
 def _ffn(layer: LayerWeights, spec: ModelSpec, x: torch.Tensor) -> torch.Tensor:
     """The MLP half of a layer from the residual stream `x`: [norm] -> MLP or experts -> [out norm]."""
     h = _norm(spec, layer.mlp_norm, x)
-    out = _moe(layer, spec, h) if layer.kind.moe else _mlp(layer, spec, h)
+    out = _routed(layer, spec, h) if layer.kind.moe else _mlp(layer, spec, h)
     return _norm(spec, layer.mlp_out_norm, out)
 
 
