@@ -26,7 +26,7 @@ if [ "$part" != train ]; then
 timeout 420 python3 bench/rl_step.py --model qwen2-0.5b --model_dir /tmp/bench_model --prompts 64 --n 8 \
   --new_tokens 256 --trl_prompts 8 --warmup_steps 3 --steps 4 --gradient_checkpointing off \
   --micro_train_batch_size 64 --micro_rollout_batch_size 64 --trl_micro_train_batch_size 16 \
-  --rlhfkit_flags=--torch_compile --profile "$out/rl_step_profile_$gpu" --out "$out/rl_step_$gpu.json" 2>&1 \
+  --rlhfkit_flags='--torch_compile --rollout_compile' --profile "$out/rl_step_profile_$gpu" --out "$out/rl_step_$gpu.json" 2>&1 \
   | grep -E '^\[rl_step\]|^phase|^(generate|logprobs|train|whole) |GPU idle'
 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_head_kernels.py tests/gpu/test_optim_step_gpu.py tests/gpu/test_fused_qkv_gpu.py tests/unit/test_master_adamw.py 2>&1 | tail -3
 fi
