@@ -51,6 +51,7 @@ import torch.nn.functional as F
 
 from rlhfkit.rollout.builtin import triton_gemm, triton_ops  # triton_gemm registers the GEMM ops
 from rlhfkit.rollout.builtin.families import MoESpec
+from rlhfkit.rollout.builtin.fused import EagerFused
 from rlhfkit.rollout.builtin.weights import LayerWeights, ModelSpec, ModelWeights
 
 _c10d = torch.ops._c10d_functional  # functional collectives: traceable, capturable, gloo on CPU
@@ -120,9 +121,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, style: str = "ll
     return (w * xf).to(dtype)
 
 
+_fused_rms_norm = EagerFused(rms_norm)  # one kernel instead of six or more (fused.py)
+
+
 def _norm(spec: ModelSpec, weight: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
     """The family's RMSNorm of `x` by `weight`; `x` itself where the family has no such norm."""
-    return x if weight is None else rms_norm(x, weight, spec.rms_norm_eps, spec.family.norm)
+    return x if weight is None else _fused_rms_norm(x, weight, spec.rms_norm_eps, spec.family.norm)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int | None = None) -> torch.Tensor:
@@ -274,34 +278,9 @@ def _moe(layer: LayerWeights, spec: ModelSpec, h: torch.Tensor) -> torch.Tensor:
     return out.sum(dim=1).to(h.dtype).reshape(shape)
 
 
-_MOE_COMPILED: dict[str, Any] = {"fn": None, "failed": None}
-
-
-def _routed(layer: LayerWeights, spec: ModelSpec, h: torch.Tensor) -> torch.Tensor:
-    """`_moe`, on CUDA through torch.compile even when the engine runs eagerly: routing, the counting
-    sort and the weighted sum are a dozen small kernels that compilation fuses into a few (eagerly a
-    Qwen3-MoE decode step ran 2.5x slower). Inside a compiled decode step, under `record_routing`,
-    on CPU or after a failed compilation (logged once) it runs as written."""
-    if (not h.is_cuda or torch.compiler.is_compiling() or _ROUTE_LOG is not None
-            or _MOE_COMPILED["failed"] is not None):
-        return _moe(layer, spec, h)
-    if _MOE_COMPILED["fn"] is None:
-        from torch._dynamo import config as dynamo_config
-
-        from rlhfkit.compile_cache import use_persistent_cache
-
-        use_persistent_cache()
-        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
-        _MOE_COMPILED["fn"] = torch.compile(_moe, dynamic=True)
-    try:
-        return _MOE_COMPILED["fn"](layer, spec, h)
-    except Exception as exc:  # noqa: BLE001 - an inductor failure: the eager experts still run
-        import logging
-
-        _MOE_COMPILED["failed"] = f"{type(exc).__name__}: {exc}"[:2000]
-        logging.getLogger(__name__).warning("torch.compile of the routed experts failed, running them eagerly: %s",
-                                            _MOE_COMPILED["failed"])
-        return _moe(layer, spec, h)
+# the experts eagerly are a dozen small kernels (routing, the counting sort, the weighted sum): a
+# Qwen3-MoE decode step ran 2.5x slower than with them compiled (fused.py)
+_routed = EagerFused(_moe, bypass=lambda: _ROUTE_LOG is not None)
 
 
 def _ffn(layer: LayerWeights, spec: ModelSpec, x: torch.Tensor) -> torch.Tensor:
