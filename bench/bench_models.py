@@ -56,7 +56,15 @@ QWEN25_14B = dict(hidden_size=5120, num_hidden_layers=48, num_attention_heads=40
 QWEN25_32B = dict(hidden_size=5120, num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8,
                   intermediate_size=27648, vocab_size=152064, tie_word_embeddings=False,
                   max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-5)
-STREAMED = {"qwen2.5-7b": QWEN25_7B, "qwen2.5-14b": QWEN25_14B, "qwen2.5-32b": QWEN25_32B}
+# Qwen3-30B-A3B's shape (128 experts of width 768, 8 per token), and the same at half its depth
+QWEN3_MOE_30B = dict(arch="qwen3_moe", hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+                     num_key_value_heads=4, head_dim=128, intermediate_size=6144, moe_intermediate_size=768,
+                     num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, vocab_size=151936,
+                     tie_word_embeddings=False, max_position_embeddings=40960, rope_theta=1_000_000.0,
+                     rms_norm_eps=1e-6)
+QWEN3_MOE_15B = {**QWEN3_MOE_30B, "num_hidden_layers": 24}
+STREAMED = {"qwen2.5-7b": QWEN25_7B, "qwen2.5-14b": QWEN25_14B, "qwen2.5-32b": QWEN25_32B,
+            "qwen3-moe-15b": QWEN3_MOE_15B, "qwen3-moe-30b": QWEN3_MOE_30B}
 SHAPES = ("tiny", "qwen2-0.5b", *STREAMED)
 SHARD_BYTES = 5 * 10**9
 INIT_STD = 0.02
@@ -102,10 +110,12 @@ def build_filler_tokenizer(vocab_size: int) -> Any:
 
 
 def _qwen2_config(shape: dict, tok: Any) -> Any:
-    from transformers import Qwen2Config
+    """The config of a Qwen2 shape, or of a Qwen3-MoE one (`arch="qwen3_moe"`)."""
+    from transformers import Qwen2Config, Qwen3MoeConfig
 
-    return Qwen2Config(**shape, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                       bos_token_id=tok.bos_token_id)
+    shape = dict(shape)
+    cls = Qwen3MoeConfig if shape.pop("arch", "qwen2") == "qwen3_moe" else Qwen2Config
+    return cls(**shape, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
 
 
 # ----------------------------------------------------------------------------- streamed random weights
@@ -129,6 +139,30 @@ def qwen2_tensors(shape: dict) -> list[tuple[str, tuple[int, ...], str]]:
                 (p + "post_attention_layernorm.weight", (h,), "ones"),
                 (p + "mlp.gate_proj.weight", (i, h), "normal"), (p + "mlp.up_proj.weight", (i, h), "normal"),
                 (p + "mlp.down_proj.weight", (h, i), "normal")]
+    out.append(("model.norm.weight", (h,), "ones"))
+    if not shape.get("tie_word_embeddings", False):
+        out.append(("lm_head.weight", (v, h), "normal"))
+    return out
+
+
+def qwen3_moe_tensors(shape: dict) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, init) of every tensor of a Qwen3-MoE model as checkpoints store it (one matrix per
+    expert); q/k norms per head; no biases."""
+    h, n_layers, v = shape["hidden_size"], shape["num_hidden_layers"], shape["vocab_size"]
+    hd, e, ie = shape["head_dim"], shape["num_experts"], shape["moe_intermediate_size"]
+    q, kv = shape["num_attention_heads"] * hd, shape["num_key_value_heads"] * hd
+    out = [("model.embed_tokens.weight", (v, h), "normal")]
+    for n in range(n_layers):
+        p = f"model.layers.{n}."
+        out += [(p + "input_layernorm.weight", (h,), "ones"),
+                (p + "self_attn.q_proj.weight", (q, h), "normal"), (p + "self_attn.k_proj.weight", (kv, h), "normal"),
+                (p + "self_attn.v_proj.weight", (kv, h), "normal"), (p + "self_attn.o_proj.weight", (h, q), "normal"),
+                (p + "self_attn.q_norm.weight", (hd,), "ones"), (p + "self_attn.k_norm.weight", (hd,), "ones"),
+                (p + "post_attention_layernorm.weight", (h,), "ones"), (p + "mlp.gate.weight", (e, h), "normal")]
+        for x in range(e):
+            out += [(p + f"mlp.experts.{x}.gate_proj.weight", (ie, h), "normal"),
+                    (p + f"mlp.experts.{x}.up_proj.weight", (ie, h), "normal"),
+                    (p + f"mlp.experts.{x}.down_proj.weight", (h, ie), "normal")]
     out.append(("model.norm.weight", (h,), "ones"))
     if not shape.get("tie_word_embeddings", False):
         out.append(("lm_head.weight", (v, h), "normal"))
@@ -176,7 +210,7 @@ def write_random_model(path: str, shape: dict, device: str = "cpu", seed: int = 
                        max_shard_bytes: int = SHARD_BYTES) -> dict[str, Any]:
     """Sharded bf16 safetensors + index for a Qwen2 `shape`, streamed; returns {seconds, bytes, files}."""
     t0 = time.perf_counter()
-    tensors = qwen2_tensors(shape)
+    tensors = qwen3_moe_tensors(shape) if shape.get("arch") == "qwen3_moe" else qwen2_tensors(shape)
     shards = _plan_shards(tensors, 2, max_shard_bytes)
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     work: queue.Queue = queue.Queue(maxsize=2)
@@ -234,7 +268,7 @@ def _write_streamed(path: str, shape: str, device: str | None, seed: int, max_sh
     os.makedirs(path, exist_ok=True)
     stats = write_random_model(path, cfg_shape, device or "cpu", seed, max_shard_bytes)
     config = _qwen2_config(cfg_shape, tok)
-    config.architectures = ["Qwen2ForCausalLM"]
+    config.architectures = ["Qwen3MoeForCausalLM" if cfg_shape.get("arch") == "qwen3_moe" else "Qwen2ForCausalLM"]
     config.initializer_range = INIT_STD
     config.dtype = "bfloat16"
     config.save_pretrained(path)

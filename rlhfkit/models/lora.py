@@ -39,10 +39,32 @@ def linear_module_names(model: torch.nn.Module, exclude: tuple[str, ...] = ()) -
             other.add(leaf)
     if not linear:
         raise ValueError("--target_modules all-linear: the model has no linear layers to adapt")
+    if _has_fused_experts(model):  # peft maps MLP names onto the routed experts' 3-D weights: leave them out
+        return sorted(full for leaf, fulls in linear.items() if leaf not in MLP_NAMES for full in fulls)
     names = set()
     for leaf, fulls in linear.items():
         names |= set(fulls) if leaf in other else {leaf}
     return sorted(names)
+
+
+MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
+
+
+def _has_fused_experts(model: torch.nn.Module) -> bool:
+    """Whether the model keeps routed experts as 3-D weights (transformers 5's MoE layers). peft 0.21 turns
+    target names such as `down_proj` into adapters of those experts, which the RL weight sync cannot
+    merge; all-linear then names the attention (and other non-MLP) linear layers in full."""
+    return any(p.dim() == 3 for _, p in model.named_parameters())
+
+
+def check_no_expert_adapters(model: torch.nn.Module) -> None:
+    """Refuse LoRA adapters on routed experts (see `_has_fused_experts`), naming the flag."""
+    wrapped = sorted({n.split(".lora_")[0] for n, _ in model.named_parameters() if ".experts." in n + "."
+                      and ".lora_" in n})
+    if wrapped:
+        raise ValueError(f"--target_modules: LoRA on routed experts ({wrapped[0]}, ...) is not supported (an engine "
+                         "cannot merge it); use all-linear (the attention layers of an MoE model) or attention "
+                         "module names such as q_proj k_proj v_proj o_proj")
 
 
 def resolve_target_modules(model: torch.nn.Module, targets: list[str] | str,
@@ -85,7 +107,9 @@ def apply_lora(model: torch.nn.Module, cfg: ModelConfig, modules_to_save: list[s
     require("peft", "--lora_rank")
     from peft import get_peft_model
 
-    return get_peft_model(model, lora_config(model, cfg, modules_to_save, causal))
+    model = get_peft_model(model, lora_config(model, cfg, modules_to_save, causal))
+    check_no_expert_adapters(model)
+    return model
 
 
 # ----------------------------------------------------------------------------- weight sync of a LoRA policy

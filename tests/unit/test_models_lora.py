@@ -145,3 +145,24 @@ def test_all_linear_on_a_vlm_adapts_every_linear_layer_and_merges_like_peft(tiny
     assert sorted(got) == sorted(k for k in want if k in got) and len(got) == len(dict(base.named_parameters()))
     for k, v in got.items():
         torch.testing.assert_close(v, want[k], rtol=1e-5, atol=1e-6)
+
+
+def test_all_linear_on_a_routed_experts_model_adapts_attention_only_and_expert_names_are_refused():
+    """peft turns MLP names into adapters of transformers 5's 3-D expert weights, which the RL weight sync cannot
+    merge: all-linear leaves them out, and naming them is an error that names the flag."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhfkit.config.configs import ModelConfig
+    from rlhfkit.models.lora import apply_lora, linear_module_names
+    from rlhfkit.models.tiny import TinyModelSpec, build_config, build_tokenizer
+
+    tok = build_tokenizer()
+    cfg = build_config(TinyModelSpec(arch="qwen3_moe", hidden_size=32, num_hidden_layers=2, num_attention_heads=2),
+                       len(tok), tok)
+    names = linear_module_names(AutoModelForCausalLM.from_config(cfg))
+    assert names and all(n.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj", "o_proj") for n in names)
+    model = apply_lora(AutoModelForCausalLM.from_config(cfg), ModelConfig(lora_rank=4))
+    adapted = {n.split(".lora_")[0] for n, _ in model.named_parameters() if ".lora_" in n}
+    assert adapted and not any(".experts" in n for n in adapted)
+    with pytest.raises(ValueError, match="--target_modules: LoRA on routed experts"):
+        apply_lora(AutoModelForCausalLM.from_config(cfg), ModelConfig(lora_rank=4, target_modules=["down_proj"]))
