@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Issue 41's one-GPU measurements that remain after the first H100 session, in one device call (about 8 minutes):
-#   bash bench/run_families_1gpu.sh OUTDIR
+# Issue 41's one-GPU measurements that remain after the first H100 session, in two device calls (each < 10 minutes):
+#   bash bench/run_families_1gpu.sh OUTDIR a      (1-3)
+#   bash bench/run_families_1gpu.sh OUTDIR b      (4-5)
 # 1. the GPU tests of the families (bf16 log-probs against fp32, tests/gpu/test_engine_families_gpu.py) and the
 #    engine's kernels;
 # 2. bench/families.py: every family's parity and tokens/s beside its Qwen2 twin (the engine as a user gets it);
@@ -10,13 +11,17 @@
 #    gradient checkpointing (its 30 GB model is written to /tmp first).
 set -uo pipefail
 out=${1:?output directory}
+part=${2:?a or b}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[1].lower())")
+if [ "$part" = a ]; then
 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_engine_families_gpu.py tests/unit/test_rollout_attention_kernel.py \
   tests/gpu/test_engine_gpu.py 2>&1 | tail -4
 timeout 330 python3 bench/families.py --repeat 2 --out "$out/families_$gpu.json" | cut -c1-600
 timeout 120 python3 bench/first_step.py --steps 2 --out "$out/first_step_$gpu.json" | tail -1
+exit 0
+fi
 timeout 150 python3 bench/moe_rollout.py --batch 64 --prompt 128 --new 128 --skip_hf --out "$out/moe_rollout_$gpu.json" | tail -1
 timeout 420 python3 bench/rl_step.py --model qwen3-moe-15b --model_dir /tmp/bench_moe15 --prompts 8 --n 8 --new_tokens 256 \
   --steps 2 --warmup_steps 1 --skip_trl --gradient_checkpointing on \
