@@ -15,24 +15,35 @@ On entry, rank 0 (the driver under Ray), for each output folder (the run directo
     refused in one line naming its flag, before anything is loaded (a folder made here that the
     run leaves empty, e.g. when it fails on its flags, is removed again).
  2. locked: `<folder>/.rlhfkit-run.lock` is created exclusively and holds this run's pid, host,
-    start time and command (secrets redacted). A folder locked by a live process is refused in
-    one line naming that run; a lock left by a process that died (same host, pid gone or reused)
-    is taken over with a note. The locks go when `run()` returns or raises.
+    start time, command (secrets redacted) and a token shared by this run's locks. A lock covers its
+    folder and everything inside it: a folder locked by another live run, inside one (a lock in a
+    folder above), or holding one (a lock in a folder up to NESTED_DEPTH levels below; hidden and
+    checkpoint folders are not searched) is refused in one line naming that run's pid and command.
+    The folders are searched before anything is made (so a refused run never touches the live
+    run's folder) and again once this run's locks are in place (two runs starting together: at
+    least one sees the other). A lock left by a process that died (same host, pid gone or reused)
+    is taken over with a note in its own folder and ignored above and below. The locks go when
+    `run()` returns or raises.
  3. not another run's: an earlier run is there when the run directory has logged steps
     (metrics.jsonl), --save_path holds a saved model, or --ckpt_path holds checkpoints.
       --pretrain is --save_path a new run trains from the model there and replaces it, as OpenRLHF's
-                                iterative scripts do: the earlier run's metrics.jsonl, metrics.png,
-                                run_config.json and checkpoints inside the folder are moved to
+                                iterative scripts do: the earlier run's records (RECORDS) and its
+                                checkpoints inside the folder are moved to
                                 `<run dir>/earlier_runs/<its start time>/` (with a note), so they
                                 never mix with this run's
       --load_checkpoint         resumes it (a finished run too, e.g. with a larger --max_steps);
                                 its run_config.json must record the same model, data, batch and
                                 learning-rate settings (rlhfkit.trainers.run_settings), else the
                                 flags that differ are named (--allow_resume_changes accepts them)
-      --overwrite_output_dir    starts over: the earlier metrics.jsonl, metrics.png,
-                                run_config.json and the checkpoints inside the run directory are
-                                removed (a --ckpt_path outside it is never emptied: it is refused)
+      --overwrite_output_dir    starts over: the earlier records (RECORDS) and the checkpoints
+                                inside the run directory are removed (a --ckpt_path outside it is
+                                never emptied: it is refused)
       neither                   refused in one line naming the folder and what it holds
+
+Moved or removed is only what runs of rlhfkit write (`checkpoint_entries`: `latest`, the
+`global_step<N>` checkpoints with their `_hf` snapshots and `.tmp` leftovers, RL's actor/,
+critic/ and best/ folders of them; the records by name), never other files of those folders, and
+never a lock: --ckpt_path may be --save_path itself, next to the user's own files.
 """
 
 from __future__ import annotations
@@ -41,12 +52,14 @@ import argparse
 import functools
 import json
 import os
+import re
 import shutil
 import socket
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 from rlhfkit.cli.common import UsageError
 from rlhfkit.config.flags import run_dir_of
@@ -55,8 +68,13 @@ from rlhfkit.trainers.run_settings import allowed_changes, check_same_run, run_s
 
 LOCK = ".rlhfkit-run.lock"
 CHECKPOINTS = "checkpoints"
-RECORDS = ("metrics.jsonl", "metrics.png", "run_config.json")
+RECORDS = ("metrics.jsonl", "metrics.png", "completions.jsonl", "run_config.json", "train.log")
 MODEL_MARKERS = ("config.json", "adapter_config.json")
+POINTERS = ("latest", "latest.tmp")  # rlhfkit.checkpoint.sharded: `latest`, rewritten through latest.tmp
+CHECKPOINT_DIR = re.compile(r"global_step\d+(_hf)?((\.del|\.old)?\.tmp)?")  # a checkpoint, its HF snapshot, leftovers
+ROLE_FOLDERS = ("actor", "critic", "best")  # RL: one checkpoint folder per trained role; the best checkpoint
+NESTED_DEPTH = 4  # levels below an output folder searched for another run's lock
+YOUNG_LOCK_S = 5.0  # an unreadable lock younger than this is being written by a run starting now
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -142,6 +160,76 @@ def _read_lock(path: str) -> dict[str, Any] | None:
     return info if isinstance(info, dict) else None
 
 
+def _young(path: str) -> bool:
+    """Whether lock file `path` was made less than YOUNG_LOCK_S ago (a live run writes its lock at once)."""
+    try:
+        return time.time() - os.path.getmtime(path) < YOUNG_LOCK_S
+    except OSError:
+        return False
+
+
+def _describe(held: dict[str, Any] | None) -> str:
+    """The run that wrote lock `held`, in one line: pid, host, start time and command."""
+    if not held:
+        return "a run starting now"
+    who = f"pid {held.get('pid')} on {held.get('host')}, started {held.get('started')}"
+    command = held.get("command")
+    if command:
+        who += ", command: " + str(command).replace("\r", "\\r").replace("\n", "\\n")
+    return who
+
+
+def _gone_hint(held: dict[str, Any] | None, lock_path: str) -> str:
+    """A lock of another host is never judged dead here: say which file to remove once that run is gone."""
+    return f"; if that run is gone, remove {lock_path}" if held and held.get("host") != socket.gethostname() else ""
+
+
+def _locks_below(folder: str, depth: int) -> Iterator[str]:
+    """Lock files in the folders below `folder`, `depth` levels deep (links, hidden folders and checkpoints
+    not entered)."""
+    if depth <= 0:
+        return
+    try:
+        with os.scandir(folder) as found:
+            subs = sorted(e.path for e in found if e.is_dir(follow_symlinks=False) and not e.name.startswith(".")
+                          and not CHECKPOINT_DIR.fullmatch(e.name))
+    except OSError:
+        return
+    for sub in subs:
+        if os.path.isfile(os.path.join(sub, LOCK)):
+            yield os.path.join(sub, LOCK)
+        yield from _locks_below(sub, depth - 1)
+
+
+def _locks_around(folder: str) -> Iterator[str]:
+    """Lock files that cover `folder` (in each folder above it) or that it would cover (below it)."""
+    real = os.path.realpath(folder)
+    up = os.path.dirname(real)
+    while True:
+        if os.path.isfile(os.path.join(up, LOCK)):
+            yield os.path.join(up, LOCK)
+        if os.path.dirname(up) == up:
+            break
+        up = os.path.dirname(up)
+    yield from _locks_below(real, NESTED_DEPTH)
+
+
+def refuse_if_shared(flag: str, folder: str, token: str) -> None:
+    """Refuse `folder` (of `flag`) in one line when a folder above or below it is locked by another live run
+    (a lock holding `token` is this run's own)."""
+    for lock_path in _locks_around(folder):
+        held = _read_lock(lock_path)
+        if held is None and not _young(lock_path):
+            continue  # cut short by a writer that died
+        if held is not None and (held.get("token") == token or not _alive(held)):
+            continue
+        other = os.path.dirname(lock_path)
+        how = "holds" if _inside(other, folder) else "is inside"
+        whose = f"a live run ({_describe(held)})" if held else _describe(held)
+        raise UsageError(f"{flag} {folder} {how} {other}, the folder of {whose}: wait for it to end or choose "
+                         f"another {flag}{_gone_hint(held, lock_path)}")
+
+
 @dataclass
 class RunLock:
     """`<folder>/.rlhfkit-run.lock`, held by this process until `release()`."""
@@ -154,9 +242,10 @@ class RunLock:
     def path(self) -> str:
         return os.path.join(self.folder, LOCK)
 
-    def acquire(self, command: str) -> None:
+    def acquire(self, command: str, token: str) -> None:
+        """Create the lock (`token`: the same in every lock of this run) or refuse the folder in one line."""
         self.info = {"pid": os.getpid(), "host": socket.gethostname(), "proc_start": _proc_start(os.getpid()),
-                     "started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": command}
+                     "started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": command, "token": token}
         for _ in range(2):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -173,8 +262,7 @@ class RunLock:
     def _take_over_if_stale(self) -> None:
         held = _read_lock(self.path)
         if held is None:  # empty or cut short: its writer died while writing (a live one writes at once)
-            age = time.time() - os.path.getmtime(self.path) if os.path.exists(self.path) else 0.0
-            if age < 5.0:
+            if _young(self.path):
                 self._refuse({})
         elif _alive(held):
             self._refuse(held)
@@ -187,16 +275,12 @@ class RunLock:
             pass
 
     def _refuse(self, held: dict[str, Any] | None) -> None:
-        who = (f"pid {held.get('pid')} on {held.get('host')}, started {held.get('started')}" if held
-               else "a run starting now")
-        hint = (f"; if that run is gone, remove {self.path}" if held and held.get("host") != socket.gethostname()
-                else "")
-        raise UsageError(f"{self.flag} {self.folder} is in use by another run ({who}): wait for it to end or choose "
-                         f"another {self.flag}{hint}")
+        raise UsageError(f"{self.flag} {self.folder} is in use by another run ({_describe(held)}): wait for it to end "
+                         f"or choose another {self.flag}{_gone_hint(held, self.path)}")
 
     def release(self) -> None:
         held = _read_lock(self.path)
-        if held is not None and held.get("pid") == self.info.get("pid") and held.get("host") == self.info.get("host"):
+        if held is not None and held.get("token") == self.info.get("token"):
             try:
                 os.remove(self.path)
             except FileNotFoundError:
@@ -218,17 +302,40 @@ def _has_model(path: str) -> bool:
     return any(os.path.isfile(os.path.join(path, m)) for m in MODEL_MARKERS)
 
 
-def _has_checkpoints(path: str, depth: int = 3) -> bool:
-    """A `latest` pointer or a checkpoint's meta.json within `depth` levels of `path`."""
-    if depth < 0 or not os.path.isdir(path):
-        return False
-    for name in os.listdir(path):
-        full = os.path.join(path, name)
-        if name in ("latest", "meta.json") and os.path.isfile(full):
-            return True
-        if os.path.isdir(full) and _has_checkpoints(full, depth - 1):
-            return True
-    return False
+def checkpoint_entries(root: str) -> list[str]:
+    """What runs of rlhfkit write in checkpoint folder `root` (rlhfkit.checkpoint.sharded,
+    rlhfkit.trainers.rl_checkpoint): the `latest` pointer, `global_step<N>` checkpoints, their `_hf`
+    snapshots and the `.tmp` leftovers of killed saves, and RL's actor/, critic/ and best/ folders of the
+    same. Nothing else in `root` is a run's (links neither): --ckpt_path may be a folder of the user's."""
+    if not os.path.isdir(root):
+        return []
+    found: list[str] = []
+    for name in sorted(os.listdir(root)):
+        full = os.path.join(root, name)
+        if os.path.islink(full):
+            continue
+        if (name in POINTERS and os.path.isfile(full)) or (CHECKPOINT_DIR.fullmatch(name) and os.path.isdir(full)):
+            found.append(full)
+        elif name in ROLE_FOLDERS and os.path.isdir(full):
+            found += checkpoint_entries(full)
+    return found
+
+
+def _has_checkpoints(path: str) -> bool:
+    """A checkpoint of a run in `path` (leftovers of killed saves alone are none: they are never loaded)."""
+    return any(not e.endswith(".tmp") for e in checkpoint_entries(path))
+
+
+def _prune_role_folders(root: str) -> None:
+    """Remove RL's actor/, critic/, best/ folders under `root` that moving or removing checkpoints left empty."""
+    for name in ROLE_FOLDERS:
+        path = os.path.join(root, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            _prune_role_folders(path)
+            try:
+                os.rmdir(path)
+            except OSError:
+                pass  # holds something else: kept
 
 
 def earlier_run(args: argparse.Namespace) -> list[str]:
@@ -245,24 +352,29 @@ def earlier_run(args: argparse.Namespace) -> list[str]:
 
 
 def _start_over(args: argparse.Namespace) -> None:
-    """--overwrite_output_dir: remove the earlier run's records and the checkpoints inside the run directory."""
-    run_dir = run_dir_of(args)
-    if _has_checkpoints(args.ckpt_path) and not _inside(args.ckpt_path, run_dir):
-        raise UsageError(f"--overwrite_output_dir: --ckpt_path {args.ckpt_path} holds checkpoints of an earlier run "
+    """--overwrite_output_dir: remove the earlier run's records and the checkpoints inside the run directory
+    (what runs of rlhfkit write, nothing else: module docstring)."""
+    run_dir, ckpt = run_dir_of(args), args.ckpt_path
+    if _has_checkpoints(ckpt) and not _inside(ckpt, run_dir):
+        raise UsageError(f"--overwrite_output_dir: --ckpt_path {ckpt} holds checkpoints of an earlier run "
                          "and lies outside the run directory: it is never emptied; remove them or choose another "
                          "--ckpt_path")
-    removed = []
-    for name in RECORDS:
-        path = os.path.join(run_dir, name)
-        if os.path.isfile(path):
+    records = [n for n in RECORDS if os.path.isfile(os.path.join(run_dir, n))]
+    entries = checkpoint_entries(ckpt) if _inside(ckpt, run_dir) else []
+    for name in records:
+        os.remove(os.path.join(run_dir, name))
+    for path in entries:
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        else:
             os.remove(path)
-            removed.append(name)
-    if _has_checkpoints(args.ckpt_path):
-        shutil.rmtree(args.ckpt_path)
-        os.makedirs(args.ckpt_path)
-        removed.append(f"the checkpoints in {args.ckpt_path}")
+    _prune_role_folders(ckpt)
+    removed = [f"{', '.join(records)} from {run_dir}"] if records else []
+    if entries:
+        removed.append(f"checkpoints {', '.join(os.path.relpath(e, ckpt) for e in entries)} from --ckpt_path {ckpt}")
     if removed:
-        print(f"note: --overwrite_output_dir: removed the earlier run's {', '.join(removed)} in {run_dir}", flush=True)
+        print(f"note: --overwrite_output_dir: removed the earlier run's {' and '.join(removed)}; nothing else there "
+              "was touched", flush=True)
 
 
 def _same_folder(a: str, b: str) -> bool:
@@ -272,14 +384,13 @@ def _same_folder(a: str, b: str) -> bool:
 def _set_aside(args: argparse.Namespace) -> None:
     """--pretrain is --save_path: move the earlier run's records (and the checkpoints inside the run
     directory) to `<run dir>/earlier_runs/<its start time>/`."""
-    run_dir = run_dir_of(args)
-    if _has_checkpoints(args.ckpt_path) and not _inside(args.ckpt_path, run_dir):
-        raise UsageError(f"--ckpt_path {args.ckpt_path} holds checkpoints of an earlier run: resume it with "
+    run_dir, ckpt = run_dir_of(args), args.ckpt_path
+    if _has_checkpoints(ckpt) and not _inside(ckpt, run_dir):
+        raise UsageError(f"--ckpt_path {ckpt} holds checkpoints of an earlier run: resume it with "
                          "--load_checkpoint or choose another --ckpt_path")
     moving = [os.path.join(run_dir, n) for n in RECORDS if os.path.isfile(os.path.join(run_dir, n))]
-    if _has_checkpoints(args.ckpt_path):
-        moving.append(args.ckpt_path)
-    if not moving:
+    entries = checkpoint_entries(ckpt) if _inside(ckpt, run_dir) else []
+    if not (moving or entries):
         return
     first = os.path.join(run_dir, "run_config.json")
     started = os.path.getmtime(first) if os.path.isfile(first) else time.time()
@@ -289,8 +400,17 @@ def _set_aside(args: argparse.Namespace) -> None:
     os.makedirs(dest)
     for path in moving:
         os.replace(path, os.path.join(dest, os.path.basename(path)))
+    names = [os.path.basename(p) for p in moving]
+    if entries:  # one by one: --ckpt_path may be the run directory itself, next to the user's files
+        ckpt_name = CHECKPOINTS if _same_folder(ckpt, run_dir) else os.path.relpath(ckpt, run_dir)
+        for path in entries:
+            target = os.path.join(dest, ckpt_name, os.path.relpath(path, ckpt))
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            os.replace(path, target)
+        _prune_role_folders(ckpt)
+        names.append(ckpt_name)
     print(f"note: --save_path {args.save_path} is --pretrain: this run trains from the model there and replaces "
-          f"it; the earlier run's {', '.join(os.path.basename(p) for p in moving)} moved to {dest}", flush=True)
+          f"it; the earlier run's {', '.join(names)} moved to {dest}", flush=True)
 
 
 def check_earlier_run(args: argparse.Namespace) -> None:
@@ -345,15 +465,19 @@ class RunDirectory:
             return self
         from rlhfkit.trainers.model_card import this_command
 
-        folders = output_folders(self.args)
+        folders, token = output_folders(self.args), uuid.uuid4().hex
         try:
+            for flag, path in folders:  # before anything is made: a live run's folder is never touched
+                refuse_if_shared(flag, path, token)
             for flag, path in folders:
                 if check_writable(flag, path):
                     self.created.append(path)
             for flag, path in folders:
                 lock = RunLock(flag, path)
-                lock.acquire(this_command())
+                lock.acquire(this_command(), token)
                 self.locks.append(lock)
+            for flag, path in folders:  # again with the locks in place: a run that started meanwhile
+                refuse_if_shared(flag, path, token)
             check_earlier_run(self.args)
         except BaseException:
             self.release()

@@ -6,10 +6,17 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
+import subprocess
+import sys
+import time
 
 import pytest
 
+from rlhfkit.checkpoint.sharded import list_checkpoints
 from rlhfkit.cli import train_sft
+from rlhfkit.cli.run_dir import LOCK
 from rlhfkit.trainers.metrics import read_metrics
 
 
@@ -67,3 +74,78 @@ def test_another_runs_checkpoint_with_other_settings_is_refused_then_changed_del
                                  "--allow_resume_changes", "learning_rate"))
     assert [h["step"] for h in history] == [3]
     assert history[0]["train/lr"] == pytest.approx(2e-3, rel=1e-9)  # this run's rate, not the checkpoint's
+
+
+def checkpoint_tags(folder) -> list[str]:
+    return [tag for _, tag in list_checkpoints(str(folder))]
+
+
+def test_overwrite_with_ckpt_path_at_save_path_keeps_the_users_files(tiny_model_dir, tmp_path, capsys):
+    """Issue #42, 1: --overwrite_output_dir removes what the earlier run wrote, never the user's own files."""
+    data = write_qa(tmp_path / "d.jsonl")
+    out = tmp_path / "same"
+    train_sft.main(sft(tiny_model_dir, data, str(out), "--ckpt_path", str(out), "--save_steps", "2"))
+    (out / "NOTES.txt").write_text("my notes")
+    os.makedirs(out / "mydata")
+    (out / "mydata" / "rows.jsonl").write_text("{}\n")
+    capsys.readouterr()
+    train_sft.main(sft(tiny_model_dir, data, str(out), "--ckpt_path", str(out), "--save_steps", "2",
+                       "--overwrite_output_dir", "--seed", "3"))
+    assert (out / "NOTES.txt").read_text() == "my notes" and (out / "mydata" / "rows.jsonl").read_text() == "{}\n"
+    assert [r["step"] for r in read_metrics(str(out / "metrics.jsonl"))] == [1, 2]  # the new run only
+    assert json.load(open(out / "run_config.json"))["seed"] == 3 and checkpoint_tags(out) == ["global_step2"]
+    assert not (out / LOCK).exists()  # released at the end, as ever
+    assert "and checkpoints global_step2, latest from --ckpt_path " in capsys.readouterr().out
+
+
+def test_a_live_runs_folder_is_never_shared_until_it_is_killed(tiny_model_dir, tmp_path, capsys):
+    """Issue #42, 2: while run A trains into lk/, a run B with --ckpt_path or --save_path inside it is refused
+    in one line naming A (pid, command); once A is killed (kill -9: its lock stays behind), B is allowed.
+    A's pid is the one its lock names (under tests/warmstart that process is not the client Popen started)."""
+    data = write_qa(tmp_path / "d.jsonl")
+    lk, b = tmp_path / "lk", str(tmp_path / "b")
+    ck = str(lk / "checkpoints")
+    a_argv = sft(tiny_model_dir, data, str(lk), "--max_steps", "100000", "--max_epochs", "100000", "--save_steps", "1")
+    with open(tmp_path / "a.log", "w") as log:
+        a = subprocess.Popen([sys.executable, "-m", "rlhfkit.cli.train_sft", *a_argv], stdout=log, stderr=log)
+    try:
+        deadline = time.time() + 120
+        while not list_checkpoints(ck):
+            assert a.poll() is None and time.time() < deadline, (tmp_path / "a.log").read_text()
+            time.sleep(0.1)
+        a_lock = json.load(open(lk / LOCK))
+        assert a_lock["command"].startswith("python -m rlhfkit.cli.train_sft --pretrain ")
+        live = (f"the folder of a live run (pid {a_lock['pid']} on {socket.gethostname()}, started "
+                f"{a_lock['started']}, command: {a_lock['command']}): wait for it to end or choose another")
+        capsys.readouterr()
+        for b_argv, flag, folder in [(sft(tiny_model_dir, data, b, "--ckpt_path", ck, "--load_checkpoint"),
+                                      "--ckpt_path", ck),
+                                     (sft(tiny_model_dir, data, b, "--ckpt_path", ck), "--ckpt_path", ck),
+                                     (sft(tiny_model_dir, data, ck), "--save_path", ck)]:
+            with pytest.raises(SystemExit) as e:
+                train_sft.main(b_argv)
+            err = capsys.readouterr().err.strip().splitlines()
+            assert e.value.code == 1 and err == [f"train_sft: error: {flag} {folder} is inside {lk}, {live} {flag}"]
+        assert not os.path.exists(b)  # B made nothing, and wrote nothing into A's folder:
+        assert not [n for n in (LOCK, "metrics.jsonl", "run_config.json", "config.json") if os.path.exists(f"{ck}/{n}")]
+        assert a.poll() is None  # and A trains on
+        os.kill(a_lock["pid"], signal.SIGKILL)
+        a.wait()
+        while os.path.exists(f"/proc/{a_lock['pid']}"):  # reaped (by its parent)
+            assert time.time() < deadline
+            time.sleep(0.05)
+    finally:
+        a.kill()
+        a.wait()
+    assert json.load(open(lk / LOCK)) == a_lock  # a kill -9 leaves its lock behind
+    step = int(checkpoint_tags(ck)[-1].removeprefix("global_step"))
+    history = train_sft.main(sft(tiny_model_dir, data, b, "--ckpt_path", ck, "--load_checkpoint",
+                                 "--max_steps", str(step + 1)))
+    assert [h["step"] for h in history] == [step + 1]  # resumed from A's newest checkpoint
+    train_sft.main(sft(tiny_model_dir, data, ck))
+    assert os.path.isfile(os.path.join(ck, "config.json"))
+    capsys.readouterr()
+    history = train_sft.main(sft(tiny_model_dir, data, str(lk), "--load_checkpoint", "--max_steps", str(step + 1)))
+    assert [h["step"] for h in history] == [step + 1]  # A's own folder: its stale lock taken over
+    assert f"taking over the lock of a run that ended without releasing it (pid {a_lock['pid']}" in \
+        capsys.readouterr().out

@@ -105,7 +105,8 @@ def test_an_earlier_run_is_refused_unless_resumed_or_overwritten(tmp_path, capsy
         pass
     assert not (run / "metrics.jsonl").exists() and not (run / "run_config.json").exists()
     assert os.listdir(run / "checkpoints") == []
-    assert "--overwrite_output_dir: removed the earlier run's metrics.jsonl, run_config.json, the checkpoints" in \
+    assert (f"--overwrite_output_dir: removed the earlier run's metrics.jsonl, run_config.json from {run} and "
+            f"checkpoints global_step2, latest from --ckpt_path {run}/checkpoints; nothing else there was touched") in \
         capsys.readouterr().out
 
 
@@ -188,3 +189,135 @@ def test_training_in_place_from_the_folder_sets_the_earlier_run_aside(tmp_path, 
     assert not (run / "metrics.jsonl").exists() and (run / "config.json").exists()  # the model it trains from stays
     assert f"the earlier run's metrics.jsonl, run_config.json, checkpoints moved to {run}/earlier_runs/" in \
         capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- issue #42: what a run owns
+
+
+def earlier_checkpoints(root, rl: bool = False) -> None:
+    """What a run of rlhfkit leaves in a checkpoint folder (rl: RL's actor/ and critic/ folders of them)."""
+    for sub in (["actor", "critic"] if rl else [""]):
+        base = root / sub
+        os.makedirs(base / "global_step2" / "dcp")
+        (base / "global_step2" / "meta.json").write_text("{}")
+        os.makedirs(base / "global_step3.tmp")  # a save cut short by a kill
+        (base / "latest").write_text("global_step2")
+    os.makedirs(root / "global_step2_hf")  # --save_hf_ckpt
+    (root / "global_step2_hf" / "config.json").write_text("{}")
+
+
+def users_files(folder) -> dict[str, str]:
+    """Files of the user's own in a run folder (one looks like a checkpoint's meta.json)."""
+    files = {"NOTES.txt": "my notes", "mydata/rows.jsonl": "{}\n", "mydata/meta.json": "{}",
+             "checkpoints_old/readme.txt": "mine"}
+    for rel, text in files.items():
+        os.makedirs(os.path.dirname(folder / rel), exist_ok=True)
+        (folder / rel).write_text(text)
+    return files
+
+
+def assert_kept(folder, files: dict[str, str]) -> None:
+    assert {rel: (folder / rel).read_text() for rel in files} == files
+
+
+def test_overwrite_with_ckpt_path_at_save_path_removes_only_what_a_run_wrote(tmp_path, capsys):
+    run = tmp_path / "same"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run / "run_config.json").write_text("{}")
+    (run / "train.log").write_text("old log\n")
+    earlier_checkpoints(run)
+    mine = users_files(run)
+    with RunDirectory(args(str(run), "--ckpt_path", str(run), "--overwrite_output_dir")):
+        assert (run / LOCK).exists()  # this run's lock is not removed with the earlier run
+        assert sorted(os.listdir(run)) == [LOCK, "NOTES.txt", "checkpoints_old", "mydata"]
+    assert_kept(run, mine)
+    out = capsys.readouterr().out
+    assert (f"note: --overwrite_output_dir: removed the earlier run's metrics.jsonl, run_config.json, train.log "
+            f"from {run} and checkpoints global_step2, global_step2_hf, global_step3.tmp, latest from "
+            f"--ckpt_path {run}; nothing else there was touched") in out
+
+
+def test_overwrite_keeps_the_users_files_in_the_checkpoint_folder(tmp_path):
+    run = tmp_path / "run"
+    earlier_checkpoints(run / "checkpoints", rl=True)
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    mine = users_files(run / "checkpoints")
+    with RunDirectory(args(str(run), "--overwrite_output_dir")):
+        pass
+    assert sorted(os.listdir(run / "checkpoints")) == ["NOTES.txt", "checkpoints_old", "mydata"]
+    assert_kept(run / "checkpoints", mine)
+
+
+def test_training_in_place_with_ckpt_path_at_save_path_sets_aside_only_what_a_run_wrote(tmp_path, capsys):
+    run = tmp_path / "policy"
+    run.mkdir()
+    (run / "config.json").write_text("{}")
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    earlier_checkpoints(run)
+    mine = users_files(run)
+    a = build_parser().parse(["--pretrain", str(run), "--dataset", "d.jsonl", "--save_path", str(run),
+                              "--ckpt_path", str(run)])
+    with RunDirectory(a):
+        pass
+    assert sorted(os.listdir(run)) == ["NOTES.txt", "checkpoints_old", "config.json", "earlier_runs", "mydata"]
+    assert_kept(run, mine)
+    (kept,) = os.listdir(run / "earlier_runs")
+    assert sorted(os.listdir(run / "earlier_runs" / kept)) == ["checkpoints", "metrics.jsonl"]
+    assert sorted(os.listdir(run / "earlier_runs" / kept / "checkpoints")) == [
+        "global_step2", "global_step2_hf", "global_step3.tmp", "latest"]
+    assert f"the earlier run's metrics.jsonl, checkpoints moved to {run}/earlier_runs/" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- issue #42: a live run's folders
+
+
+def sharing_runs(tmp_path) -> list[tuple[list[str], str, str, str]]:
+    """Runs B that would share a folder of run A (which trains into tmp_path/lk): B's arguments, the flag
+    refused, its folder, and how it meets A's folder."""
+    lk, other = tmp_path / "lk", str(tmp_path / "b")
+    ck = str(lk / "checkpoints")
+    return [([other, "--ckpt_path", ck, "--load_checkpoint"], "--ckpt_path", ck, "is inside"),
+            ([other, "--ckpt_path", ck], "--ckpt_path", ck, "is inside"),
+            ([ck], "--save_path", ck, "is inside"),
+            ([other, "--run_dir", str(lk / "logs")], "--run_dir", str(lk / "logs"), "is inside"),
+            ([str(tmp_path)], "--save_path", str(tmp_path), "holds")]
+
+
+def test_a_live_runs_folders_and_all_inside_them_are_never_shared(tmp_path):
+    lk = tmp_path / "lk"
+    earlier_checkpoints(lk / "checkpoints")
+    (lk / "metrics.jsonl").write_text('{"step": 2}\n')
+    with RunDirectory(args(str(lk), "--load_checkpoint")):  # run A, live
+        a_lock = json.load(open(lk / LOCK))
+        for b_args, flag, folder, how in sharing_runs(tmp_path):
+            with pytest.raises(UsageError) as e:
+                with RunDirectory(args(*b_args)):
+                    pass
+            line = str(e.value)
+            assert line == (f"{flag} {folder} {how} {lk}, the folder of a live run (pid {os.getpid()} on "
+                            f"{socket.gethostname()}, started {a_lock['started']}, command: {a_lock['command']}): "
+                            f"wait for it to end or choose another {flag}"), line
+            assert "\n" not in line and "--load_checkpoint" not in line.split("):")[-1]
+            assert not (lk / "checkpoints" / LOCK).exists() and not (tmp_path / LOCK).exists()
+        assert json.load(open(lk / LOCK)) == a_lock  # A's lock untouched
+    for b_args, *_ in sharing_runs(tmp_path):  # A is gone: each is allowed
+        if "--ckpt_path" in b_args and "--load_checkpoint" not in b_args:  # A's checkpoints: now the earlier-run
+            with pytest.raises(UsageError, match=r"holds an earlier run \(checkpoints in .*: resume it with "
+                                                 "--load_checkpoint"):  # check, whose advice holds now
+                with RunDirectory(args(*b_args)):
+                    pass
+            continue
+        with RunDirectory(args(*b_args)):
+            pass
+
+
+def test_a_lock_of_a_killed_run_covers_nothing(tmp_path):
+    lk = tmp_path / "lk"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    write_lock(str(lk), dead.pid)
+    for b_args, *_ in sharing_runs(tmp_path):
+        with RunDirectory(args(*b_args)):
+            pass
+    assert json.load(open(lk / LOCK))["pid"] == dead.pid  # not B's folder: left for a run there to take over
