@@ -53,7 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_models import device_name, free_memory, peak_gib  # noqa: E402
-from rl_step_common import load_reward_module, median, micro, sync  # noqa: E402
+from rl_step_common import load_reward_module, median, micro, package_version, sync, write_report  # noqa: E402
 
 for _k, _v in (("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"), ("HF_HUB_DISABLE_TELEMETRY", "1"),
                ("TOKENIZERS_PARALLELISM", "false"), ("WANDB_DISABLED", "true")):
@@ -394,14 +394,6 @@ SETTINGS = ("model_dir", "prompts", "n", "steps", "new_tokens", "temperature", "
             "micro_train_batch_size", "trl_micro_train_batch_size", "seed", "device")
 
 
-def _version(dist: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(dist)
-    except PackageNotFoundError:
-        return None
-
 
 def headline(runs: dict[str, dict], before: float) -> dict:
     rk, tr = runs.get("rlhfkit", {}), runs.get("trl", {})
@@ -430,14 +422,10 @@ def report(a: argparse.Namespace, runs: dict[str, dict], before: dict, complete:
            "task": QUESTION + " (two-digit a, b; reward 1 when the completion's last integer is a+b)",
            "compute_dtype": "bf16" if a.device.startswith("cuda") else "fp32", "master_dtype": "fp32",
            "complete": complete, "accuracy_before_detail": before,
-           "versions": {d: _version(d) for d in ("torch", "transformers", "accelerate", "trl", "datasets", "gguf")}}
+           "versions": {d: package_version(d) for d in ("torch", "transformers", "accelerate", "trl", "datasets", "gguf")}}
     res.update(headline(runs, before["accuracy"]))
     res["runs"] = runs
-    if a.out:
-        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
-            f.write("\n")
+    write_report(a.out, res)
     return res
 
 

@@ -54,8 +54,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_models import SHAPES, device_name, free_memory, make_bench_model, peak_gib, random_prompt  # noqa: E402
-from rl_step_common import (engine_batch_size, force_full_length, median, rlhfkit_argv,  # noqa: E402
-                            summarize_rlhfkit, sync, write_inputs)
+from rl_step_common import (engine_batch_size, force_full_length, median, package_version, rlhfkit_argv,  # noqa: E402
+                            summarize_rlhfkit, sync, write_inputs, write_report)
 from rl_step_ray import RAY_HEADLINE, add_ray_args, run_ray  # noqa: E402
 from rl_step_trl import run_trl  # noqa: E402
 from train_throughput import phase_mfu  # noqa: E402
@@ -301,14 +301,6 @@ def headline(a: argparse.Namespace, runs: list[dict]) -> dict:
     return out
 
 
-def _version(dist: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(dist)
-    except PackageNotFoundError:
-        return None
-
 
 def report(a: argparse.Namespace, runs: list[dict], complete: bool) -> dict:
     res = {"bench": "rl_step", "device": device_name(a.device), "model": a.model, "prompts": a.prompts, "n": a.n,
@@ -317,16 +309,12 @@ def report(a: argparse.Namespace, runs: list[dict], complete: bool) -> dict:
            "compute_dtype": "bf16" if a.device.startswith("cuda") else "fp32", "master_dtype": "fp32",
            "gradient_checkpointing": a.gradient_checkpointing, "adam_offload": a.adam_offload, "complete": complete,
            "switch_interval_s": sys.getswitchinterval(), "warmup_steps": a.warmup_steps,
-           "versions": {d: _version(d) for d in ("torch", "transformers", "accelerate", "trl", "datasets", "pyarrow", "ray")}}
+           "versions": {d: package_version(d) for d in ("torch", "transformers", "accelerate", "trl", "datasets", "pyarrow", "ray")}}
     if not a.device.startswith("cuda"):
         res["load_avg_1m"] = os.getloadavg()[0]  # CPU timings are only as quiet as the machine was
     res.update(headline(a, runs))
     res["runs"] = runs
-    if a.out:
-        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
-            f.write("\n")
+    write_report(a.out, res)
     return res
 
 

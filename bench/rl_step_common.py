@@ -124,3 +124,23 @@ def summarize_rlhfkit(walls: list[float], metrics: list[dict], completions: int)
         "reward": mean([m["reward"] for m in metrics]),
         "skipped_zero_advantage_steps": sum(int(m.get("skipped_zero_advantage", 0)) for m in metrics),
     }
+
+
+def package_version(dist: str) -> str | None:
+    """The installed version of distribution `dist` (None when it is not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
+def write_report(path: str | None, res: dict) -> None:
+    """A bench's JSON report at `path` (folders made as needed); nothing when `path` is None."""
+    if not path:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+        f.write("\n")

@@ -136,30 +136,16 @@ def test_engine_routes_tokens_to_the_experts_transformers_picks(models, arch):
         assert torch.equal(got, ids), f"{arch} layer {li}"
 
 
-def _rl_files(d: str) -> tuple[str, str]:
-    from helpers import EVEN_REWARD
-
-    from rlhfkit.tasks.addition import addition_splits
-
-    rows, _ = addition_splits(8, 4, seed=3)
-    prompts = os.path.join(d, "prompts.jsonl")
-    with open(prompts, "w") as f:
-        f.writelines(json.dumps({"input": r["input"], "label": r["label"]}) + "\n" for r in rows)
-    reward = os.path.join(d, "reward.py")
-    with open(reward, "w") as f:
-        f.write(EVEN_REWARD)
-    return prompts, reward
-
-
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_three_grpo_steps_on_the_builtin_engine(arch, tmp_path):
-    from helpers import ppo_flags
+    from helpers import ppo_flags, write_rl_data
 
     from rlhfkit.cli import train_ppo
 
     path = make_tiny_model(str(tmp_path / "model"), TinyModelSpec(arch=arch, hidden_size=32, num_hidden_layers=2,
                                                                  num_attention_heads=2, max_position_embeddings=256))
-    prompts, reward = _rl_files(str(tmp_path))
+    d = write_rl_data(str(tmp_path), num_prompts=8)
+    prompts, reward = os.path.join(d, "prompts.jsonl"), os.path.join(d, "reward.py")
     train_ppo.main(ppo_flags(path, prompts, str(tmp_path / "out"), "--run_dir", str(tmp_path / "run"),
                              reward=reward, max_steps=3, init_kl_coef="0.01", use_kl_loss=True,
                              actor_learning_rate="1e-3", lr_warmup_ratio=0, input_template="{}",
