@@ -24,7 +24,14 @@ Saving never gathers the model or the optimizer: every rank writes its own shard
 
 so a crash at any point leaves `latest` naming a complete checkpoint or lagging behind one (a kill
 between the rename and its update). `<tag>.tmp` leftovers are never loaded and are removed by the
-next save. Only the `max_keep` newest checkpoints (by save index) are kept, and with the backend's
+next save. A save that fails (rather than being killed) removes its `<tag>.tmp` itself and raises
+an Exception: NoSpaceError naming the folder and the bytes needed when the disk filled (the caller
+of a periodic save warns and trains on), else CheckpointSaveError naming the checkpoint. Both
+torch.distributed.checkpoint's CheckpointException (a BaseException, wrapping each rank's failure)
+and torch's own message for a short write ("unexpected pos ...", no errno) count: `is_failure`,
+`root_causes`, and a disk with less than SLACK_BYTES free when the save failed.
+
+Only the `max_keep` newest checkpoints (by save index) are kept, and with the backend's
 `max_ckpt_mem` (--max_ckpt_mem, GB) the oldest go while the rest hold more; rotation renames a
 directory away (`<tag>.del.tmp`) before deleting it, so a kill mid-rotation never leaves a
 half-deleted directory under a checkpoint's name.
@@ -44,7 +51,10 @@ Integrity (`checkpoint_damage`): loading checks the newest complete checkpoint's
 sizes and checksums in its meta.json before reading any of them. A damaged checkpoint (a file cut
 short, zeroed or altered bytes, a broken zip structure in a torch file) is skipped with one line
 naming it and the file, and the newest intact one is loaded instead; when none is intact, that is
-the error. Checkpoints written before checksums were recorded load unverified.
+the error. Checkpoints written before checksums were recorded load unverified; one that then fails
+to read (any file, torch.distributed.checkpoint's CheckpointException included) is skipped the same
+way, with the same line, and the next older one is loaded. One whose checksums match but which does
+not load is not of this model: that is an error, with no fallback.
 
 Trust: trainer.pt, rng_<rank>.pt and the old-format files load with `torch.load(weights_only=True)`,
 but torch.distributed.checkpoint itself unpickles its `.metadata` file and non-tensor entries (the
@@ -59,6 +69,7 @@ import logging
 import os
 import random
 import shutil
+import sys
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -81,7 +92,62 @@ FORMAT = "dcp-v1"
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that does not load (damaged, or not of this model); the message names it."""
+    """A checkpoint that does not save or load (damaged, or not of this model); the message names it,
+    `reason` says what failed in a few words (for the line that skips a damaged checkpoint)."""
+
+    def __init__(self, message: str, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason or message
+
+
+class CheckpointSaveError(CheckpointError):
+    """A save that failed for a reason other than a full disk (its partial files removed); `root` is
+    the folder of the checkpoints (--ckpt_path)."""
+
+    def __init__(self, message: str, root: str) -> None:
+        super().__init__(message)
+        self.root = root
+
+
+class UnreadableCheckpointError(CheckpointError):
+    """A checkpoint without checksums (written before they were recorded) that does not read: damaged,
+    as far as anyone can tell; a caller choosing among several skips it for an older one."""
+
+
+def is_failure(e: BaseException) -> bool:
+    """Whether `e` is a failure of a save or load itself: any Exception, or torch.distributed.checkpoint's
+    CheckpointException, which derives from BaseException; not a kill (KeyboardInterrupt, SystemExit,
+    a stop signal's RunStopped), which must go through untouched."""
+    if isinstance(e, Exception):
+        return True
+    api = sys.modules.get("torch.distributed.checkpoint.api")  # imported if DCP ran (importing it costs 2 s)
+    return api is not None and isinstance(e, api.CheckpointException)
+
+
+def root_causes(e: BaseException) -> list[BaseException]:
+    """The exceptions a CheckpointException wraps (one per failed rank), or [e]."""
+    api = sys.modules.get("torch.distributed.checkpoint.api")
+    if api is not None and isinstance(e, api.CheckpointException) and e.failures:
+        return [exc for exc, _ in e.failures.values()]
+    return [e]
+
+
+def one_line(e: BaseException, limit: int = 240) -> str:
+    """`Type: first line of the message` of the first root cause of `e` (cut at `limit` characters)."""
+    cause = root_causes(e)[0]
+    text = str(cause).strip().splitlines()
+    line = f"{type(cause).__name__}: {text[0]}" if text else type(cause).__name__
+    return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
+def last_good_checkpoint(ckpt_root: str) -> str:
+    """One clause naming the newest complete checkpoint under `ckpt_root` and how to go on from it (for
+    the line of a final save that could not complete)."""
+    found = list_checkpoints(ckpt_root)
+    if not found:
+        return f"there is no complete checkpoint in {ckpt_root}"
+    return (f"the last good checkpoint is {os.path.join(ckpt_root, found[-1][1])}: free space, then run the same "
+            "command with --load_checkpoint to go on from it")
 
 
 # ----------------------------------------------------------------------------- tensors
@@ -454,13 +520,27 @@ def save_checkpoint(backend, ckpt_root: str, tag: str, client_state: dict | None
     tmp = os.path.join(ckpt_root, tag + TMP_SUFFIX)
     try:
         return _write_checkpoint(backend, ckpt_root, tag, state, has_optim, client_json, max_keep)
-    except Exception as e:
-        if D.is_rank0():
-            shutil.rmtree(tmp, ignore_errors=True)  # this save's partial files
-        have = free_bytes(ckpt_root)
-        if is_no_space(e) or have < need:
-            raise NoSpaceError(ckpt_root, need, have) from e
-        raise
+    except BaseException as e:
+        if not is_failure(e):
+            raise  # a kill: the `.tmp` stays, never loaded, removed by the next save
+        raise _save_failure(e, ckpt_root, tmp, need) from e
+
+
+def _save_failure(e: BaseException, ckpt_root: str, tmp: str, need: int) -> Exception:
+    """Remove a failed save's partial files (`tmp`) and say what it was: NoSpaceError when the disk
+    filled (ENOSPC or EDQUOT in any rank's failure, or torch's own message for a short write, such as
+    "unexpected pos 704 vs 598", while less than SLACK_BYTES are free), else CheckpointSaveError naming
+    the checkpoint and the first failure. Both are Exceptions, whereas torch.distributed.checkpoint
+    raises a BaseException, which would pass through every handler to a traceback."""
+    at_failure = free_bytes(ckpt_root)  # before the partial files go: what the write ran into
+    if D.is_rank0():
+        shutil.rmtree(tmp, ignore_errors=True)
+    have = free_bytes(ckpt_root)
+    if any(is_no_space(c) for c in root_causes(e)) or at_failure < SLACK_BYTES or have < need:
+        note = "the disk filled during the write; its partial files are removed" if have >= need else ""
+        return NoSpaceError(ckpt_root, need, min(at_failure, have), note=note)
+    return CheckpointSaveError(f"checkpoint {tmp.removesuffix(TMP_SUFFIX)} was not saved ({one_line(e)}); its "
+                               "partial files are removed", root=ckpt_root)
 
 
 def _write_checkpoint(backend, ckpt_root: str, tag: str, state: dict[str, Any], has_optim: bool, client_json: str,
@@ -524,50 +604,105 @@ def _load_sharded(backend, path: str, meta: dict) -> None:
                                        with_ema=bool(meta.get("has_ema", False)))
     try:
         _dcp(dcp.load, state, storage_reader=dcp.FileSystemReader(os.path.join(path, DCP_DIR)))
-    except Exception as e:  # noqa: BLE001 - DCP wraps per-rank failures; name the checkpoint
-        raise CheckpointError(f"--load_checkpoint: {path} does not match this model and optimizer "
-                           f"(saved on {meta.get('world_size')} ranks): {e}") from e
+    except BaseException as e:  # DCP wraps per-rank failures in a BaseException; name the checkpoint
+        if not is_failure(e):
+            raise
+        raise CheckpointError(f"--load_checkpoint: {path} does not match this model and optimizer (saved on "
+                              f"{meta.get('world_size')} ranks): {one_line(e)}",
+                              reason=f"{DCP_DIR}/ does not load ({one_line(e)})") from e
     backend.load_sharded_state_dict(state)
 
 
 def _load_full_state(backend, path: str) -> None:
     """Checkpoints of the earlier format: full state written by rank 0, broadcast when sharded."""
     load_here = D.is_rank0() or not backend.is_sharded
-    model_sd = load_tensors(os.path.join(path, "model.safetensors")) if load_here else {}
-    optim_sd = torch.load(os.path.join(path, "optim.pt"), weights_only=True) if load_here else {}
+    model_sd: dict = {}
+    optim_sd: dict = {}
+    error = None
+    if load_here:
+        try:
+            model_sd = load_tensors(os.path.join(path, "model.safetensors"))
+            optim_sd = torch.load(os.path.join(path, "optim.pt"), weights_only=True)
+        except Exception as e:  # noqa: BLE001 - safetensors, zip or pickle damage, whatever the exception
+            why = f"model.safetensors or optim.pt does not read ({one_line(e)})"
+            error = CheckpointError(f"--load_checkpoint: {path}: {why}", reason=why)
+    if D.all_reduce_sum(int(error is not None)):  # rank 0 broadcasts: every rank stops together
+        raise error or CheckpointError(f"--load_checkpoint: {path} did not read on rank 0", reason="unreadable")
     backend.load_full_state(model_sd, optim_sd)
 
 
-def _find_for_load(ckpt_root: str, tag: str | None) -> tuple[str | None, str | None]:
-    """(newest complete and intact checkpoint, or `tag`, or None; error): checkpoint directories that
-    are all incomplete or damaged, or an incomplete or damaged `tag`, are an error rather than a
-    silent fresh start."""
+def _load_candidates(ckpt_root: str, tag: str | None) -> tuple[list[str], str | None]:
+    """(the complete checkpoints to try, newest first, or `tag`; error): checkpoint directories that are
+    all incomplete, or an incomplete `tag`, are an error rather than a silent fresh start."""
     if tag is not None:
         path = os.path.join(ckpt_root, tag)
-        gap = checkpoint_gap(path) or checkpoint_damage(path)
-        return (path, None) if gap is None else (None, f"--load_checkpoint: {path}: {gap}")
-    newest = latest_checkpoint(ckpt_root)
-    if newest is None:
+        gap = checkpoint_gap(path)
+        return ([path], None) if gap is None else ([], f"--load_checkpoint: {path}: {gap}")
+    if latest_checkpoint(ckpt_root) is None:
         bad = _incomplete(ckpt_root)
         if bad:
-            return None, "--load_checkpoint: no complete checkpoint in {}: {}".format(
+            return [], "--load_checkpoint: no complete checkpoint in {}: {}".format(
                 ckpt_root, "; ".join(f"{p}: {gap}" for p, gap in bad))
-        return None, None
-    found, skipped = newest_intact(ckpt_root, [t for _, t in reversed(list_checkpoints(ckpt_root))])
-    if found is None:
-        return None, f"--load_checkpoint: no intact checkpoint in {ckpt_root}: " + "; ".join(skipped)
-    return os.path.join(ckpt_root, found), None
+        return [], None
+    return [os.path.join(ckpt_root, t) for _, t in reversed(list_checkpoints(ckpt_root))], None
 
 
 def load_checkpoint(backend, ckpt_root: str, tag: str | None = None) -> dict | None:
-    """Restore the newest complete checkpoint (or `tag`) into `backend`; its client state, or None
-    if there is none."""
-    found = _find_for_load(ckpt_root, tag) if D.is_rank0() else None
-    path, error = D.broadcast_object(found)
+    """Restore the newest complete and intact checkpoint (or `tag`) into `backend`; its client state, or
+    None if there is none.
+
+    Intact: its files match the checksums its meta.json records, checked before reading (module
+    docstring). A checkpoint written before checksums were recorded is known damaged only when it
+    fails to read; it is then skipped the same way (with `tag`: UnreadableCheckpointError, so that a
+    caller choosing among tags can go on to an older one), and the next older one is loaded (each
+    attempt replaces every tensor, optimizer state, RNG and the trainer's state). A checkpoint whose
+    checksums match but which does not load is not of this model: an error, with no fallback."""
+    plan = _load_candidates(ckpt_root, tag) if D.is_rank0() else None
+    paths, error = D.broadcast_object(plan)
     if error:
         raise FileNotFoundError(error)
-    if path is None:
+    skipped: list[str] = []
+    for path in paths:
+        damage = D.broadcast_object(checkpoint_damage(path) if D.is_rank0() else None)
+        if damage is None:
+            client, failure = _attempt(backend, path)
+            if failure is None:
+                return client
+            if _records_checksums(path):
+                raise failure
+            damage = f"{failure.reason} (it records no checksums: written before they were)"
+        line = f"checkpoint {path} is damaged: {damage}; skipped"
+        if tag is not None:
+            if _records_checksums(path):
+                raise FileNotFoundError(f"--load_checkpoint: {path}: {damage}")
+            raise UnreadableCheckpointError(f"--load_checkpoint: {line.removesuffix('; skipped')}", reason=damage)
+        log.warning("%s", line)
+        skipped.append(line)
+    if not paths:
         return None
+    raise FileNotFoundError(f"--load_checkpoint: no intact checkpoint in {ckpt_root}: " + "; ".join(skipped))
+
+
+def _records_checksums(path: str) -> bool:
+    return isinstance((_read_meta(path) or {}).get("files"), dict)
+
+
+def _attempt(backend, path: str) -> tuple[Any, CheckpointError | None]:
+    """(client state, None) after loading checkpoint `path` into `backend`, or (None, why it did not load);
+    every rank takes the same way."""
+    try:
+        client, failure = _load_into(backend, path), None
+    except CheckpointError as e:
+        client, failure = None, e
+    if D.all_reduce_sum(int(failure is not None)):
+        return None, failure or CheckpointError(f"--load_checkpoint: {path} did not load on another rank",
+                                                reason="it did not load on another rank")
+    D.barrier()
+    return client, None
+
+
+def _load_into(backend, path: str) -> Any:
+    """Weights, optimizer, trainer state and RNG of checkpoint `path` into `backend`; its client state."""
     meta = _read_meta(path) or {}
     if os.path.isdir(os.path.join(path, DCP_DIR)):
         _load_sharded(backend, path, meta)
@@ -579,9 +714,7 @@ def load_checkpoint(backend, ckpt_root: str, tag: str | None = None) -> dict | N
         log.warning("%s has no RNG state for rank %d; using rank 0's", path, D.get_rank())
         rng_name = "rng_0.pt"
     set_rng_state(_load_file(path, rng_name))
-    client_state = _load_file(path, "client_state.json")
-    D.barrier()
-    return client_state
+    return _load_file(path, "client_state.json")
 
 
 def _load_file(path: str, name: str) -> Any:
@@ -594,5 +727,6 @@ def _load_file(path: str, name: str) -> Any:
                 return json.load(f)
         return torch.load(full, weights_only=True)
     except Exception as e:  # noqa: BLE001 - zip, pickle or JSON damage, whatever the exception
+        why = f"{name} does not read ({one_line(e)})"
         raise CheckpointError(f"--load_checkpoint: {full} of checkpoint {path} does not read "
-                           f"({type(e).__name__}: {e})") from e
+                              f"({type(e).__name__}: {e})", reason=why) from e

@@ -245,7 +245,9 @@ def make_logger(args: argparse.Namespace, rank: int, plot_keys: tuple[str, ...] 
 def save_or_fall_back(save: Callable[[], None], fallback: Callable[[], str] | None) -> None:
     """The final save; when its disk is too full (NoSpaceError, partial files removed), `fallback()`
     writes the trained state as a resumable checkpoint and the run ends with one line naming both
-    (exit 1): the trained steps are never lost to a full disk while some other disk has room."""
+    (exit 1): the trained steps are never lost to a full disk while some other disk has room. When the
+    fallback cannot complete either, the line names the last good checkpoint to go on from."""
+    from rlhfkit.checkpoint.sharded import CheckpointSaveError, last_good_checkpoint
     from rlhfkit.fileio import NoSpaceError
 
     try:
@@ -255,9 +257,10 @@ def save_or_fall_back(save: Callable[[], None], fallback: Callable[[], str] | No
             raise
         try:
             where = fallback()
-        except NoSpaceError as e2:
-            raise NoSpaceError(e.path, e.need, e.have, note=f"the resumable checkpoint did not fit either: {e2}") \
-                from e
+        except (NoSpaceError, CheckpointSaveError) as e2:
+            root = e2.path if isinstance(e2, NoSpaceError) else e2.root
+            raise NoSpaceError(e.path, e.need, e.have, note=f"the resumable checkpoint was not saved either: {e2}; "
+                               f"{last_good_checkpoint(root)}") from e
         raise NoSpaceError(e.path, e.need, e.have, note=f"the trained state is saved as the resumable checkpoint "
                            f"{where} instead: free space, then run the same command with --load_checkpoint "
                            "to write the model") from e

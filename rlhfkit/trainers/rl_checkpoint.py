@@ -3,6 +3,7 @@ checkpoint by an evaluation metric, Hugging Face snapshots with a model card (tr
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from dataclasses import dataclass, field
@@ -12,6 +13,8 @@ from rlhfkit.backend.base import CheckpointingBackend
 from rlhfkit.config.errors import UsageError
 from rlhfkit.parallel.dist import DistInfo
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class RLCheckpointer:
@@ -20,7 +23,9 @@ class RLCheckpointer:
     The critic is saved first and keeps one checkpoint more than --max_ckpt_num; the actor's
     checkpoint completes the pair. Loading takes the newest actor checkpoint whose critic
     checkpoint of the same tag is complete, so a kill between the two saves (or during either)
-    resumes from the previous pair, never from an actor and a critic of different steps.
+    resumes from the previous pair, never from an actor and a critic of different steps; a pair
+    with a damaged checkpoint (checksums, or one written before them that does not read) is
+    skipped for the previous pair the same way.
     `--save_hf_ckpt` adds a Hugging Face snapshot `<root>/<tag>_hf` (the EMA weights under
     --enable_ema) with a model card (README.md, from the run's files in `run_dir`);
     `--disable_ds_ckpt` leaves out the resumable checkpoint.
@@ -99,19 +104,30 @@ class RLCheckpointer:
                 raise FileNotFoundError(f"--load_checkpoint: no step has a complete checkpoint in both {actor} "
                                         f"and {critic}")
             return self.policy_backend.load_checkpoint(actor)  # none at all (or only incomplete: an error)
-        tag = _newest_intact_pair(actor, critic, pairs[::-1], self.dist)
-        client = self.policy_backend.load_checkpoint(actor, tag)
-        self.critic_backend.load_checkpoint(critic, tag)
-        return client
+        from rlhfkit.checkpoint.sharded import UnreadableCheckpointError
+
+        left, skipped = pairs[::-1], []
+        while True:
+            tag = _newest_intact_pair(actor, critic, left, self.dist, skipped)
+            try:
+                client = self.policy_backend.load_checkpoint(actor, tag)
+                self.critic_backend.load_checkpoint(critic, tag)
+                return client
+            except UnreadableCheckpointError as e:  # one without checksums that does not read: the pair before
+                line = f"{str(e).removeprefix('--load_checkpoint: ')}; skipped"
+                log.warning("%s", line)
+                skipped.append(line)
+                left = left[left.index(tag) + 1:]
 
 
-def _newest_intact_pair(actor: str, critic: str, tags: list[str], dist: DistInfo) -> str:
+def _newest_intact_pair(actor: str, critic: str, tags: list[str], dist: DistInfo, earlier: list[str]) -> str:
     """The first of `tags` (newest first) whose actor and critic checkpoints both match their checksums;
-    a damaged one is skipped with a line naming it (rlhfkit.checkpoint.sharded.newest_intact)."""
+    a damaged one is skipped with a line naming it (rlhfkit.checkpoint.sharded.newest_intact). `earlier`:
+    the lines of pairs skipped before (named in the error when none is left)."""
     from rlhfkit.checkpoint.sharded import newest_intact
 
     def pick() -> tuple[str | None, list[str]]:
-        skipped: list[str] = []
+        skipped: list[str] = list(earlier)
         for tag in tags:
             ok_a, lines_a = newest_intact(actor, [tag])
             ok_c, lines_c = newest_intact(critic, [tag]) if ok_a else (None, [])
