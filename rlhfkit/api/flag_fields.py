@@ -176,6 +176,12 @@ class TrainSFTFields(FlagConfig):
     max_nonfinite_steps: int = 3
     """optimizer steps with a non-finite loss or gradient are skipped; more than this many in a row (or a non-finite
     weight) stop the run with exit code 1, nothing saved [--max_nonfinite_steps]"""
+    max_weight_growth: float = 100.0
+    """a trainable weight whose magnitude exceeds this many times the largest at the start of training (at least 1)
+    stops the run with exit code 1, nothing saved (0: off) [--max_weight_growth]"""
+    max_zero_grad_steps: int = 3
+    """more than this many optimizer steps in a row whose gradient is exactly 0 while the loss is not (a saturated
+    model) stop the run with exit code 1, nothing saved (-1: off) [--max_zero_grad_steps]"""
 
     # evaluation
     eval_split: str = "train"
@@ -449,6 +455,12 @@ class TrainRMFields(FlagConfig):
     max_nonfinite_steps: int = 3
     """optimizer steps with a non-finite loss or gradient are skipped; more than this many in a row (or a non-finite
     weight) stop the run with exit code 1, nothing saved [--max_nonfinite_steps]"""
+    max_weight_growth: float = 100.0
+    """a trainable weight whose magnitude exceeds this many times the largest at the start of training (at least 1)
+    stops the run with exit code 1, nothing saved (0: off) [--max_weight_growth]"""
+    max_zero_grad_steps: int = 3
+    """more than this many optimizer steps in a row whose gradient is exactly 0 while the loss is not (a saturated
+    model) stop the run with exit code 1, nothing saved (-1: off) [--max_zero_grad_steps]"""
 
     # evaluation
     eval_split: str = "train"
@@ -741,6 +753,12 @@ class TrainDPOFields(FlagConfig):
     max_nonfinite_steps: int = 3
     """optimizer steps with a non-finite loss or gradient are skipped; more than this many in a row (or a non-finite
     weight) stop the run with exit code 1, nothing saved [--max_nonfinite_steps]"""
+    max_weight_growth: float = 100.0
+    """a trainable weight whose magnitude exceeds this many times the largest at the start of training (at least 1)
+    stops the run with exit code 1, nothing saved (0: off) [--max_weight_growth]"""
+    max_zero_grad_steps: int = 3
+    """more than this many optimizer steps in a row whose gradient is exactly 0 while the loss is not (a saturated
+    model) stop the run with exit code 1, nothing saved (-1: off) [--max_zero_grad_steps]"""
 
     # evaluation
     eval_split: str = "test"
@@ -1010,6 +1028,12 @@ class TrainKTOFields(FlagConfig):
     max_nonfinite_steps: int = 3
     """optimizer steps with a non-finite loss or gradient are skipped; more than this many in a row (or a non-finite
     weight) stop the run with exit code 1, nothing saved [--max_nonfinite_steps]"""
+    max_weight_growth: float = 100.0
+    """a trainable weight whose magnitude exceeds this many times the largest at the start of training (at least 1)
+    stops the run with exit code 1, nothing saved (0: off) [--max_weight_growth]"""
+    max_zero_grad_steps: int = 3
+    """more than this many optimizer steps in a row whose gradient is exactly 0 while the loss is not (a saturated
+    model) stop the run with exit code 1, nothing saved (-1: off) [--max_zero_grad_steps]"""
 
     # evaluation
     eval_split: str = "train"
@@ -1282,6 +1306,12 @@ class TrainPPOFields(FlagConfig):
     max_nonfinite_steps: int = 3
     """optimizer steps with a non-finite loss or gradient are skipped; more than this many in a row (or a non-finite
     weight) stop the run with exit code 1, nothing saved [--max_nonfinite_steps]"""
+    max_weight_growth: float = 100.0
+    """a trainable weight whose magnitude exceeds this many times the largest at the start of training (at least 1)
+    stops the run with exit code 1, nothing saved (0: off) [--max_weight_growth]"""
+    max_zero_grad_steps: int = 3
+    """more than this many optimizer steps in a row whose gradient is exactly 0 while the loss is not (a saturated
+    model) stop the run with exit code 1, nothing saved (-1: off) [--max_zero_grad_steps]"""
     max_failed_steps: int = 3
     """steps in a row without a trajectory to train on (all samples dropped or filtered out) before the run stops;
     fewer are skipped and counted in skipped_steps [--max_failed_steps]"""

@@ -46,7 +46,9 @@ class TrainBackend(Protocol):
     def optimizer_step(self) -> dict[str, float]:
         """Clip to --max_norm, step (skipped when the loss or the grad norm is non-finite on any
         rank), zero grads, step the LR; raises `guard.NonFiniteError` after more than
-        --max_nonfinite_steps skips in a row or when a weight became non-finite.
+        --max_nonfinite_steps skips in a row or when a weight became non-finite, and
+        `guard.DivergenceError` when a weight grew past --max_weight_growth or after more than
+        --max_zero_grad_steps exactly-zero gradients in a row.
 
         Returns {"grad_norm", "lr", "skipped", "nonfinite_skipped"}; "lr" is the rate this step used.
         """

@@ -10,8 +10,8 @@
       |  module on the device (master weights or autocast on CUDA)
       v
     backend.forward(...) / .token_logprobs(...) -> loss / global count -> backend.backward(loss, sync_grads)
-      -> backend.optimizer_step(): global grad norm, non-finite guard (guard.py: skip / stop),
-         clip, AdamW, weight check, zero, LR schedule
+      -> backend.optimizer_step(): global grad norm, step guard (guard.py: skip / stop on non-finite
+         numbers or divergence), clip, AdamW, weight check, zero, LR schedule
 
 Precision (precision.py): fp32 master weights and optimizer states; compute in `--param_dtype`
 (FSDP2 MixedPrecisionPolicy with fp32 gradient reduction when sharded; in one CUDA process the
@@ -58,7 +58,7 @@ import torch
 from torch import nn
 
 from rlhfkit.backend.ema import EMAWeights
-from rlhfkit.backend.guard import NonFiniteGuard
+from rlhfkit.backend.guard import StepGuard
 from rlhfkit.backend.master import MasterWeights
 from rlhfkit.backend.optim_step import decide_and_step, step_grad_norm
 from rlhfkit.backend.model_prep import autocast_forward, cast_params
@@ -134,11 +134,12 @@ class FSDP2Backend:
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler = None
         self.loss_scaler: DynamicLossScaler | None = None
-        self.guard: NonFiniteGuard | None = None
+        self.guard: StepGuard | None = None
         self._named_cache: tuple[tuple[int, ...], list[tuple[str, torch.Tensor]]] | None = None
         self.ema: EMAWeights | None = None
         if self.trainable:
-            self.guard = NonFiniteGuard(optim_cfg.max_nonfinite_steps)
+            self.guard = StepGuard(optim_cfg.max_nonfinite_steps, optim_cfg.max_weight_growth,
+                                   optim_cfg.max_zero_grad_steps)
             groups = None
             if self.master is not None:
                 groups = self.master.param_groups(param_groups(self.model, optim_cfg.l2, optim_cfg.optim == "muon"))
@@ -252,12 +253,15 @@ class FSDP2Backend:
         """Global grad norm -> (skip if it or a loss was non-finite on any rank) clip to --max_norm
         -> AdamW -> check the weights (read with the next step's decision) -> zero -> LR step. Raises
         NonFiniteError (guard.py) after more than --max_nonfinite_steps skips in a row or when the
-        previous step left a non-finite weight."""
+        previous step left a non-finite weight; DivergenceError when it left a weight beyond
+        --max_weight_growth, or after more than --max_zero_grad_steps exactly-zero gradients in a row."""
         opt = self._require_optimizer()
         if self._unsynced:
             raise RuntimeError("optimizer_step after backward(sync_grads=False): the last micro-batch "
                                "of an optimizer step must call backward(loss, sync_grads=True)")
         params = self._params()
+        if self.guard.needs_start:  # max |w| before training changes the weights (once; kept in checkpoints)
+            self.guard.measure_start(self._named_params(params))
         if self.loss_scaler is not None:
             inv = 1.0 / self.loss_scaler.scale
             for p in params:
@@ -282,7 +286,7 @@ class FSDP2Backend:
             self.guard.check_weights_later(self._named_params(params), f"after optimizer step {self.guard.steps} "
                                            f"(grad norm {norm_value:.4g}, learning rate {lr:g})",
                                            flag=getattr(opt, "weights_bad", None))
-            self.guard.stepped()
+            self.guard.stepped(norm_value, lr)
             if self.master is not None and not getattr(opt, "wrote_module", False):
                 self.master.copy_to_model()
             if self.ema is not None:
@@ -305,7 +309,8 @@ class FSDP2Backend:
         return self._named_cache[1]
 
     def check_finite(self, what: str) -> None:
-        """Raise NonFiniteError if a trainable weight is NaN or infinite (all ranks call)."""
+        """Raise NonFiniteError if a trainable weight is NaN or infinite, DivergenceError if one has grown
+        past --max_weight_growth (all ranks call)."""
         if self.guard is not None:
             self._wake()
             self.guard.resolve()
@@ -376,7 +381,8 @@ class FSDP2Backend:
 
     def trainer_state(self) -> dict[str, Any]:
         return {"scheduler": self.scheduler.state_dict() if self.scheduler else None,
-                "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler else None}
+                "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler else None,
+                "guard": self.guard.state_dict() if self.guard else None}
 
     def load_trainer_state(self, state: dict[str, Any]) -> None:
         if self.scheduler is not None and state.get("scheduler") is not None:
@@ -393,6 +399,8 @@ class FSDP2Backend:
                 group["lr"] = lr
         if self.loss_scaler is not None and state.get("loss_scaler") is not None:
             self.loss_scaler.load_state_dict(state["loss_scaler"])
+        if self.guard is not None:  # the start of training's max |w| (--max_weight_growth)
+            self.guard.load_state_dict(state.get("guard") or {})
 
     @property
     def optimizer_has_state(self) -> bool:

@@ -15,6 +15,7 @@ With `MasterAdamW`:
     gradient norm over the kept gradients, fp32 sums          read 2 B
     one kernel: clip, skip, AdamW, the bf16 copy and a non-finite flag of the new weights
                                                                read 14 B, write 14 B   = 30 B
+    (with --max_weight_growth on, the default: max |w| per tensor, guard.py   read 4 B   = 34 B)
 
 and some 600 fewer kernel launches (one launch per parameter group covers every tensor: a table of
 pointers, one row per tensor, and a table of (tensor, block) per program).

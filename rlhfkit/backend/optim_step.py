@@ -6,9 +6,10 @@ flags, decides, and launches clipping and AdamW. With a fused optimizer the deci
 device instead, as under torch's GradScaler: the optimizer's `found_inf` tensor makes the fused
 kernel skip the whole update (weights, moments and step counts unchanged) when it is non-zero. So:
 
-    flags = [norm non-finite, a loss non-finite, last step's weights non-finite, norm]   (device)
+    flags = [norm non-finite, a loss non-finite, last step's weights non-finite / grown, a loss non-zero,
+             norm]                                                                        (device)
     copy the flags to pinned host memory behind the backward; record an event
-    AdamW with found_inf = any(flags[:3]) and grad_scale = the clip factor's inverse     (queued)
+    AdamW with found_inf = any of the first four and grad_scale = the clip factor's inverse  (queued)
     wait for the event (not for AdamW) -> the guard decides on the host as before
 
 Only where every rank would take the decision alone: one process, no fp16 loss scale (its skipped
@@ -23,12 +24,12 @@ import torch
 from torch import nn
 
 from rlhfkit.backend import host_gc
-from rlhfkit.backend.guard import NonFiniteGuard
+from rlhfkit.backend.guard import StepGuard
 from rlhfkit.parallel.sharding import clip_grads, global_grad_norm
 
 
 def decide_and_step(opt: torch.optim.Optimizer, params: list[nn.Parameter], norm: torch.Tensor,
-                    guard: NonFiniteGuard, max_norm: float, several_ranks: bool, loss_scale: bool
+                    guard: StepGuard, max_norm: float, several_ranks: bool, loss_scale: bool
                     ) -> tuple[bool, bool, float]:
     """The guard's decision, and clip + step when it says finite: (finite, a loss non-finite, grad norm)."""
     if can_mask_step(opt, norm, several_ranks, loss_scale):
@@ -60,7 +61,7 @@ def can_mask_step(opt: torch.optim.Optimizer, norm: torch.Tensor, several_ranks:
             and bool(getattr(opt, "_step_supports_amp_scaling", False)))
 
 
-def masked_step(opt: torch.optim.Optimizer, norm: torch.Tensor, guard: NonFiniteGuard, max_norm: float
+def masked_step(opt: torch.optim.Optimizer, norm: torch.Tensor, guard: StepGuard, max_norm: float
                 ) -> tuple[bool, bool, float]:
     """Clipped step queued behind the decision's flags, masked on the device; returns `guard.decide`'s
     (finite, loss non-finite, grad norm)."""
@@ -74,7 +75,7 @@ def masked_step(opt: torch.optim.Optimizer, norm: torch.Tensor, guard: NonFinite
     # clipping folded into the fused kernel: it divides each gradient by grad_scale as it reads it
     # (no pass over the gradients); 1 / min(1, max_norm / (norm + 1e-6)) is clip_grads' factor
     scale = torch.clamp((norm.detach().float() + 1e-6) / max_norm, min=1.0) if max_norm > 0 else None
-    opt.found_inf = (flags[:3].sum() > 0).float()  # type: ignore[attr-defined]
+    opt.found_inf = guard.no_step(flags)  # type: ignore[attr-defined]
     opt.grad_scale = scale  # type: ignore[attr-defined]
     try:
         opt.step()

@@ -22,7 +22,7 @@ import torch
 
 from rlhfkit import logs
 from rlhfkit.config.errors import UsageError  # noqa: F401 (every command raises it from here)
-from rlhfkit.backend.guard import NonFiniteError
+from rlhfkit.backend.guard import DivergenceError
 from rlhfkit.config.flag_parser import set_explicitly
 from rlhfkit.config.flags import run_dir_of, write_resolved_config
 from rlhfkit.config.notes import note_once
@@ -66,7 +66,7 @@ def cli_main(prog: str, fn: Callable[[], T]) -> T:
         raise SystemExit(e.exit_code) from None
     except Exception as e:
         log.debug("%s failed", prog, exc_info=e)
-        if not isinstance(e, (DataError, UsageError, FileNotFoundError, ValueError, NonFiniteError,
+        if not isinstance(e, (DataError, UsageError, FileNotFoundError, ValueError, DivergenceError,
                               MissingPackageError) + _run_failures()):
             raise
         if os.environ.get("RLHFKIT_TRACEBACK"):

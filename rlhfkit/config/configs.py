@@ -55,6 +55,8 @@ class OptimConfig:
     min_lr_ratio: float = 0.1
     max_norm: float = 1.0
     max_nonfinite_steps: int = 3  # skipped non-finite steps in a row before the run stops
+    max_weight_growth: float = 100.0  # max |w| beyond this x max(1, its start value) stops the run (0: off)
+    max_zero_grad_steps: int = 3  # exactly-zero gradients under a non-zero loss in a row before the run stops
     optim: str = "adam"  # adam (AdamW) | muon (Muon on hidden 2-D weights, AdamW on the rest)
     muon_lr: float = 0.02
     muon_momentum: float = 0.95

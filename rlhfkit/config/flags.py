@@ -226,9 +226,16 @@ def add_optimizer_choice_flags(p: FlagParser, flat: str = "", dotted: tuple[str,
 
 
 def add_nonfinite_flag(p: FlagParser) -> None:
+    """The step guard's limits (rlhfkit.backend.guard): non-finite numbers and divergence."""
     p.flag("--max_nonfinite_steps", type=int, default=3,
            help="optimizer steps with a non-finite loss or gradient are skipped; more than this many "
                 "in a row (or a non-finite weight) stop the run with exit code 1, nothing saved")
+    p.flag("--max_weight_growth", type=float, default=100.0,
+           help="a trainable weight whose magnitude exceeds this many times the largest at the start of "
+                "training (at least 1) stops the run with exit code 1, nothing saved (0: off)")
+    p.flag("--max_zero_grad_steps", type=int, default=3,
+           help="more than this many optimizer steps in a row whose gradient is exactly 0 while the loss is "
+                "not (a saturated model) stop the run with exit code 1, nothing saved (-1: off)")
 
 
 def add_backend_flags(p: FlagParser) -> None:

@@ -277,6 +277,13 @@ def all_reduce_sum(x: T) -> T:
     return _all_reduce(x, "sum", None, get_world_size())
 
 
+def all_reduce_max(x: T) -> T:
+    """The largest value of a tensor or a Python number over all ranks (a new object; no-op in one process)."""
+    if not _active():
+        return x
+    return _all_reduce(x, "max", None, get_world_size())
+
+
 def broadcast_object(obj: T, src: int = 0) -> T:
     """Rank `src`'s picklable `obj` on every rank (no-op in one process)."""
     if not _active():

@@ -5,7 +5,9 @@ run goes on.
 On the fp32 tiny model, AdamW at 1e6 first moves every weight by ~1e6; with weight decay (`--l2`,
 lr x l2 = 1e4 per step) the next steps give NaN gradients, as the issue reports (the seed SFT
 command's `--packing_samples` does the same). Without them the model only saturates: finite weights
-and zero gradients, which is not what this guard is about.
+and zero gradients, which the divergence rules stop (test_divergence.py). Those rules would stop these
+runs first, at the weights' growth: `--max_weight_growth 0` turns that off here, so that the non-finite
+path is what runs.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ def test_sft_at_learning_rate_1e6_exits_1_without_weights(tiny_model_dir, tmp_pa
     cmd = [sys.executable, "-m", "rlhfkit.cli.train_sft", "--pretrain", tiny_model_dir, "--dataset", str(data),
            "--input_key", "question", "--output_key", "response", "--input_template", "{}", "--max_len", "32",
            "--train_batch_size", "8", "--micro_train_batch_size", "4", "--learning_rate", "1e6", "--l2", "0.01",
-           "--max_steps", "8", "--save_path", save,
+           "--max_steps", "8", "--max_weight_growth", "0", "--save_path", save,
            "--disable_progress", "--attn_implementation", "eager"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env())
     assert r.returncode == 1, r.stderr[-3000:]
@@ -68,7 +70,7 @@ def test_rl_at_learning_rate_1e6_exits_1_without_weights(tiny_model_dir, rl_data
     save = str(rl_data / "rl")
     cmd = [sys.executable, "-m", "rlhfkit.cli.train_ppo",
            *rl_argv(tiny_model_dir, rl_data, save, "--actor_learning_rate", "1e6", "--l2", "0.01",
-                    "--max_steps", "8")]
+                    "--max_steps", "8", "--max_weight_growth", "0")]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env())
     assert r.returncode == 1, r.stderr[-3000:]
     last = r.stderr.strip().splitlines()[-1]
