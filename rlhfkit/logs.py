@@ -218,10 +218,22 @@ def _chain(exc: BaseException) -> list[BaseException]:
     return out
 
 
+class UserFramesText(Exception):
+    """The user's frames of an exception raised in another process (a reward worker), as traceback text:
+    the cause of the error that reports it, so that `user_frames` prints them as a thread's would be."""
+
+    def __init__(self, frames: str) -> None:
+        super().__init__(frames)
+        self.frames = frames
+
+
 def user_frames(exc: BaseException) -> list[str]:
     """The user's frames in `exc` and the exceptions it came from, as traceback lines (innermost last)."""
     lines: list[str] = []
     for e in reversed(_chain(exc)):
+        if isinstance(e, UserFramesText):
+            lines.append(e.frames)
+            continue
         frames = [f for f in traceback.extract_tb(e.__traceback__) if _is_user_frame(f.filename)]
         lines += traceback.format_list(frames)
     out = [line.rstrip() for chunk in lines for line in chunk.splitlines()]

@@ -28,11 +28,8 @@ from rlhfkit.agents.episode import (  # noqa: F401
     prompt_ids,
     run_multi_turn,
 )
-from rlhfkit.agents.reward_func import (
-    BatchingRewardSource,
-    make_reward_source,
-    split_reward_output,
-)
+from rlhfkit.agents.reward_func import BatchingRewardSource, split_reward_output
+from rlhfkit.agents.reward_pool import reward_source_with_workers
 from rlhfkit.types import SamplingParams, Trajectory
 
 logger = logging.getLogger(__name__)
@@ -56,7 +53,8 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
 class SingleTurnAgentExecutor(AgentExecutorBase):
     """Generate once, then score with a reward source.
 
-    ``remote_rm_url`` (OpenRLHF's argument) is a ``reward_func`` .py file or HTTP URL(s); or pass a
+    ``remote_rm_url`` (OpenRLHF's argument) is a ``reward_func`` .py file (run in worker processes,
+    `reward_pool.py`) or HTTP URL(s); or pass a
     ``reward_source`` (e.g. the RL loop's reward model) to the constructor or ``setup``. Without
     either, trajectories keep reward 0.0 and ``self.scores_rewards`` is False: the caller must
     fill the rewards.
@@ -71,9 +69,10 @@ class SingleTurnAgentExecutor(AgentExecutorBase):
               source_name: str | None = None) -> "SingleTurnAgentExecutor":
         source = reward_source or self._own_source
         if source is None and self.remote_rm_url:
-            source = make_reward_source(self.remote_rm_url, timeout_s=config.reward_timeout_s)
+            source = reward_source_with_workers(self.remote_rm_url, timeout_s=config.reward_timeout_s)
         if source is not None and config.reward_batch_size > 1 and not isinstance(source, BatchingRewardSource):
-            source = BatchingRewardSource(source, max_batch_size=config.reward_batch_size)
+            source = BatchingRewardSource(source, max_batch_size=config.reward_batch_size,
+                                          retry_within_s=config.reward_timeout_s)
         name = source_name or getattr(source, "name", None) or "SingleTurnAgentExecutor"
         super().setup(engine, tokenizer, config, reward_source=source, source_name=name)
         self.scores_rewards = source is not None

@@ -1,7 +1,8 @@
 """Reward sources: the ``RewardSource`` protocol, the Python ``reward_func`` file, batching, and
 the ``--remote_rm_url`` factory.
 
-    --remote_rm_url /path/reward_func.py         -> PythonRewardSource (here)
+    --remote_rm_url /path/reward_func.py         -> worker processes (``reward_pool.py``, the default), or
+                                                    PythonRewardSource (here: threads; --reward_workers 0)
     --remote_rm_url http://host:5000/get_reward  -> the HTTP client of ``remote_reward.py``
     reward model                                 -> the RL loop's own RewardSource
 
@@ -12,10 +13,11 @@ A ``reward_func`` file (OpenRLHF format) defines
         return {"rewards": B values, "scores": B values (optional, default rewards),
                 "extra_logs": {name: one value or B values} (optional)}
 
-or returns the B rewards alone (tensor / list). Values may be torch tensors. Each call, sync or
-async, runs in a daemon thread with its own event loop (``user_code.py``) under ``timeout_s``, so
-an ``async def`` that blocks (``time.sleep``) is ended too; a thread that runs past its time limit
-cannot be stopped: it is abandoned (the sample fails).
+or returns the B rewards alone (tensor / list). Values may be torch tensors. In PythonRewardSource
+each call, sync or async, runs in a daemon thread with its own event loop (``user_code.py``) under
+``timeout_s``, so an ``async def`` that blocks (``time.sleep``) fails in time too; but a thread that
+runs past its time limit cannot be stopped: it is abandoned (the sample fails), and one that holds the
+GIL stalls the trainer. That is why a file runs in worker processes unless ``--reward_workers 0``.
 
 Failures (exception, ``SystemExit``, time limit, bad return value) raise ``EpisodeError`` naming
 the file; the executor applies ``--reward_failure``. The return value is checked on every call: one
@@ -160,11 +162,16 @@ class BatchingRewardSource:
     A call waits ``max_wait_s`` (0: one turn of the event loop) for others to join its batch.
     If a batch call of several callers fails, each caller's samples are scored again on their own
     (concurrently): callers whose retry succeeds get its result, the others its error.
-    ``num_retried_batches`` counts such batches.
+    ``num_retried_batches`` counts such batches. With ``retry_within_s`` (the executors pass
+    ``--reward_timeout``) the retries of one batch end within that many seconds in all: a retry still
+    waiting for a worker process, or still running, then fails with the batch's error, so a batch whose
+    every sample hangs costs two time limits, not one per sample.
     """
 
-    def __init__(self, source: Any, max_batch_size: int = 64, max_wait_s: float = 0.0) -> None:
+    def __init__(self, source: Any, max_batch_size: int = 64, max_wait_s: float = 0.0,
+                 retry_within_s: float | None = None) -> None:
         self.source, self.max_batch_size, self.max_wait_s = source, max_batch_size, max_wait_s
+        self.retry_within_s = retry_within_s
         self.name = getattr(source, "name", type(source).__name__)
         self._pending: list[tuple[list, list, list, asyncio.Future]] = []
         self._timer: asyncio.Task | None = None
@@ -209,12 +216,28 @@ class BatchingRewardSource:
             self.num_retried_batches += 1
             logger.debug("%s: a batched reward call of %d samples failed (%s: %s); scoring them one at a time",
                         self.name, len(q), type(e).__name__, e)
-            await asyncio.gather(*(self._run_alone(*item) for item in batch))
+            await self._retry_alone(batch, e)
             return
         start = 0
         for queries, _, _, fut in batch:
             _settle(fut, result=slice_reward_output(out, start, start + len(queries)))
             start += len(queries)
+
+    async def _retry_alone(self, batch: list[tuple[list, list, list, asyncio.Future]], error: Exception) -> None:
+        """Each caller's samples scored on their own, concurrently, within `retry_within_s` in all; the
+        retries still unfinished then are cancelled (a worker process running one is killed) and their
+        callers get the batch's `error`."""
+        tasks = [asyncio.ensure_future(self._run_alone(*item)) for item in batch]
+        try:
+            await asyncio.wait(tasks, timeout=self.retry_within_s)
+        finally:
+            late = [t for t in tasks if not t.done()]
+            for t in late:
+                t.cancel()
+            if late:
+                await asyncio.wait(late)
+            for item in batch:
+                _settle(item[3], error=error)  # only those whose retry did not settle them
 
     async def _run_alone(self, queries: list, prompts: list, labels: list, fut: asyncio.Future) -> None:
         if fut.done():  # the caller gave up (cancelled)
@@ -248,9 +271,10 @@ def _settle(fut: asyncio.Future, result: Any = None, error: BaseException | None
 
 def make_reward_source(remote_rm_url: str | Sequence[str] | Callable[..., Any], timeout_s: float | None = 300.0
                        ) -> Any:
-    """``--remote_rm_url``: one ``.py`` file -> PythonRewardSource; URL(s) (comma-separated) -> HTTP;
-    a callable ``reward_func`` (the Python API's ``reward_funcs``) -> PythonRewardSource, as a file's.
-    (With ``--reward_workers``: reward_pool.reward_source_with_workers.)"""
+    """``--remote_rm_url`` in threads: one ``.py`` file -> PythonRewardSource; URL(s) (comma-separated) ->
+    HTTP; a callable ``reward_func`` (the Python API's ``reward_funcs``) -> PythonRewardSource, as a file's.
+    (The commands and the executors call reward_pool.reward_source_with_workers, which runs a file in
+    worker processes unless ``--reward_workers 0``.)"""
     if callable(remote_rm_url):
         return PythonRewardSource(remote_rm_url, timeout_s=timeout_s)
     urls = [u.strip() for u in remote_rm_url.split(",")] if isinstance(remote_rm_url, str) else list(remote_rm_url)

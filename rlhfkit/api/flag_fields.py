@@ -1376,10 +1376,12 @@ class TrainPPOFields(FlagConfig):
     reward_failure: Literal["stop", "drop"] = "stop"
     """what a reward_func / agent exception does: stop the run, or drop the sample (counted) [--reward_failure]"""
     reward_timeout: float = 300.0
-    """seconds for one reward_func / agent step call [--reward_timeout]"""
-    reward_workers: int = 0
-    """run a --remote_rm_url reward_func .py file in N worker processes, so that CPU-bound reward code runs in
-    parallel and beside the rollout engine (0: threads of the trainer) [--reward_workers]"""
+    """seconds for one reward_func / agent step call (a reward worker past it is killed); a reward server is retried
+    within twice this [--reward_timeout]"""
+    reward_workers: int | None = None
+    """worker processes that run a --remote_rm_url reward_func .py file (default: the CPU count, at most 4): a call
+    past --reward_timeout is killed, and CPU-bound reward code runs beside the rollout engine. 0: threads of the
+    trainer, where a call that never returns cannot be stopped [--reward_workers]"""
     normalize_reward: bool = False
     """normalise reward-model scores with the mean / std stored in its config [--normalize_reward,
     --reward.normalize_enable]"""

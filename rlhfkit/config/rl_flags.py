@@ -204,10 +204,14 @@ def _train(p: FlagParser) -> None:
     with p.group(RL_REWARD):
         p.flag("--reward_failure", type=str, default="stop", choices=["stop", "drop"],
                help="what a reward_func / agent exception does: stop the run, or drop the sample (counted)")
-        p.flag("--reward_timeout", type=float, default=300.0, help="seconds for one reward_func / agent step call")
-        p.flag("--reward_workers", type=int, default=0,
-               help="run a --remote_rm_url reward_func .py file in N worker processes, so that CPU-bound "
-                    "reward code runs in parallel and beside the rollout engine (0: threads of the trainer)")
+        p.flag("--reward_timeout", type=float, default=300.0,
+               help="seconds for one reward_func / agent step call (a reward worker past it is killed); a "
+                    "reward server is retried within twice this")
+        p.flag("--reward_workers", type=int, default=None,
+               help="worker processes that run a --remote_rm_url reward_func .py file (default: the CPU count, "
+                    "at most 4): a call past --reward_timeout is killed, and CPU-bound reward code runs beside "
+                    "the rollout engine. 0: threads of the trainer, where a call that never returns cannot be "
+                    "stopped")
 
 
 # The critic's optimizer flags: dest -> (dotted name, type, nargs). Unset (None), each takes the

@@ -67,7 +67,8 @@ def rl_run(tmp_path, model, step: int, sleep: float, *extra: str) -> tuple[list[
     src = SIGNAL_AT_STEP.replace("STEP", str(step)).replace("SLEEP", str(sleep))
     d = write_rl_data(str(tmp_path), num_prompts=12, reward_src=src)
     out = str(tmp_path / "out")
-    return rl_flags(model, d, out, "--num_episodes", "50", *extra, steps=100), out
+    # the reward runs in a thread of the trainer (--reward_workers 0): it signals the trainer's own process
+    return rl_flags(model, d, out, "--num_episodes", "50", "--reward_workers", "0", *extra, steps=100), out
 
 
 def test_sigterm_stops_rl_after_the_step(tiny_model_dir, tmp_path, capsys, monkeypatch):

@@ -1,12 +1,16 @@
-"""`--reward_workers N`: a reward_func file run in worker processes (rlhfkit/agents/reward_pool.py).
+"""`--reward_workers`: a reward_func file run in worker processes, the default (rlhfkit/agents/reward_pool.py).
 
 * the answers equal the in-thread source's for the same file and batch;
 * calls run in separate processes, several at once (two concurrent calls see two worker pids);
 * an exception fails that call only (EpisodeError naming the file), the worker goes on;
 * a call past --reward_timeout and a worker that dies fail that call; the worker is replaced and
   the next call is answered;
-* what the user's code prints does not break the answers (it goes to stderr);
-* a file that does not import stops at construction, named; the flag's wiring in make_reward_source.
+* what the user's code prints does not break the answers (it has a pipe of its own);
+* a file that does not import stops at construction, named; the flag's wiring: processes unless
+  --reward_workers 0 (threads, with a note saying once what a time limit cannot do there);
+* issue 42.5: a reward_func stuck in one C call that holds the GIL (a regular expression that backtracks):
+  in a thread the time limit cannot even fire until the call lets go, and the call runs to its end; in a
+  worker process the call fails at the limit and the process is killed.
 """
 
 from __future__ import annotations
@@ -14,12 +18,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import textwrap
+import time
 
 import pytest
 
 from rlhfkit.agents.reward_func import PythonRewardSource, make_reward_source
-from rlhfkit.agents.reward_pool import ProcessRewardSource, reward_source_with_workers
+from rlhfkit.agents.reward_pool import ProcessRewardSource, default_workers, reward_source_with_workers
 from rlhfkit.agents.user_code import EpisodeError
 
 SRC = textwrap.dedent('''
@@ -80,7 +86,8 @@ def test_concurrent_calls_run_in_separate_processes(reward_file):
 
 @pytest.mark.parametrize("label,message", [("raise", "reward_func raised ValueError: bad sample"),
                                            ("exit", "the reward worker process died (exit code 3)"),
-                                           ("slow", "took more than --reward_timeout 2 s")])
+                                           ("slow", "reward_func did not return within 2 s (--reward_timeout); "
+                                                    "its worker process was killed")])
 def test_a_failing_call_fails_alone_and_the_pool_goes_on(reward_file, label, message):
     pool = ProcessRewardSource(reward_file, workers=1, timeout_s=2)
     try:
@@ -100,15 +107,93 @@ def test_a_broken_file_stops_at_construction(tmp_path):
         ProcessRewardSource(str(bad), workers=2)
 
 
-def test_the_flag_picks_worker_processes_for_a_file_only(reward_file, caplog):
-    caplog.set_level(logging.INFO)  # the note is a log record (printed once a CLI has set up logging)
+def test_the_flag_picks_worker_processes_for_a_file_unless_zero(reward_file, caplog):
+    caplog.set_level(logging.INFO)  # the notes are log records (printed once a CLI has set up logging)
     pool = reward_source_with_workers(reward_file, 5.0, workers=3)
     assert isinstance(pool, ProcessRewardSource) and pool.workers == 3 and pool.timeout_s == 5.0
+    assert reward_source_with_workers(reward_file, 5.0, workers=3) is pool  # one pool per file and settings
     pool.close()
-    assert isinstance(reward_source_with_workers(reward_file, 5.0), PythonRewardSource)
+    default = reward_source_with_workers(reward_file, 5.0)  # --reward_workers unset: processes
+    assert isinstance(default, ProcessRewardSource) and default.workers == default_workers() >= 1
+    default.close()
+    assert "runs in threads" not in caplog.text
+    assert isinstance(reward_source_with_workers(reward_file, 5.0, workers=0), PythonRewardSource)
+    assert "(--reward_workers 0) runs in threads of the trainer: --reward_timeout fails a call that does not " \
+           "return, but cannot stop it" in caplog.text
     assert isinstance(make_reward_source(reward_file, 5.0), PythonRewardSource)
     assert isinstance(reward_source_with_workers(lambda q, p, lab: [0.0] * len(q), 5.0, workers=2),
                       PythonRewardSource)
     assert "--reward_workers has no effect" in caplog.text
+    assert "a reward function given as a Python callable runs in threads" in caplog.text
     with pytest.raises(ValueError, match="--reward_workers"):
         reward_source_with_workers(reward_file, 5.0, workers=-1)
+
+
+# ----------------------------------------------------------------------------- a call that holds the GIL
+
+STUCK = textwrap.dedent('''
+    import os, re
+
+    def reward_func(queries, prompts, labels):
+        with open({log!r}, "a") as f:
+            f.write(f"start {{os.getpid()}}\\n")
+        if labels[0] == "stuck":  # backtracks for longer than anyone waits, inside one C call holding the GIL
+            re.match(r"(a+)+$", "a" * {n} + "b")
+            with open({log!r}, "a") as f:
+                f.write("returned\\n")
+        return [1.0] * len(queries)
+''')
+
+
+def backtracking_length(seconds: float) -> int:
+    """A length of "a"s for which `re.match(r"(a+)+$", "a" * n + "b")` takes about `seconds` here (each more
+    "a" doubles the time)."""
+    n, took = 14, 0.0
+    while took < seconds / 4:
+        n += 1
+        t0 = time.perf_counter()
+        re.match(r"(a+)+$", "a" * n + "b")
+        took = time.perf_counter() - t0
+    return n + 2
+
+
+def gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie has stopped running
+    except FileNotFoundError:
+        return True
+
+
+def test_a_gil_holding_call_is_stopped_by_a_worker_process_not_by_a_thread(tmp_path):
+    n = backtracking_length(0.6)
+    log = tmp_path / "calls.log"
+    path = tmp_path / "stuck_reward.py"
+    path.write_text(STUCK.format(log=str(log), n=n))
+    # in a thread: the time limit of 0.1 s fires only once the C call lets go of the GIL, and the call runs to its end
+    t0 = time.perf_counter()
+    with pytest.raises(EpisodeError, match="did not return within 0.1 s"):
+        run(PythonRewardSource(str(path), timeout_s=0.1)(["q"], ["p"], ["stuck"]))
+    assert time.perf_counter() - t0 > 0.5
+    deadline = time.monotonic() + 10
+    while "returned" not in log.read_text() and time.monotonic() < deadline:  # abandoned, not stopped
+        time.sleep(0.05)
+    assert log.read_text().splitlines()[-1] == "returned"
+    # in a worker process, a call that would take 2^40 steps: failed at the limit, its process killed
+    path.write_text(STUCK.format(log=str(log), n=40))
+    log.unlink()
+    pool = ProcessRewardSource(str(path), workers=1, timeout_s=1.0)
+    try:
+        t0 = time.perf_counter()
+        with pytest.raises(EpisodeError, match=r"stuck_reward\.py: reward_func did not return within 1 s "
+                                               r"\(--reward_timeout\); its worker process was killed"):
+            run(pool(["q"], ["p"], ["stuck"]))
+        assert time.perf_counter() - t0 < 1.0 + 2.0
+        (pid,) = [int(line.split()[1]) for line in log.read_text().splitlines() if line.startswith("start")]
+        deadline = time.monotonic() + 10
+        while not gone(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert gone(pid) and pool.num_restarts == 1
+        assert run(pool(["q"], ["p"], ["fine"])).rewards == [1.0]  # a new worker answers the next call
+    finally:
+        pool.close()
