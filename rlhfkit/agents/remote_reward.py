@@ -14,6 +14,16 @@ answers are the request's fault (a sample the server refuses) and raise `RewardS
 once, which the batching source retries sample by sample. Answers are validated by
 `RewardOutput.from_mapping` (lengths, numbers).
 
+A server found down stays down for the client until it answers again: once a batch has failed through
+every retry (`RewardServerDown`), the calls still retrying give up at their next attempt, and each new
+call makes one attempt (no retries, no backoff) and fails at once when it fails, so a run under
+`--reward_failure drop` gives up on a dead server within about twice `timeout_s` in all, not twice per
+step; the first call that gets an answer clears it. `probe_reward_server` checks before the run that a
+URL's host accepts connections (the commands refuse a server that does not).
+
+Every failure is a `RewardServerError`, an `EpisodeError` whose text names the server: the sample fails
+under `--reward_failure` as a reward_func's would, and is reported as the reward server's.
+
 OpenRLHF's client makes 5 attempts one second apart and, on failure, leaves the sample without a
 reward; here failures raise `RewardServerError`, and the caller's failure policy decides.
 """
@@ -22,15 +32,22 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import time
+import urllib.parse
 from typing import Any, Sequence
 
 from rlhfkit.agents.reward_types import RewardOutput
+from rlhfkit.agents.user_code import EpisodeError
 from rlhfkit.optional import require
+from rlhfkit.redact import redact_text
 
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+PROBE_WINDOW_S = 10.0  # a server started beside the trainer may take this long to bind its port
+DOWN_POLL_S = 0.25  # how often a retrying call looks whether another call has found the server down
 
 
-class RewardServerError(RuntimeError):
+class RewardServerError(EpisodeError):
     """A reward server could not give rewards (after retries, or a request it rejects)."""
 
 
@@ -66,23 +83,12 @@ class RemoteRewardClient:
         self.backoff_s, self.max_backoff_s = float(backoff_s), float(max_backoff_s)
         self.deadline_s = 2.0 * self.timeout_s if deadline_s is None else float(deadline_s)
         self._next = 0
-        self._session: Any = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._down_at: float | None = None  # time.monotonic() when a batch last failed every retry; None: up
 
     # ------------------------------------------------------------------ session
-    def _get_session(self) -> Any:
-        """One aiohttp session per event loop (a session cannot move between loops)."""
-        loop = asyncio.get_running_loop()
-        if self._session is None or self._session.closed or self._loop is not loop:
-            aiohttp = _aiohttp()
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
-            self._loop = loop
-        return self._session
-
     async def close(self) -> None:
-        if self._session is not None and not self._session.closed and self._loop is asyncio.get_running_loop():
-            await self._session.close()
-        self._session = None
+        """Nothing to release: each call opens and closes its own session (event loops change between
+        calls, and a session cannot move between loops)."""
 
     async def __aenter__(self) -> "RemoteRewardClient":
         return self
@@ -98,36 +104,60 @@ class RemoteRewardClient:
         n = len(payload["query"])
         start = self._next
         self._next = (self._next + 1) % len(self.urls)
+        aiohttp = _aiohttp()
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as session:
+            if self._down_at is not None:  # found down before: one attempt, no retries
+                return await self._one_attempt(session, self.urls[start], payload, n)
+            return await self._with_retries(session, start, payload, n)
+
+    async def _with_retries(self, session: Any, start: int, payload: dict[str, Any], n: int) -> RewardOutput:
         errors: list[tuple[str, str]] = []  # (url, failure)
         loop = asyncio.get_running_loop()
-        end = loop.time() + self.deadline_s
+        began, end = time.monotonic(), loop.time() + self.deadline_s
         for attempt in range(self.max_retries + 1):
             url = self.urls[(start + attempt) % len(self.urls)]
             try:
-                data = await self._post(url, payload, min(self.timeout_s, max(end - loop.time(), 1e-3)))
+                data = await self._post(session, url, payload, min(self.timeout_s, max(end - loop.time(), 1e-3)))
+                self._down_at = None
                 return RewardOutput.from_mapping(data, n, f"reward server {url}")
             except _Retryable as e:
                 errors.append((url, str(e)))
-            wait = min(self.backoff_s * 2 ** attempt, self.max_backoff_s)
-            if attempt == self.max_retries or loop.time() + wait >= end:
+            wait_until = loop.time() + min(self.backoff_s * 2 ** attempt, self.max_backoff_s)
+            if attempt == self.max_retries or wait_until >= end:
                 break
-            await asyncio.sleep(wait)
+            while loop.time() < wait_until and not self._found_down_since(began):
+                await asyncio.sleep(min(DOWN_POLL_S, wait_until - loop.time()))
+            if self._found_down_since(began):  # another call spent every retry meanwhile: down for it too
+                break
         tried = ", ".join(dict.fromkeys(u for u, _ in errors))
+        self._down_at = time.monotonic()
         raise RewardServerDown(f"reward server {tried} failed {len(errors)} times in a row for a batch of {n} "
                                f"(retries up to {self.max_retries} within {self.deadline_s:g} s); last error from "
                                f"{errors[-1][0]}: {errors[-1][1]}")
+
+    async def _one_attempt(self, session: Any, url: str, payload: dict[str, Any], n: int) -> RewardOutput:
+        try:
+            data = await self._post(session, url, payload, self.timeout_s)
+        except _Retryable as e:
+            self._down_at = time.monotonic()
+            raise RewardServerDown(f"reward server {url} is still down: {e} (a batch failed every retry before; "
+                                   "one attempt a call until it answers)") from None
+        self._down_at = None
+        return RewardOutput.from_mapping(data, n, f"reward server {url}")
+
+    def _found_down_since(self, began: float) -> bool:
+        return self._down_at is not None and self._down_at >= began
 
     async def __call__(self, queries: Sequence[str], prompts: Sequence[str] | None = None,
                        labels: Sequence[Any] | None = None, **kwargs: Any) -> dict[str, Any]:
         """reward_func-style call: the same as `get_rewards` but returns the protocol's dict."""
         return (await self.get_rewards(queries, prompts, labels)).to_dict()
 
-    async def _post(self, url: str, payload: dict[str, Any], timeout_s: float) -> Any:
+    async def _post(self, session: Any, url: str, payload: dict[str, Any], timeout_s: float) -> Any:
         """One attempt; raises _Retryable for transient failures, RewardServerError for final ones."""
         aiohttp = _aiohttp()
         try:
-            async with self._get_session().post(url, json=payload,
-                                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            async with session.post(url, json=payload, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
                 body = await resp.read()
                 status = resp.status
         except asyncio.TimeoutError:
@@ -158,6 +188,27 @@ def _payload(queries: Sequence[str], prompts: Sequence[str] | None,
                 raise ValueError(f"reward client: {len(values)} {name} for {len(queries)} queries")
             payload[name] = values
     return payload
+
+
+def probe_reward_server(url: str, window_s: float = PROBE_WINDOW_S) -> str | None:
+    """Connect to `url`'s host and port (TCP), again every 0.25 s for up to `window_s` (a server started
+    beside the trainer may not listen yet); None when it accepts a connection, else why not (the URL's
+    secrets redacted). Only the connection is tried: no request reaches the reward endpoint."""
+    parts = urllib.parse.urlsplit(url)
+    try:
+        host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError as e:  # a port that is not a number
+        return f"{redact_text(url)}: not a valid URL ({e})"
+    deadline = time.monotonic() + window_s
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
+                return None
+        except OSError as e:
+            if time.monotonic() + 0.25 >= deadline:
+                why = e.strerror or str(e) or type(e).__name__
+                return f"the reward server {redact_text(url)} does not accept connections ({why}, for {window_s:g} s)"
+            time.sleep(0.25)
 
 
 def get_rewards_sync(urls: Sequence[str] | str, queries: Sequence[str], prompts: Sequence[str] | None = None,

@@ -69,6 +69,7 @@ def resolve_flags(args: argparse.Namespace, world_size: int) -> None:
     if not has_reward:
         raise UsageError("no reward: pass --reward_pretrain, --remote_rm_url (URL or reward_func .py) "
                          "or --agent_func_path")
+    probe_reward_servers(args)
     spec = get_advantage_estimator(args.advantage_estimator)
     if spec.group and args.n_samples_per_prompt <= 1:
         raise UsageError(f"--advantage_estimator {args.advantage_estimator} needs --n_samples_per_prompt > 1")
@@ -105,6 +106,26 @@ def resolve_flags(args: argparse.Namespace, world_size: int) -> None:
     resolve_rollout_engine(args, args.max_len, pictures=vlm_mode(args))
     critic = (("the critic", critic_path(args)),) if args.advantage_estimator == "gae" else ()
     check_packing(args, ("--pretrain", args.pretrain), ("--ref_pretrain", args.ref_pretrain), *critic)
+
+
+def reward_server_urls(args: argparse.Namespace) -> list[str]:
+    """The reward server URLs of --remote_rm_url (none for a reward_func file or a Python callable)."""
+    if not isinstance(args.remote_rm_url, str):
+        return []
+    return [u.strip() for u in args.remote_rm_url.split(",") if u.strip().startswith(("http://", "https://"))]
+
+
+def probe_reward_servers(args: argparse.Namespace) -> None:
+    """A reward server (--remote_rm_url http://...) that does not accept connections stops the run here,
+    before any model is loaded, instead of failing every sample of the first steps."""
+    from rlhfkit.agents.remote_reward import PROBE_WINDOW_S, probe_reward_server
+
+    window = min(PROBE_WINDOW_S, args.reward_timeout) if args.reward_timeout else PROBE_WINDOW_S
+    for url in reward_server_urls(args):
+        why = probe_reward_server(url, window)
+        if why is not None:
+            raise UsageError(f"--remote_rm_url: {why}; start the server first (serve_rm listens before it loads "
+                             "its model)")
 
 
 def resolve_optional_terms(args: argparse.Namespace) -> None:
@@ -383,7 +404,7 @@ def build_executor(args: argparse.Namespace, engine: Any, tokenizer: Any, temper
     from rlhfkit.agents.reward_pool import reward_source_with_workers
 
     cfg = replace(agent_config(args, temperature), vision=vision)  # a VLM's picture handling (or None)
-    workers = getattr(args, "reward_workers", 0)
+    workers = getattr(args, "reward_workers", None)
     if args.agent_func_path:
         if workers:
             note_once("note: --reward_workers has no effect with --agent_func_path (agent environments run in "
@@ -414,6 +435,7 @@ def loop_config(args: argparse.Namespace, vision: Any = None, dropped_image_rows
         eval_n_samples_per_prompt=args.eval_n_samples_per_prompt, save_steps=args.save_steps,
         ckpt_path=args.ckpt_path, max_ckpt_num=args.max_ckpt_num, load_checkpoint=args.load_checkpoint,
         show_progress=not args.disable_progress, max_failed_steps=args.max_failed_steps,
+        failure_source="the reward server" if reward_server_urls(args) else "user code",
         skip_zero_advantage_steps=not ptx_active(args),  # the ptx loss moves the policy even then
         policy_max_epochs=args.max_epochs, policy_train_batch_size=args.train_batch_size,
         recompute_old_logprobs=args.recompute_old_logprobs, run_settings=run_settings(vars(args)),

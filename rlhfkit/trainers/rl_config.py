@@ -35,6 +35,9 @@ class RLLoopConfig:
     load_checkpoint: bool = False
     show_progress: bool = True
     max_failed_steps: int = 3  # steps in a row without a trajectory to train on before the run stops
+    # what a dropped sample failed in, as the step lines say it: "user code" (a reward_func file, an agent)
+    # or "the reward server" (--remote_rm_url http://...)
+    failure_source: str = "user code"
     # the policy's update shape: a rollout that makes one optimizer step (one epoch, at most
     # train_batch_size samples) takes its old log-probs from the training pass (ratio 1) unless
     # recompute_old_logprobs; None = unknown, the separate pass always runs

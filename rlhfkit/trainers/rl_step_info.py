@@ -38,7 +38,7 @@ def skip_cause(m: dict[str, float], cfg: RLLoopConfig, empty_ranks: int, world_s
     parts = []
     dropped, incomplete = int(m.get("dropped_samples", 0)), int(m.get("incomplete_group_samples", 0))
     if dropped:
-        parts.append(f"{dropped} samples failed in user code and were dropped (--reward_failure drop; "
+        parts.append(f"{dropped} samples failed in {cfg.failure_source} and were dropped (--reward_failure drop; "
                      f"the warnings above name the error)")
     if incomplete:
         parts.append(f"{incomplete} more were left out with their incomplete groups")

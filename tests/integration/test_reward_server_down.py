@@ -1,11 +1,16 @@
 """A reward server that fails the whole batch (down, 5xx, too slow) is retried as a batch with backoff
 within 2 x the timeout and fails every sample of it once; a sample the server refuses (4xx) is retried
-alone; a --reward_failure drop run against a dead server ends after --max_failed_steps, fast."""
+alone. Issue 42.6: a server that refuses connections stops the run at start (a probe, before any model
+is loaded); one that dies during a --reward_failure drop run ends it within 3 x --reward_timeout of its
+death (the later calls fail at once), and the lines say "reward server", not "user code"."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from helpers import free_port, rl_flags, write_rl_data
@@ -64,18 +69,61 @@ def test_retries_stop_at_twice_the_timeout():
     assert asyncio.run(run()) < 0.6 + 0.3
 
 
-def test_a_drop_run_against_a_dead_server_ends_after_max_failed_steps(tiny_model_dir, tmp_path, capsys):
+def test_a_server_that_refuses_connections_stops_the_run_at_start(tiny_model_dir, tmp_path, capsys):
     from rlhfkit.cli import train_ppo
 
     d = write_rl_data(str(tmp_path))
     dead = f"http://127.0.0.1:{free_port()}/get_reward"
-    argv = rl_flags(tiny_model_dir, d, str(tmp_path / "out"), "--reward_failure", "drop", "--max_failed_steps", "2",
-                    "--reward_timeout", "2", steps=10)
+    argv = rl_flags(tiny_model_dir, d, str(tmp_path / "out"), "--reward_failure", "drop", "--reward_timeout", "1",
+                    steps=10)
     argv[argv.index("--remote_rm_url") + 1] = dead
     t0 = time.perf_counter()
     with pytest.raises(SystemExit) as e:
         train_ppo.main(argv)
-    elapsed = time.perf_counter() - t0
+    assert e.value.code == 1 and time.perf_counter() - t0 < 3 * 1.0
     last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert e.value.code == 1 and "2 steps in a row (--max_failed_steps 2)" in last, last
-    assert elapsed < 2 * (2 * 2) + 15, elapsed  # two steps of at most 2 x --reward_timeout, plus loading
+    assert last.startswith(f"train_ppo: error: --remote_rm_url: the reward server {dead} does not accept "
+                           "connections (Connection refused"), last
+
+
+class _DyingHandler(BaseHTTPRequestHandler):
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        out = json.dumps({"rewards": [len(q) % 3 / 2.0 for q in body["query"]]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+        self.server.answered.set()
+
+
+def test_a_server_that_dies_ends_a_drop_run_within_three_timeouts(tiny_model_dir, tmp_path, capsys):
+    """It answers step 1's first request, then stops listening: a dead server from then on."""
+    from rlhfkit.cli import train_ppo
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _DyingHandler)
+    server.answered, died = threading.Event(), []
+
+    def die() -> None:
+        server.answered.wait()
+        server.shutdown()
+        server.server_close()
+        died.append(time.monotonic())
+
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    threading.Thread(target=die, daemon=True).start()
+    d = write_rl_data(str(tmp_path))
+    argv = rl_flags(tiny_model_dir, d, str(tmp_path / "out"), "--reward_failure", "drop", "--reward_timeout", "2",
+                    steps=10)
+    argv[argv.index("--remote_rm_url") + 1] = f"http://127.0.0.1:{server.server_address[1]}/get_reward"
+    with pytest.raises(SystemExit) as e:
+        train_ppo.main(argv)
+    ended = time.monotonic()
+    assert e.value.code == 1 and died and ended - died[0] < 3 * 2.0, ended - died[0]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "3 steps in a row (--max_failed_steps 3)" in err[-1] and "failed in the reward server" in err[-1], err[-1]
+    assert not any("user code" in line for line in err), err
