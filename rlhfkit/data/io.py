@@ -179,7 +179,7 @@ class RowSource:
         for i, rec in enumerate(records):
             if not isinstance(rec, dict):
                 raise DataError(f"{self.name} row {i + 1}: expected a dict, got {type(rec).__name__}")
-        return list(table_rows(self.name, records, limit, max_bytes, max_bytes + 1))
+        return list(table_rows(self.name, records, limit, max_bytes, max_bytes + 1, check_text=True))
 
 
 # ----------------------------------------------------------------------------- public API

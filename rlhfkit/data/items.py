@@ -28,7 +28,7 @@ from torch.utils.data import Dataset
 
 from rlhfkit.data.io import DataError, Row
 from rlhfkit.types import ImageRef
-from rlhfkit.data.templates import encode, require_chat_template, set_chat_template
+from rlhfkit.data.templates import encode, encode_head, require_chat_template, set_chat_template
 
 
 @dataclass
@@ -91,10 +91,18 @@ class PRMItem:
         return len(self.input_ids)
 
 
-def encode_prompt_response(tokenizer: Any, prompt: str, response: str) -> tuple[list[int], list[int]]:
+def encode_prompt_response(tokenizer: Any, prompt: str, response: str, max_len: int | None = None
+                           ) -> tuple[list[int], list[int]]:
     """(prompt ids, response ids) by the joining rule above: the prompt starts the sequence (the BOS rule,
-    `rlhfkit.data.templates`), the response's trailing newlines are stripped."""
-    return encode(tokenizer, prompt, start=True), encode(tokenizer, response.rstrip("\n"))
+    `rlhfkit.data.templates`), the response's trailing newlines are stripped. With `max_len` (the cut the
+    ids are for) a huge text is encoded only as far as the cut can reach (`templates.encode_head`): the
+    joined ids cut to `max_len` are the same, and a response after a prompt that fills the cut is not
+    encoded at all."""
+    prompt_ids = encode_head(tokenizer, prompt, max_len, start=True)
+    if max_len is None:
+        return prompt_ids, encode(tokenizer, response.rstrip("\n"))
+    room = max_len - len(prompt_ids)
+    return prompt_ids, (encode_head(tokenizer, response.rstrip("\n"), room) if room > 0 else [])
 
 
 def join_prompt_response(prompt_ids: list[int], response_ids: list[int], eos_id: int | None,
@@ -164,9 +172,10 @@ class TokenizedDataset(Dataset):
         """Encode prompt and response (trailing newlines stripped) and join them. With `images` (a
         `RowImages`) the pictures' placeholders expand to their runs, those tokens stay out of the
         loss, and a sample whose runs the cut would break is dropped (None)."""
-        prompt_ids, response_ids = encode_prompt_response(self.tokenizer, prompt, response)
         if images is None:
+            prompt_ids, response_ids = encode_prompt_response(self.tokenizer, prompt, response, max_len)
             return join_prompt_response(prompt_ids, response_ids, self.eos_id, max_len)
+        prompt_ids, response_ids = encode_prompt_response(self.tokenizer, prompt, response)
         images.expand(prompt_ids + response_ids, refs, row)  # one placeholder per picture, or an error
         k = prompt_ids.count(images.image_token_id)
         prompt_ids, _ = images.expand(prompt_ids, refs[:k], row)

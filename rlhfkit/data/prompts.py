@@ -9,8 +9,10 @@ passed untouched to `reward_func` and agents (missing or null is an error naming
 (default "default"), used to split evaluation metrics per source, as in OpenRLHF.
 
 With `max_prompt_len`, prompts longer than that many tokens are dropped and counted
-(`rlhfkit.data.items.check_dropped` reports them). An empty or whitespace-only prompt is an error
-naming file, row and key (one with a picture may have no text).
+(`rlhfkit.data.items.check_dropped` reports them); a huge prompt is measured by encoding its head only
+(`templates.encode_head`), never whole. An empty prompt, or one of only whitespace and invisible
+characters (zero-width spaces, other format and control characters), is an error naming file, row and
+key (one with a picture may have no text).
 
 Vision-language prompts (`images`, a `rlhfkit.data.images.RowImages`: `--image_key`,
 `--max_images_per_prompt`): each row's pictures are read and checked, and the prompt gets one
@@ -27,7 +29,7 @@ from typing import Any, Sequence
 from rlhfkit.data.images import RowImages
 from rlhfkit.data.io import DataError, Row
 from rlhfkit.data.items import TokenizedDataset
-from rlhfkit.data.templates import DEFAULT_INPUT_TEMPLATE, PromptFormat, check_input_template, encode
+from rlhfkit.data.templates import DEFAULT_INPUT_TEMPLATE, PromptFormat, check_input_template, encode, encode_head
 from rlhfkit.types import PromptSample
 
 
@@ -89,14 +91,14 @@ class PromptDataset(TokenizedDataset):
             refs = self.images.read_or_drop(row)
             if refs is None:
                 return None
-        if not refs and ((isinstance(value, str) and not value.strip())
-                         or (isinstance(value, (list, tuple)) and not value)):
-            what = "empty" if not value else "only whitespace"
-            raise row.error(f"key {cfg.input_key!r} (--input_key) is {what}: a prompt needs text")
+        blank = None if refs else _no_text(value)
+        if blank is not None:
+            raise row.error(f"key {cfg.input_key!r} (--input_key) is {blank}: a prompt needs text")
         if self.images is not None:
             value = self.images.place(value, len(refs), row, cfg.input_key, cfg.apply_chat_template)
         prompt = self.format.prompt_text(self.tokenizer, value, row, cfg.input_key)
-        ids = encode(self.tokenizer, prompt, start=True)
+        limit = cfg.max_prompt_len if self.images is None else None  # a picture's runs need every placeholder
+        ids = encode_head(self.tokenizer, prompt, limit, start=True)
         if self.images is not None:
             ids, _ = self.images.expand(ids, refs, row)  # checks the template wrote one placeholder each
         length = len(ids)
@@ -108,6 +110,34 @@ class PromptDataset(TokenizedDataset):
                             "when --label_key is given")
         source = row.opt("datasource", "default")
         return PromptSample(prompt=prompt, label=label, datasource=str(source), index=len(self.items), images=refs)
+
+
+def _invisible(text: str) -> bool:
+    """No character that shows: only whitespace, zero-width and other format characters (Unicode Cf),
+    control characters (the characters `str.isprintable` refuses, but for spaces)."""
+    return not any(ch.isprintable() and not ch.isspace() for ch in text)
+
+
+def _no_text(value: Any) -> str | None:
+    """Why a prompt value has no text to prompt with (a string, or a conversation whose messages' text
+    contents are all invisible), else None."""
+    if isinstance(value, str):
+        texts = [value]
+    elif isinstance(value, (list, tuple)):
+        if not value:
+            return "empty"
+        texts = [m.get("content") for m in value if isinstance(m, dict)]
+        if len(texts) < len(value) or not all(isinstance(t, str) for t in texts):
+            return None  # content parts (pictures) or another shape: to_messages judges it
+    else:
+        return None
+    if not any(texts):
+        return "empty"
+    if all(not t.strip() for t in texts):
+        return "only whitespace"
+    if all(_invisible(t) for t in texts):
+        return "only invisible characters (zero-width spaces, format or control characters)"
+    return None
 
 
 def build_prompt_samples(rows: Sequence[Row], tokenizer: Any, config: PromptDataConfig) -> list[PromptSample]:

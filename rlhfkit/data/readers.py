@@ -11,7 +11,9 @@
 
 Errors name the file and the row (not a byte offset): a row over `--max_row_bytes` (with its
 size), a row that is not valid UTF-8, invalid JSON, a row that is not an object, and a file with
-no rows at all.
+no rows at all. A JSON escape can spell a lone surrogate (`"\ud800"`: valid JSON, not text any
+tokenizer or file can hold), so a row holding one is an error naming the file, row and key too
+(`invalid_unicode`; rows in memory are checked the same way, Arrow tables cannot hold one).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ DEFAULT_MAX_ROW_BYTES = 1_000_000
 FILE_EXTS = (".json", ".jsonl", ".parquet", ".csv", ".arrow")
 _WS = re.compile(r"[ \t\r\n]*")
 _ESCAPED = re.compile("[\udc80-\udcff]")  # bytes that were not UTF-8 (surrogateescape)
+_SURROGATE = re.compile("[\ud800-\udfff]")  # no Unicode text holds one
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # how JSON spells one (pairs too: checked on the values)
 
 
 def _too_big(path: str, row: int, size: int, max_bytes: int) -> DataError:
@@ -40,7 +44,12 @@ def _not_utf8(path: str, row: int) -> DataError:
 
 def _text_bytes(text: str, start: int = 0, end: int | None = None) -> int:
     part = text[start:end]
-    return len(part) if part.isascii() else len(part.encode("utf-8", "surrogateescape"))
+    if part.isascii():
+        return len(part)
+    try:
+        return len(part.encode("utf-8", "surrogateescape"))
+    except UnicodeEncodeError:  # a lone surrogate (check_unicode names it): 3 bytes, as UTF-8 would spell it
+        return len(part.encode("utf-8", "surrogatepass"))
 
 
 def value_bytes(value: Any) -> int:
@@ -56,9 +65,39 @@ def value_bytes(value: Any) -> int:
     return 8
 
 
-def _record(path: str, row: int, rec: Any) -> Row:
+def invalid_unicode(value: Any, where: str = "") -> str | None:
+    """Where in `value` (a row's dict, list or string, walked recursively) a string holds a lone surrogate,
+    as `key 'input'` / `key 'messages[0].content'` and the character, else None."""
+    if isinstance(value, str):
+        m = _SURROGATE.search(value)
+        if m is None:
+            return None
+        return (f"key {where!r} is not valid Unicode text (a lone surrogate \\u{ord(m.group()):04x} at character "
+                f"{m.start()})")
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else ()
+    for k, v in items:
+        if isinstance(k, str) and _SURROGATE.search(k):
+            return f"a key near {where!r} is not valid Unicode text (a lone surrogate)"
+        inner = f"{where}[{k}]" if isinstance(k, int) else f"{where}.{k}" if where else str(k)
+        found = invalid_unicode(v, inner)
+        if found is not None:
+            return found
+    return None
+
+
+def check_unicode(path: str, row: int, rec: Any) -> None:
+    """A DataError naming the file, row and key when `rec` holds a lone surrogate."""
+    found = invalid_unicode(rec)
+    if found is not None:
+        raise DataError(f"{path} row {row}: {found}")
+
+
+def _record(path: str, row: int, rec: Any, raw: str = "") -> Row:
+    """`raw`: the row's JSON text; its values are checked for lone surrogates when it has a \\uD8xx-\\uDFxx escape."""
     if not isinstance(rec, dict):
         raise DataError(f"{path} row {row}: expected an object, got {type(rec).__name__}")
+    if _SURROGATE_ESCAPE.search(raw):
+        check_unicode(path, row, rec)
     return Row(rec, path, row)
 
 
@@ -67,7 +106,7 @@ def _parse_line(path: str, lineno: int, line: str) -> Row:
         rec = json.loads(line)
     except json.JSONDecodeError as e:
         raise DataError(f"{path} row {lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
-    return _record(path, lineno, rec)
+    return _record(path, lineno, rec, line)
 
 
 # ----------------------------------------------------------------------------- JSON lines
@@ -147,7 +186,7 @@ def _array_rows(path: str, text: str, start: int, limit: int, max_bytes: int, es
             raise _too_big(path, row, _text_bytes(text, i, end), max_bytes)
         if escaped and _ESCAPED.search(text, i, end):
             raise _not_utf8(path, row)
-        yield _record(path, row, rec)
+        yield _record(path, row, rec, text[i:end] if _SURROGATE_ESCAPE.search(text, i, end) else "")
         i = _WS.match(text, end).end()
         if text.startswith(",", i):
             i = _WS.match(text, i + 1).end()
@@ -190,9 +229,12 @@ def _json_rows(path: str, limit: int, max_bytes: int) -> Iterator[Row]:
     if escaped:
         bad = text.count("\n", 0, _ESCAPED.search(text).start()) + 1
         raise DataError(f"{path} line {bad}: not valid UTF-8 text")
+    check_all = bool(_SURROGATE_ESCAPE.search(text))
     for i, rec in enumerate(_columns_to_rows(path, obj)[:limit]):
         if value_bytes(rec) > max_bytes:
             raise _too_big(path, i + 1, value_bytes(rec), max_bytes)
+        if check_all:
+            check_unicode(path, i + 1, rec)
         yield Row(rec, path, i + 1)
 
 
@@ -204,14 +246,18 @@ def _jsonl_rows(path: str, limit: int, max_bytes: int) -> Iterator[Row]:
 # ----------------------------------------------------------------------------- tables
 
 
-def table_rows(source: str, records: list[dict], limit: int, max_bytes: int, total_bytes: int) -> Iterator[Row]:
+def table_rows(source: str, records: list[dict], limit: int, max_bytes: int, total_bytes: int,
+               check_text: bool = False) -> Iterator[Row]:
     """Rows of already materialised records; sizes are checked only when the whole is larger
-    than the limit (`total_bytes`), since no row can be larger than that."""
+    than the limit (`total_bytes`), since no row can be larger than that; `check_text`: strings are
+    checked for lone surrogates (Python objects; an Arrow table cannot hold one)."""
     for i, rec in enumerate(records[:limit]):
         if total_bytes > max_bytes:
             size = value_bytes(rec)
             if size > max_bytes:
                 raise _too_big(source, i + 1, size, max_bytes)
+        if check_text:
+            check_unicode(source, i + 1, rec)
         yield Row(rec, source, i + 1)
 
 

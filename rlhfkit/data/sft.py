@@ -19,7 +19,8 @@ Three modes (OpenRLHF `train_sft` flags):
   no template, loss on every token that has a predecessor.
 
 Samples longer than `--max_len` are cut; a sample with no response token left is dropped and
-counted in `num_dropped`.
+counted in `num_dropped`. Texts are encoded only as far as the cut can reach (`templates.encode_head`),
+so a huge row costs what `--max_len` costs.
 
 Vision-language SFT (`images`, a `RowImages`: `--image_key`, `--max_images_per_prompt`): a row's
 pictures get one placeholder each in its prompt or conversation (`<image>` tags or image content
@@ -36,7 +37,7 @@ from rlhfkit.data.images import RowImages
 from rlhfkit.data.io import DataError, Row
 from rlhfkit.data.items import SFTItem, TokenizedDataset
 from rlhfkit.data.templates import (DEFAULT_INPUT_TEMPLATE, Message, PromptFormat, bos_prefix, check_input_template,
-                                    chat_prompt_response, encode, render_chat, to_messages)
+                                    chat_prompt_response, encode_head, render_chat, to_messages)
 
 
 @dataclass
@@ -106,7 +107,7 @@ class SFTDataset(TokenizedDataset):
         text = row.get_str(self.config.input_key, "--input_key")
         if self.config.output_key:
             text += row.get_str(self.config.output_key, "--output_key")
-        ids = encode(self.tokenizer, text, start=True)[: self.config.max_len]
+        ids = encode_head(self.tokenizer, text, self.config.max_len, start=True)[: self.config.max_len]
         if len(ids) < 2:
             return None
         return SFTItem(ids, [0] + [1] * (len(ids) - 1))
@@ -145,10 +146,13 @@ class SFTDataset(TokenizedDataset):
         pieces = conversation_pieces(self.tokenizer, msgs, row)
         ids: list[int] = []
         mask: list[int] = []
+        budget = self.config.max_len if self.images is None else None  # a picture's runs need every placeholder
         for k, (text, trained) in enumerate(pieces):
+            if budget is not None and len(ids) > budget:
+                break  # the rest is cut away below
             if k == len(pieces) - 1 and trained:
                 text = text.rstrip("\n")
-            piece = encode(self.tokenizer, text)
+            piece = encode_head(self.tokenizer, text, None if budget is None else budget - len(ids))
             if k == len(pieces) - 1 and trained and self.eos_id is not None and piece[-1:] != [self.eos_id]:
                 piece.append(self.eos_id)
             ids += piece

@@ -168,6 +168,28 @@ def encode(tokenizer: Any, text: str, start: bool = False) -> list[int]:
     return bos_prefix(tokenizer, ids) + ids if start else ids
 
 
+HEAD_MARGIN = 32  # ids encoded past a limit, so that merges across the cut of a prefix cannot reach the limit
+HEAD_CHARS = 8  # characters per token guessed for the first prefix; it grows 4x while it holds too few
+
+
+def encode_head(tokenizer: Any, text: str, max_tokens: int | None, start: bool = False) -> list[int]:
+    """The ids of `text` as `encode(tokenizer, text, start)` gives them, for a length filter or a cut at
+    `max_tokens`: a text longer than that may give only its first `max_tokens + HEAD_MARGIN` ids, found by
+    encoding growing prefixes of it, so that a huge row costs what the limit costs, not what the row does.
+    The first `max_tokens + 1` ids are encode's either way: a prefix's last ids, which a merge across its
+    cut may change, lie HEAD_MARGIN beyond them. `max_tokens` None: the whole text."""
+    if max_tokens is None:
+        return encode(tokenizer, text, start)
+    keep = max(max_tokens, 0) + HEAD_MARGIN
+    chars = keep * HEAD_CHARS
+    while chars < len(text):
+        ids = encode(tokenizer, text[:chars], start)
+        if len(ids) > keep + HEAD_MARGIN:
+            return ids[:keep]
+        chars *= 4
+    return encode(tokenizer, text, start)
+
+
 def token_id(tokenizer: Any, token: str, flag: str) -> int:
     """The id of a string that must be exactly one token."""
     ids = encode(tokenizer, token)

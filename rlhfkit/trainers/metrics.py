@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
 from rlhfkit import logs
+from rlhfkit.config.errors import UsageError
 from rlhfkit.fileio import atomic_write_text
 from rlhfkit.optional import require
 from rlhfkit.trainers.metric_names import (CONSOLE_KEYS, EVAL, SECONDS_KEYS, TIME, TRAIN,  # noqa: F401
@@ -247,9 +248,15 @@ class MetricsLogger:
 def tensorboard_run_dir(root: str, run_name: str | None, run_dir: str) -> str:
     """`root`/<run name>, so that each training run is one TensorBoard run (as OpenRLHF does): the run
     name is --wandb_run_name, else the run directory's name and the start time (a suffix -2, -3, ...
-    when that folder exists already)."""
+    when that folder exists already). A name is never a path out of `root`: one that is absolute or climbs
+    out of it with '..' (or names `root` itself) is refused, naming the flag."""
     if run_name:
-        return os.path.join(root, run_name)
+        rel = os.path.normpath(run_name)
+        if os.path.isabs(run_name) or rel in (".", "..") or rel.startswith(".." + os.sep):
+            raise UsageError(f"--wandb_run_name {run_name!r}: TensorBoard writes a run into --use_tensorboard "
+                             f"{root}/<run name>, and this name leads out of that folder; give a name without a "
+                             "leading '/' or '..'")
+        return os.path.join(root, rel)
     base = f"{os.path.basename(os.path.normpath(os.path.abspath(run_dir)))}_{time.strftime('%Y%m%d-%H%M%S')}"
     path, n = os.path.join(root, base), 1
     while os.path.exists(path):
