@@ -79,7 +79,7 @@ def prompts_for(batch: int, plen: int, vocab: int) -> torch.Tensor:
 def run_builtin(model, device, dtype, ids: torch.Tensor, new: int, args) -> dict:
     batch, plen = ids.shape
     cfg = BuiltinEngineConfig(max_num_seqs=batch, max_model_len=plen + new, sync_every=args.sync_every, sync_every_batch=args.sync_every_batch,
-                              max_prefill_tokens=args.max_prefill_tokens, compile=bool(args.compile),
+                              max_prefill_tokens=args.max_prefill_tokens, compile=bool(args.compile) and device.type == "cuda",
                               cuda_graphs=None if args.cuda_graphs else False,
                               compile_prefill=None if args.compile_prefill else False,
                               fast_sampling=args.fast_sampling, decode_attention=args.decode_attention,

@@ -117,7 +117,7 @@ def _worker(rank: int, tp_size: int, port: int, job: dict, out_path: str) -> Non
     dtype = getattr(torch, job["dtype"])
     b, plen, new = job["batch"], job["prompt"], job["new"]
     ecfg = BuiltinEngineConfig(max_num_seqs=b, max_model_len=plen + new + 8,
-                               compile=bool(job.get("compile", True)),
+                               compile=bool(job.get("compile", True)) and cuda,
                                cuda_graphs=None if job.get("graphs", True) else False)
     model = job["model_dir"] or config_of(job["shape"], plen + new + 8)
     t0 = time.perf_counter()

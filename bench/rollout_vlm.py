@@ -89,7 +89,8 @@ def requests(batch: int, n: int, plen: int, new: int, picture: int, vocab: int) 
 
 def run_builtin(model, device, dtype, reqs, new: int, args) -> dict:
     cfg = BuiltinEngineConfig(max_num_seqs=len(reqs), max_model_len=len(reqs[0].prompt_token_ids) + new,
-                              compile=bool(args.compile), cuda_graphs=None if args.cuda_graphs else False,
+                              compile=bool(args.compile) and torch.device(device).type == "cuda",
+                              cuda_graphs=None if args.cuda_graphs else False,
                               vision_cache_pictures=max(256, len(reqs)))
     engine = BuiltinEngine(model, None, device=device, dtype=dtype, config=cfg, eos_token_ids=[])
     t0 = time.perf_counter()
