@@ -107,7 +107,10 @@ def test_a_broken_file_stops_at_construction(tmp_path):
         ProcessRewardSource(str(bad), workers=2)
 
 
-def test_the_flag_picks_worker_processes_for_a_file_unless_zero(reward_file, caplog):
+def test_the_flag_picks_worker_processes_for_a_file_unless_zero(reward_file, caplog, monkeypatch):
+    from rlhfkit.config import notes
+
+    monkeypatch.setattr(notes, "_NOTED", set())  # notes print once per process: another test may have printed them
     caplog.set_level(logging.INFO)  # the notes are log records (printed once a CLI has set up logging)
     pool = reward_source_with_workers(reward_file, 5.0, workers=3)
     assert isinstance(pool, ProcessRewardSource) and pool.workers == 3 and pool.timeout_s == 5.0
