@@ -27,9 +27,10 @@ that one of them held and that nobody will release; "forkserver" would need its 
 CUDA, which a library cannot promise. A fresh interpreter imports only the user's file, and dies with
 the trainer (``PR_SET_PDEATHSIG``).
 
-The pool is started once: its N workers start when it is made, before the first step (importing the
-file overlaps the first generation), and serve every call of the run; the training and evaluation
-executors share one pool per file. N is ``--reward_workers`` (default: the CPU count, at most 4; under
+The pool is started once: its first worker starts when it is made, before the first step (importing the
+file overlaps the first generation), the others when calls overlap, up to N, and they serve every call of
+the run (a file that imports torch costs each worker about 2 s of CPU: a run whose calls never overlap
+pays it once); the training and evaluation executors share one pool per file. N is ``--reward_workers`` (default: the CPU count, at most 4; under
 torchrun, each rank's share of the host's CPUs). The parent imports the file too, first, so that a
 broken file stops the run at start with the usual message.
 
@@ -159,8 +160,9 @@ class _Worker:
 
 
 class ProcessRewardSource:
-    """``reward_func`` of the file `path` in up to `workers` processes, all started now; a RewardSource
-    (see the module docstring). ``num_restarts`` counts workers killed past the time limit or lost."""
+    """``reward_func`` of the file `path` in up to `workers` processes (one started now, the others on
+    demand); a RewardSource (see the module docstring). ``num_restarts`` counts workers killed past the
+    time limit or lost."""
 
     def __init__(self, path: str | os.PathLike, workers: int, timeout_s: float | None = 300.0) -> None:
         if workers < 1:
@@ -174,10 +176,9 @@ class ProcessRewardSource:
         self._waiters: deque[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = deque()
         self._closed = False
         self.num_restarts = 0
-        for _ in range(workers):
-            w = _Worker(self.path)
-            self._live.add(w)
-            self._idle.append(w)
+        first = _Worker(self.path)  # importing the file overlaps the first generation; the others start on demand
+        self._live.add(first)
+        self._idle.append(first)
         atexit.register(self.close)
 
     async def __call__(self, queries: Sequence[str], prompts: Sequence[str], labels: Sequence[Any]) -> RewardOutput:
