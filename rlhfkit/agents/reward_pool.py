@@ -298,6 +298,14 @@ class ProcessRewardSource:
             w.kill()
 
 
+def close_pools() -> None:
+    """Stop the worker processes of every pool (a run's end: a process that runs several trainings, the
+    Python API or the tests, would otherwise keep each run's workers until it exits)."""
+    for pool in list(_pools.values()):
+        pool.close()
+    _pools.clear()
+
+
 def reward_source_with_workers(remote_rm_url: Any, timeout_s: float | None = 300.0, workers: int | None = None) -> Any:
     """The reward source of ``--remote_rm_url``: a ``.py`` file runs in a ProcessRewardSource of `workers`
     (``--reward_workers``; None: `default_workers()`) processes, shared by the callers of one file and

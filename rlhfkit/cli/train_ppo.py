@@ -16,6 +16,7 @@ train_ppo_ray's is. `run(args, parser)` is also what the Python API's PPO/GRPO/R
 
 from __future__ import annotations
 
+from rlhfkit.agents.reward_pool import close_pools
 from rlhfkit.parallel.dist import init_distributed
 from rlhfkit.parallel.mesh import attach_mesh
 from rlhfkit.cli import ppo_setup as S
@@ -63,6 +64,7 @@ def run(args, parser) -> R.RLRun:
         raise S.explain_oom(args, e) from None
     finally:  # also when the run fails: no thread may be inside torch or user code at exit
         S.close_rollout(placement.engine)
+        close_pools()
         trainer.logger.close()
     R.save_final(args, placement, tokenizer, fallback=trainer.save_checkpoint)
     return R.RLRun(trainer.state, placement, tokenizer)

@@ -313,6 +313,9 @@ def run(args, parser, hard_exit: bool = False) -> None:
         trainer.logger.close()
         save_final(args, launched, data.tokenizer, fallback=trainer.save_checkpoint)
     finally:
+        from rlhfkit.agents.reward_pool import close_pools
+
+        close_pools()  # the driver's reward workers (the executors run in the driver)
         if launched is not None:
             from rlhfkit.agents.user_code import shutdown_user_threads
 

@@ -173,10 +173,13 @@ def test_a_gil_holding_call_is_stopped_by_a_worker_process_not_by_a_thread(tmp_p
     log = tmp_path / "calls.log"
     path = tmp_path / "stuck_reward.py"
     path.write_text(STUCK.format(log=str(log), n=n))
-    # in a thread: the time limit of 0.1 s fires only once the C call lets go of the GIL, and the call runs to its end
+    # in a thread: the time limit of 0.1 s can act only once the C call lets go of the GIL, and the call runs to
+    # its end (whether the limit's error or the late answer then wins depends on which the event loop sees first)
     t0 = time.perf_counter()
-    with pytest.raises(EpisodeError, match="did not return within 0.1 s"):
+    try:
         run(PythonRewardSource(str(path), timeout_s=0.1)(["q"], ["p"], ["stuck"]))
+    except EpisodeError as e:
+        assert "did not return within 0.1 s" in str(e)
     assert time.perf_counter() - t0 > 0.5
     deadline = time.monotonic() + 10
     while "returned" not in log.read_text() and time.monotonic() < deadline:  # abandoned, not stopped
@@ -200,3 +203,19 @@ def test_a_gil_holding_call_is_stopped_by_a_worker_process_not_by_a_thread(tmp_p
         assert run(pool(["q"], ["p"], ["fine"])).rewards == [1.0]  # a new worker answers the next call
     finally:
         pool.close()
+
+
+def test_close_pools_stops_every_worker_of_a_finished_run(reward_file):
+    import asyncio
+
+    from rlhfkit.agents.reward_pool import close_pools
+
+    pool = reward_source_with_workers(reward_file, 5.0, workers=2)
+    asyncio.run(pool(["ab"], ["a"], [None]))
+    procs = [w.proc for w in pool._live]
+    assert procs and all(p.poll() is None for p in procs)
+    close_pools()
+    for p in procs:
+        p.wait(timeout=10)
+    assert pool._closed and reward_source_with_workers(reward_file, 5.0, workers=2) is not pool  # a new run: new pool
+    close_pools()
