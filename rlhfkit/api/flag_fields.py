@@ -209,8 +209,9 @@ class TrainSFTFields(FlagConfig):
     """GB the resumable checkpoints in --ckpt_path may hold: after a save the oldest are deleted while they hold
     more (the one just saved always stays); as OpenRLHF's [--max_ckpt_mem, --ckpt.max_mem]"""
     load_checkpoint: bool = False
-    """resume from the newest intact checkpoint in --ckpt_path, if there is one; its run's model, data, batch and
-    learning-rate settings must be this run's [--load_checkpoint, --ckpt.load_enable]"""
+    """resume from the newest intact checkpoint in --ckpt_path, if there is one (none, and the output folders hold
+    an earlier run: an error); its run's model, data, batch and learning-rate settings must be this run's
+    [--load_checkpoint, --ckpt.load_enable]"""
     allow_resume_changes: str | None = None
     """--load_checkpoint: accept these settings (comma-separated flag names, or all) differing from the checkpoint's
     run as deliberate changes [--allow_resume_changes]"""
@@ -488,8 +489,9 @@ class TrainRMFields(FlagConfig):
     """GB the resumable checkpoints in --ckpt_path may hold: after a save the oldest are deleted while they hold
     more (the one just saved always stays); as OpenRLHF's [--max_ckpt_mem, --ckpt.max_mem]"""
     load_checkpoint: bool = False
-    """resume from the newest intact checkpoint in --ckpt_path, if there is one; its run's model, data, batch and
-    learning-rate settings must be this run's [--load_checkpoint, --ckpt.load_enable]"""
+    """resume from the newest intact checkpoint in --ckpt_path, if there is one (none, and the output folders hold
+    an earlier run: an error); its run's model, data, batch and learning-rate settings must be this run's
+    [--load_checkpoint, --ckpt.load_enable]"""
     allow_resume_changes: str | None = None
     """--load_checkpoint: accept these settings (comma-separated flag names, or all) differing from the checkpoint's
     run as deliberate changes [--allow_resume_changes]"""
@@ -786,8 +788,9 @@ class TrainDPOFields(FlagConfig):
     """GB the resumable checkpoints in --ckpt_path may hold: after a save the oldest are deleted while they hold
     more (the one just saved always stays); as OpenRLHF's [--max_ckpt_mem, --ckpt.max_mem]"""
     load_checkpoint: bool = False
-    """resume from the newest intact checkpoint in --ckpt_path, if there is one; its run's model, data, batch and
-    learning-rate settings must be this run's [--load_checkpoint, --ckpt.load_enable]"""
+    """resume from the newest intact checkpoint in --ckpt_path, if there is one (none, and the output folders hold
+    an earlier run: an error); its run's model, data, batch and learning-rate settings must be this run's
+    [--load_checkpoint, --ckpt.load_enable]"""
     allow_resume_changes: str | None = None
     """--load_checkpoint: accept these settings (comma-separated flag names, or all) differing from the checkpoint's
     run as deliberate changes [--allow_resume_changes]"""
@@ -1061,8 +1064,9 @@ class TrainKTOFields(FlagConfig):
     """GB the resumable checkpoints in --ckpt_path may hold: after a save the oldest are deleted while they hold
     more (the one just saved always stays); as OpenRLHF's [--max_ckpt_mem, --ckpt.max_mem]"""
     load_checkpoint: bool = False
-    """resume from the newest intact checkpoint in --ckpt_path, if there is one; its run's model, data, batch and
-    learning-rate settings must be this run's [--load_checkpoint, --ckpt.load_enable]"""
+    """resume from the newest intact checkpoint in --ckpt_path, if there is one (none, and the output folders hold
+    an earlier run: an error); its run's model, data, batch and learning-rate settings must be this run's
+    [--load_checkpoint, --ckpt.load_enable]"""
     allow_resume_changes: str | None = None
     """--load_checkpoint: accept these settings (comma-separated flag names, or all) differing from the checkpoint's
     run as deliberate changes [--allow_resume_changes]"""
@@ -1640,8 +1644,9 @@ class TrainPPOFields(FlagConfig):
     """GB the resumable checkpoints in --ckpt_path may hold: after a save the oldest are deleted while they hold
     more (the one just saved always stays); as OpenRLHF's [--max_ckpt_mem, --ckpt.max_mem]"""
     load_checkpoint: bool = False
-    """resume from the newest intact checkpoint in --ckpt_path, if there is one; its run's model, data, batch and
-    learning-rate settings must be this run's [--load_checkpoint, --ckpt.load_enable]"""
+    """resume from the newest intact checkpoint in --ckpt_path, if there is one (none, and the output folders hold
+    an earlier run: an error); its run's model, data, batch and learning-rate settings must be this run's
+    [--load_checkpoint, --ckpt.load_enable]"""
     allow_resume_changes: str | None = None
     """--load_checkpoint: accept these settings (comma-separated flag names, or all) differing from the checkpoint's
     run as deliberate changes [--allow_resume_changes]"""

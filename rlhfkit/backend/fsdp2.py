@@ -42,7 +42,8 @@ updated after every optimizer step; `save_hf` exports the EMA weights (ema.py).
 Checkpoints (rlhfkit.checkpoint.sharded) go through `sharded_state_dict()`: each rank's DTensor shards (or,
 in one process, the fp32 masters) and optimizer state, written by torch.distributed.checkpoint
 with no gather. `save_hf` streams full tensors one at a time into size-capped safetensors files
-(rlhfkit.checkpoint.hf_export).
+(rlhfkit.checkpoint.hf_export), in the dtype of the model directory the model was loaded from (config.json,
+else its weights: rlhfkit.models.hf_files.saved_dtype), whatever the training computed in.
 
 An inference-only backend (`optim_cfg=None`, e.g. a reference or reward model) casts the
 weights to the compute dtype (no master copy is needed) and has no optimizer.
@@ -71,6 +72,7 @@ from rlhfkit.checkpoint.hf_export import export_hf, parse_size
 from rlhfkit.config.configs import BackendConfig, OptimConfig
 from rlhfkit.config.notes import note_once
 from rlhfkit.models.forward import token_logprobs
+from rlhfkit.models.hf_files import saved_dtype
 from rlhfkit.parallel import dist as D
 from rlhfkit.parallel.apply import ParallelizeConfig, parallelize
 from rlhfkit.parallel.context_parallel import check_cp
@@ -108,6 +110,9 @@ class FSDP2Backend:
         self.param_dtype = parse_dtype(backend_cfg.param_dtype)
         self.compute_dtype = compute_dtype_for(self.param_dtype, self.device, cpu_low_precision)
         self.trainable = optim_cfg is not None
+        # what save_hf writes by default: the dtype of the model directory this model was loaded from (a bf16
+        # base stays bf16 after fp32 CPU training), else the compute dtype
+        self.save_dtype = saved_dtype(getattr(model, "name_or_path", None)) or self.compute_dtype
         self.cpu_offload = backend_cfg.adam_offload and self.trainable and self.device.type == "cuda"
         if backend_cfg.adam_offload and self.trainable and self.device.type != "cuda" and dist.rank == 0:
             note_once("note: --adam_offload has no effect on CPU (the optimizer states are already in host memory)")
@@ -366,14 +371,14 @@ class FSDP2Backend:
 
     def save_hf(self, path: str, tokenizer: Any = None, dtype: torch.dtype | None = None,
                 max_shard_size: int | str | None = None) -> None:
-        """HF directory; weights in `dtype` (default: the compute dtype), streamed one tensor at a
-        time into safetensors files of at most `max_shard_size` (default --hf_max_shard_size); the
+        """HF directory; weights in `dtype` (default `self.save_dtype`: the base model's), streamed one tensor
+        at a time into safetensors files of at most `max_shard_size` (default --hf_max_shard_size); the
         EMA weights under --enable_ema. All ranks call; rank 0 writes."""
         limit = parse_size(self.cfg.hf_max_shard_size if max_shard_size is None else max_shard_size)
         self.check_finite(f"refusing to write {path}")
         sync = self.master.copy_to_model if self.master is not None else None
         with self.ema.swapped_in(sync) if self.ema is not None else contextlib.nullcontext():  # --enable_ema
-            export_hf(self.unwrap(), path, dtype or self.compute_dtype, limit, tokenizer,
+            export_hf(self.unwrap(), path, dtype or self.save_dtype, limit, tokenizer,
                       master_of=self.master.master_or_none if self.master is not None else None,
                       full_state_dict=self.full_state_dict)
 

@@ -267,13 +267,15 @@ def save_or_fall_back(save: Callable[[], None], fallback: Callable[[], str] | No
 
 
 def report_dropped(ds: Any, rows_read: int, what: str, training: bool) -> None:
-    """Count and name the rows the tokenized dataset `ds` left out, once, on rank 0; a training set
-    left with fewer than half its rows, or none, is a DataError (rlhfkit.data.items.check_dropped)."""
-    from rlhfkit.data.items import check_dropped
+    """Count and name the rows the tokenized dataset `ds` left out, and those it kept but cut at --max_len,
+    once, on rank 0; a training set left with fewer than half its rows, or none, is a DataError
+    (rlhfkit.data.items.check_dropped, check_cut)."""
+    from rlhfkit.data.items import check_cut, check_dropped
 
-    line = check_dropped(ds, rows_read, what, training=training)
-    if line and os.environ.get("RANK", "0") == "0":
-        log.info(line)
+    lines = [check_dropped(ds, rows_read, what, training=training), check_cut(ds, rows_read, what)]
+    if os.environ.get("RANK", "0") == "0":
+        for line in filter(None, lines):
+            log.info(line)
 
 
 def parallel_dims(args: argparse.Namespace, dist: DistInfo) -> ParallelDims:

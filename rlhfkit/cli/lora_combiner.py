@@ -3,6 +3,9 @@
     python -m rlhfkit.cli.lora_combiner --model_path BASE --lora_path ADAPTER --output_path OUT \\
         [--is_rm] [--param_dtype bf16]
 
+The merged model is saved in the base model's dtype (its config.json, else its weights) unless
+`--param_dtype` says otherwise.
+
 With `--is_rm` the base is loaded as a reward model (backbone + `score` head; the trained head comes
 from the adapter) and the output loads with `AutoModelForSequenceClassification(num_labels=1)`,
 keeping `value_head_prefix`, `normalize_reward`, `mean` and `std` in its config.json.
@@ -29,8 +32,9 @@ def build_parser() -> FlagParser:
         p.flag("--lora_path", type=str, required=True, help="peft adapter directory or hub id")
         p.flag("--output_path", type=str, required=True, help="where the merged model is written")
         p.flag("--is_rm", action="store_true", help="the base is a reward model (sequence classification)")
-        p.flag("--param_dtype", "--ds.param_dtype", type=str, default="bf16", choices=["bf16", "fp16", "fp32"],
-               help="dtype of the merged model's saved weights")
+        p.flag("--param_dtype", "--ds.param_dtype", type=str, default=None, choices=["bf16", "fp16", "fp32"],
+               help="dtype of the merged model's saved weights (default: the base model's, from its config.json "
+                    "or weights)")
         p.flag("--bf16", dest="param_dtype", action="store_const", const="bf16", help="alias of --param_dtype bf16")
     return p
 
@@ -43,7 +47,7 @@ def run(args: argparse.Namespace) -> str:
     from rlhfkit.trainers.model_card import write_model_card
 
     write_model_card(out, trainer="lora_combiner", base_model=args.model_path,
-                     settings={"lora_path": args.lora_path, "is_rm": args.is_rm, "param_dtype": args.param_dtype})
+                     settings={"lora_path": args.lora_path, "is_rm": args.is_rm, "param_dtype": args.param_dtype or "the base model's"})
     log.info(f"lora_combiner: merged {args.lora_path} into {args.model_path} -> {out}")
     return out
 

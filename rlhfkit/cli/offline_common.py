@@ -117,9 +117,19 @@ def setup(args: argparse.Namespace) -> tuple[DistInfo, Any]:
     return dist, tokenizer
 
 
+class LoadedItems(list):
+    """A dataset's items, with `data_metrics`: what reading it left out or cut, logged with every training step
+    (`data/cut_rows`: rows cut at --max_len, their end token not trained)."""
+
+    def __init__(self, items: Sequence[Any], data_metrics: dict[str, float]) -> None:
+        super().__init__(items)
+        self.data_metrics = data_metrics
+
+
 def load_items(args: argparse.Namespace, spec: str, split: str, probs: str | None,
-               make_dataset: Callable[[list[Row]], Any], flag: str) -> list[Any]:
-    """Rows of `spec` -> the dataset's items; dropped samples are reported, an empty result is an error."""
+               make_dataset: Callable[[list[Row]], Any], flag: str) -> LoadedItems:
+    """Rows of `spec` -> the dataset's items; dropped and cut samples are reported, an empty result is an
+    error."""
     rows = load_mixture(spec, probs, split=split, max_samples=args.max_samples, seed=args.seed,
                         max_row_bytes=args.max_row_bytes)
     ds = make_dataset(rows)
@@ -129,7 +139,7 @@ def load_items(args: argparse.Namespace, spec: str, split: str, probs: str | Non
     report_dropped(ds, len(rows), f"{flag} {spec}", training=flag == "--dataset")
     if not ds.items:
         raise DataError(f"{flag} {spec}: no usable samples ({len(rows)} rows read)")
-    return list(ds.items)
+    return LoadedItems(ds.items, {"data/cut_rows": float(getattr(ds, "num_cut", 0))})
 
 
 
@@ -180,6 +190,7 @@ def train_task(task: Any, backend: Any, train_items: Sequence[Any], eval_items: 
                tokenizer: Any = None) -> LoopState:
     """The offline loop, then one evaluation at the last step if it did not end with one."""
     cfg = loop_config(args)
+    cfg.data_metrics = dict(getattr(train_items, "data_metrics", {}))  # load_items: data/cut_rows
     state = train_offline(task, backend, train_items, cfg, dist, logger, eval_items, on_step_end=on_step_end,
                           tokenizer=tokenizer)
     last = state.history[-1] if state.history else {}

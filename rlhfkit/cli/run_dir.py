@@ -38,7 +38,15 @@ On entry, rank 0 (the driver under Ray), for each output folder (the run directo
       --overwrite_output_dir    starts over: the earlier records (RECORDS) and the checkpoints
                                 inside the run directory are removed (a --ckpt_path outside it is
                                 never emptied: it is refused)
-      neither                   refused in one line naming the folder and what it holds
+      neither                   refused in one line naming the folder, what it holds and the flags
+                                that lead on from there (--load_checkpoint only when --ckpt_path
+                                holds a checkpoint to resume)
+
+--load_checkpoint resumes when --ckpt_path holds a checkpoint (`has_resumable`); when it holds none, the
+run is a new run (with a note) as in OpenRLHF, whose scripts pass the flag on first runs too, unless
+the output folders hold an earlier run: then it is refused in one line (a run that asked to go on never
+starts over from --pretrain and replaces an earlier run's model and metrics), except where --pretrain
+is --save_path, which is handled as without the flag.
 
 Moved or removed is only what runs of rlhfkit write (`checkpoint_entries`: `latest`, the
 `global_step<N>` checkpoints with their `_hf` snapshots and `.tmp` leftovers, RL's actor/,
@@ -72,6 +80,7 @@ RECORDS = ("metrics.jsonl", "metrics.png", "completions.jsonl", "run_config.json
 MODEL_MARKERS = ("config.json", "adapter_config.json")
 POINTERS = ("latest", "latest.tmp")  # rlhfkit.checkpoint.sharded: `latest`, rewritten through latest.tmp
 CHECKPOINT_DIR = re.compile(r"global_step\d+(_hf)?((\.del|\.old)?\.tmp)?")  # a checkpoint, its HF snapshot, leftovers
+RESUMABLE = re.compile(r"global_step\d+")  # a checkpoint a run goes on from
 ROLE_FOLDERS = ("actor", "critic", "best")  # RL: one checkpoint folder per trained role; the best checkpoint
 NESTED_DEPTH = 4  # levels below an output folder searched for another run's lock
 YOUNG_LOCK_S = 5.0  # an unreadable lock younger than this is being written by a run starting now
@@ -321,6 +330,20 @@ def checkpoint_entries(root: str) -> list[str]:
     return found
 
 
+def has_resumable(ckpt: str) -> bool:
+    """Whether checkpoint folder `ckpt` holds a checkpoint that --load_checkpoint goes on from: a
+    `global_step<N>` folder in it (offline trainers) or in its actor/ (RL). One cut short counts too: loading
+    names what it lacks. `latest`, Hugging Face snapshots (`_hf`) and leftovers of killed saves do not."""
+    for root in (ckpt, os.path.join(ckpt, ROLE_FOLDERS[0])):
+        try:
+            names = os.listdir(root)
+        except OSError:
+            continue
+        if any(RESUMABLE.fullmatch(n) and os.path.isdir(os.path.join(root, n)) for n in names):
+            return True
+    return False
+
+
 def _has_checkpoints(path: str) -> bool:
     """A checkpoint of a run in `path` (leftovers of killed saves alone are none: they are never loaded)."""
     return any(not e.endswith(".tmp") for e in checkpoint_entries(path))
@@ -386,8 +409,9 @@ def _set_aside(args: argparse.Namespace) -> None:
     directory) to `<run dir>/earlier_runs/<its start time>/`."""
     run_dir, ckpt = run_dir_of(args), args.ckpt_path
     if _has_checkpoints(ckpt) and not _inside(ckpt, run_dir):
-        raise UsageError(f"--ckpt_path {ckpt} holds checkpoints of an earlier run: resume it with "
-                         "--load_checkpoint or choose another --ckpt_path")
+        way = "resume it with --load_checkpoint" if has_resumable(ckpt) else "remove them"
+        raise UsageError(f"--ckpt_path {ckpt} holds checkpoints of an earlier run: {way} or choose another "
+                         "--ckpt_path")
     moving = [os.path.join(run_dir, n) for n in RECORDS if os.path.isfile(os.path.join(run_dir, n))]
     entries = checkpoint_entries(ckpt) if _inside(ckpt, run_dir) else []
     if not (moving or entries):
@@ -413,24 +437,43 @@ def _set_aside(args: argparse.Namespace) -> None:
           f"it; the earlier run's {', '.join(names)} moved to {dest}", flush=True)
 
 
+def _nothing_to_resume(args: argparse.Namespace, held: list[str], run_flag: str) -> str:
+    """The line refusing --load_checkpoint when --ckpt_path holds no checkpoint and the folders an earlier run."""
+    return (f"--load_checkpoint: --ckpt_path {args.ckpt_path} holds no checkpoint to resume, and {run_flag} "
+            f"{run_dir_of(args)} holds an earlier run ({'; '.join(held)}) that saved none (checkpoints are written "
+            f"every --save_steps steps and when a run is stopped): start over with --overwrite_output_dir instead, "
+            f"or choose another {run_flag}")
+
+
 def check_earlier_run(args: argparse.Namespace) -> None:
-    """Refuse, resume or start over an earlier run in the output folders (module docstring, step 3)."""
+    """Refuse, resume or start over an earlier run in the output folders (module docstring, step 3); refuse
+    --load_checkpoint with nothing to resume where that would replace an earlier run."""
     overwrite, resume = getattr(args, "overwrite_output_dir", False), getattr(args, "load_checkpoint", False)
     if overwrite and resume:
         raise UsageError("--overwrite_output_dir starts the run over and --load_checkpoint resumes it: give one")
-    held = earlier_run(args)
+    held, resumable = earlier_run(args), has_resumable(args.ckpt_path)
+    run_flag = "--run_dir" if getattr(args, "run_dir", None) else "--save_path"
+    iterating = bool(getattr(args, "pretrain", None)) and _same_folder(args.pretrain, args.save_path)
+    if resume and not resumable:
+        if held and not iterating:
+            raise UsageError(_nothing_to_resume(args, held, run_flag))
+        print(f"note: --load_checkpoint: --ckpt_path {args.ckpt_path} holds no checkpoint to resume; this run starts "
+              "from --pretrain", flush=True)
+        resume = False
     if not held:
         return
     if overwrite:
         _start_over(args)
         return
-    if not resume and getattr(args, "pretrain", None) and _same_folder(args.pretrain, args.save_path):
+    if not resume and iterating:
         _set_aside(args)
         return
-    run_flag = "--run_dir" if getattr(args, "run_dir", None) else "--save_path"
     if not resume:
-        raise UsageError(f"{run_flag} {run_dir_of(args)} holds an earlier run ({'; '.join(held)}): resume it with "
-                         f"--load_checkpoint, start over with --overwrite_output_dir, or choose another {run_flag}")
+        ways = (["resume it with --load_checkpoint"] if resumable else []) + [
+            "start over with --overwrite_output_dir", f"choose another {run_flag}"]
+        nothing = "" if resumable else " and no checkpoint to resume"
+        raise UsageError(f"{run_flag} {run_dir_of(args)} holds an earlier run ({'; '.join(held)}){nothing}: "
+                         f"{', '.join(ways[:-1])}, or {ways[-1]}")
     if not (_logged_steps(run_dir_of(args)) or _has_model(args.save_path)):
         return  # the run directory's run_config.json, if any, is of an attempt that never trained
     saved = _read_config(os.path.join(run_dir_of(args), "run_config.json"))

@@ -299,8 +299,9 @@ def add_ckpt_flags(p: FlagParser) -> None:
                help="GB the resumable checkpoints in --ckpt_path may hold: after a save the oldest are deleted "
                     "while they hold more (the one just saved always stays); as OpenRLHF's")
         p.flag("--load_checkpoint", "--ckpt.load_enable", action="store_true",
-               help="resume from the newest intact checkpoint in --ckpt_path, if there is one; its run's model, "
-                    "data, batch and learning-rate settings must be this run's")
+               help="resume from the newest intact checkpoint in --ckpt_path, if there is one (none, and the output "
+                    "folders hold an earlier run: an error); its run's model, data, batch and learning-rate settings "
+                    "must be this run's")
         p.flag("--allow_resume_changes", type=str, default=None,
                help="--load_checkpoint: accept these settings (comma-separated flag names, or all) differing "
                     "from the checkpoint's run as deliberate changes")

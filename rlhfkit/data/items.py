@@ -12,6 +12,10 @@ Joining rule (SFT, DPO/RM, KTO; `encode_prompt_response`, `join_prompt_response`
     loss_mask = [0] * len(prompt_ids) + [1] * (len(ids) - len(prompt_ids))
     ids, loss_mask cut to max_len; None when no response token survives.
 
+A kept row that the cut shortened (its end token, the EOS after the response, is then not trained) is
+counted in `TokenizedDataset.num_cut` and reported once at load (`check_cut`), as rows left out are
+(`check_dropped`).
+
 Prompt and response are encoded separately and the ids concatenated, so the mask boundary is
 exact (OpenRLHF encodes the joined text and uses the prompt's token count, which can be off by
 one when a merge crosses the boundary) and the ids are what an RL rollout would produce.
@@ -105,6 +109,12 @@ def encode_prompt_response(tokenizer: Any, prompt: str, response: str, max_len: 
     return prompt_ids, (encode_head(tokenizer, response.rstrip("\n"), room) if room > 0 else [])
 
 
+def joined_length(prompt_ids: list[int], response_ids: list[int], eos_id: int | None) -> int:
+    """The length of prompt + response + EOS by the joining rule, before the cut to max_len."""
+    eos = eos_id is not None and (not response_ids or response_ids[-1] != eos_id)
+    return len(prompt_ids) + len(response_ids) + int(eos)
+
+
 def join_prompt_response(prompt_ids: list[int], response_ids: list[int], eos_id: int | None,
                          max_len: int) -> tuple[list[int], list[int]] | None:
     """`(ids, loss_mask)` by the joining rule above, or None when the response is cut away."""
@@ -122,7 +132,9 @@ def join_prompt_response(prompt_ids: list[int], response_ids: list[int], eos_id:
 
 class TokenizedDataset(Dataset):
     """Items built once from rows by `encode_row` (None drops a row, counted in `num_dropped`; the
-    first dropped row is `first_dropped`, the reason `drop_reason`).
+    first dropped row is `first_dropped`, the reason `drop_reason`). A kept row that `encode_row` cut at
+    --max_len (it sets `self._cut`) is counted in `num_cut`, the first one is `first_cut`, and what the
+    cut costs the training is `cut_effect`.
 
     `chat_flag` names the flag that needs the tokenizer's chat template (None: not needed);
     `chat_template` (`--tokenizer_chat_template`) replaces the tokenizer's template first.
@@ -138,13 +150,19 @@ class TokenizedDataset(Dataset):
         self.items: list[Any] = []
         self.num_dropped = 0
         self.first_dropped: Row | None = None
+        self.num_cut = 0
+        self.first_cut: Row | None = None
         for row in rows:
+            self._cut = False
             item = self.encode_row(row)
             if item is None:
                 self.num_dropped += 1
                 self.first_dropped = self.first_dropped or row
             else:
                 self.items.append(item)
+                if self._cut:
+                    self.num_cut += 1
+                    self.first_cut = self.first_cut or row
 
     @property
     def drop_reason(self) -> str:
@@ -152,8 +170,13 @@ class TokenizedDataset(Dataset):
         max_len = getattr(getattr(self, "config", None), "max_len", None)
         return f"no token to train on within --max_len {max_len}" if max_len else "no token to train on"
 
+    @property
+    def cut_effect(self) -> str:
+        """What a row cut at --max_len loses (for the load report)."""
+        return "their end token not trained"
+
     def encode_row(self, row: Row) -> Any:
-        """One row -> one item, or None to drop it."""
+        """One row -> one item, or None to drop it; sets `self._cut` when it cut the row at --max_len."""
         raise NotImplementedError
 
     def __len__(self) -> int:
@@ -174,12 +197,14 @@ class TokenizedDataset(Dataset):
         loss, and a sample whose runs the cut would break is dropped (None)."""
         if images is None:
             prompt_ids, response_ids = encode_prompt_response(self.tokenizer, prompt, response, max_len)
+            self._cut |= joined_length(prompt_ids, response_ids, self.eos_id) > max_len
             return join_prompt_response(prompt_ids, response_ids, self.eos_id, max_len)
         prompt_ids, response_ids = encode_prompt_response(self.tokenizer, prompt, response)
         images.expand(prompt_ids + response_ids, refs, row)  # one placeholder per picture, or an error
         k = prompt_ids.count(images.image_token_id)
         prompt_ids, _ = images.expand(prompt_ids, refs[:k], row)
         response_ids, _ = images.expand(response_ids, refs[k:], row)
+        self._cut |= joined_length(prompt_ids, response_ids, self.eos_id) > max_len
         joined = join_prompt_response(prompt_ids, response_ids, self.eos_id, max_len)
         if joined is None or not images.intact(joined[0], refs):
             return None
@@ -202,3 +227,16 @@ def check_dropped(ds: TokenizedDataset, rows_read: int, what: str, training: boo
         raise DataError(f"{line}; {'no row is' if not kept else f'only {kept} rows are'} left to train on "
                         "(lengthen the limit or shorten the data)")
     return line
+
+
+def check_cut(ds: TokenizedDataset, rows_read: int, what: str) -> str | None:
+    """The load report of the rows a tokenized dataset kept but cut at --max_len: one line (None when no
+    row was cut), e.g.
+
+        --dataset data.jsonl: 3 of 200 rows cut at --max_len 64; their end token not trained (the first: data.jsonl row 7)
+    """
+    if not getattr(ds, "num_cut", 0):
+        return None
+    max_len = getattr(getattr(ds, "config", None), "max_len", None)
+    first = f" (the first: {ds.first_cut.where})" if ds.first_cut is not None else ""
+    return f"{what}: {ds.num_cut} of {rows_read} rows cut at --max_len {max_len}; {ds.cut_effect}{first}"

@@ -15,7 +15,8 @@ boolean `--label_key` (desirable or not). `kto_mismatched` builds the (prompt_i,
 pairs whose log-ratios estimate KTO's reference point z0 = KL(pi || pi_ref).
 
 Both use the joining and truncation rule of `rlhfkit.data.items`; a pair is dropped (and counted)
-when either side has no response token left within `--max_len`.
+when either side has no response token left within `--max_len`, and a kept row with a side cut at
+`--max_len` (its end token not trained) is counted in `num_cut`.
 
 Vision-language pairs (`images`, a `RowImages`): the row's pictures are placed in the prompt (or,
 without `--prompt_key`, in each side's conversation or text) and both sides show them; their
@@ -30,7 +31,7 @@ from typing import Any, Sequence
 from rlhfkit.data.images import RowImages
 from rlhfkit.data.io import DataError, Row
 from rlhfkit.data.items import (PreferenceItem, SFTItem, TokenizedDataset, UnpairedItem, encode_prompt_response,
-                                join_prompt_response)
+                                join_prompt_response, joined_length)
 from rlhfkit.data.templates import (DEFAULT_INPUT_TEMPLATE, PromptFormat, check_input_template, chat_prompt_response,
                                     to_messages)
 
@@ -171,6 +172,7 @@ class UnpairedDataset(TokenizedDataset):
             self.tokenizer, row.get(cfg.input_key, "--input_key"), row.get(cfg.output_key, "--output_key"),
             row, (cfg.input_key, cfg.output_key))
         prompt_ids, response_ids = encode_prompt_response(self.tokenizer, prompt, response)
+        self._cut = joined_length(prompt_ids, response_ids, self.eos_id) > cfg.max_len
         joined = join_prompt_response(prompt_ids, response_ids, self.eos_id, cfg.max_len)
         if joined is None:
             return None

@@ -12,7 +12,8 @@ position:
 
 i.e. `labels[t]` is the target of the model output *at* position t (the PRM loss reads the
 logits there, restricted to the reward tokens). Text beyond `--max_len` is cut, and the labels
-of cut steps go with it (a row with no step left is dropped). The number of placeholders must equal the number of labels.
+of cut steps go with it (a row with no step left is dropped; a kept row that lost a labelled step
+is counted in `num_cut` and reported at load). The number of placeholders must equal the number of labels.
 """
 
 from __future__ import annotations
@@ -60,6 +61,10 @@ class PRMDataset(TokenizedDataset):
     def __getitem__(self, idx: int) -> PRMItem:
         return self.items[idx]
 
+    @property
+    def cut_effect(self) -> str:
+        return "the labels of their steps after the cut not trained"
+
     def _label_values(self, row: Row) -> tuple[list[Any], bool]:
         """Hard labels as token ids, or soft labels as floats; and whether they are soft."""
         key = self.config.label_key
@@ -88,6 +93,7 @@ class PRMDataset(TokenizedDataset):
         if len(steps) != len(values):
             raise row.error(f"{len(steps)} placeholder tokens {cfg.placeholder_token!r} (--placeholder_token) "
                             f"but {len(values)} labels (--label_key)")
+        self._cut = any(t >= cfg.max_len for t in steps)  # a labelled step cut away
         ids = ids[: cfg.max_len]
         labels: list[Any] = [IGNORE_INDEX] * len(ids)
         for t, value in zip(steps, values):

@@ -18,9 +18,10 @@ Three modes (OpenRLHF `train_sft` flags):
 * `--pretrain_mode`: the raw `--input_key` text (then the `--output_key` text, if given),
   no template, loss on every token that has a predecessor.
 
-Samples longer than `--max_len` are cut; a sample with no response token left is dropped and
-counted in `num_dropped`. Texts are encoded only as far as the cut can reach (`templates.encode_head`),
-so a huge row costs what `--max_len` costs.
+Samples longer than `--max_len` are cut: a sample with no response token left is dropped and
+counted in `num_dropped`, a kept one whose trained tokens (the end token among them) were cut is counted
+in `num_cut`; both are reported once at load. Texts are encoded only as far as the cut can reach
+(`templates.encode_head`), so a huge row costs what `--max_len` costs.
 
 Vision-language SFT (`images`, a `RowImages`: `--image_key`, `--max_images_per_prompt`): a row's
 pictures get one placeholder each in its prompt or conversation (`<image>` tags or image content
@@ -101,13 +102,19 @@ class SFTDataset(TokenizedDataset):
         """Rows dropped for a bad picture (--image_failure drop)."""
         return 0 if self.images is None else self.images.num_dropped
 
+    @property
+    def cut_effect(self) -> str:
+        return "the rest of their text not trained" if self.config.pretrain_mode else super().cut_effect
+
     # ------------------------------------------------------------------ modes
 
     def _pretrain(self, row: Row) -> SFTItem | None:
         text = row.get_str(self.config.input_key, "--input_key")
         if self.config.output_key:
             text += row.get_str(self.config.output_key, "--output_key")
-        ids = encode_head(self.tokenizer, text, self.config.max_len, start=True)[: self.config.max_len]
+        ids = encode_head(self.tokenizer, text, self.config.max_len, start=True)
+        self._cut = len(ids) > self.config.max_len
+        ids = ids[: self.config.max_len]
         if len(ids) < 2:
             return None
         return SFTItem(ids, [0] + [1] * (len(ids) - 1))
@@ -162,6 +169,7 @@ class SFTDataset(TokenizedDataset):
         if self.images is not None:
             ids, mask = self.images.expand(ids, refs, row, mask)
             mask = self.images.mask_out(ids, mask)
+        self._cut = any(mask[self.config.max_len:])  # a trained token (the last turn's end token) cut away
         ids, mask = ids[: self.config.max_len], mask[: self.config.max_len]
         if mask:
             mask[0] = 0

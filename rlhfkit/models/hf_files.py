@@ -113,3 +113,41 @@ def weight_file_keys(path: str, safetensors_name: str, bin_name: str) -> set[str
     if os.path.isfile(binary):
         return set(torch.load(binary, map_location="meta", weights_only=True, mmap=True))
     return None
+
+
+_ST_FLOATS = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def saved_dtype(path: str | None) -> torch.dtype | None:
+    """The dtype the model directory `path` stores its weights in: its config.json's `dtype` (`torch_dtype`
+    in older files), else the dtype of most floating-point values in its safetensors files (read from their
+    headers); None when neither tells (no such directory, fp32 defaulted by nothing)."""
+    import glob
+    import json
+    import struct
+
+    if not path or not os.path.isdir(path):
+        return None
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        cfg = {}
+    if not isinstance(cfg, dict):
+        cfg = {}
+    named = cfg.get("dtype") or cfg.get("torch_dtype") or (cfg.get("text_config") or {}).get("dtype")
+    if isinstance(named, str) and named in _DTYPES:
+        return _DTYPES[named]
+    sizes: dict[torch.dtype, int] = {}
+    for file in glob.glob(os.path.join(path, "*.safetensors")):
+        try:
+            with open(file, "rb") as f:
+                n = struct.unpack("<Q", f.read(8))[0]
+                header = json.loads(f.read(n))
+        except (OSError, ValueError, struct.error):
+            continue
+        for name, entry in header.items():
+            if name != "__metadata__" and isinstance(entry, dict) and entry.get("dtype") in _ST_FLOATS:
+                start, end = entry.get("data_offsets", (0, 0))
+                sizes[_ST_FLOATS[entry["dtype"]]] = sizes.get(_ST_FLOATS[entry["dtype"]], 0) + end - start
+    return max(sizes, key=sizes.__getitem__) if sizes else None

@@ -13,9 +13,11 @@ from rlhfkit.models.hf_files import weight_file_keys
 from rlhfkit.optional import require
 
 def merge_lora(model_path: str, lora_path: str, output_path: str, is_rm: bool = False,
-               param_dtype: str = "bf16") -> str:
+               param_dtype: str | None = None) -> str:
     """Load base + adapter, merge (W += alpha/r * B A), save model and tokenizer to `output_path`.
-    Either path may be a hub id (`rlhfkit.models.hub`).
+    Either path may be a hub id (`rlhfkit.models.hub`). The merged weights are in `param_dtype`, by default
+    (None) the base model's dtype (`hf_files.saved_dtype`: its config.json, else its weights; fp32 when
+    neither tells).
 
     With `is_rm` the base is loaded as a reward model (`rlhfkit.models.value`, head name from the
     adapter's or the base's config) and the saved directory keeps the reward config keys
@@ -24,7 +26,7 @@ def merge_lora(model_path: str, lora_path: str, output_path: str, is_rm: bool = 
     require("peft", "lora_combiner")
     from peft import PeftModel
 
-    from rlhfkit.models.hf_files import check_model_dir, load_tokenizer, resolve_dtype
+    from rlhfkit.models.hf_files import check_model_dir, load_tokenizer, resolve_dtype, saved_dtype
     from rlhfkit.models.hub import ADAPTER_FILE, resolve_model_path
 
     model_path = check_model_dir(model_path, "--model_path")
@@ -33,7 +35,7 @@ def merge_lora(model_path: str, lora_path: str, output_path: str, is_rm: bool = 
         raise FileNotFoundError(f"--lora_path {lora_path!r}: no such directory")
     if not os.path.isfile(os.path.join(lora_path, "adapter_config.json")):
         raise FileNotFoundError(f"--lora_path {lora_path!r} has no adapter_config.json (not a peft adapter)")
-    dtype = resolve_dtype(param_dtype)
+    dtype = resolve_dtype(param_dtype) if param_dtype else (saved_dtype(model_path) or torch.float32)
     if os.path.isfile(os.path.join(lora_path, "tokenizer_config.json")):  # an adapter dir has no config.json
         from transformers import AutoTokenizer
 

@@ -83,6 +83,8 @@ class LoopConfig:
     # compared on resume; the settings accepted as changed [--allow_resume_changes]
     run_settings: dict[str, Any] = field(default_factory=dict)
     allowed_changes: frozenset[str] = frozenset()
+    # constants logged with every step: what reading the data cut (data/cut_rows, rlhfkit.cli.offline_common)
+    data_metrics: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.max_steps is not None and self.max_steps < 1:
@@ -173,6 +175,7 @@ def train_offline(task: OfflineTask, backend, train_items: Sequence[Any], cfg: L
             state.batch_in_epoch = b + 1
             metrics["step_time"] = time.time() - t0
             metrics["epoch"] = state.epoch
+            metrics.update(cfg.data_metrics)
             bar.update(1)
             bar.set_postfix(loss=f"{metrics.get('loss', float('nan')):.4f}")
             last_of_epoch = b + 1 == spe

@@ -107,12 +107,12 @@ def test_master_weights_exported_in_fp32_and_bf16(tiny_model_dir, tmp_path):
     b = trained_backend(tiny_model_dir, param_dtype="bf16")
     assert b.master is not None and b.model.dtype == torch.bfloat16
     masters = dict(zip(b.master.names, b.master.masters))
-    b.save_hf(str(tmp_path / "fp32"), dtype=torch.float32, max_shard_size=LIMIT)
+    b.save_hf(str(tmp_path / "fp32"), max_shard_size=LIMIT)  # default: the base model's dtype (fp32 here)
     re = AutoModelForCausalLM.from_pretrained(str(tmp_path / "fp32"))
     assert re.dtype == torch.float32
     for k, v in re.state_dict().items():
         assert torch.equal(v, masters[k]), k  # the fp32 masters, not their bf16 rounding
-    b.save_hf(str(tmp_path / "bf16"))  # default: the compute dtype, default limit: one file
+    b.save_hf(str(tmp_path / "bf16"), dtype=torch.bfloat16)  # default limit: one file
     assert sorted(n for n in os.listdir(tmp_path / "bf16") if "safetensors" in n) == ["model.safetensors"]
     re16 = AutoModelForCausalLM.from_pretrained(str(tmp_path / "bf16"))
     assert re16.dtype == torch.bfloat16

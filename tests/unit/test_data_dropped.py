@@ -10,7 +10,7 @@ import json
 import pytest
 
 from rlhfkit.data.io import DataError, Row
-from rlhfkit.data.items import check_dropped
+from rlhfkit.data.items import check_cut, check_dropped
 from rlhfkit.data.prompts import PromptDataConfig, PromptDataset
 from rlhfkit.data.sft import SFTDataConfig, SFTDataset
 from rlhfkit.models.tiny import build_tokenizer
@@ -89,3 +89,55 @@ def test_train_ppo_stops_at_load_when_most_prompts_are_too_long(tiny_model_dir, 
     assert err[0].startswith(f"train_ppo: error: --prompt_data {d}/prompts.jsonl: 12 of 12 rows left out: "
                              f"longer than --prompt_max_len {len(first) - 1} tokens (the first: "
                              f"{d}/prompts.jsonl row 1); no row is left to train on"), err
+
+
+def test_rows_cut_at_max_len_are_counted_once_with_what_they_lose(tok):
+    # "hi" + "yo" + EOS: 5 tokens; "hi" + "yoo" + EOS: 6, exactly --max_len 6 (not cut); "hi" + "a long answer":
+    # cut, its EOS not trained; "a long question" + "x": no response token left (left out, not cut)
+    data = [Row({"q": "hi", "a": "yo"}, "s.jsonl", 1), Row({"q": "hi", "a": "a long answer"}, "s.jsonl", 2),
+            Row({"q": "hi", "a": "yoo"}, "s.jsonl", 3), Row({"q": "a long question", "a": "x"}, "s.jsonl", 4),
+            Row({"q": "hi", "a": "another long one"}, "s.jsonl", 5)]
+    ds = SFTDataset(data, tok, SFTDataConfig(input_key="q", output_key="a", input_template="{}", max_len=6))
+    assert (len(ds), ds.num_dropped, ds.num_cut) == (4, 1, 2)
+    assert [it.input_ids[-1] == tok.eos_token_id for it in ds] == [True, False, True, False]
+    assert check_cut(ds, 5, "--dataset s.jsonl") == ("--dataset s.jsonl: 2 of 5 rows cut at --max_len 6; their end "
+                                                      "token not trained (the first: s.jsonl row 2)")
+    fits = SFTDataset(data[:1] + data[2:3], tok,
+                      SFTDataConfig(input_key="q", output_key="a", input_template="{}", max_len=6))
+    assert fits.num_cut == 0 and check_cut(fits, 2, "--dataset s.jsonl") is None
+    raw = SFTDataset(data, tok, SFTDataConfig(input_key="q", output_key="a", max_len=6, pretrain_mode=True))
+    assert raw.num_cut == 3 and check_cut(raw, 5, "--dataset s.jsonl").endswith(
+        "3 of 5 rows cut at --max_len 6; the rest of their text not trained (the first: s.jsonl row 2)")
+
+
+def test_multiturn_rows_cut_in_a_trained_turn_are_counted(tok):
+    convo = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    long = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a much longer answer"}]
+    rows_ = [Row({"m": convo}, "c.jsonl", 1), Row({"m": long}, "c.jsonl", 2)]
+    full = len(SFTDataset(rows_[:1], tok, SFTDataConfig(input_key="m", multiturn=True, max_len=512))[0])
+    ds = SFTDataset(rows_, tok, SFTDataConfig(input_key="m", multiturn=True, max_len=full))
+    assert (len(ds), ds.num_cut, ds.first_cut.where) == (2, 1, "c.jsonl row 2")
+
+
+def test_preference_kto_and_prm_rows_cut_at_max_len_are_counted(tok):
+    from rlhfkit.data.preference import PreferenceDataConfig, PreferenceDataset, UnpairedDataConfig, UnpairedDataset
+    from rlhfkit.data.prm import PRMDataConfig, PRMDataset
+
+    pairs = [Row({"p": "hi", "c": "yo", "r": "no"}, "p.jsonl", 1),
+             Row({"p": "hi", "c": "yo", "r": "a long rejected answer"}, "p.jsonl", 2)]
+    ds = PreferenceDataset(pairs, tok, PreferenceDataConfig(prompt_key="p", chosen_key="c", rejected_key="r",
+                                                            input_template="{}", max_len=6))
+    assert (len(ds), ds.num_cut) == (2, 1)
+    assert check_cut(ds, 2, "--dataset p.jsonl") == ("--dataset p.jsonl: 1 of 2 rows cut at --max_len 6; their end "
+                                                      "token not trained (the first: p.jsonl row 2)")
+    unpaired = [Row({"q": "hi", "a": "a long answer", "l": True}, "k.jsonl", 1),
+                Row({"q": "hi", "a": "yo", "l": False}, "k.jsonl", 2)]
+    kto = UnpairedDataset(unpaired, tok, UnpairedDataConfig(input_key="q", output_key="a", label_key="l",
+                                                            input_template="{}", max_len=6))
+    assert (len(kto), kto.num_cut, kto.first_cut.where) == (2, 1, "k.jsonl row 1")
+    # PRM: "ab+cd+" with "+" ending each step: BOS + 6 tokens; --max_len 5 cuts the second step's label away
+    steps = [Row({"t": "ab+cd+", "v": [1.0, 0.0]}, "r.jsonl", 1), Row({"t": "a+", "v": [1.0]}, "r.jsonl", 2)]
+    prm = PRMDataset(steps, tok, PRMDataConfig(input_key="t", label_key="v", placeholder_token="+", max_len=5))
+    assert (len(prm), prm.num_cut) == (2, 1)
+    assert check_cut(prm, 2, "--dataset r.jsonl").endswith(
+        "1 of 2 rows cut at --max_len 5; the labels of their steps after the cut not trained (the first: r.jsonl row 1)")

@@ -85,13 +85,22 @@ def test_an_earlier_run_is_refused_unless_resumed_or_overwritten(tmp_path, capsy
     run.mkdir()
     (run / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
     (run / "run_config.json").write_text(json.dumps({"pretrain": "m", "learning_rate": 5e-6}))
+    # no checkpoint: --load_checkpoint leads nowhere, and is not suggested
     with pytest.raises(UsageError, match=rf"^--save_path {run} holds an earlier run \(2 logged steps in "
-                                         rf"{run}/metrics.jsonl\): resume it with --load_checkpoint, start over "
-                                         r"with --overwrite_output_dir, or choose another --save_path$"):
+                                         rf"{run}/metrics.jsonl\) and no checkpoint to resume: start over with "
+                                         r"--overwrite_output_dir, or choose another --save_path$"):
         with RunDirectory(args(str(run))):
             pass
     (run / "config.json").write_text("{}")  # a finished run: its saved model
     with pytest.raises(UsageError, match=r"holds an earlier run \(2 logged steps .*; a saved model in "):
+        with RunDirectory(args(str(run))):
+            pass
+    os.makedirs(run / "checkpoints" / "global_step2")
+    (run / "checkpoints" / "latest").write_text("global_step2")
+    with pytest.raises(UsageError, match=rf"^--save_path {run} holds an earlier run \(2 logged steps in "
+                                         rf"{run}/metrics.jsonl; a saved model in {run}; checkpoints in "
+                                         rf"{run}/checkpoints\): resume it with --load_checkpoint, start over with "
+                                         r"--overwrite_output_dir, or choose another --save_path$"):
         with RunDirectory(args(str(run))):
             pass
     with RunDirectory(args(str(run), "--load_checkpoint")):  # resuming (a finished run too) is allowed
@@ -99,8 +108,6 @@ def test_an_earlier_run_is_refused_unless_resumed_or_overwritten(tmp_path, capsy
     with pytest.raises(UsageError, match="give one"):
         with RunDirectory(args(str(run), "--load_checkpoint", "--overwrite_output_dir")):
             pass
-    os.makedirs(run / "checkpoints" / "global_step2")
-    (run / "checkpoints" / "latest").write_text("global_step2")
     with RunDirectory(args(str(run), "--overwrite_output_dir")):
         pass
     assert not (run / "metrics.jsonl").exists() and not (run / "run_config.json").exists()
@@ -127,6 +134,7 @@ def test_resuming_a_run_with_other_settings_names_the_flags(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    os.makedirs(run / "checkpoints" / "global_step1")
     old = vars(args(str(run), "--learning_rate", "2e-4", "--train_batch_size", "8"))
     (run / "run_config.json").write_text(json.dumps(old, default=str))
     with pytest.raises(ResumeMismatch, match=rf"^--load_checkpoint: the run in --save_path {run} was made by a run "
@@ -321,3 +329,43 @@ def test_a_lock_of_a_killed_run_covers_nothing(tmp_path):
         with RunDirectory(args(*b_args)):
             pass
     assert json.load(open(lk / LOCK))["pid"] == dead.pid  # not B's folder: left for a run there to take over
+
+
+def test_load_checkpoint_with_nothing_to_resume_never_replaces_an_earlier_run(tmp_path, capsys):
+    # an earlier run that saved no checkpoint (--save_steps -1): its model and metrics are never replaced
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run / "config.json").write_text("{}")
+    os.makedirs(run / "checkpoints" / "global_step1_hf")  # a Hugging Face snapshot is nothing to resume
+    with pytest.raises(UsageError, match=rf"^--load_checkpoint: --ckpt_path {run}/checkpoints holds no checkpoint to "
+                                         rf"resume, and --save_path {run} holds an earlier run \(1 logged steps in "
+                                         rf"{run}/metrics.jsonl; a saved model in {run}; checkpoints in "
+                                         rf"{run}/checkpoints\) that saved none \(checkpoints are written every "
+                                         r"--save_steps steps and when a run is stopped\): start over with "
+                                         r"--overwrite_output_dir instead, or choose another --save_path$"):
+        with RunDirectory(args(str(run), "--load_checkpoint")):
+            pass
+    assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n' and (run / "config.json").exists()
+    # RL keeps its checkpoints under actor/: those resume
+    os.makedirs(run / "checkpoints" / "actor" / "global_step1")
+    with RunDirectory(args(str(run), "--load_checkpoint")):
+        pass
+    # fresh folders (OpenRLHF's scripts pass --load_checkpoint on first runs too): a new run, with a note
+    fresh = tmp_path / "fresh"
+    capsys.readouterr()
+    with RunDirectory(args(str(fresh), "--load_checkpoint")):
+        pass
+    assert capsys.readouterr().out == (f"note: --load_checkpoint: --ckpt_path {fresh}/checkpoints holds no checkpoint "
+                                       "to resume; this run starts from --pretrain\n")
+
+
+def test_pretrain_is_save_path_with_load_checkpoint_and_no_checkpoint_sets_the_earlier_run_aside(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text("{}")
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    with RunDirectory(args(str(run), "--load_checkpoint", "--pretrain", str(run))):  # OpenRLHF's iterative scripts
+        pass
+    assert not (run / "metrics.jsonl").exists() and len(os.listdir(run / "earlier_runs")) == 1
+    assert "holds no checkpoint to resume; this run starts from --pretrain" in capsys.readouterr().out
