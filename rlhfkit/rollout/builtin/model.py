@@ -49,7 +49,7 @@ import torch
 import torch.distributed._functional_collectives  # noqa: F401 - registers the _c10d_functional ops
 import torch.nn.functional as F
 
-from rlhfkit.rollout.builtin import triton_gemm, triton_ops  # triton_gemm registers the GEMM ops
+from rlhfkit.rollout.builtin import triton_gemm, triton_norm, triton_ops  # triton_gemm registers the GEMM ops
 from rlhfkit.rollout.builtin.families import MoESpec
 from rlhfkit.rollout.builtin.fused import EagerFused
 from rlhfkit.rollout.builtin.weights import LayerWeights, ModelSpec, ModelWeights
@@ -121,12 +121,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, style: str = "ll
     return (w * xf).to(dtype)
 
 
-_fused_rms_norm = EagerFused(rms_norm)  # one kernel instead of six or more (fused.py)
-
-
 def _norm(spec: ModelSpec, weight: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
-    """The family's RMSNorm of `x` by `weight`; `x` itself where the family has no such norm."""
-    return x if weight is None else _fused_rms_norm(x, weight, spec.rms_norm_eps, spec.family.norm)
+    """The family's RMSNorm of `x` by `weight`; `x` itself where the family has no such norm. On a GPU
+    outside compiled regions one Triton kernel (triton_norm.py) instead of six or more eager ones."""
+    if weight is None:
+        return x
+    if triton_norm.applies(x, weight) and not torch.compiler.is_compiling():
+        return torch.ops.rlhfkit.rms_norm(x, weight, spec.rms_norm_eps, triton_norm.STYLES[spec.family.norm])
+    return rms_norm(x, weight, spec.rms_norm_eps, spec.family.norm)
+
+
+def _add_norm(spec: ModelSpec, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor | None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(x + delta, _norm(x + delta))`, the sum rounded to x's dtype; one kernel where `_norm` is one."""
+    if (weight is not None and delta.shape == x.shape and delta.dtype == x.dtype
+            and triton_norm.applies(x, weight) and delta.stride(-1) == 1 and not torch.compiler.is_compiling()):
+        return torch.ops.rlhfkit.add_rms_norm(x, delta, weight, spec.rms_norm_eps,
+                                              triton_norm.STYLES[spec.family.norm])
+    x = x + delta
+    return x, _norm(spec, weight, x)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int | None = None) -> torch.Tensor:
@@ -285,7 +298,11 @@ _routed = EagerFused(_moe, bypass=lambda: _ROUTE_LOG is not None)
 
 def _ffn(layer: LayerWeights, spec: ModelSpec, x: torch.Tensor) -> torch.Tensor:
     """The MLP half of a layer from the residual stream `x`: [norm] -> MLP or experts -> [out norm]."""
-    h = _norm(spec, layer.mlp_norm, x)
+    return _ffn_normed(layer, spec, _norm(spec, layer.mlp_norm, x))
+
+
+def _ffn_normed(layer: LayerWeights, spec: ModelSpec, h: torch.Tensor) -> torch.Tensor:
+    """`_ffn` from the already normalised `h`."""
     out = _routed(layer, spec, h) if layer.kind.moe else _mlp(layer, spec, h)
     return _norm(spec, layer.mlp_out_norm, out)
 
@@ -384,9 +401,11 @@ def decode_layer(spec: ModelSpec, layer: LayerWeights, k_cache: torch.Tensor, v_
     nrows = x.shape[0]
     if gemm == "triton" and delta.dim() == 3:  # the residual add + RMSNorm kernel sums the partials
         x, h = torch.ops.rlhfkit.residual_rmsnorm(x, delta, layer.input_norm, spec.rms_norm_eps)
-    else:
+    elif delta.dim() == x.dim() + 1:
         x = _residual(x, delta)
         h = _norm(spec, layer.input_norm, x)
+    else:
+        x, h = _add_norm(spec, x, delta, layer.input_norm)
     q, k, v = _project_qkv(layer, spec, h)
     if attn == "triton":
         out = torch.ops.rlhfkit.decode_attention(q, k, v, k_cache, v_cache, cos, sin, pos, scale,
@@ -399,10 +418,13 @@ def decode_layer(spec: ModelSpec, layer: LayerWeights, k_cache: torch.Tensor, v_
         x, h = torch.ops.rlhfkit.residual_rmsnorm(x, o, layer.mlp_norm, spec.rms_norm_eps)
         return x, torch.ops.rlhfkit.mm_partials(torch.ops.rlhfkit.gate_up_silu(h, layer.gate_up), layer.down)
     a = _norm(spec, layer.attn_out_norm, _row_parallel(spec, out.reshape(nrows, spec.q_size), layer.o, layer.o_bias))
-    # the residual add in fp32 (as bf16 + bf16 rounds anyway) keeps inductor from folding it into
-    # an addmm, which would first copy x into the GEMM's output buffer
-    x = (x.float() + a.float()).to(x.dtype)
-    return x, _ffn(layer, spec, x)
+    if torch.compiler.is_compiling():
+        # the residual add in fp32 (as bf16 + bf16 rounds anyway) keeps inductor from folding it into
+        # an addmm, which would first copy x into the GEMM's output buffer
+        x = (x.float() + a.float()).to(x.dtype)
+        return x, _ffn(layer, spec, x)
+    x, h = _add_norm(spec, x, a, layer.mlp_norm)
+    return x, _ffn_normed(layer, spec, h)
 
 
 def _window_visible(window: int | None, plen: int, device: torch.device) -> torch.Tensor | None:
@@ -451,9 +473,13 @@ def final_logits(spec: ModelSpec, final_norm: torch.Tensor, lm_head: torch.Tenso
     if delta is not None and delta.dim() == 3 and delta.is_cuda and triton_gemm.available():
         _, h = torch.ops.rlhfkit.residual_rmsnorm(x, delta, final_norm, spec.rms_norm_eps)  # split-K partials
         return F.linear(h, lm_head)
-    if delta is not None:
-        x = _residual(x, delta)
-    logits = _gather_vocab(spec, F.linear(_norm(spec, final_norm, x), lm_head))
+    if delta is None:
+        h = _norm(spec, final_norm, x)
+    elif delta.dim() == x.dim() + 1:
+        h = _norm(spec, final_norm, _residual(x, delta))
+    else:
+        h = _add_norm(spec, x, delta, final_norm)[1]
+    logits = _gather_vocab(spec, F.linear(h, lm_head))
     if spec.final_softcap:
         logits = torch.tanh(logits / spec.final_softcap) * spec.final_softcap
     return logits
