@@ -83,7 +83,9 @@ class PromptSample:
     `prompt` is the already-templated text fed to the tokenizer (chat template or
     `--input_template` applied); `label` is the `--label_key` column, passed untouched
     to `reward_func` and agents. `images` (vision-language prompts, `--image_key`): the row's
-    pictures, one placeholder each in `prompt`.
+    pictures, one placeholder each in `prompt`. `input` is the `--input_key` value as the row has it
+    (text or messages) and `columns` the row's other columns: what a reward function in TRL's shape
+    receives as `prompts` and as keyword arguments (rlhfkit.agents.reward_forms).
     """
 
     prompt: str
@@ -91,6 +93,8 @@ class PromptSample:
     datasource: str = "default"
     index: int = 0
     images: list[ImageRef] = field(default_factory=list)
+    input: Any = None
+    columns: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

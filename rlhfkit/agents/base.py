@@ -162,7 +162,7 @@ class AgentExecutorBase(ABC):
     async def _call_execute(self, sample: PromptSample, params: SamplingParams) -> Any:
         """Pass only the arguments the (possibly user-overridden) ``execute`` accepts."""
         extra = {"max_length": self.max_length, "hf_tokenizer": self.hf_tokenizer, "llm_engine": self.llm_engine,
-                 "images": sample.images or None}
+                 "images": sample.images or None, "sample": sample}
         kw = {k: v for k, v in extra.items() if k in self._execute_params}
         if not self._user_execute:
             return await self.execute(sample.prompt, sample.label, params, **kw)

@@ -7,7 +7,9 @@ Single-turn: the prompt is tokenized (no special tokens added) and left-truncate
 ``max_new_tokens`` of room (a prompt with pictures is never cut: its placeholder runs expand to
 the pictures' tokens, which go with the request); one generation; ``reward_func``/HTTP/RM gives reward and score for the
 decoded prompt + response (special tokens kept; with pictures, the prompt text holds one placeholder
-per picture, not its token run), merged into batches by ``BatchingRewardSource``.
+per picture, not its token run), merged into batches by ``BatchingRewardSource``. Each call also
+carries the sample's ``RewardSample`` (the row's prompt value and other columns, the response
+without special tokens) for a reward function in TRL's shape.
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ from rlhfkit.agents.episode import (  # noqa: F401
     prompt_ids,
     run_multi_turn,
 )
+from rlhfkit.agents.reward_forms import RewardSample
 from rlhfkit.agents.reward_func import BatchingRewardSource, split_reward_output
 from rlhfkit.agents.reward_pool import reward_source_with_workers
-from rlhfkit.types import SamplingParams, Trajectory
+from rlhfkit.types import PromptSample, SamplingParams, Trajectory
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +83,7 @@ class SingleTurnAgentExecutor(AgentExecutorBase):
 
     async def execute(self, prompt: str, label: Any, sampling_params: SamplingParams,
                       max_length: int | None = None, hf_tokenizer: Any = None, llm_engine: Any = None,
-                      images: Any = None) -> Trajectory:
+                      images: Any = None, sample: PromptSample | None = None) -> Trajectory:
         tok, engine = hf_tokenizer or self.hf_tokenizer, llm_engine or self.llm_engine
         max_length = max_length or self.max_length
         ids, pics = prompt_ids(self, tok, prompt, images, max_length, sampling_params.max_new_tokens)
@@ -98,8 +101,11 @@ class SingleTurnAgentExecutor(AgentExecutorBase):
                 query = await dec.decode(tr.token_ids[bos_lead(tok, prompt):], skip_special_tokens=False)
             else:  # the prompt's text, with one placeholder per picture (not each picture's token run)
                 query = prompt + await dec.decode(turn.ids, skip_special_tokens=False)
+            row = RewardSample(prompt=prompt if sample is None or sample.input is None else sample.input,
+                               completion=traj.response, completion_ids=list(turn.ids),
+                               columns={} if sample is None else sample.columns)
             try:  # the sources run user code in worker threads themselves (reward_func.py)
-                out = await self.reward_source([query], [prompt], [label])
+                out = await self.reward_source([query], [prompt], [label], samples=[row])
             except EpisodeError:
                 raise
             except Exception as e:

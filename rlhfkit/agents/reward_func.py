@@ -13,7 +13,10 @@ A ``reward_func`` file (OpenRLHF format) defines
         return {"rewards": B values, "scores": B values (optional, default rewards),
                 "extra_logs": {name: one value or B values} (optional)}
 
-or returns the B rewards alone (tensor / list). Values may be torch tensors. In PythonRewardSource
+or returns the B rewards alone (tensor / list). The function may instead be in TRL's shape,
+``reward_func(prompts, completions, **kwargs)`` (``reward_forms.py``: completions without special
+tokens, the row's other columns as keyword lists), and another function of the file may be named:
+``--remote_rm_url reward.py:accuracy``. Values may be torch tensors. In PythonRewardSource
 each call, sync or async, runs in a daemon thread with its own event loop (``user_code.py``) under
 ``timeout_s``, so an ``async def`` that blocks (``time.sleep``) fails in time too; but a thread that
 runs past its time limit cannot be stopped: it is abandoned (the sample fails), and one that holds the
@@ -34,11 +37,13 @@ once.
 from __future__ import annotations
 
 import asyncio
-import inspect
+import functools
 import logging
 import os
+import re
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
+from rlhfkit.agents.reward_forms import SHAPES, RewardSample, call_args, reward_shape
 from rlhfkit.agents.reward_types import RewardOutput, RewardShapeError
 from rlhfkit.agents.user_code import EpisodeError, run_user_code
 from rlhfkit.agents.user_file import import_user_file
@@ -50,9 +55,11 @@ FLAG = "--remote_rm_url"
 
 @runtime_checkable
 class RewardSource(Protocol):
-    """Scores a batch; ``len(out.rewards) == len(out.scores) == len(queries)``."""
+    """Scores a batch; ``len(out.rewards) == len(out.scores) == len(queries)``. ``samples`` (one per
+    query, or None) carry what a reward function in TRL's shape reads (``reward_forms.RewardSample``)."""
 
-    async def __call__(self, queries: list[str], prompts: list[str], labels: list[Any]) -> RewardOutput:
+    async def __call__(self, queries: list[str], prompts: list[str], labels: list[Any],
+                       samples: Sequence[RewardSample] | None = None) -> RewardOutput:
         ...
 
 
@@ -112,23 +119,47 @@ def slice_reward_output(out: RewardOutput, start: int, end: int) -> RewardOutput
 # ----------------------------------------------------------------------------- the Python file
 
 
-def load_reward_func(path: str) -> Callable[..., Any]:
-    """Import ``path`` and return its ``reward_func(queries, prompts, labels)``."""
+_FUNC_SPEC = re.compile(r"^(.*\.py):([A-Za-z_][A-Za-z0-9_]*)$")
+
+
+def is_reward_file(spec: str) -> bool:
+    """A reward_func .py file, alone or with a function name (``reward.py:accuracy``)."""
+    return spec.endswith(".py") or _FUNC_SPEC.match(spec) is not None
+
+
+def split_reward_file(spec: str) -> tuple[str, str]:
+    """``reward.py`` -> (reward.py, "reward_func"); ``reward.py:accuracy`` -> (reward.py, "accuracy")."""
+    m = _FUNC_SPEC.match(spec)
+    return (m.group(1), m.group(2)) if m else (spec, "reward_func")
+
+
+_loaded: dict[tuple[str, str, int], Callable[..., Any]] = {}  # (path, name, mtime): the file imported once
+
+
+def load_reward_func(spec: str) -> Callable[..., Any]:
+    """Import the file of ``spec`` (``path.py`` or ``path.py:name``) and return its ``reward_func`` (or
+    `name`), checked to be in one of the two shapes of ``reward_forms``. A file is imported once per run
+    (the check when the trainer is built and the reward source read the same module)."""
+    path, name = split_reward_file(spec)
+    key = (os.path.abspath(path), name, os.stat(path).st_mtime_ns) if os.path.isfile(path) else None
+    if key in _loaded:
+        return _loaded[key]
     module = import_user_file(path, FLAG)
-    fn = getattr(module, "reward_func", None)
+    fn = getattr(module, name, None)
     if not callable(fn):
-        raise AttributeError(f"{FLAG} {path} must define reward_func(queries, prompts, labels)")
+        other = "" if name != "reward_func" else f" (or name another function: {FLAG} {path}:NAME)"
+        raise AttributeError(f"{FLAG} {path} must define {name}: {SHAPES}{other}")
     try:
-        inspect.signature(fn).bind([], [], [])
+        reward_shape(fn, f"{FLAG} {spec}")
     except TypeError as e:
-        raise TypeError(f"{FLAG} {path}: reward_func must accept (queries, prompts, labels): {e}") from None
-    except ValueError:  # no signature (builtins): call and see
-        pass
+        raise TypeError(str(e)) from None
+    _loaded[key] = fn
     return fn
 
 
 class PythonRewardSource:
-    """A ``reward_func`` (from a file path or a callable) as a RewardSource."""
+    """A reward function (from a file path or a callable, in either shape of ``reward_forms``) as a
+    RewardSource."""
 
     def __init__(self, func_or_path: str | os.PathLike | Callable[..., Any], timeout_s: float | None = 300.0,
                  name: str | None = None) -> None:
@@ -139,18 +170,19 @@ class PythonRewardSource:
         else:
             self.func = func_or_path
             self.name = self.label = name or getattr(func_or_path, "__qualname__", "reward_func")
+        self.shape = reward_shape(self.func, self.label)
         self.timeout_s = timeout_s
 
-    async def __call__(self, queries: Sequence[str], prompts: Sequence[str], labels: Sequence[Any]) -> RewardOutput:
+    async def __call__(self, queries: Sequence[str], prompts: Sequence[str], labels: Sequence[Any],
+                       samples: Sequence[RewardSample] | None = None) -> RewardOutput:
         n = len(queries)
         if len(prompts) != n or len(labels) != n:
             raise ValueError(f"queries/prompts/labels lengths differ: {n}, {len(prompts)}, {len(labels)}")
-        raw = await self._run(list(queries), list(prompts), list(labels))
+        args, kwargs = call_args(self.func, self.shape, list(queries), list(prompts), list(labels), samples,
+                                 self.label)
+        fn = functools.partial(self.func, **kwargs) if kwargs else self.func
+        raw = await run_user_code(fn, *args, what=f"{self.name}: reward_func", timeout_s=self.timeout_s)
         return parse_reward_return(raw, n, self.label)
-
-    async def _run(self, queries: list[str], prompts: list[str], labels: list[Any]) -> Any:
-        return await run_user_code(self.func, queries, prompts, labels, what=f"{self.name}: reward_func",
-                                   timeout_s=self.timeout_s)
 
 
 # ----------------------------------------------------------------------------- batching
@@ -173,19 +205,26 @@ class BatchingRewardSource:
         self.source, self.max_batch_size, self.max_wait_s = source, max_batch_size, max_wait_s
         self.retry_within_s = retry_within_s
         self.name = getattr(source, "name", type(source).__name__)
-        self._pending: list[tuple[list, list, list, asyncio.Future]] = []
+        self._pending: list[tuple[list, list, list, list | None, asyncio.Future]] = []
         self._timer: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
         self.num_retried_batches = 0
 
-    async def __call__(self, queries: Sequence[str], prompts: Sequence[str], labels: Sequence[Any]) -> RewardOutput:
+    async def __call__(self, queries: Sequence[str], prompts: Sequence[str], labels: Sequence[Any],
+                       samples: Sequence[RewardSample] | None = None) -> RewardOutput:
         fut = asyncio.get_running_loop().create_future()
-        self._pending.append((list(queries), list(prompts), list(labels), fut))
+        self._pending.append((list(queries), list(prompts), list(labels),
+                              None if samples is None else list(samples), fut))
         if sum(len(p[0]) for p in self._pending) >= self.max_batch_size:
             self._flush()
         elif self._timer is None or self._timer.done():
             self._timer = self._spawn(self._flush_later())
         return await fut
+
+    async def _score(self, queries: list, prompts: list, labels: list, samples: list | None) -> Any:
+        if samples is None:  # a caller without samples: the source as a reward_func file's protocol
+            return await self.source(queries, prompts, labels)
+        return await self.source(queries, prompts, labels, samples=samples)
 
     def _spawn(self, coro: Any) -> asyncio.Task:
         task = asyncio.ensure_future(coro)
@@ -202,16 +241,17 @@ class BatchingRewardSource:
         if batch:
             self._spawn(self._run(batch))
 
-    async def _run(self, batch: list[tuple[list, list, list, asyncio.Future]]) -> None:
+    async def _run(self, batch: list[tuple[list, list, list, list | None, asyncio.Future]]) -> None:
         q = [x for b in batch for x in b[0]]
         p = [x for b in batch for x in b[1]]
         lab = [x for b in batch for x in b[2]]
+        smp = None if any(b[3] is None for b in batch) else [x for b in batch for x in b[3]]
         try:
-            out = check_reward_output(await self.source(q, p, lab), len(q), self.name)
+            out = check_reward_output(await self._score(q, p, lab, smp), len(q), self.name)
         except Exception as e:
             if len(batch) == 1 or _whole_call_failure(e):  # one error for every caller, no retries one by one
                 for item in batch:
-                    _settle(item[3], error=e)
+                    _settle(item[4], error=e)
                 return
             self.num_retried_batches += 1
             logger.debug("%s: a batched reward call of %d samples failed (%s: %s); scoring them one at a time",
@@ -219,11 +259,12 @@ class BatchingRewardSource:
             await self._retry_alone(batch, e)
             return
         start = 0
-        for queries, _, _, fut in batch:
+        for queries, _, _, _, fut in batch:
             _settle(fut, result=slice_reward_output(out, start, start + len(queries)))
             start += len(queries)
 
-    async def _retry_alone(self, batch: list[tuple[list, list, list, asyncio.Future]], error: Exception) -> None:
+    async def _retry_alone(self, batch: list[tuple[list, list, list, list | None, asyncio.Future]],
+                           error: Exception) -> None:
         """Each caller's samples scored on their own, concurrently, within `retry_within_s` in all; the
         retries still unfinished then are cancelled (a worker process running one is killed) and their
         callers get the batch's `error`."""
@@ -237,14 +278,15 @@ class BatchingRewardSource:
             if late:
                 await asyncio.wait(late)
             for item in batch:
-                _settle(item[3], error=error)  # only those whose retry did not settle them
+                _settle(item[4], error=error)  # only those whose retry did not settle them
 
-    async def _run_alone(self, queries: list, prompts: list, labels: list, fut: asyncio.Future) -> None:
+    async def _run_alone(self, queries: list, prompts: list, labels: list, samples: list | None,
+                         fut: asyncio.Future) -> None:
         if fut.done():  # the caller gave up (cancelled)
             return
         try:
-            _settle(fut, result=check_reward_output(await self.source(queries, prompts, labels), len(queries),
-                                                    self.name))
+            out = await self._score(queries, prompts, labels, samples)
+            _settle(fut, result=check_reward_output(out, len(queries), self.name))
         except Exception as e:
             _settle(fut, error=e)
 
@@ -281,7 +323,7 @@ def make_reward_source(remote_rm_url: str | Sequence[str] | Callable[..., Any], 
     urls = [u for u in urls if u]
     if not urls:
         raise ValueError(f"{FLAG} is empty")
-    if any(u.endswith(".py") for u in urls):
+    if any(is_reward_file(u) for u in urls):
         if len(urls) > 1:
             raise ValueError(f"{FLAG}: give one reward_func .py file or HTTP URLs, not both: {urls}")
         return PythonRewardSource(urls[0], timeout_s=timeout_s)
@@ -297,5 +339,6 @@ class HTTPRewardSource:
         self.client = RemoteRewardClient(list(urls), timeout_s=timeout_s or 180.0, **client_kw)
         self.name = "reward server " + ",".join(urls)
 
-    async def __call__(self, queries: Sequence[str], prompts: Sequence[str], labels: Sequence[Any]) -> RewardOutput:
-        return await self.client.get_rewards(queries, prompts, labels)
+    async def __call__(self, queries: Sequence[str], prompts: Sequence[str], labels: Sequence[Any],
+                       samples: Sequence[RewardSample] | None = None) -> RewardOutput:
+        return await self.client.get_rewards(queries, prompts, labels)  # the server's protocol: no samples

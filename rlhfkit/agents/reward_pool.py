@@ -54,7 +54,9 @@ import threading
 from collections import deque
 from typing import Any, Sequence
 
-from rlhfkit.agents.reward_func import FLAG, load_reward_func, make_reward_source, parse_reward_return
+from rlhfkit.agents.reward_forms import RewardSample, call_args, reward_shape
+from rlhfkit.agents.reward_func import (FLAG, is_reward_file, load_reward_func, make_reward_source, parse_reward_return,
+                                        split_reward_file)
 from rlhfkit.agents.reward_types import RewardOutput
 from rlhfkit.agents.user_code import EpisodeError
 from rlhfkit.config.notes import note_once
@@ -96,10 +98,10 @@ async def _readable(fd: int) -> None:
 class _Worker:
     """One worker process: requests on its stdin, answers on a pipe of their own (non-blocking here)."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, name: str = "reward_func") -> None:
         read_fd, write_fd = os.pipe()
         try:
-            self.proc = subprocess.Popen([sys.executable, WORKER, str(write_fd), path],
+            self.proc = subprocess.Popen([sys.executable, WORKER, str(write_fd), path, name],
                                          stdin=subprocess.PIPE, pass_fds=(write_fd,))
         except BaseException:
             os.close(read_fd)
@@ -160,15 +162,18 @@ class _Worker:
 
 
 class ProcessRewardSource:
-    """``reward_func`` of the file `path` in up to `workers` processes (one started now, the others on
-    demand); a RewardSource (see the module docstring). ``num_restarts`` counts workers killed past the
-    time limit or lost."""
+    """``reward_func`` of the file `path` (or ``path.py:name``'s function) in up to `workers` processes (one
+    started now, the others on demand); a RewardSource (see the module docstring). The trainer builds each
+    call's arguments for the function's shape (``reward_forms``); the worker only calls it.
+    ``num_restarts`` counts workers killed past the time limit or lost."""
 
     def __init__(self, path: str | os.PathLike, workers: int, timeout_s: float | None = 300.0) -> None:
         if workers < 1:
             raise ValueError(f"--reward_workers must be >= 1 for worker processes, got {workers}")
-        load_reward_func(str(path))  # a broken file stops the run here, named
-        self.path, self.name = os.path.abspath(str(path)), str(path)
+        self.func = load_reward_func(str(path))  # a broken file stops the run here, named
+        file, self.func_name = split_reward_file(str(path))
+        self.path, self.name = os.path.abspath(file), str(path)
+        self.shape = reward_shape(self.func, f"{self.name}: reward_func")
         self.workers, self.timeout_s = workers, timeout_s
         self._lock = threading.Lock()
         self._live: set[_Worker] = set()
@@ -176,16 +181,19 @@ class ProcessRewardSource:
         self._waiters: deque[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = deque()
         self._closed = False
         self.num_restarts = 0
-        first = _Worker(self.path)  # importing the file overlaps the first generation; the others start on demand
+        first = _Worker(self.path, self.func_name)  # importing the file overlaps the first generation; the others start on demand
         self._live.add(first)
         self._idle.append(first)
         atexit.register(self.close)
 
-    async def __call__(self, queries: Sequence[str], prompts: Sequence[str], labels: Sequence[Any]) -> RewardOutput:
+    async def __call__(self, queries: Sequence[str], prompts: Sequence[str], labels: Sequence[Any],
+                       samples: Sequence[RewardSample] | None = None) -> RewardOutput:
         n = len(queries)
         if len(prompts) != n or len(labels) != n:
             raise ValueError(f"queries/prompts/labels lengths differ: {n}, {len(prompts)}, {len(labels)}")
-        raw = await self._call(pickle.dumps((list(queries), list(prompts), list(labels))))
+        args, kwargs = call_args(self.func, self.shape, list(queries), list(prompts), list(labels), samples,
+                                 f"{self.name}: reward_func")
+        raw = await self._call(pickle.dumps((args, kwargs)))
         return parse_reward_return(raw, n, f"{self.name}: reward_func")
 
     # ------------------------------------------------------------------ one call
@@ -238,7 +246,7 @@ class ProcessRewardSource:
                 if self._idle:
                     return self._idle.pop()
                 if len(self._live) < self.workers:
-                    w = _Worker(self.path)
+                    w = _Worker(self.path, self.func_name)
                     self._live.add(w)
                     return w
                 freed = loop.create_future()
@@ -315,7 +323,7 @@ def reward_source_with_workers(remote_rm_url: Any, timeout_s: float | None = 300
         raise ValueError(f"--reward_workers must be >= 0, got {workers}")
     urls = ([u.strip() for u in str(remote_rm_url).split(",") if u.strip()]
             if isinstance(remote_rm_url, (str, os.PathLike)) else [])
-    if len(urls) == 1 and urls[0].endswith(".py"):
+    if len(urls) == 1 and is_reward_file(urls[0]):
         if workers == 0:
             note_once(THREADS_NOTE.format(what=f"{FLAG} {urls[0]} (--reward_workers 0)",
                                           fix="leave --reward_workers unset to run it in worker processes"))

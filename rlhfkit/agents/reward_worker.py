@@ -1,11 +1,12 @@
 """One reward worker process of `reward_pool.ProcessRewardSource` (``--reward_workers``).
 
-    python /path/to/rlhfkit/agents/reward_worker.py ANSWER_FD /path/to/reward_func.py
+    python /path/to/rlhfkit/agents/reward_worker.py ANSWER_FD /path/to/reward_func.py [FUNCTION]
 
 Run as a script (a fresh interpreter), not as ``-m rlhfkit.agents.reward_worker``, so that starting a
 worker imports nothing but the user's file (and what it imports itself). It imports the file once,
 then serves calls until its stdin closes: each request is a frame on stdin (8-byte big-endian length,
-then a pickle of ``(queries, prompts, labels)``); each answer a frame on the inherited pipe
+then a pickle of ``(args, kwargs)``: the trainer built them for the function's shape, OpenRLHF's
+``(queries, prompts, labels)`` or TRL's keywords); each answer a frame on the inherited pipe
 ``ANSWER_FD``: ``("ok", value, "")`` or ``("error", text, frames)``, where ``frames`` are the traceback
 lines of the user's own code (the trainer prints them under its error line, as for a call in a thread).
 An exception in ``reward_func`` (``SystemExit`` included) is an ``"error"`` answer and the worker goes
@@ -76,18 +77,19 @@ def user_frames(exc: BaseException) -> str:
     return "\n".join(line for line in lines if line.strip(" ^~"))
 
 
-def _load(path: str):
+def _load(path: str, name: str = "reward_func"):
     folder = os.path.dirname(os.path.abspath(path))
     sys.path.insert(0, folder)  # sibling helper modules of the user file, as in the trainer
     spec = importlib.util.spec_from_file_location("rlhfkit_reward_worker_user", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
-    return module.reward_func
+    return getattr(module, name)
 
 
-def _call(fn, args):
-    result = fn(*args)
+def _call(fn, request):
+    args, kwargs = request
+    result = fn(*args, **kwargs)
     if inspect.isawaitable(result):
         async def wait():
             return await result
@@ -109,6 +111,7 @@ def _answer(fn, request: bytes) -> bytes:
 
 def main() -> None:
     answer_fd, path = int(sys.argv[1]), sys.argv[2]
+    name = sys.argv[3] if len(sys.argv) > 3 else "reward_func"
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it ends the workers
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]  # no shadowing by this folder
@@ -116,7 +119,7 @@ def main() -> None:
     answers = os.fdopen(answer_fd, "wb")
     requests = os.fdopen(0, "rb")
     try:
-        fn = _load(path)
+        fn = _load(path, name)
         write_frame(answers, pickle.dumps(("ok", None, "")))
     except BaseException as e:  # noqa: BLE001 - reported to the trainer, which names the file
         write_frame(answers, pickle.dumps(("error", f"importing the file failed: {type(e).__name__}: {e}",

@@ -224,6 +224,9 @@ def group_norm_estimator(inp: AdvantageInputs, cfg: AdvantageConfig) -> tuple[Te
     return ret, ret
 
 
+ADVANTAGE_ESTIMATORS["grpo"] = ADVANTAGE_ESTIMATORS["group_norm"]  # the same estimator under GRPO's name
+
+
 @register_advantage_estimator("dr_grpo", group=True)
 def dr_grpo_estimator(inp: AdvantageInputs, cfg: AdvantageConfig) -> tuple[Tensor, Tensor]:
     """Dr. GRPO: group-mean baseline without std division, reward-to-go (gamma 1), no whitening."""

@@ -8,7 +8,7 @@ default can never drift from the CLI's. The configs users build subclass those (
 rlhfkit.api.rl); a subclass may change a default (GRPOConfig's estimator).
 
     SFTConfig(learning_rat=1e-3)           TypeError: SFTConfig has no field 'learning_rat' (did you mean 'learning_rate'?)
-    GRPOConfig(advantage_estimator="grpo") ValueError: ... --advantage_estimator: invalid choice ...
+    GRPOConfig(advantage_estimator="gpro") ValueError: ... --advantage_estimator: invalid choice ...
     GRPOConfig(num_generations=8)          TRL's name for n_samples_per_prompt (TRL_NAMES)
 
 A config is checked when it is made: its fields go through the command's parser (`to_args`), so a

@@ -1439,9 +1439,9 @@ class TrainPPOFields(FlagConfig):
     --rollout.vllm_generate_batch_size]"""
 
     # RL: algorithm (advantages, KL, policy loss)
-    advantage_estimator: Literal["gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo"] = "gae"
+    advantage_estimator: Literal["gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "grpo", "dr_grpo"] = "gae"
     """gae (PPO with a critic), reinforce (REINFORCE++), reinforce_baseline (REINFORCE++-baseline), rloo, group_norm
-    (GRPO), dr_grpo (Dr. GRPO); the group ones need --n_samples_per_prompt > 1 [--advantage_estimator,
+    or grpo (GRPO), dr_grpo (Dr. GRPO); the group ones need --n_samples_per_prompt > 1 [--advantage_estimator,
     --algo.advantage.estimator]"""
     gamma: float = 1.0
     """discount factor of the returns [--gamma, --algo.advantage.gamma]"""

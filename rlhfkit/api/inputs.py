@@ -5,10 +5,12 @@
                            any --pretrain directory (ref copies, rollout engine, value heads: one path)
     datasets               a list of dicts or a `datasets.Dataset` -> `rlhfkit.data.io.RowSource`
                            (in memory, the same row pipeline as files), or a --dataset spec string
-    reward_funcs           a callable `reward_func(queries, prompts, labels)` (what a reward_func
-                           file defines), a list of them (summed, `reward_weights`), `per_sample(fn)`
-                           wrapped callables, a reward_func .py path or http(s) URL (--remote_rm_url),
-                           or a reward model directory (--reward_pretrain)
+    reward_funcs           a callable in TRL's shape `reward(prompts, completions, **columns)` or
+                           OpenRLHF's `reward_func(queries, prompts, labels)` (rlhfkit.agents.reward_forms;
+                           the signature is checked when the trainer is made), a list of them (summed,
+                           `reward_weights`), `per_sample(fn)` wrapped callables, a reward_func .py path
+                           (`file.py:name` for another function) or http(s) URL (--remote_rm_url), or a
+                           reward model directory (--reward_pretrain)
 
 A callable goes through `rlhfkit.agents.reward_func.PythonRewardSource`, the class that runs a
 reward_func file: the same thread, time limit, return-value checks, batching with one-sample
@@ -23,6 +25,8 @@ import shutil
 import tempfile
 from typing import Any, Callable, Sequence
 
+from rlhfkit.agents.reward_forms import SHAPES, RewardSample, SampleRewardFunction, call_args, reward_shape
+from rlhfkit.agents.reward_func import is_reward_file, load_reward_func
 from rlhfkit.data.io import RowSource
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
@@ -124,38 +128,55 @@ def data_source(data: Any, name: str) -> Any:
 # ----------------------------------------------------------------------------- rewards
 
 
-def per_sample(fn: Callable[[str, str, Any], float]) -> Callable[..., list[float]]:
-    """Turn `fn(completion, prompt, label) -> float` into a batch reward_func(queries, prompts, labels).
+class per_sample(SampleRewardFunction):  # noqa: N801 - used as a function: per_sample(fn)
+    """Turn `fn(completion, prompt, label) -> float` into a batch reward function, called per sample.
 
-    `completion` is the generated text after the prompt (special tokens such as the EOS kept)."""
-    def reward_func(queries: list[str], prompts: list[str], labels: list[Any]) -> list[float]:
-        return [float(fn(q[len(p):] if q.startswith(p) else q, p, lab)) for q, p, lab in zip(queries, prompts, labels)]
+    `completion` is the generated text without special tokens (`decode(ids, skip_special_tokens=True)`:
+    no EOS, no chat-template end marker); `keep_special_tokens=True` gives the text after the prompt as
+    generated instead (`'551</s>'` rather than `'551'`). `prompt` is the prompt as templated (the text the
+    model continued) and `label` the `label_key` column. Called directly with (queries, prompts, labels)
+    only, as a reward_func is, `completion` is the query's text after the prompt."""
 
-    reward_func.__qualname__ = reward_func.__name__ = getattr(fn, "__name__", "per_sample")
-    return reward_func
+    def __init__(self, fn: Callable[[str, str, Any], float], keep_special_tokens: bool = False) -> None:
+        self.fn, self.keep_special_tokens = fn, keep_special_tokens
+        self.__name__ = self.__qualname__ = getattr(fn, "__name__", "per_sample")
+
+    def __call__(self, queries: list[str], prompts: list[str], labels: list[Any],
+                 samples: Sequence[RewardSample] | None = None) -> list[float]:
+        if samples is not None and not self.keep_special_tokens:
+            completions = [s.completion for s in samples]
+        else:
+            completions = [q[len(p):] if q.startswith(p) else q for q, p in zip(queries, prompts)]
+        return [float(self.fn(c, p, lab)) for c, p, lab in zip(completions, prompts, labels)]
 
 
 def _name(fn: Any) -> str:
     return getattr(fn, "__name__", None) or type(fn).__name__
 
 
-def combine_rewards(funcs: Sequence[Callable[..., Any]], weights: Sequence[float] | None = None
-                    ) -> Callable[..., Any]:
-    """One reward_func summing several (`weights`: one per function, default 1). Each function's
-    answer is checked as a reward_func's; its rewards are logged as `reward_<name>`."""
-    from rlhfkit.agents.reward_func import parse_reward_return
+class combine_rewards(SampleRewardFunction):  # noqa: N801 - used as a function
+    """One reward function summing several (`weights`: one per function, default 1), each in either shape
+    of rlhfkit.agents.reward_forms (TRL's `reward(prompts, completions, **columns)` or a reward_func).
+    Each function's answer is checked as a reward_func's; its rewards are logged as `reward_<name>`."""
 
-    funcs = list(funcs)
-    weights = [1.0] * len(funcs) if weights is None else [float(w) for w in weights]
-    if len(weights) != len(funcs):
-        raise ValueError(f"reward_weights has {len(weights)} values for {len(funcs)} reward functions")
-    names = [_name(f) for f in funcs]
+    def __init__(self, funcs: Sequence[Callable[..., Any]], weights: Sequence[float] | None = None) -> None:
+        self.funcs = list(funcs)
+        self.weights = [1.0] * len(self.funcs) if weights is None else [float(w) for w in weights]
+        if len(self.weights) != len(self.funcs):
+            raise ValueError(f"reward_weights has {len(self.weights)} values for {len(self.funcs)} reward functions")
+        self.names = [_name(f) for f in self.funcs]
+        self.shapes = [reward_shape(f, f"reward_funcs[{i}] ({n})") for i, (f, n) in enumerate(zip(self.funcs, self.names))]
+        self.__name__ = self.__qualname__ = "+".join(self.names)
 
-    async def reward_func(queries: list[str], prompts: list[str], labels: list[Any]) -> dict[str, Any]:
+    async def __call__(self, queries: list[str], prompts: list[str], labels: list[Any],
+                       samples: Sequence[RewardSample] | None = None) -> dict[str, Any]:
+        from rlhfkit.agents.reward_func import parse_reward_return
+
         n = len(queries)
         rewards, scores, logs = [0.0] * n, [0.0] * n, {}
-        for fn, w, name in zip(funcs, weights, names):
-            raw = fn(queries, prompts, labels)
+        for fn, shape, w, name in zip(self.funcs, self.shapes, self.weights, self.names):
+            args, kwargs = call_args(fn, shape, queries, prompts, labels, samples, name)
+            raw = fn(*args, **kwargs)
             if inspect.isawaitable(raw):
                 raw = await raw
             out = parse_reward_return(raw, n, name)
@@ -166,25 +187,27 @@ def combine_rewards(funcs: Sequence[Callable[..., Any]], weights: Sequence[float
                 logs[k if k not in logs else f"{name}_{k}"] = v
         return {"rewards": rewards, "scores": scores, "extra_logs": logs}
 
-    reward_func.__qualname__ = reward_func.__name__ = "+".join(names)
-    return reward_func
-
 
 def reward_inputs(reward_funcs: Any, weights: Sequence[float] | None) -> dict[str, Any]:
-    """The RL flags `reward_funcs` sets: {"remote_rm_url": ...} or {"reward_pretrain": ...} (or {})."""
+    """The RL flags `reward_funcs` sets: {"remote_rm_url": ...} or {"reward_pretrain": ...} (or {}).
+    A callable's signature (and a reward file's) is checked here, before any model loads."""
     if reward_funcs is None:
         return {}
     if isinstance(reward_funcs, os.PathLike):
         reward_funcs = os.fspath(reward_funcs)
     if isinstance(reward_funcs, str):
-        if reward_funcs.endswith(".py") or reward_funcs.startswith(("http://", "https://")):
+        if is_reward_file(reward_funcs):
+            load_reward_func(reward_funcs)  # a missing file, function or a signature of neither shape
+            return {"remote_rm_url": reward_funcs}
+        if reward_funcs.startswith(("http://", "https://")):
             return {"remote_rm_url": reward_funcs}
         return {"reward_pretrain": reward_funcs}  # reward model directories, comma-separated
     funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
     bad = [f for f in funcs if not callable(f)]
     if bad or not funcs:
-        raise TypeError("reward_funcs must be a callable reward_func(queries, prompts, labels), a list of them, "
-                        f"a reward_func .py path, a reward server URL or a reward model directory; got {bad or funcs}")
+        raise TypeError(f"reward_funcs must be a callable ({SHAPES}), a list of them, a reward_func .py path, a "
+                        f"reward server URL or a reward model directory; got {bad or funcs}")
     if len(funcs) == 1 and weights is None:
+        reward_shape(funcs[0], f"reward_funcs ({_name(funcs[0])})")
         return {"remote_rm_url": funcs[0]}
     return {"remote_rm_url": combine_rewards(funcs, weights)}

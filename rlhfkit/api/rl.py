@@ -33,7 +33,7 @@ from rlhfkit.api.base import BaseTrainer
 from rlhfkit.api.flag_fields import TrainPPOFields
 from rlhfkit.api.inputs import data_source, model_dir, reward_inputs
 
-Estimator = Literal["gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo"]
+Estimator = Literal["gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "grpo", "dr_grpo"]
 
 
 class PPOConfig(TrainPPOFields):

@@ -1,6 +1,7 @@
 """The `rlhfkit` console script: one subcommand per CLI module.
 
     rlhfkit sft --pretrain ... == python -m rlhfkit.cli.train_sft --pretrain ...
+    rlhfkit grpo / rloo        train_ppo with the defaults of TRL's GRPOConfig / RLOOConfig
     rlhfkit --version          the package version
 
 `flag_reference()` returns every command's flags by help group, as data, for a generated flag
@@ -24,6 +25,8 @@ COMMANDS = {
     "prm": "train_prm",
     "kd": "train_kd",
     "ppo": "train_ppo",
+    "grpo": "train_grpo",
+    "rloo": "train_rloo",
     "ppo_ray": "train_ppo_ray",
     "serve_rm": "serve_rm",
     "batch_inference": "batch_inference",

@@ -69,6 +69,7 @@ def resolve_flags(args: argparse.Namespace, world_size: int) -> None:
     if not has_reward:
         raise UsageError("no reward: pass --reward_pretrain, --remote_rm_url (URL or reward_func .py) "
                          "or --agent_func_path")
+    check_reward_file(args)
     probe_reward_servers(args)
     spec = get_advantage_estimator(args.advantage_estimator)
     if spec.group and args.n_samples_per_prompt <= 1:
@@ -106,6 +107,22 @@ def resolve_flags(args: argparse.Namespace, world_size: int) -> None:
     resolve_rollout_engine(args, args.max_len, pictures=vlm_mode(args))
     critic = (("the critic", critic_path(args)),) if args.advantage_estimator == "gae" else ()
     check_packing(args, ("--pretrain", args.pretrain), ("--ref_pretrain", args.ref_pretrain), *critic)
+
+
+def check_reward_file(args: argparse.Namespace) -> None:
+    """A --remote_rm_url reward file (or Python callable) whose function fits neither reward shape
+    (rlhfkit.agents.reward_forms), or that lacks the function, stops the run here, before any model loads."""
+    from rlhfkit.agents.reward_forms import reward_shape
+    from rlhfkit.agents.reward_func import is_reward_file, load_reward_func
+
+    url = args.remote_rm_url
+    try:
+        if isinstance(url, str) and is_reward_file(url.strip()):
+            load_reward_func(url.strip())
+        elif callable(url):
+            reward_shape(url, "reward_funcs")
+    except (TypeError, AttributeError) as e:
+        raise UsageError(str(e)) from None
 
 
 def reward_server_urls(args: argparse.Namespace) -> list[str]:

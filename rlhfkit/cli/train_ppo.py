@@ -24,13 +24,17 @@ from rlhfkit.cli import rl_root as R
 from rlhfkit.cli.common import cli_main, disable_hf_progress_bars, note_cpu_dtype, parallel_dims, set_seed
 from rlhfkit.cli.run_dir import training_run
 from rlhfkit.config.flags import FlagParser
-from rlhfkit.config.rl_flags import add_rl_flags
+from rlhfkit.config.rl_flags import add_rl_flags, apply_preset
 from rlhfkit.roles.memory import RoleOutOfMemory
 
 
-def build_parser() -> FlagParser:
-    p = FlagParser("train_ppo", __doc__ or "")
+def build_parser(preset: str | None = None, prog: str = "train_ppo", description: str | None = None) -> FlagParser:
+    """train_ppo's flags; `preset` (rlhfkit.config.rl_flags.PRESETS: "grpo", "rloo") changes their defaults
+    and adds TRL's flag names, for the `rlhfkit grpo` / `rlhfkit rloo` commands."""
+    p = FlagParser(prog, __doc__ if description is None else description)
     add_rl_flags(p)
+    if preset is not None:
+        apply_preset(p, preset)
     return p
 
 
@@ -70,11 +74,12 @@ def run(args, parser) -> R.RLRun:
     return R.RLRun(trainer.state, placement, tokenizer)
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    """Run the command line `argv`; returns the metrics history (as written to metrics.jsonl)."""
-    parser = build_parser()
+def main(argv: list[str] | None = None, parser: FlagParser | None = None) -> list[dict]:
+    """Run the command line `argv` (with `parser`, default train_ppo's); returns the metrics history (as
+    written to metrics.jsonl)."""
+    parser = parser or build_parser()
     args = parser.parse(argv)
-    return cli_main("train_ppo", lambda: run(args, parser)).state.history
+    return cli_main(parser.prog, lambda: run(args, parser)).state.history
 
 
 if __name__ == "__main__":

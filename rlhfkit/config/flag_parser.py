@@ -175,6 +175,16 @@ class FlagParser(argparse.ArgumentParser):
         note = f"no effect in {self.prog}: {why}"
         action.help = f"{action.help}; {note}" if action.help else f"accepted for OpenRLHF command lines; {note}"
 
+    def alias(self, option: str, *names: str) -> None:
+        """More names for the declared flag `option` (a command's own spellings, e.g. TRL's names in
+        `rlhfkit grpo`); they set the same dest, and --help lists them with the flag."""
+        action = self._option_string_actions[option]
+        for name in names:
+            if name in self._option_string_actions:
+                raise ValueError(f"{self.prog}: {name} is already a flag")
+            action.option_strings.append(name)
+            self._option_string_actions[name] = action
+
     def mark_inert(self, dest: str, why: str) -> None:
         """Declare an existing flag as having no effect in this command (one note when it is set)."""
         actions = [a for a in self._actions if a.dest == dest and a.option_strings]

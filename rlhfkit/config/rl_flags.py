@@ -17,7 +17,43 @@ from rlhfkit.config.flags import (CKPT, DATA, EVAL, LOGGING, LR_SCHEDULER_HELP, 
                                   add_nonfinite_flag, add_optimizer_choice_flags, add_template_flags)
 from rlhfkit.weightsync.flags import DEFAULT_BUCKET_MB, METHODS
 
-ESTIMATORS = ["gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo"]
+ESTIMATORS = ["gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "grpo", "dr_grpo"]  # grpo: group_norm
+
+
+# `rlhfkit grpo` and `rlhfkit rloo`: train_ppo with the defaults of TRL's GRPOConfig and RLOOConfig, as
+# train_ppo's flags (the Python API's GRPOConfig / RLOOConfig keep OpenRLHF's recipes, rlhfkit.api.rl). TRL batches by
+# completions: per_device_train_batch_size 8 completions per optimizer step, generated once per step, so
+# 8 / num_generations prompts a step. beta is TRL's KL weight: GRPO's a k3 loss term, RLOO's in the reward
+# (k1); 0 loads no reference model. TRL's learning rate (1e-6), clip epsilon (0.2) and temperature (1.0)
+# are train_ppo's defaults already.
+PRESETS: dict[str, dict[str, object]] = {
+    "grpo": {"advantage_estimator": "group_norm", "n_samples_per_prompt": 8, "rollout_batch_size": 1,
+             "train_batch_size": 8, "micro_train_batch_size": 8, "generate_max_len": 512, "init_kl_coef": 0.0,
+             "use_kl_loss": True, "kl_estimator": "k3", "num_episodes": 3, "lr_scheduler": "linear",
+             "lr_warmup_ratio": 0.0, "logging_steps": 10, "input_key": "prompt"},
+    "rloo": {"advantage_estimator": "rloo", "n_samples_per_prompt": 2, "rollout_batch_size": 4,
+             "train_batch_size": 8, "micro_train_batch_size": 8, "generate_max_len": 256, "init_kl_coef": 0.05,
+             "num_episodes": 3, "lr_scheduler": "linear", "lr_warmup_ratio": 0.0, "logging_steps": 10,
+             "input_key": "prompt"},
+}
+# TRL's names of train_ppo's flags, accepted by `rlhfkit grpo` / `rlhfkit rloo` (flag -> TRL's spellings)
+TRL_FLAG_NAMES = {"--pretrain": ("--model_name_or_path",), "--save_path": ("--output_dir",),
+                  "--remote_rm_url": ("--reward_funcs",), "--prompt_data": ("--dataset", "--dataset_name"),
+                  "--prompt_split": ("--dataset_train_split",), "--actor_learning_rate": ("--learning_rate",),
+                  "--n_samples_per_prompt": ("--num_generations",),
+                  "--generate_max_len": ("--max_completion_length",),
+                  "--micro_train_batch_size": ("--per_device_train_batch_size",),
+                  "--num_episodes": ("--num_train_epochs",), "--init_kl_coef": ("--beta",),
+                  "--eps_clip": ("--epsilon",), "--clip_eps_high": ("--epsilon_high",),
+                  "--lr_scheduler": ("--lr_scheduler_type",), "--lr_warmup_ratio": ("--warmup_ratio",),
+                  "--max_norm": ("--max_grad_norm",)}
+
+
+def apply_preset(p: FlagParser, name: str) -> None:
+    """Make PRESETS[name] the defaults of `p` (train_ppo's flags; --help shows them) and accept TRL's names."""
+    p.set_defaults(**PRESETS[name])
+    for option, names in TRL_FLAG_NAMES.items():
+        p.alias(option, *names)
 EMA_BETA = 0.992  # --ema_beta when not given (OpenRLHF's default)
 PTX_COEF = 0.05  # --ptx_coef when not given (OpenRLHF's default)
 ROLES = ["actor", "ref", "critic", "reward"]
@@ -249,7 +285,8 @@ def _algo(p: FlagParser) -> None:
     with p.group(RL_ALGO):
         p.flag("--advantage_estimator", "--algo.advantage.estimator", type=str, default="gae", choices=ESTIMATORS,
                help="gae (PPO with a critic), reinforce (REINFORCE++), reinforce_baseline (REINFORCE++-baseline), "
-                    "rloo, group_norm (GRPO), dr_grpo (Dr. GRPO); the group ones need --n_samples_per_prompt > 1")
+                    "rloo, group_norm or grpo (GRPO), dr_grpo (Dr. GRPO); the group ones need "
+                    "--n_samples_per_prompt > 1")
         p.flag("--gamma", "--algo.advantage.gamma", type=float, default=1.0, help="discount factor of the returns")
         p.flag("--lambd", "--algo.advantage.lambd", type=float, default=1.0,
                help="GAE lambda (--advantage_estimator gae)")

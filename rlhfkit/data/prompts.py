@@ -6,7 +6,8 @@ is; the generation prompt is added) or `--input_template`. Its token ids start w
 tokenizer adds, once (`encode(..., start=True)`: the BOS rule of rlhfkit.data.templates); the text
 itself does not get it (reward functions see the prompt as formatted). `label` is the `--label_key` value,
 passed untouched to `reward_func` and agents (missing or null is an error naming file and row); `datasource` is the row's `datasource` column
-(default "default"), used to split evaluation metrics per source, as in OpenRLHF.
+(default "default"), used to split evaluation metrics per source, as in OpenRLHF. `input` and `columns`
+keep the row's prompt value as read and its other columns, for reward functions in TRL's shape.
 
 With `max_prompt_len`, prompts longer than that many tokens are dropped and counted
 (`rlhfkit.data.items.check_dropped` reports them); a huge prompt is measured by encoding its head only
@@ -109,7 +110,9 @@ class PromptDataset(TokenizedDataset):
             raise row.error(f"key {cfg.label_key!r} (--label_key) is null; every prompt needs a label "
                             "when --label_key is given")
         source = row.opt("datasource", "default")
-        return PromptSample(prompt=prompt, label=label, datasource=str(source), index=len(self.items), images=refs)
+        columns = {k: v for k, v in row.data.items() if k != cfg.input_key}
+        return PromptSample(prompt=prompt, label=label, datasource=str(source), index=len(self.items), images=refs,
+                            input=row.data[cfg.input_key], columns=columns)
 
 
 def _invisible(text: str) -> bool:

@@ -254,7 +254,7 @@ def test_config_fields_are_the_flags():
     assert RLOOConfig().to_args().advantage_estimator == "rloo"
     assert SFTConfig().learning_rate == command_parser("train_sft").get_default("learning_rate")
     with pytest.raises(ValueError, match="--advantage_estimator.*invalid choice"):
-        GRPOConfig(advantage_estimator="grpo").to_args()
+        GRPOConfig(advantage_estimator="gpro").to_args()
     with pytest.raises(TypeError, match="lerning_rate"):
         SFTConfig(lerning_rate=1e-3)
     with pytest.raises(ValueError, match="train_dataset is required"):

@@ -10,7 +10,10 @@ every ```python block with this venv's python, with this venv's bin/ first on PA
 - a page's blocks run in order in the same folder, so a block may use what an earlier one wrote;
 - a block marked `<!-- docs-test: skip (reason) -->` (on the line before the fence, blank lines
   allowed) is not run (it needs GPUs, a cluster, or a network); each one is reported as a skipped
-  test with its reason, and still has to parse (`bash -n`, or Python's compiler).
+  test with its reason, and still has to parse (`bash -n`, or Python's compiler);
+- a block marked `<!-- docs-test: model (HUB_ID) -->` names a hub model: it runs with HUB_ID replaced
+  by the set-up's ./tiny, and again (with the Python block after it) with the tests' pretrained model
+  (SmolLM2-135M-Instruct, tests/real_model.py) where that is present.
 
 The README itself is a user's page: at most README_MAX_LINES lines, and its first commands are the
 two that set up a fresh machine (`make demo`, `make test`).
@@ -29,7 +32,7 @@ import sys
 import pytest
 from helpers import ROOT, subprocess_env
 
-MARK = re.compile(r"^<!--\s*docs-test:\s*(skip|setup)\s*(?:\((.*)\))?\s*-->$")
+MARK = re.compile(r"^<!--\s*docs-test:\s*(skip|setup|model)\s*(?:\((.*)\))?\s*-->$")
 FENCE = re.compile(r"^```(bash|sh|shell|python)\s*$")
 BLOCK_TIMEOUT = 600
 README_MAX_LINES = 200
@@ -39,7 +42,7 @@ README_MAX_LINES = 200
 class Block:
     page: str  # path relative to the repository
     line: int  # 1-based line of the opening fence
-    kind: str  # run | skip | setup
+    kind: str  # run | skip | setup | model (reason: the hub id to replace)
     reason: str
     text: str
     lang: str = "bash"  # bash | python
@@ -69,8 +72,9 @@ def extract(text: str, page: str) -> list[Block]:
             j -= 1
         m = MARK.match(lines[j].strip()) if j >= 0 else None
         kind, reason = (m.group(1), (m.group(2) or "").strip()) if m else ("run", "")
-        if kind == "skip" and not reason:
-            raise ValueError(f"{page}:{i + 1}: a docs-test skip needs a reason: <!-- docs-test: skip (why) -->")
+        if kind in ("skip", "model") and not reason:
+            raise ValueError(f"{page}:{i + 1}: a docs-test {kind} needs its (reason / hub id): "
+                             f"<!-- docs-test: {kind} (...) -->")
         end = i + 1
         while end < len(lines) and lines[end].strip() != "```":
             end += 1
@@ -102,10 +106,11 @@ def env() -> dict[str, str]:
     return e
 
 
-def run_block(block: Block, cwd: str) -> None:
+def run_block(block: Block, cwd: str, model: str = "./tiny") -> None:
+    """Run `block` in `cwd`; a `model` block with its hub id replaced by `model`."""
     script = os.path.join(cwd, f".docs_block_{block.line}.{'py' if block.lang == 'python' else 'sh'}")
     with open(script, "w") as f:
-        f.write(block.text)
+        f.write(block.text.replace(block.reason, model) if block.kind == "model" else block.text)
     cmd = [sys.executable, script] if block.lang == "python" else ["bash", "-euo", "pipefail", script]
     try:
         proc = subprocess.run(cmd, cwd=cwd, env=env(), capture_output=True, text=True, timeout=BLOCK_TIMEOUT)
@@ -133,8 +138,25 @@ def test_page_commands_run(page, prepared, tmp_path):
     work = str(tmp_path / "work")
     shutil.copytree(prepared, work, symlinks=True)
     for block in blocks_of(page):
-        if block.kind == "run":
+        if block.kind in ("run", "model"):
             run_block(block, work)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("docs_pages")
+@pytest.mark.parametrize("where", [b.where for b in ALL_BLOCKS if b.kind == "model"])
+def test_model_block_runs_on_the_pretrained_model(where, prepared, tmp_path):
+    """A `model` block with the tests' pretrained model in place of its hub id, then the Python block after it."""
+    from real_model import real_model_path
+
+    model = real_model_path()  # skips without `make real-model`
+    work = str(tmp_path / "work")
+    shutil.copytree(prepared, work, symlinks=True)
+    blocks = blocks_of(where.split(":")[0])
+    i = next(k for k, b in enumerate(blocks) if b.where == where)
+    run_block(blocks[i], work, model)
+    if i + 1 < len(blocks) and blocks[i + 1].lang == "python" and blocks[i + 1].kind == "run":
+        run_block(blocks[i + 1], work)
 
 
 @pytest.mark.parametrize("where", [b.where for b in ALL_BLOCKS if b.kind == "skip"])
@@ -172,11 +194,13 @@ def test_readme_is_a_users_page():
 
 def test_extract_reads_marks_and_order():
     text = ("# t\n```bash\necho one\n```\n<!-- docs-test: skip (needs 8 GPUs) -->\n\n```bash\ntorchrun x\n```\n"
-            "```python\nprint(1)\n```\n```yaml\na: 1\n```\n<!-- docs-test: setup -->\n```sh\nmkdir d\n```\n")
+            "```python\nprint(1)\n```\n```yaml\na: 1\n```\n<!-- docs-test: setup -->\n```sh\nmkdir d\n```\n"
+            "<!-- docs-test: model (org/m) -->\n```bash\nls org/m\n```\n")
     got = [(b.line, b.kind, b.reason, b.text, b.lang) for b in extract(text, "t.md")]
     assert got == [(2, "run", "", "echo one\n", "bash"), (7, "skip", "needs 8 GPUs", "torchrun x\n", "bash"),
-                   (10, "run", "", "print(1)\n", "python"), (17, "setup", "", "mkdir d\n", "bash")]
-    with pytest.raises(ValueError, match="t.md:2: a docs-test skip needs a reason"):
+                   (10, "run", "", "print(1)\n", "python"), (17, "setup", "", "mkdir d\n", "bash"),
+                   (21, "model", "org/m", "ls org/m\n", "bash")]
+    with pytest.raises(ValueError, match="t.md:2: a docs-test skip needs its"):
         extract("<!-- docs-test: skip -->\n```bash\nx\n```\n", "t.md")
 
 

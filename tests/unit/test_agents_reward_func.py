@@ -119,7 +119,8 @@ def test_loading_errors(tmp_path):
         load_reward_func(str(tmp_path / "missing.py"))
     with pytest.raises(AttributeError, match="must define reward_func"):
         load_reward_func(write(tmp_path, "def reward(q, p, l): return q\n", "a.py"))
-    with pytest.raises(TypeError, match="must accept \\(queries, prompts, labels\\)"):
+    with pytest.raises(TypeError, match=r"reward_func\(q\) is not a reward function's signature; write "
+                       r"reward_func\(queries, prompts, labels\) .* or reward\(prompts, completions, \*\*kwargs\)"):
         load_reward_func(write(tmp_path, "def reward_func(q): return q\n", "b.py"))
     with pytest.raises(ImportError, match="importing the file failed: ZeroDivisionError"):
         load_reward_func(write(tmp_path, "x = 1 / 0\n", "c.py"))

@@ -82,8 +82,8 @@ def test_misspelt_and_trl_names():
 
 
 def test_bad_values_fail_at_construction_naming_the_flag():
-    with pytest.raises(ValueError, match="--advantage_estimator.*invalid choice: 'grpo'"):
-        GRPOConfig(advantage_estimator="grpo")
+    with pytest.raises(ValueError, match="--advantage_estimator.*invalid choice: 'gpro'"):
+        GRPOConfig(advantage_estimator="gpro")
     with pytest.raises(ValueError, match="--n_samples_per_prompt.*invalid int value: '2.5'"):
         GRPOConfig(n_samples_per_prompt=2.5)
     with pytest.raises(ValueError, match="--lr_scheduler.*invalid choice"):
