@@ -71,8 +71,20 @@ def phase_mfu(model_dir: str, tokens: float, seq: float, seconds: float | None, 
         return None
     cfg = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
-        n = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
-    return tokens * flops_per_token(cfg, n, int(seq)) / seconds / peak
+        model = AutoModelForCausalLM.from_config(cfg)
+    return tokens * flops_per_token(cfg, active_params(model, cfg), int(seq)) / seconds / peak
+
+
+def active_params(model, cfg) -> int:
+    """Parameters one token passes through: all, except that of a mixture of experts' expert weights
+    (modules named `experts`) only the share top_k / num_experts counts."""
+    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+    top_k = getattr(cfg, "num_experts_per_tok", None)
+    total = 0
+    for name, p in model.named_parameters():
+        routed = experts and top_k and ".experts." in f".{name}"
+        total += p.numel() * top_k // experts if routed else p.numel()
+    return total
 
 
 HOST_S: list[float] = []  # host time of each timed step() call (the last time_steps call)
