@@ -6,8 +6,8 @@ and, once a run directory is known, to the run's log file.
     log.warning("...")                            # stderr
     log.debug("...")                              # the log file; the console with --log_level debug
 
-    setup("info")                 the console handler (FlagParser.parse calls it with --log_level);
-                                  ensure_setup() installs it only when missing (MetricsLogger)
+    setup("info", verbose=False)  the console handler (FlagParser.parse calls it with --log_level and
+                                  --verbose); ensure_setup() installs it only when missing (MetricsLogger)
     add_run_log(run_dir)          also everything, at every level, into <run_dir>/train.log, with times
                                   and levels; records from before it was known are written first
     close_run_logs()              at the end of a run (the CLIs' cli_main, the API's train())
@@ -15,9 +15,15 @@ and, once a run directory is known, to the run's log file.
 
 One handler (`ConsoleHandler`) writes records below WARNING to stdout and the rest to stderr, above a
 progress bar when one is drawn; a stream that is no terminal, and the log file, never get terminal
-colour codes. Third-party progress bars (transformers' weight loading and saving, the Hugging Face hub,
-datasets) are off unless `--log_level debug`: a run shows rlhfkit's own bar on a terminal, or one line
-per logged step.
+colour codes. A record marked `extra={FILE_ONLY: True}` goes to the log file only.
+
+Third-party messages go to the log file only, unless `--verbose` (or `--log_level debug`): transformers'
+warnings (its load report of missing or unexpected weights, deprecations) and Python warnings issued by
+other packages' code (FutureWarning, DeprecationWarning, UserWarning ...; a warning issued by rlhfkit's
+code or the user's own files, a reward function say, is shown). The first one hidden prints one note
+saying where they are. Errors (ERROR and up) always show. Third-party progress bars (transformers' weight
+loading and saving, the Hugging Face hub, datasets) are off unless `--verbose` / `--log_level debug`: a
+run shows rlhfkit's own bar on a terminal, and one line per logged step.
 """
 
 from __future__ import annotations
@@ -27,10 +33,13 @@ import os
 import re
 import sys
 import traceback
+import warnings
 from typing import Any
 
 ROOT = "rlhfkit"
 LOG_FILE = "train.log"
+FILE_ONLY = "rlhfkit_file_only"  # a record attribute (logging's `extra`): the run's log file only
+THIRD_PARTY = "rlhfkit_third_party"  # set on py.warnings records: the warning was issued by another package
 LEVELS = ("debug", "info", "warning", "error")
 ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
 EARLY_RECORDS = 2000  # kept for the run's log file until it is opened
@@ -49,7 +58,16 @@ def _isatty(stream: Any) -> bool:
 
 class ConsoleHandler(logging.Handler):
     """INFO and below to stdout, WARNING and above to stderr (the streams of the moment, so that
-    pytest's capture and redirections see them), above an active tqdm bar."""
+    pytest's capture and redirections see them), above an active tqdm bar. Not: records marked FILE_ONLY,
+    and third-party records below ERROR unless --verbose (module docstring)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(record, FILE_ONLY, False):
+            return False
+        if not _verbose and record.levelno < logging.ERROR and is_third_party(record):
+            _note_hidden()
+            return False
+        return super().filter(record)
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
@@ -83,7 +101,9 @@ class _FileFormatter(logging.Formatter):
 
 
 _console: ConsoleHandler | None = None
-_verbose = False  # --log_level debug
+_debug = False  # --log_level debug: transformers' info messages too
+_verbose = False  # --verbose or --log_level debug: third-party messages and progress bars on the console
+_hidden_noted = False  # the note about hidden third-party messages was printed (once per run)
 _early: _Early | None = None
 _files: dict[str, logging.FileHandler] = {}
 
@@ -92,17 +112,19 @@ def _loggers() -> list[logging.Logger]:
     return [logging.getLogger(ROOT), logging.getLogger("transformers"), logging.getLogger("py.warnings")]
 
 
-def setup(level: str = "info", new_run: bool = True) -> None:
+def setup(level: str = "info", new_run: bool = True, verbose: bool = False) -> None:
     """Install the console handler once (later calls change its level); INFO by default. Python
     warnings are logged too (`py.warnings`). `new_run`: a run starts (a command line was parsed), so the
-    last run's log file is closed and the early records start anew."""
-    global _console, _early, _verbose
+    last run's log file is closed and the early records start anew. `verbose` (--verbose): third-party
+    messages and progress bars on the console too (--log_level debug implies it)."""
+    global _console, _early, _verbose, _debug, _hidden_noted
     lvl = getattr(logging, level.upper())
     if _console is None:
         _console = ConsoleHandler()
         _console.setFormatter(logging.Formatter("%(message)s"))
         _early = _Early()
         logging.captureWarnings(True)
+        warnings.showwarning = _showwarning  # logging's, plus who issued the warning (THIRD_PARTY)
         for name in (ROOT, "py.warnings"):
             lg = logging.getLogger(name)
             lg.setLevel(logging.DEBUG)  # records still reach handlers a user put on the root logger
@@ -112,8 +134,10 @@ def setup(level: str = "info", new_run: bool = True) -> None:
         close_run_logs()
         if _early is not None:
             _early.records = []
+        _hidden_noted = False
     _console.setLevel(lvl)
-    _verbose = lvl <= logging.DEBUG
+    _debug = lvl <= logging.DEBUG
+    _verbose = bool(verbose) or _debug
     quiet_third_party(not _verbose)
     if "transformers" in sys.modules:
         route_transformers()
@@ -145,17 +169,67 @@ def quiet_third_party(quiet: bool) -> None:
 
 def route_transformers() -> None:
     """transformers' own log records go through rlhfkit's handlers (warnings; info too under
-    --log_level debug)."""
+    --log_level debug); the console shows them under --verbose only (ConsoleHandler.filter)."""
     if _console is None:
         return
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_default_handler()
-    hf_logging.set_verbosity(logging.INFO if _verbose else logging.WARNING)
+    hf_logging.set_verbosity(logging.INFO if _debug else logging.WARNING)
     hf = logging.getLogger("transformers")
-    for h in [_console, *_files.values()]:
-        if h not in hf.handlers:
+    for h in [_console, _early, *_files.values()]:  # _early: a load report before the run log opens
+        if h is not None and h not in hf.handlers:
             hf.addHandler(h)
+
+
+def is_third_party(record: logging.LogRecord) -> bool:
+    """A record of another package: a logger outside rlhfkit's (transformers'), or a Python warning issued
+    by code that is neither rlhfkit's nor the user's."""
+    if record.name == ROOT or record.name.startswith(ROOT + "."):
+        return False
+    if record.name == "py.warnings":
+        return bool(getattr(record, THIRD_PARTY, True))
+    return True
+
+
+def _note_hidden() -> None:
+    """Once per run: where the third-party messages kept off the console are."""
+    global _hidden_noted
+    if _hidden_noted or os.environ.get("RANK", "0") != "0":
+        return
+    _hidden_noted = True
+    where = next(iter(_files), None) or f"the run's {LOG_FILE}"
+    logging.getLogger(__name__).info(
+        f"note: third-party warnings (transformers' load reports, other packages' FutureWarnings ...) go to {where} "
+        "only; --verbose prints them here too")
+
+
+def _warning_issuer() -> str:
+    """The file of the code that issued the warning being shown: the first frame outside the warnings
+    module and this one (whatever `stacklevel` the warning names)."""
+    skip = {os.path.normcase(os.path.abspath(warnings.__file__)), os.path.normcase(os.path.abspath(__file__))}
+    f = sys._getframe(1)
+    while f is not None:
+        name = f.f_code.co_filename
+        if os.path.normcase(os.path.abspath(name)) not in skip and not name.startswith("<frozen"):
+            return name
+        f = f.f_back
+    return ""
+
+
+def _showwarning(message: Any, category: Any, filename: str, lineno: int, file: Any = None,
+                 line: str | None = None) -> None:
+    """logging.captureWarnings' showwarning, with the record marked THIRD_PARTY when another package's
+    code issued the warning."""
+    if file is not None:  # a warning shown to a file of the caller's choice: as Python shows it
+        original = getattr(logging, "_warnings_showwarning", None)
+        if original is not None:
+            original(message, category, filename, lineno, file, line)
+        return
+    issuer = _warning_issuer() or filename
+    ours = issuer.startswith(_PACKAGE + os.sep) or _is_user_frame(issuer)
+    text = warnings.formatwarning(message, category, filename, lineno, line)
+    logging.getLogger("py.warnings").warning("%s", text, extra={THIRD_PARTY: not ours})
 
 
 def add_run_log(run_dir: str) -> str:

@@ -8,7 +8,9 @@
       -> history                       result.state.history: one dict per logged step, as in metrics.jsonl
     trainer.save_model(path)           the trained model (and tokenizer) in Hugging Face format
 
-Errors are raised as they are (the CLI turns the same ones into one line and exit code 1).
+Errors are raised as they are (the CLI turns the same ones into one line and exit code 1). A run stopped
+by Ctrl-C (SIGINT) or SIGTERM raises rlhfkit.trainers.stop.RunStopped, whose message names the checkpoint
+and how to resume in Python: the same config with `load_checkpoint=True` (not the command line's flag).
 """
 
 from __future__ import annotations
@@ -21,6 +23,16 @@ from rlhfkit import logs
 from rlhfkit.api.config import FlagConfig, command_parser
 from rlhfkit.api.inputs import Scratch, data_source, model_dir
 from rlhfkit.config.flag_parser import set_as_given
+from rlhfkit.trainers.stop import RunStopped
+
+
+def _stop_line(e: RunStopped) -> str:
+    """The stop message without the command-line resume hint the CLI wrapper appends (the RunStopped it
+    re-raised is the context of `e`)."""
+    ctx = e.__context__
+    if isinstance(ctx, RunStopped) and ctx.saved == e.saved:
+        return str(ctx)
+    return str(e).split("; resume with:", 1)[0]
 
 
 class BaseTrainer:
@@ -74,6 +86,12 @@ class BaseTrainer:
             ns, parser = self.build_args()
             logs.route_transformers()
             self.result = self._run(ns, parser)
+        except RunStopped as e:
+            if not e.saved:
+                raise
+            raise RunStopped(e.signum, f"{_stop_line(e)}; resume with: the same trainer and data, "
+                                       f"{type(self.args).__name__}(..., load_checkpoint=True), then train()",
+                             e.saved) from None
         finally:
             self._scratch.close()
             logs.close_run_logs()

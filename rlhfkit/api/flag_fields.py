@@ -26,6 +26,10 @@ class TrainSFTFields(FlagConfig):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """console messages from this level up (debug: also transformers' info messages and third-party progress bars);
     the run directory's train.log gets every level [--log_level]"""
+    verbose: bool = False
+    """also print third-party messages on the console: transformers' load reports and warnings, other packages'
+    FutureWarnings and warnings, their progress bars (without it they go to train.log only; errors always show)
+    [--verbose]"""
 
     # train_sft options
     multiturn: bool = False
@@ -309,6 +313,10 @@ class TrainRMFields(FlagConfig):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """console messages from this level up (debug: also transformers' info messages and third-party progress bars);
     the run directory's train.log gets every level [--log_level]"""
+    verbose: bool = False
+    """also print third-party messages on the console: transformers' load reports and warnings, other packages'
+    FutureWarnings and warnings, their progress bars (without it they go to train.log only; errors always show)
+    [--verbose]"""
 
     # train_rm options
     value_head_prefix: str = "score"
@@ -589,6 +597,10 @@ class TrainDPOFields(FlagConfig):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """console messages from this level up (debug: also transformers' info messages and third-party progress bars);
     the run directory's train.log gets every level [--log_level]"""
+    verbose: bool = False
+    """also print third-party messages on the console: transformers' load reports and warnings, other packages'
+    FutureWarnings and warnings, their progress bars (without it they go to train.log only; errors always show)
+    [--verbose]"""
 
     # train_dpo options
     beta: float = 0.1
@@ -888,6 +900,10 @@ class TrainKTOFields(FlagConfig):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """console messages from this level up (debug: also transformers' info messages and third-party progress bars);
     the run directory's train.log gets every level [--log_level]"""
+    verbose: bool = False
+    """also print third-party messages on the console: transformers' load reports and warnings, other packages'
+    FutureWarnings and warnings, their progress bars (without it they go to train.log only; errors always show)
+    [--verbose]"""
 
     # train_kto options
     beta: float = 0.01
@@ -1164,6 +1180,10 @@ class TrainPPOFields(FlagConfig):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """console messages from this level up (debug: also transformers' info messages and third-party progress bars);
     the run directory's train.log gets every level [--log_level]"""
+    verbose: bool = False
+    """also print third-party messages on the console: transformers' load reports and warnings, other packages'
+    FutureWarnings and warnings, their progress bars (without it they go to train.log only; errors always show)
+    [--verbose]"""
 
     # model
     param_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"

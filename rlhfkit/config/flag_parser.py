@@ -11,7 +11,9 @@ conflict checks. The flag table itself (which flags each command has) is in rlhf
   reference in docs/ is generated from it, see rlhfkit.cli.main.flag_reference).
 - Inert flags (`inert="why"`): accepted for OpenRLHF command lines, no effect here; parsing prints
   one note for each one set to a non-default value (rank 0 only under torchrun).
-- `--log_level` (every command): the console's level; parsing sets up logging (rlhfkit.logs).
+- `--log_level`, `--verbose` (every command): the console's level, and third-party messages (transformers'
+  load reports, other packages' warnings and progress bars) on the console too; parsing sets up logging
+  (rlhfkit.logs). A command that declares its own --log_level (serve_rm) has neither.
 - `--config FILE` (YAML or JSON, rlhfkit.config.config_file): its values become the defaults, so
   every flag on the command line overrides the file. A run's `run_config.json` is such a file.
 - Conflicts (exit code 2, one line naming both flags): two names of one setting given different
@@ -129,6 +131,11 @@ class FlagParser(argparse.ArgumentParser):
             "--log_level", type=str, default="info", choices=list(LEVELS),
             help="console messages from this level up (debug: also transformers' info messages and third-party "
                  "progress bars); the run directory's train.log gets every level")
+        self._verbose: argparse.Action | None = self.add_argument(
+            "--verbose", action="store_true",
+            help="also print third-party messages on the console: transformers' load reports and warnings, other "
+                 "packages' FutureWarnings and warnings, their progress bars (without it they go to train.log "
+                 "only; errors always show)")
         if config_file:
             self.add_argument("--config", type=str, default=None, metavar="FILE",
                               help="YAML or JSON file of flag values (flat or dotted names, nested mappings "
@@ -158,6 +165,11 @@ class FlagParser(argparse.ArgumentParser):
             self._optionals._group_actions.remove(self._log_level)
             del self._option_string_actions["--log_level"]
             self._log_level = None
+            if self._verbose is not None:  # it configures its logging itself: --verbose would do nothing
+                self._remove_action(self._verbose)
+                self._optionals._group_actions.remove(self._verbose)
+                del self._option_string_actions["--verbose"]
+                self._verbose = None
         action = (self._current or self._own_group()).add_argument(*names, **kw)
         if inert:
             self._set_inert(action, inert)
@@ -274,7 +286,8 @@ class FlagParser(argparse.ArgumentParser):
         self.check_conflicts(given)
         _remember(ns, {action.dest for _, action, _ in given} | set(saved["defaults"] if saved else ()))
         if self._log_level is not None:
-            logs.setup(ns.log_level, new_run=notes)  # notes=False: an API config checking its values
+            logs.setup(ns.log_level, new_run=notes,  # notes=False: an API config checking its values
+                       verbose=bool(getattr(ns, "verbose", False)))
         if notes and os.environ.get("RANK", "0") == "0":
             for line in self.inert_notes(ns):
                 log.info(line)

@@ -16,7 +16,8 @@ TRAIN, EVAL, TIME = "train/", "eval/", "time/"
 
 # the training metrics a console line (and a model card) shows, in this order (those present)
 CONSOLE_KEYS = ("loss", "reward", "acc", "margin", "chosen_reward", "rejected_reward", "kd_loss", "nll_loss",
-                "kl", "response_length", "entropy", "policy_loss", "value_loss", "grad_norm", "lr", "actor_lr")
+                "kl", "response_length", "truncated_rate", "equal_reward_groups", "entropy", "policy_loss", "value_loss",
+                "grad_norm", "lr", "actor_lr")
 SECONDS_KEYS = ("train/step_time", "time/step")  # the seconds a step took (offline loop, RL loop)
 
 

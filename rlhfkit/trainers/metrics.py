@@ -9,17 +9,18 @@ OpenRLHF's wandb logs: `train/<name>`, `eval/<name>`, `time/<name>` (seconds per
 "step" (the optimizer step; wandb's step) in every record. `metrics_record` applies the rule; the
 loops' `state.history` holds the same records as metrics.jsonl.
 
-Console: a tqdm bar only when stdout and stderr are both terminals (`terminal()`) and
---disable_progress is off; otherwise (a log redirected to a file, --disable_progress) one plain
-line per logged step and one per evaluation, no carriage returns; the seconds per step are the mean
-since the previous line (evaluations and checkpoints in between count), measured from `start(step)`:
+Console: one line per logged step (every --logging_steps) and one per evaluation; the seconds per
+step are the mean since the previous line (evaluations and checkpoints in between count), measured
+from `start(step)`:
 
-    [step 5/12] loss=2.740 grad_norm=2.460 lr=0.002325 (0.028 s/step)
+    [step 5/12] reward=0.4 kl=0.001 response_length=6 truncated_rate=1 equal_reward_groups=0.25 ...
     [eval step 5] loss=2.596
 
-Lines go through the `logging` module (rlhfkit.logs), so they are in the run's train.log too.
-
-Evaluation lines are printed in bar mode too (through tqdm.write, above the bar).
+Lines go through the `logging` module (rlhfkit.logs), so they are always in the run's train.log too.
+A tqdm bar is drawn below them only when stdout and stderr are both terminals of a known size
+(`terminal()`) and --disable_progress is off; the lines are then written above it (tqdm.write, in
+rlhfkit.logs). Otherwise (a log redirected to a file or a pipe, a terminal of size 0x0 as CI runners and
+`docker run -t` give, --disable_progress) there is no bar and no carriage return, only the lines.
 
 Only rank 0 should construct a real logger; other ranks use `NullLogger`.
 The JSONL file is appended to and flushed per line, so a crash loses nothing already logged. A
@@ -83,16 +84,20 @@ def metrics_record(step: int, metrics: dict[str, Any]) -> dict[str, Any]:
 
 
 def terminal() -> bool:
-    """True when both stdout and stderr are terminals: progress bars; otherwise plain lines."""
+    """True when both stdout and stderr are terminals and stderr's has a size: progress bars; otherwise
+    plain lines. A terminal of 0 columns (a pty nobody sized: CI runners, `docker run -t`) gets plain lines:
+    a bar there is drawn 0 characters wide, redrawn at every update, and shows nothing."""
     try:
-        return sys.stdout.isatty() and sys.stderr.isatty()
-    except (AttributeError, ValueError):  # a closed or replaced stream
+        if not (sys.stdout.isatty() and sys.stderr.isatty()):
+            return False
+        return os.get_terminal_size(sys.stderr.fileno()).columns > 0
+    except (AttributeError, ValueError, OSError):  # a closed or replaced stream, or one without a size
         return False
 
 
 def progress_bar(total: int, initial: int, desc: str, enabled: bool):
     """A tqdm bar on stderr when `enabled` (rank 0 asked for one) and `terminal()`; a disabled one otherwise.
-    `bar.disable` tells the loop which: with no bar it prints a plain line per logged step."""
+    The step lines are printed either way (above the bar when there is one)."""
     from tqdm.auto import tqdm
 
     return tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True, disable=not (enabled and terminal()))
@@ -172,9 +177,9 @@ class MetricsLogger:
         self._clock = (time.monotonic(), int(step))
 
     def log(self, step: int, metrics: dict[str, Any], console: bool = True, total: int | None = None) -> None:
-        """One record; `console`: also print the training line (plain mode), whose time per step is the
-        mean since the previous training line (or `start`). An evaluation line is always printed when the
-        record has eval metrics."""
+        """One record and its lines: the training line, whose time per step is the mean since the previous
+        training line (or `start`), and an evaluation line when the record has eval metrics. Both always go
+        to the run's train.log; `console=False` keeps the training line off the console."""
         rec = metrics_record(step, metrics)
         self._f.write(json.dumps(rec) + "\n")
         self._f.flush()
@@ -184,8 +189,8 @@ class MetricsLogger:
             if self._clock is not None and step > self._clock[1]:
                 mean = (now - self._clock[0]) / (step - self._clock[1])
             self._clock = (now, int(step))
-        for line in console_lines(rec, total, train=console, seconds_per_step=mean):
-            _write(line)
+        for line in console_lines(rec, total, seconds_per_step=mean):
+            _write(line, console=console or line.startswith("[eval "))
         scalars = {k: v for k, v in rec.items() if k != "step" and _is_number(v)}
         if self._tb is not None:
             for k, v in scalars.items():
@@ -281,18 +286,49 @@ def _truncate_jsonl(path: str, keep_through: int) -> None:
 CONSOLE_SAMPLES = 3  # rows of a completions table shown on the console
 
 
+PROMPT_CHARS = 80  # the end of a prompt shown on a sample line (a chat template's start is its system prompt)
+COMPLETION_CHARS = 100  # a completion's start and end, its middle cut when longer
+
+
 def _short(text: str, limit: int = 60) -> str:
+    """repr(text), its end cut to `limit` characters."""
     shown = repr(text)
     return shown if len(shown) <= limit else shown[:limit - 4] + "...'"
 
 
+def _fit(text: str, limit: int, keep: Any) -> str:
+    """repr(keep(text, k)) for the largest k that fits in `limit` characters (escapes count)."""
+    k = limit
+    while k > 0 and len(repr(keep(text, k))) > limit:
+        k -= max(1, (len(repr(keep(text, k))) - limit) // 2)
+    return repr(keep(text, max(k, 0)))
+
+
+def _tail(text: str, limit: int = PROMPT_CHARS) -> str:
+    """repr(text) when it fits in `limit` characters, else '...' and the repr of its end."""
+    shown = repr(text)
+    return shown if len(shown) <= limit else "..." + _fit(text, limit - 3, lambda t, k: t[len(t) - k:])
+
+
+def _ends(text: str, limit: int = COMPLETION_CHARS) -> str:
+    """repr(text) when it fits in `limit` characters, else its start and its end around ' ... '."""
+    shown = repr(text)
+    if len(shown) <= limit:
+        return shown
+    half = (limit - 5) // 2
+    return (_fit(text, half, lambda t, k: t[:k]) + " ... "
+            + _fit(text, limit - 5 - half, lambda t, k: t[len(t) - k:]))
+
+
 def sample_lines(step: int, rows: list[SampleRow]) -> list[str]:
-    """The console lines of a completions table: a header and its first CONSOLE_SAMPLES rows."""
+    """The console lines of a completions table: a header and its first CONSOLE_SAMPLES rows, each with the
+    END of its prompt (where the question is: a chat template's prompt starts with the system prompt and
+    ends with the assistant's header) and its completion (start and end)."""
     more = f" (first {CONSOLE_SAMPLES} of {len(rows)}; all in completions.jsonl)" if len(rows) > CONSOLE_SAMPLES else ""
     out = [f"[samples step {step}]{more}"]
     for r in rows[:CONSOLE_SAMPLES]:
         label = "" if r.label is None else f" label={_short(str(r.label), 24)}"
-        out.append(f"  reward={_fmt(float(r.reward))}{label} {_short(r.prompt)} -> {_short(r.completion)}")
+        out.append(f"  reward={_fmt(float(r.reward))}{label} {_tail(r.prompt)} -> {_ends(r.completion)}")
     return out
 
 
@@ -310,8 +346,9 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _write(line: str) -> None:
-    log.info(line)  # rlhfkit.logs' console handler writes it above an active bar
+def _write(line: str, console: bool = True) -> None:
+    """One line to the run's log and (unless `console` is False) the console, above an active bar."""
+    log.info(line, extra=None if console else {logs.FILE_ONLY: True})
 
 
 def _fmt(v: Any) -> str:

@@ -183,7 +183,7 @@ def train_offline(task: OfflineTask, backend, train_items: Sequence[Any], cfg: L
                 metrics.update(evaluate(task, backend, eval_items, cfg.micro_train_batch_size, dist))
             if state.step % max(cfg.logging_steps, 1) == 0 or has_eval(metrics):
                 state.history.append(metrics_record(state.step, metrics))
-                logger.log(state.step, metrics, console=bar.disable, total=total)
+                logger.log(state.step, metrics, total=total)  # its line above the bar, if any
             if _due(state.step, cfg.save_steps) and cfg.save_ds:
                 warn_if_no_space(lambda: save_resumable(backend, cfg, state, last_of_epoch), state.step)
             if _due(state.step, cfg.save_steps) and cfg.save_hf:

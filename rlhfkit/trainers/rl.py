@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import itertools
 import logging
 import math
 import os
@@ -47,7 +48,7 @@ import torch
 
 from rlhfkit.backend import host_gc
 from rlhfkit.checkpoint.sharded import checkpoint_gap
-from rlhfkit.algo.advantages import AdvantageConfig, get_advantage_estimator
+from rlhfkit.algo.advantages import AdvantageConfig, equal_groups, get_advantage_estimator
 from rlhfkit.algo.experience import (RewardShapingConfig, apply_length_penalties, finish_experience,
                                      pad_trajectories)
 from rlhfkit.algo.filters import dynamic_filter
@@ -130,13 +131,14 @@ class RLTrainer:
             raise ValueError(f"--prompt_data has {len(self.prompts)} prompts, fewer than --rollout_batch_size "
                              f"({cfg.rollout_batch_size})")
         self.state = RLState(kl_coef=kl_ctl.value)
-        self._plain, self._total = True, None  # console lines (no bar) and the step count, set by fit()
+        self._total: int | None = None  # the step count, set by fit()
         self.group_estimator = get_advantage_estimator(adv_cfg.advantage_estimator).group
         self.num_dropped = 0
         self.num_skipped = 0  # steps skipped for want of a trajectory, in all
         self.failed_in_row = 0  # ... in a row, up to now
         self._skip_cause = ""
         self._samples: list[Trajectory] = []  # the last step's trajectories (--log_completions_steps)
+        self._no_signal_noted = False  # the hint about a step whose groups all had equal rewards was printed
 
     # ------------------------------------------------------------------ prompts
 
@@ -276,6 +278,7 @@ class RLTrainer:
         truncated = torch.tensor([float(tr.truncated) for tr in trajs])
         raw_reward = batch.rewards.clone()
         batch.rewards = apply_length_penalties(batch.rewards, resp_len, truncated.bool(), self.shaping)
+        group_rewards = batch.rewards.clone()  # what the advantage estimator compares within a group
         with t("logprobs"):
             if self._old_logprobs_pass(batch):
                 batch.old_logprobs = self.policy.forward_logprobs(batch, self.cfg.temperature)
@@ -303,7 +306,7 @@ class RLTrainer:
         shaped = exp_m.pop("reward", None)
         if self.shaping.overlong_buffer_len or self.shaping.stop_properly_penalty_coef is not None:
             metrics["shaped_reward"] = shaped  # after length penalties; `reward` is the raw one
-        metrics.update(self._rollout_metrics(trajs, raw_reward, resp_len, truncated))
+        metrics.update(self._rollout_metrics(trajs, raw_reward, resp_len, truncated, group_rewards))
         metrics.update(exp_m)
         metrics.update(train_m)
         if "ppo_clip_ratio" in train_m:
@@ -340,11 +343,14 @@ class RLTrainer:
         mag = float((batch.advantages.abs() * batch.loss_mask).sum())
         return float(self.dist.all_reduce_world(torch.tensor(mag, dtype=torch.float64))) > 0
 
-    def _rollout_metrics(self, trajs, raw_reward, resp_len, truncated) -> dict[str, float]:
-        """Global means over ranks of the rollout statistics."""
+    def _rollout_metrics(self, trajs, raw_reward, resp_len, truncated, shaped=None) -> dict[str, float]:
+        """Global means over ranks of the rollout statistics; with n > 1 samples per prompt also
+        `equal_reward_groups`, the share of complete groups whose rewards (`shaped`: after length
+        penalties, what the advantage estimator sees) are all equal."""
         n = float(len(trajs))
+        equal, groups = self._equal_groups(trajs, raw_reward if shaped is None else shaped)
         sums = torch.tensor([n, float(raw_reward.sum()), float((raw_reward ** 2).sum()), float(resp_len.sum()),
-                             float(truncated.sum())], dtype=torch.float64)
+                             float(truncated.sum()), equal, groups], dtype=torch.float64)
         extra_keys = sorted({k for tr in trajs for k in tr.extra_logs})
         extra = torch.tensor([sum(float(tr.extra_logs.get(k, 0.0)) for tr in trajs) for k in extra_keys],
                              dtype=torch.float64)
@@ -353,8 +359,43 @@ class RLTrainer:
         mean = float(tot[1]) / cnt
         out = {"reward": mean, "reward_std": math.sqrt(max(float(tot[2]) / cnt - mean * mean, 0.0)),
                "response_length": float(tot[3]) / cnt, "truncated_rate": float(tot[4]) / cnt}
-        out.update({k: float(v) / cnt for k, v in zip(extra_keys, tot[5:].tolist())})
+        if self.cfg.n_samples_per_prompt > 1 and float(tot[6]) > 0:
+            out["equal_reward_groups"] = float(tot[5]) / float(tot[6])
+        out.update({k: float(v) / cnt for k, v in zip(extra_keys, tot[7:].tolist())})
         return out
+
+    def _equal_groups(self, trajs: Sequence[Trajectory], rewards: torch.Tensor) -> tuple[float, float]:
+        """(groups whose n rewards are equal, complete groups) among this rank's trajectories."""
+        n = self.cfg.n_samples_per_prompt
+        if n <= 1 or not len(trajs):
+            return 0.0, 0.0
+        rows: list[list[int]] = []
+        for _, g in itertools.groupby(range(len(trajs)), key=lambda i: trajs[i].group_index):
+            idx = list(g)
+            if len(idx) == n:
+                rows.append(idx)
+        if not rows:
+            return 0.0, 0.0
+        g = rewards.detach().double().cpu()[torch.tensor(rows)]
+        return float(equal_groups(g).sum()), float(len(rows))
+
+    def _note_no_signal(self, m: dict[str, float]) -> None:
+        """One hint per run (rank 0) at the first step where no group had different rewards: a group
+        estimator then has all-zero advantages, so the reward taught the policy nothing (policy_loss=0)."""
+        if (self._no_signal_noted or not self.group_estimator or m.get("equal_reward_groups") != 1.0
+                or self.dist.rank != 0):
+            return
+        self._no_signal_noted = True
+        c = self.cfg
+        same = (f"; every sample got reward {m['reward']:.4g}" if m.get("reward_std") == 0.0 and "reward" in m
+                else "")
+        log.warning(
+            f"hint: step {self.state.step}: in every group the {c.n_samples_per_prompt} samples of a prompt got the "
+            f"same reward{same}, so the advantages ({self.adv_cfg.advantage_estimator}) are all 0: no learning "
+            "signal from the reward this step (policy_loss=0). If it goes on: check the reward on a few completions "
+            "(completions.jsonl; a reward that is always the same value teaches nothing), raise "
+            "--n_samples_per_prompt, or make the task easier for this model. Shown once; equal_reward_groups on "
+            "the step lines is the share of such groups.")
 
     # ------------------------------------------------------------------ evaluation
 
@@ -393,7 +434,7 @@ class RLTrainer:
             self.logger.truncate(s.step if client is not None else -1)  # no step logged twice
         total = self.total_steps()
         bar = progress_bar(total, s.step, "rl", c.show_progress and self.dist.rank == 0)
-        self._plain, self._total = bar.disable, total
+        self._total = total
         self.logger.start(s.step)
         if s.step == 0 and c.eval_steps > 0:
             self._log(0, self.evaluate())
@@ -409,6 +450,7 @@ class RLTrainer:
                 raise signals.stop(s.step, self.save_checkpoint, abandoned=True) from None
             s.step += 1
             self._count_failed_step(m)
+            self._note_no_signal(m)
             bar.update(1)
             if "reward" in m:
                 bar.set_postfix(reward=f"{m['reward']:.3f}")
@@ -467,4 +509,4 @@ class RLTrainer:
         if not m:
             return
         self.state.history.append(metrics_record(step, m))
-        self.logger.log(step, m, console=self._plain, total=self._total)
+        self.logger.log(step, m, total=self._total)  # its line above the bar, if any

@@ -16,7 +16,7 @@ from rlhfkit.cli.main import COMMANDS, flag_reference
 from rlhfkit.config.flag_parser import GENERAL, FlagParser
 
 PROGS = sorted(set(COMMANDS.values()))
-UNGROUPED_OK = {"-h", "--version", "--config", "--log_level"}  # the general group's own flags
+UNGROUPED_OK = {"-h", "--version", "--config", "--log_level", "--verbose"}  # the general group's own flags
 
 
 def parser_of(prog: str) -> FlagParser:

@@ -55,10 +55,68 @@ def test_run_log_has_every_level_early_records_and_transformers(fresh, tmp_path,
     lines = text.splitlines()
     assert lines[0].endswith("INFO rlhfkit.test: before the run directory was known")
     assert lines[1].endswith("DEBUG rlhfkit.test: a detail red")
-    assert lines[2].endswith("WARNING transformers.modeling_utils: load report red")
+    assert "INFO rlhfkit.logs: note: third-party warnings (transformers' load reports" in lines[2]  # the console's note
+    assert lines[3].endswith("WARNING transformers.modeling_utils: load report red")
     assert "Traceback (most recent call last)" in text and "KeyError: 'boom'" in text
     assert "after the run" not in text
-    assert "load report red" in capsys.readouterr().err  # transformers' warning on the console too, once
+    assert "load report" not in capsys.readouterr().err  # a third-party warning: the log file only (no --verbose)
+
+
+def import_file(path, name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, str(path))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+WARNS = "import warnings\n\n\ndef old():\n    warnings.warn('{}', FutureWarning, stacklevel=2)\n"
+
+
+def test_third_party_messages_only_with_verbose(fresh, tmp_path, capsys, monkeypatch):
+    """transformers' warnings and warnings issued by other packages' code go to train.log only, with one note;
+    --verbose shows them; errors, rlhfkit's own warnings and the user's show always."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    from rlhfkit.data.templates import check_input_template
+
+    (tmp_path / "site-packages").mkdir()
+    (tmp_path / "site-packages" / "fakepkg.py").write_text(WARNS.format("fakepkg.old is deprecated"))
+    (tmp_path / "my_code.py").write_text(WARNS.format("my_code.old is deprecated"))
+    fakepkg, my_code = import_file(tmp_path / "site-packages" / "fakepkg.py", "fakepkg"), \
+        import_file(tmp_path / "my_code.py", "my_code")
+    path = logs.add_run_log(str(tmp_path / "run"))
+    logs.route_transformers()
+    hf = hf_logging.get_logger("transformers.modeling_utils")
+
+    def emit_all(tag: str) -> None:
+        with warnings.catch_warnings():  # pytest records warnings: show them the way a run does
+            warnings.simplefilter("always")
+            monkeypatch.setattr(warnings, "showwarning", logs._showwarning)
+            hf.warning(f"LlamaForSequenceClassification LOAD REPORT {tag}")
+            fakepkg.old()  # issued by a package's code (the line it names, stacklevel 2, is this test's)
+            my_code.old()  # the user's own file
+            check_input_template("Q:\\n{}")  # rlhfkit's own warning
+            hf.error(f"transformers broke {tag}")
+
+    emit_all("quiet")
+    out, err = capsys.readouterr()
+    assert "LOAD REPORT" not in err and "fakepkg.old" not in err
+    assert "my_code.old is deprecated" in err and "literal backslash-n" in err and "transformers broke quiet" in err
+    assert out == (f"note: third-party warnings (transformers' load reports, other packages' FutureWarnings ...) go "
+                   f"to {path} only; --verbose prints them here too\n")  # once
+    logs.setup("info", new_run=False, verbose=True)
+    emit_all("verbose")
+    out, err = capsys.readouterr()
+    assert "LOAD REPORT verbose" in err and "FutureWarning: fakepkg.old is deprecated" in err and out == ""
+    logs.close_run_logs()
+    text = open(path).read()
+    for tag in ("quiet", "verbose"):
+        assert f"WARNING transformers.modeling_utils: LlamaForSequenceClassification LOAD REPORT {tag}" in text
+    assert text.count("WARNING py.warnings: ") == 6 and text.count("FutureWarning: fakepkg.old is deprecated") == 2
 
 
 def test_a_new_run_log_closes_the_last_one(fresh, tmp_path):

@@ -32,6 +32,36 @@ def test_console_lines():
     assert M.console_lines({"step": 2, "train/reward_mean": 0.1}) == ["[step 2] reward_mean=0.1"]
 
 
+def test_sample_lines_show_the_end_of_the_prompt_and_the_completion():
+    system = "<|im_start|>system\nYou are a careful assistant who answers arithmetic questions. " * 3
+    prompt = system + "<|im_end|>\n<|im_start|>user\nWhat is 17+25?<|im_end|>\n<|im_start|>assistant\n"
+    completion = "Let me add the units first. " * 8 + "So the answer is 42."
+    header, line = M.sample_lines(4, [M.SampleRow(prompt, completion, 1.0, "42")])
+    assert header == "[samples step 4]"
+    assert line.startswith("  reward=1 label='42' ...'") and "You are a careful" not in line  # not the system prompt
+    shown_prompt, shown_completion = line.split(" -> ")
+    assert shown_prompt.endswith(r"user\nWhat is 17+25?<|im_end|>\n<|im_start|>assistant\n'")
+    assert len(shown_prompt) - len("  reward=1 label='42' ") == M.PROMPT_CHARS
+    assert shown_completion.startswith("'Let me add the units first.") and shown_completion.endswith(
+        "So the answer is 42.'") and " ... " in shown_completion and len(shown_completion) <= M.COMPLETION_CHARS
+    assert M.sample_lines(1, [M.SampleRow("1+2=", "3</s>", 0.5, None)])[1] == "  reward=0.5 '1+2=' -> '3</s>'"
+
+
+def test_a_training_line_kept_off_the_console_is_in_the_run_log(tmp_path, capsys):
+    from rlhfkit import logs
+
+    logs.setup("info")
+    path = logs.add_run_log(str(tmp_path))
+    logger = M.MetricsLogger(str(tmp_path))
+    logger.log(1, {"loss": 1.5}, total=2)
+    logger.log(2, {"loss": 1.25}, console=False, total=2)
+    logger.close()
+    logs.close_run_logs()
+    assert capsys.readouterr().out.splitlines() == ["[step 1/2] loss=1.5"]
+    text = open(path).read()
+    assert "INFO rlhfkit.trainers.metrics: [step 1/2] loss=1.5" in text and "[step 2/2] loss=1.25" in text
+
+
 def test_best_metric_key_accepts_openrlhf_names():
     names = ["train/reward", "eval/reward", "eval/pass1", "eval/pass4"]
     for key in ("eval_reward", "eval/reward", "reward"):
