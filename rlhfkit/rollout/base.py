@@ -1,4 +1,4 @@
-"""The RolloutEngine protocol (DESIGN.md section 5).
+"""The RolloutEngine protocol (docs/architecture.md, "Packages": rlhfkit.rollout).
 
 Every engine (builtin, hf, vllm) takes token ids in and gives token ids and per-token
 log-probs out. The RL loop and the agent executors only see this protocol:

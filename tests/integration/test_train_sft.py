@@ -13,7 +13,7 @@ import torch
 from rlhfkit.cli import train_sft
 from rlhfkit.trainers.metrics import read_metrics
 
-SEED_FLAGS = [  # ../shared/seeds/openrlhf-readme.txt, "SFT command" (minus --use_wandb: no network here)
+SEED_FLAGS = [  # OpenRLHF's README SFT command (minus --use_wandb: no network here)
     "--max_len", "4096", "--input_key", "question", "--output_key", "response",
     "--input_template", "User: {}\nAssistant: ", "--train_batch_size", "256", "--micro_train_batch_size", "2",
     "--max_samples", "500000", "--save_steps", "-1", "--logging_steps", "1", "--eval_steps", "-1",

@@ -1,4 +1,4 @@
-"""The builtin rollout engine: slot KV cache, continuous batching, CUDA-graph decode (DESIGN.md section 5).
+"""The builtin rollout engine: slot KV cache, continuous batching, CUDA-graph decode (docs/architecture.md, "Packages": rlhfkit.rollout).
 
     weights.py   HF config/state dict -> ModelSpec + fused engine weights; HF name -> tensor view
     model.py     functional prefill / decode over the slot KV cache
