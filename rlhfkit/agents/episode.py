@@ -19,9 +19,9 @@ later generation; their placeholders expand to each picture's token run. Picture
 --max_images_per_prompt in an episode, or feedback pictures that do not fit the token budget, are
 left out and their placeholder tokens stripped (as OpenRLHF does), with one warning; the trajectory
 logs `episode_pictures`, the pictures it holds.
-The executor is duck-typed here (`source_name`, `config`, `max_steps`, `agent_instance_cls`,
-`next_request_id`), so this module needs only `contracts` and `AgentExecutorBase.execute` can run
-it without an import cycle.
+The executor is what `EpisodeHost` declares (`source_name`, `config`, `max_steps`,
+`agent_instance_cls`, `next_request_id`), which `AgentExecutorBase` satisfies, so this module does
+not import base.py (which imports it).
 """
 
 from __future__ import annotations
@@ -30,9 +30,10 @@ import logging
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Protocol, Sequence
 
 from rlhfkit.agents.contracts import (
+    AgentConfig,
     call_user,
     check_reset_result,
     check_step_result,
@@ -44,8 +45,17 @@ from rlhfkit.data.templates import encode as encode_text
 from rlhfkit.agents.user_code import EpisodeError, UserLoop
 from rlhfkit.types import GenerationRequest, ImageInputs, ImageRef, SamplingParams, Trajectory
 
-if TYPE_CHECKING:
-    from rlhfkit.agents.base import AgentExecutorBase
+
+
+class EpisodeHost(Protocol):
+    """What an episode reads of the executor that runs it (`AgentExecutorBase` after `setup()`)."""
+
+    source_name: str
+    config: AgentConfig
+    max_steps: int | None
+    agent_instance_cls: type | None
+
+    def next_request_id(self) -> int: ...
 
 logger = logging.getLogger(__name__)
 
@@ -110,14 +120,14 @@ class Action:
     versions: list[int] | None = None
 
 
-async def generate_action(executor: AgentExecutorBase, engine: Any, prompt_ids: list[int],
+async def generate_action(executor: EpisodeHost, engine: Any, prompt_ids: list[int],
                           params: SamplingParams, budget: int) -> tuple[list[int], list[float], str]:
     """One completion for ``prompt_ids`` with at most ``budget`` new tokens -> (ids, logprobs, finish)."""
     a = await generate_turn(executor, engine, prompt_ids, params, budget)
     return a.ids, a.logprobs, a.finish_reason
 
 
-async def generate_turn(executor: AgentExecutorBase, engine: Any, prompt_ids: list[int],
+async def generate_turn(executor: EpisodeHost, engine: Any, prompt_ids: list[int],
                         params: SamplingParams, budget: int, images: ImageInputs | None = None) -> Action:
     """`generate_action` with the per-token policy versions; `images`: the pictures whose placeholder
     runs `prompt_ids` holds."""
@@ -185,7 +195,7 @@ class _Tally:
     last_finish: str = ""
 
 
-def prompt_ids(ex: AgentExecutorBase, tok: Any, text: str, images: Sequence[ImageRef] | None,
+def prompt_ids(ex: EpisodeHost, tok: Any, text: str, images: Sequence[ImageRef] | None,
                max_length: int, max_new_tokens: int) -> tuple[list[int], ImageInputs | None]:
     """(token ids of a prompt, fitted to the budget, and its processed pictures). The ids start with the
     BOS the tokenizer adds, once (`bos_lead`; a left-truncated prompt keeps it). Under a VLM
@@ -204,7 +214,7 @@ def prompt_ids(ex: AgentExecutorBase, tok: Any, text: str, images: Sequence[Imag
     return fit_prompt(ids, max_length, max_new_tokens, ex.source_name, whole=pics is not None), pics
 
 
-def feedback_ids(ex: AgentExecutorBase, tok: Any, text: str, pictures: list[Any], have: int, room: int
+def feedback_ids(ex: EpisodeHost, tok: Any, text: str, pictures: list[Any], have: int, room: int
                  ) -> tuple[list[int], ImageInputs | None]:
     """(token ids of a step's feedback, at most `room`; the pictures it shows). `have`: pictures the
     episode holds already. Pictures over --max_images_per_prompt, or all of them when the expanded
@@ -265,7 +275,7 @@ def _warn_once(msg: str) -> None:
         logger.warning(msg)
 
 
-async def run_multi_turn(ex: AgentExecutorBase, prompt: str, label: Any, params: SamplingParams,
+async def run_multi_turn(ex: EpisodeHost, prompt: str, label: Any, params: SamplingParams,
                          max_length: int, tok: Any, engine: Any, images: Sequence[ImageRef] | None = None
                          ) -> Trajectory:
     """The multi-turn loop drawn in the module docstring (`images`: the prompt's pictures)."""
@@ -276,7 +286,7 @@ async def run_multi_turn(ex: AgentExecutorBase, prompt: str, label: Any, params:
         user.close()
 
 
-async def _multi_turn(ex: AgentExecutorBase, prompt: str, label: Any, params: SamplingParams,
+async def _multi_turn(ex: EpisodeHost, prompt: str, label: Any, params: SamplingParams,
                       max_length: int, tok: Any, engine: Any, user: UserLoop,
                       images: Sequence[ImageRef] | None) -> Trajectory:
     src, timeout = ex.source_name, ex.config.step_timeout_s
