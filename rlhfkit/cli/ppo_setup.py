@@ -121,7 +121,7 @@ def check_reward_file(args: argparse.Namespace) -> None:
             load_reward_func(url.strip())
         elif callable(url):
             reward_shape(url, "reward_funcs")
-    except (TypeError, AttributeError) as e:
+    except (TypeError, AttributeError, FileNotFoundError) as e:
         raise UsageError(str(e)) from None
 
 
@@ -351,6 +351,7 @@ def critic_optim(args: argparse.Namespace) -> dict[str, Any]:
             "lr_warmup_ratio": own(args.critic_lr_warmup_ratio, args.lr_warmup_ratio),
             "min_lr_ratio": own(args.critic_min_lr_ratio, args.min_lr_ratio),
             "max_norm": own(args.critic_max_norm, args.max_norm), "optim": args.critic_optim,
+            "master_weights": args.critic_master_weights,
             "muon_lr": args.critic_muon_lr, "muon_momentum": args.critic_muon_momentum,
             "muon_ns_steps": args.critic_muon_ns_steps, "muon_nesterov": args.critic_muon_nesterov}
 

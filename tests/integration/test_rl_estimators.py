@@ -197,7 +197,7 @@ def parse(extra: list[str]):
     (["--advantage_estimator", "gae", "--n_samples_per_prompt", "1", "--train_batch_size", "8",
       "--dynamic_filtering"], 1, "--dynamic_filtering needs --n_samples_per_prompt > 1"),
 ])
-def test_resolve_flags_names_the_flag(extra, world, needle):
+def test_resolve_flags_names_the_flag(extra, world, needle, model_dir_m):
     with pytest.raises(UsageError) as e:
         ppo_setup.resolve_flags(parse(extra), world)
     assert needle in str(e.value)
@@ -207,9 +207,12 @@ def test_resolve_flags_names_the_flag(extra, world, needle):
 
 @pytest.fixture
 def model_dir_m(tmp_path, monkeypatch):
-    """A local directory named "m" (no config: positions unchecked), so --pretrain m resolves as a path."""
+    """A local directory named "m" (no config: positions unchecked), so --pretrain m resolves as a path, and
+    the reward file r.py (read when the flags are resolved)."""
     monkeypatch.chdir(tmp_path)
     os.mkdir("m")
+    with open("r.py", "w") as f:
+        f.write("def reward_func(queries, prompts, labels):\n    return [0.0] * len(queries)\n")
 
 
 def test_consistent_flags_pass(model_dir_m):
