@@ -158,8 +158,15 @@ class TrainSFTFields(FlagConfig):
     """AdamW epsilon [--adam_eps, --adam.eps]"""
     l2: float = 0.0
     """AdamW weight decay [--l2, --adam.weight_decay]"""
-    optim: Literal["adam", "muon"] = "adam"
-    """optimizer: adam (AdamW), or muon: Muon for the 2-D weights of hidden layers, AdamW for the rest [--optim]"""
+    optim: Literal["adam", "adamw_8bit", "muon"] = "adam"
+    """optimizer: adam (AdamW); adamw_8bit: AdamW whose two moments are stored in 8 bits per value (blockwise float8
+    codes, 2.03 bytes a parameter instead of 8); or muon: Muon for the 2-D weights of hidden layers, AdamW for
+    the rest [--optim]"""
+    master_weights: Literal["fp32", "bf16_stochastic", "bf16_kahan"] = "fp32"
+    """trainable weights: fp32 master weights (the compute copy in --param_dtype); bf16_stochastic: bf16 weights and
+    gradients, no fp32 copy, each update rounded stochastically; bf16_kahan: the same with a bf16 compensation of
+    the rounding error (2 more bytes a parameter). The bf16 modes need --param_dtype bf16 and --optim adam or
+    adamw_8bit [--master_weights]"""
     muon_lr: float = 0.02
     """Muon learning rate (--optim muon) [--muon_lr, --muon.lr]"""
     muon_momentum: float = 0.95
@@ -442,8 +449,15 @@ class TrainRMFields(FlagConfig):
     """AdamW epsilon [--adam_eps, --adam.eps]"""
     l2: float = 0.0
     """AdamW weight decay [--l2, --adam.weight_decay]"""
-    optim: Literal["adam", "muon"] = "adam"
-    """optimizer: adam (AdamW), or muon: Muon for the 2-D weights of hidden layers, AdamW for the rest [--optim]"""
+    optim: Literal["adam", "adamw_8bit", "muon"] = "adam"
+    """optimizer: adam (AdamW); adamw_8bit: AdamW whose two moments are stored in 8 bits per value (blockwise float8
+    codes, 2.03 bytes a parameter instead of 8); or muon: Muon for the 2-D weights of hidden layers, AdamW for
+    the rest [--optim]"""
+    master_weights: Literal["fp32", "bf16_stochastic", "bf16_kahan"] = "fp32"
+    """trainable weights: fp32 master weights (the compute copy in --param_dtype); bf16_stochastic: bf16 weights and
+    gradients, no fp32 copy, each update rounded stochastically; bf16_kahan: the same with a bf16 compensation of
+    the rounding error (2 more bytes a parameter). The bf16 modes need --param_dtype bf16 and --optim adam or
+    adamw_8bit [--master_weights]"""
     muon_lr: float = 0.02
     """Muon learning rate (--optim muon) [--muon_lr, --muon.lr]"""
     muon_momentum: float = 0.95
@@ -745,8 +759,15 @@ class TrainDPOFields(FlagConfig):
     """AdamW epsilon [--adam_eps, --adam.eps]"""
     l2: float = 0.0
     """AdamW weight decay [--l2, --adam.weight_decay]"""
-    optim: Literal["adam", "muon"] = "adam"
-    """optimizer: adam (AdamW), or muon: Muon for the 2-D weights of hidden layers, AdamW for the rest [--optim]"""
+    optim: Literal["adam", "adamw_8bit", "muon"] = "adam"
+    """optimizer: adam (AdamW); adamw_8bit: AdamW whose two moments are stored in 8 bits per value (blockwise float8
+    codes, 2.03 bytes a parameter instead of 8); or muon: Muon for the 2-D weights of hidden layers, AdamW for
+    the rest [--optim]"""
+    master_weights: Literal["fp32", "bf16_stochastic", "bf16_kahan"] = "fp32"
+    """trainable weights: fp32 master weights (the compute copy in --param_dtype); bf16_stochastic: bf16 weights and
+    gradients, no fp32 copy, each update rounded stochastically; bf16_kahan: the same with a bf16 compensation of
+    the rounding error (2 more bytes a parameter). The bf16 modes need --param_dtype bf16 and --optim adam or
+    adamw_8bit [--master_weights]"""
     muon_lr: float = 0.02
     """Muon learning rate (--optim muon) [--muon_lr, --muon.lr]"""
     muon_momentum: float = 0.95
@@ -1025,8 +1046,15 @@ class TrainKTOFields(FlagConfig):
     """AdamW epsilon [--adam_eps, --adam.eps]"""
     l2: float = 0.0
     """AdamW weight decay [--l2, --adam.weight_decay]"""
-    optim: Literal["adam", "muon"] = "adam"
-    """optimizer: adam (AdamW), or muon: Muon for the 2-D weights of hidden layers, AdamW for the rest [--optim]"""
+    optim: Literal["adam", "adamw_8bit", "muon"] = "adam"
+    """optimizer: adam (AdamW); adamw_8bit: AdamW whose two moments are stored in 8 bits per value (blockwise float8
+    codes, 2.03 bytes a parameter instead of 8); or muon: Muon for the 2-D weights of hidden layers, AdamW for
+    the rest [--optim]"""
+    master_weights: Literal["fp32", "bf16_stochastic", "bf16_kahan"] = "fp32"
+    """trainable weights: fp32 master weights (the compute copy in --param_dtype); bf16_stochastic: bf16 weights and
+    gradients, no fp32 copy, each update rounded stochastically; bf16_kahan: the same with a bf16 compensation of
+    the rounding error (2 more bytes a parameter). The bf16 modes need --param_dtype bf16 and --optim adam or
+    adamw_8bit [--master_weights]"""
     muon_lr: float = 0.02
     """Muon learning rate (--optim muon) [--muon_lr, --muon.lr]"""
     muon_momentum: float = 0.95
@@ -1361,9 +1389,15 @@ class TrainPPOFields(FlagConfig):
     [--min_lr_ratio, --actor.min_lr_ratio]"""
     max_norm: float = 1.0
     """clip the gradient's global L2 norm to this (0 disables) [--max_norm, --actor.max_norm]"""
-    optim: Literal["adam", "muon"] = "adam"
-    """optimizer: adam (AdamW), or muon: Muon for the 2-D weights of hidden layers, AdamW for the rest [--optim,
-    --actor.optim]"""
+    optim: Literal["adam", "adamw_8bit", "muon"] = "adam"
+    """optimizer: adam (AdamW); adamw_8bit: AdamW whose two moments are stored in 8 bits per value (blockwise float8
+    codes, 2.03 bytes a parameter instead of 8); or muon: Muon for the 2-D weights of hidden layers, AdamW for
+    the rest [--optim, --actor.optim]"""
+    master_weights: Literal["fp32", "bf16_stochastic", "bf16_kahan"] = "fp32"
+    """trainable weights: fp32 master weights (the compute copy in --param_dtype); bf16_stochastic: bf16 weights and
+    gradients, no fp32 copy, each update rounded stochastically; bf16_kahan: the same with a bf16 compensation of
+    the rounding error (2 more bytes a parameter). The bf16 modes need --param_dtype bf16 and --optim adam or
+    adamw_8bit [--master_weights, --actor.master_weights]"""
     muon_lr: float = 0.02
     """Muon learning rate (--optim muon) [--muon_lr, --actor.muon.lr]"""
     muon_momentum: float = 0.95
@@ -1538,9 +1572,15 @@ class TrainPPOFields(FlagConfig):
     """the critic's --min_lr_ratio (default: the actor's) [--critic_min_lr_ratio, --critic.min_lr_ratio]"""
     critic_max_norm: float | None = None
     """the critic's --max_norm (default: the actor's) [--critic_max_norm, --critic.max_norm]"""
-    critic_optim: Literal["adam", "muon"] = "adam"
-    """the critic's optimizer: adam (AdamW), or muon: Muon for the 2-D weights of hidden layers, AdamW for the rest
-    [--critic_optim, --critic.optim]"""
+    critic_optim: Literal["adam", "adamw_8bit", "muon"] = "adam"
+    """the critic's optimizer: adam (AdamW); adamw_8bit: AdamW whose two moments are stored in 8 bits per value
+    (blockwise float8 codes, 2.03 bytes a parameter instead of 8); or muon: Muon for the 2-D weights of hidden
+    layers, AdamW for the rest [--critic_optim, --critic.optim]"""
+    critic_master_weights: Literal["fp32", "bf16_stochastic", "bf16_kahan"] = "fp32"
+    """the critic's trainable weights: fp32 master weights (the compute copy in --param_dtype); bf16_stochastic:
+    bf16 weights and gradients, no fp32 copy, each update rounded stochastically; bf16_kahan: the same with a
+    bf16 compensation of the rounding error (2 more bytes a parameter). The bf16 modes need --param_dtype bf16
+    and --optim adam or adamw_8bit [--critic_master_weights, --critic.master_weights]"""
     critic_muon_lr: float = 0.02
     """the critic's Muon learning rate (--critic_optim muon) [--critic_muon_lr, --critic.muon.lr]"""
     critic_muon_momentum: float = 0.95

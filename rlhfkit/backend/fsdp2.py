@@ -36,7 +36,9 @@ module parameters that have fp32 masters are freed and rebuilt from them instead
 `sleep_stats` has the seconds and bytes of the last round trip.
 
 `--optim muon` steps the 2-D hidden-layer weights with PyTorch's Muon and the rest with AdamW, as one
-optimizer (muon.py). `ema_decay` (--enable_ema) keeps an EMA of the trained weights in host memory,
+optimizer (muon.py). `--optim adamw_8bit` keeps AdamW's moments in 8-bit blockwise codes, and
+`--master_weights bf16_stochastic | bf16_kahan` stores the trainable weights (and so their gradients) in
+bf16 with no fp32 masters, on one process and sharded alike (lean_adamw.py: bytes per parameter there). `ema_decay` (--enable_ema) keeps an EMA of the trained weights in host memory,
 updated after every optimizer step; `save_hf` exports the EMA weights (ema.py).
 
 Checkpoints (rlhfkit.checkpoint.sharded) go through `sharded_state_dict()`: each rank's DTensor shards (or,
@@ -110,6 +112,13 @@ class FSDP2Backend:
         self.param_dtype = parse_dtype(backend_cfg.param_dtype)
         self.compute_dtype = compute_dtype_for(self.param_dtype, self.device, cpu_low_precision)
         self.trainable = optim_cfg is not None
+        # --master_weights bf16_*: the trainable weights themselves are bf16, no fp32 copy (lean_adamw.py)
+        self.bf16_weights = self.trainable and optim_cfg.master_weights != "fp32"
+        if self.bf16_weights:
+            if self.param_dtype != torch.bfloat16:
+                raise ValueError(f"--master_weights {optim_cfg.master_weights} keeps the weights in bf16: it needs "
+                                 f"--param_dtype bf16, got {backend_cfg.param_dtype}")
+            self.compute_dtype = torch.bfloat16  # also on CPU: the weights are bf16
         # what save_hf writes by default: the dtype of the model directory this model was loaded from (a bf16
         # base stays bf16 after fp32 CPU training), else the compute dtype
         self.save_dtype = saved_dtype(getattr(model, "name_or_path", None)) or self.compute_dtype
@@ -120,7 +129,7 @@ class FSDP2Backend:
             D.init_single_rank_group(dist.device)  # FSDP2's CPUOffloadPolicy needs a process group
         self.is_sharded = dist.has_process_group
         self._unsynced = False
-        master = torch.float32 if self.trainable else self.compute_dtype
+        master = torch.float32 if self.trainable and not self.bf16_weights else self.compute_dtype
         cast_params(model, master, trainable_only=self.trainable)
         if self.trainable:  # frozen weights (a LoRA base, a frozen vision tower) have no masters: compute dtype
             cast_params(model, self.compute_dtype, trainable_only=False, frozen_only=True)
@@ -151,7 +160,8 @@ class FSDP2Backend:
             # fused on CUDA: one kernel per parameter group, and no temporaries the size of the moments
             # (the foreach implementation allocates one, e.g. 7 GiB a GPU at 7B over 4 ranks)
             fused = self.device.type == "cuda" and not backend_cfg.adam_offload
-            self.optimizer = build_optimizer(self.model, optim_cfg, groups=groups, master=self.master, fused=fused)
+            self.optimizer = build_optimizer(self.model, optim_cfg, groups=groups, master=self.master, fused=fused,
+                                             seed=backend_cfg.seed)
             self.scheduler = build_scheduler(self.optimizer, optim_cfg, num_training_steps)
             if self.compute_dtype == torch.float16:
                 self.loss_scaler = DynamicLossScaler()
@@ -181,7 +191,7 @@ class FSDP2Backend:
 
     def _place(self, model: nn.Module) -> nn.Module:
         model = model.to(self.device)
-        if self.trainable and self.compute_dtype != torch.float32:
+        if self.trainable and self.compute_dtype != torch.float32 and not self.bf16_weights:
             if self.cfg.mixed_precision == "master_weights":
                 self.master = MasterWeights(model, self.compute_dtype)
             else:

@@ -3,7 +3,9 @@
 Optimizer: AdamW (Loshchilov & Hutter, "Decoupled Weight Decay Regularization", 2019) with
 `--learning_rate`, `--adam_betas`, `--adam_eps` and weight decay `--l2`. Biases and the weights
 of normalisation layers (LayerNorm, RMSNorm, ...) get no decay. `--optim muon` steps the hidden
-layers' 2-D weights with Muon instead (muon.py; `--muon_lr`, same decay `--l2`).
+layers' 2-D weights with Muon instead (muon.py; `--muon_lr`, same decay `--l2`). `--optim adamw_8bit`
+keeps AdamW's moments in 8 bits, `--master_weights bf16_stochastic | bf16_kahan` bf16 weights without
+fp32 masters (lean_adamw.py).
 
 Schedules (`--lr_scheduler`): `transformers.get_scheduler`, the schedules Hugging Face's Trainer,
 TRL and OpenRLHF use, with W = ceil(--lr_warmup_ratio * total) warm-up steps over `total` optimizer
@@ -24,6 +26,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from rlhfkit.config.configs import OptimConfig
+from rlhfkit.backend.lean_adamw import WEIGHT_MODES
 from rlhfkit.config.flags import LR_SCHEDULES
 
 SCHEDULES = LR_SCHEDULES  # transformers.SchedulerType names that --lr_scheduler accepts
@@ -80,16 +83,22 @@ def _validate(cfg: OptimConfig) -> None:
         raise ValueError(f"--min_lr_ratio must be in [0, 1], got {cfg.min_lr_ratio}")
     if cfg.max_norm < 0:
         raise ValueError(f"--max_norm must be >= 0 (0 disables clipping), got {cfg.max_norm}")
-    if cfg.optim not in ("adam", "muon"):
-        raise ValueError(f"--optim must be adam or muon, got {cfg.optim!r}")
+    if cfg.optim not in ("adam", "adamw_8bit", "muon"):
+        raise ValueError(f"--optim must be adam, adamw_8bit or muon, got {cfg.optim!r}")
+    if cfg.master_weights not in WEIGHT_MODES:
+        raise ValueError(f"--master_weights must be one of {', '.join(WEIGHT_MODES)}, got {cfg.master_weights!r}")
+    if cfg.optim == "muon" and cfg.master_weights != "fp32":
+        raise ValueError(f"--master_weights {cfg.master_weights} needs --optim adam or adamw_8bit (muon steps fp32 "
+                         "master weights)")
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, groups: list[dict] | None = None,
-                    fused: bool = False, master: Any = None) -> torch.optim.Optimizer:
+                    fused: bool = False, master: Any = None, seed: int = 0) -> torch.optim.Optimizer:
     """AdamW (or, with `--optim muon`, Muon + AdamW) over `model`'s trainable parameters (build it
     after sharding the model), or over the given `groups` (e.g. fp32 master copies); `fused` picks
     the single-kernel CUDA implementation of AdamW. With `master` (the `MasterWeights` whose copies
-    `groups` holds) and `fused`, AdamW is `MasterAdamW`, whose step also writes the module."""
+    `groups` holds) and `fused`, AdamW is `MasterAdamW`, whose step also writes the module. `--optim adamw_8bit`
+    or `--master_weights bf16_*` give `LeanAdamW` (lean_adamw.py; `seed` seeds its stochastic rounding)."""
     _validate(cfg)
     groups = param_groups(model, cfg.l2, cfg.optim == "muon") if groups is None else groups
     if not groups:
@@ -100,6 +109,11 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, groups: list[dict] | Non
         from rlhfkit.backend.muon import build_muon
 
         return build_muon(groups, cfg, adamw)
+    if cfg.optim == "adamw_8bit" or cfg.master_weights != "fp32":  # lean_adamw.py
+        from rlhfkit.backend.lean_adamw import LeanAdamW
+
+        return LeanAdamW(groups, lr=cfg.learning_rate, betas=betas, eps=cfg.adam_eps,
+                         eight_bit=cfg.optim == "adamw_8bit", weights=cfg.master_weights, seed=seed)
     if master is not None and fused:
         from rlhfkit.backend.master_adamw import MasterAdamW
 

@@ -267,7 +267,7 @@ def build_policy(args: argparse.Namespace, dist: DistInfo, num_steps: int,
     """This rank's policy role and its backend (wrapped in a group and a handle by the placement)."""
     from rlhfkit.models.loader import load_causal_lm
 
-    model = load_causal_lm(from_args(ModelConfig, args), master_dtype="fp32")
+    model = load_causal_lm(from_args(ModelConfig, args), master_dtype="fp32", defer_weights=True)
     optim = from_args(OptimConfig, args, learning_rate=args.actor_learning_rate)
     ema = (args.ema_beta if args.ema_beta is not None else EMA_BETA) if args.enable_ema else None
     bcfg = backend_cfg(args, ema_decay=ema)
@@ -305,7 +305,7 @@ def build_ref(args: argparse.Namespace, dist: DistInfo, dims: ParallelDims | Non
     from rlhfkit.models.loader import load_causal_lm
 
     cfg = from_args(ModelConfig, args, lora_rank=0, gradient_checkpointing=False)
-    model = load_causal_lm(cfg, path=args.ref_pretrain or args.pretrain, flag="--ref_pretrain")
+    model = load_causal_lm(cfg, path=args.ref_pretrain or args.pretrain, flag="--ref_pretrain", defer_weights=True)
     backend = FSDP2Backend(model, backend_cfg(args), None, 0, dist, parallel=dims or parallel_dims(args, dist))
     role = ActorRole(backend, dist, micro_rollout_batch_size=args.micro_rollout_batch_size,
                      rollout_max_tokens=rollout_max_tokens(args), packing=args.packing_samples,

@@ -57,7 +57,8 @@ class OptimConfig:
     max_nonfinite_steps: int = 3  # skipped non-finite steps in a row before the run stops
     max_weight_growth: float = 100.0  # max |w| beyond this x max(1, its start value) stops the run (0: off)
     max_zero_grad_steps: int = 3  # exactly-zero gradients under a non-zero loss in a row before the run stops
-    optim: str = "adam"  # adam (AdamW) | muon (Muon on hidden 2-D weights, AdamW on the rest)
+    optim: str = "adam"  # adam (AdamW) | adamw_8bit (8-bit moments) | muon (Muon on hidden 2-D weights, AdamW on the rest)
+    master_weights: str = "fp32"  # fp32 masters | bf16_stochastic | bf16_kahan (bf16 weights, backend/lean_adamw.py)
     muon_lr: float = 0.02
     muon_momentum: float = 0.95
     muon_ns_steps: int = 5

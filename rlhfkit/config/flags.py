@@ -203,7 +203,7 @@ def add_train_flags(p: FlagParser, *, train_batch_size: int = 128, micro_train_b
 
 
 def add_optimizer_choice_flags(p: FlagParser, flat: str = "", dotted: tuple[str, ...] = ("",)) -> None:
-    """--optim adam|muon and the Muon settings (rlhfkit.backend.muon). `flat` prefixes the flat
+    """--optim adam|adamw_8bit|muon, --master_weights and the Muon settings (rlhfkit.backend.muon). `flat` prefixes the flat
     names and dests (the PPO critic's are `critic_`), `dotted` lists the dotted prefixes:
     ("",) gives --muon.lr (train_sft / rm / dpo), ("actor.",) --actor.optim and --actor.muon.lr."""
     def names(flat_name: str, dotted_name: str) -> list[str]:
@@ -212,9 +212,16 @@ def add_optimizer_choice_flags(p: FlagParser, flat: str = "", dotted: tuple[str,
         return out
 
     who = "the critic's " if flat else ""
-    p.flag(*names("optim", "optim"), type=str, default="adam", choices=["adam", "muon"],
-           help=f"{who}optimizer: adam (AdamW), or muon: Muon for the 2-D weights of hidden layers, AdamW for "
-                "the rest")
+    p.flag(*names("optim", "optim"), type=str, default="adam", choices=["adam", "adamw_8bit", "muon"],
+           help=f"{who}optimizer: adam (AdamW); adamw_8bit: AdamW whose two moments are stored in 8 bits per value "
+                "(blockwise float8 codes, 2.03 bytes a parameter instead of 8); or muon: Muon for the 2-D weights "
+                "of hidden layers, AdamW for the rest")
+    p.flag(*names("master_weights", "master_weights"), type=str, default="fp32",
+           choices=["fp32", "bf16_stochastic", "bf16_kahan"],
+           help=f"{who}trainable weights: fp32 master weights (the compute copy in --param_dtype); bf16_stochastic: "
+                "bf16 weights and gradients, no fp32 copy, each update rounded stochastically; bf16_kahan: the same "
+                "with a bf16 compensation of the rounding error (2 more bytes a parameter). The bf16 modes need "
+                "--param_dtype bf16 and --optim adam or adamw_8bit")
     p.flag(*names("muon_lr", "muon.lr"), type=float, default=0.02, help=f"{who}Muon learning rate (--{flat}optim muon)")
     p.flag(*names("muon_momentum", "muon.momentum"), type=float, default=0.95, help=f"{who}Muon momentum")
     p.flag(*names("muon_ns_steps", "muon.ns_steps"), type=int, default=5,
