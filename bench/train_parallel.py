@@ -142,7 +142,7 @@ def load_model(a: argparse.Namespace, dist: Any) -> torch.nn.Module:
     if tdist.is_initialized():
         tdist.barrier()
     return load_causal_lm(ModelConfig(pretrain=path, param_dtype=a.param_dtype, attn_implementation=a.attn),
-                          master_dtype="fp32")
+                          master_dtype="fp32", defer_weights=True)
 
 
 def build(a: argparse.Namespace) -> tuple[Any, Any, Any, dict]:

@@ -75,6 +75,7 @@ from rlhfkit.config.configs import BackendConfig, OptimConfig
 from rlhfkit.config.notes import note_once
 from rlhfkit.models.forward import token_logprobs
 from rlhfkit.models.hf_files import saved_dtype
+from rlhfkit.models.stream_load import has_pending_weights, materialize
 from rlhfkit.parallel import dist as D
 from rlhfkit.parallel.apply import ParallelizeConfig, parallelize
 from rlhfkit.parallel.context_parallel import check_cp
@@ -190,6 +191,8 @@ class FSDP2Backend:
     # ------------------------------------------------------------------ wrapping
 
     def _place(self, model: nn.Module) -> nn.Module:
+        if has_pending_weights(model):  # built on the meta device: streamed onto the device, tensor by tensor
+            materialize(model, self.device)
         model = model.to(self.device)
         if self.trainable and self.compute_dtype != torch.float32 and not self.bf16_weights:
             if self.cfg.mixed_precision == "master_weights":

@@ -179,7 +179,7 @@ def trainable_backend(model: torch.nn.Module, args: argparse.Namespace, dist: Di
 def frozen_model(path: str, args: argparse.Namespace, dist: DistInfo, flag: str, offload: bool) -> FrozenModel:
     """A frozen causal LM (reference / teacher): fp32 weights cast once to the compute dtype, no LoRA."""
     cfg = ModelConfig(pretrain=path, param_dtype=args.param_dtype, attn_implementation=args.attn_implementation)
-    model = load_causal_lm(cfg, master_dtype="fp32", flag=flag)
+    model = load_causal_lm(cfg, master_dtype="fp32", flag=flag, defer_weights=True)
     bcfg = from_args(BackendConfig, args, gradient_checkpointing=False, adam_offload=False)
     backend = FSDP2Backend(model, bcfg, None, num_training_steps=1, dist=dist, parallel=parallel_dims(args, dist))
     return FrozenModel(backend, offload=offload)
@@ -210,7 +210,7 @@ def train_policy(args: argparse.Namespace, dist: DistInfo, tokenizer: Any, task:
     """
     from rlhfkit.cli.common import make_logger
 
-    model = load_causal_lm(from_args(ModelConfig, args), master_dtype="fp32")
+    model = load_causal_lm(from_args(ModelConfig, args), master_dtype="fp32", defer_weights=True)
     backend = trainable_backend(model, args, dist, len(train_items))
     logger = make_logger(args, dist.rank, plot_keys=plot_keys)
     hook = (lambda state, metrics: on_step_end(state, metrics, backend)) if on_step_end else None

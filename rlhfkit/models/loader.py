@@ -133,13 +133,16 @@ def finish_model(model: Any, cfg: ModelConfig, device: str | torch.device | None
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(model, cfg.gradient_checkpointing_use_reentrant, need_input_grads=use_lora)
     if use_lora:
-        model = apply_lora(model, cfg, modules_to_save=modules_to_save, causal=causal)
+        from rlhfkit.models.stream_load import adapters_on_host
+
+        with adapters_on_host(model):  # a model on the meta device: adapters keep their initial values
+            model = apply_lora(model, cfg, modules_to_save=modules_to_save, causal=causal)
     return model
 
 
 def load_causal_lm(cfg: ModelConfig, device: str | torch.device | None = None,
                    master_dtype: str | torch.dtype | None = None, path: str | None = None,
-                   flag: str = "--pretrain") -> Any:
+                   flag: str = "--pretrain", defer_weights: bool = False) -> Any:
     """Load `cfg.pretrain` (or `path`) as an `AutoModelForCausalLM`, or as an
     `AutoModelForImageTextToText` when its config has a vision config (a VLM).
 
@@ -147,6 +150,13 @@ def load_causal_lm(cfg: ModelConfig, device: str | torch.device | None = None,
     precision, which casts to --param_dtype for compute), else in --param_dtype. With --lora_rank the
     base is frozen and loaded in --param_dtype (half the host memory of fp32 at bf16); peft keeps the
     adapters in fp32, and the backend casts frozen weights to its compute dtype.
+
+    Host memory (rlhfkit.models.stream_load): with `device`, the model is built on the meta device and
+    its safetensors are streamed onto `device` a chunk at a time (never whole in host memory). With
+    `defer_weights` (for a model handed straight to `FSDP2Backend`), the model is returned with its
+    parameters on the meta device and the backend streams the checkpoint into them after sharding: each
+    rank reads and keeps only its shards. A checkpoint that cannot be streamed (no safetensors, names
+    transformers converts, 4-bit, a vision-language model) is loaded by transformers as before.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
@@ -161,7 +171,17 @@ def load_causal_lm(cfg: ModelConfig, device: str | torch.device | None = None,
     if cfg.freeze_visual_encoder and not vlm:
         raise ValueError(f"--freeze_visual_encoder: {flag} {path} is not a vision-language model (no vision_config)")
     auto = AutoModelForImageTextToText if vlm else AutoModelForCausalLM
-    model = auto.from_pretrained(path, **pretrained_kwargs(cfg, dtype, device, path=path))
+    model = None
+    if not cfg.load_in_4bit and not vlm and (defer_weights or device is not None):
+        from rlhfkit.models.stream_load import build_meta_model, materialize
+
+        kw = {k: v for k, v in pretrained_kwargs(cfg, dtype, device, path=path).items()
+              if k in ("attn_implementation", "experts_implementation")}
+        model = build_meta_model(auto, path, dtype, **kw)
+        if model is not None and not defer_weights:
+            materialize(model, device)
+    if model is None:
+        model = auto.from_pretrained(path, **pretrained_kwargs(cfg, dtype, device, path=path))
     if vlm and cfg.freeze_visual_encoder:
         freeze_visual_encoder(model)
     return finish_model(model, cfg, device, causal=True)

@@ -84,7 +84,14 @@ def compile_blocks(model: nn.Module, dynamic: bool | None = None) -> None:
 def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelizeConfig,
                 mesh: DeviceMesh | None = None) -> Parallelized:
     """Apply activation checkpointing, TP, compile, FSDP2 and ring attention to `model`, in place,
-    in the order of the module docstring. `mesh`: the named mesh of `dims` (None: one process)."""
+    in the order of the module docstring. `mesh`: the named mesh of `dims` (None: one process).
+
+    A model built on the meta device (`load_causal_lm(defer_weights=True)`) gets its checkpoint
+    streamed into its shards after sharding (rlhfkit.models.stream_load); without a mesh the caller
+    does that when it places the module."""
+    from rlhfkit.models.stream_load import has_pending_weights, materialize, stream_plan
+
+    plan = stream_plan(model) if mesh is not None and has_pending_weights(model) else None  # before TP / FSDP2
     if (cfg.activation_checkpointing and hasattr(model, "gradient_checkpointing_enable")
             and not getattr(model, "is_gradient_checkpointing", False)):  # the loader's choice of reentrant stays
         enable_gradient_checkpointing(model, use_reentrant=False, need_input_grads=False)
@@ -98,7 +105,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelizeConfig,
         return Parallelized(model)
     fsdp_mesh = fsdp_mesh_of(mesh, dims)  # dp dims, with cp folded into dp_shard
     apply_fsdp2(model, fsdp_mesh, cfg.zero_stage, cfg.mp_policy, cfg.offload)
-    if cfg.offload is None:
+    if plan is not None:  # each rank reads its shards' rows; buffers as below
+        materialize(model, "cpu" if cfg.offload is not None else cfg.device, plan)
+    elif cfg.offload is None:
         model.to(torch.device(cfg.device))  # buffers not managed by FSDP (e.g. rotary tables)
     multiplier = 1.0 if sum_gradients_by_loss_scale(model) else float(fsdp_mesh.size())
     cp = apply_cp(model, mesh.get_group("cp"), cfg.ring_head_stride) if dims.cp > 1 else None
