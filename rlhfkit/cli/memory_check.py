@@ -54,7 +54,10 @@ def memory_inputs(args: argparse.Namespace, slots: dict[str, int]) -> MemoryInpu
                         forward_tokens=S.rollout_max_tokens(args) or args.micro_rollout_batch_size * args.max_len,
                         colocate_all=args.colocate_all_models, colocate_actor_ref=args.colocate_actor_ref,
                         colocate_critic_reward=args.colocate_critic_reward, engine_sleep=args.vllm_enable_sleep,
-                        train_sleep=args.deepspeed_enable_sleep, lora_rank=getattr(args, "lora_rank", 0) or 0)
+                        train_sleep=args.deepspeed_enable_sleep, lora_rank=getattr(args, "lora_rank", 0) or 0,
+                        optimizers=(("policy", getattr(args, "optim", "adam"), getattr(args, "master_weights", "fp32")),
+                                    ("critic", getattr(args, "critic_optim", "adam"),
+                                     getattr(args, "critic_master_weights", "fp32"))))
 
 
 def gpu_bytes(args: argparse.Namespace) -> int | None:

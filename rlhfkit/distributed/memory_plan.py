@@ -17,6 +17,9 @@ One GPU of a role group of W ranks; b = bytes of --param_dtype; S = W at ZeRO st
         (blocks stay gathered between forward and backward), b (root + 2 blocks) at stage 3.
         --adam_offload keeps master, optimizer and grads in host memory (0 here).
     trainable, one process (W = 1): a bf16 module b P beside fp32 masters 4P, optimizer 8P, grads 4P.
+    --optim adamw_8bit: optimizer (2 + 8/256) P instead of 8 P; --master_weights bf16_stochastic: the
+        weights and grads 2P (and no separate bf16 module), bf16_kahan: the same + 2P of compensation in
+        the optimizer column (rlhfkit/backend/lean_adamw.py). The --critic_* flags set the critic's.
     --lora_rank r (the policy): the frozen base b P / S, and master, optimizer and grads of the adapters'
         n = L r (2 (H + q) + 2 (H + kv) + 3 (H + I)) parameters in place of P's.
     ref (frozen, stored in the compute dtype): b P / S resident; b P gathered while and after it runs
@@ -56,6 +59,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 GiB = 2**30
+QUANT_BLOCK = 256  # values per fp32 maximum of --optim adamw_8bit (rlhfkit.backend.lean_adamw.BLOCK; no torch here)
 CONTEXT_BYTES = 3 * GiB // 4  # CUDA context of one process
 CONTEXT_SHARDED_BYTES = 11 * GiB // 4  # a sharded trainable rank: context, NCCL buffers, cuBLAS workspaces
 ENGINE_WORKSPACE_BYTES = 3 * GiB // 2  # an engine: CUDA graphs' pool, sampling and logits buffers
@@ -159,6 +163,8 @@ class MemoryInputs:
     engine_sleep: bool = False
     train_sleep: bool = False
     lora_rank: int = 0  # trainable roles train adapters of this rank over a frozen base (--lora_rank)
+    # (--optim, --master_weights) of the policy and of the critic (--critic_optim, --critic_master_weights)
+    optimizers: tuple[tuple[str, str, str], ...] = (("policy", "adam", "fp32"), ("critic", "adam", "fp32"))
 
 
 @dataclass
@@ -233,18 +239,31 @@ def _role_parts(r: RoleMemory, x: MemoryInputs) -> tuple[dict[str, int], dict[st
         train_act = tokens * (s.layers + 1) * act_layer
     train_act += min(HEAD_CHUNK_BYTES, tokens * s.vocab * b)
     host = x.adam_offload
-    if x.lora_rank > 0 and r.name == "policy":  # a frozen base in the compute dtype + fp32 adapters
+    wb, ob = _optimizer_bytes(r.name, x)  # bytes a trainable parameter: stored weight (= its gradient), state
+    if x.lora_rank > 0 and r.name == "policy":  # a frozen base in the compute dtype + the adapters
         n = s.lora_params(x.lora_rank)
-        resident = {"weights": b * P // S, "master": 0 if host else 4 * n // S, "optimizer": 0 if host else 8 * n // S}
-        return resident, {**resident, "weights": max(b * P // S, gathered), "grads": 0 if host else 4 * n // S,
+        resident = {"weights": b * P // S, "master": 0 if host else int(wb * n) // S,
+                    "optimizer": 0 if host else int(ob * n) // S}
+        return resident, {**resident, "weights": max(b * P // S, gathered), "grads": 0 if host else int(wb * n) // S,
                           "activations": train_act}
-    if r.world == 1 and not host:  # one process: bf16 module + fp32 masters
-        resident = {"weights": b * P, "master": 4 * P, "optimizer": 8 * P}
-        return resident, {**resident, "grads": 4 * P, "activations": train_act}
+    if r.world == 1 and not host:  # one process: bf16 module + fp32 masters, or the bf16 weights alone
+        resident = {"weights": b * P if wb == 4 else 0, "master": int(wb * P), "optimizer": int(ob * P)}
+        return resident, {**resident, "grads": int(wb * P), "activations": train_act}
     vocab_grad = b * s.vocab * s.hidden if r.world > 1 else 0
-    resident = {"master": 0 if host else 4 * P // S, "optimizer": 0 if host else 8 * P // S}
-    return resident, {**resident, "weights": gathered, "grads": (0 if host else 4 * P // S) + vocab_grad,
+    resident = {"master": 0 if host else int(wb * P) // S, "optimizer": 0 if host else int(ob * P) // S}
+    return resident, {**resident, "weights": gathered, "grads": (0 if host else int(wb * P) // S) + vocab_grad,
                       "activations": train_act}
+
+
+def _optimizer_bytes(role: str, x: MemoryInputs) -> tuple[float, float]:
+    """(bytes of a stored trainable weight, and of its gradient; optimizer state bytes) a parameter:
+    fp32 masters 4, bf16 weights 2 (--master_weights bf16_*); AdamW's moments 8, 8-bit ones 2 + 8 / 256
+    (--optim adamw_8bit: a byte each and an fp32 maximum per 256 values), + 2 for bf16_kahan's compensation
+    (rlhfkit/backend/lean_adamw.py)."""
+    optim, weights = next(((o, w) for name, o, w in x.optimizers if name == role), ("adam", "fp32"))
+    wb = 4.0 if weights == "fp32" else 2.0
+    ob = (2.0 + 8.0 / QUANT_BLOCK if optim == "adamw_8bit" else 8.0) + (2.0 if weights == "bf16_kahan" else 0.0)
+    return wb, ob
 
 
 def _kept_logits(r: RoleMemory, x: MemoryInputs) -> int:
@@ -344,6 +363,14 @@ def _candidates(x: MemoryInputs) -> list[tuple[str, MemoryInputs]]:
         out.append(("--deepspeed_enable_sleep", replace(x, train_sleep=True)))
     if x.zero_stage < 3 and any(r.world > 1 for r in x.roles):
         out.append(("--zero_stage 3", replace(x, zero_stage=3)))
+    pol = next((o for o in x.optimizers if o[0] == "policy"), ("policy", "adam", "fp32"))
+    if pol[1] == "adam":
+        out.append(("--optim adamw_8bit", replace(x, optimizers=((*pol[:1], "adamw_8bit", pol[2]),
+                                                                 *(o for o in x.optimizers if o[0] != "policy")))))
+    if pol[2] == "fp32" and x.param_bytes == 2:
+        out.append(("--master_weights bf16_stochastic",
+                    replace(x, optimizers=((*pol[:2], "bf16_stochastic"),
+                                           *(o for o in x.optimizers if o[0] != "policy")))))
     if x.engine and x.engine.max_num_seqs > 1:
         n = x.engine.max_num_seqs // 2
         out.append((f"--rollout_max_num_seqs {n}", replace(x, engine=replace(x.engine, max_num_seqs=n))))

@@ -169,3 +169,31 @@ def test_the_plan_module_does_not_import_ray():
     code = "import sys, rlhfkit.distributed.memory_plan; print('ray' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_lean_optimizer_options_by_hand():
+    """--optim adamw_8bit: moments 1 byte each + an fp32 maximum per 256 values = 2.03125 B a parameter;
+    --master_weights bf16_*: weights and gradients 2 B (no fp32 master, no separate bf16 module), bf16_kahan
+    + 2 B of compensation. 7.6B on one GPU: 6.03 P = 42.8 GiB, or 8.03 P = 57.0 GiB (fp32 + Adam: 18 P)."""
+    one = (RoleMemory("policy", QWEN7B, 1),)
+    lean = plan_memory(grpo_7b(roles=one, optimizers=(("policy", "adamw_8bit", "bf16_stochastic"),)))
+    parts = lean.pools[0].parts["policy"]
+    assert (parts["weights"], parts["master"], parts["grads"]) == (0, 2 * P, 2 * P)
+    assert parts["optimizer"] == int(2.03125 * P)
+    assert sum(parts[k] for k in ("weights", "master", "grads", "optimizer")) / GiB == pytest.approx(42.78, abs=0.01)
+    kahan = plan_memory(grpo_7b(roles=one, optimizers=(("policy", "adamw_8bit", "bf16_kahan"),))).pools[0]
+    assert kahan.parts["policy"]["optimizer"] == int(4.03125 * P)
+    fp32 = plan_memory(grpo_7b(roles=one)).pools[0].parts["policy"]
+    assert sum(fp32[k] for k in ("weights", "master", "grads", "optimizer")) == 18 * P
+    # sharded over 4 (ZeRO-2): each part divided by 4; the critic's settings do not touch the policy
+    shard = plan_memory(grpo_7b(optimizers=(("policy", "adamw_8bit", "fp32"), ("critic", "adam", "bf16_kahan"))))
+    policy = shard.pools[0].parts["policy"]
+    assert policy["master"] == 4 * P // 4 and policy["optimizer"] == int(2.03125 * P) // 4
+    assert policy["grads"] == 4 * P // 4 + VOCAB_GRAD
+
+
+def test_over_budget_suggests_the_lean_optimizer_flags():
+    msg = over_budget(grpo_7b(), 40 * GiB)
+    assert "--optim adamw_8bit (" in msg and "--master_weights bf16_stochastic (" in msg
+    done = over_budget(grpo_7b(optimizers=(("policy", "adamw_8bit", "bf16_stochastic"),)), 40 * GiB)
+    assert "--optim adamw_8bit (" not in done and "--master_weights bf16_stochastic (" not in done
