@@ -131,6 +131,8 @@ def test_run_config_replays_the_rl_namespace(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", types.ModuleType("wandb"))  # --use_wandb checks the package is there
     monkeypatch.chdir(tmp_path)
     os.mkdir("p")  # --pretrain p: a local directory
+    with open("r.py", "w") as f:  # the reward file, which resolving the flags reads
+        f.write("def reward_func(queries, prompts, labels):\n    return [0.0] * len(queries)\n")
     argv = ["--pretrain", "p", "--prompt_data", "d.jsonl", "--remote_rm_url", "r.py", "--advantage_estimator",
             "group_norm", "--n_samples_per_prompt", "2", "--rollout_batch_size", "4", "--train_batch_size", "8",
             "--max_len", "64", "--clip_eps_low", "0.1", "--use_icepop", "--adam_betas", "0.8", "0.9",

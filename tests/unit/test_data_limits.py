@@ -111,7 +111,8 @@ def test_max_len_beyond_the_model_positions_names_both_numbers(tiny_model_dir, t
                                          rf"\(--pretrain {tiny_model_dir}\)"):
         train_sft.run(args)
     assert not os.path.exists(tmp_path / "o")
-    base = ["--pretrain", tiny_model_dir, "--prompt_data", data, "--remote_rm_url", "r.py"]
+    (tmp_path / "r.py").write_text("def reward_func(queries, prompts, labels):\n    return [0.0] * len(queries)\n")
+    base = ["--pretrain", tiny_model_dir, "--prompt_data", data, "--remote_rm_url", str(tmp_path / "r.py")]
     with pytest.raises(UsageError, match=r"--prompt_max_len 1024 \+ --generate_max_len 1024 = 2048 \(the default "
                                          r"--max_len\) exceeds the model's max_position_embeddings 256"):
         ppo_setup.resolve_flags(train_ppo.build_parser().parse(base), 1)

@@ -146,7 +146,9 @@ def test_hub_module_reads_offline_from_the_environment(monkeypatch):
 
 def _cli_cases(model: str, tmp: str) -> list[tuple[str, list[str], str]]:
     """(module, argv, the flag holding the uncached id) for every command that names models."""
-    data = f"{tmp}/d.jsonl"
+    data, reward = f"{tmp}/d.jsonl", f"{tmp}/r.py"
+    with open(reward, "w") as f:
+        f.write("def reward_func(queries, prompts, labels):\n    return [0.0] * len(queries)\n")
     return [
         ("train_sft", ["--pretrain", "org/x", "--dataset", data], "--pretrain"),
         ("train_rm", ["--pretrain", "org/x", "--dataset", data], "--pretrain"),
@@ -156,10 +158,10 @@ def _cli_cases(model: str, tmp: str) -> list[tuple[str, list[str], str]]:
         ("train_kd", ["--pretrain", model, "--teacher_model", "org/x", "--dataset", data], "--teacher_model"),
         ("train_ppo", ["--pretrain", model, "--reward_pretrain", f"{model},org/x", "--prompt_data", data,
                        "--prompt_max_len", "8", "--generate_max_len", "8"], "--reward_pretrain"),
-        ("train_ppo", ["--pretrain", model, "--remote_rm_url", "r.py", "--critic_pretrain", "org/x",
+        ("train_ppo", ["--pretrain", model, "--remote_rm_url", reward, "--critic_pretrain", "org/x",
                        "--advantage_estimator", "gae", "--prompt_data", data, "--prompt_max_len", "8",
                        "--generate_max_len", "8"], "--critic_pretrain"),
-        ("train_ppo_ray", ["--model.model_name_or_path", "org/x", "--remote_rm_url", "r.py", "--prompt_data", data],
+        ("train_ppo_ray", ["--model.model_name_or_path", "org/x", "--remote_rm_url", reward, "--prompt_data", data],
          "--pretrain"),
         ("batch_inference", ["--eval_task", "rm", "--model_name_or_path", "org/x", "--dataset", data,
                              "--output_path", f"{tmp}/o.jsonl"], "--pretrain"),
