@@ -102,8 +102,8 @@ def test_the_flags_default_to_auto():
 
 def test_train_ppo_resolves_auto_once_into_the_flag(tiny_model_dir, tmp_path, caplog):
     (tmp_path / "r.py").write_text("def reward_func(queries, prompts, labels):\n    return [0.0] * len(queries)\n")
-    argv = ["--pretrain", tiny_model_dir, "--prompt_data", "p.jsonl", "--remote_rm_url", str(tmp_path / "r.py"), "--save_path",
-            str(tmp_path), "--rollout_batch_size", "4", "--train_batch_size", "4", "--micro_train_batch_size", "2",
+    argv = ["--pretrain", tiny_model_dir, "--prompt_data", "p.jsonl", "--remote_rm_url", str(tmp_path / "r.py"),
+            "--save_path", str(tmp_path), "--rollout_batch_size", "4", "--train_batch_size", "4", "--micro_train_batch_size", "2",
             "--generate_max_len", "8", "--prompt_max_len", "8"]
     args = train_ppo.build_parser().parse(argv)
     assert args.rollout_engine == "auto"
