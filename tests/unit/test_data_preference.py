@@ -95,7 +95,9 @@ def test_kto_items_labels_and_mismatched_pairs(tok):
 def test_prompt_samples(tok):
     data = [Row({"q": "ab", "ans": 3, "datasource": "math"}, "p.jsonl", 1), Row({"q": "c", "ans": [1]}, "p.jsonl", 2)]
     plain = build_prompt_samples(data, tok, PromptDataConfig(input_key="q", label_key="ans", input_template="Q:{}"))
-    assert plain == [PromptSample("Q:ab", 3, "math", 0), PromptSample("Q:c", [1], "default", 1)]
+    assert plain == [  # the row's input as given and its other columns travel along (TRL-shaped rewards read them)
+        PromptSample("Q:ab", 3, "math", 0, input="ab", columns={"ans": 3, "datasource": "math"}),
+        PromptSample("Q:c", [1], "default", 1, input="c", columns={"ans": [1]})]
     chat = build_prompt_samples(data, tok, PromptDataConfig(input_key="q", apply_chat_template=True))
     assert chat[0].prompt == "<|im_start|>user\nab<|im_end|>\n<|im_start|>assistant\n" and chat[0].label is None
     msgs = [Row({"q": [{"role": "system", "content": "s"}, {"role": "user", "content": "ab"}]}, "p.jsonl", 1)]

@@ -13,6 +13,7 @@ CPU = DistInfo(device="cpu")
 
 def test_role_builders_get_checkpointing_and_adam_offload(tiny_model_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(notes, "_NOTED", set())
+    (tmp_path / "r.py").write_text("def reward_func(queries, prompts, labels):\n    return [0.0] * len(queries)\n")
     args = train_ppo_ray.build_parser().parse([
         "--pretrain", tiny_model_dir, "--prompt_data", str(tmp_path / "p.jsonl"),
         "--remote_rm_url", str(tmp_path / "r.py"), "--advantage_estimator", "group_norm",
