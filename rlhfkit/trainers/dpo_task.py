@@ -46,12 +46,14 @@ class FrozenModel:
 
     `with frozen.use() as model:` gives the module for a no-grad forward. With `offload=True`
     the weights stay in CPU memory between forwards (`backend.offload_states` /
-    `reload_states`; a no-op on CPU devices).
+    `reload_states`; on a CPU device the round trip runs and saves nothing): read the module only
+    inside `use()`, which may nest (the outermost one reloads and offloads).
     """
 
     def __init__(self, backend: Any, offload: bool = False) -> None:
         self.backend = backend
         self.offload = offload
+        self._users = 0  # nested use(): the outermost one reloads and offloads
         backend.eval()
         for p in backend.model.parameters():
             p.requires_grad_(False)
@@ -60,13 +62,15 @@ class FrozenModel:
 
     @contextlib.contextmanager
     def use(self) -> Iterator[torch.nn.Module]:
-        if self.offload:
+        if self.offload and self._users == 0:
             self.backend.reload_states()
+        self._users += 1
         try:
             with torch.no_grad():
                 yield self.backend.model
         finally:
-            if self.offload:
+            self._users -= 1
+            if self.offload and self._users == 0:
                 self.backend.offload_states()
 
 

@@ -73,7 +73,8 @@ def test_dpo_raises_preference_accuracy_on_held_out_pairs(trained, tiny_model_di
     # implicit rewards: at the start (policy == reference) loss log 2 and no pair is ranked right
     task = result.task
     batches = [task.collate(result.eval_items[i:i + 16]) for i in range(0, len(result.eval_items), 16)]
-    start = task.eval_metrics(task.ref.backend.model, batches)
+    with task.ref.use() as ref_model:  # --ref_offload: the weights are stashed between uses
+        start = task.eval_metrics(ref_model, batches)
     assert math.isclose(start["eval/loss"], math.log(2), rel_tol=1e-5) and start["eval/acc"] == 0.0
     end = result.state.history[-1]
     assert end["step"] == 25 and end["eval/acc"] > 0.85 and end["eval/loss"] < math.log(2) - 0.1

@@ -49,8 +49,9 @@ def test_kto_loss_falls(tiny_model_dir, tmp_path):
     # at the start policy == reference, so each answer's loss is w / 2: on the balanced eval set
     # (1 * 0.5 + 1.5 * 0.5) / 2 = 0.625
     task = result.task
-    start = task.eval_metrics(task.ref.backend.model, [task.collate(result.eval_items[i:i + 8])
-                                                      for i in range(0, len(result.eval_items), 8)])
+    with task.ref.use() as ref_model:  # the reference's weights may be stashed between uses
+        start = task.eval_metrics(ref_model, [task.collate(result.eval_items[i:i + 8])
+                                              for i in range(0, len(result.eval_items), 8)])
     assert math.isclose(start["eval/loss"], 0.625, rel_tol=1e-6)
     end = hist[-1]
     assert end["step"] == 24 and end["eval/loss"] < 0.59, end

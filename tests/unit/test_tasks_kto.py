@@ -128,3 +128,21 @@ def test_bad_settings_name_the_flag():
         KTOTask(pad_token_id=0, ref=None, max_len=8, beta=0.0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="--desirable_loss_weight"):
         KTOTask(pad_token_id=0, ref=None, max_len=8, desirable_weight=-1.0)  # type: ignore[arg-type]
+
+
+def test_offloaded_frozen_model_nests_uses(tiny_model_dir):
+    """With offload the weights are stashed between uses (on CPU too: the round trip runs); a use inside a
+    use keeps them in place until the outer one ends (an evaluation of the reference against itself)."""
+    model = _load(tiny_model_dir)
+    for p in model.parameters():  # own storages, as a streamed load gives (from_pretrained's map the file)
+        p.data = p.data.clone()
+    weights = [p.detach().clone() for p in model.parameters()]
+    frozen = FrozenModel(FSDP2Backend(model, BackendConfig(param_dtype="fp32", device="cpu"), None, 1, DistInfo()),
+                         offload=True)
+    stored = lambda: [p.untyped_storage().size() for p in frozen.backend.model.parameters()]  # noqa: E731
+    assert set(stored()) == {0}  # stashed
+    with frozen.use() as outer:
+        with frozen.use() as inner:
+            assert inner is outer
+        assert all(torch.equal(a, b) for a, b in zip(outer.parameters(), weights))  # still in place
+    assert set(stored()) == {0}
