@@ -1417,13 +1417,13 @@ class TrainPPOFields(FlagConfig):
     ref_pretrain: str | None = None
     """reference model of the KL term, directory or hub id (default: --pretrain) [--ref_pretrain,
     --ref.model_name_or_path]"""
+    ref_offload: bool = False
+    """keep the reference model in host memory between its forward passes [--ref_offload, --ref.offload]"""
     value_head_prefix: str = "score"
     """name of the reward / critic model's value head module [--value_head_prefix, --ds.value_head_prefix,
     --value_prefix_head]"""
     ref_reward_offload: bool = False
     """both --ref_offload and --reward_offload [--ref_reward_offload]"""
-    ref_offload: bool = False
-    """keep the reference model in host memory between its forward passes [--ref_offload, --ref.offload]"""
     reward_offload: bool = False
     """keep the reward model(s) in host memory between their forward passes [--reward_offload, --reward.offload]"""
 
@@ -1654,7 +1654,7 @@ class TrainPPOFields(FlagConfig):
     """engines free their GPU memory (weights, KV cache) while the models train [--vllm_enable_sleep,
     --vllm.enable_sleep]"""
     enable_prefix_caching: bool = False
-    """vLLM prefix caching [--enable_prefix_caching, --vllm.enable_prefix_caching]"""
+    """vLLM prefix caching (--rollout_engine vllm) [--enable_prefix_caching, --vllm.enable_prefix_caching]"""
     enforce_eager: bool = False
     """vLLM without CUDA graphs [--enforce_eager, --vllm.enforce_eager]"""
     colocate_all_models: bool = False

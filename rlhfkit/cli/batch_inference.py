@@ -66,9 +66,14 @@ from rlhfkit.cli.batch_score import (PROG, ScoreConfig, progress_bar, resolve_de
 from rlhfkit.cli.common import (UsageError, check_packages, cli_main, resolve_model_paths, resolve_rollout_engine,
                                 set_seed)
 from rlhfkit.config.dtypes import dtype_flag_name, run_dtype
-from rlhfkit.config.flags import BACKEND, MODEL, FlagParser, add_data_flags, add_model_flags, mark_training_only
+from rlhfkit.config.flags import (BACKEND, MODEL, FlagParser, add_csft_flags, add_data_flags, add_device_flag,
+                                  add_local_rank_flag, add_max_new_tokens_flag, add_model_flags,
+                                  add_model_name_alias_flag, add_normalize_reward_flag, add_output_path_flag,
+                                  add_prefix_caching_flag, add_progress_flag, add_prompt_max_len_flag,
+                                  add_rollout_batch_flag, add_rollout_engine_flag, add_sampling_flags, add_seed_flag,
+                                  add_value_head_flag, add_zero_stage_flag, mark_training_only)
 from rlhfkit.data.io import DataError, Row, load_mixture
-from rlhfkit.data.post_processors import DEFAULT_CSFT_PROMPT, csft_prompt_suffix, resolve_post_processor
+from rlhfkit.data.post_processors import csft_prompt_suffix, resolve_post_processor
 
 log = logging.getLogger(__spec__.name if __spec__ else __name__)  # also when run as __main__
 
@@ -83,52 +88,43 @@ def build_parser() -> FlagParser:
     p = FlagParser(PROG, __doc__ or "")
     add_model_flags(p)
     with p.group(MODEL):
-        p.flag("--model_name_or_path", dest="pretrain", type=str, default=None, help="alias of --pretrain")
-    add_data_flags(p, max_len=2048, max_samples=int(1e8))
+        add_model_name_alias_flag(p)
+    add_data_flags(p, max_samples=int(1e8))
     with p.group("task and output"):
         p.flag("--eval_task", type=str, default=None, choices=list(TASKS),
                help="generate (alias generate_vllm): best-of-n samples; rm: score input/output rows")
-        p.flag("--output_path", type=str, default=None, help="output jsonl file")
-        p.flag("--seed", type=int, default=1234, help="sampling seed (each prompt derives its own from it)")
-        p.flag("--device", type=str, default=None, help="cpu or cuda (default: cuda when available)")
-        p.flag("--disable_progress", action="store_true", help="no progress bar")
+        add_output_path_flag(p, "output jsonl file")
+        add_seed_flag(p, "sampling seed (each prompt derives its own from it)")
+        add_device_flag(p)
+        add_progress_flag(p)
         p.flag("--iter", type=int, default=None,
                help="generate for prompts [iter * rollout_batch_size, (iter + 1) * rollout_batch_size)")
-        p.flag("--rollout_batch_size", type=int, default=2048, help="prompts per --iter slice")
+        add_rollout_batch_flag(p, "prompts per --iter slice", rl=False)
     with p.group("generation (--eval_task generate)"):
-        p.flag("--rollout_engine", type=str, default="auto", choices=["auto", "builtin", "hf", "vllm"],
-               help="generation engine: builtin (no extra package), hf (transformers generate) or vllm; auto: "
-                    "builtin when it supports the model, else vllm when installed, else hf")
+        add_rollout_engine_flag(p)
         p.flag("--best_of_n", type=int, default=1, help="samples per prompt")
-        p.flag("--prompt_max_len", type=int, default=1024, help="longest prompt in tokens (earlier tokens are cut)")
-        p.flag("--max_new_tokens", type=int, default=1024, help="new tokens of one generation at most")
-        p.flag("--greedy_sampling", action="store_true", help="greedy decoding (temperature 0)")
-        p.flag("--temperature", type=float, default=1.0, help="sampling temperature")
-        p.flag("--top_p", type=float, default=1.0, help="nucleus sampling: keep this probability mass")
-        p.flag("--repetition_penalty", type=float, default=1.0, help="1.0 = none; > 1 discourages repeating "
-               "tokens of the prompt and the completion")
-        p.flag("--enable_csft", action="store_true", help="append ' ' + --csft_prompt + ' ' to each prompt")
-        p.flag("--csft_prompt", type=str, default=DEFAULT_CSFT_PROMPT, help="conditional SFT target score text")
+        add_prompt_max_len_flag(p, "longest prompt in tokens (earlier tokens are cut)")
+        add_max_new_tokens_flag(p, "new tokens of one generation at most", rl=False)
+        add_sampling_flags(p)
+        add_csft_flags(p)
         p.flag("--max_num_seqs", type=int, default=256, help="sequences the engine decodes at once")
         p.flag("--tp_size", type=int, default=1, help="tensor parallel size: vLLM's, or the builtin engine's over "
                "the ranks of `torchrun --nproc_per_node N` (shard 0 writes the output)")
-        p.flag("--enable_prefix_caching", action="store_true", help="vLLM prefix caching (--rollout_engine vllm)")
+        add_prefix_caching_flag(p, rl=False)
     with p.group("scoring (--eval_task rm)"):
-        p.flag("--value_head_prefix", "--ds.value_head_prefix", type=str, default="score",
-               help="name of the reward model's value head module")
-        p.flag("--normalize_reward", action="store_true", help="(r - mean) / std from the reward model's config")
+        add_value_head_flag(p, "name of the reward model's value head module")
+        add_normalize_reward_flag(p, "(r - mean) / std from the reward model's config")
         p.flag("--micro_batch_size", type=int, default=16, help="rows per reward-model forward")
         p.flag("--post_processor", type=str, default=None,
                help="rs (rejection sampling), iter_dpo (iterative DPO) or csft (conditional SFT), after rm scoring")
         p.flag("--reward_template", type=str, default=None,
                help="csft input template with {input} and {reward} (default '{input} <rm_score>: {reward} ')")
     with p.group(BACKEND):
-        p.flag("--local_rank", type=int, default=-1, help="OpenRLHF: this process's rank on its node",
-               inert="each process reads its rank from the environment (torchrun sets LOCAL_RANK / RANK)")
-        p.flag("--zero_stage", "--ds.zero_stage", type=int, default=0, choices=[0, 1, 2, 3],
-               help="OpenRLHF: DeepSpeed ZeRO stage of the inference model",
-               inert="one process holds the whole model: there is nothing to shard (OpenRLHF's loops pass 0)")
-    p.implies("--greedy_sampling", temperature=0.0)
+        add_local_rank_flag(p)
+        add_zero_stage_flag(p, "OpenRLHF: DeepSpeed ZeRO stage of the inference model",
+                            inert="one process holds the whole model: there is nothing to shard (OpenRLHF's loops "
+                                  "pass 0)")
+    p.set_defaults(seed=1234, rollout_batch_size=2048, max_new_tokens=1024, zero_stage=0)
     mark_training_only(p)
     for dest in ("eval_dataset", "eval_split"):
         p.mark_inert(dest, "batch_inference reads --dataset only")

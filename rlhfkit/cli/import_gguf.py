@@ -17,7 +17,7 @@ import argparse
 import logging
 from typing import Sequence
 
-from rlhfkit.config.flags import FlagParser
+from rlhfkit.config.flags import FlagParser, add_dtype_flags, add_save_path_flag
 
 log = logging.getLogger(__spec__.name if __spec__ else __name__)  # also when run as __main__
 
@@ -26,9 +26,8 @@ def build_parser() -> FlagParser:
     p = FlagParser("import_gguf", __doc__ or "")
     with p.group("models"):
         p.flag("--gguf", type=str, required=True, help="the .gguf file to import (llama.cpp's format)")
-        p.flag("--save_path", type=str, required=True, help="where the Hugging Face model folder is written")
-        p.flag("--param_dtype", type=str, default="bf16", choices=["bf16", "fp16", "fp32"],
-               help="dtype of the saved weights (the file's are dequantized)")
+        add_save_path_flag(p, "where the Hugging Face model folder is written", required=True)
+        add_dtype_flags(p, "dtype of the saved weights (the file's are dequantized)")
     return p
 
 

@@ -43,9 +43,10 @@ from typing import Any, Iterator, Sequence, TextIO
 import torch
 
 from rlhfkit.cli.common import UsageError, check_packages, cli_main, resolve_model_paths, set_seed
-from rlhfkit.config.flags import (DEFAULT_INPUT_TEMPLATE, MODEL, FlagParser, add_model_flags, add_template_flags,
-                                  mark_training_only)
-from rlhfkit.data.post_processors import DEFAULT_CSFT_PROMPT, csft_prompt_suffix
+from rlhfkit.config.flags import (DEFAULT_INPUT_TEMPLATE, MODEL, FlagParser, add_csft_flags, add_device_flag,
+                                  add_max_len_flag, add_model_flags, add_model_name_alias_flag, add_sampling_flags,
+                                  add_seed_flag, add_template_flags, mark_training_only)
+from rlhfkit.data.post_processors import csft_prompt_suffix
 from rlhfkit.data.templates import check_input_template, fill_template, has_chat_template, render_chat
 
 PROG = "interactive_chat"
@@ -55,27 +56,21 @@ def build_parser() -> FlagParser:
     p = FlagParser(PROG, __doc__ or "")
     add_model_flags(p)
     with p.group(MODEL):
-        p.flag("--model_name_or_path", dest="pretrain", type=str, default=None, help="alias of --pretrain")
-        p.flag("--device", type=str, default=None, help="cpu or cuda (default: cuda when available)")
+        add_model_name_alias_flag(p)
+        add_device_flag(p)
     with p.group("generation"):
-        p.flag("--max_len", "--data.max_len", type=int, default=4096,
-               help="prompt + reply tokens; a conversation that no longer fits is reported and its last turn dropped")
-        p.flag("--greedy_sampling", action="store_true", help="greedy decoding")
-        p.flag("--top_p", type=float, default=0.9, help="nucleus sampling: keep this probability mass")
-        p.flag("--temperature", type=float, default=0.2, help="sampling temperature")
-        p.flag("--repetition_penalty", type=float, default=1.2,
-               help="1.0 = none; > 1 discourages repeating tokens of the prompt and the reply")
-        p.flag("--seed", type=int, default=42, help="sampling seed")
+        add_max_len_flag(p, "prompt + reply tokens; a conversation that no longer fits is reported and its last turn "
+                            "dropped")
+        add_sampling_flags(p, "reply")
+        add_seed_flag(p, "sampling seed")
     with p.group("prompt format"):
         add_template_flags(p, input_help="format of each user turn with one {} for the text, instead of the chat "
                            "template (default: the chat template when the tokenizer has one, else the line as typed)",
                            chat_help="render the conversation with the tokenizer's chat template (the default when "
                            "it has one and no --input_template is given)")
         p.flag("--ta_prompt", type=str, default=None, help="system prompt: a text file, or the text itself")
-        p.flag("--enable_csft", action="store_true", help="append ' ' + --csft_prompt + ' ' to each prompt")
-        p.flag("--csft_prompt", type=str, default=DEFAULT_CSFT_PROMPT,
-               help="conditional SFT score text appended with --enable_csft")
-    p.implies("--greedy_sampling", temperature=0.0)
+        add_csft_flags(p)
+    p.set_defaults(max_len=4096, top_p=0.9, temperature=0.2, repetition_penalty=1.2)
     mark_training_only(p)
     return p
 

@@ -20,7 +20,7 @@ import argparse
 import logging
 from typing import Sequence
 
-from rlhfkit.config.flags import FlagParser
+from rlhfkit.config.flags import FlagParser, add_dtype_flags, add_output_path_flag
 
 log = logging.getLogger(__spec__.name if __spec__ else __name__)  # also when run as __main__
 
@@ -30,12 +30,11 @@ def build_parser() -> FlagParser:
     with p.group("models"):
         p.flag("--model_path", type=str, required=True, help="base model directory or hub id")
         p.flag("--lora_path", type=str, required=True, help="peft adapter directory or hub id")
-        p.flag("--output_path", type=str, required=True, help="where the merged model is written")
+        add_output_path_flag(p, "where the merged model is written", required=True)
         p.flag("--is_rm", action="store_true", help="the base is a reward model (sequence classification)")
-        p.flag("--param_dtype", "--ds.param_dtype", type=str, default=None, choices=["bf16", "fp16", "fp32"],
-               help="dtype of the merged model's saved weights (default: the base model's, from its config.json "
-                    "or weights)")
-        p.flag("--bf16", dest="param_dtype", action="store_const", const="bf16", help="alias of --param_dtype bf16")
+        add_dtype_flags(p, "dtype of the merged model's saved weights (default: the base model's, from its "
+                           "config.json or weights)")
+    p.set_defaults(param_dtype=None)
     return p
 
 

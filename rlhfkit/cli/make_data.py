@@ -36,7 +36,7 @@ import os
 import random
 from typing import Callable
 
-from rlhfkit.config.flags import FlagParser
+from rlhfkit.config.flags import FlagParser, add_arithmetic_flags, add_seed_flag
 
 log = logging.getLogger(__spec__.name if __spec__ else __name__)  # also when run as __main__
 
@@ -49,13 +49,10 @@ def build_parser() -> FlagParser:
     p.add_argument("kinds", nargs="*", metavar="KIND",  # checked in main (argparse rejects an empty list with choices)
                    help=f"what to write: {', '.join(KINDS)}, or all (every data kind but shapes)")
     p.flag("--out", type=str, default="data", help="folder the files go to (made if missing)")
-    p.flag("--seed", type=int, default=0, help="the same seed writes the same rows")
-    p.flag("--digits", type=int, default=2, help="digits per operand")
-    p.flag("--plain_order", action="store_true",
-           help="write sums most-significant digit first (harder for a tiny model)")
-    p.flag("--num_train", type=int, default=2000, help="SFT rows in train.jsonl")
+    add_seed_flag(p, "the same seed writes the same rows")
+    add_arithmetic_flags(p)
     p.flag("--num_prompts", type=int, default=256, help="RL prompts in prompts.jsonl (taken from the train questions)")
-    p.flag("--num_eval", type=int, default=64, help="held-out questions in eval.jsonl")
+    p.set_defaults(seed=0)
     p.flag("--num_pairs", type=int, default=256, help="rows in preference.jsonl, kto.jsonl, prm.jsonl and chat.jsonl")
     return p
 

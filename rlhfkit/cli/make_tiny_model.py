@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from rlhfkit.config.configs import from_args
-from rlhfkit.config.flags import FlagParser
+from rlhfkit.config.flags import FlagParser, add_save_path_flag, add_seed_flag, add_tiny_size_flags
 from rlhfkit.models.tiny import ARCHS, VLM_ARCHS, TinyModelSpec, make_tiny_model
 
 log = logging.getLogger(__spec__.name if __spec__ else __name__)  # also when run as __main__
@@ -19,15 +19,14 @@ log = logging.getLogger(__spec__.name if __spec__ else __name__)  # also when ru
 def build_parser() -> FlagParser:
     p = FlagParser("make_tiny_model", __doc__ or "")
     with p.group("output"):
-        p.flag("--save_path", type=str, required=True,
-               help="directory to write the model and tokenizer to (Hugging Face format)")
-        p.flag("--seed", type=int, default=0, help="seed of the random initial weights")
+        add_save_path_flag(p, "directory to write the model and tokenizer to (Hugging Face format)", required=True)
+        add_seed_flag(p, "seed of the random initial weights")
+    p.set_defaults(seed=0)
     with p.group("architecture"):
         p.flag("--arch", type=str, default="llama", choices=list(ARCHS),
                help="transformers model family (mixtral: a mixture of experts; qwen2_5_vl, qwen3_vl: "
                     "vision-language models with an image processor)")
-        p.flag("--hidden_size", type=int, default=128, help="width of the residual stream")
-        p.flag("--num_hidden_layers", "--num_layers", type=int, default=4, help="transformer blocks")
+        add_tiny_size_flags(p)
         p.flag("--num_attention_heads", type=int, default=4, help="query heads per attention layer")
         p.flag("--num_key_value_heads", type=int, default=None,
                help="key/value heads (grouped-query attention; default: --num_attention_heads)")

@@ -29,7 +29,8 @@ from rlhfkit.cli.common import (UsageError, check_backend_flags, check_packing, 
                                 set_seed)
 from rlhfkit.config.configs import BackendConfig, ModelConfig, OptimConfig, from_args
 from rlhfkit.config.flags import (DATA, MODEL, TRAIN, FlagParser, add_backend_flags, add_ckpt_flags, add_data_flags,
-                                  add_logging_flags, add_model_flags, add_train_flags)
+                                  add_logging_flags, add_max_steps_flag, add_model_flags, add_ref_model_flags,
+                                  add_train_flags)
 from rlhfkit.data.io import DataError, Row, load_mixture
 from rlhfkit.models.loader import check_model_dir, load_causal_lm, load_tokenizer
 from rlhfkit.trainers.dpo_task import FrozenModel
@@ -56,8 +57,7 @@ def add_offline_flags(p: FlagParser, *, max_len: int, train_batch_size: int, mic
     add_ckpt_flags(p)
     add_logging_flags(p, wandb_project=wandb_project)
     with p.group(TRAIN):
-        p.flag("--max_steps", type=int, default=None,
-               help="optimizer steps to take, cycling the data as often as needed (overrides --max_epochs)")
+        add_max_steps_flag(p, "optimizer steps to take, cycling the data as often as needed (overrides --max_epochs)")
 
 
 def add_pair_key_flags(p: FlagParser) -> None:
@@ -73,10 +73,7 @@ def add_pair_key_flags(p: FlagParser) -> None:
 
 def add_ref_flags(p: FlagParser) -> None:
     with p.group(MODEL):
-        p.flag("--ref_pretrain", "--ref.model_name_or_path", type=str, default=None,
-               help="reference model directory or hub id (default: --pretrain)")
-        p.flag("--ref_offload", "--ref.offload", action="store_true",
-               help="keep the reference model in CPU memory between its forward passes")
+        add_ref_model_flags(p, "CPU")
 
 
 def require(args: argparse.Namespace, *names: str) -> None:

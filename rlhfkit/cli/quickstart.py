@@ -21,7 +21,8 @@ import os
 import sys
 import time
 
-from rlhfkit.config.flags import FlagParser
+from rlhfkit.config.flags import (FlagParser, add_arithmetic_flags, add_run_dir_flag, add_seed_flag,
+                                  add_tiny_size_flags)
 
 log = logging.getLogger(__spec__.name if __spec__ else __name__)  # also when run as __main__
 
@@ -29,14 +30,11 @@ log = logging.getLogger(__spec__.name if __spec__ else __name__)  # also when ru
 def build_parser() -> FlagParser:
     p = FlagParser("quickstart", __doc__ or "")
     with p.group("run"):
-        p.flag("--run_dir", type=str, default="runs/quickstart",
-               help="where the model, data, both runs, results.json and reward_curve.png go")
-        p.flag("--seed", type=int, default=0, help="seed of the data, the model and both runs")
+        add_run_dir_flag(p, "where the model, data, both runs, results.json and reward_curve.png go")
+        add_seed_flag(p, "seed of the data, the model and both runs")
     with p.group("task"):
-        p.flag("--digits", type=int, default=2, help="digits of each number of the additions")
-        p.flag("--plain_order", action="store_true", help="write sums most-significant digit first (harder)")
-        p.flag("--num_train", type=int, default=20000, help="training questions (SFT data and RL prompts)")
-        p.flag("--num_eval", type=int, default=200, help="held-out questions (never trained on)")
+        add_arithmetic_flags(p, train_help="training questions (SFT data and RL prompts)",
+                             eval_help="held-out questions (never trained on)")
         p.flag("--num_val", type=int, default=100, help="validation questions that decide when SFT stops")
     with p.group("SFT and RL"):
         p.flag("--sft_target", type=float, default=0.3, help="SFT stops at this greedy validation accuracy")
@@ -46,8 +44,8 @@ def build_parser() -> FlagParser:
         p.flag("--sft_lr", type=float, default=1e-3, help="SFT learning rate")
         p.flag("--rl_lr", type=float, default=1e-4, help="GRPO learning rate")
     with p.group("model"):
-        p.flag("--hidden_size", type=int, default=128, help="width of the tiny model")
-        p.flag("--num_layers", type=int, default=4, help="transformer blocks of the tiny model")
+        add_tiny_size_flags(p, " of the tiny model")
+    p.set_defaults(run_dir="runs/quickstart", seed=0, num_train=20000, num_eval=200)
     return p
 
 
@@ -127,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     run = os.path.abspath(args.run_dir)
     os.makedirs(run, exist_ok=True)
     base, sft_dir, rl_dir = (os.path.join(run, d) for d in ("base", "sft", "rl"))
-    make_tiny_model(base, TinyModelSpec(hidden_size=args.hidden_size, num_hidden_layers=args.num_layers,
+    make_tiny_model(base, TinyModelSpec(hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers,
                                         num_attention_heads=4, max_position_embeddings=64, seed=args.seed))
     tok = load_tokenizer(base)
     train, held = addition_splits(args.num_train, args.num_val + args.num_eval, args.digits, seed=args.seed,

@@ -72,22 +72,24 @@ from rlhfkit.serving.batcher import FairBatcher, Rejected
 from rlhfkit.serving.request import (ClientGone, RequestError, RequestLimits, header_timeout_protocol,
                                           parse_or_error, read_body)
 from rlhfkit.config.configs import from_args
-from rlhfkit.config.flags import FlagParser
+from rlhfkit.config.flags import (FlagParser, add_attn_flags, add_device_flag, add_dtype_flags, add_experts_flag,
+                                  add_fast_tokenizer_flag, add_load_in_4bit_flag, add_max_len_flag,
+                                  add_normalize_reward_flag, add_packing_flag, add_reward_model_flag,
+                                  add_use_ms_flag, add_value_head_flag)
 
 logger = logging.getLogger("rlhfkit.serve_rm")
 TRIM_AFTER_BYTES = 1 << 20  # trim the C heap after bodies this large
 
 
 def build_parser() -> FlagParser:
-    p = FlagParser("serve_rm", "Serve a reward model over HTTP (OpenRLHF protocol).")
+    p = FlagParser("serve_rm", "Serve a reward model over HTTP (OpenRLHF protocol).", own_logging=True)
+    p.set_defaults(log_level="warning")
     with p.group("reward model"):
-        p.flag("--reward_pretrain", "--reward.model_name_or_path", type=str, default=None,
-               help="reward model directory or hub id (saved by train_rm, or any sequence-classification model)")
-        p.flag("--normalize_reward", "--reward.normalize_enable", action="store_true",
-               help="answer (r - mean) / std with mean/std from the model's config.json")
-        p.flag("--value_head_prefix", "--ds.value_head_prefix", type=str, default="score",
-               help="name of the model's value head module")
-        p.flag("--max_len", "--data.max_len", type=int, default=2048, help="longest query in tokens (longer: 422)")
+        add_reward_model_flag(p, "reward model directory or hub id (saved by train_rm, or any sequence-classification "
+                                 "model)")
+        add_normalize_reward_flag(p, "answer (r - mean) / std with mean/std from the model's config.json")
+        add_value_head_flag(p, "name of the model's value head module")
+        add_max_len_flag(p, "longest query in tokens (longer: 422)")
     with p.group("server"):
         p.flag("--batch_size", type=int, default=16, help="most sequences per forward")
         p.flag("--batch_wait_ms", type=float, default=5.0,
@@ -106,28 +108,17 @@ def build_parser() -> FlagParser:
         p.flag("--shutdown_timeout_s", type=float, default=5.0,
                help="on SIGTERM, longest wait for requests in progress before they are cancelled")
     with p.group("model loading and device"):
-        p.flag("--param_dtype", "--ds.param_dtype", type=str, default="bf16", choices=["bf16", "fp16", "fp32"],
-               help="compute dtype on GPU; CPU computes in fp32")
-        p.flag("--bf16", dest="param_dtype", action="store_const", const="bf16", help="alias of --param_dtype bf16")
-        p.flag("--attn_implementation", "--ds.attn_implementation", type=str, default="sdpa",
-               help="attention kernel of transformers: sdpa, eager, flash_attention_2 (when installed)")
-        p.flag("--flash_attn", dest="attn_implementation", action="store_const", const="flash_attention_2",
-               help="alias of --attn_implementation flash_attention_2")
-        p.flag("--load_in_4bit", "--ds.load_in_4bit", action="store_true",
-               help="load the weights in 4-bit NF4 (needs bitsandbytes and CUDA)")
-        p.flag("--disable_fast_tokenizer", "--data.disable_fast_tokenizer", action="store_true",
-               help="load the slow (Python) tokenizer instead of the fast (Rust) one")
-        p.flag("--packing_samples", "--ds.packing_samples", action="store_true",
-               help="OpenRLHF: pack queries into one row", inert="serve_rm pads its batches")
-        p.flag("--experts_implementation", "--ds.experts_implementation", type=str, default=None,
-               help="mixture-of-experts kernels of transformers: eager, batched_mm, grouped_mm, deepgemm")
-        p.flag("--use_ms", action="store_true", help="download --reward_pretrain from ModelScope (needs modelscope)")
-        p.flag("--device", type=str, default=None, help="cpu or cuda (default: cuda when available)")
+        add_dtype_flags(p, "compute dtype on GPU; CPU computes in fp32")
+        add_attn_flags(p)
+        add_load_in_4bit_flag(p, "load the weights in 4-bit NF4 (needs bitsandbytes and CUDA)")
+        add_fast_tokenizer_flag(p)
+        add_packing_flag(p, "OpenRLHF: pack queries into one row", inert="serve_rm pads its batches")
+        add_experts_flag(p)
+        add_use_ms_flag(p, "--reward_pretrain")
+        add_device_flag(p)
         p.flag("--num_threads", type=int, default=0,
                help="torch CPU threads for the model; 0: on CPU one per core but one (a core for the HTTP "
                     "side), on GPU torch's default")
-        p.flag("--log_level", type=str, default="warning", choices=["debug", "info", "warning", "error"],
-               help="level of the server's log lines on stderr")
     return p
 
 

@@ -31,7 +31,7 @@ from rlhfkit.cli.offline_common import (
 )
 from rlhfkit.cli.run_dir import training_run
 from rlhfkit.config.configs import from_args
-from rlhfkit.config.flags import FlagParser, add_image_flags
+from rlhfkit.config.flags import FlagParser, add_beta_flag, add_image_flags
 from rlhfkit.data.preference import PreferenceDataConfig, PreferenceDataset
 from rlhfkit.trainers.dpo_task import DPOTask, check_dpo_settings
 
@@ -43,7 +43,7 @@ def build_parser() -> FlagParser:
     p.set_defaults(eval_split="test")
     add_pair_key_flags(p)
     add_ref_flags(p)
-    p.flag("--beta", "--model.beta", type=float, default=0.1, help="DPO temperature beta")
+    add_beta_flag(p, "DPO temperature beta")
     p.flag("--ipo", "--model.ipo_enable", action="store_true", help="IPO loss (Azar et al. 2023)")
     p.flag("--label_smoothing", "--model.label_smoothing", type=float, default=0.0,
            help="cDPO: probability that a preference label is flipped, in [0, 0.5]")

@@ -25,7 +25,7 @@ from rlhfkit.cli.offline_common import (
 )
 from rlhfkit.cli.run_dir import training_run
 from rlhfkit.config.configs import from_args
-from rlhfkit.config.flags import FlagParser
+from rlhfkit.config.flags import FlagParser, add_pretrain_mode_flag
 from rlhfkit.data.sft import SFTDataConfig, SFTDataset
 from rlhfkit.trainers.kd_task import KDTask
 
@@ -41,8 +41,7 @@ def build_parser() -> FlagParser:
     p.flag("--kd_coef", "--model.kd_coef", type=float, default=0.4, help="weight of the KD term, in [0, 1]")
     p.flag("--teacher_offload", "--teacher.offload", action="store_true",
            help="keep the teacher in CPU memory between its forward passes")
-    p.flag("--pretrain_mode", "--model.pretrain_mode_enable", action="store_true",
-           help="loss on every token of the raw text (no template)")
+    add_pretrain_mode_flag(p)
     return p
 
 

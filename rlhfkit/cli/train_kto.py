@@ -27,7 +27,7 @@ from rlhfkit.cli.offline_common import (
 )
 from rlhfkit.cli.run_dir import training_run
 from rlhfkit.config.configs import from_args
-from rlhfkit.config.flags import FlagParser
+from rlhfkit.config.flags import FlagParser, add_beta_flag, add_label_key_flag
 from rlhfkit.data.preference import UnpairedDataConfig, UnpairedDataset
 from rlhfkit.trainers.kto_task import KTOTask
 
@@ -42,13 +42,13 @@ def build_parser() -> FlagParser:
                       learning_rate=1e-5, wandb_project="rlhfkit_train_kto")
     p.set_defaults(output_key="output")
     add_ref_flags(p)
-    p.flag("--beta", "--model.beta", type=float, default=0.01, help="KTO beta")
+    add_beta_flag(p, "KTO beta")
     p.flag("--desirable_loss_weight", "--model.desirable_loss_weight", type=float, default=1.0,
            help="weight of the loss on desirable answers (lambda_D of the KTO paper)")
     p.flag("--undesirable_loss_weight", "--model.undesirable_loss_weight", type=float, default=1.0,
            help="weight of the loss on undesirable answers (lambda_U of the KTO paper)")
-    p.flag("--label_key", "--data.label_key", type=str, default="label",
-           help="boolean column: true for a desirable answer")
+    add_label_key_flag(p, "boolean column: true for a desirable answer")
+    p.set_defaults(beta=0.01, label_key="label")
     return p
 
 

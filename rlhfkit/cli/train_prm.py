@@ -24,7 +24,7 @@ from rlhfkit.cli.offline_common import (
 )
 from rlhfkit.cli.run_dir import training_run
 from rlhfkit.config.configs import from_args
-from rlhfkit.config.flags import FlagParser
+from rlhfkit.config.flags import FlagParser, add_label_key_flag
 from rlhfkit.data.prm import PRMDataConfig, PRMDataset
 from rlhfkit.data.templates import token_id
 from rlhfkit.trainers.prm_task import PRMTask
@@ -34,8 +34,8 @@ def build_parser() -> FlagParser:
     p = FlagParser("train_prm", __doc__ or "")
     add_offline_flags(p, max_len=2048, train_batch_size=128, micro_train_batch_size=1, max_epochs=1,
                       learning_rate=1e-6, wandb_project="rlhfkit_train_prm")
-    p.flag("--label_key", "--data.label_key", type=str, default="value",
-           help="column with one label per step (reward tokens, or numbers for soft labels)")
+    add_label_key_flag(p, "column with one label per step (reward tokens, or numbers for soft labels)")
+    p.set_defaults(label_key="value")
     p.flag("--placeholder_token", "--data.placeholder_token", type=str, default=None,
            help="the single token that ends each step, e.g. 'ки' (Math-Shepherd)")
     p.flag("--reward_tokens", "--data.reward_tokens", type=str, nargs="*", default=None,

@@ -34,7 +34,7 @@ from rlhfkit.cli.offline_common import (OFFLINE_PLOT_KEYS, OfflineRun, add_offli
                                         load_split_items, save_model, setup, train_task, trainable_backend)
 from rlhfkit.cli.run_dir import training_run
 from rlhfkit.config.configs import ModelConfig, from_args
-from rlhfkit.config.flags import FlagParser
+from rlhfkit.config.flags import FlagParser, add_value_head_flag
 from rlhfkit.data.preference import PreferenceDataConfig, PreferenceDataset
 from rlhfkit.models.value import load_value_model, scoring_tokenizer, update_reward_config
 from rlhfkit.trainers.metrics import metrics_record
@@ -50,8 +50,7 @@ def build_parser() -> FlagParser:
     add_offline_flags(p, max_len=512, train_batch_size=128, micro_train_batch_size=1, max_epochs=1,
                       learning_rate=9e-6, wandb_project="rlhfkit_train_rm")
     add_pair_key_flags(p)
-    p.flag("--value_head_prefix", "--ds.value_head_prefix", "--value_prefix_head", type=str, default="score",
-           help="name of the value head module (score: loadable by AutoModelForSequenceClassification)")
+    add_value_head_flag(p, "name of the value head module (score: loadable by AutoModelForSequenceClassification)")
     p.flag("--loss", "--model.loss_type", dest="loss", type=str, default="sigmoid", choices=["sigmoid", "logexp"],
            help="sigmoid: -log sigmoid(r_c - r_r - margin); logexp: log(1 + exp(r_r - r_c))")
     p.flag("--margin_loss", "--model.margin_loss_enable", action="store_true",

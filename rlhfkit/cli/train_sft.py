@@ -16,7 +16,7 @@ from rlhfkit.cli import vlm_setup as V
 from rlhfkit.cli.common import cli_main
 from rlhfkit.cli.run_dir import training_run
 from rlhfkit.config.configs import from_args
-from rlhfkit.config.flags import FlagParser, add_image_flags
+from rlhfkit.config.flags import FlagParser, add_image_flags, add_pretrain_mode_flag
 from rlhfkit.data.sft import SFTDataConfig, SFTDataset
 from rlhfkit.trainers.sft_task import SFTTask
 
@@ -27,8 +27,7 @@ def build_parser() -> FlagParser:
                         learning_rate=5e-6, wandb_project="rlhfkit_train_sft")
     p.flag("--multiturn", "--data.multiturn", action="store_true",
            help="--input_key holds a conversation; the loss covers every assistant turn")
-    p.flag("--pretrain_mode", "--model.pretrain_mode_enable", action="store_true",
-           help="loss on every token of the raw text (no template; continued pretraining)")
+    add_pretrain_mode_flag(p, "loss on every token of the raw text (no template; continued pretraining)")
     add_image_flags(p)
     return p
 

@@ -22,6 +22,7 @@ key (the file that run read) is skipped; `use_wandb` is stored as a bool (never 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 from typing import Any
@@ -29,10 +30,11 @@ from typing import Any
 META_KEYS = ("_as_parsed", "config")
 
 
-def config_path(argv: list[str]) -> str | None:
-    """The --config value of `argv` (None without one)."""
+def config_path(parser: argparse.ArgumentParser, argv: list[str]) -> str | None:
+    """The --config value of `argv` (None without one), read before the other flags: a parser of
+    `parser`'s own --config flag alone (declared once, by FlagParser) reads it."""
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    pre.add_argument("--config", type=str, default=None)
+    pre._add_action(copy.copy(parser._option_string_actions["--config"]))
     ns, _ = pre.parse_known_args(argv)
     return ns.config
 

@@ -13,7 +13,8 @@ conflict checks. The flag table itself (which flags each command has) is in rlhf
   one note for each one set to a non-default value (rank 0 only under torchrun).
 - `--log_level`, `--verbose` (every command): the console's level, and third-party messages (transformers'
   load reports, other packages' warnings and progress bars) on the console too; parsing sets up logging
-  (rlhfkit.logs). A command that declares its own --log_level (serve_rm) has neither.
+  (rlhfkit.logs). A command that configures its logging itself (`own_logging=True`, serve_rm) has
+  no --verbose, and its --log_level is its own to read.
 - `--config FILE` (YAML or JSON, rlhfkit.config.config_file): its values become the defaults, so
   every flag on the command line overrides the file. A run's `run_config.json` is such a file.
 - Conflicts (exit code 2, one line naming both flags): two names of one setting given different
@@ -115,7 +116,10 @@ def _terminal_width() -> int:
 class FlagParser(argparse.ArgumentParser):
     """argparse with exact-match flags, dotted aliases, help groups, --config and conflict checks."""
 
-    def __init__(self, prog: str, description: str = "", *, config_file: bool = True) -> None:
+    def __init__(self, prog: str, description: str = "", *, config_file: bool = True,
+                 own_logging: bool = False) -> None:
+        """`own_logging`: the command configures its logging itself (serve_rm: uvicorn's); its
+        --log_level is only read by the command (set its default with `set_defaults`), no --verbose."""
         super().__init__(prog=prog, description=shell_text(description), allow_abbrev=False, formatter_class=HelpFormatter,
                          usage="%(prog)s [--config FILE] [flags]  (--help lists every flag by group)")
         self.inert: dict[str, str] = {}  # dest -> why the flag has no effect in this command
@@ -124,18 +128,20 @@ class FlagParser(argparse.ArgumentParser):
         self._current: argparse._ArgumentGroup | None = None
         self._implies: list[tuple[str, dict[str, Any]]] = []
         self._exclusive: list[tuple[str, str, str]] = []
+        self._setup_logging = not own_logging
         self.add_argument("--version", action="version", version=f"rlhfkit {package_version()}",
                           help="print the rlhfkit version and exit")
-        # a command that declares its own --log_level (serve_rm: uvicorn's) configures its logging itself
-        self._log_level: argparse.Action | None = self.add_argument(
+        self.add_argument(
             "--log_level", type=str, default="info", choices=list(LEVELS),
-            help="console messages from this level up (debug: also transformers' info messages and third-party "
-                 "progress bars); the run directory's train.log gets every level")
-        self._verbose: argparse.Action | None = self.add_argument(
-            "--verbose", action="store_true",
-            help="also print third-party messages on the console: transformers' load reports and warnings, other "
-                 "packages' FutureWarnings and warnings, their progress bars (without it they go to train.log "
-                 "only; errors always show)")
+            help="level of the server's log lines on stderr" if own_logging else
+            "console messages from this level up (debug: also transformers' info messages and third-party "
+            "progress bars); the run directory's train.log gets every level")
+        if not own_logging:
+            self.add_argument(
+                "--verbose", action="store_true",
+                help="also print third-party messages on the console: transformers' load reports and warnings, other "
+                     "packages' FutureWarnings and warnings, their progress bars (without it they go to train.log "
+                     "only; errors always show)")
         if config_file:
             self.add_argument("--config", type=str, default=None, metavar="FILE",
                               help="YAML or JSON file of flag values (flat or dotted names, nested mappings "
@@ -160,16 +166,6 @@ class FlagParser(argparse.ArgumentParser):
         aliases. `inert`: the flag is accepted but has no effect in this command, for this reason."""
         if "dest" not in kw:
             kw["dest"] = names[0].lstrip("-").replace(".", "_").replace("-", "_")
-        if "--log_level" in names and self._log_level is not None:
-            self._remove_action(self._log_level)
-            self._optionals._group_actions.remove(self._log_level)
-            del self._option_string_actions["--log_level"]
-            self._log_level = None
-            if self._verbose is not None:  # it configures its logging itself: --verbose would do nothing
-                self._remove_action(self._verbose)
-                self._optionals._group_actions.remove(self._verbose)
-                del self._option_string_actions["--verbose"]
-                self._verbose = None
         action = (self._current or self._own_group()).add_argument(*names, **kw)
         if inert:
             self._set_inert(action, inert)
@@ -263,7 +259,7 @@ class FlagParser(argparse.ArgumentParser):
         argv = list(sys.argv[1:] if argv is None else argv)
         from rlhfkit.config import config_file
 
-        path = config_file.config_path(argv) if self.has_flag("--config") else None
+        path = config_file.config_path(self, argv) if self.has_flag("--config") else None
         saved = config_file.apply(self, path) if path else None
         given: list[tuple[str, argparse.Action, Any]] = []
         self._track(given)
@@ -285,7 +281,7 @@ class FlagParser(argparse.ArgumentParser):
             self.error(f"unexpected arguments: {' '.join(unknown)}")
         self.check_conflicts(given)
         _remember(ns, {action.dest for _, action, _ in given} | set(saved["defaults"] if saved else ()))
-        if self._log_level is not None:
+        if self._setup_logging:
             logs.setup(ns.log_level, new_run=notes,  # notes=False: an API config checking its values
                        verbose=bool(getattr(ns, "verbose", False)))
         if notes and os.environ.get("RANK", "0") == "0":

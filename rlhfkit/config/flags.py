@@ -42,20 +42,70 @@ LR_SCHEDULER_HELP = ("learning-rate schedule (transformers.get_scheduler), after
 MIN_LR_HELP = "cosine_with_min_lr, cosine_warmup_with_min_lr: the learning rate ends at this fraction of the peak"
 
 
-def add_model_flags(p: FlagParser, default_dtype: str = "bf16") -> None:
+# Each flag name is declared once in rlhfkit/ (tests/unit/test_flags_declared_once.py): a flag that several
+# commands have is declared by one function below, which takes what differs between the commands as
+# parameters (the help's wording, optional aliases). Its default is written there once; a command that
+# needs another default sets it after the declaration with `p.set_defaults(dest=value)` (argparse updates
+# the flag's default, so --help and the flag reference show the command's own).
+
+
+def add_dtype_flags(p: FlagParser, help: str = "compute dtype on GPU (master weights stay fp32); CPU training "
+                                               "computes in fp32") -> None:
+    """--param_dtype (--ds.param_dtype, --fsdp.param_dtype) and its alias --bf16; default bf16."""
+    p.flag("--param_dtype", "--ds.param_dtype", "--fsdp.param_dtype", type=str, default="bf16",
+           choices=["bf16", "fp16", "fp32"], help=help)
+    p.flag("--bf16", dest="param_dtype", action="store_const", const="bf16", help="alias of --param_dtype bf16")
+
+
+def add_attn_flags(p: FlagParser) -> None:
+    """--attn_implementation and its alias --flash_attn."""
+    p.flag("--attn_implementation", "--ds.attn_implementation", "--fsdp.attn_implementation", type=str,
+           default="sdpa", help="attention kernel of transformers: sdpa, eager, flash_attention_2 (when installed)")
+    p.flag("--flash_attn", dest="attn_implementation", action="store_const", const="flash_attention_2",
+           help="alias of --attn_implementation flash_attention_2")
+
+
+def add_fast_tokenizer_flag(p: FlagParser) -> None:
+    p.flag("--disable_fast_tokenizer", "--data.disable_fast_tokenizer", action="store_true",
+           help="load the slow (Python) tokenizer instead of the fast (Rust) one")
+
+
+def add_experts_flag(p: FlagParser) -> None:
+    p.flag("--experts_implementation", "--ds.experts_implementation", type=str, default=None,
+           help="mixture-of-experts kernels of transformers: eager, batched_mm, grouped_mm, deepgemm "
+                "(default: the model's own)")
+
+
+def add_use_ms_flag(p: FlagParser, what: str = "model ids") -> None:
+    p.flag("--use_ms", action="store_true", help=f"download {what} from ModelScope (needs modelscope)")
+
+
+def add_load_in_4bit_flag(p: FlagParser, help: str = "QLoRA: load the frozen base weights in 4-bit NF4 (needs "
+                                                     "bitsandbytes and CUDA; use with --lora_rank)") -> None:
+    p.flag("--load_in_4bit", "--ds.load_in_4bit", action="store_true", help=help)
+
+
+def add_packing_flag(p: FlagParser, help: str = "pack several samples into one row without padding (attention "
+                                                "kept within each sample)", inert: str | None = None) -> None:
+    p.flag("--packing_samples", "--ds.packing_samples", action="store_true", help=help, inert=inert)
+
+
+def add_device_flag(p: FlagParser) -> None:
+    p.flag("--device", type=str, default=None, help="cpu or cuda (default: cuda when available)")
+
+
+def add_model_name_alias_flag(p: FlagParser) -> None:
+    """--model_name_or_path: another name of --pretrain (batch_inference, interactive_chat)."""
+    p.flag("--model_name_or_path", dest="pretrain", type=str, default=None, help="alias of --pretrain")
+
+
+def add_model_flags(p: FlagParser) -> None:
     with p.group(MODEL):
         p.flag("--pretrain", "--model.model_name_or_path", "--actor.model_name_or_path",
                type=str, default=None, help="the model to train or run: a Hugging Face model directory, or a hub id "
                                             "(org/name: the HF cache, else the hub when online)")
-        p.flag("--param_dtype", "--ds.param_dtype", "--fsdp.param_dtype", type=str, default=default_dtype,
-               choices=["bf16", "fp16", "fp32"],
-               help="compute dtype on GPU (master weights stay fp32); CPU training computes in fp32")
-        p.flag("--bf16", dest="param_dtype", action="store_const", const="bf16", help="alias of --param_dtype bf16")
-        p.flag("--attn_implementation", "--ds.attn_implementation", "--fsdp.attn_implementation", type=str,
-               default="sdpa",
-               help="attention kernel of transformers: sdpa, eager, flash_attention_2 (when installed)")
-        p.flag("--flash_attn", dest="attn_implementation", action="store_const", const="flash_attention_2",
-               help="alias of --attn_implementation flash_attention_2")
+        add_dtype_flags(p)
+        add_attn_flags(p)
         p.flag("--gradient_checkpointing", "--model.gradient_checkpointing_enable",
                "--actor.gradient_checkpointing_enable", action="store_true",
                help="recompute activations in the backward pass: less memory, about a third more compute")
@@ -67,17 +117,14 @@ def add_model_flags(p: FlagParser, default_dtype: str = "bf16") -> None:
                "--actor.gradient_checkpointing_reentrant", action="store_true",
                help="with --gradient_checkpointing: torch's reentrant checkpoint variant (the default is the "
                     "non-reentrant one)")
-        p.flag("--disable_fast_tokenizer", "--data.disable_fast_tokenizer", action="store_true",
-               help="load the slow (Python) tokenizer instead of the fast (Rust) one")
+        add_fast_tokenizer_flag(p)
         p.flag("--use_liger_kernel", "--ds.use_liger_kernel", action="store_true",
                help="OpenRLHF: Liger's fused kernels",
                inert="Liger kernels are not used; the log-prob kernel is fused already (rlhfkit.models.fused_logprobs)")
         p.flag("--aux_loss_coef", "--model.aux_loss_coef", "--actor.aux_loss_coef", type=float, default=0.0,
                help="weight of a mixture-of-experts model's router load-balancing loss (0: off)")
-        p.flag("--experts_implementation", "--ds.experts_implementation", type=str, default=None,
-               help="mixture-of-experts kernels of transformers: eager, batched_mm, grouped_mm, deepgemm "
-                    "(default: the model's own)")
-        p.flag("--use_ms", action="store_true", help="download model ids from ModelScope (needs modelscope)")
+        add_experts_flag(p)
+        add_use_ms_flag(p)
     with p.group(LORA):
         p.flag("--lora_rank", "--ds.lora.rank", type=int, default=0,
                help="rank of LoRA adapters on the trained model (0: train all weights); the saved model is the "
@@ -89,9 +136,7 @@ def add_model_flags(p: FlagParser, default_dtype: str = "bf16") -> None:
                     "layer but the output head)")
         p.flag("--lora_dropout", "--ds.lora.dropout", type=float, default=0.0,
                help="dropout probability on the LoRA adapters' input")
-        p.flag("--load_in_4bit", "--ds.load_in_4bit", action="store_true",
-               help="QLoRA: load the frozen base weights in 4-bit NF4 (needs bitsandbytes and CUDA; use with "
-                    "--lora_rank)")
+        add_load_in_4bit_flag(p)
 
 
 TRAINING_ONLY = ("gradient_checkpointing", "mixed_precision", "torch_compile", "aux_loss_coef")
@@ -118,29 +163,55 @@ def add_template_flags(p: FlagParser, input_help: str = INPUT_TEMPLATE_HELP, cha
            help="a Jinja chat template that replaces the tokenizer's own")
 
 
-def add_data_flags(p: FlagParser, *, max_len: int = 2048, max_samples: int = 1_000_000) -> None:
+def add_split_flag(p: FlagParser, flat: str, dotted: str, of: str, note: str = "") -> None:
+    """The split to read of the data flag `of`; OpenRLHF's --train_split names it too."""
+    p.flag(flat, dotted, "--train_split", type=str, default="train", help=f"split of {of} to read{note}")
+
+
+def add_input_key_flag(p: FlagParser, help: str = "column with the prompt (or the whole text / conversation)"
+                       ) -> None:
+    p.flag("--input_key", "--data.input_key", type=str, default="input", help=help)
+
+
+def add_label_key_flag(p: FlagParser, help: str) -> None:
+    """--label_key (default: none; a command whose data needs one sets its default)."""
+    p.flag("--label_key", "--data.label_key", type=str, default=None, help=help)
+
+
+def add_max_len_flag(p: FlagParser, help: str = "longest sample in tokens; longer samples are dropped (counted "
+                                                "and reported)") -> None:
+    p.flag("--max_len", "--data.max_len", type=int, default=2048, help=help)
+
+
+def add_max_samples_flag(p: FlagParser, help: str = "read at most this many rows of the data (after mixing)") -> None:
+    p.flag("--max_samples", "--data.max_samples", type=int, default=1_000_000, help=help)
+
+
+def add_eval_data_flags(p: FlagParser, help: str = "evaluation data, same format as --dataset (default: no "
+                                                   "evaluation)") -> None:
+    p.flag("--eval_dataset", "--eval.dataset", type=str, default=None, help=help)
+    p.flag("--eval_split", "--eval.split", type=str, default="train", help="split of --eval_dataset to read")
+
+
+def add_data_flags(p: FlagParser, *, max_len: int | None = None, max_samples: int | None = None) -> None:
+    """`max_len`, `max_samples`: the command's defaults of those flags, when not the shared ones."""
     with p.group(DATA):
         p.flag("--dataset", "--data.dataset", type=str, default=None,
                help="training data: comma-separated .jsonl/.json/.parquet/.csv files, folders or dataset names")
         p.flag("--dataset_probs", "--data.dataset_probs", type=str, default=None,
                help="comma-separated sampling probabilities, one per --dataset entry (default: concatenate)")
-        p.flag("--dataset_split", "--data.dataset_split", "--train_split", type=str, default="train",
-               help="split of --dataset to read (for datasets with splits)")
-        p.flag("--input_key", "--data.input_key", type=str, default="input",
-               help="column with the prompt (or the whole text / conversation)")
+        add_split_flag(p, "--dataset_split", "--data.dataset_split", "--dataset", " (for datasets with splits)")
+        add_input_key_flag(p)
         p.flag("--output_key", "--data.output_key", type=str, default=None,
                help="column with the response (see the command's description)")
         add_template_flags(p)
-        p.flag("--max_len", "--data.max_len", type=int, default=max_len,
-               help="longest sample in tokens; longer samples are dropped (counted and reported)")
-        p.flag("--max_samples", "--data.max_samples", type=int, default=max_samples,
-               help="read at most this many rows of the data (after mixing)")
+        add_max_len_flag(p)
+        add_max_samples_flag(p)
         add_max_row_bytes_flag(p)
         add_dataloader_workers_flag(p)
     with p.group(EVAL):
-        p.flag("--eval_dataset", "--eval.dataset", type=str, default=None,
-               help="evaluation data, same format as --dataset (default: no evaluation)")
-        p.flag("--eval_split", "--eval.split", type=str, default="train", help="split of --eval_dataset to read")
+        add_eval_data_flags(p)
+    p.set_defaults(**{k: v for k, v in (("max_len", max_len), ("max_samples", max_samples)) if v is not None})
 
 
 def add_image_flags(p: FlagParser) -> None:
@@ -175,31 +246,66 @@ def add_max_row_bytes_flag(p: FlagParser) -> None:
            help="largest input row in bytes; a larger row is an error naming file and row")
 
 
-def add_train_flags(p: FlagParser, *, train_batch_size: int = 128, micro_train_batch_size: int = 8,
-                    max_epochs: int = 2, learning_rate: float = 5e-6) -> None:
+def add_seed_flag(p: FlagParser, help: str = "seed of python, numpy, torch and data shuffling", *,
+                  trainer: bool = False) -> None:
+    """--seed (default 42); `trainer`: also OpenRLHF's --train.seed."""
+    p.flag("--seed", *(("--train.seed",) if trainer else ()), type=int, default=42, help=help)
+
+
+def add_batch_flags(p: FlagParser, *, batch_help: str = "global samples per optimizer step (all ranks together; "
+                    "gradient accumulation makes up the rest)", epochs_help: str = "passes over the data") -> None:
+    """--train_batch_size (128), --micro_train_batch_size (8), --max_epochs (2)."""
+    p.flag("--train_batch_size", "--train.batch_size", type=int, default=128, help=batch_help)
+    p.flag("--micro_train_batch_size", "--train.micro_batch_size", type=int, default=8,
+           help="samples per forward/backward pass on each rank")
+    p.flag("--max_epochs", "--train.max_epochs", type=int, default=2, help=epochs_help)
+
+
+def add_full_determinism_flag(p: FlagParser) -> None:
+    p.flag("--full_determinism", "--train.full_determinism_enable", action="store_true",
+           help="deterministic torch algorithms (transformers.enable_full_determinism): reproducible, slower")
+
+
+def add_max_steps_flag(p: FlagParser, help: str) -> None:
+    p.flag("--max_steps", type=int, default=None, help=help)
+
+
+def add_adam_flags(p: FlagParser, dotted: str = "adam.", note: str = "") -> None:
+    """--adam_betas, --adam_eps, --l2, with the dotted names under `dotted` (adam., actor.adam.)."""
+    p.flag("--adam_betas", f"--{dotted}betas", type=float, nargs=2, default=[0.9, 0.95],
+           help=f"AdamW beta1 beta2{note}")
+    p.flag("--adam_eps", f"--{dotted}eps", type=float, default=1e-8, help=f"AdamW epsilon{note}")
+    p.flag("--l2", f"--{dotted}weight_decay", type=float, default=0.0, help=f"AdamW weight decay{note}")
+
+
+def add_schedule_flags(p: FlagParser, *, actor: bool = False) -> None:
+    """--lr_scheduler, --lr_warmup_ratio, --min_lr_ratio, --max_norm; `actor`: also their --actor.* names."""
+    p.flag("--lr_scheduler", *(("--actor.lr_scheduler",) if actor else ()), type=str, default="cosine_with_min_lr",
+           choices=LR_SCHEDULES, help=LR_SCHEDULER_HELP)
+    p.flag("--lr_warmup_ratio", *(("--actor.lr_warmup_ratio",) if actor else ()), type=float, default=0.03,
+           help="fraction of the optimizer steps spent warming up linearly from 0")
+    p.flag("--min_lr_ratio", *(("--actor.min_lr_ratio",) if actor else ()), type=float, default=0.1,
+           help=MIN_LR_HELP)
+    p.flag("--max_norm", *(("--actor.max_norm",) if actor else ()), type=float, default=1.0,
+           help="clip the gradient's global L2 norm to this (0 disables)")
+
+
+def add_train_flags(p: FlagParser, *, train_batch_size: int | None = None, micro_train_batch_size: int | None = None,
+                    max_epochs: int | None = None, learning_rate: float = 5e-6) -> None:
+    """`train_batch_size`, `micro_train_batch_size`, `max_epochs`: the command's defaults, when not the shared ones."""
     with p.group(TRAIN):
-        p.flag("--train_batch_size", "--train.batch_size", type=int, default=train_batch_size,
-               help="global samples per optimizer step (all ranks together; gradient accumulation makes up "
-                    "the rest)")
-        p.flag("--micro_train_batch_size", "--train.micro_batch_size", type=int, default=micro_train_batch_size,
-               help="samples per forward/backward pass on each rank")
-        p.flag("--max_epochs", "--train.max_epochs", type=int, default=max_epochs, help="passes over the data")
-        p.flag("--seed", "--train.seed", type=int, default=42, help="seed of python, numpy, torch and data shuffling")
-        p.flag("--full_determinism", "--train.full_determinism_enable", action="store_true",
-               help="deterministic torch algorithms (transformers.enable_full_determinism): reproducible, slower")
+        add_batch_flags(p)
+        add_seed_flag(p, trainer=True)
+        add_full_determinism_flag(p)
     with p.group(OPTIM):
         p.flag("--learning_rate", "--adam.lr", type=float, default=learning_rate, help="peak learning rate")
-        p.flag("--adam_betas", "--adam.betas", type=float, nargs=2, default=[0.9, 0.95], help="AdamW beta1 beta2")
-        p.flag("--adam_eps", "--adam.eps", type=float, default=1e-8, help="AdamW epsilon")
-        p.flag("--l2", "--adam.weight_decay", type=float, default=0.0, help="AdamW weight decay")
+        add_adam_flags(p)
         add_optimizer_choice_flags(p)
-        p.flag("--lr_scheduler", type=str, default="cosine_with_min_lr", choices=LR_SCHEDULES,
-               help=LR_SCHEDULER_HELP)
-        p.flag("--lr_warmup_ratio", type=float, default=0.03,
-               help="fraction of the optimizer steps spent warming up linearly from 0")
-        p.flag("--min_lr_ratio", type=float, default=0.1, help=MIN_LR_HELP)
-        p.flag("--max_norm", type=float, default=1.0, help="clip the gradient's global L2 norm to this (0 disables)")
+        add_schedule_flags(p)
         add_nonfinite_flag(p)
+    p.set_defaults(**{k: v for k, v in (("train_batch_size", train_batch_size),
+                                        ("micro_train_batch_size", micro_train_batch_size),
+                                        ("max_epochs", max_epochs)) if v is not None})
 
 
 def add_optimizer_choice_flags(p: FlagParser, flat: str = "", dotted: tuple[str, ...] = ("",)) -> None:
@@ -250,14 +356,11 @@ def add_backend_flags(p: FlagParser) -> None:
     with p.group(BACKEND):
         p.flag("--backend", type=str, default="fsdp2", choices=["fsdp2", "deepspeed"],
                help="training backend (fsdp2: PyTorch FSDP2, nothing extra to install)")
-        p.flag("--zero_stage", "--ds.zero_stage", type=int, default=2, choices=[0, 1, 2, 3],
-               help="sharding over data-parallel ranks, in DeepSpeed ZeRO terms: 0 replicate; 1/2 shard "
-                    "gradients and optimizer states; 3 shard the weights too")
+        add_zero_stage_flag(p)
         add_local_rank_flag(p)
         p.flag("--adam_offload", "--ds.adam_offload", action="store_true",
                help="keep optimizer states and fp32 master weights in host memory (CUDA only)")
-        p.flag("--packing_samples", "--ds.packing_samples", action="store_true",
-               help="pack several samples into one row without padding (attention kept within each sample)")
+        add_packing_flag(p)
         p.flag("--ring_attn_size", "--ds.ring_attn_size", type=int, default=1,
                help="context parallelism: each sequence is split over this many ranks, whose attention "
                     "passes key/value blocks round a ring (must divide the world size; 1: off)")
@@ -278,7 +381,13 @@ def add_backend_flags(p: FlagParser) -> None:
         p.flag("--use_universal_ckpt", "--ds.use_universal_ckpt", "--use_ds_universal_ckpt", action="store_true",
                help="OpenRLHF: load DeepSpeed universal checkpoints",
                inert="checkpoints (torch.distributed.checkpoint) load on any number of ranks without conversion")
-        p.flag("--device", type=str, default=None, help="cpu or cuda (default: cuda when available)")
+        add_device_flag(p)
+
+
+def add_zero_stage_flag(p: FlagParser, help: str = "sharding over data-parallel ranks, in DeepSpeed ZeRO terms: 0 "
+                        "replicate; 1/2 shard gradients and optimizer states; 3 shard the weights too",
+                        inert: str | None = None) -> None:
+    p.flag("--zero_stage", "--ds.zero_stage", type=int, default=2, choices=[0, 1, 2, 3], help=help, inert=inert)
 
 
 def add_local_rank_flag(p: FlagParser) -> None:
@@ -289,10 +398,8 @@ def add_local_rank_flag(p: FlagParser) -> None:
 
 def add_ckpt_flags(p: FlagParser) -> None:
     with p.group(CKPT):
-        p.flag("--save_path", "--ckpt.output_dir", type=str, default="./ckpt",
-               help="where the final model is saved in Hugging Face format")
-        p.flag("--run_dir", type=str, default=None,
-               help="metrics.jsonl, run_config.json and plots (default: --save_path)")
+        add_save_path_flag(p)
+        add_run_dir_flag(p)
         p.flag("--overwrite_output_dir", "--ckpt.overwrite_output_dir", action="store_true",
                help="start over in a --save_path / --run_dir holding an earlier run: its metrics, run_config.json "
                     "and the checkpoints inside it are removed (without it such a folder is refused)")
@@ -323,6 +430,26 @@ def add_ckpt_flags(p: FlagParser) -> None:
                     "abandoned); then a resumable checkpoint is written, the resume command printed, exit 130 / 143")
 
 
+def add_save_path_flag(p: FlagParser, help: str = "where the final model is saved in Hugging Face format",
+                       required: bool = False) -> None:
+    """--save_path (--ckpt.output_dir); default ./ckpt, or `required`."""
+    p.flag("--save_path", "--ckpt.output_dir", type=str, required=required, default=None if required else "./ckpt",
+           help=help)
+
+
+def add_run_dir_flag(p: FlagParser, help: str = "metrics.jsonl, run_config.json and plots (default: --save_path)"
+                     ) -> None:
+    p.flag("--run_dir", type=str, default=None, help=help)
+
+
+def add_output_path_flag(p: FlagParser, help: str, required: bool = False) -> None:
+    p.flag("--output_path", type=str, required=required, default=None, help=help)
+
+
+def add_progress_flag(p: FlagParser) -> None:
+    p.flag("--disable_progress", action="store_true", help="no progress bar")
+
+
 def add_logging_flags(p: FlagParser, *, wandb_project: str = "rlhfkit", eval_default: str = "once per epoch") -> None:
     with p.group(LOGGING):
         p.flag("--logging_steps", "--logger.logging_steps", type=int, default=1,
@@ -337,10 +464,118 @@ def add_logging_flags(p: FlagParser, *, wandb_project: str = "rlhfkit", eval_def
         p.flag("--use_tensorboard", "--logger.tensorboard_dir", type=str, default=None,
                help="write TensorBoard event files to <this folder>/<run name>: --wandb_run_name, else the run "
                     "directory's name and the start time (needs tensorboard)")
-        p.flag("--disable_progress", action="store_true", help="no progress bar")
+        add_progress_flag(p)
     with p.group(EVAL):
         p.flag("--eval_steps", "--eval.steps", type=int, default=-1,
                help=f"evaluate every N steps (-1: {eval_default})")
+
+
+def add_reward_model_flag(p: FlagParser, help: str) -> None:
+    p.flag("--reward_pretrain", "--reward.model_name_or_path", type=str, default=None, help=help)
+
+
+def add_value_head_flag(p: FlagParser, help: str = "name of the reward / critic model's value head module") -> None:
+    """--value_head_prefix (--ds.value_head_prefix, OpenRLHF's misspelt --value_prefix_head); default score."""
+    p.flag("--value_head_prefix", "--ds.value_head_prefix", "--value_prefix_head", type=str, default="score", help=help)
+
+
+def add_normalize_reward_flag(p: FlagParser, help: str = "normalise reward-model scores with the mean / std stored "
+                                                         "in its config") -> None:
+    p.flag("--normalize_reward", "--reward.normalize_enable", action="store_true", help=help)
+
+
+def add_ref_model_flags(p: FlagParser, memory: str = "host", of: str = "") -> None:
+    """--ref_pretrain and --ref_offload: the reference model (DPO / KTO, the RL KL term)."""
+    p.flag("--ref_pretrain", "--ref.model_name_or_path", type=str, default=None,
+           help=f"reference model{of} directory or hub id (default: --pretrain)")
+    p.flag("--ref_offload", "--ref.offload", action="store_true",
+           help=f"keep the reference model in {memory} memory between its forward passes")
+
+
+def add_beta_flag(p: FlagParser, help: str) -> None:
+    """--beta (--model.beta) of DPO / KTO; each command sets its default."""
+    p.flag("--beta", "--model.beta", type=float, default=0.1, help=help)
+
+
+def add_pretrain_mode_flag(p: FlagParser, help: str = "loss on every token of the raw text (no template)") -> None:
+    p.flag("--pretrain_mode", "--model.pretrain_mode_enable", action="store_true", help=help)
+
+
+# generation: train_ppo's rollout flags and batch_inference / interactive_chat's sampling flags
+ROLLOUT_ENGINE_HELP = ("generation engine: builtin (continuous batching, no extra package), hf (transformers "
+                       "generate, slow reference) or vllm (when installed); auto: builtin when it supports the "
+                       "model, else vllm when installed, else hf")
+
+
+def add_rollout_engine_flag(p: FlagParser, help: str = ROLLOUT_ENGINE_HELP) -> None:
+    p.flag("--rollout_engine", type=str, default="auto", choices=["auto", "builtin", "hf", "vllm"], help=help)
+
+
+def add_rollout_batch_flag(p: FlagParser, help: str = "prompts per RL step", *, rl: bool = True) -> None:
+    """--rollout_batch_size (default 1024); `rl`: also --rollout.batch_size."""
+    p.flag("--rollout_batch_size", *(("--rollout.batch_size",) if rl else ()), type=int, default=1024, help=help)
+
+
+def add_prompt_max_len_flag(p: FlagParser, help: str = "longest prompt in tokens; longer prompts are dropped "
+                                                       "(counted)") -> None:
+    p.flag("--prompt_max_len", type=int, default=1024, help=help)
+
+
+def add_max_new_tokens_flag(p: FlagParser, help: str, *, rl: bool = True) -> None:
+    """`rl`: train_ppo's --generate_max_len (default None), with --max_new_tokens and --rollout.max_new_tokens as
+    its aliases; else --max_new_tokens alone (batch_inference sets its default)."""
+    p.flag(*(("--generate_max_len",) if rl else ()), "--max_new_tokens", *(("--rollout.max_new_tokens",) if rl else ()),
+           type=int, default=None, help=help)
+
+
+def add_temperature_flag(p: FlagParser, help: str = "sampling temperature", *, rl: bool = False) -> None:
+    p.flag("--temperature", *(("--rollout.temperature",) if rl else ()), type=float, default=1.0, help=help)
+
+
+def add_top_p_flag(p: FlagParser, *, rl: bool = False) -> None:
+    p.flag("--top_p", *(("--rollout.top_p",) if rl else ()), type=float, default=1.0,
+           help="nucleus sampling: keep this probability mass")
+
+
+def add_sampling_flags(p: FlagParser, what: str = "completion") -> None:
+    """batch_inference and interactive_chat: --greedy_sampling, --temperature, --top_p, --repetition_penalty."""
+    p.flag("--greedy_sampling", action="store_true", help="greedy decoding (temperature 0)")
+    add_temperature_flag(p)
+    add_top_p_flag(p)
+    p.flag("--repetition_penalty", type=float, default=1.0,
+           help=f"1.0 = none; > 1 discourages repeating tokens of the prompt and the {what}")
+    p.implies("--greedy_sampling", temperature=0.0)
+
+
+def add_csft_flags(p: FlagParser) -> None:
+    """--enable_csft and --csft_prompt (conditional SFT)."""
+    from rlhfkit.data.post_processors import DEFAULT_CSFT_PROMPT
+
+    p.flag("--enable_csft", action="store_true", help="append ' ' + --csft_prompt + ' ' to each prompt")
+    p.flag("--csft_prompt", type=str, default=DEFAULT_CSFT_PROMPT,
+           help="conditional SFT score text appended with --enable_csft")
+
+
+def add_prefix_caching_flag(p: FlagParser, *, rl: bool = True) -> None:
+    p.flag("--enable_prefix_caching", *(("--vllm.enable_prefix_caching",) if rl else ()), action="store_true",
+           help="vLLM prefix caching (--rollout_engine vllm)")
+
+
+# the arithmetic task (make_data, quickstart) and the tiny model (make_tiny_model, quickstart)
+def add_arithmetic_flags(p: FlagParser, *, train_help: str = "SFT rows in train.jsonl",
+                         eval_help: str = "held-out questions in eval.jsonl") -> None:
+    """--digits, --plain_order, --num_train (2000), --num_eval (64)."""
+    p.flag("--digits", type=int, default=2, help="digits of each number of the additions")
+    p.flag("--plain_order", action="store_true",
+           help="write sums most-significant digit first (harder for a tiny model)")
+    p.flag("--num_train", type=int, default=2000, help=train_help)
+    p.flag("--num_eval", type=int, default=64, help=eval_help)
+
+
+def add_tiny_size_flags(p: FlagParser, of: str = "") -> None:
+    """--hidden_size and --num_hidden_layers (--num_layers) of a tiny model; `of`: the help's subject."""
+    p.flag("--hidden_size", type=int, default=128, help=f"width of the residual stream{of}")
+    p.flag("--num_hidden_layers", "--num_layers", type=int, default=4, help=f"transformer blocks{of}")
 
 
 def run_dir_of(args: argparse.Namespace) -> str:

@@ -11,10 +11,16 @@ from __future__ import annotations
 
 from rlhfkit.config.flag_parser import (RL_ALGO, RL_ASYNC, RL_CRITIC, RL_MODELS, RL_PLACEMENT, RL_PTX, RL_REWARD,
                                         RL_ROLLOUT)
-from rlhfkit.config.flags import (CKPT, DATA, EVAL, LOGGING, LR_SCHEDULER_HELP, LR_SCHEDULES, MIN_LR_HELP, OPTIM,
-                                  TRAIN, FlagParser, add_backend_flags, add_ckpt_flags, add_dataloader_workers_flag,
-                                  add_image_flags, add_logging_flags, add_max_row_bytes_flag, add_model_flags,
-                                  add_nonfinite_flag, add_optimizer_choice_flags, add_template_flags)
+from rlhfkit.config.flags import (ROLLOUT_ENGINE_HELP, CKPT, DATA, EVAL, LOGGING, LR_SCHEDULES, OPTIM, TRAIN, FlagParser, add_adam_flags,
+                                  add_backend_flags, add_batch_flags, add_ckpt_flags, add_dataloader_workers_flag,
+                                  add_eval_data_flags, add_full_determinism_flag, add_image_flags, add_input_key_flag,
+                                  add_label_key_flag, add_logging_flags, add_max_len_flag, add_max_new_tokens_flag,
+                                  add_max_row_bytes_flag, add_max_samples_flag, add_max_steps_flag, add_model_flags,
+                                  add_nonfinite_flag, add_normalize_reward_flag, add_optimizer_choice_flags,
+                                  add_prefix_caching_flag, add_prompt_max_len_flag, add_ref_model_flags,
+                                  add_reward_model_flag, add_rollout_batch_flag, add_rollout_engine_flag,
+                                  add_schedule_flags, add_seed_flag, add_split_flag, add_temperature_flag,
+                                  add_template_flags, add_top_p_flag, add_value_head_flag)
 from rlhfkit.weightsync.flags import DEFAULT_BUCKET_MB, METHODS
 
 ESTIMATORS = ["gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "grpo", "dr_grpo"]  # grpo: group_norm
@@ -89,19 +95,14 @@ def _sample_logging(p: FlagParser) -> None:
 
 def _models(p: FlagParser) -> None:
     with p.group(RL_MODELS):
-        p.flag("--reward_pretrain", "--reward.model_name_or_path", type=str, default=None,
-               help="reward model directory or hub id (a sequence classifier with one output); several, comma-separated, "
-                    "are summed")
+        add_reward_model_flag(p, "reward model directory or hub id (a sequence classifier with one output); several, "
+                                 "comma-separated, are summed")
         p.flag("--critic_pretrain", "--critic.model_name_or_path", type=str, default=None,
                help="initial critic (value model; directory or hub id) for --advantage_estimator gae (default: --reward_pretrain, else "
                     "--pretrain)")
-        p.flag("--ref_pretrain", "--ref.model_name_or_path", type=str, default=None,
-               help="reference model of the KL term, directory or hub id (default: --pretrain)")
-        p.flag("--value_head_prefix", "--ds.value_head_prefix", "--value_prefix_head", type=str, default="score",
-               help="name of the reward / critic model's value head module")
+        add_ref_model_flags(p, of=" of the KL term,")
+        add_value_head_flag(p)
         p.flag("--ref_reward_offload", action="store_true", help="both --ref_offload and --reward_offload")
-        p.flag("--ref_offload", "--ref.offload", action="store_true",
-               help="keep the reference model in host memory between its forward passes")
         p.flag("--reward_offload", "--reward.offload", action="store_true",
                help="keep the reward model(s) in host memory between their forward passes")
     with p.group(RL_REWARD):
@@ -111,10 +112,7 @@ def _models(p: FlagParser) -> None:
         p.flag("--agent_func_path", "--train.agent_func_path", type=str, default=None,
                help="a .py file defining AgentExecutor (multi-turn) or AgentInstance (step() gives the reward)")
     with p.group(RL_ROLLOUT):
-        p.flag("--rollout_engine", type=str, default="auto", choices=["auto", "builtin", "hf", "vllm"],
-               help="generation engine: builtin (continuous batching, no extra package), hf (transformers "
-                    "generate, slow reference) or vllm (when installed); auto: builtin when it supports the "
-                    "model, else vllm when installed, else hf (one line says which and why)")
+        add_rollout_engine_flag(p, ROLLOUT_ENGINE_HELP + " (one line says which and why)")
         p.flag("--rollout_max_num_seqs", type=int, default=None,
                help="sequences the engine decodes at once (default: all samples of a step on this rank, at "
                     "most 512)")
@@ -130,37 +128,29 @@ def _data(p: FlagParser) -> None:
                help="prompts: comma-separated .jsonl/.json/.parquet/.csv files, folders or dataset names")
         p.flag("--prompt_data_probs", "--data.prompt_probs", type=str, default=None,
                help="comma-separated sampling probabilities, one per --prompt_data entry")
-        p.flag("--prompt_split", "--data.prompt_split", "--train_split", type=str, default="train",
-               help="split of --prompt_data to read")
-        p.flag("--input_key", "--data.input_key", type=str, default="input",
-               help="column with the prompt text or conversation")
-        p.flag("--label_key", "--data.label_key", type=str, default=None,
-               help="column handed to reward_func / the agent as the label (e.g. the reference answer)")
+        add_split_flag(p, "--prompt_split", "--data.prompt_split", "--prompt_data")
+        add_input_key_flag(p, "column with the prompt text or conversation")
+        add_label_key_flag(p, "column handed to reward_func / the agent as the label (e.g. the reference answer)")
         add_template_flags(p)
-        p.flag("--max_samples", "--data.max_samples", type=int, default=int(1e8),
-               help="read at most this many prompts")
+        add_max_samples_flag(p, "read at most this many prompts")
         add_max_row_bytes_flag(p)
-        p.flag("--max_len", "--data.max_len", type=int, default=None,
-               help="prompt + response token budget (default: --prompt_max_len + --generate_max_len)")
-        p.flag("--prompt_max_len", type=int, default=1024,
-               help="longest prompt in tokens; longer prompts are dropped (counted)")
+        add_max_len_flag(p, "prompt + response token budget (default: --prompt_max_len + --generate_max_len)")
+        add_prompt_max_len_flag(p)
         add_dataloader_workers_flag(p)
+    p.set_defaults(max_samples=int(1e8), max_len=None)
 
 
 def _rollout(p: FlagParser) -> None:
     with p.group(RL_ROLLOUT):
-        p.flag("--rollout_batch_size", "--rollout.batch_size", type=int, default=1024, help="prompts per RL step")
+        add_rollout_batch_flag(p)
         p.flag("--n_samples_per_prompt", "--rollout.n_samples_per_prompt", type=int, default=1,
                help="samples generated per prompt (the group of GRPO / RLOO)")
         p.flag("--micro_rollout_batch_size", "--rollout.micro_batch_size", type=int, default=8,
                help="samples per forward pass when computing log-probs, values and rewards of a rollout")
-        p.flag("--generate_max_len", "--max_new_tokens", "--rollout.max_new_tokens", type=int, default=None,
-               help="new tokens of one generation (default: 1024; with --max_len given, what --max_len leaves "
-                    "after the prompt, as OpenRLHF's --rollout.max_new_tokens)")
-        p.flag("--temperature", "--rollout.temperature", type=float, default=1.0,
-               help="sampling temperature (the training log-probs use it too)")
-        p.flag("--top_p", "--rollout.top_p", type=float, default=1.0,
-               help="nucleus sampling: keep this probability mass")
+        add_max_new_tokens_flag(p, "new tokens of one generation (default: 1024; with --max_len given, what "
+                                   "--max_len leaves after the prompt, as OpenRLHF's --rollout.max_new_tokens)")
+        add_temperature_flag(p, "sampling temperature (the training log-probs use it too)", rl=True)
+        add_top_p_flag(p, rl=True)
         p.flag("--top_k", "--rollout.top_k", type=int, default=-1, help="sample from the k likeliest tokens (-1: all)")
         p.flag("--rollout_max_tokens_per_gpu", "--rollout.max_tokens_per_gpu", type=int, default=None,
                help="--use_dynamic_batch: tokens per forward pass of experience making (default: "
@@ -172,22 +162,17 @@ def _rollout(p: FlagParser) -> None:
 
 def _train(p: FlagParser) -> None:
     with p.group(TRAIN):
-        p.flag("--train_batch_size", "--train.batch_size", type=int, default=128,
-               help="samples per optimizer step (all ranks together); a rollout of --rollout_batch_size x "
-                    "--n_samples_per_prompt samples makes that many / this many steps")
-        p.flag("--micro_train_batch_size", "--train.micro_batch_size", type=int, default=1,
-               help="samples per forward/backward pass on each rank")
-        p.flag("--max_epochs", "--train.max_epochs", type=int, default=1, help="PPO epochs over each rollout")
+        add_batch_flags(p, batch_help="samples per optimizer step (all ranks together); a rollout of "
+                        "--rollout_batch_size x --n_samples_per_prompt samples makes that many / this many steps",
+                        epochs_help="PPO epochs over each rollout")
         p.flag("--recompute_old_logprobs", action="store_true",
                help="run the old policy's log-prob pass even when a rollout makes one optimizer step (by default "
                     "the training pass's detached log-probs are the old ones then, ratio 1, as in TRL's GRPO)")
         p.flag("--num_episodes", "--train.num_episodes", type=int, default=1, help="passes over the prompts")
-        p.flag("--max_steps", type=int, default=None,
-               help="RL steps to take (a rollout and its policy update each), cycling the prompts as often as "
-                    "needed (overrides --num_episodes)")
-        p.flag("--seed", "--train.seed", type=int, default=42, help="seed of python, numpy, torch, data and sampling")
-        p.flag("--full_determinism", "--train.full_determinism_enable", action="store_true",
-               help="deterministic torch algorithms (transformers.enable_full_determinism): reproducible, slower")
+        add_max_steps_flag(p, "RL steps to take (a rollout and its policy update each), cycling the prompts as "
+                              "often as needed (overrides --num_episodes)")
+        add_seed_flag(p, "seed of python, numpy, torch, data and sampling", trainer=True)
+        add_full_determinism_flag(p)
         p.flag("--use_dynamic_batch", "--train.dynamic_batch_enable", action="store_true",
                help="micro-batches by token budget (--train_max_tokens_per_gpu) instead of sample count")
         p.flag("--train_max_tokens_per_gpu", "--train.max_tokens_per_gpu", type=int, default=16192,
@@ -209,24 +194,14 @@ def _train(p: FlagParser) -> None:
         p.flag("--max_failed_steps", type=int, default=3,
                help="steps in a row without a trajectory to train on (all samples dropped or filtered out) "
                     "before the run stops; fewer are skipped and counted in skipped_steps")
+    p.set_defaults(micro_train_batch_size=1, max_epochs=1)
     with p.group(OPTIM):
         p.flag("--actor_learning_rate", "--actor.adam.lr", type=float, default=1e-6,
                help="the policy's peak learning rate")
         p.flag("--critic_learning_rate", "--critic.adam.lr", type=float, default=9e-6,
                help="the critic's peak learning rate")
-        p.flag("--adam_betas", "--actor.adam.betas", type=float, nargs=2, default=[0.9, 0.95],
-               help="AdamW beta1 beta2 (the flat name sets the critic's too)")
-        p.flag("--adam_eps", "--actor.adam.eps", type=float, default=1e-8,
-               help="AdamW epsilon (the flat name sets the critic's too)")
-        p.flag("--l2", "--actor.adam.weight_decay", type=float, default=0.0,
-               help="AdamW weight decay (the flat name sets the critic's too)")
-        p.flag("--lr_scheduler", "--actor.lr_scheduler", type=str, default="cosine_with_min_lr",
-               choices=LR_SCHEDULES, help=LR_SCHEDULER_HELP)
-        p.flag("--lr_warmup_ratio", "--actor.lr_warmup_ratio", type=float, default=0.03,
-               help="fraction of the optimizer steps spent warming up linearly from 0")
-        p.flag("--min_lr_ratio", "--actor.min_lr_ratio", type=float, default=0.1, help=MIN_LR_HELP)
-        p.flag("--max_norm", "--actor.max_norm", type=float, default=1.0,
-               help="clip the gradient's global L2 norm to this (0 disables)")
+        add_adam_flags(p, "actor.adam.", " (the flat name sets the critic's too)")
+        add_schedule_flags(p, actor=True)
         add_optimizer_choice_flags(p, dotted=("actor.",))
     with p.group(RL_CRITIC):
         _critic_optim(p)
@@ -344,8 +319,7 @@ def _algo(p: FlagParser) -> None:
 
 def _reward(p: FlagParser) -> None:
     with p.group(RL_REWARD):
-        p.flag("--normalize_reward", "--reward.normalize_enable", action="store_true",
-               help="normalise reward-model scores with the mean / std stored in its config")
+        add_normalize_reward_flag(p)
         p.flag("--reward_clip_range", "--reward.clip_range", type=float, nargs=2, default=[-10.0, 10.0],
                help="LOW HIGH: clamp the scalar reward to this range before KL shaping")
         p.flag("--overlong_buffer_len", "--reward.overlong_buffer_len", type=int, default=None,
@@ -383,8 +357,7 @@ def _placement(p: FlagParser) -> None:
                help="fraction of GPU memory a vLLM engine may take")
         p.flag("--vllm_enable_sleep", "--vllm.enable_sleep", action="store_true",
                help="engines free their GPU memory (weights, KV cache) while the models train")
-        p.flag("--enable_prefix_caching", "--vllm.enable_prefix_caching", action="store_true",
-               help="vLLM prefix caching")
+        add_prefix_caching_flag(p)
         p.flag("--enforce_eager", "--vllm.enforce_eager", action="store_true", help="vLLM without CUDA graphs")
         p.flag("--colocate_all_models", "--train.colocate_all", action="store_true",
                help="actor, reference, critic, reward model and engines share the same GPUs")
@@ -402,9 +375,8 @@ def _placement(p: FlagParser) -> None:
 
 def _eval(p: FlagParser) -> None:
     with p.group(EVAL):
-        p.flag("--eval_dataset", "--eval.dataset", type=str, default=None,
-               help="evaluation prompts, same format as --prompt_data (scored by --remote_rm_url / the agent)")
-        p.flag("--eval_split", "--eval.split", type=str, default="train", help="split of --eval_dataset to read")
+        add_eval_data_flags(p, "evaluation prompts, same format as --prompt_data (scored by --remote_rm_url / the "
+                               "agent)")
         p.flag("--eval_temperature", "--eval.temperature", type=float, default=0.6,
                help="sampling temperature of evaluation")
         p.flag("--eval_n_samples_per_prompt", "--eval.n_samples_per_prompt", type=int, default=4,
