@@ -11,16 +11,17 @@ from __future__ import annotations
 
 from rlhfkit.config.flag_parser import (RL_ALGO, RL_ASYNC, RL_CRITIC, RL_MODELS, RL_PLACEMENT, RL_PTX, RL_REWARD,
                                         RL_ROLLOUT)
-from rlhfkit.config.flags import (ROLLOUT_ENGINE_HELP, CKPT, DATA, EVAL, LOGGING, LR_SCHEDULES, OPTIM, TRAIN, FlagParser, add_adam_flags,
-                                  add_backend_flags, add_batch_flags, add_ckpt_flags, add_dataloader_workers_flag,
-                                  add_eval_data_flags, add_full_determinism_flag, add_image_flags, add_input_key_flag,
-                                  add_label_key_flag, add_logging_flags, add_max_len_flag, add_max_new_tokens_flag,
-                                  add_max_row_bytes_flag, add_max_samples_flag, add_max_steps_flag, add_model_flags,
-                                  add_nonfinite_flag, add_normalize_reward_flag, add_optimizer_choice_flags,
-                                  add_prefix_caching_flag, add_prompt_max_len_flag, add_ref_model_flags,
-                                  add_reward_model_flag, add_rollout_batch_flag, add_rollout_engine_flag,
-                                  add_schedule_flags, add_seed_flag, add_split_flag, add_temperature_flag,
-                                  add_template_flags, add_top_p_flag, add_value_head_flag)
+from rlhfkit.config.flags import (CKPT, DATA, EVAL, LOGGING, LR_SCHEDULES, OPTIM, ROLLOUT_ENGINE_HELP, TRAIN,
+                                  FlagParser, add_adam_flags, add_backend_flags, add_batch_flags, add_ckpt_flags,
+                                  add_dataloader_workers_flag, add_eval_data_flags, add_full_determinism_flag,
+                                  add_image_flags, add_input_key_flag, add_label_key_flag, add_logging_flags,
+                                  add_max_len_flag, add_max_new_tokens_flag, add_max_row_bytes_flag,
+                                  add_max_samples_flag, add_max_steps_flag, add_model_flags, add_nonfinite_flag,
+                                  add_normalize_reward_flag, add_optimizer_choice_flags, add_prefix_caching_flag,
+                                  add_prompt_max_len_flag, add_ref_model_flags, add_reward_model_flag,
+                                  add_rollout_batch_flag, add_rollout_engine_flag, add_schedule_flags, add_seed_flag,
+                                  add_split_flag, add_temperature_flag, add_template_flags, add_top_p_flag,
+                                  add_value_head_flag)
 from rlhfkit.weightsync.flags import DEFAULT_BUCKET_MB, METHODS
 
 ESTIMATORS = ["gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "grpo", "dr_grpo"]  # grpo: group_norm
