@@ -1,6 +1,6 @@
 """The quickstart: SFT then GRPO on 2-digit addition with a tiny character-level model, on a CPU.
 
-    rlhfkit quickstart [--run_dir runs/quickstart] [--seed 0] [--rl_steps 60]
+    rlhfkit quickstart [--run_dir runs/quickstart] [--seed 0] [--rl_steps 100]
 
 1. builds a tiny Llama and its character tokenizer offline (`make_tiny_model`);
 2. writes the built-in task (`rlhfkit.tasks.addition`): train prompts and a held-out set;
