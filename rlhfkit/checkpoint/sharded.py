@@ -59,407 +59,36 @@ not load is not of this model: that is an error, with no fallback.
 Trust: trainer.pt, rng_<rank>.pt and the old-format files load with `torch.load(weights_only=True)`,
 but torch.distributed.checkpoint itself unpickles its `.metadata` file and non-tensor entries (the
 optimizer's param_groups): load only checkpoints you wrote.
+
+This module holds the save and load through torch.distributed.checkpoint; beside it: errors.py (what a
+failed save or load raises), files.py (safetensors with aliases, RNG states, fsynced writes), layout.py
+(names, completeness, listing, `latest`), integrity.py (checksums) and rotation.py (--max_ckpt_num,
+--max_ckpt_mem, leftovers of killed saves).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
-import random
 import shutil
-import sys
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
 
+from rlhfkit.checkpoint.errors import (CheckpointError, CheckpointSaveError, UnreadableCheckpointError, is_failure,
+                                       one_line, root_causes)
+from rlhfkit.checkpoint.files import _torch_save, _write_file, load_tensors, rng_state, set_rng_state
+from rlhfkit.checkpoint.integrity import _checkpoint_files, _digest_share, _records_checksums, checkpoint_damage
+from rlhfkit.checkpoint.layout import (DCP_DIR, FORMAT, LATEST, META, TMP_SUFFIX, _incomplete, _read_meta,
+                                       checkpoint_gap, latest_checkpoint, list_checkpoints)
+from rlhfkit.checkpoint.rotation import _clear_stale_tmp, _dir_bytes, _rotate
 from rlhfkit.parallel import dist as D
 from rlhfkit.fileio import NoSpaceError, atomic_write_text, free_bytes, fsync_dir, is_no_space
 
 log = logging.getLogger(__name__)
-
-LATEST = "latest"
-META = "meta.json"
-TMP_SUFFIX = ".tmp"
-DCP_DIR = "dcp"
-FORMAT = "dcp-v1"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that does not save or load (damaged, or not of this model); the message names it,
-    `reason` says what failed in a few words (for the line that skips a damaged checkpoint)."""
-
-    def __init__(self, message: str, reason: str | None = None) -> None:
-        super().__init__(message)
-        self.reason = reason or message
-
-
-class CheckpointSaveError(CheckpointError):
-    """A save that failed for a reason other than a full disk (its partial files removed); `root` is
-    the folder of the checkpoints (--ckpt_path)."""
-
-    def __init__(self, message: str, root: str) -> None:
-        super().__init__(message)
-        self.root = root
-
-
-class UnreadableCheckpointError(CheckpointError):
-    """A checkpoint without checksums (written before they were recorded) that does not read: damaged,
-    as far as anyone can tell; a caller choosing among several skips it for an older one."""
-
-
-def is_failure(e: BaseException) -> bool:
-    """Whether `e` is a failure of a save or load itself: any Exception, or torch.distributed.checkpoint's
-    CheckpointException, which derives from BaseException; not a kill (KeyboardInterrupt, SystemExit,
-    a stop signal's RunStopped), which must go through untouched."""
-    if isinstance(e, Exception):
-        return True
-    api = sys.modules.get("torch.distributed.checkpoint.api")  # imported if DCP ran (importing it costs 2 s)
-    return api is not None and isinstance(e, api.CheckpointException)
-
-
-def root_causes(e: BaseException) -> list[BaseException]:
-    """The exceptions a CheckpointException wraps (one per failed rank), or [e]."""
-    api = sys.modules.get("torch.distributed.checkpoint.api")
-    if api is not None and isinstance(e, api.CheckpointException) and e.failures:
-        return [exc for exc, _ in e.failures.values()]
-    return [e]
-
-
-def one_line(e: BaseException, limit: int = 240) -> str:
-    """`Type: first line of the message` of the first root cause of `e` (cut at `limit` characters)."""
-    cause = root_causes(e)[0]
-    text = str(cause).strip().splitlines()
-    line = f"{type(cause).__name__}: {text[0]}" if text else type(cause).__name__
-    return line if len(line) <= limit else line[:limit - 3] + "..."
-
-
-def last_good_checkpoint(ckpt_root: str) -> str:
-    """One clause naming the newest complete checkpoint under `ckpt_root` and how to go on from it (for
-    the line of a final save that could not complete)."""
-    found = list_checkpoints(ckpt_root)
-    if not found:
-        return f"there is no complete checkpoint in {ckpt_root}"
-    return (f"the last good checkpoint is {os.path.join(ckpt_root, found[-1][1])}: free space, then run the same "
-            "command with --load_checkpoint to go on from it")
-
-
-# ----------------------------------------------------------------------------- tensors
-
-
-def save_tensors(path: str, sd: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
-    """safetensors file of `sd`; tensors sharing memory are stored once and recorded as aliases."""
-    out: dict[str, torch.Tensor] = {}
-    aliases: dict[str, str] = {}
-    by_view: dict[tuple, str] = {}
-    storages: set[int] = set()
-    for name, t in sd.items():
-        t = t.detach()
-        key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
-        if t.numel() and key in by_view:
-            aliases[name] = by_view[key]
-            continue
-        by_view[key] = name
-        sptr = t.untyped_storage().data_ptr()
-        t = t.contiguous()
-        if t.numel() and sptr in storages:
-            t = t.clone()
-        storages.add(sptr)
-        out[name] = t.cpu()
-    meta = dict(metadata or {})
-    meta["rlhfkit_aliases"] = json.dumps(aliases)
-    save_file(out, path, metadata=meta)
-
-
-def load_tensors(path: str) -> dict[str, torch.Tensor]:
-    """Inverse of `save_tensors` (aliases restored as the same tensor)."""
-    from safetensors import safe_open
-
-    sd = load_file(path)
-    with safe_open(path, framework="pt") as f:
-        aliases = json.loads((f.metadata() or {}).get("rlhfkit_aliases", "{}"))
-    for name, target in aliases.items():
-        sd[name] = sd[target]
-    return sd
-
-
-# ----------------------------------------------------------------------------- RNG
-
-
-def rng_state() -> dict[str, Any]:
-    """Generator states as tensors and plain values (loadable with weights_only=True)."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    py = state["python"]
-    random.setstate((py[0], tuple(py[1]), py[2]))
-    n = state["numpy"]
-    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
-                         n["cached_gaussian"]))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        cuda = state["cuda"]
-        if len(cuda) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(cuda)
-        else:
-            log.warning("checkpoint has %d CUDA generator states, this host has %d GPUs: not restored",
-                        len(cuda), torch.cuda.device_count())
-
-
-# ----------------------------------------------------------------------------- layout
-
-
-def _write_file(path: str, data: bytes | str) -> None:
-    with open(path, "w" if isinstance(data, str) else "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _torch_save(obj: Any, path: str) -> None:
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _read_meta(path: str) -> dict | None:
-    try:
-        with open(os.path.join(path, META)) as f:
-            meta = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return meta if isinstance(meta, dict) else None
-
-
-def _dcp_gap(dcp_dir: str) -> str | None:
-    """What is missing from a torch.distributed.checkpoint folder: its `.metadata`, or a data file
-    it names (or that file is shorter than the pieces it must hold); None when all is there."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    try:
-        storage = FileSystemReader(dcp_dir).read_metadata().storage_data
-    except Exception as e:  # noqa: BLE001 - missing or truncated .metadata, whatever the exception
-        return f"{DCP_DIR}/.metadata is unreadable ({type(e).__name__})"
-    need: dict[str, int] = {}
-    for info in (storage or {}).values():
-        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
-    for name, size in sorted(need.items()):
-        try:
-            have = os.path.getsize(os.path.join(dcp_dir, name))
-        except OSError:
-            return f"{DCP_DIR}/{name} is missing"
-        if have < size:
-            return f"{DCP_DIR}/{name} has {have} of {size} bytes"
-    return None
-
-
-def checkpoint_gap(path: str) -> str | None:
-    """Why `path` is not a complete checkpoint (None when it is): meta.json, the weights (sharded
-    `dcp/` or the earlier `model.safetensors`), trainer.pt, client_state.json and every rank's RNG."""
-    meta = _read_meta(path)
-    if meta is None:
-        return f"no readable {META}"
-    if os.path.isdir(os.path.join(path, DCP_DIR)):
-        gap = _dcp_gap(os.path.join(path, DCP_DIR))
-        if gap:
-            return gap
-    elif not os.path.isfile(os.path.join(path, "model.safetensors")):
-        return f"has neither {DCP_DIR}/ (sharded checkpoint) nor model.safetensors (full-state checkpoint)"
-    ranks = int(meta.get("world_size", 1) or 1)
-    for name in ("trainer.pt", "client_state.json", *(f"rng_{r}.pt" for r in range(ranks))):
-        if not os.path.isfile(os.path.join(path, name)):
-            return f"{name} is missing"
-    return None
-
-
-# ----------------------------------------------------------------------------- integrity
-
-
-HASH_CHUNK = 8 << 20
-
-
-def file_sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _checkpoint_files(path: str) -> list[str]:
-    """Every file of a checkpoint directory but meta.json, relative to it, sorted."""
-    out = []
-    for dirpath, _, names in os.walk(path):
-        for name in names:
-            rel = os.path.relpath(os.path.join(dirpath, name), path)
-            if rel != META:
-                out.append(rel)
-    return sorted(out)
-
-
-def _digest_share(path: str, files: list[str], rank: int, world: int) -> dict[str, dict[str, Any]]:
-    """{file: {"bytes", "sha256"}} of this rank's share of `files` (every world-th from `rank`)."""
-    mine = files[rank::world]
-    with ThreadPoolExecutor(max_workers=max(1, min(8, len(mine)))) as pool:
-        sums = list(pool.map(lambda rel: file_sha256(os.path.join(path, rel)), mine))
-    return {rel: {"bytes": os.path.getsize(os.path.join(path, rel)), "sha256": h} for rel, h in zip(mine, sums)}
-
-
-def checkpoint_damage(path: str) -> str | None:
-    """Which file of checkpoint `path` differs from the size and SHA-256 its meta.json records
-    (None when all match, or when the checkpoint records no checksums)."""
-    files = (_read_meta(path) or {}).get("files")
-    if not isinstance(files, dict):
-        return None
-    names = sorted(files)
-    for rel in names:  # sizes first: cheap, and a truncation is named without reading anything
-        full = os.path.join(path, rel)
-        if not os.path.isfile(full):
-            return f"{rel} is missing"
-        have, want = os.path.getsize(full), int(files[rel].get("bytes", -1))
-        if have != want:
-            return f"{rel} has {have} bytes, {want} were written"
-    with ThreadPoolExecutor(max_workers=max(1, min(8, len(names)))) as pool:
-        sums = list(pool.map(lambda rel: file_sha256(os.path.join(path, rel)), names))
-    for rel, h in zip(names, sums):
-        if h != files[rel].get("sha256"):
-            return f"{rel} does not match its checksum (its bytes were altered)"
-    return None
-
-
-def newest_intact(ckpt_root: str, tags: list[str]) -> tuple[str | None, list[str]]:
-    """(the first of `tags` (newest first) whose checkpoint under `ckpt_root` is intact, or None;
-    one line per damaged checkpoint skipped on the way, each also logged as a warning)."""
-    skipped = []
-    for tag in tags:
-        path = os.path.join(ckpt_root, tag)
-        damage = checkpoint_damage(path)
-        if damage is None:
-            return tag, skipped
-        line = f"checkpoint {path} is damaged: {damage}; skipped"
-        log.warning("%s", line)
-        skipped.append(line)
-    return None, skipped
-
-
-def _candidates(ckpt_root: str) -> list[str]:
-    """Directories under `ckpt_root` that look like checkpoints (a meta.json, no `.tmp` suffix)."""
-    if not os.path.isdir(ckpt_root):
-        return []
-    return sorted(name for name in os.listdir(ckpt_root)
-                  if not name.endswith(TMP_SUFFIX) and os.path.isfile(os.path.join(ckpt_root, name, META)))
-
-
-def list_checkpoints(ckpt_root: str) -> list[tuple[int, str]]:
-    """(save index, tag) of every complete checkpoint under `ckpt_root`, oldest first."""
-    found = []
-    for name in _candidates(ckpt_root):
-        path = os.path.join(ckpt_root, name)
-        if checkpoint_gap(path) is None:
-            found.append((int((_read_meta(path) or {}).get("index", 0)), name))
-    return sorted(found)
-
-
-def _incomplete(ckpt_root: str) -> list[tuple[str, str]]:
-    """(path, what is missing) of the checkpoint-looking directories that are not complete."""
-    out = []
-    for name in _candidates(ckpt_root):
-        gap = checkpoint_gap(os.path.join(ckpt_root, name))
-        if gap is not None:
-            out.append((os.path.join(ckpt_root, name), gap))
-    return out
-
-
-def latest_checkpoint(ckpt_root: str) -> str | None:
-    """Path of the newest complete checkpoint (by save index), whatever `latest` says; else None.
-
-    `latest` may lag (a kill between the rename and its update) or name a checkpoint that a kill
-    mid-rotation left half deleted: both are logged, neither is followed."""
-    found = list_checkpoints(ckpt_root)
-    for path, gap in _incomplete(ckpt_root):
-        log.warning("%s is not a complete checkpoint (%s): not loaded", path, gap)
-    if not found:
-        return None
-    newest = found[-1][1]
-    try:
-        with open(os.path.join(ckpt_root, LATEST)) as f:
-            tag = f.read().strip()
-    except OSError:
-        tag = ""
-    if tag != newest:
-        log.warning("%s/latest names %r; the newest complete checkpoint is %r: loading that",
-                    ckpt_root, tag, newest)
-    return os.path.join(ckpt_root, newest)
-
-
-def _remove(path: str) -> None:
-    """Delete a checkpoint directory by renaming it away first (`<name>.del.tmp`, never loaded), so
-    a kill mid-delete never leaves a half-deleted directory under a checkpoint's name."""
-    away = path + ".del" + TMP_SUFFIX
-    shutil.rmtree(away, ignore_errors=True)
-    os.replace(path, away)
-    fsync_dir(os.path.dirname(path) or ".")
-    shutil.rmtree(away, ignore_errors=True)
-
-
-def _dir_bytes(path: str) -> int:
-    total = 0
-    for dirpath, _, files in os.walk(path):
-        for f in files:
-            try:
-                total += os.path.getsize(os.path.join(dirpath, f))
-            except OSError:  # removed meanwhile
-                pass
-    return total
-
-
-def _rotate(ckpt_root: str, max_keep: int, keep_tag: str, max_gb: float | None = None) -> None:
-    """Delete the oldest checkpoints beyond the `max_keep` newest (--max_ckpt_num), then, with `max_gb`
-    (--max_ckpt_mem, GB as in OpenRLHF), the oldest while the checkpoints hold more than that; the one
-    just saved (`keep_tag`) always stays."""
-    found = [tag for _, tag in list_checkpoints(ckpt_root) if tag != keep_tag]
-    while len(found) + 1 > max_keep:
-        _remove(os.path.join(ckpt_root, found.pop(0)))
-    if max_gb is None:
-        return
-    limit = max_gb * 2**30
-    sizes = {tag: _dir_bytes(os.path.join(ckpt_root, tag)) for tag in found + [keep_tag]}
-    while found and sum(sizes.values()) > limit:
-        tag = found.pop(0)
-        _remove(os.path.join(ckpt_root, tag))
-        log.info("removed checkpoint %s: the checkpoints held more than --max_ckpt_mem %g GB", tag, max_gb)
-        del sizes[tag]
-    if sum(sizes.values()) > limit:
-        log.warning("checkpoint %s alone holds %.3g GB, more than --max_ckpt_mem %g GB; it is kept",
-                    keep_tag, sizes[keep_tag] / 2**30, max_gb)
-
-
-def _clear_stale_tmp(ckpt_root: str) -> None:
-    """Leftovers of killed saves, publishes and rotations (`*.tmp`): never loaded, removed here."""
-    for name in os.listdir(ckpt_root):
-        path = os.path.join(ckpt_root, name)
-        if name.endswith(TMP_SUFFIX) and os.path.isdir(path):
-            shutil.rmtree(path, ignore_errors=True)
-
-
-# ----------------------------------------------------------------------------- save / load
 
 
 def _dcp(fn, *args: Any, **kwargs: Any) -> Any:
@@ -681,10 +310,6 @@ def load_checkpoint(backend, ckpt_root: str, tag: str | None = None) -> dict | N
     if not paths:
         return None
     raise FileNotFoundError(f"--load_checkpoint: no intact checkpoint in {ckpt_root}: " + "; ".join(skipped))
-
-
-def _records_checksums(path: str) -> bool:
-    return isinstance((_read_meta(path) or {}).get("files"), dict)
 
 
 def _attempt(backend, path: str) -> tuple[Any, CheckpointError | None]:

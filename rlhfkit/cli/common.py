@@ -247,7 +247,8 @@ def save_or_fall_back(save: Callable[[], None], fallback: Callable[[], str] | No
     writes the trained state as a resumable checkpoint and the run ends with one line naming both
     (exit 1): the trained steps are never lost to a full disk while some other disk has room. When the
     fallback cannot complete either, the line names the last good checkpoint to go on from."""
-    from rlhfkit.checkpoint.sharded import CheckpointSaveError, last_good_checkpoint
+    from rlhfkit.checkpoint.errors import CheckpointSaveError
+    from rlhfkit.checkpoint.layout import last_good_checkpoint
     from rlhfkit.fileio import NoSpaceError
 
     try:

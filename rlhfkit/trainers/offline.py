@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
-from rlhfkit.checkpoint.sharded import checkpoint_gap
+from rlhfkit.checkpoint.layout import checkpoint_gap
 from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.config.notes import note_once
 from rlhfkit.fileio import NoSpaceError

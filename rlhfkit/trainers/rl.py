@@ -47,7 +47,7 @@ from typing import Any, Sequence
 import torch
 
 from rlhfkit.backend import host_gc
-from rlhfkit.checkpoint.sharded import checkpoint_gap
+from rlhfkit.checkpoint.layout import checkpoint_gap
 from rlhfkit.algo.advantages import AdvantageConfig, equal_groups, get_advantage_estimator
 from rlhfkit.algo.experience import (RewardShapingConfig, apply_length_penalties, finish_experience,
                                      pad_trajectories)

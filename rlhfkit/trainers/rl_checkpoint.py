@@ -95,7 +95,7 @@ class RLCheckpointer:
         actor, critic = os.path.join(root, "actor"), os.path.join(root, "critic")
         if self.critic_backend is None:
             return self.policy_backend.load_checkpoint(actor)
-        from rlhfkit.checkpoint.sharded import list_checkpoints
+        from rlhfkit.checkpoint.layout import list_checkpoints
 
         critic_tags = {t for _, t in list_checkpoints(critic)}
         pairs = [t for _, t in list_checkpoints(actor) if t in critic_tags]
@@ -104,7 +104,7 @@ class RLCheckpointer:
                 raise FileNotFoundError(f"--load_checkpoint: no step has a complete checkpoint in both {actor} "
                                         f"and {critic}")
             return self.policy_backend.load_checkpoint(actor)  # none at all (or only incomplete: an error)
-        from rlhfkit.checkpoint.sharded import UnreadableCheckpointError
+        from rlhfkit.checkpoint.errors import UnreadableCheckpointError
 
         left, skipped = pairs[::-1], []
         while True:
@@ -122,9 +122,9 @@ class RLCheckpointer:
 
 def _newest_intact_pair(actor: str, critic: str, tags: list[str], dist: DistInfo, earlier: list[str]) -> str:
     """The first of `tags` (newest first) whose actor and critic checkpoints both match their checksums;
-    a damaged one is skipped with a line naming it (rlhfkit.checkpoint.sharded.newest_intact). `earlier`:
+    a damaged one is skipped with a line naming it (rlhfkit.checkpoint.integrity.newest_intact). `earlier`:
     the lines of pairs skipped before (named in the error when none is left)."""
-    from rlhfkit.checkpoint.sharded import newest_intact
+    from rlhfkit.checkpoint.integrity import newest_intact
 
     def pick() -> tuple[str | None, list[str]]:
         skipped: list[str] = list(earlier)
@@ -159,7 +159,7 @@ def _saved_best(best_root: str, key: str) -> float | None:
     """The metric value of the best checkpoint an earlier run left under `best_root` (same key)."""
     import json
 
-    from rlhfkit.checkpoint.sharded import list_checkpoints
+    from rlhfkit.checkpoint.layout import list_checkpoints
 
     found = list_checkpoints(os.path.join(best_root, "actor"))
     if not found:

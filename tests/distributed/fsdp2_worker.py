@@ -24,7 +24,7 @@ import torch
 
 from rlhfkit.backend import FSDP2Backend
 from rlhfkit.parallel import all_reduce_sum, barrier, init_distributed
-from rlhfkit.checkpoint.sharded import save_tensors
+from rlhfkit.checkpoint.files import save_tensors
 from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.config.configs import BackendConfig, OptimConfig
 

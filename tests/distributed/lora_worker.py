@@ -24,7 +24,7 @@ from fsdp2_worker import make_batches, train_steps  # noqa: E402
 
 from rlhfkit.backend import FSDP2Backend  # noqa: E402
 from rlhfkit.parallel import init_distributed  # noqa: E402
-from rlhfkit.checkpoint.sharded import save_tensors  # noqa: E402
+from rlhfkit.checkpoint.files import save_tensors  # noqa: E402
 from rlhfkit.parallel.dist import DistInfo  # noqa: E402
 from rlhfkit.config.configs import BackendConfig, ModelConfig, OptimConfig  # noqa: E402
 

@@ -20,7 +20,7 @@ import torch
 
 from rlhfkit.backend import FSDP2Backend
 from rlhfkit.parallel import barrier, init_distributed
-from rlhfkit.checkpoint.sharded import load_tensors, save_tensors
+from rlhfkit.checkpoint.files import load_tensors, save_tensors
 from rlhfkit.config.configs import BackendConfig, OptimConfig
 
 HERE = os.path.dirname(os.path.abspath(__file__))

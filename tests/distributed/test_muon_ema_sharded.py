@@ -20,7 +20,7 @@ import sys
 import pytest
 import torch
 
-from rlhfkit.checkpoint.sharded import load_tensors
+from rlhfkit.checkpoint.files import load_tensors
 from helpers import free_port, pythonpath  # noqa: E402
 
 pytestmark = pytest.mark.distributed

@@ -17,7 +17,8 @@ import pytest
 from helpers import even_reward_src
 import torch
 
-from rlhfkit.checkpoint.sharded import list_checkpoints, load_tensors
+from rlhfkit.checkpoint.files import load_tensors
+from rlhfkit.checkpoint.layout import list_checkpoints
 from rlhfkit.backend.muon import MuonWithAdamW
 from rlhfkit.cli import ppo_setup, train_ppo, train_sft
 from rlhfkit.config import notes

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from rlhfkit.checkpoint.sharded import list_checkpoints
+from rlhfkit.checkpoint.layout import list_checkpoints
 from rlhfkit.cli import train_sft
 from rlhfkit.cli.run_dir import LOCK
 from rlhfkit.trainers.metrics import read_metrics

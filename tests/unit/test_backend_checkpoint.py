@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from rlhfkit.backend import FSDP2Backend
-from rlhfkit.checkpoint.sharded import latest_checkpoint, list_checkpoints, load_tensors, save_tensors
+from rlhfkit.checkpoint.files import load_tensors, save_tensors
+from rlhfkit.checkpoint.layout import latest_checkpoint, list_checkpoints
 from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.config.configs import BackendConfig, OptimConfig
 
@@ -127,7 +128,7 @@ def test_full_state_checkpoint_of_the_earlier_format_loads(tiny_model_dir, tmp_p
     save_tensors(str(old / "model.safetensors"), a.full_state_dict())
     torch.save(a.optimizer_state_dict(), old / "optim.pt")
     torch.save(a.trainer_state(), old / "trainer.pt")
-    from rlhfkit.checkpoint.sharded import rng_state
+    from rlhfkit.checkpoint.files import rng_state
 
     torch.save(rng_state(), old / "rng_0.pt")
     (old / "client_state.json").write_text('{"step": 2}')
@@ -224,7 +225,7 @@ def test_save_tensors_keeps_tied_weights(tmp_path):
 def test_max_ckpt_mem_removes_the_oldest_while_over_the_limit(tiny_model_dir, tmp_path, caplog):
     """--max_ckpt_mem (GB): after a save the oldest checkpoints go while the rest hold more; the one just
     saved always stays, with a warning when it alone is over."""
-    from rlhfkit.checkpoint.sharded import _dir_bytes
+    from rlhfkit.checkpoint.rotation import _dir_bytes
 
     root = str(tmp_path / "ckpt")
     b = new_backend(tiny_model_dir)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from rlhfkit.backend import FSDP2Backend
-from rlhfkit.checkpoint.sharded import load_tensors
+from rlhfkit.checkpoint.files import load_tensors
 from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.config.configs import BackendConfig, OptimConfig
 from rlhfkit.models.forward import token_logprobs

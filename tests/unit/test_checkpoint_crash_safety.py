@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rlhfkit.checkpoint import sharded as ckpt
-from rlhfkit.checkpoint.sharded import checkpoint_gap, latest_checkpoint, list_checkpoints
+from rlhfkit.checkpoint.layout import checkpoint_gap, latest_checkpoint, list_checkpoints
 
 from test_backend_checkpoint import batches, new_backend, train, weights
 

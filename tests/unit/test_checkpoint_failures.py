@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from rlhfkit.checkpoint import sharded as ckpt
-from rlhfkit.checkpoint.sharded import CheckpointSaveError, list_checkpoints
+from rlhfkit.checkpoint.errors import CheckpointSaveError
+from rlhfkit.checkpoint.layout import list_checkpoints
 from rlhfkit.fileio import GB, NoSpaceError
 
 from dcp_faults import fill_dcp_writes

@@ -13,7 +13,8 @@ import re
 import pytest
 import torch
 
-from rlhfkit.checkpoint.sharded import checkpoint_damage, list_checkpoints
+from rlhfkit.checkpoint.integrity import checkpoint_damage
+from rlhfkit.checkpoint.layout import list_checkpoints
 
 from test_backend_checkpoint import batches, new_backend, train, weights
 
@@ -108,7 +109,7 @@ def test_rl_pair_falls_back_past_a_damaged_critic(tiny_model_dir, tmp_path, capl
             actor_at_1 = weights(actor)
     zero_tensor_bytes(os.path.join(root, "critic", "global_step2", "dcp", "__0_0.distcp"))
     a2, c2 = new_backend(tiny_model_dir), new_backend(tiny_model_dir)
-    with caplog.at_level(logging.WARNING, logger="rlhfkit.checkpoint.sharded"):
+    with caplog.at_level(logging.WARNING, logger="rlhfkit.checkpoint.integrity"):
         assert RLCheckpointer(a2, c2).load(root) == {"step": 1}
     assert any(f"{root}/critic/global_step2 is damaged: dcp/__0_0.distcp" in r.getMessage() for r in caplog.records)
     assert all(torch.equal(actor_at_1[k], v) for k, v in weights(a2).items())
