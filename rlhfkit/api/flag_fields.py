@@ -231,6 +231,9 @@ class TrainSFTFields(FlagConfig):
     --ckpt.save_hf]"""
     hf_max_shard_size: str = "5GB"
     """largest safetensors file of a Hugging Face export, e.g. 5GB, 500MB or bytes [--hf_max_shard_size]"""
+    save_dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    """dtype of the saved Hugging Face model (auto: the dtype --pretrain's folder stores, else the compute dtype)
+    [--save_dtype]"""
     disable_ds_ckpt: bool = False
     """--save_steps writes no resumable checkpoint (only --save_hf_ckpt snapshots) [--disable_ds_ckpt,
     --ckpt.disable_ds]"""
@@ -522,6 +525,9 @@ class TrainRMFields(FlagConfig):
     --ckpt.save_hf]"""
     hf_max_shard_size: str = "5GB"
     """largest safetensors file of a Hugging Face export, e.g. 5GB, 500MB or bytes [--hf_max_shard_size]"""
+    save_dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    """dtype of the saved Hugging Face model (auto: the dtype --pretrain's folder stores, else the compute dtype)
+    [--save_dtype]"""
     disable_ds_ckpt: bool = False
     """--save_steps writes no resumable checkpoint (only --save_hf_ckpt snapshots) [--disable_ds_ckpt,
     --ckpt.disable_ds]"""
@@ -832,6 +838,9 @@ class TrainDPOFields(FlagConfig):
     --ckpt.save_hf]"""
     hf_max_shard_size: str = "5GB"
     """largest safetensors file of a Hugging Face export, e.g. 5GB, 500MB or bytes [--hf_max_shard_size]"""
+    save_dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    """dtype of the saved Hugging Face model (auto: the dtype --pretrain's folder stores, else the compute dtype)
+    [--save_dtype]"""
     disable_ds_ckpt: bool = False
     """--save_steps writes no resumable checkpoint (only --save_hf_ckpt snapshots) [--disable_ds_ckpt,
     --ckpt.disable_ds]"""
@@ -1119,6 +1128,9 @@ class TrainKTOFields(FlagConfig):
     --ckpt.save_hf]"""
     hf_max_shard_size: str = "5GB"
     """largest safetensors file of a Hugging Face export, e.g. 5GB, 500MB or bytes [--hf_max_shard_size]"""
+    save_dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    """dtype of the saved Hugging Face model (auto: the dtype --pretrain's folder stores, else the compute dtype)
+    [--save_dtype]"""
     disable_ds_ckpt: bool = False
     """--save_steps writes no resumable checkpoint (only --save_hf_ckpt snapshots) [--disable_ds_ckpt,
     --ckpt.disable_ds]"""
@@ -1715,6 +1727,9 @@ class TrainPPOFields(FlagConfig):
     --ckpt.save_hf]"""
     hf_max_shard_size: str = "5GB"
     """largest safetensors file of a Hugging Face export, e.g. 5GB, 500MB or bytes [--hf_max_shard_size]"""
+    save_dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    """dtype of the saved Hugging Face model (auto: the dtype --pretrain's folder stores, else the compute dtype)
+    [--save_dtype]"""
     disable_ds_ckpt: bool = False
     """--save_steps writes no resumable checkpoint (only --save_hf_ckpt snapshots) [--disable_ds_ckpt,
     --ckpt.disable_ds]"""

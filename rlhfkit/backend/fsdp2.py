@@ -44,8 +44,9 @@ updated after every optimizer step; `save_hf` exports the EMA weights (ema.py).
 Checkpoints (rlhfkit.checkpoint.sharded) go through `sharded_state_dict()`: each rank's DTensor shards (or,
 in one process, the fp32 masters) and optimizer state, written by torch.distributed.checkpoint
 with no gather. `save_hf` streams full tensors one at a time into size-capped safetensors files
-(rlhfkit.checkpoint.hf_export), in the dtype of the model directory the model was loaded from (config.json,
-else its weights: rlhfkit.models.hf_files.saved_dtype), whatever the training computed in.
+(rlhfkit.checkpoint.hf_export), in --save_dtype: by default the dtype of the model directory the model was
+loaded from (config.json, else its weights: rlhfkit.models.hf_files.saved_dtype), whatever the training
+computed in.
 
 An inference-only backend (`optim_cfg=None`, e.g. a reference or reward model) casts the
 weights to the compute dtype (no master copy is needed) and has no optimizer.
@@ -122,7 +123,8 @@ class FSDP2Backend:
             self.compute_dtype = torch.bfloat16  # also on CPU: the weights are bf16
         # what save_hf writes by default: the dtype of the model directory this model was loaded from (a bf16
         # base stays bf16 after fp32 CPU training), else the compute dtype
-        self.save_dtype = saved_dtype(getattr(model, "name_or_path", None)) or self.compute_dtype
+        self.save_dtype = (parse_dtype(backend_cfg.save_dtype) if backend_cfg.save_dtype != "auto"
+                           else saved_dtype(getattr(model, "name_or_path", None)) or self.compute_dtype)
         self.cpu_offload = backend_cfg.adam_offload and self.trainable and self.device.type == "cuda"
         if backend_cfg.adam_offload and self.trainable and self.device.type != "cuda" and dist.rank == 0:
             note_once("note: --adam_offload has no effect on CPU (the optimizer states are already in host memory)")

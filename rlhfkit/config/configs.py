@@ -84,6 +84,7 @@ class BackendConfig:
     # True compiles for any sequence length at once (RL: every step's lengths differ). Not a flag.
     compile_dynamic: bool | None = None
     hf_max_shard_size: str = "5GB"  # largest safetensors file of a Hugging Face export (save_hf)
+    save_dtype: str = "auto"  # dtype of save_hf's weights: auto = the loaded folder's, else the compute dtype
     # EMA of the trainable weights (--enable_ema --ema_beta; the policy only): None is off. Not named
     # after a flag, so `from_args` never turns it on for a critic or reference model.
     ema_decay: float | None = None

@@ -423,6 +423,9 @@ def add_ckpt_flags(p: FlagParser) -> None:
                help="also save a Hugging Face snapshot with each checkpoint (<ckpt_path>/global_step<N>_hf)")
         p.flag("--hf_max_shard_size", type=str, default="5GB",
                help="largest safetensors file of a Hugging Face export, e.g. 5GB, 500MB or bytes")
+        p.flag("--save_dtype", type=str, default="auto", choices=["auto", "bf16", "fp16", "fp32"],
+               help="dtype of the saved Hugging Face model (auto: the dtype --pretrain's folder stores, else "
+                    "the compute dtype)")
         p.flag("--disable_ds_ckpt", "--ckpt.disable_ds", action="store_true",
                help="--save_steps writes no resumable checkpoint (only --save_hf_ckpt snapshots)")
         p.flag("--stop_grace_s", type=float, default=10.0,

@@ -128,6 +128,9 @@ def test_a_cpu_full_fine_tune_of_a_bf16_model_is_saved_in_bf16(bf16_model_dir, t
     assert json.load(open(os.path.join(out, "config.json")))["dtype"] == "bfloat16"
     size = os.path.getsize(os.path.join(out, "model.safetensors"))
     assert size <= os.path.getsize(os.path.join(bf16_model_dir, "model.safetensors")) * 1.01  # not twice the base
+    asked = str(tmp_path / "run32")  # unless asked
+    train_sft.main(sft(bf16_model_dir, data, asked) + ["--save_dtype", "fp32"])
+    assert saved_dtypes(asked) == {torch.float32}
 
 
 def test_a_lora_merge_keeps_the_base_model_dtype(bf16_model_dir, tiny_model_dir, tmp_path):
