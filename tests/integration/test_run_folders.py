@@ -16,7 +16,7 @@ import pytest
 
 from rlhfkit.checkpoint.layout import list_checkpoints
 from rlhfkit.cli import train_sft
-from rlhfkit.cli.run_dir import LOCK
+from rlhfkit.runs.directory import LOCK
 from rlhfkit.trainers.metrics import read_metrics
 
 

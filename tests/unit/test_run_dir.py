@@ -1,4 +1,4 @@
-"""One run per folder (rlhfkit.cli.run_dir): the lock, earlier runs, the default checkpoint folder,
+"""One run per folder (rlhfkit.runs.directory): the lock, earlier runs, the default checkpoint folder,
 unwritable outputs; and the resume settings check (rlhfkit.trainers.run_settings)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from rlhfkit.cli.common import UsageError
-from rlhfkit.cli.run_dir import LOCK, RunDirectory
+from rlhfkit.runs.directory import LOCK, RunDirectory
 from rlhfkit.cli.train_sft import build_parser
 from rlhfkit.trainers.run_settings import ResumeMismatch, allowed_changes, check_same_run, run_settings
 
