@@ -117,7 +117,9 @@ def test_compiled_block_fused_matches_eager_unfused(on_cpu):
     ref = _qwen2(seed=1)
     model = copy.deepcopy(ref)
     fused_qkv.fuse_qkv(model)
-    model.model.layers[0].compile()  # one compiled block beside an eager one (each compiled layer is a compile of its own)
+    # one compiled block beside an eager one; dynamo and AOT autograd trace the fused projection and its stash
+    # as inductor would be handed them (aot_eager: the graphs run eagerly, without inductor's C++ build, 45 s here)
+    model.model.layers[0].compile(backend="aot_eager")
     ids = torch.randint(0, 101, (2, 16))
     a = ref(input_ids=ids, labels=ids)
     a.loss.backward()
