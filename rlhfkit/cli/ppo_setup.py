@@ -240,9 +240,10 @@ def backend_cfg(args: argparse.Namespace, **over) -> BackendConfig:
     return from_args(BackendConfig, args, compile_dynamic=True, **over)
 
 
-def build_ptx(args: argparse.Namespace, dist: DistInfo):
+def build_ptx(args: argparse.Namespace, dist: DistInfo, tokenizer: Any = None):
     """PPO-ptx batches of this policy rank (`rlhfkit.data.ptx`): --pretrain_data as raw text of
-    --input_key (loss on every token), cut to --max_len; None without --pretrain_data."""
+    --input_key (loss on every token), cut to --max_len; None without --pretrain_data. `tokenizer`:
+    the policy's, where this process has loaded it already."""
     if not ptx_active(args):
         return None
     from rlhfkit.data.io import DataError, load_mixture
@@ -250,8 +251,9 @@ def build_ptx(args: argparse.Namespace, dist: DistInfo):
     from rlhfkit.data.sft import SFTDataConfig, SFTDataset
     from rlhfkit.models.loader import load_tokenizer
 
-    tokenizer = load_tokenizer(args.pretrain, chat_template=args.tokenizer_chat_template,
-                               use_fast=not args.disable_fast_tokenizer)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(args.pretrain, chat_template=args.tokenizer_chat_template,
+                                   use_fast=not args.disable_fast_tokenizer)
     rows = load_mixture(args.pretrain_data, args.pretrain_data_probs, split=args.pretrain_split,
                         max_samples=args.max_samples, seed=args.seed, max_row_bytes=args.max_row_bytes)
     ds = SFTDataset(rows, tokenizer, SFTDataConfig(input_key=args.input_key, pretrain_mode=True, max_len=args.max_len))
@@ -263,8 +265,9 @@ def build_ptx(args: argparse.Namespace, dist: DistInfo):
 
 
 def build_policy(args: argparse.Namespace, dist: DistInfo, num_steps: int,
-                 dims: ParallelDims | None = None) -> tuple[ActorRole, FSDP2Backend]:
-    """This rank's policy role and its backend (wrapped in a group and a handle by the placement)."""
+                 dims: ParallelDims | None = None, tokenizer: Any = None) -> tuple[ActorRole, FSDP2Backend]:
+    """This rank's policy role and its backend (wrapped in a group and a handle by the placement);
+    `tokenizer`: the policy's, where this process has loaded it already (PPO-ptx data)."""
     from rlhfkit.models.loader import load_causal_lm
 
     model = load_causal_lm(from_args(ModelConfig, args), master_dtype="fp32", defer_weights=True)
@@ -278,7 +281,7 @@ def build_policy(args: argparse.Namespace, dist: DistInfo, num_steps: int,
         vllm_is_correction_type=args.vllm_is_correction_type,
         vllm_is_truncated_threshold=args.vllm_is_truncated_threshold, entropy_loss_coef=args.entropy_loss_coef)
     role = ActorRole(backend, dist, loss_cfg, actor_update_cfg(args), args.micro_rollout_batch_size,
-                     rollout_max_tokens(args), args.packing_samples, ptx=build_ptx(args, dist))
+                     rollout_max_tokens(args), args.packing_samples, ptx=build_ptx(args, dist, tokenizer))
     return role, backend
 
 

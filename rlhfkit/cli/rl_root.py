@@ -131,7 +131,7 @@ def save_critic(path: str, tokenizer: Any, role: Any, backend: Any, dist: DistIn
 def local_placement(args, dist: DistInfo, tokenizer: Any, num_steps: int) -> Placement:
     """The roles in this process (one of N torchrun ranks): one mesh description for every model."""
     dims = parallel_dims(args, dist)
-    policy, policy_backend = S.build_policy(args, dist, num_steps, dims)  # this order: the models' random
+    policy, policy_backend = S.build_policy(args, dist, num_steps, dims, tokenizer)  # this order: the models' random
     ref = S.build_ref(args, dist, dims, policy_backend)                   # inits (value heads) draw from
     critic, critic_backend = S.build_critic(args, dist, num_steps, dims)  # one seeded generator
     reward = S.build_reward_model(args, dist)

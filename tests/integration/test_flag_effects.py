@@ -58,6 +58,17 @@ def test_ppo_flags_take_effect(tiny_model_dir, files, tmp_path, capsys, monkeypa
             return out
 
         monkeypatch.setattr(ppo_setup, name, spy)
+    from rlhfkit.cli import rl_root
+    from rlhfkit.models import loader
+
+    tokenizer_loads = []
+
+    def counted(path, *a, _real=loader.load_tokenizer, **k):
+        tokenizer_loads.append(path)
+        return _real(path, *a, **k)
+
+    monkeypatch.setattr(loader, "load_tokenizer", counted)
+    monkeypatch.setattr(rl_root, "load_tokenizer", counted)
     save, ckpt = str(tmp_path / "model"), str(tmp_path / "ckpt")
     train_ppo.main([
         "--pretrain", tiny_model_dir, "--remote_rm_url", files["reward"], "--prompt_data", files["prompts"],
@@ -72,6 +83,7 @@ def test_ppo_flags_take_effect(tiny_model_dir, files, tmp_path, capsys, monkeypa
         "--eval_dataset", files["eval"], "--eval_steps", "1", "--eval_n_samples_per_prompt", "2",
         "--best_metric_key", "eval_reward", "--zpg", "2", "--max_ckpt_mem", "10", "--perf",
     ])
+    assert tokenizer_loads.count(tiny_model_dir) == 1, tokenizer_loads  # the policy's, once (PPO-ptx reuses it)
     out = capsys.readouterr().out
     for note in ("note: --zpg has no effect", "note: --perf has no effect"):
         assert out.count(note) == 1, (note, out)
