@@ -25,6 +25,7 @@ export.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 import shutil
@@ -149,3 +150,13 @@ def is_no_space(exc: BaseException) -> bool:
         exc = exc.__cause__ or exc.__context__
         seen += 1
     return False
+
+
+def read_json_object(path: str) -> dict:
+    """The JSON object in `path`; {} when the file is missing, unreadable, not JSON or not an object."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}

@@ -67,6 +67,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from rlhfkit.config.errors import UsageError
+from rlhfkit.fileio import read_json_object
 from rlhfkit.config.flags import run_dir_of
 from rlhfkit.trainers.run_settings import allowed_changes, check_same_run, run_settings
 
@@ -471,19 +472,10 @@ def check_earlier_run(args: argparse.Namespace) -> None:
                          f"{', '.join(ways[:-1])}, or {ways[-1]}")
     if not (_logged_steps(run_dir_of(args)) or _has_model(args.save_path)):
         return  # the run directory's run_config.json, if any, is of an attempt that never trained
-    saved = _read_config(os.path.join(run_dir_of(args), "run_config.json"))
+    saved = read_json_object(os.path.join(run_dir_of(args), "run_config.json"))
     check_same_run(run_settings(saved), run_settings(vars(args)),
                    allowed_changes(getattr(args, "allow_resume_changes", None)),
                    f"the run in {run_flag} {run_dir_of(args)}")
-
-
-def _read_config(path: str) -> dict[str, Any]:
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 # ----------------------------------------------------------------------------- the claim

@@ -20,7 +20,7 @@ import shlex
 import sys
 from typing import Any
 
-from rlhfkit.fileio import atomic_write_text
+from rlhfkit.fileio import atomic_write_text, read_json_object
 from rlhfkit.redact import redact_argv, redact_config, redact_text
 from rlhfkit.trainers.metric_names import CONSOLE_KEYS
 
@@ -67,7 +67,7 @@ def write_model_card(model_dir: str, *, run_dir: str | None = None, step: int | 
     this process's command line."""
     if not os.path.isdir(model_dir):
         return None
-    config = _read_json(os.path.join(run_dir, "run_config.json")) if run_dir else {}
+    config = read_json_object(os.path.join(run_dir, "run_config.json")) if run_dir else {}
     rows = _read_rows(os.path.join(run_dir, "metrics.jsonl")) if run_dir else []
     base = base_model if base_model is not None else config.get("pretrain")
     base = _SHOWN_AS.get(base, base) if isinstance(base, str) else base
@@ -201,18 +201,9 @@ def _trainer_of(config: dict[str, Any]) -> str | None:
 
 
 def _pipeline_tag(model_dir: str) -> str:
-    archs = _read_json(os.path.join(model_dir, "config.json")).get("architectures") or []
+    archs = read_json_object(os.path.join(model_dir, "config.json")).get("architectures") or []
     return "text-classification" if any(str(a).endswith("ForSequenceClassification") for a in archs) \
         else "text-generation"
-
-
-def _read_json(path: str) -> dict[str, Any]:
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 def _read_rows(path: str) -> list[dict[str, Any]]:
