@@ -21,6 +21,7 @@ source receives them (`samples=`), and uses them when its function is in TRL's s
 from __future__ import annotations
 
 import inspect
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -44,13 +45,13 @@ class RewardSample:
     columns: Mapping[str, Any] = field(default_factory=dict)
 
 
-class SampleRewardFunction:
+class SampleRewardFunction(ABC):
     """Base of rlhfkit's own reward functions that read the samples too (`per_sample`, `combine_rewards`):
     called as `fn(queries, prompts, labels, samples=...)`."""
 
+    @abstractmethod
     def __call__(self, queries: list[str], prompts: list[str], labels: list[Any],
-                 samples: Sequence[RewardSample] | None = None) -> Any:
-        raise NotImplementedError
+                 samples: Sequence[RewardSample] | None = None) -> Any: ...
 
 
 class RewardShapeUnknown(TypeError):
