@@ -31,15 +31,9 @@ import time
 
 import torch
 
+from rlhfkit.utils.host_memory import reset_peak, status_bytes
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
 
 
 def _tensors(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -81,9 +75,8 @@ def main() -> None:
     model_bytes = sum(e.end - e.start for e in safetensors_index(path).values())
     cfg = ModelConfig(pretrain=path, param_dtype="bf16", lora_rank=a.lora_rank, lora_alpha=2 * max(a.lora_rank, 1))
     torch.cuda.reset_peak_memory_stats() if device.startswith("cuda") else None
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    before = _status("VmRSS")
+    reset_peak()  # the peak (VmHWM) starts again from the current RSS
+    before = status_bytes("VmRSS")
     t0 = time.perf_counter()
     from rlhfkit.models.loader import load_causal_lm
 
@@ -105,7 +98,7 @@ def main() -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
-    peak = _status("VmHWM") - before
+    peak = status_bytes("VmHWM") - before
     ts = _tensors(model)
     res = {"rank": rank, "host_peak_extra_bytes": peak,
            "host_kept_bytes": sum(t.numel() * t.element_size() for t in ts if t.device.type == "cpu"),

@@ -23,15 +23,7 @@ from rlhfkit.backend import FSDP2Backend
 from rlhfkit.config.configs import BackendConfig, ModelConfig, OptimConfig
 from rlhfkit.models.stream_load import has_pending_weights
 from rlhfkit.parallel import init_distributed
-
-
-def _status(key: str) -> int:
-    """A /proc/self/status memory line in bytes."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
+from rlhfkit.utils.host_memory import reset_peak, status_bytes
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -51,15 +43,14 @@ def main() -> None:
     from rlhfkit.models.stream_load import build_meta_model
 
     build_meta_model(AutoModelForCausalLM, a.model_dir, torch.float32)  # the imports loading does (a constant)
-    with open("/proc/self/clear_refs", "w") as f:  # the peak (VmHWM) starts again from the current RSS
-        f.write("5")
-    before = _status("VmRSS")
+    reset_peak()  # the peak (VmHWM) starts again from the current RSS
+    before = status_bytes("VmRSS")
     model = load_causal_lm(ModelConfig(pretrain=a.model_dir, param_dtype="bf16"), master_dtype="fp32",
                            defer_weights=not a.whole)
     deferred = has_pending_weights(model)
     optim = OptimConfig(learning_rate=1e-3, lr_scheduler="constant", lr_warmup_ratio=0.0, max_norm=1.0)
     backend = FSDP2Backend(model, BackendConfig(zero_stage=3, param_dtype="bf16", device="cpu"), optim, 2, dist)
-    peak = _status("VmHWM") - before
+    peak = status_bytes("VmHWM") - before
     kept = sum(_local(p).numel() * _local(p).element_size() for p in backend.model.parameters())
     kept += sum(b.numel() * b.element_size() for b in backend.model.buffers())
     res = {"rank": dist.rank, "world": dist.world_size, "deferred": deferred, "peak_extra": peak, "kept": kept}
