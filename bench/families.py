@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from rollout import prompts_for, run_builtin, sync  # noqa: E402
 
 from rlhfkit.rollout.builtin import BuiltinEngine, BuiltinEngineConfig  # noqa: E402
-from rlhfkit.rollout.builtin.model import record_routing, route  # noqa: E402
+from rlhfkit.rollout.builtin.experts import record_routing, route  # noqa: E402
 from rlhfkit.rollout.builtin.weights import ModelSpec  # noqa: E402
 from rlhfkit.types import GenerationRequest, SamplingParams  # noqa: E402
 

@@ -10,7 +10,7 @@ import torch
 sys.path.insert(0, "tests/gpu")
 from test_engine_families_gpu import _logprobs, _model  # noqa: E402
 
-from rlhfkit.rollout.builtin import BuiltinEngine, BuiltinEngineConfig, model as bmodel  # noqa: E402
+from rlhfkit.rollout.builtin import BuiltinEngine, BuiltinEngineConfig, experts  # noqa: E402
 from rlhfkit.types import GenerationRequest, SamplingParams  # noqa: E402
 
 arch = sys.argv[1] if len(sys.argv) > 1 else "gpt_oss"
@@ -22,9 +22,9 @@ rows = []
 for label, cfg, eager_experts in [("default", {}, False), ("matmul attention", {"decode_attention": "matmul"}, False),
                                   ("experts eager", {}, True), ("both", {"decode_attention": "matmul"}, True)]:
     if eager_experts:
-        bmodel._routed.failed = "probe: eager"
+        experts.routed.failed = "probe: eager"
     else:
-        bmodel._routed.failed = None
+        experts.routed.failed = None
     engine = BuiltinEngine(model, None, device="cuda", dtype=torch.bfloat16, eos_token_ids=[],
                            config=BuiltinEngineConfig(max_num_seqs=4, max_model_len=128, **cfg))
     outs = engine.generate([GenerationRequest(p, SamplingParams(temperature=0.0, max_new_tokens=32), i)

@@ -26,7 +26,7 @@ import torch
 
 from rlhfkit.models.tiny import TinyModelSpec, build_config, build_tokenizer, make_tiny_model
 from rlhfkit.rollout.builtin import BuiltinEngine, BuiltinEngineConfig
-from rlhfkit.rollout.builtin.model import record_routing, route
+from rlhfkit.rollout.builtin.experts import record_routing, route
 from rlhfkit.rollout.builtin.weights import ModelSpec
 from rlhfkit.types import GenerationRequest, SamplingParams
 
@@ -181,7 +181,7 @@ def test_hf_export_reloads_with_equal_logits(arch, tmp_path):
 
 
 def test_dispatch_groups_rows_by_expert_stably():
-    from rlhfkit.rollout.builtin.model import dispatch
+    from rlhfkit.rollout.builtin.experts import dispatch
 
     ids = torch.tensor([[2, 0], [1, 2], [2, 1], [0, 3]])  # rows (token, k): 2 0 1 2 2 1 0 3
     dest, perm, offsets = dispatch(ids, 5)

@@ -50,8 +50,7 @@ import torch.distributed._functional_collectives  # noqa: F401 - registers the _
 import torch.nn.functional as F
 
 from rlhfkit.rollout.builtin import triton_gemm, triton_norm, triton_ops  # triton_gemm registers the GEMM ops
-from rlhfkit.rollout.builtin.families import MoESpec
-from rlhfkit.rollout.builtin.fused import EagerFused
+from rlhfkit.rollout.builtin.experts import routed
 from rlhfkit.rollout.builtin.weights import LayerWeights, ModelSpec, ModelWeights
 
 _c10d = torch.ops._c10d_functional  # functional collectives: traceable, capturable, gloo on CPU
@@ -204,98 +203,6 @@ def _mlp(layer: LayerWeights, spec: ModelSpec, h: torch.Tensor) -> torch.Tensor:
     return _row_parallel(spec, _gate(spec, gate) * up, layer.down, layer.down_bias)
 
 
-# ---------------------------------------------------------------- routed experts
-
-_ROUTE_LOG: list[torch.Tensor] | None = None
-
-
-class record_routing:
-    """`with record_routing() as log:` appends each eager MoE layer's expert choices `[T, k]`
-    (in layer order) to `log` (for tests and benchmarks that compare them with the trainer's)."""
-
-    def __enter__(self) -> list[torch.Tensor]:
-        global _ROUTE_LOG
-        self.prev, _ROUTE_LOG = _ROUTE_LOG, []
-        return _ROUTE_LOG
-
-    def __exit__(self, *exc: Any) -> None:
-        global _ROUTE_LOG
-        _ROUTE_LOG = self.prev
-
-
-def route(logits: torch.Tensor, moe: MoESpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits `[T, E]` -> (weights `[T, k]` in the logits' dtype, expert ids `[T, k]`):
-    top k of the softmax (renormalised with `norm_topk_prob`), or the softmax of the top k logits."""
-    if moe.router == "softmax_topk":
-        weights, ids = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), moe.top_k, dim=-1)
-        if moe.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(logits.dtype), ids
-    top, ids = torch.topk(logits, moe.top_k, dim=-1)
-    return torch.softmax(top, dim=-1, dtype=top.dtype), ids
-
-
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, experts: torch.Tensor,
-                   bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Rows `x [S, K]` sorted by expert (`offsets [E]`: cumulative rows per expert, `experts [S]`:
-    each row's expert) times their expert's `weight [E, N, K]` -> `[S, N]`: one grouped GEMM
-    (`torch._grouped_mm`). On CUDA it takes bf16 only; other dtypes there (fp32 tests) gather each
-    row's matrix instead."""
-    if x.device.type == "cuda" and x.dtype != torch.bfloat16:
-        out = torch.bmm(weight[experts], x.unsqueeze(-1)).squeeze(-1)
-    else:
-        out = torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
-    return out if bias is None else out + bias[experts]
-
-
-def _expert_act(moe: MoESpec, gate_up: torch.Tensor) -> torch.Tensor:
-    if moe.act == "silu":
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
-    # gpt-oss: gate and up interleaved, both clamped, gate * sigmoid(alpha gate) * (up + 1)
-    gate, up = gate_up[..., ::2].clamp(max=moe.swiglu_limit), gate_up[..., 1::2].clamp(-moe.swiglu_limit,
-                                                                                         moe.swiglu_limit)
-    return (up + 1) * (gate * torch.sigmoid(gate * moe.swiglu_alpha))
-
-
-def dispatch(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Group the S = T x k (token, choice) rows of `ids [T, k]` by expert, stably, without a sort
-    (a counting sort: one-hot prefix sums, a few fused kernels where `torch.sort` launches several):
-    returns `dest [S]` (each row's place in expert order), `perm [S]` (the row at each place, the
-    inverse of dest) and `offsets [E]` (cumulative rows per expert, int32, for the grouped GEMMs)."""
-    flat = ids.reshape(-1)
-    onehot = F.one_hot(flat, num_experts).to(torch.int32)  # [S, E]
-    counts = onehot.sum(0)
-    rank = (onehot.cumsum(0) * onehot).sum(1) - 1  # rows of the same expert before this one
-    dest = (counts.cumsum(0) - counts)[flat] + rank
-    perm = torch.empty_like(dest).index_copy_(0, dest, torch.arange(dest.shape[0], device=dest.device))
-    return dest, perm, counts.cumsum(0, dtype=torch.int32)
-
-
-def _moe(layer: LayerWeights, spec: ModelSpec, h: torch.Tensor) -> torch.Tensor:
-    """Routed experts over `h [..., H]`: route each token to k experts, group the T x k (token,
-    expert) rows by expert (`dispatch`), two grouped GEMMs, then each token's k rows in their
-    routing order, weighted by the router and summed (so the sum rounds as the reference model's does)."""
-    moe = spec.moe
-    shape = h.shape
-    x = h.reshape(-1, shape[-1])
-    weights, ids = route(F.linear(x, layer.router, layer.router_bias), moe)
-    if _ROUTE_LOG is not None and not torch.compiler.is_compiling():
-        _ROUTE_LOG.append(ids.detach().clone())
-    dest, perm, offsets = dispatch(ids, moe.num_experts)
-    experts = ids.reshape(-1)[perm]  # each grouped row's expert
-    act = _expert_act(moe, grouped_linear(x[perm // moe.top_k], layer.experts_gate_up, offsets, experts,
-                                          layer.experts_gate_up_bias))
-    out = grouped_linear(act, layer.experts_down, offsets, experts, layer.experts_down_bias)[dest]  # (token, k) order
-    out = out.view(-1, moe.top_k, shape[-1]) * weights[..., None]
-    return out.sum(dim=1).to(h.dtype).reshape(shape)
-
-
-# the experts eagerly are a dozen small kernels (routing, the counting sort, the weighted sum): a
-# Qwen3-MoE decode step ran 2.5x slower than with them compiled (fused.py)
-_routed = EagerFused(_moe, bypass=lambda: _ROUTE_LOG is not None)
-
-
 def _ffn(layer: LayerWeights, spec: ModelSpec, x: torch.Tensor) -> torch.Tensor:
     """The MLP half of a layer from the residual stream `x`: [norm] -> MLP or experts -> [out norm]."""
     return _ffn_normed(layer, spec, _norm(spec, layer.mlp_norm, x))
@@ -303,7 +210,7 @@ def _ffn(layer: LayerWeights, spec: ModelSpec, x: torch.Tensor) -> torch.Tensor:
 
 def _ffn_normed(layer: LayerWeights, spec: ModelSpec, h: torch.Tensor) -> torch.Tensor:
     """`_ffn` from the already normalised `h`."""
-    out = _routed(layer, spec, h) if layer.kind.moe else _mlp(layer, spec, h)
+    out = routed(layer, spec, h) if layer.kind.moe else _mlp(layer, spec, h)
     return _norm(spec, layer.mlp_out_norm, out)
 
 
