@@ -169,7 +169,7 @@ def gone(pid: int) -> bool:
 
 
 def test_a_gil_holding_call_is_stopped_by_a_worker_process_not_by_a_thread(tmp_path):
-    n = backtracking_length(0.6)
+    n = backtracking_length(1.0)  # calibrated on a busy machine it may run faster later: the claim is 4x the limit
     log = tmp_path / "calls.log"
     path = tmp_path / "stuck_reward.py"
     path.write_text(STUCK.format(log=str(log), n=n))
@@ -180,7 +180,7 @@ def test_a_gil_holding_call_is_stopped_by_a_worker_process_not_by_a_thread(tmp_p
         run(PythonRewardSource(str(path), timeout_s=0.1)(["q"], ["p"], ["stuck"]))
     except EpisodeError as e:
         assert "did not return within 0.1 s" in str(e)
-    assert time.perf_counter() - t0 > 0.5
+    assert time.perf_counter() - t0 > 0.4
     deadline = time.monotonic() + 10
     while "returned" not in log.read_text() and time.monotonic() < deadline:  # abandoned, not stopped
         time.sleep(0.05)
