@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import Backend as C10dBackend
 
 from rlhfkit.parallel.rendezvous import held_store
 
@@ -44,15 +45,17 @@ def make_group(spec: GroupSpec, rank: int) -> tuple[Any, Any]:
     if store is None:
         store = dist.TCPStore(spec.host, spec.port, None, rank == 0, timeout, wait_for_workers=False)
     prefixed = dist.PrefixStore("rlhfkit_weight_sync", store)
+    pg: C10dBackend
     if spec.backend == "nccl":
         try:
-            pg = dist.ProcessGroupNCCL(prefixed, rank, spec.world_size, timeout=timeout)
+            # torch's stub lists only the options overload of ProcessGroupNCCL.__init__
+            pg = dist.ProcessGroupNCCL(prefixed, rank, spec.world_size, timeout=timeout)  # type: ignore[call-arg]
         except TypeError:  # a build without the timeout overload: the options one
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
             pg = dist.ProcessGroupNCCL(prefixed, rank, spec.world_size, opts)
     elif spec.backend == "gloo":
-        opts = dist.ProcessGroupGloo._Options()
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # the stub calls it Options
         opts._timeout = timeout
         dev = (dist.ProcessGroupGloo.create_device(hostname="127.0.0.1") if spec.local
                else dist.ProcessGroupGloo.create_default_device())

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol, Sequence
+from typing import ClassVar, Iterable, Protocol, Sequence
 
 import torch
 
@@ -23,7 +23,7 @@ from rlhfkit.weightsync.protocol import ActorHandle, EngineShards, PushStats
 class Channel(Protocol):
     """How one bucket reaches a sender's engines."""
 
-    name: str
+    name: ClassVar[str]
 
     def open(self, device: str) -> None: ...
 

@@ -30,8 +30,8 @@ def ipc_handle(t: torch.Tensor) -> tuple[Any, tuple]:
 def open_ipc(handle: tuple[Any, tuple], device: str) -> torch.Tensor:
     """The sender's tensor, opened in this process on `device` (the same physical GPU: Ray may
     number it differently here, so the device index is replaced by ours)."""
-    fn, args = handle
-    args = list(args)
+    fn, packed = handle
+    args = list(packed)
     if len(args) > 6 and isinstance(args[6], int):
         args[6] = torch.device(device).index if torch.device(device).index is not None else torch.cuda.current_device()
     return fn(*args)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Protocol, Sequence
 
 import torch
 
@@ -84,7 +84,8 @@ class SyncPeers:
     def install(self, senders: Sequence[WeightSender], receivers: Sequence[BucketReceiver] = ()) -> None:
         """Every policy rank opens its sender and every engine shard its receiver (none: the engines
         take no part in the setup), all at once: the members of a broadcast group join together."""
-        refs, who = [], []
+        refs: list[Any] = []
+        who: list[tuple[str, int]] = []
         for r, (actor, s) in enumerate(zip(self.policy, senders, strict=True)):
             refs.append(actor.init_weight_sync.remote(s))
             who.append(("policy", r))
@@ -97,7 +98,7 @@ class SyncPeers:
 class WeightTransport(Protocol):
     """One way of moving the policy's weights into the engines, chosen once (`choice.choose_transport`)."""
 
-    name: str  # the metric's and the log's name: weight_sync/<name>
+    name: ClassVar[str]  # the metric's and the log's name: weight_sync/<name>
 
     def describe(self) -> str:
         """The `weight sync:` log line's and the benches' `weight_sync_method` text."""
