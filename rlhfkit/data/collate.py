@@ -88,6 +88,10 @@ class PaddedBatch(_DictLike):
     loss_mask: torch.Tensor
     images: list[Any] | None = None
 
+    def masks(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(attention_mask, position_ids) for the model: a padded batch has a mask, no positions."""
+        return self.attention_mask, None
+
 
 @dataclass
 class PackedBatch(_DictLike):
@@ -100,6 +104,10 @@ class PackedBatch(_DictLike):
     position_ids: torch.Tensor
     loss_mask: torch.Tensor
     seq_lens: list[int]
+
+    def masks(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(attention_mask, position_ids) for the model: a packed row has positions, no mask."""
+        return None, self.position_ids
 
     def unpack(self, values: torch.Tensor) -> list[torch.Tensor]:
         """Split a per-token tensor `[1, T, ...]` or `[T, ...]` into one tensor per sample."""

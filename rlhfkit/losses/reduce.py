@@ -15,7 +15,7 @@ micro-batch is the whole step. Counts are clamped to >= 1 so an empty step gives
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -23,6 +23,8 @@ from rlhfkit.algo.masked import masked_mean
 
 Tensor = torch.Tensor
 Count = float | int | Tensor | None
+# a micro-batch's metrics as a training loop receives them: floats or 0-d device tensors (read after the step)
+MicroMetrics = Mapping[str, Tensor | float]
 
 TOKEN = "token"
 SEQUENCE = "seq"

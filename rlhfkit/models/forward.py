@@ -45,7 +45,7 @@ the full distribution (distillation, PRM).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 
@@ -281,6 +281,30 @@ def forward_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     if gather and hasattr(logits, "full_tensor"):
         logits = logits.full_tensor()
     return logits
+
+
+@overload
+def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                   position_ids: torch.Tensor | None = None, temperature: float = 1.0,
+                   return_entropy: Literal[False] = False, chunk_size: int | None = None,
+                   packed_mask: str = "auto", fused: bool = True, model_kwargs: dict[str, Any] | None = None
+                   ) -> torch.Tensor: ...
+
+
+@overload
+def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                   position_ids: torch.Tensor | None = None, temperature: float = 1.0, *,
+                   return_entropy: Literal[True], chunk_size: int | None = None,
+                   packed_mask: str = "auto", fused: bool = True, model_kwargs: dict[str, Any] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                   position_ids: torch.Tensor | None = None, temperature: float = 1.0,
+                   return_entropy: bool = False, chunk_size: int | None = None,
+                   packed_mask: str = "auto", fused: bool = True, model_kwargs: dict[str, Any] | None = None
+                   ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,

@@ -34,6 +34,7 @@ from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.data.collate import PackedBatch
 from rlhfkit.data.items import PreferenceItem
 from rlhfkit.losses.preference import dpo_loss
+from rlhfkit.losses.reduce import MicroMetrics
 from rlhfkit.models.forward import token_logprobs
 from rlhfkit.models.vlm import picture_logprob_kwargs
 from rlhfkit.trainers.rm_task import PairBatch, Seqs, collate_pairs
@@ -87,9 +88,10 @@ def masked_sums(values: Tensor, seqs: Seqs) -> tuple[Tensor, Tensor]:
 
 def sequence_logps(model: torch.nn.Module, seqs: Seqs) -> tuple[Tensor, Tensor]:
     """(`[N]` summed response log-probs, `[N]` response token counts) of padded or packed sequences."""
-    kw: dict[str, Any] = {"position_ids": getattr(seqs, "position_ids", None)}
-    kw.update(picture_logprob_kwargs(model, seqs))  # a VLM's rows with pictures
-    lp = token_logprobs(model, seqs.input_ids, attention_mask=getattr(seqs, "attention_mask", None), **kw)
+    mask, positions = seqs.masks()
+    vlm = picture_logprob_kwargs(model, seqs)  # a VLM's rows with pictures: their positions and pictures
+    lp = token_logprobs(model, seqs.input_ids, attention_mask=mask, position_ids=vlm.get("position_ids", positions),
+                        model_kwargs=vlm.get("model_kwargs"))
     return masked_sums(lp, seqs)
 
 
@@ -149,7 +151,7 @@ class DPOTask:
         return loss, per
 
     def loss(self, model: torch.nn.Module, batch: PairBatch, global_count: float
-             ) -> tuple[Tensor, dict[str, float]]:
+             ) -> tuple[Tensor, MicroMetrics]:
         loss, per = self._pair_terms(model, batch, global_count)
         g = max(global_count, 1.0)
         keys = list(per)

@@ -25,6 +25,7 @@ import torch
 from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.data.items import SFTItem
 from rlhfkit.losses.distill import distill_loss
+from rlhfkit.losses.reduce import MicroMetrics
 from rlhfkit.models.forward import forward_logits
 from rlhfkit.trainers.dpo_task import FrozenModel
 from rlhfkit.trainers.rm_task import Seqs, additive, collate_seqs
@@ -33,8 +34,8 @@ Tensor = torch.Tensor
 
 
 def _logits(model: torch.nn.Module, seqs: Seqs) -> Tensor:
-    return forward_logits(model, seqs.input_ids, attention_mask=getattr(seqs, "attention_mask", None),
-                          position_ids=getattr(seqs, "position_ids", None))
+    mask, positions = seqs.masks()
+    return forward_logits(model, seqs.input_ids, attention_mask=mask, position_ids=positions)
 
 
 @dataclass
@@ -73,7 +74,7 @@ class KDTask:
                             kd_coef=self.kd_coef, num_tokens=count, sync_metrics=sync)
 
     def loss(self, model: torch.nn.Module, batch: Seqs, global_count: float
-             ) -> tuple[Tensor, dict[str, float]]:
+             ) -> tuple[Tensor, MicroMetrics]:
         loss, m = self._loss(model, batch, global_count, sync=False)
         n = batch.num_loss_tokens  # device tensors, read by the loop after the optimizer step
         return loss, {"loss": loss.detach().double(), "kd_loss": additive(m["kd_loss"], n, global_count),

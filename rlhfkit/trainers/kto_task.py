@@ -33,6 +33,7 @@ from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.data.items import UnpairedItem
 from rlhfkit.data.preference import kto_mismatched
 from rlhfkit.losses.kto import kto_loss
+from rlhfkit.losses.reduce import MicroMetrics
 from rlhfkit.trainers.dpo_task import FrozenModel, sequence_logps
 from rlhfkit.trainers.rm_task import Seqs, collate_seqs
 
@@ -110,7 +111,7 @@ class KTOTask:
         return loss, z, self.beta * (lp.detach().float() - ref_lp.float())
 
     def loss(self, model: torch.nn.Module, batch: KTOBatch, global_count: float
-             ) -> tuple[Tensor, dict[str, float]]:
+             ) -> tuple[Tensor, MicroMetrics]:
         loss, z, rewards = self._terms(model, batch, global_count, reduce_kl=True)
         g = max(global_count, 1.0)
         sign = batch.desirable.float() * 2.0 - 1.0

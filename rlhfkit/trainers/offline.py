@@ -37,7 +37,7 @@ from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.config.notes import note_once
 from rlhfkit.fileio import NoSpaceError
 from rlhfkit.losses.aux import router_aux_loss
-from rlhfkit.losses.reduce import HostValues
+from rlhfkit.losses.reduce import HostValues, MicroMetrics
 from rlhfkit.models.moe import RouterAuxLoss
 from rlhfkit.trainers.metrics import EVAL, MetricsLogger, NullLogger, metrics_record, progress_bar
 from rlhfkit.trainers.model_card import task_kind
@@ -57,7 +57,9 @@ class OfflineTask(Protocol):
         """Loss units in `batch` (tokens or samples); summed over the whole step for normalisation."""
         ...
 
-    def loss(self, model: torch.nn.Module, batch: Any, global_count: float) -> tuple[torch.Tensor, dict[str, float]]: ...
+    def loss(self, model: torch.nn.Module, batch: Any, global_count: float) -> tuple[torch.Tensor, MicroMetrics]:
+        """The micro-batch's loss over `global_count` and its metrics (device tensors are read after the step)."""
+        ...
 
     def eval_metrics(self, model: torch.nn.Module, batches: list[Any]) -> dict[str, float]: ...
 

@@ -25,6 +25,7 @@ from rlhfkit.data.collate import pack_batch
 from rlhfkit.data.items import PRMItem, SFTItem
 from rlhfkit.data.prm import IGNORE_INDEX, collate_prm
 from rlhfkit.losses.prm import prm_loss
+from rlhfkit.losses.reduce import MicroMetrics
 from rlhfkit.models.forward import forward_logits
 from rlhfkit.trainers.rm_task import Seqs, additive
 
@@ -80,13 +81,13 @@ class PRMTask:
     def _loss(self, model: torch.nn.Module, batch: PRMBatch, count: float, sync: bool = True
               ) -> tuple[Tensor, dict[str, float]]:
         s = batch.seqs
-        logits = forward_logits(model, s.input_ids, attention_mask=getattr(s, "attention_mask", None),
-                                position_ids=getattr(s, "position_ids", None))
+        mask, positions = s.masks()
+        logits = forward_logits(model, s.input_ids, attention_mask=mask, position_ids=positions)
         return prm_loss(logits, s.input_ids, batch.labels, placeholder_token_id=self.placeholder_token_id,
                         reward_token_ids=self.reward_token_ids, num_tokens=count, sync_metrics=sync)
 
     def loss(self, model: torch.nn.Module, batch: PRMBatch, global_count: float
-             ) -> tuple[Tensor, dict[str, float]]:
+             ) -> tuple[Tensor, MicroMetrics]:
         loss, m = self._loss(model, batch, global_count, sync=False)  # device tensors, read after the step
         return loss, {"loss": loss.detach().double(),
                       "acc": additive(m["prm_accuracy"], batch.num_labels, global_count)}

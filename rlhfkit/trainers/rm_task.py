@@ -31,6 +31,7 @@ from rlhfkit.data.collate import PackedBatch, PaddedBatch, pack_batch, pad_batch
 from rlhfkit.data.items import PreferenceItem
 from rlhfkit.data.preference import preference_rows
 from rlhfkit.losses.reward_model import RM_LOSSES, pairwise_rm_loss
+from rlhfkit.losses.reduce import MicroMetrics
 from rlhfkit.models.forward import hf_detects_packing
 from rlhfkit.models.value import reward_at_last_token
 
@@ -133,7 +134,7 @@ class RMTask:
         return loss
 
     def loss(self, model: torch.nn.Module, batch: PairBatch, global_count: float
-             ) -> tuple[Tensor, dict[str, float]]:
+             ) -> tuple[Tensor, MicroMetrics]:
         rc, rr = self.rewards(model, batch)
         loss = self._pair_loss(rc, rr, batch, global_count)
         rc, rr = rc.detach(), rr.detach()

@@ -16,6 +16,7 @@ import torch
 from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.data.collate import PackedBatch, PaddedBatch, pack_batch, pad_batch
 from rlhfkit.losses.sft import sft_loss
+from rlhfkit.losses.reduce import MicroMetrics
 from rlhfkit.models.forward import token_logprobs
 from rlhfkit.models.vlm import picture_logprob_kwargs
 
@@ -43,12 +44,13 @@ class SFTTask:
         return float(batch.num_loss_tokens)
 
     def _logprobs(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
-        kw: dict[str, Any] = {"position_ids": getattr(batch, "position_ids", None)}
-        kw.update(picture_logprob_kwargs(model, batch))
-        return token_logprobs(model, batch.input_ids, attention_mask=getattr(batch, "attention_mask", None), **kw)
+        mask, positions = batch.masks()
+        vlm = picture_logprob_kwargs(model, batch)  # a VLM's rows with pictures: their positions and pictures
+        return token_logprobs(model, batch.input_ids, attention_mask=mask, position_ids=vlm.get("position_ids", positions),
+                              model_kwargs=vlm.get("model_kwargs"))
 
     def loss(self, model: torch.nn.Module, batch: Batch, global_count: float
-             ) -> tuple[torch.Tensor, dict[str, float]]:
+             ) -> tuple[torch.Tensor, MicroMetrics]:
         lp = self._logprobs(model, batch)
         loss, _ = sft_loss(lp, batch.loss_mask, global_count, sync_metrics=False)
         # additive: summed over micro-batches and ranks it is the step's token-mean NLL; a device tensor
