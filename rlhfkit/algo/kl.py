@@ -69,6 +69,8 @@ def compute_approx_kl(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "
 class FixedKLController:
     """A constant KL coefficient (the default)."""
 
+    adaptive = False
+
     def __init__(self, init_coef: float) -> None:
         if init_coef < 0:
             raise ValueError(f"--init_kl_coef must be >= 0, got {init_coef}")
@@ -90,6 +92,8 @@ class AdaptiveKLController(FixedKLController):
     After each rollout of `n_steps` samples with observed mean KL `current_kl`:
     beta <- beta * (1 + clip(current_kl / target - 1, -0.2, 0.2) * n_steps / horizon).
     """
+
+    adaptive = True
 
     def __init__(self, init_coef: float, target: float, horizon: int) -> None:
         super().__init__(init_coef)

@@ -161,7 +161,8 @@ class RLTrainer:
             if s.batch_in_episode >= self.batches_per_episode or start + size > count:
                 s.episode, s.batch_in_episode, s.skipped_in_episode = s.episode + 1, 0, 0
                 continue
-            picked, skipped = [], 0
+            picked: list[int] = []
+            skipped = 0
             for i in epoch_order(count, s.episode, c.seed)[start:]:
                 if len(picked) == size:
                     break
@@ -223,7 +224,8 @@ class RLTrainer:
             seen += len(groups)
             if groups:
                 scores = torch.tensor([t.score for g in groups for t in g], dtype=torch.float64)
-                res = dynamic_filter(scores, n, tuple(c.dynamic_filtering_reward_range))
+                lo, hi = c.dynamic_filtering_reward_range
+                res = dynamic_filter(scores, n, (lo, hi))
                 for gi in res.kept_groups.tolist():
                     kept.extend(groups[gi])
                 passed += len(res.kept_groups)
@@ -235,9 +237,9 @@ class RLTrainer:
             torch.tensor([dropped, incomplete, passed, seen], dtype=torch.float64)).tolist()
         self.num_dropped += int(dropped)
         if dropped and self.dist.rank == 0:
-            first = (f"; the first: {first_drop.reason}; prompt: {first_drop.prompt[:200]!r}" if first_drop
+            which = (f"; the first: {first_drop.reason}; prompt: {first_drop.prompt[:200]!r}" if first_drop
                      else " (on other ranks)")
-            log.warning(f"step {self.state.step + 1}: {int(dropped)} sample(s) dropped (--reward_failure drop){first}")
+            log.warning(f"step {self.state.step + 1}: {int(dropped)} sample(s) dropped (--reward_failure drop){which}")
         metrics = {"dropped_samples": dropped}
         if incomplete:
             metrics["incomplete_group_samples"] = incomplete
@@ -276,6 +278,7 @@ class RLTrainer:
         self._samples = trajs
         resp_len = batch.loss_mask.sum(-1).float()
         truncated = torch.tensor([float(tr.truncated) for tr in trajs])
+        assert batch.rewards is not None  # pad_trajectories gives every row its reward
         raw_reward = batch.rewards.clone()
         batch.rewards = apply_length_penalties(batch.rewards, resp_len, truncated.bool(), self.shaping)
         group_rewards = batch.rewards.clone()  # what the advantage estimator compares within a group
@@ -303,8 +306,9 @@ class RLTrainer:
         with t("weight_sync"):
             metrics.update(self.weight_sync.sync())
         self.kl_ctl.update(train_m.get("kl", exp_m.get("kl", 0.0)), self.cfg.rollout_batch_size * self.cfg.n_samples_per_prompt)
-        shaped = exp_m.pop("reward", None)
-        if self.shaping.overlong_buffer_len or self.shaping.stop_properly_penalty_coef is not None:
+        shaped = exp_m.pop("reward", None)  # every rank has rows here: always there
+        if shaped is not None and (self.shaping.overlong_buffer_len
+                                   or self.shaping.stop_properly_penalty_coef is not None):
             metrics["shaped_reward"] = shaped  # after length penalties; `reward` is the raw one
         metrics.update(self._rollout_metrics(trajs, raw_reward, resp_len, truncated, group_rewards))
         metrics.update(exp_m)
@@ -329,7 +333,7 @@ class RLTrainer:
         c = self.cfg
         if c.recompute_old_logprobs or c.policy_train_batch_size is None or c.policy_max_epochs != 1:
             return True
-        if self.state.step < c.freezing_actor_steps or getattr(self.kl_ctl, "target", None) is not None:
+        if self.state.step < c.freezing_actor_steps or self.kl_ctl.adaptive:
             return True
         if self.ref is not None and not c.use_kl_loss:
             return True
@@ -376,8 +380,8 @@ class RLTrainer:
                 rows.append(idx)
         if not rows:
             return 0.0, 0.0
-        g = rewards.detach().double().cpu()[torch.tensor(rows)]
-        return float(equal_groups(g).sum()), float(len(rows))
+        table = rewards.detach().double().cpu()[torch.tensor(rows)]
+        return float(equal_groups(table).sum()), float(len(rows))
 
     def _note_no_signal(self, m: dict[str, float]) -> None:
         """One hint per run (rank 0) at the first step where no group had different rewards: a group
@@ -419,9 +423,9 @@ class RLTrainer:
     # ------------------------------------------------------------------ the loop
 
     def fit(self) -> RLState:
-        c, s = self.cfg, self.state
-        if c.load_checkpoint and self.checkpointer is not None:
-            client = self.checkpointer.load(c.ckpt_path)
+        c, s, ckpt = self.cfg, self.state, self.checkpointer
+        if c.load_checkpoint and ckpt is not None:
+            client = ckpt.load(c.ckpt_path)
             if client is not None:
                 check_same_run(client.get("run_settings"), c.run_settings, c.allowed_changes,
                                f"the checkpoint in --ckpt_path {c.ckpt_path}")
@@ -456,16 +460,15 @@ class RLTrainer:
                 bar.set_postfix(reward=f"{m['reward']:.3f}")
             if c.eval_steps > 0 and (s.step % c.eval_steps == 0 or s.step == total):
                 m.update(self.evaluate())
-                if getattr(self.checkpointer, "keep_best", None) is not None:  # --best_metric_key
-                    warn_if_no_space(lambda: self.checkpointer.keep_best(c.ckpt_path, s.step, m, self._client_state()),
-                                     s.step)
+                if ckpt is not None:  # --best_metric_key
+                    warn_if_no_space(lambda: ckpt.keep_best(c.ckpt_path, s.step, m, self._client_state()), s.step)
             if s.step % max(c.logging_steps, 1) == 0 or s.step == total:
                 self._log(s.step, m)
             if c.log_completions_steps and (s.step == 1 or s.step % c.log_completions_steps == 0):
                 self.logger.log_completions(s.step, sample_rows(self._samples, c.n_samples_per_prompt,
                                                                 c.log_completions_rows))
-            if c.save_steps > 0 and s.step % c.save_steps == 0 and self.checkpointer is not None:
-                warn_if_no_space(lambda: self.checkpointer.save(c.ckpt_path, f"global_step{s.step}",
+            if c.save_steps > 0 and s.step % c.save_steps == 0 and ckpt is not None:
+                warn_if_no_space(lambda: ckpt.save(c.ckpt_path, f"global_step{s.step}",
                                                                 self._client_state(), c.max_ckpt_num), s.step)
             if s.step < total and signals.requested(self.dist.agree if self.dist.world_size > 1 else None):
                 raise signals.stop(s.step, self.save_checkpoint, abandoned=False)
@@ -480,6 +483,8 @@ class RLTrainer:
         existing = os.path.join(c.ckpt_path, "actor", f"global_step{self.state.step}")
         if os.path.isdir(existing) and checkpoint_gap(existing) is None:
             return existing
+        if self.checkpointer is None:
+            raise RuntimeError("this RL loop was built without a checkpointer: nothing can be saved")
         return self.checkpointer.save_resumable(c.ckpt_path, f"global_step{self.state.step}", self._client_state(),
                                                 c.max_ckpt_num)
 

@@ -106,7 +106,8 @@ class RLCheckpointer:
             return self.policy_backend.load_checkpoint(actor)  # none at all (or only incomplete: an error)
         from rlhfkit.checkpoint.errors import UnreadableCheckpointError
 
-        left, skipped = pairs[::-1], []
+        left = pairs[::-1]
+        skipped: list[str] = []
         while True:
             tag = _newest_intact_pair(actor, critic, left, self.dist, skipped)
             try:
@@ -136,7 +137,8 @@ def _newest_intact_pair(actor: str, critic: str, tags: list[str], dist: DistInfo
                 return tag, skipped
         return None, skipped
 
-    tag, skipped = dist.from_rank0(pick() if dist.is_rank0 else None)
+    mine: tuple[str | None, list[str]] = pick() if dist.is_rank0 else (None, [])  # other ranks take rank 0's
+    tag, skipped = dist.from_rank0(mine)
     if tag is None:
         raise FileNotFoundError(f"--load_checkpoint: no step has an intact checkpoint in both {actor} and "
                                 f"{critic}: " + "; ".join(skipped))

@@ -42,6 +42,7 @@ class StepLogger(Protocol):
 
 class KLControl(Protocol):
     value: float
+    adaptive: bool  # the coefficient follows the observed KL (`update` reads it before training)
 
     def update(self, current_kl: float, n_steps: int) -> None: ...
 

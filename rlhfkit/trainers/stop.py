@@ -25,7 +25,7 @@ import threading
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
-NAMES = {signal.SIGINT: "SIGINT", signal.SIGTERM: "SIGTERM"}
+NAMES: dict[int, str] = {signal.SIGINT: "SIGINT", signal.SIGTERM: "SIGTERM"}
 
 
 class RunStopped(BaseException):

@@ -99,10 +99,22 @@ class FakeLogger:
 
 @dataclass
 class FakeCheckpointer:
+    """An RLCheckpointing that records what it saves (no --best_metric_key: never a best checkpoint)."""
+
     saved: list = field(default_factory=list)
 
     def save(self, root, tag, client, max_keep) -> None:
         self.saved.append((tag, dict(client)))
+
+    def save_resumable(self, root, tag, client, max_keep) -> str:
+        self.save(root, tag, client, max_keep)
+        return f"{root}/{tag}"
+
+    def keep_best(self, root, step, metrics, client) -> bool:
+        return False
+
+    def load(self, root):
+        return None
 
 
 def make(rewards, steps=2, empty=(), save_steps=-1):
