@@ -29,6 +29,13 @@ class TrainBackend(Protocol):
     dist: DistInfo
     device: torch.device
     compute_dtype: torch.dtype
+    optimizer: torch.optim.Optimizer | None
+    """None: an inference-only backend (a reference or teacher model, built with `optim_cfg=None`)."""
+
+    @property
+    def steps_done(self) -> int:
+        """Optimizer steps taken (skipped non-finite steps excluded); restored on resume."""
+        ...
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The model's forward pass. Roles call the model only through this and `token_logprobs`,

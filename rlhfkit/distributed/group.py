@@ -239,9 +239,9 @@ class GroupBackend:
     def __init__(self, group: RayGroup) -> None:
         self.group = group
 
-    def _all(self, method: Callable[Concatenate[TrainBackend, P], R], *args: P.args) -> R:
+    def _all(self, method: Callable[Concatenate[TrainBackend, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
         with self.group._working():
-            return self.group.run_all(RoleWorker.backend_call, method.__name__, *args)[0]
+            return self.group.run_all(RoleWorker.backend_call, method.__name__, *args, **kwargs)[0]
 
     def save_checkpoint(self, ckpt_root: str, tag: str, client_state: dict | None, max_keep: int) -> str:
         return self._all(TrainBackend.save_checkpoint, ckpt_root, tag, client_state, max_keep)

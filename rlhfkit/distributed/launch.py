@@ -19,7 +19,7 @@ a DistInfo into a role or an engine) and the options.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -35,6 +35,13 @@ from rlhfkit.weightsync.choice import Endpoint, choose_transport
 from rlhfkit.weightsync.collective import DEFAULT_TIMEOUT_S
 from rlhfkit.weightsync.protocol import SyncPeers, WeightTransport
 from rlhfkit.weightsync.sync import RayWeightSync
+from rlhfkit.backend.base import TrainBackend
+from rlhfkit.parallel.dist import DistInfo
+from rlhfkit.roles.group import Role
+from rlhfkit.rollout.base import RolloutEngine
+
+if TYPE_CHECKING:
+    from rlhfkit.rollout.builtin.tp import ShardGroupSpec
 
 
 def connect(address: str | None = None) -> bool:
@@ -55,14 +62,14 @@ def connect(address: str | None = None) -> bool:
 class RoleSpec:
     name: str  # policy, ref, critic, reward
     shape: Shape
-    build: Callable[[str, Any], tuple[Any, Any]]  # (role name, DistInfo) -> (role, backend | None)
+    build: Callable[[str, DistInfo], tuple[Role, TrainBackend | None]]  # (role name, DistInfo) -> (role, backend)
 
 
 @dataclass
 class EngineSpec:
     num_engines: int
     tensor_parallel_size: int
-    build: Callable[[Any], Any]  # DistInfo -> RolloutEngine
+    build: Callable[..., RolloutEngine]  # (DistInfo[, its TensorParallelGroup]) -> the engine
 
 
 @dataclass
@@ -112,12 +119,12 @@ def _create_actors(pool: ReadyPool, roles: dict[str, RoleSpec], engines: EngineS
         strategy = PlacementGroupSchedulingStrategy(pool.pg, placement_group_bundle_index=bundle)
         for m in members:
             if m == "engine":
-                cls = ray.remote(EngineWorker).options(scheduling_strategy=strategy, **opts)
-                out[m].append(cls.remote(rank, engines.build))
+                engine_cls = ray.remote(EngineWorker).options(scheduling_strategy=strategy, **opts)
+                out[m].append(engine_cls.remote(rank, engines.build))
             else:
                 world = pool.spec.shape.slots
-                cls = ray.remote(RoleWorker).options(scheduling_strategy=strategy, max_concurrency=2, **opts)
-                out[m].append(cls.remote(m, rank, world, roles[m].build))
+                role_cls = ray.remote(RoleWorker).options(scheduling_strategy=strategy, max_concurrency=2, **opts)
+                out[m].append(role_cls.remote(m, rank, world, roles[m].build))
     return out
 
 
@@ -145,7 +152,7 @@ def launch(roles: list[RoleSpec], engines: EngineSpec, cfg: LaunchConfig, monito
 
 
 def _shard_specs(engine_actors: list[Any], labels: list[ActorLabel], tp: int, cfg: LaunchConfig,
-                 monitor: HealthMonitor) -> list[Any]:
+                 monitor: HealthMonitor) -> list[tuple[int, int, ShardGroupSpec] | None]:
     """Per engine shard: None (tp 1), or (engine, shard rank, the engine's ShardGroupSpec)."""
     if tp == 1:
         return [None] * len(engine_actors)
@@ -154,7 +161,7 @@ def _shard_specs(engine_actors: list[Any], labels: list[ActorLabel], tp: int, cf
     gpu = cfg.resources.accelerator == "GPU" and (cfg.device is None or cfg.device.startswith("cuda"))
     firsts = list(range(0, len(engine_actors), tp))
     ports = wait_all([engine_actors[i].reserve_port.remote() for i in firsts], [labels[i] for i in firsts], monitor)
-    out = []
+    out: list[tuple[int, int, ShardGroupSpec] | None] = []
     for e, (first, port) in enumerate(zip(firsts, ports)):
         spec = ShardGroupSpec(labels[first].node or "127.0.0.1", port, tp, "nccl" if gpu else "gloo")
         out.extend((e, k, spec) for k in range(tp))

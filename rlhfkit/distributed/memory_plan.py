@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Callable
 
 GiB = 2**30
 QUANT_BLOCK = 256  # values per fp32 maximum of --optim adamw_8bit (rlhfkit.backend.lean_adamw.BLOCK; no torch here)
@@ -115,7 +115,7 @@ class ModelShape:
     def from_config(cls, cfg: Any, value_head: bool = False) -> "ModelShape":
         """From a Hugging Face config (object or dict) of a Llama / Qwen2 / Qwen3 / Mistral-like model; a
         vision-language model's language model (its `text_config`; the vision tower is not counted)."""
-        get = cfg.get if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
+        get: Callable[..., Any] = cfg.get if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
         if get("vision_config", None) is not None and get("text_config", None) is not None:
             return cls.from_config(get("text_config"), value_head)
         kind = get("model_type", "")
@@ -187,7 +187,7 @@ class PoolPlan:
 
     @property
     def peak_phase(self) -> str:
-        return max(self.phases, key=self.phases.get)
+        return max(self.phases, key=lambda k: self.phases[k])
 
 
 @dataclass
@@ -230,8 +230,8 @@ def _role_parts(r: RoleMemory, x: MemoryInputs) -> tuple[dict[str, int], dict[st
         return {"weights": b * P}, {"weights": b * P, "activations": forward_act}
     gathered = b * P if x.zero_stage < 3 else b * (s.root_params() + 2 * s.layer_params())
     if r.name not in TRAINABLE:  # ref
-        resident = b * P if x.zero_stage < 3 or r.world == 1 else b * (P // S + s.root_params())
-        return {"weights": resident}, {"weights": max(resident, gathered), "activations": forward_act}
+        held = b * P if x.zero_stage < 3 or r.world == 1 else b * (P // S + s.root_params())
+        return {"weights": held}, {"weights": max(held, gathered), "activations": forward_act}
     tokens = x.train_tokens
     if x.gradient_checkpointing:
         train_act = tokens * (s.layers * b * s.hidden + 2 * act_layer)
@@ -274,6 +274,7 @@ def _kept_logits(r: RoleMemory, x: MemoryInputs) -> int:
 
 def _context(member: str, x: MemoryInputs, roles: dict[str, RoleMemory]) -> int:
     if member == "engine":
+        assert x.engine is not None  # a pool holds an engine only when there is one
         return CONTEXT_BYTES + ENGINE_WORKSPACE_BYTES + (ENGINE_TP_BYTES if x.engine.tp > 1 else 0)
     return CONTEXT_SHARDED_BYTES if roles[member].world > 1 else CONTEXT_BYTES
 
@@ -324,6 +325,7 @@ def plan_memory(x: MemoryInputs, device_bytes: int | None = None) -> MemoryPlan:
         rest, active = {}, {}
         for m in members:
             if m == "engine":
+                assert x.engine is not None
                 asleep, awake = _engine_parts(x.engine, x.param_bytes, device_bytes)
                 pool.parts[m] = {**awake, "context": _context(m, x, roles)}
             else:
@@ -389,7 +391,8 @@ def over_budget(x: MemoryInputs, device_bytes: int) -> str | None:
     if not over:
         return None
     worst = max(over, key=lambda p: p.peak)
-    fits, others = [], []
+    fits: list[str] = []
+    others: list[str] = []
     for flag, y in _candidates(x):
         peak = plan_memory(y, device_bytes).peak
         (fits if peak <= device_bytes else others).append(f"{flag} ({peak / GiB:.1f} GiB)")

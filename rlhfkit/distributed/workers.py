@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import ray
 import torch
@@ -40,9 +40,16 @@ from rlhfkit import logs
 from rlhfkit.parallel.dist import DistInfo, init_distributed, resolve_device, with_index
 from rlhfkit.backend.offload import HostStash, MoveStats
 from rlhfkit.parallel.rendezvous import reserve_port
+from rlhfkit.backend.base import TrainBackend
+from rlhfkit.roles.group import Role
 from rlhfkit.roles.memory import CallMemory
-from rlhfkit.weightsync.buckets import TensorMeta
+from rlhfkit.rollout.base import ClosableEngine, RolloutEngine, SliceLoadingEngine, VersionedEngine
+from rlhfkit.types import Completion, GenerationRequest
+from rlhfkit.weightsync.buckets import Named, TensorMeta
 from rlhfkit.weightsync.protocol import BucketReceiver, PushStats, WeightSender
+
+if TYPE_CHECKING:
+    from rlhfkit.rollout.builtin.tp import ShardGroupSpec
 
 
 def _node_info() -> dict[str, Any]:
@@ -61,15 +68,16 @@ def _quiet_env() -> None:
 class RoleWorker:
     """One rank of policy / ref / critic / reward; see the module docstring."""
 
-    def __init__(self, role: str, rank: int, world_size: int, build: Callable[[str, DistInfo], tuple[Any, Any]]):
+    def __init__(self, role: str, rank: int, world_size: int,
+                 build: Callable[[str, DistInfo], tuple[Role, TrainBackend | None]]):
         _quiet_env()
         # A role's allocations change shape every micro-batch (token budgets, gathered blocks): expandable
         # segments keep the caching allocator's fragmentation small, so the memory plan holds (a user's
         # own setting wins). Read when this process first touches CUDA, which happens after this.
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         self.role_name, self.rank, self.world_size, self._build = role, rank, world_size, build
-        self.role: Any = None
-        self.backend: Any = None
+        self.role: Any = None  # a Role; reached by method name (`call`), like any of the roles
+        self.backend: TrainBackend | None = None
         self.dist = DistInfo()
         self._sender: WeightSender | None = None
         self._stash: HostStash | None = None  # a reward model's weights under --deepspeed_enable_sleep
@@ -92,8 +100,8 @@ class RoleWorker:
             os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK="0",
                               MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         self.dist = init_distributed(device)
-        self.role, self.backend = self._build(self.role_name, self.dist)
-        self.dist = getattr(self.role, "dist", None) or self.dist  # with the mesh the builder attached
+        role, self.backend = self._build(self.role_name, self.dist)
+        self.role, self.dist = role, role.dist  # with the mesh the builder attached
         self._memory = CallMemory(self.role_name, self.rank, self.dist.device)
         return {"device": self.dist.device, "world_size": self.dist.world_size, "dp_rank": self.dist.dp_rank}
 
@@ -104,6 +112,8 @@ class RoleWorker:
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         self._enter()
+        if self._memory is None:
+            raise RuntimeError(f"{self.role_name} rank {self.rank}: {method} before setup")
         with self._memory.call(method):
             return getattr(self.role, method)(*args, **kwargs)
 
@@ -161,10 +171,10 @@ class EngineWorker:
     """One rollout engine (builtin / hf / vllm), or one shard of a tensor-parallel builtin engine,
     as an async actor; requests run concurrently."""
 
-    def __init__(self, index: int, build: Callable[..., Any]):
+    def __init__(self, index: int, build: Callable[..., RolloutEngine]):
         _quiet_env()
         self.index, self._build = index, build
-        self.engine: Any = None
+        self.engine: RolloutEngine | None = None
         self.device = "cpu"
         self.shard_rank = 0
         self._receiver: BucketReceiver | None = None
@@ -182,7 +192,7 @@ class EngineWorker:
         """As RoleWorker.reserve_port, for shard 0's tensor-parallel group."""
         return reserve_port()
 
-    async def setup(self, device: str | None, num_engines: int, shard: tuple[int, int, Any] | None = None
+    async def setup(self, device: str | None, num_engines: int, shard: tuple[int, int, ShardGroupSpec] | None = None
                     ) -> dict[str, Any]:
         """Build the engine. `shard` = (engine index, shard rank, ShardGroupSpec) for a tensor-parallel
         engine: the shards form their groups first; shards 1.. then run `serve()` in the background."""
@@ -197,27 +207,39 @@ class EngineWorker:
 
         _, self.shard_rank, spec = shard
 
-        def build() -> Any:
+        def build() -> RolloutEngine:
             return self._build(dist, join(spec, self.shard_rank, dist.device))
         self.engine = await asyncio.to_thread(build)
         if self.shard_rank > 0:
             self._serving = asyncio.get_running_loop().run_in_executor(None, self._serve)
         return {"device": dist.device}
 
+    @property
+    def _engine(self) -> RolloutEngine:
+        if self.engine is None:
+            raise RuntimeError(f"engine {self.index}: called before setup()")
+        return self.engine
+
     def _serve(self) -> int:
         if self.device.startswith("cuda"):
             torch.cuda.set_device(torch.device(self.device))
-        return self.engine.serve()
+        engine = self._engine
+        if not isinstance(engine, SliceLoadingEngine):
+            raise TypeError(f"engine shard {self.shard_rank}: {type(engine).__name__} cannot serve a tensor-parallel group")
+        return engine.serve()
 
-    async def agenerate(self, request: Any) -> Any:
-        return await self.engine.agenerate(request)
+    async def agenerate(self, request: GenerationRequest) -> list[Completion]:
+        return await self._engine.agenerate(request)
 
-    async def generate(self, requests: list[Any]) -> Any:
-        return await asyncio.to_thread(self.engine.generate, requests)
+    async def generate(self, requests: list[GenerationRequest]) -> list[list[Completion]]:
+        return await asyncio.to_thread(self._engine.generate, requests)
 
-    def _load(self, pairs: Any) -> None:
-        local = getattr(self.engine, "update_weights_local", None)  # a shard keeps its slice
-        (local or self.engine.update_weights)(pairs)
+    def _load(self, pairs: Iterator[Named]) -> None:
+        engine = self._engine
+        if isinstance(engine, SliceLoadingEngine):  # a shard keeps its slice
+            engine.update_weights_local(pairs)
+        else:
+            engine.update_weights(pairs)
 
     async def update_weights(self, refs: list[Any]) -> int:
         """Load the weight buckets `refs` (object store) into the engine; returns the tensor count."""
@@ -248,26 +270,27 @@ class EngineWorker:
         return await asyncio.to_thread(load)
 
     async def sleep(self, level: int = 1) -> None:
-        await asyncio.to_thread(self.engine.sleep, level)
-
-    async def _maybe(self, method: str, *args: Any) -> None:
-        fn = getattr(self.engine, method, None)
-        if fn is not None:
-            await asyncio.to_thread(fn, *args)
+        await asyncio.to_thread(self._engine.sleep, level)
 
     async def pause(self) -> None:
         """Stop generating at the next step boundary (requests in flight keep their KV cache)."""
-        await self._maybe("pause")
+        engine = self._engine
+        if isinstance(engine, VersionedEngine):
+            await asyncio.to_thread(engine.pause)
 
     async def resume(self, version: int) -> None:
         """Continue generating; later tokens carry policy `version`."""
-        await self._maybe("resume", version)
+        engine = self._engine
+        if isinstance(engine, VersionedEngine):
+            await asyncio.to_thread(engine.resume, version)
 
     async def set_policy_version(self, version: int) -> None:
-        await self._maybe("set_policy_version", version)
+        engine = self._engine
+        if isinstance(engine, VersionedEngine):
+            await asyncio.to_thread(engine.set_policy_version, version)
 
     async def wake_up(self) -> None:
-        await asyncio.to_thread(self.engine.wake_up)
+        await asyncio.to_thread(self._engine.wake_up)
 
     async def memory(self) -> dict[str, int]:
         """This engine process's device memory: reserved now and at its peak since the last call (bytes)."""
@@ -279,6 +302,5 @@ class EngineWorker:
         return out
 
     async def close(self) -> None:
-        close = getattr(self.engine, "close", None)
-        if close is not None and self.shard_rank == 0:
-            close()
+        if isinstance(self.engine, ClosableEngine) and self.shard_rank == 0:
+            self.engine.close()

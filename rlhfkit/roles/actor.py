@@ -22,11 +22,15 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterator
+from contextlib import AbstractContextManager
+from typing import Any, Iterator, Protocol, runtime_checkable
 
 import torch
 
 from rlhfkit.algo.kl import compute_approx_kl
+from rlhfkit.backend.base import TrainBackend
+from rlhfkit.data.collate import PaddedBatch
+from rlhfkit.data.ptx import PtxBatches
 from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.config.notes import note_once
 from rlhfkit.losses.aux import ptx_loss, router_aux_loss
@@ -36,6 +40,13 @@ from rlhfkit.losses.reduce import to_floats
 from rlhfkit.models.moe import RouterAuxLoss
 from rlhfkit.models.vlm import VisionLayout, batch_forward_kwargs, layout_of_model, with_picture_row
 from rlhfkit.types import ExperienceBatch
+
+
+@runtime_checkable
+class AdapterModel(Protocol):
+    """A PEFT (LoRA) model, whose adapters can be switched off for a block."""
+
+    def disable_adapter(self) -> AbstractContextManager[Any]: ...
 
 
 @dataclass
@@ -68,10 +79,10 @@ def dummy_like(batch: ExperienceBatch) -> ExperienceBatch:
         d = batch.select([0])
     else:
         z = torch.zeros((1, 2), dtype=torch.long)
-        d = ExperienceBatch(input_ids=z.clone(), attention_mask=torch.ones_like(z), loss_mask=z.clone(),
-                            **{k: torch.zeros((1, 2)) for k in ("old_logprobs", "ref_logprobs", "rollout_logprobs",
-                                                                "values", "returns", "advantages")
-                               if getattr(batch, k) is not None})
+        d = ExperienceBatch(input_ids=z.clone(), attention_mask=torch.ones_like(z), loss_mask=z.clone())
+        for k in ("old_logprobs", "ref_logprobs", "rollout_logprobs", "values", "returns", "advantages"):
+            if getattr(batch, k) is not None:
+                setattr(d, k, torch.zeros((1, 2)))
     d.loss_mask = torch.zeros_like(d.loss_mask)
     return d
 
@@ -97,7 +108,7 @@ def micro_batches(batch: ExperienceBatch, size: int, dist: DistInfo, aligned: bo
         yield (trim(batch.select(rows)), len(rows)) if rows else (dummy_like(batch), 0)
 
 
-def row_logprobs(backend: Any, mb: ExperienceBatch, temperature: float, entropy: bool, packed: bool,
+def row_logprobs(backend: TrainBackend, mb: ExperienceBatch, temperature: float, entropy: bool, packed: bool,
                  layout: VisionLayout | None = None, tower_every_pass: bool = False):
     """Log-probs (and entropy) `[B, L]` of a right-padded micro-batch through `backend.token_logprobs`;
     `packed` runs its rows as one packed row (positions restart per sample, no cross-sample
@@ -109,6 +120,7 @@ def row_logprobs(backend: Any, mb: ExperienceBatch, temperature: float, entropy:
         ids, mask, images = mb.input_ids, mb.attention_mask, mb.images
         if not has_pictures:
             ids, mask, images = with_picture_row(ids, mask, images, layout)
+        assert images is not None  # the rows' own pictures, or the blank row's
         kw = batch_forward_kwargs(ids, mask, images, layout)
         res = backend.token_logprobs(ids, attention_mask=mask, position_ids=kw.pop("position_ids"),
                                      temperature=temperature, return_entropy=entropy, model_kwargs=kw)
@@ -138,7 +150,8 @@ def trim(batch: ExperienceBatch) -> ExperienceBatch:
     used = int(batch.attention_mask.sum(-1).max().item()) if batch.batch_size else 0
     if used == batch.input_ids.shape[1]:
         return batch
-    out = {k: (v[:, :used] if isinstance(v, torch.Tensor) and v.dim() == 2 else v) for k, v in batch.__dict__.items()}
+    out: dict[str, Any] = {k: (v[:, :used] if isinstance(v, torch.Tensor) and v.dim() == 2 else v)
+                           for k, v in batch.__dict__.items()}
     return ExperienceBatch(**out)
 
 
@@ -180,9 +193,9 @@ def reduce_over_ranks(metrics: dict[str, float], sum_keys: tuple[str, ...], dist
 class ActorRole:
     """Policy (trainable) or reference (frozen: `backend.optimizer is None`) model."""
 
-    def __init__(self, backend: Any, dist: DistInfo, loss_cfg: PolicyLossConfig | None = None,
+    def __init__(self, backend: TrainBackend, dist: DistInfo, loss_cfg: PolicyLossConfig | None = None,
                  update_cfg: UpdateConfig | None = None, micro_rollout_batch_size: int = 8,
-                 rollout_max_tokens: int | None = None, packing: bool = False, ptx: Any = None,
+                 rollout_max_tokens: int | None = None, packing: bool = False, ptx: PtxBatches | None = None,
                  offload: bool = False, adapters_off: bool = False) -> None:
         """`ptx`: a `rlhfkit.data.ptx.PtxBatches` (PPO-ptx); `offload`: a frozen model's weights
         stay in host memory between forward passes; `adapters_off`: a reference that shares the LoRA
@@ -193,7 +206,7 @@ class ActorRole:
         self.rollout_max_tokens = rollout_max_tokens  # [--rollout_max_tokens_per_gpu] with --use_dynamic_batch
         self.packing = packing
         self.ptx = ptx
-        self.offload = offload and getattr(backend, "optimizer", None) is None
+        self.offload = offload and backend.optimizer is None
         self.adapters_off = adapters_off
         self.layout = layout_of_model(backend.unwrap())  # a VLM's: its rows may carry pictures
         self.tower_every_pass = self.layout is not None and dist.world_size > 1
@@ -210,7 +223,7 @@ class ActorRole:
         # the GPU each time, and the next micro-batch's launches could not queue behind the last
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=self.device)
         row = 0
-        with self.backend.unwrap().disable_adapter() if self.adapters_off else contextlib.nullcontext():
+        with self._adapters_disabled():
             for mb, real in micro_batches(batch, self.micro_rollout_batch_size, self.dist,
                                           max_tokens=self.rollout_max_tokens):
                 mb = mb.to(self.device, non_blocking=True)
@@ -222,6 +235,15 @@ class ActorRole:
         if self.offload:
             self.backend.offload_states()
         return out
+
+    def _adapters_disabled(self) -> AbstractContextManager[Any]:
+        """With `adapters_off`, the block runs the shared LoRA policy as its base model."""
+        if not self.adapters_off:
+            return contextlib.nullcontext()
+        model = self.backend.unwrap()
+        if not isinstance(model, AdapterModel):
+            raise TypeError(f"adapters_off: the policy's model ({type(model).__name__}) has no adapters to switch off")
+        return model.disable_adapter()
 
     def train_on(self, batch: ExperienceBatch, kl_coef: float = 0.0) -> dict[str, float]:
         """PPO epochs over `batch` (this rank's rows); returns metrics averaged over steps."""
@@ -241,8 +263,14 @@ class ActorRole:
         out["nonfinite_skipped"] = skipped
         return out
 
+    def _train_cfg(self) -> UpdateConfig:
+        if self.update_cfg is None:
+            raise RuntimeError("a reference model does not train (its ActorRole has no update_cfg)")
+        return self.update_cfg
+
     def _step(self, mini: ExperienceBatch, kl_coef: float) -> dict[str, float]:
-        cfg = self.update_cfg
+        cfg, loss_cfg = self._train_cfg(), self.loss_cfg
+        assert loss_cfg is not None, "a reference model does not train"
         # counted on whole rows (this rank's share of the samples): summed over dp, not cp
         counts = self.dist.all_reduce_dp(torch.tensor([float(mini.loss_mask.sum()),
                                                        float((mini.loss_mask.sum(-1) > 0).sum())], dtype=torch.float64))
@@ -261,9 +289,11 @@ class ActorRole:
             lp, ent = res if cfg.compute_entropy else (res, None)
             # one optimizer step per rollout: the policy scoring these samples is the old one (ratio 1)
             old = mb.old_logprobs if mb.old_logprobs is not None else lp.detach()
-            loss, m = policy_loss(lp, old, mb.advantages, mb.loss_mask, self.loss_cfg,
-                                  num_tokens=num_tokens, num_sequences=num_seqs,
-                                  rollout_logprobs=mb.rollout_logprobs, entropy=ent, sync_metrics=False)
+            assert mb.advantages is not None, "train_on takes a batch with advantages (finish_experience)"
+            loss, pm = policy_loss(lp, old, mb.advantages, mb.loss_mask, loss_cfg,
+                                   num_tokens=num_tokens, num_sequences=num_seqs,
+                                   rollout_logprobs=mb.rollout_logprobs, entropy=ent, sync_metrics=False)
+            m: dict[str, torch.Tensor | float] = dict(pm)  # device tensors until the step ends
             if cfg.use_kl_loss and mb.ref_logprobs is not None and kl_coef > 0:
                 kl_l, km = kl_loss(lp, mb.ref_logprobs, mb.loss_mask, estimator=cfg.kl_estimator,
                                    num_tokens=num_tokens, sync_metrics=False)
@@ -290,9 +320,9 @@ class ActorRole:
         out["nonfinite_skipped"] = stats.get("nonfinite_skipped", 0.0)
         return out
 
-    def _add_router_loss(self, aux: torch.Tensor | None, loss: torch.Tensor, m: dict[str, float], tokens: float,
-                         num_tokens: float) -> torch.Tensor:
-        coef = self.update_cfg.aux_loss_coef
+    def _add_router_loss(self, aux: torch.Tensor | None, loss: torch.Tensor, m: dict[str, torch.Tensor | float],
+                         tokens: float, num_tokens: float) -> torch.Tensor:
+        coef = self._train_cfg().aux_loss_coef
         if aux is None:
             if coef:
                 note_once("note: --aux_loss_coef has no effect: the policy returns no router load-balancing loss "
@@ -302,11 +332,11 @@ class ActorRole:
         m.update(aux_m)
         return loss + aux_l
 
-    def _ptx_batches(self, n: int) -> tuple[list[Any], float] | None:
+    def _ptx_batches(self, n: int) -> tuple[list[PaddedBatch], float] | None:
         """This optimizer step's `n` pretraining micro-batches and their global loss-token count."""
-        if self.ptx is None or not self.update_cfg.ptx_coef:
+        cfg = self._train_cfg()
+        if self.ptx is None or not cfg.ptx_coef:
             return None
-        cfg = self.update_cfg
         per_step = max(1, cfg.train_batch_size // (cfg.micro_train_batch_size * self.dist.dp_size))
         first = self.backend.steps_done * per_step
         batches = [self.ptx.batch(first + i) for i in range(n)]
@@ -314,11 +344,11 @@ class ActorRole:
                                                      dtype=torch.float64))
         return batches, float(count)
 
-    def _ptx_backward(self, batch: Any, num_tokens: float) -> dict[str, float]:
+    def _ptx_backward(self, batch: PaddedBatch, num_tokens: float) -> dict[str, float]:
         """Backward of ptx_coef x the pretraining NLL of one micro-batch (PPO-ptx)."""
         b = batch.to(self.device)
         lp = self.backend.token_logprobs(b.input_ids, attention_mask=b.attention_mask)
-        loss, m = ptx_loss(lp, b.loss_mask, self.update_cfg.ptx_coef, num_tokens)
+        loss, m = ptx_loss(lp, b.loss_mask, self._train_cfg().ptx_coef, num_tokens)
         self.backend.backward(loss)
         return m
 

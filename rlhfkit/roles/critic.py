@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from rlhfkit.backend.base import TrainBackend
 from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.losses.reduce import HostValues
 from rlhfkit.losses.value import value_loss
@@ -31,7 +32,7 @@ def shift_values(raw: torch.Tensor) -> torch.Tensor:
 
 
 class CriticRole:
-    def __init__(self, backend: Any, dist: DistInfo, update_cfg: UpdateConfig | None, value_clip: float | None,
+    def __init__(self, backend: TrainBackend, dist: DistInfo, update_cfg: UpdateConfig | None, value_clip: float | None,
                  micro_rollout_batch_size: int = 8, rollout_max_tokens: int | None = None) -> None:
         self.backend, self.dist, self.update_cfg = backend, dist, update_cfg
         self.value_clip = value_clip
@@ -71,6 +72,7 @@ class CriticRole:
                 for mb, _ in micro_batches(mini, cfg.micro_train_batch_size, self.dist,
                                            max_tokens=cfg.max_tokens_per_micro):
                     mb = mb.to(self.device)
+                    assert mb.values is not None and mb.returns is not None, "train_on takes values and returns"
                     loss, m = value_loss(self._values(mb), mb.values, mb.returns, mb.loss_mask,
                                          value_clip=self.value_clip, num_tokens=num_tokens, sync_metrics=False)
                     self.backend.backward(loss)

@@ -11,8 +11,9 @@ calls once per step (`sync() -> metrics`): rlhfkit/weightsync (`LocalWeightSync`
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Callable, Concatenate, ParamSpec, TypeVar
+from typing import Any, Callable, Concatenate, ParamSpec, Protocol, TypeVar
 
+from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.roles.memory import CallMemory
 from rlhfkit.types import ExperienceBatch
 
@@ -20,12 +21,18 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
+class Role(Protocol):
+    """A role object (ActorRole, CriticRole, RewardModelRole, or a test's fake): the handles call its
+    methods; `dist` is the rank and device it runs on."""
+
+    dist: DistInfo
+
+
 class LocalGroup:
-    def __init__(self, role: Any, name: str) -> None:
-        """`role`: any object with the methods the handles call (ActorRole, CriticRole, RewardModelRole)."""
+    def __init__(self, role: Role, name: str) -> None:
+        """`role`: an object with the methods the handles call."""
         self.role, self.name = role, name
-        dist = getattr(role, "dist", None)
-        self.memory = CallMemory(name, getattr(dist, "rank", 0), getattr(dist, "device", "cpu"))
+        self.memory = CallMemory(name, role.dist.rank, role.dist.device)
 
     def on_every_rank(self, method: Callable[Concatenate[Any, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
         # the role's own attribute of that name: a subclass's override, or a test's fake role

@@ -204,6 +204,9 @@ def test_broadcast_group_delivers_identical_buckets(local_ray):
                 ("lm_head.weight", emb)]
 
     class FakeRole:
+        def __init__(self, dist):
+            self.dist = dist  # a role's rank and device (roles.group.Role)
+
         def weights(self):
             return iter(tensors())
 
@@ -219,7 +222,7 @@ def test_broadcast_group_delivers_identical_buckets(local_ray):
             return self.got, self.calls
 
     def build_role(role, dist):
-        return FakeRole(), None
+        return FakeRole(dist), None
 
     def build_engine(dist):
         return Recorder()

@@ -109,6 +109,9 @@ def test_ray_actors_sync_on_gpus(layout, method):
     from rlhfkit.weightsync.protocol import SyncPeers
 
     class FakeRole:
+        def __init__(self, dist):
+            self.dist = dist  # a role's rank and device (roles.group.Role)
+
         def weights(self):
             return iter(tensors("cuda"))
 
@@ -123,7 +126,7 @@ def test_ray_actors_sync_on_gpus(layout, method):
             return {n: t.cpu() for n, t in self.got.items()}
 
     def build_role(role, dist):
-        return FakeRole(), None
+        return FakeRole(dist), None
 
     def build_engine(dist):
         return Recorder()

@@ -33,6 +33,7 @@ class RowRole:
 
     def __init__(self, rank: int = 0) -> None:
         self.rank, self.calls = rank, []
+        self.dist = DistInfo(rank=rank)
 
     def forward_logprobs(self, batch, temperature=1.0):
         self.calls.append("forward_logprobs")

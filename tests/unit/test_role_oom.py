@@ -10,12 +10,15 @@ import torch
 
 from rlhfkit.cli import ppo_setup as S
 from rlhfkit.cli import train_ppo_ray
+from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.roles.group import LocalGroup
 from rlhfkit.roles.handles import PolicyHandle, ReferenceHandle
 from rlhfkit.roles.memory import RoleOutOfMemory
 
 
 class _Role:
+    dist = DistInfo()
+
     def train_on(self, batch, kl_coef=0.0):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\nmore text")
 
