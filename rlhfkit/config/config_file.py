@@ -168,11 +168,13 @@ def _coerce(action: argparse.Action, value: Any, where: str) -> Any:
     return _one(action, value, where)
 
 
-_KINDS = {int: "an integer", float: "a number", str: "a string"}
+_KINDS: dict[object, str] = {int: "an integer", float: "a number", str: "a string"}
 
 
 def _one(action: argparse.Action, value: Any, where: str) -> Any:
     typ = action.type or str
+    if isinstance(typ, str):  # a name in argparse's type registry: no flag of rlhfkit declares one
+        raise TypeError(f"{where}: the flag's type is the registry name {typ!r}, not a callable")
     kind = _KINDS.get(typ, "a value")
     if isinstance(value, bool) and typ in _KINDS:
         raise ValueError(f"{where}: expected {kind}, got {value!r}")
@@ -193,15 +195,16 @@ def apply(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
         values = resolve(parser, read(path), path)
     except ValueError as e:
         parser.error(str(e))
-    saved = {"defaults": {}, "required": []}
+    defaults: dict[str, list[tuple[argparse.Action, Any]]] = {}
+    required: list[argparse.Action] = []
     for dest, (_, value) in values.items():
-        saved["defaults"][dest] = [(a, a.default) for a in _actions_of(parser, dest)]
+        defaults[dest] = [(a, a.default) for a in _actions_of(parser, dest)]
         for a in _actions_of(parser, dest):
             a.default = value
             if a.required:
                 a.required = False
-                saved["required"].append(a)
-    return saved
+                required.append(a)
+    return {"defaults": defaults, "required": required}
 
 
 def restore(parser: argparse.ArgumentParser, saved: dict[str, Any]) -> None:

@@ -190,7 +190,7 @@ class FlagParser(argparse.ArgumentParser):
         for name in names:
             if name in self._option_string_actions:
                 raise ValueError(f"{self.prog}: {name} is already a flag")
-            action.option_strings.append(name)
+            action.option_strings = [*action.option_strings, name]
             self._option_string_actions[name] = action
 
     def mark_inert(self, dest: str, why: str) -> None:
