@@ -96,6 +96,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelizeConfig,
             and not getattr(model, "is_gradient_checkpointing", False)):  # the loader's choice of reentrant stays
         enable_gradient_checkpointing(model, use_reentrant=False, need_input_grads=False)
     if dims.tp > 1:
+        if mesh is None:
+            raise ValueError(f"parallelize: tensor parallelism over {dims.tp} ranks needs their device mesh")
         apply_tp(model, mesh["tp"])
     elif cfg.fuse_qkv:
         fuse_qkv(model)

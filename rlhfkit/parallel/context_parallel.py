@@ -75,8 +75,8 @@ def _ring_attention_fn(module: nn.Module, query: torch.Tensor, key: torch.Tensor
                            "input_ids (the backend's forward splits them over the --ring_attn_size group)")
     if query.shape[0] != 1:
         raise RuntimeError(f"ring attention expects one packed row, got a batch of {query.shape[0]}")
-    packed = [t.squeeze(0).transpose(0, 1) for t in (query, key, value)]  # [1, H, t, D] -> [t, H, D]
-    out = ring_attention(*packed, call.group, scale=scaling, cu_seqlens=call.cu_seqlens, layout=call.layout,
+    q, k, v = (t.squeeze(0).transpose(0, 1) for t in (query, key, value))  # [1, H, t, D] -> [t, H, D]
+    out = ring_attention(q, k, v, call.group, scale=scaling, cu_seqlens=call.cu_seqlens, layout=call.layout,
                          head_stride=call.head_stride)
     return out.unsqueeze(0), None
 
@@ -122,6 +122,7 @@ class _Plan:
         b, length = self.shape
         if position_ids is not None:
             position_ids = position_ids.expand(b, length)
+        self.real: torch.Tensor | None
         if attention_mask is not None:
             self.real = attention_mask.bool()
             if position_ids is None:
@@ -258,7 +259,7 @@ def check_cp_model(model: nn.Module, head_stride: int | None) -> None:
     """Raise (naming the flag) for a model the ring cannot run: family, or heads not divisible by the stride."""
     config = getattr(model, "config", None)
     mtype = getattr(config, "model_type", None)
-    if mtype not in SUPPORTED_MODEL_TYPES:
+    if config is None or mtype not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"--ring_attn_size: model type {mtype!r} is not supported by ring attention "
                          f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
     kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads

@@ -68,7 +68,7 @@ math and flash paths against each other.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -117,7 +117,7 @@ __all__ = [
 class _Ring:
     """Where this rank sits in the ring and what its blocks may see of each other."""
 
-    group: object
+    group: dist.ProcessGroup | None
     rank: int
     world: int
     causal: bool
@@ -129,7 +129,7 @@ class _Ring:
     seg: list | None   # sequence id of each rank's tokens (-1: padding), packed form only
     total_len: int | None
     layout: str = "zigzag"
-    bounds: list | None = None  # sequence boundaries in the full row (padded form: [0, real length])
+    bounds: list[int] = field(default_factory=list)  # sequence boundaries in the full row (padded form: [0, real length])
     kern: object = None         # a ring_blocks kernel (the rectangle path), None: the math path
 
     def peers(self) -> tuple[int, int]:
@@ -243,6 +243,7 @@ def _backward_heads(ring: _Ring, q, k, v, dout, lse, delta, plans):
         for w in works:
             w.wait()
         acc = recv
+    assert acc is not None  # world >= 1: one pass at least
     return dq, acc[0], acc[1]
 
 
@@ -373,7 +374,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
     _num_chunks(world, layout)
     pos = [ring_positions(s, r, world, layout, device=q.device) for r in range(world)]
     seg = None
-    if packed:
+    if cu_seqlens is not None:  # packed
         cu = cu_seqlens.to(device=q.device, dtype=torch.long).flatten()
         if cu.numel() < 2 or int(cu[0]) != 0 or bool((cu[1:] < cu[:-1]).any()) or int(cu[-1]) > s * world:
             raise ValueError(f"cu_seqlens must rise from 0 to at most the packed row's {s * world} tokens, "

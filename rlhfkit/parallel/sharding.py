@@ -26,12 +26,12 @@ named `layers`, `h`, `blocks` or `block`.
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from rlhfkit.models.lora import lora_layers, merged_lora_weights
 from rlhfkit.models.vlm import synced_name
@@ -65,23 +65,21 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def apply_fsdp2(model: nn.Module, mesh: DeviceMesh, zero_stage: int,
-                mp_policy: MixedPrecisionPolicy, offload_policy=None) -> nn.Module:
+                mp_policy: MixedPrecisionPolicy, offload_policy: OffloadPolicy | None = None) -> nn.Module:
     """`fully_shard` each block, then the root; gradients summed over ranks. Returns `model`."""
     reshard = zero_stage == 3
-    kw = {"mesh": mesh, "mp_policy": mp_policy}
-    if offload_policy is not None:
-        kw["offload_policy"] = offload_policy
+    offload = offload_policy if offload_policy is not None else OffloadPolicy()  # fully_shard's default: none
     for block in find_blocks(model):
-        fully_shard(block, reshard_after_forward=reshard, **kw)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy, offload_policy=offload)
     # The root's parameters (embeddings, final norm, head) are needed right away by backward,
     # so they are never resharded after forward (they are resharded after backward).
-    fully_shard(model, reshard_after_forward=False, **kw)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy, offload_policy=offload)
     return model
 
 
 def sum_gradients_by_loss_scale(model: nn.Module) -> bool:
     """Make FSDP sum gradients over ranks. False when torch lacks the API (scale the loss)."""
-    mods = [m for m in model.modules() if hasattr(m, "set_requires_gradient_sync")]
+    mods = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not all(hasattr(m, "set_gradient_divide_factor") for m in mods):
         return False
     for m in mods:
@@ -96,7 +94,7 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _by_mesh(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+def _by_mesh(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
     """`tensors` grouped by DTensor mesh (plain tensors together): under tensor parallelism the
     TP-split weights live on the (dp, tp) mesh and the replicated ones (norms) on the dp mesh, and
     one foreach / stack op cannot mix meshes."""
