@@ -30,6 +30,14 @@ LAYOUTS = {
 }
 
 
+def write_inputs(work: str) -> None:
+    """The prompt file and reward function the flags name (train_ppo_ray checks both exist)."""
+    with open(os.path.join(work, "p.jsonl"), "w") as f:
+        f.write(json.dumps({"input": "1 + 1 ="}) + "\n")
+    with open(os.path.join(work, "r.py"), "w") as f:
+        f.write("def reward_func(queries, prompts, labels):\n    return [0.0 for _ in queries]\n")
+
+
 def verdict(shape: str, gpus: int, tp: int, flags: list[str], device_bytes: int, work: str) -> dict:
     from rlhfkit.cli import ppo_setup as S
     from rlhfkit.cli import train_ppo_ray as R
@@ -75,6 +83,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as work:
         with open(os.path.join(work, "config.json"), "w") as f:
             json.dump({**STREAMED[a.shape], "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}, f)
+        write_inputs(work)
         for tp in a.tp:
             for name, flags in LAYOUTS.items():
                 row = verdict(a.shape, a.gpus, tp, flags, device_bytes, work)

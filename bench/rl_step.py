@@ -68,6 +68,40 @@ for _k, _v in (("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"), ("HF_HUB_D
 # ----------------------------------------------------------------------------- rlhfkit
 
 
+class MemoryWatch:
+    """Peaks over a run: the device's used memory as the driver reports it (cudaMemGetInfo, the figure NVML
+    gives; sampled every 20 ms on a thread) and this process's resident host memory (VmHWM)."""
+
+    def __init__(self, device: str) -> None:
+        import threading
+
+        from rlhfkit.utils.host_memory import reset_peak
+
+        self.cuda = device.startswith("cuda")
+        self.peak_used = 0
+        self._stop = threading.Event()
+        reset_peak()
+        self._thread = threading.Thread(target=self._poll, daemon=True) if self.cuda else None
+        if self._thread is not None:
+            self._thread.start()
+
+    def _poll(self) -> None:
+        while not self._stop.wait(0.02):
+            free, total = torch.cuda.mem_get_info()
+            self.peak_used = max(self.peak_used, total - free)
+
+    def result(self) -> dict:
+        from rlhfkit.utils.host_memory import status_bytes
+
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        out = {"host_peak_rss_gib": round(status_bytes("VmHWM") / 2**30, 2)}
+        if self.cuda:
+            out["device_used_peak_gib"] = round(self.peak_used / 2**30, 2)
+        return out
+
+
 class engine_batch:
     """Bench-only: build the rollout engine with a batch of `max_num_seqs` sequences.
 
@@ -104,6 +138,7 @@ def run_rlhfkit(a: argparse.Namespace, model_dir: str, data: str, reward: str, w
     from rlhfkit.cli.train_ppo import build_parser, build_trainer
 
     args = build_parser().parse(rlhfkit_argv(a, model_dir, data, reward, work, prompts))
+    watch = MemoryWatch(a.device)
     dist = init_distributed(args.device)
     ppo_setup.resolve_flags(args, dist.world_size)
     set_seed(args.seed)
@@ -120,6 +155,7 @@ def run_rlhfkit(a: argparse.Namespace, model_dir: str, data: str, reward: str, w
             close()
         trainer.logger.close()
     out = summarize_rlhfkit(walls, metrics, prompts * a.n)
+    out.update(watch.result())
     seq = a.prompt_len + (out["response_length"] or 0)  # the training phase's MFU (median step)
     out["train_mfu"] = phase_mfu(model_dir, prompts * a.n * seq, seq, median([m["time/train"] for m in metrics]),
                                  device_name(a.device))

@@ -379,7 +379,10 @@ def engine_max_num_seqs(args: argparse.Namespace, num_engines: int) -> int:
     return args.rollout_max_num_seqs or min(per_rank, 512)
 
 
-def build_engine_for(args: argparse.Namespace, tokenizer: Any, dist: DistInfo, tp: Any = None):
+def build_engine_for(args: argparse.Namespace, tokenizer: Any, dist: DistInfo, tp: Any = None,
+                     share_with: torch.nn.Module | None = None):
+    """The rollout engine of --rollout_engine; `share_with`: the policy module whose weights the builtin
+    engine serves itself (`engine_sharing`), instead of loading its own copy from --pretrain."""
     from rlhfkit.rollout import build_engine
 
     from rlhfkit.config.dtypes import run_dtype
@@ -391,7 +394,53 @@ def build_engine_for(args: argparse.Namespace, tokenizer: Any, dist: DistInfo, t
         opts = {"max_model_len": args.max_len, "max_num_seqs": seqs, "compile": args.rollout_compile}
     elif args.rollout_engine == "hf":
         opts = {"max_batch_size": seqs}
+    if share_with is not None:  # the eos ids the engine reads from --pretrain's generation config otherwise
+        return build_engine(args.rollout_engine, share_with, tokenizer, device=dist.device, dtype=dtype, tp=tp,
+                            share_weights=True, eos_token_ids=pretrain_eos_ids(args.pretrain, tokenizer), **opts)
     return build_engine(args.rollout_engine, args.pretrain, tokenizer, device=dist.device, dtype=dtype, tp=tp, **opts)
+
+
+def pretrain_eos_ids(path: str, tokenizer: Any) -> list[int]:
+    """The eos ids of a model directory's generation config and its tokenizer (what an engine loaded from
+    `path` stops at)."""
+    from types import SimpleNamespace
+
+    from transformers import GenerationConfig
+
+    from rlhfkit.models.hub import resolve_model_path
+    from rlhfkit.rollout.engine_utils import eos_ids_of
+
+    try:
+        gen = GenerationConfig.from_pretrained(resolve_model_path(path, "--pretrain"))
+    except (OSError, ValueError):
+        gen = None
+    return eos_ids_of(SimpleNamespace(generation_config=gen), tokenizer)
+
+
+def engine_sharing(args: argparse.Namespace, dist: DistInfo, backend: FSDP2Backend) -> str | None:
+    """Why train_ppo's builtin engine cannot serve the policy's own weights (--engine_weights), None where it
+    can: it then holds no copy of its own and a weight sync copies nothing of what it shares."""
+    from rlhfkit.config.dtypes import run_dtype
+    from rlhfkit.models.lora import lora_layers
+    from rlhfkit.models.vlm import is_vlm_config
+
+    if args.rollout_engine != "builtin":
+        return f"--rollout_engine {args.rollout_engine} loads its own copy"
+    if args.async_train:
+        return "--async_train generates while the policy trains"
+    if backend.is_sharded or dist.world_size > 1:
+        return f"the policy is split over {dist.world_size} ranks"
+    model = backend.unwrap()
+    if is_vlm_config(model.config):
+        return "a vision-language model's tower is not shared"
+    if lora_layers(model):
+        return "a LoRA policy's engine serves the merged weights"
+    dtype = run_dtype(args.param_dtype, dist.device)
+    have = {p.dtype for p in model.parameters()}
+    if have != {dtype}:
+        return (f"the policy's weights are {'/'.join(sorted(str(d).removeprefix('torch.') for d in have))}, the "
+                f"engine's {str(dtype).removeprefix('torch.')}")
+    return None
 
 
 def close_rollout(engine: Any, user_code_grace_s: float = 5.0) -> None:

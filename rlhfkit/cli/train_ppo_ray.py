@@ -162,6 +162,9 @@ def note_no_effect(args, parser) -> None:
         log.info(f"note: {', '.join('--' + d for d in vllm_only)} take effect with --rollout_engine vllm only")
     if none:
         log.info(f"note: {', '.join('--' + d for d in none)} have no effect: --weight_sync picks the weight path")
+    if args.engine_weights == "shared":
+        log.info("note: --engine_weights shared has no effect in train_ppo_ray: its engines are actors of their own, "
+                 "each with its copy of the weights (train_ppo in one process shares them)")
 
 
 # ----------------------------------------------------------------------------- builders (run in actors)

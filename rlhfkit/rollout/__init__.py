@@ -45,13 +45,19 @@ def _safetensors_dir(model_or_path: Any) -> bool:
 
 
 def build_engine(name: str, model_or_path: Any, tokenizer: Any = None, device: str | torch.device | None = None,
-                 dtype: torch.dtype | None = None, tp: Any = None, **options: Any) -> RolloutEngine:
+                 dtype: torch.dtype | None = None, tp: Any = None, share_weights: bool = False,
+                 **options: Any) -> RolloutEngine:
     """Make the rollout engine `name` (the `--rollout_engine` flag).
 
     options: builtin -> BuiltinEngineConfig fields (max_num_seqs, max_model_len, ...) and
     eos_token_ids; hf -> max_batch_size, eos_token_ids, pad_token_id; vllm -> VLLMEngine keywords.
-    `tp`: this process's `TensorParallelGroup` of a tensor-parallel builtin engine.
+    `tp`: this process's `TensorParallelGroup` of a tensor-parallel builtin engine. `share_weights`
+    (builtin, `model_or_path` a module being trained in this process): the engine serves the module's
+    own weights (BuiltinEngine's `share_weights`).
     """
+    if share_weights and (name != "builtin" or isinstance(model_or_path, str)):
+        raise ValueError("share_weights: the builtin engine shares the weights of a module it is given, "
+                         f"not of {'a model directory' if isinstance(model_or_path, str) else name!r}")
     if name == "auto":
         raise ValueError("build_engine: resolve --rollout_engine auto first (rlhfkit.rollout.choose_engine gives "
                          "the engine for the model)")
@@ -96,7 +102,7 @@ def build_engine(name: str, model_or_path: Any, tokenizer: Any = None, device: s
         raise ValueError(f"unknown builtin engine options {sorted(unknown)}; known: {sorted(names)}")
     cfg = BuiltinEngineConfig(**{k: v for k, v in options.items() if k in names})
     return BuiltinEngine(model, tokenizer, device=device, dtype=dtype, config=cfg,
-                         eos_token_ids=options.get("eos_token_ids"), tp=tp)
+                         eos_token_ids=options.get("eos_token_ids"), tp=tp, share_weights=share_weights)
 
 
 __all__ = ["ENGINE_NAMES", "EngineChoice", "RolloutEngine", "build_engine", "choose_engine"]

@@ -1,7 +1,7 @@
 """The loop's weight-sync object, one per placement: `sync() -> metrics`, once per step.
 
     LocalWeightSync   the policy's full weights (`policy.weights()`, FSDP2-gathered per tensor)
-                      straight into the in-process engine
+                      straight into the in-process engine (those it shares with the policy: none)
     RayWeightSync     the policy ranks into every engine shard through a `WeightTransport`:
       engines.before_update(); engines.updating():   wait for the batch being generated, or under
                                                      --partial_rollout pause the engines at a step
@@ -44,14 +44,22 @@ class LocalEngine(Protocol):
 
 
 class LocalWeightSync:
-    """The policy's full weights (`role.weights()`, FSDP2-gathered per tensor) into the in-process engine."""
+    """The policy's full weights (`role.weights()`, FSDP2-gathered per tensor) into the in-process engine.
 
-    def __init__(self, policy: LocalPolicy, engine: LocalEngine) -> None:
-        self.policy, self.engine = policy, engine
+    `shared`: normalized names of the tensors the engine shares with the policy (the engine serves the
+    policy's own storage, `--engine_weights shared`): not copied; the engine still counts a new version."""
+
+    def __init__(self, policy: LocalPolicy, engine: LocalEngine, shared: frozenset[str] = frozenset()) -> None:
+        self.policy, self.engine, self.shared = policy, engine, shared
 
     def sync(self) -> dict[str, float]:
         t0 = time.perf_counter()
-        self.engine.update_weights(self.policy.weights())
+        named = self.policy.weights()
+        if self.shared:
+            from rlhfkit.rollout.builtin.weights import normalized_name
+
+            named = ((n, t) for n, t in named if normalized_name(n) not in self.shared)
+        self.engine.update_weights(named)
         return {"time/weight_push": time.perf_counter() - t0}
 
 

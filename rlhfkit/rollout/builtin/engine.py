@@ -82,7 +82,10 @@ class BuiltinEngine:
 
     `model`: an HF `*ForCausalLM` module, or a model directory (read tensor by tensor from its
     safetensors files, each shard reading only its slices). `tp`: this process's shard of a
-    tensor-parallel engine (shard 0 serves requests; the others call `serve()`).
+    tensor-parallel engine (shard 0 serves requests; the others call `serve()`). `share_weights`
+    (a module, one shard): the module's parameters become views of the engine's weights wherever they
+    fit, one copy for both (a trainer's in-place optimizer step is what the engine serves next;
+    `shared_names` lists them, and `sleep(2)` is refused).
 
     Example:
         engine = BuiltinEngine(hf_model, tokenizer, device="cuda", dtype=torch.bfloat16)
@@ -92,7 +95,7 @@ class BuiltinEngine:
     def __init__(self, model: torch.nn.Module | str, tokenizer: Any = None, *,
                  device: str | torch.device | None = None, dtype: torch.dtype | None = None,
                  config: BuiltinEngineConfig | None = None, eos_token_ids: list[int] | None = None,
-                 tp: TensorParallelGroup | None = None):
+                 tp: TensorParallelGroup | None = None, share_weights: bool = False):
         self.config = config or BuiltinEngineConfig()
         self.config.validate()
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -100,7 +103,10 @@ class BuiltinEngine:
         self.tokenizer = tokenizer
         decode_text = make_decode(tokenizer)
         self._decode_text = decode_text
-        hf_config, gen_source, self.dtype, self.spec, weights = load_weights(model, dtype, self.device, self.tp)
+        hf_config, gen_source, self.dtype, self.spec, weights, shared = load_weights(
+            model, dtype, self.device, self.tp, share=share_weights)
+        # the HF names whose tensors the module and the engine share (share_weights): a weight sync skips them
+        self.shared_names: frozenset[str] = shared
         self.eos_token_ids = eos_ids_of(gen_source, tokenizer) if eos_token_ids is None else list(eos_token_ids)
         cfg = self.config
         self.max_model_len = cfg.max_model_len or min(self.spec.max_position_embeddings, 2048)
@@ -183,6 +189,9 @@ class BuiltinEngine:
         """Free the KV cache and decode graphs (level 1); level 2 also moves the weights to CPU."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if level == 2 and self.shared_names:
+            raise ValueError("sleep level 2 would move the weights the engine shares with the policy to the CPU; "
+                             "level 1 frees the KV cache")
         self._front_end("sleep")
         with self._lock:
             self._drain_inbox()

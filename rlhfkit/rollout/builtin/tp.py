@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from rlhfkit.rollout.builtin.step import ControlChannel, MirroredSteps, StepRunner
-from rlhfkit.rollout.builtin.weights import ModelSpec, ModelWeights, load_from_hf_model, load_from_safetensors
+from rlhfkit.rollout.builtin.weights import (ModelSpec, ModelWeights, adopt_parameters, load_from_hf_model,
+                                            load_from_safetensors)
 
 
 @dataclass
@@ -127,18 +128,20 @@ def _check(tp: TensorParallelGroup, device: str) -> None:
         raise RuntimeError(f"tensor-parallel group check: shard {tp.rank} summed {t.item()}, expected {tp.size}")
 
 
-def load_weights(model: Any, dtype: torch.dtype | None, device: torch.device, tp: TensorParallelGroup | None
-                 ) -> tuple[Any, Any, torch.dtype, ModelSpec, ModelWeights]:
-    """(HF config, object holding the generation config, dtype, spec, weights) of this shard, from
-    an HF module, a model directory (safetensors read slice by slice) or an HF config alone (random
-    weights, as HF initialises them: normal(0, initializer_range), norms 1; for benchmarks)."""
+def load_weights(model: Any, dtype: torch.dtype | None, device: torch.device, tp: TensorParallelGroup | None,
+                 share: bool = False) -> tuple[Any, Any, torch.dtype, ModelSpec, ModelWeights, frozenset[str]]:
+    """(HF config, object holding the generation config, dtype, spec, weights, names shared with the module)
+    of this shard, from an HF module, a model directory (safetensors read slice by slice) or an HF config
+    alone (random weights, as HF initialises them: normal(0, initializer_range), norms 1; for benchmarks).
+    `share` (an HF module, no tensor parallelism): the module's parameters become views of the engine's
+    weights where they fit (weights.adopt_parameters), so that both hold one copy."""
     shard = (tp.rank, tp.size, tp.group_name) if tp is not None and tp.size > 1 else None
     from transformers import PretrainedConfig
 
     if isinstance(model, PretrainedConfig):
         dtype = dtype or _config_dtype(model)
         spec, weights = random_weights(model, dtype, device, shard)
-        return model, _GenSource(None), dtype, spec, weights
+        return model, _GenSource(None), dtype, spec, weights, frozenset()
     if isinstance(model, (str, os.PathLike)):
         from transformers import AutoConfig, GenerationConfig
 
@@ -150,10 +153,15 @@ def load_weights(model: Any, dtype: torch.dtype | None, device: torch.device, tp
         except (OSError, ValueError):
             gen = None
         spec, weights = load_from_safetensors(path, config, dtype, device, shard)
-        return config, _GenSource(gen), dtype, spec, weights
+        return config, _GenSource(gen), dtype, spec, weights, frozenset()
     dtype = dtype or next(model.parameters()).dtype
+    if share:
+        if shard is not None:
+            raise ValueError("a tensor-parallel engine cannot share the module's weights (each shard holds a slice)")
+        spec, weights, shared = adopt_parameters(model, dtype, device)
+        return model.config, model, dtype, spec, weights, shared
     spec, weights = load_from_hf_model(model, dtype, device, shard)
-    return model.config, model, dtype, spec, weights
+    return model.config, model, dtype, spec, weights, frozenset()
 
 
 def random_weights(config: Any, dtype: torch.dtype, device: torch.device,

@@ -649,6 +649,41 @@ def load_from_hf_model(model: torch.nn.Module, dtype: torch.dtype, device: torch
     return spec, weights
 
 
+def adopt_parameters(model: torch.nn.Module, dtype: torch.dtype,
+                     device: torch.device) -> tuple[ModelSpec, ModelWeights, frozenset[str]]:
+    """Like `load_from_hf_model`, then each parameter of `model` that lands whole in one engine tensor (or a
+    row block of a fused one: q, k and v in `qkv`, gate and up in `gate_up`) of its dtype and device becomes a
+    view of it (`param.data = view`): the engine and the module share one copy, and an optimizer's in-place
+    step is what the engine serves next. Returns the spec, the weights and the normalized names of the
+    shared parameters; the others (transposed, sliced or cast on their way in, or placed twice) are still
+    copied by a weight sync. The module's own storage of a shared parameter is freed once nothing else holds
+    it. Unsharded engines of a plain (not DTensor) module only."""
+    from torch.distributed.tensor import DTensor
+
+    spec = ModelSpec.from_hf_config(model.config)
+    named = list(model.named_parameters())  # tied parameters once
+    weights = allocate_weights(spec, {n for n, _ in named}, dtype, device)
+    coverage = _Coverage()
+    shared: set[str] = set()
+    with torch.no_grad():
+        for name, param in named:
+            if isinstance(param, DTensor):
+                raise ValueError(f"adopt_parameters: {name} is a DTensor (a sharded module cannot share its "
+                                 "weights with one engine)")
+            found = _keyed_targets(weights, spec, name)
+            for dst, index, _ in found:
+                _copy_into(dst, param.detach()[index], name)
+            coverage.add(name, found)
+            if len(found) == 1:
+                dst, index, _ = found[0]
+                if (index == _ALL and dst.shape == param.shape and dst.dtype == param.dtype
+                        and dst.device == param.device and dst.is_contiguous()):
+                    param.data = dst
+                    shared.add(normalized_name(name))
+    coverage.check(spec, weights)
+    return spec, weights, frozenset(shared)
+
+
 def safetensors_files(path: str) -> list[str]:
     """The weight files of an HF model directory (sharded with an index, or one file)."""
     import json
