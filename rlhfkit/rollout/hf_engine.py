@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import inspect
 from collections import defaultdict
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,9 @@ from rlhfkit.models.vlm import layout_of_model, placeholder_runs
 from rlhfkit.rollout.engine_utils import ThreadBatchingAsync, eos_ids_of, make_decode, validate_request
 from rlhfkit.rollout.stops import finish_completion
 from rlhfkit.types import Completion, GenerationRequest, SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def _group_key(p: SamplingParams, stop_ids: tuple[int, ...]) -> tuple:
@@ -38,10 +41,11 @@ def _group_key(p: SamplingParams, stop_ids: tuple[int, ...]) -> tuple:
 class HFEngine(ThreadBatchingAsync):
     """RolloutEngine on `model.generate`; `tokenizer` is needed only for stop strings."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Any = None, *, device: str | torch.device | None = None,
+    def __init__(self, model: PreTrainedModel, tokenizer: Any = None, *, device: str | torch.device | None = None,
                  eos_token_ids: list[int] | None = None, max_batch_size: int = 64, pad_token_id: int | None = None):
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
-        self.model = model.to(self.device).eval()
+        # transformers wraps Module.to with functools.wraps, whose type does not bind self
+        self.model = model.to(self.device).eval()  # type: ignore[arg-type]
         self.tokenizer = tokenizer
         self._decode = make_decode(tokenizer)
         self.eos_token_ids = eos_ids_of(model, tokenizer) if eos_token_ids is None else list(eos_token_ids)

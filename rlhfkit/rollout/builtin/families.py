@@ -42,6 +42,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Literal
+
+# an HF tensor name's place in a decoder block: (engine attribute, which part of it: an index into a
+# fused tensor, "all" of a fused one, "T" transposed, None the whole; what its rows are split by)
+NameRule = tuple[str, int | Literal["all", "T"] | None, str | None]
 
 NORM_STYLES = ("llama", "fp32", "gemma")
 ROUTERS = ("softmax_topk", "topk_softmax")
@@ -61,37 +66,37 @@ class Family:
     expert_act: str = "silu"  # "silu" or "clamped_swiglu" (gpt-oss: interleaved gate / up, clamped)
     sinks: bool = False  # one learned attention-sink logit per query head
     fp32_norm_weights: bool = False  # HF keeps the norm weights in fp32 (`_keep_in_fp32_modules`)
-    names: dict[str, tuple[str, object, str | None]] = field(default_factory=dict)
+    names: dict[str, NameRule] = field(default_factory=dict)
 
 
-_ATTN = {
+_ATTN: dict[str, NameRule] = {
     "self_attn.q_proj.weight": ("qkv", 0, "q"), "self_attn.k_proj.weight": ("qkv", 1, "kv"),
     "self_attn.v_proj.weight": ("qkv", 2, "kv"), "self_attn.q_proj.bias": ("qkv_bias", 0, "q"),
     "self_attn.k_proj.bias": ("qkv_bias", 1, "kv"), "self_attn.v_proj.bias": ("qkv_bias", 2, "kv"),
     "self_attn.o_proj.weight": ("o", None, "q_in"), "self_attn.o_proj.bias": ("o_bias", None, None),
     "self_attn.q_norm.weight": ("q_norm", None, None), "self_attn.k_norm.weight": ("k_norm", None, None),
 }
-_MLP = {
+_MLP: dict[str, NameRule] = {
     "mlp.gate_proj.weight": ("gate_up", 0, "i"), "mlp.up_proj.weight": ("gate_up", 1, "i"),
     "mlp.gate_proj.bias": ("gate_up_bias", 0, "i"), "mlp.up_proj.bias": ("gate_up_bias", 1, "i"),
     "mlp.down_proj.weight": ("down", None, "i_in"), "mlp.down_proj.bias": ("down_bias", None, None),
 }
-_LLAMA = {**_ATTN, **_MLP, "input_layernorm.weight": ("input_norm", None, None),
+_LLAMA: dict[str, NameRule] = {**_ATTN, **_MLP, "input_layernorm.weight": ("input_norm", None, None),
           "post_attention_layernorm.weight": ("mlp_norm", None, None)}
-_GEMMA3 = {**_ATTN, **_MLP, "input_layernorm.weight": ("input_norm", None, None),
+_GEMMA3: dict[str, NameRule] = {**_ATTN, **_MLP, "input_layernorm.weight": ("input_norm", None, None),
            "post_attention_layernorm.weight": ("attn_out_norm", None, None),
            "pre_feedforward_layernorm.weight": ("mlp_norm", None, None),
            "post_feedforward_layernorm.weight": ("mlp_out_norm", None, None)}
-_OLMO2 = {**_ATTN, **_MLP, "post_attention_layernorm.weight": ("attn_out_norm", None, None),
+_OLMO2: dict[str, NameRule] = {**_ATTN, **_MLP, "post_attention_layernorm.weight": ("attn_out_norm", None, None),
           "post_feedforward_layernorm.weight": ("mlp_out_norm", None, None)}
-_PHI3 = {"self_attn.qkv_proj.weight": ("qkv", "all", "qkv"), "self_attn.o_proj.weight": ("o", None, "q_in"),
+_PHI3: dict[str, NameRule] = {"self_attn.qkv_proj.weight": ("qkv", "all", "qkv"), "self_attn.o_proj.weight": ("o", None, "q_in"),
          "mlp.gate_up_proj.weight": ("gate_up", "all", "gate_up"), "mlp.down_proj.weight": ("down", None, "i_in"),
          "input_layernorm.weight": ("input_norm", None, None),
          "post_attention_layernorm.weight": ("mlp_norm", None, None)}
-_QWEN3_MOE = {**_LLAMA, "mlp.gate.weight": ("router", None, None),
+_QWEN3_MOE: dict[str, NameRule] = {**_LLAMA, "mlp.gate.weight": ("router", None, None),
               "mlp.experts.gate_up_proj": ("experts_gate_up", None, None),
               "mlp.experts.down_proj": ("experts_down", None, None)}
-_GPT_OSS = {**_LLAMA, "self_attn.sinks": ("sinks", None, "heads"),
+_GPT_OSS: dict[str, NameRule] = {**_LLAMA, "self_attn.sinks": ("sinks", None, "heads"),
             "mlp.router.weight": ("router", None, None), "mlp.router.bias": ("router_bias", None, None),
             "mlp.experts.gate_up_proj": ("experts_gate_up", "T", None),
             "mlp.experts.gate_up_proj_bias": ("experts_gate_up_bias", None, None),

@@ -404,7 +404,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
         part_o = part_l = out
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     has_sinks = sinks is not None
-    sinks_arg = sinks.contiguous() if has_sinks else pos  # any pointer when there are no sinks
+    sinks_arg = sinks.contiguous() if sinks is not None else pos  # any pointer when there are no sinks
     _decode_attn_kernel[(rows, kvh, splits)](
         q, k, v, k_cache, v_cache, cos, sin, pos, sinks_arg, out, part_o, part_l,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),

@@ -88,7 +88,9 @@ class VisionIndex:
         if not any(r.images is not None and len(r.images) for r in requests):
             return None
         positions = torch.zeros(3, len(requests), width, dtype=torch.long)
-        keys, encode, wanted = [], [], set()
+        keys: list[list[str]] = []
+        encode: list[tuple[str, torch.Tensor, list[int]]] = []
+        wanted: set[str] = set()
         for row, req in enumerate(requests):
             ids = req.prompt_token_ids
             positions[:, row, :len(ids)] = shifted_positions(ids, req.images, self.layout)
@@ -212,7 +214,10 @@ class VisionTower:
         self.encode(plan.encode)
         x = F.embedding(tokens, embed)
         layers = self.layout.deepstack_layers
-        rows, cols, feats, deep = [], [], [], [[] for _ in range(layers)]
+        rows: list[int] = []
+        cols: list[int] = []
+        feats: list[torch.Tensor] = []
+        deep: list[list[torch.Tensor]] = [[] for _ in range(layers)]
         host = host_tokens
         for r, keys in enumerate(plan.keys):
             if not keys:
