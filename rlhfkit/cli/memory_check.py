@@ -1,4 +1,4 @@
-"""train_ppo_ray's memory plan: flags -> `MemoryInputs` -> a printed table, and a refusal when the
+"""The memory plan of train_ppo_ray and train_ppo: flags -> `MemoryInputs` -> a printed table, and a refusal when the
 plan exceeds the GPU (rlhfkit/distributed/memory_plan.py has the model of every byte).
 
     check_memory(args, {"policy": 4, "ref": 4})     before any actor starts
@@ -33,28 +33,33 @@ def _shape(path: str, value_head: bool = False) -> ModelShape:
     return ModelShape.from_config(AutoConfig.from_pretrained(path), value_head=value_head)
 
 
-def memory_inputs(args: argparse.Namespace, slots: dict[str, int]) -> MemoryInputs:
-    """The plan's inputs from train_ppo_ray's (resolved) flags; `slots`: role -> ranks."""
+def memory_inputs(args: argparse.Namespace, slots: dict[str, int], local: bool = False) -> MemoryInputs:
+    """The plan's inputs from train_ppo_ray's (resolved) flags; `slots`: role -> ranks. `local`: train_ppo's
+    layout (every role and an engine in each rank's process, nothing asleep; the engine serving the policy's
+    weights where --engine_weights lets it)."""
     from rlhfkit.cli import ppo_setup as S
 
     paths = {"policy": (args.pretrain, False), "ref": (args.ref_pretrain or args.pretrain, False),
              "critic": (S.critic_path(args), True),
              "reward": ((args.reward_pretrain or "").split(",")[0], True)}
     roles = tuple(RoleMemory(r, _shape(*paths[r]), n) for r, n in slots.items())
+    world = slots["policy"]
+    engines, tp = (world, 1) if local else (args.vllm_num_engines, args.vllm_tensor_parallel_size)
     engine = EngineMemory(roles[0].shape if roles[0].name == "policy" else _shape(args.pretrain),
-                          num_engines=args.vllm_num_engines,
-                          max_num_seqs=S.engine_max_num_seqs(args, args.vllm_num_engines),
-                          max_model_len=args.max_len, tp=args.vllm_tensor_parallel_size, kind=args.rollout_engine,
-                          gpu_memory_utilization=args.vllm_gpu_memory_utilization)
+                          num_engines=engines, max_num_seqs=S.engine_max_num_seqs(args, engines),
+                          max_model_len=args.max_len, tp=tp, kind=args.rollout_engine,
+                          gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                          shares_weights=local and S.flags_block_sharing(args, world) is None)
     train_tokens = (args.train_max_tokens_per_gpu if args.use_dynamic_batch
                     else args.micro_train_batch_size * args.max_len)
     return MemoryInputs(roles=roles, engine=engine, param_bytes=DTYPES[args.param_dtype].itemsize,
                         zero_stage=args.zero_stage, adam_offload=args.adam_offload,
                         gradient_checkpointing=args.gradient_checkpointing, train_tokens=train_tokens,
                         forward_tokens=S.rollout_max_tokens(args) or args.micro_rollout_batch_size * args.max_len,
-                        colocate_all=args.colocate_all_models, colocate_actor_ref=args.colocate_actor_ref,
-                        colocate_critic_reward=args.colocate_critic_reward, engine_sleep=args.vllm_enable_sleep,
-                        train_sleep=args.deepspeed_enable_sleep, lora_rank=getattr(args, "lora_rank", 0) or 0,
+                        colocate_all=local or args.colocate_all_models, colocate_actor_ref=args.colocate_actor_ref,
+                        colocate_critic_reward=args.colocate_critic_reward,
+                        engine_sleep=not local and args.vllm_enable_sleep,
+                        train_sleep=not local and args.deepspeed_enable_sleep, local=local, lora_rank=getattr(args, "lora_rank", 0) or 0,
                         optimizers=(("policy", getattr(args, "optim", "adam"), getattr(args, "master_weights", "fp32")),
                                     ("critic", getattr(args, "critic_optim", "adam"),
                                      getattr(args, "critic_master_weights", "fp32"))))
@@ -67,10 +72,11 @@ def gpu_bytes(args: argparse.Namespace) -> int | None:
     return int(torch.cuda.get_device_properties(0).total_memory)
 
 
-def check_memory(args: argparse.Namespace, slots: dict[str, int], device_bytes: int | None = None) -> None:
+def check_memory(args: argparse.Namespace, slots: dict[str, int], device_bytes: int | None = None,
+                 local: bool = False) -> None:
     """Print the plan; raise UsageError when it exceeds `device_bytes` (default: `gpu_bytes(args)`)."""
     try:
-        inputs = memory_inputs(args, slots)
+        inputs = memory_inputs(args, slots, local)
     except Exception as e:  # a hub id without network, an unknown architecture, ...
         log.info(f"memory plan: skipped ({type(e).__name__}: {e})")
         return

@@ -285,6 +285,20 @@ def build_policy(args: argparse.Namespace, dist: DistInfo, num_steps: int,
     return role, backend
 
 
+def roles_in_run(args: argparse.Namespace, local: bool = False) -> tuple[str, ...]:
+    """The models a run holds: the policy; the reference with a KL term (none of its own for a local LoRA
+    policy on the same base: `ref_is_policy_base`); the critic for GAE; a reward model when no reward
+    function or agent gives the reward. build_ref / build_critic / build_reward_model decide alike."""
+    roles = ["policy"]
+    if args.init_kl_coef > 0 and not (local and ref_is_policy_base(args)):
+        roles.append("ref")
+    if args.advantage_estimator == "gae":
+        roles.append("critic")
+    if args.reward_pretrain and not (args.remote_rm_url or args.agent_func_path):
+        roles.append("reward")
+    return tuple(roles)
+
+
 def ref_is_policy_base(args: argparse.Namespace) -> bool:
     """LoRA with the reference being the policy's own base model: the policy with its adapters switched
     off *is* the reference, so no second copy of the base model is loaded."""
@@ -417,6 +431,24 @@ def pretrain_eos_ids(path: str, tokenizer: Any) -> list[int]:
     return eos_ids_of(SimpleNamespace(generation_config=gen), tokenizer)
 
 
+def flags_block_sharing(args: argparse.Namespace, world_size: int) -> str | None:
+    """What in the flags keeps train_ppo's builtin engine from serving the policy's own weights, None if
+    nothing does (`engine_sharing` then looks at the built policy; the memory plan reads this)."""
+    if args.engine_weights == "copy":
+        return "--engine_weights copy"
+    if args.rollout_engine != "builtin":
+        return f"--rollout_engine {args.rollout_engine} loads its own copy"
+    if args.async_train:
+        return "--async_train generates while the policy trains"
+    if world_size > 1:
+        return f"the policy is split over {world_size} ranks"
+    if args.adam_offload and str(args.device or "cuda").startswith("cuda"):
+        return "--adam_offload keeps the policy's weights sharded in host memory"
+    if args.lora_rank:
+        return "a LoRA policy's engine serves the merged weights"
+    return None
+
+
 def engine_sharing(args: argparse.Namespace, dist: DistInfo, backend: FSDP2Backend) -> str | None:
     """Why train_ppo's builtin engine cannot serve the policy's own weights (--engine_weights), None where it
     can: it then holds no copy of its own and a weight sync copies nothing of what it shares."""
@@ -424,12 +456,11 @@ def engine_sharing(args: argparse.Namespace, dist: DistInfo, backend: FSDP2Backe
     from rlhfkit.models.lora import lora_layers
     from rlhfkit.models.vlm import is_vlm_config
 
-    if args.rollout_engine != "builtin":
-        return f"--rollout_engine {args.rollout_engine} loads its own copy"
-    if args.async_train:
-        return "--async_train generates while the policy trains"
-    if backend.is_sharded or dist.world_size > 1:
-        return f"the policy is split over {dist.world_size} ranks"
+    why = flags_block_sharing(args, dist.world_size)
+    if why is not None:
+        return why
+    if backend.is_sharded:
+        return "the policy's weights are sharded"
     model = backend.unwrap()
     if is_vlm_config(model.config):
         return "a vision-language model's tower is not shared"

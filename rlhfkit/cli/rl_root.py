@@ -149,7 +149,7 @@ def local_placement(args, dist: DistInfo, tokenizer: Any, num_steps: int) -> Pla
 
 def _engine_beside(args, dist: DistInfo, tokenizer: Any, policy_backend: Any) -> tuple[Any, frozenset[str]]:
     """train_ppo's engine and the names of the weights it shares with the policy (--engine_weights)."""
-    why = S.engine_sharing(args, dist, policy_backend) if args.engine_weights != "copy" else "--engine_weights copy"
+    why = S.engine_sharing(args, dist, policy_backend)
     if args.engine_weights == "shared" and why is not None:
         raise UsageError(f"--engine_weights shared: {why}; --engine_weights copy (or auto) gives the engine a copy "
                          "of its own")

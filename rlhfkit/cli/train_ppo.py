@@ -21,6 +21,7 @@ from rlhfkit.parallel.dist import init_distributed
 from rlhfkit.parallel.mesh import attach_mesh
 from rlhfkit.cli import ppo_setup as S
 from rlhfkit.cli import rl_root as R
+from rlhfkit.cli.memory_check import check_memory
 from rlhfkit.cli.common import cli_main, disable_hf_progress_bars, note_cpu_dtype, parallel_dims, set_seed
 from rlhfkit.cli.run_dir import training_run
 from rlhfkit.config.flags import FlagParser
@@ -58,6 +59,8 @@ def run(args, parser) -> R.RLRun:
     S.resolve_flags(args, dist.world_size)  # refuses tp / cp > 1, so the world is data parallel here
     dist = attach_mesh(dist, parallel_dims(args, dist))  # the dp / tp / cp process groups, built once
     S.note_ray_only_flags(args, parser, "train_ppo")
+    if dist.device.startswith("cuda"):  # the plan of each rank's GPU, before any model loads
+        check_memory(args, {r: dist.world_size for r in S.roles_in_run(args, local=True)}, local=True)
     set_seed(args.seed, args.full_determinism)
     if args.disable_progress:
         disable_hf_progress_bars()

@@ -85,14 +85,11 @@ def build_parser():
 def role_shapes(args) -> dict[str, Any]:
     from rlhfkit.distributed.placement import Shape
 
-    shapes = {"policy": Shape(args.actor_num_nodes, args.actor_num_gpus_per_node, "actor")}
-    if args.init_kl_coef > 0:
-        shapes["ref"] = Shape(args.ref_num_nodes, args.ref_num_gpus_per_node, "ref")
-    if args.advantage_estimator == "gae":
-        shapes["critic"] = Shape(args.critic_num_nodes, args.critic_num_gpus_per_node, "critic")
-    if args.reward_pretrain and not (args.remote_rm_url or args.agent_func_path):
-        shapes["reward"] = Shape(args.reward_num_nodes, args.reward_num_gpus_per_node, "reward")
-    return shapes
+    flags = {"policy": ("actor", args.actor_num_nodes, args.actor_num_gpus_per_node),
+             "ref": ("ref", args.ref_num_nodes, args.ref_num_gpus_per_node),
+             "critic": ("critic", args.critic_num_nodes, args.critic_num_gpus_per_node),
+             "reward": ("reward", args.reward_num_nodes, args.reward_num_gpus_per_node)}
+    return {r: Shape(flags[r][1], flags[r][2], flags[r][0]) for r in S.roles_in_run(args)}
 
 
 def check_ray_flags(args, shapes: dict[str, Any]) -> None:

@@ -145,6 +145,7 @@ class EngineMemory:
     tp: int = 1
     kind: str = "builtin"  # builtin | hf | vllm
     gpu_memory_utilization: float = 0.9
+    shares_weights: bool = False  # train_ppo's builtin engine serving the policy's own weights (--engine_weights)
 
 
 @dataclass(frozen=True)
@@ -165,6 +166,7 @@ class MemoryInputs:
     lora_rank: int = 0  # trainable roles train adapters of this rank over a frozen base (--lora_rank)
     # (--optim, --master_weights) of the policy and of the critic (--critic_optim, --critic_master_weights)
     optimizers: tuple[tuple[str, str, str], ...] = (("policy", "adam", "fp32"), ("critic", "adam", "fp32"))
+    local: bool = False  # train_ppo: every role and the engine in each rank's process (no sleep, no Ray pools)
 
 
 @dataclass
@@ -282,7 +284,7 @@ def _context(member: str, x: MemoryInputs, roles: dict[str, RoleMemory]) -> int:
 def _engine_parts(e: EngineMemory, b: int, device_bytes: int | None) -> tuple[dict[str, int], dict[str, int]]:
     """(asleep, awake) component bytes on one GPU of an engine."""
     s = e.shape
-    weights = b * s.num_params() // e.tp
+    weights = 0 if e.shares_weights else b * s.num_params() // e.tp
     kv = 2 * s.layers * e.max_num_seqs * math.ceil(s.kv_heads / e.tp) * e.max_model_len * s.hd * b
     if e.kind == "vllm" and device_bytes:
         kv = max(kv, int(e.gpu_memory_utilization * device_bytes) - weights)
@@ -354,14 +356,15 @@ def plan_memory(x: MemoryInputs, device_bytes: int | None = None) -> MemoryPlan:
 def _candidates(x: MemoryInputs) -> list[tuple[str, MemoryInputs]]:
     """Single flag changes that lower the plan, as (flag, inputs with it)."""
     out: list[tuple[str, MemoryInputs]] = []
-    if not x.adam_offload:
-        out.append(("--adam_offload", replace(x, adam_offload=True)))
+    if not x.adam_offload:  # the policy's weights become sharded: an engine no longer shares them
+        eng = replace(x.engine, shares_weights=False) if x.engine else None
+        out.append(("--adam_offload", replace(x, adam_offload=True, engine=eng)))
     if not x.gradient_checkpointing:
         out.append(("--gradient_checkpointing", replace(x, gradient_checkpointing=True)))
     shared = x.colocate_all or x.colocate_actor_ref or x.colocate_critic_reward
-    if x.engine and x.colocate_all and not x.engine_sleep:
+    if x.engine and x.colocate_all and not x.engine_sleep and not x.local:
         out.append(("--vllm_enable_sleep", replace(x, engine_sleep=True)))
-    if shared and not x.train_sleep:
+    if shared and not x.train_sleep and not x.local:
         out.append(("--deepspeed_enable_sleep", replace(x, train_sleep=True)))
     if x.zero_stage < 3 and any(r.world > 1 for r in x.roles):
         out.append(("--zero_stage 3", replace(x, zero_stage=3)))
@@ -379,8 +382,12 @@ def _candidates(x: MemoryInputs) -> list[tuple[str, MemoryInputs]]:
     more = tuple(replace(r, world=2 * r.world) for r in x.roles)
     eng = replace(x.engine, num_engines=2 * x.engine.num_engines) if x.engine and x.colocate_all else x.engine
     policy = next(r for r in x.roles if r.name == "policy")
-    out.append((f"more GPUs (--actor_num_gpus_per_node {2 * policy.world}, the other groups alike)",
-                replace(x, roles=more, engine=eng)))
+    if x.local:  # torchrun ranks: the policy becomes sharded, so an engine no longer shares its weights
+        eng = replace(eng, shares_weights=False) if eng else None
+        out.append((f"more GPUs (torchrun --nproc_per_node {2 * policy.world})", replace(x, roles=more, engine=eng)))
+    else:
+        out.append((f"more GPUs (--actor_num_gpus_per_node {2 * policy.world}, the other groups alike)",
+                    replace(x, roles=more, engine=eng)))
     return out
 
 

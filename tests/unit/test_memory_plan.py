@@ -197,3 +197,24 @@ def test_over_budget_suggests_the_lean_optimizer_flags():
     assert "--optim adamw_8bit (" in msg and "--master_weights bf16_stochastic (" in msg
     done = over_budget(grpo_7b(optimizers=(("policy", "adamw_8bit", "bf16_stochastic"),)), 40 * GiB)
     assert "--optim adamw_8bit (" not in done and "--master_weights bf16_stochastic (" not in done
+
+
+def test_train_ppo_engine_serving_the_policy_weights_holds_none_of_its_own():
+    """train_ppo (local): the policy and an engine in one process on one GPU, nothing asleep. An engine that
+    serves the policy's weights (--engine_weights) adds its KV cache and context only: 7.6B lean, one GPU, the
+    policy phase is the policy's 6.03 P + activations + both contexts + the awake engine's KV cache; its own
+    copy adds 2 P (14.2 GiB). The advice names no flag train_ppo ignores (sleep) and torchrun for more GPUs."""
+    one = (RoleMemory("policy", QWEN7B, 1),)
+    lean = (("policy", "adamw_8bit", "bf16_stochastic"),)
+
+    def local(shares: bool) -> MemoryInputs:
+        eng = EngineMemory(QWEN7B, num_engines=1, max_num_seqs=128, max_model_len=392, shares_weights=shares)
+        return grpo_7b(roles=one, optimizers=lean, engine=eng, local=True, engine_sleep=False, train_sleep=False)
+
+    shared, copied = plan_memory(local(True)).pools[0], plan_memory(local(False)).pools[0]
+    kv = 2 * 28 * 128 * 4 * 392 * 128 * 2
+    assert shared.parts["engine"]["weights"] == 0 and shared.parts["engine"]["kv_cache"] == kv
+    assert copied.phases["policy"] - shared.phases["policy"] == 2 * P
+    assert copied.phases["generate"] - shared.phases["generate"] == 2 * P
+    msg = over_budget(local(True), 40 * GiB)
+    assert "sleep" not in msg and "torchrun --nproc_per_node 2" in msg and "--actor_num_gpus" not in msg
