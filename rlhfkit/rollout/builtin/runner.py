@@ -80,7 +80,10 @@ class DecodeRunner:
     def __init__(self, model: DecoderModel, cache: KVCache, state: SlotState, max_model_len: int, *,
                  cuda_graphs: bool, compile_step: bool, compile_prefill: bool = False,
                  compile_mode: str | None = None):
-        self.model, self.cache, self.state = model, cache, state
+        self.model = model
+        # None while the engine sleeps (StepRunner.sleep frees them; wake_up gives new ones)
+        self.cache: KVCache | None = cache
+        self.state: SlotState | None = state
         self.max_model_len = max_model_len
         self.cuda_graphs = cuda_graphs
         self.compiled = compile_step
@@ -117,13 +120,18 @@ class DecodeRunner:
         log.warning("%s failed, falling back: %s", what, msg)
         return True
 
+    def _buffers(self) -> tuple[KVCache, SlotState]:
+        if self.cache is None or self.state is None:
+            raise RuntimeError("the engine is asleep: its KV cache and slot state are freed")
+        return self.cache, self.state
+
     def _note(self, msg: str) -> None:
         self.compile_error = msg if self.compile_error is None else f"{self.compile_error}; {msg}"
 
     def _run_sampler(self, rows: torch.Tensor | None, logits: torch.Tensor, filtered: bool) -> None:
         """The compiled sampler, or the eager one for a (rows, filtered) variant whose compilation
         failed: such a failure costs that variant alone, not the compiled decode layers."""
-        args = (self.state, rows, logits, filtered, self.max_model_len, self.fast_sampling)
+        args = (self._buffers()[1], rows, logits, filtered, self.max_model_len, self.fast_sampling)
         key = (rows is None, filtered)
         if self._sample is sample_and_advance or key in self._eager_sampler:
             return sample_and_advance(*args)
@@ -144,13 +152,14 @@ class DecodeRunner:
         while True:
             # runs for every eager step: no copy of the [S, V] presence mask (a failed step sets at
             # most its own sampled token there, which the retry samples again)
-            snap = self.state.snapshot(with_seen=False)
+            state = self._buffers()[1]
+            snap = state.snapshot(with_seen=False)
             try:
                 return fn()
             except Exception as exc:  # noqa: BLE001 - any torch.compile / inductor / Triton failure
                 if not self._fall_back(exc):
                     raise
-                self.state.restore(snap)
+                state.restore(snap)
 
     def prefill(self, *args) -> torch.Tensor:
         """`model.prefill(*args)`, falling back to the eager prefill layer should the compiled one fail."""
@@ -170,7 +179,8 @@ class DecodeRunner:
         self._guarded(lambda: self._run_sampler(rows, logits, filtered))
 
     def _call(self, nrows: int, kv_len: int, filtered: bool) -> None:
-        logits = self.model.decode(self.cache, self.state.tokens[:nrows], self.state.pos[:nrows], kv_len)
+        cache, state = self._buffers()
+        logits = self.model.decode(cache, state.tokens[:nrows], state.pos[:nrows], kv_len)
         self._run_sampler(None, logits, filtered)
 
     def _key(self, nrows: int, kv_len: int, filtered: bool) -> tuple[int, int, bool]:
@@ -178,13 +188,14 @@ class DecodeRunner:
         return nrows, kv_len if self.model.uses_kv_len else 0, filtered
 
     def _capture(self, nrows: int, kv_len: int, filtered: bool) -> torch.cuda.CUDAGraph:
-        snap = self.state.snapshot()
+        state = self._buffers()[1]
+        snap = state.snapshot()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
                 self._guarded(lambda: self._call(nrows, kv_len, filtered))
-                self.state.restore(snap)
+                state.restore(snap)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
@@ -235,12 +246,13 @@ class DecodeRunner:
             key = self._key(nrows, kv_len, filtered)
             if key in done:
                 continue
-            snap = self.state.snapshot()
+            state = self._buffers()[1]
+            snap = state.snapshot()
             if self.cuda_graphs:
                 self._graph(nrows, kv_len, filtered).replay()
             else:
                 self._guarded(lambda: self._call(nrows, kv_len, filtered))
-            self.state.restore(snap)
+            state.restore(snap)
             done.add(self._key(nrows, kv_len, filtered))
 
     def reset(self) -> None:

@@ -134,16 +134,16 @@ class StepRunner:
         self._h2d = functools.partial(to_device, device=device)
         self.lock = threading.RLock()
         self.asleep = 0
-        self.cache: KVCache | None = None
+        self.cache: KVCache | None = None  # None while asleep
         self.state: SlotState | None = None
-        self._allocate()
-        self.runner = DecodeRunner(model, self.cache, self.state, max_model_len, cuda_graphs=cuda_graphs,
+        cache, state = self._allocate()
+        self.runner = DecodeRunner(model, cache, state, max_model_len, cuda_graphs=cuda_graphs,
                                    compile_step=compile_step, compile_prefill=compile_prefill,
                                    compile_mode=compile_mode)
         self.runner.fast_sampling = fast_sampling
 
     # ---------------------------------------------------------------- memory
-    def _allocate(self) -> None:
+    def _allocate(self) -> tuple[KVCache, SlotState]:
         spec = self.model.spec
         need = KVCache.bytes_needed(spec, self.num_slots, self.max_model_len, self.dtype)
         if self.device.type == "cuda":
@@ -152,8 +152,14 @@ class StepRunner:
                 raise ValueError(f"the KV cache needs {need / 2**30:.1f} GiB ({self.num_slots} slots x "
                                  f"{self.max_model_len} tokens) but {free / 2**30:.1f} GiB are free: lower "
                                  "max_num_seqs or max_model_len")
-        self.cache = KVCache.allocate(spec, self.num_slots, self.max_model_len, self.dtype, self.device)
-        self.state = SlotState.allocate(self.num_slots, self.max_model_len, self.max_stop_ids, self.device)
+        self.cache = cache = KVCache.allocate(spec, self.num_slots, self.max_model_len, self.dtype, self.device)
+        self.state = state = SlotState.allocate(self.num_slots, self.max_model_len, self.max_stop_ids, self.device)
+        return cache, state
+
+    def _awake(self) -> tuple[KVCache, SlotState]:
+        if self.cache is None or self.state is None:
+            raise RuntimeError("the engine is asleep: wake_up() first")
+        return self.cache, self.state
 
     def sleep(self, level: int) -> None:
         """Free the KV cache, slot state and graphs (level 1); level 2 also moves the weights to CPU.
@@ -176,8 +182,7 @@ class StepRunner:
                 return
             if self.asleep == 2:
                 self._move_weights(self.device)
-            self._allocate()
-            self.runner.cache, self.runner.state = self.cache, self.state
+            self.runner.cache, self.runner.state = self._allocate()
             self.asleep = 0
 
     def _move_weights(self, device: torch.device) -> None:
@@ -200,23 +205,24 @@ class StepRunner:
     # ---------------------------------------------------------------- generation
     def admit(self, plan: AdmitPlan) -> None:
         with self.lock, torch.inference_mode():
-            h2d = self._h2d
+            h2d, (cache, _) = self._h2d, self._awake()
             slot_slice = (slice(plan.first_slots[0], plan.first_slots[-1] + 1, plan.step) if plan.step > 0 else None)
             tokens = h2d(torch.from_numpy(plan.tokens))
             mm = None
             if plan.mm is not None:
                 if self.vision is None:
                     raise ValueError("a request with pictures reached an engine whose model has no vision tower")
+                assert self.inv_freq is not None  # the engine gives a vision tower its rope frequencies
                 mm = self.vision.prefill_inputs(plan.mm, tokens, plan.tokens, self.model.weights.embed, self.inv_freq,
                                                 self.rope_scaling, self.dtype)
-            logits = self.runner.prefill(self.cache, tokens, h2d(plan.lengths), h2d(plan.first_slots), slot_slice, mm)
+            logits = self.runner.prefill(cache, tokens, h2d(plan.lengths), h2d(plan.first_slots), slot_slice, mm)
             if plan.fan_dst:
-                self.cache.copy_rows(h2d(plan.fan_src), h2d(plan.fan_dst), plan.tokens.shape[1])
+                cache.copy_rows(h2d(plan.fan_src), h2d(plan.fan_dst), plan.tokens.shape[1])
             self._init_slots(plan)
             self.runner.sample(h2d(plan.slots), logits[h2d(plan.row_of)], plan.filtered)
 
     def _init_slots(self, plan: AdmitPlan) -> None:
-        st, h2d = self.state, self._h2d
+        st, h2d = self._awake()[1], self._h2d
         idx = st.admit(h2d, *(list(c) for c in zip(*plan.settings)))
         if plan.penalised and st.track_seen(plan.vocab):
             self.runner.reset()  # graphs captured before the mask existed do not update it
@@ -236,18 +242,19 @@ class StepRunner:
 
     def read_out(self, reads: list[int], width: int, wait: bool) -> tuple:
         with self.lock, torch.inference_mode():
-            return self.state.read_out(self._h2d(reads), width, wait or self.device.type != "cuda")
+            return self._awake()[1].read_out(self._h2d(reads), width, wait or self.device.type != "cuda")
 
     def release(self, slots: list[int]) -> None:
         with self.lock, torch.inference_mode():
-            self.state.done[self._h2d(slots)] = True
+            self._awake()[1].done[self._h2d(slots)] = True
 
     def move(self, src: list[int], dst: list[int], length: int) -> None:
         with self.lock, torch.inference_mode():
             s, d = self._h2d(src), self._h2d(dst)
-            self.cache.copy_rows(s, d, length)
-            self.state.move_rows(s, d)
-            self.state.done[s] = True
+            cache, state = self._awake()
+            cache.copy_rows(s, d, length)
+            state.move_rows(s, d)
+            state.done[s] = True
 
     def fail_all(self) -> None:
         with self.lock:

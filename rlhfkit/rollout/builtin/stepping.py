@@ -12,7 +12,7 @@ work goes through `steps` (step.py: the step runner, or its tensor-parallel mirr
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 from rlhfkit.rollout.builtin.config import BuiltinEngineConfig
 from rlhfkit.rollout.builtin.inbox import Inbox
@@ -32,7 +32,7 @@ class EngineLoop:
     def __init__(self, steps: StepRunner | MirroredSteps, config: BuiltinEngineConfig, inbox: Inbox,
                  stats: EngineStats, *, vocab_size: int, max_model_len: int, lookahead: int,
                  banned: tuple[int, ...] = (), vision_index: VisionIndex | None = None,
-                 decode_text: Callable[[list[int]], str] | None = None) -> None:
+                 decode_text: Callable[[Sequence[int]], str] | None = None) -> None:
         self.steps, self.config, self.inbox, self.stats = steps, config, inbox, stats
         self.vocab_size, self.max_model_len, self.lookahead = vocab_size, max_model_len, lookahead
         self.banned, self.vision_index, self.decode_text = banned, vision_index, decode_text
@@ -169,6 +169,7 @@ class EngineLoop:
             seq = running[slot]
             if not done[slot]:
                 p = seq.req.request.params
+                assert self.decode_text is not None  # the engine refuses stop strings without a tokenizer
                 keep, seq.checked_chars = stop_string_cut(seq.tokens, self.decode_text, p.stop, seq.checked_chars,
                                                           p.min_new_tokens)
                 if keep is None:
