@@ -113,7 +113,7 @@ class BuiltinEngine:
         tables = rope_table_set(hf_config, self.spec, self.max_model_len, self.dtype, self.device)
         tower = load_vision_tower(model, hf_config, self.dtype, self.device)
         self.vision_layout = tower.layout if tower is not None else None
-        self.banned = self.vision_layout.special_ids if tower is not None else ()
+        self.banned = tower.layout.special_ids if tower is not None else ()
         self._vision_index = VisionIndex(tower.layout, cfg.vision_cache_pictures) if tower is not None else None
         inv_freq, rope_scaling = rope_inv_freq(hf_config, self.spec)
         attn = resolve_decode_attention(cfg.decode_attention, self.spec, self.device)
@@ -177,7 +177,7 @@ class BuiltinEngine:
 
         if self.tp is None or self.tp.rank == 0:
             raise RuntimeError("BuiltinEngine.serve() is for shards 1..N-1 of a tensor-parallel engine")
-        return serve(self._local, self.tp.channel)
+        return serve(self._local, self.tp.control_channel)
 
     def _front_end(self, what: str) -> None:
         if self.tp is not None and self.tp.rank != 0:
@@ -216,7 +216,8 @@ class BuiltinEngine:
         """Compile / capture the decode step for `num_rows` rows (default: all slots) at every KV
         length bucket up to max_model_len, so that no capture happens while generating."""
         self._front_end("warmup")
-        lens, n = [], 1
+        lens: list[int] = []
+        n = 1
         while not lens or lens[-1] < self.max_model_len:
             lens.append(length_bucket(n, self.max_model_len))
             n = lens[-1] + 1

@@ -88,17 +88,18 @@ def _moe(layer: LayerWeights, spec: ModelSpec, h: torch.Tensor) -> torch.Tensor:
     """Routed experts over `h [..., H]`: route each token to k experts, group the T x k (token,
     expert) rows by expert (`dispatch`), two grouped GEMMs, then each token's k rows in their
     routing order, weighted by the router and summed (so the sum rounds as the reference model's does)."""
-    moe = spec.moe
+    moe, router, gate_up, down = spec.moe, layer.router, layer.experts_gate_up, layer.experts_down
+    assert moe is not None and router is not None and gate_up is not None and down is not None, "a routed layer"
     shape = h.shape
     x = h.reshape(-1, shape[-1])
-    weights, ids = route(F.linear(x, layer.router, layer.router_bias), moe)
+    weights, ids = route(F.linear(x, router, layer.router_bias), moe)
     if _ROUTE_LOG is not None and not torch.compiler.is_compiling():
         _ROUTE_LOG.append(ids.detach().clone())
     dest, perm, offsets = dispatch(ids, moe.num_experts)
     experts = ids.reshape(-1)[perm]  # each grouped row's expert
-    act = _expert_act(moe, grouped_linear(x[perm // moe.top_k], layer.experts_gate_up, offsets, experts,
+    act = _expert_act(moe, grouped_linear(x[perm // moe.top_k], gate_up, offsets, experts,
                                           layer.experts_gate_up_bias))
-    out = grouped_linear(act, layer.experts_down, offsets, experts, layer.experts_down_bias)[dest]  # (token, k) order
+    out = grouped_linear(act, down, offsets, experts, layer.experts_down_bias)[dest]  # (token, k) order
     out = out.view(-1, moe.top_k, shape[-1]) * weights[..., None]
     return out.sum(dim=1).to(h.dtype).reshape(shape)
 

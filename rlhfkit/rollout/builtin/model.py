@@ -164,7 +164,7 @@ def _project_qkv(layer: LayerWeights, spec: ModelSpec, h: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Projections of normalised hidden states `h [..., H]` -> q `[..., Hq, D]`, k, v `[..., KV, D]`
     (q/k norms applied: over the whole projection (OLMo) or over each head; no RoPE)."""
-    qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+    qkv = _lora(layer, "qkv", h, F.linear(h, layer.qkv, layer.qkv_bias))
     q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
     if spec.family.qk_norm == "full":
         q, k = _norm(spec, layer.q_norm, q), _norm(spec, layer.k_norm, k)
@@ -174,6 +174,19 @@ def _project_qkv(layer: LayerWeights, spec: ModelSpec, h: torch.Tensor
     if spec.family.qk_norm == "head":
         q, k = _norm(spec, layer.q_norm, q), _norm(spec, layer.k_norm, k)
     return q, k, v
+
+
+def _lora(layer: LayerWeights, attr: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """`y` (the output of engine tensor `attr` for input `x`) with the layer's unmerged LoRA adapters on it
+    added in place, each on its rows as peft computes it: (x A^T) B^T x scale."""
+    for part in layer.lora.get(attr, ()):
+        y[..., part.start:part.end] += F.linear(F.linear(x, part.a), part.b) * part.scale
+    return y
+
+
+def _o_proj(layer: LayerWeights, spec: ModelSpec, x: torch.Tensor) -> torch.Tensor:
+    """The attention output projection (row-parallel; engines that serve LoRA adapters are unsharded)."""
+    return _lora(layer, "o", x, _row_parallel(spec, x, layer.o, layer.o_bias))
 
 
 def _row_parallel(spec: ModelSpec, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -199,8 +212,11 @@ def _gate(spec: ModelSpec, x: torch.Tensor) -> torch.Tensor:
 
 
 def _mlp(layer: LayerWeights, spec: ModelSpec, h: torch.Tensor) -> torch.Tensor:
-    gate, up = F.linear(h, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
-    return _row_parallel(spec, _gate(spec, gate) * up, layer.down, layer.down_bias)
+    gate_up, down = layer.gate_up, layer.down
+    assert gate_up is not None and down is not None, "a dense MLP layer"
+    gate, up = _lora(layer, "gate_up", h, F.linear(h, gate_up, layer.gate_up_bias)).chunk(2, dim=-1)
+    act = _gate(spec, gate) * up
+    return _lora(layer, "down", act, _row_parallel(spec, act, down, layer.down_bias))
 
 
 def _ffn(layer: LayerWeights, spec: ModelSpec, x: torch.Tensor) -> torch.Tensor:
@@ -228,17 +244,20 @@ def _residual(x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
 
 def triton_gemm_supported(spec: ModelSpec, weights: ModelWeights) -> bool:
     """Whether the Triton decode GEMMs apply: a Llama-style block (pre-norms with Llama's rounding,
-    SiLU, dense MLPs), no o / MLP biases and K dims they tile."""
+    SiLU, dense MLPs), no o / MLP biases or LoRA adapters, and K dims they tile."""
     if not triton_gemm.available() or spec.tp.active:
         return False
     fam = spec.family
     if (fam.norm != "llama" or not fam.pre_norms or fam.post_norms or spec.activation != "silu"
             or spec.moe is not None):
         return False
-    if any(lw.o_bias is not None or lw.gate_up_bias is not None or lw.down_bias is not None
+    if any(lw.o_bias is not None or lw.gate_up_bias is not None or lw.down_bias is not None or lw.lora
            for lw in weights.layers):
         return False
-    inter = weights.layers[0].down.shape[1]
+    down = weights.layers[0].down
+    if down is None:
+        return False
+    inter = down.shape[1]
     return (triton_gemm.supported(spec.hidden_size, spec.q_size) and triton_gemm.supported(spec.hidden_size, inter)
             and spec.hidden_size % 64 == 0)
 
@@ -318,13 +337,14 @@ def decode_layer(spec: ModelSpec, layer: LayerWeights, k_cache: torch.Tensor, v_
         out = torch.ops.rlhfkit.decode_attention(q, k, v, k_cache, v_cache, cos, sin, pos, scale,
                                                  layer.kind.window or 0, layer.sinks, spec.rotary_dim or 0)
     else:
+        assert bias is not None  # sdpa / matmul attention: the step's mask, built once per window
         out = _torch_decode_attention(spec, layer, q, k, v, k_cache, v_cache, pos, cos, sin, bias, scale,
                                       attn == "sdpa")
     if gemm == "triton":
         o = torch.ops.rlhfkit.mm_partials(out.reshape(nrows, spec.q_size), layer.o)
         x, h = torch.ops.rlhfkit.residual_rmsnorm(x, o, layer.mlp_norm, spec.rms_norm_eps)
         return x, torch.ops.rlhfkit.mm_partials(torch.ops.rlhfkit.gate_up_silu(h, layer.gate_up), layer.down)
-    a = _norm(spec, layer.attn_out_norm, _row_parallel(spec, out.reshape(nrows, spec.q_size), layer.o, layer.o_bias))
+    a = _norm(spec, layer.attn_out_norm, _o_proj(layer, spec, out.reshape(nrows, spec.q_size)))
     if torch.compiler.is_compiling():
         # the residual add in fp32 (as bf16 + bf16 rounds anyway) keeps inductor from folding it into
         # an addmm, which would first copy x into the GEMM's output buffer
@@ -362,7 +382,7 @@ def prefill_layer(spec: ModelSpec, layer: LayerWeights, x: torch.Tensor, cos: to
             if visible is None:
                 visible = _window_visible(plen, plen, x.device)  # plain causal
             attn = _attend(q, k, v, visible, scale, layer.sinks)
-        a = _norm(spec, layer.attn_out_norm, _row_parallel(spec, attn.transpose(1, 2).flatten(2), layer.o, layer.o_bias))
+        a = _norm(spec, layer.attn_out_norm, _o_proj(layer, spec, attn.transpose(1, 2).flatten(2)))
         return _mlp_block(layer, spec, x + a), k, v
     rows = torch.arange(x.shape[0], device=x.device)
     q_last = q[rows, :, last].unsqueeze(2)  # [b, Hq, 1, D]
@@ -371,7 +391,7 @@ def prefill_layer(spec: ModelSpec, layer: LayerWeights, x: torch.Tensor, cos: to
     if window is not None:
         visible = visible & (j > last[:, None] - window)
     attn = _attend(q_last, k, v, visible[:, None, None, :], scale, layer.sinks)
-    a = _norm(spec, layer.attn_out_norm, _row_parallel(spec, attn.flatten(1), layer.o, layer.o_bias))
+    a = _norm(spec, layer.attn_out_norm, _o_proj(layer, spec, attn.flatten(1)))
     return _mlp_block(layer, spec, x[rows, last] + a), k, v
 
 
@@ -531,7 +551,9 @@ class DecoderModel:
         x = self.embed(tokens)
         gemm = self.gemm if tokens.shape[0] >= self.gemm_min_rows else "torch"
         if gemm == "triton":  # partials of the shape every layer returns: one compiled graph for all layers
-            splits = triton_gemm.splits_for(self.spec.hidden_size, w.layers[0].down.shape[1])
+            down = w.layers[0].down
+            assert down is not None  # the Triton GEMMs run dense models only (triton_gemm_supported)
+            splits = triton_gemm.splits_for(self.spec.hidden_size, down.shape[1])
             delta = torch.zeros((splits,) + x.shape, dtype=torch.float32, device=x.device)
         else:
             delta = torch.zeros_like(x)

@@ -45,6 +45,13 @@ class TensorParallelGroup:
             self.channel = ControlChannel(self.control)
 
     @property
+    def control_channel(self) -> ControlChannel:
+        """The channel of the shards' step operations (a group of size > 1 has one)."""
+        if self.channel is None:
+            raise RuntimeError("a one-shard TensorParallelGroup has no control channel")
+        return self.channel
+
+    @property
     def group_name(self) -> str | None:
         return None if self.group is None else self.group.group_name
 
@@ -204,4 +211,4 @@ def mirror(local: StepRunner, tp: TensorParallelGroup | None) -> StepRunner | Mi
     """Shard 0 of a tensor-parallel engine mirrors its step operations; anything else runs them as they are."""
     if tp is None or tp.size == 1 or tp.rank != 0:
         return local
-    return MirroredSteps(local, tp.channel)
+    return MirroredSteps(local, tp.control_channel)
