@@ -438,14 +438,10 @@ def flags_block_sharing(args: argparse.Namespace, world_size: int) -> str | None
         return "--engine_weights copy"
     if args.rollout_engine != "builtin":
         return f"--rollout_engine {args.rollout_engine} loads its own copy"
-    if args.async_train:
-        return "--async_train generates while the policy trains"
     if world_size > 1:
         return f"the policy is split over {world_size} ranks"
     if args.adam_offload and str(args.device or "cuda").startswith("cuda"):
         return "--adam_offload keeps the policy's weights sharded in host memory"
-    if args.lora_rank:
-        return "a LoRA policy's engine serves the merged weights"
     return None
 
 
@@ -453,8 +449,8 @@ def engine_sharing(args: argparse.Namespace, dist: DistInfo, backend: FSDP2Backe
     """Why train_ppo's builtin engine cannot serve the policy's own weights (--engine_weights), None where it
     can: it then holds no copy of its own and a weight sync copies nothing of what it shares."""
     from rlhfkit.config.dtypes import run_dtype
-    from rlhfkit.models.lora import lora_layers
     from rlhfkit.models.vlm import is_vlm_config
+    from rlhfkit.rollout.builtin.weights import sharing_blocker
 
     why = flags_block_sharing(args, dist.world_size)
     if why is not None:
@@ -464,8 +460,9 @@ def engine_sharing(args: argparse.Namespace, dist: DistInfo, backend: FSDP2Backe
     model = backend.unwrap()
     if is_vlm_config(model.config):
         return "a vision-language model's tower is not shared"
-    if lora_layers(model):
-        return "a LoRA policy's engine serves the merged weights"
+    blocker = sharing_blocker(model)
+    if blocker is not None:
+        return blocker
     dtype = run_dtype(args.param_dtype, dist.device)
     have = {p.dtype for p in model.parameters()}
     if have != {dtype}:

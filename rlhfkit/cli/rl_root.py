@@ -135,40 +135,46 @@ def local_placement(args, dist: DistInfo, tokenizer: Any, num_steps: int) -> Pla
     ref = S.build_ref(args, dist, dims, policy_backend)                   # inits (value heads) draw from
     critic, critic_backend = S.build_critic(args, dist, num_steps, dims)  # one seeded generator
     reward = S.build_reward_model(args, dist)
-    engine, shared = _engine_beside(args, dist, tokenizer, policy_backend)
+    engine, shared, complete = _engine_beside(args, dist, tokenizer, policy_backend)
     saver = None
     if critic_backend is not None:
         saver = functools.partial(_save_local_critic, backend=critic_backend, dist=dist)
     handle = PolicyHandle(LocalGroup(policy, "policy"))
-    return Placement(dist, handle, engine, policy_backend, LocalWeightSync(handle, engine, shared),
+    return Placement(dist, handle, engine, policy_backend, LocalWeightSync(handle, engine, shared, complete),
                      ref=ReferenceHandle(LocalGroup(ref, "ref")) if ref is not None else None,
                      critic=CriticHandle(LocalGroup(critic, "critic")) if critic is not None else None,
                      reward=RewardHandle(LocalGroup(reward, "reward")) if reward is not None else None,
                      critic_backend=critic_backend, save_critic=saver)
 
 
-def _engine_beside(args, dist: DistInfo, tokenizer: Any, policy_backend: Any) -> tuple[Any, frozenset[str]]:
-    """train_ppo's engine and the names of the weights it shares with the policy (--engine_weights)."""
+def _engine_beside(args, dist: DistInfo, tokenizer: Any, policy_backend: Any) -> tuple[Any, frozenset[str], bool]:
+    """train_ppo's engine, the names of the weights it shares with the policy (--engine_weights) and whether
+    it shares them all."""
     why = S.engine_sharing(args, dist, policy_backend)
     if args.engine_weights == "shared" and why is not None:
         raise UsageError(f"--engine_weights shared: {why}; --engine_weights copy (or auto) gives the engine a copy "
                          "of its own")
     if why is not None:
         engine = S.build_engine_for(args, tokenizer, dist)
-        if args.rollout_engine == "builtin" and dist.rank == 0:
+        if dist.rank == 0:
             log.info(f"rollout engine: its own copy of the policy's weights ({why})")
-        return engine, frozenset()
+        return engine, frozenset(), False
     from rlhfkit.rollout.builtin import BuiltinEngine
-    from rlhfkit.rollout.builtin.weights import normalized_name
+    from rlhfkit.rollout.builtin.weights import weight_name
 
-    engine = S.build_engine_for(args, tokenizer, dist, share_with=policy_backend.unwrap())
+    module = policy_backend.unwrap()
+    engine = S.build_engine_for(args, tokenizer, dist, share_with=module)
     assert isinstance(engine, BuiltinEngine)  # engine_sharing allows the builtin engine only
     shared = engine.shared_names
-    nbytes = sum(p.numel() * p.element_size() for n, p in policy_backend.unwrap().named_parameters()
-                 if normalized_name(n) in shared)
-    log.info(f"rollout engine: serves the policy's own weights ({nbytes / 2**30:.2f} GiB not copied; "
+    names = {n: weight_name(n) for n, _ in module.named_parameters()}
+    nbytes = sum(p.numel() * p.element_size() for n, p in module.named_parameters()
+                 if names[n] is None or names[n] in shared)
+    adapters = " and LoRA adapters, unmerged" if any(part for lw in engine.model.weights.layers
+                                                    for part in lw.lora.values()) else ""
+    size = f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+    log.info(f"rollout engine: serves the policy's own weights{adapters} ({size} not copied; "
              "--engine_weights copy gives it a copy)")
-    return engine, shared
+    return engine, shared, all(w is None or w in shared for w in names.values())
 
 
 def _save_local_critic(path: str, tokenizer: Any, *, backend: Any, dist: DistInfo) -> None:

@@ -120,8 +120,8 @@ def _models(p: FlagParser) -> None:
         p.flag("--engine_weights", type=str, choices=["auto", "shared", "copy"], default="auto",
                help="train_ppo in one process: the builtin engine serves the policy's own weights (shared: one copy "
                     "on the device, nothing copied per step) or holds a copy of its own (copy); auto: shared where "
-                    "possible (one rank, a full-parameter policy whose weights are in the engine's dtype, no "
-                    "--async_train), one line says which; train_ppo_ray's engines always hold their own")
+                    "possible (one rank, weights in the engine's dtype; a LoRA policy's adapters are applied unmerged), one "
+                    "line says which; train_ppo_ray's engines always hold their own")
         p.flag("--rollout_compile", action="store_true",
                help="torch.compile the builtin engine's decode step (GPU): fewer, fused kernels per step, for "
                     "long runs; its compilation adds 20-30 s to the first step (a few seconds with the cache a "

@@ -47,15 +47,21 @@ class LocalWeightSync:
     """The policy's full weights (`role.weights()`, FSDP2-gathered per tensor) into the in-process engine.
 
     `shared`: normalized names of the tensors the engine shares with the policy (the engine serves the
-    policy's own storage, `--engine_weights shared`): not copied; the engine still counts a new version."""
+    policy's own storage, `--engine_weights shared`): not copied; the engine still counts a new version.
+    `complete`: the engine shares every weight (a LoRA policy's adapters included): only the first tensor
+    is read, for the policy's check of its weights that precedes it (non-finite or diverged: raises)."""
 
-    def __init__(self, policy: LocalPolicy, engine: LocalEngine, shared: frozenset[str] = frozenset()) -> None:
-        self.policy, self.engine, self.shared = policy, engine, shared
+    def __init__(self, policy: LocalPolicy, engine: LocalEngine, shared: frozenset[str] = frozenset(),
+                 complete: bool = False) -> None:
+        self.policy, self.engine, self.shared, self.complete = policy, engine, shared, complete
 
     def sync(self) -> dict[str, float]:
         t0 = time.perf_counter()
-        named = self.policy.weights()
-        if self.shared:
+        named = iter(self.policy.weights())
+        if self.complete:
+            next(named, None)
+            named = iter(())
+        elif self.shared:
             from rlhfkit.rollout.builtin.weights import normalized_name
 
             named = ((n, t) for n, t in named if normalized_name(n) not in self.shared)

@@ -8,9 +8,13 @@
     equivalence   GRPO on the tiny model, 3 steps, --engine_weights shared and copy: the same rewards, losses
                   and final weights (bit for bit: the same numbers flow), while the weights move; the shared run
                   says so in one line and its weight sync copies nothing
-    refusals      --engine_weights shared with the HF engine or a LoRA policy is refused naming the reason and
-                  --engine_weights copy; auto falls back to a copy with one line; sleep(2) of a sharing engine
-                  is refused (it would move the policy's weights)
+    LoRA          a peft model's base weights are shared and its adapters applied unmerged: greedy tokens and
+                  log-probs equal an engine loaded from the merged model (1e-5), before and after an in-place
+                  change of the adapters; GRPO with --lora_rank, shared and copy (merged per step): same rewards
+                  and adapters
+    refusals      --engine_weights shared with the HF engine is refused naming the reason and --engine_weights
+                  copy; auto falls back to a copy with one line; sleep(2) of a sharing engine is refused (it
+                  would move the policy's weights)
 """
 
 from __future__ import annotations
@@ -99,17 +103,95 @@ def test_shared_run_equals_copied_run(tiny_model_dir, tmp_path, caplog):
     assert max((ws[k] - w0[k]).abs().max().item() for k in ws if k in w0) > 1e-3  # the weights moved
 
 
-def test_refusals_and_fallback(tiny_model_dir, tmp_path, caplog):
+def test_lora_adapters_are_served_unmerged(tiny_model_dir):
+    """A peft LoRA model (adapters on every linear layer, B not zero): the sharing engine's greedy tokens and
+    log-probs equal those of an engine loaded from the merged model (1e-5), and follow an in-place change of
+    the adapters with no update call; the base weights are shared, the adapters are the trainer's tensors."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
+    model = get_peft_model(base, cfg)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.2)
+
+    def merged() -> BuiltinEngine:
+        clone = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        m = get_peft_model(clone, cfg)
+        m.load_state_dict(model.state_dict())
+        return _engine(m.merge_and_unload(), share=False)
+
+    sp = SamplingParams(temperature=0.0, max_new_tokens=12, min_new_tokens=12, logprobs=True)
+
+    def run(engine: BuiltinEngine):
+        outs = engine.generate([GenerationRequest(p, sp) for p in PROMPTS])
+        return [o[0].token_ids for o in outs], torch.tensor([o[0].logprobs for o in outs])
+
+    want_tokens, want_lp = run(merged())
+    engine = _engine(model, share=True)
+    layer = engine.model.weights.layers[0]
+    assert sorted(layer.lora) == ["down", "gate_up", "o", "qkv"] and len(layer.lora["qkv"]) == 3
+    q = model.base_model.model.model.layers[0].self_attn.q_proj
+    assert q.base_layer.weight.untyped_storage().data_ptr() == layer.qkv.untyped_storage().data_ptr()
+    assert layer.lora["qkv"][0].b.data_ptr() == q.lora_B["default"].weight.data_ptr()
+    tokens, lp = run(engine)
+    assert tokens == want_tokens
+    torch.testing.assert_close(lp, want_lp, atol=1e-5, rtol=0)
+    with torch.no_grad():  # an optimizer step on the adapters
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.mul_(1.7)
+    tokens, lp = run(engine)
+    want_tokens, want_lp = run(merged())
+    assert tokens == want_tokens
+    torch.testing.assert_close(lp, want_lp, atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_lora_shared_run_matches_the_merged_copy(tiny_model_dir, tmp_path, caplog):
+    """GRPO with --lora_rank 4, 3 steps: the engine applying the adapters unmerged samples what the engine
+    given merged weights samples (rewards equal), and the runs end with the same adapters (1e-5)."""
+    d = write_rl_data(str(tmp_path))
+    runs = {}
+    for mode in ("shared", "copy"):
+        save = os.path.join(d, mode)
+        with caplog.at_level(logging.INFO):
+            caplog.clear()
+            train_ppo.main(rl_flags(tiny_model_dir, d, save, "--engine_weights", mode, "--lora_rank", "4",
+                                    "--lora_alpha", "8", steps=3))
+        runs[mode] = _metrics_and_adapters(save), caplog.text
+    ((rs, ws), log_s), ((rc, wc), _) = runs["shared"], runs["copy"]
+    assert "LoRA adapters, unmerged" in log_s and len(rs) == 3
+    for a, b in zip(rs, rc):
+        assert a["train/reward"] == pytest.approx(b["train/reward"], abs=1e-6)
+        assert a["train/policy_loss"] == pytest.approx(b["train/policy_loss"], rel=1e-4, abs=1e-6)
+    for k in ws:
+        torch.testing.assert_close(ws[k], wc[k], atol=1e-5, rtol=0)
+
+
+def test_refusal_and_fallback_lines(tiny_model_dir, tmp_path, caplog):
     d = write_rl_data(str(tmp_path))
     with pytest.raises(UsageError, match=r"--engine_weights shared: --rollout_engine hf .*--engine_weights copy"):
         train_ppo.run.__wrapped__(*_parsed(rl_flags(tiny_model_dir, d, str(tmp_path / "a"), "--engine_weights",
                                                     "shared", "--rollout_engine", "hf", steps=1)))
-    with pytest.raises(UsageError, match="LoRA"):
-        train_ppo.run.__wrapped__(*_parsed(rl_flags(tiny_model_dir, d, str(tmp_path / "b"), "--engine_weights",
-                                                    "shared", "--lora_rank", "4", steps=1)))
     with caplog.at_level(logging.INFO):
-        train_ppo.main(rl_flags(tiny_model_dir, d, str(tmp_path / "c"), "--lora_rank", "4", steps=1))
-    assert "its own copy of the policy's weights (a LoRA policy" in caplog.text
+        train_ppo.main(rl_flags(tiny_model_dir, d, str(tmp_path / "c"), "--rollout_engine", "hf", steps=1))
+    assert "rollout engine: its own copy of the policy's weights (--rollout_engine hf loads its own copy)" \
+        in caplog.text
+
+
+def _metrics_and_adapters(save: str):
+    import json
+
+    from safetensors.torch import load_file
+
+    with open(os.path.join(save, "metrics.jsonl")) as f:
+        recs = [json.loads(line) for line in f]
+    return recs, load_file(os.path.join(save, "adapter_model.safetensors"))
 
 
 def _parsed(argv: list[str]):

@@ -311,6 +311,20 @@ _LAYER_TENSORS = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_b
 
 
 @dataclass
+class LoraPart:
+    """A LoRA adapter on rows `start:end` of a fused engine tensor (q, k or v of `qkv`; gate or up of
+    `gate_up`; all of `o` or `down`): the layer's output there gains `scale * (x @ a.T) @ b.T`. `a [r, in]`
+    and `b [end - start, r]` are the trainer's own adapter tensors (detached views), so an optimizer step is
+    served at once."""
+
+    start: int
+    end: int
+    a: torch.Tensor
+    b: torch.Tensor
+    scale: float
+
+
+@dataclass
 class LayerWeights:
     """One decoder layer (families.py says which tensors a family has).
 
@@ -341,6 +355,9 @@ class LayerWeights:
     experts_down: torch.Tensor | None = None
     experts_down_bias: torch.Tensor | None = None
     kind: LayerKind = field(default_factory=LayerKind)
+    # unmerged LoRA adapters by engine tensor ("qkv", "o", "gate_up", "down"): an engine sharing a LoRA
+    # policy's weights (adopt_parameters); not in named_tensors (the trainer owns them)
+    lora: dict[str, list[LoraPart]] = field(default_factory=dict)
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
         return {k: getattr(self, k) for k in _LAYER_TENSORS if getattr(self, k) is not None}
@@ -649,27 +666,86 @@ def load_from_hf_model(model: torch.nn.Module, dtype: torch.dtype, device: torch
     return spec, weights
 
 
+_LORA_RE = re.compile(r"^(.+)\.lora_([AB])\.default\.weight$")
+
+
+def _peft_base_name(name: str) -> str:
+    """A peft model's parameter name -> the base model's (`base_model.model.` and `.base_layer` dropped)."""
+    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+
+
+def _lora_place(spec: ModelSpec, module: str) -> tuple[int, str, int, int] | str:
+    """(layer, engine tensor, first row, end row) a LoRA adapter on `module` (a peft module name) adds to,
+    or why the engine cannot serve it unmerged."""
+    name = normalized_name(_peft_base_name(module) + ".weight")
+    m = _LAYER_RE.match(name)
+    entry = spec.family.names.get(m.group(2)) if m is not None else None
+    if m is None or entry is None or EXPERT_RE.match(m.group(2)):
+        return f"a LoRA adapter on {module}"
+    attr, part, _ = entry
+    if part == "T":
+        return f"a LoRA adapter on the transposed {module}"
+    if part is None or part == "all":
+        return int(m.group(1)), attr, 0, -1
+    return (int(m.group(1)), attr, *_part_bounds(spec, attr, part))
+
+
+def weight_name(name: str) -> str | None:
+    """A module parameter's normalized base-model name as `adopt_parameters` shares it (None: a peft LoRA
+    adapter, which the engine applies unmerged)."""
+    return None if _LORA_RE.match(name) else normalized_name(_peft_base_name(name))
+
+
+def sharing_blocker(model: torch.nn.Module) -> str | None:
+    """Why `adopt_parameters` cannot serve `model` (a peft LoRA model's adapters it cannot apply unmerged,
+    a module peft trains in full), None if it can; changes nothing."""
+    from rlhfkit.models.lora import lora_layers
+
+    spec = ModelSpec.from_hf_config(model.config)
+    for name, _ in model.named_parameters():
+        if ".modules_to_save." in name or ".original_module." in name:
+            return f"a module trained in full beside LoRA ({name})"
+        if ".lora_" in name and not _LORA_RE.match(name):
+            return f"a LoRA parameter of another kind ({name})"
+    for module, (_, fan_in_fan_out) in lora_layers(model).items():
+        place = _lora_place(spec, module)
+        if isinstance(place, str):
+            return place
+        if fan_in_fan_out:
+            return f"a fan-in-fan-out LoRA layer ({module})"
+    return None
+
+
 def adopt_parameters(model: torch.nn.Module, dtype: torch.dtype,
                      device: torch.device) -> tuple[ModelSpec, ModelWeights, frozenset[str]]:
     """Like `load_from_hf_model`, then each parameter of `model` that lands whole in one engine tensor (or a
     row block of a fused one: q, k and v in `qkv`, gate and up in `gate_up`) of its dtype and device becomes a
     view of it (`param.data = view`): the engine and the module share one copy, and an optimizer's in-place
-    step is what the engine serves next. Returns the spec, the weights and the normalized names of the
-    shared parameters; the others (transposed, sliced or cast on their way in, or placed twice) are still
-    copied by a weight sync. The module's own storage of a shared parameter is freed once nothing else holds
-    it. Unsharded engines of a plain (not DTensor) module only."""
+    step is what the engine serves next. A peft LoRA model's base weights are shared alike and its adapters
+    are applied unmerged (`LayerWeights.lora`, the trainer's own tensors; `sharing_blocker` says when not).
+    Returns the spec, the weights and the normalized base-model names the engine shares (a LoRA layer's
+    name among them: a weight sync must not write its merged weight); the others (transposed, sliced or
+    cast on their way in, or placed twice) are still copied by a weight sync. The module's own storage of
+    a shared parameter is freed once nothing else holds it. Unsharded engines of a plain (not DTensor)
+    module only."""
     from torch.distributed.tensor import DTensor
 
+    from rlhfkit.models.lora import lora_layers
+
+    why = sharing_blocker(model)
+    if why is not None:
+        raise ValueError(f"the engine cannot share these weights: {why}")
     spec = ModelSpec.from_hf_config(model.config)
-    named = list(model.named_parameters())  # tied parameters once
-    weights = allocate_weights(spec, {n for n, _ in named}, dtype, device)
+    named = [(n, p) for n, p in model.named_parameters() if not _LORA_RE.match(n)]  # tied parameters once
+    weights = allocate_weights(spec, {_peft_base_name(n) for n, _ in named}, dtype, device)
     coverage = _Coverage()
     shared: set[str] = set()
     with torch.no_grad():
-        for name, param in named:
+        for peft_name, param in named:
             if isinstance(param, DTensor):
-                raise ValueError(f"adopt_parameters: {name} is a DTensor (a sharded module cannot share its "
+                raise ValueError(f"adopt_parameters: {peft_name} is a DTensor (a sharded module cannot share its "
                                  "weights with one engine)")
+            name = _peft_base_name(peft_name)
             found = _keyed_targets(weights, spec, name)
             for dst, index, _ in found:
                 _copy_into(dst, param.detach()[index], name)
@@ -681,6 +757,18 @@ def adopt_parameters(model: torch.nn.Module, dtype: torch.dtype,
                     param.data = dst
                     shared.add(normalized_name(name))
     coverage.check(spec, weights)
+    params = dict(model.named_parameters())
+    for module, (scale, _) in lora_layers(model).items():
+        place = _lora_place(spec, module)
+        assert not isinstance(place, str)  # sharing_blocker checked every adapter
+        li, attr, start, end = place
+        a, b = params[f"{module}.lora_A.default.weight"], params[f"{module}.lora_B.default.weight"]
+        if a.dtype != dtype or b.dtype != dtype or a.device != device or b.device != device:
+            raise ValueError(f"the engine cannot share these weights: {module}'s adapters are {a.dtype} on "
+                             f"{a.device}, the engine's {dtype} on {device}")
+        end = getattr(weights.layers[li], attr).shape[0] if end < 0 else end
+        weights.layers[li].lora.setdefault(attr, []).append(LoraPart(start, end, a.detach(), b.detach(), scale))
+        shared.add(normalized_name(_peft_base_name(module) + ".weight"))
     return spec, weights, frozenset(shared)
 
 
