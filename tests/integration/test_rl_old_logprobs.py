@@ -76,7 +76,7 @@ def _decide(*, batch_rows=8, ref=True, **cfg) -> bool:
                 policy_train_batch_size=8, show_progress=False)
     base.update(cfg)
     fake = SimpleNamespace(cfg=RLLoopConfig(**base), ref=object() if ref else None, state=SimpleNamespace(step=0),
-                           kl_ctl=SimpleNamespace(value=0.01), dist=DistInfo(rank=0, world_size=1))
+                           kl_ctl=SimpleNamespace(value=0.01, adaptive=False), dist=DistInfo(rank=0, world_size=1))
     batch = SimpleNamespace(batch_size=batch_rows)
     return RLTrainer._old_logprobs_pass(fake, batch)
 
@@ -90,7 +90,7 @@ def test_when_the_pass_runs():
     assert _decide(recompute_old_logprobs=True)
     assert _decide(policy_train_batch_size=None)
     assert _decide(freezing_actor_steps=1)
-    fake_adaptive = SimpleNamespace(value=0.01, target=6.0)
+    fake_adaptive = SimpleNamespace(value=0.01, target=6.0, adaptive=True)
     base = dict(rollout_batch_size=4, n_samples_per_prompt=2, use_kl_loss=True, policy_train_batch_size=8,
                 show_progress=False)
     fake = SimpleNamespace(cfg=RLLoopConfig(**base), ref=object(), state=SimpleNamespace(step=0),
