@@ -48,6 +48,7 @@ from torch import nn
 
 from rlhfkit.parallel.ring_attention import ring_attention, split_for_ring, unsplit_ring
 from rlhfkit.config.notes import note_once
+from rlhfkit.models.hf_config import ConfigFields, config_of
 from rlhfkit.models.forward import CONTEXT_PARALLEL_ATTR, _predicted_positions, segment_ids, target_logprobs
 
 RING_ATTN_IMPL = "rlhfkit_ring"
@@ -257,16 +258,17 @@ class ContextParallel:
 
 def check_cp_model(model: nn.Module, head_stride: int | None) -> None:
     """Raise (naming the flag) for a model the ring cannot run: family, or heads not divisible by the stride."""
-    config = getattr(model, "config", None)
-    mtype = getattr(config, "model_type", None)
+    config: Any = config_of(model)  # a family's fields are read by name
+    f = ConfigFields.of(config)
+    mtype = f.model_type if config is not None else None
     if config is None or mtype not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"--ring_attn_size: model type {mtype!r} is not supported by ring attention "
                          f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
-    kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    kv = f.num_key_value_heads or config.num_attention_heads
     if head_stride is not None and (head_stride < 1 or kv % head_stride):
         raise ValueError(f"--ring_head_stride {head_stride} must divide the model's key/value heads ({kv})")
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-        note_once(f"note: --ring_attn_size: the model's sliding window ({config.sliding_window}) is not applied on "
+    if f.sliding_window and f.use_sliding_window:
+        note_once(f"note: --ring_attn_size: the model's sliding window ({f.sliding_window}) is not applied on "
                   "the ring; attention is full causal")
 
 
@@ -286,8 +288,8 @@ def apply_cp(model: nn.Module, group: Any, head_stride: int | None = None) -> Co
         note_once("note: --ring_attn_size: attention dropout is not applied on the ring")
     register_ring_attention()
     for m in model.modules():
-        cfg = getattr(m, "config", None)
-        if cfg is not None and hasattr(cfg, "_attn_implementation"):
+        cfg = config_of(m)
+        if cfg is not None:
             cfg._attn_implementation = RING_ATTN_IMPL
     cp = ContextParallel(group, head_stride)
     cp.wrap_forward(model)

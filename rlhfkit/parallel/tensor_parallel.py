@@ -34,6 +34,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from rlhfkit.config.notes import note_once
+from rlhfkit.models.hf_config import ConfigFields, config_of
 
 FLAG = "--ds_tensor_parallel_size"
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -42,7 +43,8 @@ _ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
 
 
 def _config(model: nn.Module) -> Any:
-    config = getattr(model, "config", None)
+    """The model's HF config (Any: a family's fields are read by name)."""
+    config = config_of(model)
     if config is None:
         raise ValueError(f"{FLAG}: the model has no HF config; tensor parallelism needs a Llama, Qwen2, Qwen3 "
                          "or Mistral model")
@@ -52,7 +54,8 @@ def _config(model: nn.Module) -> Any:
 def check_tp_model(model: nn.Module, tp: int) -> None:
     """Raise one ValueError line naming --ds_tensor_parallel_size when `model` cannot be split `tp` ways."""
     config = _config(model)
-    kind = getattr(config, "model_type", None)
+    f = ConfigFields.of(config)
+    kind = f.model_type
     if kind not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"{FLAG} {tp}: tensor parallelism supports model types {', '.join(SUPPORTED_MODEL_TYPES)}, "
                          f"not {kind!r}")
@@ -60,7 +63,7 @@ def check_tp_model(model: nn.Module, tp: int) -> None:
         raise ValueError(f"{FLAG} {tp}: tensor parallelism does not support LoRA adapters (--lora_rank)")
     heads = config.num_attention_heads
     sizes = {"num_attention_heads": heads,
-             "num_key_value_heads": getattr(config, "num_key_value_heads", None) or heads,
+             "num_key_value_heads": f.num_key_value_heads or heads,
              "intermediate_size": config.intermediate_size, "vocab_size": config.vocab_size}
     for name, size in sizes.items():
         if size % tp:

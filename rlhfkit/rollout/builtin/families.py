@@ -44,6 +44,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
+from rlhfkit.models.hf_config import ConfigFields
+
 # an HF tensor name's place in a decoder block: (engine attribute, which part of it: an index into a
 # fused tensor, "all" of a fused one, "T" transposed, None the whole; what its rows are split by)
 NameRule = tuple[str, int | Literal["all", "T"] | None, str | None]
@@ -170,7 +172,7 @@ def moe_layers(config, family: Family) -> list[bool]:
         return [False] * n
     if family.router == "topk_softmax":
         return [True] * n
-    skip = set(getattr(config, "mlp_only_layers", None) or [])
+    skip = set(ConfigFields.of(config).mlp_only_layers or [])
     step = int(getattr(config, "decoder_sparse_step", 1) or 1)
     return [i not in skip and config.num_experts > 0 and (i + 1) % step == 0 for i in range(n)]
 
@@ -178,11 +180,9 @@ def moe_layers(config, family: Family) -> list[bool]:
 def layer_types(config) -> list[str]:
     """Each layer's attention type ("full_attention" or "sliding_attention"): the config's
     `layer_types`, else every layer windowed when the config has a sliding window (Mistral)."""
-    n = config.num_hidden_layers
-    types = getattr(config, "layer_types", None)
-    if types:
-        return list(types)[:n]
-    window = getattr(config, "sliding_window", None)
-    if window is not None and getattr(config, "use_sliding_window", True) is not False:
+    n, f = config.num_hidden_layers, ConfigFields.of(config)
+    if f.layer_types:
+        return list(f.layer_types)[:n]
+    if f.sliding_window is not None and f.use_sliding_window is not False:
         return ["sliding_attention"] * n
     return ["full_attention"] * n

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from rlhfkit.models.hf_config import ConfigFields
 from rlhfkit.rollout.builtin.step import ControlChannel, MirroredSteps, StepRunner
 from rlhfkit.rollout.builtin.weights import (ModelSpec, ModelWeights, adopt_parameters, load_from_hf_model,
                                             load_from_safetensors)
@@ -201,7 +202,7 @@ class _GenSource:
 
 
 def _config_dtype(config: Any) -> torch.dtype:
-    dt = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    dt = ConfigFields.of(config).dtype  # (transformers 5 reads a config.json's torch_dtype into dtype)
     if isinstance(dt, str):
         dt = getattr(torch, dt, None)
     return dt if isinstance(dt, torch.dtype) else torch.float32

@@ -38,6 +38,7 @@ from typing import Iterable
 
 import torch
 
+from rlhfkit.models.hf_config import ConfigFields
 from rlhfkit.models.vlm import is_vision_name
 from rlhfkit.rollout.builtin.families import (EXPERT_RE, FAMILIES, SUPPORTED_MODEL_TYPES, Family, LayerKind,
                                               MoESpec, layer_types, moe_layers, moe_spec)
@@ -154,78 +155,80 @@ class ModelSpec:
 
     @classmethod
     def from_hf_config(cls, config) -> "ModelSpec":
-        model_type = getattr(config, "model_type", "")
+        model_type = ConfigFields.of(config).model_type
         if model_type in VLM_MODEL_TYPES:
-            tie = getattr(config, "tie_word_embeddings", None)
+            tie = ConfigFields.of(config).tie_word_embeddings
             config = config.text_config
-            if tie is not None and not getattr(config, "tie_word_embeddings", False):
+            if tie is not None and not ConfigFields.of(config).tie_word_embeddings:
                 config.tie_word_embeddings = tie
+        f = ConfigFields.of(config)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"the builtin rollout engine supports model_type {SUPPORTED_MODEL_TYPES}, got {model_type!r}; "
                 "use --rollout_engine hf or vllm for this model")
         family = FAMILIES[model_type]
-        act_name = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+        act_name = f.hidden_activation or f.hidden_act
         act = ACTIVATIONS.get(act_name)
         if act is None or (family.router is None and act != family.act):
             raise ValueError(f"the builtin engine runs {model_type} with hidden_act {family.act!r}, the config has "
                              f"{act_name!r}; use --rollout_engine hf or vllm for this model")
-        for attr in ("attn_logit_softcapping", "use_bidirectional_attention"):
-            if getattr(config, attr, None):
-                raise ValueError(f"the builtin engine does not implement {attr}={getattr(config, attr)!r}; "
+        for attr, value in (("attn_logit_softcapping", f.attn_logit_softcapping),
+                            ("use_bidirectional_attention", f.use_bidirectional_attention)):
+            if value:
+                raise ValueError(f"the builtin engine does not implement {attr}={value!r}; "
                                  "use --rollout_engine hf or vllm for this model")
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        head_dim = f.head_dim or config.hidden_size // config.num_attention_heads
         kinds = _layer_kinds(config, family)
         windows = [k.window for k in kinds if k.window is not None]
-        factor = float(_rope_params(config).get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
-                       or 1.0)
+        factor = float(_rope_params(config).get("partial_rotary_factor", f.partial_rotary_factor) or 1.0)
         rotary = int(head_dim * factor)
-        pre_attn = getattr(config, "query_pre_attn_scalar", None) if model_type == "gemma3_text" else None
+        pre_attn = f.query_pre_attn_scalar if model_type == "gemma3_text" else None
         return cls(
             model_type=model_type,
             vocab_size=config.vocab_size,
             hidden_size=config.hidden_size,
             num_layers=config.num_hidden_layers,
             num_heads=config.num_attention_heads,
-            num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            num_kv_heads=f.num_key_value_heads or config.num_attention_heads,
             head_dim=head_dim,
             intermediate_size=config.intermediate_size,
             rms_norm_eps=config.rms_norm_eps,
             qk_norm=family.qk_norm is not None,
-            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            tie_word_embeddings=bool(f.tie_word_embeddings),
             max_position_embeddings=config.max_position_embeddings,
             sliding_window=max(windows) if windows else None,
             layer_kinds=tuple(kinds),
             attn_scale=float(pre_attn) ** -0.5 if pre_attn else None,
             rotary_dim=rotary if rotary < head_dim else None,
             moe=moe_spec(config, family),
-            final_softcap=getattr(config, "final_logit_softcapping", None),
+            final_softcap=f.final_logit_softcapping,
             activation=act,
         )
 
 
 def _rope_params(config) -> dict:
     """The config's rope parameters (for a per-layer-type rope: the full-attention layers')."""
-    params = dict(getattr(config, "rope_parameters", None) or {})
+    params = dict(ConfigFields.of(config).rope_parameters or {})
     if params and set(params) <= set(ROPE_LAYER_TYPES):
         return dict(params.get("full_attention") or {})
     return params
 
 
 def _per_type_rope(config) -> bool:
-    params = getattr(config, "rope_parameters", None) or {}
+    params = ConfigFields.of(config).rope_parameters or {}
     return bool(params) and set(params) <= set(ROPE_LAYER_TYPES)
 
 
 def _layer_kinds(config, family: Family) -> list[LayerKind]:
     types, moe = layer_types(config), moe_layers(config, family)
-    window = getattr(config, "sliding_window", None)
+    window = ConfigFields.of(config).sliding_window
     per_type = _per_type_rope(config)
     kinds = []
     for t, is_moe in zip(types, moe):
         sliding = t == "sliding_attention" and window is not None
         rope = ROPE_LAYER_TYPES.index(t) if per_type and t in ROPE_LAYER_TYPES else 0
-        kinds.append(LayerKind(window=int(window) if sliding else None, rope=rope, moe=is_moe))
+        kinds.append(LayerKind(window=int(window) if sliding and window is not None else None, rope=rope,
+                               moe=is_moe))
     if per_type:  # table indices without gaps (a model whose layers are all windowed has one table)
         used = sorted({k.rope for k in kinds})
         kinds = [replace(k, rope=used.index(k.rope)) for k in kinds]
@@ -279,7 +282,7 @@ def rope_inv_freq(config, spec: ModelSpec, layer_type: str | None = None,
         layer_type = "full_attention" if "full_attention" in config.rope_parameters else "sliding_attention"
     params = dict(config.rope_parameters[layer_type] or {}) if layer_type is not None else _rope_params(config)
     if not params:  # transformers < 5 style config
-        params = dict(getattr(config, "rope_scaling", None) or {})
+        params = dict(ConfigFields.of(config).rope_scaling or {})
         params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in STATIC_ROPE_TYPES:
@@ -287,7 +290,7 @@ def rope_inv_freq(config, spec: ModelSpec, layer_type: str | None = None,
                          f"(supported: {STATIC_ROPE_TYPES}); use --rollout_engine hf or vllm")
     if rope_type == "longrope":
         original = params.get("original_max_position_embeddings",
-                              getattr(config, "original_max_position_embeddings", None))
+                              ConfigFields.of(config).original_max_position_embeddings)
         if max_len is not None and original is not None and max_len > original:
             raise ValueError(f"longrope switches to its long factors beyond {original} tokens, which the builtin "
                              f"engine does not do: keep max_model_len (now {max_len}) at most {original}, or use "
@@ -508,6 +511,7 @@ def _keyed_targets(weights: ModelWeights, spec: ModelSpec, name: str) -> list[tu
     if part == "T":  # the HF tensor is the engine's transposed: copy into a transposed view
         return [(tensor.transpose(-1, -2), _ALL, key)]
     if part == "all":
+        assert how is not None  # a fused tensor's rule says how its pieces split (families.py)
         return [(dst, index, key) for dst, index in _fused_pieces(spec, tensor, how)]
     src = _source_index(spec, how)
     if part is None:
@@ -629,6 +633,7 @@ def allocate_weights(spec: ModelSpec, names: set[str], dtype: torch.dtype,
         )
         if kind.moe:
             moe = spec.moe
+            assert moe is not None  # a model with routed layers has its MoESpec
             e, ie = moe.num_experts, moe.intermediate_size
             lw.router, lw.experts_gate_up, lw.experts_down = empty(e, h), empty(e, 2 * ie, h), empty(e, h, ie)
             if moe.bias:
@@ -645,7 +650,7 @@ def allocate_weights(spec: ModelSpec, names: set[str], dtype: torch.dtype,
         lm_head = embed[spec.tp.rank * spec.vocab_rows:(spec.tp.rank + 1) * spec.vocab_rows]
     else:
         lm_head = torch.zeros(spec.vocab_rows, h, dtype=dtype, device=device)  # padding rows: logit 0, cut
-    return ModelWeights(embed=embed, final_norm=norm(), lm_head=lm_head, layers=layers)
+    return ModelWeights(embed=embed, final_norm=empty(h, dt=norm_dt), lm_head=lm_head, layers=layers)
 
 
 def _shard_spec(config, shard: tuple[int, int, str | None] | None) -> ModelSpec:
