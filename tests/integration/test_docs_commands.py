@@ -11,9 +11,10 @@ every ```python block with this venv's python, with this venv's bin/ first on PA
 - a block marked `<!-- docs-test: skip (reason) -->` (on the line before the fence, blank lines
   allowed) is not run (it needs GPUs, a cluster, or a network); each one is reported as a skipped
   test with its reason, and still has to parse (`bash -n`, or Python's compiler);
-- a block marked `<!-- docs-test: model (HUB_ID) -->` names a hub model: it runs with HUB_ID replaced
-  by the set-up's ./tiny, and again (with the Python block after it) with the tests' pretrained model
-  (SmolLM2-135M-Instruct, tests/real_model.py) where that is present.
+- a block marked `<!-- docs-test: model (HUB_ID) -->` names a hub model: it runs (with the Python block
+  after it) with HUB_ID replaced by the tests' pretrained model (SmolLM2-135M-Instruct,
+  tests/real_model.py) where that is present, as `make test` has it, and otherwise, in its page's run,
+  by the set-up's ./tiny (the same commands twice, on two models, would check the same thing twice).
 
 The README itself is a user's page: at most README_MAX_LINES lines, and its first commands are the
 two that set up a fresh machine (`make demo`, `make test`).
@@ -131,14 +132,39 @@ def prepared(tmp_path_factory) -> str:
     return d
 
 
+def has_real_model() -> bool:
+    """Whether the tests' pretrained model is there (RLHFKIT_REAL_MODEL naming no model fails the model test)."""
+    from real_model import real_model_path
+
+    try:
+        real_model_path()
+    except pytest.skip.Exception:
+        return False
+    return True
+
+
+def on_the_real_model(blocks: list[Block]) -> set[int]:
+    """The indices of `blocks` that test_model_block_runs_on_the_pretrained_model runs: each model block and the
+    Python block right after it."""
+    out = set()
+    for i, b in enumerate(blocks):
+        if b.kind == "model":
+            out.add(i)
+            if i + 1 < len(blocks) and blocks[i + 1].lang == "python" and blocks[i + 1].kind == "run":
+                out.add(i + 1)
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.xdist_group("docs_pages")  # with `--dist loadgroup` (make test) one worker runs every page: one set-up
 @pytest.mark.parametrize("page", [p for p in pages() if any(b.kind == "run" for b in blocks_of(p))])
 def test_page_commands_run(page, prepared, tmp_path):
     work = str(tmp_path / "work")
     shutil.copytree(prepared, work, symlinks=True)
-    for block in blocks_of(page):
-        if block.kind in ("run", "model"):
+    blocks = blocks_of(page)
+    elsewhere = on_the_real_model(blocks) if has_real_model() else set()
+    for i, block in enumerate(blocks):
+        if block.kind in ("run", "model") and i not in elsewhere:
             run_block(block, work)
 
 
@@ -202,6 +228,13 @@ def test_extract_reads_marks_and_order():
                    (21, "model", "org/m", "ls org/m\n", "bash")]
     with pytest.raises(ValueError, match="t.md:2: a docs-test skip needs its"):
         extract("<!-- docs-test: skip -->\n```bash\nx\n```\n", "t.md")
+
+
+def test_model_block_and_its_python_run_on_the_real_model_only():
+    text = ("<!-- docs-test: model (org/m) -->\n```bash\nls org/m\n```\n```python\nprint(1)\n```\n"
+            "```bash\necho after\n```\n<!-- docs-test: model (org/m) -->\n```bash\nls org/m\n```\n"
+            "<!-- docs-test: skip (a GPU) -->\n```python\nprint(2)\n```\n")
+    assert on_the_real_model(extract(text, "t.md")) == {0, 1, 3}
 
 
 WORKFLOW_PAGES = ("sft", "rm", "dpo", "kto", "prm", "kd", "rl", "agents", "ray", "lora", "batch_inference",
