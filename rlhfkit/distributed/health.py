@@ -75,7 +75,7 @@ def describe(err: BaseException, label: Any) -> RoleFailure:
     if isinstance(err, RayActorError):
         return RoleFailure(f"{label} died: {_death_detail(err)}")
     if isinstance(err, RayTaskError):
-        cause = err.cause if getattr(err, "cause", None) is not None else err
+        cause = err.cause if err.cause is not None else err
         if isinstance(cause, RoleFailure):
             return cause
         if isinstance(cause, RoleOutOfMemory):  # its message names the role, rank and phase already

@@ -52,6 +52,7 @@ class ConfigFields:
     attn_logit_softcapping: float | None = None
     use_bidirectional_attention: bool | None = None
     dtype: torch.dtype | str | None = None  # the checkpoint's dtype (transformers < 5: torch_dtype)
+    pad_token_id: int | None = None
 
     @classmethod
     def of(cls, config: Any) -> ConfigFields:

@@ -40,7 +40,7 @@ transformers' AttentionInterface and pass forward keywords down to it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as tdist
@@ -222,8 +222,11 @@ class ContextParallel:
         model.forward = forward
 
     def _mean_aux(self, out: Any) -> Any:
-        if isinstance(getattr(out, "aux_loss", None), torch.Tensor):
-            out.aux_loss = self._ring_mean(out.aux_loss)
+        """A MoE model's output (a transformers ModelOutput, a mapping of its set fields) with its router
+        loss averaged over the ring."""
+        aux = out.get("aux_loss") if isinstance(out, Mapping) else None
+        if isinstance(aux, torch.Tensor):
+            out.aux_loss = self._ring_mean(aux)
         return out
 
     def _ring_mean(self, x: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 import torch
 import torch.nn.functional as F
 
+from rlhfkit.models.hf_config import ConfigFields
 from rlhfkit.models.vlm import layout_of_model, placeholder_runs
 from rlhfkit.rollout.engine_utils import ThreadBatchingAsync, eos_ids_of, make_decode, validate_request
 from rlhfkit.rollout.stops import finish_completion
@@ -53,7 +54,7 @@ class HFEngine(ThreadBatchingAsync):
         if pad_token_id is None:
             pad_token_id = getattr(tokenizer, "pad_token_id", None)
         if pad_token_id is None:
-            pad_token_id = getattr(model.config, "pad_token_id", None)
+            pad_token_id = ConfigFields.of(model.config).pad_token_id
         self.pad_token_id = 0 if pad_token_id is None else int(pad_token_id)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.layout = layout_of_model(model)  # a VLM's; None for text

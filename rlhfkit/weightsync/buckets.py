@@ -17,6 +17,7 @@ from typing import Iterable, Iterator, Sequence
 
 import torch
 
+from rlhfkit.config.dtypes import TORCH_DTYPES
 from rlhfkit.weightsync.flags import DEFAULT_BUCKET_MB
 
 __all__ = ["ALIGN", "DEFAULT_BUCKET_MB", "TensorMeta", "iter_buckets", "pack_bucket", "unpack_bucket"]
@@ -37,8 +38,8 @@ class TensorMeta:
 
 
 def _dtype(name: str) -> torch.dtype:
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
+    dt = TORCH_DTYPES.get(name)
+    if dt is None:
         raise ValueError(f"weight sync metadata names an unknown dtype {name!r}")
     return dt
 

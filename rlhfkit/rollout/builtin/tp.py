@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from rlhfkit.config.dtypes import TORCH_DTYPES
 from rlhfkit.models.hf_config import ConfigFields
 from rlhfkit.rollout.builtin.step import ControlChannel, MirroredSteps, StepRunner
 from rlhfkit.rollout.builtin.weights import (ModelSpec, ModelWeights, adopt_parameters, load_from_hf_model,
@@ -204,7 +205,7 @@ class _GenSource:
 def _config_dtype(config: Any) -> torch.dtype:
     dt = ConfigFields.of(config).dtype  # (transformers 5 reads a config.json's torch_dtype into dtype)
     if isinstance(dt, str):
-        dt = getattr(torch, dt, None)
+        dt = TORCH_DTYPES.get(dt)
     return dt if isinstance(dt, torch.dtype) else torch.float32
 
 

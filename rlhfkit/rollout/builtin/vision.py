@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -246,10 +246,11 @@ def _tower_outputs(out: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
         return out, []
     if isinstance(out, tuple) and not hasattr(out, "keys"):
         return out[0], list(out[1]) if len(out) > 1 and out[1] is not None else []
-    merged = getattr(out, "pooler_output", None)
+    fields = out if isinstance(out, Mapping) else {}  # a ModelOutput: a mapping of the fields it has
+    merged = fields.get("pooler_output")
     if merged is None:
         merged = out[0]
-    return merged, list(getattr(out, "deepstack_features", None) or [])
+    return merged, list(fields.get("deepstack_features") or [])
 
 
 def load_vision_tower(model: Any, config: Any, dtype: torch.dtype, device: torch.device) -> VisionTower | None:
