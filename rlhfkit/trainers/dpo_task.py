@@ -26,17 +26,18 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import torch
 
+from rlhfkit.backend.base import TrainBackend
 from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.data.collate import PackedBatch
 from rlhfkit.data.items import PreferenceItem
 from rlhfkit.losses.preference import dpo_loss
 from rlhfkit.losses.reduce import MicroMetrics
 from rlhfkit.models.forward import token_logprobs
-from rlhfkit.models.vlm import picture_logprob_kwargs
+from rlhfkit.models.vlm import VisionContext, picture_logprob_kwargs
 from rlhfkit.trainers.rm_task import PairBatch, Seqs, collate_pairs
 
 Tensor = torch.Tensor
@@ -51,7 +52,7 @@ class FrozenModel:
     inside `use()`, which may nest (the outermost one reloads and offloads).
     """
 
-    def __init__(self, backend: Any, offload: bool = False) -> None:
+    def __init__(self, backend: TrainBackend, offload: bool = False) -> None:
         self.backend = backend
         self.offload = offload
         self._users = 0  # nested use(): the outermost one reloads and offloads
@@ -120,7 +121,7 @@ class DPOTask:
     packing: bool = False
     device: torch.device | str = "cpu"
     dist: DistInfo = field(default_factory=DistInfo)  # whose dp group reduces the metrics
-    vision: Any = None  # a VLM's picture processing (VisionContext): both sides of a pair show its pictures
+    vision: VisionContext | None = None  # a VLM's picture processing: both sides of a pair show its pictures
 
     def __post_init__(self) -> None:
         check_dpo_settings(self.beta, self.label_smoothing, self.ipo, self.nll_loss_coef)

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
+from rlhfkit.backend.base import TrainBackend
 from rlhfkit.checkpoint.layout import checkpoint_gap
 from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.config.notes import note_once
@@ -123,7 +124,7 @@ def rank_share(global_idx: list[int], dist: DistInfo) -> list[int]:
     return global_idx[dist.dp_rank * per:(dist.dp_rank + 1) * per]
 
 
-def train_offline(task: OfflineTask, backend, train_items: Sequence[Any], cfg: LoopConfig, dist: DistInfo,
+def train_offline(task: OfflineTask, backend: TrainBackend, train_items: Sequence[Any], cfg: LoopConfig, dist: DistInfo,
                   logger: MetricsLogger | NullLogger, eval_items: Sequence[Any] | None = None,
                   on_step_end=None, tokenizer: Any = None) -> LoopState:
     """Run the loop; returns the final state (history holds every logged record, as in metrics.jsonl).
@@ -209,7 +210,7 @@ def train_offline(task: OfflineTask, backend, train_items: Sequence[Any], cfg: L
     return state
 
 
-def save_resumable(backend, cfg: LoopConfig, state: LoopState, last_of_epoch: bool = False) -> str:
+def save_resumable(backend: TrainBackend, cfg: LoopConfig, state: LoopState, last_of_epoch: bool = False) -> str:
     """A resumable checkpoint of `state` as `<ckpt_path>/global_step<N>` (all ranks call; one of this
     step already there is kept); its path."""
     existing = os.path.join(cfg.ckpt_path, f"global_step{state.step}")
@@ -251,7 +252,7 @@ def _grad_accum(cfg: LoopConfig, dist: DistInfo) -> int:
     return cfg.train_batch_size // per
 
 
-def _train_step(task: OfflineTask, backend, micro: list[Any], dist: DistInfo,
+def _train_step(task: OfflineTask, backend: TrainBackend, micro: list[Any], dist: DistInfo,
                 aux_loss_coef: float = 0.0) -> dict[str, float]:
     backend.train()
     counts = [float(task.count(mb)) for mb in micro]  # of whole rows: summed over dp
@@ -289,7 +290,7 @@ def _train_step(task: OfflineTask, backend, micro: list[Any], dist: DistInfo,
 
 
 @torch.no_grad()
-def evaluate(task: OfflineTask, backend, items: Sequence[Any], micro_batch_size: int, dist: DistInfo
+def evaluate(task: OfflineTask, backend: TrainBackend, items: Sequence[Any], micro_batch_size: int, dist: DistInfo
              ) -> dict[str, float]:
     """Eval metrics ("eval/<name>", as the task names them) over this rank's share of `items` (the task
     reduces across ranks).

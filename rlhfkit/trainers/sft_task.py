@@ -18,7 +18,7 @@ from rlhfkit.data.collate import PackedBatch, PaddedBatch, pack_batch, pad_batch
 from rlhfkit.losses.sft import sft_loss
 from rlhfkit.losses.reduce import MicroMetrics
 from rlhfkit.models.forward import token_logprobs
-from rlhfkit.models.vlm import picture_logprob_kwargs
+from rlhfkit.models.vlm import VisionContext, picture_logprob_kwargs
 
 
 Batch = PaddedBatch | PackedBatch
@@ -30,7 +30,7 @@ class SFTTask:
     packing: bool = False
     device: torch.device | str = "cpu"
     dist: DistInfo = field(default_factory=DistInfo)  # whose dp group reduces the metrics
-    vision: Any = None  # a VLM's picture processing (VisionContext), None for text
+    vision: VisionContext | None = None  # a VLM's picture processing, None for text
     # its loss is a sum over tokens: the loop sums its training metrics over the loss group (the dp
     # group; docs/parallelism.md)
     TOKEN_ADDITIVE = True
