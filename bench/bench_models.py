@@ -193,13 +193,16 @@ def _plan_shards(tensors: list[tuple[str, tuple[int, ...], str]], elem: int, lim
     return shards
 
 
-def _header(tensors: list[tuple[str, tuple[int, ...], str]], idx: list[int], elem: int) -> bytes:
+DISK_DTYPES = {"bf16": (torch.bfloat16, "BF16"), "fp8": (torch.float8_e4m3fn, "F8_E4M3")}
+
+
+def _header(tensors: list[tuple[str, tuple[int, ...], str]], idx: list[int], elem: int, tag: str = "BF16") -> bytes:
     meta: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     off = 0
     for k in idx:
         name, shape, _ = tensors[k]
         n = math.prod(shape) * elem
-        meta[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [off, off + n]}
+        meta[name] = {"dtype": tag, "shape": list(shape), "data_offsets": [off, off + n]}
         off += n
     raw = json.dumps(meta, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
@@ -207,11 +210,15 @@ def _header(tensors: list[tuple[str, tuple[int, ...], str]], idx: list[int], ele
 
 
 def write_random_model(path: str, shape: dict, device: str = "cpu", seed: int = 0,
-                       max_shard_bytes: int = SHARD_BYTES) -> dict[str, Any]:
-    """Sharded bf16 safetensors + index for a Qwen2 `shape`, streamed; returns {seconds, bytes, files}."""
+                       max_shard_bytes: int = SHARD_BYTES, disk_dtype: str = "bf16") -> dict[str, Any]:
+    """Sharded bf16 safetensors + index for a Qwen2 `shape`, streamed; returns {seconds, bytes, files}.
+    `disk_dtype` "fp8": the values rounded to float8 e4m3 on disk, half the bytes (a 32B shape on a 64 GiB
+    disk); loaders cast them to the run's dtype."""
     t0 = time.perf_counter()
+    dtype, tag = DISK_DTYPES[disk_dtype]
+    elem = dtype.itemsize
     tensors = qwen3_moe_tensors(shape) if shape.get("arch") == "qwen3_moe" else qwen2_tensors(shape)
-    shards = _plan_shards(tensors, 2, max_shard_bytes)
+    shards = _plan_shards(tensors, elem, max_shard_bytes)
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     work: queue.Queue = queue.Queue(maxsize=2)
     failed: list[BaseException] = []
@@ -239,12 +246,12 @@ def write_random_model(path: str, shape: dict, device: str = "cpu", seed: int = 
     with torch.no_grad():
         for file, idx in zip(names, shards):
             work.put(os.path.join(path, file))
-            work.put(_header(tensors, idx, 2))
+            work.put(_header(tensors, idx, elem, tag))
             for k in idx:
                 name, shp, init = tensors[k]
-                t = tensor_values(name, shp, init, seed, device)
+                t = tensor_values(name, shp, init, seed, device).to(dtype)
                 work.put(t.reshape(-1).view(torch.uint8).cpu())
-                total += t.numel() * 2
+                total += t.numel() * elem
             work.put(_CLOSE)
     work.put(None)
     thread.join()
@@ -260,13 +267,14 @@ def write_random_model(path: str, shape: dict, device: str = "cpu", seed: int = 
 _CLOSE = object()
 
 
-def _write_streamed(path: str, shape: str, device: str | None, seed: int, max_shard_bytes: int) -> dict[str, Any]:
+def _write_streamed(path: str, shape: str, device: str | None, seed: int, max_shard_bytes: int,
+                    disk_dtype: str = "bf16") -> dict[str, Any]:
     from transformers import GenerationConfig
 
     cfg_shape = STREAMED[shape] if isinstance(shape, str) else shape
     tok = build_filler_tokenizer(cfg_shape["vocab_size"])
     os.makedirs(path, exist_ok=True)
-    stats = write_random_model(path, cfg_shape, device or "cpu", seed, max_shard_bytes)
+    stats = write_random_model(path, cfg_shape, device or "cpu", seed, max_shard_bytes, disk_dtype)
     config = _qwen2_config(cfg_shape, tok)
     config.architectures = ["Qwen3MoeForCausalLM" if cfg_shape.get("arch") == "qwen3_moe" else "Qwen2ForCausalLM"]
     config.initializer_range = INIT_STD
@@ -279,20 +287,21 @@ def _write_streamed(path: str, shape: str, device: str | None, seed: int, max_sh
 
 
 def make_bench_model(path: str, shape: str | dict, device: str | None = None, seed: int = 0,
-                     max_shard_bytes: int = SHARD_BYTES) -> str:
+                     max_shard_bytes: int = SHARD_BYTES, disk_dtype: str = "bf16") -> str:
     """Write a random-init model of `shape` (one of SHAPES, or a Qwen2 shape dict: streamed) and its
     tokenizer to `path`.
 
     The 0.5B model is initialised on `device` (default cpu; cuda is much faster) and saved in
     bf16; the tiny one is saved in fp32; the streamed shapes are drawn on `device` tensor by tensor
-    and saved in bf16 shards. Returns `path`. An existing complete directory is reused.
+    and saved in bf16 shards (`disk_dtype` "fp8": float8 e4m3). Returns `path`. An existing complete
+    directory is reused.
     """
     if not isinstance(shape, dict) and shape not in SHAPES:
         raise ValueError(f"--shape must be one of {SHAPES}, got {shape!r}")
     if os.path.exists(os.path.join(path, "config.json")) and os.path.exists(os.path.join(path, "tokenizer.json")):
         return path
     if isinstance(shape, dict) or shape in STREAMED:
-        _write_streamed(path, shape, device, seed, max_shard_bytes)
+        _write_streamed(path, shape, device, seed, max_shard_bytes, disk_dtype)
         return path
     from transformers import AutoModelForCausalLM
 

@@ -273,6 +273,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "sequence lengths of the first steps also recompile the blocks once as dynamic)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--rollout_engine", default="builtin", choices=["builtin", "hf"])
+    ap.add_argument("--disk_dtype", default="bf16", choices=["bf16", "fp8"],
+                    help="the random model's safetensors (fp8: half the disk, e.g. the 32B shape on a 64 GiB disk; "
+                         "loaded in the run's dtype)")
     ap.add_argument("--max_num_seqs", type=int, default=0, help="engine batch; 0: all completions of a step")
     ap.add_argument("--micro_train_batch_size", type=int, default=16)
     ap.add_argument("--micro_rollout_batch_size", type=int, default=32)
@@ -386,7 +389,8 @@ def run_all(a: argparse.Namespace, work: str) -> dict:
     import numpy as np
 
     model_dir = a.model_dir or os.path.join(work, f"model_{a.model}")
-    make_bench_model(model_dir, a.model, device=a.device if a.device.startswith("cuda") else None, seed=a.seed)
+    make_bench_model(model_dir, a.model, device=a.device if a.device.startswith("cuda") else None, seed=a.seed,
+                     disk_dtype=a.disk_dtype)
     free_memory(a.device)
     rng = np.random.default_rng(a.seed)
     biggest = max([a.prompts] + a.trl_prompts)

@@ -1668,7 +1668,8 @@ class TrainPPOFields(FlagConfig):
     vllm_gpu_memory_utilization: float = 0.95
     """fraction of GPU memory a vLLM engine may take [--vllm_gpu_memory_utilization, --vllm.gpu_memory_utilization]"""
     vllm_enable_sleep: bool = False
-    """engines free their GPU memory (weights, KV cache) while the models train [--vllm_enable_sleep,
+    """engines free their GPU memory (weights, KV cache) while the models train; train_ppo's engine frees its KV
+    cache and decode graphs (and its own copy of the weights, if it has one) [--vllm_enable_sleep,
     --vllm.enable_sleep]"""
     enable_prefix_caching: bool = False
     """vLLM prefix caching (--rollout_engine vllm) [--enable_prefix_caching, --vllm.enable_prefix_caching]"""

@@ -58,7 +58,7 @@ def memory_inputs(args: argparse.Namespace, slots: dict[str, int], local: bool =
                         forward_tokens=S.rollout_max_tokens(args) or args.micro_rollout_batch_size * args.max_len,
                         colocate_all=local or args.colocate_all_models, colocate_actor_ref=args.colocate_actor_ref,
                         colocate_critic_reward=args.colocate_critic_reward,
-                        engine_sleep=not local and args.vllm_enable_sleep,
+                        engine_sleep=args.vllm_enable_sleep,
                         train_sleep=not local and args.deepspeed_enable_sleep, local=local, lora_rank=getattr(args, "lora_rank", 0) or 0,
                         optimizers=(("policy", getattr(args, "optim", "adam"), getattr(args, "master_weights", "fp32")),
                                     ("critic", getattr(args, "critic_optim", "adam"),

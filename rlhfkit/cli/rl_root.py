@@ -35,7 +35,9 @@ from rlhfkit.roles.group import LocalGroup
 from rlhfkit.roles.handles import (CriticCalls, CriticHandle, PolicyCalls, PolicyHandle, ReferenceCalls,
                                    ReferenceHandle, RewardCalls, RewardHandle)
 from rlhfkit.rollout.base import RolloutEngine
+from rlhfkit.rollout.engine_utils import EngineSleep
 from rlhfkit.trainers.rl import RLState, RLTrainer
+from rlhfkit.trainers.rl_contracts import EngineMemory
 from rlhfkit.weightsync.sync import LocalWeightSync, WeightSync
 
 if TYPE_CHECKING:
@@ -73,6 +75,7 @@ class Placement:
     reward: RewardCalls | None = None
     critic_backend: CheckpointingBackend | None = None
     save_critic: Callable[[str, PreTrainedTokenizerBase], None] | None = None
+    engine_memory: EngineMemory | None = None  # train_ppo --vllm_enable_sleep: the engine sleeps while models train
 
 
 @dataclass
@@ -144,7 +147,8 @@ def local_placement(args, dist: DistInfo, tokenizer: Any, num_steps: int) -> Pla
                      ref=ReferenceHandle(LocalGroup(ref, "ref")) if ref is not None else None,
                      critic=CriticHandle(LocalGroup(critic, "critic")) if critic is not None else None,
                      reward=RewardHandle(LocalGroup(reward, "reward")) if reward is not None else None,
-                     critic_backend=critic_backend, save_critic=saver)
+                     critic_backend=critic_backend, save_critic=saver,
+                     engine_memory=EngineSleep(engine, 1 if shared else 2) if args.vllm_enable_sleep else None)
 
 
 def _engine_beside(args, dist: DistInfo, tokenizer: Any, policy_backend: Any) -> tuple[Any, frozenset[str], bool]:
@@ -156,7 +160,7 @@ def _engine_beside(args, dist: DistInfo, tokenizer: Any, policy_backend: Any) ->
                          "of its own")
     if why is not None:
         engine = S.build_engine_for(args, tokenizer, dist)
-        if dist.rank == 0:
+        if args.rollout_engine == "builtin" and dist.rank == 0:  # (other engines always load their own)
             log.info(f"rollout engine: its own copy of the policy's weights ({why})")
         return engine, frozenset(), False
     from rlhfkit.rollout.builtin import BuiltinEngine
@@ -197,7 +201,7 @@ def build_trainer(args, placement: Placement, data: RLData, trainer_cls: type = 
                        logger=make_logger(args, p.dist.rank, PLOT_KEYS), pad_token_id=tok.pad_token_id,
                        kl_ctl=S.kl_controller(args), ref=p.ref, critic=p.critic, reward_model=p.reward,
                        eval_executor=eval_executor, eval_prompts=data.eval_prompts, checkpointer=ckpt,
-                       weight_sync=p.weight_sync, **extra)
+                       weight_sync=p.weight_sync, engine_memory=p.engine_memory, **extra)
 
 
 def save_final(args, placement: Placement, tokenizer: Any, fallback: Callable[[], str] | None = None) -> None:

@@ -362,7 +362,8 @@ def _placement(p: FlagParser) -> None:
         p.flag("--vllm_gpu_memory_utilization", "--vllm.gpu_memory_utilization", type=float, default=0.95,
                help="fraction of GPU memory a vLLM engine may take")
         p.flag("--vllm_enable_sleep", "--vllm.enable_sleep", action="store_true",
-               help="engines free their GPU memory (weights, KV cache) while the models train")
+               help="engines free their GPU memory (weights, KV cache) while the models train; train_ppo's "
+                    "engine frees its KV cache and decode graphs (and its own copy of the weights, if it has one)")
         add_prefix_caching_flag(p)
         p.flag("--enforce_eager", "--vllm.enforce_eager", action="store_true", help="vLLM without CUDA graphs")
         p.flag("--colocate_all_models", "--train.colocate_all", action="store_true",
@@ -397,7 +398,7 @@ def _eval(p: FlagParser) -> None:
 RAY_ONLY = [f"{r}_num_nodes" for r in ROLES] + [f"{r}_num_gpus_per_node" for r in ROLES] + [
     "vllm_num_engines", "vllm_tensor_parallel_size", "vllm_sync_backend", "vllm_sync_with_ray",
     "weight_sync", "weight_sync_bucket_mb",
-    "vllm_gpu_memory_utilization", "vllm_enable_sleep", "enable_prefix_caching", "enforce_eager",
+    "vllm_gpu_memory_utilization", "enable_prefix_caching", "enforce_eager",
     "colocate_all_models", "colocate_actor_ref", "colocate_critic_reward", "deepspeed_enable_sleep",
     "async_train", "async_queue_size", "partial_rollout", "skip_memory_check",
 ]

@@ -166,7 +166,7 @@ class MemoryInputs:
     lora_rank: int = 0  # trainable roles train adapters of this rank over a frozen base (--lora_rank)
     # (--optim, --master_weights) of the policy and of the critic (--critic_optim, --critic_master_weights)
     optimizers: tuple[tuple[str, str, str], ...] = (("policy", "adam", "fp32"), ("critic", "adam", "fp32"))
-    local: bool = False  # train_ppo: every role and the engine in each rank's process (no sleep, no Ray pools)
+    local: bool = False  # train_ppo: every role and the engine in each rank's process (no Ray pools; only the engine sleeps)
 
 
 @dataclass
@@ -362,7 +362,7 @@ def _candidates(x: MemoryInputs) -> list[tuple[str, MemoryInputs]]:
     if not x.gradient_checkpointing:
         out.append(("--gradient_checkpointing", replace(x, gradient_checkpointing=True)))
     shared = x.colocate_all or x.colocate_actor_ref or x.colocate_critic_reward
-    if x.engine and x.colocate_all and not x.engine_sleep and not x.local:
+    if x.engine and x.colocate_all and not x.engine_sleep:
         out.append(("--vllm_enable_sleep", replace(x, engine_sleep=True)))
     if shared and not x.train_sleep and not x.local:
         out.append(("--deepspeed_enable_sleep", replace(x, train_sleep=True)))

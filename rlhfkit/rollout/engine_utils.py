@@ -149,3 +149,24 @@ class ThreadBatchingAsync:
             for (_, fut), o in zip(batch, outs):
                 if not fut.done():
                     fut.set_result(o)
+
+
+class EngineSleep:
+    """An in-process engine's generation memory freed while the models train (the trainers' EngineMemory;
+    train_ppo --vllm_enable_sleep): `sleep(level)` after a rollout, `wake_up()` before the next generation.
+    Level 1 frees the KV cache (and decode graphs); level 2 also moves the engine's own copy of the weights
+    to the host, which an engine serving the policy's weights must not do."""
+
+    def __init__(self, engine: Any, level: int) -> None:
+        self.engine, self.level = engine, level
+        self.asleep = False
+
+    def release(self) -> None:
+        if not self.asleep:
+            self.engine.sleep(self.level)
+            self.asleep = True
+
+    def restore(self) -> None:
+        if self.asleep:
+            self.engine.wake_up()
+            self.asleep = False

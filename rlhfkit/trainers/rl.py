@@ -58,7 +58,7 @@ from rlhfkit.trainers.metrics import PhaseClock, SampleRow, metrics_record, prog
 from rlhfkit.trainers.offline import epoch_order, warn_if_no_space
 from rlhfkit.roles.handles import CriticCalls, PolicyCalls, ReferenceCalls, RewardCalls
 from rlhfkit.trainers.rl_config import FailedStepsError, RLLoopConfig, RLState
-from rlhfkit.trainers.rl_contracts import EpisodeRunner, KLControl, RLCheckpointing, StepLogger
+from rlhfkit.trainers.rl_contracts import EngineMemory, EpisodeRunner, KLControl, RLCheckpointing, StepLogger
 from rlhfkit.trainers.run_settings import check_same_run
 from rlhfkit.weightsync.sync import WeightSync
 from rlhfkit.trainers.stop import StepAbandoned
@@ -113,7 +113,8 @@ class RLTrainer:
                  prompts: Sequence[PromptSample], dist: DistInfo, logger: StepLogger, pad_token_id: int,
                  kl_ctl: KLControl, ref: ReferenceCalls | None = None, critic: CriticCalls | None = None,
                  reward_model: RewardCalls | None = None, eval_executor: EpisodeRunner | None = None,
-                 eval_prompts: Sequence[PromptSample] = (), checkpointer: RLCheckpointing | None = None) -> None:
+                 eval_prompts: Sequence[PromptSample] = (), checkpointer: RLCheckpointing | None = None,
+                 engine_memory: EngineMemory | None = None) -> None:
         self.cfg, self.adv_cfg, self.shaping = cfg, adv_cfg, shaping
         self.policy, self.ref, self.critic, self.reward_model = policy, ref, critic, reward_model
         self.executor, self.eval_executor = executor, eval_executor
@@ -121,6 +122,7 @@ class RLTrainer:
         self.prompts, self.eval_prompts = list(prompts), list(eval_prompts)
         self.dist, self.logger, self.pad_token_id = dist, logger, pad_token_id
         self.kl_ctl, self.checkpointer = kl_ctl, checkpointer
+        self.engine_memory = engine_memory  # released after each rollout, restored before a generation
         if cfg.rollout_batch_size % dist.dp_size:
             what = "world size" if dist.dp_size == dist.world_size else "data-parallel size"
             raise ValueError(f"--rollout_batch_size ({cfg.rollout_batch_size}) must be a multiple of the {what} "
@@ -191,6 +193,8 @@ class RLTrainer:
 
     def _generate(self, executor: EpisodeRunner, prompts: list[PromptSample], n: int, salt: int, first_global: int):
         self._reseed(executor, salt, first_global, n)
+        if self.engine_memory is not None:
+            self.engine_memory.restore()
         return run_coroutine(executor.run_episodes(prompts, n))
 
     def rollout(self) -> tuple[list[Trajectory], dict[str, float]]:
@@ -262,6 +266,9 @@ class RLTrainer:
         t = PhaseClock()
         with t("generate"):
             trajs, metrics = self.rollout()
+        if self.engine_memory is not None:
+            with t("engine_sleep"):
+                self.engine_memory.release()
         # decided on every rank together: a rank skipping alone would leave the others in a collective
         empty_ranks = int(self.dist.all_reduce_world(torch.tensor(float(not trajs))).item())
         metrics["skipped_steps"] = float(empty_ranks > 0)

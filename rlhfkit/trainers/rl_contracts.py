@@ -51,6 +51,18 @@ class KLControl(Protocol):
     def load_state_dict(self, state: dict[str, float]) -> None: ...
 
 
+class EngineMemory(Protocol):
+    """An in-process engine's generation memory between rollouts (train_ppo --vllm_enable_sleep)."""
+
+    def release(self) -> None:
+        """Free it (the KV cache) while the models train."""
+        ...
+
+    def restore(self) -> None:
+        """Have it back before the next generation (a no-op when it is there)."""
+        ...
+
+
 class RLCheckpointing(Protocol):
     def save(self, root: str, tag: str, client: dict, max_keep: int) -> None: ...
 

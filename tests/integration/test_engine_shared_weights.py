@@ -13,8 +13,10 @@
                   change of the adapters; GRPO with --lora_rank, shared and copy (merged per step): same rewards
                   and adapters
     refusals      --engine_weights shared with the HF engine is refused naming the reason and --engine_weights
-                  copy; auto falls back to a copy with one line; sleep(2) of a sharing engine is refused (it
-                  would move the policy's weights)
+                  copy (auto gives it a copy, with one line for the builtin engine); sleep(2) of a sharing
+                  engine is refused (it would move the policy's weights)
+    sleep         --vllm_enable_sleep in train_ppo: the engine frees its KV cache after each rollout and has it
+                  back before the next; the run equals the run without it
 """
 
 from __future__ import annotations
@@ -173,15 +175,11 @@ def test_lora_shared_run_matches_the_merged_copy(tiny_model_dir, tmp_path, caplo
         torch.testing.assert_close(ws[k], wc[k], atol=1e-5, rtol=0)
 
 
-def test_refusal_and_fallback_lines(tiny_model_dir, tmp_path, caplog):
+def test_shared_is_refused_where_it_cannot_hold(tiny_model_dir, tmp_path):
     d = write_rl_data(str(tmp_path))
     with pytest.raises(UsageError, match=r"--engine_weights shared: --rollout_engine hf .*--engine_weights copy"):
         train_ppo.run.__wrapped__(*_parsed(rl_flags(tiny_model_dir, d, str(tmp_path / "a"), "--engine_weights",
                                                     "shared", "--rollout_engine", "hf", steps=1)))
-    with caplog.at_level(logging.INFO):
-        train_ppo.main(rl_flags(tiny_model_dir, d, str(tmp_path / "c"), "--rollout_engine", "hf", steps=1))
-    assert "rollout engine: its own copy of the policy's weights (--rollout_engine hf loads its own copy)" \
-        in caplog.text
 
 
 def _metrics_and_adapters(save: str):
@@ -197,3 +195,22 @@ def _metrics_and_adapters(save: str):
 def _parsed(argv: list[str]):
     parser = train_ppo.build_parser()
     return parser.parse(argv), parser
+
+
+@pytest.mark.slow
+def test_engine_sleeps_between_rollouts(tiny_model_dir, tmp_path):
+    """train_ppo --vllm_enable_sleep: the engine frees its KV cache after each rollout and has it back before
+    the next; the run is the run without it (same rewards, losses, weights), and logs the sleep's time."""
+    d = write_rl_data(str(tmp_path))
+    runs = {}
+    for name, extra in (("awake", ()), ("sleep", ("--vllm_enable_sleep",))):
+        save = os.path.join(d, name)
+        train_ppo.main(rl_flags(tiny_model_dir, d, save, *extra, steps=2))
+        runs[name] = read_run(save)
+    (ra, wa), (rs, ws) = runs["awake"], runs["sleep"]
+    for a, b in zip(ra, rs):
+        for k in ("train/reward", "train/policy_loss", "train/grad_norm"):
+            assert a[k] == b[k], k
+    assert all("time/engine_sleep" in r for r in rs) and not any("time/engine_sleep" in r for r in ra)
+    for k in wa:
+        assert torch.equal(wa[k], ws[k]), k

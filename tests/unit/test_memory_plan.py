@@ -11,6 +11,7 @@ I 18944, V 152064, q/k/v biases, untied head.
 from __future__ import annotations
 
 import subprocess
+from dataclasses import replace
 import sys
 
 import pytest
@@ -203,7 +204,8 @@ def test_train_ppo_engine_serving_the_policy_weights_holds_none_of_its_own():
     """train_ppo (local): the policy and an engine in one process on one GPU, nothing asleep. An engine that
     serves the policy's weights (--engine_weights) adds its KV cache and context only: 7.6B lean, one GPU, the
     policy phase is the policy's 6.03 P + activations + both contexts + the awake engine's KV cache; its own
-    copy adds 2 P (14.2 GiB). The advice names no flag train_ppo ignores (sleep) and torchrun for more GPUs."""
+    copy adds 2 P (14.2 GiB). The advice names the engine's sleep but not the models' (train_ppo has none) and
+    torchrun for more GPUs; asleep, the sharing engine holds nothing in the policy phase."""
     one = (RoleMemory("policy", QWEN7B, 1),)
     lean = (("policy", "adamw_8bit", "bf16_stochastic"),)
 
@@ -217,4 +219,7 @@ def test_train_ppo_engine_serving_the_policy_weights_holds_none_of_its_own():
     assert copied.phases["policy"] - shared.phases["policy"] == 2 * P
     assert copied.phases["generate"] - shared.phases["generate"] == 2 * P
     msg = over_budget(local(True), 40 * GiB)
-    assert "sleep" not in msg and "torchrun --nproc_per_node 2" in msg and "--actor_num_gpus" not in msg
+    assert "--deepspeed_enable_sleep" not in msg and "--vllm_enable_sleep (" in msg
+    assert "torchrun --nproc_per_node 2" in msg and "--actor_num_gpus" not in msg
+    asleep = plan_memory(replace(local(True), engine_sleep=True)).pools[0]
+    assert shared.phases["policy"] - asleep.phases["policy"] == kv
