@@ -122,6 +122,7 @@ class DPOTask:
     device: torch.device | str = "cpu"
     dist: DistInfo = field(default_factory=DistInfo)  # whose dp group reduces the metrics
     vision: VisionContext | None = None  # a VLM's picture processing: both sides of a pair show its pictures
+    TOKEN_ADDITIVE = False  # a loss over pairs / samples: the loop sums its metrics over the dp group
 
     def __post_init__(self) -> None:
         check_dpo_settings(self.beta, self.label_smoothing, self.ipo, self.nll_loss_coef)

@@ -29,7 +29,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, ClassVar, Protocol, Sequence
 
 import torch
 from rlhfkit.backend.base import TrainBackend
@@ -51,6 +51,8 @@ log = logging.getLogger(__name__)
 
 class OfflineTask(Protocol):
     """What a paradigm (SFT, RM, DPO, ...) plugs into the loop."""
+
+    TOKEN_ADDITIVE: ClassVar[bool]  # its loss is a sum over tokens (module docstring)
 
     def collate(self, items: Sequence[Any]) -> Any: ...
 
@@ -283,7 +285,7 @@ def _train_step(task: OfflineTask, backend: TrainBackend, micro: list[Any], dist
     host = pending.result()
     keys = sorted(host)
     vec = torch.tensor([host[k] for k in keys], dtype=torch.float64)
-    vec = dist.all_reduce_loss(vec) if getattr(task, "TOKEN_ADDITIVE", False) else dist.all_reduce_dp(vec)
+    vec = dist.all_reduce_loss(vec) if task.TOKEN_ADDITIVE else dist.all_reduce_dp(vec)
     out = {k: float(v) for k, v in zip(keys, vec.tolist())}
     out.update(stepped)
     return out

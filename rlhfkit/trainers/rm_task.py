@@ -105,6 +105,7 @@ class RMTask:
     packing: bool = False
     device: torch.device | str = "cpu"
     dist: DistInfo = field(default_factory=DistInfo)  # whose dp group reduces the metrics
+    TOKEN_ADDITIVE = False  # a loss over pairs / samples: the loop sums its metrics over the dp group
 
     def __post_init__(self) -> None:
         if self.loss_type not in RM_LOSSES:

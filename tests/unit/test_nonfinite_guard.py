@@ -148,6 +148,8 @@ def test_fp16_overflow_is_the_loss_scale_s_business_until_it_is_at_its_minimum()
 class Regression:
     """A toy offline task: items are floats, the loss is (w . 1 - y)^2; a NaN item poisons its batch."""
 
+    TOKEN_ADDITIVE = False
+
     def collate(self, items):
         return torch.tensor(items, dtype=torch.float32)
 
