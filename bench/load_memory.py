@@ -50,6 +50,8 @@ def main() -> None:
     ap.add_argument("--path", choices=("device", "backend"), default="device")
     ap.add_argument("--whole", action="store_true", help="transformers' from_pretrained on the host, then .to")
     ap.add_argument("--lora_rank", type=int, default=0)
+    ap.add_argument("--disk_dtype", default="bf16", choices=["bf16", "fp8"],
+                    help="the random model's safetensors (fp8: the 32B shape on a 64 GiB disk; loaded as bf16)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -66,7 +68,7 @@ def main() -> None:
     device = dist.device if dist else a.device
     path = a.model_dir or f"/tmp/bench_{a.shape}"
     if rank == 0:
-        make_bench_model(path, a.shape, device=device)
+        make_bench_model(path, a.shape, device=device, disk_dtype=a.disk_dtype)
     if torchrun:
         torch.distributed.barrier()
     from transformers import AutoModelForCausalLM

@@ -6,6 +6,7 @@
 #                   stochastic rounding (no fp32 masters); the engine serves the policy's weights (shared) or
 #                   holds its own copy (--engine_weights copy)
 #   lora            7B LoRA rank 64 on every linear layer, 16 x 8, the engine serving base + adapters unmerged
+#   load32          host memory of loading the 32B LoRA policy onto the GPU (bench/load_memory.py)
 #   lora32          the 32B shape, LoRA rank 16, 8 x 8, the same, the engine's KV cache freed while training
 #                   (--vllm_enable_sleep), the random weights in float8 on disk (the device's disk is 64 GiB)
 set -uo pipefail
@@ -23,6 +24,9 @@ for variant in "${@:-shared}"; do
     lora) extra="--lora_rank 64 --lora_alpha 128 --target_modules all-linear --engine_weights shared" ;;
     lora32) extra="--lora_rank 16 --lora_alpha 32 --target_modules all-linear --engine_weights shared --vllm_enable_sleep"
             shape=qwen2.5-32b prompts=8 micro=4 disk=fp8 ;;
+    load32) timeout 400 python3 bench/load_memory.py --shape qwen2.5-32b --model_dir /tmp/bench_qwen2.5-32b \
+              --disk_dtype fp8 --path backend --lora_rank 16 --out "$out/load_memory_32b_lora_${gpu}.json" 2>&1 | tail -3
+            continue ;;
     *) echo "unknown variant $variant"; exit 2 ;;
   esac
   timeout 540 python3 bench/rl_step.py --model $shape --model_dir /tmp/bench_${shape} --prompts $prompts --n 8 --disk_dtype $disk \
