@@ -152,7 +152,8 @@ def generate_reply(model: Any, tokenizer: Any, prompt: str, cfg: ReplyConfig) ->
     gen = GenerationConfig(do_sample=sample, temperature=cfg.temperature if sample else None,
                            top_p=cfg.top_p if sample else None, top_k=0 if sample else None,
                            repetition_penalty=cfg.repetition_penalty, max_new_tokens=budget,
-                           eos_token_id=eos_ids_of(model, tokenizer) or None, pad_token_id=tokenizer.pad_token_id)
+                           eos_token_id=eos_ids_of(model.generation_config, tokenizer) or None,
+                           pad_token_id=tokenizer.pad_token_id)
     device = next(model.parameters()).device
     input_ids = torch.tensor([ids], dtype=torch.long, device=device)
     out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), generation_config=gen)

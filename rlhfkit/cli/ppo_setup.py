@@ -417,8 +417,6 @@ def build_engine_for(args: argparse.Namespace, tokenizer: Any, dist: DistInfo, t
 def pretrain_eos_ids(path: str, tokenizer: Any) -> list[int]:
     """The eos ids of a model directory's generation config and its tokenizer (what an engine loaded from
     `path` stops at)."""
-    from types import SimpleNamespace
-
     from transformers import GenerationConfig
 
     from rlhfkit.models.hub import resolve_model_path
@@ -428,7 +426,7 @@ def pretrain_eos_ids(path: str, tokenizer: Any) -> list[int]:
         gen = GenerationConfig.from_pretrained(resolve_model_path(path, "--pretrain"))
     except (OSError, ValueError):
         gen = None
-    return eos_ids_of(SimpleNamespace(generation_config=gen), tokenizer)
+    return eos_ids_of(gen, tokenizer)
 
 
 def flags_block_sharing(args: argparse.Namespace, world_size: int) -> str | None:

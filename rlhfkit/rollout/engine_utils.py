@@ -6,11 +6,14 @@ from __future__ import annotations
 import asyncio
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
 from rlhfkit.types import Completion, GenerationRequest
+
+if TYPE_CHECKING:
+    from transformers import GenerationConfig
 
 
 @dataclass
@@ -70,11 +73,12 @@ def to_device(data: Any, dtype: torch.dtype | None = None, *, device: torch.devi
     return t.pin_memory().to(device, non_blocking=True)
 
 
-def eos_ids_of(model: Any, tokenizer: Any) -> list[int]:
-    """eos ids from the model's generation config and the tokenizer (union, sorted)."""
+def eos_ids_of(generation_config: GenerationConfig | None, tokenizer: Any) -> list[int]:
+    """eos ids from the model's generation config and the tokenizer (union, sorted); a tokenizer of a
+    backend without `eos_token_id` (or a plain decode function) adds none."""
     ids: set[int] = set()
-    gen_cfg = getattr(model, "generation_config", None)
-    for src in (getattr(gen_cfg, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+    from_config = generation_config.eos_token_id if generation_config is not None else None
+    for src in (from_config, getattr(tokenizer, "eos_token_id", None)):
         if isinstance(src, int):
             ids.add(src)
         elif isinstance(src, (list, tuple)):

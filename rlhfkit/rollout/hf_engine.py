@@ -49,7 +49,8 @@ class HFEngine(ThreadBatchingAsync):
         self.model = model.to(self.device).eval()  # type: ignore[arg-type]
         self.tokenizer = tokenizer
         self._decode = make_decode(tokenizer)
-        self.eos_token_ids = eos_ids_of(model, tokenizer) if eos_token_ids is None else list(eos_token_ids)
+        self.eos_token_ids = (eos_ids_of(model.generation_config, tokenizer) if eos_token_ids is None
+                              else list(eos_token_ids))
         self.max_batch_size = max_batch_size
         if pad_token_id is None:
             pad_token_id = getattr(tokenizer, "pad_token_id", None)

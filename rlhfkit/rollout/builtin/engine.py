@@ -103,11 +103,12 @@ class BuiltinEngine:
         self.tokenizer = tokenizer
         decode_text = make_decode(tokenizer)
         self._decode_text = decode_text
-        hf_config, gen_source, self.dtype, self.spec, weights, shared = load_weights(
+        hf_config, generation_config, self.dtype, self.spec, weights, shared = load_weights(
             model, dtype, self.device, self.tp, share=share_weights)
         # the HF names whose tensors the module and the engine share (share_weights): a weight sync skips them
         self.shared_names: frozenset[str] = shared
-        self.eos_token_ids = eos_ids_of(gen_source, tokenizer) if eos_token_ids is None else list(eos_token_ids)
+        self.eos_token_ids = (eos_ids_of(generation_config, tokenizer) if eos_token_ids is None
+                              else list(eos_token_ids))
         cfg = self.config
         self.max_model_len = cfg.max_model_len or min(self.spec.max_position_embeddings, 2048)
         tables = rope_table_set(hf_config, self.spec, self.max_model_len, self.dtype, self.device)

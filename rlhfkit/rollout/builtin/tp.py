@@ -19,7 +19,7 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,6 +28,9 @@ from rlhfkit.models.hf_config import ConfigFields
 from rlhfkit.rollout.builtin.step import ControlChannel, MirroredSteps, StepRunner
 from rlhfkit.rollout.builtin.weights import (ModelSpec, ModelWeights, adopt_parameters, load_from_hf_model,
                                             load_from_safetensors)
+
+if TYPE_CHECKING:
+    from transformers import GenerationConfig
 
 
 @dataclass
@@ -138,8 +141,9 @@ def _check(tp: TensorParallelGroup, device: str) -> None:
 
 
 def load_weights(model: Any, dtype: torch.dtype | None, device: torch.device, tp: TensorParallelGroup | None,
-                 share: bool = False) -> tuple[Any, Any, torch.dtype, ModelSpec, ModelWeights, frozenset[str]]:
-    """(HF config, object holding the generation config, dtype, spec, weights, names shared with the module)
+                 share: bool = False
+                 ) -> tuple[Any, GenerationConfig | None, torch.dtype, ModelSpec, ModelWeights, frozenset[str]]:
+    """(HF config, generation config (None: none), dtype, spec, weights, names shared with the module)
     of this shard, from an HF module, a model directory (safetensors read slice by slice) or an HF config
     alone (random weights, as HF initialises them: normal(0, initializer_range), norms 1; for benchmarks).
     `share` (an HF module, no tensor parallelism): the module's parameters become views of the engine's
@@ -150,7 +154,7 @@ def load_weights(model: Any, dtype: torch.dtype | None, device: torch.device, tp
     if isinstance(model, PretrainedConfig):
         dtype = dtype or _config_dtype(model)
         spec, weights = random_weights(model, dtype, device, shard)
-        return model, _GenSource(None), dtype, spec, weights, frozenset()
+        return model, None, dtype, spec, weights, frozenset()
     if isinstance(model, (str, os.PathLike)):
         from transformers import AutoConfig, GenerationConfig
 
@@ -162,15 +166,15 @@ def load_weights(model: Any, dtype: torch.dtype | None, device: torch.device, tp
         except (OSError, ValueError):
             gen = None
         spec, weights = load_from_safetensors(path, config, dtype, device, shard)
-        return config, _GenSource(gen), dtype, spec, weights, frozenset()
+        return config, gen, dtype, spec, weights, frozenset()
     dtype = dtype or next(model.parameters()).dtype
     if share:
         if shard is not None:
             raise ValueError("a tensor-parallel engine cannot share the module's weights (each shard holds a slice)")
         spec, weights, shared = adopt_parameters(model, dtype, device)
-        return model.config, model, dtype, spec, weights, shared
+        return model.config, model.generation_config, dtype, spec, weights, shared
     spec, weights = load_from_hf_model(model, dtype, device, shard)
-    return model.config, model, dtype, spec, weights, frozenset()
+    return model.config, model.generation_config, dtype, spec, weights, frozenset()
 
 
 def random_weights(config: Any, dtype: torch.dtype, device: torch.device,
@@ -195,11 +199,6 @@ def random_weights(config: Any, dtype: torch.dtype, device: torch.device,
         else:
             t.normal_(0.0, std, generator=g)
     return spec, weights
-
-
-@dataclass
-class _GenSource:
-    generation_config: Any
 
 
 def _config_dtype(config: Any) -> torch.dtype:
