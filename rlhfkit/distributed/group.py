@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import time
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, Callable, Concatenate, Iterator, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Concatenate, Iterator, ParamSpec, TypeVar
 
 import torch
 
@@ -41,6 +41,9 @@ from rlhfkit.distributed.health import ActorLabel, HealthMonitor, wait_all
 from rlhfkit.distributed.workers import RoleWorker
 from rlhfkit.types import ExperienceBatch
 from rlhfkit.weightsync.protocol import PushStats
+
+if TYPE_CHECKING:
+    from rlhfkit.distributed.engines import RayEngineRouter
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -89,7 +92,7 @@ class Phases:
 
     def __init__(self, engine_sleep: bool = False, train_sleep: bool = False, rollout_flush: bool = True) -> None:
         self.engine_sleep, self.train_sleep, self.rollout_flush = engine_sleep, train_sleep, rollout_flush
-        self.engine: Any = None
+        self.engine: RayEngineRouter | None = None  # the router registers itself
         self.timings: dict[str, float] = {}
         self.moved: dict[str, float] = {}  # offload / reload seconds and bytes as the ranks measured them
         self._pending: RayGroup | None = None  # on the device, to be offloaded before anyone else works
