@@ -721,6 +721,30 @@ def sharing_blocker(model: torch.nn.Module) -> str | None:
     return None
 
 
+def _materialize_part(weights: ModelWeights, name: str | None, device: torch.device) -> None:
+    """Allocate on `device` the meta tensors of the part of `weights` that HF parameter `name` fills: its
+    layer's, or the embeddings, final norm and head; `name` None: every part still on the meta device."""
+    def real(t: torch.Tensor | None) -> torch.Tensor | None:
+        return torch.empty(t.shape, dtype=t.dtype, device=device) if t is not None and t.is_meta else t
+
+    m = _LAYER_RE.match(normalized_name(name)) if name is not None else None
+    layers = weights.layers if name is None else [weights.layers[int(m.group(1))]] if m is not None else []
+    if name is None or m is None:
+        tied = weights.lm_head is weights.embed
+        embed, final_norm = real(weights.embed), real(weights.final_norm)
+        assert embed is not None and final_norm is not None
+        weights.embed, weights.final_norm = embed, final_norm
+        if tied:
+            weights.lm_head = weights.embed
+        else:
+            lm_head = real(weights.lm_head)
+            assert lm_head is not None
+            weights.lm_head = lm_head
+    for layer in layers:
+        for k, t in layer.named_tensors().items():
+            setattr(layer, k, real(t))
+
+
 def adopt_parameters(model: torch.nn.Module, dtype: torch.dtype,
                      device: torch.device) -> tuple[ModelSpec, ModelWeights, frozenset[str]]:
     """Like `load_from_hf_model`, then each parameter of `model` that lands whole in one engine tensor (or a
@@ -741,16 +765,24 @@ def adopt_parameters(model: torch.nn.Module, dtype: torch.dtype,
     if why is not None:
         raise ValueError(f"the engine cannot share these weights: {why}")
     spec = ModelSpec.from_hf_config(model.config)
-    named = [(n, p) for n, p in model.named_parameters() if not _LORA_RE.match(n)]  # tied parameters once
-    weights = allocate_weights(spec, {_peft_base_name(n) for n, _ in named}, dtype, device)
+    params = dict(model.named_parameters())  # tied parameters once
+    for peft_name, param in params.items():
+        if isinstance(param, DTensor):
+            raise ValueError(f"adopt_parameters: {peft_name} is a DTensor (a sharded module cannot share its "
+                             "weights with one engine)")
+        if _LORA_RE.match(peft_name) and (param.dtype != dtype or param.device != device):
+            raise ValueError(f"the engine cannot share these weights: the adapter {peft_name} is {param.dtype} on "
+                             f"{param.device}, the engine's {dtype} on {device}")
+    named = [(n, p) for n, p in params.items() if not _LORA_RE.match(n)]
+    # allocated where each part is first filled (the embeddings and head, then layer by layer), and each
+    # shared parameter's own storage freed as it moves in: one copy and one layer at the most, not two copies
+    weights = allocate_weights(spec, {_peft_base_name(n) for n, _ in named}, dtype, torch.device("meta"))
     coverage = _Coverage()
     shared: set[str] = set()
     with torch.no_grad():
         for peft_name, param in named:
-            if isinstance(param, DTensor):
-                raise ValueError(f"adopt_parameters: {peft_name} is a DTensor (a sharded module cannot share its "
-                                 "weights with one engine)")
             name = _peft_base_name(peft_name)
+            _materialize_part(weights, name, device)
             found = _keyed_targets(weights, spec, name)
             for dst, index, _ in found:
                 _copy_into(dst, param.detach()[index], name)
@@ -761,16 +793,13 @@ def adopt_parameters(model: torch.nn.Module, dtype: torch.dtype,
                         and dst.device == param.device and dst.is_contiguous()):
                     param.data = dst
                     shared.add(normalized_name(name))
+    _materialize_part(weights, None, device)  # any part no parameter filled (coverage says which)
     coverage.check(spec, weights)
-    params = dict(model.named_parameters())
     for module, (scale, _) in lora_layers(model).items():
         place = _lora_place(spec, module)
         assert not isinstance(place, str)  # sharing_blocker checked every adapter
         li, attr, start, end = place
         a, b = params[f"{module}.lora_A.default.weight"], params[f"{module}.lora_B.default.weight"]
-        if a.dtype != dtype or b.dtype != dtype or a.device != device or b.device != device:
-            raise ValueError(f"the engine cannot share these weights: {module}'s adapters are {a.dtype} on "
-                             f"{a.device}, the engine's {dtype} on {device}")
         end = getattr(weights.layers[li], attr).shape[0] if end < 0 else end
         weights.layers[li].lora.setdefault(attr, []).append(LoraPart(start, end, a.detach(), b.detach(), scale))
         shared.add(normalized_name(_peft_base_name(module) + ".weight"))
