@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import time
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import TYPE_CHECKING, Any, Callable, Concatenate, Iterator, ParamSpec, TypeVar
+from typing import Any, Callable, Concatenate, Iterator, ParamSpec, Protocol, TypeVar
 
 import torch
 
@@ -41,9 +41,6 @@ from rlhfkit.distributed.health import ActorLabel, HealthMonitor, wait_all
 from rlhfkit.distributed.workers import RoleWorker
 from rlhfkit.types import ExperienceBatch
 from rlhfkit.weightsync.protocol import PushStats
-
-if TYPE_CHECKING:
-    from rlhfkit.distributed.engines import RayEngineRouter
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -78,6 +75,16 @@ def merge_results(results: list[Any]) -> Any:
     raise TypeError(f"cannot merge per-rank results of type {type(first).__name__}")
 
 
+class SleepingEngines(Protocol):
+    """The engines whose memory the phases free and restore (distributed.engines.RayEngineRouter)."""
+
+    asleep: bool
+
+    def sleep(self, level: int | None = None) -> None: ...
+
+    def wake_up(self) -> None: ...
+
+
 class Phases:
     """Sleep / wake between phases; see the module docstring. `engine` is set by the router.
 
@@ -92,7 +99,7 @@ class Phases:
 
     def __init__(self, engine_sleep: bool = False, train_sleep: bool = False, rollout_flush: bool = True) -> None:
         self.engine_sleep, self.train_sleep, self.rollout_flush = engine_sleep, train_sleep, rollout_flush
-        self.engine: RayEngineRouter | None = None  # the router registers itself
+        self.engine: SleepingEngines | None = None  # the engines' router registers itself
         self.timings: dict[str, float] = {}
         self.moved: dict[str, float] = {}  # offload / reload seconds and bytes as the ranks measured them
         self._pending: RayGroup | None = None  # on the device, to be offloaded before anyone else works
