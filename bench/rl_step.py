@@ -158,7 +158,7 @@ def run_rlhfkit(a: argparse.Namespace, model_dir: str, data: str, reward: str, w
     out.update(watch.result())
     seq = a.prompt_len + (out["response_length"] or 0)  # the training phase's MFU (median step)
     out["train_mfu"] = phase_mfu(model_dir, prompts * a.n * seq, seq, median([m["time/train"] for m in metrics]),
-                                 device_name(a.device))
+                                 device_name(a.device), lora_rank=args.lora_rank)
     out.update(prompts=prompts, completions=prompts * a.n, peak_gpu_gib=peak_gib(a.device), min_new_tokens=min_new,
                micro_train_batch_size=args.micro_train_batch_size,
                micro_rollout_batch_size=args.micro_rollout_batch_size,

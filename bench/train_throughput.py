@@ -53,17 +53,30 @@ def build(shape: str, device: str, dtype: torch.dtype, attn: str):
     return model.to(dtype), cfg
 
 
-def flops_per_token(cfg, n_params: int, seq: int, causal_half: bool = True) -> float:
-    """6 N + attention, fwd + bwd. The attention term 12 L h s is PaLM's (Chowdhery et al. 2022, app. B),
-    which counts the whole score matrix; by default it is halved here (a causal kernel skips the upper
-    triangle), `causal_half=False` gives PaLM's count (what TorchTitan and veRL report)."""
+def flops_per_token(cfg, n_params: int, seq: int, causal_half: bool = True, lora_params: int | None = None) -> float:
+    """Training FLOPs a token, forward + backward, recomputation not counted: 6 N (2 N forward, 2 N for the
+    activations' gradients, 2 N for the weights') + attention. The attention term 12 L h s counts the whole
+    score matrix (QK^T and its product with V, forward and backward); by default it is halved here (a causal
+    kernel skips the upper triangle), `causal_half=False` gives the whole count, which other stacks report.
+    `lora_params` (adapters over a frozen base): the base needs no weight gradients, so 4 N + 6 x the adapters'
+    parameters + attention."""
     attn = 12 * cfg.num_hidden_layers * cfg.hidden_size * seq
-    return 6 * n_params + (attn / 2 if causal_half else attn)
+    dense = 6 * n_params if lora_params is None else 4 * n_params + 6 * lora_params
+    return dense + (attn / 2 if causal_half else attn)
 
 
-def phase_mfu(model_dir: str, tokens: float, seq: float, seconds: float | None, device_name: str) -> float | None:
+def lora_param_count(model, rank: int) -> int:
+    """Parameters of rank-`rank` adapters on every linear layer of the decoder blocks (all-linear: the LM head
+    left out), as a peft model would add them: rank x (in + out) each."""
+    return sum(rank * (m.in_features + m.out_features) for name, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and ".layers." in f".{name}.")
+
+
+def phase_mfu(model_dir: str, tokens: float, seq: float, seconds: float | None, device_name: str,
+              lora_rank: int = 0) -> float | None:
     """MFU of a phase that trains `tokens` tokens of rows `seq` long in `seconds` (same FLOPs count as above;
-    the model's parameters counted on the meta device). None off the GPUs in PEAK_BF16."""
+    the model's parameters counted on the meta device; `lora_rank`: adapters on every linear layer over a
+    frozen base). None off the GPUs in PEAK_BF16."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     peak = peak_flops(device_name)
@@ -72,7 +85,8 @@ def phase_mfu(model_dir: str, tokens: float, seq: float, seconds: float | None, 
     cfg = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
-    return tokens * flops_per_token(cfg, active_params(model, cfg), int(seq)) / seconds / peak
+    lora = lora_param_count(model, lora_rank) if lora_rank else None
+    return tokens * flops_per_token(cfg, active_params(model, cfg), int(seq), lora_params=lora) / seconds / peak
 
 
 def active_params(model, cfg) -> int:
