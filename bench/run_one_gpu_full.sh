@@ -29,7 +29,7 @@ for variant in "${@:-shared}"; do
             continue ;;
     *) echo "unknown variant $variant"; exit 2 ;;
   esac
-  timeout 540 python3 bench/rl_step.py --model $shape --model_dir /tmp/bench_${shape} --prompts $prompts --n 8 --disk_dtype $disk \
+  timeout ${RUN_TIMEOUT:-540} python3 bench/rl_step.py --model $shape --model_dir /tmp/bench_${shape} --prompts $prompts --n 8 --disk_dtype $disk \
     --prompt_len 128 --new_tokens 256 --steps 3 --warmup_steps 1 --skip_trl --gradient_checkpointing on \
     --micro_train_batch_size $micro --micro_rollout_batch_size 32 --rlhfkit_flags="$extra" \
     --out "$out/grpo_1gpu_${variant}_${gpu}.json" 2>&1 | grep -vE "^\s*$" | tail -25
