@@ -156,6 +156,7 @@ def run_rlhfkit(a: argparse.Namespace, model_dir: str, data: str, reward: str, w
         trainer.logger.close()
     out = summarize_rlhfkit(walls, metrics, prompts * a.n)
     out.update(watch.result())
+    out["plan_peak_gib"] = plan_peak_gib(args)
     seq = a.prompt_len + (out["response_length"] or 0)  # the training phase's MFU (median step)
     out["train_mfu"] = phase_mfu(model_dir, prompts * a.n * seq, seq, median([m["time/train"] for m in metrics]),
                                  device_name(a.device), lora_rank=args.lora_rank)
@@ -165,6 +166,20 @@ def run_rlhfkit(a: argparse.Namespace, model_dir: str, data: str, reward: str, w
                engine_max_num_seqs=engine_batch_size(engine), rlhfkit_flags=a.rlhfkit_flags,
                engine_stats=dict(vars(engine.stats)) if hasattr(engine, "stats") else None)
     return out if prof is None else {**out, "profile": prof}
+
+
+def plan_peak_gib(args: argparse.Namespace) -> float | None:
+    """The peak train_ppo's memory plan (printed before loading, on a GPU) gives this run, for the JSON
+    beside the device's measured peak."""
+    from rlhfkit.cli import ppo_setup
+    from rlhfkit.cli.memory_check import memory_inputs
+    from rlhfkit.distributed.memory_plan import plan_memory
+
+    try:
+        inputs = memory_inputs(args, {r: 1 for r in ppo_setup.roles_in_run(args, local=True)}, local=True)
+    except Exception:  # noqa: BLE001 - the plan is skipped where the CLI skips it
+        return None
+    return round(plan_memory(inputs).peak / 2**30, 2)
 
 
 def python_profile(fn: Callable[[], Any], rows: int) -> list[str]:
