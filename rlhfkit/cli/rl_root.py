@@ -2,11 +2,14 @@
 whatever the placement (train_ppo: roles in this process, one process or torchrun ranks;
 train_ppo_ray: Ray role groups and engine actors).
 
-    flags -> load_data                 tokenizer, --prompt_data prompts, --eval_dataset prompts
-          -> Placement                 built by the command: local_placement (here) or
-                                       train_ppo_ray's Ray launch; role groups, the engine, the
-                                       weight-sync object, the backends checkpoints and exports use
-          -> build_trainer             executors, evaluation check, checkpointer, loop configs (ppo_setup)
+    run(args, parser, layout), one sequence for every layout (`Layout`: LocalLayout here, train_ppo_ray's
+    RayLayout):
+    flags -> resolve_flags, the layout's checks, the memory plan (before any model loads)
+          -> load_data                 tokenizer (once per process), --prompt_data prompts, --eval_dataset prompts
+          -> layout.place              a Placement: local_placement (here) or train_ppo_ray's Ray launch;
+                                       role groups, the engine, the weight-sync object, the backends
+                                       checkpoints and exports use; and the trainer (build_trainer:
+                                       executors, evaluation check, checkpointer, loop configs)
           -> trainer.fit()
           -> save_final                policy (+ --save_value_network critic) in Hugging Face format
           -> RLRun                     what `train_ppo.run` returns (the Python API reads it)
@@ -19,8 +22,9 @@ from __future__ import annotations
 
 import functools
 import logging
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 
 from rlhfkit.backend.base import CheckpointingBackend
 from rlhfkit.parallel.dist import DistInfo
@@ -202,6 +206,96 @@ def build_trainer(args, placement: Placement, data: RLData, trainer_cls: type = 
                        kl_ctl=S.kl_controller(args), ref=p.ref, critic=p.critic, reward_model=p.reward,
                        eval_executor=eval_executor, eval_prompts=data.eval_prompts, checkpointer=ckpt,
                        weight_sync=p.weight_sync, engine_memory=p.engine_memory, **extra)
+
+
+class Layout(Protocol):
+    """Where an RL run's roles live: train_ppo's `LocalLayout` (this process, or one of N torchrun ranks) or
+    train_ppo_ray's Ray actors. `run` calls them in this order."""
+
+    def world(self, args) -> int:
+        """The policy's ranks (what --rollout_batch_size and the engines' batch are checked against)."""
+        ...
+
+    def check(self, args, parser) -> None:
+        """The layout's own checks and one-line notes, on the resolved flags."""
+        ...
+
+    def memory_slots(self, args) -> tuple[dict[str, int], bool] | None:
+        """(ranks of each role, local layout) for the memory plan, or None where no plan applies."""
+        ...
+
+    def place(self, args, data: RLData, num_steps: int) -> AbstractContextManager[tuple[Placement, Any]]:
+        """(placement, trainer) for the run's length; afterwards every engine, thread and actor is let go,
+        whether the run ended or failed."""
+        ...
+
+
+def run(args, parser, layout: Layout) -> RLRun:
+    """The RL commands' one run sequence: flags -> checks -> memory plan -> data -> placement -> loop -> saved
+    policy, the same for every layout."""
+    from rlhfkit.cli.common import disable_hf_progress_bars, set_seed
+    from rlhfkit.cli.memory_check import check_memory
+    from rlhfkit.roles.memory import RoleOutOfMemory
+
+    S.resolve_flags(args, layout.world(args))
+    layout.check(args, parser)
+    slots = layout.memory_slots(args)
+    if slots is not None:  # before any model loads
+        check_memory(args, slots[0], local=slots[1])
+    set_seed(args.seed, args.full_determinism)
+    if args.disable_progress:
+        disable_hf_progress_bars()
+    data = load_data(args)
+    with layout.place(args, data, S.optimizer_steps(args, len(data.prompts))) as (placement, trainer):
+        try:
+            trainer.fit()
+        except RoleOutOfMemory as e:
+            raise S.explain_oom(args, e) from None
+        finally:
+            trainer.logger.close()
+        save_final(args, placement, data.tokenizer, fallback=trainer.save_checkpoint)
+    return RLRun(trainer.state, placement, data.tokenizer)
+
+
+class LocalLayout:
+    """train_ppo: the roles and an engine in this process (one of N torchrun ranks)."""
+
+    def __init__(self) -> None:
+        self.dist: DistInfo | None = None
+
+    def world(self, args) -> int:
+        from rlhfkit.cli.common import note_cpu_dtype
+        from rlhfkit.parallel.dist import init_distributed
+
+        self.dist = init_distributed(args.device)
+        note_cpu_dtype(args, self.dist.device)
+        return self.dist.world_size
+
+    def check(self, args, parser) -> None:
+        from rlhfkit.parallel.mesh import attach_mesh
+
+        assert self.dist is not None
+        # resolve_flags refused tp / cp > 1, so the world is data parallel; its process groups, built once
+        self.dist = attach_mesh(self.dist, parallel_dims(args, self.dist))
+        S.note_ray_only_flags(args, parser, "train_ppo")
+
+    def memory_slots(self, args) -> tuple[dict[str, int], bool] | None:
+        assert self.dist is not None
+        if not self.dist.device.startswith("cuda"):  # a CPU run has no device memory to plan
+            return None
+        return {r: self.dist.world_size for r in S.roles_in_run(args, local=True)}, True
+
+    @contextmanager
+    def place(self, args, data: RLData, num_steps: int) -> Iterator[tuple[Placement, Any]]:
+        from rlhfkit.agents.reward_pool import close_pools
+
+        assert self.dist is not None
+        placement = local_placement(args, self.dist, data.tokenizer, num_steps)
+        try:
+            yield placement, build_trainer(args, placement, data)
+        finally:  # also when the run fails: no thread may be inside torch or user code at exit
+            S.close_rollout(placement.engine)
+            close_pools()
 
 
 def save_final(args, placement: Placement, tokenizer: Any, fallback: Callable[[], str] | None = None) -> None:

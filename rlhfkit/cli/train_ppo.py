@@ -16,17 +16,12 @@ train_ppo_ray's is. `run(args, parser)` is also what the Python API's PPO/GRPO/R
 
 from __future__ import annotations
 
-from rlhfkit.agents.reward_pool import close_pools
-from rlhfkit.parallel.dist import init_distributed
-from rlhfkit.parallel.mesh import attach_mesh
 from rlhfkit.cli import ppo_setup as S
 from rlhfkit.cli import rl_root as R
-from rlhfkit.cli.memory_check import check_memory
-from rlhfkit.cli.common import cli_main, disable_hf_progress_bars, note_cpu_dtype, parallel_dims, set_seed
+from rlhfkit.cli.common import cli_main
 from rlhfkit.cli.run_dir import training_run
 from rlhfkit.config.flags import FlagParser
 from rlhfkit.config.rl_flags import add_rl_flags, apply_preset
-from rlhfkit.roles.memory import RoleOutOfMemory
 
 
 def build_parser(preset: str | None = None, prog: str = "train_ppo", description: str | None = None) -> FlagParser:
@@ -54,27 +49,7 @@ def build_trainer(args, dist):
 
 @training_run
 def run(args, parser) -> R.RLRun:
-    dist = init_distributed(args.device)
-    note_cpu_dtype(args, dist.device)
-    S.resolve_flags(args, dist.world_size)  # refuses tp / cp > 1, so the world is data parallel here
-    dist = attach_mesh(dist, parallel_dims(args, dist))  # the dp / tp / cp process groups, built once
-    S.note_ray_only_flags(args, parser, "train_ppo")
-    if dist.device.startswith("cuda"):  # the plan of each rank's GPU, before any model loads
-        check_memory(args, {r: dist.world_size for r in S.roles_in_run(args, local=True)}, local=True)
-    set_seed(args.seed, args.full_determinism)
-    if args.disable_progress:
-        disable_hf_progress_bars()
-    trainer, placement, tokenizer = build_trainer(args, dist)
-    try:
-        trainer.fit()
-    except RoleOutOfMemory as e:
-        raise S.explain_oom(args, e) from None
-    finally:  # also when the run fails: no thread may be inside torch or user code at exit
-        S.close_rollout(placement.engine)
-        close_pools()
-        trainer.logger.close()
-    R.save_final(args, placement, tokenizer, fallback=trainer.save_checkpoint)
-    return R.RLRun(trainer.state, placement, tokenizer)
+    return R.run(args, parser, R.LocalLayout())
 
 
 def main(argv: list[str] | None = None, parser: FlagParser | None = None) -> list[dict]:

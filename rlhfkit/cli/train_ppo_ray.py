@@ -42,13 +42,13 @@ import logging
 import os
 import threading
 import time
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.cli import ppo_setup as S
 from rlhfkit.cli import rl_root as R
 from rlhfkit.cli.common import UsageError, cli_main, note_cpu_dtype, set_seed
-from rlhfkit.cli.memory_check import check_memory
 from rlhfkit.cli.train_ppo import build_parser as ppo_parser
 from rlhfkit.cli.run_dir import training_run
 from rlhfkit.optional import require
@@ -289,44 +289,56 @@ def save_final(args, launched, tokenizer, fallback=None) -> None:
     R.save_final(args, ray_placement(launched), tokenizer, fallback=fallback)
 
 
-@training_run
-def run(args, parser, hard_exit: bool = False) -> None:
-    from rlhfkit.distributed.launch import connect
-    from rlhfkit.trainers.stop import current as stop_signals
+class RayLayout:
+    """train_ppo_ray: the role groups and engines as Ray actors, the loop in this driver (rl_root.Layout)."""
 
-    stop_signals().can_abandon = False  # a step of Ray actors always finishes before the stop checkpoint
-    shapes = role_shapes(args)
-    S.resolve_flags(args, shapes["policy"].slots)
-    check_ray_flags(args, shapes)
-    warn_async(args)
-    note_no_effect(args, parser)
-    check_memory(args, {name: s.slots for name, s in shapes.items()})
-    set_seed(args.seed, args.full_determinism)
-    data = R.load_data(args)
-    num_steps = S.optimizer_steps(args, len(data.prompts))
-    started = connect(args.ray_address)
-    launched = None
-    try:
-        launched, phases = launch_roles(args, num_steps, shapes, hard_exit)
-        trainer = build_ray_trainer(args, launched, phases, data.tokenizer, data.prompts, data.eval_prompts, data)
-        trainer.fit()
-        trainer.logger.close()
-        save_final(args, launched, data.tokenizer, fallback=trainer.save_checkpoint)
-    finally:
+    def __init__(self, hard_exit: bool = False) -> None:
+        self.hard_exit = hard_exit
+        self.shapes: dict[str, Any] = {}
+
+    def world(self, args) -> int:
+        from rlhfkit.trainers.stop import current as stop_signals
+
+        stop_signals().can_abandon = False  # a step of Ray actors always finishes before the stop checkpoint
+        self.shapes = role_shapes(args)
+        return self.shapes["policy"].slots
+
+    def check(self, args, parser) -> None:
+        check_ray_flags(args, self.shapes)
+        warn_async(args)
+        note_no_effect(args, parser)
+
+    def memory_slots(self, args) -> tuple[dict[str, int], bool]:
+        return {name: s.slots for name, s in self.shapes.items()}, False
+
+    @contextmanager
+    def place(self, args, data: R.RLData, num_steps: int) -> Iterator[tuple[R.Placement, AsyncRLTrainer]]:
         from rlhfkit.agents.reward_pool import close_pools
+        from rlhfkit.agents.user_code import shutdown_user_threads
+        from rlhfkit.distributed.launch import connect
 
-        close_pools()  # the driver's reward workers (the executors run in the driver)
-        if launched is not None:
-            from rlhfkit.agents.user_code import shutdown_user_threads
+        started = connect(args.ray_address)
+        launched = None
+        try:
+            launched, phases = launch_roles(args, num_steps, self.shapes, self.hard_exit)
+            trainer = build_ray_trainer(args, launched, phases, data.tokenizer, data.prompts, data.eval_prompts, data)
+            yield ray_placement(launched), trainer
+        finally:
+            close_pools()  # the driver's reward workers (the executors run in the driver)
+            if launched is not None:
+                stuck = shutdown_user_threads(5.0)  # reward_func / agent threads of the driver's executors
+                if stuck:
+                    log.info(f"note: {stuck} reward_func / agent call(s) still running after 5 s were abandoned")
+                launched.shutdown()
+            if started:
+                import ray
 
-            stuck = shutdown_user_threads(5.0)  # reward_func / agent threads of the driver's executors
-            if stuck:
-                log.info(f"note: {stuck} reward_func / agent call(s) still running after 5 s were abandoned")
-            launched.shutdown()
-        if started:
-            import ray
+                ray.shutdown()
 
-            ray.shutdown()
+
+@training_run
+def run(args, parser, hard_exit: bool = False) -> R.RLRun:
+    return R.run(args, parser, RayLayout(hard_exit))
 
 
 def main(argv: list[str] | None = None, hard_exit: bool = False) -> None:
