@@ -23,7 +23,8 @@ import pytest
 import torch
 from helpers import subprocess_env, torchrun_cmd
 
-pytestmark = pytest.mark.distributed
+# --dist loadgroup: one worker builds its one-process reference, not each worker that runs one of the tests
+pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("context_parallel")]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))

@@ -25,7 +25,8 @@ from rlhfkit.checkpoint.files import load_tensors
 from rlhfkit.parallel.dist import DistInfo
 from helpers import free_port, pythonpath  # noqa: E402
 
-pytestmark = pytest.mark.distributed
+# --dist loadgroup: one worker builds its one- and two-rank runs, not each worker that runs one of the tests
+pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("fsdp2_equivalence")]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))

@@ -29,7 +29,8 @@ from test_ray_ppo import SAMPLE_KEYS, TRAIN_KEYS
 ray = pytest.importorskip("ray")
 from rlhfkit.cli import train_ppo_ray  # noqa: E402
 
-pytestmark = pytest.mark.distributed
+# --dist loadgroup: one worker runs the modules on the local Ray, which starts once, not once a worker
+pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("local_ray")]
 
 AGENT = '''
 import json, os, time

@@ -41,7 +41,8 @@ from rlhfkit.cli import train_ppo
 ray = pytest.importorskip("ray")
 from rlhfkit.cli import train_ppo_ray  # noqa: E402
 
-pytestmark = pytest.mark.distributed
+# --dist loadgroup: one worker runs the modules on the local Ray, which starts once, not once a worker
+pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("local_ray")]
 
 SAMPLE_KEYS = ["train/reward", "train/reward_std", "train/response_length", "train/truncated_rate", "train/even_frac"]
 TRAIN_KEYS = ["train/policy_loss", "train/kl_loss", "train/kl", "train/advantage", "train/grad_norm", "train/entropy"]

@@ -25,7 +25,8 @@ from test_ray_ppo import SAMPLE_KEYS, placement
 ray = pytest.importorskip("ray")
 from rlhfkit.cli import train_ppo, train_ppo_ray  # noqa: E402
 
-pytestmark = pytest.mark.distributed
+# --dist loadgroup: one worker runs the modules on the local Ray, which starts once, not once a worker
+pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("local_ray")]
 
 TRAIN_KEYS = ["train/policy_loss", "train/kl_loss", "train/kl", "train/advantage", "train/grad_norm"]
 TP = ["--vllm_num_engines", "1", "--vllm_tensor_parallel_size", "2", "--actor_num_gpus_per_node", "2",

@@ -50,6 +50,9 @@ from rlhfkit.api.history import metric_key
 from rlhfkit.cli import train_dpo, train_ppo, train_sft
 from rlhfkit.tasks.addition import addition_splits
 
+# --dist loadgroup: one worker builds its example run, not each worker that runs one of the tests
+pytestmark = pytest.mark.xdist_group("api")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = os.path.join(ROOT, "examples", "api_sft_then_grpo.py")
 MIN_GAIN = 0.05  # measured +0.12 (seed 0 and 1)

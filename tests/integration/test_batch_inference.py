@@ -15,6 +15,9 @@ from rlhfkit.data.io import DataError, load_rows
 from rlhfkit.data.post_processors import (conditional_sft, iterative_dpo, rejection_sampling, resolve_post_processor,
                                           scored_samples)
 
+# --dist loadgroup: one worker builds its reward model, not each worker that runs one of the tests
+pytestmark = pytest.mark.xdist_group("batch_inference")
+
 TEMPLATE = "Q: {}\nA: "
 MEAN, STD = 0.5, 2.0
 

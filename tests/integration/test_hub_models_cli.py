@@ -16,6 +16,9 @@ import torch
 from helpers import subprocess_env
 from hub_cache import place_in_hub_cache
 
+# --dist loadgroup: one worker builds its hub cache and LoRA run, not each worker that runs one of the tests
+pytestmark = pytest.mark.xdist_group("hub_models_cli")
+
 REPO = "org/tiny"
 
 

@@ -16,6 +16,9 @@ from rlhfkit.cli import batch_inference, train_rm
 from rlhfkit.models.loader import load_tokenizer
 from rlhfkit.models.value import appends_eos, load_value_model, save_value_model
 
+# --dist loadgroup: one worker builds its reward models (one on SmolLM2), not each worker that runs one of the tests
+pytestmark = pytest.mark.xdist_group("rm_plain_transformers")
+
 ROWS = [{"input": "3+4=", "output": "7"}, {"input": "10+25=", "output": "35 I think"},
         {"input": "1+1=", "output": "3"}, {"input": "Q: what is 2+2?\nA: ", "output": "4"}]
 

@@ -23,6 +23,9 @@ from rlhfkit.models.loader import load_tokenizer
 from rlhfkit.models.value import load_value_model, reward_at_last_token, save_value_model
 from helpers import free_port, get_json, listening_pid, post_json  # noqa: E402
 
+# --dist loadgroup: one worker builds its reward model and server, not each worker that runs one of the tests
+pytestmark = pytest.mark.xdist_group("serve_rm")
+
 MEAN, STD, MAX_LEN = 0.5, 2.0, 64
 QUERIES = ["<|im_start|>user\n1+2=<|im_end|>\n<|im_start|>assistant\n3<|im_end|>", "ab", "hello world",
            "12+34=46", "x" * MAX_LEN, "the quick brown fox"]

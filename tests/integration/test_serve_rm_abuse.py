@@ -22,6 +22,9 @@ from rlhfkit.models.loader import load_tokenizer
 from rlhfkit.models.value import load_value_model, save_value_model
 from helpers import free_port, get_json, post_json  # noqa: E402
 
+# --dist loadgroup: one worker builds its reward model and server, not each worker that runs one of the tests
+pytestmark = pytest.mark.xdist_group("serve_rm_abuse")
+
 MAX_LEN, READ_TIMEOUT_S = 64, 2.0
 
 

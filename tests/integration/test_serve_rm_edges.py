@@ -10,6 +10,9 @@ import pytest
 from helpers import post_json
 from test_serve_rm_abuse import Server, _read_until_closed, rm_dir  # noqa: F401 - rm_dir: a fixture
 
+# --dist loadgroup: one worker builds its server, not each worker that runs one of the tests
+pytestmark = pytest.mark.xdist_group("serve_rm_edges")
+
 
 @pytest.fixture(scope="module")
 def server(rm_dir, tmp_path_factory):  # noqa: F811

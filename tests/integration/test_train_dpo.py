@@ -20,6 +20,9 @@ from rlhfkit.models.loader import load_causal_lm
 from rlhfkit.trainers.dpo_task import sequence_logps
 from rlhfkit.trainers.rm_task import collate_pairs
 
+# --dist loadgroup: one worker builds its trained model, not each worker that runs one of the tests
+pytestmark = pytest.mark.xdist_group("train_dpo")
+
 
 def addition_pairs(seed: int = 0, n: int = 5, train_wrong: int = 5, eval_wrong: int = 2):
     rng = random.Random(seed)

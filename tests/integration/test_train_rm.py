@@ -22,6 +22,9 @@ from rlhfkit.data.items import SFTItem
 from rlhfkit.data.preference import preference_rows
 from rlhfkit.trainers.rm_task import collate_seqs, last_token_rewards
 
+# --dist loadgroup: one worker builds its trained model, not each worker that runs one of the tests
+pytestmark = pytest.mark.xdist_group("train_rm")
+
 N, TRAIN_WRONG, EVAL_WRONG = 5, 5, 2  # a, b in 0..4; wrong answers per question
 
 
