@@ -119,9 +119,9 @@ def test_train_ppo(tiny_model_dir, data_dir, tmp_path):
 def assets(tmp_path_factory) -> dict[str, str]:
     """The OpenRLHF-script assets: tiny llama, a PRM model with the step tag, KTO / PRM / KD data."""
     sys.path.insert(0, os.path.join(ROOT, "tests", "openrlhf_scripts"))
-    from openrlhf_assets import build_assets
+    from openrlhf_assets import shared_assets
 
-    return build_assets(str(tmp_path_factory.mktemp("assets")))
+    return shared_assets(tmp_path_factory)  # the OpenRLHF-script tests' own, built once a run
 
 
 OFFLINE = {  # the copies of OpenRLHF's scripts (tests/openrlhf_scripts/flat), sizes cut to 2 steps

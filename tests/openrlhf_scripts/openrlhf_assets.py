@@ -22,6 +22,7 @@ label to compare with. Nothing is downloaded.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import random
@@ -142,6 +143,24 @@ def build_assets(root: str) -> dict[str, str]:
     write_geometry(data, pairs)
     env["DATA"] = data
     return env
+
+
+def shared_assets(tmp_path_factory) -> dict[str, str]:
+    """build_assets once for the whole pytest run, under a lock: every xdist worker and every module that asks gets
+    the same folder (the scripts and the tests only read it; what they write goes under their own $OUT)."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the run's folder, above the workers'
+    target = os.path.join(str(root), "openrlhf_assets")
+    done = os.path.join(target, "env.json")
+    with open(os.path.join(str(root), "openrlhf_assets.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.isfile(done):
+            env = build_assets(target)
+            with open(done + ".tmp", "w") as f:
+                json.dump(env, f)
+            os.replace(done + ".tmp", done)
+    with open(done) as f:
+        return json.load(f)
 
 
 if __name__ == "__main__":

@@ -95,7 +95,7 @@ from dataclasses import dataclass, field
 import pytest
 import warmstart
 
-from openrlhf_assets import build_assets
+from openrlhf_assets import shared_assets
 from helpers import free_port, subprocess_env
 
 pytestmark = pytest.mark.slow
@@ -197,7 +197,7 @@ CASES = _cases()
 
 @pytest.fixture(scope="session")
 def assets(tmp_path_factory) -> dict[str, str]:
-    env = build_assets(str(tmp_path_factory.mktemp("openrlhf_assets")))
+    env = shared_assets(tmp_path_factory)  # built once a run, for every worker
     env["REWARD_FUNC"] = os.path.join(HERE, "user_files", "reward_func.py")
     env["AGENT_FUNC"] = os.path.join(HERE, "user_files", "agent_func.py")
     return env
