@@ -73,8 +73,8 @@ pair, on the tiny models with their vocabulary padded to 104 (TP_MODEL, TP_RM_MO
 `test_tensor_parallel_script` checks that the log shows the split and that the exported model holds full
 (gathered) tensors.
 
-Ray: the Ray cases of one test process share one Ray head (`ray start --block`,
-started on first use and stopped at the end), so Ray starts once per xdist worker.
+Ray: the Ray cases share one Ray head (`ray start --block`, started on first use and stopped at the end):
+with `--dist loadgroup` they run on one xdist worker (RAY_GROUP), so Ray starts once per run.
 
 Run alone: pytest tests/openrlhf_scripts -n 2 (part of `make test`)
 """
@@ -306,7 +306,16 @@ def script_env(assets: dict[str, str], out: str, extra: dict[str, str] | None = 
     return env
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+# --dist loadgroup: the cases on Ray run on one worker, which starts the one Ray head of the run (about 6 s of CPU,
+# then 2.5% of a core while the worker lives), not one head on every worker
+RAY_GROUP = pytest.mark.xdist_group("openrlhf_ray")
+
+
+def params(cases: list[Case]) -> list:
+    return [pytest.param(c, id=c.id, marks=[RAY_GROUP] if c.ray else []) for c in cases]
+
+
+@pytest.mark.parametrize("case", params(CASES))
 def test_script(case: Case, assets, ray_head, tmp_path):
     out = str(tmp_path)
     extra = dict(case.env)
@@ -402,6 +411,7 @@ def _wait_for_server(url: str, proc: subprocess.Popen, log_path: str, timeout: f
     raise AssertionError(f"serve_rm not answering after {timeout:.0f} s:\n{open(log_path).read()[-4000:]}")
 
 
+@RAY_GROUP
 @pytest.mark.parametrize("spelling", ["flat", "dotted"])
 def test_serve_remote_rm_then_ppo(spelling, assets, ray_head, tmp_path):
     """serve_remote_rm.sh serves the tiny reward model; train_ppo_llama_with_remote_rm.sh trains PPO with
@@ -436,7 +446,7 @@ TP_CASES = [
 TP_NOTE = "tensor parallelism: attention, MLP, embedding and lm_head split over 2 ranks"  # printed by apply_tp
 
 
-@pytest.mark.parametrize("case", TP_CASES, ids=[c.id for c in TP_CASES])
+@pytest.mark.parametrize("case", params(TP_CASES))
 def test_tensor_parallel_script(case: Case, assets, ray_head, tmp_path):
     """OpenRLHF's AutoTP scripts with --ds_tensor_parallel_size 2 as written: the models were split (the note in
     the log) and the exported policy holds full tensors (the tiny Llama: vocabulary 104, hidden 64)."""
