@@ -191,7 +191,7 @@ def test_chat_command_gives_generate_one_bos(gemma_dir, monkeypatch):
 
 
 def test_serve_rm_scores_a_query_with_or_without_its_bos_alike(gemma_dir, tmp_path):
-    from rlhfkit.cli.serve_rm import RewardScorer, ServeConfig
+    from rlhfkit.serving.scorer import RewardScorer, ServeConfig
     from rlhfkit.models.loader import load_tokenizer
     from rlhfkit.models.value import load_value_model, reward_at_last_token, save_value_model
 
