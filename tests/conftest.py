@@ -46,6 +46,40 @@ def pytest_unconfigure(config):
         warmstart.unconfigure(_WARM_DIR)
 
 
+def _import_env() -> dict[str, str]:
+    """The variables of os.environ that modules read while they are imported: what names a warm interpreter."""
+    return warmstart.tool("warm_keys").import_env(dict(os.environ))
+
+
+def _restore_import_env(before: dict[str, str]) -> None:
+    now = _import_env()
+    for k in now.keys() - before.keys():
+        del os.environ[k]
+    for k, v in before.items():
+        if now.get(k) != v:
+            os.environ[k] = v
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _import_env_kept_by_module():
+    """The import-time variables a module's tests and fixtures set end with the module (a test of the benches
+    imports a bench module, which sets HF_DATASETS_OFFLINE and HF_HUB_DISABLE_TELEMETRY; an in-process run with
+    --full_determinism sets CUDA_LAUNCH_BLOCKING): otherwise every process a later test of this worker starts has
+    another import environment, so another warm interpreter (tests/warmstart: seconds of imports, and cold
+    interpreters until it serves). What session fixtures set stays."""
+    before = _import_env()
+    yield
+    _restore_import_env(before)
+
+
+@pytest.fixture(autouse=True)
+def _import_env_kept():
+    """The same for each test: the import-time variables it sets end with it."""
+    before = _import_env()
+    yield
+    _restore_import_env(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
     """A 2-layer, hidden-64 Llama with the character tokenizer (about 145k parameters)."""

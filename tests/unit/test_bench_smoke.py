@@ -16,8 +16,14 @@ BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abs
 @pytest.fixture(scope="module")
 def rl_step():
     sys.path.insert(0, BENCH)
+    env = dict(os.environ)
     try:
-        yield importlib.import_module("rl_step")
+        module = importlib.import_module("rl_step")
+        # what the bench sets for its own runs on import (HF_DATASETS_OFFLINE ...: the tests are offline already) would
+        # give the processes this worker starts another import environment (tests/conftest.py: _import_env_kept)
+        os.environ.clear()
+        os.environ.update(env)
+        yield module
     finally:
         sys.path.remove(BENCH)
 
