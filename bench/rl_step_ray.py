@@ -21,7 +21,7 @@ weights go by gloo broadcast.
 
 Same model directory, prompts, reward, batch and flags as the one-process run (rl_step.py's
 `rlhfkit_argv`: no reference model, GRPO, bf16 on GPU, min_new_tokens = max_new_tokens), plus the
-layout's flags. The driver builds the trainer as `train_ppo_ray.run` does (flags, placement, Ray
+layout's flags. The driver builds the trainer as `train_ppo_ray`'s RayLayout does (flags, placement, Ray
 groups), runs `--warmup_steps` warm-up and `--steps` timed `train_step()` calls, and records per step:
 the wall time; the loop's phases (generate, reward, logprobs, train, weight_sync; the rollout's
 `generate` includes the states' offload and the engines' wake-up, `generate_only_s` is without
@@ -228,12 +228,13 @@ def _build(a: argparse.Namespace, argv: list[str]) -> tuple[Any, Any, Any, Any]:
     from rlhfkit.cli import rl_root
     from rlhfkit.cli import train_ppo_ray as R
     from rlhfkit.cli.common import set_seed
+    from rlhfkit.cli.memory_check import check_memory
 
     args = R.build_parser().parse(argv)
     shapes = R.role_shapes(args)
     S.resolve_flags(args, shapes["policy"].slots)
     R.check_ray_flags(args, shapes)
-    R.check_memory(args, {name: s.slots for name, s in shapes.items()})
+    check_memory(args, {name: s.slots for name, s in shapes.items()})
     args.bench_plan = plan_gib(args, shapes)
     set_seed(args.seed)
     data = rl_root.load_data(args)  # with --max_images_per_prompt: the pictures' processor and layout too

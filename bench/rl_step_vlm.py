@@ -6,7 +6,7 @@
         --picture 56 --steps 1 --out /tmp/rl_step_vlm_cpu.json          # CPU workers, 2 slots
     python bench/rl_step_vlm.py --shape qwen2.5-vl-7b --write_model_only --model_dir /tmp/vlm7b
 
-What runs: train_ppo_ray's trainer, built in this process as `train_ppo_ray.run` builds it (its flag
+What runs: train_ppo_ray's trainer, built in this process as `train_ppo_ray`'s RayLayout builds it (its flag
 parsing, checks, memory plan, placement and Ray groups: rl_step_ray.py's `_build`), with
 `--colocate_all_models` over `--ray_gpus` slots: `--ray_gpus` FSDP2 policy ranks and
 `--ray_gpus / --engine_tp` builtin engines of tensor-parallel size `--engine_tp` on the same GPUs,
