@@ -6,6 +6,8 @@
 #                   stochastic rounding (no fp32 masters); the engine serves the policy's weights (shared) or
 #                   holds its own copy (--engine_weights copy)
 #   lora            7B LoRA rank 64 on every linear layer, 16 x 8, the engine serving base + adapters unmerged
+#   lora_fast       the same for speed where memory allows: the engine's own merged copy, no gradient
+#                   checkpointing, micro-batches of 4
 #   load32          host memory of loading the 32B LoRA policy onto the GPU (bench/load_memory.py)
 #   lora32          the 32B shape, LoRA rank 16, 8 x 8, the same, the engine's KV cache freed while training
 #                   (--vllm_enable_sleep), the random weights in float8 on disk (the device's disk is 64 GiB)
@@ -17,11 +19,13 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[1].lower())")
 lean='--optim adamw_8bit --master_weights bf16_stochastic'
 for variant in "${@:-shared}"; do
-  shape=qwen2.5-7b prompts=16 micro=16 disk=bf16
+  shape=qwen2.5-7b prompts=16 micro=16 disk=bf16 gc=on
   case $variant in
     copy) extra="$lean --engine_weights copy" ;;
     shared) extra="$lean --engine_weights shared" ;;
     lora) extra="--lora_rank 64 --lora_alpha 128 --target_modules all-linear --engine_weights shared" ;;
+    lora_fast) extra="--lora_rank 64 --lora_alpha 128 --target_modules all-linear --engine_weights copy"
+               gc=off micro=4 ;;
     lora32) extra="--lora_rank 16 --lora_alpha 32 --target_modules all-linear --engine_weights shared --vllm_enable_sleep"
             shape=qwen2.5-32b prompts=8 micro=4 disk=fp8 ;;
     load32) timeout 400 python3 bench/load_memory.py --shape qwen2.5-32b --model_dir /tmp/bench_qwen2.5-32b \
@@ -30,7 +34,7 @@ for variant in "${@:-shared}"; do
     *) echo "unknown variant $variant"; exit 2 ;;
   esac
   timeout ${RUN_TIMEOUT:-540} python3 bench/rl_step.py --model $shape --model_dir /tmp/bench_${shape} --prompts $prompts --n 8 --disk_dtype $disk \
-    --prompt_len 128 --new_tokens 256 --steps 3 --warmup_steps 1 --skip_trl --gradient_checkpointing on \
+    --prompt_len 128 --new_tokens 256 --steps 3 --warmup_steps 1 --skip_trl --gradient_checkpointing $gc \
     --micro_train_batch_size $micro --micro_rollout_batch_size 32 --rlhfkit_flags="$extra" \
     --out "$out/grpo_1gpu_${variant}_${gpu}.json" 2>&1 | grep -vE "^\s*$" | tail -25
 done
