@@ -82,14 +82,7 @@ def test_adopted_parameters_live_in_the_engine(tiny_model_dir):
 
 @pytest.mark.slow
 def test_shared_run_equals_copied_run(tiny_model_dir, tmp_path, caplog):
-    d = write_rl_data(str(tmp_path))
-    runs = {}
-    for mode in ("shared", "copy"):
-        save = os.path.join(d, mode)
-        with caplog.at_level(logging.INFO):
-            caplog.clear()
-            train_ppo.main(rl_flags(tiny_model_dir, d, save, "--engine_weights", mode, steps=3))
-        runs[mode] = read_run(save), caplog.text
+    runs = _shared_and_copied(tiny_model_dir, str(tmp_path), caplog, read_run)
     ((rs, ws), log_s), ((rc, wc), log_c) = runs["shared"], runs["copy"]
     assert "serves the policy's own weights" in log_s and "its own copy" in log_c
     assert [r["step"] for r in rs] == [1, 2, 3]
@@ -157,15 +150,8 @@ def test_lora_adapters_are_served_unmerged(tiny_model_dir):
 def test_lora_shared_run_matches_the_merged_copy(tiny_model_dir, tmp_path, caplog):
     """GRPO with --lora_rank 4, 3 steps: the engine applying the adapters unmerged samples what the engine
     given merged weights samples (rewards equal), and the runs end with the same adapters (1e-5)."""
-    d = write_rl_data(str(tmp_path))
-    runs = {}
-    for mode in ("shared", "copy"):
-        save = os.path.join(d, mode)
-        with caplog.at_level(logging.INFO):
-            caplog.clear()
-            train_ppo.main(rl_flags(tiny_model_dir, d, save, "--engine_weights", mode, "--lora_rank", "4",
-                                    "--lora_alpha", "8", steps=3))
-        runs[mode] = _metrics_and_adapters(save), caplog.text
+    runs = _shared_and_copied(tiny_model_dir, str(tmp_path), caplog, _metrics_and_adapters,
+                              "--lora_rank", "4", "--lora_alpha", "8")
     ((rs, ws), log_s), ((rc, wc), _) = runs["shared"], runs["copy"]
     assert "LoRA adapters, unmerged" in log_s and len(rs) == 3
     for a, b in zip(rs, rc):
@@ -180,6 +166,19 @@ def test_shared_is_refused_where_it_cannot_hold(tiny_model_dir, tmp_path):
     with pytest.raises(UsageError, match=r"--engine_weights shared: --rollout_engine hf .*--engine_weights copy"):
         train_ppo.run.__wrapped__(*_parsed(rl_flags(tiny_model_dir, d, str(tmp_path / "a"), "--engine_weights",
                                                     "shared", "--rollout_engine", "hf", steps=1)))
+
+
+def _shared_and_copied(model: str, tmp: str, caplog, read, *extra: str) -> dict:
+    """The same 3-step GRPO run with --engine_weights shared and copy: {mode: (read(save path), log text)}."""
+    d = write_rl_data(tmp)
+    runs = {}
+    for mode in ("shared", "copy"):
+        save = os.path.join(d, mode)
+        with caplog.at_level(logging.INFO):
+            caplog.clear()
+            train_ppo.main(rl_flags(model, d, save, "--engine_weights", mode, *extra, steps=3))
+        runs[mode] = read(save), caplog.text
+    return runs
 
 
 def _metrics_and_adapters(save: str):
