@@ -22,10 +22,12 @@ or whose template ends a turn with no special token, is saved as it was read.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 from rlhfkit.optional import require
 
@@ -90,6 +92,21 @@ def repair_chat_eos(tokenizer: Any, config: Any, generation_config: Any) -> list
     return repairs
 
 
+@contextlib.contextmanager
+def _name_maps_built_once() -> Iterator[None]:
+    """transformers asks `gguf.get_tensor_name_map(arch, layers)` once per tensor, and each call builds the
+    same read-only name table again (5-6 s of SmolLM2's 22 s import): within the block one table per
+    (arch, layers) is built and reused."""
+    import gguf
+
+    build = gguf.get_tensor_name_map
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(build)
+    try:
+        yield
+    finally:
+        gguf.get_tensor_name_map = build
+
+
 def import_gguf(gguf_path: str, save_path: str, param_dtype: str = "bf16", flag: str = "--gguf") -> GgufImport:
     """Dequantize the causal LM in `gguf_path` into a Hugging Face folder `save_path` (weights in
     `param_dtype`: bf16 | fp16 | fp32), with its tokenizer, eos / pad repaired for chat (module
@@ -107,8 +124,9 @@ def import_gguf(gguf_path: str, save_path: str, param_dtype: str = "bf16", flag:
         raise FileNotFoundError(f"{flag} {gguf_path!r}: {what}")
     folder, name = os.path.split(os.path.abspath(gguf_path))
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        with _name_maps_built_once():
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+            quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     except (ValueError, KeyError, OSError) as e:  # not a GGUF file, or an architecture transformers cannot read
         raise ValueError(f"{flag} {gguf_path!r}: transformers cannot load it as a causal LM: {e}") from e
     settings = quantized.config.to_dict()
