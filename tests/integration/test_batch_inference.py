@@ -79,6 +79,21 @@ def test_generate_best_of_n_and_iter_slices(tiny_model_dir, prompts, tmp_path):
     assert it1[0]["output"] != it1[1]["output"] or it1[2]["output"] != it1[3]["output"]  # n samples differ
 
 
+def test_the_builtin_engine_holds_the_loaded_weights_once(tiny_model_dir):
+    """The loaded model's parameters become views of the builtin engine's tensors (no second copy)."""
+    from transformers import AutoTokenizer
+
+    from rlhfkit.cli.batch_inference import build_parser, load_engine
+
+    args = build_parser().parse(["--eval_task", "generate", "--pretrain", tiny_model_dir, "--dataset", "unused.jsonl",
+                                 "--output_path", "unused.jsonl", "--param_dtype", "fp32"])
+    engine = load_engine(args, AutoTokenizer.from_pretrained(tiny_model_dir), "cpu", 64)
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(tiny_model_dir, "model.safetensors"), "pt") as f:
+        assert engine.shared_names == set(f.keys())
+
+
 @pytest.mark.parametrize("engine", ["builtin", "hf"])
 def test_greedy_equals_hf_generate(tiny_model_dir, prompts, tmp_path, engine):
     from transformers import AutoModelForCausalLM, AutoTokenizer
