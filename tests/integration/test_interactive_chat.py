@@ -10,7 +10,8 @@ import sys
 
 import torch
 
-from rlhfkit.cli.interactive_chat import ChatSession, read_system_prompt, use_chat_template
+from rlhfkit.cli.interactive_chat import use_chat_template
+from rlhfkit.inference.chat import ChatSession, read_system_prompt
 from rlhfkit.data.templates import render_chat
 
 MAX_LEN, PENALTY = 48, 1.3

@@ -172,7 +172,7 @@ def gemma_dir(tmp_path_factory):
 def test_chat_command_gives_generate_one_bos(gemma_dir, monkeypatch):
     from transformers import AutoModelForCausalLM
 
-    from rlhfkit.cli.interactive_chat import ReplyConfig, generate_reply
+    from rlhfkit.inference.chat import ReplyConfig, generate_reply
     from rlhfkit.models.loader import load_tokenizer
 
     tok = load_tokenizer(gemma_dir)
