@@ -10,7 +10,8 @@ import os
 import pytest
 import torch
 
-from rlhfkit.cli.batch_inference import main, write_jsonl_atomic
+from rlhfkit.cli.batch_inference import main
+from rlhfkit.inference.generate import write_jsonl_atomic
 from rlhfkit.data.io import DataError, load_rows
 from rlhfkit.data.post_processors import (conditional_sft, iterative_dpo, rejection_sampling, resolve_post_processor,
                                           scored_samples)

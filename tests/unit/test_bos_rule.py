@@ -156,7 +156,7 @@ def test_prm_rows(tok):
 
 
 def test_batch_inference_prompts_keep_their_bos_when_cut(tok):
-    from rlhfkit.cli.batch_inference import encode_prompts
+    from rlhfkit.inference.generate import encode_prompts
 
     body = encode(tok, "a longer prompt than the first one")
     ids, cut = encode_prompts(tok, ["2+2=", "a longer prompt than the first one"], max_tokens=len(lead(tok)) + len(body) - 1)
