@@ -170,7 +170,7 @@ def load_engine(args: argparse.Namespace, tokenizer: Any, device: str, max_model
     if args.rollout_engine == "hf":
         return build_engine("hf", model, tokenizer, device=device, max_batch_size=args.max_num_seqs)
     from rlhfkit.models.vlm import is_vlm_config
-    from rlhfkit.rollout.builtin.weights import sharing_blocker
+    from rlhfkit.rollout.builtin.shared_weights import sharing_blocker
 
     # the loaded module's parameters move into the engine's tensors (one copy of the weights, not two)
     share = (not is_vlm_config(model.config) and sharing_blocker(model) is None

@@ -448,7 +448,7 @@ def engine_sharing(args: argparse.Namespace, dist: DistInfo, backend: FSDP2Backe
     can: it then holds no copy of its own and a weight sync copies nothing of what it shares."""
     from rlhfkit.config.dtypes import run_dtype
     from rlhfkit.models.vlm import is_vlm_config
-    from rlhfkit.rollout.builtin.weights import sharing_blocker
+    from rlhfkit.rollout.builtin.shared_weights import sharing_blocker
 
     why = flags_block_sharing(args, dist.world_size)
     if why is not None:

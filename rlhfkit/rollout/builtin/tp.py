@@ -26,8 +26,8 @@ import torch
 from rlhfkit.config.dtypes import TORCH_DTYPES
 from rlhfkit.models.hf_config import ConfigFields
 from rlhfkit.rollout.builtin.step import ControlChannel, MirroredSteps, StepRunner
-from rlhfkit.rollout.builtin.weights import (ModelSpec, ModelWeights, adopt_parameters, load_from_hf_model,
-                                            load_from_safetensors)
+from rlhfkit.rollout.builtin.shared_weights import adopt_parameters
+from rlhfkit.rollout.builtin.weights import ModelSpec, ModelWeights, load_from_hf_model, load_from_safetensors
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig
@@ -147,7 +147,7 @@ def load_weights(model: Any, dtype: torch.dtype | None, device: torch.device, tp
     of this shard, from an HF module, a model directory (safetensors read slice by slice) or an HF config
     alone (random weights, as HF initialises them: normal(0, initializer_range), norms 1; for benchmarks).
     `share` (an HF module, no tensor parallelism): the module's parameters become views of the engine's
-    weights where they fit (weights.adopt_parameters), so that both hold one copy."""
+    weights where they fit (shared_weights.adopt_parameters), so that both hold one copy."""
     shard = (tp.rank, tp.size, tp.group_name) if tp is not None and tp.size > 1 else None
     from transformers import PretrainedConfig
 

@@ -5,14 +5,14 @@ olmo3, gemma3_text, qwen3_moe, gpt_oss, and the language models of the vision-la
 qwen2_5_vl (a qwen2 block) and qwen3_vl (a qwen3 block), whose vision tower lives in vision.py.
 families.py draws the one block they share and what each family changes in it.
 
-The engine keeps its own copy of the weights, with q/k/v fused into one matrix and gate/up into
-another (two GEMMs fewer per layer and step), and each MoE layer's experts as two `[E, out, in]`
-tensors for grouped GEMMs. `targets` maps every Hugging Face parameter name to a view of an engine
+The engine's weights have q/k/v fused into one matrix and gate/up into another (two GEMMs fewer per
+layer and step), and each MoE layer's experts as two `[E, out, in]` tensors for grouped GEMMs; they are
+a copy of their own, or the training module's parameters themselves (shared_weights.py). `targets` maps every Hugging Face parameter name to a view of an engine
 tensor, so loading and `update_weights` are one code path: `copy_` into that view, in place. The
 tensors never move while the engine is awake, so CUDA graphs captured over them stay valid after a
 weight update.
 
-Tensor parallelism (Shoeybi et al. 2019, "Megatron-LM", arXiv 1909.08053): `ModelSpec.shard(rank,
+Tensor parallelism (column- and row-parallel projections): `ModelSpec.shard(rank,
 size, group)` is the spec of one of `size` shards. A shard holds its own query heads (and the KV
 heads they read; with fewer KV heads than shards each KV head is replicated on size / kv ranks),
 its slice of the MLP's intermediate dimension (gate/up rows, down columns), the o projection's
@@ -23,7 +23,7 @@ index), so every sender stays shard-agnostic; `load_from_safetensors` reads only
 from the files (a 32B model never sits whole in host memory). Routed experts and OLMo's q/k norms
 over the whole projection are not sharded: such engines run on one device.
 
-RoPE follows Su et al. 2021 ("RoFormer", arXiv 2104.09864) in Hugging Face's rotate-half layout;
+Rotary position embeddings in Hugging Face's rotate-half layout;
 frequencies for scaled variants (linear, llama3, yarn, longrope within its original length) come
 from transformers' own `ROPE_INIT_FUNCTIONS`, so they match the reference model exactly. A family
 with one rope per layer type (Gemma 3: local and global layers) gets one table per type; a partial
@@ -359,7 +359,7 @@ class LayerWeights:
     experts_down_bias: torch.Tensor | None = None
     kind: LayerKind = field(default_factory=LayerKind)
     # unmerged LoRA adapters by engine tensor ("qkv", "o", "gate_up", "down"): an engine sharing a LoRA
-    # policy's weights (adopt_parameters); not in named_tensors (the trainer owns them)
+    # policy's weights (shared_weights.adopt_parameters); not in named_tensors (the trainer owns them)
     lora: dict[str, list[LoraPart]] = field(default_factory=dict)
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
@@ -669,141 +669,6 @@ def load_from_hf_model(model: torch.nn.Module, dtype: torch.dtype, device: torch
     copy_named_tensors(weights, spec, state.items(), coverage)
     coverage.check(spec, weights)
     return spec, weights
-
-
-_LORA_RE = re.compile(r"^(.+)\.lora_([AB])\.default\.weight$")
-
-
-def _peft_base_name(name: str) -> str:
-    """A peft model's parameter name -> the base model's (`base_model.model.` and `.base_layer` dropped)."""
-    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
-
-
-def _lora_place(spec: ModelSpec, module: str) -> tuple[int, str, int, int] | str:
-    """(layer, engine tensor, first row, end row) a LoRA adapter on `module` (a peft module name) adds to,
-    or why the engine cannot serve it unmerged."""
-    name = normalized_name(_peft_base_name(module) + ".weight")
-    m = _LAYER_RE.match(name)
-    entry = spec.family.names.get(m.group(2)) if m is not None else None
-    if m is None or entry is None or EXPERT_RE.match(m.group(2)):
-        return f"a LoRA adapter on {module}"
-    attr, part, _ = entry
-    if part == "T":
-        return f"a LoRA adapter on the transposed {module}"
-    if part is None or part == "all":
-        return int(m.group(1)), attr, 0, -1
-    return (int(m.group(1)), attr, *_part_bounds(spec, attr, part))
-
-
-def weight_name(name: str) -> str | None:
-    """A module parameter's normalized base-model name as `adopt_parameters` shares it (None: a peft LoRA
-    adapter, which the engine applies unmerged)."""
-    return None if _LORA_RE.match(name) else normalized_name(_peft_base_name(name))
-
-
-def sharing_blocker(model: torch.nn.Module) -> str | None:
-    """Why `adopt_parameters` cannot serve `model` (a peft LoRA model's adapters it cannot apply unmerged,
-    a module peft trains in full), None if it can; changes nothing."""
-    from rlhfkit.models.lora import lora_layers
-
-    spec = ModelSpec.from_hf_config(model.config)
-    for name, _ in model.named_parameters():
-        if ".modules_to_save." in name or ".original_module." in name:
-            return f"a module trained in full beside LoRA ({name})"
-        if ".lora_" in name and not _LORA_RE.match(name):
-            return f"a LoRA parameter of another kind ({name})"
-    for module, (_, fan_in_fan_out) in lora_layers(model).items():
-        place = _lora_place(spec, module)
-        if isinstance(place, str):
-            return place
-        if fan_in_fan_out:
-            return f"a fan-in-fan-out LoRA layer ({module})"
-    return None
-
-
-def _materialize_part(weights: ModelWeights, name: str | None, device: torch.device) -> None:
-    """Allocate on `device` the meta tensors of the part of `weights` that HF parameter `name` fills: its
-    layer's, or the embeddings, final norm and head; `name` None: every part still on the meta device."""
-    def real(t: torch.Tensor | None) -> torch.Tensor | None:
-        return torch.empty(t.shape, dtype=t.dtype, device=device) if t is not None and t.is_meta else t
-
-    m = _LAYER_RE.match(normalized_name(name)) if name is not None else None
-    layers = weights.layers if name is None else [weights.layers[int(m.group(1))]] if m is not None else []
-    if name is None or m is None:
-        tied = weights.lm_head is weights.embed
-        embed, final_norm = real(weights.embed), real(weights.final_norm)
-        assert embed is not None and final_norm is not None
-        weights.embed, weights.final_norm = embed, final_norm
-        if tied:
-            weights.lm_head = weights.embed
-        else:
-            lm_head = real(weights.lm_head)
-            assert lm_head is not None
-            weights.lm_head = lm_head
-    for layer in layers:
-        for k, t in layer.named_tensors().items():
-            setattr(layer, k, real(t))
-
-
-def adopt_parameters(model: torch.nn.Module, dtype: torch.dtype,
-                     device: torch.device) -> tuple[ModelSpec, ModelWeights, frozenset[str]]:
-    """Like `load_from_hf_model`, then each parameter of `model` that lands whole in one engine tensor (or a
-    row block of a fused one: q, k and v in `qkv`, gate and up in `gate_up`) of its dtype and device becomes a
-    view of it (`param.data = view`): the engine and the module share one copy, and an optimizer's in-place
-    step is what the engine serves next. A peft LoRA model's base weights are shared alike and its adapters
-    are applied unmerged (`LayerWeights.lora`, the trainer's own tensors; `sharing_blocker` says when not).
-    Returns the spec, the weights and the normalized base-model names the engine shares (a LoRA layer's
-    name among them: a weight sync must not write its merged weight); the others (transposed, sliced or
-    cast on their way in, or placed twice) are still copied by a weight sync. The module's own storage of
-    a shared parameter is freed once nothing else holds it. Unsharded engines of a plain (not DTensor)
-    module only."""
-    from torch.distributed.tensor import DTensor
-
-    from rlhfkit.models.lora import lora_layers
-
-    why = sharing_blocker(model)
-    if why is not None:
-        raise ValueError(f"the engine cannot share these weights: {why}")
-    spec = ModelSpec.from_hf_config(model.config)
-    params = dict(model.named_parameters())  # tied parameters once
-    for peft_name, param in params.items():
-        if isinstance(param, DTensor):
-            raise ValueError(f"adopt_parameters: {peft_name} is a DTensor (a sharded module cannot share its "
-                             "weights with one engine)")
-        if _LORA_RE.match(peft_name) and (param.dtype != dtype or param.device != device):
-            raise ValueError(f"the engine cannot share these weights: the adapter {peft_name} is {param.dtype} on "
-                             f"{param.device}, the engine's {dtype} on {device}")
-    named = [(n, p) for n, p in params.items() if not _LORA_RE.match(n)]
-    # allocated where each part is first filled (the embeddings and head, then layer by layer), and each
-    # shared parameter's own storage freed as it moves in: one copy and one layer at the most, not two copies
-    weights = allocate_weights(spec, {_peft_base_name(n) for n, _ in named}, dtype, torch.device("meta"))
-    coverage = _Coverage()
-    shared: set[str] = set()
-    with torch.no_grad():
-        for peft_name, param in named:
-            name = _peft_base_name(peft_name)
-            _materialize_part(weights, name, device)
-            found = _keyed_targets(weights, spec, name)
-            for dst, index, _ in found:
-                _copy_into(dst, param.detach()[index], name)
-            coverage.add(name, found)
-            if len(found) == 1:
-                dst, index, _ = found[0]
-                if (index == _ALL and dst.shape == param.shape and dst.dtype == param.dtype
-                        and dst.device == param.device and dst.is_contiguous()):
-                    param.data = dst
-                    shared.add(normalized_name(name))
-    _materialize_part(weights, None, device)  # any part no parameter filled (coverage says which)
-    coverage.check(spec, weights)
-    for module, (scale, _) in lora_layers(model).items():
-        place = _lora_place(spec, module)
-        assert not isinstance(place, str)  # sharing_blocker checked every adapter
-        li, attr, start, end = place
-        a, b = params[f"{module}.lora_A.default.weight"], params[f"{module}.lora_B.default.weight"]
-        end = getattr(weights.layers[li], attr).shape[0] if end < 0 else end
-        weights.layers[li].lora.setdefault(attr, []).append(LoraPart(start, end, a.detach(), b.detach(), scale))
-        shared.add(normalized_name(_peft_base_name(module) + ".weight"))
-    return spec, weights, frozenset(shared)
 
 
 def safetensors_files(path: str) -> list[str]:
