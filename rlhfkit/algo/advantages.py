@@ -151,19 +151,19 @@ def _zero_equal(g: Tensor, value: Tensor) -> Tensor:
 
 
 def group_mean_baseline(rewards: Tensor, n: int) -> Tensor:
-    """r_i - mean of its group (REINFORCE++-baseline, Dr. GRPO; Liu et al. 2025, arXiv 2503.20783)."""
+    """r_i - mean of its group (REINFORCE++-baseline, Dr. GRPO: no division by the std)."""
     g = _groups(rewards, n)
     return _zero_equal(g, g - g.mean(dim=1, keepdim=True))
 
 
 def leave_one_out_baseline(rewards: Tensor, n: int) -> Tensor:
-    """RLOO (Ahmadian et al. 2024, arXiv 2402.14740): r_i - sum_{j != i} r_j / (n - 1)."""
+    """RLOO (REINFORCE leave-one-out): r_i - sum_{j != i} r_j / (n - 1)."""
     g = _groups(rewards, n)
     return _zero_equal(g, g - (g.sum(dim=1, keepdim=True) - g) / (n - 1))
 
 
 def group_norm_baseline(rewards: Tensor, n: int, eps: float = 1e-9) -> Tensor:
-    """GRPO (Shao et al. 2024, arXiv 2402.03300): (r_i - mean) / (std + eps), unbiased std;
+    """GRPO (group-normalised rewards): (r_i - mean) / (std + eps), unbiased std;
     0 for a group of equal rewards (`equal_groups`)."""
     g = _groups(rewards, n)
     return _zero_equal(g, (g - g.mean(dim=1, keepdim=True)) / (g.std(dim=1, keepdim=True) + eps))
@@ -184,7 +184,7 @@ def _whiten(adv: Tensor, inp: AdvantageInputs, cfg: AdvantageConfig) -> Tensor:
 
 @register_advantage_estimator("gae", needs_critic=True)
 def gae_estimator(inp: AdvantageInputs, cfg: AdvantageConfig) -> tuple[Tensor, Tensor]:
-    """PPO (Ouyang et al. 2022): GAE on KL-shaped rewards with critic values, then whitening."""
+    """PPO (RLHF with a critic): GAE on KL-shaped rewards with critic values, then whitening."""
     if inp.values is None:
         raise ValueError("--advantage_estimator gae needs critic values (a critic model)")
     adv, ret = gae_advantages_and_returns(inp.token_rewards(inp.rewards), inp.values,
@@ -194,7 +194,7 @@ def gae_estimator(inp: AdvantageInputs, cfg: AdvantageConfig) -> tuple[Tensor, T
 
 @register_advantage_estimator("reinforce")
 def reinforce_estimator(inp: AdvantageInputs, cfg: AdvantageConfig) -> tuple[Tensor, Tensor]:
-    """REINFORCE++ (Hu 2025, arXiv 2501.03262): discounted return of shaped rewards, whitened."""
+    """REINFORCE++ (no critic): discounted return of shaped rewards, whitened."""
     ret = discounted_returns(inp.token_rewards(inp.rewards), inp.loss_mask, cfg.gamma)
     return _whiten(ret, inp, cfg), ret
 

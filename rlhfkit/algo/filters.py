@@ -1,4 +1,4 @@
-"""DAPO dynamic sampling filter (Yu et al. 2025, arXiv 2503.14476, section 3.2).
+"""DAPO dynamic sampling filter: a prompt's group is kept by the mean of its scores.
 
 `--dynamic_filtering` with `--dynamic_filtering_reward_range lo hi` (default 0 1): a prompt's
 group of n samples is kept only when the mean of their *scores* lies strictly inside

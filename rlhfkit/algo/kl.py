@@ -1,6 +1,6 @@
 """KL estimators (k1, k2, k3) and KL coefficient controllers.
 
-Estimators (J. Schulman, "Approximating KL Divergence", 2020), on the per-token log-ratio
+Monte Carlo estimators of KL(pi || pi_ref), on the per-token log-ratio
 l_t = log pi(a_t) - log pi_ref(a_t) of tokens sampled from pi:
 
     k1 = l                      unbiased, high variance, can be negative
@@ -11,8 +11,8 @@ Every estimate is clamped to [-10, 10] (as OpenRLHF's `compute_approx_kl`). `KL_
 maps `--kl_estimator` names to functions of `l`; add an entry to add an estimator.
 
 Controllers give the coefficient beta used in reward shaping (`--init_kl_coef`):
-`FixedKLController` (default) and `AdaptiveKLController` (Ziegler et al. 2019, "Fine-Tuning
-Language Models from Human Preferences", when `--kl_target` is set):
+`FixedKLController` (default) and `AdaptiveKLController` (a proportional controller that steers
+the observed KL towards `--kl_target`, when that flag is set):
 
     beta <- beta * (1 + clip(KL / target - 1, -0.2, 0.2) * n_steps / horizon)
 """
@@ -87,7 +87,7 @@ class FixedKLController:
 
 
 class AdaptiveKLController(FixedKLController):
-    """Proportional controller of Ziegler et al. (2019), section 2.2.
+    """Proportional controller of beta that steers the observed KL towards `target`.
 
     After each rollout of `n_steps` samples with observed mean KL `current_kl`:
     beta <- beta * (1 + clip(current_kl / target - 1, -0.2, 0.2) * n_steps / horizon).

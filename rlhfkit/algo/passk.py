@@ -1,5 +1,4 @@
-"""Unbiased pass@k (Chen et al. 2021, "Evaluating Large Language Models Trained on Code",
-arXiv 2107.03374, eq. 1), for evaluation with n samples per prompt.
+"""Unbiased pass@k estimator, for evaluation with n samples per prompt.
 
 With n samples of which c are correct:
 

@@ -95,7 +95,7 @@ def discounted_returns(token_rewards: Tensor, loss_mask: Tensor, gamma: float) -
 
 def gae_advantages_and_returns(token_rewards: Tensor, values: Tensor, loss_mask: Tensor,
                                gamma: float, lambd: float) -> tuple[Tensor, Tensor]:
-    """Generalised Advantage Estimation (Schulman et al. 2016, arXiv 1506.02438).
+    """Generalised Advantage Estimation (GAE): exponentially weighted sums of TD residuals.
 
     Over the action tokens of each row (holes skipped, V = 0 after the last action):
         delta_t = rho_t + gamma * V_{t+1} - V_t

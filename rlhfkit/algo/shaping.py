@@ -82,7 +82,7 @@ def shape_token_rewards(rewards: Tensor, loss_mask: Tensor, *, kl: Tensor | None
 
 def overlong_penalty(response_lengths: Tensor | Sequence[int], max_new_tokens: int, buffer_len: int,
                      penalty_factor: float = 1.0) -> Tensor:
-    """DAPO soft overlong punishment (Yu et al. 2025, arXiv 2503.14476, eq. 13).
+    """DAPO soft overlong punishment: a penalty that grows linearly inside the last L_buf tokens.
 
     With expected length E = L_max - L_buf (`--max_new_tokens` minus `--overlong_buffer_len`):
         penalty = -min(len - E, L_buf) / L_buf * f   if len > E,   else 0

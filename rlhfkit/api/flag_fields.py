@@ -626,7 +626,7 @@ class TrainDPOFields(FlagConfig):
     beta: float = 0.1
     """DPO temperature beta [--beta, --model.beta]"""
     ipo: bool = False
-    """IPO loss (Azar et al. 2023) [--ipo, --model.ipo_enable]"""
+    """IPO loss: (z - 1 / (2 beta))^2 [--ipo, --model.ipo_enable]"""
     label_smoothing: float = 0.0
     """cDPO: probability that a preference label is flipped, in [0, 0.5] [--label_smoothing,
     --model.label_smoothing]"""

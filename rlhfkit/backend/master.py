@@ -3,8 +3,8 @@
 The module's floating-point parameters are cast to the compute dtype (bf16 / fp16), so forward
 and backward run natively in that dtype, with no autocast casts and a bf16 residual stream, the
 same numerics as the sharded FSDP2 path (`MixedPrecisionPolicy(param_dtype=bf16)`). The optimizer
-never sees those parameters: it steps fp32 copies (the "master weights" of Micikevicius et al.,
-"Mixed Precision Training", 2018), and after each step the copies are written back, rounded, into
+never sees those parameters: it steps fp32 copies (the "master weights" of mixed-precision
+training), and after each step the copies are written back, rounded, into
 the module.
 
 Gradients: a post-accumulate-grad hook on every trainable parameter adds its low-precision

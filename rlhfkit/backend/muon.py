@@ -1,7 +1,7 @@
 """`--optim muon`: PyTorch's Muon for the hidden layers' 2-D weights, AdamW for everything else.
 
-Muon (Jordan et al. 2024, "Muon: An optimizer for hidden layers in neural networks"; Liu et al.
-2025, "Muon is Scalable for LLM Training") keeps a momentum buffer B of each weight matrix W and
+Muon (momentum orthogonalised by Newton-Schulz iterations, an optimizer for hidden layers)
+keeps a momentum buffer B of each weight matrix W and
 steps along its orthogonalised direction:
 
     B <- mu B + g                       (g: the gradient; Nesterov: use g + mu B below)

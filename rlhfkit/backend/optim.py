@@ -1,6 +1,6 @@
 """AdamW with decay / no-decay parameter groups, and learning-rate schedules by name.
 
-Optimizer: AdamW (Loshchilov & Hutter, "Decoupled Weight Decay Regularization", 2019) with
+Optimizer: AdamW (Adam with weight decay decoupled from the gradient step) with
 `--learning_rate`, `--adam_betas`, `--adam_eps` and weight decay `--l2`. Biases and the weights
 of normalisation layers (LayerNorm, RMSNorm, ...) get no decay. `--optim muon` steps the hidden
 layers' 2-D weights with Muon instead (muon.py; `--muon_lr`, same decay `--l2`). `--optim adamw_8bit`

@@ -10,7 +10,7 @@ Master weights and optimizer states are always fp32. `--param_dtype` sets the *c
 
 fp16 needs loss scaling: `DynamicLossScaler` multiplies the loss by S, un-scales the gradients
 before clipping, halves S and skips the step on inf/nan, and doubles S after `growth_interval`
-good steps (Micikevicius et al., "Mixed Precision Training", 2018). bf16 and fp32 need none.
+good steps (dynamic loss scaling). bf16 and fp32 need none.
 
 Not implemented: a "pure bf16" mode (bf16 parameters with fp32 optimizer states, which halves
 parameter memory for very large GPU runs); with FSDP2 the fp32 master shards are already divided

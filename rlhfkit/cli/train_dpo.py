@@ -44,7 +44,8 @@ def build_parser() -> FlagParser:
     add_pair_key_flags(p)
     add_ref_flags(p)
     add_beta_flag(p, "DPO temperature beta")
-    p.flag("--ipo", "--model.ipo_enable", action="store_true", help="IPO loss (Azar et al. 2023)")
+    p.flag("--ipo", "--model.ipo_enable", action="store_true",
+           help="IPO loss: (z - 1 / (2 beta))^2")
     p.flag("--label_smoothing", "--model.label_smoothing", type=float, default=0.0,
            help="cDPO: probability that a preference label is flipped, in [0, 0.5]")
     p.flag("--nll_loss_coef", "--model.nll_loss_coef", type=float, default=0.0,

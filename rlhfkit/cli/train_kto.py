@@ -5,10 +5,10 @@
         --desirable_loss_weight 1.0 --undesirable_loss_weight 1.0 --save_path ./ckpt/kto
 
 Each row holds a prompt (`--input_key`), an answer (`--output_key`) and a boolean label
-(`--label_key`: true = desirable). KTO (Ethayarajh et al. 2024) against a frozen reference
+(`--label_key`: true = desirable). KTO (Kahneman-Tversky Optimization) against a frozen reference
 (`--ref_pretrain`, default `--pretrain`; `--ref_offload`), with the KL reference point estimated
 from mismatched (prompt, other answer) pairs of each micro-batch, so `--micro_train_batch_size`
-must be at least 2 (rlhfkit.trainers.kto_task). To balance classes as the paper suggests, set
+must be at least 2 (rlhfkit.trainers.kto_task). To balance classes, set
 the weights so that w_d * n_desirable / (w_u * n_undesirable) lies in [1, 4/3].
 """
 

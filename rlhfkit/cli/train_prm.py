@@ -5,8 +5,8 @@
         --train_batch_size 256 --micro_train_batch_size 8 --learning_rate 1e-6 --save_path ./ckpt/prm
 
 A causal LM is trained so that its logits at each `--placeholder_token` (the end of a reasoning
-step), restricted to `--reward_tokens`, predict the step's label (Math-Shepherd, Wang et al.
-2023): hard labels are reward tokens, soft labels are the probability of the first of exactly
+step), restricted to `--reward_tokens`, predict the step's label (Math-Shepherd style): hard
+labels are reward tokens, soft labels are the probability of the first of exactly
 two reward tokens (rlhfkit.data.prm, rlhfkit.losses.prm). Logged: loss, acc (eval_* on
 `--eval_dataset`). The result is saved as a causal LM.
 """

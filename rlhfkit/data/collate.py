@@ -175,7 +175,7 @@ def split_by_token_budget(lengths: Sequence[int], max_tokens: int, balanced: boo
     would overflow -- micro-batches are runs of consecutive indices.
     balanced: the fewest bins (at least `min_bins`, e.g. the maximum over ranks so every rank
     runs the same number of micro-batches) found by longest-first assignment to the lightest bin
-    that fits (LPT, Graham 1969), so token counts are even across bins.
+    that fits (LPT, longest processing time first), so token counts are even across bins.
     A sample longer than `max_tokens` gets a bin of its own. Indices inside a bin are ascending
     and bins are ordered by their first index, so the result is deterministic.
     """

@@ -5,16 +5,15 @@ Input: rows `{"input", "output", "reward"}`, several rows per prompt (the `--bes
 exact `input` text; groups keep the order in which their prompt first appears, and ties keep the
 earliest sample.
 
-    rs        rejection sampling (Llama 2, Touvron et al. 2023, arXiv:2307.09288, section 3.2.2;
-              RAFT, Dong et al. 2023, arXiv:2304.06767): per prompt the best-scoring sample,
+    rs        rejection sampling (RAFT-style best-of-n): per prompt the best-scoring sample,
               -> {"input", "output", "reward"}                               (train_sft data)
-    iter_dpo  iterative / online DPO (Xiong et al. 2023, arXiv:2312.11456; RLHFlow, Dong et al.
-              2024, arXiv:2405.07863): per prompt chosen = argmax reward, rejected = argmin,
+    iter_dpo  iterative / online DPO (preference pairs from the current policy's own samples):
+              per prompt chosen = argmax reward, rejected = argmin,
               -> {"prompt", "chosen", "chosen_reward", "rejected", "rejected_reward"}
                                                        (train_dpo data, --prompt_key prompt)
               Prompts whose samples all score the same (one sample, or ties) carry no preference
               and are dropped; the count is reported. (OpenRLHF keeps them as chosen == rejected.)
-    csft      conditional SFT (Hu et al. 2023, arXiv:2308.12050): every sample is kept, its input
+    csft      conditional SFT (reward-conditioned SFT): every sample is kept, its input
               rewritten with `--reward_template` (default "{input} <rm_score>: {reward} ",
               OpenRLHF's), the reward written with two decimals,
               -> {"input", "output", "reward"}

@@ -10,7 +10,7 @@ Paired rows, as OpenRLHF's reward dataset reads them:
   earlier messages form the prompt, which gets loss mask 0);
 * an optional `margin` column (float, default 0) for the margin loss.
 
-Unpaired rows (KTO, Ethayarajh et al. 2024): `--input_key` prompt, `--output_key` response and a
+Unpaired rows (KTO): `--input_key` prompt, `--output_key` response and a
 boolean `--label_key` (desirable or not). `kto_mismatched` builds the (prompt_i, response_{i+1})
 pairs whose log-ratios estimate KTO's reference point z0 = KL(pi || pi_ref).
 

@@ -4,7 +4,7 @@ A row holds a solution text with `--placeholder_token` at the end of each step (
 uses "ки") under `--input_key`, and one label per step under `--label_key`: strings from
 `--reward_tokens` (e.g. "+" / "-": hard labels, stored as those tokens' ids) or numbers (soft
 labels, e.g. the probability that the step is correct). Following OpenRLHF's process reward
-dataset (Math-Shepherd, Wang et al. 2024), the label of a step sits at the placeholder's
+dataset (Math-Shepherd format), the label of a step sits at the placeholder's
 position:
 
     labels[t] = label of step k   if ids[t] is the k-th placeholder

@@ -9,10 +9,10 @@ of the step's global loss units (tokens, or samples for DPO / KTO),
 makes the sum over micro-batches and ranks coef times the unit-weighted mean of the micro-batch
 aux losses, which does not change with micro-batching for a fixed routing, as the main losses.
 
-PPO-ptx (Ouyang et al. 2022, "Training language models to follow instructions with human
-feedback", eq. 2): `--ptx_coef` times the token NLL of pretraining text, divided by the step's
-global count of those tokens (the SFT loss, rlhfkit.losses.sft), so it is a token mean of the
-step's pretraining batches whatever the micro-batching.
+PPO-ptx (PPO mixed with a pretraining language-modelling loss): `--ptx_coef` times the token
+NLL of pretraining text, divided by the step's global count of those tokens (the SFT loss,
+rlhfkit.losses.sft), so it is a token mean of the step's pretraining batches whatever the
+micro-batching.
 """
 
 from __future__ import annotations

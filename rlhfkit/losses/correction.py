@@ -5,11 +5,10 @@ The engine samples from pi_rollout, which differs slightly from the trainer's pi
 (`--vllm_is_truncated_threshold LOW HIGH`, default 0.5 5.0), the per-token policy loss is
 multiplied by a detached weight (`--vllm_is_correction_type`):
 
-    tis           clamp(w_t, lo, hi)                       truncated IS (Yao et al. 2025,
-                                                           "Your Efficient RL Framework Secretly
-                                                           Brings You Off-Policy RL Training")
+    tis           clamp(w_t, lo, hi)                       truncated IS (weights clipped to the
+                                                           band)
     icepop        w_t * 1[lo <= w_t <= hi]                 tokens outside the band dropped
-                                                           (IcePop, Ling team 2025)
+                                                           (IcePop)
     seq-mask-tis  w_t * 1[lo <= s <= hi],                  whole row dropped unless its geometric
                   s = exp(mean_t log w_t)                  mean ratio is in the band
 

@@ -1,5 +1,4 @@
-"""Knowledge distillation on response tokens (Hinton et al. 2015; the token-level KD of
-MiniLLM, Gu et al. 2024, arXiv 2306.08543, as OpenRLHF's train_kd).
+"""Knowledge distillation on response tokens (token-level KD, as OpenRLHF's train_kd).
 
     L = (1 - alpha) * NLL + alpha * KD,   alpha = `--kd_coef` (default 0.4)
     NLL = -sum_t m_t log q(x_t) / num_tokens

@@ -1,4 +1,4 @@
-"""KL penalty as a loss term (`--use_kl_loss`, GRPO style; Shao et al. 2024, arXiv 2402.03300).
+"""KL penalty as a loss term (`--use_kl_loss`, GRPO style: added to the loss, not the reward).
 
 Recomputed at every training micro-step with the *current* policy against the reference:
 

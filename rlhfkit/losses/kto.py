@@ -1,4 +1,4 @@
-"""KTO: Kahneman-Tversky Optimization (Ethayarajh et al. 2024, arXiv 2402.01306).
+"""KTO: Kahneman-Tversky Optimization (a prospect-theory loss on unpaired answers).
 
 On unpaired data (each answer labelled desirable or undesirable), with the policy/reference
 log-ratio h = log pi(y|x) - log pi_ref(y|x) of each answer (summed over its tokens), beta =

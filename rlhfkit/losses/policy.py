@@ -1,14 +1,14 @@
 """Policy-gradient losses: PPO clipped surrogate (clip-higher, dual clip) and GSPO.
 
-PPO (Schulman et al. 2017, arXiv 1707.06347), per action token t:
+PPO (clipped surrogate objective), per action token t:
 
     r_t = exp(clamp(log pi - log pi_old, -20, 20))
     L_t = -min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t)
 
-* clip-higher (DAPO, arXiv 2503.14476): eps_high > eps_low (`--eps_clip_low_high 0.2 0.28`).
-* dual clip (Ye et al. 2020, arXiv 1912.09729), c > 1 (`--dual_clip c`): for A_t < 0 the
+* clip-higher (DAPO): eps_high > eps_low (`--eps_clip_low_high 0.2 0.28`).
+* dual clip, c > 1 (`--dual_clip c`): for A_t < 0 the
   objective is max(min(r A, clip(r) A), c A), which bounds the loss of a huge ratio.
-* GSPO (Zheng et al. 2025, arXiv 2507.18071), `--policy_loss_type gspo`: the ratio is the
+* GSPO (group sequence policy optimization), `--policy_loss_type gspo`: the ratio is the
   sequence's geometric mean s_i = exp(mean_t (log pi - log pi_old)) for every token of row
   i, and the loss is a sequence-level mean. With IS correction on, GSPO takes its ratio
   against the rollout engine's log-probs and no token weight is applied.

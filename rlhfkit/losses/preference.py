@@ -3,10 +3,10 @@
 With z = (log pi(y_c) - log pi(y_r)) - (log pi_ref(y_c) - log pi_ref(y_r)), log-probs summed
 over each response's tokens, and beta = `--beta` (default 0.1):
 
-    DPO  (Rafailov et al. 2023, arXiv 2305.18290):   -log sigmoid(beta z)
-    cDPO (Mitchell 2023, "A note on DPO with noisy preferences"), eps = `--label_smoothing`:
+    DPO  (direct preference optimization):   -log sigmoid(beta z)
+    cDPO (conservative DPO, for noisy preference labels), eps = `--label_smoothing`:
          -(1 - eps) log sigmoid(beta z) - eps log sigmoid(-beta z)
-    IPO  (Azar et al. 2023, arXiv 2310.12036), `--ipo`:   (z - 1 / (2 beta))^2
+    IPO  (identity preference optimization), `--ipo`:   (z - 1 / (2 beta))^2
 
 Each pair's loss is summed and divided by the global pair count of the step. An optional
 NLL term (`--nll_loss_coef`, Llama 3.1 / RPO style) adds coef * sum_b nll_b / num_samples,

@@ -1,4 +1,4 @@
-"""Process reward model loss (Math-Shepherd style; Wang et al. 2023, arXiv 2312.08935).
+"""Process reward model loss (Math-Shepherd style: one label per reasoning step).
 
 Each reasoning step ends with a placeholder token (`--placeholder_token`); the model is
 trained so that its logits *at the placeholder position* predict the step's label among the

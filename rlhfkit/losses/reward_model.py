@@ -1,8 +1,8 @@
 """Pairwise reward-model losses (Bradley-Terry), on scalar rewards of chosen/rejected answers.
 
-    sigmoid (default; Ouyang et al. 2022, arXiv 2203.02155):  -log sigmoid(r_c - r_r - m)
+    sigmoid (default):  -log sigmoid(r_c - r_r - m)
         m = the pair's margin (`--margin_loss` with a `margin` column; Llama 2 style), else 0
-    logexp (Askell et al. 2021, arXiv 2112.00861):           log(1 + exp(r_r - r_c))
+    logexp:             log(1 + exp(r_r - r_c))
         computed as softplus(r_r - r_c); equal to the sigmoid loss without margin. Like
         OpenRLHF's LogExpLoss it takes no margin.
 

@@ -7,8 +7,8 @@ gradient, which the backward multiplies into the head's two GEMMs), or, given th
 `scale` = g, by dL/dz = g S / T itself.
 
 `row_stats` is one Triton program per row: the first pass reads the row once with an online
-log-sum-exp (a running max and rescaled sum per lane, as in FlashAttention's softmax, Dao et al.
-2022) and picks the target's logit; the second pass, only when S or the entropy is asked for, reads
+log-sum-exp (a running max and rescaled sum per lane, as in FlashAttention's softmax)
+and picks the target's logit; the second pass, only when S or the entropy is asked for, reads
 the row again, accumulates sum p z for the entropy and writes S. So a row costs one read for the
 log-probs alone, and two reads plus one write with S: memory-bound, no fp32 copy of the block.
 `row_stats_eager` is the same in PyTorch, for CPU and as the reference in tests.

@@ -1,6 +1,6 @@
 """LoRA adapters (peft): attach them for training and merge them into a base model.
 
-LoRA (Hu et al., 2021, arXiv:2106.09685) replaces a frozen weight W by W + (alpha / r) * B A with
+LoRA (low-rank adaptation) replaces a frozen weight W by W + (alpha / r) * B A with
 A in R^{r x in}, B in R^{out x r}; merging writes that sum back into W, so the merged model gives the
 adapted model's outputs with no adapter at run time.
 

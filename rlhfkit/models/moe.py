@@ -1,8 +1,8 @@
 """The router load-balancing loss of mixture-of-experts models (`--aux_loss_coef`).
 
 Hugging Face MoE causal LMs (Mixtral, Qwen2-MoE, Qwen3-MoE, ...) return `aux_loss` when called
-with `output_router_logits=True`: the Switch Transformer balance loss (Fedus et al. 2021; Mixtral,
-Jiang et al. 2024) over the layers' router logits,
+with `output_router_logits=True`: the Switch Transformer balance loss (as Mixtral's) over
+the layers' router logits,
 
     aux = E * sum_e f_e * P_e
 

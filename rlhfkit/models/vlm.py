@@ -8,7 +8,7 @@
     mrope_cos_sin(...)           the rotary tables of given 3-D positions (the builtin engine's prefill)
     freeze_visual_encoder(model) the vision tower's weights stop training (`--freeze_visual_encoder`)
 
-Positions follow Qwen2-VL (Wang et al. 2024, arXiv 2409.12191, section 2.1): a text token has the
+Positions follow Qwen2-VL's multimodal rotary positions (M-RoPE): a text token has the
 same value t = h = w, one more than the previous token's largest; a picture's tokens (grid
 T x H x W after the merge) get (s + t, s + h, s + w) for s the position where the picture starts,
 and the text after it continues at s + max(T, H, W). The rotary frequencies are split between the

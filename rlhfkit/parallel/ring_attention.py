@@ -31,8 +31,8 @@ both layouts, padding and packing go through one code path; a block of the ring 
 is skipped, and only the covering sub-rectangle of a partly visible block is computed (with zig-zag
 that halves the work of every off-diagonal block).
 
-Algorithm (Liu et al. 2023, "Ring Attention with Blockwise Transformers"; the merge and the backward
-are FlashAttention-2's, Dao 2023). Rank r of N holds Q_r, K_r, V_r.
+Algorithm (ring attention over blockwise attention; the merge and the backward are
+FlashAttention-2's). Rank r of N holds Q_r, K_r, V_r.
 
 * forward: for j = 0..N-1 it attends Q_r to the block K/V of rank (r - j) mod N, giving a normalised
   partial output O_j and log-sum-exp L_j per query row, while the next block is already in flight

@@ -5,8 +5,7 @@ completion, up to the end-of-sequence token, equals the label exactly, else 0.
 
 With `reverse_answer=True` the sum is written least-significant digit first ("57+68=" -> "521"
 for 125): each output digit then depends only on digits already seen and the carry just emitted,
-which a 1M-parameter model learns far more reliably than carries that must be planned ahead
-(Lee et al. 2023, "Teaching Arithmetic to Small Transformers").
+which a 1M-parameter model learns far more reliably than carries that must be planned ahead.
 
 Train and held-out rows never share a question: the held-out set is drawn first and the
 training set excludes its questions.

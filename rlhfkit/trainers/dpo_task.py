@@ -5,8 +5,8 @@
     reference --token_logprobs--> same, under no_grad                             --> ref_logp [2B]
     loss = dpo_loss(logp[:B], logp[B:], ref_logp[:B], ref_logp[B:]) / global pair count
 
-Formulas and citations are in rlhfkit.losses.preference: DPO (Rafailov et al. 2023), cDPO
-(`--label_smoothing`), IPO (Azar et al. 2023, `--ipo`), and the optional NLL term on the chosen
+Formulas are in rlhfkit.losses.preference: DPO, cDPO (`--label_smoothing`), IPO (`--ipo`),
+and the optional NLL term on the chosen
 response (`--nll_loss_coef`, per-token mean NLL of each chosen answer).
 
 Reference log-probs are computed per micro-batch under `torch.no_grad` from a frozen copy (a

@@ -6,10 +6,10 @@
                                              mask = loss_mask[:, 1:]
     loss = (1 - kd_coef) NLL + kd_coef KL(teacher || student), token sums / global token count
 
-Formulas in rlhfkit.losses.distill (Hinton et al. 2015; token-level KD as MiniLLM / OpenRLHF's
-train_kd). In a packed row the logits at a sample's last token "predict" the next sample's first
-token, whose loss_mask is always 0, so no pair crosses a sample boundary. `--teacher_offload`
-keeps the teacher in CPU memory between its forwards (`FrozenModel`).
+Formulas in rlhfkit.losses.distill (token-level KD as OpenRLHF's train_kd). In a packed row the
+logits at a sample's last token "predict" the next sample's first token, whose loss_mask is
+always 0, so no pair crosses a sample boundary. `--teacher_offload` keeps the teacher in CPU
+memory between its forwards (`FrozenModel`).
 
 Additive metrics (token sums / global response-token count): `loss`, `kd_loss`, `nll_loss`.
 Eval: `eval/loss`, `eval/kd_loss`, `eval/nll_loss`.

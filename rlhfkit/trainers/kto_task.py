@@ -8,7 +8,7 @@
     z   = max(0, mean over the mismatched pairs of all ranks of (log pi - log pi_ref))
     loss = kto_loss(h, desirable, z) summed / global answer count  (rlhfkit.losses.kto)
 
-KTO (Ethayarajh et al. 2024, arXiv 2402.01306); the formulas are in rlhfkit.losses.kto.
+KTO (Kahneman-Tversky Optimization); the formulas are in rlhfkit.losses.kto.
 The reference point z is estimated per micro-batch from its mismatched pairs (`kto_mismatched`)
 and averaged over ranks, as OpenRLHF's KTO trainer does, so each rank's micro-batch needs at
 least two answers (`--micro_train_batch_size >= 2`, checked by train_kto; a lone answer, e.g. the

@@ -4,7 +4,7 @@
     causal LM --forward_logits--> logits [B, L, V]
     loss = prm_loss(logits, input_ids, labels) over placeholder positions / global labelled count
 
-Math-Shepherd style PRM (Wang et al. 2023, arXiv 2312.08935), as OpenRLHF's train_prm: the
+Math-Shepherd style PRM, as OpenRLHF's train_prm: the
 logits *at* each `--placeholder_token` position, restricted to `--reward_tokens`, are trained to
 predict the step's label (hard: a reward token; soft: the probability of the first reward
 token). See rlhfkit.losses.prm and rlhfkit.data.prm.

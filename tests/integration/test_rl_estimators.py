@@ -87,7 +87,7 @@ def whiten(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
 
 
 def reference_scalar(est: str, r: torch.Tensor) -> torch.Tensor:
-    """Per-row advantage before whitening, from the papers' formulas (rows of a prompt contiguous)."""
+    """Per-row advantage before whitening, from the formulas (rows of a prompt contiguous)."""
     g = r.double().view(-1, N)
     mean = g.mean(1, keepdim=True)
     if est == "group_norm":

@@ -1,6 +1,6 @@
 """--optim muon: Muon steps the hidden layers' 2-D weights, AdamW the rest (rlhfkit.backend.muon).
 
-The reference is written here from the Muon paper's update (Jordan et al. 2024), not from torch:
+The reference is written here from Muon's update rule, not from torch:
 momentum B <- mu B + g, Nesterov direction u = g + mu B, five quintic Newton-Schulz iterations
 X <- a X + (b A + c A^2) X with A = X X^T (X = u / ||u||_F, wide orientation), and
 W <- W - lr sqrt(max(1, rows / cols)) X. torch runs the iterations in bf16, so the comparison

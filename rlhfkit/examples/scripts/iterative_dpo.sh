@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Iterative (online) DPO (Xiong et al. 2023, arXiv:2312.11456; RLHFlow, arXiv:2405.07863):
+# Iterative (online) DPO (preference pairs from the current policy's own samples):
 #   for iter in 0 .. ITERS-1:
 #     1. batch_inference --eval_task generate: BEST_OF_N samples for prompts
 #        [iter * ROLLOUT_BATCH_SIZE, (iter + 1) * ROLLOUT_BATCH_SIZE) from the current policy

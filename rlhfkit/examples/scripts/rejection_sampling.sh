@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Rejection sampling fine-tuning (Llama 2, arXiv:2307.09288; RAFT, arXiv:2304.06767), iterated:
+# Rejection sampling fine-tuning (best-of-n samples as SFT data, as in RAFT), iterated:
 #   for iter in 0 .. ITERS-1:
 #     1. batch_inference --eval_task generate: BEST_OF_N samples for prompts
 #        [iter * ROLLOUT_BATCH_SIZE, (iter + 1) * ROLLOUT_BATCH_SIZE) from the current policy

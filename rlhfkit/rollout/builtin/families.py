@@ -21,12 +21,12 @@ turns an HF config into the shapes plus one `LayerKind` per layer:
 
 Norm styles (the three RMSNorm roundings of Hugging Face): "llama" `w * cast(x_hat)`, "fp32"
 `cast(w * x_hat)` and "gemma" `cast((1 + w) * x_hat)`, with x_hat normalised in fp32
-(Zhang & Sennrich 2019, arXiv 1910.07467).
+(x_hat = x / sqrt(mean(x^2) + eps)).
 
-Routers (Shazeer et al. 2017, arXiv 1701.06538; Fedus et al. 2021, arXiv 2101.03961):
+Routers (top-k mixture-of-experts gating):
 "softmax_topk" takes the top k of softmax(logits) (Qwen3-MoE; renormalised to sum 1 with
 `norm_topk_prob`), "topk_softmax" the softmax of the top k logits (gpt-oss). Attention sinks
-(gpt-oss; Xiao et al. 2023, arXiv 2309.17453) are one learned logit per head that joins every
+(gpt-oss) are one learned logit per head that joins every
 softmax's denominator and carries no value.
 
 `NAMES[family]` maps an HF parameter suffix (after `model.layers.N.`) to where it goes in the

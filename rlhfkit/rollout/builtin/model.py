@@ -16,8 +16,8 @@ Decode attention, three implementations (`DecoderModel.attn`):
     "sdpa"    (CPU default) the G = num_heads / num_kv_heads query heads that share one KV head
               become G query rows of a single-head problem (`[B, KV, G, D]` against
               `[B, KV, Lb, D]`) under an additive 0 / -inf bias over the first `Lb` (length
-              bucket) positions, so plain SDPA handles grouped-query attention (Ainslie et al.
-              2023, arXiv 2305.13245) without repeating K/V;
+              bucket) positions, so plain SDPA handles grouped-query attention (GQA)
+              without repeating K/V;
     "matmul"  the same with two batched matmuls.
 Decode projections, two implementations (`DecoderModel.gemm`):
     "torch"   F.linear (cuBLAS) for every projection;
@@ -37,7 +37,7 @@ summed in the next kernel, before any all-reduce could see them).
 
 All ops have static shapes for fixed (B, Lb), which is what lets the engine capture each decode
 step as a CUDA graph. The math mirrors Hugging Face's Llama/Qwen2/Qwen3 modules op for op
-(RMSNorm in fp32, then cast; Zhang & Sennrich 2019, arXiv 1910.07467).
+(RMSNorm in fp32, then cast).
 """
 
 from __future__ import annotations

@@ -9,15 +9,15 @@ Sampling of one row, given fp32 logits z and temperature T (T = 0 means greedy):
 
     s = z / T (T := 1 for greedy rows),  logprob(tok) = s[tok] - logsumexp(s)      (reported)
     s' = s, or (z penalised: z / r where z > 0, z * r otherwise, for the tokens of the prompt and
-         the completion so far, r = repetition penalty; Keskar et al. 2019, arXiv 1909.05858) / T
+         the completion so far, r = repetition penalty) / T
     s' = s' with stop ids set to -inf while generated < min_new_tokens, and banned ids (a VLM's
          picture placeholder and markers, which a policy never writes) always
-    s' = s' with tokens outside top-k / top-p (Holtzman et al. 2019, arXiv 1904.09751) set to -inf
+    s' = s' with tokens outside top-k / top-p (nucleus) set to -inf
     tok = argmax s' (greedy), or a draw from softmax(s') in two Gumbel-max steps:
           chunk c = argmax_c (logsumexp(s'[chunk c]) + g_c)      (chunks of SAMPLE_CHUNK tokens)
           tok     = argmax_{i in chunk c} (s'_i + g_i),           g iid Gumbel(0, 1)
 
-Gumbel-max (Gumbel 1954; Maddison et al. 2014, arXiv 1411.0433) samples exactly from a softmax;
+Gumbel-max (argmax of logits plus iid Gumbel noise) samples exactly from a softmax;
 drawing the chunk by its total mass and then the token inside it is the same distribution
 (P(i) = P(c) P(i | c)), and only one chunk per row needs noise, so on a GPU the pass over the whole
 `[B, V]` logits does one exp per entry and no hashing (`triton_ops.sample_partials`). A vocabulary

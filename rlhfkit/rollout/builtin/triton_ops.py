@@ -6,10 +6,10 @@ Two kernels replace the parts of a decode step that cost most outside the GEMMs:
     Fused RoPE + KV-cache write + grouped-query attention for one new token per row (row b = slot b).
     One program per (row, KV head, split) applies RoPE to the row's G = Hq / KV query heads and to
     the new key, stores the new key/value at `pos[b]`, and runs the online-softmax recurrence of
-    FlashAttention (Dao et al. 2022, arXiv 2205.14135) over cache positions `< pos[b]` plus the new
+    FlashAttention over cache positions `< pos[b]` plus the new
     token, whose key and value it still holds in registers. The G query heads of a KV head form the
-    rows of one `tl.dot`, so K/V are read once per KV head (GQA, Ainslie et al. 2023, arXiv
-    2305.13245). The loop bound comes from `pos` on the device, so one captured CUDA graph serves
+    rows of one `tl.dot`, so K/V are read once per KV head (GQA). The
+    loop bound comes from `pos` on the device, so one captured CUDA graph serves
     every context length and no row reads past its own length. Small batches split the positions
     over `splits` programs (flash-decoding) whose partial results a second kernel merges by their
     log-sum-exp.
