@@ -129,7 +129,11 @@ def main() -> None:
         request = read_frame(requests)
         if request is None:
             return
-        write_frame(answers, _answer(fn, request))
+        answer = _answer(fn, request)
+        try:
+            write_frame(answers, answer)
+        except OSError:  # the trainer no longer reads (its run ended while this call ran): leave quietly,
+            os._exit(1)  # not with a traceback on the terminal the trainer shares
 
 
 if __name__ == "__main__":
