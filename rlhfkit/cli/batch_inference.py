@@ -147,8 +147,6 @@ def check_output_path(path: str | None) -> str:
 def load_engine(args: argparse.Namespace, tokenizer: Any, device: str, max_model_len: int) -> Any:
     """The --rollout_engine for --pretrain (builtin/hf get a module loaded by rlhfkit's loader; the builtin
     engine takes the module's weights over rather than copying them, where it can)."""
-    import torch
-
     from rlhfkit.config.configs import ModelConfig, from_args
     from rlhfkit.models.loader import load_causal_lm
     from rlhfkit.rollout import build_engine
@@ -169,12 +167,10 @@ def load_engine(args: argparse.Namespace, tokenizer: Any, device: str, max_model
     model = load_causal_lm(mcfg, device=device).eval()
     if args.rollout_engine == "hf":
         return build_engine("hf", model, tokenizer, device=device, max_batch_size=args.max_num_seqs)
-    from rlhfkit.models.vlm import is_vlm_config
     from rlhfkit.rollout.builtin.shared_weights import sharing_blocker
 
     # the loaded module's parameters move into the engine's tensors (one copy of the weights, not two)
-    share = (not is_vlm_config(model.config) and sharing_blocker(model) is None
-             and all(p.dtype == dtype and p.device.type == torch.device(device).type for p in model.parameters()))
+    share = sharing_blocker(model, dtype, device) is None
     return build_engine("builtin", model, tokenizer, device=device, dtype=dtype, share_weights=share,
                         max_num_seqs=args.max_num_seqs, max_model_len=max_model_len)
 

@@ -447,7 +447,6 @@ def engine_sharing(args: argparse.Namespace, dist: DistInfo, backend: FSDP2Backe
     """Why train_ppo's builtin engine cannot serve the policy's own weights (--engine_weights), None where it
     can: it then holds no copy of its own and a weight sync copies nothing of what it shares."""
     from rlhfkit.config.dtypes import run_dtype
-    from rlhfkit.models.vlm import is_vlm_config
     from rlhfkit.rollout.builtin.shared_weights import sharing_blocker
 
     why = flags_block_sharing(args, dist.world_size)
@@ -455,18 +454,7 @@ def engine_sharing(args: argparse.Namespace, dist: DistInfo, backend: FSDP2Backe
         return why
     if backend.is_sharded:
         return "the policy's weights are sharded"
-    model = backend.unwrap()
-    if is_vlm_config(model.config):
-        return "a vision-language model's tower is not shared"
-    blocker = sharing_blocker(model)
-    if blocker is not None:
-        return blocker
-    dtype = run_dtype(args.param_dtype, dist.device)
-    have = {p.dtype for p in model.parameters()}
-    if have != {dtype}:
-        return (f"the policy's weights are {'/'.join(sorted(str(d).removeprefix('torch.') for d in have))}, the "
-                f"engine's {str(dtype).removeprefix('torch.')}")
-    return None
+    return sharing_blocker(backend.unwrap(), run_dtype(args.param_dtype, dist.device))
 
 
 def close_rollout(engine: Any, user_code_grace_s: float = 5.0) -> None:

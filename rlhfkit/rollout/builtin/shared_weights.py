@@ -48,11 +48,23 @@ def weight_name(name: str) -> str | None:
     return None if _LORA_RE.match(name) else normalized_name(_peft_base_name(name))
 
 
-def sharing_blocker(model: torch.nn.Module) -> str | None:
-    """Why `adopt_parameters` cannot serve `model` (a peft LoRA model's adapters it cannot apply unmerged,
-    a module peft trains in full), None if it can; changes nothing."""
+def sharing_blocker(model: torch.nn.Module, dtype: torch.dtype | None = None,
+                    device: str | torch.device | None = None) -> str | None:
+    """Why an engine of `dtype` on `device` cannot take `model`'s weights over (`adopt_parameters`): a
+    vision-language model (its tower is not shared), weights of another dtype or device type, a peft LoRA
+    model's adapters it cannot apply unmerged, a module peft trains in full; None if it can. Changes nothing."""
     from rlhfkit.models.lora import lora_layers
+    from rlhfkit.models.vlm import is_vlm_config
 
+    if is_vlm_config(model.config):
+        return "a vision-language model's tower is not shared"
+    if dtype is not None:
+        have = {p.dtype for p in model.parameters()}
+        if have != {dtype}:
+            return (f"the policy's weights are {'/'.join(sorted(str(d).removeprefix('torch.') for d in have))}, "
+                    f"the engine's {str(dtype).removeprefix('torch.')}")
+    if device is not None and any(p.device.type != torch.device(device).type for p in model.parameters()):
+        return f"the weights are not all on {device}"
     spec = ModelSpec.from_hf_config(model.config)
     for name, _ in model.named_parameters():
         if ".modules_to_save." in name or ".original_module." in name:
