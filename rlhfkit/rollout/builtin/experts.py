@@ -1,8 +1,8 @@
 """The builtin engine's routed experts (mixture-of-experts layers: Qwen3-MoE, gpt-oss).
 
 Each token's router logits pick its top k experts (`route`); the T x k (token, expert) rows are grouped by
-expert with a counting sort (`dispatch`), run through two grouped GEMMs (`grouped_linear`: torch._grouped_mm)
-and summed back per token with the router weights, in the reference model's order of rounding. `routed` is that layer, compiled on CUDA even in an eager decode step (fused.py):
+expert with a counting sort (`dispatch`), run through two grouped GEMMs (`grouped_linear`: torch._grouped_mm;
+in a GPU decode step, with few rows per expert, the Triton kernels of triton_moe.py) and summed back per token with the router weights, in the reference model's order of rounding. `routed` is that layer, compiled on CUDA even in an eager decode step (fused.py):
 eagerly it is a dozen small kernels. `record_routing()` collects every eager MoE layer's choices, so tests
 and benchmarks can check that the engine routes tokens as the trainer does.
 """
@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from rlhfkit.rollout.builtin import triton_moe
 from rlhfkit.rollout.builtin.families import MoESpec
 from rlhfkit.rollout.builtin.fused import EagerFused
 from rlhfkit.rollout.builtin.weights import LayerWeights, ModelSpec
@@ -97,9 +98,18 @@ def _moe(layer: LayerWeights, spec: ModelSpec, h: torch.Tensor) -> torch.Tensor:
         _ROUTE_LOG.append(ids.detach().clone())
     dest, perm, offsets = dispatch(ids, moe.num_experts)
     experts = ids.reshape(-1)[perm]  # each grouped row's expert
-    act = _expert_act(moe, grouped_linear(x[perm // moe.top_k], gate_up, offsets, experts,
-                                          layer.experts_gate_up_bias))
-    out = grouped_linear(act, down, offsets, experts, layer.experts_down_bias)[dest]  # (token, k) order
+    if triton_moe.use_for(perm.shape[0], moe.num_experts, x):  # decode on a GPU: weight-bound, Triton
+        kind = triton_moe.ACT_SILU if moe.act == "silu" else triton_moe.ACT_GPT_OSS
+        act = torch.ops.rlhfkit.moe_gate_up(x, perm, offsets, gate_up, layer.experts_gate_up_bias, moe.top_k,
+                                            kind, moe.swiglu_alpha, moe.swiglu_limit)
+        out = torch.ops.rlhfkit.moe_down(act, offsets, down)
+        if layer.experts_down_bias is not None:
+            out = out + layer.experts_down_bias[experts]
+        out = out[dest]
+    else:
+        act = _expert_act(moe, grouped_linear(x[perm // moe.top_k], gate_up, offsets, experts,
+                                              layer.experts_gate_up_bias))
+        out = grouped_linear(act, down, offsets, experts, layer.experts_down_bias)[dest]  # (token, k) order
     out = out.view(-1, moe.top_k, shape[-1]) * weights[..., None]
     return out.sum(dim=1).to(h.dtype).reshape(shape)
 
