@@ -150,7 +150,11 @@ class GreedyEval:
 # ----------------------------------------------------------------------------- rlhfkit
 
 
-def rlhfkit_argv(a: argparse.Namespace, model_dir: str, data: str, reward: str, work: str) -> list[str]:
+LEAN = ["--optim", "adamw_8bit", "--master_weights", "bf16_stochastic"]  # the memory-lean optimizer of one-GPU 7B runs
+
+
+def rlhfkit_argv(a: argparse.Namespace, model_dir: str, data: str, reward: str, work: str,
+                 side: str = "rlhfkit") -> list[str]:
     total = a.prompts * a.n
     mb = str(micro(total, a.micro_train_batch_size))
     return ["--pretrain", model_dir, "--prompt_data", data, "--input_key", "messages", "--label_key", "label",
@@ -164,11 +168,12 @@ def rlhfkit_argv(a: argparse.Namespace, model_dir: str, data: str, reward: str, 
             "--adam_betas", "0.9", "0.999", "--l2", "0", "--max_norm", "1.0", "--eps_clip", "0.2",
             "--seed", str(a.seed), "--param_dtype", "bf16" if a.device.startswith("cuda") else "fp32",
             "--device", a.device, "--rollout_engine", "builtin", "--disable_progress",
-            "--save_path", os.path.join(work, "rlhfkit_model"), "--run_dir", os.path.join(work, "rlhfkit_run")]
+            "--save_path", os.path.join(work, f"{side}_model"), "--run_dir", os.path.join(work, f"{side}_run")] \
+        + (LEAN if side == "rlhfkit_lean" else [])
 
 
 def run_rlhfkit(a: argparse.Namespace, model_dir: str, train: list[dict], work: str, ev: GreedyEval,
-                progress: Progress) -> dict:
+                progress: Progress, side: str = "rlhfkit") -> dict:
     """train_ppo's parser, checks and `build_trainer`, then `a.steps` timed `train_step()` calls, the held-out
     accuracy every `a.eval_every` steps and after the last (each also handed to `progress`)."""
     from rlhfkit.cli import ppo_setup, train_ppo
@@ -183,7 +188,7 @@ def run_rlhfkit(a: argparse.Namespace, model_dir: str, train: list[dict], work: 
     reward = os.path.join(work, "grpo_real_reward.py")
     with open(reward, "w") as f:
         f.write(REWARD_SRC)
-    argv = rlhfkit_argv(a, model_dir, data, reward, work)
+    argv = rlhfkit_argv(a, model_dir, data, reward, work, side)
     parser = train_ppo.build_parser()
     args = parser.parse(argv)
     sync(a.device)
@@ -213,14 +218,14 @@ def run_rlhfkit(a: argparse.Namespace, model_dir: str, train: list[dict], work: 
                 r = ev.accuracy()
                 eval_s += r["seconds"]
                 curve.append({"step": step, "accuracy": r["accuracy"], "examples": r["examples"]})
-                log(f"rlhfkit step {step}: reward {m.get('reward')}, held-out accuracy {r['accuracy']:.3f}")
-                progress({"framework": "rlhfkit", "build_s": build_s, "step_s_each": list(walls),
+                log(f"{side} step {step}: reward {m.get('reward')}, held-out accuracy {r['accuracy']:.3f}")
+                progress({"framework": side, "build_s": build_s, "step_s_each": list(walls),
                           "reward_each": [x.get("reward") for x in metrics], "accuracy_curve": list(curve)})
     finally:
         ppo_setup.close_rollout(placement.engine)
         trainer.logger.close()
     wall = build_s + sum(walls)
-    return {"framework": "rlhfkit", "argv": argv, "build_s": build_s, "first_step_s": walls[0], "wall_s": wall,
+    return {"framework": side, "argv": argv, "build_s": build_s, "first_step_s": walls[0], "wall_s": wall,
             "step_s_each": walls, "step_s_median": median(walls), "eval_s": eval_s,
             "reward_each": [m.get("reward") for m in metrics],
             "response_length_each": [m.get("response_length") for m in metrics],
@@ -373,6 +378,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--skip_trl", action="store_true")
     ap.add_argument("--skip_rlhfkit", action="store_true")
+    ap.add_argument("--rlhfkit_optim", choices=["fp32", "lean", "both"], default="fp32",
+                    help="rlhfkit's optimizer: AdamW over fp32 masters (side 'rlhfkit'), 8-bit AdamW over bf16 "
+                         "weights with stochastic rounding (side 'rlhfkit_lean'), or both, one after the other")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU check of the whole script: 2 steps of 4 questions x 4 samples, 16 tokens, 8 held-out")
     ap.add_argument("--out", default=None, help="the JSON (a file with the other side's record is kept, see above)")
@@ -408,7 +416,29 @@ def headline(runs: dict[str, dict], before: float) -> dict:
         out["rlhfkit_wall_at_most_half_of_trl"] = rk["wall_s"] <= 0.5 * tr["wall_s"]
     if rk.get("accuracy_after") is not None and tr.get("accuracy_after") is not None:
         out["rlhfkit_accuracy_at_least_trl"] = rk["accuracy_after"] >= tr["accuracy_after"]
+    lean = runs.get("rlhfkit_lean", {})
+    if lean.get("reward_each") and rk.get("reward_each"):
+        out["lean_vs_fp32"] = lean_vs_fp32(rk, lean)
     return out
+
+
+def lean_vs_fp32(fp32: dict, lean: dict, window: int = 20) -> dict:
+    """The lean optimizer's learning beside fp32 AdamW's: mean reward over the last `window` steps of each, their
+    difference, and the noise of that difference (the standard error from the steps' spread, both runs); held-out
+    accuracy after each."""
+    def tail(run: dict) -> list[float]:
+        return [float(r) for r in run["reward_each"][-window:] if r is not None]
+
+    a, b = tail(fp32), tail(lean)
+    def se2(x: list[float]) -> float:
+        m = sum(x) / len(x)
+        return sum((v - m) ** 2 for v in x) / max(1, len(x) - 1) / len(x)
+
+    diff = sum(b) / len(b) - sum(a) / len(a)
+    noise = (se2(a) + se2(b)) ** 0.5
+    return {"window_steps": window, "fp32_reward_tail_mean": sum(a) / len(a), "lean_reward_tail_mean": sum(b) / len(b),
+            "difference": diff, "difference_standard_error": noise, "within_2_standard_errors": abs(diff) <= 2 * noise,
+            "fp32_accuracy_after": fp32.get("accuracy_after"), "lean_accuracy_after": lean.get("accuracy_after")}
 
 
 def report(a: argparse.Namespace, runs: dict[str, dict], before: dict, complete: bool) -> dict:
@@ -443,7 +473,8 @@ def main(argv: list[str] | None = None) -> dict:
         log(f"held-out accuracy before: {before['accuracy']:.3f} ({before['seconds']:.1f} s)")
         runs: dict[str, dict] = {}
         report(a, runs, before, complete=False)
-        sides = [s for s, skip in (("rlhfkit", a.skip_rlhfkit), ("trl", a.skip_trl)) if not skip]
+        ours = {"fp32": ["rlhfkit"], "lean": ["rlhfkit_lean"], "both": ["rlhfkit", "rlhfkit_lean"]}[a.rlhfkit_optim]
+        sides = ([] if a.skip_rlhfkit else ours) + ([] if a.skip_trl else ["trl"])
         for side in sides:
             t0 = time.perf_counter()
 
@@ -452,8 +483,8 @@ def main(argv: list[str] | None = None) -> dict:
                 report(a, runs, before, complete=False)
 
             try:
-                if side == "rlhfkit":
-                    runs[side] = run_rlhfkit(a, a.model_dir, train, work, ev, progress)
+                if side.startswith("rlhfkit"):
+                    runs[side] = run_rlhfkit(a, a.model_dir, train, work, ev, progress, side)
                 else:
                     runs[side] = run_trl(a, a.model_dir, train, work, ev, answer_correct, progress)
             except Exception as e:  # noqa: BLE001 - the bench reports and goes on

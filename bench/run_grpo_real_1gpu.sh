@@ -14,7 +14,7 @@
 #   call 3:  bash bench/run_grpo_real_1gpu.sh trl
 # Then copy the returned grpo_real_<gpu>.json into bench/results/.
 set -uo pipefail
-side=${1:?rlhfkit | trl | both}
+side=${1:?rlhfkit | lean | trl | both}
 out=${2:-${OUT:-bench/results}}
 model=${REAL_MODEL:-.cache/models/smollm2-135m-instruct}
 mkdir -p "$out" .cache/bench
@@ -22,17 +22,19 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 if [ -d /tmp/site ]; then export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}; fi
 [ -f "$model/config.json" ] || { echo "run_grpo_real_1gpu: no model at $model (bench/real_model_parts.sh join)" >&2; exit 1; }
 gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[1].lower())")
-json=.cache/bench/grpo_real_$gpu.json
+suffix=; [ "$side" = lean ] && suffix=_lean  # its own file: the fp32 side it runs is not TRL's partner run
+json=.cache/bench/grpo_real_$gpu$suffix.json
 case $side in
 rlhfkit) skip=--skip_trl ;;
+lean) skip="--skip_trl --rlhfkit_optim both" ;;  # fp32 AdamW, then adamw_8bit over bf16_stochastic weights
 trl) skip=--skip_rlhfkit ;;
 both) skip= ;;
-*) echo "usage: bash bench/run_grpo_real_1gpu.sh rlhfkit|trl|both [OUTDIR]" >&2; exit 2 ;;
+*) echo "usage: bash bench/run_grpo_real_1gpu.sh rlhfkit|lean|trl|both [OUTDIR]" >&2; exit 2 ;;
 esac
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 timeout 570 python3 bench/grpo_real.py --model_dir "$model" --prompts 16 --n 8 --steps 80 --new_tokens 64 \
   --temperature 1.0 --lr 1e-5 --eval_prompts 200 --eval_every 20 $skip --out "$json" 2>&1 \
   | grep -E '^\[grpo_real\]|^\{|Error|error' | cut -c1-3000
 rc=${PIPESTATUS[0]}
-cp "$json" "$out/grpo_real_$gpu.json"
+cp "$json" "$out/$(basename "$json")"
 exit "$rc"
