@@ -1,9 +1,12 @@
 """The Triton routed-experts kernels (rlhfkit/rollout/builtin/triton_moe.py) on a GPU (skipped without CUDA).
 
-One random routed layer in bf16 goes through `experts._moe` twice, once with the Triton kernels and once with
-torch's grouped GEMMs; both are compared with the same layer in fp32. The Triton path must be as close to fp32
-as the grouped GEMMs are (25% slack over their error, plus 1e-3), for Qwen3-MoE's SiLU experts and gpt-oss's
-clamped, biased, interleaved ones, at batch sizes from one token to several rows per expert.
+One random routed layer in bf16 goes through `experts._moe` twice, once with the Triton kernels (router, dispatch
+and experts) and once with F.linear, the counting sort and torch's grouped GEMMs; both are compared with the same
+layer in fp32 on the tokens both send where fp32 does. The Triton path must be as close to fp32 as the other is
+(25% slack over its error, plus 1e-3) and choose the same experts for at least 99% of the tokens (its router
+logits sum in another order, so near-ties may fall the other way), for Qwen3-MoE's SiLU experts and gpt-oss's
+clamped, biased, interleaved ones, at batch sizes from one token to several rows per expert. The dispatch kernel
+equals `experts.dispatch` exactly.
 """
 
 from __future__ import annotations
@@ -52,10 +55,24 @@ def test_triton_experts_as_close_to_fp32_as_grouped_gemms(act, tokens, monkeypat
     monkeypatch.setattr(triton_moe, "MAX_ROWS_PER_EXPERT", 0)
     with experts.record_routing() as ids_grouped:
         grouped = experts._moe(lw16, spec, x.bfloat16()).float()
-    assert torch.equal(ids_triton[0], ids_grouped[0])
-    same = ids_triton[0].sort(-1).values == ids32[0].sort(-1).values
-    rows = same.all(-1)  # tokens the bf16 router sends where fp32 does: only there is the comparison fair
+    def same(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return (a.sort(-1).values == b.sort(-1).values).all(-1)
+
+    assert same(ids_triton[0], ids_grouped[0]).float().mean() >= 0.99
+    # tokens both bf16 routers send where fp32 does: only there is the comparison fair
+    rows = same(ids_triton[0], ids32[0]) & same(ids_grouped[0], ids32[0])
     assert rows.float().mean() > 0.8
     err_fast = (fast - ref)[rows].abs().max().item()
     err_grouped = (grouped - ref)[rows].abs().max().item()
     assert err_fast <= 1.25 * err_grouped + 1e-3, (err_fast, err_grouped)
+
+
+@pytest.mark.parametrize("experts,top_k,tokens", [(64, 8, 64), (32, 4, 7), (128, 8, 300), (12, 6, 33)])
+def test_dispatch_kernel_equals_counting_sort(experts, top_k, tokens):
+    from rlhfkit.rollout.builtin import triton_moe
+    from rlhfkit.rollout.builtin.experts import dispatch
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    ids = torch.rand(tokens, experts, generator=g, device="cuda").topk(top_k, dim=-1).indices
+    for got, want in zip(triton_moe.moe_dispatch(ids, experts), dispatch(ids, experts)):
+        assert torch.equal(got, want)

@@ -2,7 +2,8 @@
 
 Each token's router logits pick its top k experts (`route`); the T x k (token, expert) rows are grouped by
 expert with a counting sort (`dispatch`), run through two grouped GEMMs (`grouped_linear`: torch._grouped_mm;
-in a GPU decode step, with few rows per expert, the Triton kernels of triton_moe.py) and summed back per token with the router weights, in the reference model's order of rounding. `routed` is that layer, compiled on CUDA even in an eager decode step (fused.py):
+in a GPU decode step, with few rows per expert, the Triton kernels of triton_moe.py, which also route and
+dispatch) and summed back per token with the router weights, in the reference model's order of rounding. `routed` is that layer, compiled on CUDA even in an eager decode step (fused.py):
 eagerly it is a dozen small kernels. `record_routing()` collects every eager MoE layer's choices, so tests
 and benchmarks can check that the engine routes tokens as the trainer does.
 """
@@ -93,20 +94,26 @@ def _moe(layer: LayerWeights, spec: ModelSpec, h: torch.Tensor) -> torch.Tensor:
     assert moe is not None and router is not None and gate_up is not None and down is not None, "a routed layer"
     shape = h.shape
     x = h.reshape(-1, shape[-1])
-    weights, ids = route(F.linear(x, router, layer.router_bias), moe)
+    fast = triton_moe.use_for(x.shape[0] * moe.top_k, moe.num_experts, x)  # a GPU decode step: Triton kernels
+    if fast:
+        weights, ids = torch.ops.rlhfkit.moe_route(x, router, layer.router_bias, moe.top_k,
+                                                   moe.router == "softmax_topk", moe.norm_topk_prob)
+    else:
+        weights, ids = route(F.linear(x, router, layer.router_bias), moe)
     if _ROUTE_LOG is not None and not torch.compiler.is_compiling():
         _ROUTE_LOG.append(ids.detach().clone())
-    dest, perm, offsets = dispatch(ids, moe.num_experts)
-    experts = ids.reshape(-1)[perm]  # each grouped row's expert
-    if triton_moe.use_for(perm.shape[0], moe.num_experts, x):  # decode on a GPU: weight-bound, Triton
+    if fast:
+        dest, perm, offsets = torch.ops.rlhfkit.moe_dispatch(ids, moe.num_experts)
         kind = triton_moe.ACT_SILU if moe.act == "silu" else triton_moe.ACT_GPT_OSS
         act = torch.ops.rlhfkit.moe_gate_up(x, perm, offsets, gate_up, layer.experts_gate_up_bias, moe.top_k,
                                             kind, moe.swiglu_alpha, moe.swiglu_limit)
         out = torch.ops.rlhfkit.moe_down(act, offsets, down)
         if layer.experts_down_bias is not None:
-            out = out + layer.experts_down_bias[experts]
+            out = out + layer.experts_down_bias[ids.reshape(-1)[perm]]
         out = out[dest]
     else:
+        dest, perm, offsets = dispatch(ids, moe.num_experts)
+        experts = ids.reshape(-1)[perm]  # each grouped row's expert
         act = _expert_act(moe, grouped_linear(x[perm // moe.top_k], gate_up, offsets, experts,
                                               layer.experts_gate_up_bias))
         out = grouped_linear(act, down, offsets, experts, layer.experts_down_bias)[dest]  # (token, k) order

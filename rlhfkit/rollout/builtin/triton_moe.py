@@ -138,6 +138,101 @@ if triton is not None:
                      mask=mmask[:, None] & nmask[None, :])
 
 
+if triton is not None:
+
+    @triton.jit
+    def _route_kernel(X, R, RB, Wts, Ids, T, sx, sr, E: tl.constexpr, E_POW2: tl.constexpr, H: tl.constexpr,
+                      TOP_K: tl.constexpr, K_POW2: tl.constexpr, SOFTMAX_FIRST: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Router logits of BLOCK_T tokens (rounded to the model dtype, as F.linear's output), then the top
+        TOP_K experts: of the fp32 softmax over all experts (renormalised with NORM), or of the logits with
+        the softmax over the chosen ones (SOFTMAX_FIRST false: gpt-oss)."""
+        offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        offs_e = tl.arange(0, E_POW2)
+        offs_k = tl.arange(0, BLOCK_K)
+        tmask = offs_t < T
+        emask = offs_e < E
+        acc = tl.zeros([BLOCK_T, E_POW2], dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            a = tl.load(X + offs_t.to(tl.int64)[:, None] * sx + (k0 + offs_k)[None, :], mask=tmask[:, None], other=0.0)
+            w = tl.load(R + offs_e[:, None] * sr + (k0 + offs_k)[None, :], mask=emask[:, None], other=0.0)
+            acc = tl.dot(a, tl.trans(w), acc)
+        dt = Wts.dtype.element_ty
+        if HAS_BIAS:
+            acc = acc + tl.load(RB + offs_e, mask=emask, other=0.0).to(tl.float32)[None, :]
+        logits = acc.to(dt).to(tl.float32)
+        logits = tl.where(emask[None, :], logits, float("-inf"))
+        if SOFTMAX_FIRST:
+            p = tl.exp(logits - tl.max(logits, 1)[:, None])
+            vals = p / tl.sum(p, 1)[:, None]
+        else:
+            vals = logits
+        offs_j = tl.arange(0, K_POW2)
+        top = tl.zeros([BLOCK_T, K_POW2], dtype=tl.float32)
+        ids = tl.zeros([BLOCK_T, K_POW2], dtype=tl.int32)
+        for j in tl.static_range(TOP_K):
+            best = tl.argmax(vals, 1)  # the first of equal maxima
+            pick = offs_e[None, :] == best[:, None]
+            top = tl.where(offs_j[None, :] == j, tl.max(vals, 1)[:, None], top)
+            ids = tl.where(offs_j[None, :] == j, best[:, None], ids)
+            vals = tl.where(pick, float("-inf"), vals)
+        jmask = offs_j < TOP_K  # K_POW2 columns, TOP_K of them chosen
+        if SOFTMAX_FIRST:
+            if NORM:
+                top = top / tl.sum(top, 1)[:, None]
+        else:
+            top = tl.where(jmask[None, :], top, float("-inf"))
+            q = tl.exp(top - tl.max(top, 1)[:, None])
+            top = q / tl.sum(q, 1)[:, None]
+        out = offs_t.to(tl.int64)[:, None] * TOP_K + offs_j[None, :]
+        tl.store(Wts + out, top.to(dt), mask=tmask[:, None] & jmask[None, :])
+        tl.store(Ids + out, ids.to(tl.int64), mask=tmask[:, None] & jmask[None, :])
+
+    @triton.jit
+    def _dispatch_kernel(Ids, Dest, Perm, Offs, S, E: tl.constexpr, E_POW2: tl.constexpr, CHUNK: tl.constexpr):
+        """`experts.dispatch` in one program: counts per expert, their prefix sums (Offs), then each row's place
+        in expert order (Dest, stable) and its inverse (Perm), CHUNK rows at a time."""
+        offs_e = tl.arange(0, E_POW2)
+        counts = tl.zeros([E_POW2], dtype=tl.int32)
+        for c0 in range(0, S, CHUNK):
+            r = c0 + tl.arange(0, CHUNK)
+            ids = tl.load(Ids + r, mask=r < S, other=E_POW2)
+            counts += tl.sum((ids[:, None] == offs_e[None, :]).to(tl.int32), 0)
+        ends = tl.cumsum(counts, 0)
+        tl.store(Offs + offs_e, ends, mask=offs_e < E)
+        base = ends - counts
+        for c0 in range(0, S, CHUNK):
+            r = c0 + tl.arange(0, CHUNK)
+            rmask = r < S
+            ids = tl.load(Ids + r, mask=rmask, other=E_POW2)
+            hot = (ids[:, None] == offs_e[None, :]).to(tl.int32)
+            place = base[None, :] + tl.cumsum(hot, 0) - 1
+            dest = tl.sum(tl.where(hot > 0, place, 0), 1)
+            tl.store(Dest + r, dest.to(tl.int64), mask=rmask)
+            tl.store(Perm + dest, r.to(tl.int64), mask=rmask)
+            base += tl.sum(hot, 0)
+
+
+def launch_route(x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor | None, top_k: int,
+                 softmax_first: bool, norm: bool, weights: torch.Tensor, ids: torch.Tensor) -> None:
+    """Run the router kernel: `weights [T, k]` (x's dtype) and `ids [T, k]` (int64), as `experts.route`."""
+    t, h = x.shape
+    e = router.shape[0]
+    block_t = 16
+    _route_kernel[(triton.cdiv(t, block_t),)](x, router, bias if bias is not None else router, weights, ids, t,
+                                              x.stride(0), router.stride(0), E=e, E_POW2=max(16, triton.next_power_of_2(e)),
+                                              H=h, TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k), SOFTMAX_FIRST=softmax_first, NORM=norm,
+                                              HAS_BIAS=bias is not None, BLOCK_T=block_t, BLOCK_K=min(_block_k(h), 64),
+                                              num_warps=4)
+
+
+def launch_dispatch(ids: torch.Tensor, num_experts: int, dest: torch.Tensor, perm: torch.Tensor,
+                    offsets: torch.Tensor) -> None:
+    """Run the dispatch kernel over the flat `ids [S]`."""
+    _dispatch_kernel[(1,)](ids, dest, perm, offsets, ids.numel(), E=num_experts,
+                           E_POW2=triton.next_power_of_2(num_experts), CHUNK=64, num_warps=4)
+
+
 def _block_k(k: int) -> int:
     for b in (128, 64, 32, 16):
         if k % b == 0:
@@ -208,3 +303,37 @@ def moe_down(a: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor) -> torch.T
 @moe_down.register_fake
 def _moe_down_fake(a, offsets, w):
     return a.new_empty((a.shape[0], w.shape[1]))
+
+
+@torch.library.custom_op("rlhfkit::moe_route", mutates_args=())
+def moe_route(x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor | None, top_k: int, softmax_first: bool,
+              norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits and top-k choice of every token of `x [T, H]` -> (weights `[T, k]`, ids `[T, k]` int64)."""
+    _check_unit_stride("moe_route", x, router)
+    weights = torch.empty((x.shape[0], top_k), dtype=x.dtype, device=x.device)
+    ids = torch.empty((x.shape[0], top_k), dtype=torch.int64, device=x.device)
+    if x.shape[0]:
+        launch_route(x, router, bias, top_k, softmax_first, norm, weights, ids)
+    return weights, ids
+
+
+@moe_route.register_fake
+def _moe_route_fake(x, router, bias, top_k, softmax_first, norm):
+    return x.new_empty((x.shape[0], top_k)), x.new_empty((x.shape[0], top_k), dtype=torch.int64)
+
+
+@torch.library.custom_op("rlhfkit::moe_dispatch", mutates_args=())
+def moe_dispatch(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`experts.dispatch(ids, num_experts)` in one kernel -> (dest `[S]`, perm `[S]`, offsets `[E]` int32)."""
+    flat = ids.reshape(-1)
+    dest, perm = torch.empty_like(flat), torch.empty_like(flat)
+    offsets = torch.zeros(num_experts, dtype=torch.int32, device=ids.device)
+    if flat.numel():
+        launch_dispatch(flat, num_experts, dest, perm, offsets)
+    return dest, perm, offsets
+
+
+@moe_dispatch.register_fake
+def _moe_dispatch_fake(ids, num_experts):
+    flat = ids.reshape(-1)
+    return torch.empty_like(flat), torch.empty_like(flat), flat.new_empty((num_experts,), dtype=torch.int32)
