@@ -40,8 +40,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from rollout import prompts_for, run_builtin, sync  # noqa: E402
 
 from rlhfkit.rollout.builtin import BuiltinEngine, BuiltinEngineConfig  # noqa: E402
-from rlhfkit.rollout.builtin.experts import record_routing, route  # noqa: E402
-from rlhfkit.rollout.builtin.weights import ModelSpec  # noqa: E402
+from rlhfkit.rollout.builtin.model.experts import record_routing, route  # noqa: E402
+from rlhfkit.rollout.builtin.model.weights import ModelSpec  # noqa: E402
 from rlhfkit.types import GenerationRequest, SamplingParams  # noqa: E402
 
 SHAPES = {  # ~0.5-1.5B shapes; real models' dimensions where one exists at this size

@@ -1,5 +1,5 @@
 """The decode step's projections at small M: cuBLAS (what F.linear runs) against the builtin
-engine's Triton GEMMs (`rlhfkit/rollout/builtin/triton_gemm.py`) over their launch parameters.
+engine's Triton GEMMs (`rlhfkit/rollout/builtin/kernels/triton_gemm.py`) over their launch parameters.
 
     python bench/gemm_decode.py [--rows 64,256] [--out bench/results/gemm_decode_h100.json]
 
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from rlhfkit.rollout.builtin import triton_gemm  # noqa: E402
+from rlhfkit.rollout.builtin.kernels import triton_gemm  # noqa: E402
 
 HIDDEN, INTER, QKV = 896, 4864, 1152
 
@@ -192,7 +192,7 @@ def main() -> None:
         row["triton_errors"] = [r for r in sweep if "error" in r][:3]
         out["results"].append(row)
         print(json.dumps(row), flush=True)
-    from rlhfkit.rollout.builtin import triton_ops
+    from rlhfkit.rollout.builtin.kernels import triton_ops
 
     block0, warps0 = triton_ops.SAMPLE_BLOCK, triton_ops.SAMPLE_WARPS
     for m in map(int, a.rows.split(",")):  # the sampler's one pass over [M, V] logits

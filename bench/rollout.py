@@ -38,7 +38,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rlhfkit.rollout.builtin import BuiltinEngine, BuiltinEngineConfig  # noqa: E402
-from rlhfkit.rollout.builtin.scheduler import batch_bucket, length_bucket  # noqa: E402
+from rlhfkit.rollout.builtin.loop.scheduler import batch_bucket, length_bucket  # noqa: E402
 from rlhfkit.types import GenerationRequest, SamplingParams  # noqa: E402
 
 HBM_TBPS = {"H200": 4.8, "H100": 3.35}
@@ -308,7 +308,7 @@ def trace_generate(engine: BuiltinEngine, reqs: list) -> dict:
 def attn_sweep(model, dtype: torch.dtype, batch: int, plen: int, new: int) -> list[dict]:
     """Time the Triton decode attention of one step (all layers, CUDA-graph replays) under several
     launch configurations, every row at context prompt + new / 2."""
-    from rlhfkit.rollout.builtin import triton_ops
+    from rlhfkit.rollout.builtin.kernels import triton_ops
 
     c = model.config
     hq, kv = c.num_attention_heads, c.num_key_value_heads
@@ -437,7 +437,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"--engines: unknown {sorted(unknown)}")
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
-    from rlhfkit.rollout.builtin import triton_ops
+    from rlhfkit.rollout.builtin.kernels import triton_ops
 
     triton_ops.PDL_CONFIG["enabled"] = {"auto": None, "on": True, "off": False}[args.pdl]
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

@@ -447,7 +447,7 @@ def engine_sharing(args: argparse.Namespace, dist: DistInfo, backend: FSDP2Backe
     """Why train_ppo's builtin engine cannot serve the policy's own weights (--engine_weights), None where it
     can: it then holds no copy of its own and a weight sync copies nothing of what it shares."""
     from rlhfkit.config.dtypes import run_dtype
-    from rlhfkit.rollout.builtin.shared_weights import sharing_blocker
+    from rlhfkit.rollout.builtin.model.shared_weights import sharing_blocker
 
     why = flags_block_sharing(args, dist.world_size)
     if why is not None:

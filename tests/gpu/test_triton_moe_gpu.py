@@ -1,4 +1,4 @@
-"""The Triton routed-experts kernels (rlhfkit/rollout/builtin/triton_moe.py) on a GPU (skipped without CUDA).
+"""The Triton routed-experts kernels (rlhfkit/rollout/builtin/kernels/triton_moe.py) on a GPU (skipped without CUDA).
 
 One random routed layer in bf16 goes through `experts._moe` twice, once with the Triton kernels and once with
 torch's grouped GEMMs; both are compared with the same layer in fp32. The Triton path must be as close to fp32
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def _layer(act: str, dtype: torch.dtype, h: int = 256, i: int = 96, e: int = 16, k: int = 4):
-    from rlhfkit.rollout.builtin.families import MoESpec
+    from rlhfkit.rollout.builtin.model.families import MoESpec
 
     bias = act != "silu"
     moe = MoESpec(num_experts=e, top_k=k, intermediate_size=i, router="topk_softmax" if bias else "softmax_topk",
@@ -38,7 +38,8 @@ def _layer(act: str, dtype: torch.dtype, h: int = 256, i: int = 96, e: int = 16,
 @pytest.mark.parametrize("act", ["silu", "clamped_swiglu"])
 @pytest.mark.parametrize("tokens", [1, 7, 64, 300])
 def test_triton_experts_as_close_to_fp32_as_grouped_gemms(act, tokens, monkeypatch):
-    from rlhfkit.rollout.builtin import experts, triton_moe
+    from rlhfkit.rollout.builtin.kernels import triton_moe
+    from rlhfkit.rollout.builtin.model import experts
 
     lw32, spec = _layer(act, torch.float32)
     lw16 = types.SimpleNamespace(**{k: None if v is None else v.to(torch.bfloat16) for k, v in vars(lw32).items()})

@@ -10,10 +10,10 @@ import os
 import pytest
 import torch
 
-from rlhfkit.rollout.builtin import triton_ops
-from rlhfkit.rollout.builtin.families import LayerKind
-from rlhfkit.rollout.builtin.model import _torch_decode_attention
-from rlhfkit.rollout.builtin.weights import LayerWeights, ModelSpec
+from rlhfkit.rollout.builtin.kernels import triton_ops
+from rlhfkit.rollout.builtin.model.decoder import _torch_decode_attention
+from rlhfkit.rollout.builtin.model.families import LayerKind
+from rlhfkit.rollout.builtin.model.weights import LayerWeights, ModelSpec
 
 
 def _interpreter_index_fix() -> None:

@@ -1,13 +1,13 @@
 """Model description and weights of the builtin engine, read from a Hugging Face decoder-only model.
 
-Supported families (`config.model_type`, families.py): llama, mistral, qwen2, qwen3, phi3, olmo2,
+Supported families (`config.model_type`, model/families.py): llama, mistral, qwen2, qwen3, phi3, olmo2,
 olmo3, gemma3_text, qwen3_moe, gpt_oss, and the language models of the vision-language qwen2_vl,
-qwen2_5_vl (a qwen2 block) and qwen3_vl (a qwen3 block), whose vision tower lives in vision.py.
-families.py draws the one block they share and what each family changes in it.
+qwen2_5_vl (a qwen2 block) and qwen3_vl (a qwen3 block), whose vision tower lives in model/vision.py.
+model/families.py draws the one block they share and what each family changes in it.
 
 The engine's weights have q/k/v fused into one matrix and gate/up into another (two GEMMs fewer per
 layer and step), and each MoE layer's experts as two `[E, out, in]` tensors for grouped GEMMs; they are
-a copy of their own, or the training module's parameters themselves (shared_weights.py). `targets` maps every Hugging Face parameter name to a view of an engine
+a copy of their own, or the training module's parameters themselves (model/shared_weights.py). `targets` maps every Hugging Face parameter name to a view of an engine
 tensor, so loading and `update_weights` are one code path: `copy_` into that view, in place. The
 tensors never move while the engine is awake, so CUDA graphs captured over them stay valid after a
 weight update.
@@ -40,8 +40,8 @@ import torch
 
 from rlhfkit.models.hf_config import ConfigFields
 from rlhfkit.models.vlm import is_vision_name
-from rlhfkit.rollout.builtin.families import (EXPERT_RE, FAMILIES, SUPPORTED_MODEL_TYPES, Family, LayerKind,
-                                              MoESpec, layer_types, moe_layers, moe_spec)
+from rlhfkit.rollout.builtin.model.families import (EXPERT_RE, FAMILIES, SUPPORTED_MODEL_TYPES, Family, LayerKind,
+                                                    MoESpec, layer_types, moe_layers, moe_spec)
 
 VLM_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")  # their language model (`text_config`) is the decoder here
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
@@ -329,7 +329,7 @@ class LoraPart:
 
 @dataclass
 class LayerWeights:
-    """One decoder layer (families.py says which tensors a family has).
+    """One decoder layer (model/families.py says which tensors a family has).
 
     Fused `qkv` is `[q_size + 2 kv_size, hidden]` and `gate_up` `[2 I, hidden]`; routed experts
     are `experts_gate_up [E, 2 I_e, hidden]` (gpt-oss: gate and up rows interleaved) and
@@ -479,7 +479,7 @@ def _keyed_targets(weights: ModelWeights, spec: ModelSpec, name: str) -> list[tu
     """`targets`, each with the key of the engine tensor it fills ("embed", "3.qkv", ...)."""
     name = normalized_name(name)
     if name.endswith(_IGNORED_SUFFIXES) or (spec.model_type in VLM_MODEL_TYPES and is_vision_name(name)):
-        return []  # the rotary buffers are recomputed; a VLM's vision tower is loaded by vision.py
+        return []  # the rotary buffers are recomputed; a VLM's vision tower is loaded by model/vision.py
     if name == "model.embed_tokens.weight":
         out = [(weights.embed, _ALL, "embed")]
         if spec.tie_word_embeddings and weights.lm_head is not weights.embed and not _lm_head_is_embed_view(spec):
@@ -511,7 +511,7 @@ def _keyed_targets(weights: ModelWeights, spec: ModelSpec, name: str) -> list[tu
     if part == "T":  # the HF tensor is the engine's transposed: copy into a transposed view
         return [(tensor.transpose(-1, -2), _ALL, key)]
     if part == "all":
-        assert how is not None  # a fused tensor's rule says how its pieces split (families.py)
+        assert how is not None  # a fused tensor's rule says how its pieces split (model/families.py)
         return [(dst, index, key) for dst, index in _fused_pieces(spec, tensor, how)]
     src = _source_index(spec, how)
     if part is None:

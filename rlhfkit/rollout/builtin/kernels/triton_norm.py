@@ -7,7 +7,7 @@ them, one program per row of the last dimension:
 `rlhfkit::rms_norm(x [..., H], weight [H], eps, style) -> h`
 `rlhfkit::add_rms_norm(x [..., H], delta [..., H], weight [H], eps, style) -> (x + delta, h)`
 
-`h` is `model.rms_norm` of the (summed) rows in one of the families' roundings (`STYLES`: "llama"
+`h` is `decoder.rms_norm` (model/decoder.py) of the (summed) rows in one of the families' roundings (`STYLES`: "llama"
 casts the normalised row back and scales in the model dtype, "fp32" scales in fp32, "gemma" by
 1 + weight in fp32); the sum `x + delta` rounds to x's dtype as torch's add does. Inputs may be views
 whose rows are strided (a q or k slice of the fused QKV output, its heads): the kernel walks two

@@ -3,7 +3,7 @@
 An eager decode step replays as a CUDA graph, so it pays no launch latency on the host, but every kernel
 still costs the GPU a few microseconds. Some pieces are a dozen tiny kernels eagerly and one or a few
 fused ones compiled: the routed experts' routing, dispatch and weighted sum (the RMSNorms have a
-Triton kernel of their own, triton_norm.py, which needs no tracing). `EagerFused(fn)` is `fn` compiled on CUDA with
+Triton kernel of their own, kernels/triton_norm.py, which needs no tracing). `EagerFused(fn)` is `fn` compiled on CUDA with
 dynamic shapes, used outside any compiled region (inside one, dynamo traces `fn` as written); on CPU,
 inside a compiled step, when `bypass()` holds (e.g. while routing choices are recorded) or after a failed
 compilation (logged once, eager for good) it is `fn` itself. Compilation happens on first use, which

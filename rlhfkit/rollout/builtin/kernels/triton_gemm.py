@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from rlhfkit.rollout.builtin.triton_ops import pdl_launch
+from rlhfkit.rollout.builtin.kernels.triton_ops import pdl_launch
 
 try:
     import triton

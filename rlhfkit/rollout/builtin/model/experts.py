@@ -2,7 +2,7 @@
 
 Each token's router logits pick its top k experts (`route`); the T x k (token, expert) rows are grouped by
 expert with a counting sort (`dispatch`), run through two grouped GEMMs (`grouped_linear`: torch._grouped_mm;
-in a GPU decode step, with few rows per expert, the Triton kernels of triton_moe.py) and summed back per token with the router weights, in the reference model's order of rounding. `routed` is that layer, compiled on CUDA even in an eager decode step (fused.py):
+in a GPU decode step, with few rows per expert, the Triton kernels of kernels/triton_moe.py) and summed back per token with the router weights, in the reference model's order of rounding. `routed` is that layer, compiled on CUDA even in an eager decode step (kernels/eager_fused.py):
 eagerly it is a dozen small kernels. `record_routing()` collects every eager MoE layer's choices, so tests
 and benchmarks can check that the engine routes tokens as the trainer does.
 """
@@ -14,10 +14,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from rlhfkit.rollout.builtin import triton_moe
-from rlhfkit.rollout.builtin.families import MoESpec
-from rlhfkit.rollout.builtin.fused import EagerFused
-from rlhfkit.rollout.builtin.weights import LayerWeights, ModelSpec
+from rlhfkit.rollout.builtin.kernels import triton_moe
+from rlhfkit.rollout.builtin.kernels.eager_fused import EagerFused
+from rlhfkit.rollout.builtin.model.families import MoESpec
+from rlhfkit.rollout.builtin.model.weights import LayerWeights, ModelSpec
 
 _ROUTE_LOG: list[torch.Tensor] | None = None
 
@@ -115,5 +115,5 @@ def _moe(layer: LayerWeights, spec: ModelSpec, h: torch.Tensor) -> torch.Tensor:
 
 
 # the experts eagerly are a dozen small kernels (routing, the counting sort, the weighted sum): a
-# Qwen3-MoE decode step ran 2.5x slower than with them compiled (fused.py)
+# Qwen3-MoE decode step ran 2.5x slower than with them compiled (kernels/eager_fused.py)
 routed = EagerFused(_moe, bypass=lambda: _ROUTE_LOG is not None)

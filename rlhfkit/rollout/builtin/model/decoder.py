@@ -25,7 +25,7 @@ Decode projections, two implementations (`DecoderModel.gemm`):
               gate/up + SiLU-mul kernel and a split-K down projection, and a split-K o projection
               (`triton_gemm`); the split-K partials `[S, B, H]` travel to the consumer (the next
               residual add + RMSNorm), which sums them inside its own kernel.
-Tensor parallelism (`spec.tp.active`, a shard's spec: weights.py): column-parallel q/k/v and
+Tensor parallelism (`spec.tp.active`, a shard's spec: model/weights.py): column-parallel q/k/v and
 gate/up need no communication; the o and down projections are row-parallel, each followed by one
 all-reduce of its `[B, H]` output (`_row_parallel`, biases added after it); the lm_head is
 vocab-parallel and its `[B, V / N]` logits are all-gathered, so every shard holds the same full
@@ -49,9 +49,9 @@ import torch
 import torch.distributed._functional_collectives  # noqa: F401 - registers the _c10d_functional ops
 import torch.nn.functional as F
 
-from rlhfkit.rollout.builtin import triton_gemm, triton_norm, triton_ops  # triton_gemm registers the GEMM ops
-from rlhfkit.rollout.builtin.experts import routed
-from rlhfkit.rollout.builtin.weights import LayerWeights, ModelSpec, ModelWeights
+from rlhfkit.rollout.builtin.kernels import triton_gemm, triton_norm, triton_ops  # triton_gemm registers the GEMM ops
+from rlhfkit.rollout.builtin.model.experts import routed
+from rlhfkit.rollout.builtin.model.weights import LayerWeights, ModelSpec, ModelWeights
 
 _c10d = torch.ops._c10d_functional  # functional collectives: traceable, capturable, gloo on CPU
 
@@ -109,7 +109,7 @@ def _write_kv_fake(k_cache, v_cache, rows, pos, k, v) -> None:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, style: str = "llama") -> torch.Tensor:
     """RMSNorm as Hugging Face computes it: normalise in fp32, then scale in one of the families'
-    three roundings (families.py): "llama" casts back and scales, "fp32" scales in fp32 and casts,
+    three roundings (model/families.py): "llama" casts back and scales, "fp32" scales in fp32 and casts,
     "gemma" scales by (1 + weight) in fp32 and casts."""
     dtype = x.dtype
     xf = x.float()
@@ -122,7 +122,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, style: str = "ll
 
 def _norm(spec: ModelSpec, weight: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
     """The family's RMSNorm of `x` by `weight`; `x` itself where the family has no such norm. On a GPU
-    outside compiled regions one Triton kernel (triton_norm.py) instead of six or more eager ones."""
+    outside compiled regions one Triton kernel (kernels/triton_norm.py) instead of six or more eager ones."""
     if weight is None:
         return x
     if triton_norm.applies(x, weight) and not torch.compiler.is_compiling():

@@ -1,17 +1,18 @@
-"""Tensor parallelism of the builtin engine: the shard group, weight loading per shard, mirroring.
+"""Tensor parallelism of the builtin engine: the shard group and its control channel, weight loading per shard.
 
 One engine spans N processes (one GPU each, or CPU processes over gloo in tests):
 
     TensorParallelGroup(rank, size, group, control)
         group    the process group of the model's collectives (NCCL on GPUs, gloo on CPU): the
-                 all-reduce after o / down and the all-gather of the vocab-parallel logits (model.py)
-        control  a gloo group for shard 0's step operations (step.py `ControlChannel`)
+                 all-reduce after o / down and the all-gather of the vocab-parallel logits (model/decoder.py)
+        control  a gloo group for shard 0's step operations (`ControlChannel`)
 
     make_group(...)      from an existing default process group (torchrun), or
     join(spec, rank)     from a TCP rendezvous of the engine's own (Ray engine actors), or
     from_torchrun(size)  a command started by `torchrun --nproc_per_node size` (batch_inference --tp_size)
 
 Where the process groups come from is the caller's business; the engine only needs this record.
+Shard 0 mirrors its step operations to the others over the control channel (loop/step_runner.py `mirror`).
 """
 
 from __future__ import annotations
@@ -25,12 +26,30 @@ import torch
 
 from rlhfkit.config.dtypes import TORCH_DTYPES
 from rlhfkit.models.hf_config import ConfigFields
-from rlhfkit.rollout.builtin.step import ControlChannel, MirroredSteps, StepRunner
-from rlhfkit.rollout.builtin.shared_weights import adopt_parameters
-from rlhfkit.rollout.builtin.weights import ModelSpec, ModelWeights, load_from_hf_model, load_from_safetensors
+from rlhfkit.rollout.builtin.model.shared_weights import adopt_parameters
+from rlhfkit.rollout.builtin.model.weights import ModelSpec, ModelWeights, load_from_hf_model, load_from_safetensors
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig
+
+
+class ControlChannel:
+    """Operations from shard 0 to the other shards of one engine: `broadcast_object_list` over a CPU
+    (gloo) process group whose first member is shard 0."""
+
+    def __init__(self, group: Any) -> None:
+        import torch.distributed as dist
+
+        self._dist, self.group = dist, group
+        self.src = dist.get_global_rank(group, 0)
+
+    def send(self, message: Any) -> None:
+        self._dist.broadcast_object_list([message], src=self.src, group=self.group)
+
+    def receive(self) -> Any:
+        box = [None]
+        self._dist.broadcast_object_list(box, src=self.src, group=self.group)
+        return box[0]
 
 
 @dataclass
@@ -181,7 +200,7 @@ def random_weights(config: Any, dtype: torch.dtype, device: torch.device,
                    shard: tuple[int, int, str | None] | None, seed: int = 0) -> tuple[ModelSpec, ModelWeights]:
     """A shard's weights drawn on `device` (each shard draws its own slices: the shards of one
     engine do not form one consistent model, which a throughput benchmark does not need)."""
-    from rlhfkit.rollout.builtin.weights import _shard_spec, allocate_weights
+    from rlhfkit.rollout.builtin.model.weights import _shard_spec, allocate_weights
 
     spec = _shard_spec(config, shard)
     qkv_bias = getattr(config, "model_type", "") in ("qwen2", "qwen2_vl", "qwen2_5_vl")
@@ -206,10 +225,3 @@ def _config_dtype(config: Any) -> torch.dtype:
     if isinstance(dt, str):
         dt = TORCH_DTYPES.get(dt)
     return dt if isinstance(dt, torch.dtype) else torch.float32
-
-
-def mirror(local: StepRunner, tp: TensorParallelGroup | None) -> StepRunner | MirroredSteps:
-    """Shard 0 of a tensor-parallel engine mirrors its step operations; anything else runs them as they are."""
-    if tp is None or tp.size == 1 or tp.rank != 0:
-        return local
-    return MirroredSteps(local, tp.control_channel)

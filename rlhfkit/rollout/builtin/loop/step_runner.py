@@ -1,5 +1,5 @@
 """The builtin engine's device side: `StepRunner` owns the weights, the KV cache, the slot state and
-the decode runner, and exposes the few operations the front end (engine.py) needs, each taking
+the decode runner, and exposes the few operations the front end (loop/front_end.py) needs, each taking
 host values only (lists, numpy arrays, scalars):
 
     admit(plan)            prefill the planned prompts, fan their K/V out to the sample slots,
@@ -13,7 +13,7 @@ Because every argument is a host value, an operation can be replayed on another 
 how a tensor-parallel engine runs (`MirroredSteps`): the front end lives on shard 0, and before
 shard 0 runs an operation it broadcasts `(name, args)` over a CPU (gloo) control group; every
 other shard runs `serve()`, a loop that receives each operation and runs it on its own
-`StepRunner`. The collectives inside the model (model.py) then meet in the same order on every
+`StepRunner`. The collectives inside the model (model/decoder.py) then meet in the same order on every
 shard. Only `read_out` is not mirrored (shard 0 alone reads results).
 
     shard 0:  BuiltinEngine (requests, scheduler, completions) -> MirroredSteps -> StepRunner
@@ -36,11 +36,12 @@ from typing import Any, Iterable
 import numpy as np
 import torch
 
-from rlhfkit.rollout.builtin.model import DecoderModel, KVCache
-from rlhfkit.rollout.builtin.runner import DecodeRunner
-from rlhfkit.rollout.builtin.sampling import SlotState
-from rlhfkit.rollout.builtin.vision import MultimodalPlan, VisionIndex, VisionTower
-from rlhfkit.rollout.builtin.weights import copy_named_tensors
+from rlhfkit.rollout.builtin.loop.decode_runner import DecodeRunner
+from rlhfkit.rollout.builtin.loop.sampling import SlotState
+from rlhfkit.rollout.builtin.model.decoder import DecoderModel, KVCache
+from rlhfkit.rollout.builtin.model.tensor_parallel import ControlChannel, TensorParallelGroup
+from rlhfkit.rollout.builtin.model.vision import MultimodalPlan, VisionIndex, VisionTower
+from rlhfkit.rollout.builtin.model.weights import copy_named_tensors
 from rlhfkit.rollout.engine_utils import to_device
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ class AdmitPlan:
     `settings` holds one tuple per slot for `SlotState.admit` (columns: slot, pos, temperature,
     top_p, top_k, min_new, max_new, stop ids, stop valid, banned, seed, penalty: the stop-id columns
     also carry the `banned` ids, never sampled); `penalised` lists `(slots, prompt ids)` of requests
-    with a repetition penalty; `vocab` sizes its mask. `mm`: the pictures of the batch (vision.py).
+    with a repetition penalty; `vocab` sizes its mask. `mm`: the pictures of the batch (model/vision.py).
     """
 
     tokens: np.ndarray
@@ -275,25 +276,6 @@ MIRRORED = ("admit", "decode", "release", "move", "fail_all", "update_weights", 
             "shutdown")
 
 
-class ControlChannel:
-    """Operations from shard 0 to the other shards of one engine: `broadcast_object_list` over a CPU
-    (gloo) process group whose first member is shard 0."""
-
-    def __init__(self, group: Any) -> None:
-        import torch.distributed as dist
-
-        self._dist, self.group = dist, group
-        self.src = dist.get_global_rank(group, 0)
-
-    def send(self, message: Any) -> None:
-        self._dist.broadcast_object_list([message], src=self.src, group=self.group)
-
-    def receive(self) -> Any:
-        box = [None]
-        self._dist.broadcast_object_list(box, src=self.src, group=self.group)
-        return box[0]
-
-
 class MirroredSteps:
     """Shard 0's `StepRunner`: each mirrored operation is broadcast before it runs here."""
 
@@ -331,3 +313,10 @@ def serve(local: StepRunner, channel: ControlChannel) -> int:
         count += 1
         if name == "shutdown":
             return count
+
+
+def mirror(local: StepRunner, tp: TensorParallelGroup | None) -> StepRunner | MirroredSteps:
+    """Shard 0 of a tensor-parallel engine mirrors its step operations; anything else runs them as they are."""
+    if tp is None or tp.size == 1 or tp.rank != 0:
+        return local
+    return MirroredSteps(local, tp.control_channel)

@@ -269,7 +269,7 @@ def load_vision_tower(model: Any, config: Any, dtype: torch.dtype, device: torch
     if isinstance(model, str):
         from safetensors import safe_open
 
-        from rlhfkit.rollout.builtin.weights import safetensors_files
+        from rlhfkit.rollout.builtin.model.weights import safetensors_files
 
         for fname in safetensors_files(model):
             with safe_open(fname, framework="pt") as f:

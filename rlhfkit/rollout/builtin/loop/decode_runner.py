@@ -26,8 +26,8 @@ from typing import Callable
 
 import torch
 
-from rlhfkit.rollout.builtin.model import DecoderModel, KVCache, decode_layer, final_logits, prefill_layer
-from rlhfkit.rollout.builtin.sampling import SlotState, sample_and_advance
+from rlhfkit.rollout.builtin.loop.sampling import SlotState, sample_and_advance
+from rlhfkit.rollout.builtin.model.decoder import DecoderModel, KVCache, decode_layer, final_logits, prefill_layer
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def compile_model(model: DecoderModel, prefill: bool = True, mode: str | None = 
     all layers, which keeps compilation to seconds for deep models. Between the graphs Python
     runs, but inside a CUDA graph replay none of it remains.
     """
-    # one graph per kind of layer (families.py LayerKind: window, rope table, experts), per final-layer
+    # one graph per kind of layer (model/families.py LayerKind: window, rope table, experts), per final-layer
     # prefill variant and per size-1 specialisation: a family with local and global layers needs more
     # than dynamo's default of 8 before it would fall back to running a function eagerly
     from torch._dynamo import config as dynamo_config

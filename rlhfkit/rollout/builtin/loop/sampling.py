@@ -42,7 +42,7 @@ from typing import Callable
 
 import torch
 
-from rlhfkit.rollout.builtin import triton_ops
+from rlhfkit.rollout.builtin.kernels import triton_ops
 
 NEG_INF = float("-inf")
 

@@ -1,6 +1,6 @@
-"""BuiltinEngine: the fast rollout engine (RolloutEngine protocol) for the HF families of families.py.
+"""BuiltinEngine: the fast rollout engine (RolloutEngine protocol) for the HF families of model/families.py.
 
-One engine step (`EngineLoop.step`, under the engine lock; stepping.py):
+One engine step (`EngineLoop.step`, under the engine lock; loop/engine_loop.py):
 
     inbox -> scheduler.waiting                       (requests from generate() / agenerate())
     admit: while slots are free, prefill waiting prompts (one prefill per request, its K/V
@@ -21,13 +21,13 @@ after the chunk and `lookahead_steps` more steps are queued before the host read
 does not wait for the host (done rows are frozen; all rows done: those steps are wasted). `generate()` drives steps in the caller's
 thread; `agenerate()` hands the request to a background thread that steps while any work is
 pending, so concurrent agent episodes share one batch. Woken while idle, that thread first waits
-until requests stop arriving (`admit_window_ms`, inbox.py): an RL step's episodes submit one by one,
+until requests stop arriving (`admit_window_ms`, loop/inbox.py): an RL step's episodes submit one by one,
 and without the wait the first group decoded a chunk alone and the rest joined it mid-run.
 
-Device work goes through `self.steps` (step.py): the front end here plans, the step runner
+Device work goes through `self.steps` (loop/step_runner.py): the front end here plans, the step runner
 prefills, decodes and reads back. With `tp` (a `TensorParallelGroup` of N shards) the engine is
 tensor-parallel: shard 0 runs this front end and mirrors every step operation to shards 1..N-1,
-which run `serve()` until `close()`; each shard holds 1/N of the heads, MLP and vocab (weights.py).
+which run `serve()` until `close()`; each shard holds 1/N of the heads, MLP and vocab (model/weights.py).
 
 Memory: the KV cache is preallocated, 2 x layers x max_num_seqs x kv_heads x max_model_len x
 head_dim elements (per shard: its KV heads); `sleep()` frees it (and the decode graphs, keeping
@@ -36,7 +36,7 @@ the compiled step), `wake_up()` reallocates it.
 Vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): a request's `images` go through the
 model's vision tower once per picture (cached by content key, so the n samples of a prompt share
 it), their features are spliced into the prompt's placeholder run at prefill, with the prompt's
-3-D rotary positions shifted so that decoding stays ordinary 1-D RoPE (vision.py). The vision
+3-D rotary positions shifted so that decoding stays ordinary 1-D RoPE (model/vision.py). The vision
 markers are never sampled (`banned`); reported log-probs are those of the unmasked distribution.
 
 Weight updates with requests in flight (partial rollout, as vLLM's `pause_generation(mode="keep")`):
@@ -63,14 +63,14 @@ import torch
 
 from rlhfkit.models.vlm import is_vision_name, placeholder_runs
 from rlhfkit.rollout.builtin.config import BuiltinEngineConfig
-from rlhfkit.rollout.builtin.inbox import Inbox
-from rlhfkit.rollout.builtin.model import DecoderModel, resolve_decode_attention, resolve_decode_gemm
-from rlhfkit.rollout.builtin.scheduler import RequestState, SlotScheduler, batch_bucket, length_bucket
-from rlhfkit.rollout.builtin.step import StepRunner
-from rlhfkit.rollout.builtin.stepping import EngineLoop
-from rlhfkit.rollout.builtin.tp import TensorParallelGroup, load_weights, mirror
-from rlhfkit.rollout.builtin.vision import VisionIndex, load_vision_tower
-from rlhfkit.rollout.builtin.weights import rope_inv_freq, rope_table_set
+from rlhfkit.rollout.builtin.loop.engine_loop import EngineLoop
+from rlhfkit.rollout.builtin.loop.inbox import Inbox
+from rlhfkit.rollout.builtin.loop.scheduler import RequestState, SlotScheduler, batch_bucket, length_bucket
+from rlhfkit.rollout.builtin.loop.step_runner import StepRunner, mirror
+from rlhfkit.rollout.builtin.model.decoder import DecoderModel, resolve_decode_attention, resolve_decode_gemm
+from rlhfkit.rollout.builtin.model.tensor_parallel import TensorParallelGroup, load_weights
+from rlhfkit.rollout.builtin.model.vision import VisionIndex, load_vision_tower
+from rlhfkit.rollout.builtin.model.weights import rope_inv_freq, rope_table_set
 from rlhfkit.rollout.engine_utils import EngineStats, Waiter, eos_ids_of, make_decode, validate_request
 from rlhfkit.types import Completion, GenerationRequest
 
@@ -155,7 +155,7 @@ class BuiltinEngine:
         """The version of the weights now loaded (see the module docstring)."""
         return self.loop.version
 
-    # ---------------------------------------------------------------- the device side (step.py)
+    # ---------------------------------------------------------------- the device side (loop/step_runner.py)
     @property
     def runner(self):
         return self._local.runner
@@ -174,7 +174,7 @@ class BuiltinEngine:
 
     def serve(self) -> int:
         """Shards 1..N-1 of a tensor-parallel engine: run shard 0's step operations until it closes."""
-        from rlhfkit.rollout.builtin.step import serve
+        from rlhfkit.rollout.builtin.loop.step_runner import serve
 
         if self.tp is None or self.tp.rank == 0:
             raise RuntimeError("BuiltinEngine.serve() is for shards 1..N-1 of a tensor-parallel engine")

@@ -1,6 +1,6 @@
 """The model families of the builtin engine: how each one's decoder block departs from Llama's.
 
-One block serves every family (model.py); a `Family` names what differs, and `ModelSpec` (weights.py)
+One block serves every family (model/decoder.py); a `Family` names what differs, and `ModelSpec` (model/weights.py)
 turns an HF config into the shapes plus one `LayerKind` per layer:
 
     x -> [input norm] -> q,k,v (+bias) -> [q/k norm] -> RoPE -> attention -> o (+bias) -> [out norm] -> + x
@@ -34,7 +34,7 @@ engine's `LayerWeights`: `(attribute, part, how)`, where `part` is the index of 
 engine tensor (q/k/v in `qkv`, gate/up in `gate_up`), "all" when one HF tensor fills every piece
 (Phi-3's fused `qkv_proj` / `gate_up_proj`) or "T" when the HF tensor is the engine tensor
 transposed (gpt-oss keeps its experts as `[E, in, out]`), and `how` says which dimension a
-tensor-parallel shard slices (weights.py `_source_index`). Per-expert names of checkpoints on disk
+tensor-parallel shard slices (model/weights.py `_source_index`). Per-expert names of checkpoints on disk
 (`mlp.experts.E.gate_proj.weight`, ...) are matched by `EXPERT_RE`.
 """
 

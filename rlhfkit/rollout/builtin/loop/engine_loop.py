@@ -6,8 +6,8 @@
                   postprocess: read the rows' new tokens back, finish the rows that are done,
                             then compact the slots
 
-engine.py's module docstring describes the chunk sizes, the look-ahead and the syncs; the device
-work goes through `steps` (step.py: the step runner, or its tensor-parallel mirror).
+loop/front_end.py's module docstring describes the chunk sizes, the look-ahead and the syncs; the device
+work goes through `steps` (loop/step_runner.py: the step runner, or its tensor-parallel mirror).
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from rlhfkit.rollout.builtin.config import BuiltinEngineConfig
-from rlhfkit.rollout.builtin.inbox import Inbox
-from rlhfkit.rollout.builtin.scheduler import Admission, RequestState, SlotScheduler, length_bucket
-from rlhfkit.rollout.builtin.step import AdmitPlan, MirroredSteps, StepRunner
-from rlhfkit.rollout.builtin.vision import VisionIndex
+from rlhfkit.rollout.builtin.loop.inbox import Inbox
+from rlhfkit.rollout.builtin.loop.scheduler import Admission, RequestState, SlotScheduler, length_bucket
+from rlhfkit.rollout.builtin.loop.step_runner import AdmitPlan, MirroredSteps, StepRunner
+from rlhfkit.rollout.builtin.model.vision import VisionIndex
 from rlhfkit.rollout.engine_utils import EngineStats
 from rlhfkit.rollout.stops import finish_completion, stop_string_cut
 from rlhfkit.types import Completion
@@ -71,7 +71,7 @@ class EngineLoop:
             self.prefill(admissions)
 
     def run(self, batch: bool) -> None:
-        """A chunk of decode steps and the sync after it; a quiet batch looks ahead (engine.py)."""
+        """A chunk of decode steps and the sync after it; a quiet batch looks ahead (loop/front_end.py)."""
         steps, quiet = self.decode(batch, hold=self.lookahead)
         if steps and quiet and self.lookahead:
             snap = self.snapshot()  # as of the end of this chunk

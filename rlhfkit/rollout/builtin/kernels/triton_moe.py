@@ -17,7 +17,7 @@ alpha, limit) -> [S, I]`
 `rlhfkit::moe_down(a [S, I], offsets [E], w [E, H, I]) -> [S, H]`
     Program (m, n) multiplies expert e's rows of `a` (contiguous in the grouped order) by its block of
     `w`'s rows; the output is rounded to the model dtype. The bias, the router weights and the sum
-    over a token's k rows stay in the compiled function around the ops (experts.py).
+    over a token's k rows stay in the compiled function around the ops (model/experts.py).
 
 `offsets` are the cumulative row counts per expert (int32), so the row range of every program is
 read on the device and one captured CUDA graph serves any routing. Where the rows per expert are
