@@ -308,7 +308,7 @@ def trace_generate(engine: BuiltinEngine, reqs: list) -> dict:
 def attn_sweep(model, dtype: torch.dtype, batch: int, plen: int, new: int) -> list[dict]:
     """Time the Triton decode attention of one step (all layers, CUDA-graph replays) under several
     launch configurations, every row at context prompt + new / 2."""
-    from rlhfkit.rollout.builtin.kernels import triton_ops
+    from rlhfkit.rollout.builtin.kernels import triton_attention
 
     c = model.config
     hq, kv = c.num_attention_heads, c.num_key_value_heads
@@ -320,14 +320,14 @@ def attn_sweep(model, dtype: torch.dtype, batch: int, plen: int, new: int) -> li
     caches = [torch.randn(batch, kv, max_len, d, device=dev, dtype=dtype) for _ in range(2 * layers)]
     cos = torch.randn(max_len, d, device=dev, dtype=dtype)
     pos = torch.full((batch,), plen + new // 2, device=dev)
-    saved, out = dict(triton_ops.ATTN_CONFIG), []
+    saved, out = dict(triton_attention.ATTN_CONFIG), []
 
     def step():
         for i in range(layers):
             torch.ops.rlhfkit.decode_attention(q, k, v, caches[2 * i], caches[2 * i + 1], cos, cos, pos, d ** -0.5)
 
     def timed(**cfg) -> dict:
-        triton_ops.ATTN_CONFIG.update(cfg)
+        triton_attention.ATTN_CONFIG.update(cfg)
         try:
             step()
             graph = torch.cuda.CUDAGraph()
@@ -338,7 +338,7 @@ def attn_sweep(model, dtype: torch.dtype, batch: int, plen: int, new: int) -> li
             row = {**cfg, "us_per_layer": round(us, 2)}
         except Exception as exc:  # noqa: BLE001 - a configuration the compiler rejects
             row = {**cfg, "error": f"{type(exc).__name__}: {exc}"[:200]}
-        triton_ops.ATTN_CONFIG.update(saved)
+        triton_attention.ATTN_CONFIG.update(saved)
         out.append(row)
         return row
 
@@ -437,9 +437,9 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"--engines: unknown {sorted(unknown)}")
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
-    from rlhfkit.rollout.builtin.kernels import triton_ops
+    from rlhfkit.rollout.builtin.kernels import triton_launch
 
-    triton_ops.PDL_CONFIG["enabled"] = {"auto": None, "on": True, "off": False}[args.pdl]
+    triton_launch.PDL_CONFIG["enabled"] = {"auto": None, "on": True, "off": False}[args.pdl]
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     tbps = args.hbm_tbps or next((v for k, v in HBM_TBPS.items() if k in gpu), None)
     model = build_model(args.model, device, dtype)
@@ -475,7 +475,7 @@ def main(argv: list[str] | None = None) -> dict:
               "hbm_tbps": tbps, "torch": torch.__version__, "compile": args.compile,
               "decode_attention": args.decode_attention, "decode_gemm": args.decode_gemm,
               "gemm_min_rows": args.gemm_min_rows, "compile_prefill": args.compile_prefill,
-              "pdl": triton_ops.use_pdl(device),
+              "pdl": triton_launch.use_pdl(device),
               "fast_sampling": args.fast_sampling, "sync_every": args.sync_every, "sync_every_batch": args.sync_every_batch, "compile_mode": args.compile_mode,
               "lookahead_steps": args.lookahead_steps, "repeat": args.repeat,
               "cuda_graphs": args.cuda_graphs and device.type == "cuda", "results": results}

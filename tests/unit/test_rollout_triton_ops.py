@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rlhfkit.rollout.builtin import BuiltinEngineConfig
-from rlhfkit.rollout.builtin.kernels.triton_ops import attention_launch, attention_splits, attention_supported
+from rlhfkit.rollout.builtin.kernels.triton_attention import attention_launch, attention_splits, attention_supported
 from rlhfkit.rollout.builtin.loop.sampling import (combine_partials, hierarchical_gumbel_argmax, reference_partials,
                                                    sample_tokens)
 from rlhfkit.rollout.builtin.model.decoder import resolve_decode_attention

@@ -25,7 +25,7 @@ a second wave (bench/gemm_decode.py measures both). Two ops replace them in the 
 
 Launch parameters come from `gemm_config` / `gate_up_config` (chosen with bench/gemm_decode.py)
 and can be overridden through `GEMM_CONFIG` for sweeps. Both kernels take
-part in programmatic dependent launch (`triton_ops.use_pdl`): they wait for the kernel before them
+part in programmatic dependent launch (`triton_launch.use_pdl`): they wait for the kernel before them
 only when they need its output, the activations. The weight tiles are not prefetched into L2
 before that wait: the prefetches would compete with the kernel before.
 """
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from rlhfkit.rollout.builtin.kernels.triton_ops import pdl_launch
+from rlhfkit.rollout.builtin.kernels.triton_launch import pdl_launch
 
 try:
     import triton

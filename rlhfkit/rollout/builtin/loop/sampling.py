@@ -20,7 +20,7 @@ Sampling of one row, given fp32 logits z and temperature T (T = 0 means greedy):
 Gumbel-max (argmax of logits plus iid Gumbel noise) samples exactly from a softmax;
 drawing the chunk by its total mass and then the token inside it is the same distribution
 (P(i) = P(c) P(i | c)), and only one chunk per row needs noise, so on a GPU the pass over the whole
-`[B, V]` logits does one exp per entry and no hashing (`triton_ops.sample_partials`). A vocabulary
+`[B, V]` logits does one exp per entry and no hashing (`triton_sampling.sample_partials`). A vocabulary
 of one chunk (V <= 8192) is plain Gumbel-max. The noise is counter-based: g is a function of (the
 row's seed, the number of tokens it generated, the index) through an integer hash, so a seeded
 request samples the same tokens whatever else shares the batch (up to the logits' bitwise
@@ -42,7 +42,7 @@ from typing import Callable
 
 import torch
 
-from rlhfkit.rollout.builtin.kernels import triton_ops
+from rlhfkit.rollout.builtin.kernels import triton_launch, triton_sampling
 
 NEG_INF = float("-inf")
 
@@ -190,7 +190,7 @@ def hash_uniform(h: torch.Tensor) -> torch.Tensor:
     return ((h >> 9).float() + 0.5) * (1.0 / 8388608.0)
 
 
-SAMPLE_CHUNK = triton_ops.SAMPLE_CHUNK
+SAMPLE_CHUNK = triton_sampling.SAMPLE_CHUNK
 _CHUNK_INDEX_BASE = 2**31  # chunk-noise indices, disjoint from token ids
 
 
@@ -277,7 +277,7 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.
     rows with top_k = V, top_p = 1 and penalty 1 are unaffected by it. Unfiltered batches on a GPU
     take the one-pass Triton sampler (same noise, same result up to float rounding) when `fast`.
     """
-    if fast and not filtered and logits.is_cuda and triton_ops.available():
+    if fast and not filtered and logits.is_cuda and triton_launch.available():
         parts = torch.ops.rlhfkit.sample_partials(logits, temperature, stop_ids, ban_mask)
         return combine_partials(logits, temperature, seeds, counters, stop_ids, ban_mask, *parts)
     vocab = logits.shape[-1]
@@ -301,7 +301,7 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.
 
 def reference_partials(logits: torch.Tensor, temperature: torch.Tensor, stop_ids: torch.Tensor,
                        ban_mask: torch.Tensor, chunk: int = SAMPLE_CHUNK) -> tuple[torch.Tensor, ...]:
-    """What `triton_ops.sample_partials` computes, in torch (tests; any device): per chunk `[B, C]`
+    """What `triton_sampling.sample_partials` computes, in torch (tests; any device): per chunk `[B, C]`
     the best banned-masked z / T and its id, max of z / T, sum exp(z / T - max), the same sum over
     tokens not banned."""
     rows, vocab = logits.shape
@@ -339,7 +339,7 @@ def combine_partials(logits: torch.Tensor, temperature: torch.Tensor, seeds: tor
     temp = torch.where(greedy, torch.ones_like(temperature), temperature)
     inv_t = (1.0 / temp)[:, None]
     logmass = chunk_max + torch.log(chunk_sum_kept)
-    if logits.is_cuda and triton_ops.available() and chunk == SAMPLE_CHUNK:
+    if logits.is_cuda and triton_launch.available() and chunk == SAMPLE_CHUNK:
         # the hash chain in one Triton kernel (inductor failed to compile it as generated code)
         drawn = torch.ops.rlhfkit.chunk_draw(logits, temperature, seeds, counters, stop_ids, ban_mask, logmass)
         return _finish(logits, greedy, greedy_tok, drawn.long(), inv_t, lse)

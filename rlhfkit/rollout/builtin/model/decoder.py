@@ -10,7 +10,7 @@ A running sequence owns one slot (row); its token at position p has its K/V at `
         row i = slot i; writes K/V of `tokens` at `pos`; key j is visible iff j <= pos[i]
 
 Decode attention, three implementations (`DecoderModel.attn`):
-    "triton"  (GPU default) one fused kernel per layer (`triton_ops.decode_attention`): RoPE, K/V
+    "triton"  (GPU default) one fused kernel per layer (`triton_attention.decode_attention`): RoPE, K/V
               write, and attention over each row's own length read from `pos` on the device,
               so one CUDA graph per batch size serves every context length;
     "sdpa"    (CPU default) the G = num_heads / num_kv_heads query heads that share one KV head
@@ -49,7 +49,7 @@ import torch
 import torch.distributed._functional_collectives  # noqa: F401 - registers the _c10d_functional ops
 import torch.nn.functional as F
 
-from rlhfkit.rollout.builtin.kernels import triton_gemm, triton_norm, triton_ops  # triton_gemm registers the GEMM ops
+from rlhfkit.rollout.builtin.kernels import triton_attention, triton_gemm, triton_launch, triton_norm  # triton_gemm registers the GEMM ops
 from rlhfkit.rollout.builtin.model.experts import routed
 from rlhfkit.rollout.builtin.model.weights import LayerWeights, ModelSpec, ModelWeights
 
@@ -419,15 +419,15 @@ DECODE_GEMM = ("triton", "torch")
 def resolve_decode_attention(choice: str, spec, device: torch.device) -> str:
     """'auto' -> 'triton' on CUDA when Triton is installed and the head shape fits the kernel, else 'sdpa'."""
     if choice != "auto":
-        if choice == "triton" and not (device.type == "cuda" and triton_ops.available()):
+        if choice == "triton" and not (device.type == "cuda" and triton_launch.available()):
             raise ValueError("decode_attention='triton' needs a CUDA device and the triton package")
-        if choice == "triton" and not triton_ops.attention_supported(spec.num_heads, spec.num_kv_heads,
+        if choice == "triton" and not triton_attention.attention_supported(spec.num_heads, spec.num_kv_heads,
                                                                       spec.head_dim):
             raise ValueError(f"decode_attention='triton' does not support head_dim={spec.head_dim} with "
                              f"{spec.num_heads} / {spec.num_kv_heads} heads; use 'sdpa'")
         return choice
-    fits = triton_ops.attention_supported(spec.num_heads, spec.num_kv_heads, spec.head_dim)
-    return "triton" if device.type == "cuda" and triton_ops.available() and fits else "sdpa"
+    fits = triton_attention.attention_supported(spec.num_heads, spec.num_kv_heads, spec.head_dim)
+    return "triton" if device.type == "cuda" and triton_launch.available() and fits else "sdpa"
 
 
 def resolve_decode_gemm(choice: str, spec, weights, device: torch.device) -> str:
