@@ -287,7 +287,7 @@ class LocalLayout:
 
     @contextmanager
     def place(self, args, data: RLData, num_steps: int) -> Iterator[tuple[Placement, Any]]:
-        from rlhfkit.agents.reward_pool import close_pools
+        from rlhfkit.rewards.process_pool import close_pools
 
         assert self.dist is not None
         placement = local_placement(args, self.dist, data.tokenizer, num_steps)

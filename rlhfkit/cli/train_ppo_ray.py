@@ -313,8 +313,8 @@ class RayLayout:
 
     @contextmanager
     def place(self, args, data: R.RLData, num_steps: int) -> Iterator[tuple[R.Placement, AsyncRLTrainer]]:
-        from rlhfkit.agents.reward_pool import close_pools
-        from rlhfkit.agents.user_code import shutdown_user_threads
+        from rlhfkit.rewards.process_pool import close_pools
+        from rlhfkit.usercode.run import shutdown_user_threads
         from rlhfkit.distributed.launch import connect
 
         started = connect(args.ray_address)

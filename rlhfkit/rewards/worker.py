@@ -1,8 +1,8 @@
-"""One reward worker process of `reward_pool.ProcessRewardSource` (``--reward_workers``).
+"""One reward worker process of `process_pool.ProcessRewardSource` (``--reward_workers``).
 
-    python /path/to/rlhfkit/agents/reward_worker.py ANSWER_FD /path/to/reward_func.py [FUNCTION]
+    python /path/to/rlhfkit/rewards/worker.py ANSWER_FD /path/to/reward_func.py [FUNCTION]
 
-Run as a script (a fresh interpreter), not as ``-m rlhfkit.agents.reward_worker``, so that starting a
+Run as a script (a fresh interpreter), not as ``-m rlhfkit.rewards.worker``, so that starting a
 worker imports nothing but the user's file (and what it imports itself). It imports the file once,
 then serves calls until its stdin closes: each request is a frame on stdin (8-byte big-endian length,
 then a pickle of ``(args, kwargs)``: the trainer built them for the function's shape, OpenRLHF's

@@ -8,7 +8,7 @@ itself: its event loop never runs again, not even to notice the time limit. A wo
 (the sample then follows ``--reward_failure``). CPU-bound reward code also runs beside the rollout
 engine instead of taking its GIL.
 
-    trainer's event loop                            worker process i (reward_worker.py)
+    trainer's event loop                            worker process i (worker.py)
     await source(queries, prompts, labels)
       take an idle worker (or start one, up to N)
       request frame ---------- stdin ---------->    reward_func(queries, prompts, labels)
@@ -20,7 +20,7 @@ No thread waits for a worker: the answer pipe is watched by the caller's event l
 because the run stops (``--reward_failure stop`` ends the other episodes) kills its worker at once and the
 run ends without waiting for it.
 
-Workers are fresh interpreters (``subprocess`` running ``reward_worker.py``: what multiprocessing calls
+Workers are fresh interpreters (``subprocess`` running ``worker.py``: what multiprocessing calls
 "spawn"), never forks of the trainer: a fork of a process that has initialised CUDA has a CUDA context it
 cannot use, and a fork of a process with threads (the rollout engine's, aiohttp's) can inherit a lock
 that one of them held and that nobody will release; "forkserver" would need its server started before
@@ -54,15 +54,15 @@ import threading
 from collections import deque
 from typing import Any, Sequence
 
-from rlhfkit.agents.reward_forms import RewardSample, call_args, reward_shape
-from rlhfkit.agents.reward_func import (FLAG, is_reward_file, load_reward_func, make_reward_source, parse_reward_return,
-                                        split_reward_file)
-from rlhfkit.agents.reward_types import RewardOutput
-from rlhfkit.agents.user_code import EpisodeError
 from rlhfkit.config.notes import note_once
 from rlhfkit.logs import UserFramesText
+from rlhfkit.rewards.output import RewardOutput
+from rlhfkit.rewards.shapes import RewardSample, call_args, reward_shape
+from rlhfkit.rewards.sources import (FLAG, is_reward_file, load_reward_func, make_reward_source, parse_reward_return,
+                                     split_reward_file)
+from rlhfkit.usercode.run import EpisodeError
 
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reward_worker.py")
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
 MAX_DEFAULT_WORKERS = 4
 THREADS_NOTE = ("note: {what} runs in threads of the trainer: --reward_timeout fails a call that does not "
                 "return, but cannot stop it (it keeps running, and one that holds the GIL stalls the trainer); "
@@ -164,7 +164,7 @@ class _Worker:
 class ProcessRewardSource:
     """``reward_func`` of the file `path` (or ``path.py:name``'s function) in up to `workers` processes (one
     started now, the others on demand); a RewardSource (see the module docstring). The trainer builds each
-    call's arguments for the function's shape (``reward_forms``); the worker only calls it.
+    call's arguments for the function's shape (``shapes.py``); the worker only calls it.
     ``num_restarts`` counts workers killed past the time limit or lost."""
 
     def __init__(self, path: str | os.PathLike, workers: int, timeout_s: float | None = 300.0) -> None:

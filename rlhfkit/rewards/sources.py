@@ -1,9 +1,9 @@
 """Reward sources: the ``RewardSource`` protocol, the Python ``reward_func`` file, batching, and
 the ``--remote_rm_url`` factory.
 
-    --remote_rm_url /path/reward_func.py         -> worker processes (``reward_pool.py``, the default), or
+    --remote_rm_url /path/reward_func.py         -> worker processes (``process_pool.py``, the default), or
                                                     PythonRewardSource (here: threads; --reward_workers 0)
-    --remote_rm_url http://host:5000/get_reward  -> the HTTP client of ``remote_reward.py``
+    --remote_rm_url http://host:5000/get_reward  -> the HTTP client of ``http_client.py``
     reward model                                 -> the RL loop's own RewardSource
 
 A ``reward_func`` file (OpenRLHF format) defines
@@ -14,10 +14,10 @@ A ``reward_func`` file (OpenRLHF format) defines
                 "extra_logs": {name: one value or B values} (optional)}
 
 or returns the B rewards alone (tensor / list). The function may instead be in TRL's shape,
-``reward_func(prompts, completions, **kwargs)`` (``reward_forms.py``: completions without special
+``reward_func(prompts, completions, **kwargs)`` (``shapes.py``: completions without special
 tokens, the row's other columns as keyword lists), and another function of the file may be named:
 ``--remote_rm_url reward.py:accuracy``. Values may be torch tensors. In PythonRewardSource
-each call, sync or async, runs in a daemon thread with its own event loop (``user_code.py``) under
+each call, sync or async, runs in a daemon thread with its own event loop (``usercode/run.py``) under
 ``timeout_s``, so an ``async def`` that blocks (``time.sleep``) fails in time too; but a thread that
 runs past its time limit cannot be stopped: it is abandoned (the sample fails), and one that holds the
 GIL stalls the trainer. That is why a file runs in worker processes unless ``--reward_workers 0``.
@@ -30,7 +30,7 @@ fails for one sample's sake (an exception, a sample's NaN, a request the server 
 retried one caller (one sample, for the executors) at a time, so only the failing samples fail,
 and the error a caller gets is its own sample's. A failure of the whole call is not retried sample
 by sample: an answer of the wrong shape (``RewardReturnError``) or a reward server that is down
-after its own batch retries (``remote_reward.RewardServerDown``) fails every caller of the batch at
+after its own batch retries (``http_client.RewardServerDown``) fails every caller of the batch at
 once.
 """
 
@@ -43,10 +43,10 @@ import os
 import re
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
-from rlhfkit.agents.reward_forms import SHAPES, RewardSample, call_args, reward_shape
-from rlhfkit.agents.reward_types import RewardOutput, RewardShapeError
-from rlhfkit.agents.user_code import EpisodeError, run_user_code
-from rlhfkit.agents.user_file import import_user_file
+from rlhfkit.rewards.output import RewardOutput, RewardShapeError
+from rlhfkit.rewards.shapes import SHAPES, RewardSample, call_args, reward_shape
+from rlhfkit.usercode.files import import_user_file
+from rlhfkit.usercode.run import EpisodeError, run_user_code
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ FLAG = "--remote_rm_url"
 @runtime_checkable
 class RewardSource(Protocol):
     """Scores a batch; ``len(out.rewards) == len(out.scores) == len(queries)``. ``samples`` (one per
-    query, or None) carry what a reward function in TRL's shape reads (``reward_forms.RewardSample``)."""
+    query, or None) carry what a reward function in TRL's shape reads (``shapes.RewardSample``)."""
 
     async def __call__(self, queries: list[str], prompts: list[str], labels: list[Any],
                        samples: Sequence[RewardSample] | None = None) -> RewardOutput:
@@ -138,7 +138,7 @@ _loaded: dict[tuple[str, str, int], Callable[..., Any]] = {}  # (path, name, mti
 
 def load_reward_func(spec: str) -> Callable[..., Any]:
     """Import the file of ``spec`` (``path.py`` or ``path.py:name``) and return its ``reward_func`` (or
-    `name`), checked to be in one of the two shapes of ``reward_forms``. A file is imported once per run
+    `name`), checked to be in one of the two shapes of ``shapes.py``. A file is imported once per run
     (the check when the trainer is built and the reward source read the same module)."""
     path, name = split_reward_file(spec)
     key = (os.path.abspath(path), name, os.stat(path).st_mtime_ns) if os.path.isfile(path) else None
@@ -158,7 +158,7 @@ def load_reward_func(spec: str) -> Callable[..., Any]:
 
 
 class PythonRewardSource:
-    """A reward function (from a file path or a callable, in either shape of ``reward_forms``) as a
+    """A reward function (from a file path or a callable, in either shape of ``shapes.py``) as a
     RewardSource."""
 
     def __init__(self, func_or_path: str | os.PathLike | Callable[..., Any], timeout_s: float | None = 300.0,
@@ -294,7 +294,7 @@ class BatchingRewardSource:
 def _whole_call_failure(e: BaseException) -> bool:
     """An answer of the wrong shape, or a reward server down after its batch retries: scoring the samples
     one at a time would fail the same way, once per sample."""
-    from rlhfkit.agents.remote_reward import RewardServerDown
+    from rlhfkit.rewards.http_client import RewardServerDown
 
     return isinstance(e, (RewardReturnError, RewardServerDown))
 
@@ -315,7 +315,7 @@ def make_reward_source(remote_rm_url: str | Sequence[str] | Callable[..., Any], 
                        ) -> Any:
     """``--remote_rm_url`` in threads: one ``.py`` file -> PythonRewardSource; URL(s) (comma-separated) ->
     HTTP; a callable ``reward_func`` (the Python API's ``reward_funcs``) -> PythonRewardSource, as a file's.
-    (The commands and the executors call reward_pool.reward_source_with_workers, which runs a file in
+    (The commands and the executors call process_pool.reward_source_with_workers, which runs a file in
     worker processes unless ``--reward_workers 0``.)"""
     if callable(remote_rm_url):
         return PythonRewardSource(remote_rm_url, timeout_s=timeout_s)
@@ -331,10 +331,10 @@ def make_reward_source(remote_rm_url: str | Sequence[str] | Callable[..., Any], 
 
 
 class HTTPRewardSource:
-    """The HTTP client of ``remote_reward.py`` as a RewardSource (round robin, retries)."""
+    """The HTTP client of ``http_client.py`` as a RewardSource (round robin, retries)."""
 
     def __init__(self, urls: Sequence[str], timeout_s: float | None = 180.0, **client_kw: Any) -> None:
-        from rlhfkit.agents.remote_reward import RemoteRewardClient
+        from rlhfkit.rewards.http_client import RemoteRewardClient
 
         self.client = RemoteRewardClient(list(urls), timeout_s=timeout_s or 180.0, **client_kw)
         self.name = "reward server " + ",".join(urls)
