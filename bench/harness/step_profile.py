@@ -1,6 +1,6 @@
 """Where one step's time goes: its phases, the GPU's busy and idle time in each, and the kernels.
 
-    from step_profile import profile_call
+    from bench.harness.step_profile import profile_call
     summary = profile_call(lambda: trainer.train_step(), prefix="rl/", trace_path="/tmp/step.json")
 
 The call runs once under torch.profiler (CPU + CUDA activity). Phases are the profiler ranges whose

@@ -5,7 +5,7 @@
     make_bench_model(path, "qwen2.5-7b", device="cuda")    # 7.62B, streamed (below)
     make_bench_model(path, "qwen2.5-14b", device="cuda")   # 14.8B, streamed
     make_bench_model(path, "qwen2.5-32b", device="cuda")   # 32.8B, streamed
-    python bench/bench_models.py --shape qwen2.5-7b --out /path [--device cuda] [--seed 0]
+    python -m bench.harness.models --shape qwen2.5-7b --out /path [--device cuda] [--seed 0]
 
 Nothing is downloaded. The 0.5B shape needs a tokenizer whose vocabulary covers every id the
 random model can sample, so that any completion decodes: `build_filler_tokenizer(vocab_size)`

@@ -1,6 +1,6 @@
-"""What bench/rl_step.py and the benches built on it (rl_step_ray, rl_step_trl, rl_step_vlm, scale_ckpt)
-share: the phase names, the bench reward file, the flags of rlhfkit's run, timing and summary helpers.
-A leaf: it imports no other bench module, so the benches import it and not each other's drivers."""
+"""What bench/rl_step.py and the benches built on it (harness/ray_step.py, harness/trl_step.py, rl_step_vlm.py,
+first_step.py, grpo_real.py, scale_ckpt.py) share: the phase names, the bench reward file, the flags of rlhfkit's
+run, the engine batch size for a step, and the summary of rlhfkit's steps."""
 
 from __future__ import annotations
 
@@ -8,10 +8,9 @@ import argparse
 import json
 import os
 import shlex
-import statistics
 from typing import Any
 
-import torch
+from bench.harness.timing import mean, median
 
 PHASES = ("generate", "reward", "logprobs", "train", "weight_sync")
 
@@ -29,25 +28,12 @@ def reward_func(queries, prompts, labels):
 '''
 
 
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def micro(total: int, want: int) -> int:
     """The largest divisor of `total` that is at most `want` (micro batches must divide the batch)."""
     for m in range(min(total, want), 0, -1):
         if total % m == 0:
             return m
     return 1
-
-
-def mean(xs: list[float]) -> float | None:
-    return statistics.fmean(xs) if xs else None
-
-
-def median(xs: list[float]) -> float | None:
-    return statistics.median(xs) if xs else None
 
 
 def write_inputs(work: str, prompts: list[str]) -> tuple[str, str]:
@@ -126,21 +112,29 @@ def summarize_rlhfkit(walls: list[float], metrics: list[dict], completions: int)
     }
 
 
-def package_version(dist: str) -> str | None:
-    """The installed version of distribution `dist` (None when it is not installed)."""
-    from importlib.metadata import PackageNotFoundError, version
+class engine_batch:
+    """Bench-only: build the rollout engine with a batch of `max_num_seqs` sequences.
 
-    try:
-        return version(dist)
-    except PackageNotFoundError:
-        return None
+    train_ppo's `build_engine_for` passes no batch size (builtin: 64 sequences, hf: 64 rows);
+    this wraps `rlhfkit.rollout.build_engine` while `build_trainer` runs."""
 
+    def __init__(self, max_num_seqs: int) -> None:
+        self.n = max_num_seqs
 
-def write_report(path: str | None, res: dict) -> None:
-    """A bench's JSON report at `path` (folders made as needed); nothing when `path` is None."""
-    if not path:
-        return
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(res, f, indent=1)
-        f.write("\n")
+    def __enter__(self) -> "engine_batch":
+        import rlhfkit.rollout as R
+
+        self.R, self.orig = R, R.build_engine
+        if self.n > 0:
+            key = {"builtin": "max_num_seqs", "hf": "max_batch_size"}
+
+            def build(name: str, *args: Any, **opts: Any) -> Any:
+                if name in key:
+                    opts.setdefault(key[name], self.n)
+                return self.orig(name, *args, **opts)
+
+            R.build_engine = build
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.R.build_engine = self.orig

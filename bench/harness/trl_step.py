@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 
 def _sync(device: str) -> None:
-    from rl_step_common import sync
+    from bench.harness.timing import sync
 
     sync(device)
 
@@ -20,8 +20,8 @@ def _sync(device: str) -> None:
 def run_trl(a: argparse.Namespace, model_dir: str, prompts_text: list[str], reward: str, work: str,
             prompts: int) -> dict:
     """TRL's GRPOTrainer on the same model, prompts, reward and batch; `a.steps + 1` optimizer steps."""
-    from bench_models import peak_gib
-    from rl_step_common import load_reward_module, micro
+    from bench.harness.models import peak_gib
+    from bench.harness.rl_run import load_reward_module, micro
     import datasets
     import transformers
     import trl
@@ -94,7 +94,7 @@ class _TRLTimer:
         return timed
 
     def summary(self, completions: int) -> dict:
-        from rl_step_common import mean, median
+        from bench.harness.timing import mean, median
 
         steps = [b - e for e, b in zip(self.ends, self.ends[1:])]  # the first step (warm-up) is not timed
         gen = mean(self.gen[1:])

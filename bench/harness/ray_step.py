@@ -65,7 +65,7 @@ RAY_HEADLINE = ("ray_layout", "weight_sync_method", "weight_sync_s", "weight_pus
 
 def add_ray_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--ray_layout", default=None, choices=sorted(LAYOUTS),
-                    help="run train_ppo_ray's trainer on Ray in this layout (rl_step_ray.py); TRL is skipped")
+                    help="run train_ppo_ray's trainer on Ray in this layout (bench/harness/ray_step.py); TRL is skipped")
     ap.add_argument("--weight_sync", default="auto", choices=["auto", "object_store", "broadcast", "ipc"],
                     help="train_ppo_ray --weight_sync (Ray mode)")
     ap.add_argument("--weight_sync_bucket_mb", type=int, default=256, help="train_ppo_ray --weight_sync_bucket_mb")
@@ -159,7 +159,7 @@ def plan_gib(args: Any, shapes: dict[str, Any]) -> dict[str, Any]:
                       for p in plan.pools}}
 
 
-def _nvml_processes() -> dict[int, dict[int, float]]:
+def nvml_processes() -> dict[int, dict[int, float]]:
     """GPU index -> {pid: GiB used} from NVML ({} without it)."""
     try:
         import pynvml
@@ -222,7 +222,7 @@ def measured_vs_plan(plan: dict[str, Any], steps: list[dict[str, Any]], nvml_pea
     return out
 
 
-def _build(a: argparse.Namespace, argv: list[str]) -> tuple[Any, Any, Any, Any]:
+def launch_trainer(a: argparse.Namespace, argv: list[str]) -> tuple[Any, Any, Any, Any]:
     """train_ppo_ray's checks and launch -> (args, launched, trainer, seconds to launch)."""
     from rlhfkit.cli import ppo_setup as S
     from rlhfkit.cli import rl_root
@@ -253,7 +253,7 @@ def run_ray(a: argparse.Namespace, model_dir: str, data: str, reward: str, work:
     """Launch the layout, 1 warm-up + `a.steps` timed steps, shut the actors (and a Ray we started) down."""
     import ray
 
-    from rl_step_common import force_full_length, micro, rlhfkit_argv, summarize_rlhfkit
+    from bench.harness.rl_run import force_full_length, micro, rlhfkit_argv, summarize_rlhfkit
 
     per_rank = prompts * a.n // policy_ranks(a)  # micro batches are per policy rank
     argv = rlhfkit_argv(a, model_dir, data, reward, work, prompts) + layout_argv(a) + [
@@ -263,7 +263,7 @@ def run_ray(a: argparse.Namespace, model_dir: str, data: str, reward: str, work:
     launched = None
     try:
         print(f"[rl_step] ray {a.ray_layout}: launching ({ray.cluster_resources()})", flush=True)
-        args, launched, trainer, launch_s = _build(a, argv)
+        args, launched, trainer, launch_s = launch_trainer(a, argv)
         print(f"[rl_step] ray {a.ray_layout}: launched in {launch_s:.1f} s; weight sync "
               f"{launched.weight_sync.describe()}", flush=True)
         min_new = force_full_length(trainer)
@@ -277,7 +277,7 @@ def run_ray(a: argparse.Namespace, model_dir: str, data: str, reward: str, work:
                    micro_train_batch_size=args.micro_train_batch_size,
                    micro_rollout_batch_size=args.micro_rollout_batch_size, ray_layout=a.ray_layout,
                    argv_extra=layout_argv(a), gpu_peak_mem_gb=mem.peaks_gb)
-        out.update(memory_plan=args.bench_plan, memory_steps=steps_mem, memory_processes_gib=_nvml_processes(),
+        out.update(memory_plan=args.bench_plan, memory_steps=steps_mem, memory_processes_gib=nvml_processes(),
                    memory_check=measured_vs_plan(args.bench_plan, steps_mem, mem.peaks_gb, out["placement"]))
         return out
     finally:
@@ -314,7 +314,7 @@ def timed_steps(trainer: Any, steps: int, layout: str, warmup: int = 1,
 
 def ray_summary(metrics: list[dict], launched: Any, launch_s: float) -> dict:
     """Weight-sync figures, the Ray-only phases and the placement of every actor."""
-    from rl_step_common import mean
+    from bench.harness.timing import mean
 
     times = {k: mean([m.get(f"time/{k}", 0.0) for m in metrics]) for k in RAY_TIMES}
     mb = mean([m.get("weight_sync_mb", 0.0) for m in metrics])
