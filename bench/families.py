@@ -34,14 +34,14 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository: rlhfkit, bench.harness
 
-from rollout import prompts_for, run_builtin, sync  # noqa: E402
+from bench.harness.engine_run import prompts_for, run_builtin  # noqa: E402
+from bench.harness.timing import sync  # noqa: E402
 
 from rlhfkit.rollout.builtin import BuiltinEngine, BuiltinEngineConfig  # noqa: E402
-from rlhfkit.rollout.builtin.experts import record_routing, route  # noqa: E402
-from rlhfkit.rollout.builtin.weights import ModelSpec  # noqa: E402
+from rlhfkit.rollout.builtin.model.experts import record_routing, route  # noqa: E402
+from rlhfkit.rollout.builtin.model.weights import ModelSpec  # noqa: E402
 from rlhfkit.types import GenerationRequest, SamplingParams  # noqa: E402
 
 SHAPES = {  # ~0.5-1.5B shapes; real models' dimensions where one exists at this size
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip_parity", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    # bench/rollout.py's run_builtin reads these engine settings: the defaults a user gets
+    # harness/engine_run.py's run_builtin reads these engine settings: the defaults a user gets
     for key, value in dict(sync_every=16, sync_every_batch=64, max_prefill_tokens=16384, compile=False, cuda_graphs=True,
                            compile_prefill=True, fast_sampling=True, decode_attention="auto", compile_mode=None,
                            decode_gemm="auto", gemm_min_rows=64, lookahead_steps=None, trace=False,

@@ -7,7 +7,7 @@ cold (empty compilation caches) and warm (the caches a previous run left).
 Each run is its own process (`--child`), so nothing compiled stays in memory between them; the
 compilation caches are the only thing a warm run inherits. Cold: TORCHINDUCTOR_CACHE_DIR and
 TRITON_CACHE_DIR point at new empty folders. Warm: the same folders again. The run builds
-train_ppo's trainer from its own flags on bench_models.py's random model (bench/rl_step.py's
+train_ppo's trainer from its own flags on bench/harness/models.py's random model (bench/rl_step.py's
 inputs and batch: `--prompts` x `--n` completions of `--new_tokens` tokens), then times
 `build_trainer` (model loads, engine build) and each of `--steps` train steps with its phases
 (time/generate, time/train, ...). `--variant` runs can change the engine's settings (e.g.
@@ -27,16 +27,15 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository: rlhfkit, bench.harness
 
 
 def child(a: argparse.Namespace) -> dict:
     import torch
 
-    from bench_models import device_name, make_bench_model, random_prompt
-    from rl_step import engine_batch
-    from rl_step_common import force_full_length, rlhfkit_argv, sync, write_inputs
+    from bench.harness.models import device_name, make_bench_model, random_prompt
+    from bench.harness.rl_run import engine_batch, force_full_length, rlhfkit_argv, write_inputs
+    from bench.harness.timing import sync
 
     from rlhfkit.cli import ppo_setup
     from rlhfkit.cli.common import set_seed

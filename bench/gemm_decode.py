@@ -1,5 +1,5 @@
 """The decode step's projections at small M: cuBLAS (what F.linear runs) against the builtin
-engine's Triton GEMMs (`rlhfkit/rollout/builtin/triton_gemm.py`) over their launch parameters.
+engine's Triton GEMMs (`rlhfkit/rollout/builtin/kernels/triton_gemm.py`) over their launch parameters.
 
     python bench/gemm_decode.py [--rows 64,256] [--out bench/results/gemm_decode_h100.json]
 
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from rlhfkit.rollout.builtin import triton_gemm  # noqa: E402
+from rlhfkit.rollout.builtin.kernels import triton_gemm  # noqa: E402
 
 HIDDEN, INTER, QKV = 896, 4864, 1152
 
@@ -192,9 +192,9 @@ def main() -> None:
         row["triton_errors"] = [r for r in sweep if "error" in r][:3]
         out["results"].append(row)
         print(json.dumps(row), flush=True)
-    from rlhfkit.rollout.builtin import triton_ops
+    from rlhfkit.rollout.builtin.kernels import triton_sampling
 
-    block0, warps0 = triton_ops.SAMPLE_BLOCK, triton_ops.SAMPLE_WARPS
+    block0, warps0 = triton_sampling.SAMPLE_BLOCK, triton_sampling.SAMPLE_WARPS
     for m in map(int, a.rows.split(",")):  # the sampler's one pass over [M, V] logits
         logits = torch.randn(m, 151936, device=dev, dtype=dt) * 3
         temp = torch.ones(m, device=dev)
@@ -203,7 +203,7 @@ def main() -> None:
         row = {"m": m, "shape": "sampler_partials", "logit_mb": round(logits.numel() * 2 / 2**20, 1), "sweep": []}
         ref = torch.ops.rlhfkit.sample_partials(logits, temp, stop, ban)
         for block, warps in itertools.product((1024, 2048, 4096), (4, 8, 16)):
-            triton_ops.SAMPLE_BLOCK, triton_ops.SAMPLE_WARPS = block, warps
+            triton_sampling.SAMPLE_BLOCK, triton_sampling.SAMPLE_WARPS = block, warps
             try:
                 got = torch.ops.rlhfkit.sample_partials(logits, temp, stop, ban)
                 same = bool(torch.equal(got[1], ref[1]) and torch.allclose(got[3], ref[3], rtol=1e-4))
@@ -211,7 +211,7 @@ def main() -> None:
                 row["sweep"].append({"block": block, "num_warps": warps, "us": round(us, 2), "same": same})
             except Exception as exc:  # noqa: BLE001
                 row["sweep"].append({"block": block, "num_warps": warps, "error": f"{type(exc).__name__}: {exc}"[:160]})
-        triton_ops.SAMPLE_BLOCK, triton_ops.SAMPLE_WARPS = block0, warps0
+        triton_sampling.SAMPLE_BLOCK, triton_sampling.SAMPLE_WARPS = block0, warps0
         out["results"].append(row)
         print(json.dumps(row), flush=True)
     line = json.dumps(out)

@@ -60,7 +60,7 @@ def main() -> None:
                 row[f"{label}_tbps"] = round(w.numel() * 2 / us / 1e6, 2)
             out["results"].append(row)
             print(json.dumps(row), flush=True)
-    from rlhfkit.rollout.builtin import triton_ops  # noqa: F401 - registers the op
+    from rlhfkit.rollout.builtin.kernels import triton_sampling  # noqa: F401 - registers the op
 
     for m in map(int, a.rows.split(",")):
         logits = torch.randn(m, 151936, device=dev, dtype=dt)

@@ -49,11 +49,12 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository: rlhfkit, bench.harness
 
-from bench_models import device_name, free_memory, peak_gib  # noqa: E402
-from rl_step_common import load_reward_module, median, micro, package_version, sync, write_report  # noqa: E402
+from bench.harness.models import device_name, free_memory, peak_gib  # noqa: E402
+from bench.harness.report import package_version, write_report  # noqa: E402
+from bench.harness.rl_run import load_reward_module, micro  # noqa: E402
+from bench.harness.timing import median, sync  # noqa: E402
 
 for _k, _v in (("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"), ("HF_HUB_DISABLE_TELEMETRY", "1"),
                ("TOKENIZERS_PARALLELISM", "false"), ("WANDB_DISABLED", "true")):
@@ -275,7 +276,7 @@ def run_trl(a: argparse.Namespace, model_dir: str, train: list[dict], work: str,
         trainer.remove_callback(cb)
     timer.trainer, timer.build_s = trainer, build_s
     trainer.add_callback(timer.callback(TrainerCallback))
-    if hasattr(trainer, "_generate_single_turn"):  # generation time (HF generate), as rl_step_trl.py measures it
+    if hasattr(trainer, "_generate_single_turn"):  # generation time (HF generate), as harness/trl_step.py measures it
         trainer._generate_single_turn = timer.wrap_generate(trainer._generate_single_turn)
     trainer.train()
     walls = timer.walls

@@ -7,7 +7,7 @@ bytes it keeps (rlhfkit.models.stream_load).
     python bench/load_memory.py --shape qwen2.5-7b --whole      # transformers' from_pretrained on the host, then .to
 
 The model directory (`--model_dir`, default /tmp/bench_<shape>) is written first if missing
-(bench_models.make_bench_model: random bf16 weights, drawn on the GPU tensor by tensor). Then, with the
+(harness/models.py `make_bench_model`: random bf16 weights, drawn on the GPU tensor by tensor). Then, with the
 peak (VmHWM) reset through /proc/self/clear_refs, one load:
 
     device     load_causal_lm(cfg, device="cuda"): built on the meta device, the safetensors streamed
@@ -33,7 +33,7 @@ import torch
 
 from rlhfkit.utils.host_memory import reset_peak, status_bytes
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository: rlhfkit, bench.harness
 
 
 def _tensors(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -56,7 +56,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
 
-    from bench_models import make_bench_model
+    from bench.harness.models import make_bench_model
 
     from rlhfkit.config.configs import BackendConfig, ModelConfig, OptimConfig
     from rlhfkit.models.stream_load import build_meta_model, safetensors_index

@@ -22,8 +22,9 @@ import types
 import torch
 import torch.nn.functional as F
 
-from rlhfkit.rollout.builtin import experts, triton_gemm, triton_moe
-from rlhfkit.rollout.builtin.families import MoESpec
+from rlhfkit.rollout.builtin.kernels import triton_gemm, triton_moe
+from rlhfkit.rollout.builtin.model import experts
+from rlhfkit.rollout.builtin.model.families import MoESpec
 
 SHAPES = {
     "qwen3_moe_bench": dict(hidden=1024, inter=256, experts=64, top_k=8, act="silu", bias=False),

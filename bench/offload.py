@@ -29,10 +29,9 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository: rlhfkit, bench.harness
 
-from bench_models import QWEN2_05B, STREAMED, TINY  # noqa: E402
+from bench.harness.models import QWEN2_05B, STREAMED, TINY  # noqa: E402
 
 # Qwen2.5-3B's shape: its 37 GB of fp32 states fit one 80 GB GPU (the 7B's 91 GB need >= 2 ranks)
 QWEN25_3B = dict(hidden_size=2048, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,

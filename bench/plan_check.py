@@ -18,9 +18,9 @@ import os
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository: rlhfkit, bench.harness
 
-from bench_models import STREAMED  # noqa: E402
+from bench.harness.models import STREAMED  # noqa: E402
 
 LAYOUTS = {
     "colocated": ["--colocate_all_models"],

@@ -12,10 +12,9 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository: rlhfkit, bench.harness
 
-from train_throughput import baseline_step_fn, build, rlhfkit_step_fn  # noqa: E402
+from bench.harness.train_step import baseline_step_fn, build, rlhfkit_step_fn  # noqa: E402
 
 
 def profile(step, label: str, rows: int) -> None:
@@ -29,7 +28,7 @@ def profile(step, label: str, rows: int) -> None:
         torch.cuda.synchronize()
     print(f"===== {label}")
     print(p.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70))
-    from step_profile import format_summary, summarize_trace
+    from bench.harness.step_profile import format_summary, summarize_trace
 
     path = f"/tmp/profile_train_{os.getpid()}.json"
     p.export_chrome_trace(path)
@@ -44,7 +43,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--rows", type=int, default=18)
-    ap.add_argument("--variants", default="master", help="rlhfkit variants (see train_throughput.py)")
+    ap.add_argument("--variants", default="master", help="rlhfkit variants (see harness/train_step.py rlhfkit_step_fn)")
     a = ap.parse_args()
     ids = torch.randint(0, 1000, (a.batch, a.seq), device="cuda")
     model, _ = build(a.model, "cuda", torch.bfloat16, "sdpa")

@@ -4,7 +4,7 @@
         --out bench/results/rl_step_h100.json
     python bench/rl_step.py --model tiny --prompts 8 --n 4 --prompt_len 32 --new_tokens 16 --steps 2 --device cpu
 
-Both sides run in the same process on the same random-init model directory (bench_models.py),
+Both sides run in the same process on the same random-init model directory (harness/models.py),
 the same prompts (random letters, `--prompt_len` tokens each, no chat template), the same reward
 (fraction of digit characters in the completion) and the same batch: `prompts x n` completions
 of exactly `--new_tokens` tokens (eos is banned until the limit: rlhfkit's
@@ -34,7 +34,7 @@ the mean over the timed steps (`step_s_median` beside it). With `--trl_prompts` 
 file is rewritten after every run, so a run cut short keeps what finished (`"complete": false`).
 
 `--ray_layout disaggregated|colocated|colocated_nosleep` runs train_ppo_ray's trainer on Ray actors instead (and no
-TRL): step time, phases and weight-sync time / MB / path per layout; see rl_step_ray.py.
+TRL): step time, phases and weight-sync time / MB / path per layout; see harness/ray_step.py.
 """
 
 from __future__ import annotations
@@ -50,15 +50,17 @@ from typing import Any, Callable
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository: rlhfkit, bench.harness
 
-from bench_models import SHAPES, device_name, free_memory, make_bench_model, peak_gib, random_prompt  # noqa: E402
-from rl_step_common import (engine_batch_size, force_full_length, median, package_version, rlhfkit_argv,  # noqa: E402
-                            summarize_rlhfkit, sync, write_inputs, write_report)
-from rl_step_ray import RAY_HEADLINE, add_ray_args, run_ray  # noqa: E402
-from rl_step_trl import run_trl  # noqa: E402
-from train_throughput import phase_mfu  # noqa: E402
+from bench.harness.models import (SHAPES, device_name, free_memory, make_bench_model, peak_gib,  # noqa: E402
+                                  random_prompt)
+from bench.harness.ray_step import RAY_HEADLINE, add_ray_args, run_ray  # noqa: E402
+from bench.harness.report import package_version, write_report  # noqa: E402
+from bench.harness.rl_run import (engine_batch, engine_batch_size, force_full_length, rlhfkit_argv,  # noqa: E402
+                                  summarize_rlhfkit, write_inputs)
+from bench.harness.timing import median, sync  # noqa: E402
+from bench.harness.train_step import phase_mfu  # noqa: E402
+from bench.harness.trl_step import run_trl  # noqa: E402
 
 for _k, _v in (("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"), ("HF_HUB_DISABLE_TELEMETRY", "1"),
                ("TOKENIZERS_PARALLELISM", "false"), ("WANDB_DISABLED", "true")):
@@ -102,40 +104,12 @@ class MemoryWatch:
         return out
 
 
-class engine_batch:
-    """Bench-only: build the rollout engine with a batch of `max_num_seqs` sequences.
-
-    train_ppo's `build_engine_for` passes no batch size (builtin: 64 sequences, hf: 64 rows);
-    this wraps `rlhfkit.rollout.build_engine` while `build_trainer` runs."""
-
-    def __init__(self, max_num_seqs: int) -> None:
-        self.n = max_num_seqs
-
-    def __enter__(self) -> "engine_batch":
-        import rlhfkit.rollout as R
-
-        self.R, self.orig = R, R.build_engine
-        if self.n > 0:
-            key = {"builtin": "max_num_seqs", "hf": "max_batch_size"}
-
-            def build(name: str, *args: Any, **opts: Any) -> Any:
-                if name in key:
-                    opts.setdefault(key[name], self.n)
-                return self.orig(name, *args, **opts)
-
-            R.build_engine = build
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.R.build_engine = self.orig
-
-
 def run_rlhfkit(a: argparse.Namespace, model_dir: str, data: str, reward: str, work: str, prompts: int) -> dict:
     """Build train_ppo's trainer from its flags; 1 warm-up + `a.steps` timed `train_step()` calls."""
-    from rlhfkit.parallel.dist import init_distributed
     from rlhfkit.cli import ppo_setup
     from rlhfkit.cli.common import set_seed
     from rlhfkit.cli.train_ppo import build_parser, build_trainer
+    from rlhfkit.parallel.dist import init_distributed
 
     args = build_parser().parse(rlhfkit_argv(a, model_dir, data, reward, work, prompts))
     watch = MemoryWatch(a.device)
@@ -208,9 +182,9 @@ def python_profile(fn: Callable[[], Any], rows: int) -> list[str]:
 
 
 def profile_step(trainer: Any, a: argparse.Namespace, prompts: int) -> dict:
-    """One more step under torch.profiler: phases, GPU busy / idle, kernels by class (step_profile.py);
+    """One more step under torch.profiler: phases, GPU busy / idle, kernels by class (harness/step_profile.py);
     the table goes to stderr, the summary into the run's record and `<--profile>_<prompts>.json`."""
-    from step_profile import format_summary, profile_call
+    from bench.harness.step_profile import format_summary, profile_call
 
     def one() -> None:
         trainer.train_step()

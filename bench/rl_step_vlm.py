@@ -7,7 +7,7 @@
     python bench/rl_step_vlm.py --shape qwen2.5-vl-7b --write_model_only --model_dir /tmp/vlm7b
 
 What runs: train_ppo_ray's trainer, built in this process as `train_ppo_ray`'s RayLayout builds it (its flag
-parsing, checks, memory plan, placement and Ray groups: rl_step_ray.py's `_build`), with
+parsing, checks, memory plan, placement and Ray groups: harness/ray_step.py's `launch_trainer`), with
 `--colocate_all_models` over `--ray_gpus` slots: `--ray_gpus` FSDP2 policy ranks and
 `--ray_gpus / --engine_tp` builtin engines of tensor-parallel size `--engine_tp` on the same GPUs,
 nothing sleeping. GRPO (`--advantage_estimator group_norm`), `--prompts` prompts x `--n` samples a
@@ -60,15 +60,14 @@ from typing import Any
 import torch
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(BENCH))
-sys.path.insert(0, BENCH)
+sys.path.insert(0, os.path.dirname(BENCH))  # the repository: rlhfkit, bench.harness
 
 for _k, _v in (("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"), ("HF_HUB_DISABLE_TELEMETRY", "1"),
                ("TOKENIZERS_PARALLELISM", "false"), ("WANDB_DISABLED", "true")):
     os.environ.setdefault(_k, _v)
 
-from bench_models import ENDOFTEXT, IM_END, IM_START, filler_vocab  # noqa: E402
-from rollout_vlm import SHAPES as ROLLOUT_SHAPES  # noqa: E402
+from bench.harness.models import ENDOFTEXT, IM_END, IM_START, filler_vocab  # noqa: E402
+from bench.harness.vlm_shapes import SHAPES as ROLLOUT_SHAPES  # noqa: E402
 
 PHASES = ("generate", "reward", "logprobs", "train", "weight_sync")
 VISION_SPECIALS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
@@ -92,7 +91,7 @@ def reward_func(queries, prompts, labels):
 # ----------------------------------------------------------------------------- model directory
 
 def shape_config(shape: str) -> tuple[dict, dict]:
-    """(text_config, vision_config) kwargs of the shape (bench/rollout_vlm.py's), vocabulary resized."""
+    """(text_config, vision_config) kwargs of the shape (bench/harness/vlm_shapes.py), vocabulary resized."""
     spec = copy.deepcopy(ROLLOUT_SHAPES[shape])
     text, vision = spec["text_config"], spec["vision_config"]
     if VOCAB[shape]:
@@ -101,7 +100,7 @@ def shape_config(shape: str) -> tuple[dict, dict]:
 
 
 def build_tokenizer(vocab_size: int) -> Any:
-    """A fast character tokenizer with exactly `vocab_size` ids: bench_models' filler vocabulary (ChatML
+    """A fast character tokenizer with exactly `vocab_size` ids: harness/models.py's filler vocabulary (ChatML
     markers, printable characters, "<tN>" fillers) with the four vision tokens as its last ids."""
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
@@ -198,7 +197,7 @@ def picture_tokens(picture: int, vision: dict) -> int:
 
 def train_argv(a: argparse.Namespace, model_dir: str, data: str, reward: str, work: str) -> list[str]:
     """train_ppo_ray's flags of the run."""
-    from rl_step_common import micro
+    from bench.harness.rl_run import micro
 
     total = a.prompts * a.n
     per_rank = total // a.ray_gpus
@@ -236,7 +235,7 @@ def prompt_figures(trainer: Any, image_token_id: int) -> dict:
     trajs = getattr(trainer, "_samples", None) or []
     if not trajs:
         return {"prompt_tokens": None, "picture_tokens": None}
-    from rl_step_common import mean
+    from bench.harness.timing import mean
 
     return {"prompt_tokens": mean([float(t.prompt_len) for t in trajs]),
             "picture_tokens": mean([float(sum(1 for i in t.token_ids[:t.prompt_len] if i == image_token_id))
@@ -246,7 +245,7 @@ def prompt_figures(trainer: Any, image_token_id: int) -> dict:
 def device_info(device: str) -> tuple[str, int]:
     if device.startswith("cuda") and torch.cuda.is_available():
         return torch.cuda.get_device_name(0), torch.cuda.device_count()
-    from bench_models import device_name
+    from bench.harness.models import device_name
 
     return device_name("cpu"), 0
 
@@ -254,7 +253,7 @@ def device_info(device: str) -> tuple[str, int]:
 def timed_steps(a: argparse.Namespace, trainer: Any, launched: Any, report: dict) -> tuple[list[float], list[dict]]:
     """`--warmup_steps` untimed + `--steps` timed `train_step()` calls -> (wall times, metrics with each step's
     actor memory peaks under "_memory"); a progress line per step, the report rewritten after each."""
-    from rl_step_ray import memory_step
+    from bench.harness.ray_step import memory_step
 
     walls: list[float] = []
     metrics: list[dict] = []
@@ -284,8 +283,9 @@ def run(a: argparse.Namespace, work: str, report: dict) -> None:
     import ray
     from transformers import AutoConfig
 
-    from rl_step_common import force_full_length, summarize_rlhfkit
-    from rl_step_ray import GpuMemoryPeak, _build, _nvml_processes, measured_vs_plan, ray_summary, start_ray
+    from bench.harness.ray_step import (GpuMemoryPeak, launch_trainer, measured_vs_plan, nvml_processes, ray_summary,
+                                        start_ray)
+    from bench.harness.rl_run import force_full_length, summarize_rlhfkit
 
     model_dir = a.model_dir or os.path.join(work, f"model_{a.shape}")
     report["model_write"] = write_vlm_model(model_dir, a.shape, a.device, a.seed)
@@ -298,7 +298,7 @@ def run(a: argparse.Namespace, work: str, report: dict) -> None:
     launched = None
     try:
         print(f"[rl_step_vlm] launching on {ray.cluster_resources()}", flush=True)
-        args, launched, trainer, launch_s = _build(a, argv)
+        args, launched, trainer, launch_s = launch_trainer(a, argv)
         print(f"[rl_step_vlm] launched in {launch_s:.1f} s; weight sync {launched.weight_sync.describe()}", flush=True)
         report["launch_s"] = launch_s
         report["min_new_tokens"] = force_full_length(trainer)
@@ -313,7 +313,7 @@ def run(a: argparse.Namespace, work: str, report: dict) -> None:
                       micro_rollout_batch_size=args.micro_rollout_batch_size,
                       old_logprobs_pass_each=[m.get("old_logprobs_pass") for m in metrics],
                       gpu_peak_mem_gb=mem.peaks_gb, memory_plan=args.bench_plan, memory_steps=steps_mem,
-                      memory_processes_gib=_nvml_processes())
+                      memory_processes_gib=nvml_processes())
         report["memory_check"] = measured_vs_plan(args.bench_plan, steps_mem, mem.peaks_gb, report["placement"])
     finally:
         if launched is not None:

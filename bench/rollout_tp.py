@@ -79,7 +79,7 @@ def _free_port() -> int:
 
 def _engine(model, tp_size: int, rank: int, device: str, dtype, cfg):
     from rlhfkit.rollout.builtin import BuiltinEngine
-    from rlhfkit.rollout.builtin.tp import make_group
+    from rlhfkit.rollout.builtin.model.tensor_parallel import make_group
 
     tp = make_group() if tp_size > 1 else None
     return BuiltinEngine(model, None, device=device, dtype=dtype, config=cfg, eos_token_ids=[], tp=tp)

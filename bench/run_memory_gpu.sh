@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The memory plan against measured peaks: GRPO of the 7B shape colocated on every GPU of the host (policy ranks =
 # engines = GPUs), each run recording the plan train_ppo_ray printed, each actor's peak reserved memory per call,
-# the engines' and NVML's peaks (bench/rl_step_ray.py: memory_plan, memory_steps, memory_check). Parts, in order,
+# the engines' and NVML's peaks (bench/harness/ray_step.py: memory_plan, memory_steps, memory_check). Parts, in order,
 # inside one deadline (DEADLINE_S, default 570 s):
 #   mb4        --micro_train_batch_size 4 (4 x 640 tokens a micro-batch), nothing sleeps
 #   dyn8k / dyn16k   --use_dynamic_batch --train_max_tokens_per_gpu 8192 / 16384, nothing sleeps
@@ -28,7 +28,7 @@ tag="${gpu}x${n}"
 MODEL7=/tmp/bench_qwen2.5-7b
 write_model() {  # shape dir
   [[ -f $2/config.json ]] && return 0
-  say "writing the $1 shape"; timeout "$(left)" python3 bench/bench_models.py --shape "$1" --out "$2" --device cuda
+  say "writing the $1 shape"; timeout "$(left)" python3 -m bench.harness.models --shape "$1" --out "$2" --device cuda
 }
 [[ -d /tmp/site/ray ]] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 common=(--prompts $((8 * n)) --n 8 --prompt_len 128 --new_tokens 512 --micro_train_batch_size 4

@@ -13,7 +13,7 @@ gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | awk '{print 
 n=$(nvidia-smi -L | wc -l)
 tag="${gpu}x${n}"
 M05=/tmp/bench_qwen2-0.5b
-[[ -f $M05/config.json ]] || timeout 120 python3 bench/bench_models.py --shape qwen2-0.5b --out "$M05" --device cuda
+[[ -f $M05/config.json ]] || timeout 120 python3 -m bench.harness.models --shape qwen2-0.5b --out "$M05" --device cuda
 run() {  # seconds name args...
   local secs=$1 name=$2
   shift 2

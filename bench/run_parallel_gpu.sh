@@ -30,8 +30,8 @@ M7=/tmp/bench_qwen2.5-7b
 say "$tag attn=$ATTN"
 
 models() {
-  [[ -f $M05/config.json ]] || timeout 120 python3 bench/bench_models.py --shape qwen2-0.5b --out "$M05" --device cuda
-  [[ -f $M7/config.json ]] || timeout 200 python3 bench/bench_models.py --shape qwen2.5-7b --out "$M7" --device cuda
+  [[ -f $M05/config.json ]] || timeout 120 python3 -m bench.harness.models --shape qwen2-0.5b --out "$M05" --device cuda
+  [[ -f $M7/config.json ]] || timeout 200 python3 -m bench.harness.models --shape qwen2.5-7b --out "$M7" --device cuda
 }
 run() {  # seconds name args...: one torchrun over every GPU
   local secs=$1 name=$2 left=$((DEADLINE_EPOCH - $(date +%s)))

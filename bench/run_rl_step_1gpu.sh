@@ -5,7 +5,7 @@
 # 10-minute device call.
 # 1. bench/rl_step.py: a GRPO step of the Qwen2-0.5B shape, 64 prompts x 8 samples x 256 new tokens, and the
 #    same at 8 prompts beside TRL's GRPOTrainer (same model, prompts, reward, GPU), with one profiled step each
-#    (phases, GPU idle and what the host ran meanwhile: bench/step_profile.py). rlhfkit as a user would run it
+#    (phases, GPU idle and what the host ran meanwhile: bench/harness/step_profile.py). rlhfkit as a user would run it
 #    for speed: --torch_compile, no gradient checkpointing (the 0.5B step fits), micro-batches of 64 samples.
 #    TRL: micro-batches of 16 (it keeps fp32 logits), no gradient checkpointing either.
 # 2. bench/train_throughput.py: the SFT step at 8 x 2048 tokens, plain HF + AdamW beside --torch_compile,

@@ -7,7 +7,7 @@
 #                      after step 2, resumed (twice: the second gives the noise the first is judged against),
 #                      exported to HF and loaded (scale_ckpt.py; about 9 minutes, a call of its own)
 #   colo4_tp1 | colo4_tp1_sleep | colo4_tp2_sleep | disagg2_tp2 | disagg2_tp2_async
-#                      GRPO 32 x 8 x 512 of the 7B shape in that layout (bench/rl_step_ray.py)
+#                      GRPO 32 x 8 x 512 of the 7B shape in that layout (bench/harness/ray_step.py)
 #   colo4_tp1_dyn      colo4_tp1 with micro-batches of 16k tokens (--use_dynamic_batch) instead of 4 samples
 #   grpo1 = ckpt colo4_tp2_sleep;  grpo2 = colo4_tp1_sleep disagg2_tp2 disagg2_tp2_async
 # A part starts only with enough time left (60 s; 150 s for a layout, 300 s for ckpt), and its timeout is cut to the time left, so a call cut short keeps
@@ -49,7 +49,7 @@ ray_setup() {
   export RAY_DISABLE_IMPORT_WARNING=1 RAY_USAGE_STATS_ENABLED=0 RAY_OBJECT_STORE_ALLOW_SLOW_STORAGE=1
   if [[ ! -f $MODEL7/config.json ]]; then
     say "writing the 7B shape to $MODEL7"
-    timeout 150 python3 bench/bench_models.py --shape qwen2.5-7b --out "$MODEL7" --device cuda || exit 1
+    timeout 150 python3 -m bench.harness.models --shape qwen2.5-7b --out "$MODEL7" --device cuda || exit 1
   fi
 }
 ray_clean() {  # a run cut short by its timeout leaves Ray's processes (and their GPU memory) behind

@@ -27,8 +27,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, os.path.dirname(HERE))  # the repository: rlhfkit, bench.harness
 
 COMPARE = ("train/policy_loss", "train/reward", "train/response_length", "train/grad_norm", "train/entropy", "train/kl")
 
@@ -87,9 +86,9 @@ def main() -> None:
 
     import torch
 
-    from bench_models import random_prompt
-    from rl_step_common import write_inputs
-    from rl_step_ray import GpuMemoryPeak, start_ray
+    from bench.harness.models import random_prompt
+    from bench.harness.ray_step import GpuMemoryPeak, start_ray
+    from bench.harness.rl_run import write_inputs
 
     os.makedirs(a.work, exist_ok=True)
     rng = __import__("numpy").random.default_rng(0)

@@ -33,10 +33,10 @@ import urllib.request
 
 import torch
 
-from rlhfkit.agents.remote_reward import RemoteRewardClient
 from rlhfkit.models.loader import load_tokenizer
 from rlhfkit.models.tiny import TinyModelSpec, make_tiny_model
 from rlhfkit.models.value import load_value_model, save_value_model
+from rlhfkit.rewards.http_client import RemoteRewardClient
 
 CONCURRENCY = (1, 8, 64)
 

@@ -8,8 +8,8 @@
 
 bench/run_parallel_gpu.sh holds the exact runs of the issue. Every rank builds the mesh from the flags as
 the CLIs do (`ParallelDims.from_flags(world, --zero_stage, --ds_tensor_parallel_size, --ring_attn_size)`,
-`attach_mesh`), loads the model (`--model tiny`: built in-process from train_throughput.py's tiny shape,
-vocabulary 512 so tp 2 divides it; other shapes: bench_models.py's random-weight directory under
+`attach_mesh`), loads the model (`--model tiny`: built in-process from harness/train_step.py's tiny shape,
+vocabulary 512 so tp 2 divides it; other shapes: harness/models.py's random-weight directory under
 --model_dir, written by local rank 0 when missing) and trains it through `FSDP2Backend` with the SFT
 task's loss (fused / vocabulary-parallel log-probs, fp32 master weights, AdamW, clipping), as
 train_throughput.py drives one process. A mesh the backend refuses (e.g. --ring_attn_size > 1 before
@@ -19,7 +19,7 @@ Modes:
   throughput  --batch rows of --seq random tokens per step, *global* (cut over the dp ranks; the tp and
               cp ranks of one dp rank see the same rows), --warmup then --steps timed steps. Reports
               step_s, tokens_per_s (all GPUs), tokens_per_s_per_gpu, mfu (6 N + attention flops per
-              token, train_throughput.py's convention, per GPU against its peak bf16; recomputation under
+              token, harness/train_step.py's convention, per GPU against its peak bf16; recomputation under
               gradient checkpointing is not counted), peak_mem_gb of every rank, and loss_by_rank: every
               rank's view of each step's global loss (summed over the loss group), which must be the same
               on every rank and, for the same --batch / --seq / --seed, under every mesh.
@@ -54,13 +54,12 @@ import torch
 import torch.distributed as tdist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))  # the repository: rlhfkit, bench.harness
 
-from bench_models import SHAPES as DISK_SHAPES
-from bench_models import make_bench_model
-from train_throughput import SHAPES as INPROC_SHAPES
-from train_throughput import flops_per_token, peak_flops
+from bench.harness.models import SHAPES as DISK_SHAPES
+from bench.harness.models import make_bench_model
+from bench.harness.train_step import SHAPES as INPROC_SHAPES
+from bench.harness.train_step import flops_per_token, peak_flops
 
 MODELS = ("tiny", "qwen2-0.5b", "qwen2.5-7b", "qwen2.5-32b")
 
@@ -135,7 +134,7 @@ def load_model(a: argparse.Namespace, dist: Any) -> torch.nn.Module:
         torch.manual_seed(a.seed)
         return AutoModelForCausalLM.from_config(cfg, attn_implementation=a.attn, dtype=torch.float32)
     if a.model not in DISK_SHAPES:
-        raise SystemExit(f"error: --model {a.model}: not one of bench_models.py's shapes {DISK_SHAPES}")
+        raise SystemExit(f"error: --model {a.model}: not one of harness/models.py's shapes {DISK_SHAPES}")
     path = a.model_dir or f"/tmp/bench_{a.model}"
     if dist.local_rank == 0:
         make_bench_model(path, a.model, device=a.device if a.device.startswith("cuda") else None, seed=a.seed)
@@ -150,9 +149,9 @@ def build(a: argparse.Namespace) -> tuple[Any, Any, Any, dict]:
     from dataclasses import fields
 
     from rlhfkit.backend import FSDP2Backend
+    from rlhfkit.config.configs import BackendConfig, OptimConfig
     from rlhfkit.parallel import init_distributed
     from rlhfkit.parallel.mesh import ParallelDims, attach_mesh
-    from rlhfkit.config.configs import BackendConfig, OptimConfig
 
     dist = init_distributed(a.device)
     dims = ParallelDims.from_flags(dist.world_size, a.zero_stage, tensor_parallel_size=a.ds_tensor_parallel_size,

@@ -85,7 +85,7 @@ class PromptSample:
     to `reward_func` and agents. `images` (vision-language prompts, `--image_key`): the row's
     pictures, one placeholder each in `prompt`. `input` is the `--input_key` value as the row has it
     (text or messages) and `columns` the row's other columns: what a reward function in TRL's shape
-    receives as `prompts` and as keyword arguments (rlhfkit.agents.reward_forms).
+    receives as `prompts` and as keyword arguments (rlhfkit.rewards.shapes).
     """
 
     prompt: str

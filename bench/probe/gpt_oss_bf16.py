@@ -10,7 +10,8 @@ import torch
 sys.path.insert(0, "tests/gpu")
 from test_engine_families_gpu import _logprobs, _model  # noqa: E402
 
-from rlhfkit.rollout.builtin import BuiltinEngine, BuiltinEngineConfig, experts  # noqa: E402
+from rlhfkit.rollout.builtin import BuiltinEngine, BuiltinEngineConfig  # noqa: E402
+from rlhfkit.rollout.builtin.model import experts  # noqa: E402
 from rlhfkit.types import GenerationRequest, SamplingParams  # noqa: E402
 
 arch = sys.argv[1] if len(sys.argv) > 1 else "gpt_oss"

@@ -1,4 +1,4 @@
-"""Where the GPU waits inside the compiled SFT step of bench/train_throughput.py (issue 18).
+"""Where the GPU waits inside the compiled SFT step of bench/harness/train_step.py (issue 18).
 
     python3 bench/probe/gpu_gaps.py --out DIR [--steps 5] [--variant master_compile]
 
@@ -17,10 +17,10 @@ import sys
 import tempfile
 from collections import defaultdict
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
 
 import torch
-import train_throughput as tt
+from bench.harness import train_step as tt
 
 
 def gaps_of(trace: dict, min_gap_us: float = 3.0) -> dict:

@@ -1,4 +1,4 @@
-"""Where the host's time goes in the compiled SFT step of bench/train_throughput.py (issue 18).
+"""Where the host's time goes in the compiled SFT step of bench/harness/train_step.py (issue 18).
 
     python3 bench/probe/host_time.py --out DIR [--seconds 40]
 
@@ -19,12 +19,12 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
 
 import itertools
 
 import torch
-import train_throughput as tt
+from bench.harness import train_step as tt
 
 
 def main() -> None:

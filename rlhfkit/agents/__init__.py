@@ -1,4 +1,4 @@
-"""Agents: token-in-token-out episode executors and reward sources.
+"""Agents: token-in-token-out episode executors (reward sources: rlhfkit.rewards).
 
 User agent files import from here exactly the names OpenRLHF's ``openrlhf.utils.agent`` gives
 them (``AgentInstanceBase``, ``AgentExecutorBase``, ``MultiTurnAgentExecutor``,
@@ -20,20 +20,9 @@ from rlhfkit.agents.base import (
 from rlhfkit.agents.executors import MultiTurnAgentExecutor, SingleTurnAgentExecutor
 from rlhfkit.agents.loader import build_agent_executor, load_agent_file
 from rlhfkit.agents.openai_executor import AgentSession, OpenAIAgentExecutor
-from rlhfkit.agents.reward_func import (
-                                 BatchingRewardSource,
-                                 HTTPRewardSource,
-                                 PythonRewardSource,
-                                 RewardSource,
-                                 load_reward_func,
-                                 make_reward_source,
-)
-from rlhfkit.agents.reward_types import RewardOutput
 
 __all__ = [
     "AgentInstanceBase", "AgentExecutorBase", "MultiTurnAgentExecutor", "SingleTurnAgentExecutor",
     "AgentConfig", "EpisodeBatch", "DroppedEpisode", "EpisodeError", "RewardFailure",
     "build_agent_executor", "load_agent_file", "OpenAIAgentExecutor", "AgentSession",
-    "RewardSource", "RewardOutput", "PythonRewardSource", "BatchingRewardSource", "HTTPRewardSource",
-    "load_reward_func", "make_reward_source",
 ]

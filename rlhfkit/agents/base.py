@@ -8,7 +8,7 @@ Executors run episodes token in, token out against a ``RolloutEngine``:
     run_episodes(samples, n) --> EpisodeBatch(trajectories, dropped)
 
 User code is called through ``call_user``: in a worker thread with its own event loop (one per
-episode, see ``user_code.py``), under a time limit that ends even a call that blocks; any exception
+episode, see ``usercode/run.py``), under a time limit that ends even a call that blocks; any exception
 (``SystemExit`` and ``KeyboardInterrupt`` included) becomes an ``EpisodeError`` of that sample.
 ``AgentConfig.reward_failure`` decides what an ``EpisodeError`` does: ``stop`` raises
 ``RewardFailure`` (one line naming the file, the failing sample's prompt and the error);
@@ -52,7 +52,7 @@ from rlhfkit.agents.contracts import (  # noqa: F401 - re-exported: where agent 
     trajectory_from_dict,
 )
 from rlhfkit.agents.episode import run_multi_turn
-from rlhfkit.agents.user_code import EpisodeError
+from rlhfkit.usercode.run import EpisodeError
 from rlhfkit.types import PromptSample, SamplingParams, Trajectory
 
 logger = logging.getLogger(__name__)

@@ -1,5 +1,5 @@
 """The agent contracts that everything in `rlhfkit.agents` shares (a leaf module: it imports no other
-agents module but `user_code`): `AgentConfig`, the episode records, `RewardFailure`, the checks on
+agents module): `AgentConfig`, the episode records, `RewardFailure`, the checks on
 what user code returns (OpenRLHF's key names, see `base.py`'s docstring), `call_user` (user code in
 its own thread under a time limit) and `AgentInstanceBase`, the environment an agent file defines.
 """
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from rlhfkit.agents.user_code import EpisodeError, UserLoop, run_user_code
+from rlhfkit.usercode.run import EpisodeError, UserLoop, run_user_code
 from rlhfkit.types import SamplingParams, Trajectory
 
 if TYPE_CHECKING:

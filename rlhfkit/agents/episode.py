@@ -42,8 +42,8 @@ from rlhfkit.agents.contracts import (
 )
 from rlhfkit.agents.decode import decoder_for
 from rlhfkit.data.templates import encode as encode_text
-from rlhfkit.agents.user_code import EpisodeError, UserLoop
 from rlhfkit.types import GenerationRequest, ImageInputs, ImageRef, SamplingParams, Trajectory
+from rlhfkit.usercode.run import EpisodeError, UserLoop
 
 
 

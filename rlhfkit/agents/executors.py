@@ -30,9 +30,9 @@ from rlhfkit.agents.episode import (  # noqa: F401
     prompt_ids,
     run_multi_turn,
 )
-from rlhfkit.agents.reward_forms import RewardSample
-from rlhfkit.agents.reward_func import BatchingRewardSource, split_reward_output
-from rlhfkit.agents.reward_pool import reward_source_with_workers
+from rlhfkit.rewards.shapes import RewardSample
+from rlhfkit.rewards.sources import BatchingRewardSource, split_reward_output
+from rlhfkit.rewards.process_pool import reward_source_with_workers
 from rlhfkit.types import PromptSample, SamplingParams, Trajectory
 
 logger = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ class SingleTurnAgentExecutor(AgentExecutorBase):
     """Generate once, then score with a reward source.
 
     ``remote_rm_url`` (OpenRLHF's argument) is a ``reward_func`` .py file (run in worker processes,
-    `reward_pool.py`) or HTTP URL(s); or pass a
+    `rewards/process_pool.py`) or HTTP URL(s); or pass a
     ``reward_source`` (e.g. the RL loop's reward model) to the constructor or ``setup``. Without
     either, trajectories keep reward 0.0 and ``self.scores_rewards`` is False: the caller must
     fill the rewards.

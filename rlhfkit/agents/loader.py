@@ -25,7 +25,7 @@ from typing import Any
 
 from rlhfkit.agents.base import AgentConfig, AgentExecutorBase, AgentInstanceBase
 from rlhfkit.agents.executors import MultiTurnAgentExecutor
-from rlhfkit.agents.user_file import import_user_file  # noqa: F401 - agent code imports it from here
+from rlhfkit.usercode.files import import_user_file  # noqa: F401 - agent code imports it from here
 
 AGENT_FLAG = "--agent_func_path"
 

@@ -3,7 +3,7 @@
 While a batch of episodes runs, the executor serves the rollout engine behind an OpenAI-compatible
 HTTP API on 127.0.0.1 (``openai_server.py``; a free port, on the event loop that runs the
 episodes). Each episode gets a session and calls the user's ``run_agent`` in its own worker
-thread (``user_code.py``), which talks to the engine through the session's base URL:
+thread (``usercode/run.py``), which talks to the engine through the session's base URL:
 
     run_episodes(samples) -- server up --> per episode:
         session = Session(seed of the episode)          base_url = http://127.0.0.1:PORT/s/<id>/v1
@@ -57,7 +57,7 @@ from rlhfkit.agents.openai_session import (
     Turn,
     reward_from_agent_result,
 )
-from rlhfkit.agents.user_code import EpisodeError, UserLoop
+from rlhfkit.usercode.run import EpisodeError, UserLoop
 from rlhfkit.optional import require
 from rlhfkit.types import GenerationRequest, SamplingParams, Trajectory
 

@@ -32,8 +32,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from rlhfkit.agents.user_code import EpisodeError
 from rlhfkit.types import Completion, SamplingParams, Trajectory
+from rlhfkit.usercode.run import EpisodeError
 
 logger = logging.getLogger(__name__)
 

@@ -6,13 +6,13 @@
     datasets               a list of dicts or a `datasets.Dataset` -> `rlhfkit.data.io.RowSource`
                            (in memory, the same row pipeline as files), or a --dataset spec string
     reward_funcs           a callable in TRL's shape `reward(prompts, completions, **columns)` or
-                           OpenRLHF's `reward_func(queries, prompts, labels)` (rlhfkit.agents.reward_forms;
+                           OpenRLHF's `reward_func(queries, prompts, labels)` (rlhfkit.rewards.shapes;
                            the signature is checked when the trainer is made), a list of them (summed,
                            `reward_weights`), `per_sample(fn)` wrapped callables, a reward_func .py path
                            (`file.py:name` for another function) or http(s) URL (--remote_rm_url), or a
                            reward model directory (--reward_pretrain)
 
-A callable goes through `rlhfkit.agents.reward_func.PythonRewardSource`, the class that runs a
+A callable goes through `rlhfkit.rewards.sources.PythonRewardSource`, the class that runs a
 reward_func file: the same thread, time limit, return-value checks, batching with one-sample
 retries, and --reward_failure (stop / drop) per sample.
 """
@@ -25,8 +25,8 @@ import shutil
 import tempfile
 from typing import Any, Callable, Sequence
 
-from rlhfkit.agents.reward_forms import SHAPES, RewardSample, SampleRewardFunction, call_args, reward_shape
-from rlhfkit.agents.reward_func import is_reward_file, load_reward_func
+from rlhfkit.rewards.shapes import SHAPES, RewardSample, SampleRewardFunction, call_args, reward_shape
+from rlhfkit.rewards.sources import is_reward_file, load_reward_func
 from rlhfkit.data.io import RowSource
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
@@ -156,7 +156,7 @@ def _name(fn: Any) -> str:
 
 class combine_rewards(SampleRewardFunction):  # noqa: N801 - used as a function
     """One reward function summing several (`weights`: one per function, default 1), each in either shape
-    of rlhfkit.agents.reward_forms (TRL's `reward(prompts, completions, **columns)` or a reward_func).
+    of rlhfkit.rewards.shapes (TRL's `reward(prompts, completions, **columns)` or a reward_func).
     Each function's answer is checked as a reward_func's; its rewards are logged as `reward_<name>`."""
 
     def __init__(self, funcs: Sequence[Callable[..., Any]], weights: Sequence[float] | None = None) -> None:
@@ -170,7 +170,7 @@ class combine_rewards(SampleRewardFunction):  # noqa: N801 - used as a function
 
     async def __call__(self, queries: list[str], prompts: list[str], labels: list[Any],
                        samples: Sequence[RewardSample] | None = None) -> dict[str, Any]:
-        from rlhfkit.agents.reward_func import parse_reward_return
+        from rlhfkit.rewards.sources import parse_reward_return
 
         n = len(queries)
         rewards, scores, logs = [0.0] * n, [0.0] * n, {}

@@ -1,5 +1,6 @@
 """The files of a checkpoint: safetensors of a state dict (shared tensors stored once, as aliases), the
-generator states of a rank (loadable with weights_only=True), and fsynced writes."""
+generator states of a rank (loadable with weights_only=True), fsynced writes, and the reading of one small file
+(torch or JSON) with an error naming the checkpoint and the file."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
+
+from rlhfkit.checkpoint.errors import CheckpointError, one_line
 
 log = logging.getLogger(__name__)
 
@@ -82,15 +85,30 @@ def set_rng_state(state: dict[str, Any]) -> None:
                         len(cuda), torch.cuda.device_count())
 
 
-def _write_file(path: str, data: bytes | str) -> None:
+def write_file(path: str, data: bytes | str) -> None:
     with open(path, "w" if isinstance(data, str) else "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
 
 
-def _torch_save(obj: Any, path: str) -> None:
+def torch_save(obj: Any, path: str) -> None:
     with open(path, "wb") as f:
         torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
+
+
+def load_checkpoint_file(path: str, name: str) -> Any:
+    """torch.load (weights only) or json.load of one file of checkpoint `path`; a file that does not
+    read is an error naming the checkpoint and the file."""
+    full = os.path.join(path, name)
+    try:
+        if name.endswith(".json"):
+            with open(full) as f:
+                return json.load(f)
+        return torch.load(full, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - zip, pickle or JSON damage, whatever the exception
+        why = f"{name} does not read ({one_line(e)})"
+        raise CheckpointError(f"--load_checkpoint: {full} of checkpoint {path} does not read "
+                              f"({type(e).__name__}: {e})", reason=why) from e

@@ -1,5 +1,5 @@
 """Checksums of a checkpoint: the size and SHA-256 of every file, recorded in meta.json at save time
-(`_checkpoint_files`, `_digest_share`: each rank hashes a share) and checked before a load
+(`checkpoint_files`, `digest_share`: each rank hashes a share) and checked before a load
 (`checkpoint_damage`, `newest_intact`)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from rlhfkit.checkpoint.layout import META, _read_meta
+from rlhfkit.checkpoint.layout import META, read_meta
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ def file_sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def _checkpoint_files(path: str) -> list[str]:
+def checkpoint_files(path: str) -> list[str]:
     """Every file of a checkpoint directory but meta.json, relative to it, sorted."""
     out = []
     for dirpath, _, names in os.walk(path):
@@ -37,7 +37,7 @@ def _checkpoint_files(path: str) -> list[str]:
     return sorted(out)
 
 
-def _digest_share(path: str, files: list[str], rank: int, world: int) -> dict[str, dict[str, Any]]:
+def digest_share(path: str, files: list[str], rank: int, world: int) -> dict[str, dict[str, Any]]:
     """{file: {"bytes", "sha256"}} of this rank's share of `files` (every world-th from `rank`)."""
     mine = files[rank::world]
     with ThreadPoolExecutor(max_workers=max(1, min(8, len(mine)))) as pool:
@@ -48,7 +48,7 @@ def _digest_share(path: str, files: list[str], rank: int, world: int) -> dict[st
 def checkpoint_damage(path: str) -> str | None:
     """Which file of checkpoint `path` differs from the size and SHA-256 its meta.json records
     (None when all match, or when the checkpoint records no checksums)."""
-    files = (_read_meta(path) or {}).get("files")
+    files = (read_meta(path) or {}).get("files")
     if not isinstance(files, dict):
         return None
     names = sorted(files)
@@ -82,5 +82,5 @@ def newest_intact(ckpt_root: str, tags: list[str]) -> tuple[str | None, list[str
     return None, skipped
 
 
-def _records_checksums(path: str) -> bool:
-    return isinstance((_read_meta(path) or {}).get("files"), dict)
+def records_checksums(path: str) -> bool:
+    return isinstance((read_meta(path) or {}).get("files"), dict)

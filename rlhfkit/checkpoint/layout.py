@@ -17,7 +17,7 @@ DCP_DIR = "dcp"
 FORMAT = "dcp-v1"
 
 
-def _read_meta(path: str) -> dict | None:
+def read_meta(path: str) -> dict | None:
     try:
         with open(os.path.join(path, META)) as f:
             meta = json.load(f)
@@ -51,7 +51,7 @@ def _dcp_gap(dcp_dir: str) -> str | None:
 def checkpoint_gap(path: str) -> str | None:
     """Why `path` is not a complete checkpoint (None when it is): meta.json, the weights (sharded
     `dcp/` or the earlier `model.safetensors`), trainer.pt, client_state.json and every rank's RNG."""
-    meta = _read_meta(path)
+    meta = read_meta(path)
     if meta is None:
         return f"no readable {META}"
     if os.path.isdir(os.path.join(path, DCP_DIR)):
@@ -81,11 +81,11 @@ def list_checkpoints(ckpt_root: str) -> list[tuple[int, str]]:
     for name in _candidates(ckpt_root):
         path = os.path.join(ckpt_root, name)
         if checkpoint_gap(path) is None:
-            found.append((int((_read_meta(path) or {}).get("index", 0)), name))
+            found.append((int((read_meta(path) or {}).get("index", 0)), name))
     return sorted(found)
 
 
-def _incomplete(ckpt_root: str) -> list[tuple[str, str]]:
+def incomplete_checkpoints(ckpt_root: str) -> list[tuple[str, str]]:
     """(path, what is missing) of the checkpoint-looking directories that are not complete."""
     out = []
     for name in _candidates(ckpt_root):
@@ -101,7 +101,7 @@ def latest_checkpoint(ckpt_root: str) -> str | None:
     `latest` may lag (a kill between the rename and its update) or name a checkpoint that a kill
     mid-rotation left half deleted: both are logged, neither is followed."""
     found = list_checkpoints(ckpt_root)
-    for path, gap in _incomplete(ckpt_root):
+    for path, gap in incomplete_checkpoints(ckpt_root):
         log.warning("%s is not a complete checkpoint (%s): not loaded", path, gap)
     if not found:
         return None

@@ -24,7 +24,7 @@ def _remove(path: str) -> None:
     shutil.rmtree(away, ignore_errors=True)
 
 
-def _dir_bytes(path: str) -> int:
+def dir_bytes(path: str) -> int:
     total = 0
     for dirpath, _, files in os.walk(path):
         for f in files:
@@ -35,7 +35,7 @@ def _dir_bytes(path: str) -> int:
     return total
 
 
-def _rotate(ckpt_root: str, max_keep: int, keep_tag: str, max_gb: float | None = None) -> None:
+def rotate(ckpt_root: str, max_keep: int, keep_tag: str, max_gb: float | None = None) -> None:
     """Delete the oldest checkpoints beyond the `max_keep` newest (--max_ckpt_num), then, with `max_gb`
     (--max_ckpt_mem, GB as in OpenRLHF), the oldest while the checkpoints hold more than that; the one
     just saved (`keep_tag`) always stays."""
@@ -45,7 +45,7 @@ def _rotate(ckpt_root: str, max_keep: int, keep_tag: str, max_gb: float | None =
     if max_gb is None:
         return
     limit = max_gb * 2**30
-    sizes = {tag: _dir_bytes(os.path.join(ckpt_root, tag)) for tag in found + [keep_tag]}
+    sizes = {tag: dir_bytes(os.path.join(ckpt_root, tag)) for tag in found + [keep_tag]}
     while found and sum(sizes.values()) > limit:
         tag = found.pop(0)
         _remove(os.path.join(ckpt_root, tag))
@@ -56,7 +56,7 @@ def _rotate(ckpt_root: str, max_keep: int, keep_tag: str, max_gb: float | None =
                     keep_tag, sizes[keep_tag] / 2**30, max_gb)
 
 
-def _clear_stale_tmp(ckpt_root: str) -> None:
+def clear_stale_tmp(ckpt_root: str) -> None:
     """Leftovers of killed saves, publishes and rotations (`*.tmp`): never loaded, removed here."""
     for name in os.listdir(ckpt_root):
         path = os.path.join(ckpt_root, name)

@@ -60,9 +60,9 @@ Trust: trainer.pt, rng_<rank>.pt and the old-format files load with `torch.load(
 but torch.distributed.checkpoint itself unpickles its `.metadata` file and non-tensor entries (the
 optimizer's param_groups): load only checkpoints you wrote.
 
-This module holds the save and load through torch.distributed.checkpoint; beside it: errors.py (what a
-failed save or load raises), files.py (safetensors with aliases, RNG states, fsynced writes), layout.py
-(names, completeness, listing, `latest`), integrity.py (checksums) and rotation.py (--max_ckpt_num,
+This module holds the save and load through torch.distributed.checkpoint; beside it: errors.py (what a failed
+save or load raises), files.py (safetensors with aliases, RNG states, fsynced writes, reading one file),
+layout.py (names, completeness, listing, `latest`), integrity.py (checksums) and rotation.py (--max_ckpt_num,
 --max_ckpt_mem, leftovers of killed saves).
 """
 
@@ -80,13 +80,13 @@ import torch
 
 from rlhfkit.checkpoint.errors import (CheckpointError, CheckpointSaveError, UnreadableCheckpointError, is_failure,
                                        one_line, root_causes)
-from rlhfkit.checkpoint.files import _torch_save, _write_file, load_tensors, rng_state, set_rng_state
-from rlhfkit.checkpoint.integrity import _checkpoint_files, _digest_share, _records_checksums, checkpoint_damage
-from rlhfkit.checkpoint.layout import (DCP_DIR, FORMAT, LATEST, META, TMP_SUFFIX, _incomplete, _read_meta,
-                                       checkpoint_gap, latest_checkpoint, list_checkpoints)
-from rlhfkit.checkpoint.rotation import _clear_stale_tmp, _dir_bytes, _rotate
-from rlhfkit.parallel import dist as D
+from rlhfkit.checkpoint.files import load_checkpoint_file, load_tensors, rng_state, set_rng_state, torch_save, write_file
+from rlhfkit.checkpoint.integrity import checkpoint_damage, checkpoint_files, digest_share, records_checksums
+from rlhfkit.checkpoint.layout import (DCP_DIR, FORMAT, LATEST, META, TMP_SUFFIX, checkpoint_gap, incomplete_checkpoints,
+                                       latest_checkpoint, list_checkpoints, read_meta)
+from rlhfkit.checkpoint.rotation import clear_stale_tmp, dir_bytes, rotate
 from rlhfkit.fileio import NoSpaceError, atomic_write_text, free_bytes, fsync_dir, is_no_space
+from rlhfkit.parallel import dist as D
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ def expected_bytes(ckpt_root: str, state: dict[str, Any]) -> int:
     need = int(D.all_reduce_sum(_tensor_bytes(state))) + SLACK_BYTES
     found = list_checkpoints(ckpt_root) if D.is_rank0() else []
     if found:
-        need = max(need, _dir_bytes(os.path.join(ckpt_root, found[-1][1])))
+        need = max(need, dir_bytes(os.path.join(ckpt_root, found[-1][1])))
     return need
 
 
@@ -182,31 +182,31 @@ def _write_checkpoint(backend, ckpt_root: str, tag: str, state: dict[str, Any], 
         if not os.path.isdir(ckpt_root):
             os.makedirs(ckpt_root)
             fsync_dir(os.path.dirname(os.path.abspath(ckpt_root)))
-        _clear_stale_tmp(ckpt_root)
+        clear_stale_tmp(ckpt_root)
         os.makedirs(os.path.join(tmp, DCP_DIR))
     D.barrier()
     has_ema = "ema" in state
     writer = dcp.FileSystemWriter(os.path.join(tmp, DCP_DIR), sync_files=True)
     _dcp(dcp.save, state, storage_writer=writer)
     del state
-    _torch_save(rng_state(), os.path.join(tmp, f"rng_{D.get_rank()}.pt"))
+    torch_save(rng_state(), os.path.join(tmp, f"rng_{D.get_rank()}.pt"))
     if rank0:
-        _torch_save(backend.trainer_state(), os.path.join(tmp, "trainer.pt"))
-        _write_file(os.path.join(tmp, "client_state.json"), client_json)
+        torch_save(backend.trainer_state(), os.path.join(tmp, "trainer.pt"))
+        write_file(os.path.join(tmp, "client_state.json"), client_json)
     D.barrier()
-    files = D.broadcast_object(_checkpoint_files(tmp) if rank0 else None)
-    shares = D.all_gather_object(_digest_share(tmp, files, D.get_rank(), D.get_world_size()))
+    files = D.broadcast_object(checkpoint_files(tmp) if rank0 else None)
+    shares = D.all_gather_object(digest_share(tmp, files, D.get_rank(), D.get_world_size()))
     if rank0:
         index = max([i for i, _ in list_checkpoints(ckpt_root)], default=-1) + 1
         meta = {"tag": tag, "index": index, "world_size": D.get_world_size(), "time": time.time(),
                 "format": FORMAT, "has_optim": has_optim, "has_ema": has_ema,
                 "files": {k: v for share in shares for k, v in sorted(share.items())}}
-        _write_file(os.path.join(tmp, META), json.dumps(meta))
+        write_file(os.path.join(tmp, META), json.dumps(meta))
         fsync_dir(os.path.join(tmp, DCP_DIR))
         fsync_dir(tmp)
         _publish(ckpt_root, tag, tmp, final)
         max_gb = getattr(getattr(backend, "cfg", None), "max_ckpt_mem", None)  # --max_ckpt_mem
-        _rotate(ckpt_root, max_keep, keep_tag=tag, max_gb=max_gb)
+        rotate(ckpt_root, max_keep, keep_tag=tag, max_gb=max_gb)
     D.barrier()
     return final
 
@@ -268,7 +268,7 @@ def _load_candidates(ckpt_root: str, tag: str | None) -> tuple[list[str], str | 
         gap = checkpoint_gap(path)
         return ([path], None) if gap is None else ([], f"--load_checkpoint: {path}: {gap}")
     if latest_checkpoint(ckpt_root) is None:
-        bad = _incomplete(ckpt_root)
+        bad = incomplete_checkpoints(ckpt_root)
         if bad:
             return [], "--load_checkpoint: no complete checkpoint in {}: {}".format(
                 ckpt_root, "; ".join(f"{p}: {gap}" for p, gap in bad))
@@ -297,12 +297,12 @@ def load_checkpoint(backend, ckpt_root: str, tag: str | None = None) -> dict | N
             client, failure = _attempt(backend, path)
             if failure is None:
                 return client
-            if _records_checksums(path):
+            if records_checksums(path):
                 raise failure
             damage = f"{failure.reason} (it records no checksums: written before they were)"
         line = f"checkpoint {path} is damaged: {damage}; skipped"
         if tag is not None:
-            if _records_checksums(path):
+            if records_checksums(path):
                 raise FileNotFoundError(f"--load_checkpoint: {path}: {damage}")
             raise UnreadableCheckpointError(f"--load_checkpoint: {line.removesuffix('; skipped')}", reason=damage)
         log.warning("%s", line)
@@ -328,30 +328,15 @@ def _attempt(backend, path: str) -> tuple[Any, CheckpointError | None]:
 
 def _load_into(backend, path: str) -> Any:
     """Weights, optimizer, trainer state and RNG of checkpoint `path` into `backend`; its client state."""
-    meta = _read_meta(path) or {}
+    meta = read_meta(path) or {}
     if os.path.isdir(os.path.join(path, DCP_DIR)):
         _load_sharded(backend, path, meta)
     else:
         _load_full_state(backend, path)
-    backend.load_trainer_state(_load_file(path, "trainer.pt"))
+    backend.load_trainer_state(load_checkpoint_file(path, "trainer.pt"))
     rng_name = f"rng_{D.get_rank()}.pt"
     if not os.path.exists(os.path.join(path, rng_name)):
         log.warning("%s has no RNG state for rank %d; using rank 0's", path, D.get_rank())
         rng_name = "rng_0.pt"
-    set_rng_state(_load_file(path, rng_name))
-    return _load_file(path, "client_state.json")
-
-
-def _load_file(path: str, name: str) -> Any:
-    """torch.load (weights only) or json.load of one file of checkpoint `path`; a file that does not
-    read is an error naming the checkpoint and the file."""
-    full = os.path.join(path, name)
-    try:
-        if name.endswith(".json"):
-            with open(full) as f:
-                return json.load(f)
-        return torch.load(full, weights_only=True)
-    except Exception as e:  # noqa: BLE001 - zip, pickle or JSON damage, whatever the exception
-        why = f"{name} does not read ({one_line(e)})"
-        raise CheckpointError(f"--load_checkpoint: {full} of checkpoint {path} does not read "
-                              f"({type(e).__name__}: {e})", reason=why) from e
+    set_rng_state(load_checkpoint_file(path, rng_name))
+    return load_checkpoint_file(path, "client_state.json")

@@ -157,7 +157,7 @@ def load_engine(args: argparse.Namespace, tokenizer: Any, device: str, max_model
                             max_model_len=max_model_len, enable_prefix_caching=args.enable_prefix_caching,
                             tensor_parallel_size=args.tp_size, max_num_seqs=args.max_num_seqs)
     if args.tp_size > 1:  # one engine over the torchrun ranks; each shard reads only its slices of the files
-        from rlhfkit.rollout.builtin.tp import from_torchrun
+        from rlhfkit.rollout.builtin.model.tensor_parallel import from_torchrun
 
         tp, device = from_torchrun(args.tp_size, device)
         return build_engine("builtin", args.pretrain, tokenizer, device=device, dtype=dtype, tp=tp,
@@ -167,7 +167,7 @@ def load_engine(args: argparse.Namespace, tokenizer: Any, device: str, max_model
     model = load_causal_lm(mcfg, device=device).eval()
     if args.rollout_engine == "hf":
         return build_engine("hf", model, tokenizer, device=device, max_batch_size=args.max_num_seqs)
-    from rlhfkit.rollout.builtin.shared_weights import sharing_blocker
+    from rlhfkit.rollout.builtin.model.shared_weights import sharing_blocker
 
     # the loaded module's parameters move into the engine's tensors (one copy of the weights, not two)
     share = sharing_blocker(model, dtype, device) is None

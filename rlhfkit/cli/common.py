@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 def _run_failures() -> tuple[type[BaseException], ...]:
     """Errors that end a run for a reason the user must act on (imported late: agents, trainers)."""
     from rlhfkit.agents.base import RewardFailure
-    from rlhfkit.agents.user_file import UserFileError
+    from rlhfkit.usercode.files import UserFileError
     from rlhfkit.fileio import NoSpaceError
     from rlhfkit.roles.memory import RoleOutOfMemory
     from rlhfkit.trainers.rl import FailedStepsError

@@ -111,9 +111,9 @@ def resolve_flags(args: argparse.Namespace, world_size: int) -> None:
 
 def check_reward_file(args: argparse.Namespace) -> None:
     """A --remote_rm_url reward file (or Python callable) whose function fits neither reward shape
-    (rlhfkit.agents.reward_forms), or that lacks the function, stops the run here, before any model loads."""
-    from rlhfkit.agents.reward_forms import reward_shape
-    from rlhfkit.agents.reward_func import is_reward_file, load_reward_func
+    (rlhfkit.rewards.shapes), or that lacks the function, stops the run here, before any model loads."""
+    from rlhfkit.rewards.shapes import reward_shape
+    from rlhfkit.rewards.sources import is_reward_file, load_reward_func
 
     url = args.remote_rm_url
     try:
@@ -135,7 +135,7 @@ def reward_server_urls(args: argparse.Namespace) -> list[str]:
 def probe_reward_servers(args: argparse.Namespace) -> None:
     """A reward server (--remote_rm_url http://...) that does not accept connections stops the run here,
     before any model is loaded, instead of failing every sample of the first steps."""
-    from rlhfkit.agents.remote_reward import PROBE_WINDOW_S, probe_reward_server
+    from rlhfkit.rewards.http_client import PROBE_WINDOW_S, probe_reward_server
 
     window = min(PROBE_WINDOW_S, args.reward_timeout) if args.reward_timeout else PROBE_WINDOW_S
     for url in reward_server_urls(args):
@@ -447,7 +447,7 @@ def engine_sharing(args: argparse.Namespace, dist: DistInfo, backend: FSDP2Backe
     """Why train_ppo's builtin engine cannot serve the policy's own weights (--engine_weights), None where it
     can: it then holds no copy of its own and a weight sync copies nothing of what it shares."""
     from rlhfkit.config.dtypes import run_dtype
-    from rlhfkit.rollout.builtin.shared_weights import sharing_blocker
+    from rlhfkit.rollout.builtin.model.shared_weights import sharing_blocker
 
     why = flags_block_sharing(args, dist.world_size)
     if why is not None:
@@ -461,7 +461,7 @@ def close_rollout(engine: Any, user_code_grace_s: float = 5.0) -> None:
     """End the engine's worker thread and the threads running user code (reward_func, agents),
     success or failure: a daemon thread still inside torch when the interpreter exits aborts it
     ("terminate called without an active exception")."""
-    from rlhfkit.agents.user_code import shutdown_user_threads
+    from rlhfkit.usercode.run import shutdown_user_threads
 
     close = getattr(engine, "close", None)
     if callable(close):
@@ -485,7 +485,7 @@ def agent_config(args: argparse.Namespace, temperature: float) -> AgentConfig:
 def build_executor(args: argparse.Namespace, engine: Any, tokenizer: Any, temperature: float, vision: Any = None):
     from rlhfkit.agents.executors import SingleTurnAgentExecutor
     from rlhfkit.agents.loader import build_agent_executor
-    from rlhfkit.agents.reward_pool import reward_source_with_workers
+    from rlhfkit.rewards.process_pool import reward_source_with_workers
 
     cfg = replace(agent_config(args, temperature), vision=vision)  # a VLM's picture handling (or None)
     workers = getattr(args, "reward_workers", None)

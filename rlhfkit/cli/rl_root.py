@@ -168,7 +168,7 @@ def _engine_beside(args, dist: DistInfo, tokenizer: Any, policy_backend: Any) ->
             log.info(f"rollout engine: its own copy of the policy's weights ({why})")
         return engine, frozenset(), False
     from rlhfkit.rollout.builtin import BuiltinEngine
-    from rlhfkit.rollout.builtin.shared_weights import weight_name
+    from rlhfkit.rollout.builtin.model.shared_weights import weight_name
 
     module = policy_backend.unwrap()
     engine = S.build_engine_for(args, tokenizer, dist, share_with=module)
@@ -287,7 +287,7 @@ class LocalLayout:
 
     @contextmanager
     def place(self, args, data: RLData, num_steps: int) -> Iterator[tuple[Placement, Any]]:
-        from rlhfkit.agents.reward_pool import close_pools
+        from rlhfkit.rewards.process_pool import close_pools
 
         assert self.dist is not None
         placement = local_placement(args, self.dist, data.tokenizer, num_steps)

@@ -19,7 +19,7 @@ this machine) or where Ray can start locally. Flags are train_ppo's plus the pla
       shard on its GPU (colocated), or rank 0 -> object store -> every shard actor (--weight_sync,
       default auto); each shard keeps its slice
       engines: --vllm_num_engines x --vllm_tensor_parallel_size shard actors; an engine's shard 0
-      serves requests and mirrors its steps to the others (rollout/builtin/step.py)
+      serves requests and mirrors its steps to the others (rollout/builtin/loop/step_runner.py)
 
 On a machine without GPUs the `--*_num_gpus_per_node` flags count CPU workers (each reserving
 `--ray_num_cpus_per_worker` CPUs). `--async_train` generates the next `--async_queue_size`
@@ -313,8 +313,8 @@ class RayLayout:
 
     @contextmanager
     def place(self, args, data: R.RLData, num_steps: int) -> Iterator[tuple[R.Placement, AsyncRLTrainer]]:
-        from rlhfkit.agents.reward_pool import close_pools
-        from rlhfkit.agents.user_code import shutdown_user_threads
+        from rlhfkit.rewards.process_pool import close_pools
+        from rlhfkit.usercode.run import shutdown_user_threads
         from rlhfkit.distributed.launch import connect
 
         started = connect(args.ray_address)

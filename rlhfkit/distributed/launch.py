@@ -41,7 +41,7 @@ from rlhfkit.roles.group import Role
 from rlhfkit.rollout.base import RolloutEngine
 
 if TYPE_CHECKING:
-    from rlhfkit.rollout.builtin.tp import ShardGroupSpec
+    from rlhfkit.rollout.builtin.model.tensor_parallel import ShardGroupSpec
 
 
 def connect(address: str | None = None) -> bool:
@@ -156,7 +156,7 @@ def _shard_specs(engine_actors: list[Any], labels: list[ActorLabel], tp: int, cf
     """Per engine shard: None (tp 1), or (engine, shard rank, the engine's ShardGroupSpec)."""
     if tp == 1:
         return [None] * len(engine_actors)
-    from rlhfkit.rollout.builtin.tp import ShardGroupSpec
+    from rlhfkit.rollout.builtin.model.tensor_parallel import ShardGroupSpec
 
     gpu = cfg.resources.accelerator == "GPU" and (cfg.device is None or cfg.device.startswith("cuda"))
     firsts = list(range(0, len(engine_actors), tp))

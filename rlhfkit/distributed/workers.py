@@ -49,7 +49,7 @@ from rlhfkit.weightsync.buckets import Named, TensorMeta
 from rlhfkit.weightsync.protocol import BucketReceiver, PushStats, WeightSender
 
 if TYPE_CHECKING:
-    from rlhfkit.rollout.builtin.tp import ShardGroupSpec
+    from rlhfkit.rollout.builtin.model.tensor_parallel import ShardGroupSpec
 
 
 def _node_info() -> dict[str, Any]:
@@ -203,7 +203,7 @@ class EngineWorker:
         if shard is None:
             self.engine = await asyncio.to_thread(self._build, dist)
             return {"device": dist.device}
-        from rlhfkit.rollout.builtin.tp import join
+        from rlhfkit.rollout.builtin.model.tensor_parallel import join
 
         _, self.shard_rank, spec = shard
 

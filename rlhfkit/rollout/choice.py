@@ -77,7 +77,7 @@ def choose_engine(requested: str, model: Any, *, max_model_len: int | None = Non
 
 
 def _builtin_refusal(model: Any, max_model_len: int | None) -> str | None:
-    from rlhfkit.rollout.builtin.support import builtin_support
+    from rlhfkit.rollout.builtin.model.supported import builtin_support
 
     try:
         config = model_config(model)

@@ -62,7 +62,7 @@ class LocalWeightSync:
             next(named, None)
             named = iter(())
         elif self.shared:
-            from rlhfkit.rollout.builtin.weights import normalized_name
+            from rlhfkit.rollout.builtin.model.weights import normalized_name
 
             named = ((n, t) for n, t in named if normalized_name(n) not in self.shared)
         self.engine.update_weights(named)

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from rlhfkit.rollout.builtin import BuiltinEngine, BuiltinEngineConfig
-from rlhfkit.rollout.builtin.tp import make_group
+from rlhfkit.rollout.builtin.model.tensor_parallel import make_group
 from rlhfkit.types import GenerationRequest, SamplingParams
 
 CFG = dict(max_num_seqs=8, max_model_len=96, sync_every=5)

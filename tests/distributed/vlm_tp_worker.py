@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from vlm_helpers import PH, load_vlm, max_gap, picture, prompt  # noqa: E402
 
 from rlhfkit.rollout.builtin import BuiltinEngine, BuiltinEngineConfig  # noqa: E402
-from rlhfkit.rollout.builtin.tp import make_group  # noqa: E402
+from rlhfkit.rollout.builtin.model.tensor_parallel import make_group  # noqa: E402
 from rlhfkit.types import GenerationRequest, SamplingParams  # noqa: E402
 
 CFG = dict(max_num_seqs=8, max_model_len=128, sync_every=5)

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from rlhfkit.rollout.builtin import BuiltinEngine, BuiltinEngineConfig
-from rlhfkit.rollout.builtin.model import _torch_decode_attention
-from rlhfkit.rollout.builtin.sampling import combine_partials, reference_partials, sample_tokens
-from rlhfkit.rollout.builtin.weights import LayerWeights, ModelSpec
+from rlhfkit.rollout.builtin.loop.sampling import combine_partials, reference_partials, sample_tokens
+from rlhfkit.rollout.builtin.model.decoder import _torch_decode_attention
+from rlhfkit.rollout.builtin.model.weights import LayerWeights, ModelSpec
 from rlhfkit.types import GenerationRequest, SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -186,7 +186,7 @@ def test_triton_sampler_matches_torch_sampler():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m", [1, 37, 64, 256])
 def test_triton_gemms_match_torch(dtype, m):
-    from rlhfkit.rollout.builtin import triton_gemm
+    from rlhfkit.rollout.builtin.kernels import triton_gemm
 
     torch.manual_seed(m)
     x = torch.randn(m, 896, device="cuda", dtype=dtype)
@@ -213,7 +213,7 @@ def test_residual_rmsnorm_matches_torch(dtype, m):
     """The Triton residual add + RMSNorm over split-K partials == `_residual` then `rms_norm` (torch):
     bf16 equal up to one rounding step (the partials' fp32 sum may run in another order), fp32 within
     1e-5 (the kernel's rsqrt is the fast one, as inductor's)."""
-    from rlhfkit.rollout.builtin.model import _residual, rms_norm
+    from rlhfkit.rollout.builtin.model.decoder import _residual, rms_norm
 
     torch.manual_seed(m)
     x = torch.randn(m, 896, device="cuda", dtype=dtype)

@@ -1,4 +1,4 @@
-"""The Triton routed-experts kernels (rlhfkit/rollout/builtin/triton_moe.py) on a GPU (skipped without CUDA).
+"""The Triton routed-experts kernels (rlhfkit/rollout/builtin/kernels/triton_moe.py) on a GPU (skipped without CUDA).
 
 One random routed layer in bf16 goes through `experts._moe` twice, once with the Triton kernels (router, dispatch
 and experts) and once with F.linear, the counting sort and torch's grouped GEMMs; both are compared with the same
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def _layer(act: str, dtype: torch.dtype, h: int = 256, i: int = 96, e: int = 16, k: int = 4):
-    from rlhfkit.rollout.builtin.families import MoESpec
+    from rlhfkit.rollout.builtin.model.families import MoESpec
 
     bias = act != "silu"
     moe = MoESpec(num_experts=e, top_k=k, intermediate_size=i, router="topk_softmax" if bias else "softmax_topk",
@@ -41,7 +41,8 @@ def _layer(act: str, dtype: torch.dtype, h: int = 256, i: int = 96, e: int = 16,
 @pytest.mark.parametrize("act", ["silu", "clamped_swiglu"])
 @pytest.mark.parametrize("tokens", [1, 7, 64, 300])
 def test_triton_experts_as_close_to_fp32_as_grouped_gemms(act, tokens, monkeypatch):
-    from rlhfkit.rollout.builtin import experts, triton_moe
+    from rlhfkit.rollout.builtin.kernels import triton_moe
+    from rlhfkit.rollout.builtin.model import experts
 
     lw32, spec = _layer(act, torch.float32)
     lw16 = types.SimpleNamespace(**{k: None if v is None else v.to(torch.bfloat16) for k, v in vars(lw32).items()})
@@ -69,8 +70,8 @@ def test_triton_experts_as_close_to_fp32_as_grouped_gemms(act, tokens, monkeypat
 
 @pytest.mark.parametrize("experts,top_k,tokens", [(64, 8, 64), (32, 4, 7), (128, 8, 300), (12, 6, 33)])
 def test_dispatch_kernel_equals_counting_sort(experts, top_k, tokens):
-    from rlhfkit.rollout.builtin import triton_moe
-    from rlhfkit.rollout.builtin.experts import dispatch
+    from rlhfkit.rollout.builtin.kernels import triton_moe
+    from rlhfkit.rollout.builtin.model.experts import dispatch
 
     g = torch.Generator(device="cuda").manual_seed(2)
     ids = torch.rand(tokens, experts, generator=g, device="cuda").topk(top_k, dim=-1).indices

@@ -16,8 +16,8 @@ import pytest
 from helpers import free_port, rl_flags, write_rl_data
 from test_serve_rm import FakeServer
 
-from rlhfkit.agents.reward_func import BatchingRewardSource, HTTPRewardSource
-from rlhfkit.agents.remote_reward import RemoteRewardClient, RewardServerDown, RewardServerError
+from rlhfkit.rewards.http_client import RemoteRewardClient, RewardServerDown, RewardServerError
+from rlhfkit.rewards.sources import BatchingRewardSource, HTTPRewardSource
 
 
 def test_a_failing_server_is_retried_as_a_batch_and_fails_it_once():

@@ -11,8 +11,8 @@ import os
 import torch
 
 from helpers import ppo_flags
-from rlhfkit.agents.reward_func import load_reward_func
 from rlhfkit.cli import train_ppo
+from rlhfkit.rewards.sources import load_reward_func
 from rlhfkit.roles.actor import ActorRole
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

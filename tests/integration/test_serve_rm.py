@@ -17,10 +17,10 @@ import time
 import pytest
 import torch
 
-from rlhfkit.agents.remote_reward import RemoteRewardClient, RewardServerError, get_rewards_sync
-from rlhfkit.agents.reward_types import RewardOutput
 from rlhfkit.models.loader import load_tokenizer
 from rlhfkit.models.value import load_value_model, reward_at_last_token, save_value_model
+from rlhfkit.rewards.http_client import RemoteRewardClient, RewardServerError, get_rewards_sync
+from rlhfkit.rewards.output import RewardOutput
 from helpers import free_port, get_json, listening_pid, post_json  # noqa: E402
 
 # --dist loadgroup: one worker builds its reward model and server, not each worker that runs one of the tests

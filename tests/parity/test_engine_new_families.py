@@ -1,4 +1,4 @@
-"""The families beyond Llama (rollout/builtin/families.py) in the builtin engine and the trainer, against
+"""The families beyond Llama (rollout/builtin/model/families.py) in the builtin engine and the trainer, against
 transformers, on CPU in fp32.
 
 Each family is a tiny random model from transformers' own config class (rlhfkit.models.tiny keeps what
@@ -26,8 +26,8 @@ import torch
 
 from rlhfkit.models.tiny import TinyModelSpec, build_config, build_tokenizer, make_tiny_model
 from rlhfkit.rollout.builtin import BuiltinEngine, BuiltinEngineConfig
-from rlhfkit.rollout.builtin.experts import record_routing, route
-from rlhfkit.rollout.builtin.weights import ModelSpec
+from rlhfkit.rollout.builtin.model.experts import record_routing, route
+from rlhfkit.rollout.builtin.model.weights import ModelSpec
 from rlhfkit.types import GenerationRequest, SamplingParams
 
 FAMILIES = ["gemma3_text", "qwen3_moe", "gpt_oss", "phi3", "olmo2", "olmo3"]
@@ -181,7 +181,7 @@ def test_hf_export_reloads_with_equal_logits(arch, tmp_path):
 
 
 def test_dispatch_groups_rows_by_expert_stably():
-    from rlhfkit.rollout.builtin.experts import dispatch
+    from rlhfkit.rollout.builtin.model.experts import dispatch
 
     ids = torch.tensor([[2, 0], [1, 2], [2, 1], [0, 3]])  # rows (token, k): 2 0 1 2 2 1 0 3
     dest, perm, offsets = dispatch(ids, 5)

@@ -12,8 +12,8 @@ import torch
 
 from rlhfkit.agents import (AgentConfig, AgentInstanceBase, MultiTurnAgentExecutor, RewardFailure,
                             SingleTurnAgentExecutor)
-from rlhfkit.agents.reward_func import PythonRewardSource
 from rlhfkit.models.tiny import build_tokenizer
+from rlhfkit.rewards.sources import PythonRewardSource
 from rlhfkit.types import Completion, PromptSample, SamplingParams
 
 

@@ -10,8 +10,9 @@ import time
 import pytest
 import torch
 
-from rlhfkit.agents import BatchingRewardSource, EpisodeError, PythonRewardSource, RewardOutput, make_reward_source
-from rlhfkit.agents.reward_func import HTTPRewardSource, load_reward_func
+from rlhfkit.agents import EpisodeError
+from rlhfkit.rewards import BatchingRewardSource, PythonRewardSource, RewardOutput, make_reward_source
+from rlhfkit.rewards.sources import HTTPRewardSource, load_reward_func
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "reward_func.py")
 

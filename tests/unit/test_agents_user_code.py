@@ -10,10 +10,11 @@ import time
 
 import pytest
 
-from rlhfkit.agents import (AgentConfig, AgentInstanceBase, EpisodeError, MultiTurnAgentExecutor, PythonRewardSource,
-                            RewardFailure, SingleTurnAgentExecutor)
-from rlhfkit.agents.user_code import UserLoop, run_user_code, shutdown_user_threads
+from rlhfkit.agents import (AgentConfig, AgentInstanceBase, EpisodeError, MultiTurnAgentExecutor, RewardFailure,
+                            SingleTurnAgentExecutor)
 from rlhfkit.models.tiny import build_tokenizer
+from rlhfkit.rewards import PythonRewardSource
+from rlhfkit.usercode.run import UserLoop, run_user_code, shutdown_user_threads
 from rlhfkit.types import Completion, PromptSample, SamplingParams
 
 

@@ -162,7 +162,7 @@ def test_crash_mid_save_is_never_loaded(tiny_model_dir, tmp_path, monkeypatch, c
         raise KeyboardInterrupt("killed")
 
     with monkeypatch.context() as m:
-        m.setattr(ckpt, "_torch_save" if crash_at == "rng" else "_publish", killed)
+        m.setattr(ckpt, "torch_save" if crash_at == "rng" else "_publish", killed)
         with pytest.raises(KeyboardInterrupt):
             a.save_checkpoint(root, "s2", {"step": 2}, max_keep=3)
     assert os.path.isdir(os.path.join(root, "s2.tmp", "dcp"))
@@ -225,14 +225,14 @@ def test_save_tensors_keeps_tied_weights(tmp_path):
 def test_max_ckpt_mem_removes_the_oldest_while_over_the_limit(tiny_model_dir, tmp_path, caplog):
     """--max_ckpt_mem (GB): after a save the oldest checkpoints go while the rest hold more; the one just
     saved always stays, with a warning when it alone is over."""
-    from rlhfkit.checkpoint.rotation import _dir_bytes
+    from rlhfkit.checkpoint.rotation import dir_bytes
 
     root = str(tmp_path / "ckpt")
     b = new_backend(tiny_model_dir)
     data = batches(b.model.config.vocab_size)
     train(b, data[:1])
     b.save_checkpoint(root, "step1", {"step": 1}, max_keep=10)
-    one = _dir_bytes(os.path.join(root, "step1"))
+    one = dir_bytes(os.path.join(root, "step1"))
     b.cfg.max_ckpt_mem = 2.5 * one / 2**30  # room for two checkpoints of this size, not three
     for k in (2, 3, 4):
         train(b, data[k - 1:k])

@@ -10,22 +10,22 @@ import sys
 
 import pytest
 
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench.* imports from here
 
 
 @pytest.fixture(scope="module")
 def gr():
-    sys.path.insert(0, BENCH)
+    sys.path.insert(0, ROOT)
     env = dict(os.environ)
     try:
-        module = importlib.import_module("grpo_real")
+        module = importlib.import_module("bench.grpo_real")
         # what the bench sets for its own runs on import (HF_DATASETS_OFFLINE ...: the tests are offline already) would
         # give the processes this worker starts another import environment (tests/conftest.py: _import_env_kept)
         os.environ.clear()
         os.environ.update(env)
         yield module
     finally:
-        sys.path.remove(BENCH)
+        sys.path.remove(ROOT)
 
 
 @pytest.fixture()

@@ -1,4 +1,4 @@
-"""bench/bench_models.py's streamed shapes: a scaled-down Qwen2 written tensor by tensor into
+"""bench/harness/models.py's streamed shapes: a scaled-down Qwen2 written tensor by tensor into
 several safetensors shards reads back through `AutoModelForCausalLM.from_pretrained` equal to the
 values the writer drew, and the random init gives finite, O(1) activations and generations."""
 
@@ -12,11 +12,11 @@ import sys
 import pytest
 import torch
 
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench")
-sys.path.insert(0, BENCH)
-import bench_models as B  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench.* imports from here
+sys.path.insert(0, ROOT)
+from bench.harness import models as B  # noqa: E402
 
-sys.path.remove(BENCH)
+sys.path.remove(ROOT)
 
 SMALL = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=160, vocab_size=400, tie_word_embeddings=False, max_position_embeddings=256,

@@ -1,4 +1,4 @@
-"""bench/rl_step.py and bench/bench_models.py: a CPU smoke run of the RL-step benchmark (tiny model,
+"""bench/rl_step.py and bench/harness/models.py: a CPU smoke run of the RL-step benchmark (tiny model,
 rlhfkit only) whose figures are checked against each other, plus the helpers' hand-worked values."""
 
 from __future__ import annotations
@@ -10,26 +10,26 @@ import sys
 
 import pytest
 
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench.* imports from here
 
 
 @pytest.fixture(scope="module")
 def rl_step():
-    sys.path.insert(0, BENCH)
+    sys.path.insert(0, ROOT)
     env = dict(os.environ)
     try:
-        module = importlib.import_module("rl_step")
+        module = importlib.import_module("bench.rl_step")
         # what the bench sets for its own runs on import (HF_DATASETS_OFFLINE ...: the tests are offline already) would
         # give the processes this worker starts another import environment (tests/conftest.py: _import_env_kept)
         os.environ.clear()
         os.environ.update(env)
         yield module
     finally:
-        sys.path.remove(BENCH)
+        sys.path.remove(ROOT)
 
 
 def test_micro_is_largest_divisor(rl_step):
-    from rl_step_common import micro  # bench/ is on the path while the fixture runs
+    from bench.harness.rl_run import micro  # the repository is on the path while the fixture runs
 
     assert micro(512, 16) == 16
     assert micro(24, 16) == 12  # 16 does not divide 24
@@ -50,11 +50,11 @@ def test_force_full_length_bans_eos_until_the_limit(rl_step):
 
 
 def test_filler_tokenizer_covers_every_id():
-    sys.path.insert(0, BENCH)
+    sys.path.insert(0, ROOT)
     try:
-        from bench_models import build_filler_tokenizer, filler_vocab
+        from bench.harness.models import build_filler_tokenizer, filler_vocab
     finally:
-        sys.path.remove(BENCH)
+        sys.path.remove(ROOT)
     vocab = filler_vocab(300)
     assert len(vocab) == 300 and sorted(vocab.values()) == list(range(300))
     tok = build_filler_tokenizer(300)
@@ -67,9 +67,9 @@ def test_filler_tokenizer_covers_every_id():
 
 
 def test_trl_timer_and_headline_by_hand(rl_step):
-    import rl_step_trl
+    from bench.harness import trl_step
 
-    t = rl_step_trl._TRLTimer("cpu")
+    t = trl_step._TRLTimer("cpu")
     t.ends = [10.0, 14.0, 20.0]  # step ends: the warm-up step is not timed -> steps of 4 s and 6 s
     t.gen = [9.0, 2.0, 3.0]
     t.logs = [{"completions/mean_length": 1.0, "reward": 9.0}, {"completions/mean_length": 8.0, "reward": 0.5},
@@ -121,11 +121,11 @@ def test_cpu_smoke_run(rl_step, tmp_path):
 def test_rollout_vlm_smoke_counts_one_tower_call_per_run():
     """bench/rollout_vlm.py on a tiny shape: every sequence runs its tokens in both engines; the n samples of
     a prompt share its picture (2 prompts of n = 2: one tower call of 2 pictures per run)."""
-    sys.path.insert(0, BENCH)
+    sys.path.insert(0, ROOT)
     try:
-        rollout_vlm = importlib.import_module("rollout_vlm")
+        rollout_vlm = importlib.import_module("bench.rollout_vlm")
     finally:
-        sys.path.remove(BENCH)
+        sys.path.remove(ROOT)
     rep = rollout_vlm.main(["--shape", "tiny", "--device", "cpu", "--batch", "4", "--shapes", "8x6", "--n", "2",
                             "--picture", "56", "--repeat", "1"])
     (row,) = rep["rows"]

@@ -91,7 +91,7 @@ class _Engine:
 
 def test_agent_sends_the_engine_one_bos_and_the_reward_the_prompt_text(tok):
     from rlhfkit.agents import AgentConfig, SingleTurnAgentExecutor
-    from rlhfkit.agents.reward_func import PythonRewardSource
+    from rlhfkit.rewards.sources import PythonRewardSource
     from rlhfkit.types import SamplingParams
 
     queries = []

@@ -63,14 +63,14 @@ def test_a_short_write_without_errno_on_a_full_disk_is_no_space_error(one, monke
     root, b, _ = one
     free = iter([10 * GB, 0, 10 * GB])  # the check before the save, at the failure, after the cleanup
     monkeypatch.setattr(ckpt, "free_bytes", lambda path: next(free))
-    real = ckpt._torch_save
+    real = ckpt.torch_save
 
     def short_write(obj, path):
         if path.endswith("trainer.pt"):
             raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
         real(obj, path)
 
-    monkeypatch.setattr(ckpt, "_torch_save", short_write)
+    monkeypatch.setattr(ckpt, "torch_save", short_write)
     with pytest.raises(NoSpaceError, match=rf"^no space left on {root}: need [0-9.e-]+ GB, have 0 GB; the disk "
                                            "filled during the write; its partial files are removed$"):
         b.save_checkpoint(root, "s2", {"step": 2}, max_keep=3)

@@ -61,7 +61,7 @@ def test_running_out_mid_write_names_the_path_and_removes_the_partial_files(tiny
         raise RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 704 vs 598")
 
     monkeypatch.setattr(ckpt, "free_bytes", lambda path: next(free))
-    monkeypatch.setattr(ckpt, "_torch_save", torch_save_disk_full)
+    monkeypatch.setattr(ckpt, "torch_save", torch_save_disk_full)
     with pytest.raises(NoSpaceError, match=rf"^no space left on {root}: need .* GB, have 9.31e-07 GB$"):
         b.save_checkpoint(root, "s1", {"step": 1}, max_keep=3)
     assert os.listdir(root) == []  # the partial s1.tmp is gone

@@ -1,4 +1,4 @@
-"""`EngineLoop` (rlhfkit/rollout/builtin/stepping.py) alone, over fake device steps: schedule -> run ->
+"""`EngineLoop` (rlhfkit/rollout/builtin/loop/engine_loop.py) alone, over fake device steps: schedule -> run ->
 postprocess with no model. The fake "samples" token 1000 x (the prompt's first id) + position, so each
 completion can be checked by hand: every request gets exactly its max_new_tokens tokens, in order, whatever
 slot it ran in and however the slots were compacted, and the loop's counters add up."""
@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 
 from rlhfkit.rollout.builtin.config import BuiltinEngineConfig
-from rlhfkit.rollout.builtin.inbox import Inbox
-from rlhfkit.rollout.builtin.scheduler import RequestState
-from rlhfkit.rollout.builtin.stepping import EngineLoop
+from rlhfkit.rollout.builtin.loop.engine_loop import EngineLoop
+from rlhfkit.rollout.builtin.loop.inbox import Inbox
+from rlhfkit.rollout.builtin.loop.scheduler import RequestState
 from rlhfkit.rollout.engine_utils import EngineStats
 from rlhfkit.types import GenerationRequest, SamplingParams
 

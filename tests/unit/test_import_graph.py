@@ -1,6 +1,7 @@
 """No import cycle among rlhfkit's modules, type-only imports (under `if TYPE_CHECKING:`) and imports inside
 functions included: every `import` statement of every module is an edge. A cycle means two modules that
-cannot be understood, tested or moved one without the other."""
+cannot be understood, tested or moved one without the other. `LAYERS`: packages whose modules import one way
+(a lower layer never imports a higher one), by the same edges."""
 
 from __future__ import annotations
 
@@ -96,3 +97,26 @@ def test_no_import_cycles():
     graph = {name: _imports(name, path, modules) for name, path in modules.items()}
     assert len(graph) > 100 and graph["rlhfkit.agents.base"]  # the walk found the package and its edges
     assert cycles(graph) == []
+
+
+LAYERS = [  # (package, packages it must not import): the lower layer never reaches up
+    ("rlhfkit.rollout.builtin.kernels", ("rlhfkit.rollout.builtin.model", "rlhfkit.rollout.builtin.loop")),
+    ("rlhfkit.rollout.builtin.model", ("rlhfkit.rollout.builtin.loop",)),
+    ("rlhfkit.usercode", ("rlhfkit.rewards", "rlhfkit.agents")),
+    ("rlhfkit.rewards", ("rlhfkit.agents",)),
+]
+
+
+def _under(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def test_layers_import_one_way():
+    modules = _modules()
+    wrong = []
+    for package, above in LAYERS:
+        for name, path in modules.items():
+            if _under(name, package):
+                wrong += [f"{name} -> {t}" for t in sorted(_imports(name, path, modules))
+                          if any(_under(t, a) for a in above)]
+    assert wrong == []

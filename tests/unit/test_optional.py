@@ -56,7 +56,7 @@ def test_library_call_sites(monkeypatch, tiny_model_dir, tmp_path):
         MetricsLogger(str(tmp_path / "b"), wandb=WandbSettings(key="1", project="p", org=None, group=None,
                                                                run_name=None))
     monkeypatch.setitem(sys.modules, "aiohttp", None)
-    from rlhfkit.agents.remote_reward import _aiohttp
+    from rlhfkit.rewards.http_client import _aiohttp
 
     with pytest.raises(MissingPackageError, match=r"aiohttp.*rlhfkit\[serve\]"):
         _aiohttp()

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from rlhfkit.agents.executors import Action, Transcript
+from rlhfkit.rollout.builtin.loop.scheduler import Sequence
 from rlhfkit.trainers.async_queue import staleness_metrics, stamp_versions
-from rlhfkit.rollout.builtin.scheduler import Sequence
 from rlhfkit.types import Trajectory
 
 

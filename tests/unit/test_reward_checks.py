@@ -9,9 +9,9 @@ import math
 
 import pytest
 
-from rlhfkit.agents.reward_func import BatchingRewardSource, PythonRewardSource, RewardReturnError
-from rlhfkit.agents.user_code import EpisodeError
-from rlhfkit.agents.user_file import UserFileError, import_user_file
+from rlhfkit.rewards.sources import BatchingRewardSource, PythonRewardSource, RewardReturnError
+from rlhfkit.usercode.files import UserFileError, import_user_file
+from rlhfkit.usercode.run import EpisodeError
 
 
 def call(source, queries):

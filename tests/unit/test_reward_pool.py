@@ -1,4 +1,4 @@
-"""`--reward_workers`: a reward_func file run in worker processes, the default (rlhfkit/agents/reward_pool.py).
+"""`--reward_workers`: a reward_func file run in worker processes, the default (rlhfkit/rewards/process_pool.py).
 
 * the answers equal the in-thread source's for the same file and batch;
 * calls run in separate processes, several at once (two concurrent calls see two worker pids);
@@ -24,9 +24,9 @@ import time
 
 import pytest
 
-from rlhfkit.agents.reward_func import PythonRewardSource, make_reward_source
-from rlhfkit.agents.reward_pool import ProcessRewardSource, default_workers, reward_source_with_workers
-from rlhfkit.agents.user_code import EpisodeError
+from rlhfkit.rewards.sources import PythonRewardSource, make_reward_source
+from rlhfkit.rewards.process_pool import ProcessRewardSource, default_workers, reward_source_with_workers
+from rlhfkit.usercode.run import EpisodeError
 
 SRC = textwrap.dedent('''
     import os, sys, time
@@ -208,7 +208,7 @@ def test_a_gil_holding_call_is_stopped_by_a_worker_process_not_by_a_thread(tmp_p
 def test_close_pools_stops_every_worker_of_a_finished_run(reward_file):
     import asyncio
 
-    from rlhfkit.agents.reward_pool import close_pools
+    from rlhfkit.rewards.process_pool import close_pools
 
     pool = reward_source_with_workers(reward_file, 5.0, workers=2)
     asyncio.run(pool(["ab"], ["a"], [None]))

@@ -10,10 +10,10 @@ import os
 import pytest
 import torch
 
-from rlhfkit.rollout.builtin import triton_ops
-from rlhfkit.rollout.builtin.families import LayerKind
-from rlhfkit.rollout.builtin.model import _torch_decode_attention
-from rlhfkit.rollout.builtin.weights import LayerWeights, ModelSpec
+from rlhfkit.rollout.builtin.kernels import triton_attention
+from rlhfkit.rollout.builtin.model.decoder import _torch_decode_attention
+from rlhfkit.rollout.builtin.model.families import LayerKind
+from rlhfkit.rollout.builtin.model.weights import LayerWeights, ModelSpec
 
 
 def _interpreter_index_fix() -> None:
@@ -30,15 +30,15 @@ def _interpreter_index_fix() -> None:
     interpreter._patch_lang_tensor = patched
 
 
-if os.environ.get("TRITON_INTERPRET") == "1" and triton_ops.triton is not None:
+if os.environ.get("TRITON_INTERPRET") == "1" and triton_attention.triton is not None:
     _interpreter_index_fix()
 
 
 def _devices() -> list[str]:
     out = []
-    if torch.cuda.is_available() and triton_ops.triton is not None:
+    if torch.cuda.is_available() and triton_attention.triton is not None:
         out.append("cuda")
-    if os.environ.get("TRITON_INTERPRET") == "1" and triton_ops.triton is not None:
+    if os.environ.get("TRITON_INTERPRET") == "1" and triton_attention.triton is not None:
         out.append("cpu")
     return out
 
@@ -59,8 +59,8 @@ CASES = [  # (heads, kv heads, head_dim, window, sinks, rotary_dim, rows, splits
 @pytest.mark.parametrize("case", CASES)
 def test_kernel_equals_the_torch_path(device, case, monkeypatch):
     hq, kv, d, window, sinks, rot, rows, splits = case
-    monkeypatch.setitem(triton_ops.ATTN_CONFIG, "splits", splits)
-    monkeypatch.setattr(triton_ops, "_num_sms", lambda index: 132)
+    monkeypatch.setitem(triton_attention.ATTN_CONFIG, "splits", splits)
+    monkeypatch.setattr(triton_attention, "_num_sms", lambda index: 132)
     g = torch.Generator().manual_seed(0)
     max_len = 40
     spec = ModelSpec("qwen2", 100, hq * d, 1, hq, kv, d, 8, 1e-6, False, False, max_len, rotary_dim=rot)

@@ -7,8 +7,8 @@ import logging
 
 import torch
 
-from rlhfkit.rollout.builtin import fused
-from rlhfkit.rollout.builtin.fused import EagerFused
+from rlhfkit.rollout.builtin.kernels import eager_fused
+from rlhfkit.rollout.builtin.kernels.eager_fused import EagerFused
 
 
 def double(x: torch.Tensor) -> torch.Tensor:
@@ -33,7 +33,7 @@ def test_compiled_when_wanted_and_eager_for_good_after_a_failure(monkeypatch, ca
 
     monkeypatch.setattr(torch, "compile", fake_compile)
     f = EagerFused(double, wants=lambda args: True)
-    with caplog.at_level(logging.WARNING, logger=fused.__name__):
+    with caplog.at_level(logging.WARNING, logger=eager_fused.__name__):
         assert torch.equal(f(torch.ones(2)), torch.full((2,), 2.0))  # the failure falls back to eager
         assert torch.equal(f(torch.ones(2)), torch.full((2,), 2.0))
     assert len(calls) == 1 and "inductor exploded" in f.failed  # no second try

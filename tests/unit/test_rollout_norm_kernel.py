@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 
-from rlhfkit.rollout.builtin import triton_norm
-from rlhfkit.rollout.builtin.model import rms_norm
+from rlhfkit.rollout.builtin.kernels import triton_norm
+from rlhfkit.rollout.builtin.model.decoder import rms_norm
 
 
 def _devices() -> list[str]:

@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhfkit.rollout.builtin import triton_gemm
-from rlhfkit.rollout.builtin.model import DecoderModel, KVCache, _residual, prefill_layer
-from rlhfkit.rollout.builtin.weights import load_from_hf_model, rope_tables
+from rlhfkit.rollout.builtin.kernels import triton_gemm
+from rlhfkit.rollout.builtin.model.decoder import DecoderModel, KVCache, _residual, prefill_layer
+from rlhfkit.rollout.builtin.model.weights import load_from_hf_model, rope_tables
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from rlhfkit.rollout.builtin import BuiltinEngine, BuiltinEngineConfig
-from rlhfkit.rollout.builtin.sampling import sample_and_advance
+from rlhfkit.rollout.builtin.loop.sampling import sample_and_advance
 from rlhfkit.types import GenerationRequest, SamplingParams
 
 

@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from rlhfkit.rollout.builtin.sampling import (SlotState, gumbel_noise, hash_uniform, hierarchical_gumbel_argmax,
-                                              sample_and_advance, sample_tokens)
+from rlhfkit.rollout.builtin.loop.sampling import (SlotState, gumbel_noise, hash_uniform, hierarchical_gumbel_argmax,
+                                                   sample_and_advance, sample_tokens)
 
 PROBS = torch.tensor([0.1, 0.2, 0.3, 0.4])
 LOGITS = PROBS.log()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhfkit.rollout.builtin.scheduler import RequestState, SlotScheduler, batch_bucket, length_bucket
+from rlhfkit.rollout.builtin.loop.scheduler import RequestState, SlotScheduler, batch_bucket, length_bucket
 from rlhfkit.rollout.stops import finish_completion, first_stop_id, stop_string_cut
 from rlhfkit.types import GenerationRequest, SamplingParams
 
@@ -89,7 +89,7 @@ def test_stop_id_and_stop_string_cuts():
 def test_weight_names_map_into_fused_tensors():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from rlhfkit.rollout.builtin.weights import load_from_hf_model, target_view
+    from rlhfkit.rollout.builtin.model.weights import load_from_hf_model, target_view
 
     cfg = Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhfkit.rollout.builtin.weights import ModelSpec, load_from_hf_model, load_from_safetensors
+from rlhfkit.rollout.builtin.model.weights import ModelSpec, load_from_hf_model, load_from_safetensors
 
 
 def _shards(path: str, size: int):

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from rlhfkit.rollout.builtin import BuiltinEngineConfig
-from rlhfkit.rollout.builtin.engine import resolve_decode_attention
-from rlhfkit.rollout.builtin.sampling import (combine_partials, hierarchical_gumbel_argmax, reference_partials,
-                                              sample_tokens)
-from rlhfkit.rollout.builtin.triton_ops import attention_launch, attention_splits, attention_supported
-from rlhfkit.rollout.builtin.weights import ModelSpec
+from rlhfkit.rollout.builtin.kernels.triton_attention import attention_launch, attention_splits, attention_supported
+from rlhfkit.rollout.builtin.loop.sampling import (combine_partials, hierarchical_gumbel_argmax, reference_partials,
+                                                   sample_tokens)
+from rlhfkit.rollout.builtin.model.decoder import resolve_decode_attention
+from rlhfkit.rollout.builtin.model.weights import ModelSpec
 
 
 def test_attention_splits_fill_two_waves_of_long_contexts_only():

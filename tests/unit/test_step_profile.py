@@ -1,12 +1,12 @@
-"""bench/step_profile.py: GPU busy / idle, kernel classes and idle-by-host on a hand-made trace."""
+"""bench/harness/step_profile.py: GPU busy / idle, kernel classes and idle-by-host on a hand-made trace."""
 
 import os
 import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
-from step_profile import _union, format_summary, summarize_trace  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))  # the repository: bench.harness
+from bench.harness.step_profile import _union, format_summary, summarize_trace  # noqa: E402
 
 
 def _x(cat, name, ts, dur, corr=None):

@@ -1,19 +1,20 @@
-"""The builtin rollout engine: slot KV cache, continuous batching, CUDA-graph decode (docs/architecture.md, "Packages": rlhfkit.rollout).
+"""The builtin rollout engine: slot KV cache, continuous batching, CUDA-graph decode (docs/architecture.md,
+"Packages": rlhfkit.rollout).
 
-    weights.py   HF config/state dict -> ModelSpec + fused engine weights; HF name -> tensor view
-    model.py     functional prefill / decode over the slot KV cache
-    sampling.py  per-slot device state; temperature / top-k / top-p / min-new sampling + log-probs
-    scheduler.py continuous batching policy (slots, admission, buckets, compaction)
-    runner.py    decode step: eager, torch.compile'd, CUDA graphs per bucket; fallbacks
-    triton_ops.py GPU kernels (custom ops): fused RoPE + K/V write + GQA decode attention; one-pass sampler
-    step.py      the device side (StepRunner): host-valued operations a tensor-parallel engine mirrors
-    tp.py        tensor-parallel shard groups, per-shard weight loading, mirroring
-    config.py    BuiltinEngineConfig
-    engine.py    BuiltinEngine: the RolloutEngine protocol, sync and async (the front end)
-    support.py   builtin_support(config): whether the engine can run a model (its own checks, from the config)
+    config.py   BuiltinEngineConfig: the engine's sizes and switches (read by the loop and the model)
+    loop/       the engine loop: the front end (BuiltinEngine), the inbox, the scheduler, one engine step,
+                the step runner (device side) and its decode runner, on-device sampling
+    model/      the model and its weights: families, the decoder's forward passes, the routed experts,
+                weights loading and layout, weights shared with a training module, the vision tower,
+                tensor-parallel shard groups, whether a model is supported
+    kernels/    GPU kernels the decoder calls: Triton custom ops (decode attention, sampler passes,
+                GEMMs, RMSNorm, routed experts) and the torch.compile'd pieces of an eager step
+
+Imports go one way: loop -> model -> kernels (kernels import neither).
 """
 
-from rlhfkit.rollout.builtin.engine import BuiltinEngine, BuiltinEngineConfig
-from rlhfkit.rollout.builtin.support import builtin_support
+from rlhfkit.rollout.builtin.config import BuiltinEngineConfig
+from rlhfkit.rollout.builtin.loop.front_end import BuiltinEngine
+from rlhfkit.rollout.builtin.model.supported import builtin_support
 
 __all__ = ["BuiltinEngine", "BuiltinEngineConfig", "builtin_support"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlhfkit.rollout.builtin.model import DECODE_ATTENTION, DECODE_GEMM
+from rlhfkit.rollout.builtin.model.decoder import DECODE_ATTENTION, DECODE_GEMM
 
 
 @dataclass
@@ -38,7 +38,7 @@ class BuiltinEngineConfig:
     # as long in all), so that a burst (an RL step's episodes start together) is prefilled and decoded
     # as one batch instead of its first group running alone for a chunk of steps; 0: start at once
     admit_window_ms: float = 2.0
-    vision_cache_pictures: int = 256  # a VLM's vision-tower outputs kept per picture (LRU; vision.py)
+    vision_cache_pictures: int = 256  # a VLM's vision-tower outputs kept per picture (LRU; model/vision.py)
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_prefill_tokens", "sync_every", "sync_every_batch", "max_stop_ids",

@@ -1,0 +1,12 @@
+"""The builtin engine's model and its weights.
+
+    families.py        how each family's decoder block departs from Llama's; HF parameter names -> engine tensors
+    weights.py         HF config -> ModelSpec; the engine's fused weights, their loading and per-shard slices;
+                       rotary tables
+    shared_weights.py  the engine taking a training module's parameters over instead of copying them
+    decoder.py         functional prefill / decode over the slot KV cache (DecoderModel)
+    experts.py         routed experts (mixture-of-experts layers)
+    vision.py          the vision tower, its output cache, the multimodal prefill plan
+    tensor_parallel.py tensor-parallel shard groups and per-shard weight loading
+    supported.py       builtin_support(config): whether the engine can run a model (its own checks)
+"""
