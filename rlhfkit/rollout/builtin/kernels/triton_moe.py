@@ -57,16 +57,19 @@ def _block_m(rows: int, experts: int) -> int:
 if triton is not None:
 
     @triton.jit
+    def _expert_tile(Offs, N, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Program (e, n)'s expert e, the range [start, end) of its grouped rows, and its column block n."""
+        e = tl.program_id(0)
+        end = tl.load(Offs + e)
+        start = tl.load(Offs + e - 1, mask=e > 0, other=0)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        return e, start, end, offs_n, tl.arange(0, BLOCK_K), offs_n < N
+
+    @triton.jit
     def _moe_gate_up_kernel(X, Perm, Offs, W, B, Out, INTER, sx, swe, swn, sbe, so,
                             K: tl.constexpr, TOP_K: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
                             alpha, limit, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        e = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        end = tl.load(Offs + e)
-        start = tl.load(Offs + e - 1, mask=e > 0, other=0)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
-        nmask = offs_n < INTER
+        e, start, end, offs_n, offs_k, nmask = _expert_tile(Offs, INTER, BLOCK_N, BLOCK_K)
         if ACT == 0:  # gate rows [0, I), up rows [I, 2I)
             g_rows = offs_n
             u_rows = offs_n + INTER
@@ -113,13 +116,7 @@ if triton is not None:
     @triton.jit
     def _moe_down_kernel(A, Offs, W, Out, N, sa, swe, swn, so, K: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        e = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        end = tl.load(Offs + e)
-        start = tl.load(Offs + e - 1, mask=e > 0, other=0)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
-        nmask = offs_n < N
+        e, start, end, offs_n, offs_k, nmask = _expert_tile(Offs, N, BLOCK_N, BLOCK_K)
         w_base = W + e.to(tl.int64) * swe
         dt = Out.dtype.element_ty
         for m0 in range(start, end, BLOCK_M):
