@@ -17,7 +17,9 @@ import argparse
 import logging
 from typing import Sequence
 
-from rlhfkit.config.flags import FlagParser, add_dtype_flags, add_save_path_flag
+from rlhfkit.config.configs import ModelConfig
+from rlhfkit.config.declare import add_fields
+from rlhfkit.config.flags import FlagParser, add_save_path_flag
 
 log = logging.getLogger(__spec__.name if __spec__ else __name__)  # also when run as __main__
 
@@ -27,7 +29,8 @@ def build_parser() -> FlagParser:
     with p.group("models"):
         p.flag("--gguf", type=str, required=True, help="the .gguf file to import (llama.cpp's format)")
         add_save_path_flag(p, "where the Hugging Face model folder is written", required=True)
-        add_dtype_flags(p, "dtype of the saved weights (the file's are dequantized)")
+        add_fields(p, ModelConfig, ["param_dtype"],
+                   help={"param_dtype": "dtype of the saved weights (the file's are dequantized)"})
     return p
 
 

@@ -1,6 +1,9 @@
-"""Typed per-component configs, built from the parsed flags.
+"""Typed per-component configs: the declarations of their flags (rlhfkit.config.declare), built from the parsed flags.
 
-Components take one of these (plus explicit objects), never the argparse namespace.
+Components take one of these (plus explicit objects), never the argparse namespace. A field declared
+with `flag(...)` is the one declaration of its flag: the parsers add it with `add_fields`
+(rlhfkit.config.flags); a field that mirrors a setting declared elsewhere takes its default from
+there (`default_of`).
 `from_args(ns)` copies the fields whose names match flag dests; any field may be
 overridden by keyword, which is how one CLI builds two configs from different flags
 (the PPO actor and critic learning rates, say).
@@ -10,8 +13,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+from rlhfkit.config.declare import Switch, default_of, flag
+from rlhfkit.config.flag_parser import LORA, MODEL
 
 T = TypeVar("T")
 
@@ -29,19 +35,63 @@ def from_args(cls: type[T], ns: argparse.Namespace | None = None, **overrides: A
 
 @dataclass
 class ModelConfig:
-    pretrain: str | None = None
-    param_dtype: str = "bf16"  # bf16 | fp16 | fp32
-    attn_implementation: str = "sdpa"
-    gradient_checkpointing: bool = False
-    gradient_checkpointing_use_reentrant: bool = False
-    lora_rank: int = 0
-    lora_alpha: int = 16
-    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
-    lora_dropout: float = 0.0
-    load_in_4bit: bool = False
-    disable_fast_tokenizer: bool = False
-    experts_implementation: str | None = None  # MoE kernels of transformers (eager, grouped_mm, ...)
-    freeze_visual_encoder: bool = False  # a VLM's vision tower stays as loaded [--freeze_visual_encoder]
+    """The model to load and how (dtype, attention kernel, LoRA): the flags of the model and LoRA groups."""
+
+    pretrain: str | None = flag(
+        None, "--model.model_name_or_path", "--actor.model_name_or_path", group=MODEL,
+        help="the model to train or run: a Hugging Face model directory, or a hub id (org/name: the HF cache, else "
+             "the hub when online)")
+    param_dtype: Literal["bf16", "fp16", "fp32"] = flag(
+        "bf16", "--ds.param_dtype", "--fsdp.param_dtype",
+        help="compute dtype on GPU (master weights stay fp32); CPU training computes in fp32",
+        switches=(Switch("--bf16", "bf16", "alias of --param_dtype bf16"),))
+    attn_implementation: str = flag(
+        "sdpa", "--ds.attn_implementation", "--fsdp.attn_implementation",
+        help="attention kernel of transformers: sdpa, eager, flash_attention_2 (when installed)",
+        switches=(Switch("--flash_attn", "flash_attention_2", "alias of --attn_implementation flash_attention_2"),))
+    gradient_checkpointing: bool = flag(
+        False, "--model.gradient_checkpointing_enable", "--actor.gradient_checkpointing_enable",
+        help="recompute activations in the backward pass: less memory, about a third more compute")
+    mixed_precision: Literal["master_weights", "autocast"] = flag(
+        "master_weights",
+        help="one process with bf16/fp16 compute: master_weights (module in the compute dtype, fp32 copies in the "
+             "optimizer) or autocast (fp32 module under torch.autocast)")
+    torch_compile: bool = flag(False, help="torch.compile each transformer block of trained models")
+    gradient_checkpointing_use_reentrant: bool = flag(
+        False, "--model.gradient_checkpointing_reentrant", "--actor.gradient_checkpointing_reentrant",
+        help="with --gradient_checkpointing: torch's reentrant checkpoint variant (the default is the non-reentrant "
+             "one)")
+    disable_fast_tokenizer: bool = flag(
+        False, "--data.disable_fast_tokenizer", help="load the slow (Python) tokenizer instead of the fast (Rust) one")
+    use_liger_kernel: bool = flag(
+        False, "--ds.use_liger_kernel", help="OpenRLHF: Liger's fused kernels",
+        inert="Liger kernels are not used; the log-prob kernel is fused already (rlhfkit.models.fused_logprobs)")
+    aux_loss_coef: float = flag(
+        0.0, "--model.aux_loss_coef", "--actor.aux_loss_coef",
+        help="weight of a mixture-of-experts model's router load-balancing loss (0: off)")
+    experts_implementation: str | None = flag(
+        None, "--ds.experts_implementation",
+        help="mixture-of-experts kernels of transformers: eager, batched_mm, grouped_mm, deepgemm (default: the "
+             "model's own)")
+    use_ms: bool = flag(False, help="download model ids from ModelScope (needs modelscope)")
+    lora_rank: int = flag(
+        0, "--ds.lora.rank", group=LORA,
+        help="rank of LoRA adapters on the trained model (0: train all weights); the saved model is the adapter "
+             "(peft format)")
+    lora_alpha: int = flag(16, "--ds.lora.alpha",
+                           help="LoRA scaling numerator: the adapter's update is scaled by alpha / rank")
+    target_modules: list[str] = flag(
+        ["all-linear"], "--ds.lora.target_modules",
+        help="module names that get LoRA adapters (peft's target_modules; all-linear: every linear layer but the "
+             "output head)")
+    lora_dropout: float = flag(0.0, "--ds.lora.dropout", help="dropout probability on the LoRA adapters' input")
+    load_in_4bit: bool = flag(
+        False, "--ds.load_in_4bit",
+        help="QLoRA: load the frozen base weights in 4-bit NF4 (needs bitsandbytes and CUDA; use with --lora_rank)")
+    freeze_visual_encoder: bool = flag(
+        False, "--actor.freeze_visual_encoder", group=MODEL,
+        help="vision-language models: the vision tower does not train (nor go to the rollout engines); the language "
+             "model and its head do")
 
 
 @dataclass
@@ -71,15 +121,13 @@ class BackendConfig:
 
     backend: str = "fsdp2"
     zero_stage: int = 2
-    param_dtype: str = "bf16"
+    param_dtype: str = default_of(ModelConfig, "param_dtype")
     device: str | None = None  # None: cuda when available, else cpu
     adam_offload: bool = False
     seed: int = 42
-    gradient_checkpointing: bool = False
-    # one process, low-precision compute: "master_weights" (module in the compute dtype, fp32
-    # copies in the optimizer) or "autocast" (fp32 module under torch.autocast)
-    mixed_precision: str = "master_weights"
-    torch_compile: bool = False  # torch.compile each transformer block
+    gradient_checkpointing: bool = default_of(ModelConfig, "gradient_checkpointing")
+    mixed_precision: str = default_of(ModelConfig, "mixed_precision")  # see ModelConfig.mixed_precision
+    torch_compile: bool = default_of(ModelConfig, "torch_compile")
     # the compiled blocks' shapes: None lets torch decide (static, then dynamic after a second shape);
     # True compiles for any sequence length at once (RL: every step's lengths differ). Not a flag.
     compile_dynamic: bool | None = None

@@ -28,6 +28,8 @@ import argparse
 import json
 import os
 
+from rlhfkit.config.configs import ModelConfig
+from rlhfkit.config.declare import add_fields, flag_fields
 from rlhfkit.config.flag_parser import (BACKEND, CKPT, DATA, EVAL, LOGGING, LORA, MODEL, OPTIM,  # noqa: F401
                                         TRAIN, FlagParser, describe, parsed_values, str2bool)
 from rlhfkit.fileio import atomic_write_text
@@ -42,47 +44,12 @@ LR_SCHEDULER_HELP = ("learning-rate schedule (transformers.get_scheduler), after
 MIN_LR_HELP = "cosine_with_min_lr, cosine_warmup_with_min_lr: the learning rate ends at this fraction of the peak"
 
 
-# Each flag name is declared once in rlhfkit/ (tests/unit/test_flags_declared_once.py): a flag that several
-# commands have is declared by one function below, which takes what differs between the commands as
-# parameters (the help's wording, optional aliases). Its default is written there once; a command that
-# needs another default sets it after the declaration with `p.set_defaults(dest=value)` (argparse updates
-# the flag's default, so --help and the flag reference show the command's own).
-
-
-def add_dtype_flags(p: FlagParser, help: str = "compute dtype on GPU (master weights stay fp32); CPU training "
-                                               "computes in fp32") -> None:
-    """--param_dtype (--ds.param_dtype, --fsdp.param_dtype) and its alias --bf16; default bf16."""
-    p.flag("--param_dtype", "--ds.param_dtype", "--fsdp.param_dtype", type=str, default="bf16",
-           choices=["bf16", "fp16", "fp32"], help=help)
-    p.flag("--bf16", dest="param_dtype", action="store_const", const="bf16", help="alias of --param_dtype bf16")
-
-
-def add_attn_flags(p: FlagParser) -> None:
-    """--attn_implementation and its alias --flash_attn."""
-    p.flag("--attn_implementation", "--ds.attn_implementation", "--fsdp.attn_implementation", type=str,
-           default="sdpa", help="attention kernel of transformers: sdpa, eager, flash_attention_2 (when installed)")
-    p.flag("--flash_attn", dest="attn_implementation", action="store_const", const="flash_attention_2",
-           help="alias of --attn_implementation flash_attention_2")
-
-
-def add_fast_tokenizer_flag(p: FlagParser) -> None:
-    p.flag("--disable_fast_tokenizer", "--data.disable_fast_tokenizer", action="store_true",
-           help="load the slow (Python) tokenizer instead of the fast (Rust) one")
-
-
-def add_experts_flag(p: FlagParser) -> None:
-    p.flag("--experts_implementation", "--ds.experts_implementation", type=str, default=None,
-           help="mixture-of-experts kernels of transformers: eager, batched_mm, grouped_mm, deepgemm "
-                "(default: the model's own)")
-
-
-def add_use_ms_flag(p: FlagParser, what: str = "model ids") -> None:
-    p.flag("--use_ms", action="store_true", help=f"download {what} from ModelScope (needs modelscope)")
-
-
-def add_load_in_4bit_flag(p: FlagParser, help: str = "QLoRA: load the frozen base weights in 4-bit NF4 (needs "
-                                                     "bitsandbytes and CUDA; use with --lora_rank)") -> None:
-    p.flag("--load_in_4bit", "--ds.load_in_4bit", action="store_true", help=help)
+# Each flag name is declared once in rlhfkit/ (tests/unit/test_flags_declared_once.py): as a field of a
+# component config (rlhfkit.config.configs, added with rlhfkit.config.declare.add_fields, which takes what
+# differs between the commands: the help's wording, the names accepted), or, for the flags not moved there
+# yet, by one function below that takes the same as parameters. Its default is written there once; a command
+# that needs another default sets it after the declaration with `p.set_defaults(dest=value)` (argparse
+# updates the flag's default, so --help and the flag reference show the command's own).
 
 
 def add_packing_flag(p: FlagParser, help: str = "pack several samples into one row without padding (attention "
@@ -99,44 +66,12 @@ def add_model_name_alias_flag(p: FlagParser) -> None:
     p.flag("--model_name_or_path", dest="pretrain", type=str, default=None, help="alias of --pretrain")
 
 
+# the model and LoRA groups: every flag of ModelConfig but --freeze_visual_encoder (add_image_flags)
+MODEL_FLAGS = tuple(f.name for f in flag_fields(ModelConfig) if f.name != "freeze_visual_encoder")
+
+
 def add_model_flags(p: FlagParser) -> None:
-    with p.group(MODEL):
-        p.flag("--pretrain", "--model.model_name_or_path", "--actor.model_name_or_path",
-               type=str, default=None, help="the model to train or run: a Hugging Face model directory, or a hub id "
-                                            "(org/name: the HF cache, else the hub when online)")
-        add_dtype_flags(p)
-        add_attn_flags(p)
-        p.flag("--gradient_checkpointing", "--model.gradient_checkpointing_enable",
-               "--actor.gradient_checkpointing_enable", action="store_true",
-               help="recompute activations in the backward pass: less memory, about a third more compute")
-        p.flag("--mixed_precision", type=str, default="master_weights", choices=["master_weights", "autocast"],
-               help="one process with bf16/fp16 compute: master_weights (module in the compute dtype, fp32 "
-                    "copies in the optimizer) or autocast (fp32 module under torch.autocast)")
-        p.flag("--torch_compile", action="store_true", help="torch.compile each transformer block of trained models")
-        p.flag("--gradient_checkpointing_use_reentrant", "--model.gradient_checkpointing_reentrant",
-               "--actor.gradient_checkpointing_reentrant", action="store_true",
-               help="with --gradient_checkpointing: torch's reentrant checkpoint variant (the default is the "
-                    "non-reentrant one)")
-        add_fast_tokenizer_flag(p)
-        p.flag("--use_liger_kernel", "--ds.use_liger_kernel", action="store_true",
-               help="OpenRLHF: Liger's fused kernels",
-               inert="Liger kernels are not used; the log-prob kernel is fused already (rlhfkit.models.fused_logprobs)")
-        p.flag("--aux_loss_coef", "--model.aux_loss_coef", "--actor.aux_loss_coef", type=float, default=0.0,
-               help="weight of a mixture-of-experts model's router load-balancing loss (0: off)")
-        add_experts_flag(p)
-        add_use_ms_flag(p)
-    with p.group(LORA):
-        p.flag("--lora_rank", "--ds.lora.rank", type=int, default=0,
-               help="rank of LoRA adapters on the trained model (0: train all weights); the saved model is the "
-                    "adapter (peft format)")
-        p.flag("--lora_alpha", "--ds.lora.alpha", type=int, default=16,
-               help="LoRA scaling numerator: the adapter's update is scaled by alpha / rank")
-        p.flag("--target_modules", "--ds.lora.target_modules", type=str, nargs="*", default=["all-linear"],
-               help="module names that get LoRA adapters (peft's target_modules; all-linear: every linear "
-                    "layer but the output head)")
-        p.flag("--lora_dropout", "--ds.lora.dropout", type=float, default=0.0,
-               help="dropout probability on the LoRA adapters' input")
-        add_load_in_4bit_flag(p)
+    add_fields(p, ModelConfig, MODEL_FLAGS)
 
 
 TRAINING_ONLY = ("gradient_checkpointing", "mixed_precision", "torch_compile", "aux_loss_coef")
@@ -229,10 +164,7 @@ def add_image_flags(p: FlagParser) -> None:
                     "drop its row (counted)")
         p.flag("--max_image_bytes", type=int, default=32 * 2**20, help="largest picture file in bytes")
         p.flag("--max_image_pixels", type=int, default=4096 * 4096, help="largest picture in pixels (width x height)")
-    with p.group(MODEL):
-        p.flag("--freeze_visual_encoder", "--actor.freeze_visual_encoder", action="store_true",
-               help="vision-language models: the vision tower does not train (nor go to the rollout engines); "
-                    "the language model and its head do")
+    add_fields(p, ModelConfig, ["freeze_visual_encoder"])
 
 
 def add_dataloader_workers_flag(p: FlagParser) -> None:

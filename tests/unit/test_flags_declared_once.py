@@ -1,14 +1,19 @@
 """Each flag name is declared exactly once in rlhfkit/ (issue #44): a flag several commands share is
-declared by one function of rlhfkit.config.flags, which takes what differs between the commands as
-parameters; a command's own default is set with `p.set_defaults`, never by declaring the flag again.
+declared by one dataclass field (rlhfkit.config.declare) or one function of rlhfkit.config.flags, which
+take what differs between the commands as parameters; a command's own default is set with
+`p.set_defaults`, never by declaring the flag again.
 
-The walker reads the source (AST) of every `.flag(...)` / `.add_argument(...)` call and collects the
-literal option strings among its positional arguments (also inside `*(("--alias",) if x else ())`);
-names built at run time (f-strings, variables) are not literals and are not counted."""
+The walker reads the source (AST) of every rlhfkit module:
+- parser tables: every `.flag(...)` / `.add_argument(...)` call; the literal option strings among its
+  positional arguments (also inside `*(("--alias",) if x else ())`);
+- dataclasses: every field `name: T = flag(default, "--alias", ..., switches=(Switch("--x", ...),))`;
+  its flat name `--name`, the literal aliases and the switches' names.
+Names built at run time (f-strings, variables) are not literals and are not counted."""
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import os
 from collections import defaultdict
 
@@ -29,14 +34,33 @@ def _literals(node: ast.AST):
         yield from _literals(child)
 
 
+def _field_names(node: ast.AnnAssign) -> list[str]:
+    """The names a dataclass field `x: T = flag(...)` declares (empty for any other assignment)."""
+    call = node.value
+    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "flag"
+            and isinstance(node.target, ast.Name)):
+        return []
+    names = [f"--{node.target.id}", *(n for arg in call.args for n in _literals(arg))]
+    for kw in call.keywords:
+        if kw.arg == "switches":
+            switches = [c for c in ast.walk(kw.value) if isinstance(c, ast.Call)]
+            names += [n for c in switches if c.args for n in _literals(c.args[0])]
+    return names
+
+
 def declarations(source: str, where: str = "<string>") -> dict[str, list[str]]:
-    """Option string -> the places (`where:line`) of the calls that declare it."""
+    """Option string -> the places (`where:line`) of the calls and fields that declare it."""
     out: dict[str, list[str]] = defaultdict(list)
-    calls = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Call)]
-    for node in sorted(calls, key=lambda n: (n.lineno, n.col_offset)):
-        if isinstance(node.func, ast.Attribute) and node.func.attr in CALLS:
-            for name in dict.fromkeys(n for arg in node.args for n in _literals(arg)):
-                out[name].append(f"{where}:{node.lineno}")
+    nodes = [n for n in ast.walk(ast.parse(source)) if isinstance(n, (ast.Call, ast.AnnAssign))]
+    for node in sorted(nodes, key=lambda n: (n.lineno, n.col_offset)):
+        if isinstance(node, ast.AnnAssign):
+            names = _field_names(node)
+        elif isinstance(node.func, ast.Attribute) and node.func.attr in CALLS:
+            names = [n for arg in node.args for n in _literals(arg)]
+        else:
+            continue
+        for name in dict.fromkeys(names):
+            out[name].append(f"{where}:{node.lineno}")
     return out
 
 
@@ -85,3 +109,41 @@ def b(p, rl):
                                  "--seed": ["planted.py:3", "planted.py:10"]}
     assert decls["--device"] == ["planted.py:4"] and "--train.seed" in decls
     assert not any(name.startswith("--{") or name == "--" for name in decls)  # f-strings are not literals
+
+
+def test_walker_reads_dataclass_fields():
+    source = '''
+@dataclass
+class A:
+    seed: int = flag(42, "--train.seed", help="seed")
+    dtype: str = flag("bf16", help="d",
+                      switches=(Switch("--bf16", "bf16", "alias"), Switch(("--fp", "--x.fp"), "f", "h")))
+    plain: int = 3
+    other: int = field(default=1)
+
+
+@dataclass
+class B:
+    rng: int = flag(0, "--seed", help="another field named --seed")
+
+
+def c(p):
+    p.flag("--bf16", action="store_true")
+'''
+    decls = declarations(source, "planted.py")
+    assert duplicates(decls) == {"--bf16": ["planted.py:5", "planted.py:17"], "--seed": ["planted.py:4", "planted.py:13"]}
+    assert {"--train.seed", "--dtype", "--fp", "--x.fp", "--rng"} <= set(decls)
+    assert not {"--plain", "--other"} & set(decls)
+
+
+def test_walker_finds_what_the_dataclasses_declare():
+    """The AST walker reads each declaring field as rlhfkit.config.declare does at run time."""
+    from rlhfkit.config import configs
+    from rlhfkit.config.declare import flag_fields, names_of
+
+    with open(configs.__file__, encoding="utf-8") as f:
+        decls = declarations(f.read())
+    declared = [n for cls in vars(configs).values() if isinstance(cls, type) and cls.__module__ == configs.__name__
+                and dataclasses.is_dataclass(cls) for fld in flag_fields(cls) for n in names_of(fld)]
+    assert len(declared) > 20 and "--bf16" in declared and "--pretrain" in declared
+    assert sorted(declared) == sorted(decls)

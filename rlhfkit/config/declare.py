@@ -1,0 +1,176 @@
+"""Flags declared as typed dataclass fields: each setting is declared once, and a command's parser is
+derived from the declarations.
+
+A component config (rlhfkit.config.configs) declares each of its settings as a field:
+
+    @dataclass
+    class ModelConfig:
+        pretrain: str | None = flag(None, "--model.model_name_or_path", group=MODEL, help="the model to train")
+        param_dtype: Literal["bf16", "fp16", "fp32"] = flag(
+            "bf16", "--ds.param_dtype", help="compute dtype",
+            switches=(Switch("--bf16", "bf16", "alias of --param_dtype bf16"),))
+
+- Names: the field's name is the flag's dest and gives its flat OpenRLHF name (`--pretrain`); the
+  names after the default are its aliases (the dotted ones). A `Switch` is one more flag without a
+  value that sets the same dest to a constant (`--bf16`, `--flash_attn`, `--muon_no_nesterov`).
+- Type: the annotation. `bool`: an on switch (store_true); `X | None`: values of type X, default
+  None; `list[X]`: several values (`nargs`, default "*"); `Literal[...]`: the choices.
+- Group: the help group of the field (`group=`); a field without one goes to the group of the
+  class's previous field. A command adding fields inside `with p.group(...)` puts them there.
+
+`add_fields(p, ModelConfig)` adds the class's fields to a `FlagParser` in declaration order. What a
+command may change is a value, never a declaration: which fields it takes (`only`), their help
+wording (`help`), which names it accepts (`names`: a subset of the declared ones), that a field has
+no effect in it (`inert`), that it must be given (`required`); its defaults it sets afterwards with
+`p.set_defaults(dest=value)`. A config whose fields mirror another's setting takes that default with
+`default_of(Other, "name")` instead of writing the value again.
+
+tests/unit/test_flags_declared_once.py fails when a flag name is declared by two fields (or by a
+field and a parser call).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, Collection, Literal, Mapping, Sequence, Union
+
+from rlhfkit.config.flag_parser import FlagParser
+
+FLAG = "flag"  # the metadata key of a field's FlagSpec
+
+
+@dataclass(frozen=True)
+class Switch:
+    """A flag without a value that sets the field to `const` (`--bf16` sets param_dtype "bf16")."""
+
+    names: str | tuple[str, ...]
+    const: Any
+    help: str
+
+    @property
+    def option_strings(self) -> tuple[str, ...]:
+        return (self.names,) if isinstance(self.names, str) else self.names
+
+
+@dataclass(frozen=True)
+class FlagSpec:
+    """What a field declares beyond its type and default."""
+
+    aliases: tuple[str, ...]
+    help: str
+    group: str | None = None
+    inert: str | None = None
+    nargs: int | str | None = None
+    switches: tuple[Switch, ...] = ()
+
+
+def flag(default: Any, *aliases: str, help: str, group: str | None = None, inert: str | None = None,
+         nargs: int | str | None = None, switches: Sequence[Switch] = ()) -> Any:
+    """A dataclass field declaring one flag (see the module docstring); a list default is copied per instance."""
+    spec = FlagSpec(tuple(aliases), help, group, inert, nargs, tuple(switches))
+    if isinstance(default, list):
+        return dataclasses.field(default_factory=lambda: list(default), metadata={FLAG: spec})
+    return dataclasses.field(default=default, metadata={FLAG: spec})
+
+
+def spec_of(f: dataclasses.Field) -> FlagSpec | None:
+    return f.metadata.get(FLAG)
+
+
+def flag_fields(cls: type) -> list[dataclasses.Field]:
+    """The fields of dataclass `cls` that declare a flag, in declaration order."""
+    return [f for f in dataclasses.fields(cls) if spec_of(f) is not None]
+
+
+def default(f: dataclasses.Field) -> Any:
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default
+
+
+def default_of(cls: type, name: str) -> Any:
+    """A field that takes the default declared by `cls.name` (a config mirroring another's setting)."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    if f.default_factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=f.default_factory)
+    return dataclasses.field(default=f.default)
+
+
+def flat_name(f: dataclasses.Field) -> str:
+    return "--" + f.name
+
+
+def names_of(f: dataclasses.Field) -> list[str]:
+    """Every name the field declares: the flat one, its aliases, its switches'."""
+    spec = spec_of(f)
+    assert spec is not None, f.name
+    return [flat_name(f), *spec.aliases, *(n for s in spec.switches for n in s.option_strings)]
+
+
+def argparse_kwargs(cls: type, f: dataclasses.Field) -> dict[str, Any]:
+    """type / action / nargs / choices / default of the field's value-taking flag, from its annotation."""
+    spec = spec_of(f)
+    assert spec is not None
+    hint = typing.get_type_hints(cls)[f.name]
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (Union, types.UnionType) and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        hint = rest[0] if len(rest) == 1 else hint
+    kw: dict[str, Any] = {"default": default(f)}
+    if hint is bool:
+        return {**kw, "action": "store_true"}
+    if typing.get_origin(hint) in (list, tuple):
+        hint = typing.get_args(hint)[0]
+        kw["nargs"] = spec.nargs if spec.nargs is not None else "*"
+    if typing.get_origin(hint) is Literal:
+        choices = list(typing.get_args(hint))
+        kw["choices"] = choices
+        hint = type(choices[0])
+    if hint not in (int, float, str):
+        raise TypeError(f"{cls.__name__}.{f.name}: no flag type for {hint!r} (int, float, str, bool, "
+                        "their lists and Literals, each optionally | None)")
+    return {**kw, "type": hint}
+
+
+def add_fields(p: FlagParser, cls: type, only: Sequence[str] | None = None, *, help: Mapping[str, str] = {},
+               names: Mapping[str, Sequence[str]] = {}, inert: Mapping[str, str] = {},
+               required: Collection[str] = ()) -> None:
+    """Add the flags of `cls`'s fields (all, or those named in `only`, in that order) to `p`.
+
+    help: the command's wording of a field's help; names: the names (a subset of the declared ones,
+    switches included) the command accepts; inert: fields without effect in the command, with why;
+    required: fields the command line must give (their default becomes None)."""
+    fields = {f.name: f for f in flag_fields(cls)}
+    unknown = set(only or ()) | set(help) | set(names) | set(inert) | set(required)
+    if unknown - set(fields):
+        raise KeyError(f"{cls.__name__} declares no flag {sorted(unknown - set(fields))}")
+    groups: dict[str, str | None] = {}
+    group = None
+    for f in fields.values():
+        groups[f.name] = group = spec_of(f).group or group  # type: ignore[union-attr]
+    for name in (fields if only is None else only):
+        _add(p, cls, fields[name], groups[name], help.get(name), names.get(name), inert.get(name), name in required)
+
+
+def _add(p: FlagParser, cls: type, f: dataclasses.Field, group: str | None, help: str | None,
+         names: Sequence[str] | None, inert: str | None, required: bool) -> None:
+    spec = spec_of(f)
+    assert spec is not None
+    declared = names_of(f)
+    if names is not None and set(names) - set(declared):
+        raise KeyError(f"{cls.__name__}.{f.name} declares no name {sorted(set(names) - set(declared))}")
+    keep = set(declared if names is None else names)
+    kw = argparse_kwargs(cls, f)
+    if required:
+        kw.update(required=True, default=None)
+    value_names = [n for n in (flat_name(f), *spec.aliases) if n in keep]
+    block = p._current is None and group is not None
+    with p.group(group) if block else contextlib.nullcontext():  # type: ignore[arg-type]
+        p.flag(*value_names, dest=f.name, help=help or spec.help, inert=inert or spec.inert, **kw)
+        for s in spec.switches:
+            if switch_names := [n for n in s.option_strings if n in keep]:
+                p.flag(*switch_names, dest=f.name, action="store_const", const=s.const, help=s.help)
