@@ -66,12 +66,15 @@ class FlagSpec:
     inert: str | None = None
     nargs: int | str | None = None
     switches: tuple[Switch, ...] = ()
+    choices: tuple[Any, ...] | None = None
 
 
 def flag(default: Any, *aliases: str, help: str, group: str | None = None, inert: str | None = None,
-         nargs: int | str | None = None, switches: Sequence[Switch] = ()) -> Any:
-    """A dataclass field declaring one flag (see the module docstring); a list default is copied per instance."""
-    spec = FlagSpec(tuple(aliases), help, group, inert, nargs, tuple(switches))
+         nargs: int | str | None = None, switches: Sequence[Switch] = (), choices: Sequence[Any] | None = None) -> Any:
+    """A dataclass field declaring one flag (see the module docstring); a list default is copied per instance.
+    `choices`: the values allowed when they are a table of the code rather than a Literal annotation."""
+    spec = FlagSpec(tuple(aliases), help, group, inert, nargs, tuple(switches),
+                    None if choices is None else tuple(choices))
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata={FLAG: spec})
     return dataclasses.field(default=default, metadata={FLAG: spec})
@@ -90,6 +93,17 @@ def default(f: dataclasses.Field) -> Any:
     if f.default_factory is not dataclasses.MISSING:
         return f.default_factory()
     return f.default
+
+
+def declared_default(cls: type, name: str) -> Any:
+    """The default `cls.name` declares (a copy, for a list)."""
+    return default(next(f for f in dataclasses.fields(cls) if f.name == name))
+
+
+def declared_help(cls: type, name: str) -> str:
+    spec = spec_of(next(f for f in dataclasses.fields(cls) if f.name == name))
+    assert spec is not None, name
+    return spec.help
 
 
 def default_of(cls: type, name: str) -> Any:
@@ -130,6 +144,8 @@ def argparse_kwargs(cls: type, f: dataclasses.Field) -> dict[str, Any]:
         choices = list(typing.get_args(hint))
         kw["choices"] = choices
         hint = type(choices[0])
+    if spec.choices is not None:
+        kw["choices"] = list(spec.choices)
     if hint not in (int, float, str):
         raise TypeError(f"{cls.__name__}.{f.name}: no flag type for {hint!r} (int, float, str, bool, "
                         "their lists and Literals, each optionally | None)")
@@ -137,13 +153,15 @@ def argparse_kwargs(cls: type, f: dataclasses.Field) -> dict[str, Any]:
 
 
 def add_fields(p: FlagParser, cls: type, only: Sequence[str] | None = None, *, help: Mapping[str, str] = {},
-               names: Mapping[str, Sequence[str]] = {}, inert: Mapping[str, str] = {},
-               required: Collection[str] = ()) -> None:
+               names: Mapping[str, Sequence[str]] = {}, drop: Sequence[str] = (), inert: Mapping[str, str] = {},
+               required: Collection[str] = (), here: bool = False, dests: Mapping[str, str] = {}) -> None:
     """Add the flags of `cls`'s fields (all, or those named in `only`, in that order) to `p`.
 
     help: the command's wording of a field's help; names: the names (a subset of the declared ones,
-    switches included) the command accepts; inert: fields without effect in the command, with why;
-    required: fields the command line must give (their default becomes None)."""
+    switches included) the command accepts; drop: alias prefixes the command does not accept (e.g.
+    "--actor." in a command without actor); inert: fields without effect in the command, with why;
+    required: fields the command line must give (their default becomes None); here: the flags go to the
+    group block they are added in, or the command's own group, whatever the fields' groups."""
     fields = {f.name: f for f in flag_fields(cls)}
     unknown = set(only or ()) | set(help) | set(names) | set(inert) | set(required)
     if unknown - set(fields):
@@ -153,24 +171,29 @@ def add_fields(p: FlagParser, cls: type, only: Sequence[str] | None = None, *, h
     for f in fields.values():
         groups[f.name] = group = spec_of(f).group or group  # type: ignore[union-attr]
     for name in (fields if only is None else only):
-        _add(p, cls, fields[name], groups[name], help.get(name), names.get(name), inert.get(name), name in required)
+        keep = names.get(name) or [n for n in names_of(fields[name]) if not n.startswith(tuple(drop))]
+        _add(p, cls, fields[name], None if here else groups[name], help.get(name), keep, inert.get(name),
+             name in required, dests.get(name, name))
 
 
 def _add(p: FlagParser, cls: type, f: dataclasses.Field, group: str | None, help: str | None,
-         names: Sequence[str] | None, inert: str | None, required: bool) -> None:
+         names: Sequence[str], inert: str | None, required: bool, dest: str) -> None:
     spec = spec_of(f)
     assert spec is not None
     declared = names_of(f)
-    if names is not None and set(names) - set(declared):
+    if set(names) - set(declared):
         raise KeyError(f"{cls.__name__}.{f.name} declares no name {sorted(set(names) - set(declared))}")
-    keep = set(declared if names is None else names)
+    keep = set(names)
     kw = argparse_kwargs(cls, f)
     if required:
         kw.update(required=True, default=None)
     value_names = [n for n in (flat_name(f), *spec.aliases) if n in keep]
     block = p._current is None and group is not None
     with p.group(group) if block else contextlib.nullcontext():  # type: ignore[arg-type]
-        p.flag(*value_names, dest=f.name, help=help or spec.help, inert=inert or spec.inert, **kw)
+        p.flag(*value_names, dest=dest, help=help or spec.help, inert=inert or spec.inert, **kw)
         for s in spec.switches:
             if switch_names := [n for n in s.option_strings if n in keep]:
-                p.flag(*switch_names, dest=f.name, action="store_const", const=s.const, help=s.help)
+                if s.const is False:  # an off switch: argparse's store_false (its default True, the field's)
+                    p.flag(*switch_names, dest=dest, action="store_false", help=s.help)
+                else:
+                    p.flag(*switch_names, dest=dest, action="store_const", const=s.const, help=s.help)
