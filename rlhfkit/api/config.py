@@ -13,10 +13,11 @@ rlhfkit.api.rl); a subclass may change a default (GRPOConfig's estimator).
 
 A config is checked when it is made: its fields go through the command's parser (`to_args`), so a
 bad value fails at construction with the error the command line would give, naming the flag.
-`to_argv()` writes the fields that differ from the parser's defaults as a command line, and
-`to_args()` parses it with the command's own parser: the API and the CLI resolve a run through the
-same parser, the same type conversion, choices and notes, and the same `run()` afterwards.
-`to_command()` prints the equivalent `python -m rlhfkit.cli.<command> ...` line.
+`to_args()` builds the namespace from the fields with the command's own parser, without a command
+line (`FlagParser.parse_values`): the API and the CLI resolve a run through the same type conversion,
+choices, conflict checks and notes, and the same `run()` afterwards. `to_argv()` writes the fields that
+differ from the parser's defaults as a command line, and `to_command()` prints the equivalent
+`python -m rlhfkit.cli.<command> ...` line.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import difflib
 import importlib
 import shlex
 from typing import Any, TypeVar
+
+from rlhfkit.config.flag_parser import command_token
 
 T = TypeVar("T")
 
@@ -147,13 +150,20 @@ class FlagConfig:
         return argv
 
     def to_args(self, parser: Any = None, notes: bool = True) -> argparse.Namespace:
-        """Parse `to_argv()` with the command's parser: the namespace its CLI would build. A bad value
-        (type, choices) raises ValueError naming the flag. `notes`: print the parser's notes on flags
-        that have no effect."""
+        """The namespace the command's CLI would build for this config, made from the fields directly
+        (`FlagParser.parse_values`, no command line): the fields that differ from the parser's defaults go
+        through their flags' type conversion, choices and conflict checks, and count as given. A bad value
+        (type, choices) raises ValueError naming the flag. `notes`: print the parser's notes on flags that
+        have no effect."""
         parser = parser or command_parser(self.COMMAND)
         parser.exit_on_error = False
+        values = {}
+        for f in dataclasses.fields(self):
+            value, default = getattr(self, f.name), parser.get_default(f.name)
+            if not (value == default and type(value) is type(default)):
+                values[f.name] = value
         try:
-            return parser.parse(self.to_argv(), notes=notes)
+            return parser.parse_values(values, type(self).__name__, notes=notes)
         except argparse.ArgumentError as e:
             raise ValueError(f"{type(self).__name__}: {e}") from None
 
@@ -178,16 +188,10 @@ def _render(dest: str, value: Any, actions: list[argparse.Action], owner: str) -
         raise ValueError(f"{owner}.{dest} cannot be None (its default is {main.default!r})")
     if main.nargs not in (None, "?"):
         items = list(value) if isinstance(value, (list, tuple)) else [value]
-        return [main.option_strings[0], *(_token(v) for v in items)]
+        return [main.option_strings[0], *(command_token(v) for v in items)]
     if isinstance(value, (list, tuple, dict)):
         raise ValueError(f"{owner}.{dest} takes one value, got {value!r}")
-    return [f"{main.option_strings[0]}={_token(value)}"]
-
-
-def _token(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    return repr(v) if isinstance(v, float) else str(v)
+    return [f"{main.option_strings[0]}={command_token(value)}"]
 
 
 def _suggestion(name: str, cls: type) -> str:

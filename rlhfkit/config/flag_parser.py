@@ -34,7 +34,7 @@ import os
 import re
 import sys
 import weakref
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 from rlhfkit import logs
 from rlhfkit.logs import LEVELS
@@ -280,7 +280,63 @@ class FlagParser(argparse.ArgumentParser):
         if unknown:
             self.error(f"unexpected arguments: {' '.join(unknown)}")
         self.check_conflicts(given)
-        _remember(ns, {action.dest for _, action, _ in given} | set(saved["defaults"] if saved else ()))
+        return self._finish(ns, {action.dest for _, action, _ in given} | set(saved["defaults"] if saved else ()),
+                            notes)
+
+    def parse_values(self, values: Mapping[str, Any], owner: str, notes: bool = True) -> argparse.Namespace:
+        """The namespace `parse` gives for a command line that sets each dest of `values` to its (Python)
+        value, built without a command line (the Python API's configs; `owner` names the config in errors):
+        the flag's defaults, then each value through its flag's type conversion and choices, then the
+        conflict checks, the record of what was given and the inert notes, as `parse` does.
+
+        A value of an on/off flag picks the flag whose constant it is (`use_icepop=True`: --use_icepop);
+        ValueError for a value no flag of that dest takes, argparse.ArgumentError (naming the flag) for
+        one its type or choices refuse."""
+        ns = argparse.Namespace()
+        for a in self._actions:  # as argparse: the first flag of a dest gives its default
+            if a.option_strings and a.default is not argparse.SUPPRESS and not hasattr(ns, a.dest):
+                setattr(ns, a.dest, a.default)
+        given = []
+        for dest, value in values.items():
+            action, value = self._setting(dest, value, owner)
+            setattr(ns, dest, value)
+            given.append((action.option_strings[0], action, value))
+        missing = [a.option_strings[0] for a in self._actions if a.required and a.dest not in values]
+        if missing:
+            self.error(f"the following arguments are required: {', '.join(missing)}")
+        self.check_conflicts(given)
+        return self._finish(ns, set(values), notes)
+
+    def _setting(self, dest: str, value: Any, owner: str) -> tuple[argparse.Action, Any]:
+        """The action that sets `dest` to `value`, and the value as the command line would give it."""
+        actions = [a for a in self._actions if a.dest == dest and a.option_strings]
+        if not actions:
+            raise TypeError(f"{owner}.{dest} is not a flag of {self.prog}")
+        for a in actions:  # store_true / store_false / store_const: the action whose constant it is
+            if a.nargs == 0 and a.const == value and type(a.const) is type(value):
+                return a, value
+        main = next((a for a in actions if a.nargs != 0), None)
+        if main is None:
+            raise ValueError(f"{owner}.{dest} is an on/off setting; got {value!r}")
+        if value is None:
+            raise ValueError(f"{owner}.{dest} cannot be None (its default is {main.default!r})")
+        if main.nargs not in (None, "?"):
+            items = list(value) if isinstance(value, (list, tuple)) else [value]
+            if isinstance(main.nargs, int) and len(items) != main.nargs:
+                raise argparse.ArgumentError(main, f"expected {main.nargs} arguments, got {items!r}")
+            converted = [self._get_value(main, command_token(v)) for v in items]
+            for v in converted:
+                self._check_value(main, v)
+            return main, converted
+        if isinstance(value, (list, tuple, dict)):
+            raise ValueError(f"{owner}.{dest} takes one value, got {value!r}")
+        converted = self._get_value(main, command_token(value))
+        self._check_value(main, converted)
+        return main, converted
+
+    def _finish(self, ns: argparse.Namespace, explicit: set[str], notes: bool) -> argparse.Namespace:
+        """Record what was given, set up logging, print the inert flags' notes."""
+        _remember(ns, explicit)
         if self._setup_logging:
             logs.setup(ns.log_level, new_run=notes,  # notes=False: an API config checking its values
                        verbose=bool(getattr(ns, "verbose", False)))
@@ -378,6 +434,13 @@ def _shown(opt: str, action: argparse.Action, value: Any) -> str:
     if action.nargs == 0:
         return opt
     return f"{opt} {' '.join(map(str, value)) if isinstance(value, list) else value}"
+
+
+def command_token(v: Any) -> str:
+    """A value as one command-line token (a float exactly, a bool as true / false)."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return repr(v) if isinstance(v, float) else str(v)
 
 
 def str2bool(v: str) -> bool:
