@@ -1,11 +1,12 @@
 """Behaviour of the API configs, whose fields are a command's flags: one resolved run for the API and the CLI.
 
-The fields themselves are generated from the flag tables into rlhfkit/api/flag_fields.py
-(`python -m rlhfkit.api.gen_fields`): one dataclass per command, a typed field per flag dest (the
-flat names of rlhfkit / OpenRLHF: `learning_rate`, `max_len`, `n_samples_per_prompt`, ...) with the
-parser's own default and its help line as docstring, so editors complete and explain them and a
-default can never drift from the CLI's. The configs users build subclass those (rlhfkit.api.offline,
-rlhfkit.api.rl); a subclass may change a default (GRPOConfig's estimator).
+The fields are the flags' declarations themselves: each config (rlhfkit.api.offline, rlhfkit.api.rl)
+is a dataclass that inherits the declaration classes of its command's flags (rlhfkit.config.configs,
+rl_flags, offline_flags; see rlhfkit.config.declare), so it has a typed field per flag dest (the flat
+names of rlhfkit / OpenRLHF: `learning_rate`, `max_len`, `n_samples_per_prompt`, ...) that editors
+complete, with the help line as the field's metadata. A command's own default is a value override in
+the config's body (RewardConfig's `max_len: int = 512`; GRPOConfig's estimator), never a second
+declaration; tests/unit/test_api_fields.py checks that the fields and defaults are the command's.
 
     SFTConfig(learning_rat=1e-3)           TypeError: SFTConfig has no field 'learning_rat' (did you mean 'learning_rate'?)
     GRPOConfig(advantage_estimator="gpro") ValueError: ... --advantage_estimator: invalid choice ...
@@ -27,7 +28,8 @@ import dataclasses
 import difflib
 import importlib
 import shlex
-from typing import Any, TypeVar
+from dataclasses import InitVar, dataclass
+from typing import Any, ClassVar, TypeVar
 
 from rlhfkit.config.flag_parser import command_token
 
@@ -80,8 +82,8 @@ def _read_back(value: Any) -> Any:
 
 
 def trl_names(cls: type[T]) -> type[T]:
-    """Class decorator of the generated field classes: each TRL name declared as an init-only
-    argument (`output_dir: InitVar[str | None] = None`) also reads and writes our field."""
+    """Class decorator of the API configs: each TRL name declared as an init-only argument
+    (`output_dir: InitVar[str | None] = None`, TRLNames) also reads and writes our field."""
     own = {f.name for f in dataclasses.fields(cls)}
     aliases = tuple(n for n in cls.__dataclass_fields__ if n in TRL_NAMES and n not in own)  # type: ignore[attr-defined]
     for name in aliases:
@@ -92,15 +94,40 @@ def trl_names(cls: type[T]) -> type[T]:
     return cls
 
 
-class FlagConfig:
-    """Base of the API configs (the generated field classes of rlhfkit/api/flag_fields.py)."""
+def api_config(cls: type[T]) -> type[T]:
+    """Class decorator of the API configs: a keyword dataclass without the generated repr (FlagConfig's
+    shows what differs from the command's defaults), with the TRL names of `trl_names`."""
+    return trl_names(dataclass(repr=False, kw_only=True)(cls))
 
-    COMMAND: str = ""
-    INPUTS: tuple[str, ...] = ()
-    TRL_ALIASES: tuple[str, ...] = ()
+
+@dataclass
+class TRLNames:
+    """Hugging Face TRL's names of settings every training config has (init-only; reading one reads ours)."""
+
+    output_dir: InitVar[str | None] = None
+    per_device_train_batch_size: InitVar[int | None] = None
+
+
+@dataclass
+class TRLRLNames(TRLNames):
+    """TRL's names of the RL settings (init-only; reading one reads ours)."""
+
+    learning_rate: InitVar[float | None] = None
+    num_generations: InitVar[int | None] = None
+    max_completion_length: InitVar[int | None] = None
+
+
+class FlagConfig:
+    """Base of the API configs: the flag declarations they inherit become a command's namespace."""
+
+    COMMAND: ClassVar[str] = ""
+    INPUTS: ClassVar[tuple[str, ...]] = ()  # the command's inputs (rlhfkit.config.configs.InputsConfig) it takes
+    TRL_ALIASES: ClassVar[tuple[str, ...]] = ()
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         """An unknown field name fails here, with the closest field (or our name for a TRL one)."""
+        if args:
+            raise TypeError(f"{cls.__name__} takes keyword arguments only")
         known = getattr(cls, "__dataclass_fields__", {})
         for name in kwargs:
             if name not in known:

@@ -5,8 +5,9 @@
                     max_steps=100, save_path="ckpt/sft", device="cpu")
     history = SFTTrainer("base_model_dir", args=cfg, train_dataset=[{"input": "1+1=", "output": "2"}, ...]).train()
 
-Each config's fields are the flags of its command (train_sft, train_rm, train_dpo, train_kto)
-with the same defaults (rlhfkit.api.config); the trainer runs that command's `run()`.
+Each config's fields are the flags of its command (train_sft, train_rm, train_dpo, train_kto), inherited
+from their declarations, with the command's defaults (rlhfkit.api.config); the trainer runs that
+command's `run()`.
 
     DPO variants   DPOConfig(ipo=True) is IPO; DPOConfig(label_smoothing=0.1) is cDPO (conservative
                    DPO: labels flipped with that probability); nll_loss_coef adds the chosen NLL (RPO)
@@ -15,31 +16,79 @@ with the same defaults (rlhfkit.api.config); the trainer runs that command's `ru
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from rlhfkit.api.base import BaseTrainer
-from rlhfkit.api.flag_fields import TrainDPOFields, TrainKTOFields, TrainRMFields, TrainSFTFields
+from rlhfkit.api.config import FlagConfig, TRLNames, api_config
 from rlhfkit.api.inputs import model_dir
+from rlhfkit.config.configs import (BackendFlags, BatchConfig, BetaFlags, CheckpointFlags, DataFlags, LabelFlags,
+                                    LearningRateFlags, LoggingFlags, ModelFlags, OfflineDataFlags, OptimFlags,
+                                    PretrainModeFlags, RefModelFlags, ValueHeadFlags, VisionFlags)
+from rlhfkit.config.flag_parser import ConsoleFlags
+from rlhfkit.config.offline_flags import DPOFlags, KTOFlags, PairKeyFlags, RewardLossFlags, SFTFlags
 
 
-class SFTConfig(TrainSFTFields):
+OFFLINE_INPUTS = ("pretrain", "dataset", "eval_dataset")
+
+
+@dataclass
+class OfflineFlags(OfflineDataFlags, DataFlags, LearningRateFlags, OptimFlags, BatchConfig, BackendFlags, CheckpointFlags,
+                   LoggingFlags, ModelFlags, ConsoleFlags):
+    """The flags every offline command has (rlhfkit.cli.offline_common.add_offline_flags), less its inputs."""
+
+
+@api_config
+class SFTConfig(FlagConfig, TRLNames, SFTFlags, PretrainModeFlags, VisionFlags, OfflineFlags):
     """Supervised fine-tuning settings: the flags of `python -m rlhfkit.cli.train_sft` as fields.
 
     Rows: `input_key` (prompt) and `output_key` (answer), loss on the answer tokens; `pretrain_mode`:
     loss on every token; `multiturn`: conversations, loss on every assistant turn."""
 
+    COMMAND: ClassVar[str] = "train_sft"
+    INPUTS: ClassVar[tuple[str, ...]] = OFFLINE_INPUTS
+    wandb_project: str = "rlhfkit_train_sft"
 
-class RewardConfig(TrainRMFields):
+
+@api_config
+class RewardConfig(FlagConfig, TRLNames, PairKeyFlags, ValueHeadFlags, RewardLossFlags, OfflineFlags):
     """Reward-model settings: the flags of `python -m rlhfkit.cli.train_rm` (pairwise Bradley-Terry loss)."""
 
+    COMMAND: ClassVar[str] = "train_rm"
+    INPUTS: ClassVar[tuple[str, ...]] = OFFLINE_INPUTS
+    max_len: int = 512
+    micro_train_batch_size: int = 1
+    max_epochs: int = 1
+    learning_rate: float = 9e-6
+    wandb_project: str = "rlhfkit_train_rm"
 
-class DPOConfig(TrainDPOFields):
+
+@api_config
+class DPOConfig(FlagConfig, TRLNames, PairKeyFlags, RefModelFlags, BetaFlags, DPOFlags, VisionFlags, OfflineFlags):
     """DPO settings: the flags of `python -m rlhfkit.cli.train_dpo`; `ipo=True` for IPO,
     `label_smoothing` > 0 for cDPO."""
 
+    COMMAND: ClassVar[str] = "train_dpo"
+    INPUTS: ClassVar[tuple[str, ...]] = OFFLINE_INPUTS
+    max_len: int = 512
+    eval_split: str = "test"
+    max_epochs: int = 1
+    learning_rate: float = 1e-5
+    wandb_project: str = "rlhfkit_train_dpo"
 
-class KTOConfig(TrainKTOFields):
+
+@api_config
+class KTOConfig(FlagConfig, TRLNames, RefModelFlags, BetaFlags, KTOFlags, LabelFlags, OfflineFlags):
     """KTO settings: the flags of `python -m rlhfkit.cli.train_kto` (unpaired rows with a boolean `label_key`)."""
+
+    COMMAND: ClassVar[str] = "train_kto"
+    INPUTS: ClassVar[tuple[str, ...]] = OFFLINE_INPUTS
+    output_key: str | None = "output"
+    label_key: str | None = "label"
+    beta: float = 0.01
+    max_epochs: int = 1
+    learning_rate: float = 1e-5
+    wandb_project: str = "rlhfkit_train_kto"
 
 
 class SFTTrainer(BaseTrainer):

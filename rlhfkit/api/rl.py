@@ -26,21 +26,37 @@ a reward_func file is, `--reward_failure` (stop / drop) included.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Literal, Sequence
+from typing import Any, ClassVar, Literal, Sequence
 
 from rlhfkit.api.base import BaseTrainer
-from rlhfkit.api.flag_fields import TrainPPOFields
+from rlhfkit.api.config import FlagConfig, TRLRLNames, api_config
 from rlhfkit.api.inputs import data_source, model_dir, reward_inputs
+from rlhfkit.config.configs import (BackendFlags, BatchConfig, CheckpointFlags, DataFlags, LabelFlags, LoggingFlags,
+                                    ModelFlags, OptimFlags, RefModelFlags, RewardModelFlags, SamplingFlags,
+                                    ValueHeadFlags, VisionFlags)
+from rlhfkit.config.flag_parser import ConsoleFlags
+from rlhfkit.config.rl_flags import (AlgoFlags, BestCheckpointFlags, CompletionLogFlags, CriticOptimFlags, Estimator,
+                                     PlacementFlags, PromptDataFlags, RewardSourceFlags, RLModelFlags, RLTrainFlags,
+                                     RolloutFlags)
 
-Estimator = Literal["gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "grpo", "dr_grpo"]
 
-
-class PPOConfig(TrainPPOFields):
+@api_config
+class PPOConfig(FlagConfig, TRLRLNames, ConsoleFlags, ModelFlags, BackendFlags, CheckpointFlags, LoggingFlags,
+                CompletionLogFlags, BestCheckpointFlags, RewardModelFlags, ValueHeadFlags, RefModelFlags, RLModelFlags,
+                RewardSourceFlags, SamplingFlags, RolloutFlags, PromptDataFlags, DataFlags, LabelFlags, VisionFlags,
+                BatchConfig, RLTrainFlags, OptimFlags, CriticOptimFlags, AlgoFlags, PlacementFlags):
     """RL settings: the flags of `python -m rlhfkit.cli.train_ppo` as fields (same defaults)."""
 
+    COMMAND: ClassVar[str] = "train_ppo"
+    INPUTS: ClassVar[tuple[str, ...]] = ("pretrain", "prompt_data", "eval_dataset", "remote_rm_url")
+    wandb_project: str = "rlhfkit_train_ppo"
+    max_len: int | None = None
+    max_samples: int = 100_000_000
+    micro_train_batch_size: int = 1
+    max_epochs: int = 1
 
-@dataclass(repr=False, kw_only=True)
+
+@api_config
 class GRPOConfig(PPOConfig):
     """PPOConfig with GRPO's defaults: group_norm advantages over groups of 8 samples, KL to the
     reference as a loss term (k3, coefficient 1e-3), as OpenRLHF's GRPO recipe."""
@@ -52,7 +68,7 @@ class GRPOConfig(PPOConfig):
     init_kl_coef: float = 1e-3
 
 
-@dataclass(repr=False, kw_only=True)
+@api_config
 class RLOOConfig(PPOConfig):
     """PPOConfig with RLOO's defaults: leave-one-out baseline over groups of 4 samples."""
 

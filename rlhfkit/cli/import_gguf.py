@@ -17,7 +17,7 @@ import argparse
 import logging
 from typing import Sequence
 
-from rlhfkit.config.configs import ModelConfig
+from rlhfkit.config.configs import ModelFlags
 from rlhfkit.config.declare import add_fields
 from rlhfkit.config.flags import FlagParser, add_save_path_flag
 
@@ -29,7 +29,7 @@ def build_parser() -> FlagParser:
     with p.group("models"):
         p.flag("--gguf", type=str, required=True, help="the .gguf file to import (llama.cpp's format)")
         add_save_path_flag(p, "where the Hugging Face model folder is written", required=True)
-        add_fields(p, ModelConfig, ["param_dtype"],
+        add_fields(p, ModelFlags, ["param_dtype"],
                    help={"param_dtype": "dtype of the saved weights (the file's are dequantized)"})
     return p
 

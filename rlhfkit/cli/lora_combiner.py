@@ -20,7 +20,7 @@ import argparse
 import logging
 from typing import Sequence
 
-from rlhfkit.config.configs import ModelConfig
+from rlhfkit.config.configs import ModelFlags
 from rlhfkit.config.declare import add_fields
 from rlhfkit.config.flags import FlagParser, add_output_path_flag
 
@@ -34,7 +34,7 @@ def build_parser() -> FlagParser:
         p.flag("--lora_path", type=str, required=True, help="peft adapter directory or hub id")
         add_output_path_flag(p, "where the merged model is written", required=True)
         p.flag("--is_rm", action="store_true", help="the base is a reward model (sequence classification)")
-        add_fields(p, ModelConfig, ["param_dtype"], help={
+        add_fields(p, ModelFlags, ["param_dtype"], help={
             "param_dtype": "dtype of the merged model's saved weights (default: the base model's, from its "
                            "config.json or weights)"})
     p.set_defaults(param_dtype=None)

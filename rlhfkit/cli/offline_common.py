@@ -28,7 +28,9 @@ from rlhfkit.cli.common import (UsageError, check_backend_flags, check_packing, 
                                 parallel_dims, check_packages, report_dropped, resolve_model_paths, save_or_fall_back,
                                 set_seed)
 from rlhfkit.config.configs import BackendConfig, ModelConfig, OptimConfig, from_args
-from rlhfkit.config.flags import (DATA, MODEL, TRAIN, FlagParser, add_backend_flags, add_ckpt_flags, add_data_flags,
+from rlhfkit.config.declare import add_fields
+from rlhfkit.config.offline_flags import PairKeyFlags
+from rlhfkit.config.flags import (MODEL, TRAIN, FlagParser, add_backend_flags, add_ckpt_flags, add_data_flags,
                                   add_logging_flags, add_max_steps_flag, add_model_flags, add_ref_model_flags,
                                   add_train_flags)
 from rlhfkit.data.io import DataError, Row, load_mixture
@@ -62,13 +64,7 @@ def add_offline_flags(p: FlagParser, *, max_len: int, train_batch_size: int, mic
 
 def add_pair_key_flags(p: FlagParser) -> None:
     """Paired preference columns (reward model, DPO)."""
-    with p.group(DATA):
-        p.flag("--prompt_key", "--data.prompt_key", type=str, default=None,
-               help="prompt column; without it chosen/rejected are whole texts or conversations")
-        p.flag("--chosen_key", "--data.chosen_key", type=str, default="chosen",
-               help="column with the preferred answer (or whole text / conversation)")
-        p.flag("--rejected_key", "--data.rejected_key", type=str, default="rejected",
-               help="column with the dispreferred answer (or whole text / conversation)")
+    add_fields(p, PairKeyFlags)
 
 
 def add_ref_flags(p: FlagParser) -> None:

@@ -64,7 +64,7 @@ import torch
 from rlhfkit.serving.app import import_fastapi, bind_port, choose_num_threads, create_app, one_malloc_arena
 from rlhfkit.serving.request import header_timeout_protocol
 from rlhfkit.serving.scorer import RewardScorer, ServeConfig
-from rlhfkit.config.configs import ModelConfig, from_args
+from rlhfkit.config.configs import ModelFlags, from_args
 from rlhfkit.config.declare import add_fields
 from rlhfkit.config.flags import (FlagParser, add_device_flag, add_max_len_flag, add_normalize_reward_flag,
                                   add_packing_flag, add_reward_model_flag, add_value_head_flag)
@@ -96,11 +96,11 @@ def build_parser() -> FlagParser:
         p.flag("--shutdown_timeout_s", type=float, default=5.0,
                help="on SIGTERM, longest wait for requests in progress before they are cancelled")
     with p.group("model loading and device"):
-        add_fields(p, ModelConfig, ["param_dtype", "attn_implementation", "load_in_4bit", "disable_fast_tokenizer"],
+        add_fields(p, ModelFlags, ["param_dtype", "attn_implementation", "load_in_4bit", "disable_fast_tokenizer"],
                    help={"param_dtype": "compute dtype on GPU; CPU computes in fp32",
                          "load_in_4bit": "load the weights in 4-bit NF4 (needs bitsandbytes and CUDA)"})
         add_packing_flag(p, "OpenRLHF: pack queries into one row", inert="serve_rm pads its batches")
-        add_fields(p, ModelConfig, ["experts_implementation", "use_ms"],
+        add_fields(p, ModelFlags, ["experts_implementation", "use_ms"],
                    help={"use_ms": "download --reward_pretrain from ModelScope (needs modelscope)"})
         add_device_flag(p)
         p.flag("--num_threads", type=int, default=0,

@@ -31,6 +31,8 @@ from rlhfkit.cli.offline_common import (
 )
 from rlhfkit.cli.run_dir import training_run
 from rlhfkit.config.configs import from_args
+from rlhfkit.config.declare import add_fields
+from rlhfkit.config.offline_flags import DPOFlags
 from rlhfkit.config.flags import FlagParser, add_beta_flag, add_image_flags
 from rlhfkit.data.preference import PreferenceDataConfig, PreferenceDataset
 from rlhfkit.trainers.dpo_task import DPOTask, check_dpo_settings
@@ -44,12 +46,7 @@ def build_parser() -> FlagParser:
     add_pair_key_flags(p)
     add_ref_flags(p)
     add_beta_flag(p, "DPO temperature beta")
-    p.flag("--ipo", "--model.ipo_enable", action="store_true",
-           help="IPO loss: (z - 1 / (2 beta))^2")
-    p.flag("--label_smoothing", "--model.label_smoothing", type=float, default=0.0,
-           help="cDPO: probability that a preference label is flipped, in [0, 0.5]")
-    p.flag("--nll_loss_coef", "--model.nll_loss_coef", type=float, default=0.0,
-           help="weight of the chosen answers' NLL (Llama 3.1 / RPO style)")
+    add_fields(p, DPOFlags, here=True)
     for dest in ("input_key", "output_key"):
         p.mark_inert(dest, "pairs are read from --prompt_key, --chosen_key and --rejected_key")
     add_image_flags(p)

@@ -27,6 +27,8 @@ from rlhfkit.cli.offline_common import (
 )
 from rlhfkit.cli.run_dir import training_run
 from rlhfkit.config.configs import from_args
+from rlhfkit.config.declare import add_fields
+from rlhfkit.config.offline_flags import KTOFlags
 from rlhfkit.config.flags import FlagParser, add_beta_flag, add_label_key_flag
 from rlhfkit.data.preference import UnpairedDataConfig, UnpairedDataset
 from rlhfkit.trainers.kto_task import KTOTask
@@ -43,10 +45,7 @@ def build_parser() -> FlagParser:
     p.set_defaults(output_key="output")
     add_ref_flags(p)
     add_beta_flag(p, "KTO beta")
-    p.flag("--desirable_loss_weight", "--model.desirable_loss_weight", type=float, default=1.0,
-           help="weight of the loss on desirable answers (lambda_D of the KTO paper)")
-    p.flag("--undesirable_loss_weight", "--model.undesirable_loss_weight", type=float, default=1.0,
-           help="weight of the loss on undesirable answers (lambda_U of the KTO paper)")
+    add_fields(p, KTOFlags, here=True)
     add_label_key_flag(p, "boolean column: true for a desirable answer")
     p.set_defaults(beta=0.01, label_key="label")
     return p

@@ -34,7 +34,9 @@ from rlhfkit.cli.offline_common import (OFFLINE_PLOT_KEYS, OfflineRun, add_offli
                                         load_split_items, save_model, setup, train_task, trainable_backend)
 from rlhfkit.cli.run_dir import training_run
 from rlhfkit.config.configs import ModelConfig, from_args
+from rlhfkit.config.declare import add_fields
 from rlhfkit.config.flags import FlagParser, add_value_head_flag
+from rlhfkit.config.offline_flags import RewardLossFlags
 from rlhfkit.data.preference import PreferenceDataConfig, PreferenceDataset
 from rlhfkit.models.value import load_value_model, scoring_tokenizer, update_reward_config
 from rlhfkit.trainers.metrics import metrics_record
@@ -51,12 +53,7 @@ def build_parser() -> FlagParser:
                       learning_rate=9e-6, wandb_project="rlhfkit_train_rm")
     add_pair_key_flags(p)
     add_value_head_flag(p, "name of the value head module (score: loadable by AutoModelForSequenceClassification)")
-    p.flag("--loss", "--model.loss_type", dest="loss", type=str, default="sigmoid", choices=["sigmoid", "logexp"],
-           help="sigmoid: -log sigmoid(r_c - r_r - margin); logexp: log(1 + exp(r_r - r_c))")
-    p.flag("--margin_loss", "--model.margin_loss_enable", action="store_true",
-           help="subtract each row's `margin` column inside the sigmoid loss")
-    p.flag("--compute_fp32_loss", "--model.compute_fp32_loss_enable", action="store_true",
-           inert="rewards and the loss are always computed in fp32")
+    add_fields(p, RewardLossFlags, here=True)
     for dest in ("input_key", "output_key"):
         p.mark_inert(dest, "pairs are read from --prompt_key, --chosen_key and --rejected_key")
     return p

@@ -16,6 +16,8 @@ from rlhfkit.cli import vlm_setup as V
 from rlhfkit.cli.common import cli_main
 from rlhfkit.cli.run_dir import training_run
 from rlhfkit.config.configs import from_args
+from rlhfkit.config.declare import add_fields
+from rlhfkit.config.offline_flags import SFTFlags
 from rlhfkit.config.flags import FlagParser, add_image_flags, add_pretrain_mode_flag
 from rlhfkit.data.sft import SFTDataConfig, SFTDataset
 from rlhfkit.trainers.sft_task import SFTTask
@@ -25,8 +27,7 @@ def build_parser() -> FlagParser:
     p = FlagParser("train_sft", __doc__ or "")
     C.add_offline_flags(p, max_len=2048, train_batch_size=128, micro_train_batch_size=8, max_epochs=2,
                         learning_rate=5e-6, wandb_project="rlhfkit_train_sft")
-    p.flag("--multiturn", "--data.multiturn", action="store_true",
-           help="--input_key holds a conversation; the loss covers every assistant turn")
+    add_fields(p, SFTFlags, here=True)
     add_pretrain_mode_flag(p, "loss on every token of the raw text (no template; continued pretraining)")
     add_image_flags(p)
     return p

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from rlhfkit.config.declare import Switch, default_of, flag
-from rlhfkit.config.flag_parser import BACKEND, CKPT, DATA, EVAL, LOGGING, LORA, MODEL, OPTIM, TRAIN
+from rlhfkit.config.flag_parser import BACKEND, CKPT, DATA, EVAL, LOGGING, LORA, MODEL, OPTIM, RL_REWARD, TRAIN
 
 T = TypeVar("T")
 
@@ -34,15 +34,35 @@ def from_args(cls: type[T], ns: argparse.Namespace | None = None, **overrides: A
 
 
 @dataclass
-class ModelConfig:
-    """The model to load and how (dtype, attention kernel, LoRA): the flags of the model and LoRA groups."""
+class InputsConfig:
+    """The inputs of the commands: the model, the data and the reward source. The Python API's trainers take
+    them as arguments (objects or paths), so they are no fields of its configs."""
 
     pretrain: str | None = flag(
         None, "--model.model_name_or_path", "--actor.model_name_or_path", group=MODEL,
         help="the model to train or run: a Hugging Face model directory, or a hub id (org/name: the HF cache, else "
              "the hub when online)")
+    dataset: str | None = flag(
+        None, "--data.dataset", group=DATA,
+        help="training data: comma-separated .jsonl/.json/.parquet/.csv files, folders or dataset names")
+    prompt_data: str | None = flag(
+        None, "--data.prompt_dataset",
+        help="prompts: comma-separated .jsonl/.json/.parquet/.csv files, folders or dataset names")
+    eval_dataset: str | None = flag(
+        None, "--eval.dataset", group=EVAL,
+        help="evaluation data, same format as --dataset (default: no evaluation)")
+    remote_rm_url: str | None = flag(
+        None, "--reward.remote_url", group=RL_REWARD,
+        help="http(s) reward server URL(s), comma-separated, or a .py file defining reward_func(queries, prompts, "
+             "labels)")
+
+
+@dataclass
+class ModelFlags:
+    """How the model is loaded and trained (dtype, attention kernel, LoRA): the model and LoRA groups' flags."""
+
     param_dtype: Literal["bf16", "fp16", "fp32"] = flag(
-        "bf16", "--ds.param_dtype", "--fsdp.param_dtype",
+        "bf16", "--ds.param_dtype", "--fsdp.param_dtype", group=MODEL,
         help="compute dtype on GPU (master weights stay fp32); CPU training computes in fp32",
         switches=(Switch("--bf16", "bf16", "alias of --param_dtype bf16"),))
     attn_implementation: str = flag(
@@ -88,10 +108,38 @@ class ModelConfig:
     load_in_4bit: bool = flag(
         False, "--ds.load_in_4bit",
         help="QLoRA: load the frozen base weights in 4-bit NF4 (needs bitsandbytes and CUDA; use with --lora_rank)")
+
+
+@dataclass
+class VisionFlags:
+    """Vision-language data and models (docs/vlm.md): the pictures of a row, their limits, and whether the
+    vision tower trains."""
+
+    image_key: str = flag(
+        "images", "--data.image_key", group=DATA,
+        help="column with a row's pictures: file paths, http(s) URLs, base64 data URIs or image bytes (one, or a list)")
+    max_images_per_prompt: int = flag(
+        0, "--data.max_images_per_prompt",
+        help="> 0 turns on vision-language mode: pictures of --image_key go with each sample, at most this many (a "
+             "row with more is an error)")
+    image_failure: Literal["stop", "drop"] = flag(
+        "stop",
+        help="a missing, unreadable or too large picture: stop with an error naming file and row, or drop its row "
+             "(counted)")
+    max_image_bytes: int = flag(32 * 2**20, help="largest picture file in bytes")
+    max_image_pixels: int = flag(4096 * 4096, help="largest picture in pixels (width x height)")
     freeze_visual_encoder: bool = flag(
         False, "--actor.freeze_visual_encoder", group=MODEL,
         help="vision-language models: the vision tower does not train (nor go to the rollout engines); the language "
              "model and its head do")
+
+
+@dataclass
+class ModelConfig(ModelFlags):
+    """The model to load and how: what the model loader takes (rlhfkit.models.loader)."""
+
+    pretrain: str | None = default_of(InputsConfig, "pretrain")
+    freeze_visual_encoder: bool = default_of(VisionFlags, "freeze_visual_encoder")
 
 
 # --lr_scheduler: the names of transformers.SchedulerType that need nothing but warm-up and total steps
@@ -108,12 +156,18 @@ MASTER_WEIGHTS_HELP = (
 
 
 @dataclass
-class OptimConfig:
-    """The optimizer, its schedule and the step guard's limits (rlhfkit.backend.optim, rlhfkit.backend.guard).
-    The RL commands name the policy's with --actor.* (and its learning rate --actor_learning_rate)."""
+class LearningRateFlags:
+    """The offline commands' learning rate (the RL commands have one per model: rl_flags.RLTrainFlags)."""
 
     learning_rate: float = flag(5e-6, "--adam.lr", group=OPTIM, help="peak learning rate")
-    adam_betas: list[float] = flag([0.9, 0.95], "--adam.betas", "--actor.adam.betas", nargs=2,
+
+
+@dataclass
+class OptimFlags:
+    """The optimizer, its schedule and the step guard's limits (rlhfkit.backend.optim, rlhfkit.backend.guard).
+    The RL commands name the policy's with --actor.*."""
+
+    adam_betas: list[float] = flag([0.9, 0.95], "--adam.betas", "--actor.adam.betas", nargs=2, group=OPTIM,
                                    help="AdamW beta1 beta2")
     adam_eps: float = flag(1e-8, "--adam.eps", "--actor.adam.eps", help="AdamW epsilon")
     l2: float = flag(0.0, "--adam.weight_decay", "--actor.adam.weight_decay", help="AdamW weight decay")
@@ -151,11 +205,16 @@ class OptimConfig:
              "saturated model) stop the run with exit code 1, nothing saved (-1: off)")
 
 
+@dataclass
+class OptimConfig(OptimFlags, LearningRateFlags):
+    """What the optimizer and its schedule take (rlhfkit.backend.optim)."""
+
+
 DS_ONLY = "a DeepSpeed setting; the FSDP2 backend has no equivalent"
 
 
 @dataclass
-class BackendConfig:
+class BackendFlags:
     """How a model is wrapped and trained (FSDP2 by default): sharding, parallel sizes, device, seed, export."""
 
     backend: Literal["fsdp2", "deepspeed"] = flag(
@@ -205,6 +264,12 @@ class BackendConfig:
         "auto",
         help="dtype of the saved Hugging Face model (auto: the dtype --pretrain's folder stores, else the compute "
              "dtype)")
+
+
+@dataclass
+class BackendConfig(BackendFlags):
+    """What a training backend takes (rlhfkit.backend.fsdp2): its flags and the model's settings it applies."""
+
     param_dtype: str = default_of(ModelConfig, "param_dtype")
     gradient_checkpointing: bool = default_of(ModelConfig, "gradient_checkpointing")
     mixed_precision: str = default_of(ModelConfig, "mixed_precision")  # see ModelConfig.mixed_precision
@@ -245,7 +310,7 @@ class BatchConfig:
 
 
 @dataclass
-class CheckpointConfig:
+class CheckpointFlags:
     """Where a run's model, checkpoints and records go, and how checkpoints are kept and resumed."""
 
     save_path: str = flag("./ckpt", "--ckpt.output_dir", group=CKPT,
@@ -283,14 +348,17 @@ class CheckpointConfig:
         10.0,
         help="on SIGINT / SIGTERM the current step may finish within this many seconds (else it is abandoned); then "
              "a resumable checkpoint is written, the resume command printed, exit 130 / 143")
-    best_metric_key: str = flag(
-        "", "--ckpt.best_metric_key",
-        help="eval metric that picks the best checkpoint ('': the first *_pass1 one; none: off)")
+
+
+@dataclass
+class OutputPathFlags:
+    """The file a tool command (batch_inference, lora_combiner) writes."""
+
     output_path: str | None = flag(None, help="the file or folder the command writes")
 
 
 @dataclass
-class LoggingConfig:
+class LoggingFlags:
     """Metrics and where they go: the console, wandb, TensorBoard; how often, and how often to evaluate."""
 
     logging_steps: int = flag(1, "--logger.logging_steps", group=LOGGING, help="log metrics every N optimizer steps")
@@ -307,13 +375,6 @@ class LoggingConfig:
         help="write TensorBoard event files to <this folder>/<run name>: --wandb_run_name, else the run directory's "
              "name and the start time (needs tensorboard)")
     disable_progress: bool = flag(False, help="no progress bar")
-    log_completions_steps: int = flag(
-        10,
-        help="every N RL steps (and at step 1) log a table of sampled prompts, completions, rewards and labels: "
-             "completions.jsonl in the run directory, TensorBoard text, a wandb table, and its first rows on the "
-             "console (0: off)")
-    log_completions_rows: int = flag(
-        8, help="samples in each --log_completions_steps table, taken from as many prompts as possible")
     eval_steps: int = flag(-1, "--eval.steps", group=EVAL, help="evaluate every N steps (-1: once per epoch)")
 
 
@@ -321,21 +382,11 @@ DEFAULT_INPUT_TEMPLATE: str | None = None  # every command: the prompt as it is 
 
 
 @dataclass
-class DataConfig:
-    """The training data of the offline commands: files, columns, templates, limits; evaluation data; pictures."""
+class DataFlags:
+    """How rows become samples: columns, templates, length and size limits; the evaluation data's split."""
 
-    dataset: str | None = flag(
-        None, "--data.dataset", group=DATA,
-        help="training data: comma-separated .jsonl/.json/.parquet/.csv files, folders or dataset names")
-    dataset_probs: str | None = flag(
-        None, "--data.dataset_probs",
-        help="comma-separated sampling probabilities, one per --dataset entry (default: concatenate)")
-    dataset_split: str = flag("train", "--data.dataset_split", "--train_split",
-                              help="split of --dataset to read (for datasets with splits)")
-    input_key: str = flag("input", "--data.input_key", help="column with the prompt (or the whole text / conversation)")
-    output_key: str | None = flag(None, "--data.output_key",
-                                  help="column with the response (see the command's description)")
-    label_key: str | None = flag(None, "--data.label_key", help="column with the label")
+    input_key: str = flag("input", "--data.input_key", group=DATA,
+                          help="column with the prompt (or the whole text / conversation)")
     input_template: str | None = flag(
         DEFAULT_INPUT_TEMPLATE, "--data.input_template",
         help="format of the prompt with one {} for the --input_key text (default, or '': the text as it is)")
@@ -353,37 +404,51 @@ class DataConfig:
     dataloader_num_workers: int = flag(
         0, "--data.dataloader_num_workers", help="OpenRLHF: DataLoader worker processes",
         inert="data is tokenized once up front and batched in the training process (no loader workers)")
-    image_key: str = flag(
-        "images", "--data.image_key",
-        help="column with a row's pictures: file paths, http(s) URLs, base64 data URIs or image bytes (one, or a list)")
-    max_images_per_prompt: int = flag(
-        0, "--data.max_images_per_prompt",
-        help="> 0 turns on vision-language mode: pictures of --image_key go with each sample, at most this many (a "
-             "row with more is an error)")
-    image_failure: Literal["stop", "drop"] = flag(
-        "stop",
-        help="a missing, unreadable or too large picture: stop with an error naming file and row, or drop its row "
-             "(counted)")
-    max_image_bytes: int = flag(32 * 2**20, help="largest picture file in bytes")
-    max_image_pixels: int = flag(4096 * 4096, help="largest picture in pixels (width x height)")
-    eval_dataset: str | None = flag(
-        None, "--eval.dataset", group=EVAL,
-        help="evaluation data, same format as --dataset (default: no evaluation)")
-    eval_split: str = flag("train", "--eval.split", help="split of --eval_dataset to read")
+    eval_split: str = flag("train", "--eval.split", group=EVAL, help="split of --eval_dataset to read")
 
 
 @dataclass
-class OtherModelsConfig:
-    """The reward and reference models beside the trained one (reward models, DPO / KTO, the RL KL term)."""
+class OfflineDataFlags:
+    """The offline commands' --dataset: its mixing probabilities, split and response column."""
+
+    dataset_probs: str | None = flag(
+        None, "--data.dataset_probs", group=DATA,
+        help="comma-separated sampling probabilities, one per --dataset entry (default: concatenate)")
+    dataset_split: str = flag("train", "--data.dataset_split", "--train_split",
+                              help="split of --dataset to read (for datasets with splits)")
+    output_key: str | None = flag(None, "--data.output_key",
+                                  help="column with the response (see the command's description)")
+
+
+@dataclass
+class LabelFlags:
+    """A label column (KTO, PRM, the RL reward's label)."""
+
+    label_key: str | None = flag(None, "--data.label_key", group=DATA, help="column with the label")
+
+
+@dataclass
+class RewardModelFlags:
+    """Reward models (RL; batch_inference and serve_rm score with one)."""
 
     reward_pretrain: str | None = flag(
         None, "--reward.model_name_or_path",
         help="reward model directory or hub id (a sequence classifier with one output); several, comma-separated, "
              "are summed")
-    value_head_prefix: str = flag("score", "--ds.value_head_prefix", "--value_prefix_head",
-                                  help="name of the reward / critic model's value head module")
     normalize_reward: bool = flag(False, "--reward.normalize_enable",
                                   help="normalise reward-model scores with the mean / std stored in its config")
+
+
+@dataclass
+class ValueHeadFlags:
+    value_head_prefix: str = flag("score", "--ds.value_head_prefix", "--value_prefix_head",
+                                  help="name of the reward / critic model's value head module")
+
+
+@dataclass
+class RefModelFlags:
+    """The reference model (DPO / KTO, the RL KL term)."""
+
     ref_pretrain: str | None = flag(None, "--ref.model_name_or_path",
                                     help="reference model directory or hub id (default: --pretrain)")
     ref_offload: bool = flag(False, "--ref.offload",
@@ -391,10 +456,12 @@ class OtherModelsConfig:
 
 
 @dataclass
-class OfflineLossConfig:
-    """Loss settings that several offline commands share (each sets its own default of beta)."""
+class BetaFlags:
+    beta: float = flag(0.1, "--model.beta", help="the loss's beta (DPO / KTO; each command sets its default)")
 
-    beta: float = flag(0.1, "--model.beta", help="the loss's beta")
+
+@dataclass
+class PretrainModeFlags:
     pretrain_mode: bool = flag(False, "--model.pretrain_mode_enable",
                                help="loss on every token of the raw text (no template)")
 
@@ -405,7 +472,7 @@ ROLLOUT_ENGINE_HELP = ("generation engine: builtin (continuous batching, no extr
 
 
 @dataclass
-class SamplingConfig:
+class SamplingFlags:
     """Generation: the engine, how many prompts at once, their lengths and the sampling (train_ppo's rollout,
     batch_inference, interactive_chat)."""
 
@@ -416,10 +483,16 @@ class SamplingConfig:
         None, "--max_new_tokens", "--rollout.max_new_tokens",
         help="new tokens of one generation (default: 1024; with --max_len given, what --max_len leaves after the "
              "prompt, as OpenRLHF's --rollout.max_new_tokens)")
-    greedy_sampling: bool = flag(False, help="greedy decoding (temperature 0)")
     temperature: float = flag(1.0, "--rollout.temperature", help="sampling temperature")
     top_p: float = flag(1.0, "--rollout.top_p", help="nucleus sampling: keep this probability mass")
-    repetition_penalty: float = flag(
-        1.0, help="1.0 = none; > 1 discourages repeating tokens of the prompt and the completion")
     enable_prefix_caching: bool = flag(False, "--vllm.enable_prefix_caching",
                                        help="vLLM prefix caching (--rollout_engine vllm)")
+
+
+@dataclass
+class ChatSamplingFlags:
+    """Sampling settings of the commands that only generate (batch_inference, interactive_chat)."""
+
+    greedy_sampling: bool = flag(False, help="greedy decoding (temperature 0)")
+    repetition_penalty: float = flag(
+        1.0, help="1.0 = none; > 1 discourages repeating tokens of the prompt and the completion")

@@ -36,9 +36,18 @@ import dataclasses
 import types
 import typing
 from dataclasses import dataclass
-from typing import Any, Collection, Literal, Mapping, Sequence, Union
+from typing import Any, Collection, ContextManager, Literal, Mapping, Protocol, Sequence, Union
 
-from rlhfkit.config.flag_parser import FlagParser
+
+class FlagParser(Protocol):
+    """What `add_fields` uses of rlhfkit.config.flag_parser.FlagParser (which declares its own flags,
+    --log_level and --verbose, with this module, so this module does not import it)."""
+
+    _current: Any  # the group block flags are being added in, if any
+
+    def group(self, title: str, description: str | None = None) -> ContextManager[Any]: ...
+
+    def flag(self, *names: str, inert: str | None = None, **kw: Any) -> Any: ...
 
 FLAG = "flag"  # the metadata key of a field's FlagSpec
 

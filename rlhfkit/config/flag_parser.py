@@ -34,9 +34,11 @@ import os
 import re
 import sys
 import weakref
-from typing import Any, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Iterator, Literal, Mapping, Sequence
 
 from rlhfkit import logs
+from rlhfkit.config.declare import add_fields, flag
 from rlhfkit.logs import LEVELS
 
 log = logging.getLogger(__name__)
@@ -113,6 +115,21 @@ def _terminal_width() -> int:
         return 118
 
 
+@dataclass
+class ConsoleFlags:
+    """What every command prints on the console."""
+
+    log_level: Literal["debug", "info", "warning", "error"] = flag(
+        "info", choices=list(LEVELS),
+        help="console messages from this level up (debug: also transformers' info messages and third-party progress "
+             "bars); the run directory's train.log gets every level")
+    verbose: bool = flag(
+        False,
+        help="also print third-party messages on the console: transformers' load reports and warnings, other "
+             "packages' FutureWarnings and warnings, their progress bars (without it they go to train.log only; "
+             "errors always show)")
+
+
 class FlagParser(argparse.ArgumentParser):
     """argparse with exact-match flags, dotted aliases, help groups, --config and conflict checks."""
 
@@ -131,17 +148,12 @@ class FlagParser(argparse.ArgumentParser):
         self._setup_logging = not own_logging
         self.add_argument("--version", action="version", version=f"rlhfkit {package_version()}",
                           help="print the rlhfkit version and exit")
-        self.add_argument(
-            "--log_level", type=str, default="info", choices=list(LEVELS),
-            help="level of the server's log lines on stderr" if own_logging else
-            "console messages from this level up (debug: also transformers' info messages and third-party "
-            "progress bars); the run directory's train.log gets every level")
-        if not own_logging:
-            self.add_argument(
-                "--verbose", action="store_true",
-                help="also print third-party messages on the console: transformers' load reports and warnings, other "
-                     "packages' FutureWarnings and warnings, their progress bars (without it they go to train.log "
-                     "only; errors always show)")
+        self._current = self._optionals  # the general group
+        try:
+            add_fields(self, ConsoleFlags, ["log_level"] if own_logging else ["log_level", "verbose"], here=True,
+                       help={"log_level": "level of the server's log lines on stderr"} if own_logging else {})
+        finally:
+            self._current = None
         if config_file:
             self.add_argument("--config", type=str, default=None, metavar="FILE",
                               help="YAML or JSON file of flag values (flat or dotted names, nested mappings "

@@ -32,10 +32,12 @@ import os
 import typing
 from typing import Any
 
-from rlhfkit.config.configs import (DEFAULT_INPUT_TEMPLATE, ROLLOUT_ENGINE_HELP, BackendConfig,  # noqa: F401
-                                    BatchConfig, CheckpointConfig, DataConfig, LoggingConfig, LRSchedule, ModelConfig,
-                                    OfflineLossConfig, OptimConfig, OtherModelsConfig, SamplingConfig)
-from rlhfkit.config.declare import add_fields, flag_fields
+from rlhfkit.config.configs import (DEFAULT_INPUT_TEMPLATE, ROLLOUT_ENGINE_HELP, BackendFlags,  # noqa: F401
+                                    BatchConfig, BetaFlags, ChatSamplingFlags, CheckpointFlags, DataFlags, InputsConfig,
+                                    LabelFlags, LearningRateFlags, LoggingFlags, LRSchedule, ModelFlags,
+                                    OfflineDataFlags, OptimFlags, OutputPathFlags, PretrainModeFlags, RefModelFlags,
+                                    RewardModelFlags, SamplingFlags, ValueHeadFlags, VisionFlags)
+from rlhfkit.config.declare import add_fields, declared_help
 from rlhfkit.config.flag_parser import (BACKEND, CKPT, DATA, EVAL, LOGGING, LORA, MODEL, OPTIM,  # noqa: F401
                                         TRAIN, FlagParser, describe, parsed_values, str2bool)
 from rlhfkit.fileio import atomic_write_text
@@ -60,11 +62,11 @@ def _here(p: FlagParser, cls: type, name: str, help: str | None = None, **kw: An
 
 
 def add_packing_flag(p: FlagParser, help: str | None = None, inert: str | None = None) -> None:
-    _here(p, BackendConfig, "packing_samples", help, inert={"packing_samples": inert} if inert else {})
+    _here(p, BackendFlags, "packing_samples", help, inert={"packing_samples": inert} if inert else {})
 
 
 def add_device_flag(p: FlagParser) -> None:
-    _here(p, BackendConfig, "device")
+    _here(p, BackendFlags, "device")
 
 
 def add_model_name_alias_flag(p: FlagParser) -> None:
@@ -72,12 +74,10 @@ def add_model_name_alias_flag(p: FlagParser) -> None:
     p.flag("--model_name_or_path", dest="pretrain", type=str, default=None, help="alias of --pretrain")
 
 
-# the model and LoRA groups: every flag of ModelConfig but --freeze_visual_encoder (add_image_flags)
-MODEL_FLAGS = tuple(f.name for f in flag_fields(ModelConfig) if f.name != "freeze_visual_encoder")
-
-
 def add_model_flags(p: FlagParser) -> None:
-    add_fields(p, ModelConfig, MODEL_FLAGS)
+    """The model and LoRA groups: --pretrain and every flag of ModelFlags."""
+    add_fields(p, InputsConfig, ["pretrain"])
+    add_fields(p, ModelFlags)
 
 
 TRAINING_ONLY = ("gradient_checkpointing", "mixed_precision", "torch_compile", "aux_loss_coef")
@@ -92,58 +92,63 @@ def mark_training_only(p: FlagParser) -> None:
 def add_template_flags(p: FlagParser, input_help: str | None = None, chat_help: str | None = None) -> None:
     """--input_template (one default for every command), --apply_chat_template, --tokenizer_chat_template."""
     helps = {k: v for k, v in (("input_template", input_help), ("apply_chat_template", chat_help)) if v}
-    add_fields(p, DataConfig, ["input_template", "apply_chat_template", "tokenizer_chat_template"], help=helps,
+    add_fields(p, DataFlags, ["input_template", "apply_chat_template", "tokenizer_chat_template"], help=helps,
                here=True)
 
 
 def add_input_key_flag(p: FlagParser, help: str | None = None) -> None:
-    _here(p, DataConfig, "input_key", help)
+    _here(p, DataFlags, "input_key", help)
 
 
 def add_label_key_flag(p: FlagParser, help: str) -> None:
     """--label_key (default: none; a command whose data needs one sets its default)."""
-    _here(p, DataConfig, "label_key", help)
+    _here(p, LabelFlags, "label_key", help)
 
 
 def add_max_len_flag(p: FlagParser, help: str | None = None) -> None:
-    _here(p, DataConfig, "max_len", help)
+    _here(p, DataFlags, "max_len", help)
 
 
 def add_max_samples_flag(p: FlagParser, help: str | None = None) -> None:
-    _here(p, DataConfig, "max_samples", help)
+    _here(p, DataFlags, "max_samples", help)
 
 
 def add_eval_data_flags(p: FlagParser, help: str | None = None) -> None:
-    add_fields(p, DataConfig, ["eval_dataset", "eval_split"], help={"eval_dataset": help} if help else {}, here=True)
+    _here(p, InputsConfig, "eval_dataset", help)
+    _here(p, DataFlags, "eval_split")
 
 
 def add_data_flags(p: FlagParser, *, max_len: int | None = None, max_samples: int | None = None) -> None:
     """`max_len`, `max_samples`: the command's defaults of those flags, when not the shared ones."""
-    add_fields(p, DataConfig, ["dataset", "dataset_probs", "dataset_split", "input_key", "output_key", "input_template",
-                               "apply_chat_template", "tokenizer_chat_template", "max_len", "max_samples",
-                               "max_row_bytes", "dataloader_num_workers", "eval_dataset", "eval_split"])
+    with p.group(DATA):
+        add_fields(p, InputsConfig, ["dataset"], here=True)
+        add_fields(p, OfflineDataFlags, ["dataset_probs", "dataset_split"], here=True)
+        add_input_key_flag(p)
+        add_fields(p, OfflineDataFlags, ["output_key"], here=True)
+        add_fields(p, DataFlags, ["input_template", "apply_chat_template", "tokenizer_chat_template", "max_len",
+                                  "max_samples", "max_row_bytes", "dataloader_num_workers"], here=True)
+    with p.group(EVAL):
+        add_eval_data_flags(p)
     p.set_defaults(**{k: v for k, v in (("max_len", max_len), ("max_samples", max_samples)) if v is not None})
 
 
 def add_image_flags(p: FlagParser) -> None:
     """Vision-language data and models (docs/vlm.md): the pictures of a row, their limits, and
     whether the vision tower trains."""
-    add_fields(p, DataConfig, ["image_key", "max_images_per_prompt", "image_failure", "max_image_bytes",
-                               "max_image_pixels"])
-    add_fields(p, ModelConfig, ["freeze_visual_encoder"])
+    add_fields(p, VisionFlags)
 
 
 def add_dataloader_workers_flag(p: FlagParser) -> None:
-    _here(p, DataConfig, "dataloader_num_workers")
+    _here(p, DataFlags, "dataloader_num_workers")
 
 
 def add_max_row_bytes_flag(p: FlagParser) -> None:
-    _here(p, DataConfig, "max_row_bytes")
+    _here(p, DataFlags, "max_row_bytes")
 
 
 def add_seed_flag(p: FlagParser, help: str | None = None, *, trainer: bool = False) -> None:
     """--seed (default 42); `trainer`: also OpenRLHF's --train.seed."""
-    _here(p, BackendConfig, "seed", help, **({} if trainer else {"names": {"seed": ["--seed"]}}))
+    _here(p, BackendFlags, "seed", help, **({} if trainer else {"names": {"seed": ["--seed"]}}))
 
 
 def add_batch_flags(p: FlagParser, *, batch_help: str | None = None, epochs_help: str | None = None) -> None:
@@ -153,7 +158,7 @@ def add_batch_flags(p: FlagParser, *, batch_help: str | None = None, epochs_help
 
 
 def add_full_determinism_flag(p: FlagParser) -> None:
-    _here(p, BackendConfig, "full_determinism")
+    _here(p, BackendFlags, "full_determinism")
 
 
 def add_max_steps_flag(p: FlagParser, help: str | None = None) -> None:
@@ -163,13 +168,13 @@ def add_max_steps_flag(p: FlagParser, help: str | None = None) -> None:
 def add_adam_flags(p: FlagParser, *, actor: bool = False, note: str = "") -> None:
     """--adam_betas, --adam_eps, --l2 with their --adam.* names, or (`actor`) their --actor.adam.* names."""
     names = ["adam_betas", "adam_eps", "l2"]
-    add_fields(p, OptimConfig, names, drop=("--adam.",) if actor else ("--actor.",), here=True,
-               help={n: OptimConfig.__dataclass_fields__[n].metadata["flag"].help + note for n in names} if note else {})
+    add_fields(p, OptimFlags, names, drop=("--adam.",) if actor else ("--actor.",), here=True,
+               help={n: declared_help(OptimFlags, n) + note for n in names} if note else {})
 
 
 def add_schedule_flags(p: FlagParser, *, actor: bool = False) -> None:
     """--lr_scheduler, --lr_warmup_ratio, --min_lr_ratio, --max_norm; `actor`: also their --actor.* names."""
-    add_fields(p, OptimConfig, ["lr_scheduler", "lr_warmup_ratio", "min_lr_ratio", "max_norm"],
+    add_fields(p, OptimFlags, ["lr_scheduler", "lr_warmup_ratio", "min_lr_ratio", "max_norm"],
                drop=() if actor else ("--actor.",), here=True)
 
 
@@ -182,7 +187,7 @@ def add_train_flags(p: FlagParser, *, train_batch_size: int | None = None, micro
         add_seed_flag(p, trainer=True)
         add_full_determinism_flag(p)
     with p.group(OPTIM):
-        _here(p, OptimConfig, "learning_rate")
+        _here(p, LearningRateFlags, "learning_rate")
         add_adam_flags(p)
         add_optimizer_choice_flags(p)
         add_schedule_flags(p)
@@ -198,52 +203,52 @@ OPTIMIZER_CHOICE = ("optim", "master_weights", "muon_lr", "muon_momentum", "muon
 def add_optimizer_choice_flags(p: FlagParser, *, actor: bool = False) -> None:
     """--optim adam|adamw_8bit|muon, --master_weights and the Muon settings (rlhfkit.backend.muon), with their
     --muon.* names, or (`actor`) their --actor.* names (the critic's are rlhfkit.config.rl_flags.CriticOptimConfig)."""
-    add_fields(p, OptimConfig, OPTIMIZER_CHOICE, drop=("--muon.",) if actor else ("--actor.",), here=True)
+    add_fields(p, OptimFlags, OPTIMIZER_CHOICE, drop=("--muon.",) if actor else ("--actor.",), here=True)
 
 
 def add_nonfinite_flag(p: FlagParser) -> None:
     """The step guard's limits (rlhfkit.backend.guard): non-finite numbers and divergence."""
-    add_fields(p, OptimConfig, ["max_nonfinite_steps", "max_weight_growth", "max_zero_grad_steps"], here=True)
+    add_fields(p, OptimFlags, ["max_nonfinite_steps", "max_weight_growth", "max_zero_grad_steps"], here=True)
 
 
 def add_backend_flags(p: FlagParser) -> None:
-    add_fields(p, BackendConfig, ["backend", "zero_stage", "local_rank", "adam_offload", "packing_samples",
+    add_fields(p, BackendFlags, ["backend", "zero_stage", "local_rank", "adam_offload", "packing_samples",
                                   "ring_attn_size", "ring_head_stride", "ds_tensor_parallel_size", "zpg",
                                   "overlap_comm", "grad_accum_dtype", "deepcompile", "use_universal_ckpt", "device"])
 
 
 def add_zero_stage_flag(p: FlagParser, help: str | None = None, inert: str | None = None) -> None:
-    _here(p, BackendConfig, "zero_stage", help, inert={"zero_stage": inert} if inert else {})
+    _here(p, BackendFlags, "zero_stage", help, inert={"zero_stage": inert} if inert else {})
 
 
 def add_local_rank_flag(p: FlagParser) -> None:
-    _here(p, BackendConfig, "local_rank")
+    _here(p, BackendFlags, "local_rank")
 
 
 def add_ckpt_flags(p: FlagParser) -> None:
     with p.group(CKPT):
-        add_fields(p, CheckpointConfig, ["save_path", "run_dir", "overwrite_output_dir", "save_steps", "ckpt_path",
+        add_fields(p, CheckpointFlags, ["save_path", "run_dir", "overwrite_output_dir", "save_steps", "ckpt_path",
                                          "max_ckpt_num", "max_ckpt_mem", "load_checkpoint", "allow_resume_changes",
                                          "save_hf_ckpt"])
-        add_fields(p, BackendConfig, ["hf_max_shard_size", "save_dtype"])
-        add_fields(p, CheckpointConfig, ["disable_ds_ckpt", "stop_grace_s"])
+        add_fields(p, BackendFlags, ["hf_max_shard_size", "save_dtype"])
+        add_fields(p, CheckpointFlags, ["disable_ds_ckpt", "stop_grace_s"])
 
 
 def add_save_path_flag(p: FlagParser, help: str | None = None, required: bool = False) -> None:
     """--save_path (--ckpt.output_dir); default ./ckpt, or `required`."""
-    _here(p, CheckpointConfig, "save_path", help, required=["save_path"] if required else [])
+    _here(p, CheckpointFlags, "save_path", help, required=["save_path"] if required else [])
 
 
 def add_run_dir_flag(p: FlagParser, help: str | None = None) -> None:
-    _here(p, CheckpointConfig, "run_dir", help)
+    _here(p, CheckpointFlags, "run_dir", help)
 
 
 def add_output_path_flag(p: FlagParser, help: str, required: bool = False) -> None:
-    _here(p, CheckpointConfig, "output_path", help, required=["output_path"] if required else [])
+    _here(p, OutputPathFlags, "output_path", help, required=["output_path"] if required else [])
 
 
 def add_progress_flag(p: FlagParser) -> None:
-    _here(p, LoggingConfig, "disable_progress")
+    _here(p, LoggingFlags, "disable_progress")
 
 
 LOGGING_FLAGS = ("logging_steps", "use_wandb", "wandb_org", "wandb_group", "wandb_project", "wandb_run_name",
@@ -252,76 +257,77 @@ LOGGING_FLAGS = ("logging_steps", "use_wandb", "wandb_org", "wandb_group", "wand
 
 def add_logging_flags(p: FlagParser, *, wandb_project: str | None = None, eval_default: str | None = None) -> None:
     """`wandb_project`: the command's project; `eval_default`: what --eval_steps -1 means in it."""
-    add_fields(p, LoggingConfig, LOGGING_FLAGS)
-    add_fields(p, LoggingConfig, ["eval_steps"],
+    add_fields(p, LoggingFlags, LOGGING_FLAGS)
+    add_fields(p, LoggingFlags, ["eval_steps"],
                help={"eval_steps": f"evaluate every N steps (-1: {eval_default})"} if eval_default else {})
     if wandb_project:
         p.set_defaults(wandb_project=wandb_project)
 
 
 def add_reward_model_flag(p: FlagParser, help: str) -> None:
-    _here(p, OtherModelsConfig, "reward_pretrain", help)
+    _here(p, RewardModelFlags, "reward_pretrain", help)
 
 
 def add_value_head_flag(p: FlagParser, help: str | None = None) -> None:
     """--value_head_prefix (--ds.value_head_prefix, OpenRLHF's misspelt --value_prefix_head); default score."""
-    _here(p, OtherModelsConfig, "value_head_prefix", help)
+    _here(p, ValueHeadFlags, "value_head_prefix", help)
 
 
 def add_normalize_reward_flag(p: FlagParser, help: str | None = None) -> None:
-    _here(p, OtherModelsConfig, "normalize_reward", help)
+    _here(p, RewardModelFlags, "normalize_reward", help)
 
 
 def add_ref_model_flags(p: FlagParser, memory: str = "host", of: str = "") -> None:
     """--ref_pretrain and --ref_offload: the reference model (DPO / KTO, the RL KL term)."""
-    add_fields(p, OtherModelsConfig, ["ref_pretrain", "ref_offload"], here=True, help={
+    add_fields(p, RefModelFlags, ["ref_pretrain", "ref_offload"], here=True, help={
         "ref_pretrain": f"reference model{of} directory or hub id (default: --pretrain)",
         "ref_offload": f"keep the reference model in {memory} memory between its forward passes"})
 
 
 def add_beta_flag(p: FlagParser, help: str) -> None:
     """--beta (--model.beta) of DPO / KTO; each command sets its default."""
-    _here(p, OfflineLossConfig, "beta", help)
+    _here(p, BetaFlags, "beta", help)
 
 
 def add_pretrain_mode_flag(p: FlagParser, help: str | None = None) -> None:
-    _here(p, OfflineLossConfig, "pretrain_mode", help)
+    _here(p, PretrainModeFlags, "pretrain_mode", help)
 
 
 def add_rollout_engine_flag(p: FlagParser, help: str | None = None) -> None:
-    _here(p, SamplingConfig, "rollout_engine", help)
+    _here(p, SamplingFlags, "rollout_engine", help)
 
 
 def add_rollout_batch_flag(p: FlagParser, help: str | None = None, *, rl: bool = True) -> None:
     """--rollout_batch_size (default 1024); `rl`: also --rollout.batch_size."""
-    _here(p, SamplingConfig, "rollout_batch_size", help, drop=() if rl else ("--rollout.",))
+    _here(p, SamplingFlags, "rollout_batch_size", help, drop=() if rl else ("--rollout.",))
 
 
 def add_prompt_max_len_flag(p: FlagParser, help: str | None = None) -> None:
-    _here(p, SamplingConfig, "prompt_max_len", help)
+    _here(p, SamplingFlags, "prompt_max_len", help)
 
 
 def add_max_new_tokens_flag(p: FlagParser, help: str | None = None, *, rl: bool = True) -> None:
     """`rl`: train_ppo's --generate_max_len (default None), with --max_new_tokens and --rollout.max_new_tokens as
     its aliases; else --max_new_tokens alone, whose dest is max_new_tokens (batch_inference sets its default)."""
-    _here(p, SamplingConfig, "generate_max_len", help,
+    _here(p, SamplingFlags, "generate_max_len", help,
           **({} if rl else {"names": {"generate_max_len": ["--max_new_tokens"]},
                             "dests": {"generate_max_len": "max_new_tokens"}}))
 
 
 def add_temperature_flag(p: FlagParser, help: str | None = None, *, rl: bool = False) -> None:
-    _here(p, SamplingConfig, "temperature", help, drop=() if rl else ("--rollout.",))
+    _here(p, SamplingFlags, "temperature", help, drop=() if rl else ("--rollout.",))
 
 
 def add_top_p_flag(p: FlagParser, *, rl: bool = False) -> None:
-    _here(p, SamplingConfig, "top_p", drop=() if rl else ("--rollout.",))
+    _here(p, SamplingFlags, "top_p", drop=() if rl else ("--rollout.",))
 
 
 def add_sampling_flags(p: FlagParser, what: str | None = None) -> None:
     """batch_inference and interactive_chat: --greedy_sampling, --temperature, --top_p, --repetition_penalty."""
     penalty = f"1.0 = none; > 1 discourages repeating tokens of the prompt and the {what}" if what else None
-    add_fields(p, SamplingConfig, ["greedy_sampling", "temperature", "top_p", "repetition_penalty"], here=True,
-               drop=("--rollout.",), help={"repetition_penalty": penalty} if penalty else {})
+    _here(p, ChatSamplingFlags, "greedy_sampling")
+    add_fields(p, SamplingFlags, ["temperature", "top_p"], here=True, drop=("--rollout.",))
+    _here(p, ChatSamplingFlags, "repetition_penalty", penalty)
     p.implies("--greedy_sampling", temperature=0.0)
 
 
@@ -335,7 +341,7 @@ def add_csft_flags(p: FlagParser) -> None:
 
 
 def add_prefix_caching_flag(p: FlagParser, *, rl: bool = True) -> None:
-    _here(p, SamplingConfig, "enable_prefix_caching", drop=() if rl else ("--vllm.",))
+    _here(p, SamplingFlags, "enable_prefix_caching", drop=() if rl else ("--vllm.",))
 
 
 # the arithmetic task (make_data, quickstart) and the tiny model (make_tiny_model, quickstart)

@@ -14,11 +14,11 @@ import typing
 from dataclasses import dataclass
 from typing import Literal
 
-from rlhfkit.config.configs import CheckpointConfig, LoggingConfig, LRSchedule, OptimConfig
+from rlhfkit.config.configs import InputsConfig, LRSchedule, OptimFlags
 from rlhfkit.config.declare import Switch, add_fields, declared_default, declared_help, flag, flag_fields
 from rlhfkit.config.flag_parser import (RL_ALGO, RL_ASYNC, RL_CRITIC, RL_MODELS, RL_PLACEMENT, RL_PTX, RL_REWARD,
                                         RL_ROLLOUT)
-from rlhfkit.config.flags import (DATA, EVAL, OPTIM, ROLLOUT_ENGINE_HELP, TRAIN,
+from rlhfkit.config.flags import (CKPT, DATA, EVAL, LOGGING, OPTIM, ROLLOUT_ENGINE_HELP, TRAIN,
                                   FlagParser, add_adam_flags, add_backend_flags, add_batch_flags, add_ckpt_flags,
                                   add_dataloader_workers_flag, add_eval_data_flags, add_full_determinism_flag,
                                   add_image_flags, add_input_key_flag, add_label_key_flag, add_logging_flags,
@@ -29,7 +29,8 @@ from rlhfkit.config.flags import (DATA, EVAL, OPTIM, ROLLOUT_ENGINE_HELP, TRAIN,
                                   add_rollout_batch_flag, add_rollout_engine_flag, add_schedule_flags, add_seed_flag,
                                   add_temperature_flag, add_template_flags, add_top_p_flag,
                                   add_value_head_flag)
-from rlhfkit.weightsync.flags import DEFAULT_BUCKET_MB, METHODS
+from rlhfkit.weightsync.flags import DEFAULT_BUCKET_MB
+from rlhfkit.weightsync.flags import Method as WeightSyncMethod
 
 
 
@@ -75,9 +76,9 @@ ESTIMATORS = list(typing.get_args(Estimator))  # grpo: group_norm
 
 
 @dataclass
-class RLModelsConfig:
+class RLModelFlags:
     """The critic and where the reference and reward models live between passes (the models themselves:
-    rlhfkit.config.configs.OtherModelsConfig)."""
+    rlhfkit.config.configs' RewardModelFlags and RefModelFlags)."""
 
     critic_pretrain: str | None = flag(
         None, "--critic.model_name_or_path", group=RL_MODELS,
@@ -89,16 +90,32 @@ class RLModelsConfig:
 
 
 @dataclass
-class RewardSourceConfig:
+class CompletionLogFlags:
+    """The table of sampled completions an RL run logs."""
+
+    log_completions_steps: int = flag(
+        10, group=LOGGING,
+        help="every N RL steps (and at step 1) log a table of sampled prompts, completions, rewards and labels: "
+             "completions.jsonl in the run directory, TensorBoard text, a wandb table, and its first rows on the "
+             "console (0: off)")
+    log_completions_rows: int = flag(
+        8, help="samples in each --log_completions_steps table, taken from as many prompts as possible")
+
+
+@dataclass
+class BestCheckpointFlags:
+    best_metric_key: str = flag(
+        "", "--ckpt.best_metric_key", group=CKPT,
+        help="eval metric that picks the best checkpoint ('': the first *_pass1 one; none: off)")
+
+
+@dataclass
+class RewardSourceFlags:
     """Where rewards come from (a reward server or reward_func file, an agent), how they are shaped, and
     what a failing reward call does."""
 
-    remote_rm_url: str | None = flag(
-        None, "--reward.remote_url", group=RL_REWARD,
-        help="http(s) reward server URL(s), comma-separated, or a .py file defining reward_func(queries, prompts, "
-             "labels)")
     agent_func_path: str | None = flag(
-        None, "--train.agent_func_path",
+        None, "--train.agent_func_path", group=RL_REWARD,
         help="a .py file defining AgentExecutor (multi-turn) or AgentInstance (step() gives the reward)")
     reward_clip_range: list[float] = flag([-10.0, 10.0], "--reward.clip_range", nargs=2,
                                           help="LOW HIGH: clamp the scalar reward to this range before KL shaping")
@@ -125,8 +142,8 @@ class RewardSourceConfig:
 
 
 @dataclass
-class RolloutConfig:
-    """The RL rollout beyond the sampling settings (rlhfkit.config.configs.SamplingConfig): the group size,
+class RolloutFlags:
+    """The RL rollout beyond the sampling settings (rlhfkit.config.configs.SamplingFlags): the group size,
     experience-making batches and the builtin engine's options."""
 
     rollout_max_num_seqs: int | None = flag(
@@ -158,13 +175,11 @@ class RolloutConfig:
 
 
 @dataclass
-class PromptDataConfig:
-    """The RL prompts, the PPO-ptx pretraining text (the policy loss plus --ptx_coef x its NLL) and evaluation."""
+class PromptDataFlags:
+    """The RL prompts (--prompt_data itself: rlhfkit.config.configs.InputsConfig), the PPO-ptx pretraining text
+    (the policy loss plus --ptx_coef x its NLL) and evaluation."""
 
-    prompt_data: str | None = flag(
-        None, "--data.prompt_dataset", group=DATA,
-        help="prompts: comma-separated .jsonl/.json/.parquet/.csv files, folders or dataset names")
-    prompt_data_probs: str | None = flag(None, "--data.prompt_probs",
+    prompt_data_probs: str | None = flag(None, "--data.prompt_probs", group=DATA,
                                          help="comma-separated sampling probabilities, one per --prompt_data entry")
     prompt_split: str = flag("train", "--data.prompt_split", help="split of --prompt_data to read")
     pretrain_data: str | None = flag(
@@ -181,7 +196,7 @@ class PromptDataConfig:
 
 
 @dataclass
-class RLTrainConfig:
+class RLTrainFlags:
     """How the RL loop trains: epochs over a rollout, episodes, dynamic batches, the critic warm-up, EMA,
     learning rates of the two models, async training."""
 
@@ -225,11 +240,11 @@ class RLTrainConfig:
 
 
 def _critics(name: str) -> str:
-    return f"the critic's {declared_help(OptimConfig, name)}"
+    return f"the critic's {declared_help(OptimFlags, name)}"
 
 
 @dataclass
-class CriticOptimConfig:
+class CriticOptimFlags:
     """The critic's optimizer. Unset (None), the schedule and AdamW settings take the actor's value, so the
     flat OpenRLHF names (--adam_betas, --l2, --max_norm, ...) set both models as they did; the dotted
     --critic.* names set the critic's alone (ppo_setup.resolve_flags)."""
@@ -246,17 +261,17 @@ class CriticOptimConfig:
                                              help="the critic's --min_lr_ratio (default: the actor's)")
     critic_max_norm: float | None = flag(None, "--critic.max_norm", help="the critic's --max_norm (default: the actor's)")
     critic_optim: Literal["adam", "adamw_8bit", "muon"] = flag(
-        declared_default(OptimConfig, "optim"), "--critic.optim", help=_critics("optim"))
+        declared_default(OptimFlags, "optim"), "--critic.optim", help=_critics("optim"))
     critic_master_weights: Literal["fp32", "bf16_stochastic", "bf16_kahan"] = flag(
-        declared_default(OptimConfig, "master_weights"), "--critic.master_weights", help=_critics("master_weights"))
-    critic_muon_lr: float = flag(declared_default(OptimConfig, "muon_lr"), "--critic.muon.lr",
+        declared_default(OptimFlags, "master_weights"), "--critic.master_weights", help=_critics("master_weights"))
+    critic_muon_lr: float = flag(declared_default(OptimFlags, "muon_lr"), "--critic.muon.lr",
                                  help="the critic's Muon learning rate (--critic_optim muon)")
-    critic_muon_momentum: float = flag(declared_default(OptimConfig, "muon_momentum"), "--critic.muon.momentum",
+    critic_muon_momentum: float = flag(declared_default(OptimFlags, "muon_momentum"), "--critic.muon.momentum",
                                        help=_critics("muon_momentum"))
-    critic_muon_ns_steps: int = flag(declared_default(OptimConfig, "muon_ns_steps"), "--critic.muon.ns_steps",
+    critic_muon_ns_steps: int = flag(declared_default(OptimFlags, "muon_ns_steps"), "--critic.muon.ns_steps",
                                      help=_critics("muon_ns_steps"))
     critic_muon_nesterov: bool = flag(
-        declared_default(OptimConfig, "muon_nesterov"), "--critic.muon.nesterov", help=_critics("muon_nesterov"),
+        declared_default(OptimFlags, "muon_nesterov"), "--critic.muon.nesterov", help=_critics("muon_nesterov"),
         switches=(Switch(("--critic_muon_no_nesterov", "--critic.muon.no_nesterov"), False,
                          "the critic's Muon: plain momentum"),))
 
@@ -266,7 +281,7 @@ CRITIC_OPTIM = ("adam_betas", "adam_eps", "l2", "lr_scheduler", "lr_warmup_ratio
 
 
 @dataclass
-class AlgoConfig:
+class AlgoFlags:
     """The RL algorithm: advantage estimator, KL term, policy loss and its clipping, dynamic filtering and the
     importance-sampling correction of the engine's log-probs."""
 
@@ -332,7 +347,7 @@ class AlgoConfig:
 
 
 @dataclass
-class PlacementConfig:
+class PlacementFlags:
     """train_ppo_ray's placement: nodes and GPUs per role, rollout engines, weight sync, colocation, sleep."""
 
     actor_num_nodes: int = flag(1, "--actor.num_nodes", group=RL_PLACEMENT,
@@ -356,8 +371,8 @@ class PlacementConfig:
                                   help="process-group backend of the weight broadcast to engines: nccl or gloo")
     vllm_sync_with_ray: bool = flag(False, "--vllm.sync_with_ray",
                                     help="OpenRLHF: weight sync through ray.util.collective")
-    weight_sync: str = flag(
-        "auto", choices=list(METHODS),
+    weight_sync: WeightSyncMethod = flag(
+        "auto",
         help="policy -> engines weight sync after each step: broadcast (an NCCL group on GPUs, gloo on CPU), ipc "
              "(CUDA IPC handles, engines colocated with the policy), object_store (Ray's object store); auto: ipc "
              "when every engine shares a GPU with a policy rank, else broadcast")
@@ -389,7 +404,7 @@ def add_rl_flags(p: FlagParser) -> None:
     add_backend_flags(p)
     add_ckpt_flags(p)
     add_logging_flags(p, wandb_project="rlhfkit_train_ppo", eval_default="never")
-    add_fields(p, LoggingConfig, ["log_completions_steps", "log_completions_rows"])
+    add_fields(p, CompletionLogFlags)
     _models(p)
     _data(p)
     add_image_flags(p)
@@ -397,34 +412,36 @@ def add_rl_flags(p: FlagParser) -> None:
     _train(p)
     _algo(p)
     _reward(p)
-    placement = [f.name for f in flag_fields(PlacementConfig)]
-    cut = placement.index("enforce_eager")  # --enable_prefix_caching (SamplingConfig's) goes before it
+    placement = [f.name for f in flag_fields(PlacementFlags)]
+    cut = placement.index("enforce_eager")  # --enable_prefix_caching (SamplingFlags') goes before it
     with p.group(RL_PLACEMENT):
-        add_fields(p, PlacementConfig, placement[:cut])
+        add_fields(p, PlacementFlags, placement[:cut])
         add_prefix_caching_flag(p)
-        add_fields(p, PlacementConfig, placement[cut:])
+        add_fields(p, PlacementFlags, placement[cut:])
     _eval(p)
-    add_fields(p, PromptDataConfig, ["pretrain_data", "pretrain_data_probs", "pretrain_split", "ptx_coef"])
+    add_fields(p, PromptDataFlags, ["pretrain_data", "pretrain_data_probs", "pretrain_split", "ptx_coef"])
 
 
 def _models(p: FlagParser) -> None:
     with p.group(RL_MODELS):
         add_reward_model_flag(p, "reward model directory or hub id (a sequence classifier with one output); several, "
                                  "comma-separated, are summed")
-        add_fields(p, RLModelsConfig, ["critic_pretrain"])
+        add_fields(p, RLModelFlags, ["critic_pretrain"])
         add_ref_model_flags(p, of=" of the KL term,")
         add_value_head_flag(p)
-        add_fields(p, RLModelsConfig, ["ref_reward_offload", "reward_offload"])
+        add_fields(p, RLModelFlags, ["ref_reward_offload", "reward_offload"])
     with p.group(RL_REWARD):
-        add_fields(p, RewardSourceConfig, ["remote_rm_url", "agent_func_path"])
+        add_fields(p, InputsConfig, ["remote_rm_url"], here=True)
+        add_fields(p, RewardSourceFlags, ["agent_func_path"])
     with p.group(RL_ROLLOUT):
         add_rollout_engine_flag(p, ROLLOUT_ENGINE_HELP + " (one line says which and why)")
-        add_fields(p, RolloutConfig, ["rollout_max_num_seqs", "engine_weights", "rollout_compile"])
+        add_fields(p, RolloutFlags, ["rollout_max_num_seqs", "engine_weights", "rollout_compile"])
 
 
 def _data(p: FlagParser) -> None:
     with p.group(DATA):
-        add_fields(p, PromptDataConfig, ["prompt_data", "prompt_data_probs", "prompt_split"])
+        add_fields(p, InputsConfig, ["prompt_data"], here=True)
+        add_fields(p, PromptDataFlags, ["prompt_data_probs", "prompt_split"])
         p.alias("--prompt_split", "--train_split")  # OpenRLHF's old name of the split, as --dataset_split's
         add_input_key_flag(p, "column with the prompt text or conversation")
         add_label_key_flag(p, "column handed to reward_func / the agent as the label (e.g. the reference answer)")
@@ -440,11 +457,11 @@ def _data(p: FlagParser) -> None:
 def _rollout(p: FlagParser) -> None:
     with p.group(RL_ROLLOUT):
         add_rollout_batch_flag(p)
-        add_fields(p, RolloutConfig, ["n_samples_per_prompt", "micro_rollout_batch_size"])
+        add_fields(p, RolloutFlags, ["n_samples_per_prompt", "micro_rollout_batch_size"])
         add_max_new_tokens_flag(p)
         add_temperature_flag(p, "sampling temperature (the training log-probs use it too)", rl=True)
         add_top_p_flag(p, rl=True)
-        add_fields(p, RolloutConfig, ["top_k", "rollout_max_tokens_per_gpu", "vllm_generate_batch_size"])
+        add_fields(p, RolloutFlags, ["top_k", "rollout_max_tokens_per_gpu", "vllm_generate_batch_size"])
 
 
 def _train(p: FlagParser) -> None:
@@ -452,29 +469,29 @@ def _train(p: FlagParser) -> None:
         add_batch_flags(p, batch_help="samples per optimizer step (all ranks together); a rollout of "
                         "--rollout_batch_size x --n_samples_per_prompt samples makes that many / this many steps",
                         epochs_help="PPO epochs over each rollout")
-        add_fields(p, RLTrainConfig, ["recompute_old_logprobs", "num_episodes"])
+        add_fields(p, RLTrainFlags, ["recompute_old_logprobs", "num_episodes"])
         add_max_steps_flag(p, "RL steps to take (a rollout and its policy update each), cycling the prompts as "
                               "often as needed (overrides --num_episodes)")
         add_seed_flag(p, "seed of python, numpy, torch, data and sampling", trainer=True)
         add_full_determinism_flag(p)
-        add_fields(p, RLTrainConfig, ["use_dynamic_batch", "train_max_tokens_per_gpu", "freezing_actor_steps",
+        add_fields(p, RLTrainFlags, ["use_dynamic_batch", "train_max_tokens_per_gpu", "freezing_actor_steps",
                                       "save_value_network", "enable_ema", "ema_beta", "actor_init_on_gpu", "perf"])
         add_nonfinite_flag(p)
-        add_fields(p, RLTrainConfig, ["max_failed_steps"])
+        add_fields(p, RLTrainFlags, ["max_failed_steps"])
     p.set_defaults(micro_train_batch_size=1, max_epochs=1)
     with p.group(OPTIM):
-        add_fields(p, RLTrainConfig, ["actor_learning_rate", "critic_learning_rate"])
+        add_fields(p, RLTrainFlags, ["actor_learning_rate", "critic_learning_rate"])
         add_adam_flags(p, actor=True, note=" (the flat name sets the critic's too)")
         add_schedule_flags(p, actor=True)
         add_optimizer_choice_flags(p, actor=True)
-    add_fields(p, CriticOptimConfig)
-    add_fields(p, RLTrainConfig, ["async_train", "async_queue_size", "partial_rollout"])
+    add_fields(p, CriticOptimFlags)
+    add_fields(p, RLTrainFlags, ["async_train", "async_queue_size", "partial_rollout"])
     with p.group(RL_REWARD):
-        add_fields(p, RewardSourceConfig, ["reward_failure", "reward_timeout", "reward_workers"])
+        add_fields(p, RewardSourceFlags, ["reward_failure", "reward_timeout", "reward_workers"])
 
 
 def _algo(p: FlagParser) -> None:
-    add_fields(p, AlgoConfig)
+    add_fields(p, AlgoFlags)
     p.implies("--use_icepop", vllm_is_correction_type="icepop")
     p.exclusive("--clip_eps_low", "--eps_clip_low_high", "both set the lower clip")
     p.exclusive("--clip_eps_high", "--eps_clip_low_high", "both set the upper clip")
@@ -483,7 +500,7 @@ def _algo(p: FlagParser) -> None:
 def _reward(p: FlagParser) -> None:
     with p.group(RL_REWARD):
         add_normalize_reward_flag(p)
-        add_fields(p, RewardSourceConfig, ["reward_clip_range", "overlong_buffer_len", "overlong_penalty_factor",
+        add_fields(p, RewardSourceFlags, ["reward_clip_range", "overlong_buffer_len", "overlong_penalty_factor",
                                            "stop_properly_penalty_coef"])
 
 
@@ -491,8 +508,8 @@ def _eval(p: FlagParser) -> None:
     with p.group(EVAL):
         add_eval_data_flags(p, "evaluation prompts, same format as --prompt_data (scored by --remote_rm_url / the "
                                "agent)")
-        add_fields(p, PromptDataConfig, ["eval_temperature", "eval_n_samples_per_prompt", "eval_max_samples"])
-    add_fields(p, CheckpointConfig, ["best_metric_key"])
+        add_fields(p, PromptDataFlags, ["eval_temperature", "eval_n_samples_per_prompt", "eval_max_samples"])
+    add_fields(p, BestCheckpointFlags)
 
 
 # Flags that only take effect under train_ppo_ray: (dest, default) pairs.

@@ -1,27 +1,20 @@
-"""The API configs' generated fields (rlhfkit/api/flag_fields.py) match the flag tables, and the
-configs behave as the command line does: unknown names get the closest field, TRL's names for the
-same settings are taken, and a bad value fails at construction naming the flag."""
+"""The API configs' fields, inherited from the flag declarations, are their commands' flags with the commands'
+defaults and types, and the configs behave as the command line does: unknown names get the closest field,
+TRL's names for the same settings are taken, and a bad value fails at construction naming the flag."""
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import inspect
-import os
 import typing
 
 import pytest
 
 from rlhfkit import DPOConfig, GRPOConfig, KTOConfig, PPOConfig, RewardConfig, RLOOConfig, SFTConfig
-from rlhfkit.api import flag_fields, gen_fields
 from rlhfkit.api.config import command_parser, flag_dests
+from rlhfkit.config.declare import names_of, spec_of
 
 CONFIGS = [SFTConfig, RewardConfig, DPOConfig, KTOConfig, PPOConfig]
-
-
-def test_generated_module_is_up_to_date():
-    with open(gen_fields.OUT) as f:
-        assert f.read() == gen_fields.generate(), "stale: run python -m rlhfkit.api.gen_fields"
 
 
 @pytest.mark.parametrize("cls", CONFIGS, ids=lambda c: c.__name__)
@@ -30,7 +23,8 @@ def test_fields_are_the_flags_with_their_defaults_types_and_help(cls):
     dests = flag_dests(parser)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     assert set(fields) == set(dests) - set(cls.INPUTS) - {"config"}
-    hints = {k: str(v) for k, v in inspect.get_annotations(type.mro(cls)[1]).items()}
+    types = typing.get_type_hints(cls)
+    hints = {k: str(v) for k, v in types.items()}
     for name, f in fields.items():
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default
         assert default == parser.get_default(name), name
@@ -40,23 +34,26 @@ def test_fields_are_the_flags_with_their_defaults_types_and_help(cls):
             want = "Literal"
         assert want in hints[name], (name, hints[name])
         if main is not None and main.default is None:
-            assert hints[name].endswith("| None"), name
+            assert type(None) in typing.get_args(types[name]), name
 
 
-def test_every_field_has_a_docstring_with_its_flag_names():
-    tree = ast.parse(open(flag_fields.__file__).read())
-    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
-        body = cls.body
-        for i, node in enumerate(body):
-            if isinstance(node, ast.AnnAssign) and "ClassVar" not in ast.unparse(node.annotation):
-                doc = body[i + 1]
-                assert isinstance(doc, ast.Expr) and isinstance(doc.value.value, str), (cls.name, i)
-                name = node.target.id
-                assert f"--{name}" in doc.value.value or "TRL's name" in doc.value.value, (cls.name, name)
+@pytest.mark.parametrize("cls", CONFIGS, ids=lambda c: c.__name__)
+def test_every_field_is_a_declared_flag_with_its_help(cls):
+    """Each field is the declaration of its flag (names and help as metadata), inherited, and the command's
+    parser has those names for it; an overridden default keeps the declaration's metadata."""
+    parser = command_parser(cls.COMMAND)
+    for f in dataclasses.fields(cls):
+        spec = next((spec_of(d) for k in type.mro(cls) if (d := getattr(k, "__dataclass_fields__", {}).get(f.name))
+                     is not None and spec_of(d) is not None), None)
+        assert spec is not None and (spec.help or spec.inert), (cls.__name__, f.name)
+        declared = next(d for k in reversed(type.mro(cls)) if (d := getattr(k, "__dataclass_fields__", {}).get(f.name))
+                        is not None and spec_of(d) is not None)
+        given = {s for a in parser._actions if a.dest == f.name for s in a.option_strings}
+        assert given <= set(names_of(declared)) | {"--train_split"}, (cls.__name__, f.name, given)
 
 
 def test_variant_defaults_keep_the_field_types():
-    base = typing.get_type_hints(flag_fields.TrainPPOFields)
+    base = typing.get_type_hints(PPOConfig)
     for cls in (GRPOConfig, RLOOConfig):
         own = typing.get_type_hints(cls)
         for name in inspect.get_annotations(cls):
@@ -94,13 +91,9 @@ def test_bad_values_fail_at_construction_naming_the_flag():
         SFTConfig(save_path=None)
 
 
-def test_generator_check_mode(tmp_path, monkeypatch):
-    stale = tmp_path / "flag_fields.py"
-    stale.write_text("old\n")
-    monkeypatch.setattr(gen_fields, "OUT", str(stale))
-    assert gen_fields.main(["--check"]) == 1
-    assert gen_fields.main([]) == 0 and gen_fields.main(["--check"]) == 0
-    assert os.path.getsize(stale) > 10_000
+def test_configs_take_keywords_only():
+    with pytest.raises(TypeError, match="SFTConfig takes keyword arguments only"):
+        SFTConfig(1e-3)
 
 
 def test_replace_and_copies_keep_working_with_trl_names():

@@ -79,6 +79,7 @@ class Module:
     units: list[Unit]
     imports: set[str]
     dataclasses: dict[str, set[str]]  # dataclass name -> field names
+    bases: dict[str, list[str]] = field(default_factory=dict)  # dataclass name -> its bases' names
 
 
 def _resolve(module: str, node: ast.ImportFrom) -> str:
@@ -100,7 +101,7 @@ def parse_module(name: str) -> Module:
     spec = importlib.util.find_spec(name)
     with open(spec.origin, encoding="utf-8") as f:
         tree = ast.parse(f.read(), spec.origin)
-    units, imports, dcs = [], set(), {}
+    units, imports, dcs, bases = [], set(), {}, {}
     top = Unit(f"<module {name}>", root=True)
     for stmt in tree.body:
         if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -117,6 +118,8 @@ def parse_module(name: str) -> Module:
             if any("dataclass" in ast.unparse(d) for d in stmt.decorator_list):
                 dcs[stmt.name] = {i.target.id for i in stmt.body
                                   if isinstance(i, ast.AnnAssign) and isinstance(i.target, ast.Name)}
+                bases[stmt.name] = [b.id if isinstance(b, ast.Name) else ast.unparse(b).split(".")[-1]
+                                    for b in stmt.bases]
         else:
             _scan(top, stmt)
     units.append(top)
@@ -128,7 +131,7 @@ def parse_module(name: str) -> Module:
             if mod.startswith("rlhfkit"):
                 imports.add(mod)
                 imports.update(f"{mod}.{a.name}" for a in n.names if _exists(f"{mod}.{a.name}"))
-    return Module(units, {m for m in imports if _exists(m)}, dcs)
+    return Module(units, {m for m in imports if _exists(m)}, dcs, bases)
 
 
 @functools.lru_cache(maxsize=None)
@@ -167,9 +170,19 @@ def audit(prog: str) -> Audit:
         for u in mod.units:
             by_name.setdefault(u.name, []).append(u)
     dcs: dict[str, set[str]] = {}
+    bases: dict[str, list[str]] = {}
     for mod in modules.values():
         for k, v in mod.dataclasses.items():
             dcs.setdefault(k, set()).update(v)
+            bases.setdefault(k, []).extend(mod.bases.get(k, []))
+
+    def fields_of(name: str, seen: frozenset[str] = frozenset()) -> set[str]:  # own and inherited fields
+        own = set(dcs.get(name, set()))
+        for b in bases.get(name, []):
+            if b not in seen:
+                own |= fields_of(b, seen | {name})
+        return own
+
     todo = [u for m, mod in modules.items() for u in mod.units if u.root or m == start]
     counted: set[int] = set()
     reads: set[str] = set()
@@ -182,7 +195,7 @@ def audit(prog: str) -> Audit:
         reached.add(u.name)
         reads |= u.reads
         for cname, overrides in u.configs:
-            reads |= dcs.get(cname, set()) - overrides
+            reads |= fields_of(cname) - overrides
         for ref in u.refs:
             todo.extend(v for v in by_name.get(ref, ()) if id(v) not in counted)
     return Audit(reads, reached)
