@@ -25,6 +25,8 @@ from rlhfkit.cli.offline_common import (
 )
 from rlhfkit.cli.run_dir import training_run
 from rlhfkit.config.configs import from_args
+from rlhfkit.config.declare import add_fields
+from rlhfkit.config.offline_flags import KDFlags
 from rlhfkit.config.flags import FlagParser, add_pretrain_mode_flag
 from rlhfkit.data.sft import SFTDataConfig, SFTDataset
 from rlhfkit.trainers.kd_task import KDTask
@@ -36,11 +38,7 @@ def build_parser() -> FlagParser:
     p = FlagParser("train_kd", __doc__ or "")
     add_offline_flags(p, max_len=2048, train_batch_size=128, micro_train_batch_size=8, max_epochs=2,
                       learning_rate=5e-6, wandb_project="rlhfkit_train_kd")
-    p.flag("--teacher_model", "--teacher.model_name_or_path", type=str, default=None,
-           help="frozen teacher model directory or hub id (same vocabulary as --pretrain)")
-    p.flag("--kd_coef", "--model.kd_coef", type=float, default=0.4, help="weight of the KD term, in [0, 1]")
-    p.flag("--teacher_offload", "--teacher.offload", action="store_true",
-           help="keep the teacher in CPU memory between its forward passes")
+    add_fields(p, KDFlags, here=True)
     add_pretrain_mode_flag(p)
     return p
 

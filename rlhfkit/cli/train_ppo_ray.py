@@ -52,7 +52,9 @@ from rlhfkit.cli.common import UsageError, cli_main, note_cpu_dtype, set_seed
 from rlhfkit.cli.train_ppo import build_parser as ppo_parser
 from rlhfkit.cli.run_dir import training_run
 from rlhfkit.optional import require
-from rlhfkit.config.flag_parser import RL_PLACEMENT, shell_text
+from rlhfkit.config.declare import add_fields
+from rlhfkit.config.flag_parser import shell_text
+from rlhfkit.config.rl_flags import RayFlags
 from rlhfkit.trainers.async_rl import AsyncRLTrainer
 from rlhfkit.weightsync.flags import DEFAULT_BUCKET_MB, METHODS
 
@@ -66,16 +68,7 @@ NO_EFFECT = ("vllm_sync_with_ray",)  # --weight_sync picks the path; torch proce
 def build_parser():
     p = ppo_parser()
     p.prog, p.description = PROG, shell_text(__doc__ or "")
-    with p.group(RL_PLACEMENT):
-        p.flag("--ray_address", type=str, default=None,
-               help="cluster to join, or `local` for a new local Ray (default: $RAY_ADDRESS, else the last "
-                    "`ray start` on this machine, else a new local Ray)")
-        p.flag("--ray_num_cpus_per_worker", type=float, default=1.0,
-               help="CPUs reserved with each GPU / CPU worker slot")
-        p.flag("--ray_accelerator_resource", type=str, default=None,
-               help="resource that --*_num_gpus_per_node counts (default: GPU if the cluster has GPUs, else CPU)")
-        p.flag("--ray_placement_timeout", type=float, default=60.0, help="seconds to wait for the placement groups")
-        p.flag("--ray_health_interval", type=float, default=5.0, help="seconds between actor health checks")
+    add_fields(p, RayFlags)
     return p
 
 

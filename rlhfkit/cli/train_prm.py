@@ -24,6 +24,8 @@ from rlhfkit.cli.offline_common import (
 )
 from rlhfkit.cli.run_dir import training_run
 from rlhfkit.config.configs import from_args
+from rlhfkit.config.declare import add_fields
+from rlhfkit.config.offline_flags import PRMFlags
 from rlhfkit.config.flags import FlagParser, add_label_key_flag
 from rlhfkit.data.prm import PRMDataConfig, PRMDataset
 from rlhfkit.data.templates import token_id
@@ -36,10 +38,7 @@ def build_parser() -> FlagParser:
                       learning_rate=1e-6, wandb_project="rlhfkit_train_prm")
     add_label_key_flag(p, "column with one label per step (reward tokens, or numbers for soft labels)")
     p.set_defaults(label_key="value")
-    p.flag("--placeholder_token", "--data.placeholder_token", type=str, default=None,
-           help="the single token that ends each step, e.g. 'ки' (Math-Shepherd)")
-    p.flag("--reward_tokens", "--data.reward_tokens", type=str, nargs="*", default=None,
-           help="label tokens, e.g. + - (none: labels are scored over the whole vocabulary)")
+    add_fields(p, PRMFlags, here=True)
     for dest in ("output_key", "input_template", "apply_chat_template"):
         p.mark_inert(dest, "PRM rows are the raw text of --input_key with one --label_key label per step")
     return p

@@ -1,4 +1,4 @@
-"""The offline commands' own flags (train_sft, train_rm, train_dpo, train_kto), declared as fields
+"""The offline commands' own flags (train_sft, train_rm, train_dpo, train_kto, train_kd, train_prm), declared as fields
 (rlhfkit.config.declare); the shared ones are rlhfkit.config.configs'."""
 
 from __future__ import annotations
@@ -60,3 +60,24 @@ class KTOFlags:
                                         help="weight of the loss on desirable answers (lambda_D of the KTO paper)")
     undesirable_loss_weight: float = flag(1.0, "--model.undesirable_loss_weight",
                                           help="weight of the loss on undesirable answers (lambda_U of the KTO paper)")
+
+
+@dataclass
+class KDFlags:
+    """train_kd's teacher and the weight of its term."""
+
+    teacher_model: str | None = flag(None, "--teacher.model_name_or_path",
+                                     help="frozen teacher model directory or hub id (same vocabulary as --pretrain)")
+    kd_coef: float = flag(0.4, "--model.kd_coef", help="weight of the KD term, in [0, 1]")
+    teacher_offload: bool = flag(False, "--teacher.offload",
+                                 help="keep the teacher in CPU memory between its forward passes")
+
+
+@dataclass
+class PRMFlags:
+    """train_prm's step tokens."""
+
+    placeholder_token: str | None = flag(None, "--data.placeholder_token",
+                                         help="the single token that ends each step, e.g. 'ки' (Math-Shepherd)")
+    reward_tokens: list[str] | None = flag(
+        None, "--data.reward_tokens", help="label tokens, e.g. + - (none: labels are scored over the whole vocabulary)")

@@ -399,6 +399,21 @@ class PlacementFlags:
         False, help="start even when the per-GPU memory plan exceeds the GPU (train_ppo_ray prints the plan)")
 
 
+@dataclass
+class RayFlags:
+    """train_ppo_ray's Ray cluster: where it is, what a worker slot reserves, how long to wait."""
+
+    ray_address: str | None = flag(
+        None, group=RL_PLACEMENT,
+        help="cluster to join, or `local` for a new local Ray (default: $RAY_ADDRESS, else the last `ray start` on "
+             "this machine, else a new local Ray)")
+    ray_num_cpus_per_worker: float = flag(1.0, help="CPUs reserved with each GPU / CPU worker slot")
+    ray_accelerator_resource: str | None = flag(
+        None, help="resource that --*_num_gpus_per_node counts (default: GPU if the cluster has GPUs, else CPU)")
+    ray_placement_timeout: float = flag(60.0, help="seconds to wait for the placement groups")
+    ray_health_interval: float = flag(5.0, help="seconds between actor health checks")
+
+
 def add_rl_flags(p: FlagParser) -> None:
     add_model_flags(p)
     add_backend_flags(p)
