@@ -33,8 +33,8 @@ OFFLINE_INPUTS = ("pretrain", "dataset", "eval_dataset")
 
 
 @dataclass
-class OfflineFlags(OfflineDataFlags, DataFlags, LearningRateFlags, OptimFlags, BatchConfig, BackendFlags, CheckpointFlags,
-                   LoggingFlags, ModelFlags, ConsoleFlags):
+class OfflineFlags(OfflineDataFlags, DataFlags, LearningRateFlags, OptimFlags, BatchConfig, BackendFlags,
+                   CheckpointFlags, LoggingFlags, ModelFlags, ConsoleFlags):
     """The flags every offline command has (rlhfkit.cli.offline_common.add_offline_flags), less its inputs."""
 
 

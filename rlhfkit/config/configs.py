@@ -251,7 +251,8 @@ class BackendFlags:
                                         help="OpenRLHF: DeepSpeed's gradient accumulation dtype")
     deepcompile: bool = flag(False, "--ds.deepcompile", help="OpenRLHF: DeepSpeed's DeepCompile", inert=DS_ONLY)
     use_universal_ckpt: bool = flag(
-        False, "--ds.use_universal_ckpt", "--use_ds_universal_ckpt", help="OpenRLHF: load DeepSpeed universal checkpoints",
+        False, "--ds.use_universal_ckpt", "--use_ds_universal_ckpt",
+        help="OpenRLHF: load DeepSpeed universal checkpoints",
         inert="checkpoints (torch.distributed.checkpoint) load on any number of ranks without conversion")
     device: str | None = flag(None, help="cpu or cuda (default: cuda when available)")
     seed: int = flag(42, "--train.seed", group=TRAIN, help="seed of python, numpy, torch and data shuffling")
@@ -398,7 +399,8 @@ class DataFlags:
                                                help="a Jinja chat template that replaces the tokenizer's own")
     max_len: int = flag(2048, "--data.max_len",
                         help="longest sample in tokens; longer samples are dropped (counted and reported)")
-    max_samples: int = flag(1_000_000, "--data.max_samples", help="read at most this many rows of the data (after mixing)")
+    max_samples: int = flag(1_000_000, "--data.max_samples",
+                            help="read at most this many rows of the data (after mixing)")
     max_row_bytes: int = flag(1_000_000, "--data.max_row_bytes",
                               help="largest input row in bytes; a larger row is an error naming file and row")
     dataloader_num_workers: int = flag(

@@ -1,16 +1,17 @@
-"""Flags declared as typed dataclass fields: each setting is declared once, and a command's parser is
-derived from the declarations.
+"""Flags declared as typed dataclass fields: each setting is declared once; a command's parser, --help, the
+flag reference in docs/flags and the Python API's configs are derived from the declarations.
 
-A component config (rlhfkit.config.configs) declares each of its settings as a field:
+A declaration class (rlhfkit.config.configs, rl_flags, offline_flags; flag_parser.ConsoleFlags) declares
+a few related settings, each as a field:
 
     @dataclass
-    class ModelConfig:
-        pretrain: str | None = flag(None, "--model.model_name_or_path", group=MODEL, help="the model to train")
+    class ModelFlags:
         param_dtype: Literal["bf16", "fp16", "fp32"] = flag(
-            "bf16", "--ds.param_dtype", help="compute dtype",
+            "bf16", "--ds.param_dtype", group=MODEL, help="compute dtype",
             switches=(Switch("--bf16", "bf16", "alias of --param_dtype bf16"),))
+        lora_rank: int = flag(0, "--ds.lora.rank", group=LORA, help="rank of LoRA adapters (0: off)")
 
-- Names: the field's name is the flag's dest and gives its flat OpenRLHF name (`--pretrain`); the
+- Names: the field's name is the flag's dest and gives its flat OpenRLHF name (`--param_dtype`); the
   names after the default are its aliases (the dotted ones). A `Switch` is one more flag without a
   value that sets the same dest to a constant (`--bf16`, `--flash_attn`, `--muon_no_nesterov`).
 - Type: the annotation. `bool`: an on switch (store_true); `X | None`: values of type X, default
@@ -18,15 +19,19 @@ A component config (rlhfkit.config.configs) declares each of its settings as a f
 - Group: the help group of the field (`group=`); a field without one goes to the group of the
   class's previous field. A command adding fields inside `with p.group(...)` puts them there.
 
-`add_fields(p, ModelConfig)` adds the class's fields to a `FlagParser` in declaration order. What a
-command may change is a value, never a declaration: which fields it takes (`only`), their help
-wording (`help`), which names it accepts (`names`: a subset of the declared ones), that a field has
-no effect in it (`inert`), that it must be given (`required`); its defaults it sets afterwards with
-`p.set_defaults(dest=value)`. A config whose fields mirror another's setting takes that default with
-`default_of(Other, "name")` instead of writing the value again.
+Classes compose by inheritance: a component config (ModelConfig, OptimConfig, BackendConfig) is its
+declaration classes plus the settings it takes from elsewhere, whose defaults it reads with
+`default_of(Other, "name")` instead of writing them again; the Python API's configs (rlhfkit.api) are
+the declaration classes of their command's flags.
 
-tests/unit/test_flags_declared_once.py fails when a flag name is declared by two fields (or by a
-field and a parser call).
+`add_fields(p, cls)` adds a class's flags to a `FlagParser`. What a command may change is a value,
+never a declaration: which fields it takes and in which order (`only`), their help wording (`help`),
+which names it accepts (`names`: a subset of the declared ones; `drop`: alias prefixes it does not
+take), that a field has no effect in it (`inert`) or must be given (`required`), the dest it reads
+a field under (`dests`); its defaults it sets afterwards with `p.set_defaults(dest=value)`.
+
+tests/unit/test_flags_declared_once.py fails when a flag name is declared twice (by two fields, or by
+a field and a parser call).
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ class FlagParser(Protocol):
     def group(self, title: str, description: str | None = None) -> ContextManager[Any]: ...
 
     def flag(self, *names: str, inert: str | None = None, **kw: Any) -> Any: ...
+
 
 FLAG = "flag"  # the metadata key of a field's FlagSpec
 
@@ -170,7 +176,8 @@ def add_fields(p: FlagParser, cls: type, only: Sequence[str] | None = None, *, h
     switches included) the command accepts; drop: alias prefixes the command does not accept (e.g.
     "--actor." in a command without actor); inert: fields without effect in the command, with why;
     required: fields the command line must give (their default becomes None); here: the flags go to the
-    group block they are added in, or the command's own group, whatever the fields' groups."""
+    group block they are added in, or the command's own group, whatever the fields' groups; dests: another
+    dest for a field in this command (batch_inference reads --max_new_tokens as max_new_tokens)."""
     fields = {f.name: f for f in flag_fields(cls)}
     unknown = set(only or ()) | set(help) | set(names) | set(inert) | set(required)
     if unknown - set(fields):

@@ -251,7 +251,8 @@ class CriticOptimFlags:
 
     critic_adam_betas: list[float] | None = flag(None, "--critic.adam.betas", nargs=2, group=RL_CRITIC,
                                                  help="the critic's --adam_betas (default: the actor's)")
-    critic_adam_eps: float | None = flag(None, "--critic.adam.eps", help="the critic's --adam_eps (default: the actor's)")
+    critic_adam_eps: float | None = flag(None, "--critic.adam.eps",
+                                         help="the critic's --adam_eps (default: the actor's)")
     critic_l2: float | None = flag(None, "--critic.adam.weight_decay", help="the critic's --l2 (default: the actor's)")
     critic_lr_scheduler: LRSchedule | None = flag(None, "--critic.lr_scheduler",
                                                   help="the critic's --lr_scheduler (default: the actor's)")
@@ -259,7 +260,8 @@ class CriticOptimFlags:
                                                 help="the critic's --lr_warmup_ratio (default: the actor's)")
     critic_min_lr_ratio: float | None = flag(None, "--critic.min_lr_ratio",
                                              help="the critic's --min_lr_ratio (default: the actor's)")
-    critic_max_norm: float | None = flag(None, "--critic.max_norm", help="the critic's --max_norm (default: the actor's)")
+    critic_max_norm: float | None = flag(None, "--critic.max_norm",
+                                         help="the critic's --max_norm (default: the actor's)")
     critic_optim: Literal["adam", "adamw_8bit", "muon"] = flag(
         declared_default(OptimFlags, "optim"), "--critic.optim", help=_critics("optim"))
     critic_master_weights: Literal["fp32", "bf16_stochastic", "bf16_kahan"] = flag(

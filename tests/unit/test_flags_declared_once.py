@@ -133,7 +133,8 @@ def c(p):
     p.flag("--bf16", action="store_true")
 '''
     decls = declarations(source, "planted.py")
-    assert duplicates(decls) == {"--bf16": ["planted.py:5", "planted.py:17"], "--seed": ["planted.py:4", "planted.py:13"]}
+    assert duplicates(decls) == {"--bf16": ["planted.py:5", "planted.py:17"],
+                                 "--seed": ["planted.py:4", "planted.py:13"]}
     assert {"--train.seed", "--dtype", "--fp", "--x.fp", "--rng"} <= set(decls)
     assert not {"--plain", "--other"} & set(decls)
 

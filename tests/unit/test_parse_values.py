@@ -34,7 +34,8 @@ def test_values_give_the_command_lines_namespace(command, values, argv):
 def test_errors_are_the_command_lines(capsys):
     p = command_parser("train_ppo")
     p.exit_on_error = False
-    with pytest.raises(argparse.ArgumentError, match="--n_samples_per_prompt/--rollout.n_samples_per_prompt: invalid int value: '2.5'"):
+    with pytest.raises(argparse.ArgumentError,
+                       match="--n_samples_per_prompt/--rollout.n_samples_per_prompt: invalid int value: '2.5'"):
         p.parse_values({"n_samples_per_prompt": 2.5}, "Cfg")
     with pytest.raises(argparse.ArgumentError, match="--kl_estimator/--algo.kl.estimator: invalid choice: 'k4'"):
         p.parse_values({"kl_estimator": "k4"}, "Cfg")
