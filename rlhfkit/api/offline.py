@@ -19,7 +19,8 @@ from typing import Any
 
 from rlhfkit.api.base import BaseTrainer
 from rlhfkit.api.flag_fields import TrainDPOFields, TrainKTOFields, TrainRMFields, TrainSFTFields
-from rlhfkit.api.inputs import model_dir
+from rlhfkit.api.inputs import model_input
+from rlhfkit.models.given import GivenModels
 
 
 class SFTConfig(TrainSFTFields):
@@ -57,7 +58,7 @@ class SFTTrainer(BaseTrainer):
     def _run(self, ns: Any, parser: Any) -> Any:
         from rlhfkit.cli import train_sft
 
-        return train_sft.run(ns, on_step_end=self.on_step_end)
+        return train_sft.run(ns, on_step_end=self.on_step_end, given=self._given())
 
 
 class RewardTrainer(BaseTrainer):
@@ -72,12 +73,16 @@ class _WithRef(BaseTrainer):
                  eval_dataset: Any = None, processing_class: Any = None, tokenizer: Any = None) -> None:
         super().__init__(model, args, train_dataset, eval_dataset, processing_class, tokenizer)
         self.ref_model = ref_model
+        self._ref_path, self._ref_module = model_input(ref_model, "ref_model") if ref_model is not None else (None, None)
 
     def _inputs(self) -> dict[str, Any]:
         out = super()._inputs()
-        if self.ref_model is not None:
-            out["ref_pretrain"] = model_dir(self.ref_model, self.processing_class, self._scratch, "ref_model")
+        if self._ref_path is not None:
+            out["ref_pretrain"] = self._ref_path
         return out
+
+    def _given(self) -> GivenModels:
+        return GivenModels(policy=self._module, tokenizer=self._tokenizer, ref=self._ref_module)
 
 
 class DPOTrainer(_WithRef):

@@ -29,6 +29,7 @@ from rlhfkit.config.configs import BackendConfig, ModelConfig, OptimConfig, from
 from rlhfkit.config.notes import note_once
 from rlhfkit.config.rl_flags import CRITIC_OPTIM, EMA_BETA, PTX_COEF, RAY_ONLY
 from rlhfkit.losses.policy import PolicyLossConfig
+from rlhfkit.models.given import NONE, GivenModels
 from rlhfkit.roles.actor import ActorRole, UpdateConfig
 from rlhfkit.roles.critic import CriticRole, RewardModelRole
 from rlhfkit.roles.memory import RoleOutOfMemory, advice
@@ -39,8 +40,9 @@ from rlhfkit.types import SamplingParams
 log = logging.getLogger(__name__)
 
 
-def resolve_flags(args: argparse.Namespace, world_size: int) -> None:
-    """Fill derived defaults and reject inconsistent settings with the flags' names."""
+def resolve_flags(args: argparse.Namespace, world_size: int, given: GivenModels = NONE) -> None:
+    """Fill derived defaults and reject inconsistent settings with the flags' names. `given`: the models
+    handed to the run as objects (their configs are read instead of --pretrain / --ref_pretrain's)."""
     if not args.pretrain:
         raise UsageError("--pretrain is required (the policy: a model directory or hub id)")
     if not args.prompt_data:
@@ -98,15 +100,26 @@ def resolve_flags(args: argparse.Namespace, world_size: int) -> None:
         raise UsageError(f"--max_filter_rounds must be >= 1, got {args.max_filter_rounds}")
     if args.generate_max_len >= args.max_len and not dynamic_new_tokens:
         raise UsageError(f"--generate_max_len ({args.generate_max_len}) must be below --max_len ({args.max_len})")
-    resolve_model_paths(args)  # last: the flags are consistent before any model is fetched
+    if given.policy is not None and vlm_mode(args):
+        raise UsageError("--max_images_per_prompt: a vision-language policy is read with its processor from a "
+                         "directory; pass the model's directory, not the loaded model")
+    # last: the flags are consistent before any model is fetched
+    resolve_model_paths(args, skip=given_flags(given))
+    policy = given.policy_or_path(args.pretrain)
     if max_len_given:
-        check_positions(args.pretrain, args.max_len, f"--max_len {args.max_len}")
+        check_positions(policy, args.max_len, f"--max_len {args.max_len}")
     else:
-        check_positions(args.pretrain, args.max_len, f"--prompt_max_len {args.prompt_max_len} + --generate_max_len "
+        check_positions(policy, args.max_len, f"--prompt_max_len {args.prompt_max_len} + --generate_max_len "
                         f"{args.generate_max_len} = {args.max_len} (the default --max_len)")
-    resolve_rollout_engine(args, args.max_len, pictures=vlm_mode(args))
-    critic = (("the critic", critic_path(args)),) if args.advantage_estimator == "gae" else ()
-    check_packing(args, ("--pretrain", args.pretrain), ("--ref_pretrain", args.ref_pretrain), *critic)
+    resolve_rollout_engine(args, args.max_len, pictures=vlm_mode(args), model=given.policy)
+    critic = (("the critic", critic_path(args, given)),) if args.advantage_estimator == "gae" else ()
+    ref = given.ref if given.ref is not None else args.ref_pretrain
+    check_packing(args, ("--pretrain", policy), ("--ref_pretrain", ref), *critic)
+
+
+def given_flags(given: GivenModels) -> tuple[str, ...]:
+    """The model flags whose model the run was given as an object (they name where it came from)."""
+    return (("pretrain",) if given.policy is not None else ()) + (("ref_pretrain",) if given.ref is not None else ())
 
 
 def check_reward_file(args: argparse.Namespace) -> None:
@@ -265,12 +278,16 @@ def build_ptx(args: argparse.Namespace, dist: DistInfo, tokenizer: Any = None):
 
 
 def build_policy(args: argparse.Namespace, dist: DistInfo, num_steps: int,
-                 dims: ParallelDims | None = None, tokenizer: Any = None) -> tuple[ActorRole, FSDP2Backend]:
+                 dims: ParallelDims | None = None, tokenizer: Any = None,
+                 module: torch.nn.Module | None = None) -> tuple[ActorRole, FSDP2Backend]:
     """This rank's policy role and its backend (wrapped in a group and a handle by the placement);
-    `tokenizer`: the policy's, where this process has loaded it already (PPO-ptx data)."""
-    from rlhfkit.models.loader import load_causal_lm
+    `tokenizer`: the policy's, where this process has loaded it already (PPO-ptx data); `module`: the policy
+    given in memory, trained itself (else --pretrain is loaded)."""
+    from rlhfkit.models.loader import adopt_causal_lm, load_causal_lm
 
-    model = load_causal_lm(from_args(ModelConfig, args), master_dtype="fp32", defer_weights=True)
+    cfg = from_args(ModelConfig, args)
+    model = (adopt_causal_lm(module, cfg) if module is not None
+             else load_causal_lm(cfg, master_dtype="fp32", defer_weights=True))
     optim = from_args(OptimConfig, args, learning_rate=args.actor_learning_rate)
     ema = (args.ema_beta if args.ema_beta is not None else EMA_BETA) if args.enable_ema else None
     bcfg = backend_cfg(args, ema_decay=ema)
@@ -299,19 +316,37 @@ def roles_in_run(args: argparse.Namespace, local: bool = False) -> tuple[str, ..
     return tuple(roles)
 
 
-def ref_is_policy_base(args: argparse.Namespace) -> bool:
+def ref_is_policy_base(args: argparse.Namespace, given: GivenModels = NONE) -> bool:
     """LoRA with the reference being the policy's own base model: the policy with its adapters switched
     off *is* the reference, so no second copy of the base model is loaded."""
-    return getattr(args, "lora_rank", 0) > 0 and args.ref_pretrain in (None, args.pretrain)
+    return getattr(args, "lora_rank", 0) > 0 and given.ref is None and args.ref_pretrain in (None, args.pretrain)
+
+
+def given_reference(args: argparse.Namespace, given: GivenModels) -> torch.nn.Module | None:
+    """The reference module of a run given its policy in memory (None: the reference is loaded from its
+    directory, or there is none): the given `ref`, else a frozen copy of the policy's weights as they are
+    now, before its first step; taken before the policy is built (LoRA changes the module in place). No copy
+    where none is needed: no KL term, or LoRA on the policy's own base (adapters off)."""
+    if args.init_kl_coef <= 0:
+        return None
+    if given.ref is not None:
+        return given.ref
+    if given.policy is None or args.ref_pretrain or ref_is_policy_base(args, given):
+        return None
+    from rlhfkit.models.given import frozen_copy
+
+    return frozen_copy(given.policy)
 
 
 def build_ref(args: argparse.Namespace, dist: DistInfo, dims: ParallelDims | None = None,
-              policy_backend: FSDP2Backend | None = None) -> ActorRole | None:
+              policy_backend: FSDP2Backend | None = None, module: torch.nn.Module | None = None,
+              given: GivenModels = NONE) -> ActorRole | None:
     """The reference model's role, or None without a KL term. Given the policy's backend (one process or
-    torchrun) and LoRA on the same base, the reference runs the policy with its adapters off."""
+    torchrun) and LoRA on the same base, the reference runs the policy with its adapters off. `module`: the
+    reference in memory (`given_reference`), else --ref_pretrain (default --pretrain) is loaded."""
     if args.init_kl_coef <= 0:
         return None
-    if policy_backend is not None and ref_is_policy_base(args):
+    if policy_backend is not None and ref_is_policy_base(args, given):
         note_once("note: reference model = the policy with its LoRA adapters switched off (no second copy of "
                   "the base model)" + ("; --ref_offload has no effect: there are no separate reference weights"
                                        if args.ref_offload else ""))
@@ -322,7 +357,8 @@ def build_ref(args: argparse.Namespace, dist: DistInfo, dims: ParallelDims | Non
     from rlhfkit.models.loader import load_causal_lm
 
     cfg = from_args(ModelConfig, args, lora_rank=0, gradient_checkpointing=False)
-    model = load_causal_lm(cfg, path=args.ref_pretrain or args.pretrain, flag="--ref_pretrain", defer_weights=True)
+    model = module if module is not None else load_causal_lm(cfg, path=args.ref_pretrain or args.pretrain,
+                                                             flag="--ref_pretrain", defer_weights=True)
     backend = FSDP2Backend(model, backend_cfg(args), None, 0, dist, parallel=dims or parallel_dims(args, dist))
     role = ActorRole(backend, dist, micro_rollout_batch_size=args.micro_rollout_batch_size,
                      rollout_max_tokens=rollout_max_tokens(args), packing=args.packing_samples,
@@ -330,25 +366,42 @@ def build_ref(args: argparse.Namespace, dist: DistInfo, dims: ParallelDims | Non
     return role
 
 
-def critic_path(args: argparse.Namespace) -> str:
+def critic_path(args: argparse.Namespace, given: GivenModels = NONE) -> str | torch.nn.Module:
+    """What the critic starts from: --critic_pretrain, else the first --reward_pretrain, else the policy
+    (its directory, or the module given in memory)."""
     if args.critic_pretrain:
         return args.critic_pretrain
     if args.reward_pretrain:
         return args.reward_pretrain.split(",")[0]
-    return args.pretrain
+    return given.policy_or_path(args.pretrain)
 
 
-def build_critic(args: argparse.Namespace, dist: DistInfo, num_steps: int, dims: ParallelDims | None = None
-                 ) -> tuple[CriticRole, FSDP2Backend] | tuple[None, None]:
+def given_critic_base(args: argparse.Namespace, given: GivenModels) -> torch.nn.Module | None:
+    """A copy of the policy given in memory for the critic to start from (GAE with neither --critic_pretrain
+    nor --reward_pretrain), taken before the policy is built; None where the critic is loaded or absent."""
+    if args.advantage_estimator != "gae" or not isinstance(critic_path(args, given), torch.nn.Module):
+        return None
+    from rlhfkit.models.given import frozen_copy
+
+    return frozen_copy(critic_path(args, given))  # type: ignore[arg-type]
+
+
+def build_critic(args: argparse.Namespace, dist: DistInfo, num_steps: int, dims: ParallelDims | None = None,
+                 base: torch.nn.Module | None = None) -> tuple[CriticRole, FSDP2Backend] | tuple[None, None]:
+    """The critic's role and backend (GAE), or (None, None); `base`: the policy's copy it starts from
+    (`given_critic_base`), else `critic_path` is loaded."""
     if args.advantage_estimator != "gae":
         return None, None
-    from rlhfkit.models.value import checkpoint_keys, load_value_model
+    from rlhfkit.models.value import checkpoint_keys, load_value_model, value_model_from
 
-    path = critic_path(args)
-    fresh = f"{args.value_head_prefix}.weight" not in checkpoint_keys(path)
-    model = load_value_model(path, args.value_head_prefix, init_value_head=fresh, dtype=torch.float32,
-                             normalize_reward=False, cfg=from_args(ModelConfig, args, pretrain=path),
-                             flag="--critic_pretrain")
+    if base is not None:
+        model = value_model_from(base, args.value_head_prefix, from_args(ModelConfig, args))
+    else:
+        path = str(critic_path(args))
+        fresh = f"{args.value_head_prefix}.weight" not in checkpoint_keys(path)
+        model = load_value_model(path, args.value_head_prefix, init_value_head=fresh, dtype=torch.float32,
+                                 normalize_reward=False, cfg=from_args(ModelConfig, args, pretrain=path),
+                                 flag="--critic_pretrain")
     optim = from_args(OptimConfig, args, learning_rate=args.critic_learning_rate, **critic_optim(args))
     backend = FSDP2Backend(model, backend_cfg(args), optim, num_steps, dist, parallel=dims or parallel_dims(args, dist))
     upd = replace(actor_update_cfg(args), aux_loss_coef=0.0, ptx_coef=0.0)
@@ -394,9 +447,10 @@ def engine_max_num_seqs(args: argparse.Namespace, num_engines: int) -> int:
 
 
 def build_engine_for(args: argparse.Namespace, tokenizer: Any, dist: DistInfo, tp: Any = None,
-                     share_with: torch.nn.Module | None = None):
+                     share_with: torch.nn.Module | None = None, given: torch.nn.Module | None = None):
     """The rollout engine of --rollout_engine; `share_with`: the policy module whose weights the builtin
-    engine serves itself (`engine_sharing`), instead of loading its own copy from --pretrain."""
+    engine serves itself (`engine_sharing`), instead of loading its own copy from --pretrain; `given`: the
+    policy given in memory, which an engine of its own copies instead of --pretrain."""
     from rlhfkit.rollout import build_engine
 
     from rlhfkit.config.dtypes import run_dtype
@@ -409,19 +463,25 @@ def build_engine_for(args: argparse.Namespace, tokenizer: Any, dist: DistInfo, t
     elif args.rollout_engine == "hf":
         opts = {"max_batch_size": seqs}
     if share_with is not None:  # the eos ids the engine reads from --pretrain's generation config otherwise
+        eos = pretrain_eos_ids(given if given is not None else args.pretrain, tokenizer)
         return build_engine(args.rollout_engine, share_with, tokenizer, device=dist.device, dtype=dtype, tp=tp,
-                            share_weights=True, eos_token_ids=pretrain_eos_ids(args.pretrain, tokenizer), **opts)
-    return build_engine(args.rollout_engine, args.pretrain, tokenizer, device=dist.device, dtype=dtype, tp=tp, **opts)
+                            share_weights=True, eos_token_ids=eos, **opts)
+    if given is not None:
+        opts["eos_token_ids"] = pretrain_eos_ids(given, tokenizer)
+    return build_engine(args.rollout_engine, given if given is not None else args.pretrain, tokenizer,
+                        device=dist.device, dtype=dtype, tp=tp, **opts)
 
 
-def pretrain_eos_ids(path: str, tokenizer: Any) -> list[int]:
-    """The eos ids of a model directory's generation config and its tokenizer (what an engine loaded from
-    `path` stops at)."""
+def pretrain_eos_ids(path: str | torch.nn.Module, tokenizer: Any) -> list[int]:
+    """The eos ids of a model directory's (or a module's) generation config and its tokenizer (what an engine
+    loaded from `path` stops at)."""
     from transformers import GenerationConfig
 
     from rlhfkit.models.hub import resolve_model_path
     from rlhfkit.rollout.engine_utils import eos_ids_of
 
+    if isinstance(path, torch.nn.Module):
+        return eos_ids_of(getattr(path, "generation_config", None), tokenizer)
     try:
         gen = GenerationConfig.from_pretrained(resolve_model_path(path, "--pretrain"))
     except (OSError, ValueError):

@@ -33,7 +33,7 @@ from rlhfkit.cli import vlm_setup as V
 from rlhfkit.cli.common import UsageError, make_logger, parallel_dims, report_dropped, save_or_fall_back
 from rlhfkit.data.io import load_mixture
 from rlhfkit.data.prompts import PromptDataConfig, PromptDataset
-from rlhfkit.models.loader import load_tokenizer
+from rlhfkit.models.given import NONE, GivenModels
 from rlhfkit.trainers.plot import RL_PANELS
 from rlhfkit.roles.group import LocalGroup
 from rlhfkit.roles.handles import (CriticCalls, CriticHandle, PolicyCalls, PolicyHandle, ReferenceCalls,
@@ -114,9 +114,10 @@ def load_prompts(args, tokenizer, spec: str, split: str, probs: str | None, max_
     return load_prompt_dataset(args, tokenizer, spec, split, probs, max_samples, flag=flag).samples
 
 
-def load_data(args) -> RLData:
-    tokenizer = load_tokenizer(args.pretrain, chat_template=args.tokenizer_chat_template,
-                               use_fast=not args.disable_fast_tokenizer)
+def load_data(args, given: GivenModels = NONE) -> RLData:
+    """The run's tokenizer (given, else loaded from --pretrain: once per process) and its prompts."""
+    tokenizer = given.load_tokenizer(args.pretrain, chat_template=args.tokenizer_chat_template,
+                                     use_fast=not args.disable_fast_tokenizer)
     vision = V.vision_context(args, tokenizer)
     train = load_prompt_dataset(args, tokenizer, args.prompt_data, args.prompt_split, args.prompt_data_probs,
                                 args.max_samples, vision)
@@ -135,14 +136,17 @@ def save_critic(path: str, tokenizer: Any, role: Any, backend: Any, dist: DistIn
     save_value_model(backend.unwrap(), path, tokenizer, state_dict=sd, is_main_process=dist.rank == 0)
 
 
-def local_placement(args, dist: DistInfo, tokenizer: Any, num_steps: int) -> Placement:
-    """The roles in this process (one of N torchrun ranks): one mesh description for every model."""
+def local_placement(args, dist: DistInfo, tokenizer: Any, num_steps: int, given: GivenModels = NONE) -> Placement:
+    """The roles in this process (one of N torchrun ranks): one mesh description for every model. A policy
+    `given` in memory is trained itself; the copies a reference or a critic start from are taken first."""
     dims = parallel_dims(args, dist)
-    policy, policy_backend = S.build_policy(args, dist, num_steps, dims, tokenizer)  # this order: the models' random
-    ref = S.build_ref(args, dist, dims, policy_backend)                   # inits (value heads) draw from
-    critic, critic_backend = S.build_critic(args, dist, num_steps, dims)  # one seeded generator
+    ref_module, critic_base = S.given_reference(args, given), S.given_critic_base(args, given)
+    policy, policy_backend = S.build_policy(args, dist, num_steps, dims, tokenizer,  # this order: the models'
+                                            module=given.policy)                     # random inits (value
+    ref = S.build_ref(args, dist, dims, policy_backend, ref_module, given)  # heads) draw from one seeded generator
+    critic, critic_backend = S.build_critic(args, dist, num_steps, dims, critic_base)
     reward = S.build_reward_model(args, dist)
-    engine, shared, complete = _engine_beside(args, dist, tokenizer, policy_backend)
+    engine, shared, complete = _engine_beside(args, dist, tokenizer, policy_backend, given.policy)
     saver = None
     if critic_backend is not None:
         saver = functools.partial(_save_local_critic, backend=critic_backend, dist=dist)
@@ -155,15 +159,16 @@ def local_placement(args, dist: DistInfo, tokenizer: Any, num_steps: int) -> Pla
                      engine_memory=EngineSleep(engine, 1 if shared else 2) if args.vllm_enable_sleep else None)
 
 
-def _engine_beside(args, dist: DistInfo, tokenizer: Any, policy_backend: Any) -> tuple[Any, frozenset[str], bool]:
+def _engine_beside(args, dist: DistInfo, tokenizer: Any, policy_backend: Any, given: Any = None
+                   ) -> tuple[Any, frozenset[str], bool]:
     """train_ppo's engine, the names of the weights it shares with the policy (--engine_weights) and whether
-    it shares them all."""
+    it shares them all; `given`: the policy module given in memory (what an engine of its own copies)."""
     why = S.engine_sharing(args, dist, policy_backend)
     if args.engine_weights == "shared" and why is not None:
         raise UsageError(f"--engine_weights shared: {why}; --engine_weights copy (or auto) gives the engine a copy "
                          "of its own")
     if why is not None:
-        engine = S.build_engine_for(args, tokenizer, dist)
+        engine = S.build_engine_for(args, tokenizer, dist, given=given)
         if args.rollout_engine == "builtin" and dist.rank == 0:  # (other engines always load their own)
             log.info(f"rollout engine: its own copy of the policy's weights ({why})")
         return engine, frozenset(), False
@@ -171,7 +176,7 @@ def _engine_beside(args, dist: DistInfo, tokenizer: Any, policy_backend: Any) ->
     from rlhfkit.rollout.builtin.model.shared_weights import weight_name
 
     module = policy_backend.unwrap()
-    engine = S.build_engine_for(args, tokenizer, dist, share_with=module)
+    engine = S.build_engine_for(args, tokenizer, dist, share_with=module, given=given)
     assert isinstance(engine, BuiltinEngine)  # engine_sharing allows the builtin engine only
     shared = engine.shared_names
     names = {n: weight_name(n) for n, _ in module.named_parameters()}
@@ -224,29 +229,31 @@ class Layout(Protocol):
         """(ranks of each role, local layout) for the memory plan, or None where no plan applies."""
         ...
 
-    def place(self, args, data: RLData, num_steps: int) -> AbstractContextManager[tuple[Placement, Any]]:
+    def place(self, args, data: RLData, num_steps: int, given: GivenModels
+              ) -> AbstractContextManager[tuple[Placement, Any]]:
         """(placement, trainer) for the run's length; afterwards every engine, thread and actor is let go,
-        whether the run ended or failed."""
+        whether the run ended or failed. `given`: the models handed to the run in memory."""
         ...
 
 
-def run(args, parser, layout: Layout) -> RLRun:
+def run(args, parser, layout: Layout, given: GivenModels = NONE) -> RLRun:
     """The RL commands' one run sequence: flags -> checks -> memory plan -> data -> placement -> loop -> saved
-    policy, the same for every layout."""
+    policy, the same for every layout. `given`: models and tokenizer handed over in memory (the Python API)
+    in place of loading --pretrain / --ref_pretrain."""
     from rlhfkit.cli.common import disable_hf_progress_bars, set_seed
     from rlhfkit.cli.memory_check import check_memory
     from rlhfkit.roles.memory import RoleOutOfMemory
 
-    S.resolve_flags(args, layout.world(args))
+    S.resolve_flags(args, layout.world(args), given)
     layout.check(args, parser)
     slots = layout.memory_slots(args)
-    if slots is not None:  # before any model loads
+    if slots is not None and given.empty:  # before any model loads (given ones are loaded already)
         check_memory(args, slots[0], local=slots[1])
     set_seed(args.seed, args.full_determinism)
     if args.disable_progress:
         disable_hf_progress_bars()
-    data = load_data(args)
-    with layout.place(args, data, S.optimizer_steps(args, len(data.prompts))) as (placement, trainer):
+    data = load_data(args, given)
+    with layout.place(args, data, S.optimizer_steps(args, len(data.prompts)), given) as (placement, trainer):
         try:
             trainer.fit()
         except RoleOutOfMemory as e:
@@ -286,11 +293,11 @@ class LocalLayout:
         return {r: self.dist.world_size for r in S.roles_in_run(args, local=True)}, True
 
     @contextmanager
-    def place(self, args, data: RLData, num_steps: int) -> Iterator[tuple[Placement, Any]]:
+    def place(self, args, data: RLData, num_steps: int, given: GivenModels) -> Iterator[tuple[Placement, Any]]:
         from rlhfkit.rewards.process_pool import close_pools
 
         assert self.dist is not None
-        placement = local_placement(args, self.dist, data.tokenizer, num_steps)
+        placement = local_placement(args, self.dist, data.tokenizer, num_steps, given)
         try:
             yield placement, build_trainer(args, placement, data)
         finally:  # also when the run fails: no thread may be inside torch or user code at exit

@@ -22,6 +22,7 @@ from rlhfkit.cli.common import cli_main
 from rlhfkit.cli.run_dir import training_run
 from rlhfkit.config.flags import FlagParser
 from rlhfkit.config.rl_flags import add_rl_flags, apply_preset
+from rlhfkit.models.given import NONE, GivenModels
 
 
 def build_parser(preset: str | None = None, prog: str = "train_ppo", description: str | None = None) -> FlagParser:
@@ -48,8 +49,10 @@ def build_trainer(args, dist):
 
 
 @training_run
-def run(args, parser) -> R.RLRun:
-    return R.run(args, parser, R.LocalLayout())
+def run(args, parser, given: GivenModels = NONE) -> R.RLRun:
+    """The run of the resolved flags `args`; `given`: models and tokenizer handed over in memory (the Python
+    API) instead of loaded from --pretrain / --ref_pretrain."""
+    return R.run(args, parser, R.LocalLayout(), given)
 
 
 def main(argv: list[str] | None = None, parser: FlagParser | None = None) -> list[dict]:

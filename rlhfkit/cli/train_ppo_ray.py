@@ -51,6 +51,7 @@ from rlhfkit.cli import rl_root as R
 from rlhfkit.cli.common import UsageError, cli_main, note_cpu_dtype, set_seed
 from rlhfkit.cli.train_ppo import build_parser as ppo_parser
 from rlhfkit.cli.run_dir import training_run
+from rlhfkit.models.given import GivenModels
 from rlhfkit.optional import require
 from rlhfkit.config.flag_parser import RL_PLACEMENT, shell_text
 from rlhfkit.trainers.async_rl import AsyncRLTrainer
@@ -312,10 +313,15 @@ class RayLayout:
         return {name: s.slots for name, s in self.shapes.items()}, False
 
     @contextmanager
-    def place(self, args, data: R.RLData, num_steps: int) -> Iterator[tuple[R.Placement, AsyncRLTrainer]]:
+    def place(self, args, data: R.RLData, num_steps: int, given: GivenModels
+              ) -> Iterator[tuple[R.Placement, AsyncRLTrainer]]:
         from rlhfkit.rewards.process_pool import close_pools
         from rlhfkit.usercode.run import shutdown_user_threads
         from rlhfkit.distributed.launch import connect
+
+        if not given.empty:
+            raise UsageError("train_ppo_ray builds its models inside Ray actors from directories; models given in "
+                             "memory train with train_ppo")
 
         started = connect(args.ray_address)
         launched = None
