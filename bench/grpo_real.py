@@ -177,7 +177,10 @@ def run_rlhfkit(a: argparse.Namespace, model_dir: str, train: list[dict], work: 
                 progress: Progress, side: str = "rlhfkit") -> dict:
     """train_ppo's parser, checks and `build_trainer`, then `a.steps` timed `train_step()` calls, the held-out
     accuracy every `a.eval_every` steps and after the last (each also handed to `progress`)."""
-    from rlhfkit.cli import ppo_setup, train_ppo
+    from rlhfkit.cli import train_ppo
+    from rlhfkit.rl_run import builders as ppo_setup
+    from rlhfkit.rl_run import root as rl_root
+    from rlhfkit.rl_run.local import local_placement
     from rlhfkit.cli.common import parallel_dims, set_seed
     from rlhfkit.parallel.dist import init_distributed
     from rlhfkit.parallel.mesh import attach_mesh
@@ -198,7 +201,10 @@ def run_rlhfkit(a: argparse.Namespace, model_dir: str, train: list[dict], work: 
     ppo_setup.resolve_flags(args, dist.world_size)
     dist = attach_mesh(dist, parallel_dims(args, dist))
     set_seed(args.seed, args.full_determinism)
-    trainer, placement, _ = train_ppo.build_trainer(args, dist)
+    data = rl_root.load_data(args)
+    plan = rl_root.RLPlan(args, {"policy": dist.world_size}, data, ppo_setup.optimizer_steps(args, len(data.prompts)))
+    placement = local_placement(plan, dist)
+    trainer = rl_root.build_trainer(args, placement, data)
     sync(a.device)
     build_s = time.perf_counter() - t0
     walls: list[float] = []

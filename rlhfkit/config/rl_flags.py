@@ -233,7 +233,7 @@ def _train(p: FlagParser) -> None:
 
 # The critic's optimizer flags: dest -> (dotted name, type, nargs). Unset (None), each takes the
 # actor's value, so the flat OpenRLHF names (--adam_betas, --l2, --max_norm, ...) set both models
-# as they did; the dotted --critic.* names set the critic's alone (ppo_setup.resolve_flags).
+# as they did; the dotted --critic.* names set the critic's alone (rl_run.builders.resolve_flags).
 CRITIC_OPTIM = {
     "adam_betas": ("--critic.adam.betas", float, 2), "adam_eps": ("--critic.adam.eps", float, None),
     "l2": ("--critic.adam.weight_decay", float, None), "lr_scheduler": ("--critic.lr_scheduler", str, None),

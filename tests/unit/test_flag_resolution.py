@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from rlhfkit.cli import ppo_setup as S
+from rlhfkit.rl_run import builders as S
 from rlhfkit.cli import train_ppo
 from rlhfkit.cli.common import UsageError, resolve_modelscope_paths
 from rlhfkit.config import notes

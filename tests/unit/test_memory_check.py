@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from rlhfkit.cli import memory_check as M
-from rlhfkit.cli import ppo_setup as S
+from rlhfkit.rl_run import memory_check as M
+from rlhfkit.rl_run import builders as S
 from rlhfkit.cli import train_ppo_ray
 from rlhfkit.cli.common import UsageError
 

@@ -37,7 +37,7 @@ def memory_inputs(args: argparse.Namespace, slots: dict[str, int], local: bool =
     """The plan's inputs from train_ppo_ray's (resolved) flags; `slots`: role -> ranks. `local`: train_ppo's
     layout (every role and an engine in each rank's process, nothing asleep; the engine serving the policy's
     weights where --engine_weights lets it)."""
-    from rlhfkit.cli import ppo_setup as S
+    from rlhfkit.rl_run import builders as S
 
     paths = {"policy": (args.pretrain, False), "ref": (args.ref_pretrain or args.pretrain, False),
              "critic": (S.critic_path(args), True),

@@ -1,6 +1,7 @@
-"""Flags -> RL components for train_ppo (and train_ppo_ray): checks, roles, engine, executors.
+"""Flags -> RL components for the RL composition root (rlhfkit.rl_run.root; train_ppo and train_ppo_ray):
+checks, roles, engine, executors, loop configs.
 
-This is the one place where the RL command's namespace is read; everything it builds takes its
+This is the one place where the RL commands' namespace is read; everything it builds takes its
 own config object.
 """
 
@@ -253,20 +254,17 @@ def backend_cfg(args: argparse.Namespace, **over) -> BackendConfig:
     return from_args(BackendConfig, args, compile_dynamic=True, **over)
 
 
-def build_ptx(args: argparse.Namespace, dist: DistInfo, tokenizer: Any = None):
+def build_ptx(args: argparse.Namespace, dist: DistInfo, tokenizer: Any):
     """PPO-ptx batches of this policy rank (`rlhfkit.data.ptx`): --pretrain_data as raw text of
     --input_key (loss on every token), cut to --max_len; None without --pretrain_data. `tokenizer`:
-    the policy's, where this process has loaded it already."""
+    the run's (`root.RLPlan.tokenizer`)."""
     if not ptx_active(args):
         return None
     from rlhfkit.data.io import DataError, load_mixture
     from rlhfkit.data.ptx import PtxBatches
     from rlhfkit.data.sft import SFTDataConfig, SFTDataset
-    from rlhfkit.models.loader import load_tokenizer
-
     if tokenizer is None:
-        tokenizer = load_tokenizer(args.pretrain, chat_template=args.tokenizer_chat_template,
-                                   use_fast=not args.disable_fast_tokenizer)
+        raise ValueError("build_ptx: --pretrain_data is tokenized with the run's tokenizer; none was given")
     rows = load_mixture(args.pretrain_data, args.pretrain_data_probs, split=args.pretrain_split,
                         max_samples=args.max_samples, seed=args.seed, max_row_bytes=args.max_row_bytes)
     ds = SFTDataset(rows, tokenizer, SFTDataConfig(input_key=args.input_key, pretrain_mode=True, max_len=args.max_len))
@@ -281,7 +279,7 @@ def build_policy(args: argparse.Namespace, dist: DistInfo, num_steps: int,
                  dims: ParallelDims | None = None, tokenizer: Any = None,
                  module: torch.nn.Module | None = None) -> tuple[ActorRole, FSDP2Backend]:
     """This rank's policy role and its backend (wrapped in a group and a handle by the placement);
-    `tokenizer`: the policy's, where this process has loaded it already (PPO-ptx data); `module`: the policy
+    `tokenizer`: the run's (PPO-ptx data); `module`: the policy
     given in memory, trained itself (else --pretrain is loaded)."""
     from rlhfkit.models.loader import adopt_causal_lm, load_causal_lm
 
