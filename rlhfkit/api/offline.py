@@ -73,7 +73,10 @@ class _WithRef(BaseTrainer):
                  eval_dataset: Any = None, processing_class: Any = None, tokenizer: Any = None) -> None:
         super().__init__(model, args, train_dataset, eval_dataset, processing_class, tokenizer)
         self.ref_model = ref_model
-        self._ref_path, self._ref_module = model_input(ref_model, "ref_model") if ref_model is not None else (None, None)
+        self._ref_path: str | None = None
+        self._ref_module: Any = None
+        if ref_model is not None:
+            self._ref_path, self._ref_module = model_input(ref_model, "ref_model")
 
     def _inputs(self) -> dict[str, Any]:
         out = super()._inputs()

@@ -78,7 +78,10 @@ class PPOTrainer(BaseTrainer):
                  tokenizer: Any = None, reward_weights: Sequence[float] | None = None, ref_model: Any = None) -> None:
         super().__init__(model, args, train_dataset, eval_dataset, processing_class, tokenizer)
         self.reward_funcs, self.reward_weights, self.ref_model = reward_funcs, reward_weights, ref_model
-        self._ref_path, self._ref_module = model_input(ref_model, "ref_model") if ref_model is not None else (None, None)
+        self._ref_path: str | None = None
+        self._ref_module: Any = None
+        if ref_model is not None:
+            self._ref_path, self._ref_module = model_input(ref_model, "ref_model")
         reward_inputs(reward_funcs, reward_weights)  # bad reward_funcs fail here, not after loading models
 
     def _inputs(self) -> dict[str, Any]:
