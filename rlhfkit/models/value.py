@@ -227,13 +227,15 @@ def value_model_from(model: torch.nn.Module, value_head_prefix: str = "score", c
     config = copy.deepcopy(model.config)
     config.value_head_prefix, config.num_labels, config.normalize_reward = value_head_prefix, 1, False
     config.mean, config.std = 0.0, 1.0
-    with torch.random.fork_rng(devices=[]):  # its random initial weights are replaced; the seeded generator
-        out = value_model_class(config)(config)  # moves only for the head, as when loading a directory
+    with torch.random.fork_rng(devices=[]):  # its random initial weights are replaced: the seeded generator
+        out = value_model_class(config)(config)  # moves only for the head, as when loading from a directory
     missing, _ = out.load_state_dict(model.state_dict(), strict=False, assign=True)
     if set(missing) - {f"{value_head_prefix}.weight", f"{value_head_prefix}.bias"}:
         raise ValueError(f"the given {type(model).__name__} lacks backbone weights of "
                          f"{type(out).__name__}: {sorted(missing)[:3]}")
-    init_value_head_(out)
+    with torch.no_grad():  # what loading a checkpoint without the head draws for it (transformers
+        out.get_value_head().weight.normal_()  # initialises missing weights), so the generator is where
+    init_value_head_(out)                      # load_value_model leaves it
     return finish_model(out, cfg, None, modules_to_save=[value_head_prefix], causal=False) if cfg else out
 
 
