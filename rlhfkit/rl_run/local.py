@@ -19,7 +19,12 @@ from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.rl_run import builders as S
 from rlhfkit.rl_run.root import Placement, RLPlan, build_trainer, save_critic
 from rlhfkit.roles.group import LocalGroup
-from rlhfkit.roles.handles import CriticHandle, PolicyHandle, ReferenceHandle, RewardHandle
+from rlhfkit.roles.handles import (
+    CriticHandle,
+    PolicyHandle,
+    ReferenceHandle,
+    RewardHandle,
+)
 from rlhfkit.rollout.engine_utils import EngineSleep
 from rlhfkit.weightsync.sync import LocalWeightSync
 

@@ -132,8 +132,8 @@ def build_role(args, num_steps: int, tokenizer: Any, role: str, dist: DistInfo) 
     """One rank of `role` (runs inside its Ray actor) -> (role object, backend or None); `tokenizer`: the
     driver's (PPO-ptx data), sent with the flags."""
     set_seed(args.seed, args.full_determinism)
-    from rlhfkit.parallel.mesh import attach_mesh
     from rlhfkit.cli.common import parallel_dims
+    from rlhfkit.parallel.mesh import attach_mesh
 
     dist = attach_mesh(dist, parallel_dims(args, dist))  # this group's dp / tp / cp process groups
     if role == "policy":
@@ -219,7 +219,12 @@ def launch_roles(args, num_steps: int, shapes: dict[str, Any], hard_exit: bool, 
 def ray_placement(launched) -> R.Placement:
     """The Ray groups and the engine router as the loop sees them (rl_root.Placement)."""
     from rlhfkit.distributed.group import GroupBackend
-    from rlhfkit.roles.handles import CriticHandle, PolicyHandle, ReferenceHandle, RewardHandle
+    from rlhfkit.roles.handles import (
+        CriticHandle,
+        PolicyHandle,
+        ReferenceHandle,
+        RewardHandle,
+    )
 
     g = launched.groups
     critic = g.get("critic")

@@ -32,16 +32,21 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from rlhfkit.backend.base import CheckpointingBackend
-from rlhfkit.parallel.dist import DistInfo
-from rlhfkit.rl_run import builders as S
 from rlhfkit.cli import vlm_setup as V
-from rlhfkit.cli.common import UsageError, make_logger, report_dropped, save_or_fall_back
+from rlhfkit.cli.common import (
+    UsageError,
+    make_logger,
+    report_dropped,
+    save_or_fall_back,
+)
 from rlhfkit.data.io import load_mixture
 from rlhfkit.data.prompts import PromptDataConfig, PromptDataset
 from rlhfkit.models.given import NONE, GivenModels
-from rlhfkit.trainers.plot import RL_PANELS
+from rlhfkit.parallel.dist import DistInfo
+from rlhfkit.rl_run import builders as S
 from rlhfkit.roles.handles import CriticCalls, PolicyCalls, ReferenceCalls, RewardCalls
 from rlhfkit.rollout.base import RolloutEngine
+from rlhfkit.trainers.plot import RL_PANELS
 from rlhfkit.trainers.rl import RLState, RLTrainer
 from rlhfkit.trainers.rl_contracts import EngineMemory
 from rlhfkit.weightsync.sync import WeightSync

@@ -119,7 +119,16 @@ def test_sft_from_a_loaded_model_writes_no_model_and_equals_the_directory(tiny_m
 
 def other_trainer(kind: str, model, tok, save: str):
     """A one-step run of the DPO, KTO, reward-model or PPO (GAE: a critic) trainer on `model`."""
-    from rlhfkit import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer, PPOConfig, PPOTrainer, RewardConfig, RewardTrainer
+    from rlhfkit import (
+        DPOConfig,
+        DPOTrainer,
+        KTOConfig,
+        KTOTrainer,
+        PPOConfig,
+        PPOTrainer,
+        RewardConfig,
+        RewardTrainer,
+    )
 
     pairs = [{"prompt": f"{a}+{a}=", "chosen": str(2 * a), "rejected": str(2 * a + 1)} for a in range(8)]
     common = dict(input_template="{}", max_len=32, train_batch_size=8, micro_train_batch_size=4, max_steps=1,
