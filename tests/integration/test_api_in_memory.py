@@ -6,8 +6,9 @@
   `name_or_path` points at a directory holding *other* weights, so a run that loaded anything from there
   would give other numbers.
 - the run trains the object itself (no copy): after train() its weights are the saved model's;
-  GRPO's reference (KL term) is a frozen copy of the initial weights, so the reference log-probs of the
-  first step equal the policy's.
+  GRPO's reference (KL term) is a frozen copy of the initial weights, so the first step's KL is 0; under
+  LoRA no copy is made (the reference is the model with its adapters off) and the numbers are the
+  directory run's too.
 - DPO and KTO (reference: a frozen copy of the initial weights), the reward model (a head on the given
   backbone) and PPO (reference and critic started from copies; the critic's head drawn as loading it from
   a directory draws it) give the directory's numbers too.
@@ -98,6 +99,29 @@ def test_grpo_from_a_loaded_model_writes_no_model_and_equals_the_directory(tiny_
     k = "model.layers.0.self_attn.q_proj.weight"
     assert torch.equal(model.state_dict()[k], saved[k])
     assert sorted(os.listdir(tmp_path)) == ["from_dir", "in_memory", "shifted"]
+
+
+def test_grpo_lora_from_a_loaded_model_makes_no_copy(tiny_model_dir, tmp_path, monkeypatch):
+    """Under LoRA the reference is the given model with its adapters off: no copy of it is made."""
+    from rlhfkit.models import given
+
+    model, tok = shifted_copy(tiny_model_dir, str(tmp_path / "shifted"))
+    space: dict = {}
+    exec(even_reward_src(scores=False), space)
+    cfg = GRPOConfig(label_key="label", n_samples_per_prompt=2, rollout_batch_size=4, train_batch_size=8,
+                     micro_train_batch_size=4, generate_max_len=6, prompt_max_len=16, max_steps=2, lora_rank=4,
+                     lora_alpha=8, actor_learning_rate=1e-2, seed=7, save_path=str(tmp_path / "from_dir"), **CPU)
+    h_dir = GRPOTrainer(str(tmp_path / "shifted"), reward_funcs=space["reward_func"], train_dataset=prompts(),
+                        args=cfg).train()
+
+    def no_copy(module):
+        raise AssertionError("a copy of the given model was made")
+
+    monkeypatch.setattr(given, "frozen_copy", no_copy)
+    trainer = GRPOTrainer(model, processing_class=tok, reward_funcs=space["reward_func"], train_dataset=prompts(),
+                          args=dataclasses.replace(cfg, save_path=str(tmp_path / "in_memory")))
+    same_numbers(trainer.train(), h_dir)
+    assert trainer.model.get_base_model() is model  # the adapters sit in the given module
 
 
 def test_sft_from_a_loaded_model_writes_no_model_and_equals_the_directory(tiny_model_dir, tmp_path, monkeypatch):
