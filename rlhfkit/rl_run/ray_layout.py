@@ -139,7 +139,9 @@ def build_role(args, num_steps: int, tokenizer: Any, role: str, dist: DistInfo) 
     if role == "policy":
         return S.build_policy(args, dist, num_steps, tokenizer=tokenizer)
     if role == "ref":
-        ref = S.build_ref(args, dist)
+        ref = S.build_ref(args, dist)  # a Ray run places a ref group only where the flags ask for one
+        if ref is None:
+            raise ValueError("build_role: the flags give the run no reference model (--init_kl_coef 0)")
         return ref, ref.backend
     if role == "critic":
         return S.build_critic(args, dist, num_steps)
@@ -211,7 +213,8 @@ def launch_roles(args, num_steps: int, shapes: dict[str, Any], hard_exit: bool, 
     for p in launched.placement:
         log.info(f"placement: {p['role']} rank {p['rank']} pid {p['pid']} node {p['node_id'][:12]} ({p['ip']}) "
                  f"pool {p['pool']} bundle {p['bundle']} gpus {p['gpu_ids']}")
-    log.info(f"weight sync: {launched.weight_sync.describe()}, buckets of "
+    transport = launched.weight_sync.describe() if launched.weight_sync is not None else "none"
+    log.info(f"weight sync: {transport}, buckets of "
              f"{getattr(args, 'weight_sync_bucket_mb', DEFAULT_BUCKET_MB)} MB")
     return launched, phases
 

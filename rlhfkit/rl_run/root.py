@@ -266,4 +266,7 @@ def critic_saver_on_group(group: RayGroup) -> Callable[[str, PreTrainedTokenizer
     """`Placement.save_critic` for a Ray role group: every rank runs `save_critic` in its actor."""
     from rlhfkit.distributed.workers import RoleWorker
 
-    return lambda path, tok: group.run_all(RoleWorker.apply, functools.partial(save_critic, path, tok))
+    def save(path: str, tokenizer: PreTrainedTokenizerBase) -> None:
+        group.run_all(RoleWorker.apply, functools.partial(save_critic, path, tokenizer))
+
+    return save
