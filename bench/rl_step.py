@@ -151,7 +151,7 @@ def plan_peak_gib(args: argparse.Namespace) -> float | None:
     from rlhfkit.distributed.memory_plan import plan_memory
 
     try:
-        inputs = memory_inputs(args, {r: 1 for r in ppo_setup.roles_in_run(args, local=True)}, local=True)
+        inputs = memory_inputs(args, {r: 1 for r in ppo_setup.roles_in_run(args)}, local=True)
     except Exception:  # noqa: BLE001 - the plan is skipped where the CLI skips it
         return None
     return round(plan_memory(inputs).peak / 2**30, 2)

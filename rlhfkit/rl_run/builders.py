@@ -300,12 +300,12 @@ def build_policy(args: argparse.Namespace, dist: DistInfo, num_steps: int,
     return role, backend
 
 
-def roles_in_run(args: argparse.Namespace, local: bool = False) -> tuple[str, ...]:
-    """The models a run holds: the policy; the reference with a KL term (none of its own for a local LoRA
-    policy on the same base: `ref_is_policy_base`); the critic for GAE; a reward model when no reward
-    function or agent gives the reward. build_ref / build_critic / build_reward_model decide alike."""
+def roles_in_run(args: argparse.Namespace) -> tuple[str, ...]:
+    """The roles a run has, decided here only (the placements build these and no others): the policy; the
+    reference with a KL term; the critic for GAE; a reward model when no reward function or agent gives the
+    reward. (A local LoRA policy on its own base is its reference, adapters off: `ref_is_policy_base`.)"""
     roles = ["policy"]
-    if args.init_kl_coef > 0 and not (local and ref_is_policy_base(args)):
+    if args.init_kl_coef > 0:
         roles.append("ref")
     if args.advantage_estimator == "gae":
         roles.append("critic")
@@ -321,12 +321,10 @@ def ref_is_policy_base(args: argparse.Namespace, given: GivenModels = NONE) -> b
 
 
 def given_reference(args: argparse.Namespace, given: GivenModels) -> torch.nn.Module | None:
-    """The reference module of a run given its policy in memory (None: the reference is loaded from its
-    directory, or there is none): the given `ref`, else a frozen copy of the policy's weights as they are
-    now, before its first step; taken before the policy is built (LoRA changes the module in place). No copy
-    where none is needed: no KL term, or LoRA on the policy's own base (adapters off)."""
-    if args.init_kl_coef <= 0:
-        return None
+    """For a run that has a reference: the module the models given in memory make it (None: the reference is
+    loaded from its directory): the given `ref`, else a frozen copy of the policy's weights as they are now,
+    before its first step; taken before the policy is built (LoRA changes the module in place). No copy under LoRA
+    on the policy's own base (the policy with its adapters off is the reference)."""
     if given.ref is not None:
         return given.ref
     if given.policy is None or args.ref_pretrain or ref_is_policy_base(args, given):
@@ -338,12 +336,10 @@ def given_reference(args: argparse.Namespace, given: GivenModels) -> torch.nn.Mo
 
 def build_ref(args: argparse.Namespace, dist: DistInfo, dims: ParallelDims | None = None,
               policy_backend: FSDP2Backend | None = None, module: torch.nn.Module | None = None,
-              given: GivenModels = NONE) -> ActorRole | None:
-    """The reference model's role, or None without a KL term. Given the policy's backend (one process or
-    torchrun) and LoRA on the same base, the reference runs the policy with its adapters off. `module`: the
-    reference in memory (`given_reference`), else --ref_pretrain (default --pretrain) is loaded."""
-    if args.init_kl_coef <= 0:
-        return None
+              given: GivenModels = NONE) -> ActorRole:
+    """The reference model's role (`roles_in_run` says whether the run has one). Given the policy's backend
+    (one process or torchrun) and LoRA on the same base, the reference runs the policy with its adapters off.
+    `module`: the reference in memory (`given_reference`), else --ref_pretrain (default --pretrain) is loaded."""
     if policy_backend is not None and ref_is_policy_base(args, given):
         note_once("note: reference model = the policy with its LoRA adapters switched off (no second copy of "
                   "the base model)" + ("; --ref_offload has no effect: there are no separate reference weights"
@@ -376,8 +372,8 @@ def critic_path(args: argparse.Namespace, given: GivenModels = NONE) -> str | to
 
 def given_critic_base(args: argparse.Namespace, given: GivenModels) -> torch.nn.Module | None:
     """A copy of the policy given in memory for the critic to start from (GAE with neither --critic_pretrain
-    nor --reward_pretrain), taken before the policy is built; None where the critic is loaded or absent."""
-    if args.advantage_estimator != "gae" or not isinstance(critic_path(args, given), torch.nn.Module):
+    nor --reward_pretrain), taken before the policy is built; None where the critic is loaded."""
+    if not isinstance(critic_path(args, given), torch.nn.Module):
         return None
     from rlhfkit.models.given import frozen_copy
 
@@ -385,11 +381,9 @@ def given_critic_base(args: argparse.Namespace, given: GivenModels) -> torch.nn.
 
 
 def build_critic(args: argparse.Namespace, dist: DistInfo, num_steps: int, dims: ParallelDims | None = None,
-                 base: torch.nn.Module | None = None) -> tuple[CriticRole, FSDP2Backend] | tuple[None, None]:
-    """The critic's role and backend (GAE), or (None, None); `base`: the policy's copy it starts from
+                 base: torch.nn.Module | None = None) -> tuple[CriticRole, FSDP2Backend]:
+    """The critic's role and backend (`roles_in_run`: GAE); `base`: the policy's copy it starts from
     (`given_critic_base`), else `critic_path` is loaded."""
-    if args.advantage_estimator != "gae":
-        return None, None
     from rlhfkit.models.value import checkpoint_keys, load_value_model, value_model_from
 
     if base is not None:
@@ -424,9 +418,8 @@ def critic_optim(args: argparse.Namespace) -> dict[str, Any]:
             "muon_ns_steps": args.critic_muon_ns_steps, "muon_nesterov": args.critic_muon_nesterov}
 
 
-def build_reward_model(args: argparse.Namespace, dist: DistInfo) -> RewardModelRole | None:
-    if not args.reward_pretrain or args.remote_rm_url or args.agent_func_path:
-        return None
+def build_reward_model(args: argparse.Namespace, dist: DistInfo) -> RewardModelRole:
+    """The reward models of --reward_pretrain (comma-separated: summed) as one role (`roles_in_run`)."""
     from rlhfkit.models.loader import resolve_dtype
     from rlhfkit.models.value import load_value_model
 

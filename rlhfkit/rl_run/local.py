@@ -34,14 +34,17 @@ log = logging.getLogger(__name__)
 def local_placement(plan: RLPlan, dist: DistInfo) -> Placement:
     """The roles in this process (one of N torchrun ranks): one mesh description for every model. A policy
     given in memory is trained itself; the copies a reference or a critic start from are taken first."""
-    args, tokenizer, num_steps, given = plan.args, plan.tokenizer, plan.num_steps, plan.given
+    args, tokenizer, num_steps, given, roles = plan.args, plan.tokenizer, plan.num_steps, plan.given, plan.roles
     dims = parallel_dims(args, dist)
-    ref_module, critic_base = S.given_reference(args, given), S.given_critic_base(args, given)
+    ref_module = S.given_reference(args, given) if "ref" in roles else None
+    critic_base = S.given_critic_base(args, given) if "critic" in roles else None
     policy, policy_backend = S.build_policy(args, dist, num_steps, dims, tokenizer,  # this order: the models'
                                             module=given.policy)                     # random inits (value
-    ref = S.build_ref(args, dist, dims, policy_backend, ref_module, given)  # heads) draw from one seeded generator
-    critic, critic_backend = S.build_critic(args, dist, num_steps, dims, critic_base)
-    reward = S.build_reward_model(args, dist)
+    ref = S.build_ref(args, dist, dims, policy_backend, ref_module, given) \
+        if "ref" in roles else None                                         # heads) draw from one seeded generator
+    critic, critic_backend = S.build_critic(args, dist, num_steps, dims, critic_base) \
+        if "critic" in roles else (None, None)
+    reward = S.build_reward_model(args, dist) if "reward" in roles else None
     engine, shared, complete = _engine_beside(args, dist, tokenizer, policy_backend, given.policy)
     saver = None
     if critic_backend is not None:
@@ -129,7 +132,7 @@ class LocalLayout:
 
     def roles(self, args) -> dict[str, int]:
         assert self.dist is not None
-        return {r: self.dist.world_size for r in S.roles_in_run(args, local=True)}
+        return {r: self.dist.world_size for r in S.roles_in_run(args)}
 
     def plans_memory(self) -> bool:
         assert self.dist is not None

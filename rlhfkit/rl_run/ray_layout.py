@@ -139,9 +139,7 @@ def build_role(args, num_steps: int, tokenizer: Any, role: str, dist: DistInfo) 
     if role == "policy":
         return S.build_policy(args, dist, num_steps, tokenizer=tokenizer)
     if role == "ref":
-        ref = S.build_ref(args, dist)  # a Ray run places a ref group only where the flags ask for one
-        if ref is None:
-            raise ValueError("build_role: the flags give the run no reference model (--init_kl_coef 0)")
+        ref = S.build_ref(args, dist)
         return ref, ref.backend
     if role == "critic":
         return S.build_critic(args, dist, num_steps)

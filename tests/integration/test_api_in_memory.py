@@ -187,10 +187,12 @@ def test_other_trainers_from_a_loaded_model_equal_the_directory(kind, tiny_model
 
 def test_ray_refuses_models_given_in_memory():
     from rlhfkit.cli.common import UsageError
-    from rlhfkit.cli.train_ppo_ray import RayLayout
     from rlhfkit.models.given import GivenModels
+    from rlhfkit.rl_run.ray_layout import RayLayout
+    from rlhfkit.rl_run.root import RLData, RLPlan
 
-    layout = RayLayout()
+    plan = RLPlan(args=None, roles={"policy": 1}, data=RLData(object(), [], []), num_steps=1,
+                  given=GivenModels(tokenizer=object()))
     with pytest.raises(UsageError, match="train_ppo_ray builds its models inside Ray actors"):
-        with layout.place(None, None, 1, GivenModels(tokenizer=object())):
+        with RayLayout().place(plan):
             pass

@@ -37,6 +37,16 @@ def test_flags_become_plan_inputs(tiny_model_dir, tmp_path):
     assert x.zero_stage == 3 and x.param_bytes == 2
 
 
+def test_a_local_lora_policy_on_its_base_holds_no_reference_weights(tiny_model_dir, tmp_path):
+    """train_ppo's run has a reference role, but under LoRA on the policy's own base it is the policy with
+    its adapters off: the plan counts no reference weights; Ray's reference group loads its own."""
+    args = parse(tiny_model_dir, tmp_path, "--lora_rank", "4")
+    assert S.roles_in_run(args) == ("policy", "ref")
+    local = M.memory_inputs(args, {"policy": 1, "ref": 1}, local=True)
+    assert [r.name for r in local.roles] == ["policy"]
+    assert [r.name for r in M.memory_inputs(args, {"policy": 1, "ref": 1}).roles] == ["policy", "ref"]
+
+
 def test_table_is_printed_and_an_over_budget_plan_refuses(tiny_model_dir, tmp_path, capsys):
     args = parse(tiny_model_dir, tmp_path)
     M.check_memory(args, {"policy": 1, "ref": 1}, device_bytes=80 * GiB)
