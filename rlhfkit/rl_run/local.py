@@ -16,6 +16,7 @@ from typing import Any, Iterator
 
 from rlhfkit.cli.common import UsageError, parallel_dims
 from rlhfkit.parallel.dist import DistInfo
+from rlhfkit.parallel.mesh import ParallelDims
 from rlhfkit.rl_run import builders as S
 from rlhfkit.rl_run.root import Placement, RLPlan, build_trainer, save_critic
 from rlhfkit.roles.group import LocalGroup
@@ -31,11 +32,12 @@ from rlhfkit.weightsync.sync import LocalWeightSync
 log = logging.getLogger(__name__)
 
 
-def local_placement(plan: RLPlan, dist: DistInfo) -> Placement:
-    """The roles in this process (one of N torchrun ranks): one mesh description for every model. A policy
-    given in memory is trained itself; the copies a reference or a critic start from are taken first."""
+def local_placement(plan: RLPlan, dist: DistInfo, dims: ParallelDims | None = None) -> Placement:
+    """The roles in this process (one of N torchrun ranks): one mesh description `dims` for every model (the
+    layout's, else made from the flags). A policy given in memory is trained itself; the copies a reference or
+    a critic start from are taken first."""
     args, tokenizer, num_steps, given, roles = plan.args, plan.tokenizer, plan.num_steps, plan.given, plan.roles
-    dims = parallel_dims(args, dist)
+    dims = dims if dims is not None else parallel_dims(args, dist)
     ref_module = S.given_reference(args, given) if "ref" in roles else None
     critic_base = S.given_critic_base(args, given) if "critic" in roles else None
     policy, policy_backend = S.build_policy(args, dist, num_steps, dims, tokenizer,  # this order: the models'
@@ -113,6 +115,7 @@ class LocalLayout:
 
     def __init__(self) -> None:
         self.dist: DistInfo | None = None
+        self.dims: ParallelDims | None = None  # the mesh description, made once from the flags (check)
 
     def world(self, args) -> int:
         from rlhfkit.cli.common import note_cpu_dtype
@@ -127,7 +130,8 @@ class LocalLayout:
 
         assert self.dist is not None
         # resolve_flags refused tp / cp > 1, so the world is data parallel; its process groups, built once
-        self.dist = attach_mesh(self.dist, parallel_dims(args, self.dist))
+        self.dims = parallel_dims(args, self.dist)
+        self.dist = attach_mesh(self.dist, self.dims)
         S.note_ray_only_flags(args, parser, "train_ppo")
 
     def roles(self, args) -> dict[str, int]:
@@ -143,7 +147,7 @@ class LocalLayout:
         from rlhfkit.rewards.process_pool import close_pools
 
         assert self.dist is not None
-        placement = local_placement(plan, self.dist)
+        placement = local_placement(plan, self.dist, self.dims)
         try:
             yield placement, build_trainer(plan.args, placement, plan.data)
         finally:  # also when the run fails: no thread may be inside torch or user code at exit
