@@ -218,7 +218,7 @@ def launch_roles(args, num_steps: int, shapes: dict[str, Any], hard_exit: bool, 
 
 
 def ray_placement(launched) -> R.Placement:
-    """The Ray groups and the engine router as the loop sees them (rl_root.Placement)."""
+    """The Ray groups and the engine router as the loop sees them (root.Placement)."""
     from rlhfkit.distributed.group import GroupBackend
     from rlhfkit.roles.handles import (
         CriticHandle,

@@ -1,4 +1,4 @@
-"""train_ppo_ray's flags -> memory plan inputs, the printed table and the refusal (rlhfkit.cli.memory_check)."""
+"""train_ppo_ray's flags -> memory plan inputs, the printed table and the refusal (rlhfkit.rl_run.memory_check)."""
 
 from __future__ import annotations
 
