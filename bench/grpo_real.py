@@ -202,7 +202,8 @@ def run_rlhfkit(a: argparse.Namespace, model_dir: str, train: list[dict], work: 
     dist = attach_mesh(dist, parallel_dims(args, dist))
     set_seed(args.seed, args.full_determinism)
     data = rl_root.load_data(args)
-    plan = rl_root.RLPlan(args, {"policy": dist.world_size}, data, ppo_setup.optimizer_steps(args, len(data.prompts)))
+    roles = {r: dist.world_size for r in ppo_setup.roles_in_run(args)}
+    plan = rl_root.RLPlan(args, roles, data, ppo_setup.optimizer_steps(args, len(data.prompts)))
     placement = local_placement(plan, dist)
     trainer = rl_root.build_trainer(args, placement, data)
     sync(a.device)
