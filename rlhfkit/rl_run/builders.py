@@ -113,6 +113,9 @@ def resolve_flags(args: argparse.Namespace, world_size: int, given: GivenModels 
         check_positions(policy, args.max_len, f"--prompt_max_len {args.prompt_max_len} + --generate_max_len "
                         f"{args.generate_max_len} = {args.max_len} (the default --max_len)")
     resolve_rollout_engine(args, args.max_len, pictures=vlm_mode(args), model=given.policy)
+    if given.policy is not None and args.rollout_engine == "vllm":
+        raise UsageError("--rollout_engine vllm loads the policy's weights from a directory; a model given in "
+                         "memory generates with the builtin or hf engine")
     critic = (("the critic", critic_path(args, given)),) if args.advantage_estimator == "gae" else ()
     ref = given.ref if given.ref is not None else args.ref_pretrain
     check_packing(args, ("--pretrain", policy), ("--ref_pretrain", ref), *critic)
