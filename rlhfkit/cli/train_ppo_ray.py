@@ -67,7 +67,6 @@ def build_parser():
     return p
 
 
-
 @training_run
 def run(args, parser, hard_exit: bool = False) -> R.RLRun:
     """The run of the parsed flags `args` on Ray (rlhfkit.rl_run: one plan, then the one run sequence)."""
