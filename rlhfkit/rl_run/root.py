@@ -25,6 +25,7 @@ layout adds only what placing actors needs (shapes, Ray options, async mode).
 
 from __future__ import annotations
 
+import argparse
 import functools
 import logging
 from contextlib import AbstractContextManager
@@ -105,7 +106,7 @@ class RLPlan:
     builders read, the roles and their ranks, the tokenizer and prompts, the LR schedule's length, and the
     models given in memory."""
 
-    args: Any  # the resolved flags
+    args: argparse.Namespace  # the resolved flags
     roles: dict[str, int]  # role ("policy", "ref", "critic", "reward") -> its ranks
     data: RLData
     num_steps: int  # the policy's optimizer steps
