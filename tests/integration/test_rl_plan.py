@@ -72,3 +72,34 @@ def test_the_plan_is_made_before_any_model_loads(tiny_model_dir, tmp_path, monke
         "--save_path", str(tmp_path / "out")])
     with pytest.raises(UsageError, match=r"--train_batch_size \(3\) must be a multiple of --micro_train_batch_size"):
         root.plan(args, train_ppo.build_parser(), LocalLayout())
+
+
+def test_ray_actor_builders_use_the_drivers_tokenizer(tiny_model_dir, tmp_path, monkeypatch):
+    """What a Ray actor runs (rl_run.ray_layout.build_role / build_engine) gets the driver's tokenizer with the
+    flags: building the policy with PPO-ptx text and an engine reads no tokenizer from disk."""
+    from transformers import AutoTokenizer
+
+    from rlhfkit.cli import train_ppo_ray
+    from rlhfkit.models.hf_files import load_tokenizer
+    from rlhfkit.parallel.dist import DistInfo
+    from rlhfkit.rl_run import builders, ray_layout
+
+    (tmp_path / "reward.py").write_text(even_reward_src(scores=False))
+    args = train_ppo_ray.build_parser().parse([
+        "--pretrain", tiny_model_dir, "--remote_rm_url", str(tmp_path / "reward.py"),
+        "--prompt_data", write_jsonl(tmp_path / "p.jsonl", [{"input": "1+1="}] * 4), "--input_key", "input",
+        "--pretrain_data", write_jsonl(tmp_path / "t.jsonl", [{"input": f"{i} and {i}"} for i in range(8)]),
+        "--ptx_coef", "0.1", "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "2",
+        "--rollout_batch_size", "4", "--train_batch_size", "8", "--micro_train_batch_size", "2",
+        "--generate_max_len", "4", "--prompt_max_len", "16", "--device", "cpu", "--save_path", str(tmp_path / "s")])
+    builders.resolve_flags(args, 1)
+    tokenizer = load_tokenizer(tiny_model_dir)  # the driver's
+
+    def no_load(*a, **k):
+        raise AssertionError("an actor builder loaded a tokenizer")
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", no_load)
+    role, _ = ray_layout.build_role(args, 2, tokenizer, "policy", DistInfo(device="cpu"))
+    assert role.ptx is not None
+    engine = ray_layout.build_engine(args, tokenizer, DistInfo(device="cpu"))
+    assert engine.tokenizer is tokenizer
