@@ -37,9 +37,10 @@ def child(a: argparse.Namespace) -> dict:
     from bench.harness.rl_run import engine_batch, force_full_length, rlhfkit_argv, write_inputs
     from bench.harness.timing import sync
 
-    from rlhfkit.cli import ppo_setup
+    from rlhfkit.rl_run import builders as ppo_setup
     from rlhfkit.cli.common import set_seed
-    from rlhfkit.cli.train_ppo import build_parser, build_trainer
+    from rlhfkit.cli.train_ppo import build_parser
+    from rlhfkit.rl_run.local import local_trainer
     from rlhfkit.parallel.dist import init_distributed
 
     t_start = time.perf_counter()
@@ -57,7 +58,7 @@ def child(a: argparse.Namespace) -> dict:
     opts = json.loads(a.engine_opts) if a.engine_opts else {}
     t0 = time.perf_counter()
     with engine_batch(a.prompts * a.n), _engine_options(opts):
-        trainer, placement, _ = build_trainer(args, dist)
+        trainer, placement = local_trainer(args, dist)
     sync(a.device)
     build_s = time.perf_counter() - t0
     force_full_length(trainer)

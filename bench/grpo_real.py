@@ -18,7 +18,7 @@ weights in the optimizer (no gradient checkpointing on either side). Group-norma
 loss_type "dapo").
 
 rlhfkit: `python -m rlhfkit.cli.train_ppo`'s flags (rlhfkit_argv), parsed and checked by the command's
-own parser and `resolve_flags`, the trainer built by its `build_trainer`, then one `train_step()` per
+own parser and `resolve_flags`, the trainer built by `rl_run.local.local_trainer`, then one `train_step()` per
 step as `fit()` runs them (rl_step.py does the same); the builtin engine generates. TRL: `GRPOTrainer`
 (transformers generate), steps timed between `on_step_end` callbacks.
 
@@ -175,9 +175,11 @@ def rlhfkit_argv(a: argparse.Namespace, model_dir: str, data: str, reward: str, 
 
 def run_rlhfkit(a: argparse.Namespace, model_dir: str, train: list[dict], work: str, ev: GreedyEval,
                 progress: Progress, side: str = "rlhfkit") -> dict:
-    """train_ppo's parser, checks and `build_trainer`, then `a.steps` timed `train_step()` calls, the held-out
+    """train_ppo's parser, checks and `local_trainer`, then `a.steps` timed `train_step()` calls, the held-out
     accuracy every `a.eval_every` steps and after the last (each also handed to `progress`)."""
-    from rlhfkit.cli import ppo_setup, train_ppo
+    from rlhfkit.cli import train_ppo
+    from rlhfkit.rl_run import builders as ppo_setup
+    from rlhfkit.rl_run.local import local_trainer
     from rlhfkit.cli.common import parallel_dims, set_seed
     from rlhfkit.parallel.dist import init_distributed
     from rlhfkit.parallel.mesh import attach_mesh
@@ -198,7 +200,7 @@ def run_rlhfkit(a: argparse.Namespace, model_dir: str, train: list[dict], work: 
     ppo_setup.resolve_flags(args, dist.world_size)
     dist = attach_mesh(dist, parallel_dims(args, dist))
     set_seed(args.seed, args.full_determinism)
-    trainer, placement, _ = train_ppo.build_trainer(args, dist)
+    trainer, placement = local_trainer(args, dist)
     sync(a.device)
     build_s = time.perf_counter() - t0
     walls: list[float] = []

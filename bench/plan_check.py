@@ -39,10 +39,10 @@ def write_inputs(work: str) -> None:
 
 
 def verdict(shape: str, gpus: int, tp: int, flags: list[str], device_bytes: int, work: str) -> dict:
-    from rlhfkit.cli import ppo_setup as S
+    from rlhfkit.rl_run import builders as S
     from rlhfkit.cli import train_ppo_ray as R
     from rlhfkit.cli.common import UsageError
-    from rlhfkit.cli.memory_check import check_memory
+    from rlhfkit.rl_run.memory_check import check_memory
 
     argv = ["--pretrain", work, "--prompt_data", os.path.join(work, "p.jsonl"), "--remote_rm_url",
             os.path.join(work, "r.py"), "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "8",

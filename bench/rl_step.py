@@ -12,7 +12,7 @@ of exactly `--new_tokens` tokens (eos is banned until the limit: rlhfkit's
 advantages, no KL term / reference model, one optimizer step per RL step, bf16 compute with
 fp32 master weights, gradient checkpointing on GPU.
 
-rlhfkit: `rlhfkit.cli.train_ppo`'s own flag parsing, checks and `build_trainer`; one
+rlhfkit: `rlhfkit.cli.train_ppo`'s own flag parsing, checks and `rl_run.local.local_trainer`; one
 `trainer.train_step()` per RL step. Phases come from the loop's metrics (time/generate includes
 the reward_func calls, which run inside the agent episodes; time/reward is the reward-model pass).
 Bench-only changes, both recorded in the JSON: the engine's batch (`--max_num_seqs`, default all
@@ -106,9 +106,10 @@ class MemoryWatch:
 
 def run_rlhfkit(a: argparse.Namespace, model_dir: str, data: str, reward: str, work: str, prompts: int) -> dict:
     """Build train_ppo's trainer from its flags; 1 warm-up + `a.steps` timed `train_step()` calls."""
-    from rlhfkit.cli import ppo_setup
     from rlhfkit.cli.common import set_seed
-    from rlhfkit.cli.train_ppo import build_parser, build_trainer
+    from rlhfkit.cli.train_ppo import build_parser
+    from rlhfkit.rl_run import builders as ppo_setup
+    from rlhfkit.rl_run.local import local_trainer
     from rlhfkit.parallel.dist import init_distributed
 
     args = build_parser().parse(rlhfkit_argv(a, model_dir, data, reward, work, prompts))
@@ -117,7 +118,7 @@ def run_rlhfkit(a: argparse.Namespace, model_dir: str, data: str, reward: str, w
     ppo_setup.resolve_flags(args, dist.world_size)
     set_seed(args.seed)
     with engine_batch(a.max_num_seqs or prompts * a.n):
-        trainer, placement, _ = build_trainer(args, dist)
+        trainer, placement = local_trainer(args, dist)
     engine = placement.engine
     try:
         min_new = force_full_length(trainer)
@@ -145,12 +146,12 @@ def run_rlhfkit(a: argparse.Namespace, model_dir: str, data: str, reward: str, w
 def plan_peak_gib(args: argparse.Namespace) -> float | None:
     """The peak train_ppo's memory plan (printed before loading, on a GPU) gives this run, for the JSON
     beside the device's measured peak."""
-    from rlhfkit.cli import ppo_setup
-    from rlhfkit.cli.memory_check import memory_inputs
+    from rlhfkit.rl_run import builders as ppo_setup
+    from rlhfkit.rl_run.memory_check import memory_inputs
     from rlhfkit.distributed.memory_plan import plan_memory
 
     try:
-        inputs = memory_inputs(args, {r: 1 for r in ppo_setup.roles_in_run(args, local=True)}, local=True)
+        inputs = memory_inputs(args, {r: 1 for r in ppo_setup.roles_in_run(args)}, local=True)
     except Exception:  # noqa: BLE001 - the plan is skipped where the CLI skips it
         return None
     return round(plan_memory(inputs).peak / 2**30, 2)

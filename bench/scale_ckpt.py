@@ -105,8 +105,8 @@ def main() -> None:
             "--disable_progress", "--save_steps", "2", "--ckpt_path", ckpt, "--max_ckpt_num", "1",
             "--ray_address", "local", "--ray_num_cpus_per_worker", "1", "--seed", "0",
             *a.flags.split()]
-    from rlhfkit.cli import ppo_setup as S
-    from rlhfkit.cli import train_ppo_ray as R
+    from rlhfkit.rl_run import builders as S
+    from rlhfkit.rl_run import root as R
 
     seconds: dict[str, float] = {}
     _Timer(S.RLCheckpointer, "save", "ckpt_save_s", seconds)

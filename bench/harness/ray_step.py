@@ -146,7 +146,7 @@ def start_ray(a: argparse.Namespace) -> bool:
 
 def plan_gib(args: Any, shapes: dict[str, Any]) -> dict[str, Any]:
     """The memory plan train_ppo_ray printed, per pool: GPUs, members and each phase in GiB."""
-    from rlhfkit.cli import memory_check as M
+    from rlhfkit.rl_run import memory_check as M
     from rlhfkit.distributed.memory_plan import GiB, plan_memory
 
     device_bytes = M.gpu_bytes(args)
@@ -224,13 +224,14 @@ def measured_vs_plan(plan: dict[str, Any], steps: list[dict[str, Any]], nvml_pea
 
 def launch_trainer(a: argparse.Namespace, argv: list[str]) -> tuple[Any, Any, Any, Any]:
     """train_ppo_ray's checks and launch -> (args, launched, trainer, seconds to launch)."""
-    from rlhfkit.cli import ppo_setup as S
-    from rlhfkit.cli import rl_root
-    from rlhfkit.cli import train_ppo_ray as R
+    from rlhfkit.rl_run import builders as S
+    from rlhfkit.rl_run import root as rl_root
     from rlhfkit.cli.common import set_seed
-    from rlhfkit.cli.memory_check import check_memory
+    from rlhfkit.cli.train_ppo_ray import build_parser
+    from rlhfkit.rl_run import ray_layout as R
+    from rlhfkit.rl_run.memory_check import check_memory
 
-    args = R.build_parser().parse(argv)
+    args = build_parser().parse(argv)
     shapes = R.role_shapes(args)
     S.resolve_flags(args, shapes["policy"].slots)
     R.check_ray_flags(args, shapes)
@@ -240,9 +241,9 @@ def launch_trainer(a: argparse.Namespace, argv: list[str]) -> tuple[Any, Any, An
     data = rl_root.load_data(args)  # with --max_images_per_prompt: the pictures' processor and layout too
     num_steps = S.optimizer_steps(args, len(data.prompts))
     t0 = time.perf_counter()
-    launched, phases = R.launch_roles(args, num_steps, shapes, hard_exit=False)
+    launched, phases = R.launch_roles(args, num_steps, shapes, hard_exit=False, tokenizer=data.tokenizer)
     try:
-        trainer = R.build_ray_trainer(args, launched, phases, data.tokenizer, data.prompts, data.eval_prompts, data)
+        trainer = R.build_ray_trainer(args, launched, phases, data)
     except BaseException:
         launched.shutdown()
         raise

@@ -3,7 +3,10 @@
     trainer = SFTTrainer(model, args=SFTConfig(...), train_dataset=rows)
     trainer.train()
       config.to_args(parser)           the namespace `python -m rlhfkit.cli.train_sft ...` would parse
-      + inputs                         --pretrain / --dataset / ... as objects (rlhfkit.api.inputs)
+      + inputs                         --pretrain (a directory, or where a loaded model came from),
+                                       --dataset / ... as in-memory rows (rlhfkit.api.inputs)
+      + given                          a loaded model, tokenizer and reference as objects
+                                       (rlhfkit.models.given): trained in place, never written to disk
       -> rlhfkit.cli.<command>.run()   the very function the CLI's main() calls
       -> history                       result.state.history: one dict per logged step, as in metrics.jsonl
     trainer.save_model(path)           the trained model (and tokenizer) in Hugging Face format
@@ -21,8 +24,9 @@ from typing import Any
 
 from rlhfkit import logs
 from rlhfkit.api.config import FlagConfig, command_parser
-from rlhfkit.api.inputs import Scratch, data_source, model_dir
+from rlhfkit.api.inputs import data_source, model_input, tokenizer_input
 from rlhfkit.config.flag_parser import set_as_given
+from rlhfkit.models.given import GivenModels
 from rlhfkit.trainers.stop import RunStopped
 
 
@@ -59,18 +63,23 @@ class BaseTrainer:
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.result: Any = None
         self.history: list[dict[str, Any]] = []
-        self._scratch = Scratch()
+        self._pretrain, self._module = model_input(model)
+        self._tokenizer = tokenizer_input(self.processing_class, model)
 
     # ------------------------------------------------------------------ inputs and running
 
     def _inputs(self) -> dict[str, Any]:
-        """dest -> value of the input flags (model directory, datasets); may write into the scratch dir."""
-        return {"pretrain": model_dir(self.model_init, self.processing_class, self._scratch),
+        """dest -> value of the input flags (model directory or origin, datasets)."""
+        return {"pretrain": self._pretrain,
                 "dataset": data_source(self.train_dataset, "train_dataset"),
                 "eval_dataset": data_source(self.eval_dataset, "eval_dataset")}
 
+    def _given(self) -> GivenModels:
+        """The model and tokenizer objects the run takes (rlhfkit.models.given)."""
+        return GivenModels(policy=self._module, tokenizer=self._tokenizer)
+
     def _run(self, ns: Any, parser: Any) -> Any:
-        return importlib.import_module(f"rlhfkit.cli.{self.args.COMMAND}").run(ns)
+        return importlib.import_module(f"rlhfkit.cli.{self.args.COMMAND}").run(ns, given=self._given())
 
     def build_args(self) -> Any:
         """The resolved namespace the run gets (what run_config.json records)."""
@@ -93,7 +102,6 @@ class BaseTrainer:
                                        f"{type(self.args).__name__}(..., load_checkpoint=True), then train()",
                              e.saved) from None
         finally:
-            self._scratch.close()
             logs.close_run_logs()
         self.history = self.result.state.history
         self._name_after_save_path()

@@ -1,8 +1,9 @@
 """What the API trainers take besides a config, turned into what the commands' `run()` reads.
 
     model / ref_model      a local directory (used as it is), or a loaded transformers model (+ its
-                           tokenizer), saved once into a scratch directory that the run loads like
-                           any --pretrain directory (ref copies, rollout engine, value heads: one path)
+                           tokenizer), handed to the run as objects (rlhfkit.models.given): the run
+                           trains that module itself, nothing is written to disk; the model flag
+                           (--pretrain) names where it came from
     datasets               a list of dicts or a `datasets.Dataset` -> `rlhfkit.data.io.RowSource`
                            (in memory, the same row pipeline as files), or a --dataset spec string
     reward_funcs           a callable in TRL's shape `reward(prompts, completions, **columns)` or
@@ -21,46 +22,11 @@ from __future__ import annotations
 
 import inspect
 import os
-import shutil
-import tempfile
 from typing import Any, Callable, Sequence
 
 from rlhfkit.rewards.shapes import SHAPES, RewardSample, SampleRewardFunction, call_args, reward_shape
 from rlhfkit.rewards.sources import is_reward_file, load_reward_func
 from rlhfkit.data.io import RowSource
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                   "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json")
-
-
-class Scratch:
-    """A temporary directory for models given as objects; removed by `close()`. Model cards name each
-    model saved here by its origin (`origin`), never by the temporary path."""
-
-    def __init__(self) -> None:
-        self.path: str | None = None
-        self.named: list[str] = []
-
-    def dir(self, name: str) -> str:
-        if self.path is None:
-            self.path = tempfile.mkdtemp(prefix="rlhfkit_api_")
-        return os.path.join(self.path, name)
-
-    def origin(self, path: str, name: str) -> None:
-        from rlhfkit.trainers.model_card import show_model_path_as
-
-        show_model_path_as(path, name)
-        self.named.append(path)
-
-    def close(self) -> None:
-        from rlhfkit.trainers.model_card import show_model_path_as
-
-        for p in self.named:
-            show_model_path_as(p, None)
-        self.named = []
-        if self.path is not None:
-            shutil.rmtree(self.path, ignore_errors=True)
-            self.path = None
 
 
 def model_origin(model: Any) -> str:
@@ -74,46 +40,34 @@ def model_origin(model: Any) -> str:
     return f"a {type(model).__name__} passed to the Python API"
 
 
-def model_dir(model: Any, tokenizer: Any, scratch: Scratch, what: str = "model") -> str:
-    """A directory holding `model` and its tokenizer (see module doc)."""
+def model_input(model: Any, what: str = "model") -> tuple[str, Any]:
+    """(the model flag's value, the module or None) for a model directory (used as it is) or a loaded
+    transformers model: the run trains the module itself and the flag names where it came from (see
+    rlhfkit.models.given)."""
     if isinstance(model, (str, os.PathLike)):
-        path = os.fspath(model)
-        if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)) and os.fspath(tokenizer) == path:
-            return path
-        if not os.path.isdir(path):
-            raise FileNotFoundError(f"{what}: {path} is not a directory (give a local model directory or "
-                                    "a loaded transformers model)")
-        out = scratch.dir(what)  # the model's files linked, the given tokenizer's written
-        os.makedirs(out)
-        for name in os.listdir(path):
-            if name not in TOKENIZER_FILES:
-                os.symlink(os.path.abspath(os.path.join(path, name)), os.path.join(out, name))
-        _save_tokenizer(tokenizer, out, what)
-        scratch.origin(out, path)
-        return out
-    if not hasattr(model, "save_pretrained"):
+        return os.fspath(model), None
+    if not hasattr(model, "save_pretrained") or not hasattr(model, "config"):
         raise TypeError(f"{what} must be a model directory or a transformers model, got {type(model).__name__}")
+    return model_origin(model), model
+
+
+def tokenizer_input(tokenizer: Any, model: Any, what: str = "model") -> Any:
+    """The tokenizer object a run is given (None: the run loads the one of the model's directory).
+    A tokenizer directory is loaded here, once."""
+    if isinstance(tokenizer, (str, os.PathLike)):
+        if not isinstance(model, (str, os.PathLike)) or os.fspath(tokenizer) != os.fspath(model):
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(os.fspath(tokenizer))
+        return None
     if tokenizer is None:
-        source = getattr(model, "name_or_path", "") or ""
-        if not os.path.isdir(source):
+        if not isinstance(model, (str, os.PathLike)) and not os.path.isdir(str(getattr(model, "name_or_path", ""))):
             raise ValueError(f"{what} is a loaded model whose tokenizer is unknown: pass processing_class= "
                              "(the tokenizer)")
-        tokenizer = source
-    out = scratch.dir(what)
-    model.save_pretrained(out, safe_serialization=True)
-    _save_tokenizer(tokenizer, out, what)
-    scratch.origin(out, model_origin(model))
-    return out
-
-
-def _save_tokenizer(tokenizer: Any, out: str, what: str) -> None:
-    if isinstance(tokenizer, (str, os.PathLike)):
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(os.fspath(tokenizer))
+        return None
     if not hasattr(tokenizer, "save_pretrained"):
         raise TypeError(f"{what}: processing_class must be a transformers tokenizer, got {type(tokenizer).__name__}")
-    tokenizer.save_pretrained(out)
+    return tokenizer
 
 
 def data_source(data: Any, name: str) -> Any:

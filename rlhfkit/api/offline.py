@@ -21,12 +21,13 @@ from typing import Any, ClassVar
 
 from rlhfkit.api.base import BaseTrainer
 from rlhfkit.api.config import FlagConfig, TRLNames, api_config
-from rlhfkit.api.inputs import model_dir
+from rlhfkit.api.inputs import model_input
 from rlhfkit.config.configs import (BackendFlags, BatchConfig, BetaFlags, CheckpointFlags, DataFlags, LabelFlags,
                                     LearningRateFlags, LoggingFlags, ModelFlags, OfflineDataFlags, OptimFlags,
                                     PretrainModeFlags, RefModelFlags, ValueHeadFlags, VisionFlags)
 from rlhfkit.config.flag_parser import ConsoleFlags
 from rlhfkit.config.offline_flags import DPOFlags, KTOFlags, PairKeyFlags, RewardLossFlags, SFTFlags
+from rlhfkit.models.given import GivenModels
 
 
 OFFLINE_INPUTS = ("pretrain", "dataset", "eval_dataset")
@@ -106,7 +107,7 @@ class SFTTrainer(BaseTrainer):
     def _run(self, ns: Any, parser: Any) -> Any:
         from rlhfkit.cli import train_sft
 
-        return train_sft.run(ns, on_step_end=self.on_step_end)
+        return train_sft.run(ns, on_step_end=self.on_step_end, given=self._given())
 
 
 class RewardTrainer(BaseTrainer):
@@ -121,12 +122,19 @@ class _WithRef(BaseTrainer):
                  eval_dataset: Any = None, processing_class: Any = None, tokenizer: Any = None) -> None:
         super().__init__(model, args, train_dataset, eval_dataset, processing_class, tokenizer)
         self.ref_model = ref_model
+        self._ref_path: str | None = None
+        self._ref_module: Any = None
+        if ref_model is not None:
+            self._ref_path, self._ref_module = model_input(ref_model, "ref_model")
 
     def _inputs(self) -> dict[str, Any]:
         out = super()._inputs()
-        if self.ref_model is not None:
-            out["ref_pretrain"] = model_dir(self.ref_model, self.processing_class, self._scratch, "ref_model")
+        if self._ref_path is not None:
+            out["ref_pretrain"] = self._ref_path
         return out
+
+    def _given(self) -> GivenModels:
+        return GivenModels(policy=self._module, tokenizer=self._tokenizer, ref=self._ref_module)
 
 
 class DPOTrainer(_WithRef):

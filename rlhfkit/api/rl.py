@@ -30,7 +30,7 @@ from typing import Any, ClassVar, Literal, Sequence
 
 from rlhfkit.api.base import BaseTrainer
 from rlhfkit.api.config import FlagConfig, TRLRLNames, api_config
-from rlhfkit.api.inputs import data_source, model_dir, reward_inputs
+from rlhfkit.api.inputs import data_source, model_input, reward_inputs
 from rlhfkit.config.configs import (BackendFlags, BatchConfig, CheckpointFlags, DataFlags, LabelFlags, LoggingFlags,
                                     ModelFlags, OptimFlags, RefModelFlags, RewardModelFlags, SamplingFlags,
                                     ValueHeadFlags, VisionFlags)
@@ -38,6 +38,7 @@ from rlhfkit.config.flag_parser import ConsoleFlags
 from rlhfkit.config.rl_flags import (AlgoFlags, BestCheckpointFlags, CompletionLogFlags, CriticOptimFlags, Estimator,
                                      PlacementFlags, PromptDataFlags, RewardSourceFlags, RLModelFlags, RLTrainFlags,
                                      RolloutFlags)
+from rlhfkit.models.given import GivenModels
 
 
 @api_config
@@ -93,14 +94,18 @@ class PPOTrainer(BaseTrainer):
                  tokenizer: Any = None, reward_weights: Sequence[float] | None = None, ref_model: Any = None) -> None:
         super().__init__(model, args, train_dataset, eval_dataset, processing_class, tokenizer)
         self.reward_funcs, self.reward_weights, self.ref_model = reward_funcs, reward_weights, ref_model
+        self._ref_path: str | None = None
+        self._ref_module: Any = None
+        if ref_model is not None:
+            self._ref_path, self._ref_module = model_input(ref_model, "ref_model")
         reward_inputs(reward_funcs, reward_weights)  # bad reward_funcs fail here, not after loading models
 
     def _inputs(self) -> dict[str, Any]:
-        out = {"pretrain": model_dir(self.model_init, self.processing_class, self._scratch),
+        out = {"pretrain": self._pretrain,
                "prompt_data": data_source(self.train_dataset, "train_dataset"),
                "eval_dataset": data_source(self.eval_dataset, "eval_dataset")}
-        if self.ref_model is not None:
-            out["ref_pretrain"] = model_dir(self.ref_model, self.processing_class, self._scratch, "ref_model")
+        if self._ref_path is not None:
+            out["ref_pretrain"] = self._ref_path
         rewards = reward_inputs(self.reward_funcs, self.reward_weights)
         if "reward_pretrain" in rewards and self.args.reward_pretrain:
             raise ValueError("reward_funcs names a reward model and the config sets reward_pretrain: give one")
@@ -109,7 +114,10 @@ class PPOTrainer(BaseTrainer):
     def _run(self, ns: Any, parser: Any) -> Any:
         from rlhfkit.cli import train_ppo
 
-        return train_ppo.run(ns, parser)
+        return train_ppo.run(ns, parser, given=self._given())
+
+    def _given(self) -> GivenModels:
+        return GivenModels(policy=self._module, tokenizer=self._tokenizer, ref=self._ref_module)
 
     @property
     def backend(self) -> Any:

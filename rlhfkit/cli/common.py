@@ -77,25 +77,21 @@ def cli_main(prog: str, fn: Callable[[], T]) -> T:
         logs.close_run_logs()
 
 
-def model_positions(path: str | None) -> int | None:
-    """max_position_embeddings of the local model directory `path` (None when unknown)."""
-    if not path or not os.path.isfile(os.path.join(path, "config.json")):
-        return None
-    try:
-        from transformers import AutoConfig
-
-        n = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
-    except Exception:  # noqa: BLE001 - an unreadable config is reported where the model is loaded
-        return None
+def model_positions(model: str | torch.nn.Module | None) -> int | None:
+    """max_position_embeddings of the local model directory (or the module given in memory) `model`
+    (None when unknown)."""
+    config = _config_of(model)
+    n = getattr(config, "max_position_embeddings", None) if config is not None else None
     return n if isinstance(n, int) and n > 0 else None
 
 
-def check_positions(path: str | None, length: int, what: str, flag: str = "--pretrain") -> None:
-    """`length` tokens (`what` names the flags that give it) must fit the model's positions."""
-    limit = model_positions(path)
+def check_positions(model: str | torch.nn.Module | None, length: int, what: str, flag: str = "--pretrain") -> None:
+    """`length` tokens (`what` names the flags that give it) must fit the positions of `model` (a directory or
+    a module given in memory)."""
+    limit = model_positions(model)
     if limit is not None and length > limit:
-        raise UsageError(f"{what} exceeds the model's max_position_embeddings {limit} ({flag} {path}); "
-                         "lower it")
+        where = f"{flag} {model}" if isinstance(model, str) else f"the {flag} module"
+        raise UsageError(f"{what} exceeds the model's max_position_embeddings {limit} ({where}); lower it")
 
 
 def note_cpu_dtype(args: argparse.Namespace, device: str | None) -> None:
@@ -130,28 +126,29 @@ def set_seed(seed: int, full_determinism: bool = False) -> None:
 MODEL_PATH_FLAGS = ("pretrain", "ref_pretrain", "reward_pretrain", "critic_pretrain", "teacher_model")
 
 
-def resolve_model_paths(args: argparse.Namespace) -> None:
+def resolve_model_paths(args: argparse.Namespace, skip: tuple[str, ...] = ()) -> None:
     """Every model flag (comma-separated lists too) that is not a local directory becomes one: a hub
     id is resolved through the Hugging Face cache and, when online, the hub (`rlhfkit.models.hub`;
     with --use_ms, ModelScope). Run once, early, in the process that parses the flags, so torchrun
     ranks and Ray actors load local directories and a model that cannot be had fails before anything
-    starts."""
+    starts. `skip`: the flags whose model is given in memory (rlhfkit.models.given; the flag only names
+    where it came from)."""
     from rlhfkit.models.hub import resolve_model_path
 
-    resolve_modelscope_paths(args)
-    for dest in MODEL_PATH_FLAGS:
+    resolve_modelscope_paths(args, skip)
+    for dest in (d for d in MODEL_PATH_FLAGS if d not in skip):
         value = getattr(args, dest, None)
         if value:
             flag = "--" + dest
             setattr(args, dest, ",".join(resolve_model_path(p, flag) if p else p for p in value.split(",")))
 
 
-def resolve_modelscope_paths(args: argparse.Namespace) -> None:
+def resolve_modelscope_paths(args: argparse.Namespace, skip: tuple[str, ...] = ()) -> None:
     """--use_ms: model ids that are not local directories are downloaded from ModelScope, and the
     flags then name the downloaded directories (so every process, Ray actors included, loads those)."""
     if not getattr(args, "use_ms", False):
         return
-    remote = [d for d in MODEL_PATH_FLAGS if getattr(args, d, None)
+    remote = [d for d in MODEL_PATH_FLAGS if getattr(args, d, None) and d not in skip
               for p in getattr(args, d).split(",") if p and not os.path.isdir(p)]
     if not remote:
         log.info("note: --use_ms has no effect: every model path is a local directory")
@@ -162,8 +159,11 @@ def resolve_modelscope_paths(args: argparse.Namespace) -> None:
         setattr(args, d, ",".join(parts))
 
 
-def _config_of(path: str | None) -> Any:
-    """The transformers config of the local model directory `path` (None when there is none to read)."""
+def _config_of(path: str | torch.nn.Module | None) -> Any:
+    """The transformers config of the local model directory `path`, or of a module given in memory (None
+    when there is none to read)."""
+    if isinstance(path, torch.nn.Module):
+        return getattr(path, "config", None)
     if not path or not os.path.isfile(os.path.join(path, "config.json")):
         return None
     from transformers import AutoConfig
@@ -180,23 +180,27 @@ def _rank0_line(line: str) -> None:
         log.info(line)
 
 
-def resolve_rollout_engine(args: argparse.Namespace, max_model_len: int | None, pictures: bool = False) -> None:
+def resolve_rollout_engine(args: argparse.Namespace, max_model_len: int | None, pictures: bool = False,
+                           model: str | torch.nn.Module | None = None) -> None:
     """--rollout_engine, resolved once for --pretrain (rlhfkit.rollout.choice; auto: builtin when it
     can run the model, else vllm when installed, else hf) before any model loads: the flag then names
     the engine that runs, which every later check and the Ray engine actors read. A fallback of auto
-    is announced in one line; an explicit builtin the model cannot use is an error naming the flag."""
+    is announced in one line; an explicit builtin the model cannot use is an error naming the flag.
+    `model`: the policy given in memory, read instead of --pretrain."""
     from rlhfkit.rollout.choice import choose_engine
 
-    choice = choose_engine(args.rollout_engine, args.pretrain, max_model_len=max_model_len, pictures=pictures)
+    choice = choose_engine(args.rollout_engine, model if model is not None else args.pretrain,
+                           max_model_len=max_model_len, pictures=pictures)
     if choice.fell_back:
         _rank0_line(choice.describe())
     args.rollout_engine = choice.name
 
 
-def check_packing(args: argparse.Namespace, *models: tuple[str, str | None]) -> None:
+def check_packing(args: argparse.Namespace, *models: tuple[str, str | torch.nn.Module | None]) -> None:
     """--packing_samples with a model whose layers carry a state along the sequence (linear attention,
     state-space: rlhfkit.models.forward.packing_refusal) would mix packed samples: such a run trains
-    padded, and one line says so. `models`: (flag, local model directory) of each model that packs."""
+    padded, and one line says so. `models`: (flag, local model directory or module given in memory) of each
+    model that packs."""
     from rlhfkit.models.forward import packing_refusal
 
     if not args.packing_samples:
@@ -205,7 +209,8 @@ def check_packing(args: argparse.Namespace, *models: tuple[str, str | None]) -> 
         config = _config_of(path)
         why = packing_refusal(config) if config is not None else None
         if why is not None:
-            _rank0_line(f"note: --packing_samples is off for this run: {flag} {path}: {why}; samples run padded")
+            where = f"{flag} {path}" if not isinstance(path, torch.nn.Module) else f"the {flag} module"
+            _rank0_line(f"note: --packing_samples is off for this run: {where}: {why}; samples run padded")
             args.packing_samples = False
             return
 

@@ -34,7 +34,8 @@ from rlhfkit.config.flags import (MODEL, TRAIN, FlagParser, add_backend_flags, a
                                   add_logging_flags, add_max_steps_flag, add_model_flags, add_ref_model_flags,
                                   add_train_flags)
 from rlhfkit.data.io import DataError, Row, load_mixture
-from rlhfkit.models.loader import check_model_dir, load_causal_lm, load_tokenizer
+from rlhfkit.models.given import NONE, GivenModels
+from rlhfkit.models.loader import adopt_causal_lm, check_model_dir, load_causal_lm
 from rlhfkit.trainers.dpo_task import FrozenModel
 from rlhfkit.trainers.metrics import metrics_record
 from rlhfkit.trainers.model_card import task_kind
@@ -92,21 +93,28 @@ class OfflineRun:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def setup(args: argparse.Namespace) -> tuple[DistInfo, Any]:
-    """Check --pretrain/--dataset, start distributed, seed, and load the tokenizer of --pretrain."""
+def setup(args: argparse.Namespace, given: GivenModels = NONE) -> tuple[DistInfo, Any]:
+    """Check --pretrain/--dataset, start distributed, seed, and load the tokenizer of --pretrain (or prepare
+    the one `given` in memory; a policy given in memory is checked in place of --pretrain's directory)."""
     require(args, "pretrain", "dataset")
     check_backend_flags(args)
     check_packages(args)
-    resolve_model_paths(args)
-    check_model_dir(args.pretrain, "--pretrain")
-    check_positions(args.pretrain, args.max_len, f"--max_len {args.max_len}")
-    check_packing(args, ("--pretrain", args.pretrain))
+    resolve_model_paths(args, skip=(("pretrain",) if given.policy is not None else ())
+                        + (("ref_pretrain",) if given.ref is not None else ()))
+    if given.policy is None:
+        check_model_dir(args.pretrain, "--pretrain")
+    elif getattr(args, "max_images_per_prompt", 0) > 0:
+        raise UsageError("--max_images_per_prompt: a vision-language model is read with its processor from a "
+                         "directory; pass the model's directory, not the loaded model")
+    policy = given.policy_or_path(args.pretrain)
+    check_positions(policy, args.max_len, f"--max_len {args.max_len}")
+    check_packing(args, ("--pretrain", policy))
     dist = init_distributed(args.device)
     note_cpu_dtype(args, dist.device)
     dist = attach_mesh(dist, parallel_dims(args, dist))  # the dp / tp / cp process groups, built once
     set_seed(args.seed, args.full_determinism)
-    tokenizer = load_tokenizer(args.pretrain, chat_template=args.tokenizer_chat_template,
-                               use_fast=not args.disable_fast_tokenizer)
+    tokenizer = given.load_tokenizer(args.pretrain, chat_template=args.tokenizer_chat_template,
+                                     use_fast=not args.disable_fast_tokenizer)
     return dist, tokenizer
 
 
@@ -169,13 +177,31 @@ def trainable_backend(model: torch.nn.Module, args: argparse.Namespace, dist: Di
                         parallel=parallel_dims(args, dist))
 
 
-def frozen_model(path: str, args: argparse.Namespace, dist: DistInfo, flag: str, offload: bool) -> FrozenModel:
-    """A frozen causal LM (reference / teacher): fp32 weights cast once to the compute dtype, no LoRA."""
-    cfg = ModelConfig(pretrain=path, param_dtype=args.param_dtype, attn_implementation=args.attn_implementation)
-    model = load_causal_lm(cfg, master_dtype="fp32", flag=flag, defer_weights=True)
+def frozen_model(path: str | torch.nn.Module, args: argparse.Namespace, dist: DistInfo, flag: str,
+                 offload: bool) -> FrozenModel:
+    """A frozen causal LM (reference / teacher): fp32 weights cast once to the compute dtype, no LoRA.
+    `path`: its directory, or the module itself (given in memory: `reference`)."""
+    if isinstance(path, torch.nn.Module):
+        model = path
+    else:
+        cfg = ModelConfig(pretrain=path, param_dtype=args.param_dtype, attn_implementation=args.attn_implementation)
+        model = load_causal_lm(cfg, master_dtype="fp32", flag=flag, defer_weights=True)
     bcfg = from_args(BackendConfig, args, gradient_checkpointing=False, adam_offload=False)
     backend = FSDP2Backend(model, bcfg, None, num_training_steps=1, dist=dist, parallel=parallel_dims(args, dist))
     return FrozenModel(backend, offload=offload)
+
+
+def reference(args: argparse.Namespace, given: GivenModels, dist: DistInfo) -> FrozenModel:
+    """The frozen reference of DPO / KTO: the `ref` given in memory, else --ref_pretrain, else the policy: a
+    frozen copy of the module given in memory (taken before training changes it), or --pretrain loaded again."""
+    from rlhfkit.models.given import frozen_copy
+
+    if given.ref is not None:
+        return frozen_model(given.ref, args, dist, "--ref_pretrain", args.ref_offload)
+    if args.ref_pretrain:
+        return frozen_model(args.ref_pretrain, args, dist, "--ref_pretrain", args.ref_offload)
+    source = frozen_copy(given.policy) if given.policy is not None else args.pretrain
+    return frozen_model(source, args, dist, "--pretrain", args.ref_offload)
 
 
 def train_task(task: Any, backend: Any, train_items: Sequence[Any], eval_items: Sequence[Any] | None,
@@ -196,14 +222,17 @@ def train_task(task: Any, backend: Any, train_items: Sequence[Any], eval_items: 
 
 def train_policy(args: argparse.Namespace, dist: DistInfo, tokenizer: Any, task: Any, train_items: Sequence[Any],
                  eval_items: Sequence[Any] | None, plot_keys: tuple[str, ...] | None = None,
-                 on_step_end: Callable | None = None) -> OfflineRun:
-    """Load --pretrain as the trained causal LM, run the loop with `task`, save it, and report.
+                 on_step_end: Callable | None = None, given: GivenModels = NONE) -> OfflineRun:
+    """Load --pretrain as the trained causal LM (or train the policy `given` in memory itself), run the loop
+    with `task`, save it, and report.
 
     `on_step_end(state, metrics, backend)` runs after every step; returning True stops early.
     """
     from rlhfkit.cli.common import make_logger
 
-    model = load_causal_lm(from_args(ModelConfig, args), master_dtype="fp32", defer_weights=True)
+    cfg = from_args(ModelConfig, args)
+    model = (adopt_causal_lm(given.policy, cfg) if given.policy is not None
+             else load_causal_lm(cfg, master_dtype="fp32", defer_weights=True))
     backend = trainable_backend(model, args, dist, len(train_items))
     logger = make_logger(args, dist.rank, plot_keys=plot_keys)
     hook = (lambda state, metrics: on_step_end(state, metrics, backend)) if on_step_end else None

@@ -24,8 +24,8 @@ from rlhfkit.cli.offline_common import (
     add_offline_flags,
     add_pair_key_flags,
     add_ref_flags,
-    frozen_model,
     load_split_items,
+    reference,
     setup,
     train_policy,
 )
@@ -35,6 +35,7 @@ from rlhfkit.config.declare import add_fields
 from rlhfkit.config.offline_flags import DPOFlags
 from rlhfkit.config.flags import FlagParser, add_beta_flag, add_image_flags
 from rlhfkit.data.preference import PreferenceDataConfig, PreferenceDataset
+from rlhfkit.models.given import NONE, GivenModels
 from rlhfkit.trainers.dpo_task import DPOTask, check_dpo_settings
 
 
@@ -54,20 +55,22 @@ def build_parser() -> FlagParser:
 
 
 @training_run
-def run(args) -> OfflineRun:
+def run(args, given: GivenModels = NONE) -> OfflineRun:
+    """Train; `given`: models and tokenizer handed over in memory (the Python API) instead of loaded from
+    --pretrain / --ref_pretrain."""
     check_dpo_settings(args.beta, args.label_smoothing, args.ipo, args.nll_loss_coef)
     V.check_vlm_offline_flags(args)
-    dist, tokenizer = setup(args)
+    dist, tokenizer = setup(args, given)
     data_cfg = from_args(PreferenceDataConfig, args)
     vision = V.vision_context(args, tokenizer)
     train_items, eval_items = load_split_items(
         args, lambda rows: PreferenceDataset(rows, tokenizer, data_cfg, V.row_images(args, vision)))
-    ref = frozen_model(args.ref_pretrain or args.pretrain, args, dist,
-                       "--ref_pretrain" if args.ref_pretrain else "--pretrain", args.ref_offload)
+    ref = reference(args, given, dist)
     task = DPOTask(pad_token_id=tokenizer.pad_token_id, ref=ref, beta=args.beta, label_smoothing=args.label_smoothing,
                    ipo=args.ipo, nll_loss_coef=args.nll_loss_coef, packing=args.packing_samples,
                    device=dist.device, dist=dist, vision=vision)
-    return train_policy(args, dist, tokenizer, task, train_items, eval_items, plot_keys=OFFLINE_PLOT_KEYS)
+    return train_policy(args, dist, tokenizer, task, train_items, eval_items, plot_keys=OFFLINE_PLOT_KEYS,
+                        given=given)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

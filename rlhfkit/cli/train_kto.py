@@ -20,8 +20,8 @@ from rlhfkit.cli.offline_common import (
     OfflineRun,
     add_offline_flags,
     add_ref_flags,
-    frozen_model,
     load_split_items,
+    reference,
     setup,
     train_policy,
 )
@@ -31,6 +31,7 @@ from rlhfkit.config.declare import add_fields
 from rlhfkit.config.offline_flags import KTOFlags
 from rlhfkit.config.flags import FlagParser, add_beta_flag, add_label_key_flag
 from rlhfkit.data.preference import UnpairedDataConfig, UnpairedDataset
+from rlhfkit.models.given import NONE, GivenModels
 from rlhfkit.trainers.kto_task import KTOTask
 
 log = logging.getLogger(__spec__.name if __spec__ else __name__)  # also when run as __main__
@@ -62,20 +63,21 @@ def check_settings(args) -> None:
 
 
 @training_run
-def run(args) -> OfflineRun:
+def run(args, given: GivenModels = NONE) -> OfflineRun:
+    """Train; `given`: models and tokenizer handed over in memory (the Python API) instead of loaded from
+    --pretrain / --ref_pretrain."""
     check_settings(args)
-    dist, tokenizer = setup(args)
+    dist, tokenizer = setup(args, given)
     data_cfg = from_args(UnpairedDataConfig, args)
     train_items, eval_items = load_split_items(args, lambda rows: UnpairedDataset(rows, tokenizer, data_cfg))
     good = sum(1 for it in train_items if it.label)
     if dist.rank == 0:
         log.info(f"KTO data: {good} desirable, {len(train_items) - good} undesirable answers")
-    ref = frozen_model(args.ref_pretrain or args.pretrain, args, dist,
-                       "--ref_pretrain" if args.ref_pretrain else "--pretrain", args.ref_offload)
+    ref = reference(args, given, dist)
     task = KTOTask(pad_token_id=tokenizer.pad_token_id, ref=ref, max_len=args.max_len, beta=args.beta,
                    desirable_weight=args.desirable_loss_weight, undesirable_weight=args.undesirable_loss_weight,
                    packing=args.packing_samples, device=dist.device, dist=dist)
-    return train_policy(args, dist, tokenizer, task, train_items, eval_items, plot_keys=KTO_PLOT_KEYS)
+    return train_policy(args, dist, tokenizer, task, train_items, eval_items, plot_keys=KTO_PLOT_KEYS, given=given)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

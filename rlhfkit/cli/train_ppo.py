@@ -8,20 +8,22 @@ Accepts the flags of OpenRLHF's train_ppo_ray (flat names and dotted aliases):
         --train_batch_size 256 --micro_train_batch_size 8 --init_kl_coef 1e-3 --use_kl_loss \
         --generate_max_len 1024 --actor_learning_rate 1e-6 --save_path ./ckpt/grpo
 
-Placement flags (`--*_num_nodes`, `--vllm_*`, `--colocate_*`) take effect in train_ppo_ray. The
-roles live in this process (`rl_root.local_placement`); the loop is assembled by `rl_root`, as
-train_ppo_ray's is. `run(args, parser)` is also what the Python API's PPO/GRPO/RLOO trainers call
-(rlhfkit.api.rl); `main(argv)` returns the metrics history (one dict per logged step).
+Placement flags (`--*_num_nodes`, `--vllm_*`, `--colocate_*`) take effect in train_ppo_ray. This module
+is argv -> flags -> run: the run is planned and assembled by rlhfkit.rl_run (the roles live in this
+process: `rl_run.local`), as train_ppo_ray's is. `run(args, parser, given)` is also what the Python
+API's PPO/GRPO/RLOO trainers call (rlhfkit.api.rl); `main(argv)` returns the metrics history (one dict
+per logged step).
 """
 
 from __future__ import annotations
 
-from rlhfkit.cli import ppo_setup as S
-from rlhfkit.cli import rl_root as R
 from rlhfkit.cli.common import cli_main
 from rlhfkit.cli.run_dir import training_run
 from rlhfkit.config.flags import FlagParser
 from rlhfkit.config.rl_flags import add_rl_flags, apply_preset
+from rlhfkit.models.given import NONE, GivenModels
+from rlhfkit.rl_run import root as R
+from rlhfkit.rl_run.local import LocalLayout
 
 
 def build_parser(preset: str | None = None, prog: str = "train_ppo", description: str | None = None) -> FlagParser:
@@ -34,22 +36,13 @@ def build_parser(preset: str | None = None, prog: str = "train_ppo", description
     return p
 
 
-def load_tokenizer_and_prompts(args):
-    """(tokenizer, train prompts of --prompt_data, eval prompts of --eval_dataset or [])."""
-    data = R.load_data(args)
-    return data.tokenizer, data.prompts, data.eval_prompts
-
-
-def build_trainer(args, dist):
-    """Everything the loop needs, from the flags; returns (trainer, placement, tokenizer)."""
-    data = R.load_data(args)
-    placement = R.local_placement(args, dist, data.tokenizer, S.optimizer_steps(args, len(data.prompts)))
-    return R.build_trainer(args, placement, data), placement, data.tokenizer
-
-
 @training_run
-def run(args, parser) -> R.RLRun:
-    return R.run(args, parser, R.LocalLayout())
+def run(args, parser, given: GivenModels = NONE) -> R.RLRun:
+    """The run of the parsed flags `args` with the roles in this process (rlhfkit.rl_run: one plan, then the
+    one run sequence); `given`: models and tokenizer handed over in memory (the Python API) instead of
+    loaded from --pretrain / --ref_pretrain."""
+    layout = LocalLayout()
+    return R.run(R.plan(args, parser, layout, given), layout)
 
 
 def main(argv: list[str] | None = None, parser: FlagParser | None = None) -> list[dict]:

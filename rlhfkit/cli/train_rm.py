@@ -38,7 +38,8 @@ from rlhfkit.config.declare import add_fields
 from rlhfkit.config.flags import FlagParser, add_value_head_flag
 from rlhfkit.config.offline_flags import RewardLossFlags
 from rlhfkit.data.preference import PreferenceDataConfig, PreferenceDataset
-from rlhfkit.models.value import load_value_model, scoring_tokenizer, update_reward_config
+from rlhfkit.models.given import NONE, GivenModels
+from rlhfkit.models.value import load_value_model, scoring_tokenizer, update_reward_config, value_model_from
 from rlhfkit.trainers.metrics import metrics_record
 from rlhfkit.trainers.rm_task import RMTask, reward_statistics
 
@@ -85,16 +86,21 @@ def save_reward_model(args, backend, tokenizer, mean: float, std: float, dist: D
 
 
 @training_run
-def run(args) -> OfflineRun:
+def run(args, given: GivenModels = NONE) -> OfflineRun:
+    """Train; `given`: the model and tokenizer handed over in memory (the Python API): the value model takes
+    the given module's backbone tensors (no copy) instead of loading --pretrain."""
     if args.micro_train_batch_size < 1:
         raise UsageError("--micro_train_batch_size must be >= 1")
-    dist, tokenizer = setup(args)
+    dist, tokenizer = setup(args, given)
     data_cfg = from_args(PreferenceDataConfig, args)
     train_items, eval_items = load_split_items(args, lambda rows: PreferenceDataset(rows, tokenizer, data_cfg))
     task = RMTask(pad_token_id=tokenizer.pad_token_id, loss_type=args.loss, margin_loss=args.margin_loss,
                   packing=args.packing_samples, device=dist.device, dist=dist)
-    model = load_value_model(args.pretrain, value_head_prefix=args.value_head_prefix, init_value_head=True,
-                             dtype="fp32", cfg=from_args(ModelConfig, args), flag="--pretrain")
+    if given.policy is not None:
+        model = value_model_from(given.policy, args.value_head_prefix, from_args(ModelConfig, args))
+    else:
+        model = load_value_model(args.pretrain, value_head_prefix=args.value_head_prefix, init_value_head=True,
+                                 dtype="fp32", cfg=from_args(ModelConfig, args), flag="--pretrain")
     backend = trainable_backend(model, args, dist, len(train_items))
     logger = make_logger(args, dist.rank, plot_keys=OFFLINE_PLOT_KEYS)
     # goes with every saved model, checkpoints' HF copies too; with --apply_chat_template its chat template

@@ -20,6 +20,7 @@ from rlhfkit.config.declare import add_fields
 from rlhfkit.config.offline_flags import SFTFlags
 from rlhfkit.config.flags import FlagParser, add_image_flags, add_pretrain_mode_flag
 from rlhfkit.data.sft import SFTDataConfig, SFTDataset
+from rlhfkit.models.given import NONE, GivenModels
 from rlhfkit.trainers.sft_task import SFTTask
 
 
@@ -34,17 +35,19 @@ def build_parser() -> FlagParser:
 
 
 @training_run
-def run(args, on_step_end=None) -> C.OfflineRun:
-    """Train; `on_step_end(state, metrics, backend)` runs after each step (True stops early)."""
+def run(args, on_step_end=None, given: GivenModels = NONE) -> C.OfflineRun:
+    """Train; `on_step_end(state, metrics, backend)` runs after each step (True stops early); `given`: the
+    model and tokenizer handed over in memory (the Python API) instead of loaded from --pretrain."""
     V.check_vlm_offline_flags(args)
-    dist, tokenizer = C.setup(args)
+    dist, tokenizer = C.setup(args, given)
     data_cfg = from_args(SFTDataConfig, args)
     vision = V.vision_context(args, tokenizer)
     train_items, eval_items = C.load_split_items(
         args, lambda rows: SFTDataset(rows, tokenizer, data_cfg, V.row_images(args, vision)))
     task = SFTTask(pad_token_id=tokenizer.pad_token_id, packing=args.packing_samples, device=dist.device, dist=dist,
                    vision=vision)
-    return C.train_policy(args, dist, tokenizer, task, train_items, eval_items, on_step_end=on_step_end)
+    return C.train_policy(args, dist, tokenizer, task, train_items, eval_items, on_step_end=on_step_end,
+                          given=given)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -11,6 +11,6 @@
 The policy -> engines weight sync (its transports, RayWeightSync) is rlhfkit/weightsync: these
 actors are its peers (`RoleWorker.push_weights`, `EngineWorker.load_bucket`).
 
-`rlhfkit.cli.train_ppo_ray` wires these to the flags (a `cli.rl_root.Placement`) and runs
+`rlhfkit.rl_run.ray_layout` wires these to the flags (a `rl_run.root.Placement`) and runs
 `trainers.async_rl.AsyncRLTrainer` (the RL loop, sync or async) on them.
 """

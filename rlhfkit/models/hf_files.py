@@ -73,15 +73,23 @@ def load_tokenizer(path: str, padding_side: str = "right", chat_template: str | 
     path = check_model_dir(path, flag)
     tok = AutoTokenizer.from_pretrained(path, padding_side=padding_side, use_fast=use_fast,
                                         trust_remote_code=False)
+    prepare_tokenizer(tok, padding_side, chat_template, f"tokenizer at {flag} {path!r}")
+    if chat_template is None and not getattr(tok, "chat_template", None):
+        tok.chat_template = _processor_chat_template(path)
+    return tok
+
+
+def prepare_tokenizer(tok: Any, padding_side: str, chat_template: str | None, what: str) -> Any:
+    """What every tokenizer of a run gets, loaded (`load_tokenizer`) or given as an object (the Python API):
+    `padding_side`, the pad token falling back to eos, and `chat_template` (--tokenizer_chat_template) in
+    place of its own. Changes `tok` in place and returns it."""
     tok.padding_side = padding_side
     if tok.pad_token is None:
         if tok.eos_token is None:
-            raise ValueError(f"tokenizer at {flag} {path!r} has neither a pad nor an eos token")
+            raise ValueError(f"{what} has neither a pad nor an eos token")
         tok.pad_token = tok.eos_token
     if chat_template is not None:
         tok.chat_template = chat_template
-    elif not getattr(tok, "chat_template", None):
-        tok.chat_template = _processor_chat_template(path)
     return tok
 
 

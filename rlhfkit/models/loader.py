@@ -185,3 +185,24 @@ def load_causal_lm(cfg: ModelConfig, device: str | torch.device | None = None,
     if vlm and cfg.freeze_visual_encoder:
         freeze_visual_encoder(model)
     return finish_model(model, cfg, device, causal=True)
+
+
+def adopt_causal_lm(model: Any, cfg: ModelConfig, flag: str = "--pretrain") -> Any:
+    """A causal LM given as a module (rlhfkit.models.given) made ready as `load_causal_lm` makes a loaded one:
+    --attn_implementation, the vision tower frozen under --freeze_visual_encoder, then gradient checkpointing
+    and LoRA (`finish_model`). Its dtypes and device are the backend's to set, as for a loaded model. The
+    module itself is changed and returned (inside a peft wrapper under LoRA): no copy is made."""
+    from rlhfkit.models.vlm import freeze_visual_encoder, is_vlm_config
+
+    if cfg.load_in_4bit:
+        raise ValueError(f"--load_in_4bit quantizes a model as it loads; {flag} is a module given in memory: "
+                         "pass its directory instead")
+    vlm = is_vlm_config(model.config)
+    if cfg.freeze_visual_encoder and not vlm:
+        raise ValueError(f"--freeze_visual_encoder: the {flag} module is not a vision-language model (no vision_config)")
+    attn = check_attn_implementation(cfg.attn_implementation)
+    if getattr(model.config, "_attn_implementation", attn) != attn:
+        model.set_attn_implementation(attn)
+    if vlm and cfg.freeze_visual_encoder:
+        freeze_visual_encoder(model)
+    return finish_model(model, cfg, None, causal=True)

@@ -218,6 +218,27 @@ def load_value_model(path: str, value_head_prefix: str = "score", init_value_hea
     return finish_model(model, cfg, device, modules_to_save=[prefix], causal=False)
 
 
+def value_model_from(model: torch.nn.Module, value_head_prefix: str = "score", cfg: ModelConfig | None = None) -> Any:
+    """A critic on a causal LM given as a module (rlhfkit.models.given), as `load_value_model(path,
+    init_value_head=True, cfg=cfg)` makes one from a directory: the architecture's value class holding
+    `model`'s backbone tensors (taken, not copied: pass a copy the critic may train) and a fresh head."""
+    import copy
+
+    config = copy.deepcopy(model.config)
+    config.value_head_prefix, config.num_labels, config.normalize_reward = value_head_prefix, 1, False
+    config.mean, config.std = 0.0, 1.0
+    with torch.random.fork_rng(devices=[]):  # its random initial weights are replaced: the seeded generator
+        out = value_model_class(config)(config)  # moves only for the head, as when loading from a directory
+    missing, _ = out.load_state_dict(model.state_dict(), strict=False, assign=True)
+    if set(missing) - {f"{value_head_prefix}.weight", f"{value_head_prefix}.bias"}:
+        raise ValueError(f"the given {type(model).__name__} lacks backbone weights of "
+                         f"{type(out).__name__}: {sorted(missing)[:3]}")
+    with torch.no_grad():  # what loading a checkpoint without the head draws for it (transformers
+        out.get_value_head().weight.normal_()  # initialises missing weights), so the generator is where
+    init_value_head_(out)                      # load_value_model leaves it
+    return finish_model(out, cfg, None, modules_to_save=[value_head_prefix], causal=False) if cfg else out
+
+
 def _is_peft(model: Any) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 

@@ -48,7 +48,8 @@ class RoleGroup(Protocol):
 
 
 class PolicyCalls(Protocol):
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def forward_logprobs(self, batch: ExperienceBatch, temperature: float) -> torch.Tensor:
         """[B, L] per-token log-probs of `batch` (0 where masked)."""
@@ -60,13 +61,15 @@ class PolicyCalls(Protocol):
 
 
 class ReferenceCalls(Protocol):
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def forward_logprobs(self, batch: ExperienceBatch, temperature: float) -> torch.Tensor: ...
 
 
 class CriticCalls(Protocol):
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def forward_values(self, batch: ExperienceBatch) -> torch.Tensor:
         """[B, L] values of `batch`."""
@@ -76,7 +79,8 @@ class CriticCalls(Protocol):
 
 
 class RewardCalls(Protocol):
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def forward_rewards(self, batch: ExperienceBatch) -> torch.Tensor:
         """[B] sequence rewards of `batch`."""

@@ -44,19 +44,6 @@ TAGS = {"sft": "sft", "rm": "reward-model", "dpo": "dpo", "kto": "kto", "prm": "
         "lora_combiner": "lora-merged"}
 
 
-# model directory -> the name a card gives it: the Python API saves a model passed as an object into a
-# temporary directory, which the card names by the model's origin instead (rlhfkit.api.inputs)
-_SHOWN_AS: dict[str, str] = {}
-
-
-def show_model_path_as(path: str, name: str | None) -> None:
-    """Cards name the base model `path` as `name` (None: forget it)."""
-    if name is None:
-        _SHOWN_AS.pop(path, None)
-    else:
-        _SHOWN_AS[path] = name
-
-
 def write_model_card(model_dir: str, *, run_dir: str | None = None, step: int | None = None,
                      trainer: str | None = None, command: str | None = None, base_model: str | None = None,
                      datasets: list[str] | None = None, settings: dict[str, Any] | None = None) -> str | None:
@@ -70,7 +57,6 @@ def write_model_card(model_dir: str, *, run_dir: str | None = None, step: int | 
     config = read_json_object(os.path.join(run_dir, "run_config.json")) if run_dir else {}
     rows = _read_rows(os.path.join(run_dir, "metrics.jsonl")) if run_dir else []
     base = base_model if base_model is not None else config.get("pretrain")
-    base = _SHOWN_AS.get(base, base) if isinstance(base, str) else base
     data = datasets if datasets is not None else list(dict.fromkeys(str(config[k]) for k in DATA_FLAGS
                                                                      if config.get(k)))
     chosen = redact_config(settings if settings is not None else key_settings(config))

@@ -1,4 +1,4 @@
-"""The RL loop's configuration (`RLLoopConfig`, from the flags by cli/ppo_setup.loop_config), its
+"""The RL loop's configuration (`RLLoopConfig`, from the flags by rl_run/builders.loop_config), its
 resumable progress (`RLState`) and the error that ends a run of failed steps."""
 
 from __future__ import annotations

@@ -13,8 +13,7 @@ run_config.json; `--load_checkpoint` compares both with the run being started:
 A difference is an error naming each flag with both values; `--allow_resume_changes FLAG,...` (or
 `all`) accepts the named ones as deliberate. How long a run lasts (--max_steps, --max_epochs,
 --num_episodes) may change: the LR schedule then spans the new length. Paths are compared as real
-paths; values the command line cannot give (the Python API's in-memory datasets, models it saves
-into a scratch folder) are not compared.
+paths; values the command line cannot give (the Python API's in-memory datasets) are not compared.
 """
 
 from __future__ import annotations
@@ -31,7 +30,6 @@ BATCH = ("train_batch_size", "rollout_batch_size", "n_samples_per_prompt")
 RATE = ("learning_rate", "actor_learning_rate", "critic_learning_rate", "lr_scheduler", "lr_warmup_ratio",
         "min_lr_ratio")
 RUN_SETTINGS = MODEL + DATA + BATCH + RATE
-SCRATCH_PREFIX = "rlhfkit_api_"  # the Python API's scratch folders (rlhfkit.api.inputs.Scratch)
 
 
 class ResumeMismatch(ValueError):
@@ -60,7 +58,7 @@ def run_settings(values: dict[str, Any]) -> dict[str, Any]:
         if k not in values:
             continue
         v = values[k]
-        if not _plain(v) or (isinstance(v, str) and SCRATCH_PREFIX in v):
+        if not _plain(v):
             continue
         out[k] = _norm(v)
     return redact_config(out)

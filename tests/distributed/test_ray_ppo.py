@@ -176,10 +176,10 @@ def test_bad_placement_flags_fail_before_ray_starts(tiny_model_dir, data_dir, ca
 
 
 def test_memory_plan_over_the_gpu_refuses_before_ray_starts(tiny_model_dir, data_dir, capsys, monkeypatch):
-    from rlhfkit.cli import memory_check
+    from rlhfkit.rl_run import memory_check, ray_layout
 
     monkeypatch.setattr(memory_check, "gpu_bytes", lambda args: 2**20)  # a 1 MiB "GPU"
-    monkeypatch.setattr(train_ppo_ray, "launch_roles", None)  # never reached
+    monkeypatch.setattr(ray_layout, "launch_roles", None)  # never reached
     with pytest.raises(SystemExit) as e:
         train_ppo_ray.main(flags(tiny_model_dir, data_dir, os.path.join(data_dir, "oom")))
     assert e.value.code == 1

@@ -116,7 +116,7 @@ def test_train_returns_the_metrics_jsonl_records(example):
     same_records(ns["sft"].history, os.path.join(run, "sft", "metrics.jsonl"))
     assert [r["step"] for r in ns["sft"].history] == [50, 100, 150, 200]
     assert os.path.isfile(os.path.join(run, "grpo", "model.safetensors"))
-    # GRPO got the SFT model as an object: its card names where that model lives, not a temporary copy
+    # GRPO got the SFT model as an object: its card names where that model lives (its name_or_path)
     card = open(os.path.join(run, "grpo", "README.md")).read()
     assert f"| base model | `{run}/sft` |" in card
 
@@ -335,8 +335,8 @@ def test_rows_in_memory_forms_and_errors(tiny_model_dir, tmp_path):
 
 
 def test_model_cards_name_where_a_loaded_model_came_from(tiny_model_dir, tmp_path):
-    """A model passed as an object is saved into a temporary directory for the run; the card names its
-    origin instead (the directory it was loaded from, which exists), or says it was a Python object.
+    """A model passed as an object reaches the run as that object; the card names its origin (the directory
+    it was loaded from, which exists), or says it was a Python object.
     After train() the trained model's name_or_path is its save_path, so a next trainer's card names that."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 

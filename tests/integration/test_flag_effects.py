@@ -20,7 +20,8 @@ import torch
 from rlhfkit.checkpoint.files import load_tensors
 from rlhfkit.checkpoint.layout import list_checkpoints
 from rlhfkit.backend.muon import MuonWithAdamW
-from rlhfkit.cli import ppo_setup, train_ppo, train_sft
+from rlhfkit.cli import train_ppo, train_sft
+from rlhfkit.rl_run import builders as ppo_setup
 from rlhfkit.config import notes
 from rlhfkit.tasks.addition import addition_splits
 from rlhfkit.trainers.metrics import read_metrics
@@ -58,8 +59,7 @@ def test_ppo_flags_take_effect(tiny_model_dir, files, tmp_path, capsys, monkeypa
             return out
 
         monkeypatch.setattr(ppo_setup, name, spy)
-    from rlhfkit.cli import rl_root
-    from rlhfkit.models import loader
+    from rlhfkit.models import given, loader
 
     tokenizer_loads = []
 
@@ -68,7 +68,7 @@ def test_ppo_flags_take_effect(tiny_model_dir, files, tmp_path, capsys, monkeypa
         return _real(path, *a, **k)
 
     monkeypatch.setattr(loader, "load_tokenizer", counted)
-    monkeypatch.setattr(rl_root, "load_tokenizer", counted)
+    monkeypatch.setattr(given, "load_tokenizer", counted)
     save, ckpt = str(tmp_path / "model"), str(tmp_path / "ckpt")
     train_ppo.main([
         "--pretrain", tiny_model_dir, "--remote_rm_url", files["reward"], "--prompt_data", files["prompts"],

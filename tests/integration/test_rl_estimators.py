@@ -24,7 +24,9 @@ from helpers import EVEN_REWARD as REWARD_FILE
 from helpers import ppo_flags
 import torch
 
-from rlhfkit.cli import ppo_setup, train_ppo
+from rlhfkit.cli import train_ppo
+
+from rlhfkit.rl_run import builders as ppo_setup
 from rlhfkit.cli.common import UsageError
 from rlhfkit.roles.actor import ActorRole
 from rlhfkit.tasks.addition import addition_splits

@@ -20,7 +20,9 @@ import os
 import pytest
 from helpers import ppo_flags
 
-from rlhfkit.cli import ppo_setup, train_ppo
+from rlhfkit.cli import train_ppo
+
+from rlhfkit.rl_run import builders as ppo_setup
 from rlhfkit.roles.actor import ActorRole
 from rlhfkit.tasks.addition import addition_splits
 

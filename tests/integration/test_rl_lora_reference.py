@@ -9,7 +9,7 @@ import torch
 from helpers import EVEN_REWARD, ppo_flags
 
 from rlhfkit.parallel.dist import init_distributed
-from rlhfkit.cli import ppo_setup as S
+from rlhfkit.rl_run import builders as S
 from rlhfkit.cli.train_ppo import build_parser
 from rlhfkit.types import ExperienceBatch
 

@@ -91,7 +91,7 @@ def test_resume_matches_uninterrupted_run(tiny_model_dir, tmp_path, monkeypatch)
 def test_resume_after_a_kill_between_log_and_checkpoint_logs_each_step_once(tiny_model_dir, tmp_path, monkeypatch):
     """Killed in the step-3 save (step 3 already logged): the resumed run (from step 2) truncates
     metrics.jsonl to step 2 and logs step 3 again, once; a half-written last line goes too."""
-    from rlhfkit.cli.ppo_setup import RLCheckpointer
+    from rlhfkit.rl_run.builders import RLCheckpointer
 
     rows, _ = addition_splits(16, 2, seed=6)
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"input": r["input"]}) + "\n" for r in rows))

@@ -124,7 +124,7 @@ def test_only_incomplete_checkpoints_is_an_error_naming_them(tiny_model_dir, thr
 
 
 def test_rl_pair_killed_between_critic_and_actor_resumes_from_the_previous_pair(tiny_model_dir, tmp_path):
-    from rlhfkit.cli.ppo_setup import RLCheckpointer
+    from rlhfkit.rl_run.builders import RLCheckpointer
 
     root = str(tmp_path / "rl")
     actor, critic = new_backend(tiny_model_dir), new_backend(tiny_model_dir)

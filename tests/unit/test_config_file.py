@@ -12,7 +12,9 @@ import types
 
 import pytest
 
-from rlhfkit.cli import lora_combiner, ppo_setup, train_ppo, train_sft
+from rlhfkit.cli import lora_combiner, train_ppo, train_sft
+
+from rlhfkit.rl_run import builders as ppo_setup
 from rlhfkit.config.flags import write_resolved_config
 
 yaml = pytest.importorskip("yaml")

@@ -101,7 +101,8 @@ def test_null_or_missing_label_names_file_and_row(tmp_path):
 
 
 def test_max_len_beyond_the_model_positions_names_both_numbers(tiny_model_dir, tmp_path):
-    from rlhfkit.cli import ppo_setup, train_ppo, train_sft
+    from rlhfkit.cli import train_ppo, train_sft
+    from rlhfkit.rl_run import builders as ppo_setup
     from rlhfkit.cli.common import UsageError
 
     data = lines(tmp_path / "d.jsonl", json.dumps({"question": "1+1=", "response": "2"}))

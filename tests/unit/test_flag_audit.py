@@ -38,7 +38,7 @@ from rlhfkit.cli.main import COMMANDS
 ARG_NAMES = {"args", "ns"}  # the names the code gives the parsed namespace
 # note tables: (module, names of the tables in it, the function that prints their notes)
 NOTE_TABLES = [("rlhfkit.config.rl_flags", ("RAY_ONLY",), "note_ray_only_flags"),
-               ("rlhfkit.cli.train_ppo_ray", ("VLLM_ONLY", "NO_EFFECT"), "note_no_effect")]
+               ("rlhfkit.rl_run.ray_layout", ("VLLM_ONLY", "NO_EFFECT"), "note_no_effect")]
 PROGS = sorted(set(COMMANDS.values()))
 
 

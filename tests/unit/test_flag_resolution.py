@@ -1,4 +1,4 @@
-"""How the RL flags of issue 15 resolve (rlhfkit.cli.ppo_setup) and the run-dependent notes.
+"""How the RL flags of issue 15 resolve (rlhfkit.rl_run.builders) and the run-dependent notes.
 
 - the critic's optimizer flags default to the actor's (flat names set both), --critic.* set the critic's alone;
 - --best_metric_key: "none", no evaluation, and the automatic key without --save_steps turn it off;
@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from rlhfkit.cli import ppo_setup as S
+from rlhfkit.rl_run import builders as S
 from rlhfkit.cli import train_ppo
 from rlhfkit.cli.common import UsageError, resolve_modelscope_paths
 from rlhfkit.config import notes

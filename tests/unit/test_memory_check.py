@@ -1,11 +1,11 @@
-"""train_ppo_ray's flags -> memory plan inputs, the printed table and the refusal (rlhfkit.cli.memory_check)."""
+"""train_ppo_ray's flags -> memory plan inputs, the printed table and the refusal (rlhfkit.rl_run.memory_check)."""
 
 from __future__ import annotations
 
 import pytest
 
-from rlhfkit.cli import memory_check as M
-from rlhfkit.cli import ppo_setup as S
+from rlhfkit.rl_run import memory_check as M
+from rlhfkit.rl_run import builders as S
 from rlhfkit.cli import train_ppo_ray
 from rlhfkit.cli.common import UsageError
 
@@ -35,6 +35,16 @@ def test_flags_become_plan_inputs(tiny_model_dir, tmp_path):
     assert x.train_tokens == 2 * 64 and x.forward_tokens == 4 * 64  # micro-batch x --max_len (16 + 48)
     assert x.colocate_all and x.engine_sleep and x.train_sleep and x.adam_offload and x.gradient_checkpointing
     assert x.zero_stage == 3 and x.param_bytes == 2
+
+
+def test_a_local_lora_policy_on_its_base_holds_no_reference_weights(tiny_model_dir, tmp_path):
+    """train_ppo's run has a reference role, but under LoRA on the policy's own base it is the policy with
+    its adapters off: the plan counts no reference weights; Ray's reference group loads its own."""
+    args = parse(tiny_model_dir, tmp_path, "--lora_rank", "4")
+    assert S.roles_in_run(args) == ("policy", "ref")
+    local = M.memory_inputs(args, {"policy": 1, "ref": 1}, local=True)
+    assert [r.name for r in local.roles] == ["policy"]
+    assert [r.name for r in M.memory_inputs(args, {"policy": 1, "ref": 1}).roles] == ["policy", "ref"]
 
 
 def test_table_is_printed_and_an_over_budget_plan_refuses(tiny_model_dir, tmp_path, capsys):

@@ -11,7 +11,7 @@ import pytest
 from hub_cache import place_in_hub_cache
 from huggingface_hub import constants
 
-from rlhfkit.cli import ppo_setup as S
+from rlhfkit.rl_run import builders as S
 from rlhfkit.cli.common import resolve_model_paths
 from rlhfkit.cli.train_ppo import build_parser as ppo_parser
 from rlhfkit.models import hub

@@ -86,7 +86,7 @@ def test_cli_one_line_before_loading(monkeypatch, capsys, tiny_model_dir, tmp_pa
 
     monkeypatch.setitem(sys.modules, blocked, None)
     loaded = []
-    monkeypatch.setattr("rlhfkit.cli.offline_common.load_tokenizer", lambda *a, **k: loaded.append(1))
+    monkeypatch.setattr("rlhfkit.models.given.load_tokenizer", lambda *a, **k: loaded.append(1))
     data = tmp_path / "d.jsonl"
     data.write_text('{"input": "1+1=", "output": "2"}\n')
     err = _cli_error(capsys, train_sft.main, ["--pretrain", tiny_model_dir, "--dataset", str(data),

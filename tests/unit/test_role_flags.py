@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from rlhfkit.config import notes
 from rlhfkit.parallel.dist import DistInfo
-from rlhfkit.cli import ppo_setup as S
+from rlhfkit.rl_run import builders as S
 from rlhfkit.cli import train_ppo_ray
+from rlhfkit.rl_run import ray_layout
 
 CPU = DistInfo(device="cpu")
 
@@ -22,13 +23,13 @@ def test_role_builders_get_checkpointing_and_adam_offload(tiny_model_dir, tmp_pa
         "--init_kl_coef", "0.01", "--device", "cpu", "--save_path", str(tmp_path / "s"),
         "--gradient_checkpointing", "--gradient_checkpointing_use_reentrant", "--adam_offload"])
     S.resolve_flags(args, 1)
-    _, policy = train_ppo_ray.build_role(args, 5, "policy", CPU)
+    _, policy = ray_layout.build_role(args, 5, None, "policy", CPU)
     model = policy.unwrap()
     assert model.is_gradient_checkpointing
     # the loader's choice (reentrant, from the flag) is kept; the backend does not switch it off
     assert all(layer._gradient_checkpointing_func.keywords["use_reentrant"] for layer in model.model.layers)
     assert policy.cfg.adam_offload and not policy.cpu_offload  # no CUDA here: no CPUOffloadPolicy
-    _, ref = train_ppo_ray.build_role(args, 5, "ref", CPU)
+    _, ref = ray_layout.build_role(args, 5, None, "ref", CPU)
     assert not ref.unwrap().is_gradient_checkpointing and not ref.cpu_offload
     out = capsys.readouterr().out
     assert out.count("note: --adam_offload has no effect on CPU") == 1, out

@@ -8,7 +8,7 @@ import pickle
 import pytest
 import torch
 
-from rlhfkit.cli import ppo_setup as S
+from rlhfkit.rl_run import builders as S
 from rlhfkit.cli import train_ppo_ray
 from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.roles.group import LocalGroup

@@ -9,7 +9,9 @@ import pytest
 import transformers
 from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
-from rlhfkit.cli import batch_inference, ppo_setup, train_ppo
+from rlhfkit.cli import batch_inference, train_ppo
+
+from rlhfkit.rl_run import builders as ppo_setup
 from rlhfkit.config.errors import UsageError
 from rlhfkit.models.forward import packing_refusal
 from rlhfkit.rollout import build_engine

@@ -161,7 +161,9 @@ def test_run_settings_compare_paths_and_skip_what_cannot_be_given(tmp_path):
         os.chdir(here)
     assert rel == {"pretrain": str(tmp_path / "m"), "seed": 1}  # a real path; an object is not compared
     check_same_run(rel, run_settings({"pretrain": str(tmp_path / "m") + "/", "seed": 1}), (), "x")
-    assert run_settings({"pretrain": "/tmp/rlhfkit_api_abc/model"}) == {}
+    # a model the Python API got as an object: --pretrain names its origin, compared as given
+    api = "a LlamaForCausalLM passed to the Python API"
+    assert run_settings({"pretrain": api}) == {"pretrain": api}
     with pytest.raises(ResumeMismatch, match=r"--seed 1 \(now 2\)"):
         check_same_run(rel, run_settings({"pretrain": str(tmp_path / "m"), "seed": 2}), (), "x")
     assert allowed_changes("all") >= {"seed", "pretrain", "learning_rate"}

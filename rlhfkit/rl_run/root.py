@@ -1,48 +1,56 @@
-"""The composition root of the RL commands: the one place that turns the flags into a running loop,
-whatever the placement (train_ppo: roles in this process, one process or torchrun ranks;
-train_ppo_ray: Ray role groups and engine actors).
+"""The composition root of the RL commands: the one place that turns the resolved flags into a running loop,
+whatever the placement (train_ppo: roles in this process, one process or torchrun ranks, `rl_run.local`;
+train_ppo_ray: Ray role groups and engine actors, `rl_run.ray_layout`).
 
-    run(args, parser, layout), one sequence for every layout (`Layout`: LocalLayout here, train_ppo_ray's
-    RayLayout):
-    flags -> resolve_flags, the layout's checks, the memory plan (before any model loads)
-          -> load_data                 tokenizer (once per process), --prompt_data prompts, --eval_dataset prompts
-          -> layout.place              a Placement: local_placement (here) or train_ppo_ray's Ray launch;
-                                       role groups, the engine, the weight-sync object, the backends
-                                       checkpoints and exports use; and the trainer (build_trainer:
-                                       executors, evaluation check, checkpointer, loop configs)
+    plan(args, parser, layout, given) -> RLPlan, once, before any model loads:
+          resolve_flags                the flags checked and completed (rl_run.builders)
+          layout.world / check         the policy's ranks; the layout's own checks and notes
+          roles                        which models the run holds and on how many ranks (the memory plan's input)
+          check_memory                 the memory plan (CUDA, models loaded from directories)
+          load_data                    the tokenizer (once per process; sent to the Ray actors with the
+                                       flags), --prompt_data and --eval_dataset prompts, a VLM's pictures
+          optimizer_steps              the LR schedule's length
+    run(plan, layout) -> RLRun, the same sequence for every layout:
+          layout.place(plan)           a Placement (role groups, the engine, the weight-sync object, the
+                                       backends checkpoints and exports use) and the trainer (build_trainer:
+                                       executors, evaluation check, checkpointer, loop configs); local and Ray
+                                       layouts differ only here
           -> trainer.fit()
           -> save_final                policy (+ --save_value_network critic) in Hugging Face format
           -> RLRun                     what `train_ppo.run` returns (the Python API reads it)
 
-Everything a command reads from the flags for the loop itself goes through `ppo_setup` from here;
-train_ppo_ray adds only what placing actors needs (shapes, Ray options, async mode).
+Everything a command reads from the flags for the loop itself goes through `rl_run.builders`; the Ray
+layout adds only what placing actors needs (shapes, Ray options, async mode).
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import logging
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from rlhfkit.backend.base import CheckpointingBackend
-from rlhfkit.parallel.dist import DistInfo
-from rlhfkit.cli import ppo_setup as S
 from rlhfkit.cli import vlm_setup as V
-from rlhfkit.cli.common import UsageError, make_logger, parallel_dims, report_dropped, save_or_fall_back
+from rlhfkit.cli.common import (
+    UsageError,
+    make_logger,
+    report_dropped,
+    save_or_fall_back,
+)
 from rlhfkit.data.io import load_mixture
 from rlhfkit.data.prompts import PromptDataConfig, PromptDataset
-from rlhfkit.models.loader import load_tokenizer
-from rlhfkit.trainers.plot import RL_PANELS
-from rlhfkit.roles.group import LocalGroup
-from rlhfkit.roles.handles import (CriticCalls, CriticHandle, PolicyCalls, PolicyHandle, ReferenceCalls,
-                                   ReferenceHandle, RewardCalls, RewardHandle)
+from rlhfkit.models.given import NONE, GivenModels
+from rlhfkit.parallel.dist import DistInfo
+from rlhfkit.rl_run import builders as S
+from rlhfkit.roles.handles import CriticCalls, PolicyCalls, ReferenceCalls, RewardCalls
 from rlhfkit.rollout.base import RolloutEngine
-from rlhfkit.rollout.engine_utils import EngineSleep
+from rlhfkit.trainers.plot import RL_PANELS
 from rlhfkit.trainers.rl import RLState, RLTrainer
 from rlhfkit.trainers.rl_contracts import EngineMemory
-from rlhfkit.weightsync.sync import LocalWeightSync, WeightSync
+from rlhfkit.weightsync.sync import WeightSync
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -92,6 +100,23 @@ class RLRun:
     tokenizer: PreTrainedTokenizerBase
 
 
+@dataclass(frozen=True)
+class RLPlan:
+    """What a run is, computed once from the resolved flags before any model loads (`plan`): the flags the
+    builders read, the roles and their ranks, the tokenizer and prompts, the LR schedule's length, and the
+    models given in memory."""
+
+    args: argparse.Namespace  # the resolved flags
+    roles: dict[str, int]  # role ("policy", "ref", "critic", "reward") -> its ranks
+    data: RLData
+    num_steps: int  # the policy's optimizer steps
+    given: GivenModels = NONE
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        return self.data.tokenizer
+
+
 def load_prompt_dataset(args, tokenizer, spec: str, split: str, probs: str | None, max_samples: int,
                         vision: Any = None, flag: str = "--prompt_data") -> PromptDataset:
     """The prompts of `spec`; with `vision` (a VLM) each row's pictures are read and placed. Those left out
@@ -114,9 +139,10 @@ def load_prompts(args, tokenizer, spec: str, split: str, probs: str | None, max_
     return load_prompt_dataset(args, tokenizer, spec, split, probs, max_samples, flag=flag).samples
 
 
-def load_data(args) -> RLData:
-    tokenizer = load_tokenizer(args.pretrain, chat_template=args.tokenizer_chat_template,
-                               use_fast=not args.disable_fast_tokenizer)
+def load_data(args, given: GivenModels = NONE) -> RLData:
+    """The run's tokenizer (given, else loaded from --pretrain: once per process) and its prompts."""
+    tokenizer = given.load_tokenizer(args.pretrain, chat_template=args.tokenizer_chat_template,
+                                     use_fast=not args.disable_fast_tokenizer)
     vision = V.vision_context(args, tokenizer)
     train = load_prompt_dataset(args, tokenizer, args.prompt_data, args.prompt_split, args.prompt_data_probs,
                                 args.max_samples, vision)
@@ -133,60 +159,6 @@ def save_critic(path: str, tokenizer: Any, role: Any, backend: Any, dist: DistIn
 
     sd = backend.full_state_dict()
     save_value_model(backend.unwrap(), path, tokenizer, state_dict=sd, is_main_process=dist.rank == 0)
-
-
-def local_placement(args, dist: DistInfo, tokenizer: Any, num_steps: int) -> Placement:
-    """The roles in this process (one of N torchrun ranks): one mesh description for every model."""
-    dims = parallel_dims(args, dist)
-    policy, policy_backend = S.build_policy(args, dist, num_steps, dims, tokenizer)  # this order: the models' random
-    ref = S.build_ref(args, dist, dims, policy_backend)                   # inits (value heads) draw from
-    critic, critic_backend = S.build_critic(args, dist, num_steps, dims)  # one seeded generator
-    reward = S.build_reward_model(args, dist)
-    engine, shared, complete = _engine_beside(args, dist, tokenizer, policy_backend)
-    saver = None
-    if critic_backend is not None:
-        saver = functools.partial(_save_local_critic, backend=critic_backend, dist=dist)
-    handle = PolicyHandle(LocalGroup(policy, "policy"))
-    return Placement(dist, handle, engine, policy_backend, LocalWeightSync(handle, engine, shared, complete),
-                     ref=ReferenceHandle(LocalGroup(ref, "ref")) if ref is not None else None,
-                     critic=CriticHandle(LocalGroup(critic, "critic")) if critic is not None else None,
-                     reward=RewardHandle(LocalGroup(reward, "reward")) if reward is not None else None,
-                     critic_backend=critic_backend, save_critic=saver,
-                     engine_memory=EngineSleep(engine, 1 if shared else 2) if args.vllm_enable_sleep else None)
-
-
-def _engine_beside(args, dist: DistInfo, tokenizer: Any, policy_backend: Any) -> tuple[Any, frozenset[str], bool]:
-    """train_ppo's engine, the names of the weights it shares with the policy (--engine_weights) and whether
-    it shares them all."""
-    why = S.engine_sharing(args, dist, policy_backend)
-    if args.engine_weights == "shared" and why is not None:
-        raise UsageError(f"--engine_weights shared: {why}; --engine_weights copy (or auto) gives the engine a copy "
-                         "of its own")
-    if why is not None:
-        engine = S.build_engine_for(args, tokenizer, dist)
-        if args.rollout_engine == "builtin" and dist.rank == 0:  # (other engines always load their own)
-            log.info(f"rollout engine: its own copy of the policy's weights ({why})")
-        return engine, frozenset(), False
-    from rlhfkit.rollout.builtin import BuiltinEngine
-    from rlhfkit.rollout.builtin.model.shared_weights import weight_name
-
-    module = policy_backend.unwrap()
-    engine = S.build_engine_for(args, tokenizer, dist, share_with=module)
-    assert isinstance(engine, BuiltinEngine)  # engine_sharing allows the builtin engine only
-    shared = engine.shared_names
-    names = {n: weight_name(n) for n, _ in module.named_parameters()}
-    nbytes = sum(p.numel() * p.element_size() for n, p in module.named_parameters()
-                 if names[n] is None or names[n] in shared)
-    adapters = " and LoRA adapters, unmerged" if any(part for lw in engine.model.weights.layers
-                                                    for part in lw.lora.values()) else ""
-    size = f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
-    log.info(f"rollout engine: serves the policy's own weights{adapters} ({size} not copied; "
-             "--engine_weights copy gives it a copy)")
-    return engine, shared, all(w is None or w in shared for w in names.values())
-
-
-def _save_local_critic(path: str, tokenizer: Any, *, backend: Any, dist: DistInfo) -> None:
-    save_critic(path, tokenizer, None, backend, dist)
 
 
 def build_trainer(args, placement: Placement, data: RLData, trainer_cls: type = RLTrainer, **extra: Any) -> Any:
@@ -210,7 +182,10 @@ def build_trainer(args, placement: Placement, data: RLData, trainer_cls: type = 
 
 class Layout(Protocol):
     """Where an RL run's roles live: train_ppo's `LocalLayout` (this process, or one of N torchrun ranks) or
-    train_ppo_ray's Ray actors. `run` calls them in this order."""
+    train_ppo_ray's `RayLayout` (Ray actors). `plan` calls world, check and roles in this order; `run` calls
+    place."""
+
+    local: bool  # every role and an engine in each rank's process (the memory plan's layout)
 
     def world(self, args) -> int:
         """The policy's ranks (what --rollout_batch_size and the engines' batch are checked against)."""
@@ -220,82 +195,52 @@ class Layout(Protocol):
         """The layout's own checks and one-line notes, on the resolved flags."""
         ...
 
-    def memory_slots(self, args) -> tuple[dict[str, int], bool] | None:
-        """(ranks of each role, local layout) for the memory plan, or None where no plan applies."""
+    def roles(self, args) -> dict[str, int]:
+        """Each role of the run -> its ranks."""
         ...
 
-    def place(self, args, data: RLData, num_steps: int) -> AbstractContextManager[tuple[Placement, Any]]:
+    def plans_memory(self) -> bool:
+        """Whether the memory plan applies (devices with memory to plan)."""
+        ...
+
+    def place(self, plan: RLPlan) -> AbstractContextManager[tuple[Placement, Any]]:
         """(placement, trainer) for the run's length; afterwards every engine, thread and actor is let go,
         whether the run ended or failed."""
         ...
 
 
-def run(args, parser, layout: Layout) -> RLRun:
-    """The RL commands' one run sequence: flags -> checks -> memory plan -> data -> placement -> loop -> saved
-    policy, the same for every layout."""
+def plan(args, parser, layout: Layout, given: GivenModels = NONE) -> RLPlan:
+    """The run of the flags `args`, computed once before any model loads (module docstring). `given`: models
+    and tokenizer handed over in memory (the Python API) in place of loading --pretrain / --ref_pretrain."""
     from rlhfkit.cli.common import disable_hf_progress_bars, set_seed
-    from rlhfkit.cli.memory_check import check_memory
-    from rlhfkit.roles.memory import RoleOutOfMemory
+    from rlhfkit.rl_run.memory_check import check_memory
 
-    S.resolve_flags(args, layout.world(args))
+    S.resolve_flags(args, layout.world(args), given)
     layout.check(args, parser)
-    slots = layout.memory_slots(args)
-    if slots is not None:  # before any model loads
-        check_memory(args, slots[0], local=slots[1])
+    roles = layout.roles(args)
+    if layout.plans_memory() and given.empty:  # before any model loads (given ones are loaded already)
+        check_memory(args, roles, local=layout.local)
     set_seed(args.seed, args.full_determinism)
     if args.disable_progress:
         disable_hf_progress_bars()
-    data = load_data(args)
-    with layout.place(args, data, S.optimizer_steps(args, len(data.prompts))) as (placement, trainer):
+    data = load_data(args, given)
+    return RLPlan(args, roles, data, S.optimizer_steps(args, len(data.prompts)), given)
+
+
+def run(plan: RLPlan, layout: Layout) -> RLRun:
+    """The RL commands' one run sequence, the same for every layout: placement -> loop -> saved policy."""
+    from rlhfkit.roles.memory import RoleOutOfMemory
+
+    args = plan.args
+    with layout.place(plan) as (placement, trainer):
         try:
             trainer.fit()
         except RoleOutOfMemory as e:
             raise S.explain_oom(args, e) from None
         finally:
             trainer.logger.close()
-        save_final(args, placement, data.tokenizer, fallback=trainer.save_checkpoint)
-    return RLRun(trainer.state, placement, data.tokenizer)
-
-
-class LocalLayout:
-    """train_ppo: the roles and an engine in this process (one of N torchrun ranks)."""
-
-    def __init__(self) -> None:
-        self.dist: DistInfo | None = None
-
-    def world(self, args) -> int:
-        from rlhfkit.cli.common import note_cpu_dtype
-        from rlhfkit.parallel.dist import init_distributed
-
-        self.dist = init_distributed(args.device)
-        note_cpu_dtype(args, self.dist.device)
-        return self.dist.world_size
-
-    def check(self, args, parser) -> None:
-        from rlhfkit.parallel.mesh import attach_mesh
-
-        assert self.dist is not None
-        # resolve_flags refused tp / cp > 1, so the world is data parallel; its process groups, built once
-        self.dist = attach_mesh(self.dist, parallel_dims(args, self.dist))
-        S.note_ray_only_flags(args, parser, "train_ppo")
-
-    def memory_slots(self, args) -> tuple[dict[str, int], bool] | None:
-        assert self.dist is not None
-        if not self.dist.device.startswith("cuda"):  # a CPU run has no device memory to plan
-            return None
-        return {r: self.dist.world_size for r in S.roles_in_run(args, local=True)}, True
-
-    @contextmanager
-    def place(self, args, data: RLData, num_steps: int) -> Iterator[tuple[Placement, Any]]:
-        from rlhfkit.rewards.process_pool import close_pools
-
-        assert self.dist is not None
-        placement = local_placement(args, self.dist, data.tokenizer, num_steps)
-        try:
-            yield placement, build_trainer(args, placement, data)
-        finally:  # also when the run fails: no thread may be inside torch or user code at exit
-            S.close_rollout(placement.engine)
-            close_pools()
+        save_final(args, placement, plan.tokenizer, fallback=trainer.save_checkpoint)
+    return RLRun(trainer.state, placement, plan.tokenizer)
 
 
 def save_final(args, placement: Placement, tokenizer: Any, fallback: Callable[[], str] | None = None) -> None:
@@ -322,4 +267,7 @@ def critic_saver_on_group(group: RayGroup) -> Callable[[str, PreTrainedTokenizer
     """`Placement.save_critic` for a Ray role group: every rank runs `save_critic` in its actor."""
     from rlhfkit.distributed.workers import RoleWorker
 
-    return lambda path, tok: group.run_all(RoleWorker.apply, functools.partial(save_critic, path, tok))
+    def save(path: str, tokenizer: PreTrainedTokenizerBase) -> None:
+        group.run_all(RoleWorker.apply, functools.partial(save_critic, path, tokenizer))
+
+    return save

@@ -1,6 +1,7 @@
-"""Flags -> RL components for train_ppo (and train_ppo_ray): checks, roles, engine, executors.
+"""Flags -> RL components for the RL composition root (rlhfkit.rl_run.root; train_ppo and train_ppo_ray):
+checks, roles, engine, executors, loop configs.
 
-This is the one place where the RL command's namespace is read; everything it builds takes its
+This is the one place where the RL commands' namespace is read; everything it builds takes its
 own config object.
 """
 
@@ -29,6 +30,7 @@ from rlhfkit.config.configs import BackendConfig, ModelConfig, OptimConfig, from
 from rlhfkit.config.notes import note_once
 from rlhfkit.config.rl_flags import CRITIC_OPTIM, EMA_BETA, PTX_COEF, RAY_ONLY
 from rlhfkit.losses.policy import PolicyLossConfig
+from rlhfkit.models.given import NONE, GivenModels
 from rlhfkit.roles.actor import ActorRole, UpdateConfig
 from rlhfkit.roles.critic import CriticRole, RewardModelRole
 from rlhfkit.roles.memory import RoleOutOfMemory, advice
@@ -39,8 +41,9 @@ from rlhfkit.types import SamplingParams
 log = logging.getLogger(__name__)
 
 
-def resolve_flags(args: argparse.Namespace, world_size: int) -> None:
-    """Fill derived defaults and reject inconsistent settings with the flags' names."""
+def resolve_flags(args: argparse.Namespace, world_size: int, given: GivenModels = NONE) -> None:
+    """Fill derived defaults and reject inconsistent settings with the flags' names. `given`: the models
+    handed to the run as objects (their configs are read instead of --pretrain / --ref_pretrain's)."""
     if not args.pretrain:
         raise UsageError("--pretrain is required (the policy: a model directory or hub id)")
     if not args.prompt_data:
@@ -98,15 +101,29 @@ def resolve_flags(args: argparse.Namespace, world_size: int) -> None:
         raise UsageError(f"--max_filter_rounds must be >= 1, got {args.max_filter_rounds}")
     if args.generate_max_len >= args.max_len and not dynamic_new_tokens:
         raise UsageError(f"--generate_max_len ({args.generate_max_len}) must be below --max_len ({args.max_len})")
-    resolve_model_paths(args)  # last: the flags are consistent before any model is fetched
+    if given.policy is not None and vlm_mode(args):
+        raise UsageError("--max_images_per_prompt: a vision-language policy is read with its processor from a "
+                         "directory; pass the model's directory, not the loaded model")
+    # last: the flags are consistent before any model is fetched
+    resolve_model_paths(args, skip=given_flags(given))
+    policy = given.policy_or_path(args.pretrain)
     if max_len_given:
-        check_positions(args.pretrain, args.max_len, f"--max_len {args.max_len}")
+        check_positions(policy, args.max_len, f"--max_len {args.max_len}")
     else:
-        check_positions(args.pretrain, args.max_len, f"--prompt_max_len {args.prompt_max_len} + --generate_max_len "
+        check_positions(policy, args.max_len, f"--prompt_max_len {args.prompt_max_len} + --generate_max_len "
                         f"{args.generate_max_len} = {args.max_len} (the default --max_len)")
-    resolve_rollout_engine(args, args.max_len, pictures=vlm_mode(args))
-    critic = (("the critic", critic_path(args)),) if args.advantage_estimator == "gae" else ()
-    check_packing(args, ("--pretrain", args.pretrain), ("--ref_pretrain", args.ref_pretrain), *critic)
+    resolve_rollout_engine(args, args.max_len, pictures=vlm_mode(args), model=given.policy)
+    if given.policy is not None and args.rollout_engine == "vllm":
+        raise UsageError("--rollout_engine vllm loads the policy's weights from a directory; a model given in "
+                         "memory generates with the builtin or hf engine")
+    critic = (("the critic", critic_path(args, given)),) if args.advantage_estimator == "gae" else ()
+    ref = given.ref if given.ref is not None else args.ref_pretrain
+    check_packing(args, ("--pretrain", policy), ("--ref_pretrain", ref), *critic)
+
+
+def given_flags(given: GivenModels) -> tuple[str, ...]:
+    """The model flags whose model the run was given as an object (they name where it came from)."""
+    return (("pretrain",) if given.policy is not None else ()) + (("ref_pretrain",) if given.ref is not None else ())
 
 
 def check_reward_file(args: argparse.Namespace) -> None:
@@ -240,20 +257,17 @@ def backend_cfg(args: argparse.Namespace, **over) -> BackendConfig:
     return from_args(BackendConfig, args, compile_dynamic=True, **over)
 
 
-def build_ptx(args: argparse.Namespace, dist: DistInfo, tokenizer: Any = None):
+def build_ptx(args: argparse.Namespace, dist: DistInfo, tokenizer: Any):
     """PPO-ptx batches of this policy rank (`rlhfkit.data.ptx`): --pretrain_data as raw text of
     --input_key (loss on every token), cut to --max_len; None without --pretrain_data. `tokenizer`:
-    the policy's, where this process has loaded it already."""
+    the run's (`root.RLPlan.tokenizer`)."""
     if not ptx_active(args):
         return None
     from rlhfkit.data.io import DataError, load_mixture
     from rlhfkit.data.ptx import PtxBatches
     from rlhfkit.data.sft import SFTDataConfig, SFTDataset
-    from rlhfkit.models.loader import load_tokenizer
-
     if tokenizer is None:
-        tokenizer = load_tokenizer(args.pretrain, chat_template=args.tokenizer_chat_template,
-                                   use_fast=not args.disable_fast_tokenizer)
+        raise ValueError("build_ptx: --pretrain_data is tokenized with the run's tokenizer; none was given")
     rows = load_mixture(args.pretrain_data, args.pretrain_data_probs, split=args.pretrain_split,
                         max_samples=args.max_samples, seed=args.seed, max_row_bytes=args.max_row_bytes)
     ds = SFTDataset(rows, tokenizer, SFTDataConfig(input_key=args.input_key, pretrain_mode=True, max_len=args.max_len))
@@ -265,12 +279,16 @@ def build_ptx(args: argparse.Namespace, dist: DistInfo, tokenizer: Any = None):
 
 
 def build_policy(args: argparse.Namespace, dist: DistInfo, num_steps: int,
-                 dims: ParallelDims | None = None, tokenizer: Any = None) -> tuple[ActorRole, FSDP2Backend]:
+                 dims: ParallelDims | None = None, tokenizer: Any = None,
+                 module: torch.nn.Module | None = None) -> tuple[ActorRole, FSDP2Backend]:
     """This rank's policy role and its backend (wrapped in a group and a handle by the placement);
-    `tokenizer`: the policy's, where this process has loaded it already (PPO-ptx data)."""
-    from rlhfkit.models.loader import load_causal_lm
+    `tokenizer`: the run's (PPO-ptx data); `module`: the policy
+    given in memory, trained itself (else --pretrain is loaded)."""
+    from rlhfkit.models.loader import adopt_causal_lm, load_causal_lm
 
-    model = load_causal_lm(from_args(ModelConfig, args), master_dtype="fp32", defer_weights=True)
+    cfg = from_args(ModelConfig, args)
+    model = (adopt_causal_lm(module, cfg) if module is not None
+             else load_causal_lm(cfg, master_dtype="fp32", defer_weights=True))
     optim = from_args(OptimConfig, args, learning_rate=args.actor_learning_rate)
     ema = (args.ema_beta if args.ema_beta is not None else EMA_BETA) if args.enable_ema else None
     bcfg = backend_cfg(args, ema_decay=ema)
@@ -285,12 +303,12 @@ def build_policy(args: argparse.Namespace, dist: DistInfo, num_steps: int,
     return role, backend
 
 
-def roles_in_run(args: argparse.Namespace, local: bool = False) -> tuple[str, ...]:
-    """The models a run holds: the policy; the reference with a KL term (none of its own for a local LoRA
-    policy on the same base: `ref_is_policy_base`); the critic for GAE; a reward model when no reward
-    function or agent gives the reward. build_ref / build_critic / build_reward_model decide alike."""
+def roles_in_run(args: argparse.Namespace) -> tuple[str, ...]:
+    """The roles a run has, decided here only (the placements build these and no others): the policy; the
+    reference with a KL term; the critic for GAE; a reward model when no reward function or agent gives the
+    reward. (A local LoRA policy on its own base is its reference, adapters off: `ref_is_policy_base`.)"""
     roles = ["policy"]
-    if args.init_kl_coef > 0 and not (local and ref_is_policy_base(args)):
+    if args.init_kl_coef > 0:
         roles.append("ref")
     if args.advantage_estimator == "gae":
         roles.append("critic")
@@ -299,19 +317,33 @@ def roles_in_run(args: argparse.Namespace, local: bool = False) -> tuple[str, ..
     return tuple(roles)
 
 
-def ref_is_policy_base(args: argparse.Namespace) -> bool:
+def ref_is_policy_base(args: argparse.Namespace, given: GivenModels = NONE) -> bool:
     """LoRA with the reference being the policy's own base model: the policy with its adapters switched
     off *is* the reference, so no second copy of the base model is loaded."""
-    return getattr(args, "lora_rank", 0) > 0 and args.ref_pretrain in (None, args.pretrain)
+    return getattr(args, "lora_rank", 0) > 0 and given.ref is None and args.ref_pretrain in (None, args.pretrain)
+
+
+def given_reference(args: argparse.Namespace, given: GivenModels) -> torch.nn.Module | None:
+    """For a run that has a reference: the module the models given in memory make it (None: the reference is
+    loaded from its directory): the given `ref`, else a frozen copy of the policy's weights as they are now,
+    before its first step; taken before the policy is built (LoRA changes the module in place). No copy under LoRA
+    on the policy's own base (the policy with its adapters off is the reference)."""
+    if given.ref is not None:
+        return given.ref
+    if given.policy is None or args.ref_pretrain or ref_is_policy_base(args, given):
+        return None
+    from rlhfkit.models.given import frozen_copy
+
+    return frozen_copy(given.policy)
 
 
 def build_ref(args: argparse.Namespace, dist: DistInfo, dims: ParallelDims | None = None,
-              policy_backend: FSDP2Backend | None = None) -> ActorRole | None:
-    """The reference model's role, or None without a KL term. Given the policy's backend (one process or
-    torchrun) and LoRA on the same base, the reference runs the policy with its adapters off."""
-    if args.init_kl_coef <= 0:
-        return None
-    if policy_backend is not None and ref_is_policy_base(args):
+              policy_backend: FSDP2Backend | None = None, module: torch.nn.Module | None = None,
+              given: GivenModels = NONE) -> ActorRole:
+    """The reference model's role (`roles_in_run` says whether the run has one). Given the policy's backend
+    (one process or torchrun) and LoRA on the same base, the reference runs the policy with its adapters off.
+    `module`: the reference in memory (`given_reference`), else --ref_pretrain (default --pretrain) is loaded."""
+    if policy_backend is not None and ref_is_policy_base(args, given):
         note_once("note: reference model = the policy with its LoRA adapters switched off (no second copy of "
                   "the base model)" + ("; --ref_offload has no effect: there are no separate reference weights"
                                        if args.ref_offload else ""))
@@ -322,7 +354,8 @@ def build_ref(args: argparse.Namespace, dist: DistInfo, dims: ParallelDims | Non
     from rlhfkit.models.loader import load_causal_lm
 
     cfg = from_args(ModelConfig, args, lora_rank=0, gradient_checkpointing=False)
-    model = load_causal_lm(cfg, path=args.ref_pretrain or args.pretrain, flag="--ref_pretrain", defer_weights=True)
+    model = module if module is not None else load_causal_lm(cfg, path=args.ref_pretrain or args.pretrain,
+                                                             flag="--ref_pretrain", defer_weights=True)
     backend = FSDP2Backend(model, backend_cfg(args), None, 0, dist, parallel=dims or parallel_dims(args, dist))
     role = ActorRole(backend, dist, micro_rollout_batch_size=args.micro_rollout_batch_size,
                      rollout_max_tokens=rollout_max_tokens(args), packing=args.packing_samples,
@@ -330,25 +363,40 @@ def build_ref(args: argparse.Namespace, dist: DistInfo, dims: ParallelDims | Non
     return role
 
 
-def critic_path(args: argparse.Namespace) -> str:
+def critic_path(args: argparse.Namespace, given: GivenModels = NONE) -> str | torch.nn.Module:
+    """What the critic starts from: --critic_pretrain, else the first --reward_pretrain, else the policy
+    (its directory, or the module given in memory)."""
     if args.critic_pretrain:
         return args.critic_pretrain
     if args.reward_pretrain:
         return args.reward_pretrain.split(",")[0]
-    return args.pretrain
+    return given.policy_or_path(args.pretrain)
 
 
-def build_critic(args: argparse.Namespace, dist: DistInfo, num_steps: int, dims: ParallelDims | None = None
-                 ) -> tuple[CriticRole, FSDP2Backend] | tuple[None, None]:
-    if args.advantage_estimator != "gae":
-        return None, None
-    from rlhfkit.models.value import checkpoint_keys, load_value_model
+def given_critic_base(args: argparse.Namespace, given: GivenModels) -> torch.nn.Module | None:
+    """A copy of the policy given in memory for the critic to start from (GAE with neither --critic_pretrain
+    nor --reward_pretrain), taken before the policy is built; None where the critic is loaded."""
+    if not isinstance(critic_path(args, given), torch.nn.Module):
+        return None
+    from rlhfkit.models.given import frozen_copy
 
-    path = critic_path(args)
-    fresh = f"{args.value_head_prefix}.weight" not in checkpoint_keys(path)
-    model = load_value_model(path, args.value_head_prefix, init_value_head=fresh, dtype=torch.float32,
-                             normalize_reward=False, cfg=from_args(ModelConfig, args, pretrain=path),
-                             flag="--critic_pretrain")
+    return frozen_copy(critic_path(args, given))  # type: ignore[arg-type]
+
+
+def build_critic(args: argparse.Namespace, dist: DistInfo, num_steps: int, dims: ParallelDims | None = None,
+                 base: torch.nn.Module | None = None) -> tuple[CriticRole, FSDP2Backend]:
+    """The critic's role and backend (`roles_in_run`: GAE); `base`: the policy's copy it starts from
+    (`given_critic_base`), else `critic_path` is loaded."""
+    from rlhfkit.models.value import checkpoint_keys, load_value_model, value_model_from
+
+    if base is not None:
+        model = value_model_from(base, args.value_head_prefix, from_args(ModelConfig, args))
+    else:
+        path = str(critic_path(args))
+        fresh = f"{args.value_head_prefix}.weight" not in checkpoint_keys(path)
+        model = load_value_model(path, args.value_head_prefix, init_value_head=fresh, dtype=torch.float32,
+                                 normalize_reward=False, cfg=from_args(ModelConfig, args, pretrain=path),
+                                 flag="--critic_pretrain")
     optim = from_args(OptimConfig, args, learning_rate=args.critic_learning_rate, **critic_optim(args))
     backend = FSDP2Backend(model, backend_cfg(args), optim, num_steps, dist, parallel=dims or parallel_dims(args, dist))
     upd = replace(actor_update_cfg(args), aux_loss_coef=0.0, ptx_coef=0.0)
@@ -373,9 +421,8 @@ def critic_optim(args: argparse.Namespace) -> dict[str, Any]:
             "muon_ns_steps": args.critic_muon_ns_steps, "muon_nesterov": args.critic_muon_nesterov}
 
 
-def build_reward_model(args: argparse.Namespace, dist: DistInfo) -> RewardModelRole | None:
-    if not args.reward_pretrain or args.remote_rm_url or args.agent_func_path:
-        return None
+def build_reward_model(args: argparse.Namespace, dist: DistInfo) -> RewardModelRole:
+    """The reward models of --reward_pretrain (comma-separated: summed) as one role (`roles_in_run`)."""
     from rlhfkit.models.loader import resolve_dtype
     from rlhfkit.models.value import load_value_model
 
@@ -394,9 +441,10 @@ def engine_max_num_seqs(args: argparse.Namespace, num_engines: int) -> int:
 
 
 def build_engine_for(args: argparse.Namespace, tokenizer: Any, dist: DistInfo, tp: Any = None,
-                     share_with: torch.nn.Module | None = None):
+                     share_with: torch.nn.Module | None = None, given: torch.nn.Module | None = None):
     """The rollout engine of --rollout_engine; `share_with`: the policy module whose weights the builtin
-    engine serves itself (`engine_sharing`), instead of loading its own copy from --pretrain."""
+    engine serves itself (`engine_sharing`), instead of loading its own copy from --pretrain; `given`: the
+    policy given in memory, which an engine of its own copies instead of --pretrain."""
     from rlhfkit.rollout import build_engine
 
     from rlhfkit.config.dtypes import run_dtype
@@ -409,19 +457,25 @@ def build_engine_for(args: argparse.Namespace, tokenizer: Any, dist: DistInfo, t
     elif args.rollout_engine == "hf":
         opts = {"max_batch_size": seqs}
     if share_with is not None:  # the eos ids the engine reads from --pretrain's generation config otherwise
+        eos = pretrain_eos_ids(given if given is not None else args.pretrain, tokenizer)
         return build_engine(args.rollout_engine, share_with, tokenizer, device=dist.device, dtype=dtype, tp=tp,
-                            share_weights=True, eos_token_ids=pretrain_eos_ids(args.pretrain, tokenizer), **opts)
-    return build_engine(args.rollout_engine, args.pretrain, tokenizer, device=dist.device, dtype=dtype, tp=tp, **opts)
+                            share_weights=True, eos_token_ids=eos, **opts)
+    if given is not None:
+        opts["eos_token_ids"] = pretrain_eos_ids(given, tokenizer)
+    return build_engine(args.rollout_engine, given if given is not None else args.pretrain, tokenizer,
+                        device=dist.device, dtype=dtype, tp=tp, **opts)
 
 
-def pretrain_eos_ids(path: str, tokenizer: Any) -> list[int]:
-    """The eos ids of a model directory's generation config and its tokenizer (what an engine loaded from
-    `path` stops at)."""
+def pretrain_eos_ids(path: str | torch.nn.Module, tokenizer: Any) -> list[int]:
+    """The eos ids of a model directory's (or a module's) generation config and its tokenizer (what an engine
+    loaded from `path` stops at)."""
     from transformers import GenerationConfig
 
     from rlhfkit.models.hub import resolve_model_path
     from rlhfkit.rollout.engine_utils import eos_ids_of
 
+    if isinstance(path, torch.nn.Module):
+        return eos_ids_of(getattr(path, "generation_config", None), tokenizer)
     try:
         gen = GenerationConfig.from_pretrained(resolve_model_path(path, "--pretrain"))
     except (OSError, ValueError):

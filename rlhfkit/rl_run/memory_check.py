@@ -36,13 +36,15 @@ def _shape(path: str, value_head: bool = False) -> ModelShape:
 def memory_inputs(args: argparse.Namespace, slots: dict[str, int], local: bool = False) -> MemoryInputs:
     """The plan's inputs from train_ppo_ray's (resolved) flags; `slots`: role -> ranks. `local`: train_ppo's
     layout (every role and an engine in each rank's process, nothing asleep; the engine serving the policy's
-    weights where --engine_weights lets it)."""
-    from rlhfkit.cli import ppo_setup as S
+    weights where --engine_weights lets it, and a LoRA policy on its own base being its reference: no
+    reference weights of their own)."""
+    from rlhfkit.rl_run import builders as S
 
     paths = {"policy": (args.pretrain, False), "ref": (args.ref_pretrain or args.pretrain, False),
-             "critic": (S.critic_path(args), True),
+             "critic": (str(S.critic_path(args)), True),
              "reward": ((args.reward_pretrain or "").split(",")[0], True)}
-    roles = tuple(RoleMemory(r, _shape(*paths[r]), n) for r, n in slots.items())
+    held = {r: n for r, n in slots.items() if not (local and r == "ref" and S.ref_is_policy_base(args))}
+    roles = tuple(RoleMemory(r, _shape(*paths[r]), n) for r, n in held.items())
     world = slots["policy"]
     engines, tp = (world, 1) if local else (args.vllm_num_engines, args.vllm_tensor_parallel_size)
     engine = EngineMemory(roles[0].shape if roles[0].name == "policy" else _shape(args.pretrain),
