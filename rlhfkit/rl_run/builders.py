@@ -475,7 +475,7 @@ def pretrain_eos_ids(path: str | torch.nn.Module, tokenizer: Any) -> list[int]:
     from rlhfkit.rollout.engine_utils import eos_ids_of
 
     if isinstance(path, torch.nn.Module):
-        return eos_ids_of(getattr(path, "generation_config", None), tokenizer)
+        return eos_ids_of(path.generation_config if hasattr(path, "generation_config") else None, tokenizer)
     try:
         gen = GenerationConfig.from_pretrained(resolve_model_path(path, "--pretrain"))
     except (OSError, ValueError):
@@ -517,10 +517,11 @@ def close_rollout(engine: Any, user_code_grace_s: float = 5.0) -> None:
     ("terminate called without an active exception")."""
     from rlhfkit.usercode.run import shutdown_user_threads
 
-    close = getattr(engine, "close", None)
-    if callable(close):
+    from rlhfkit.rollout.base import ClosableEngine
+
+    if isinstance(engine, ClosableEngine):
         try:
-            close()
+            engine.close()
         except Exception as e:  # noqa: BLE001 - must not hide the error that ended the run
             log.info(f"note: closing the rollout engine failed: {type(e).__name__}: {e}")
     stuck = shutdown_user_threads(user_code_grace_s)
@@ -542,7 +543,7 @@ def build_executor(args: argparse.Namespace, engine: Any, tokenizer: Any, temper
     from rlhfkit.rewards.process_pool import reward_source_with_workers
 
     cfg = replace(agent_config(args, temperature), vision=vision)  # a VLM's picture handling (or None)
-    workers = getattr(args, "reward_workers", None)
+    workers = args.reward_workers
     if args.agent_func_path:
         if workers:
             note_once("note: --reward_workers has no effect with --agent_func_path (agent environments run in "
