@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
-from helpers import subprocess_env
+from helpers import run_cli
 
 from rlhfkit.cli import train_sft
 from rlhfkit.trainers.metrics import read_metrics
@@ -81,8 +79,7 @@ def test_yaml_config_runs_train_sft(tiny_model_dir, qa, tmp_path):
                    "train:\n  batch_size: 8\n  micro_batch_size: 8\n"
                    "max_steps: 1\nparam_dtype: fp32\ndisable_progress: true\ndevice: cpu\n"
                    "learning_rate: 1.0e-2\n")
-    r = subprocess.run([sys.executable, "-m", "rlhfkit.cli.train_sft", "--config", str(cfg), "--save_path", out,
-                        "--learning_rate", "2e-3"], capture_output=True, text=True, timeout=300, env=subprocess_env())
+    r = run_cli("rlhfkit.cli.train_sft", ["--config", str(cfg), "--save_path", out, "--learning_rate", "2e-3"])
     assert r.returncode == 0, r.stderr[-2000:]
     saved = json.load(open(os.path.join(out, "run_config.json")))
     assert saved["pretrain"] == tiny_model_dir and saved["max_len"] == 32 and saved["train_batch_size"] == 8

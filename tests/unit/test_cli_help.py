@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import subprocess
-import sys
 
 import pytest
-from helpers import subprocess_env
+from helpers import run_cli
 
 import rlhfkit
 from rlhfkit.cli.main import COMMANDS, flag_reference
@@ -94,8 +92,7 @@ def test_version_flag(capsys):
 
 @pytest.mark.parametrize("argv", [["rlhfkit.cli.main", "--version"], ["rlhfkit.cli.train_sft", "--version"]])
 def test_version_from_the_command_line(argv):
-    r = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, timeout=120,
-                       env=subprocess_env())
+    r = run_cli(argv[0], argv[1:])
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == f"rlhfkit {rlhfkit.__version__}"
 
