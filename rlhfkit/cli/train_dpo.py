@@ -34,14 +34,14 @@ from rlhfkit.config.configs import from_args
 from rlhfkit.config.declare import add_fields
 from rlhfkit.config.offline_flags import DPOFlags
 from rlhfkit.config.flags import FlagParser, add_beta_flag, add_image_flags
-from rlhfkit.data.preference import PreferenceDataConfig, PreferenceDataset
+from rlhfkit.data.preference import PAIRED_MAX_LEN, PreferenceDataConfig, PreferenceDataset
 from rlhfkit.models.given import NONE, GivenModels
 from rlhfkit.trainers.dpo_task import DPOTask, check_dpo_settings
 
 
 def build_parser() -> FlagParser:
     p = FlagParser("train_dpo", __doc__ or "")
-    add_offline_flags(p, max_len=512, train_batch_size=128, micro_train_batch_size=8, max_epochs=1,
+    add_offline_flags(p, max_len=PAIRED_MAX_LEN, train_batch_size=128, micro_train_batch_size=8, max_epochs=1,
                       learning_rate=1e-5, wandb_project="rlhfkit_train_dpo")
     p.set_defaults(eval_split="test")
     add_pair_key_flags(p)

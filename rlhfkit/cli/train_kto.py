@@ -30,7 +30,7 @@ from rlhfkit.config.configs import from_args
 from rlhfkit.config.declare import add_fields
 from rlhfkit.config.offline_flags import KTOFlags
 from rlhfkit.config.flags import FlagParser, add_beta_flag, add_label_key_flag
-from rlhfkit.data.preference import UnpairedDataConfig, UnpairedDataset
+from rlhfkit.data.preference import UNPAIRED_LABEL_KEY, UNPAIRED_OUTPUT_KEY, UnpairedDataConfig, UnpairedDataset
 from rlhfkit.models.given import NONE, GivenModels
 from rlhfkit.trainers.kto_task import KTOTask
 
@@ -43,12 +43,12 @@ def build_parser() -> FlagParser:
     p = FlagParser("train_kto", __doc__ or "")
     add_offline_flags(p, max_len=2048, train_batch_size=128, micro_train_batch_size=8, max_epochs=1,
                       learning_rate=1e-5, wandb_project="rlhfkit_train_kto")
-    p.set_defaults(output_key="output")
+    p.set_defaults(output_key=UNPAIRED_OUTPUT_KEY)
     add_ref_flags(p)
     add_beta_flag(p, "KTO beta")
     add_fields(p, KTOFlags, here=True)
     add_label_key_flag(p, "boolean column: true for a desirable answer")
-    p.set_defaults(beta=0.01, label_key="label")
+    p.set_defaults(beta=0.01, label_key=UNPAIRED_LABEL_KEY)
     return p
 
 

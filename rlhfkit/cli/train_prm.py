@@ -27,7 +27,7 @@ from rlhfkit.config.configs import from_args
 from rlhfkit.config.declare import add_fields
 from rlhfkit.config.offline_flags import PRMFlags
 from rlhfkit.config.flags import FlagParser, add_label_key_flag
-from rlhfkit.data.prm import PRMDataConfig, PRMDataset
+from rlhfkit.data.prm import PRM_LABEL_KEY, PRMDataConfig, PRMDataset
 from rlhfkit.data.templates import token_id
 from rlhfkit.trainers.prm_task import PRMTask
 
@@ -37,7 +37,7 @@ def build_parser() -> FlagParser:
     add_offline_flags(p, max_len=2048, train_batch_size=128, micro_train_batch_size=1, max_epochs=1,
                       learning_rate=1e-6, wandb_project="rlhfkit_train_prm")
     add_label_key_flag(p, "column with one label per step (reward tokens, or numbers for soft labels)")
-    p.set_defaults(label_key="value")
+    p.set_defaults(label_key=PRM_LABEL_KEY)
     add_fields(p, PRMFlags, here=True)
     for dest in ("output_key", "input_template", "apply_chat_template"):
         p.mark_inert(dest, "PRM rows are the raw text of --input_key with one --label_key label per step")

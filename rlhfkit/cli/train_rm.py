@@ -37,7 +37,7 @@ from rlhfkit.config.configs import ModelConfig, from_args
 from rlhfkit.config.declare import add_fields
 from rlhfkit.config.flags import FlagParser, add_value_head_flag
 from rlhfkit.config.offline_flags import RewardLossFlags
-from rlhfkit.data.preference import PreferenceDataConfig, PreferenceDataset
+from rlhfkit.data.preference import PAIRED_MAX_LEN, PreferenceDataConfig, PreferenceDataset
 from rlhfkit.models.given import NONE, GivenModels
 from rlhfkit.models.value import load_value_model, scoring_tokenizer, update_reward_config, value_model_from
 from rlhfkit.trainers.metrics import metrics_record
@@ -50,7 +50,7 @@ STATS_FRACTION, STATS_MIN_PAIRS = 0.01, 100
 
 def build_parser() -> FlagParser:
     p = FlagParser("train_rm", __doc__ or "")
-    add_offline_flags(p, max_len=512, train_batch_size=128, micro_train_batch_size=1, max_epochs=1,
+    add_offline_flags(p, max_len=PAIRED_MAX_LEN, train_batch_size=128, micro_train_batch_size=1, max_epochs=1,
                       learning_rate=9e-6, wandb_project="rlhfkit_train_rm")
     add_pair_key_flags(p)
     add_value_head_flag(p, "name of the value head module (score: loadable by AutoModelForSequenceClassification)")

@@ -36,6 +36,8 @@ from typing import Any, Sequence
 
 import torch
 
+from rlhfkit.config.configs import VisionFlags
+from rlhfkit.config.declare import default_of
 from rlhfkit.data.rows import DataError
 from rlhfkit.types import ImageInputs, ImageRef
 
@@ -48,8 +50,8 @@ FAILURE_POLICIES = ("stop", "drop")
 class ImageLimits:
     """[--max_image_bytes] [--max_image_pixels]."""
 
-    max_bytes: int = 32 * 2**20
-    max_pixels: int = 4096 * 4096
+    max_bytes: int = default_of(VisionFlags, "max_image_bytes")
+    max_pixels: int = default_of(VisionFlags, "max_image_pixels")
 
     def __post_init__(self) -> None:
         if self.max_bytes < 1:
@@ -237,9 +239,9 @@ def load_vision_processor(path: str, limits: ImageLimits | None = None, flag: st
 class ImageDataConfig:
     """[--image_key] [--max_images_per_prompt] [--image_failure] and the limits."""
 
-    image_key: str = "images"
-    max_images_per_prompt: int = 0
-    image_failure: str = "stop"
+    image_key: str = default_of(VisionFlags, "image_key")
+    max_images_per_prompt: int = default_of(VisionFlags, "max_images_per_prompt")
+    image_failure: str = default_of(VisionFlags, "image_failure")
     limits: ImageLimits = ImageLimits()
 
     def __post_init__(self) -> None:

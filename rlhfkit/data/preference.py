@@ -28,25 +28,32 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from rlhfkit.config.configs import DataFlags
+from rlhfkit.config.declare import default_of
+from rlhfkit.config.offline_flags import PairKeyFlags
 from rlhfkit.data.images import RowImages
 from rlhfkit.data.io import DataError, Row
 from rlhfkit.data.items import (PreferenceItem, SFTItem, TokenizedDataset, UnpairedItem, encode_prompt_response,
                                 join_prompt_response, joined_length)
-from rlhfkit.data.templates import (DEFAULT_INPUT_TEMPLATE, PromptFormat, check_input_template, chat_prompt_response,
+from rlhfkit.data.templates import (PromptFormat, check_input_template, chat_prompt_response,
                                     to_messages)
+
+
+PAIRED_MAX_LEN = 512  # --max_len of train_rm and train_dpo (their parsers' default)
 
 
 @dataclass
 class PreferenceDataConfig:
-    """Paired preference data flags (names match the flag dests)."""
+    """Paired preference data flags (names match the flag dests); defaults: the flags' declared ones, --max_len
+    train_rm's and train_dpo's."""
 
-    prompt_key: str | None = None
-    chosen_key: str = "chosen"
-    rejected_key: str = "rejected"
-    input_template: str | None = DEFAULT_INPUT_TEMPLATE
-    apply_chat_template: bool = False
-    tokenizer_chat_template: str | None = None
-    max_len: int = 512
+    prompt_key: str | None = default_of(PairKeyFlags, "prompt_key")
+    chosen_key: str = default_of(PairKeyFlags, "chosen_key")
+    rejected_key: str = default_of(PairKeyFlags, "rejected_key")
+    input_template: str | None = default_of(DataFlags, "input_template")
+    apply_chat_template: bool = default_of(DataFlags, "apply_chat_template")
+    tokenizer_chat_template: str | None = default_of(DataFlags, "tokenizer_chat_template")
+    max_len: int = PAIRED_MAX_LEN
 
     def __post_init__(self) -> None:
         check_input_template(self.input_template)
@@ -119,17 +126,21 @@ def preference_rows(items: Sequence[PreferenceItem]) -> list[SFTItem]:
 # ----------------------------------------------------------------------------- KTO
 
 
+UNPAIRED_OUTPUT_KEY = "output"  # --output_key of train_kto (its parser's default)
+UNPAIRED_LABEL_KEY = "label"  # --label_key of train_kto
+
+
 @dataclass
 class UnpairedDataConfig:
-    """Unpaired (KTO) data flags."""
+    """Unpaired (KTO) data flags; defaults: the flags' declared ones, --output_key and --label_key train_kto's."""
 
-    input_key: str = "input"
-    output_key: str | None = "output"
-    label_key: str = "label"
-    input_template: str | None = DEFAULT_INPUT_TEMPLATE
-    apply_chat_template: bool = False
-    tokenizer_chat_template: str | None = None
-    max_len: int = 2048
+    input_key: str = default_of(DataFlags, "input_key")
+    output_key: str | None = UNPAIRED_OUTPUT_KEY
+    label_key: str = UNPAIRED_LABEL_KEY
+    input_template: str | None = default_of(DataFlags, "input_template")
+    apply_chat_template: bool = default_of(DataFlags, "apply_chat_template")
+    tokenizer_chat_template: str | None = default_of(DataFlags, "tokenizer_chat_template")
+    max_len: int = default_of(DataFlags, "max_len")
 
     def __post_init__(self) -> None:
         check_input_template(self.input_template)

@@ -23,6 +23,9 @@ from typing import Any, Sequence
 
 import torch
 
+from rlhfkit.config.configs import DataFlags
+from rlhfkit.config.declare import default_of
+from rlhfkit.config.offline_flags import PRMFlags
 from rlhfkit.data.collate import PaddedBatch, pad_batch, pad_sequences
 from rlhfkit.data.io import DataError, Row
 from rlhfkit.data.items import PRMItem, SFTItem, TokenizedDataset
@@ -31,15 +34,18 @@ from rlhfkit.data.templates import encode, token_id
 IGNORE_INDEX = -100
 
 
+PRM_LABEL_KEY = "value"  # --label_key of train_prm (its parser's default)
+
+
 @dataclass
 class PRMDataConfig:
-    """PRM data flags (names match the flag dests)."""
+    """PRM data flags (names match the flag dests); defaults: the flags' declared ones, --label_key train_prm's."""
 
-    input_key: str = "input"
-    label_key: str = "value"
-    placeholder_token: str | None = None
-    reward_tokens: list[str] | None = None
-    max_len: int = 2048
+    input_key: str = default_of(DataFlags, "input_key")
+    label_key: str = PRM_LABEL_KEY
+    placeholder_token: str | None = default_of(PRMFlags, "placeholder_token")
+    reward_tokens: list[str] | None = default_of(PRMFlags, "reward_tokens")
+    max_len: int = default_of(DataFlags, "max_len")
 
     def __post_init__(self) -> None:
         if not self.placeholder_token:

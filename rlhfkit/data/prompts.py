@@ -27,10 +27,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from rlhfkit.config.configs import DataFlags, LabelFlags
+from rlhfkit.config.declare import default_of
 from rlhfkit.data.images import RowImages
 from rlhfkit.data.io import DataError, Row
 from rlhfkit.data.items import TokenizedDataset
-from rlhfkit.data.templates import DEFAULT_INPUT_TEMPLATE, PromptFormat, check_input_template, encode, encode_head
+from rlhfkit.data.templates import PromptFormat, check_input_template, encode, encode_head
 from rlhfkit.types import PromptSample
 
 
@@ -38,11 +40,11 @@ from rlhfkit.types import PromptSample
 class PromptDataConfig:
     """Prompt data flags (names match the flag dests)."""
 
-    input_key: str = "input"
-    label_key: str | None = None
-    input_template: str | None = DEFAULT_INPUT_TEMPLATE
-    apply_chat_template: bool = False
-    tokenizer_chat_template: str | None = None
+    input_key: str = default_of(DataFlags, "input_key")
+    label_key: str | None = default_of(LabelFlags, "label_key")
+    input_template: str | None = default_of(DataFlags, "input_template")
+    apply_chat_template: bool = default_of(DataFlags, "apply_chat_template")
+    tokenizer_chat_template: str | None = default_of(DataFlags, "tokenizer_chat_template")
     max_prompt_len: int | None = None
 
     def __post_init__(self) -> None:

@@ -34,25 +34,29 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from rlhfkit.config.configs import DataFlags, OfflineDataFlags, PretrainModeFlags
+from rlhfkit.config.declare import default_of
+from rlhfkit.config.offline_flags import SFTFlags
 from rlhfkit.data.images import RowImages
 from rlhfkit.data.io import DataError, Row
 from rlhfkit.data.items import SFTItem, TokenizedDataset
-from rlhfkit.data.templates import (DEFAULT_INPUT_TEMPLATE, Message, PromptFormat, bos_prefix, check_input_template,
+from rlhfkit.data.templates import (Message, PromptFormat, bos_prefix, check_input_template,
                                     chat_prompt_response, encode_head, render_chat, to_messages)
 
 
 @dataclass
 class SFTDataConfig:
-    """SFT data flags (names match the flag dests, so `from_args(SFTDataConfig, ns)` works)."""
+    """SFT data flags (names match the flag dests, so `from_args(SFTDataConfig, ns)` works); each default is
+    its flag's declared one."""
 
-    input_key: str = "input"
-    output_key: str | None = None
-    input_template: str | None = DEFAULT_INPUT_TEMPLATE
-    apply_chat_template: bool = False
-    tokenizer_chat_template: str | None = None
-    multiturn: bool = False
-    pretrain_mode: bool = False
-    max_len: int = 2048
+    input_key: str = default_of(DataFlags, "input_key")
+    output_key: str | None = default_of(OfflineDataFlags, "output_key")
+    input_template: str | None = default_of(DataFlags, "input_template")
+    apply_chat_template: bool = default_of(DataFlags, "apply_chat_template")
+    tokenizer_chat_template: str | None = default_of(DataFlags, "tokenizer_chat_template")
+    multiturn: bool = default_of(SFTFlags, "multiturn")
+    pretrain_mode: bool = default_of(PretrainModeFlags, "pretrain_mode")
+    max_len: int = default_of(DataFlags, "max_len")
 
     def __post_init__(self) -> None:
         check_input_template(self.input_template)
