@@ -39,6 +39,8 @@ import torch
 from rlhfkit.algo.masked import masked_mean, whiten
 from rlhfkit.algo.returns import discounted_returns, gae_advantages_and_returns
 from rlhfkit.algo.shaping import shape_token_rewards
+from rlhfkit.config.declare import default_of
+from rlhfkit.config.rl_flags import AlgoFlags, RewardSourceFlags, RolloutFlags
 
 Tensor = torch.Tensor
 
@@ -50,14 +52,14 @@ EQUAL_GROUP_RTOL = 1e-6
 @dataclass
 class AdvantageConfig:
     """`--advantage_estimator`, `--gamma`, `--lambd`, `--n_samples_per_prompt`,
-    `--no_advantage_std_norm`, `--reward_clip_range`."""
+    `--no_advantage_std_norm`, `--reward_clip_range`; each default is its flag's declared one."""
 
-    advantage_estimator: str = "gae"
-    gamma: float = 1.0
-    lambd: float = 1.0
-    n_samples_per_prompt: int = 1
-    no_advantage_std_norm: bool = False
-    reward_clip_range: tuple[float, float] | None = (-10.0, 10.0)
+    advantage_estimator: str = default_of(AlgoFlags, "advantage_estimator")
+    gamma: float = default_of(AlgoFlags, "gamma")
+    lambd: float = default_of(AlgoFlags, "lambd")
+    n_samples_per_prompt: int = default_of(RolloutFlags, "n_samples_per_prompt")
+    no_advantage_std_norm: bool = default_of(AlgoFlags, "no_advantage_std_norm")
+    reward_clip_range: tuple[float, float] | None = default_of(RewardSourceFlags, "reward_clip_range", convert=tuple)
 
     def __post_init__(self) -> None:
         spec = get_advantage_estimator(self.advantage_estimator)

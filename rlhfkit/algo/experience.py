@@ -16,6 +16,8 @@ import torch
 from rlhfkit.algo.advantages import AdvantageConfig, compute_advantages
 from rlhfkit.algo.kl import compute_approx_kl
 from rlhfkit.algo.shaping import overlong_penalty, stop_properly_penalty
+from rlhfkit.config.declare import default_of
+from rlhfkit.config.rl_flags import RewardSourceFlags
 from rlhfkit.types import ExperienceBatch, Trajectory
 
 
@@ -49,12 +51,14 @@ def pad_trajectories(trajs: list[Trajectory], pad_id: int, no_loss_ids: tuple[in
 
 @dataclass
 class RewardShapingConfig:
-    """[--generate_max_len], [--overlong_buffer_len], [--overlong_penalty_factor], [--stop_properly_penalty_coef]."""
+    """[--generate_max_len], [--overlong_buffer_len], [--overlong_penalty_factor], [--stop_properly_penalty_coef];
+    the penalties' defaults are their flags' declared ones, `generate_max_len`'s the value train_ppo resolves an
+    unset --generate_max_len to (without --max_len)."""
 
     generate_max_len: int = 1024
-    overlong_buffer_len: int | None = None
-    overlong_penalty_factor: float = 1.0
-    stop_properly_penalty_coef: float | None = None
+    overlong_buffer_len: int | None = default_of(RewardSourceFlags, "overlong_buffer_len")
+    overlong_penalty_factor: float = default_of(RewardSourceFlags, "overlong_penalty_factor")
+    stop_properly_penalty_coef: float | None = default_of(RewardSourceFlags, "stop_properly_penalty_coef")
 
 
 def apply_length_penalties(rewards: torch.Tensor, response_lengths: torch.Tensor, truncated: torch.Tensor,

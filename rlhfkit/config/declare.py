@@ -41,7 +41,7 @@ import dataclasses
 import types
 import typing
 from dataclasses import dataclass
-from typing import Any, Collection, ContextManager, Literal, Mapping, Protocol, Sequence, Union
+from typing import Any, Callable, Collection, ContextManager, Literal, Mapping, Protocol, Sequence, Union
 
 
 class FlagParser(Protocol):
@@ -121,9 +121,12 @@ def declared_help(cls: type, name: str) -> str:
     return spec.help
 
 
-def default_of(cls: type, name: str) -> Any:
-    """A field that takes the default declared by `cls.name` (a config mirroring another's setting)."""
+def default_of(cls: type, name: str, convert: Callable[[Any], Any] | None = None) -> Any:
+    """A field that takes the default declared by `cls.name` (a config mirroring another's setting);
+    `convert`: the field holds `convert(that default)` (a tuple where the flag's value is a list)."""
     f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    if convert is not None:
+        return dataclasses.field(default_factory=lambda: convert(default(f)))
     if f.default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=f.default_factory)
     return dataclasses.field(default=f.default)
