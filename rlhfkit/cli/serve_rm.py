@@ -63,9 +63,10 @@ import torch
 
 from rlhfkit.serving.app import import_fastapi, bind_port, choose_num_threads, create_app, one_malloc_arena
 from rlhfkit.serving.request import header_timeout_protocol
+from rlhfkit.serving.flags import ServerFlags
 from rlhfkit.serving.scorer import RewardScorer, ServeConfig
 from rlhfkit.config.configs import ModelFlags, from_args
-from rlhfkit.config.declare import add_fields
+from rlhfkit.config.declare import add_fields, flag_fields
 from rlhfkit.config.flags import (FlagParser, add_device_flag, add_max_len_flag, add_normalize_reward_flag,
                                   add_packing_flag, add_reward_model_flag, add_value_head_flag)
 
@@ -79,22 +80,7 @@ def build_parser() -> FlagParser:
         add_value_head_flag(p, "name of the model's value head module")
         add_max_len_flag(p, "longest query in tokens (longer: 422)")
     with p.group("server"):
-        p.flag("--batch_size", type=int, default=16, help="most sequences per forward")
-        p.flag("--batch_wait_ms", type=float, default=5.0,
-               help="longest wait for requests being read/parsed before a forward that is not full")
-        p.flag("--port", type=int, default=5000, help="TCP port to listen on")
-        p.flag("--host", type=str, default="127.0.0.1", help="bind address (0.0.0.0 to accept remote clients)")
-        p.flag("--max_body_mb", type=float, default=32.0, help="largest request body (larger: 413)")
-        p.flag("--max_queries", type=int, default=65536,
-               help="most queries in a request, and most items of any list in it (more: 422)")
-        p.flag("--max_query_chars", type=int, default=0,
-               help="most characters in one query (more: 422, before tokenization); 0: --max_len x the longest "
-                    "vocabulary entry, which no query within --max_len tokens exceeds")
-        p.flag("--max_json_depth", type=int, default=32, help="deepest JSON nesting of a request (deeper: 422)")
-        p.flag("--read_timeout_s", type=float, default=10.0,
-               help="longest time to receive a request's headers, and then its body (slower: 408 / closed)")
-        p.flag("--shutdown_timeout_s", type=float, default=5.0,
-               help="on SIGTERM, longest wait for requests in progress before they are cancelled")
+        add_fields(p, ServerFlags, [f.name for f in flag_fields(ServerFlags) if f.name != "num_threads"], here=True)
     with p.group("model loading and device"):
         add_fields(p, ModelFlags, ["param_dtype", "attn_implementation", "load_in_4bit", "disable_fast_tokenizer"],
                    help={"param_dtype": "compute dtype on GPU; CPU computes in fp32",
@@ -103,9 +89,7 @@ def build_parser() -> FlagParser:
         add_fields(p, ModelFlags, ["experts_implementation", "use_ms"],
                    help={"use_ms": "download --reward_pretrain from ModelScope (needs modelscope)"})
         add_device_flag(p)
-        p.flag("--num_threads", type=int, default=0,
-               help="torch CPU threads for the model; 0: on CPU one per core but one (a core for the HTTP "
-                    "side), on GPU torch's default")
+        add_fields(p, ServerFlags, ["num_threads"], here=True)
     return p
 
 

@@ -39,6 +39,9 @@ import re
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Iterator
 
+from rlhfkit.config.declare import declared_default, default_of
+from rlhfkit.serving.flags import ServerFlags
+
 
 class RequestError(Exception):
     """A client error: answered with `status` and a JSON {"error": message}."""
@@ -54,11 +57,11 @@ class ClientGone(Exception):
 
 @dataclass(frozen=True)
 class RequestLimits:
-    max_body_bytes: int = 32 * 1024 * 1024
-    max_queries: int = 65536
+    max_body_bytes: int = int(declared_default(ServerFlags, "max_body_mb") * 1024 * 1024)
+    max_queries: int = default_of(ServerFlags, "max_queries")
     max_query_chars: int = 1 << 20
-    max_json_depth: int = 32
-    read_timeout_s: float = 10.0
+    max_json_depth: int = default_of(ServerFlags, "max_json_depth")
+    read_timeout_s: float = default_of(ServerFlags, "read_timeout_s")
 
     def __post_init__(self) -> None:
         for flag, value in (("--max_body_mb", self.max_body_bytes), ("--max_queries", self.max_queries),

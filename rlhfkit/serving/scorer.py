@@ -9,7 +9,10 @@ from dataclasses import dataclass
 
 import torch
 
+from rlhfkit.config.configs import BackendFlags, DataFlags, ModelConfig, ModelFlags, RewardModelFlags, ValueHeadFlags
+from rlhfkit.config.declare import default_of
 from rlhfkit.serving.batcher import Rejected
+from rlhfkit.serving.flags import ServerFlags
 from rlhfkit.serving.request import (RequestLimits)
 
 logger = logging.getLogger("rlhfkit.serve_rm")
@@ -17,23 +20,26 @@ logger = logging.getLogger("rlhfkit.serve_rm")
 
 @dataclass
 class ServeConfig:
+    """What the server takes of serve_rm's flags; each default is its flag's declared one."""
+
     reward_pretrain: str
-    max_len: int = 2048
-    batch_size: int = 16
-    batch_wait_ms: float = 5.0
-    normalize_reward: bool = False
-    value_head_prefix: str = "score"
-    param_dtype: str = "bf16"
-    attn_implementation: str = "sdpa"
-    load_in_4bit: bool = False
-    disable_fast_tokenizer: bool = False
-    device: str | None = None
-    experts_implementation: str | None = None
-    max_body_mb: float = 32.0
-    max_queries: int = 65536
-    max_query_chars: int = 0  # 0: from --max_len and the vocabulary (RewardScorer.longest_token_chars)
-    max_json_depth: int = 32
-    read_timeout_s: float = 10.0
+    max_len: int = default_of(DataFlags, "max_len")
+    batch_size: int = default_of(ServerFlags, "batch_size")
+    batch_wait_ms: float = default_of(ServerFlags, "batch_wait_ms")
+    normalize_reward: bool = default_of(RewardModelFlags, "normalize_reward")
+    value_head_prefix: str = default_of(ValueHeadFlags, "value_head_prefix")
+    param_dtype: str = default_of(ModelFlags, "param_dtype")
+    attn_implementation: str = default_of(ModelFlags, "attn_implementation")
+    load_in_4bit: bool = default_of(ModelFlags, "load_in_4bit")
+    disable_fast_tokenizer: bool = default_of(ModelFlags, "disable_fast_tokenizer")
+    device: str | None = default_of(BackendFlags, "device")
+    experts_implementation: str | None = default_of(ModelFlags, "experts_implementation")
+    max_body_mb: float = default_of(ServerFlags, "max_body_mb")
+    max_queries: int = default_of(ServerFlags, "max_queries")
+    # 0: from --max_len and the vocabulary (RewardScorer.longest_token_chars)
+    max_query_chars: int = default_of(ServerFlags, "max_query_chars")
+    max_json_depth: int = default_of(ServerFlags, "max_json_depth")
+    read_timeout_s: float = default_of(ServerFlags, "read_timeout_s")
 
     def __post_init__(self) -> None:
         for name in ("max_len", "batch_size"):
@@ -56,7 +62,6 @@ class RewardScorer:
     """Tokenizer + reward model; `score` runs one padded forward (called from one worker thread)."""
 
     def __init__(self, cfg: ServeConfig) -> None:
-        from rlhfkit.config.configs import ModelConfig
         from rlhfkit.models.loader import load_tokenizer
         from rlhfkit.models.value import load_value_model, reward_settings
 
