@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import logging
 from rlhfkit.config.configs import from_args
-from rlhfkit.config.flags import FlagParser, add_save_path_flag, add_seed_flag, add_tiny_size_flags
-from rlhfkit.models.tiny import ARCHS, VLM_ARCHS, TinyModelSpec, make_tiny_model
+from rlhfkit.config.declare import add_fields
+from rlhfkit.config.flags import FlagParser, add_save_path_flag, add_seed_flag
+from rlhfkit.models.tiny import make_tiny_model
+from rlhfkit.models.tiny_spec import TINY_SEED, VLM_ARCHS, TinyModelSpec
 
 log = logging.getLogger(__spec__.name if __spec__ else __name__)  # also when run as __main__
 
@@ -21,18 +23,9 @@ def build_parser() -> FlagParser:
     with p.group("output"):
         add_save_path_flag(p, "directory to write the model and tokenizer to (Hugging Face format)", required=True)
         add_seed_flag(p, "seed of the random initial weights")
-    p.set_defaults(seed=0)
+    p.set_defaults(seed=TINY_SEED)
     with p.group("architecture"):
-        p.flag("--arch", type=str, default="llama", choices=list(ARCHS),
-               help="transformers model family (mixtral: a mixture of experts; qwen2_5_vl, qwen3_vl: "
-                    "vision-language models with an image processor)")
-        add_tiny_size_flags(p)
-        p.flag("--num_attention_heads", type=int, default=4, help="query heads per attention layer")
-        p.flag("--num_key_value_heads", type=int, default=None,
-               help="key/value heads (grouped-query attention; default: --num_attention_heads)")
-        p.flag("--intermediate_size", type=int, default=None, help="MLP width (default: the family's rule)")
-        p.flag("--max_position_embeddings", type=int, default=512, help="longest sequence in tokens")
-        p.flag("--tie_word_embeddings", action="store_true", help="share the input embedding and the output head")
+        add_fields(p, TinyModelSpec, here=True)
     return p
 
 

@@ -21,8 +21,9 @@ import os
 import sys
 import time
 
-from rlhfkit.config.flags import (FlagParser, add_arithmetic_flags, add_run_dir_flag, add_seed_flag,
-                                  add_tiny_size_flags)
+from rlhfkit.config.declare import add_fields
+from rlhfkit.config.flags import FlagParser, add_arithmetic_flags, add_run_dir_flag, add_seed_flag
+from rlhfkit.models.tiny_spec import TinyModelSpec
 
 log = logging.getLogger(__spec__.name if __spec__ else __name__)  # also when run as __main__
 
@@ -44,7 +45,9 @@ def build_parser() -> FlagParser:
         p.flag("--sft_lr", type=float, default=1e-3, help="SFT learning rate")
         p.flag("--rl_lr", type=float, default=1e-4, help="GRPO learning rate")
     with p.group("model"):
-        add_tiny_size_flags(p, " of the tiny model")
+        add_fields(p, TinyModelSpec, ["hidden_size", "num_hidden_layers"], here=True,
+                   help={"hidden_size": "width of the residual stream of the tiny model",
+                         "num_hidden_layers": "transformer blocks of the tiny model"})
     p.set_defaults(run_dir="runs/quickstart", seed=0, num_train=20000, num_eval=200)
     return p
 
@@ -118,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse(argv)
     from rlhfkit.cli import train_ppo, train_sft
     from rlhfkit.models.loader import load_tokenizer
-    from rlhfkit.models.tiny import TinyModelSpec, make_tiny_model
+    from rlhfkit.models.tiny import make_tiny_model
     from rlhfkit.tasks.addition import addition_splits
 
     t0 = time.time()

@@ -344,7 +344,7 @@ def add_prefix_caching_flag(p: FlagParser, *, rl: bool = True) -> None:
     _here(p, SamplingFlags, "enable_prefix_caching", drop=() if rl else ("--vllm.",))
 
 
-# the arithmetic task (make_data, quickstart) and the tiny model (make_tiny_model, quickstart)
+# the arithmetic task (make_data, quickstart)
 def add_arithmetic_flags(p: FlagParser, *, train_help: str = "SFT rows in train.jsonl",
                          eval_help: str = "held-out questions in eval.jsonl") -> None:
     """--digits, --plain_order, --num_train (2000), --num_eval (64)."""
@@ -353,12 +353,6 @@ def add_arithmetic_flags(p: FlagParser, *, train_help: str = "SFT rows in train.
            help="write sums most-significant digit first (harder for a tiny model)")
     p.flag("--num_train", type=int, default=2000, help=train_help)
     p.flag("--num_eval", type=int, default=64, help=eval_help)
-
-
-def add_tiny_size_flags(p: FlagParser, of: str = "") -> None:
-    """--hidden_size and --num_hidden_layers (--num_layers) of a tiny model; `of`: the help's subject."""
-    p.flag("--hidden_size", type=int, default=128, help=f"width of the residual stream{of}")
-    p.flag("--num_hidden_layers", "--num_layers", type=int, default=4, help=f"transformer blocks{of}")
 
 
 def run_dir_of(args: argparse.Namespace) -> str:

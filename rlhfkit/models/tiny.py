@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import os
 import string
-from dataclasses import dataclass
 
 import torch
+
+from rlhfkit.models.tiny_spec import ARCHS, VLM_ARCHS, TinyModelSpec
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 SPECIALS = [PAD, BOS, EOS, UNK, IM_START, IM_END]
-VLM_ARCHS = ("qwen2_5_vl", "qwen3_vl")
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -32,19 +32,6 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-
-
-@dataclass
-class TinyModelSpec:
-    arch: str = "llama"  # TEXT_ARCHS (build_config) or qwen2_5_vl | qwen3_vl (vision-language)
-    hidden_size: int = 128
-    num_hidden_layers: int = 4
-    num_attention_heads: int = 4
-    num_key_value_heads: int | None = None
-    intermediate_size: int | None = None  # default 4 x hidden
-    max_position_embeddings: int = 512
-    tie_word_embeddings: bool = False
-    seed: int = 0
 
 
 def build_tokenizer(extra_specials: tuple[str, ...] = (), chat_template: str = CHAT_TEMPLATE):
@@ -76,8 +63,6 @@ def build_tokenizer(extra_specials: tuple[str, ...] = (), chat_template: str = C
     return tok
 
 
-TEXT_ARCHS = ("llama", "qwen2", "mixtral", "gemma3_text", "qwen3_moe", "gpt_oss", "phi3", "olmo2", "olmo3")
-ARCHS = TEXT_ARCHS + VLM_ARCHS
 TINY_WINDOW = 8  # the sliding window of the tiny windowed families: a short generation crosses it
 
 
