@@ -32,7 +32,7 @@ from rlhfkit.config.offline_flags import KTOFlags
 from rlhfkit.config.flags import FlagParser, add_beta_flag, add_label_key_flag
 from rlhfkit.data.preference import UNPAIRED_LABEL_KEY, UNPAIRED_OUTPUT_KEY, UnpairedDataConfig, UnpairedDataset
 from rlhfkit.models.given import NONE, GivenModels
-from rlhfkit.trainers.kto_task import KTOTask
+from rlhfkit.trainers.kto_task import KTO_BETA, KTOTask
 
 log = logging.getLogger(__spec__.name if __spec__ else __name__)  # also when run as __main__
 
@@ -48,7 +48,7 @@ def build_parser() -> FlagParser:
     add_beta_flag(p, "KTO beta")
     add_fields(p, KTOFlags, here=True)
     add_label_key_flag(p, "boolean column: true for a desirable answer")
-    p.set_defaults(beta=0.01, label_key=UNPAIRED_LABEL_KEY)
+    p.set_defaults(beta=KTO_BETA, label_key=UNPAIRED_LABEL_KEY)
     return p
 
 

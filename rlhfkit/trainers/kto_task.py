@@ -29,6 +29,8 @@ from typing import Sequence
 
 import torch
 
+from rlhfkit.config.declare import default_of
+from rlhfkit.config.offline_flags import KTOFlags
 from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.data.items import UnpairedItem
 from rlhfkit.data.preference import kto_mismatched
@@ -56,6 +58,9 @@ class KTOBatch:
         return KTOBatch(self.seqs.to(device), self.kl_seqs.to(device), self.desirable.to(device))
 
 
+KTO_BETA = 0.01  # --beta of train_kto (its parser's default)
+
+
 @dataclass
 class KTOTask:
     """KTO against `ref` (`--beta`, `--desirable_loss_weight`, `--undesirable_loss_weight`)."""
@@ -63,9 +68,9 @@ class KTOTask:
     pad_token_id: int
     ref: FrozenModel
     max_len: int
-    beta: float = 0.01
-    desirable_weight: float = 1.0
-    undesirable_weight: float = 1.0
+    beta: float = KTO_BETA
+    desirable_weight: float = default_of(KTOFlags, "desirable_loss_weight")
+    undesirable_weight: float = default_of(KTOFlags, "undesirable_loss_weight")
     packing: bool = False
     device: torch.device | str = "cpu"
     dist: DistInfo = field(default_factory=DistInfo)  # whose dp group reduces the metrics
