@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from rlhfkit.config.declare import default_of
+from rlhfkit.config.rl_flags import RewardSourceFlags
 from rlhfkit.usercode.run import EpisodeError, UserLoop, run_user_code
 from rlhfkit.types import SamplingParams, Trajectory
 
@@ -57,7 +59,7 @@ class AgentConfig:
     sampling_params: SamplingParams = field(default_factory=lambda: SamplingParams(max_new_tokens=1024))
     step_timeout_s: float | None = 300.0
     reward_timeout_s: float | None = 300.0
-    reward_failure: str = "stop"
+    reward_failure: str = default_of(RewardSourceFlags, "reward_failure")
     reward_batch_size: int = 64
     max_concurrency: int | None = None
     vision: "VisionContext | None" = None

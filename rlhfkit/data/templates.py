@@ -46,6 +46,8 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from rlhfkit.config.configs import DataFlags
+from rlhfkit.config.declare import default_of
 from rlhfkit.config.flags import DEFAULT_INPUT_TEMPLATE
 from rlhfkit.config.notes import note_once
 from rlhfkit.data.io import DataError, Row
@@ -203,7 +205,7 @@ class PromptFormat:
     """How a prompt value becomes text: `--input_template` and/or `--apply_chat_template`."""
 
     input_template: str | None = DEFAULT_INPUT_TEMPLATE
-    apply_chat_template: bool = False
+    apply_chat_template: bool = default_of(DataFlags, "apply_chat_template")
 
     def __post_init__(self) -> None:
         check_input_template(self.input_template)

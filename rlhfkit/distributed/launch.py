@@ -24,6 +24,9 @@ from typing import TYPE_CHECKING, Any, Callable
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rlhfkit.config.configs import BackendFlags
+from rlhfkit.config.declare import default_of
+from rlhfkit.config.rl_flags import PlacementFlags
 from rlhfkit.distributed.engines import RayEngineRouter
 from rlhfkit.distributed.group import Phases, RayGroup
 from rlhfkit.distributed.health import ActorLabel, HealthMonitor, wait_all
@@ -75,14 +78,14 @@ class EngineSpec:
 @dataclass
 class LaunchConfig:
     resources: SlotResources = field(default_factory=SlotResources)
-    device: str | None = None
+    device: str | None = default_of(BackendFlags, "device")
     colocate_all: bool = False
-    colocate_actor_ref: bool = False
-    colocate_critic_reward: bool = False
+    colocate_actor_ref: bool = default_of(PlacementFlags, "colocate_actor_ref")
+    colocate_critic_reward: bool = default_of(PlacementFlags, "colocate_critic_reward")
     placement_timeout_s: float = 60.0
     unit: int = 1  # rows that stay on one rank (samples of one prompt)
     weights_dtype: str | None = None  # dtype of the weights sent to engines (None: as trained)
-    weight_sync: str = "auto"  # --weight_sync (weightsync.choice.choose_transport)
+    weight_sync: str = default_of(PlacementFlags, "weight_sync")  # weightsync.choice.choose_transport
     weight_sync_bucket_bytes: int = DEFAULT_BUCKET_MB * 2**20
     weight_sync_backend: str = "nccl"  # broadcast on GPUs: nccl, or gloo to force CPU buffers
     weight_sync_timeout_s: float = DEFAULT_TIMEOUT_S

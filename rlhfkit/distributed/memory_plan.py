@@ -58,6 +58,10 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
+from rlhfkit.config.configs import BackendFlags, ModelFlags
+from rlhfkit.config.declare import default_of
+from rlhfkit.config.rl_flags import PlacementFlags
+
 GiB = 2**30
 QUANT_BLOCK = 256  # values per fp32 maximum of --optim adamw_8bit (rlhfkit.backend.lean_adamw.BLOCK; no torch here)
 CONTEXT_BYTES = 3 * GiB // 4  # CUDA context of one process
@@ -153,17 +157,18 @@ class MemoryInputs:
     roles: tuple[RoleMemory, ...]
     engine: EngineMemory | None = None
     param_bytes: int = 2
-    zero_stage: int = 2
-    adam_offload: bool = False
-    gradient_checkpointing: bool = False
+    zero_stage: int = default_of(BackendFlags, "zero_stage")
+    adam_offload: bool = default_of(BackendFlags, "adam_offload")
+    gradient_checkpointing: bool = default_of(ModelFlags, "gradient_checkpointing")
     train_tokens: int = 2048
     forward_tokens: int = 2048
     colocate_all: bool = False
-    colocate_actor_ref: bool = False
-    colocate_critic_reward: bool = False
+    colocate_actor_ref: bool = default_of(PlacementFlags, "colocate_actor_ref")
+    colocate_critic_reward: bool = default_of(PlacementFlags, "colocate_critic_reward")
     engine_sleep: bool = False
     train_sleep: bool = False
-    lora_rank: int = 0  # trainable roles train adapters of this rank over a frozen base (--lora_rank)
+    # trainable roles train adapters of this rank over a frozen base (--lora_rank)
+    lora_rank: int = default_of(ModelFlags, "lora_rank")
     # (--optim, --master_weights) of the policy and of the critic (--critic_optim, --critic_master_weights)
     optimizers: tuple[tuple[str, str, str], ...] = (("policy", "adam", "fp32"), ("critic", "adam", "fp32"))
     local: bool = False  # train_ppo: every role and the engine in each rank's process (no Ray pools; only the engine sleeps)

@@ -16,6 +16,8 @@ from typing import Any, Iterator, TextIO
 
 import torch
 
+from rlhfkit.config.configs import ChatSamplingFlags, DataFlags
+from rlhfkit.config.declare import default_of
 from rlhfkit.config.errors import UsageError
 from rlhfkit.config.flags import DEFAULT_INPUT_TEMPLATE
 from rlhfkit.data.post_processors import csft_prompt_suffix
@@ -31,7 +33,7 @@ class ChatSession:
     tokenizer: Any
     system: str = ""
     input_template: str | None = DEFAULT_INPUT_TEMPLATE
-    apply_chat_template: bool = False
+    apply_chat_template: bool = default_of(DataFlags, "apply_chat_template")
     csft_prompt: str | None = None  # set when --enable_csft
     messages: list[dict[str, str]] = field(default_factory=list)
     transcript: str = ""
@@ -63,7 +65,7 @@ class ChatSession:
 @dataclass
 class ReplyConfig:
     max_len: int = 4096
-    greedy_sampling: bool = False
+    greedy_sampling: bool = default_of(ChatSamplingFlags, "greedy_sampling")
     temperature: float = 0.2
     top_p: float = 0.9
     repetition_penalty: float = 1.2

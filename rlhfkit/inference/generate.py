@@ -10,6 +10,8 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from rlhfkit.config.configs import ChatSamplingFlags, DataFlags, SamplingFlags
+from rlhfkit.config.declare import default_of
 from rlhfkit.config.errors import UsageError
 from rlhfkit.data.io import Row
 from rlhfkit.inference.score import progress_bar
@@ -39,14 +41,14 @@ class GenerateConfig:
 
     best_of_n: int = 1
     max_new_tokens: int = 1024
-    prompt_max_len: int = 1024
-    max_len: int = 2048
-    temperature: float = 1.0
-    top_p: float = 1.0
-    greedy_sampling: bool = False
+    prompt_max_len: int = default_of(SamplingFlags, "prompt_max_len")
+    max_len: int = default_of(DataFlags, "max_len")
+    temperature: float = default_of(SamplingFlags, "temperature")
+    top_p: float = default_of(SamplingFlags, "top_p")
+    greedy_sampling: bool = default_of(ChatSamplingFlags, "greedy_sampling")
     seed: int = 1234
     chunk_prompts: int = 256  # prompts handed to the engine per call (progress granularity)
-    repetition_penalty: float = 1.0
+    repetition_penalty: float = default_of(ChatSamplingFlags, "repetition_penalty")
 
     def __post_init__(self) -> None:
         for name in ("best_of_n", "max_new_tokens", "prompt_max_len", "max_len"):

@@ -10,6 +10,8 @@ from typing import Any, Sequence
 
 import torch
 
+from rlhfkit.config.configs import DataFlags
+from rlhfkit.config.declare import default_of
 from rlhfkit.config.errors import UsageError
 from rlhfkit.data.io import Row
 from rlhfkit.data.post_processors import ScoredSample
@@ -28,11 +30,11 @@ def progress_bar(total: int, desc: str, disable: bool) -> Any:
 class ScoreConfig:
     """How rows become reward-model inputs (names match the flags)."""
 
-    input_key: str = "input"
+    input_key: str = default_of(DataFlags, "input_key")
     output_key: str = "output"
-    input_template: str | None = None
-    apply_chat_template: bool = False
-    max_len: int = 2048
+    input_template: str | None = default_of(DataFlags, "input_template")
+    apply_chat_template: bool = default_of(DataFlags, "apply_chat_template")
+    max_len: int = default_of(DataFlags, "max_len")
     micro_batch_size: int = 16
     # --output_key not given and --apply_chat_template: a row without the output key is scored as the
     # conversation in --input_key, its last (assistant) message the output (OpenRLHF's SFTDataset rule)

@@ -31,6 +31,8 @@ from typing import Callable
 
 import torch
 
+from rlhfkit.config.declare import default_of
+from rlhfkit.config.rl_flags import AlgoFlags
 from rlhfkit.losses.correction import check_is_correction, is_correction_weights
 from rlhfkit.losses.reduce import AGGREGATIONS, SEQUENCE, TOKEN, Count, aggregate, local_mean, to_floats
 from rlhfkit.types import ExperienceBatch
@@ -71,10 +73,10 @@ class PolicyLossConfig:
     `--enable_vllm_is_correction` + `--vllm_is_correction_type` (is_correction; None: off),
     `--vllm_is_truncated_threshold`, `--entropy_loss_coef`. loss_agg None: the type's default."""
 
-    policy_loss_type: str = "ppo"
+    policy_loss_type: str = default_of(AlgoFlags, "policy_loss_type")
     eps_clip_low: float = 0.2
     eps_clip_high: float = 0.2
-    dual_clip: float | None = None
+    dual_clip: float | None = default_of(AlgoFlags, "dual_clip")
     is_correction: str | None = None
     is_threshold: tuple[float, float] = (0.5, 5.0)
     entropy_coef: float | None = None

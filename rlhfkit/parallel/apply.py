@@ -32,6 +32,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from rlhfkit.config.configs import BackendFlags
+from rlhfkit.config.declare import default_of
 from rlhfkit.models.fused_qkv import fuse_qkv
 from rlhfkit.models.loader import enable_gradient_checkpointing
 from rlhfkit.parallel.context_parallel import ContextParallel, apply_cp
@@ -47,7 +49,7 @@ class ParallelizeConfig:
 
     mp_policy / offload: FSDP2's MixedPrecisionPolicy and CPUOffloadPolicy (None: none)."""
 
-    zero_stage: int = 2                         # --zero_stage: reshard after forward only at 3
+    zero_stage: int = default_of(BackendFlags, "zero_stage")  # --zero_stage: reshard after forward only at 3
     activation_checkpointing: bool = False      # --gradient_checkpointing, for a model that trains
     compile: bool = False                       # --torch_compile
     compile_dynamic: bool | None = None         # torch.compile's `dynamic`

@@ -27,6 +27,9 @@ from typing import Any, Iterator, Protocol, runtime_checkable
 
 import torch
 
+from rlhfkit.config.configs import BackendFlags, ModelFlags, SamplingFlags
+from rlhfkit.config.declare import default_of
+from rlhfkit.config.rl_flags import AlgoFlags
 from rlhfkit.algo.kl import compute_approx_kl
 from rlhfkit.backend.base import TrainBackend
 from rlhfkit.data.collate import PaddedBatch
@@ -56,15 +59,16 @@ class UpdateConfig:
     train_batch_size: int  # global samples per optimizer step [--train_batch_size]
     micro_train_batch_size: int  # [--micro_train_batch_size]
     max_epochs: int = 1  # [--max_epochs]
-    seed: int = 42
-    temperature: float = 1.0  # log-probs use the sampling temperature [--temperature]
-    use_kl_loss: bool = False  # [--use_kl_loss]
-    kl_estimator: str = "k1"  # [--kl_estimator]
+    seed: int = default_of(BackendFlags, "seed")
+    # log-probs use the sampling temperature [--temperature]
+    temperature: float = default_of(SamplingFlags, "temperature")
+    use_kl_loss: bool = default_of(AlgoFlags, "use_kl_loss")  # [--use_kl_loss]
+    kl_estimator: str = default_of(AlgoFlags, "kl_estimator")  # [--kl_estimator]
     compute_entropy: bool = True
     max_tokens_per_micro: int | None = None  # token-budget micro-batches [--use_dynamic_batch --train_max_tokens_per_gpu]
     packing: bool = False  # policy/reference passes pack a micro-batch's rows into one [--packing_samples];
     # the critic and reward model run padded micro-batches
-    aux_loss_coef: float = 0.0  # MoE router balance loss [--aux_loss_coef]
+    aux_loss_coef: float = default_of(ModelFlags, "aux_loss_coef")  # MoE router balance loss [--aux_loss_coef]
     ptx_coef: float = 0.0  # PPO-ptx weight, with a pretraining source [--ptx_coef --pretrain_data]
 
 

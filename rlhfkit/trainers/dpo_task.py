@@ -30,6 +30,9 @@ from typing import Iterator, Sequence
 
 import torch
 
+from rlhfkit.config.configs import BetaFlags
+from rlhfkit.config.declare import default_of
+from rlhfkit.config.offline_flags import DPOFlags
 from rlhfkit.backend.base import TrainBackend
 from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.data.collate import PackedBatch
@@ -114,10 +117,10 @@ class DPOTask:
 
     pad_token_id: int
     ref: FrozenModel
-    beta: float = 0.1
-    label_smoothing: float = 0.0
-    ipo: bool = False
-    nll_loss_coef: float = 0.0
+    beta: float = default_of(BetaFlags, "beta")
+    label_smoothing: float = default_of(DPOFlags, "label_smoothing")
+    ipo: bool = default_of(DPOFlags, "ipo")
+    nll_loss_coef: float = default_of(DPOFlags, "nll_loss_coef")
     packing: bool = False
     device: torch.device | str = "cpu"
     dist: DistInfo = field(default_factory=DistInfo)  # whose dp group reduces the metrics

@@ -22,6 +22,8 @@ from typing import Sequence
 
 import torch
 
+from rlhfkit.config.declare import default_of
+from rlhfkit.config.offline_flags import KDFlags
 from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.data.items import SFTItem
 from rlhfkit.losses.distill import distill_loss
@@ -44,7 +46,7 @@ class KDTask:
 
     pad_token_id: int
     teacher: FrozenModel
-    kd_coef: float = 0.4
+    kd_coef: float = default_of(KDFlags, "kd_coef")
     packing: bool = False
     device: torch.device | str = "cpu"
     dist: DistInfo = field(default_factory=DistInfo)  # whose dp group reduces the metrics

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Protocol, Sequence
 
 import torch
+from rlhfkit.config.configs import BackendFlags, BatchConfig, CheckpointFlags, LoggingFlags, ModelFlags
+from rlhfkit.config.declare import default_of
 from rlhfkit.backend.base import TrainBackend
 from rlhfkit.checkpoint.layout import checkpoint_gap
 from rlhfkit.parallel.dist import DistInfo
@@ -72,16 +74,17 @@ class LoopConfig:
     train_batch_size: int
     micro_train_batch_size: int
     max_epochs: int = 1
-    seed: int = 42
-    logging_steps: int = 1
-    eval_steps: int = -1  # -1: at the end of every epoch
-    save_steps: int = -1
+    seed: int = default_of(BackendFlags, "seed")
+    logging_steps: int = default_of(LoggingFlags, "logging_steps")
+    eval_steps: int = default_of(LoggingFlags, "eval_steps")  # -1: at the end of every epoch
+    save_steps: int = default_of(CheckpointFlags, "save_steps")
     ckpt_path: str = "./ckpt/checkpoints"
-    max_ckpt_num: int = 3
-    load_checkpoint: bool = False
+    max_ckpt_num: int = default_of(CheckpointFlags, "max_ckpt_num")
+    load_checkpoint: bool = default_of(CheckpointFlags, "load_checkpoint")
     show_progress: bool = True
-    max_steps: int | None = None  # optimizer steps, cycling the data; overrides max_epochs
-    aux_loss_coef: float = 0.0  # MoE router balance loss weight [--aux_loss_coef]
+    # optimizer steps, cycling the data; overrides max_epochs
+    max_steps: int | None = default_of(BatchConfig, "max_steps")
+    aux_loss_coef: float = default_of(ModelFlags, "aux_loss_coef")  # MoE router balance loss weight
     save_ds: bool = True  # --save_steps writes resumable checkpoints [not --disable_ds_ckpt]
     save_hf: bool = False  # ... and Hugging Face snapshots [--save_hf_ckpt]
     # what makes the run this run (rlhfkit.trainers.run_settings), recorded in each checkpoint and

@@ -6,35 +6,44 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlhfkit.config.configs import BackendFlags, BatchConfig, CheckpointFlags, LoggingFlags, SamplingFlags
+from rlhfkit.config.declare import default_of
+from rlhfkit.config.rl_flags import AlgoFlags, CompletionLogFlags, PromptDataFlags, RLTrainFlags, RolloutFlags
+
 
 @dataclass
 class RLLoopConfig:
     rollout_batch_size: int  # global prompts per step
-    n_samples_per_prompt: int = 1
-    num_episodes: int = 1
-    max_steps: int | None = None  # RL steps, cycling the prompts; overrides num_episodes
-    seed: int = 42
-    temperature: float = 1.0
+    n_samples_per_prompt: int = default_of(RolloutFlags, "n_samples_per_prompt")
+    num_episodes: int = default_of(RLTrainFlags, "num_episodes")
+    # RL steps, cycling the prompts; overrides num_episodes
+    max_steps: int | None = default_of(BatchConfig, "max_steps")
+    seed: int = default_of(BackendFlags, "seed")
+    temperature: float = default_of(SamplingFlags, "temperature")
     init_kl_coef: float = 0.0
-    kl_estimator: str = "k1"
-    use_kl_loss: bool = False
-    dynamic_filtering: bool = False
-    dynamic_filtering_reward_range: tuple[float, float] = (0.0, 1.0)
-    max_filter_rounds: int = 8  # generation rounds of one step under dynamic filtering (the first included)
-    freezing_actor_steps: int = -1
+    kl_estimator: str = default_of(AlgoFlags, "kl_estimator")
+    use_kl_loss: bool = default_of(AlgoFlags, "use_kl_loss")
+    dynamic_filtering: bool = default_of(AlgoFlags, "dynamic_filtering")
+    dynamic_filtering_reward_range: tuple[float, float] = default_of(AlgoFlags, "dynamic_filtering_reward_range",
+                                                                     convert=tuple)
+    # generation rounds of one step under dynamic filtering (the first included)
+    max_filter_rounds: int = default_of(AlgoFlags, "max_filter_rounds")
+    freezing_actor_steps: int = default_of(RLTrainFlags, "freezing_actor_steps")
     skip_zero_advantage_steps: bool = True
-    logging_steps: int = 1
-    log_completions_steps: int = 10  # a table of samples at step 1 and every N steps (0: off)
-    log_completions_rows: int = 8
-    eval_steps: int = -1
-    eval_temperature: float = 0.6
-    eval_n_samples_per_prompt: int = 4
-    save_steps: int = -1
+    logging_steps: int = default_of(LoggingFlags, "logging_steps")
+    # a table of samples at step 1 and every N steps (0: off)
+    log_completions_steps: int = default_of(CompletionLogFlags, "log_completions_steps")
+    log_completions_rows: int = default_of(CompletionLogFlags, "log_completions_rows")
+    eval_steps: int = default_of(LoggingFlags, "eval_steps")
+    eval_temperature: float = default_of(PromptDataFlags, "eval_temperature")
+    eval_n_samples_per_prompt: int = default_of(PromptDataFlags, "eval_n_samples_per_prompt")
+    save_steps: int = default_of(CheckpointFlags, "save_steps")
     ckpt_path: str = "./ckpt/checkpoints_ppo"
-    max_ckpt_num: int = 3
-    load_checkpoint: bool = False
+    max_ckpt_num: int = default_of(CheckpointFlags, "max_ckpt_num")
+    load_checkpoint: bool = default_of(CheckpointFlags, "load_checkpoint")
     show_progress: bool = True
-    max_failed_steps: int = 3  # steps in a row without a trajectory to train on before the run stops
+    # steps in a row without a trajectory to train on before the run stops
+    max_failed_steps: int = default_of(RLTrainFlags, "max_failed_steps")
     # what a dropped sample failed in, as the step lines say it: "user code" (a reward_func file, an agent)
     # or "the reward server" (--remote_rm_url http://...)
     failure_source: str = "user code"
@@ -43,7 +52,7 @@ class RLLoopConfig:
     # recompute_old_logprobs; None = unknown, the separate pass always runs
     policy_max_epochs: int = 1
     policy_train_batch_size: int | None = None
-    recompute_old_logprobs: bool = False
+    recompute_old_logprobs: bool = default_of(RLTrainFlags, "recompute_old_logprobs")
     # what makes the run this run (rlhfkit.trainers.run_settings), recorded in each checkpoint and
     # compared on resume; the settings accepted as changed [--allow_resume_changes]
     run_settings: dict[str, Any] = field(default_factory=dict)

@@ -26,6 +26,8 @@ from typing import Any, Sequence
 
 import torch
 
+from rlhfkit.config.declare import default_of
+from rlhfkit.config.offline_flags import RewardLossFlags
 from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.data.collate import PackedBatch, PaddedBatch, pack_batch, pad_batch
 from rlhfkit.data.items import PreferenceItem
@@ -101,7 +103,7 @@ class RMTask:
 
     pad_token_id: int
     loss_type: str = "sigmoid"
-    margin_loss: bool = False
+    margin_loss: bool = default_of(RewardLossFlags, "margin_loss")
     packing: bool = False
     device: torch.device | str = "cpu"
     dist: DistInfo = field(default_factory=DistInfo)  # whose dp group reduces the metrics

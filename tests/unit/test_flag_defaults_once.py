@@ -30,7 +30,7 @@ from rlhfkit.config.declare import declared_default
 NOT_THE_FLAG = "not the flag's setting: the same name for another value"
 RESOLVED = "the value a command resolves the flag to, not the flag's default (resolved in cli/ppo_setup.py)"
 DIFFERS = "a direct constructor's default that differs from the flag's (keeping it keeps behaviour)"
-UNDERIVED = "equal to the flag's declared default, not yet derived from it"
+PARSER_CALL = "the flag is declared by a parser call in its command (cli/batch_inference.py), not yet by a field"
 LEFT: dict[str, str] = {
     **dict.fromkeys([
         "SamplingParams.temperature", "SamplingParams.top_p", "SamplingParams.top_k", "SamplingParams.max_new_tokens",
@@ -48,40 +48,12 @@ LEFT: dict[str, str] = {
     "RewardShapingConfig.generate_max_len": RESOLVED,
     **dict.fromkeys([
         "RLLoopConfig.init_kl_coef", "RLLoopConfig.ckpt_path", "LoopConfig.max_epochs", "LoopConfig.ckpt_path",
-        "UpdateConfig.ptx_coef", "ParallelizeConfig.ring_head_stride", "KTOTask.beta", "ChatSession.csft_prompt",
-        "ReplyConfig.max_len", "ReplyConfig.temperature", "ReplyConfig.top_p", "ReplyConfig.repetition_penalty",
-        "ScoreConfig.output_key", "GenerateConfig.seed",
+        "UpdateConfig.max_epochs", "UpdateConfig.ptx_coef", "ParallelizeConfig.ring_head_stride",
+        "ChatSession.csft_prompt", "ReplyConfig.max_len", "ReplyConfig.temperature", "ReplyConfig.top_p",
+        "ReplyConfig.repetition_penalty", "ScoreConfig.output_key", "GenerateConfig.seed",
     ], DIFFERS),
-    **dict.fromkeys([
-        "AgentConfig.reward_failure",
-        "DPOTask.beta", "DPOTask.label_smoothing", "DPOTask.ipo", "DPOTask.nll_loss_coef", "KDTask.kd_coef",
-        "RMTask.margin_loss",
-        "GenerateConfig.best_of_n", "GenerateConfig.max_new_tokens", "GenerateConfig.prompt_max_len",
-        "GenerateConfig.max_len", "GenerateConfig.temperature", "GenerateConfig.top_p",
-        "GenerateConfig.greedy_sampling", "GenerateConfig.repetition_penalty",
-        "ReplyConfig.greedy_sampling", "ChatSession.apply_chat_template",
-        "ScoreConfig.input_key", "ScoreConfig.input_template", "ScoreConfig.apply_chat_template", "ScoreConfig.max_len",
-        "ScoreConfig.micro_batch_size",
-        "LaunchConfig.device", "LaunchConfig.colocate_actor_ref", "LaunchConfig.colocate_critic_reward",
-        "LaunchConfig.weight_sync",
-        "MemoryInputs.zero_stage", "MemoryInputs.adam_offload", "MemoryInputs.gradient_checkpointing",
-        "MemoryInputs.colocate_actor_ref", "MemoryInputs.colocate_critic_reward", "MemoryInputs.lora_rank",
-        "ParallelizeConfig.zero_stage",
-        "PolicyLossConfig.policy_loss_type", "PolicyLossConfig.dual_clip",
-        "PromptFormat.apply_chat_template",
-        "LoopConfig.seed", "LoopConfig.logging_steps", "LoopConfig.eval_steps", "LoopConfig.save_steps",
-        "LoopConfig.max_ckpt_num", "LoopConfig.load_checkpoint", "LoopConfig.max_steps", "LoopConfig.aux_loss_coef",
-        "UpdateConfig.max_epochs", "UpdateConfig.seed", "UpdateConfig.temperature", "UpdateConfig.use_kl_loss",
-        "UpdateConfig.kl_estimator", "UpdateConfig.aux_loss_coef",
-        "RLLoopConfig.n_samples_per_prompt", "RLLoopConfig.num_episodes", "RLLoopConfig.max_steps",
-        "RLLoopConfig.seed", "RLLoopConfig.temperature", "RLLoopConfig.kl_estimator", "RLLoopConfig.use_kl_loss",
-        "RLLoopConfig.dynamic_filtering", "RLLoopConfig.dynamic_filtering_reward_range",
-        "RLLoopConfig.max_filter_rounds", "RLLoopConfig.freezing_actor_steps", "RLLoopConfig.logging_steps",
-        "RLLoopConfig.log_completions_steps", "RLLoopConfig.log_completions_rows", "RLLoopConfig.eval_steps",
-        "RLLoopConfig.eval_temperature", "RLLoopConfig.eval_n_samples_per_prompt", "RLLoopConfig.save_steps",
-        "RLLoopConfig.max_ckpt_num", "RLLoopConfig.load_checkpoint", "RLLoopConfig.max_failed_steps",
-        "RLLoopConfig.recompute_old_logprobs",
-    ], UNDERIVED),
+    **dict.fromkeys(["GenerateConfig.best_of_n", "GenerateConfig.max_new_tokens", "ScoreConfig.micro_batch_size"],
+                    PARSER_CALL),
 }
 # a dataclass that a command's helper module builds: the command whose parser it mirrors
 HELPER_OF = {"ppo_setup": "train_ppo"}
