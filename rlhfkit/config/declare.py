@@ -1,8 +1,9 @@
 """Flags declared as typed dataclass fields: each setting is declared once; a command's parser, --help, the
 flag reference in docs/flags and the Python API's configs are derived from the declarations.
 
-A declaration class (rlhfkit.config.configs, rl_flags, offline_flags; flag_parser.ConsoleFlags) declares
-a few related settings, each as a field:
+A declaration class (rlhfkit.config.configs, rl_flags, offline_flags; flag_parser.ConsoleFlags; a command's
+own flags beside the component that reads them: rlhfkit.serving.flags.ServerFlags,
+rlhfkit.models.tiny_spec.TinyModelSpec) declares a few related settings, each as a field:
 
     @dataclass
     class ModelFlags:
@@ -22,7 +23,10 @@ a few related settings, each as a field:
 Classes compose by inheritance: a component config (ModelConfig, OptimConfig, BackendConfig) is its
 declaration classes plus the settings it takes from elsewhere, whose defaults it reads with
 `default_of(Other, "name")` instead of writing them again; the Python API's configs (rlhfkit.api) are
-the declaration classes of their command's flags.
+the declaration classes of their command's flags. A config outside rlhfkit.config (SFTDataConfig,
+AdvantageConfig, ServeConfig, ...) takes its defaults the same way; where a command has a default of its
+own, one named constant beside the component holds it (PAIRED_MAX_LEN, KTO_BETA, TINY_SEED), read by both
+the component and the command's `p.set_defaults`.
 
 `add_fields(p, cls)` adds a class's flags to a `FlagParser`. What a command may change is a value,
 never a declaration: which fields it takes and in which order (`only`), their help wording (`help`),
@@ -31,7 +35,8 @@ take), that a field has no effect in it (`inert`) or must be given (`required`),
 a field under (`dests`); its defaults it sets afterwards with `p.set_defaults(dest=value)`.
 
 tests/unit/test_flags_declared_once.py fails when a flag name is declared twice (by two fields, or by
-a field and a parser call).
+a field and a parser call); tests/unit/test_flag_defaults_once.py when a dataclass field named like a
+flag dest writes a literal default, or a config a command builds has other defaults than its parser.
 """
 
 from __future__ import annotations

@@ -140,7 +140,7 @@ def c(p):
 
 
 @pytest.mark.parametrize("module", ["rlhfkit.config.configs", "rlhfkit.config.rl_flags", "rlhfkit.config.offline_flags",
-                                    "rlhfkit.config.flag_parser"])
+                                    "rlhfkit.config.flag_parser", "rlhfkit.serving.flags", "rlhfkit.models.tiny_spec"])
 def test_walker_finds_what_the_dataclasses_declare(module):
     """The AST walker reads each declaring field as rlhfkit.config.declare does at run time."""
     from rlhfkit.config.declare import flag_fields, names_of
