@@ -59,8 +59,8 @@ import os
 from typing import Any, Sequence
 
 from rlhfkit.cli.batch_score import PROG, resolve_device, run_rm
-from rlhfkit.inference.generate import (GenerateConfig, build_requests, encode_prompts, generate_samples,
-                                        select_rows, write_jsonl_atomic)
+from rlhfkit.inference.generate import (GENERATE_MAX_NEW_TOKENS, GENERATE_SEED, GenerateConfig, build_requests,
+                                        encode_prompts, generate_samples, select_rows, write_jsonl_atomic)
 from rlhfkit.cli.common import (UsageError, check_packages, cli_main, resolve_model_paths, resolve_rollout_engine,
                                 set_seed)
 from rlhfkit.config.dtypes import dtype_flag_name, run_dtype
@@ -122,7 +122,7 @@ def build_parser() -> FlagParser:
         add_zero_stage_flag(p, "OpenRLHF: DeepSpeed ZeRO stage of the inference model",
                             inert="one process holds the whole model: there is nothing to shard (OpenRLHF's loops "
                                   "pass 0)")
-    p.set_defaults(seed=1234, rollout_batch_size=2048, max_new_tokens=1024, zero_stage=0)
+    p.set_defaults(seed=GENERATE_SEED, rollout_batch_size=2048, max_new_tokens=GENERATE_MAX_NEW_TOKENS, zero_stage=0)
     mark_training_only(p)
     for dest in ("eval_dataset", "eval_split"):
         p.mark_inert(dest, "batch_inference reads --dataset only")

@@ -14,7 +14,7 @@ from rlhfkit.config.dtypes import run_dtype
 from rlhfkit.data.io import DataError, load_mixture
 from rlhfkit.data.post_processors import (ScoredSample, apply_post_processor, check_reward_template,
                                           resolve_post_processor)
-from rlhfkit.inference.score import ScoreConfig, reward_scores, score_items
+from rlhfkit.inference.score import SCORE_OUTPUT_KEY, ScoreConfig, reward_scores, score_items
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +45,8 @@ def run_rm(args: argparse.Namespace) -> list[dict[str, Any]]:
     processor = resolve_post_processor(args.post_processor)
     if processor == "csft":
         check_reward_template(args.reward_template)
-    cfg = ScoreConfig(args.input_key, args.output_key or "output", args.input_template, args.apply_chat_template,
-                      args.max_len, args.micro_batch_size,
+    cfg = ScoreConfig(args.input_key, args.output_key or SCORE_OUTPUT_KEY, args.input_template,
+                      args.apply_chat_template, args.max_len, args.micro_batch_size,
                       conversation_rows=args.apply_chat_template and args.output_key is None)
     tokenizer = load_tokenizer(args.pretrain, padding_side="right", chat_template=args.tokenizer_chat_template,
                                use_fast=not args.disable_fast_tokenizer)

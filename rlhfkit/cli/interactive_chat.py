@@ -44,7 +44,8 @@ from rlhfkit.config.flags import (MODEL, FlagParser, add_csft_flags, add_device_
                                   add_model_flags, add_model_name_alias_flag, add_sampling_flags, add_seed_flag,
                                   add_template_flags, mark_training_only)
 from rlhfkit.data.templates import check_input_template, has_chat_template
-from rlhfkit.inference.chat import PROG, ChatSession, ReplyConfig, chat_loop, read_system_prompt
+from rlhfkit.inference.chat import (CHAT_MAX_LEN, CHAT_REPETITION_PENALTY, CHAT_TEMPERATURE, CHAT_TOP_P, PROG,
+                                   ChatSession, ReplyConfig, chat_loop, read_system_prompt)
 
 
 def build_parser() -> FlagParser:
@@ -65,7 +66,8 @@ def build_parser() -> FlagParser:
                            "it has one and no --input_template is given)")
         p.flag("--ta_prompt", type=str, default=None, help="system prompt: a text file, or the text itself")
         add_csft_flags(p)
-    p.set_defaults(max_len=4096, top_p=0.9, temperature=0.2, repetition_penalty=1.2)
+    p.set_defaults(max_len=CHAT_MAX_LEN, top_p=CHAT_TOP_P, temperature=CHAT_TEMPERATURE,
+                   repetition_penalty=CHAT_REPETITION_PENALTY)
     mark_training_only(p)
     return p
 

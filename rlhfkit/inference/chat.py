@@ -62,13 +62,20 @@ class ChatSession:
         self.messages += [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
 
 
+# interactive_chat's defaults of --max_len, --temperature, --top_p, --repetition_penalty (its parser reads them)
+CHAT_MAX_LEN = 4096
+CHAT_TEMPERATURE = 0.2
+CHAT_TOP_P = 0.9
+CHAT_REPETITION_PENALTY = 1.2
+
+
 @dataclass
 class ReplyConfig:
-    max_len: int = 4096
+    max_len: int = CHAT_MAX_LEN
     greedy_sampling: bool = default_of(ChatSamplingFlags, "greedy_sampling")
-    temperature: float = 0.2
-    top_p: float = 0.9
-    repetition_penalty: float = 1.2
+    temperature: float = CHAT_TEMPERATURE
+    top_p: float = CHAT_TOP_P
+    repetition_penalty: float = CHAT_REPETITION_PENALTY
 
     def __post_init__(self) -> None:
         if self.max_len < 2:

@@ -35,18 +35,22 @@ def write_jsonl_atomic(path: str, rows: Sequence[dict[str, Any]]) -> None:
         raise
 
 
+GENERATE_SEED = 1234  # batch_inference's --seed (its parser's default)
+GENERATE_MAX_NEW_TOKENS = 1024  # batch_inference's --max_new_tokens
+
+
 @dataclass
 class GenerateConfig:
     """Sampling settings of the generate task (names match the flags)."""
 
     best_of_n: int = 1
-    max_new_tokens: int = 1024
+    max_new_tokens: int = GENERATE_MAX_NEW_TOKENS
     prompt_max_len: int = default_of(SamplingFlags, "prompt_max_len")
     max_len: int = default_of(DataFlags, "max_len")
     temperature: float = default_of(SamplingFlags, "temperature")
     top_p: float = default_of(SamplingFlags, "top_p")
     greedy_sampling: bool = default_of(ChatSamplingFlags, "greedy_sampling")
-    seed: int = 1234
+    seed: int = GENERATE_SEED
     chunk_prompts: int = 256  # prompts handed to the engine per call (progress granularity)
     repetition_penalty: float = default_of(ChatSamplingFlags, "repetition_penalty")
 

@@ -26,12 +26,15 @@ def progress_bar(total: int, desc: str, disable: bool) -> Any:
     return tqdm(total=total, desc=desc, disable=disable or not terminal(), file=sys.stderr)
 
 
+SCORE_OUTPUT_KEY = "output"  # the response column batch_inference scores when --output_key is not given
+
+
 @dataclass
 class ScoreConfig:
     """How rows become reward-model inputs (names match the flags)."""
 
     input_key: str = default_of(DataFlags, "input_key")
-    output_key: str = "output"
+    output_key: str = SCORE_OUTPUT_KEY
     input_template: str | None = default_of(DataFlags, "input_template")
     apply_chat_template: bool = default_of(DataFlags, "apply_chat_template")
     max_len: int = default_of(DataFlags, "max_len")

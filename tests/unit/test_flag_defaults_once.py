@@ -44,15 +44,14 @@ LEFT: dict[str, str] = {
         "RMTask.device", "KTOTask.device", "DPOTask.device", "KDTask.device", "PRMTask.device", "SFTTask.device",
         "LaunchedRoles.weight_sync", "BuiltinEngineConfig.seed", "BuiltinEngineConfig.max_num_seqs",
         "TRLRLNames.learning_rate",  # TRL's name, None: the command's --actor_learning_rate
+        "ChatSession.csft_prompt",  # None: no suffix (--enable_csft off), not --csft_prompt's text
     ], NOT_THE_FLAG),
     "RewardShapingConfig.generate_max_len": RESOLVED,
     **dict.fromkeys([
         "RLLoopConfig.init_kl_coef", "RLLoopConfig.ckpt_path", "LoopConfig.max_epochs", "LoopConfig.ckpt_path",
         "UpdateConfig.max_epochs", "UpdateConfig.ptx_coef", "ParallelizeConfig.ring_head_stride",
-        "ChatSession.csft_prompt", "ReplyConfig.max_len", "ReplyConfig.temperature", "ReplyConfig.top_p",
-        "ReplyConfig.repetition_penalty", "ScoreConfig.output_key", "GenerateConfig.seed",
     ], DIFFERS),
-    **dict.fromkeys(["GenerateConfig.best_of_n", "GenerateConfig.max_new_tokens", "ScoreConfig.micro_batch_size"],
+    **dict.fromkeys(["GenerateConfig.best_of_n", "ScoreConfig.micro_batch_size"],
                     PARSER_CALL),
 }
 # a dataclass that a command's helper module builds: the command whose parser it mirrors
