@@ -29,7 +29,7 @@ from rlhfkit.config.declare import declared_default
 
 # Fields named like a flag dest that still write a literal default, with why. Each key: "Class.field".
 NOT_THE_FLAG = "not the flag's setting: the same name for another value"
-RESOLVED = "the value a command resolves the flag to, not the flag's default (resolved in cli/ppo_setup.py)"
+RESOLVED = "the value a command resolves the flag to, not the flag's default (resolved in rl_run/builders.py)"
 DIFFERS = "a direct constructor's default that differs from the flag's (keeping it keeps behaviour)"
 PARSER_CALL = "the flag is declared by a parser call in its command (cli/batch_inference.py), not yet by a field"
 LEFT: dict[str, str] = {
@@ -55,8 +55,8 @@ LEFT: dict[str, str] = {
     **dict.fromkeys(["GenerateConfig.best_of_n", "ScoreConfig.micro_batch_size"],
                     PARSER_CALL),
 }
-# a dataclass that a command's helper module builds: the command whose parser it mirrors
-HELPER_OF = {"ppo_setup": "train_ppo"}
+# a module outside rlhfkit/cli that builds configs from a command's flags: the command whose parser they mirror
+HELPER_OF = {"rlhfkit.rl_run.builders": "train_ppo"}
 # configs a command builds from its flags by position rather than with from_args (ScoreConfig is not here: its
 # output_key is the column scored when --output_key is not given)
 BUILT_BY_POSITION = [("batch_inference", "rlhfkit.inference.generate", "GenerateConfig"),
@@ -171,22 +171,22 @@ class B:
 
 
 def built_from_flags() -> list[tuple[str, str, str]]:
-    """(command, module, class) for each `from_args(Class, ...)` in rlhfkit/cli of a class outside rlhfkit.config
-    (whose classes are the declarations)."""
+    """(command, module, class) for each `from_args(Class, ...)` in rlhfkit/ of a class outside rlhfkit.config
+    (whose classes are the declarations); the command: the calling module's (rlhfkit.cli.<command>) or HELPER_OF's."""
     out = []
     for where, source in _sources():
-        if not where.startswith(os.path.join("rlhfkit", "cli")):
+        if where.startswith(os.path.join("rlhfkit", "config")):
             continue
         tree = ast.parse(source)
         imported = {a.asname or a.name: n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
                     for a in n.names}
-        mod = os.path.splitext(os.path.basename(where))[0]
+        mod = os.path.splitext(where)[0].replace(os.sep, ".")
         for call in ast.walk(tree):
             if (isinstance(call, ast.Call) and getattr(call.func, "id", None) == "from_args" and call.args
                     and isinstance(call.args[0], ast.Name)):
                 home = imported.get(call.args[0].id, "")
                 if not home.startswith("rlhfkit.config"):
-                    out.append((HELPER_OF.get(mod, mod), home, call.args[0].id))
+                    out.append((HELPER_OF.get(mod, mod.removeprefix("rlhfkit.cli.")), home, call.args[0].id))
     return sorted(set(out))
 
 
@@ -214,7 +214,7 @@ def test_configs_built_from_flags_have_the_parsers_defaults():
                                          "RewardShapingConfig"}
     wrong = {}
     for command, module, name in built + BUILT_BY_POSITION:
-        assert command in parsers(), f"{name} is built in rlhfkit.cli.{command}, not a command (see HELPER_OF)"
+        assert command in parsers(), f"{name} is built in {command}, not a command's module (see HELPER_OF)"
         cls = getattr(importlib.import_module(module), name)
         if d := drift(cls, parsers()[command]):
             wrong[f"{command}: {name}"] = d
