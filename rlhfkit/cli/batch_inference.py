@@ -59,10 +59,13 @@ import os
 from typing import Any, Sequence
 
 from rlhfkit.cli.batch_score import PROG, resolve_device, run_rm
-from rlhfkit.inference.generate import (GENERATE_MAX_NEW_TOKENS, GENERATE_SEED, GenerateConfig, build_requests,
-                                        encode_prompts, generate_samples, select_rows, write_jsonl_atomic)
+from rlhfkit.inference.generate import (GENERATE_MAX_NEW_TOKENS, GENERATE_SEED, GenerateConfig, GenerateFlags,
+                                        build_requests, encode_prompts, generate_samples, select_rows,
+                                        write_jsonl_atomic)
+from rlhfkit.inference.score import ScoreFlags
 from rlhfkit.cli.common import (UsageError, check_packages, cli_main, resolve_model_paths, resolve_rollout_engine,
                                 set_seed)
+from rlhfkit.config.declare import add_fields
 from rlhfkit.config.dtypes import dtype_flag_name, run_dtype
 from rlhfkit.config.flags import (BACKEND, MODEL, FlagParser, add_csft_flags, add_data_flags, add_device_flag,
                                   add_local_rank_flag, add_max_new_tokens_flag, add_model_flags,
@@ -100,7 +103,7 @@ def build_parser() -> FlagParser:
         add_rollout_batch_flag(p, "prompts per --iter slice", rl=False)
     with p.group("generation (--eval_task generate)"):
         add_rollout_engine_flag(p)
-        p.flag("--best_of_n", type=int, default=1, help="samples per prompt")
+        add_fields(p, GenerateFlags, here=True)
         add_prompt_max_len_flag(p, "longest prompt in tokens (earlier tokens are cut)")
         add_max_new_tokens_flag(p, "new tokens of one generation at most", rl=False)
         add_sampling_flags(p)
@@ -112,7 +115,7 @@ def build_parser() -> FlagParser:
     with p.group("scoring (--eval_task rm)"):
         add_value_head_flag(p, "name of the reward model's value head module")
         add_normalize_reward_flag(p, "(r - mean) / std from the reward model's config")
-        p.flag("--micro_batch_size", type=int, default=16, help="rows per reward-model forward")
+        add_fields(p, ScoreFlags, here=True)
         p.flag("--post_processor", type=str, default=None,
                help="rs (rejection sampling), iter_dpo (iterative DPO) or csft (conditional SFT), after rm scoring")
         p.flag("--reward_template", type=str, default=None,

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from rlhfkit.config.configs import ChatSamplingFlags, DataFlags, SamplingFlags
-from rlhfkit.config.declare import default_of
+from rlhfkit.config.declare import default_of, flag
 from rlhfkit.config.errors import UsageError
 from rlhfkit.data.io import Row
 from rlhfkit.inference.score import progress_bar
@@ -35,6 +35,13 @@ def write_jsonl_atomic(path: str, rows: Sequence[dict[str, Any]]) -> None:
         raise
 
 
+@dataclass
+class GenerateFlags:
+    """batch_inference's own generation flag (rlhfkit.config.declare)."""
+
+    best_of_n: int = flag(1, help="samples per prompt")
+
+
 GENERATE_SEED = 1234  # batch_inference's --seed (its parser's default)
 GENERATE_MAX_NEW_TOKENS = 1024  # batch_inference's --max_new_tokens
 
@@ -43,7 +50,7 @@ GENERATE_MAX_NEW_TOKENS = 1024  # batch_inference's --max_new_tokens
 class GenerateConfig:
     """Sampling settings of the generate task (names match the flags)."""
 
-    best_of_n: int = 1
+    best_of_n: int = default_of(GenerateFlags, "best_of_n")
     max_new_tokens: int = GENERATE_MAX_NEW_TOKENS
     prompt_max_len: int = default_of(SamplingFlags, "prompt_max_len")
     max_len: int = default_of(DataFlags, "max_len")

@@ -11,7 +11,7 @@ from typing import Any, Sequence
 import torch
 
 from rlhfkit.config.configs import DataFlags
-from rlhfkit.config.declare import default_of
+from rlhfkit.config.declare import default_of, flag
 from rlhfkit.config.errors import UsageError
 from rlhfkit.data.io import Row
 from rlhfkit.data.post_processors import ScoredSample
@@ -26,6 +26,13 @@ def progress_bar(total: int, desc: str, disable: bool) -> Any:
     return tqdm(total=total, desc=desc, disable=disable or not terminal(), file=sys.stderr)
 
 
+@dataclass
+class ScoreFlags:
+    """batch_inference's own scoring flag (rlhfkit.config.declare)."""
+
+    micro_batch_size: int = flag(16, help="rows per reward-model forward")
+
+
 SCORE_OUTPUT_KEY = "output"  # the response column batch_inference scores when --output_key is not given
 
 
@@ -38,7 +45,7 @@ class ScoreConfig:
     input_template: str | None = default_of(DataFlags, "input_template")
     apply_chat_template: bool = default_of(DataFlags, "apply_chat_template")
     max_len: int = default_of(DataFlags, "max_len")
-    micro_batch_size: int = 16
+    micro_batch_size: int = default_of(ScoreFlags, "micro_batch_size")
     # --output_key not given and --apply_chat_template: a row without the output key is scored as the
     # conversation in --input_key, its last (assistant) message the output (OpenRLHF's SFTDataset rule)
     conversation_rows: bool = False

@@ -31,7 +31,6 @@ from rlhfkit.config.declare import declared_default
 NOT_THE_FLAG = "not the flag's setting: the same name for another value"
 RESOLVED = "the value a command resolves the flag to, not the flag's default (resolved in rl_run/builders.py)"
 DIFFERS = "a direct constructor's default that differs from the flag's (keeping it keeps behaviour)"
-PARSER_CALL = "the flag is declared by a parser call in its command (cli/batch_inference.py), not yet by a field"
 LEFT: dict[str, str] = {
     **dict.fromkeys([
         "SamplingParams.temperature", "SamplingParams.top_p", "SamplingParams.top_k", "SamplingParams.max_new_tokens",
@@ -52,8 +51,6 @@ LEFT: dict[str, str] = {
         "RLLoopConfig.init_kl_coef", "RLLoopConfig.ckpt_path", "LoopConfig.max_epochs", "LoopConfig.ckpt_path",
         "UpdateConfig.max_epochs", "UpdateConfig.ptx_coef", "ParallelizeConfig.ring_head_stride",
     ], DIFFERS),
-    **dict.fromkeys(["GenerateConfig.best_of_n", "ScoreConfig.micro_batch_size"],
-                    PARSER_CALL),
 }
 # a module outside rlhfkit/cli that builds configs from a command's flags: the command whose parser they mirror
 HELPER_OF = {"rlhfkit.rl_run.builders": "train_ppo"}
