@@ -3,7 +3,8 @@ flag reference in docs/flags and the Python API's configs are derived from the d
 
 A declaration class (rlhfkit.config.configs, rl_flags, offline_flags; flag_parser.ConsoleFlags; a command's
 own flags beside the component that reads them: rlhfkit.serving.flags.ServerFlags,
-rlhfkit.models.tiny_spec.TinyModelSpec) declares a few related settings, each as a field:
+rlhfkit.models.tiny_spec.TinyModelSpec, rlhfkit.inference's GenerateFlags and ScoreFlags) declares a few
+related settings, each as a field:
 
     @dataclass
     class ModelFlags:
