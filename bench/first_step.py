@@ -37,7 +37,7 @@ def child(a: argparse.Namespace) -> dict:
     from bench.harness.rl_run import engine_batch, force_full_length, rlhfkit_argv, write_inputs
     from bench.harness.timing import sync
 
-    from rlhfkit.rl_run import builders as ppo_setup
+    from rlhfkit.rl_run import builders
     from rlhfkit.cli.common import set_seed
     from rlhfkit.cli.train_ppo import build_parser
     from rlhfkit.rl_run.local import local_trainer
@@ -53,7 +53,7 @@ def child(a: argparse.Namespace) -> dict:
     reward, data = write_inputs(work, prompts)
     args = build_parser().parse(rlhfkit_argv(a, model_dir, data, reward, work, a.prompts))
     dist = init_distributed(args.device)
-    ppo_setup.resolve_flags(args, dist.world_size)
+    builders.resolve_flags(args, dist.world_size)
     set_seed(args.seed)
     opts = json.loads(a.engine_opts) if a.engine_opts else {}
     t0 = time.perf_counter()

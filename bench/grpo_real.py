@@ -178,7 +178,7 @@ def run_rlhfkit(a: argparse.Namespace, model_dir: str, train: list[dict], work: 
     """train_ppo's parser, checks and `local_trainer`, then `a.steps` timed `train_step()` calls, the held-out
     accuracy every `a.eval_every` steps and after the last (each also handed to `progress`)."""
     from rlhfkit.cli import train_ppo
-    from rlhfkit.rl_run import builders as ppo_setup
+    from rlhfkit.rl_run import builders
     from rlhfkit.rl_run.local import local_trainer
     from rlhfkit.cli.common import parallel_dims, set_seed
     from rlhfkit.parallel.dist import init_distributed
@@ -197,7 +197,7 @@ def run_rlhfkit(a: argparse.Namespace, model_dir: str, train: list[dict], work: 
     sync(a.device)
     t0 = time.perf_counter()
     dist = init_distributed(args.device)
-    ppo_setup.resolve_flags(args, dist.world_size)
+    builders.resolve_flags(args, dist.world_size)
     dist = attach_mesh(dist, parallel_dims(args, dist))
     set_seed(args.seed, args.full_determinism)
     trainer, placement = local_trainer(args, dist)
@@ -225,7 +225,7 @@ def run_rlhfkit(a: argparse.Namespace, model_dir: str, train: list[dict], work: 
                 progress({"framework": side, "build_s": build_s, "step_s_each": list(walls),
                           "reward_each": [x.get("reward") for x in metrics], "accuracy_curve": list(curve)})
     finally:
-        ppo_setup.close_rollout(placement.engine)
+        builders.close_rollout(placement.engine)
         trainer.logger.close()
     wall = build_s + sum(walls)
     return {"framework": side, "argv": argv, "build_s": build_s, "first_step_s": walls[0], "wall_s": wall,

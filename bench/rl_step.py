@@ -108,14 +108,14 @@ def run_rlhfkit(a: argparse.Namespace, model_dir: str, data: str, reward: str, w
     """Build train_ppo's trainer from its flags; 1 warm-up + `a.steps` timed `train_step()` calls."""
     from rlhfkit.cli.common import set_seed
     from rlhfkit.cli.train_ppo import build_parser
-    from rlhfkit.rl_run import builders as ppo_setup
+    from rlhfkit.rl_run import builders
     from rlhfkit.rl_run.local import local_trainer
     from rlhfkit.parallel.dist import init_distributed
 
     args = build_parser().parse(rlhfkit_argv(a, model_dir, data, reward, work, prompts))
     watch = MemoryWatch(a.device)
     dist = init_distributed(args.device)
-    ppo_setup.resolve_flags(args, dist.world_size)
+    builders.resolve_flags(args, dist.world_size)
     set_seed(args.seed)
     with engine_batch(a.max_num_seqs or prompts * a.n):
         trainer, placement = local_trainer(args, dist)
@@ -146,12 +146,12 @@ def run_rlhfkit(a: argparse.Namespace, model_dir: str, data: str, reward: str, w
 def plan_peak_gib(args: argparse.Namespace) -> float | None:
     """The peak train_ppo's memory plan (printed before loading, on a GPU) gives this run, for the JSON
     beside the device's measured peak."""
-    from rlhfkit.rl_run import builders as ppo_setup
+    from rlhfkit.rl_run import builders
     from rlhfkit.rl_run.memory_check import memory_inputs
     from rlhfkit.distributed.memory_plan import plan_memory
 
     try:
-        inputs = memory_inputs(args, {r: 1 for r in ppo_setup.roles_in_run(args)}, local=True)
+        inputs = memory_inputs(args, {r: 1 for r in builders.roles_in_run(args)}, local=True)
     except Exception:  # noqa: BLE001 - the plan is skipped where the CLI skips it
         return None
     return round(plan_memory(inputs).peak / 2**30, 2)

@@ -4,6 +4,7 @@ undone after it."""
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -17,10 +18,12 @@ for _var in ("HF_HUB_DISABLE_PROGRESS_BARS", "HF_DATASETS_DISABLE_PROGRESS_BARS"
     os.environ.setdefault(_var, "1")
 # inductor builds its kernels in this process rather than in a pool of fresh interpreters, each importing torch
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-# Ray started by a test keeps no idle workers (a warm one starts in a fraction of a second) and collects no
-# metrics: an idle local Ray then costs half the CPU it would
+# Ray started by a test keeps no idle workers (each actor gets a worker of its own) and collects no
+# metrics: an idle local Ray then costs half the CPU it would. Its workers start cold (importing torch): on two
+# busy cores that can take minutes, so they get 300 s to register instead of 60.
 for _var, _value in (("RAY_enable_worker_prestart", "0"), ("RAY_num_workers_soft_limit", "0"),
-                     ("RAY_enable_metrics_collection", "0"), ("RAY_USAGE_STATS_ENABLED", "0")):
+                     ("RAY_enable_metrics_collection", "0"), ("RAY_USAGE_STATS_ENABLED", "0"),
+                     ("RAY_worker_register_timeout_seconds", "300")):
     os.environ.setdefault(_var, _value)
 torch.set_num_threads(1)
 
@@ -36,10 +39,14 @@ def _environment_kept_by_module():
 
 @pytest.fixture(autouse=True)
 def _environment_kept():
-    """The same for each test: the variables it sets end with it."""
+    """The same for each test: the variables it sets end with it, and so does a run log a run it made in this
+    process left open (a later test's log records would otherwise go to a file in a folder removed since)."""
     before = dict(os.environ)
     yield
     _restore(before)
+    logs = sys.modules.get("rlhfkit.logs")
+    if logs is not None:
+        logs.close_run_logs()
 
 
 def _restore(before: dict[str, str]) -> None:

@@ -21,7 +21,7 @@ from rlhfkit.checkpoint.files import load_tensors
 from rlhfkit.checkpoint.layout import list_checkpoints
 from rlhfkit.backend.muon import MuonWithAdamW
 from rlhfkit.cli import train_ppo, train_sft
-from rlhfkit.rl_run import builders as ppo_setup
+from rlhfkit.rl_run import builders
 from rlhfkit.config import notes
 from rlhfkit.tasks.addition import addition_splits
 from rlhfkit.trainers.metrics import read_metrics
@@ -51,14 +51,14 @@ def test_ppo_flags_take_effect(tiny_model_dir, files, tmp_path, capsys, monkeypa
     monkeypatch.setattr(notes, "_NOTED", set())
     built = {}
     for name in ("build_policy", "build_critic"):
-        real = getattr(ppo_setup, name)
+        real = getattr(builders, name)
 
         def spy(*a, _real=real, _name=name, **k):
             out = _real(*a, **k)
             built[_name] = out[1]
             return out
 
-        monkeypatch.setattr(ppo_setup, name, spy)
+        monkeypatch.setattr(builders, name, spy)
     from rlhfkit.models import given, loader
 
     tokenizer_loads = []

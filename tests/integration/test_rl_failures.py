@@ -22,7 +22,7 @@ from helpers import ppo_flags
 
 from rlhfkit.cli import train_ppo
 
-from rlhfkit.rl_run import builders as ppo_setup
+from rlhfkit.rl_run import builders
 from rlhfkit.roles.actor import ActorRole
 from rlhfkit.tasks.addition import addition_splits
 
@@ -91,14 +91,14 @@ def test_drop_counts_failed_samples_and_keeps_whole_groups(tiny_model_dir, tmp_p
     mark, log = rows[0]["label"], str(tmp_path / "failures.log")
     rf = tmp_path / "flaky_reward.py"
     rf.write_text(DROP_REWARD.format(mark=mark, log=log))
-    real_cfg = ppo_setup.agent_config
+    real_cfg = builders.agent_config
 
     def one_sample_calls(args, temperature):
         cfg = real_cfg(args, temperature)
         cfg.reward_batch_size = 1
         return cfg
 
-    monkeypatch.setattr(ppo_setup, "agent_config", one_sample_calls)
+    monkeypatch.setattr(builders, "agent_config", one_sample_calls)
     seen = []
     real = ActorRole.train_on
     monkeypatch.setattr(ActorRole, "train_on", wraps(real)(lambda self, b, kl=0.0: seen.append(b) or real(self, b, kl)))

@@ -14,7 +14,7 @@ import pytest
 
 from rlhfkit.cli import lora_combiner, train_ppo, train_sft
 
-from rlhfkit.rl_run import builders as ppo_setup
+from rlhfkit.rl_run import builders
 from rlhfkit.config.flags import write_resolved_config
 
 yaml = pytest.importorskip("yaml")
@@ -142,7 +142,7 @@ def test_run_config_replays_the_rl_namespace(tmp_path, monkeypatch):
     p = train_ppo.build_parser()
     parsed = p.parse(argv)
     first = {k: v for k, v in vars(parsed).items() if k != "config"}
-    ppo_setup.resolve_flags(parsed, 1)
+    builders.resolve_flags(parsed, 1)
     resolved = {k: v for k, v in vars(parsed).items() if k != "config"}
     assert resolved["generate_max_len"] == 64 and first["generate_max_len"] is None  # resolution changed it
     path = write_resolved_config(parsed, str(tmp_path / "run"))
@@ -152,7 +152,7 @@ def test_run_config_replays_the_rl_namespace(tmp_path, monkeypatch):
 
     replay = p.parse(["--config", path, "--use_wandb", "secret-key"])
     assert {k: v for k, v in vars(replay).items() if k != "config"} == first
-    ppo_setup.resolve_flags(replay, 1)
+    builders.resolve_flags(replay, 1)
     assert {k: v for k, v in vars(replay).items() if k != "config"} == resolved
 
 
