@@ -27,7 +27,7 @@ and without the wait the first group decoded a chunk alone and the rest joined i
 Device work goes through `self.steps` (loop/step_runner.py): the front end here plans, the step runner
 prefills, decodes and reads back. With `tp` (a `TensorParallelGroup` of N shards) the engine is
 tensor-parallel: shard 0 runs this front end and mirrors every step operation to shards 1..N-1,
-which run `serve()` until `close()`; each shard holds 1/N of the heads, MLP and vocab (model/weights.py).
+which run `serve()` until `close()`; each shard holds 1/N of the heads, MLP and vocab (model/spec.py).
 
 Memory: the KV cache is preallocated, 2 x layers x max_num_seqs x kv_heads x max_model_len x
 head_dim elements (per shard: its KV heads); `sleep()` frees it (and the decode graphs, keeping
@@ -68,9 +68,9 @@ from rlhfkit.rollout.builtin.loop.inbox import Inbox
 from rlhfkit.rollout.builtin.loop.scheduler import RequestState, SlotScheduler, batch_bucket, length_bucket
 from rlhfkit.rollout.builtin.loop.step_runner import StepRunner, mirror
 from rlhfkit.rollout.builtin.model.decoder import DecoderModel, resolve_decode_attention, resolve_decode_gemm
+from rlhfkit.rollout.builtin.model.rope import rope_inv_freq, rope_table_set
 from rlhfkit.rollout.builtin.model.tensor_parallel import TensorParallelGroup, load_weights
 from rlhfkit.rollout.builtin.model.vision import VisionIndex, load_vision_tower
-from rlhfkit.rollout.builtin.model.weights import rope_inv_freq, rope_table_set
 from rlhfkit.rollout.engine_utils import EngineStats, Waiter, eos_ids_of, make_decode, validate_request
 from rlhfkit.types import Completion, GenerationRequest
 

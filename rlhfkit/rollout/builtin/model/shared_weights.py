@@ -14,9 +14,9 @@ import re
 import torch
 
 from rlhfkit.rollout.builtin.model.families import EXPERT_RE
-from rlhfkit.rollout.builtin.model.weights import (_ALL, _LAYER_RE, LoraPart, ModelSpec, ModelWeights, _copy_into,
-                                                   _Coverage, _keyed_targets, _part_bounds, allocate_weights,
-                                                   normalized_name)
+from rlhfkit.rollout.builtin.model.spec import ModelSpec
+from rlhfkit.rollout.builtin.model.weights import (_ALL, _LAYER_RE, LoraPart, ModelWeights, _copy_into, _Coverage,
+                                                   _keyed_targets, _part_bounds, allocate_weights, normalized_name)
 
 _LORA_RE = re.compile(r"^(.+)\.lora_([AB])\.default\.weight$")
 
