@@ -65,8 +65,9 @@ from rlhfkit.models.vlm import is_vision_name, placeholder_runs
 from rlhfkit.rollout.builtin.config import BuiltinEngineConfig
 from rlhfkit.rollout.builtin.loop.engine_loop import EngineLoop
 from rlhfkit.rollout.builtin.loop.inbox import Inbox
+from rlhfkit.rollout.builtin.loop.mirror import mirror
 from rlhfkit.rollout.builtin.loop.scheduler import RequestState, SlotScheduler, batch_bucket, length_bucket
-from rlhfkit.rollout.builtin.loop.step_runner import StepRunner, mirror
+from rlhfkit.rollout.builtin.loop.step_runner import StepRunner
 from rlhfkit.rollout.builtin.model.decoder import DecoderModel, resolve_decode_attention, resolve_decode_gemm
 from rlhfkit.rollout.builtin.model.rope import rope_inv_freq, rope_table_set
 from rlhfkit.rollout.builtin.model.tensor_parallel import TensorParallelGroup, load_weights
@@ -174,7 +175,7 @@ class BuiltinEngine:
 
     def serve(self) -> int:
         """Shards 1..N-1 of a tensor-parallel engine: run shard 0's step operations until it closes."""
-        from rlhfkit.rollout.builtin.loop.step_runner import serve
+        from rlhfkit.rollout.builtin.loop.mirror import serve
 
         if self.tp is None or self.tp.rank == 0:
             raise RuntimeError("BuiltinEngine.serve() is for shards 1..N-1 of a tensor-parallel engine")

@@ -12,7 +12,7 @@ One engine spans N processes (one GPU each, or CPU processes over gloo in tests)
     from_torchrun(size)  a command started by `torchrun --nproc_per_node size` (batch_inference --tp_size)
 
 Where the process groups come from is the caller's business; the engine only needs this record.
-Shard 0 mirrors its step operations to the others over the control channel (loop/step_runner.py `mirror`).
+Shard 0 mirrors its step operations to the others over the control channel (loop/mirror.py).
 """
 
 from __future__ import annotations
