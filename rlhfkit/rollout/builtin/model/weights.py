@@ -108,14 +108,14 @@ class ModelWeights:
                 setattr(layer, k, new[f"{i}.{k}"])
 
 
-_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.original_inv_freq")
-_ALL = (slice(None),)
+ALL_ROWS = (slice(None),)  # the index of a whole tensor
 
 Target = tuple[torch.Tensor, tuple]  # (destination tensor or view, index into the full HF tensor)
 
 
-def _part_bounds(spec: ModelSpec, attr: str, part: int) -> tuple[int, int]:
+def part_bounds(spec: ModelSpec, attr: str, part: int) -> tuple[int, int]:
     if attr.startswith("qkv"):
         sizes = [spec.q_size, spec.kv_size, spec.kv_size]
     else:
@@ -128,7 +128,7 @@ def _source_index(spec: ModelSpec, how: str | None) -> tuple:
     """The index of a shard's piece of a full HF tensor (`how`: which dimension is split)."""
     t = spec.tp
     if not t.active or how is None:
-        return _ALL
+        return ALL_ROWS
     d = spec.head_dim
     if how in ("q", "q_in"):
         rows = slice(t.rank * spec.q_size, (t.rank + 1) * spec.q_size)
@@ -156,7 +156,7 @@ def _fused_pieces(spec: ModelSpec, tensor: torch.Tensor, how: str) -> list[Targe
         pieces = [("i", 0), ("i", full_i)]
     out = []
     for part, (piece_how, offset) in enumerate(pieces):
-        start, end = _part_bounds(spec, "qkv" if how == "qkv" else "gate_up", part)
+        start, end = part_bounds(spec, "qkv" if how == "qkv" else "gate_up", part)
         rows = _source_index(spec, piece_how)[0] if t.active else slice(0, end - start)
         out.append((tensor[start:end], (slice(rows.start + offset, rows.stop + offset),)))
     return out
@@ -188,26 +188,26 @@ def targets(weights: ModelWeights, spec: ModelSpec, name: str) -> list[Target]:
     Empty for buffers the engine recomputes (rotary inv_freq); raises KeyError for names that
     belong to no weight of this model.
     """
-    return [(dst, index) for dst, index, _ in _keyed_targets(weights, spec, name)]
+    return [(dst, index) for dst, index, _ in keyed_targets(weights, spec, name)]
 
 
-def _keyed_targets(weights: ModelWeights, spec: ModelSpec, name: str) -> list[tuple[torch.Tensor, tuple, str]]:
+def keyed_targets(weights: ModelWeights, spec: ModelSpec, name: str) -> list[tuple[torch.Tensor, tuple, str]]:
     """`targets`, each with the key of the engine tensor it fills ("embed", "3.qkv", ...)."""
     name = normalized_name(name)
     if name.endswith(_IGNORED_SUFFIXES) or (spec.model_type in VLM_MODEL_TYPES and is_vision_name(name)):
         return []  # the rotary buffers are recomputed; a VLM's vision tower is loaded by model/vision.py
     if name == "model.embed_tokens.weight":
-        out = [(weights.embed, _ALL, "embed")]
+        out = [(weights.embed, ALL_ROWS, "embed")]
         if spec.tie_word_embeddings and weights.lm_head is not weights.embed and not _lm_head_is_embed_view(spec):
             out.append((*_vocab_target(spec, weights.lm_head), "lm_head"))  # a padded copy of the embedding's rows
         return out
     if name == "model.norm.weight":
-        return [(weights.final_norm, _ALL, "final_norm")]
+        return [(weights.final_norm, ALL_ROWS, "final_norm")]
     if name == "lm_head.weight":
         if spec.tie_word_embeddings and spec.tp.active:
-            return _keyed_targets(weights, spec, "model.embed_tokens.weight")
-        return [(*(_vocab_target(spec, weights.lm_head) if spec.tp.active else (weights.lm_head, _ALL)), "lm_head")]
-    m = _LAYER_RE.match(name)
+            return keyed_targets(weights, spec, "model.embed_tokens.weight")
+        return [(*(_vocab_target(spec, weights.lm_head) if spec.tp.active else (weights.lm_head, ALL_ROWS)), "lm_head")]
+    m = LAYER_RE.match(name)
     if m is None or int(m.group(1)) >= len(weights.layers):
         raise KeyError(f"weight {name!r} has no place in the builtin engine's {spec.model_type} model")
     li, suffix = int(m.group(1)), m.group(2)
@@ -225,14 +225,14 @@ def _keyed_targets(weights: ModelWeights, spec: ModelSpec, name: str) -> list[tu
                        "(the config and the weights disagree)")
     key = f"{li}.{attr}"
     if part == "T":  # the HF tensor is the engine's transposed: copy into a transposed view
-        return [(tensor.transpose(-1, -2), _ALL, key)]
+        return [(tensor.transpose(-1, -2), ALL_ROWS, key)]
     if part == "all":
         assert how is not None  # a fused tensor's rule says how its pieces split (model/families.py)
         return [(dst, index, key) for dst, index in _fused_pieces(spec, tensor, how)]
     src = _source_index(spec, how)
     if part is None:
         return [(tensor, src, key)]
-    start, end = _part_bounds(spec, attr, part)
+    start, end = part_bounds(spec, attr, part)
     return [(tensor[start:end], src, key)]
 
 
@@ -245,10 +245,10 @@ def _expert_target(layer: LayerWeights, spec: ModelSpec, name: str,
     if tensor is None or spec.moe is None or e >= tensor.shape[0]:
         raise KeyError(f"weight {name!r} has no place in the builtin engine's {spec.model_type} model")
     if which == "down":
-        return [(tensor[e], _ALL, attr)]
+        return [(tensor[e], ALL_ROWS, attr)]
     i = spec.moe.intermediate_size
     part = 0 if which == "gate" else 1
-    return [(tensor[e, part * i:(part + 1) * i], _ALL, attr)]
+    return [(tensor[e, part * i:(part + 1) * i], ALL_ROWS, attr)]
 
 
 def target_view(weights: ModelWeights, spec: ModelSpec, name: str) -> torch.Tensor | None:
@@ -258,7 +258,7 @@ def target_view(weights: ModelWeights, spec: ModelSpec, name: str) -> torch.Tens
     return found[0][0] if found else None
 
 
-def _copy_into(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+def copy_into(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if tuple(dst.shape) == tuple(src.shape):
         dst.copy_(src)
     else:
@@ -266,7 +266,7 @@ def _copy_into(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
                          f"{tuple(dst.shape)}")
 
 
-class _Coverage:
+class Coverage:
     """How many values of each engine tensor a load has filled (every one must be filled once)."""
 
     def __init__(self) -> None:
@@ -298,14 +298,14 @@ class _Coverage:
 
 
 def copy_named_tensors(weights: ModelWeights, spec: ModelSpec,
-                       named_tensors: Iterable[tuple[str, torch.Tensor]], coverage: _Coverage | None = None) -> set[str]:
+                       named_tensors: Iterable[tuple[str, torch.Tensor]], coverage: Coverage | None = None) -> set[str]:
     """Copy each full `(hf_name, tensor)` (a shard: its slice) into the engine's weights in place;
     returns the names copied."""
     done: set[str] = set()
     for name, tensor in named_tensors:
-        found = _keyed_targets(weights, spec, name)
+        found = keyed_targets(weights, spec, name)
         for dst, index, _ in found:
-            _copy_into(dst, tensor.detach()[index], name)
+            copy_into(dst, tensor.detach()[index], name)
         if found:
             done.add(normalized_name(name))
         if coverage is not None:
@@ -376,7 +376,7 @@ def load_from_hf_model(model: torch.nn.Module, dtype: torch.dtype, device: torch
     spec = shard_spec(model.config, shard)
     state = model.state_dict()
     weights = allocate_weights(spec, set(state), dtype, device)
-    coverage = _Coverage()
+    coverage = Coverage()
     copy_named_tensors(weights, spec, state.items(), coverage)
     coverage.check(spec, weights)
     return spec, weights
@@ -411,14 +411,14 @@ def load_from_safetensors(path: str, config, dtype: torch.dtype, device: torch.d
         with safe_open(fname, framework="pt") as f:
             names.update(f.keys())
     weights = allocate_weights(spec, names, dtype, device)
-    coverage = _Coverage()
+    coverage = Coverage()
     for fname in files:
         with safe_open(fname, framework="pt") as f:
             for name in f.keys():
-                found = _keyed_targets(weights, spec, name)
+                found = keyed_targets(weights, spec, name)
                 for dst, index, _ in found:
-                    piece = f.get_slice(name)[index] if index != _ALL else f.get_tensor(name)
-                    _copy_into(dst, piece.to(dst.dtype), name)
+                    piece = f.get_slice(name)[index] if index != ALL_ROWS else f.get_tensor(name)
+                    copy_into(dst, piece.to(dst.dtype), name)
                 coverage.add(name, found)
     coverage.check(spec, weights)
     return spec, weights
