@@ -41,7 +41,7 @@ from bench.harness.timing import sync  # noqa: E402
 
 from rlhfkit.rollout.builtin import BuiltinEngine, BuiltinEngineConfig  # noqa: E402
 from rlhfkit.rollout.builtin.model.experts import record_routing, route  # noqa: E402
-from rlhfkit.rollout.builtin.model.weights import ModelSpec  # noqa: E402
+from rlhfkit.rollout.builtin.model.spec import ModelSpec  # noqa: E402
 from rlhfkit.types import GenerationRequest, SamplingParams  # noqa: E402
 
 SHAPES = {  # ~0.5-1.5B shapes; real models' dimensions where one exists at this size

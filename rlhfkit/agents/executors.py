@@ -30,9 +30,10 @@ from rlhfkit.agents.episode import (  # noqa: F401
     prompt_ids,
     run_multi_turn,
 )
-from rlhfkit.rewards.shapes import RewardSample
-from rlhfkit.rewards.sources import BatchingRewardSource, split_reward_output
+from rlhfkit.rewards.batching import BatchingRewardSource
 from rlhfkit.rewards.process_pool import reward_source_with_workers
+from rlhfkit.rewards.returns import split_reward_output
+from rlhfkit.rewards.shapes import RewardSample
 from rlhfkit.types import PromptSample, SamplingParams, Trajectory
 
 logger = logging.getLogger(__name__)

@@ -24,9 +24,9 @@ import inspect
 import os
 from typing import Any, Callable, Sequence
 
-from rlhfkit.rewards.shapes import SHAPES, RewardSample, SampleRewardFunction, call_args, reward_shape
-from rlhfkit.rewards.sources import is_reward_file, load_reward_func
 from rlhfkit.data.io import RowSource
+from rlhfkit.rewards.reward_file import is_reward_file, load_reward_func
+from rlhfkit.rewards.shapes import SHAPES, RewardSample, SampleRewardFunction, call_args, reward_shape
 
 
 def model_origin(model: Any) -> str:
@@ -124,7 +124,7 @@ class combine_rewards(SampleRewardFunction):  # noqa: N801 - used as a function
 
     async def __call__(self, queries: list[str], prompts: list[str], labels: list[Any],
                        samples: Sequence[RewardSample] | None = None) -> dict[str, Any]:
-        from rlhfkit.rewards.sources import parse_reward_return
+        from rlhfkit.rewards.returns import parse_reward_return
 
         n = len(queries)
         rewards, scores, logs = [0.0] * n, [0.0] * n, {}

@@ -9,7 +9,7 @@ batch at once, on the next URL after an exponential backoff (backoff_s * 2**atte
 max_backoff_s), up to `max_retries` retries and within `deadline_s` in all (default twice
 `timeout_s`; each attempt gets at most what is left). Once they are spent the call raises
 `RewardServerDown`, naming every URL tried and the last failure: the callers of the batch all fail
-with it, none is retried on its own (rlhfkit.rewards.sources.BatchingRewardSource). Other 4xx
+with it, none is retried on its own (rlhfkit.rewards.batching.BatchingRewardSource). Other 4xx
 answers are the request's fault (a sample the server refuses) and raise `RewardServerError` at
 once, which the batching source retries sample by sample. Answers are validated by
 `RewardOutput.from_mapping` (lengths, numbers).

@@ -57,9 +57,10 @@ from typing import Any, Sequence
 from rlhfkit.config.notes import note_once
 from rlhfkit.logs import UserFramesText
 from rlhfkit.rewards.output import RewardOutput
+from rlhfkit.rewards.returns import parse_reward_return
+from rlhfkit.rewards.reward_file import FLAG, is_reward_file, load_reward_func, split_reward_file
 from rlhfkit.rewards.shapes import RewardSample, call_args, reward_shape
-from rlhfkit.rewards.sources import (FLAG, is_reward_file, load_reward_func, make_reward_source, parse_reward_return,
-                                     split_reward_file)
+from rlhfkit.rewards.sources import make_reward_source
 from rlhfkit.usercode.run import EpisodeError
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")

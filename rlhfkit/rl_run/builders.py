@@ -130,7 +130,7 @@ def check_reward_file(args: argparse.Namespace) -> None:
     """A --remote_rm_url reward file (or Python callable) whose function fits neither reward shape
     (rlhfkit.rewards.shapes), or that lacks the function, stops the run here, before any model loads."""
     from rlhfkit.rewards.shapes import reward_shape
-    from rlhfkit.rewards.sources import is_reward_file, load_reward_func
+    from rlhfkit.rewards.reward_file import is_reward_file, load_reward_func
 
     url = args.remote_rm_url
     try:

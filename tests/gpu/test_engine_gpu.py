@@ -20,7 +20,8 @@ import torch
 from rlhfkit.rollout.builtin import BuiltinEngine, BuiltinEngineConfig
 from rlhfkit.rollout.builtin.loop.sampling import combine_partials, reference_partials, sample_tokens
 from rlhfkit.rollout.builtin.model.decoder import _torch_decode_attention
-from rlhfkit.rollout.builtin.model.weights import LayerWeights, ModelSpec
+from rlhfkit.rollout.builtin.model.spec import ModelSpec
+from rlhfkit.rollout.builtin.model.weights import LayerWeights
 from rlhfkit.types import GenerationRequest, SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -16,8 +16,9 @@ import pytest
 from helpers import free_port, rl_flags, write_rl_data
 from test_serve_rm import FakeServer
 
+from rlhfkit.rewards.batching import BatchingRewardSource
 from rlhfkit.rewards.http_client import RemoteRewardClient, RewardServerDown, RewardServerError
-from rlhfkit.rewards.sources import BatchingRewardSource, HTTPRewardSource
+from rlhfkit.rewards.sources import HTTPRewardSource
 
 
 def test_a_failing_server_is_retried_as_a_batch_and_fails_it_once():

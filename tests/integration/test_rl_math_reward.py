@@ -12,7 +12,7 @@ import torch
 
 from helpers import ppo_flags
 from rlhfkit.cli import train_ppo
-from rlhfkit.rewards.sources import load_reward_func
+from rlhfkit.rewards.reward_file import load_reward_func
 from rlhfkit.roles.actor import ActorRole
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

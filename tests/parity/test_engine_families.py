@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from rlhfkit.rollout.builtin import BuiltinEngine, BuiltinEngineConfig
-from rlhfkit.rollout.builtin.model.weights import ModelSpec, rope_tables
+from rlhfkit.rollout.builtin.model.rope import rope_tables
+from rlhfkit.rollout.builtin.model.spec import ModelSpec
 from rlhfkit.types import GenerationRequest, SamplingParams
 
 COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

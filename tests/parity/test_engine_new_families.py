@@ -27,7 +27,7 @@ import torch
 from rlhfkit.models.tiny import TinyModelSpec, build_config, build_tokenizer, make_tiny_model
 from rlhfkit.rollout.builtin import BuiltinEngine, BuiltinEngineConfig
 from rlhfkit.rollout.builtin.model.experts import record_routing, route
-from rlhfkit.rollout.builtin.model.weights import ModelSpec
+from rlhfkit.rollout.builtin.model.spec import ModelSpec
 from rlhfkit.types import GenerationRequest, SamplingParams
 
 FAMILIES = ["gemma3_text", "qwen3_moe", "gpt_oss", "phi3", "olmo2", "olmo3"]

@@ -12,7 +12,8 @@ import torch
 
 from rlhfkit.agents import EpisodeError
 from rlhfkit.rewards import BatchingRewardSource, PythonRewardSource, RewardOutput, make_reward_source
-from rlhfkit.rewards.sources import HTTPRewardSource, load_reward_func
+from rlhfkit.rewards.reward_file import load_reward_func
+from rlhfkit.rewards.sources import HTTPRewardSource
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "reward_func.py")
 

@@ -88,7 +88,7 @@ def test_random_init_gives_sane_activations_and_generations(small_dir):
 
 def test_cli_writes_a_shape(tmp_path, monkeypatch):
     monkeypatch.setitem(B.STREAMED, "qwen2.5-7b", SMALL)  # the CLI path, at test size
-    monkeypatch.setattr(sys, "argv", ["bench_models.py", "--shape", "qwen2.5-7b", "--out", str(tmp_path / "m"),
+    monkeypatch.setattr(sys, "argv", ["models.py", "--shape", "qwen2.5-7b", "--out", str(tmp_path / "m"),
                                       "--device", "cpu", "--max_shard_gb", "0.0001"])
     B.main()
     assert os.path.exists(tmp_path / "m" / "model.safetensors.index.json")

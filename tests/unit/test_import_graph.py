@@ -92,6 +92,14 @@ def test_cycle_finder_finds_a_planted_cycle():
     assert cycles({"a": {"b"}, "b": set()}) == []
 
 
+def test_type_only_and_function_imports_are_edges(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from rlhfkit.types import Trajectory\n\n"
+                   "def f():\n    import rlhfkit.fileio\n")
+    modules = {"rlhfkit.m": src, "rlhfkit.types": src, "rlhfkit.fileio": src}
+    assert _imports("rlhfkit.m", src, modules) == {"rlhfkit.types", "rlhfkit.fileio"}
+
+
 def test_no_import_cycles():
     modules = _modules()
     graph = {name: _imports(name, path, modules) for name, path in modules.items()}

@@ -9,7 +9,9 @@ import math
 
 import pytest
 
-from rlhfkit.rewards.sources import BatchingRewardSource, PythonRewardSource, RewardReturnError
+from rlhfkit.rewards.batching import BatchingRewardSource
+from rlhfkit.rewards.returns import RewardReturnError
+from rlhfkit.rewards.sources import PythonRewardSource
 from rlhfkit.usercode.files import UserFileError, import_user_file
 from rlhfkit.usercode.run import EpisodeError
 

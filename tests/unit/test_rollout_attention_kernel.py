@@ -13,7 +13,8 @@ import torch
 from rlhfkit.rollout.builtin.kernels import triton_attention
 from rlhfkit.rollout.builtin.model.decoder import _torch_decode_attention
 from rlhfkit.rollout.builtin.model.families import LayerKind
-from rlhfkit.rollout.builtin.model.weights import LayerWeights, ModelSpec
+from rlhfkit.rollout.builtin.model.spec import ModelSpec
+from rlhfkit.rollout.builtin.model.weights import LayerWeights
 
 
 def _interpreter_index_fix() -> None:

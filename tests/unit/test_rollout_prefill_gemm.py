@@ -15,7 +15,8 @@ import torch
 
 from rlhfkit.rollout.builtin.kernels import triton_gemm
 from rlhfkit.rollout.builtin.model.decoder import DecoderModel, KVCache, _residual, prefill_layer
-from rlhfkit.rollout.builtin.model.weights import load_from_hf_model, rope_tables
+from rlhfkit.rollout.builtin.model.rope import rope_tables
+from rlhfkit.rollout.builtin.model.weights import load_from_hf_model
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhfkit.rollout.builtin.model.weights import ModelSpec, load_from_hf_model, load_from_safetensors
+from rlhfkit.rollout.builtin.model.spec import ModelSpec
+from rlhfkit.rollout.builtin.model.weights import load_from_hf_model, load_from_safetensors
 
 
 def _shards(path: str, size: int):

@@ -1,4 +1,4 @@
-"""The type checker proves the framework's seams (docs: DESIGN section 7, items 8 and 10).
+"""The type checker proves the framework's seams: collaborators typed by protocols, fakes that satisfy them.
 
 mypy runs as pyproject.toml's [tool.mypy] configures it (the packages it checks are its `files`) and
 must report no error; the failure lists them. Its cache is the default `.mypy_cache` in the

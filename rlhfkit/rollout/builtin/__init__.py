@@ -4,9 +4,9 @@
     config.py   BuiltinEngineConfig: the engine's sizes and switches (read by the loop and the model)
     loop/       the engine loop: the front end (BuiltinEngine), the inbox, the scheduler, one engine step,
                 the step runner (device side) and its decode runner, on-device sampling
-    model/      the model and its weights: families, the decoder's forward passes, the routed experts,
-                weights loading and layout, weights shared with a training module, the vision tower,
-                tensor-parallel shard groups, whether a model is supported
+    model/      the model and its weights: families, the model's spec, rotary tables, the decoder's forward
+                passes, the routed experts, weights loading and layout, weights shared with a training module,
+                the vision tower, tensor-parallel shard groups, whether a model is supported
     kernels/    GPU kernels the decoder calls: Triton custom ops (decode attention, sampler passes,
                 GEMMs, RMSNorm, routed experts) and the torch.compile'd pieces of an eager step
 

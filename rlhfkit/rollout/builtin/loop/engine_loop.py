@@ -7,7 +7,7 @@
                             then compact the slots
 
 loop/front_end.py's module docstring describes the chunk sizes, the look-ahead and the syncs; the device
-work goes through `steps` (loop/step_runner.py: the step runner, or its tensor-parallel mirror).
+work goes through `steps` (loop/step_runner.py: the step runner, or its tensor-parallel mirror, loop/mirror.py).
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from typing import Callable, Sequence
 
 from rlhfkit.rollout.builtin.config import BuiltinEngineConfig
 from rlhfkit.rollout.builtin.loop.inbox import Inbox
+from rlhfkit.rollout.builtin.loop.mirror import MirroredSteps
 from rlhfkit.rollout.builtin.loop.scheduler import Admission, RequestState, SlotScheduler, length_bucket
-from rlhfkit.rollout.builtin.loop.step_runner import AdmitPlan, MirroredSteps, StepRunner
+from rlhfkit.rollout.builtin.loop.step_runner import AdmitPlan, StepRunner
 from rlhfkit.rollout.builtin.model.vision import VisionIndex
 from rlhfkit.rollout.engine_utils import EngineStats
 from rlhfkit.rollout.stops import finish_completion, stop_string_cut

@@ -27,7 +27,7 @@ and without the wait the first group decoded a chunk alone and the rest joined i
 Device work goes through `self.steps` (loop/step_runner.py): the front end here plans, the step runner
 prefills, decodes and reads back. With `tp` (a `TensorParallelGroup` of N shards) the engine is
 tensor-parallel: shard 0 runs this front end and mirrors every step operation to shards 1..N-1,
-which run `serve()` until `close()`; each shard holds 1/N of the heads, MLP and vocab (model/weights.py).
+which run `serve()` until `close()`; each shard holds 1/N of the heads, MLP and vocab (model/spec.py).
 
 Memory: the KV cache is preallocated, 2 x layers x max_num_seqs x kv_heads x max_model_len x
 head_dim elements (per shard: its KV heads); `sleep()` frees it (and the decode graphs, keeping
@@ -65,12 +65,13 @@ from rlhfkit.models.vlm import is_vision_name, placeholder_runs
 from rlhfkit.rollout.builtin.config import BuiltinEngineConfig
 from rlhfkit.rollout.builtin.loop.engine_loop import EngineLoop
 from rlhfkit.rollout.builtin.loop.inbox import Inbox
+from rlhfkit.rollout.builtin.loop.mirror import mirror
 from rlhfkit.rollout.builtin.loop.scheduler import RequestState, SlotScheduler, batch_bucket, length_bucket
-from rlhfkit.rollout.builtin.loop.step_runner import StepRunner, mirror
+from rlhfkit.rollout.builtin.loop.step_runner import StepRunner
 from rlhfkit.rollout.builtin.model.decoder import DecoderModel, resolve_decode_attention, resolve_decode_gemm
+from rlhfkit.rollout.builtin.model.rope import rope_inv_freq, rope_table_set
 from rlhfkit.rollout.builtin.model.tensor_parallel import TensorParallelGroup, load_weights
 from rlhfkit.rollout.builtin.model.vision import VisionIndex, load_vision_tower
-from rlhfkit.rollout.builtin.model.weights import rope_inv_freq, rope_table_set
 from rlhfkit.rollout.engine_utils import EngineStats, Waiter, eos_ids_of, make_decode, validate_request
 from rlhfkit.types import Completion, GenerationRequest
 
@@ -174,7 +175,7 @@ class BuiltinEngine:
 
     def serve(self) -> int:
         """Shards 1..N-1 of a tensor-parallel engine: run shard 0's step operations until it closes."""
-        from rlhfkit.rollout.builtin.loop.step_runner import serve
+        from rlhfkit.rollout.builtin.loop.mirror import serve
 
         if self.tp is None or self.tp.rank == 0:
             raise RuntimeError("BuiltinEngine.serve() is for shards 1..N-1 of a tensor-parallel engine")

@@ -1,8 +1,9 @@
 """The builtin engine's model and its weights.
 
     families.py        how each family's decoder block departs from Llama's; HF parameter names -> engine tensors
-    weights.py         HF config -> ModelSpec; the engine's fused weights, their loading and per-shard slices;
-                       rotary tables
+    spec.py            HF config -> ModelSpec (of the whole model or of one tensor-parallel shard)
+    rope.py            the rotary embedding tables
+    weights.py         the engine's fused weights: layout, HF name -> tensor view, loading, per-shard slices
     shared_weights.py  the engine taking a training module's parameters over instead of copying them
     decoder.py         functional prefill / decode over the slot KV cache (DecoderModel)
     experts.py         routed experts (mixture-of-experts layers)

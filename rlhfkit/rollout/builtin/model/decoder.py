@@ -25,7 +25,7 @@ Decode projections, two implementations (`DecoderModel.gemm`):
               gate/up + SiLU-mul kernel and a split-K down projection, and a split-K o projection
               (`triton_gemm`); the split-K partials `[S, B, H]` travel to the consumer (the next
               residual add + RMSNorm), which sums them inside its own kernel.
-Tensor parallelism (`spec.tp.active`, a shard's spec: model/weights.py): column-parallel q/k/v and
+Tensor parallelism (`spec.tp.active`, a shard's spec: model/spec.py): column-parallel q/k/v and
 gate/up need no communication; the o and down projections are row-parallel, each followed by one
 all-reduce of its `[B, H]` output (`_row_parallel`, biases added after it); the lm_head is
 vocab-parallel and its `[B, V / N]` logits are all-gathered, so every shard holds the same full
@@ -51,7 +51,8 @@ import torch.nn.functional as F
 
 from rlhfkit.rollout.builtin.kernels import triton_attention, triton_gemm, triton_launch, triton_norm  # triton_gemm registers the GEMM ops
 from rlhfkit.rollout.builtin.model.experts import routed
-from rlhfkit.rollout.builtin.model.weights import LayerWeights, ModelSpec, ModelWeights
+from rlhfkit.rollout.builtin.model.spec import ModelSpec
+from rlhfkit.rollout.builtin.model.weights import LayerWeights, ModelWeights
 
 _c10d = torch.ops._c10d_functional  # functional collectives: traceable, capturable, gloo on CPU
 

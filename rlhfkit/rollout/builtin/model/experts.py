@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from rlhfkit.rollout.builtin.kernels import triton_moe
 from rlhfkit.rollout.builtin.kernels.eager_fused import EagerFused
 from rlhfkit.rollout.builtin.model.families import MoESpec
-from rlhfkit.rollout.builtin.model.weights import LayerWeights, ModelSpec
+from rlhfkit.rollout.builtin.model.spec import ModelSpec
+from rlhfkit.rollout.builtin.model.weights import LayerWeights
 
 _ROUTE_LOG: list[torch.Tensor] | None = None
 

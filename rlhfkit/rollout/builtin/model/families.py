@@ -1,6 +1,6 @@
 """The model families of the builtin engine: how each one's decoder block departs from Llama's.
 
-One block serves every family (model/decoder.py); a `Family` names what differs, and `ModelSpec` (model/weights.py)
+One block serves every family (model/decoder.py); a `Family` names what differs, and `ModelSpec` (model/spec.py)
 turns an HF config into the shapes plus one `LayerKind` per layer:
 
     x -> [input norm] -> q,k,v (+bias) -> [q/k norm] -> RoPE -> attention -> o (+bias) -> [out norm] -> + x

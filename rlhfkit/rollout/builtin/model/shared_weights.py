@@ -14,9 +14,10 @@ import re
 import torch
 
 from rlhfkit.rollout.builtin.model.families import EXPERT_RE
-from rlhfkit.rollout.builtin.model.weights import (_ALL, _LAYER_RE, LoraPart, ModelSpec, ModelWeights, _copy_into,
-                                                   _Coverage, _keyed_targets, _part_bounds, allocate_weights,
-                                                   normalized_name)
+from rlhfkit.rollout.builtin.model.spec import ModelSpec
+from rlhfkit.rollout.builtin.model.weights import (ALL_ROWS, LAYER_RE, Coverage, LoraPart, ModelWeights,
+                                                   allocate_weights, copy_into, keyed_targets, normalized_name,
+                                                   part_bounds)
 
 _LORA_RE = re.compile(r"^(.+)\.lora_([AB])\.default\.weight$")
 
@@ -30,7 +31,7 @@ def _lora_place(spec: ModelSpec, module: str) -> tuple[int, str, int, int] | str
     """(layer, engine tensor, first row, end row) a LoRA adapter on `module` (a peft module name) adds to,
     or why the engine cannot serve it unmerged."""
     name = normalized_name(_peft_base_name(module) + ".weight")
-    m = _LAYER_RE.match(name)
+    m = LAYER_RE.match(name)
     entry = spec.family.names.get(m.group(2)) if m is not None else None
     if m is None or entry is None or EXPERT_RE.match(m.group(2)):
         return f"a LoRA adapter on {module}"
@@ -39,7 +40,7 @@ def _lora_place(spec: ModelSpec, module: str) -> tuple[int, str, int, int] | str
         return f"a LoRA adapter on the transposed {module}"
     if part is None or part == "all":
         return int(m.group(1)), attr, 0, -1
-    return (int(m.group(1)), attr, *_part_bounds(spec, attr, part))
+    return (int(m.group(1)), attr, *part_bounds(spec, attr, part))
 
 
 def weight_name(name: str) -> str | None:
@@ -86,7 +87,7 @@ def _materialize_part(weights: ModelWeights, name: str | None, device: torch.dev
     def real(t: torch.Tensor | None) -> torch.Tensor | None:
         return torch.empty(t.shape, dtype=t.dtype, device=device) if t is not None and t.is_meta else t
 
-    m = _LAYER_RE.match(normalized_name(name)) if name is not None else None
+    m = LAYER_RE.match(normalized_name(name)) if name is not None else None
     layers = weights.layers if name is None else [weights.layers[int(m.group(1))]] if m is not None else []
     if name is None or m is None:
         tied = weights.lm_head is weights.embed
@@ -136,19 +137,19 @@ def adopt_parameters(model: torch.nn.Module, dtype: torch.dtype,
     # allocated where each part is first filled (the embeddings and head, then layer by layer), and each
     # shared parameter's own storage freed as it moves in: one copy and one layer at the most, not two copies
     weights = allocate_weights(spec, {_peft_base_name(n) for n, _ in named}, dtype, torch.device("meta"))
-    coverage = _Coverage()
+    coverage = Coverage()
     shared: set[str] = set()
     with torch.no_grad():
         for peft_name, param in named:
             name = _peft_base_name(peft_name)
             _materialize_part(weights, name, device)
-            found = _keyed_targets(weights, spec, name)
+            found = keyed_targets(weights, spec, name)
             for dst, index, _ in found:
-                _copy_into(dst, param.detach()[index], name)
+                copy_into(dst, param.detach()[index], name)
             coverage.add(name, found)
             if len(found) == 1:
                 dst, index, _ = found[0]
-                if (index == _ALL and dst.shape == param.shape and dst.dtype == param.dtype
+                if (index == ALL_ROWS and dst.shape == param.shape and dst.dtype == param.dtype
                         and dst.device == param.device and dst.is_contiguous()):
                     param.data = dst
                     shared.add(normalized_name(name))

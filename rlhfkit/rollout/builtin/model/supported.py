@@ -5,8 +5,8 @@
 This is not a second list of families: it runs the checks the engine itself makes when it is built,
 in the order it meets them, and reports the first refusal:
 
-    ModelSpec.from_hf_config   the model family (`model_type`), the MLP activation, ... (model/weights.py)
-    rope_table_set             the rotary embedding types, at the engine's max_model_len (model/weights.py)
+    ModelSpec.from_hf_config   the model family (`model_type`), the MLP activation, ... (model/spec.py)
+    rope_table_set             the rotary embedding types, at the engine's max_model_len (model/rope.py)
 
 so a family the engine learns is supported here the moment its own checks accept it. The engine's
 advice to pick another `--rollout_engine` is left out of the reason: the caller (rollout/choice.py)
@@ -37,7 +37,8 @@ def builtin_support(config: Any, max_model_len: int | None = None) -> str | None
     else why it does not, as one line."""
     import torch
 
-    from rlhfkit.rollout.builtin.model.weights import ModelSpec, rope_table_set
+    from rlhfkit.rollout.builtin.model.rope import rope_table_set
+    from rlhfkit.rollout.builtin.model.spec import ModelSpec
 
     config = copy.deepcopy(config)  # from_hf_config may fill a VLM's text config in place
     try:

@@ -12,7 +12,7 @@ One engine spans N processes (one GPU each, or CPU processes over gloo in tests)
     from_torchrun(size)  a command started by `torchrun --nproc_per_node size` (batch_inference --tp_size)
 
 Where the process groups come from is the caller's business; the engine only needs this record.
-Shard 0 mirrors its step operations to the others over the control channel (loop/step_runner.py `mirror`).
+Shard 0 mirrors its step operations to the others over the control channel (loop/mirror.py).
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ import torch
 from rlhfkit.config.dtypes import TORCH_DTYPES
 from rlhfkit.models.hf_config import ConfigFields
 from rlhfkit.rollout.builtin.model.shared_weights import adopt_parameters
-from rlhfkit.rollout.builtin.model.weights import ModelSpec, ModelWeights, load_from_hf_model, load_from_safetensors
+from rlhfkit.rollout.builtin.model.spec import ModelSpec
+from rlhfkit.rollout.builtin.model.weights import ModelWeights, load_from_hf_model, load_from_safetensors
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig
@@ -200,9 +201,10 @@ def random_weights(config: Any, dtype: torch.dtype, device: torch.device,
                    shard: tuple[int, int, str | None] | None, seed: int = 0) -> tuple[ModelSpec, ModelWeights]:
     """A shard's weights drawn on `device` (each shard draws its own slices: the shards of one
     engine do not form one consistent model, which a throughput benchmark does not need)."""
-    from rlhfkit.rollout.builtin.model.weights import _shard_spec, allocate_weights
+    from rlhfkit.rollout.builtin.model.spec import shard_spec
+    from rlhfkit.rollout.builtin.model.weights import allocate_weights
 
-    spec = _shard_spec(config, shard)
+    spec = shard_spec(config, shard)
     qkv_bias = getattr(config, "model_type", "") in ("qwen2", "qwen2_vl", "qwen2_5_vl")
     names = {"model.layers.0.self_attn.q_proj.bias"} if qkv_bias else set()
     if getattr(config, "attention_bias", False):

@@ -14,7 +14,7 @@ from rlhfkit.rollout.builtin.kernels.triton_attention import attention_launch, a
 from rlhfkit.rollout.builtin.loop.sampling import (combine_partials, hierarchical_gumbel_argmax, reference_partials,
                                                    sample_tokens)
 from rlhfkit.rollout.builtin.model.decoder import resolve_decode_attention
-from rlhfkit.rollout.builtin.model.weights import ModelSpec
+from rlhfkit.rollout.builtin.model.spec import ModelSpec
 
 
 def test_attention_splits_fill_two_waves_of_long_contexts_only():
