@@ -47,8 +47,8 @@ real-model: $(REAL_MODEL)/config.json
 
 # --dist loadgroup: tests marked xdist_group(name) run on one worker (they share a session fixture).
 # -n 3 on two cores: a third worker runs while the others wait on a Ray, a server or a subprocess.
-# Bytecode caches on (whatever PYTHONDONTWRITEBYTECODE says): every worker and every process a test starts
-# imports rlhfkit and the test modules, which otherwise compile again each time.
+# Bytecode caches on (whatever PYTHONDONTWRITEBYTECODE says): every worker and every server of
+# tests/warmstart imports rlhfkit and the test modules, which otherwise compile again each time.
 # TMPDIR in memory (/dev/shm where there is one, removed afterwards): the tests save hundreds of small
 # checkpoints, each file fsynced as a real run does, and on a disk those flushes stall every process.
 test: $(STAMP) real-model

@@ -1,5 +1,5 @@
-"""Shared fixtures: offline tiny models (nothing is downloaded), and the environment each test and module sets
-undone after it."""
+"""Shared fixtures: offline tiny models (nothing is downloaded); the processes the tests start run on
+warm interpreters (tests/warmstart: torch and transformers imported once per run, not once per process)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+import warmstart
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -18,41 +19,70 @@ for _var in ("HF_HUB_DISABLE_PROGRESS_BARS", "HF_DATASETS_DISABLE_PROGRESS_BARS"
     os.environ.setdefault(_var, "1")
 # inductor builds its kernels in this process rather than in a pool of fresh interpreters, each importing torch
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-# Ray started by a test keeps no idle workers (each actor gets a worker of its own) and collects no
-# metrics: an idle local Ray then costs half the CPU it would. Its workers start cold (importing torch): on two
-# busy cores that can take minutes, so they get 300 s to register instead of 60.
+# Ray started by a test keeps no idle workers (a warm one starts in a fraction of a second) and collects no
+# metrics: an idle local Ray then costs half the CPU it would
 for _var, _value in (("RAY_enable_worker_prestart", "0"), ("RAY_num_workers_soft_limit", "0"),
-                     ("RAY_enable_metrics_collection", "0"), ("RAY_USAGE_STATS_ENABLED", "0"),
-                     ("RAY_worker_register_timeout_seconds", "300")):
+                     ("RAY_enable_metrics_collection", "0"), ("RAY_USAGE_STATS_ENABLED", "0")):
     os.environ.setdefault(_var, _value)
 torch.set_num_threads(1)
 
+_WARM_DIR: str | None = None
+
+
+def pytest_configure(config):
+    """Warm interpreters for this run: the controller (the process that is not an xdist worker) starts the
+    first ones while the workers start: for the environment helpers.subprocess_env gives the CLI runs, and
+    for this process's own (the workers of a Ray started in-process)."""
+    global _WARM_DIR
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    owner = os.getppid() if worker else os.getpid()
+    from helpers import subprocess_env
+
+    _WARM_DIR = warmstart.configure(is_controller=not worker, owner=owner,
+                                    prewarm_envs=[subprocess_env(), dict(os.environ)])
+
+
+def pytest_unconfigure(config):
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        warmstart.unconfigure(_WARM_DIR)
+
+
+def _import_env() -> dict[str, str]:
+    """The variables of os.environ that modules read while they are imported: what names a warm interpreter."""
+    return warmstart.tool("warm_keys").import_env(dict(os.environ))
+
+
+def _restore_import_env(before: dict[str, str]) -> None:
+    now = _import_env()
+    for k in now.keys() - before.keys():
+        del os.environ[k]
+    for k, v in before.items():
+        if now.get(k) != v:
+            os.environ[k] = v
+
 
 @pytest.fixture(autouse=True, scope="module")
-def _environment_kept_by_module():
-    """The environment variables a module's fixtures and tests set end with the module (what session fixtures set
-    stays): a later test of this worker, and the processes it starts, see the environment of a fresh one."""
-    before = dict(os.environ)
+def _import_env_kept_by_module():
+    """The import-time variables a module's tests and fixtures set end with the module (a test of the benches
+    imports a bench module, which sets HF_DATASETS_OFFLINE and HF_HUB_DISABLE_TELEMETRY; an in-process run with
+    --full_determinism sets CUDA_LAUNCH_BLOCKING): otherwise every process a later test of this worker starts has
+    another import environment, so another warm interpreter (tests/warmstart: seconds of imports, and cold
+    interpreters until it serves). What session fixtures set stays."""
+    before = _import_env()
     yield
-    _restore(before)
+    _restore_import_env(before)
 
 
 @pytest.fixture(autouse=True)
-def _environment_kept():
-    """The same for each test: the variables it sets end with it, and so does a run log a run it made in this
-    process left open (a later test's log records would otherwise go to a file in a folder removed since)."""
-    before = dict(os.environ)
+def _import_env_kept():
+    """The same for each test: the import-time variables it sets end with it, and so does a run log a run it made
+    in this process left open (a later test's log records would otherwise go to a file in a folder removed since)."""
+    before = _import_env()
     yield
-    _restore(before)
+    _restore_import_env(before)
     logs = sys.modules.get("rlhfkit.logs")
     if logs is not None:
         logs.close_run_logs()
-
-
-def _restore(before: dict[str, str]) -> None:
-    if dict(os.environ) != before:
-        os.environ.clear()
-        os.environ.update(before)
 
 
 @pytest.fixture(scope="session")

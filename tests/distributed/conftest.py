@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 
 import pytest
+import warmstart
 from helpers import write_rl_data
 
 
@@ -45,5 +46,6 @@ def local_ray(_local_ray_session):
     if ray.is_initialized() and (_leftovers(ray) or ray.cluster_resources().get("CPU") != LOCAL_RAY_CPUS):
         ray.shutdown()
     if not ray.is_initialized():
+        warmstart.wait_ready()  # its workers start from this process's environment
         ray.init(address="local", num_cpus=LOCAL_RAY_CPUS, include_dashboard=False)
     yield

@@ -21,7 +21,7 @@ import sys
 
 import pytest
 import torch
-from helpers import read_run, rl_flags, run_cli, subprocess_env, torchrun_cmd
+from helpers import read_run, rl_flags, subprocess_env, torchrun_cmd
 
 pytestmark = pytest.mark.distributed
 
@@ -32,12 +32,13 @@ WEIGHT_TOL = 1e-4
 
 
 def run_pair(module: str, flags: list[str], out: str) -> tuple[tuple, tuple]:
-    """(metrics, weights) of one process (this one) and of torchrun 2 x --ring_attn_size 2."""
+    """(metrics, weights) of one process and of torchrun 2 x --ring_attn_size 2."""
     one, two = os.path.join(out, "one"), os.path.join(out, "ring2")
     env = subprocess_env()
     ring = subprocess.Popen(torchrun_cmd(2, "-m", module, *flags, "--save_path", two, "--ring_attn_size", "2"),
                             env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    single = run_cli(module, [*flags, "--save_path", one])
+    single = subprocess.run([sys.executable, "-m", module, *flags, "--save_path", one], env=env, cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
     rout, rerr = ring.communicate(timeout=300)
     assert single.returncode == 0, single.stderr[-4000:]
     assert ring.returncode == 0, rout[-2000:] + rerr[-5000:]

@@ -23,7 +23,7 @@ import subprocess
 
 import pytest
 import torch
-from helpers import CliResult, run_cli, subprocess_env, torchrun_cmd
+from helpers import subprocess_env, torchrun_cmd
 
 pytestmark = pytest.mark.distributed
 
@@ -127,17 +127,11 @@ def test_fsdp2_x_tp2_equals_one_process_and_checkpoints_load_in_one_process(qwen
     assert one.steps_done == 1 and len(one.optimizer.state) > 0
 
 
-def run_sft_or_ppo(module: str, argv: list[str], tp: bool) -> subprocess.CompletedProcess | CliResult:
-    """`module` on 2 ranks under torchrun with --ds_tensor_parallel_size 2 (`tp`), or in this process."""
-    if not tp:
-        return run_cli(module, argv)
-    return subprocess.run([*torchrun_cmd(2, "-m", module, "--ds_tensor_parallel_size", "2"), *argv],
-                          env=subprocess_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
-
-
 def test_train_sft_cli_tp2_first_steps_equal_one_process(llama_dir, tmp_path):
     """`torchrun --nproc_per_node 2 -m rlhfkit.cli.train_sft ... --ds_tensor_parallel_size 2`: the
     logged losses and gradient norms of 2 steps and the exported weights equal a 1-process run."""
+    import sys
+
     from safetensors.torch import load_file
 
     from rlhfkit.trainers.metrics import read_metrics
@@ -155,9 +149,11 @@ def test_train_sft_cli_tp2_first_steps_equal_one_process(llama_dir, tmp_path):
             "--learning_rate", "3e-3", "--lr_warmup_ratio", "0", "--disable_progress", "--param_dtype", "fp32",
             "--max_steps", "2", "--logging_steps", "1"]
     runs = {}
-    for name, tp in (("tp", True), ("one", False)):
+    for name, cmd in (("tp", torchrun_cmd(2, "-m", "rlhfkit.cli.train_sft", "--ds_tensor_parallel_size", "2")),
+                      ("one", [sys.executable, "-m", "rlhfkit.cli.train_sft"])):
         out = str(tmp_path / name)
-        proc = run_sft_or_ppo("rlhfkit.cli.train_sft", [*args, "--save_path", out], tp)
+        proc = subprocess.run([*cmd, *args, "--save_path", out], env=subprocess_env(), cwd=ROOT,
+                              capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
         runs[name] = (read_metrics(os.path.join(out, "metrics.jsonl")), load_file(os.path.join(out, "model.safetensors")))
     (tp_rows, tp_w), (one_rows, one_w) = runs["tp"], runs["one"]
@@ -174,14 +170,18 @@ def test_train_ppo_cli_tp2_equals_one_process(llama_dir, data_dir, tmp_path):
     """`torchrun --nproc_per_node 2 -m rlhfkit.cli.train_ppo ... --ds_tensor_parallel_size 2`: GRPO with a KL
     loss against a tensor-parallel reference, the builtin engine fed by the weight sync (gathered TP
     shards). Step 2 samples with the weights synced after step 1, so equal rewards there check the sync."""
+    import sys
+
     from helpers import read_run, rl_flags
 
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
     runs = {}
-    for name, tp in (("tp", True), ("one", False)):
+    for name, cmd in (("tp", torchrun_cmd(2, "-m", "rlhfkit.cli.train_ppo", "--ds_tensor_parallel_size", "2")),
+                      ("one", [sys.executable, "-m", "rlhfkit.cli.train_ppo"])):
         out = str(tmp_path / name)
-        proc = run_sft_or_ppo("rlhfkit.cli.train_ppo", rl_flags(llama_dir, data_dir, out, steps=2), tp)
+        proc = subprocess.run([*cmd, *rl_flags(llama_dir, data_dir, out, steps=2)], env=subprocess_env(), cwd=ROOT,
+                              capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
         runs[name] = read_run(out)
     (tp_rows, tp_w), (one_rows, one_w) = runs["tp"], runs["one"]

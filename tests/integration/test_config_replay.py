@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
-from helpers import run_cli
+from helpers import subprocess_env
 
 from rlhfkit.cli import train_sft
 from rlhfkit.trainers.metrics import read_metrics
@@ -79,7 +81,8 @@ def test_yaml_config_runs_train_sft(tiny_model_dir, qa, tmp_path):
                    "train:\n  batch_size: 8\n  micro_batch_size: 8\n"
                    "max_steps: 1\nparam_dtype: fp32\ndisable_progress: true\ndevice: cpu\n"
                    "learning_rate: 1.0e-2\n")
-    r = run_cli("rlhfkit.cli.train_sft", ["--config", str(cfg), "--save_path", out, "--learning_rate", "2e-3"])
+    r = subprocess.run([sys.executable, "-m", "rlhfkit.cli.train_sft", "--config", str(cfg), "--save_path", out,
+                        "--learning_rate", "2e-3"], capture_output=True, text=True, timeout=300, env=subprocess_env())
     assert r.returncode == 0, r.stderr[-2000:]
     saved = json.load(open(os.path.join(out, "run_config.json")))
     assert saved["pretrain"] == tiny_model_dir and saved["max_len"] == 32 and saved["train_batch_size"] == 8

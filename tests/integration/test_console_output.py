@@ -2,7 +2,7 @@
 
 - on a terminal the step lines print every --logging_steps above the progress bar, and on a terminal of
   size 0x0 (CI runners, `docker run -t`) as plain lines without a bar; train.log has them either way
-  (train_sft and train_ppo with their standard streams on a pty);
+  (train_sft and train_ppo under a pty, as subprocesses);
 - an RL step line names the truncated share and the share of groups of equal rewards, and a step whose
   groups all had equal rewards prints one hint, once per run;
 - transformers' load report goes to train.log only, unless --verbose;
@@ -10,22 +10,52 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
+import select
 import signal
+import struct
+import subprocess
+import sys
+import termios
+import time
 
 import pytest
-from helpers import rl_flags, run_cli, write_rl_data
+from helpers import rl_flags, subprocess_env, write_rl_data
 
 from test_logging_output import write_qa
 
 
-def run_in_pty(args: list[str], cols: int, rows: int) -> str:
+def run_in_pty(args: list[str], cols: int, rows: int, timeout: float = 240) -> str:
     """Run `python -m <args>` with stdin, stdout and stderr on a pty of `cols` x `rows`; everything it wrote."""
-    r = run_cli(args[0], args[1:], terminal=(cols, rows))
-    assert r.returncode == 0, r.stdout[-3000:]
-    return r.stdout
+    master, slave = os.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+    proc = subprocess.Popen([sys.executable, "-m", *args], stdin=slave, stdout=slave, stderr=slave,
+                            env=subprocess_env(), start_new_session=True)
+    os.close(slave)
+    out, deadline = b"", time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 1.0)
+            if not ready:
+                continue
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # EIO: every writer closed the pty
+                break
+            if not chunk:
+                break
+            out += chunk
+    finally:
+        os.close(master)
+        if proc.poll() is None and time.monotonic() >= deadline:
+            proc.kill()
+        proc.wait(timeout=30)
+    text = out.decode("utf-8", "replace")
+    assert proc.returncode == 0, text[-3000:]
+    return text
 
 
 def read_jsonl(path: str) -> list[dict]:
@@ -83,7 +113,8 @@ CONSTANT_REWARD = "def reward_func(queries, prompts, labels):\n    return [0.5 f
 def test_a_step_without_learning_signal_prints_one_hint(tiny_model_dir, tmp_path):
     d = write_rl_data(str(tmp_path), reward_src=CONSTANT_REWARD)
     out = str(tmp_path / "rl")
-    r = run_cli("rlhfkit.cli.train_ppo", rl_flags(tiny_model_dir, d, out, steps=3))
+    r = subprocess.run([sys.executable, "-m", "rlhfkit.cli.train_ppo", *rl_flags(tiny_model_dir, d, out, steps=3)],
+                       capture_output=True, text=True, env=subprocess_env(), timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     hints = [x for x in r.stderr.splitlines() if x.startswith("hint: ")]
     assert len(hints) == 1, r.stderr  # once, not at each of the 3 flat steps
@@ -102,9 +133,10 @@ def test_transformers_load_report_only_with_verbose(tiny_model_dir, tmp_path):
 
     def train_rm(name: str, *extra: str) -> tuple[str, str]:
         out = str(tmp_path / name)
-        r = run_cli("rlhfkit.cli.train_rm", ["--pretrain", tiny_model_dir, "--dataset", str(data), "--max_len", "16",
-                                             "--train_batch_size", "8", "--micro_train_batch_size", "8",
-                                             "--max_steps", "1", "--save_path", out, "--disable_progress", *extra])
+        r = subprocess.run([sys.executable, "-m", "rlhfkit.cli.train_rm", "--pretrain", tiny_model_dir, "--dataset",
+                            str(data), "--max_len", "16", "--train_batch_size", "8", "--micro_train_batch_size", "8",
+                            "--max_steps", "1", "--save_path", out, "--disable_progress", *extra],
+                           capture_output=True, text=True, env=subprocess_env(), timeout=240)
         assert r.returncode == 0, r.stderr[-3000:]
         return r.stdout + r.stderr, open(os.path.join(out, "train.log")).read()
 

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
-from helpers import CliResult, run_cli
+from helpers import ROOT, pythonpath
 
 
-def run(module: str, *argv: str) -> CliResult:
-    return run_cli(module, argv)
+def run(module: str, *argv: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": pythonpath(ROOT)}
+    return subprocess.run([sys.executable, "-m", module, *argv], capture_output=True, text=True, timeout=300, env=env)
 
 
 def test_rl_null_label_and_oversized_row(tiny_model_dir, tmp_path):

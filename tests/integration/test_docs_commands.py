@@ -1,9 +1,8 @@
 """The README's and docs/*.md's commands and Python examples run as written, on the tiny model, in a temp folder.
 
 Every ```bash block of README.md and docs/*.md is extracted and run with `bash -euo pipefail`, and
-every ```python block as a script of this venv's python, with this venv's bin/ first on PATH (as after
-`make demo` with the venv activated); the Python blocks and the rlhfkit commands of the bash blocks run in the
-test's process (helpers.run_cli, run_shell), every other program as a process of its own:
+every ```python block with this venv's python, with this venv's bin/ first on PATH (as after
+`make demo` with the venv activated):
 
 - the README's block marked `<!-- docs-test: setup -->` (tiny model, `rlhfkit make_data`) runs once
   into a fresh folder; each page then runs in its own copy of that folder, so a page may use
@@ -32,7 +31,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import ROOT, run_cli, run_shell, subprocess_env
+from helpers import ROOT, subprocess_env
 
 MARK = re.compile(r"^<!--\s*docs-test:\s*(skip|setup|model)\s*(?:\((.*)\))?\s*-->$")
 FENCE = re.compile(r"^```(bash|sh|shell|python)\s*$")
@@ -113,11 +112,9 @@ def run_block(block: Block, cwd: str, model: str = "./tiny") -> None:
     script = os.path.join(cwd, f".docs_block_{block.line}.{'py' if block.lang == 'python' else 'sh'}")
     with open(script, "w") as f:
         f.write(block.text.replace(block.reason, model) if block.kind == "model" else block.text)
+    cmd = [sys.executable, script] if block.lang == "python" else ["bash", "-euo", "pipefail", script]
     try:
-        if block.lang == "python":
-            proc = run_cli(script, [], env(), cwd)
-        else:
-            proc = run_shell(["bash", "-euo", "pipefail", script], cwd, env(), BLOCK_TIMEOUT)
+        proc = subprocess.run(cmd, cwd=cwd, env=env(), capture_output=True, text=True, timeout=BLOCK_TIMEOUT)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"{block.where}: still running after {BLOCK_TIMEOUT} s:\n{block.text}\n{e.stdout or ''}")
     if proc.returncode != 0:

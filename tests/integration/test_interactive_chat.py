@@ -4,8 +4,11 @@ prompt, csft suffix) worked out by hand, and which format a tokenizer gets."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import torch
-from helpers import run_cli
 
 from rlhfkit.cli.interactive_chat import use_chat_template
 from rlhfkit.inference.chat import ChatSession, read_system_prompt
@@ -23,9 +26,11 @@ def _hf_greedy(model, tok, prompt: str) -> str:
 
 
 def _piped(model_dir: str, *extra: str):
-    argv = ["--pretrain", model_dir, "--greedy_sampling", "--max_len", str(MAX_LEN), "--repetition_penalty",
-            str(PENALTY), "--device", "cpu", *extra]
-    proc = run_cli("rlhfkit.cli.interactive_chat", argv, stdin="hi\nclear\nbye\nexit\nnot read\n")
+    cmd = [sys.executable, "-m", "rlhfkit.cli.interactive_chat", "--pretrain", model_dir, "--greedy_sampling",
+           "--max_len", str(MAX_LEN), "--repetition_penalty", str(PENALTY), "--device", "cpu", *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run(cmd, input="hi\nclear\nbye\nexit\nnot read\n", capture_output=True, text=True,
+                          timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
     return proc
 

@@ -1,15 +1,17 @@
 """What a run leaves for its user: a log without progress bars when output goes to a file (one line per
 logged step and per evaluation), one metric naming scheme in metrics.jsonl and TensorBoard, the plot,
-and a model card in the saved model (train_sft and train_ppo on the tiny model)."""
+and a model card in the saved model (train_sft and train_ppo on the tiny model, as subprocesses)."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import subprocess
+import sys
 
 import pytest
-from helpers import rl_flags, run_cli, write_rl_data
+from helpers import rl_flags, subprocess_env, write_rl_data
 
 from rlhfkit.trainers.metrics import read_metrics
 
@@ -24,9 +26,13 @@ def write_qa(path: str, n: int) -> str:
 
 def run_logged(tmp_path, module: str, args: list[str]) -> str:
     """Run `module` with stdout and stderr redirected to one file (no terminal); returns the file's text."""
-    r = run_cli(f"rlhfkit.cli.{module}", args, merge_stderr=True)
-    assert r.returncode == 0, r.stdout[-3000:]
-    return r.stdout
+    log = tmp_path / f"{module}.log"
+    with open(log, "w") as f:
+        r = subprocess.run([sys.executable, "-m", f"rlhfkit.cli.{module}", *args], stdout=f, stderr=subprocess.STDOUT,
+                           env=subprocess_env(), timeout=300)
+    text = log.read_text()
+    assert r.returncode == 0, text[-3000:]
+    return text
 
 
 def step_lines(text: str) -> list[int]:

@@ -15,14 +15,21 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
+import sys
 
 import pytest
 from helpers import DIGIT_REWARD as REWARD_FILE
-from helpers import ppo_flags, run_cli
+from helpers import ppo_flags, pythonpath
 
 from rlhfkit.cli import train_ppo
 from rlhfkit.tasks.addition import addition_splits
 
+
+
+def env() -> dict[str, str]:
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return {**os.environ, "PYTHONPATH": pythonpath(here)}
 
 
 @pytest.fixture()
@@ -43,12 +50,12 @@ def test_sft_at_learning_rate_1e6_exits_1_without_weights(tiny_model_dir, tmp_pa
     data.write_text("".join(json.dumps({"question": f"{a}+{a + 1}=", "response": str(2 * a + 1)}) + "\n"
                             for a in range(64)))
     save = str(tmp_path / "sft")
-    cmd = ["--pretrain", tiny_model_dir, "--dataset", str(data),
+    cmd = [sys.executable, "-m", "rlhfkit.cli.train_sft", "--pretrain", tiny_model_dir, "--dataset", str(data),
            "--input_key", "question", "--output_key", "response", "--input_template", "{}", "--max_len", "32",
            "--train_batch_size", "8", "--micro_train_batch_size", "4", "--learning_rate", "1e6", "--l2", "0.01",
            "--max_steps", "8", "--max_weight_growth", "0", "--save_path", save,
            "--disable_progress", "--attn_implementation", "eager"]
-    r = run_cli("rlhfkit.cli.train_sft", cmd)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env())
     assert r.returncode == 1, r.stderr[-3000:]
     rows = [json.loads(x) for x in open(os.path.join(save, "metrics.jsonl"))]
     assert [x["train/nonfinite_skipped"] for x in rows][-3:] == [1.0, 1.0, 1.0]  # 3 skipped, the 4th stopped it
@@ -61,8 +68,10 @@ def test_sft_at_learning_rate_1e6_exits_1_without_weights(tiny_model_dir, tmp_pa
 
 def test_rl_at_learning_rate_1e6_exits_1_without_weights(tiny_model_dir, rl_data):
     save = str(rl_data / "rl")
-    r = run_cli("rlhfkit.cli.train_ppo", rl_argv(tiny_model_dir, rl_data, save, "--actor_learning_rate", "1e6",
-                                                 "--l2", "0.01", "--max_steps", "8", "--max_weight_growth", "0"))
+    cmd = [sys.executable, "-m", "rlhfkit.cli.train_ppo",
+           *rl_argv(tiny_model_dir, rl_data, save, "--actor_learning_rate", "1e6", "--l2", "0.01",
+                    "--max_steps", "8", "--max_weight_growth", "0")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env())
     assert r.returncode == 1, r.stderr[-3000:]
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("train_ppo: error: non-finite") and "--max_nonfinite_steps 3" in last, r.stderr[-2000:]

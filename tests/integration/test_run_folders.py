@@ -101,7 +101,7 @@ def test_overwrite_with_ckpt_path_at_save_path_keeps_the_users_files(tiny_model_
 def test_a_live_runs_folder_is_never_shared_until_it_is_killed(tiny_model_dir, tmp_path, capsys):
     """Issue #42, 2: while run A trains into lk/, a run B with --ckpt_path or --save_path inside it is refused
     in one line naming A (pid, command); once A is killed (kill -9: its lock stays behind), B is allowed.
-    A's pid is the one its lock names."""
+    A's pid is the one its lock names (under tests/warmstart that process is not the client Popen started)."""
     data = write_qa(tmp_path / "d.jsonl")
     lk, b = tmp_path / "lk", str(tmp_path / "b")
     ck = str(lk / "checkpoints")

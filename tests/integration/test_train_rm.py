@@ -10,10 +10,11 @@ import json
 import math
 import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
-from helpers import run_cli
 
 from rlhfkit.cli.train_rm import build_parser, main, run
 from rlhfkit.data.collate import pad_batch
@@ -128,18 +129,19 @@ def test_config_stores_mean_and_std_of_eval_scores(trained):
     torch.testing.assert_close(got.double(), (scores - cfg["mean"]) / cfg["std"], atol=1e-4, rtol=0)
 
 
-def test_seed_command_runs(tiny_long_model_dir, tmp_path):
+def test_seed_command_as_subprocess(tiny_long_model_dir, tmp_path):
     """The README's RM command (minus wandb), pointed at the tiny model and a local chat-format jsonl."""
     train, _ = addition_pairs(chat=True)
     data = write_jsonl(str(tmp_path / "prefs.jsonl"), train[:16])
     out = str(tmp_path / "llama3-8b-rm")
-    cmd = ["--save_path", out, "--save_steps", "-1",
+    cmd = [sys.executable, "-m", "rlhfkit.cli.train_rm", "--save_path", out, "--save_steps", "-1",
            "--logging_steps", "1", "--eval_steps", "-1", "--train_batch_size", "8", "--micro_train_batch_size", "1",
            "--pretrain", tiny_long_model_dir, "--param_dtype", "bf16", "--max_epochs", "1", "--max_len", "8192",
            "--zero_stage", "3", "--learning_rate", "9e-6", "--dataset", data, "--apply_chat_template",
            "--chosen_key", "chosen", "--rejected_key", "rejected", "--packing_samples", "--gradient_checkpointing",
            "--value_prefix_head", "score", "--ckpt_path", str(tmp_path / "ckpt")]
-    proc = run_cli("rlhfkit.cli.train_rm", cmd)
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(os.path.join(out, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]

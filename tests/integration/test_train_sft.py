@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
-from helpers import run_cli
 
 from rlhfkit.cli import train_sft
 from rlhfkit.trainers.metrics import read_metrics
@@ -46,9 +47,9 @@ def sft_args(model, data, out, *extra):
 def test_seed_sft_command_runs_on_cpu(tiny_long_model_dir, qa, tmp_path):
     out = str(tmp_path / "sft")
     data = write_qa(str(tmp_path / "seed.jsonl"), 256)  # one optimizer step of the seed's batch of 256
-    cmd = ["--pretrain", tiny_long_model_dir, "--dataset", data,
+    cmd = [sys.executable, "-m", "rlhfkit.cli.train_sft", "--pretrain", tiny_long_model_dir, "--dataset", data,
            "--save_path", out, "--disable_progress", *SEED_FLAGS]
-    r = run_cli("rlhfkit.cli.train_sft", cmd)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     rows = read_metrics(os.path.join(out, "metrics.jsonl"))
     assert [x["step"] for x in rows] == [1] and rows[0]["train/loss"] > 0
@@ -125,20 +126,23 @@ def test_missing_input_key_names_file_row_and_key(tiny_model_dir, tmp_path):
     data = tmp_path / "bad.jsonl"
     data.write_text(json.dumps({"question": "1+1=", "response": "2"}) + "\n"
                     + json.dumps({"prompt": "2+2=", "response": "4"}) + "\n")
-    r = run_cli("rlhfkit.cli.train_sft", sft_args(tiny_model_dir, str(data), str(tmp_path / "o")))
+    cmd = [sys.executable, "-m", "rlhfkit.cli.train_sft", *sft_args(tiny_model_dir, str(data), str(tmp_path / "o"))]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
     assert "bad.jsonl row 2" in r.stderr and "'question'" in r.stderr and "--input_key" in r.stderr
     assert "Traceback" not in r.stderr
 
 
 def test_unknown_flag_fails_with_suggestion(tiny_model_dir):
-    r = run_cli("rlhfkit.cli.train_sft", ["--pretrain", tiny_model_dir, "--micro_train_batchsize", "2"])
+    r = subprocess.run([sys.executable, "-m", "rlhfkit.cli.train_sft", "--pretrain", tiny_model_dir,
+                        "--micro_train_batchsize", "2"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "did you mean --micro_train_batch_size" in r.stderr
 
 
 def test_a_ring_larger_than_the_world_is_refused_by_name(tiny_model_dir, qa, tmp_path):
-    r = run_cli("rlhfkit.cli.train_sft", [*sft_args(tiny_model_dir, qa[0], str(tmp_path / "o")), "--ring_attn_size",
-                                          "2"])
+    r = subprocess.run([sys.executable, "-m", "rlhfkit.cli.train_sft",
+                        *sft_args(tiny_model_dir, qa[0], str(tmp_path / "o")), "--ring_attn_size", "2"],
+                       capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "must be divisible by" in r.stderr and "--ring_attn_size (2)" in r.stderr
     assert "Traceback" not in r.stderr
 

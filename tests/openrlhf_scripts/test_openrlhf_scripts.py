@@ -7,10 +7,9 @@ one CPU worker, sizes cut to one or two steps, `ray job submit` replaced by a di
 join this test's Ray head through $RAY_ADDRESS; without it the CLI starts a local Ray), every other
 flag as written. Each changed line carries a `# changed:` comment; the header names the OpenRLHF
 commit. Flags are bash arrays, one flag a line, where OpenRLHF used a heredoc or backslash-continued
-lines (a comment cannot follow a continued line). The test runs each copy with bash, its rlhfkit commands in
-the test's own process (helpers.run_shell; torchrun, Ray's workers and the reward server are processes of their
-own), checks exit code 0 and the outputs it must leave (or, for the dotted copies marked "parsed" below, runs it
-with a python3 that records its arguments and compares what they resolve to with the flat copy's).
+lines (a comment cannot follow a continued line). The test runs each copy with bash, checks exit
+code 0 and the outputs it must leave (or, for the dotted copies marked "parsed" below, runs it with a python3
+that records its arguments and compares what they resolve to with the flat copy's).
 
 Selected (flat / dotted: the spelling was run; "parsed": the dotted copy's flags, read by the command's
 parser, are the flat copy's run but for settings that change nothing here (PARSED_ONLY), so the flat run
@@ -94,9 +93,10 @@ import urllib.request
 from dataclasses import dataclass, field
 
 import pytest
+import warmstart
 
 from openrlhf_assets import shared_assets
-from helpers import free_port, run_shell, subprocess_env
+from helpers import free_port, subprocess_env
 
 pytestmark = pytest.mark.slow
 
@@ -207,7 +207,7 @@ def _base_env() -> dict[str, str]:
     env = subprocess_env()
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")  # python3 / torchrun of this venv
     env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", TRANSFORMERS_VERBOSITY="error",
-               RAY_AUTH_MODE="disabled", RAY_DEDUP_LOGS="0", NPROC_PER_NODE="1", OMP_NUM_THREADS="1")
+               RAY_AUTH_MODE="token", RAY_DEDUP_LOGS="0", NPROC_PER_NODE="1", OMP_NUM_THREADS="1")
     env.pop("RAY_ADDRESS", None)
     return env
 
@@ -222,6 +222,7 @@ class RayHead:
         self.address = f"127.0.0.1:{self.port}"
         ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
         self.log = open(os.path.join(self.tmp, "head.log"), "w")
+        warmstart.wait_ready(_base_env())  # the head's workers start warm only if the head does
         self.proc = subprocess.Popen(
             [ray_bin, "start", "--head", "--block", f"--port={self.port}", "--node-ip-address=127.0.0.1",
              "--num-cpus=8", "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={self.tmp}",
@@ -275,17 +276,19 @@ def ray_head():
 
 def run_script(script: str, out: str, env: dict[str, str], timeout: float, args: tuple[str, ...] = (),
                stdin: str | None = None) -> subprocess.CompletedProcess:
-    """bash SCRIPT in `out` with `env`, its rlhfkit commands in this process (helpers.run_shell); the log is
-    out/<name>.log; the whole process group is killed on timeout (a failed run, not an error)."""
+    """bash SCRIPT in `out` with `env`; the log is out/<name>.log; the whole process group is killed on timeout."""
     log_path = os.path.join(out, os.path.basename(script).removesuffix(".sh") + ".log")
-    cmd = ["bash", os.path.join(HERE, script), *args]
     with open(log_path, "w") as log:
+        proc = subprocess.Popen(["bash", os.path.join(HERE, script), *args], cwd=out, env=env, stdout=log,
+                                stderr=subprocess.STDOUT, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+                                text=True, start_new_session=True)
         try:
-            code = run_shell(cmd, out, env, timeout, stdin=stdin, log=log).returncode
+            proc.communicate(stdin, timeout=timeout)
         except subprocess.TimeoutExpired:
-            code = -signal.SIGKILL
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     text = open(log_path).read()
-    return subprocess.CompletedProcess(cmd, code, text, "")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, text, "")
 
 
 def assert_ran(res: subprocess.CompletedProcess, out: str, outputs: list[str]) -> None:
@@ -383,11 +386,11 @@ def test_lora_sft_then_combine(spelling, assets, tmp_path):
 def test_interactive_chat_fed_stdin(assets, tmp_path):
     """interactive_chat_llama.sh MODEL, two user lines then `exit` on stdin: two replies on stdout, exit 0."""
     out = str(tmp_path)
-    res = run_shell(["bash", os.path.join(HERE, "flat", "interactive_chat_llama.sh"), assets["MODEL"]], out,
-                    script_env(assets, out), OFFLINE_TIMEOUT_S, stdin="12+34=\n5+6=\nexit\n")
     with open(os.path.join(out, "interactive_chat.log"), "w") as err:
-        err.write(res.stderr)
-    log = res.stderr[-4000:]
+        res = subprocess.run(["bash", os.path.join(HERE, "flat", "interactive_chat_llama.sh"), assets["MODEL"]],
+                             cwd=out, env=script_env(assets, out), input="12+34=\n5+6=\nexit\n", stdout=subprocess.PIPE,
+                             stderr=err, text=True, timeout=OFFLINE_TIMEOUT_S)
+    log = open(os.path.join(out, "interactive_chat.log")).read()[-4000:]
     assert res.returncode == 0, log
     assert len(res.stdout.splitlines()) == 2, (res.stdout, log)
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import subprocess
+import sys
 
 import pytest
-from helpers import run_cli
+from helpers import subprocess_env
 
 import rlhfkit
 from rlhfkit.cli.main import COMMANDS, flag_reference
@@ -92,7 +94,8 @@ def test_version_flag(capsys):
 
 @pytest.mark.parametrize("argv", [["rlhfkit.cli.main", "--version"], ["rlhfkit.cli.train_sft", "--version"]])
 def test_version_from_the_command_line(argv):
-    r = run_cli(argv[0], argv[1:])
+    r = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, timeout=120,
+                       env=subprocess_env())
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == f"rlhfkit {rlhfkit.__version__}"
 

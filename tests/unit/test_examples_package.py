@@ -6,10 +6,12 @@ from __future__ import annotations
 import filecmp
 import os
 import re
+import subprocess
+import sys
 
 
 import pytest
-from helpers import ROOT, run_cli
+from helpers import ROOT, subprocess_env
 
 from rlhfkit.examples import FILES, path
 
@@ -27,9 +29,8 @@ def test_examples_folder_holds_the_packaged_files():
 
 
 def test_module_prints_the_paths():
-    r = run_cli("rlhfkit.examples", [])
-    assert r.returncode == 0, r.stderr
-    out = r.stdout.splitlines()
+    out = subprocess.run([sys.executable, "-m", "rlhfkit.examples"], env=subprocess_env(), capture_output=True,
+                         text=True, check=True).stdout.splitlines()
     assert [line.split("\t")[0] for line in out] == [path(n) for n in FILES]
     assert all(os.path.isfile(line.split("\t")[0]) for line in out)
 

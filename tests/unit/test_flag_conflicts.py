@@ -3,8 +3,11 @@ two names of one setting with different values, an on/off pair, and the declared
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
-from helpers import run_cli
+from helpers import subprocess_env
 
 from rlhfkit.cli import batch_inference, interactive_chat, train_ppo, train_sft
 
@@ -83,7 +86,8 @@ def test_parsing_twice_with_one_parser():
 
 
 def test_conflict_from_the_command_line():
-    r = run_cli("rlhfkit.cli.train_sft", ["--bf16", "--param_dtype", "fp32"])
+    r = subprocess.run([sys.executable, "-m", "rlhfkit.cli.train_sft", "--bf16", "--param_dtype", "fp32"],
+                       capture_output=True, text=True, timeout=120, env=subprocess_env())
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1] == ("train_sft: error: --bf16 and --param_dtype fp32 conflict: "
                                                  "both set --param_dtype; give one of them")
