@@ -1,16 +1,6 @@
 """train_ppo_ray's placement: the role groups and rollout engines as Ray actors, the loop in the driver
-(`RayLayout`, a `rlhfkit.rl_run.root.Layout`), with the checks and notes of the placement flags.
-
-    driver (this process)                               Ray actors
-    RLTrainer (the same loop as train_ppo)  --call-->   RayGroup policy / ref / critic / reward:
-      executor -> RayEngineRouter -------agenerate-->     N ranks each, one torch process group per
-      world size 1: the whole batch                       role (FSDP2 data parallel), batch split by rows
-      weights (RayWeightSync, once per step): policy ranks gather; rank 0 broadcasts to every
-      engine shard (gloo / NCCL group of its own), or each rank passes CUDA IPC handles to the
-      shard on its GPU (colocated), or rank 0 -> object store -> every shard actor (--weight_sync,
-      default auto); each shard keeps its slice
-      engines: --vllm_num_engines x --vllm_tensor_parallel_size shard actors; an engine's shard 0
-      serves requests and mirrors its steps to the others (rollout/builtin/loop/step_runner.py)
+(`RayLayout`, a `rlhfkit.rl_run.root.Layout`), with the checks and notes of the placement flags. The actors
+and the weight paths between them are drawn in rlhfkit.cli.train_ppo_ray's docstring (its --help).
 
 The actors build their roles and engines with `build_role` / `build_engine` from the resolved flags and
 the driver's tokenizer (sent with them: no actor loads it again).
