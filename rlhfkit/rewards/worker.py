@@ -120,20 +120,25 @@ def main() -> None:
     requests = os.fdopen(0, "rb")
     try:
         fn = _load(path, name)
-        write_frame(answers, pickle.dumps(("ok", None, "")))
     except BaseException as e:  # noqa: BLE001 - reported to the trainer, which names the file
-        write_frame(answers, pickle.dumps(("error", f"importing the file failed: {type(e).__name__}: {e}",
-                                           user_frames(e))))
+        _send(answers, pickle.dumps(("error", f"importing the file failed: {type(e).__name__}: {e}",
+                                     user_frames(e))))
         return
+    _send(answers, pickle.dumps(("ok", None, "")))
     while True:
         request = read_frame(requests)
         if request is None:
             return
-        answer = _answer(fn, request)
-        try:
-            write_frame(answers, answer)
-        except OSError:  # the trainer no longer reads (its run ended while this call ran): leave quietly,
-            os._exit(1)  # not with a traceback on the terminal the trainer shares
+        _send(answers, _answer(fn, request))
+
+
+def _send(answers, payload: bytes) -> None:
+    """One answer to the trainer; if it no longer reads (its run ended while this worker loaded the file or ran
+    a call), the worker leaves quietly, not with a traceback on the terminal the trainer shares."""
+    try:
+        write_frame(answers, payload)
+    except OSError:
+        os._exit(1)
 
 
 if __name__ == "__main__":

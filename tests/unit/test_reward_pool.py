@@ -219,3 +219,24 @@ def test_close_pools_stops_every_worker_of_a_finished_run(reward_file):
         p.wait(timeout=10)
     assert pool._closed and reward_source_with_workers(reward_file, 5.0, workers=2) is not pool  # a new run: new pool
     close_pools()
+
+
+def test_a_worker_whose_trainer_is_gone_leaves_without_a_traceback(tmp_path):
+    """A worker that finishes loading the reward file after the trainer stopped reading (its run ended) exits
+    quietly: nothing on the terminal the trainer shares, for a file that loads and for one that fails to."""
+    import subprocess
+    import sys
+
+    from rlhfkit.rewards.process_pool import WORKER
+
+    good, bad = tmp_path / "good.py", tmp_path / "bad.py"
+    good.write_text("def reward_func(queries, prompts, labels):\n    return [0.0] * len(queries)\n")
+    bad.write_text("raise ImportError('no such verifier')\n")
+    for path in (good, bad):
+        read_end, write_end = os.pipe()
+        os.close(read_end)  # the trainer is gone before the worker's first answer
+        proc = subprocess.run([sys.executable, WORKER, str(write_end), str(path)], pass_fds=(write_end,),
+                              stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+        os.close(write_end)
+        assert proc.returncode == 1, (path.name, proc.returncode, proc.stderr)
+        assert proc.stderr == "", (path.name, proc.stderr)
