@@ -5,8 +5,8 @@
 For each shape (the families bench's Qwen3-MoE and gpt-oss layers, Qwen3-30B-A3B's layer) and each number
 of tokens T, one layer `experts.routed` (routing, dispatch, expert GEMMs, weighted sum; compiled as in
 the engine) is captured in a CUDA graph and replayed: once with the Triton kernels (triton_moe.py) and
-once with torch._grouped_mm; the same layer without its expert GEMMs (routing, dispatch and the weighted sum;
-torch's and the Triton router and dispatch) shows what is left around them. Beside them, a dense MLP holding the same weight bytes (the Qwen2 twin's
+once with torch._grouped_mm; the same layer without its expert GEMMs (routing and the weighted sum, with
+torch's dispatch or, for the Triton path, none) shows what is left around them. Beside them, a dense MLP holding the same weight bytes (the Qwen2 twin's
 layer: cuBLAS GEMMs, and the engine's Triton decode GEMMs where they apply), and the time it takes
 to read the expert weights once at the measured copy bandwidth. Times are microseconds per layer,
 the median of 5 rounds of 50 replays. One JSON object.
@@ -119,12 +119,11 @@ def main() -> None:
 
             row["routing_only_us"] = round(_graph_time(torch.compile(routing_only, dynamic=False)), 1)
             if triton_moe.available():
-                def routing_triton() -> torch.Tensor:  # the same through the Triton router and dispatch
+                def routing_triton() -> torch.Tensor:  # the Triton path's router and weighted sum (no dispatch)
                     moe = spec.moe
                     weights, ids = torch.ops.rlhfkit.moe_route(x, lw.router, lw.router_bias, moe.top_k,
                                                                moe.router == "softmax_topk", moe.norm_topk_prob)
-                    dest, perm, _ = torch.ops.rlhfkit.moe_dispatch(ids, moe.num_experts)
-                    y = x[perm // moe.top_k][dest].view(-1, moe.top_k, h) * weights[..., None]
+                    y = x.repeat_interleave(moe.top_k, 0).view(-1, moe.top_k, h) * weights[..., None]
                     return y.sum(dim=1).to(x.dtype)
 
                 row["routing_triton_us"] = round(_graph_time(torch.compile(routing_triton, dynamic=False)), 1)

@@ -11,7 +11,7 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PYTHONPATH=$PWD
 gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[1].lower())")
 timeout 200 python3 -m pytest -q -p no:cacheprovider -rf --show-capture=no tests/gpu/test_triton_moe_gpu.py \
   tests/gpu/test_engine_families_gpu.py 2>&1 | grep -E "passed|failed|FAILED|Error|assert" | cut -c1-400 | tail -15
-timeout 150 python3 bench/moe_kernels.py --out "$out/moe_kernels_$gpu.json" 2>&1 | tail -30
+timeout 150 python3 bench/moe_kernels.py --tokens ${MOE_TOKENS:-8 16 32 64 128 256 1024 4096} --out "$out/moe_kernels_$gpu.json" 2>&1 | tail -30
 timeout ${FAMILIES_TIMEOUT:-240} python3 bench/families.py --families qwen3_moe,gpt_oss --repeat 2 \
   --out "$out/families_moe_$gpu.json" 2>&1 | python3 -c "
 import sys, json

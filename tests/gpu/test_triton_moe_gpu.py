@@ -1,12 +1,12 @@
 """The Triton routed-experts kernels (rlhfkit/rollout/builtin/kernels/triton_moe.py) on a GPU (skipped without CUDA).
 
-One random routed layer in bf16 goes through `experts._moe` twice, once with the Triton kernels (router, dispatch
-and experts) and once with F.linear, the counting sort and torch's grouped GEMMs; both are compared with the same
+One random routed layer in bf16 goes through `experts._moe` twice, once with the Triton kernels (router and
+experts, each expert program finding its own rows) and once with F.linear, the counting sort and torch's grouped GEMMs; both are compared with the same
 layer in fp32 on the tokens both send where fp32 does. The Triton path must be as close to fp32 as the other is
 (25% slack over its error, plus 1e-3) and choose the same experts for at least 99% of the tokens (its router
 logits sum in another order, so near-ties may fall the other way), for Qwen3-MoE's SiLU experts and gpt-oss's
-clamped, biased, interleaved ones, at batch sizes from one token to several rows per expert. The dispatch kernel
-equals `experts.dispatch` exactly.
+clamped, biased, interleaved ones, at batch sizes from one token to several rows per expert (300 tokens: more
+rows per expert than a program's block, and more rows than one scan of the ids takes).
 """
 
 from __future__ import annotations
@@ -66,14 +66,3 @@ def test_triton_experts_as_close_to_fp32_as_grouped_gemms(act, tokens, monkeypat
     err_fast = (fast - ref)[rows].abs().max().item()
     err_grouped = (grouped - ref)[rows].abs().max().item()
     assert err_fast <= 1.25 * err_grouped + 1e-3, (err_fast, err_grouped)
-
-
-@pytest.mark.parametrize("experts,top_k,tokens", [(64, 8, 64), (32, 4, 7), (128, 8, 300), (12, 6, 33)])
-def test_dispatch_kernel_equals_counting_sort(experts, top_k, tokens):
-    from rlhfkit.rollout.builtin.kernels import triton_moe
-    from rlhfkit.rollout.builtin.model.experts import dispatch
-
-    g = torch.Generator(device="cuda").manual_seed(2)
-    ids = torch.rand(tokens, experts, generator=g, device="cuda").topk(top_k, dim=-1).indices
-    for got, want in zip(triton_moe.moe_dispatch(ids, experts), dispatch(ids, experts)):
-        assert torch.equal(got, want)

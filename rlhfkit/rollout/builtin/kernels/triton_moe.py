@@ -1,26 +1,28 @@
 """Triton kernels for the routed experts of a decode step (Qwen3-MoE, gpt-oss), as torch custom ops.
 
-In a decode step each expert gets a handful of the batch's T x k (token, choice) rows, so the expert
-GEMMs are bound by reading the expert weights. The two ops read each expert's weight tile once per
-program and loop over that expert's rows (grouped by expert beforehand, `experts.dispatch`):
+In a decode step each expert gets a handful of the batch's S = T x k (token, choice) rows, so the expert
+GEMMs are bound by reading the expert weights. Both expert ops run one program per (expert e, column
+block n): it reads its tile of expert e's weights once and loops over e's rows, BLOCK_M at a time. It finds
+those rows itself, in the router's flat ids (`_select_rows`: the rows that chose e, in row order), so no
+dispatch kernel groups them beforehand and every output row stays at its (token, choice) place:
 
-`rlhfkit::moe_gate_up(x [T, H], perm [S], offsets [E], w [E, 2I, H], bias [E, 2I] | None, top_k, act,
-alpha, limit) -> [S, I]`
-    Program (e, n) gathers expert e's rows of `x` (row r of the grouped order is token
-    `perm[r] // top_k`), BLOCK_M at a time, multiplies them by the gate and up rows of its column block (two
-    accumulators, the [S, 2I] intermediate never reaches memory), rounds both to the model dtype as a
-    GEMM's output is, adds the bias and applies the activation: `act` 0 is SiLU(gate) * up with gate
-    and up the two halves of `w` (Qwen3-MoE), 1 is gpt-oss's clamped `(up + 1) * gate * sigmoid(alpha
-    * gate)` with gate and up rows interleaved.
+`rlhfkit::moe_route(x [T, H], router [E, H], bias [E] | None, top_k, softmax_first, norm) -> (weights [T, k], ids [T, k])`
+    Router logits and the top-k choice, one kernel (both router kinds: `experts.route`).
 
-`rlhfkit::moe_down(a [S, I], offsets [E], w [E, H, I]) -> [S, H]`
-    Program (e, n) multiplies expert e's rows of `a` (contiguous in the grouped order) by its block of
-    `w`'s rows; the output is rounded to the model dtype. The bias, the router weights and the sum
-    over a token's k rows stay in the compiled function around the ops (model/experts.py).
+`rlhfkit::moe_gate_up(x [T, H], ids [T, k], w [E, 2I, H], bias [E, 2I] | None, top_k, act, alpha, limit) -> [S, I]`
+    Row r (token r // k) times the gate and up rows of the column block of its expert ids[r] (two
+    accumulators: the [S, 2I] intermediate never reaches memory), both rounded to the model dtype as a
+    GEMM's output is, plus the bias, then the activation: `act` 0 is SiLU(gate) * up with gate and up the
+    two halves of `w` (Qwen3-MoE), 1 is gpt-oss's clamped `(up + 1) * gate * sigmoid(alpha * gate)` with
+    gate and up rows interleaved.
 
-`offsets` are the cumulative row counts per expert (int32), so the row range of every program is
-read on the device and one captured CUDA graph serves any routing. Where the rows per expert are
-many (prefill) the grouped GEMMs of torch are faster (`use_for`).
+`rlhfkit::moe_down(a [S, I], ids [T, k], w [E, H, I]) -> [S, H]`
+    Row r of `a` times its expert's block of `w`'s rows, rounded to the model dtype. The bias, the
+    router weights and the sum over a token's k rows stay in the compiled function around the ops
+    (model/experts.py).
+
+The rows of every program are found on the device, so one captured CUDA graph serves any routing.
+Where the rows per expert are many (prefill) torch's grouped GEMMs are faster (`use_for`).
 """
 
 from __future__ import annotations
@@ -57,19 +59,43 @@ def _block_m(rows: int, experts: int) -> int:
 if triton is not None:
 
     @triton.jit
-    def _expert_tile(Offs, N, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """Program (e, n)'s expert e, the range [start, end) of its grouped rows, and its column block n."""
-        e = tl.program_id(0)
-        end = tl.load(Offs + e)
-        start = tl.load(Offs + e - 1, mask=e > 0, other=0)
-        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        return e, start, end, offs_n, tl.arange(0, BLOCK_K), offs_n < N
+    def _count_rows(Ids, S, e, CHUNK: tl.constexpr):
+        """How many of the flat (token, choice) rows `Ids [S]` chose expert e."""
+        n = tl.full([], 0, tl.int32)
+        for c0 in range(0, S, CHUNK):
+            r = c0 + tl.arange(0, CHUNK)
+            n += tl.sum((tl.load(Ids + r, mask=r < S, other=-1) == e).to(tl.int32), 0)
+        return n
 
     @triton.jit
-    def _moe_gate_up_kernel(X, Perm, Offs, W, B, Out, INTER, sx, swe, swn, sbe, so,
+    def _select_rows(Ids, S, e, m0, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+        """Rows m0 .. m0 + BLOCK_M - 1, in row order, of the flat rows `Ids [S]` that chose expert e (their
+        indices into `Ids`; 0 past the last): each program finds its own rows, no dispatch beforehand."""
+        want = m0 + tl.arange(0, BLOCK_M)
+        rows = tl.zeros([BLOCK_M], dtype=tl.int32)
+        seen = tl.full([], 0, tl.int32)
+        for c0 in range(0, S, CHUNK):
+            r = c0 + tl.arange(0, CHUNK)
+            hot = (tl.load(Ids + r, mask=r < S, other=-1) == e).to(tl.int32)
+            place = seen + tl.cumsum(hot, 0) - 1
+            pick = (hot[None, :] > 0) & (place[None, :] == want[:, None])
+            rows += tl.sum(tl.where(pick, r[None, :], 0), 1)
+            seen += tl.sum(hot, 0)
+        return rows
+
+    @triton.jit
+    def _expert_program(Ids, S, N, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr):
+        """Program (e, n)'s expert e, how many rows chose it, and its column block n."""
+        e = tl.program_id(0)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        return e, _count_rows(Ids, S, e, CHUNK), offs_n, tl.arange(0, BLOCK_K), offs_n < N
+
+    @triton.jit
+    def _moe_gate_up_kernel(X, Ids, S, W, B, Out, INTER, sx, swe, swn, sbe, so,
                             K: tl.constexpr, TOP_K: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                            alpha, limit, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        e, start, end, offs_n, offs_k, nmask = _expert_tile(Offs, INTER, BLOCK_N, BLOCK_K)
+                            alpha, limit, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            CHUNK: tl.constexpr):
+        e, count, offs_n, offs_k, nmask = _expert_program(Ids, S, INTER, BLOCK_N, BLOCK_K, CHUNK)
         if ACT == 0:  # gate rows [0, I), up rows [I, 2I)
             g_rows = offs_n
             u_rows = offs_n + INTER
@@ -81,10 +107,10 @@ if triton is not None:
             bg = tl.load(B + e * sbe + g_rows, mask=nmask, other=0.0).to(tl.float32)
             bu = tl.load(B + e * sbe + u_rows, mask=nmask, other=0.0).to(tl.float32)
         dt = Out.dtype.element_ty
-        for m0 in range(start, end, BLOCK_M):
-            rows = m0 + tl.arange(0, BLOCK_M)
-            mmask = rows < end
-            tok = tl.load(Perm + rows, mask=mmask, other=0) // TOP_K
+        for m0 in range(0, count, BLOCK_M):
+            rows = _select_rows(Ids, S, e, m0, BLOCK_M, CHUNK)
+            mmask = m0 + tl.arange(0, BLOCK_M) < count
+            tok = rows // TOP_K
             a_ptr = X + tok.to(tl.int64)[:, None] * sx + offs_k[None, :]
             g_ptr = w_base + g_rows[:, None] * swn + offs_k[None, :]
             u_ptr = w_base + u_rows[:, None] * swn + offs_k[None, :]
@@ -114,14 +140,14 @@ if triton is not None:
                      mask=mmask[:, None] & nmask[None, :])
 
     @triton.jit
-    def _moe_down_kernel(A, Offs, W, Out, N, sa, swe, swn, so, K: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        e, start, end, offs_n, offs_k, nmask = _expert_tile(Offs, N, BLOCK_N, BLOCK_K)
+    def _moe_down_kernel(A, Ids, S, W, Out, N, sa, swe, swn, so, K: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr):
+        e, count, offs_n, offs_k, nmask = _expert_program(Ids, S, N, BLOCK_N, BLOCK_K, CHUNK)
         w_base = W + e.to(tl.int64) * swe
         dt = Out.dtype.element_ty
-        for m0 in range(start, end, BLOCK_M):
-            rows = m0 + tl.arange(0, BLOCK_M)
-            mmask = rows < end
+        for m0 in range(0, count, BLOCK_M):
+            rows = _select_rows(Ids, S, e, m0, BLOCK_M, CHUNK)
+            mmask = m0 + tl.arange(0, BLOCK_M) < count
             a_ptr = A + rows.to(tl.int64)[:, None] * sa + offs_k[None, :]
             w_ptr = w_base + offs_n[:, None] * swn + offs_k[None, :]
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -185,30 +211,6 @@ if triton is not None:
         tl.store(Wts + out, top.to(dt), mask=tmask[:, None] & jmask[None, :])
         tl.store(Ids + out, ids.to(tl.int64), mask=tmask[:, None] & jmask[None, :])
 
-    @triton.jit
-    def _dispatch_kernel(Ids, Dest, Perm, Offs, S, E: tl.constexpr, E_POW2: tl.constexpr, CHUNK: tl.constexpr):
-        """`experts.dispatch` in one program: counts per expert, their prefix sums (Offs), then each row's place
-        in expert order (Dest, stable) and its inverse (Perm), CHUNK rows at a time."""
-        offs_e = tl.arange(0, E_POW2)
-        counts = tl.zeros([E_POW2], dtype=tl.int32)
-        for c0 in range(0, S, CHUNK):
-            r = c0 + tl.arange(0, CHUNK)
-            ids = tl.load(Ids + r, mask=r < S, other=E_POW2)
-            counts += tl.sum((ids[:, None] == offs_e[None, :]).to(tl.int32), 0)
-        ends = tl.cumsum(counts, 0)
-        tl.store(Offs + offs_e, ends, mask=offs_e < E)
-        base = ends - counts
-        for c0 in range(0, S, CHUNK):
-            r = c0 + tl.arange(0, CHUNK)
-            rmask = r < S
-            ids = tl.load(Ids + r, mask=rmask, other=E_POW2)
-            hot = (ids[:, None] == offs_e[None, :]).to(tl.int32)
-            place = base[None, :] + tl.cumsum(hot, 0) - 1
-            dest = tl.sum(tl.where(hot > 0, place, 0), 1)
-            tl.store(Dest + r, dest.to(tl.int64), mask=rmask)
-            tl.store(Perm + dest, r.to(tl.int64), mask=rmask)
-            base += tl.sum(hot, 0)
-
 
 def launch_route(x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor | None, top_k: int,
                  softmax_first: bool, norm: bool, weights: torch.Tensor, ids: torch.Tensor) -> None:
@@ -223,13 +225,6 @@ def launch_route(x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor | Non
                                               num_warps=4)
 
 
-def launch_dispatch(ids: torch.Tensor, num_experts: int, dest: torch.Tensor, perm: torch.Tensor,
-                    offsets: torch.Tensor) -> None:
-    """Run the dispatch kernel over the flat `ids [S]`."""
-    _dispatch_kernel[(1,)](ids, dest, perm, offsets, ids.numel(), E=num_experts,
-                           E_POW2=triton.next_power_of_2(num_experts), CHUNK=64, num_warps=4)
-
-
 def _block_k(k: int) -> int:
     for b in (128, 64, 32, 16):
         if k % b == 0:
@@ -237,29 +232,33 @@ def _block_k(k: int) -> int:
     raise ValueError(f"triton_moe: the reduced dimension ({k}) must be a multiple of 16")
 
 
-def launch_gate_up(x: torch.Tensor, perm: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor,
-                   bias: torch.Tensor | None, top_k: int, act: int, alpha: float, limit: float,
-                   out: torch.Tensor, block_n: int = 64) -> torch.Tensor:
-    """Run the gate/up kernel into `out [S, I]` (any device Triton runs on; the op below checks shapes)."""
+def _chunk(rows: int) -> int:
+    return min(256, max(16, triton.next_power_of_2(rows)))
+
+
+def launch_gate_up(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, top_k: int,
+                   act: int, alpha: float, limit: float, out: torch.Tensor, block_n: int = 64) -> torch.Tensor:
+    """Run the gate/up kernel over the flat ids `[S]` into `out [S, I]` (any device Triton runs on; the op
+    below checks shapes)."""
     e, two_i, k = w.shape
-    inter = two_i // 2
-    grid = (e, triton.cdiv(inter, block_n))
-    _moe_gate_up_kernel[grid](x, perm, offsets, w, bias if bias is not None else w, out, inter, x.stride(0),
-                              w.stride(0), w.stride(1), bias.stride(0) if bias is not None else 0, out.stride(0),
-                              K=k, TOP_K=top_k, ACT=act, HAS_BIAS=bias is not None, alpha=alpha, limit=limit,
-                              BLOCK_M=_block_m(perm.shape[0], e), BLOCK_N=block_n, BLOCK_K=min(_block_k(k), 64),
-                              num_warps=4, num_stages=3)
+    inter, rows = two_i // 2, out.shape[0]
+    _moe_gate_up_kernel[(e, triton.cdiv(inter, block_n))](
+        x, ids, rows, w, bias if bias is not None else w, out, inter, x.stride(0), w.stride(0), w.stride(1),
+        bias.stride(0) if bias is not None else 0, out.stride(0), K=k, TOP_K=top_k, ACT=act,
+        HAS_BIAS=bias is not None, alpha=alpha, limit=limit, BLOCK_M=_block_m(rows, e), BLOCK_N=block_n,
+        BLOCK_K=min(_block_k(k), 64), CHUNK=_chunk(rows), num_warps=4, num_stages=3)
     return out
 
 
-def launch_down(a: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
+def launch_down(a: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
                 block_n: int = 64) -> torch.Tensor:
-    """Run the down kernel into `out [S, N]`."""
+    """Run the down kernel over the flat ids `[S]` into `out [S, N]`."""
     e, n, k = w.shape
-    grid = (e, triton.cdiv(n, block_n))
-    _moe_down_kernel[grid](a, offsets, w, out, n, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-                           K=k, BLOCK_M=_block_m(a.shape[0], e), BLOCK_N=block_n, BLOCK_K=_block_k(k),
-                           num_warps=4, num_stages=3)
+    rows = a.shape[0]
+    _moe_down_kernel[(e, triton.cdiv(n, block_n))](
+        a, ids, rows, w, out, n, a.stride(0), w.stride(0), w.stride(1), out.stride(0), K=k,
+        BLOCK_M=_block_m(rows, e), BLOCK_N=block_n, BLOCK_K=_block_k(k), CHUNK=_chunk(rows), num_warps=4,
+        num_stages=3)
     return out
 
 
@@ -269,37 +268,6 @@ def _check_unit_stride(name: str, *tensors: torch.Tensor) -> None:
     for t in tensors:
         if t.stride(-1) != 1:
             raise ValueError(f"{name}: unit stride along the last dimension expected")
-
-
-@torch.library.custom_op("rlhfkit::moe_gate_up", mutates_args=())
-def moe_gate_up(x: torch.Tensor, perm: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor,
-                bias: torch.Tensor | None, top_k: int, act: int, alpha: float, limit: float) -> torch.Tensor:
-    """The experts' gate/up GEMMs and activation for the grouped rows (module docstring) -> `[S, I]`."""
-    _check_unit_stride("moe_gate_up", x, w)
-    out = torch.empty((perm.shape[0], w.shape[1] // 2), dtype=x.dtype, device=x.device)
-    if perm.shape[0]:
-        launch_gate_up(x, perm, offsets, w, bias, top_k, act, alpha, limit, out)
-    return out
-
-
-@moe_gate_up.register_fake
-def _moe_gate_up_fake(x, perm, offsets, w, bias, top_k, act, alpha, limit):
-    return x.new_empty((perm.shape[0], w.shape[1] // 2))
-
-
-@torch.library.custom_op("rlhfkit::moe_down", mutates_args=())
-def moe_down(a: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The experts' down GEMMs for the grouped rows `a [S, I]` -> `[S, H]` (module docstring)."""
-    _check_unit_stride("moe_down", a, w)
-    out = torch.empty((a.shape[0], w.shape[1]), dtype=a.dtype, device=a.device)
-    if a.shape[0]:
-        launch_down(a, offsets, w, out)
-    return out
-
-
-@moe_down.register_fake
-def _moe_down_fake(a, offsets, w):
-    return a.new_empty((a.shape[0], w.shape[1]))
 
 
 @torch.library.custom_op("rlhfkit::moe_route", mutates_args=())
@@ -319,18 +287,34 @@ def _moe_route_fake(x, router, bias, top_k, softmax_first, norm):
     return x.new_empty((x.shape[0], top_k)), x.new_empty((x.shape[0], top_k), dtype=torch.int64)
 
 
-@torch.library.custom_op("rlhfkit::moe_dispatch", mutates_args=())
-def moe_dispatch(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`experts.dispatch(ids, num_experts)` in one kernel -> (dest `[S]`, perm `[S]`, offsets `[E]` int32)."""
+@torch.library.custom_op("rlhfkit::moe_gate_up", mutates_args=())
+def moe_gate_up(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, top_k: int,
+                     act: int, alpha: float, limit: float) -> torch.Tensor:
+    """The experts' gate/up GEMMs and activation for every (token, choice) row of `ids [T, k]` -> `[T k, I]`."""
+    _check_unit_stride("moe_gate_up", x, w)
     flat = ids.reshape(-1)
-    dest, perm = torch.empty_like(flat), torch.empty_like(flat)
-    offsets = torch.zeros(num_experts, dtype=torch.int32, device=ids.device)
-    if flat.numel():
-        launch_dispatch(flat, num_experts, dest, perm, offsets)
-    return dest, perm, offsets
+    out = torch.empty((flat.shape[0], w.shape[1] // 2), dtype=x.dtype, device=x.device)
+    if flat.shape[0]:
+        launch_gate_up(x, flat, w, bias, top_k, act, alpha, limit, out)
+    return out
 
 
-@moe_dispatch.register_fake
-def _moe_dispatch_fake(ids, num_experts):
+@moe_gate_up.register_fake
+def _moe_gate_up_fake(x, ids, w, bias, top_k, act, alpha, limit):
+    return x.new_empty((ids.numel(), w.shape[1] // 2))
+
+
+@torch.library.custom_op("rlhfkit::moe_down", mutates_args=())
+def moe_down(a: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The experts' down GEMMs for the (token, choice) rows `a [T k, I]` of `ids [T, k]` -> `[T k, H]`."""
+    _check_unit_stride("moe_down", a, w)
     flat = ids.reshape(-1)
-    return torch.empty_like(flat), torch.empty_like(flat), flat.new_empty((num_experts,), dtype=torch.int32)
+    out = torch.empty((a.shape[0], w.shape[1]), dtype=a.dtype, device=a.device)
+    if a.shape[0]:
+        launch_down(a, flat, w, out)
+    return out
+
+
+@moe_down.register_fake
+def _moe_down_fake(a, ids, w):
+    return a.new_empty((a.shape[0], w.shape[1]))

@@ -1,9 +1,10 @@
 """The builtin engine's routed experts (mixture-of-experts layers: Qwen3-MoE, gpt-oss).
 
 Each token's router logits pick its top k experts (`route`); the T x k (token, expert) rows are grouped by
-expert with a counting sort (`dispatch`), run through two grouped GEMMs (`grouped_linear`: torch._grouped_mm;
-in a GPU decode step, with few rows per expert, the Triton kernels of kernels/triton_moe.py, which also route
-and dispatch) and summed back per token with the router weights, in the reference model's order of rounding.
+expert with a counting sort (`dispatch`), run through two grouped GEMMs (`grouped_linear`: torch._grouped_mm)
+and summed back per token with the router weights, in the reference model's order of rounding. In a GPU
+decode step, with few rows per expert, the Triton kernels of kernels/triton_moe.py route, and their expert
+programs find their own rows, so nothing is grouped or reordered.
 `routed` is that layer, compiled on CUDA even in an eager decode step (kernels/eager_fused.py):
 eagerly it is a dozen small kernels. `record_routing()` collects every eager MoE layer's choices, so tests
 and benchmarks can check that the engine routes tokens as the trainer does.
@@ -105,14 +106,12 @@ def _moe(layer: LayerWeights, spec: ModelSpec, h: torch.Tensor) -> torch.Tensor:
     if _ROUTE_LOG is not None and not torch.compiler.is_compiling():
         _ROUTE_LOG.append(ids.detach().clone())
     if fast:
-        dest, perm, offsets = torch.ops.rlhfkit.moe_dispatch(ids, moe.num_experts)
         kind = triton_moe.ACT_SILU if moe.act == "silu" else triton_moe.ACT_GPT_OSS
-        act = torch.ops.rlhfkit.moe_gate_up(x, perm, offsets, gate_up, layer.experts_gate_up_bias, moe.top_k,
-                                            kind, moe.swiglu_alpha, moe.swiglu_limit)
-        out = torch.ops.rlhfkit.moe_down(act, offsets, down)
+        act = torch.ops.rlhfkit.moe_gate_up(x, ids, gate_up, layer.experts_gate_up_bias, moe.top_k, kind,
+                                            moe.swiglu_alpha, moe.swiglu_limit)
+        out = torch.ops.rlhfkit.moe_down(act, ids, down)  # (token, k) order: the kernels find each expert's rows
         if layer.experts_down_bias is not None:
-            out = out + layer.experts_down_bias[ids.reshape(-1)[perm]]
-        out = out[dest]
+            out = out + layer.experts_down_bias[ids.reshape(-1)]
     else:
         dest, perm, offsets = dispatch(ids, moe.num_experts)
         experts = ids.reshape(-1)[perm]  # each grouped row's expert
