@@ -206,7 +206,7 @@ def throughput(config, device, dtype, args) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return {k: res[k] for k in ("builtin_tok_s", "builtin_s", "builtin_warmup_s", "builtin_ms_per_step",
-                                "builtin_compiled", "builtin_attention", "builtin_gemm") if k in res} | (
+                                "builtin_compiled", "builtin_attention", "builtin_gemm", "builtin_profile") if k in res} | (
         {"builtin_compile_error": res["builtin_compile_error"]} if "builtin_compile_error" in res else {})
 
 
@@ -246,13 +246,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
     p.add_argument("--skip_parity", action="store_true")
+    p.add_argument("--profile", action="store_true", help="add each engine's decode-step and prefill kernels "
+                                                          "(bench/harness/engine_run.py's profile_engine)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     # harness/engine_run.py's run_builtin reads these engine settings: the defaults a user gets
     for key, value in dict(sync_every=16, sync_every_batch=64, max_prefill_tokens=16384, compile=False, cuda_graphs=True,
                            compile_prefill=True, fast_sampling=True, decode_attention="auto", compile_mode=None,
-                           decode_gemm="auto", gemm_min_rows=64, lookahead_steps=None, trace=False,
-                           profile=False).items():
+                           decode_gemm="auto", gemm_min_rows=64, lookahead_steps=None, trace=False).items():
         setattr(args, key, value)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
