@@ -35,7 +35,7 @@ import re
 import sys
 import weakref
 from dataclasses import dataclass
-from typing import Any, Iterator, Literal, Mapping, Sequence
+from typing import Any, Iterator, Literal, Mapping, Sequence, TypeVar
 
 from rlhfkit import logs
 from rlhfkit.config.declare import add_fields, flag
@@ -400,9 +400,25 @@ class FlagParser(argparse.ArgumentParser):
 _PARSED: dict[int, tuple[weakref.ref, dict[str, Any], set[str]]] = {}
 
 
-def _remember(ns: argparse.Namespace, explicit: set[str]) -> None:
+def _remember(ns: argparse.Namespace, explicit: set[str], parsed: dict[str, Any] | None = None) -> None:
     key = id(ns)
-    _PARSED[key] = (weakref.ref(ns, lambda _r: _PARSED.pop(key, None)), copy.deepcopy(vars(ns)), explicit)
+    values = copy.deepcopy(vars(ns)) if parsed is None else parsed
+    _PARSED[key] = (weakref.ref(ns, lambda _r: _PARSED.pop(key, None)), values, explicit)
+
+
+N = TypeVar("N", bound=argparse.Namespace)
+
+
+def derive(ns: argparse.Namespace, cls: type[N]) -> N:
+    """A copy of `ns` as a `cls` (an argparse.Namespace subclass) for a command to complete, leaving `ns` as
+    parsed. `parsed_values`, `set_explicitly` and `set_as_given` answer for the copy as they do for `ns`, so
+    run_config.json records the same `_as_parsed` values whichever of the two it is written from. List, dict
+    and set values are copied too: an edit of one in the copy does not reach `ns`."""
+    new = cls(**{k: copy.copy(v) if isinstance(v, (list, dict, set)) else v for k, v in vars(ns).items()})
+    entry = _PARSED.get(id(ns))
+    if entry and entry[0]() is ns:
+        _remember(new, set(entry[2]), dict(entry[1]))
+    return new
 
 
 def set_explicitly(ns: argparse.Namespace, dest: str) -> bool:
