@@ -37,7 +37,7 @@ def child(a: argparse.Namespace) -> dict:
     from bench.harness.rl_run import engine_batch, force_full_length, rlhfkit_argv, write_inputs
     from bench.harness.timing import sync
 
-    from rlhfkit.rl_run import builders
+    from rlhfkit.rl_run.resolve import resolve
     from rlhfkit.cli.common import set_seed
     from rlhfkit.cli.train_ppo import build_parser
     from rlhfkit.rl_run.local import local_trainer
@@ -51,9 +51,9 @@ def child(a: argparse.Namespace) -> dict:
     rng = np.random.default_rng(0)
     prompts = [random_prompt(rng, a.prompt_len) for _ in range(a.prompts * (a.steps + 1))]
     reward, data = write_inputs(work, prompts)
-    args = build_parser().parse(rlhfkit_argv(a, model_dir, data, reward, work, a.prompts))
-    dist = init_distributed(args.device)
-    builders.resolve_flags(args, dist.world_size)
+    parsed = build_parser().parse(rlhfkit_argv(a, model_dir, data, reward, work, a.prompts))
+    dist = init_distributed(parsed.device)
+    args = resolve(parsed, dist.world_size)
     set_seed(args.seed)
     opts = json.loads(a.engine_opts) if a.engine_opts else {}
     t0 = time.perf_counter()

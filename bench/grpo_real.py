@@ -18,7 +18,7 @@ weights in the optimizer (no gradient checkpointing on either side). Group-norma
 loss_type "dapo").
 
 rlhfkit: `python -m rlhfkit.cli.train_ppo`'s flags (rlhfkit_argv), parsed and checked by the command's
-own parser and `resolve_flags`, the trainer built by `rl_run.local.local_trainer`, then one `train_step()` per
+own parser and `rl_run.resolve.resolve`, the trainer built by `rl_run.local.local_trainer`, then one `train_step()` per
 step as `fit()` runs them (rl_step.py does the same); the builtin engine generates. TRL: `GRPOTrainer`
 (transformers generate), steps timed between `on_step_end` callbacks.
 
@@ -180,6 +180,7 @@ def run_rlhfkit(a: argparse.Namespace, model_dir: str, train: list[dict], work: 
     from rlhfkit.cli import train_ppo
     from rlhfkit.rl_run import builders
     from rlhfkit.rl_run.local import local_trainer
+    from rlhfkit.rl_run.resolve import resolve
     from rlhfkit.cli.common import parallel_dims, set_seed
     from rlhfkit.parallel.dist import init_distributed
     from rlhfkit.parallel.mesh import attach_mesh
@@ -193,11 +194,11 @@ def run_rlhfkit(a: argparse.Namespace, model_dir: str, train: list[dict], work: 
         f.write(REWARD_SRC)
     argv = rlhfkit_argv(a, model_dir, data, reward, work, side)
     parser = train_ppo.build_parser()
-    args = parser.parse(argv)
+    parsed = parser.parse(argv)
     sync(a.device)
     t0 = time.perf_counter()
-    dist = init_distributed(args.device)
-    builders.resolve_flags(args, dist.world_size)
+    dist = init_distributed(parsed.device)
+    args = resolve(parsed, dist.world_size)
     dist = attach_mesh(dist, parallel_dims(args, dist))
     set_seed(args.seed, args.full_determinism)
     trainer, placement = local_trainer(args, dist)

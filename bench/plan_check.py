@@ -39,7 +39,7 @@ def write_inputs(work: str) -> None:
 
 
 def verdict(shape: str, gpus: int, tp: int, flags: list[str], device_bytes: int, work: str) -> dict:
-    from rlhfkit.rl_run import builders as S
+    from rlhfkit.rl_run.resolve import resolve
     from rlhfkit.cli import train_ppo_ray as R
     from rlhfkit.cli.common import UsageError
     from rlhfkit.rl_run.memory_check import check_memory
@@ -51,8 +51,7 @@ def verdict(shape: str, gpus: int, tp: int, flags: list[str], device_bytes: int,
             "--zero_stage", "3", "--gradient_checkpointing", "--actor_num_gpus_per_node", str(gpus),
             "--vllm_num_engines", str(gpus // tp), "--vllm_tensor_parallel_size", str(tp),
             "--save_path", os.path.join(work, "out"), "--device", "cuda", *flags]
-    args = R.build_parser().parse(argv)
-    S.resolve_flags(args, gpus)
+    args = resolve(R.build_parser().parse(argv), gpus)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         try:

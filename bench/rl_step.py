@@ -108,14 +108,14 @@ def run_rlhfkit(a: argparse.Namespace, model_dir: str, data: str, reward: str, w
     """Build train_ppo's trainer from its flags; 1 warm-up + `a.steps` timed `train_step()` calls."""
     from rlhfkit.cli.common import set_seed
     from rlhfkit.cli.train_ppo import build_parser
-    from rlhfkit.rl_run import builders
     from rlhfkit.rl_run.local import local_trainer
+    from rlhfkit.rl_run.resolve import resolve
     from rlhfkit.parallel.dist import init_distributed
 
-    args = build_parser().parse(rlhfkit_argv(a, model_dir, data, reward, work, prompts))
+    parsed = build_parser().parse(rlhfkit_argv(a, model_dir, data, reward, work, prompts))
     watch = MemoryWatch(a.device)
-    dist = init_distributed(args.device)
-    builders.resolve_flags(args, dist.world_size)
+    dist = init_distributed(parsed.device)
+    args = resolve(parsed, dist.world_size)
     set_seed(args.seed)
     with engine_batch(a.max_num_seqs or prompts * a.n):
         trainer, placement = local_trainer(args, dist)

@@ -298,7 +298,7 @@ def run(a: argparse.Namespace, work: str, report: dict) -> None:
     launched = None
     try:
         print(f"[rl_step_vlm] launching on {ray.cluster_resources()}", flush=True)
-        args, launched, trainer, launch_s = launch_trainer(a, argv)
+        args, launched, trainer, launch_s, memory_plan = launch_trainer(a, argv)
         print(f"[rl_step_vlm] launched in {launch_s:.1f} s; weight sync {launched.weight_sync.describe()}", flush=True)
         report["launch_s"] = launch_s
         report["min_new_tokens"] = force_full_length(trainer)
@@ -312,9 +312,9 @@ def run(a: argparse.Namespace, work: str, report: dict) -> None:
         report.update(micro_train_batch_size=args.micro_train_batch_size,
                       micro_rollout_batch_size=args.micro_rollout_batch_size,
                       old_logprobs_pass_each=[m.get("old_logprobs_pass") for m in metrics],
-                      gpu_peak_mem_gb=mem.peaks_gb, memory_plan=args.bench_plan, memory_steps=steps_mem,
+                      gpu_peak_mem_gb=mem.peaks_gb, memory_plan=memory_plan, memory_steps=steps_mem,
                       memory_processes_gib=nvml_processes())
-        report["memory_check"] = measured_vs_plan(args.bench_plan, steps_mem, mem.peaks_gb, report["placement"])
+        report["memory_check"] = measured_vs_plan(memory_plan, steps_mem, mem.peaks_gb, report["placement"])
     finally:
         if launched is not None:
             launched.shutdown()

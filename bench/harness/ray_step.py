@@ -222,21 +222,23 @@ def measured_vs_plan(plan: dict[str, Any], steps: list[dict[str, Any]], nvml_pea
     return out
 
 
-def launch_trainer(a: argparse.Namespace, argv: list[str]) -> tuple[Any, Any, Any, Any]:
-    """train_ppo_ray's checks and launch -> (args, launched, trainer, seconds to launch)."""
+def launch_trainer(a: argparse.Namespace, argv: list[str]) -> tuple[Any, Any, Any, Any, dict]:
+    """train_ppo_ray's checks and launch -> (resolved flags, launched, trainer, seconds to launch, the memory
+    plan's figures for the JSON: `plan_gib`)."""
     from rlhfkit.rl_run import builders as S
     from rlhfkit.rl_run import root as rl_root
+    from rlhfkit.rl_run.resolve import resolve
     from rlhfkit.cli.common import set_seed
     from rlhfkit.cli.train_ppo_ray import build_parser
     from rlhfkit.rl_run import ray_layout as R
     from rlhfkit.rl_run.memory_check import check_memory
 
-    args = build_parser().parse(argv)
-    shapes = R.role_shapes(args)
-    S.resolve_flags(args, shapes["policy"].slots)
+    parsed = build_parser().parse(argv)
+    shapes = R.role_shapes(parsed)
+    args = resolve(parsed, shapes["policy"].slots)
     R.check_ray_flags(args, shapes)
     check_memory(args, {name: s.slots for name, s in shapes.items()})
-    args.bench_plan = plan_gib(args, shapes)
+    memory_plan = plan_gib(args, shapes)
     set_seed(args.seed)
     data = rl_root.load_data(args)  # with --max_images_per_prompt: the pictures' processor and layout too
     num_steps = S.optimizer_steps(args, len(data.prompts))
@@ -247,7 +249,7 @@ def launch_trainer(a: argparse.Namespace, argv: list[str]) -> tuple[Any, Any, An
     except BaseException:
         launched.shutdown()
         raise
-    return args, launched, trainer, time.perf_counter() - t0
+    return args, launched, trainer, time.perf_counter() - t0, memory_plan
 
 
 def run_ray(a: argparse.Namespace, model_dir: str, data: str, reward: str, work: str, prompts: int) -> dict:
@@ -264,7 +266,7 @@ def run_ray(a: argparse.Namespace, model_dir: str, data: str, reward: str, work:
     launched = None
     try:
         print(f"[rl_step] ray {a.ray_layout}: launching ({ray.cluster_resources()})", flush=True)
-        args, launched, trainer, launch_s = launch_trainer(a, argv)
+        args, launched, trainer, launch_s, memory_plan = launch_trainer(a, argv)
         print(f"[rl_step] ray {a.ray_layout}: launched in {launch_s:.1f} s; weight sync "
               f"{launched.weight_sync.describe()}", flush=True)
         min_new = force_full_length(trainer)
@@ -278,8 +280,8 @@ def run_ray(a: argparse.Namespace, model_dir: str, data: str, reward: str, work:
                    micro_train_batch_size=args.micro_train_batch_size,
                    micro_rollout_batch_size=args.micro_rollout_batch_size, ray_layout=a.ray_layout,
                    argv_extra=layout_argv(a), gpu_peak_mem_gb=mem.peaks_gb)
-        out.update(memory_plan=args.bench_plan, memory_steps=steps_mem, memory_processes_gib=nvml_processes(),
-                   memory_check=measured_vs_plan(args.bench_plan, steps_mem, mem.peaks_gb, out["placement"]))
+        out.update(memory_plan=memory_plan, memory_steps=steps_mem, memory_processes_gib=nvml_processes(),
+                   memory_check=measured_vs_plan(memory_plan, steps_mem, mem.peaks_gb, out["placement"]))
         return out
     finally:
         if launched is not None:

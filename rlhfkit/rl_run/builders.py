@@ -1,7 +1,8 @@
-"""Flags -> RL components for the RL composition root (rlhfkit.rl_run.root; train_ppo and train_ppo_ray):
-checks, roles, engine, executors, loop configs.
+"""Resolved flags -> RL components for the RL composition root (rlhfkit.rl_run.root; train_ppo and
+train_ppo_ray): roles, engine, executors, loop configs.
 
-This is the one place where the RL commands' namespace is read; everything it builds takes its
+The flags come checked and completed from `rlhfkit.rl_run.resolve` (a read-only `ResolvedFlags`). This is
+the one place where the loop's components read the RL commands' namespace; everything it builds takes its
 own config object.
 """
 
@@ -15,20 +16,18 @@ from typing import Any
 import torch
 
 from rlhfkit.agents.base import AgentConfig
-from rlhfkit.algo.advantages import AdvantageConfig, get_advantage_estimator
+from rlhfkit.algo.advantages import AdvantageConfig
 from rlhfkit.algo.experience import RewardShapingConfig
 from rlhfkit.algo.kl import make_kl_controller
 from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.backend.base import CheckpointingBackend
 from rlhfkit.backend.fsdp2 import FSDP2Backend
 from rlhfkit.parallel.mesh import ParallelDims
-from rlhfkit.cli.common import (UsageError, check_backend_flags, check_packages, check_packing, check_positions,
-                                parallel_dims, report_dropped, resolve_model_paths, resolve_rollout_engine)
+from rlhfkit.cli.common import parallel_dims, report_dropped
 from rlhfkit.trainers.rl_checkpoint import RLCheckpointer
-from rlhfkit.cli.vlm_setup import check_vlm_rl_flags, vlm_mode
 from rlhfkit.config.configs import BackendConfig, ModelConfig, OptimConfig, from_args
 from rlhfkit.config.notes import note_once
-from rlhfkit.config.rl_flags import CRITIC_OPTIM, EMA_BETA, PTX_COEF, RAY_ONLY
+from rlhfkit.config.rl_flags import EMA_BETA, PTX_COEF, RAY_ONLY
 from rlhfkit.losses.policy import PolicyLossConfig
 from rlhfkit.models.given import NONE, GivenModels
 from rlhfkit.roles.actor import ActorRole, UpdateConfig
@@ -41,149 +40,11 @@ from rlhfkit.types import SamplingParams
 log = logging.getLogger(__name__)
 
 
-def resolve_flags(args: argparse.Namespace, world_size: int, given: GivenModels = NONE) -> None:
-    """Fill derived defaults and reject inconsistent settings with the flags' names. `given`: the models
-    handed to the run as objects (their configs are read instead of --pretrain / --ref_pretrain's)."""
-    if not args.pretrain:
-        raise UsageError("--pretrain is required (the policy: a model directory or hub id)")
-    if not args.prompt_data:
-        raise UsageError("--prompt_data is required")
-    check_backend_flags(args)
-    check_packages(args)
-    check_vlm_rl_flags(args)
-    resolve_optional_terms(args)
-    if args.clip_eps_low is not None or args.clip_eps_high is not None:
-        lo = args.clip_eps_low if args.clip_eps_low is not None else args.eps_clip
-        hi = args.clip_eps_high if args.clip_eps_high is not None else args.eps_clip
-        args.eps_clip_low_high = [lo, hi]
-    if args.use_icepop:
-        args.enable_vllm_is_correction, args.vllm_is_correction_type = True, "icepop"
-    if args.ref_reward_offload:
-        args.ref_offload = args.reward_offload = True
-    dynamic_new_tokens = args.generate_max_len is None and args.max_len is not None
-    if args.generate_max_len is None:  # OpenRLHF: 1024 (flat era); max_len - prompt (--rollout.max_new_tokens unset)
-        args.generate_max_len = args.max_len if dynamic_new_tokens else 1024
-    max_len_given = args.max_len is not None
-    if not max_len_given:
-        args.max_len = args.prompt_max_len + args.generate_max_len
-    if args.agent_func_path and args.remote_rm_url:
-        raise UsageError("--agent_func_path and --remote_rm_url are exclusive: the agent's step() gives the reward")
-    has_reward = bool(args.remote_rm_url or args.agent_func_path or args.reward_pretrain)
-    if not has_reward:
-        raise UsageError("no reward: pass --reward_pretrain, --remote_rm_url (URL or reward_func .py) "
-                         "or --agent_func_path")
-    check_reward_file(args)
-    probe_reward_servers(args)
-    spec = get_advantage_estimator(args.advantage_estimator)
-    if spec.group and args.n_samples_per_prompt <= 1:
-        raise UsageError(f"--advantage_estimator {args.advantage_estimator} needs --n_samples_per_prompt > 1")
-    if args.dynamic_filtering:
-        if args.n_samples_per_prompt <= 1:
-            raise UsageError("--dynamic_filtering needs --n_samples_per_prompt > 1")
-        if not (args.remote_rm_url or args.agent_func_path):
-            raise UsageError("--dynamic_filtering needs --remote_rm_url or --agent_func_path (0-1 scores)")
-    if args.critic_pretrain and args.advantage_estimator != "gae":
-        log.info(f"note: --critic_pretrain is unused with --advantage_estimator {args.advantage_estimator} (no critic)")
-    per = args.micro_train_batch_size * world_size
-    if args.train_batch_size % per:
-        raise UsageError(f"--train_batch_size ({args.train_batch_size}) must be a multiple of "
-                         f"--micro_train_batch_size ({args.micro_train_batch_size}) x world size ({world_size})")
-    total = args.rollout_batch_size * args.n_samples_per_prompt
-    if total % args.train_batch_size and not args.dynamic_filtering:
-        raise UsageError(f"--rollout_batch_size x --n_samples_per_prompt ({total}) must be a multiple of "
-                         f"--train_batch_size ({args.train_batch_size})")
-    if args.rollout_batch_size % world_size:
-        raise UsageError(f"--rollout_batch_size ({args.rollout_batch_size}) must be a multiple of the world size "
-                         f"({world_size})")
-    if args.max_failed_steps < 1:
-        raise UsageError(f"--max_failed_steps must be >= 1, got {args.max_failed_steps}")
-    if args.max_filter_rounds < 1:
-        raise UsageError(f"--max_filter_rounds must be >= 1, got {args.max_filter_rounds}")
-    if args.generate_max_len >= args.max_len and not dynamic_new_tokens:
-        raise UsageError(f"--generate_max_len ({args.generate_max_len}) must be below --max_len ({args.max_len})")
-    if given.policy is not None and vlm_mode(args):
-        raise UsageError("--max_images_per_prompt: a vision-language policy is read with its processor from a "
-                         "directory; pass the model's directory, not the loaded model")
-    # last: the flags are consistent before any model is fetched
-    resolve_model_paths(args, skip=given_flags(given))
-    policy = given.policy_or_path(args.pretrain)
-    if max_len_given:
-        check_positions(policy, args.max_len, f"--max_len {args.max_len}")
-    else:
-        check_positions(policy, args.max_len, f"--prompt_max_len {args.prompt_max_len} + --generate_max_len "
-                        f"{args.generate_max_len} = {args.max_len} (the default --max_len)")
-    resolve_rollout_engine(args, args.max_len, pictures=vlm_mode(args), model=given.policy)
-    if given.policy is not None and args.rollout_engine == "vllm":
-        raise UsageError("--rollout_engine vllm loads the policy's weights from a directory; a model given in "
-                         "memory generates with the builtin or hf engine")
-    critic = (("the critic", critic_path(args, given)),) if args.advantage_estimator == "gae" else ()
-    ref = given.ref if given.ref is not None else args.ref_pretrain
-    check_packing(args, ("--pretrain", policy), ("--ref_pretrain", ref), *critic)
-
-
-def given_flags(given: GivenModels) -> tuple[str, ...]:
-    """The model flags whose model the run was given as an object (they name where it came from)."""
-    return (("pretrain",) if given.policy is not None else ()) + (("ref_pretrain",) if given.ref is not None else ())
-
-
-def check_reward_file(args: argparse.Namespace) -> None:
-    """A --remote_rm_url reward file (or Python callable) whose function fits neither reward shape
-    (rlhfkit.rewards.shapes), or that lacks the function, stops the run here, before any model loads."""
-    from rlhfkit.rewards.shapes import reward_shape
-    from rlhfkit.rewards.reward_file import is_reward_file, load_reward_func
-
-    url = args.remote_rm_url
-    try:
-        if isinstance(url, str) and is_reward_file(url.strip()):
-            load_reward_func(url.strip())
-        elif callable(url):
-            reward_shape(url, "reward_funcs")
-    except (TypeError, AttributeError, FileNotFoundError) as e:
-        raise UsageError(str(e)) from None
-
-
 def reward_server_urls(args: argparse.Namespace) -> list[str]:
     """The reward server URLs of --remote_rm_url (none for a reward_func file or a Python callable)."""
     if not isinstance(args.remote_rm_url, str):
         return []
     return [u.strip() for u in args.remote_rm_url.split(",") if u.strip().startswith(("http://", "https://"))]
-
-
-def probe_reward_servers(args: argparse.Namespace) -> None:
-    """A reward server (--remote_rm_url http://...) that does not accept connections stops the run here,
-    before any model is loaded, instead of failing every sample of the first steps."""
-    from rlhfkit.rewards.http_client import PROBE_WINDOW_S, probe_reward_server
-
-    window = min(PROBE_WINDOW_S, args.reward_timeout) if args.reward_timeout else PROBE_WINDOW_S
-    for url in reward_server_urls(args):
-        why = probe_reward_server(url, window)
-        if why is not None:
-            raise UsageError(f"--remote_rm_url: {why}; start the server first (serve_rm listens before it loads "
-                             "its model)")
-
-
-def resolve_optional_terms(args: argparse.Namespace) -> None:
-    """The critic's optimizer flags (unset: the actor's), EMA, PPO-ptx, offloading and checkpoint
-    settings; a note for each one set where it has no effect."""
-    for dest in CRITIC_OPTIM:
-        if getattr(args, f"critic_{dest}") is None:
-            setattr(args, f"critic_{dest}", getattr(args, dest))
-    if args.ema_beta is not None and not args.enable_ema:
-        note_once(f"note: --ema_beta {args.ema_beta} has no effect without --enable_ema")
-    args.ema_beta = EMA_BETA if args.ema_beta is None else args.ema_beta
-    if args.enable_ema and not 0.0 <= args.ema_beta <= 1.0:
-        raise UsageError(f"--ema_beta must be in [0, 1], got {args.ema_beta}")
-    if args.ptx_coef is not None and not args.pretrain_data:
-        note_once(f"note: --ptx_coef {args.ptx_coef} has no effect without --pretrain_data")
-    args.ptx_coef = PTX_COEF if args.ptx_coef is None else args.ptx_coef
-    if args.ptx_coef < 0:
-        raise UsageError(f"--ptx_coef must be >= 0, got {args.ptx_coef}")
-    if args.pretrain_data and args.ptx_coef == 0:
-        note_once("note: --pretrain_data has no effect: --ptx_coef is 0")
-    if args.ref_offload and args.init_kl_coef <= 0:
-        note_once("note: --ref_offload has no effect: there is no reference model (--init_kl_coef 0)")
-    if args.disable_ds_ckpt and not args.save_hf_ckpt and args.save_steps > 0:
-        note_once("note: --save_steps writes nothing: --disable_ds_ckpt without --save_hf_ckpt")
 
 
 def ptx_active(args: argparse.Namespace) -> bool:

@@ -18,6 +18,7 @@ from rlhfkit.cli.common import UsageError, parallel_dims
 from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.parallel.mesh import ParallelDims
 from rlhfkit.rl_run import builders as S
+from rlhfkit.rl_run.resolve import ResolvedFlags
 from rlhfkit.rl_run.root import Placement, RLPlan, build_trainer, save_critic
 from rlhfkit.roles.group import LocalGroup
 from rlhfkit.roles.handles import (
@@ -95,10 +96,10 @@ def _save_local_critic(path: str, tokenizer: Any, *, backend: Any, dist: DistInf
     save_critic(path, tokenizer, None, backend, dist)
 
 
-def local_trainer(args, dist: DistInfo) -> tuple[Any, Placement]:
-    """(trainer, placement) over the roles in this process for flags already resolved
-    (`builders.resolve_flags`), without the run sequence: what the benches time step by step. The caller
-    closes the engine (`builders.close_rollout`)."""
+def local_trainer(args: ResolvedFlags, dist: DistInfo) -> tuple[Any, Placement]:
+    """(trainer, placement) over the roles in this process for flags already resolved (`resolve.resolve`),
+    without the run sequence: what the benches time step by step. The caller closes the engine
+    (`builders.close_rollout`)."""
     from rlhfkit.rl_run.root import load_data
 
     data = load_data(args)
@@ -129,7 +130,7 @@ class LocalLayout:
         from rlhfkit.parallel.mesh import attach_mesh
 
         assert self.dist is not None
-        # resolve_flags refused tp / cp > 1, so the world is data parallel; its process groups, built once
+        # the process groups of the mesh the flags ask for, built once
         self.dims = parallel_dims(args, self.dist)
         self.dist = attach_mesh(self.dist, self.dims)
         S.note_ray_only_flags(args, parser, "train_ppo")

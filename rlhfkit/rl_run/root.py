@@ -3,7 +3,9 @@ whatever the placement (train_ppo: roles in this process, one process or torchru
 train_ppo_ray: Ray role groups and engine actors, `rl_run.ray_layout`).
 
     plan(args, parser, layout, given) -> RLPlan, once, before any model loads:
-          resolve_flags                the flags checked and completed (rl_run.builders)
+          resolve                      a copy of the flags checked, completed and made read-only
+                                       (rl_run.resolve); the parsed namespace is left as it was, and
+                                       every later step reads the copy
           layout.world / check         the policy's ranks; the layout's own checks and notes
           roles                        which models the run holds and on how many ranks (the memory plan's input)
           check_memory                 the memory plan (CUDA, models loaded from directories)
@@ -20,12 +22,12 @@ train_ppo_ray: Ray role groups and engine actors, `rl_run.ray_layout`).
           -> RLRun                     what `train_ppo.run` returns (the Python API reads it)
 
 Everything a command reads from the flags for the loop itself goes through `rl_run.builders`; the Ray
-layout adds only what placing actors needs (shapes, Ray options, async mode).
+layout adds only what placing actors needs (shapes, Ray options, async mode). None of them writes into the
+flags: a value they need beyond the flags is computed in `rl_run.resolve` or kept in a variable of its own.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import logging
 from contextlib import AbstractContextManager
@@ -45,6 +47,7 @@ from rlhfkit.data.prompts import PromptDataConfig, PromptDataset
 from rlhfkit.models.given import NONE, GivenModels
 from rlhfkit.parallel.dist import DistInfo
 from rlhfkit.rl_run import builders as S
+from rlhfkit.rl_run.resolve import ResolvedFlags, resolve
 from rlhfkit.roles.handles import CriticCalls, PolicyCalls, ReferenceCalls, RewardCalls
 from rlhfkit.rollout.base import RolloutEngine
 from rlhfkit.trainers.plot import RL_PANELS
@@ -106,7 +109,7 @@ class RLPlan:
     builders read, the roles and their ranks, the tokenizer and prompts, the LR schedule's length, and the
     models given in memory."""
 
-    args: argparse.Namespace  # the resolved flags
+    args: ResolvedFlags  # the resolved flags (read-only)
     roles: dict[str, int]  # role ("policy", "ref", "critic", "reward") -> its ranks
     data: RLData
     num_steps: int  # the policy's optimizer steps
@@ -192,7 +195,8 @@ class Layout(Protocol):
         ...
 
     def check(self, args, parser) -> None:
-        """The layout's own checks and one-line notes, on the resolved flags."""
+        """The layout's own checks and one-line notes, on the resolved flags (read-only: what the layout
+        derives from them it keeps itself)."""
         ...
 
     def roles(self, args) -> dict[str, int]:
@@ -210,12 +214,13 @@ class Layout(Protocol):
 
 
 def plan(args, parser, layout: Layout, given: GivenModels = NONE) -> RLPlan:
-    """The run of the flags `args`, computed once before any model loads (module docstring). `given`: models
-    and tokenizer handed over in memory (the Python API) in place of loading --pretrain / --ref_pretrain."""
+    """The run of the parsed flags `args`, computed once before any model loads (module docstring); `args` is
+    left as parsed, the plan holds its resolved copy. `given`: models and tokenizer handed over in memory (the
+    Python API) in place of loading --pretrain / --ref_pretrain."""
     from rlhfkit.cli.common import disable_hf_progress_bars, set_seed
     from rlhfkit.rl_run.memory_check import check_memory
 
-    S.resolve_flags(args, layout.world(args), given)
+    args = resolve(args, layout.world(args), given)
     layout.check(args, parser)
     roles = layout.roles(args)
     if layout.plans_memory() and given.empty:  # before any model loads (given ones are loaded already)

@@ -27,6 +27,7 @@ import torch
 from rlhfkit.cli import train_ppo
 
 from rlhfkit.rl_run import builders
+from rlhfkit.rl_run.resolve import resolve
 from rlhfkit.cli.common import UsageError
 from rlhfkit.roles.actor import ActorRole
 from rlhfkit.tasks.addition import addition_splits
@@ -199,9 +200,9 @@ def parse(extra: list[str]):
     (["--advantage_estimator", "gae", "--n_samples_per_prompt", "1", "--train_batch_size", "8",
       "--dynamic_filtering"], 1, "--dynamic_filtering needs --n_samples_per_prompt > 1"),
 ])
-def test_resolve_flags_names_the_flag(extra, world, needle, model_dir_m):
+def test_resolve_names_the_flag(extra, world, needle, model_dir_m):
     with pytest.raises(UsageError) as e:
-        builders.resolve_flags(parse(extra), world)
+        resolve(parse(extra), world)
     assert needle in str(e.value)
     if extra[:2] == ["--n_samples_per_prompt", "1"]:
         assert "group_norm" in str(e.value)
@@ -218,8 +219,7 @@ def model_dir_m(tmp_path, monkeypatch):
 
 
 def test_consistent_flags_pass(model_dir_m):
-    args = parse([])
-    builders.resolve_flags(args, 2)
+    args = resolve(parse([]), 2)
     assert args.max_len == 24
 
 
@@ -242,16 +242,14 @@ def test_max_new_tokens_unset_with_max_len_is_what_the_prompt_leaves(model_dir_m
     below --max_len."""
     base = ["--pretrain", "m", "--prompt_data", "p.jsonl", "--remote_rm_url", "r.py", "--rollout_batch_size", "8",
             "--train_batch_size", "8", "--micro_train_batch_size", "8"]
-    args = train_ppo.build_parser().parse(base + ["--data.max_len", "72"])
-    builders.resolve_flags(args, 1)
+    args = resolve(train_ppo.build_parser().parse(base + ["--data.max_len", "72"]), 1)
     assert (args.max_len, args.generate_max_len) == (72, 72)
     cfg = builders.agent_config(args, 1.0)
     assert cfg.sampling_params.max_new_tokens == cfg.max_length == 72
     from rlhfkit.agents.executors import fit_prompt
     assert fit_prompt(list(range(30)), 72, 72, "x") == list(range(30))  # the prompt keeps its tokens
     assert fit_prompt(list(range(80)), 72, 72, "x") == list(range(9, 80))  # one token of room is left
-    args = train_ppo.build_parser().parse(base + ["--prompt_max_len", "16"])
-    builders.resolve_flags(args, 1)
+    args = resolve(train_ppo.build_parser().parse(base + ["--prompt_max_len", "16"]), 1)
     assert (args.max_len, args.generate_max_len) == (16 + 1024, 1024)
     with pytest.raises(UsageError, match=r"--generate_max_len \(72\) must be below --max_len \(72\)"):
-        builders.resolve_flags(train_ppo.build_parser().parse(base + ["--max_len", "72", "--max_new_tokens", "72"]), 1)
+        resolve(train_ppo.build_parser().parse(base + ["--max_len", "72", "--max_new_tokens", "72"]), 1)

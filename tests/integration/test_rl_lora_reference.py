@@ -10,6 +10,7 @@ from helpers import EVEN_REWARD, ppo_flags
 
 from rlhfkit.parallel.dist import init_distributed
 from rlhfkit.rl_run import builders as S
+from rlhfkit.rl_run.resolve import resolve
 from rlhfkit.cli.train_ppo import build_parser
 from rlhfkit.types import ExperienceBatch
 
@@ -18,14 +19,13 @@ def _args(model: str, tmp_path, extra: list[str]):
     prompts, reward = tmp_path / "p.jsonl", tmp_path / "r.py"
     prompts.write_text(json.dumps({"input": "1+2="}) + "\n")
     reward.write_text(EVEN_REWARD)
-    args = build_parser().parse(["--pretrain", model, "--prompt_data", str(prompts), "--remote_rm_url", str(reward),
+    parsed = build_parser().parse(["--pretrain", model, "--prompt_data", str(prompts), "--remote_rm_url", str(reward),
                                  "--input_key", "input", "--n_samples_per_prompt", "2", "--rollout_batch_size", "1",
                                  "--train_batch_size", "2", "--micro_train_batch_size", "1",
                                  "--micro_rollout_batch_size", "2", "--param_dtype", "fp32", "--device", "cpu",
                                  "--lora_rank", "4", "--lora_alpha", "8", "--init_kl_coef", "0.01",
                                  "--prompt_max_len", "32", "--generate_max_len", "16", "--save_path", str(tmp_path / "out"), *extra])
-    S.resolve_flags(args, 1)
-    return args
+    return resolve(parsed, 1)
 
 
 def test_lora_reference_is_the_policy_without_adapters(tiny_model_dir, tmp_path, capsys):

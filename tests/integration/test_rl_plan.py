@@ -82,17 +82,18 @@ def test_ray_actor_builders_use_the_drivers_tokenizer(tiny_model_dir, tmp_path, 
     from rlhfkit.cli import train_ppo_ray
     from rlhfkit.models.hf_files import load_tokenizer
     from rlhfkit.parallel.dist import DistInfo
-    from rlhfkit.rl_run import builders, ray_layout
+    from rlhfkit.rl_run import ray_layout
+    from rlhfkit.rl_run.resolve import resolve
 
     (tmp_path / "reward.py").write_text(even_reward_src(scores=False))
-    args = train_ppo_ray.build_parser().parse([
+    parsed = train_ppo_ray.build_parser().parse([
         "--pretrain", tiny_model_dir, "--remote_rm_url", str(tmp_path / "reward.py"),
         "--prompt_data", write_jsonl(tmp_path / "p.jsonl", [{"input": "1+1="}] * 4), "--input_key", "input",
         "--pretrain_data", write_jsonl(tmp_path / "t.jsonl", [{"input": f"{i} and {i}"} for i in range(8)]),
         "--ptx_coef", "0.1", "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "2",
         "--rollout_batch_size", "4", "--train_batch_size", "8", "--micro_train_batch_size", "2",
         "--generate_max_len", "4", "--prompt_max_len", "16", "--device", "cpu", "--save_path", str(tmp_path / "s")])
-    builders.resolve_flags(args, 1)
+    args = resolve(parsed, 1)
     tokenizer = load_tokenizer(tiny_model_dir)  # the driver's
 
     def no_load(*a, **k):

@@ -14,7 +14,7 @@ import pytest
 
 from rlhfkit.cli import lora_combiner, train_ppo, train_sft
 
-from rlhfkit.rl_run import builders
+from rlhfkit.rl_run.resolve import resolve
 from rlhfkit.config.flags import write_resolved_config
 
 yaml = pytest.importorskip("yaml")
@@ -142,18 +142,18 @@ def test_run_config_replays_the_rl_namespace(tmp_path, monkeypatch):
     p = train_ppo.build_parser()
     parsed = p.parse(argv)
     first = {k: v for k, v in vars(parsed).items() if k != "config"}
-    builders.resolve_flags(parsed, 1)
-    resolved = {k: v for k, v in vars(parsed).items() if k != "config"}
+    flags = resolve(parsed, 1)
+    assert {k: v for k, v in vars(parsed).items() if k != "config"} == first  # the parsed flags stay as parsed
+    resolved = {k: v for k, v in vars(flags).items() if k != "config"}
     assert resolved["generate_max_len"] == 64 and first["generate_max_len"] is None  # resolution changed it
-    path = write_resolved_config(parsed, str(tmp_path / "run"))
+    path = write_resolved_config(flags, str(tmp_path / "run"))
     saved = json.load(open(path))
     assert saved["use_wandb"] is True and "secret-key" not in open(path).read()
     assert saved["_as_parsed"]["generate_max_len"] is None and saved["generate_max_len"] == 64
 
     replay = p.parse(["--config", path, "--use_wandb", "secret-key"])
     assert {k: v for k, v in vars(replay).items() if k != "config"} == first
-    builders.resolve_flags(replay, 1)
-    assert {k: v for k, v in vars(replay).items() if k != "config"} == resolved
+    assert {k: v for k, v in vars(resolve(replay, 1)).items() if k != "config"} == resolved
 
 
 def test_namespace_not_from_parse_writes_no_as_parsed(tmp_path):

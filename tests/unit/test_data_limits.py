@@ -102,7 +102,7 @@ def test_null_or_missing_label_names_file_and_row(tmp_path):
 
 def test_max_len_beyond_the_model_positions_names_both_numbers(tiny_model_dir, tmp_path):
     from rlhfkit.cli import train_ppo, train_sft
-    from rlhfkit.rl_run import builders
+    from rlhfkit.rl_run.resolve import resolve
     from rlhfkit.cli.common import UsageError
 
     data = lines(tmp_path / "d.jsonl", json.dumps({"question": "1+1=", "response": "2"}))
@@ -116,12 +116,12 @@ def test_max_len_beyond_the_model_positions_names_both_numbers(tiny_model_dir, t
     base = ["--pretrain", tiny_model_dir, "--prompt_data", data, "--remote_rm_url", str(tmp_path / "r.py")]
     with pytest.raises(UsageError, match=r"--prompt_max_len 1024 \+ --generate_max_len 1024 = 2048 \(the default "
                                          r"--max_len\) exceeds the model's max_position_embeddings 256"):
-        builders.resolve_flags(train_ppo.build_parser().parse(base), 1)
+        resolve(train_ppo.build_parser().parse(base), 1)
     with pytest.raises(UsageError, match="--max_len 300 exceeds the model's max_position_embeddings 256"):
-        builders.resolve_flags(train_ppo.build_parser().parse(
+        resolve(train_ppo.build_parser().parse(
             base + ["--max_len", "300", "--generate_max_len", "8"]), 1)
-    args = train_ppo.build_parser().parse(base + ["--prompt_max_len", "200", "--generate_max_len", "56"])
-    builders.resolve_flags(args, 1)  # 256: fits
+    args = resolve(train_ppo.build_parser().parse(base + ["--prompt_max_len", "200", "--generate_max_len", "56"]),
+                   1)  # 256: fits
     assert args.max_len == 256
 
 

@@ -1,4 +1,4 @@
-"""How the RL flags of issue 15 resolve (rlhfkit.rl_run.builders) and the run-dependent notes.
+"""How the RL flags of issue 15 resolve (rlhfkit.rl_run.resolve) and the run-dependent notes.
 
 - the critic's optimizer flags default to the actor's (flat names set both), --critic.* set the critic's alone;
 - --best_metric_key: "none", no evaluation, and the automatic key without --save_steps turn it off;
@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from rlhfkit.rl_run import builders as S
+from rlhfkit.rl_run.resolve import resolve_optional_terms
 from rlhfkit.cli import train_ppo
 from rlhfkit.cli.common import UsageError, resolve_modelscope_paths
 from rlhfkit.config import notes
@@ -39,7 +40,7 @@ def test_critic_optimizer_flags(tmp_path):
     assert c["adam_betas"] == [0.8, 0.99] and c["max_norm"] == 2.0  # flat names: both models
     assert (c["lr_scheduler"], c["adam_eps"], c["optim"], c["muon_lr"]) == ("constant", 1e-6, "muon", 0.01)
     assert (a.lr_scheduler, a.adam_eps, a.optim) == ("cosine_with_min_lr", 1e-8, "adam")  # the actor's stay
-    S.resolve_optional_terms(a)
+    resolve_optional_terms(a)
     assert a.critic_max_norm == 2.0 and a.critic_lr_scheduler == "constant"  # resolved into run_config.json
 
 
@@ -72,14 +73,14 @@ def test_keep_best_saves_improvements_only(tmp_path):
 
 def test_notes_for_switches_without_effect(tmp_path, capsys):
     a = rl_args(tmp_path, "--ema_beta", "0.9", "--ptx_coef", "0.1", "--ref_offload", "--init_kl_coef", "0")
-    S.resolve_optional_terms(a)
+    resolve_optional_terms(a)
     out = capsys.readouterr().out
     for note in ("--ema_beta 0.9 has no effect without --enable_ema", "--ptx_coef 0.1 has no effect without "
                  "--pretrain_data", "--ref_offload has no effect: there is no reference model"):
         assert out.count(note) == 1, (note, out)
     assert a.ema_beta == 0.9 and not S.ptx_active(a)
     with pytest.raises(UsageError, match="--ema_beta"):
-        S.resolve_optional_terms(rl_args(tmp_path, "--enable_ema", "--ema_beta", "1.5"))
+        resolve_optional_terms(rl_args(tmp_path, "--enable_ema", "--ema_beta", "1.5"))
 
 
 def test_use_ms(tmp_path, capsys, monkeypatch):

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 from rlhfkit.rl_run import memory_check as M
 from rlhfkit.rl_run import builders as S
+from rlhfkit.rl_run.resolve import resolve
 from rlhfkit.cli import train_ppo_ray
 from rlhfkit.cli.common import UsageError
 
@@ -14,14 +17,18 @@ GiB = 2**30
 
 def parse(tiny_model_dir, tmp_path, *extra):
     (tmp_path / "r.py").write_text("def reward_func(queries, prompts, labels):\n    return [0.0] * len(queries)\n")
-    args = train_ppo_ray.build_parser().parse([
+    parsed = train_ppo_ray.build_parser().parse([
         "--pretrain", tiny_model_dir, "--prompt_data", str(tmp_path / "p.jsonl"),
         "--remote_rm_url", str(tmp_path / "r.py"), "--advantage_estimator", "group_norm",
         "--n_samples_per_prompt", "4", "--rollout_batch_size", "16", "--train_batch_size", "64",
         "--micro_train_batch_size", "2", "--micro_rollout_batch_size", "4", "--generate_max_len", "48",
         "--prompt_max_len", "16", "--init_kl_coef", "0.01", "--save_path", str(tmp_path / "s"), *extra])
-    S.resolve_flags(args, 2)
-    return args
+    return resolve(parsed, 2)
+
+
+def changed(args, **values) -> argparse.Namespace:
+    """The resolved flags `args` with `values` instead (the resolved flags themselves are read-only)."""
+    return argparse.Namespace(**{**vars(args), **values})
 
 
 def test_flags_become_plan_inputs(tiny_model_dir, tmp_path):
@@ -54,14 +61,12 @@ def test_table_is_printed_and_an_over_budget_plan_refuses(tiny_model_dir, tmp_pa
     assert "pool policy: 1 GPU(s) x [policy]" in out and "pool engines: 1 GPU(s) x [engine]" in out
     with pytest.raises(UsageError, match=r"the memory plan needs about 2\.3 GiB per GPU in pool engines .*\(--skip_memory_check runs anyway\)"):
         M.check_memory(args, {"policy": 1, "ref": 1}, device_bytes=GiB // 4)
-    args.skip_memory_check = True
-    M.check_memory(args, {"policy": 1, "ref": 1}, device_bytes=GiB // 4)
+    M.check_memory(changed(args, skip_memory_check=True), {"policy": 1, "ref": 1}, device_bytes=GiB // 4)
     assert "running anyway (--skip_memory_check)" in capsys.readouterr().out
 
 
 def test_unreadable_config_skips_the_plan_with_a_line(tiny_model_dir, tmp_path, capsys):
-    args = parse(tiny_model_dir, tmp_path)
-    args.ref_pretrain = str(tmp_path / "missing")
+    args = changed(parse(tiny_model_dir, tmp_path), ref_pretrain=str(tmp_path / "missing"))
     M.check_memory(args, {"policy": 1, "ref": 1}, device_bytes=GiB // 4)
     assert capsys.readouterr().out.startswith("memory plan: skipped (")
 

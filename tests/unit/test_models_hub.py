@@ -11,7 +11,7 @@ import pytest
 from hub_cache import place_in_hub_cache
 from huggingface_hub import constants
 
-from rlhfkit.rl_run import builders as S
+from rlhfkit.rl_run.resolve import resolve
 from rlhfkit.cli.common import resolve_model_paths
 from rlhfkit.cli.train_ppo import build_parser as ppo_parser
 from rlhfkit.models import hub
@@ -122,17 +122,17 @@ def test_cli_resolves_every_model_flag_in_the_driver(tiny_model_dir, tmp_path, c
     rm_snap = place_in_hub_cache(tiny_model_dir, cache, "org/rm")
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"input": "1+1="}\n')
-    args = ppo_parser().parse(["--pretrain", "org/policy", "--reward_pretrain", f"org/rm,{tiny_model_dir}",
+    parsed = ppo_parser().parse(["--pretrain", "org/policy", "--reward_pretrain", f"org/rm,{tiny_model_dir}",
                                "--critic_pretrain", "org/rm", "--prompt_data", str(prompts),
                                "--advantage_estimator", "gae", "--micro_train_batch_size", "1",
                                "--train_batch_size", "1", "--rollout_batch_size", "1", "--prompt_max_len", "16",
                                "--generate_max_len", "8"])
-    S.resolve_flags(args, world_size=1)
+    args = resolve(parsed, world_size=1)
     assert args.pretrain == snap and args.critic_pretrain == rm_snap
     assert args.reward_pretrain == f"{rm_snap},{tiny_model_dir}"
-    args.teacher_model = "org/missing"
+    parsed.teacher_model = "org/missing"
     with pytest.raises(ModelNotFoundError, match="^--teacher_model org/missing: "):
-        resolve_model_paths(args)
+        resolve_model_paths(parsed)
 
 
 def test_hub_module_reads_offline_from_the_environment(monkeypatch):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from rlhfkit.config import notes
 from rlhfkit.parallel.dist import DistInfo
-from rlhfkit.rl_run import builders as S
+from rlhfkit.rl_run.resolve import resolve
 from rlhfkit.cli import train_ppo_ray
 from rlhfkit.rl_run import ray_layout
 
@@ -15,14 +15,14 @@ CPU = DistInfo(device="cpu")
 def test_role_builders_get_checkpointing_and_adam_offload(tiny_model_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(notes, "_NOTED", set())
     (tmp_path / "r.py").write_text("def reward_func(queries, prompts, labels):\n    return [0.0] * len(queries)\n")
-    args = train_ppo_ray.build_parser().parse([
+    parsed = train_ppo_ray.build_parser().parse([
         "--pretrain", tiny_model_dir, "--prompt_data", str(tmp_path / "p.jsonl"),
         "--remote_rm_url", str(tmp_path / "r.py"), "--advantage_estimator", "group_norm",
         "--n_samples_per_prompt", "2", "--rollout_batch_size", "4", "--train_batch_size", "8",
         "--micro_train_batch_size", "2", "--generate_max_len", "6", "--prompt_max_len", "16",
         "--init_kl_coef", "0.01", "--device", "cpu", "--save_path", str(tmp_path / "s"),
         "--gradient_checkpointing", "--gradient_checkpointing_use_reentrant", "--adam_offload"])
-    S.resolve_flags(args, 1)
+    args = resolve(parsed, 1)
     _, policy = ray_layout.build_role(args, 5, None, "policy", CPU)
     model = policy.unwrap()
     assert model.is_gradient_checkpointing

@@ -11,7 +11,7 @@ from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
 from rlhfkit.cli import batch_inference, train_ppo
 
-from rlhfkit.rl_run import builders
+from rlhfkit.rl_run.resolve import resolve
 from rlhfkit.config.errors import UsageError
 from rlhfkit.models.forward import packing_refusal
 from rlhfkit.rollout import build_engine
@@ -110,8 +110,8 @@ def test_train_ppo_resolves_auto_once_into_the_flag(tiny_model_dir, tmp_path, ca
     args = train_ppo.build_parser().parse(argv)
     assert args.rollout_engine == "auto"
     with caplog.at_level("INFO"):
-        builders.resolve_flags(args, 1)
-    assert args.rollout_engine == "builtin"  # the fast path is not announced
+        resolved = resolve(args, 1)
+    assert resolved.rollout_engine == "builtin"  # the fast path is not announced
     assert not any(r.getMessage().startswith("rollout engine:") for r in caplog.records)
 
 
