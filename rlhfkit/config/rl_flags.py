@@ -247,7 +247,7 @@ def _critics(name: str) -> str:
 class CriticOptimFlags:
     """The critic's optimizer. Unset (None), the schedule and AdamW settings take the actor's value, so the
     flat OpenRLHF names (--adam_betas, --l2, --max_norm, ...) set both models as they did; the dotted
-    --critic.* names set the critic's alone (rl_run.builders.resolve_flags)."""
+    --critic.* names set the critic's alone (rl_run.resolve)."""
 
     critic_adam_betas: list[float] | None = flag(None, "--critic.adam.betas", nargs=2, group=RL_CRITIC,
                                                  help="the critic's --adam_betas (default: the actor's)")

@@ -29,7 +29,7 @@ from rlhfkit.config.declare import declared_default
 
 # Fields named like a flag dest that still write a literal default, with why. Each key: "Class.field".
 NOT_THE_FLAG = "not the flag's setting: the same name for another value"
-RESOLVED = "the value a command resolves the flag to, not the flag's default (resolved in rl_run/builders.py)"
+RESOLVED = "the value a command resolves the flag to, not the flag's default (resolved in rl_run/resolve.py)"
 DIFFERS = "a direct constructor's default that differs from the flag's (keeping it keeps behaviour)"
 LEFT: dict[str, str] = {
     **dict.fromkeys([
