@@ -82,7 +82,9 @@ class BaseTrainer:
         return importlib.import_module(f"rlhfkit.cli.{self.args.COMMAND}").run(ns, given=self._given())
 
     def build_args(self) -> Any:
-        """The resolved namespace the run gets (what run_config.json records)."""
+        """The namespace the command's parser gives for the config, with the input flags set as given (what
+        run_config.json records as parsed), and the parser; the run resolves it (the RL commands: a read-only
+        copy, rlhfkit.rl_run.resolve)."""
         parser = command_parser(self.args.COMMAND)
         ns = self.args.to_args(parser)
         for dest, value in self._inputs().items():
