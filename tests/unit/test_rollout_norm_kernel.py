@@ -78,3 +78,27 @@ def test_refuses_mismatched_delta():
     x = torch.zeros(2, 8)
     with pytest.raises(ValueError, match="must match x"):
         torch.ops.rlhfkit.add_rms_norm(x, torch.zeros(2, 4), torch.ones(8), 1e-6, 0)
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("style", ["fp32", "gemma"])
+def test_fp32_weight_on_bf16_rows(device, style):
+    """gpt-oss keeps its norm weights in fp32: where the family scales in fp32 anyway the kernel takes them
+    (one kernel instead of the eager chain) and rounds as the torch norm does."""
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(6, 512, generator=g) * 3).to(device, torch.bfloat16)
+    delta = torch.randn(6, 512, generator=g).to(device, torch.bfloat16)
+    w = (torch.randn(512, generator=g) * 0.1 + 1).to(device, torch.float32)
+    assert triton_norm.applies(x, w, style) == (device == "cuda")
+    _close(torch.ops.rlhfkit.rms_norm(x, w, 1e-6, triton_norm.STYLES[style]), rms_norm(x, w, 1e-6, style))
+    x_new, h = torch.ops.rlhfkit.add_rms_norm(x, delta, w, 1e-6, triton_norm.STYLES[style])
+    _close(h, rms_norm(x + delta, w, 1e-6, style))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernels take CUDA tensors only")
+def test_applies_takes_fp32_weights_only_where_the_family_scales_in_fp32():
+    """A Llama-style norm with an fp32 weight would come out fp32 from torch: the kernel leaves it alone."""
+    x, w = torch.zeros(2, 8, dtype=torch.bfloat16, device="cuda"), torch.ones(8, device="cuda")
+    assert triton_norm.applies(x, w, "fp32") and triton_norm.applies(x, w, "gemma")
+    assert not triton_norm.applies(x, w, "llama")
+    assert not triton_norm.applies(x.float(), w.bfloat16(), "fp32")  # a weight of lower precision than the rows

@@ -34,11 +34,13 @@ def available() -> bool:
     return triton is not None and torch.cuda.is_available()
 
 
-def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def applies(x: torch.Tensor, weight: torch.Tensor, style: str = "llama") -> bool:
     """Whether the kernels take this call: on a GPU with Triton, a unit stride along H, and the
-    weight in x's dtype (torch would promote a Llama-style product otherwise)."""
+    weight in x's dtype, or in fp32 where `style` scales in fp32 anyway (gpt-oss keeps its norm
+    weights in fp32; a Llama-style product would be promoted to fp32 by torch)."""
+    weight_ok = weight.dtype == x.dtype or (style != "llama" and weight.dtype == torch.float32)
     return (triton is not None and x.is_cuda and x.dim() >= 2 and x.stride(-1) == 1
-            and weight.dtype == x.dtype and weight.is_contiguous())
+            and weight_ok and weight.is_contiguous())
 
 
 if triton is not None:

@@ -126,7 +126,7 @@ def _norm(spec: ModelSpec, weight: torch.Tensor | None, x: torch.Tensor) -> torc
     outside compiled regions one Triton kernel (kernels/triton_norm.py) instead of six or more eager ones."""
     if weight is None:
         return x
-    if triton_norm.applies(x, weight) and not torch.compiler.is_compiling():
+    if triton_norm.applies(x, weight, spec.family.norm) and not torch.compiler.is_compiling():
         return torch.ops.rlhfkit.rms_norm(x, weight, spec.rms_norm_eps, triton_norm.STYLES[spec.family.norm])
     return rms_norm(x, weight, spec.rms_norm_eps, spec.family.norm)
 
@@ -135,7 +135,8 @@ def _add_norm(spec: ModelSpec, x: torch.Tensor, delta: torch.Tensor, weight: tor
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(x + delta, _norm(x + delta))`, the sum rounded to x's dtype; one kernel where `_norm` is one."""
     if (weight is not None and delta.shape == x.shape and delta.dtype == x.dtype
-            and triton_norm.applies(x, weight) and delta.stride(-1) == 1 and not torch.compiler.is_compiling()):
+            and triton_norm.applies(x, weight, spec.family.norm) and delta.stride(-1) == 1
+            and not torch.compiler.is_compiling()):
         return torch.ops.rlhfkit.add_rms_norm(x, delta, weight, spec.rms_norm_eps,
                                               triton_norm.STYLES[spec.family.norm])
     x = x + delta
