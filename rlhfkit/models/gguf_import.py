@@ -93,18 +93,29 @@ def repair_chat_eos(tokenizer: Any, config: Any, generation_config: Any) -> list
 
 
 @contextlib.contextmanager
-def _name_maps_built_once() -> Iterator[None]:
-    """transformers asks `gguf.get_tensor_name_map(arch, layers)` once per tensor, and each call builds the
-    same read-only name table again (5-6 s of SmolLM2's 22 s import): within the block one table per
-    (arch, layers) is built and reused."""
+def _gguf_parsed_once() -> Iterator[None]:
+    """Within the block, the GGUF file is parsed once and each name table built once. transformers reads
+    the file three times (config, tokenizer, weights), each time parsing every metadata field anew (a
+    49k-token vocabulary field by field: 4 s each of SmolLM2's 22 s import), and it asks
+    `gguf.get_tensor_name_map(arch, layers)` once per tensor, which builds the same read-only table again
+    (5-6 s): the block hands back one reader per file and one table per (arch, layers)."""
     import gguf
 
-    build = gguf.get_tensor_name_map
+    build, open_reader = gguf.get_tensor_name_map, gguf.GGUFReader
+    readers: dict[tuple[str, str], Any] = {}
+
+    def reader(path: Any, mode: str = "r") -> Any:  # transformers imports it from gguf at each call
+        key = (os.path.abspath(os.fspath(path)), mode)
+        if key not in readers:
+            readers[key] = open_reader(path, mode)
+        return readers[key]
+
     gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(build)
+    gguf.GGUFReader = reader
     try:
         yield
     finally:
-        gguf.get_tensor_name_map = build
+        gguf.get_tensor_name_map, gguf.GGUFReader = build, open_reader
 
 
 def import_gguf(gguf_path: str, save_path: str, param_dtype: str = "bf16", flag: str = "--gguf") -> GgufImport:
@@ -124,7 +135,7 @@ def import_gguf(gguf_path: str, save_path: str, param_dtype: str = "bf16", flag:
         raise FileNotFoundError(f"{flag} {gguf_path!r}: {what}")
     folder, name = os.path.split(os.path.abspath(gguf_path))
     try:
-        with _name_maps_built_once():
+        with _gguf_parsed_once():
             tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
             quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     except (ValueError, KeyError, OSError) as e:  # not a GGUF file, or an architecture transformers cannot read

@@ -1,5 +1,6 @@
-"""rlhfkit.models.gguf_import without a GGUF file: the chat template's end of turn, the eos / pad repair of
-tokenizer, config and generation_config, and the command's one-line errors. (A real file is imported by
+"""rlhfkit.models.gguf_import without a model file: the chat template's end of turn, the eos / pad repair of
+tokenizer, config and generation_config, the command's one-line errors, and one parse of a file (a small one
+written here) per import. (A real file is imported by
 `make real-model`; tests/integration/test_real_model.py runs on the result.)"""
 
 from __future__ import annotations
@@ -84,3 +85,25 @@ def test_cli_errors_name_the_flag_and_the_package(capsys, monkeypatch, tmp_path)
     monkeypatch.setitem(sys.modules, "gguf", None)
     assert _cli_error(capsys, ["--gguf", missing, "--save_path", str(tmp_path / "o")]) == \
         "import_gguf: error: import_gguf needs the `gguf` package, which is not installed: pip install 'rlhfkit[gguf]'"
+
+
+def test_a_file_is_parsed_once_within_an_import(tmp_path):
+    """transformers opens the file three times (config, tokenizer, weights): within the import each path gets
+    one reader, parsed once, and gguf's own reader is back afterwards."""
+    gguf = pytest.importorskip("gguf")
+    from rlhfkit.models import gguf_import
+
+    path = str(tmp_path / "m.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(50)])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    real = gguf.GGUFReader
+    with gguf_import._gguf_parsed_once():
+        first = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(tmp_path / "m.gguf") is first  # the same file by another spelling
+        assert len(first.fields["tokenizer.ggml.tokens"].data) == 50
+    assert gguf.GGUFReader is real
+    assert gguf.GGUFReader(path) is not first
