@@ -233,6 +233,8 @@ def _block_k(k: int) -> int:
 
 
 def _chunk(rows: int) -> int:
+    """How many ids a program compares at a time while finding its rows: all of them up to 256 (a
+    [BLOCK_M, CHUNK] comparison per block of rows stays within the registers)."""
     return min(256, max(16, triton.next_power_of_2(rows)))
 
 
