@@ -46,6 +46,7 @@ $(REAL_MODEL)/config.json: | $(STAMP)
 real-model: $(REAL_MODEL)/config.json
 
 # --dist loadgroup: tests marked xdist_group(name) run on one worker (they share a session fixture).
+# --no-loadscope-reorder: the groups go out in tests/conftest.py's order (the slow tests first), not by size.
 # -n 3 on two cores: a third worker runs while the others wait on a Ray, a server or a subprocess.
 # Bytecode caches on (whatever PYTHONDONTWRITEBYTECODE says): every worker and every server of
 # tests/warmstart imports rlhfkit and the test modules, which otherwise compile again each time.
@@ -54,7 +55,7 @@ real-model: $(REAL_MODEL)/config.json
 test: $(STAMP) real-model
 	@for i in $$(seq 300); do [ ! -f $(STAMP) ] || [ -f $(COMPILED) ] || [ $$(find $(STAMP) -mmin +10 | wc -l) -gt 0 ] && break; sleep 1; done
 	d=$$(mktemp -d /dev/shm/rk-XXXXXX 2>/dev/null || mktemp -d); \
-	TMPDIR=$$d RLHFKIT_REAL_MODEL=$(abspath $(REAL_MODEL)) env -u PYTHONDONTWRITEBYTECODE $(VPY) -m pytest -q -n 3 --dist loadgroup --durations=15 tests; \
+	TMPDIR=$$d RLHFKIT_REAL_MODEL=$(abspath $(REAL_MODEL)) env -u PYTHONDONTWRITEBYTECODE $(VPY) -m pytest -q -n 3 --dist loadgroup --no-loadscope-reorder --durations=15 tests; \
 	rc=$$?; rm -rf $$d; exit $$rc
 
 bench-cpu: $(STAMP)

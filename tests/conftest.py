@@ -153,9 +153,14 @@ def shapes_dir(tmp_path_factory) -> str:
 def pytest_collection_modifyitems(config, items):
     """`--dist loadgroup` sends the tests of one xdist_group to one worker by a "@group" suffix of their node ids.
     pytest-xdist 3.8 sets it through item._nodeid, which pytest 9 no longer reads (the id lives in item._id), so
-    there the groups were silently ignored; add the suffix here where xdist's did not take."""
+    there the groups were silently ignored; add the suffix here where xdist's did not take.
+
+    The tests marked slow (and with them their groups) are handed out first, the longest work first, so no
+    100-second test starts when the other workers are nearly done (`make test` passes --no-loadscope-reorder,
+    which keeps this order instead of sorting the groups by their number of tests)."""
     if not getattr(config.option, "loadgroup", False):
         return
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: the rest keep their order
     for item in items:
         names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
                         for m in item.iter_markers("xdist_group")})
