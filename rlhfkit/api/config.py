@@ -31,7 +31,7 @@ import shlex
 from dataclasses import InitVar, dataclass
 from typing import Any, ClassVar, TypeVar
 
-from rlhfkit.config.flag_parser import command_token
+from rlhfkit.config.flag_parser import command_token, setting_action
 
 T = TypeVar("T")
 
@@ -205,19 +205,12 @@ class FlagConfig:
 
 def _render(dest: str, value: Any, actions: list[argparse.Action], owner: str) -> list[str]:
     """The flag tokens that set `dest` to `value`."""
-    for a in actions:  # store_true / store_false / store_const: the action whose constant it is
-        if a.nargs == 0 and a.const == value and type(a.const) is type(value):
-            return [a.option_strings[0]]
-    main = next((a for a in actions if a.nargs != 0), None)
-    if main is None:
-        raise ValueError(f"{owner}.{dest} is an on/off setting; got {value!r}")
-    if value is None:
-        raise ValueError(f"{owner}.{dest} cannot be None (its default is {main.default!r})")
+    main = setting_action(actions, dest, value, owner)
+    if main.nargs == 0:
+        return [main.option_strings[0]]
     if main.nargs not in (None, "?"):
         items = list(value) if isinstance(value, (list, tuple)) else [value]
         return [main.option_strings[0], *(command_token(v) for v in items)]
-    if isinstance(value, (list, tuple, dict)):
-        raise ValueError(f"{owner}.{dest} takes one value, got {value!r}")
     return [f"{main.option_strings[0]}={command_token(value)}"]
 
 

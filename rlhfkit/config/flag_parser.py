@@ -324,14 +324,9 @@ class FlagParser(argparse.ArgumentParser):
         actions = [a for a in self._actions if a.dest == dest and a.option_strings]
         if not actions:
             raise TypeError(f"{owner}.{dest} is not a flag of {self.prog}")
-        for a in actions:  # store_true / store_false / store_const: the action whose constant it is
-            if a.nargs == 0 and a.const == value and type(a.const) is type(value):
-                return a, value
-        main = next((a for a in actions if a.nargs != 0), None)
-        if main is None:
-            raise ValueError(f"{owner}.{dest} is an on/off setting; got {value!r}")
-        if value is None:
-            raise ValueError(f"{owner}.{dest} cannot be None (its default is {main.default!r})")
+        main = setting_action(actions, dest, value, owner)
+        if main.nargs == 0:
+            return main, value
         if main.nargs not in (None, "?"):
             items = list(value) if isinstance(value, (list, tuple)) else [value]
             if isinstance(main.nargs, int) and len(items) != main.nargs:
@@ -340,8 +335,6 @@ class FlagParser(argparse.ArgumentParser):
             for v in converted:
                 self._check_value(main, v)
             return main, converted
-        if isinstance(value, (list, tuple, dict)):
-            raise ValueError(f"{owner}.{dest} takes one value, got {value!r}")
         converted = self._get_value(main, command_token(value))
         self._check_value(main, converted)
         return main, converted
@@ -462,6 +455,23 @@ def _shown(opt: str, action: argparse.Action, value: Any) -> str:
     if action.nargs == 0:
         return opt
     return f"{opt} {' '.join(map(str, value)) if isinstance(value, list) else value}"
+
+
+def setting_action(actions: list[argparse.Action], dest: str, value: Any, owner: str) -> argparse.Action:
+    """Of `actions` (one dest's flags), the one that sets `dest` to `value`: the on/off action whose constant
+    `value` is (store_true / store_false / store_const), else the one that takes values. ValueError naming
+    `owner.dest` where none can (an on/off setting given a value, None, several values for one)."""
+    for a in actions:
+        if a.nargs == 0 and a.const == value and type(a.const) is type(value):
+            return a
+    main = next((a for a in actions if a.nargs != 0), None)
+    if main is None:
+        raise ValueError(f"{owner}.{dest} is an on/off setting; got {value!r}")
+    if value is None:
+        raise ValueError(f"{owner}.{dest} cannot be None (its default is {main.default!r})")
+    if main.nargs in (None, "?") and isinstance(value, (list, tuple, dict)):
+        raise ValueError(f"{owner}.{dest} takes one value, got {value!r}")
+    return main
 
 
 def command_token(v: Any) -> str:
