@@ -44,7 +44,7 @@ buffers and cuBLAS workspaces (CONTEXT_SHARDED_BYTES), one process CONTEXT_BYTES
 CONTEXT_BYTES plus its CUDA graphs' pool and sampling buffers (ENGINE_WORKSPACE_BYTES; more with
 tensor parallelism's communicators). These constants are calibrated against measured peaks
 (docs/performance.md, "Memory plan against measured peaks"); the caching allocator's fragmentation
-is kept small by expandable segments (rlhfkit/distributed/workers.py).
+is kept small by expandable segments (`rlhfkit.parallel.dist.use_expandable_segments`).
 
 Phases of a pool: "generate" (engines awake, roles resident unless --deepspeed_enable_sleep) and
 one per role while it runs (its active footprint; the other roles resident unless

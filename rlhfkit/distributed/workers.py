@@ -37,7 +37,7 @@ import ray
 import torch
 
 from rlhfkit import logs
-from rlhfkit.parallel.dist import DistInfo, init_distributed, resolve_device, with_index
+from rlhfkit.parallel.dist import DistInfo, init_distributed, resolve_device, use_expandable_segments, with_index
 from rlhfkit.backend.offload import HostStash, MoveStats
 from rlhfkit.parallel.rendezvous import reserve_port
 from rlhfkit.backend.base import TrainBackend
@@ -71,10 +71,6 @@ class RoleWorker:
     def __init__(self, role: str, rank: int, world_size: int,
                  build: Callable[[str, DistInfo], tuple[Role, TrainBackend | None]]):
         _quiet_env()
-        # A role's allocations change shape every micro-batch (token budgets, gathered blocks): expandable
-        # segments keep the caching allocator's fragmentation small, so the memory plan holds (a user's
-        # own setting wins). Read when this process first touches CUDA, which happens after this.
-        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         self.role_name, self.rank, self.world_size, self._build = role, rank, world_size, build
         self.role: Any = None  # a Role; reached by method name (`call`), like any of the roles
         self.backend: TrainBackend | None = None
@@ -100,6 +96,8 @@ class RoleWorker:
             os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK="0",
                               MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         self.dist = init_distributed(device)
+        if self.dist.device.startswith("cuda"):
+            use_expandable_segments()  # so that the memory plan holds (a user's PYTORCH_CUDA_ALLOC_CONF wins)
         role, self.backend = self._build(self.role_name, self.dist)
         self.role, self.dist = role, role.dist  # with the mesh the builder attached
         self._memory = CallMemory(self.role_name, self.rank, self.dist.device)

@@ -171,6 +171,25 @@ def with_index(device: str) -> str:
     return f"cuda:{torch.cuda.current_device()}" if device == "cuda" else device
 
 
+ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+
+
+def use_expandable_segments() -> None:
+    """The caching allocator of this process grows its segments in place (expandable segments) unless the
+    user's PYTORCH_CUDA_ALLOC_CONF says otherwise. A trainer's allocations change shape every micro-batch
+    (token budgets, gathered blocks, the engine's KV cache beside them): without it the allocator keeps
+    gigabytes of free blocks of the wrong sizes, which the memory plan (rlhfkit/distributed/memory_plan.py)
+    does not count. Applies to this process's allocations that follow, also after CUDA was first touched.
+    Not for a process that runs vLLM: its sleep mode's memory pool refuses expandable segments."""
+    if ALLOC_CONF in os.environ:
+        return
+    try:
+        set_settings = torch._C._accelerator_setAllocatorSettings  # torch >= 2.9
+    except AttributeError:
+        set_settings = torch.cuda.memory._set_allocator_settings
+    set_settings("expandable_segments:True")
+
+
 def init_distributed(device: str | None = None, timeout_minutes: int = 60) -> DistInfo:
     """Initialise (or reuse) the default process group when launched by torchrun.
 
