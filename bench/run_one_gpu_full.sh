@@ -7,7 +7,7 @@
 #                   holds its own copy (--engine_weights copy)
 #   lora            7B LoRA rank 64 on every linear layer, 16 x 8, the engine serving base + adapters unmerged
 #   lora_fast       the same for speed where memory allows: the engine's own merged copy, no gradient
-#                   checkpointing, micro-batches of 4
+#                   checkpointing (76 GiB at peak on an H100)
 #   load32          host memory of loading the 32B LoRA policy onto the GPU (bench/load_memory.py)
 #   lora32          the 32B shape, LoRA rank 16, 8 x 8, the same, the engine's KV cache freed while training
 #                   (--vllm_enable_sleep), the random weights in float8 on disk (the device's disk is 64 GiB)
@@ -25,7 +25,7 @@ for variant in "${@:-shared}"; do
     shared) extra="$lean --engine_weights shared" ;;
     lora) extra="--lora_rank 64 --lora_alpha 128 --target_modules all-linear --engine_weights shared" ;;
     lora_fast) extra="--lora_rank 64 --lora_alpha 128 --target_modules all-linear --engine_weights copy"
-               gc=off micro=4 ;;
+               gc=off ;;
     lora32) extra="--lora_rank 16 --lora_alpha 32 --target_modules all-linear --engine_weights shared --vllm_enable_sleep"
             shape=qwen2.5-32b prompts=8 micro=4 disk=fp8 ;;
     load32) timeout 400 python3 bench/load_memory.py --shape qwen2.5-32b --model_dir /tmp/bench_qwen2.5-32b \
