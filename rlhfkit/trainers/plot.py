@@ -135,8 +135,26 @@ def _label(key: str, keys: list[str]) -> str:
     return base + (" (eval)" if key.startswith(EVAL) else "")
 
 
+def _digits_formatter() -> Any:
+    """A y-axis tick formatter with `tick_digits` of the axis's ticks, found once per set of ticks (matplotlib
+    hands a formatter the tick locations before it asks for their labels)."""
+    from matplotlib.ticker import Formatter
+
+    class Digits(Formatter):
+        digits = 3
+
+        def set_locs(self, locs: Sequence[float]) -> None:
+            super().set_locs(locs)
+            self.digits = tick_digits(list(locs))
+
+        def __call__(self, x: float, pos: int | None = None) -> str:
+            return f"{x:.{self.digits}g}"
+
+    return Digits()
+
+
 def _draw(ax: Any, panel: Panel, keys: list[str], rows: list[dict[str, Any]]) -> None:
-    from matplotlib.ticker import FuncFormatter, MaxNLocator
+    from matplotlib.ticker import MaxNLocator
 
     present = [k for k in keys if _series(rows, k)[0]]
     bases = list(dict.fromkeys(k.split("/", 1)[1] for k in present))
@@ -156,7 +174,7 @@ def _draw(ax: Any, panel: Panel, keys: list[str], rows: list[dict[str, Any]]) ->
         else:
             ax.plot(xs, ys, color=color, linewidth=1.4, marker="." if len(xs) < 30 else None, label=label)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 2.5, 5, 10]))
-    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.{tick_digits(ax.yaxis.get_majorticklocs())}g}"))
+    ax.yaxis.set_major_formatter(_digits_formatter())
     values = [v for k in present for v in _series(rows, k)[1]]
     if values and max(values) == min(values):  # a constant (e.g. the learning rate): centred, no offset ticks
         v = values[0]
