@@ -143,9 +143,9 @@ def _digits_formatter() -> Any:
     class Digits(Formatter):
         digits = 3
 
-        def set_locs(self, locs: Sequence[float]) -> None:
+        def set_locs(self, locs: list[float]) -> None:
             super().set_locs(locs)
-            self.digits = tick_digits(list(locs))
+            self.digits = tick_digits(locs)
 
         def __call__(self, x: float, pos: int | None = None) -> str:
             return f"{x:.{self.digits}g}"
