@@ -96,7 +96,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, groups: list[dict] | Non
                     fused: bool = False, master: Any = None, seed: int = 0) -> torch.optim.Optimizer:
     """AdamW (or, with `--optim muon`, Muon + AdamW) over `model`'s trainable parameters (build it
     after sharding the model), or over the given `groups` (e.g. fp32 master copies); `fused` picks
-    the single-kernel CUDA implementation of AdamW. With `master` (the `MasterWeights` whose copies
+    torch's single-kernel implementation of AdamW (CUDA or CPU). With `master` (the `MasterWeights` whose copies
     `groups` holds) and `fused`, AdamW is `MasterAdamW`, whose step also writes the module. `--optim adamw_8bit`
     or `--master_weights bf16_*` give `LeanAdamW` (lean_adamw.py; `seed` seeds its stochastic rounding)."""
     _validate(cfg)
