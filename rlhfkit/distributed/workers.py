@@ -96,8 +96,7 @@ class RoleWorker:
             os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK="0",
                               MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         self.dist = init_distributed(device)
-        if self.dist.device.startswith("cuda"):
-            use_expandable_segments()  # so that the memory plan holds (a user's PYTORCH_CUDA_ALLOC_CONF wins)
+        use_expandable_segments(self.dist.device)  # so that the memory plan holds
         role, self.backend = self._build(self.role_name, self.dist)
         self.role, self.dist = role, role.dist  # with the mesh the builder attached
         self._memory = CallMemory(self.role_name, self.rank, self.dist.device)

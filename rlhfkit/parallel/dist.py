@@ -174,14 +174,14 @@ def with_index(device: str) -> str:
 ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
 
 
-def use_expandable_segments() -> None:
-    """The caching allocator of this process grows its segments in place (expandable segments) unless the
-    user's PYTORCH_CUDA_ALLOC_CONF says otherwise. A trainer's allocations change shape every micro-batch
+def use_expandable_segments(device: str) -> None:
+    """On a GPU `device`, the caching allocator of this process grows its segments in place (expandable
+    segments) unless the user's PYTORCH_CUDA_ALLOC_CONF says otherwise. A trainer's allocations change shape every micro-batch
     (token budgets, gathered blocks, the engine's KV cache beside them): without it the allocator keeps
     gigabytes of free blocks of the wrong sizes, which the memory plan (rlhfkit/distributed/memory_plan.py)
     does not count. Applies to this process's allocations that follow, also after CUDA was first touched.
     Not for a process that runs vLLM: its sleep mode's memory pool refuses expandable segments."""
-    if ALLOC_CONF in os.environ:
+    if not device.startswith("cuda") or ALLOC_CONF in os.environ:
         return
     try:
         set_settings = torch._C._accelerator_setAllocatorSettings  # torch >= 2.9

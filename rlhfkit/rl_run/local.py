@@ -38,8 +38,8 @@ def local_placement(plan: RLPlan, dist: DistInfo, dims: ParallelDims | None = No
     layout's, else made from the flags). A policy given in memory is trained itself; the copies a reference or
     a critic start from are taken first."""
     args, tokenizer, num_steps, given, roles = plan.args, plan.tokenizer, plan.num_steps, plan.given, plan.roles
-    if dist.device.startswith("cuda") and args.rollout_engine != "vllm":
-        use_expandable_segments()  # so that the memory plan holds (a user's PYTORCH_CUDA_ALLOC_CONF wins)
+    if args.rollout_engine != "vllm":  # (vLLM in this process: its sleep pool refuses them)
+        use_expandable_segments(dist.device)  # so that the memory plan holds
     dims = dims if dims is not None else parallel_dims(args, dist)
     ref_module = S.given_reference(args, given) if "ref" in roles else None
     critic_base = S.given_critic_base(args, given) if "critic" in roles else None

@@ -301,3 +301,36 @@ def test_frozen_weights_take_the_compute_dtype(tiny_model_dir):
     rows = make_rows(model.config.vocab_size, n=2)
     b.backward(token_sum_loss(b.model, rows, 10.0))
     assert b.optimizer_step()["skipped"] == 0.0
+
+
+def test_cpu_adamw_is_the_fused_kernel_with_the_per_tensor_loops_updates(tiny_model_dir):
+    """On a CPU the backend's AdamW is torch's fused kernel (also under --adam_offload, which changes nothing
+    there), and its update equals the default per-tensor loop's to float rounding; master copies keep the
+    plain AdamW."""
+    b = backend(load(tiny_model_dir))
+    assert b.optimizer.defaults["fused"] is True
+    assert FSDP2Backend(load(tiny_model_dir), BackendConfig(param_dtype="fp32", adam_offload=True),
+                        OptimConfig(), 5, CPU).optimizer.defaults["fused"] is True
+    mw = FSDP2Backend(load(tiny_model_dir), BackendConfig(param_dtype="bf16"), OptimConfig(), 5, CPU,
+                      cpu_low_precision=True)
+    assert not mw.optimizer.defaults["fused"]
+    twin = {id(p): p.detach().clone() for g in b.optimizer.param_groups for p in g["params"]}
+    start = {k: v.clone() for k, v in twin.items()}
+    ref = torch.optim.AdamW([{**{k: v for k, v in g.items() if k != "params"}, "fused": False, "foreach": False,
+                              "params": [twin[id(p)] for p in g["params"]]} for g in b.optimizer.param_groups])
+
+    def copy_grads(opt, args, kwargs):  # the gradients as the fused step sees them (clipped)
+        for g in opt.param_groups:
+            for p in g["params"]:
+                twin[id(p)].grad = p.grad.detach().clone()
+
+    b.optimizer.register_step_pre_hook(copy_grads)
+    rows = make_rows(b.model.config.vocab_size, n=2)
+    for _ in range(3):
+        b.backward(token_sum_loss(b.model, rows, 10.0))
+        b.optimizer_step()
+        ref.step()
+    params = [p for g in b.optimizer.param_groups for p in g["params"]]
+    assert max(float((twin[id(p)] - start[id(p)]).abs().max()) for p in params) > 1e-4  # the weights moved
+    gap = max(float((p.detach() - twin[id(p)]).abs().max()) for p in params)
+    assert gap < 1e-6, gap

@@ -18,15 +18,17 @@ def test_indexed_and_cpu_unchanged(monkeypatch):
 
 
 def test_expandable_segments_unless_the_user_set_the_allocator(monkeypatch):
-    """`use_expandable_segments` turns them on in this process's allocator, and leaves a user's
-    PYTORCH_CUDA_ALLOC_CONF alone."""
+    """`use_expandable_segments` turns them on in this process's allocator on a GPU, and leaves a CPU run and
+    a user's PYTORCH_CUDA_ALLOC_CONF alone."""
     from rlhfkit.parallel.dist import use_expandable_segments
 
     seen = []
     monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", seen.append, raising=False)
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
-    use_expandable_segments()
+    use_expandable_segments("cpu")
+    assert seen == []
+    use_expandable_segments("cuda:0")
     assert seen == ["expandable_segments:True"]
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
-    use_expandable_segments()
+    use_expandable_segments("cuda:0")
     assert seen == ["expandable_segments:True"]
