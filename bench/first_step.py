@@ -31,8 +31,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 
 def child(a: argparse.Namespace) -> dict:
-    import torch
-
     from bench.harness.models import device_name, make_bench_model, random_prompt
     from bench.harness.rl_run import engine_batch, force_full_length, rlhfkit_argv, write_inputs
     from bench.harness.timing import sync

@@ -19,9 +19,7 @@ import dataclasses
 import functools
 import importlib
 import os
-from collections import defaultdict
 
-import pytest
 from helpers import ROOT
 
 from rlhfkit.cli.main import COMMANDS
