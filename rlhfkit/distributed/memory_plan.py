@@ -111,6 +111,14 @@ class ModelShape:
         h, q, kv, i = self.hidden, self.heads * self.hd, self.kv_heads * self.hd, self.intermediate
         return self.layers * rank * ((h + q) * 2 + (h + kv) * 2 + (h + i) * 3)
 
+    def lora_pack_params(self, rank: int) -> int:
+        """What an engine serving those adapters unmerged holds of its own (rollout weights.LoraPack): the A
+        of each tensor's parts stacked, and their B on the tensor's rows and every part's rank columns."""
+        h, q, kv, i = self.hidden, self.heads * self.hd, self.kv_heads * self.hd, self.intermediate
+        a = rank * (3 * h + q + 2 * h + i)
+        b = 3 * rank * (q + 2 * kv) + rank * h + 2 * rank * 2 * i + rank * h
+        return self.layers * (a + b)
+
     def activation_bytes_per_token_layer(self, b: int) -> int:
         h, q, kv = self.hidden, self.heads * self.hd, self.kv_heads * self.hd
         return 16 * h + b * (2 * h + 3 * q + 3 * kv + 4 * self.intermediate)
@@ -150,6 +158,7 @@ class EngineMemory:
     kind: str = "builtin"  # builtin | hf | vllm
     gpu_memory_utilization: float = 0.9
     shares_weights: bool = False  # train_ppo's builtin engine serving the policy's own weights (--engine_weights)
+    lora_rank: int = 0  # the rank of the adapters such an engine serves unmerged (packed copies of its own)
 
 
 @dataclass(frozen=True)
@@ -289,7 +298,7 @@ def _context(member: str, x: MemoryInputs, roles: dict[str, RoleMemory]) -> int:
 def _engine_parts(e: EngineMemory, b: int, device_bytes: int | None) -> tuple[dict[str, int], dict[str, int]]:
     """(asleep, awake) component bytes on one GPU of an engine."""
     s = e.shape
-    weights = 0 if e.shares_weights else b * s.num_params() // e.tp
+    weights = b * s.lora_pack_params(e.lora_rank) if e.shares_weights else b * s.num_params() // e.tp
     kv = 2 * s.layers * e.max_num_seqs * math.ceil(s.kv_heads / e.tp) * e.max_model_len * s.hd * b
     if e.kind == "vllm" and device_bytes:
         kv = max(kv, int(e.gpu_memory_utilization * device_bytes) - weights)

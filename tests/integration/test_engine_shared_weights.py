@@ -30,6 +30,7 @@ from helpers import read_run, rl_flags, write_rl_data
 
 from rlhfkit.cli import train_ppo
 from rlhfkit.cli.common import UsageError
+from rlhfkit.distributed.memory_plan import ModelShape
 from rlhfkit.rollout.builtin import BuiltinEngine, BuiltinEngineConfig
 from rlhfkit.types import GenerationRequest, SamplingParams
 
@@ -101,7 +102,8 @@ def test_shared_run_equals_copied_run(tiny_model_dir, tmp_path, caplog):
 def test_lora_adapters_are_served_unmerged(tiny_model_dir):
     """A peft LoRA model (adapters on every linear layer, B not zero): the sharing engine's greedy tokens and
     log-probs equal those of an engine loaded from the merged model (1e-5), and follow an in-place change of
-    the adapters with no update call; the base weights are shared, the adapters are the trainer's tensors."""
+    the adapters once the weight sync's update call (with no tensors) comes; the base weights are shared,
+    the adapters are packed copies of the trainer's tensors (two GEMMs a layer input)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -129,10 +131,16 @@ def test_lora_adapters_are_served_unmerged(tiny_model_dir):
     want_tokens, want_lp = run(merged())
     engine = _engine(model, share=True)
     layer = engine.model.weights.layers[0]
-    assert sorted(layer.lora) == ["down", "gate_up", "o", "qkv"] and len(layer.lora["qkv"]) == 3
+    assert sorted(layer.lora) == ["down", "gate_up", "o", "qkv"] and len(layer.lora["qkv"].parts) == 3
     q = model.base_model.model.model.layers[0].self_attn.q_proj
     assert q.base_layer.weight.untyped_storage().data_ptr() == layer.qkv.untyped_storage().data_ptr()
-    assert layer.lora["qkv"][0].b.data_ptr() == q.lora_B["default"].weight.data_ptr()
+    assert layer.lora["qkv"].parts[0].b.data_ptr() == q.lora_B["default"].weight.data_ptr()
+    qkv = layer.lora["qkv"]  # q's, k's and v's A stacked; each B x scale on its rows and rank's columns
+    assert qkv.a.shape == (12, layer.qkv.shape[1]) and qkv.b.shape == (layer.qkv.shape[0], 12)
+    assert qkv.b[:q.out_features, 4:].abs().max() == 0
+    torch.testing.assert_close(qkv.b[:q.out_features, :4], q.lora_B["default"].weight * 2.0)
+    packed = sum(p.a.numel() + p.b.numel() for lw in engine.model.weights.layers for p in lw.lora.values())
+    assert ModelShape.from_config(base.config).lora_pack_params(4) == packed  # what the memory plan counts
     tokens, lp = run(engine)
     assert tokens == want_tokens
     torch.testing.assert_close(lp, want_lp, atol=1e-5, rtol=0)
@@ -140,6 +148,8 @@ def test_lora_adapters_are_served_unmerged(tiny_model_dir):
         for n, p in model.named_parameters():
             if "lora_" in n:
                 p.mul_(1.7)
+    assert run(engine)[0] == tokens  # served from the packs until the weight sync
+    engine.update_weights([])
     tokens, lp = run(engine)
     want_tokens, want_lp = run(merged())
     assert tokens == want_tokens

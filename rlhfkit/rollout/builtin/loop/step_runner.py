@@ -184,12 +184,16 @@ class StepRunner:
     @torch.no_grad()
     def update_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy full HF-named tensors (this shard's slices) into the weights in place; graphs stay valid.
-        A VLM's vision-tower tensors go to the tower (which then forgets its cached outputs)."""
+        A VLM's vision-tower tensors go to the tower (which then forgets its cached outputs); the LoRA
+        adapters of a policy whose weights the engine shares are copied from the policy again."""
         with self.lock:
-            if self.vision is None:
-                return len(copy_named_tensors(self.model.weights, self.model.spec, named))
-            named = list(named)
-            return len(copy_named_tensors(self.model.weights, self.model.spec, named)) + len(self.vision.load(named))
+            if self.vision is None:  # (a stream of tensors: never held all at once)
+                n = len(copy_named_tensors(self.model.weights, self.model.spec, named))
+            else:
+                named = list(named)
+                n = len(copy_named_tensors(self.model.weights, self.model.spec, named)) + len(self.vision.load(named))
+            self.model.weights.refresh_lora()
+            return n
 
     # ---------------------------------------------------------------- generation
     def admit(self, plan: AdmitPlan) -> None:

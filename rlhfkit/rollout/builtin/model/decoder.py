@@ -180,10 +180,9 @@ def _project_qkv(layer: LayerWeights, spec: ModelSpec, h: torch.Tensor
 
 def _lora(layer: LayerWeights, attr: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """`y` (the output of engine tensor `attr` for input `x`) with the layer's unmerged LoRA adapters on it
-    added in place, each on its rows as peft computes it: (x A^T) B^T x scale."""
-    for part in layer.lora.get(attr, ()):
-        y[..., part.start:part.end] += F.linear(F.linear(x, part.a), part.b) * part.scale
-    return y
+    added in place (weights.LoraPack: two GEMMs whatever the number of adapters on the tensor)."""
+    pack = layer.lora.get(attr)
+    return y if pack is None else pack.apply(x, y)
 
 
 def _o_proj(layer: LayerWeights, spec: ModelSpec, x: torch.Tensor) -> torch.Tensor:

@@ -15,9 +15,9 @@ import torch
 
 from rlhfkit.rollout.builtin.model.families import EXPERT_RE
 from rlhfkit.rollout.builtin.model.spec import ModelSpec
-from rlhfkit.rollout.builtin.model.weights import (ALL_ROWS, LAYER_RE, Coverage, LoraPart, ModelWeights,
-                                                   allocate_weights, copy_into, keyed_targets, normalized_name,
-                                                   part_bounds)
+from rlhfkit.rollout.builtin.model.weights import (ALL_ROWS, LAYER_RE, Coverage, LoraPack, LoraPart,
+                                                   ModelWeights, allocate_weights, copy_into, keyed_targets,
+                                                   normalized_name, part_bounds)
 
 _LORA_RE = re.compile(r"^(.+)\.lora_([AB])\.default\.weight$")
 
@@ -111,7 +111,8 @@ def adopt_parameters(model: torch.nn.Module, dtype: torch.dtype,
     row block of a fused one: q, k and v in `qkv`, gate and up in `gate_up`) of its dtype and device becomes a
     view of it (`param.data = view`): the engine and the module share one copy, and an optimizer's in-place
     step is what the engine serves next. A peft LoRA model's base weights are shared alike and its adapters
-    are applied unmerged (`LayerWeights.lora`, the trainer's own tensors; `sharing_blocker` says when not).
+    are applied unmerged (`LayerWeights.lora`: packed copies of the trainer's tensors, refreshed at each weight
+    update; `sharing_blocker` says when not).
     Returns the spec, the weights and the normalized base-model names the engine shares (a LoRA layer's
     name among them: a weight sync must not write its merged weight); the others (transposed, sliced or
     cast on their way in, or placed twice) are still copied by a weight sync. The module's own storage of
@@ -155,12 +156,15 @@ def adopt_parameters(model: torch.nn.Module, dtype: torch.dtype,
                     shared.add(normalized_name(name))
     _materialize_part(weights, None, device)  # any part no parameter filled (coverage says which)
     coverage.check(spec, weights)
+    parts: dict[tuple[int, str], list[LoraPart]] = {}
     for module, (scale, _) in lora_layers(model).items():
         place = _lora_place(spec, module)
         assert not isinstance(place, str)  # sharing_blocker checked every adapter
         li, attr, start, end = place
         a, b = params[f"{module}.lora_A.default.weight"], params[f"{module}.lora_B.default.weight"]
         end = getattr(weights.layers[li], attr).shape[0] if end < 0 else end
-        weights.layers[li].lora.setdefault(attr, []).append(LoraPart(start, end, a.detach(), b.detach(), scale))
+        parts.setdefault((li, attr), []).append(LoraPart(start, end, a.detach(), b.detach(), scale))
         shared.add(normalized_name(_peft_base_name(module) + ".weight"))
+    for (li, attr), ps in parts.items():
+        weights.layers[li].lora[attr] = LoraPack.of(ps, getattr(weights.layers[li], attr).shape[0])
     return spec, weights, frozenset(shared)

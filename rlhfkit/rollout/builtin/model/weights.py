@@ -44,6 +44,43 @@ class LoraPart:
 
 
 @dataclass
+class LoraPack:
+    """The unmerged LoRA adapters on one engine tensor, packed so that they cost two GEMMs for the whole
+    tensor whatever its parts (q, k and v of `qkv` share one input): `a [R, in]` stacks the parts' A (R: their
+    ranks summed) and `b [out, R]` holds each part's B x scale on its rows and its rank's columns, zero
+    elsewhere; the output gains (x @ a.T) @ b.T. `a` and `b` are the engine's: `refresh()` copies the parts
+    (the trainer's tensors) into them in place, so captured graphs stay valid; a weight update calls it."""
+
+    parts: list[LoraPart]
+    a: torch.Tensor
+    b: torch.Tensor
+
+    @classmethod
+    def of(cls, parts: list[LoraPart], out_features: int) -> "LoraPack":
+        a0 = parts[0].a
+        rank = sum(p.a.shape[0] for p in parts)
+        pack = cls(parts, torch.empty(rank, a0.shape[1], dtype=a0.dtype, device=a0.device),
+                   torch.zeros(out_features, rank, dtype=a0.dtype, device=a0.device))
+        pack.refresh()
+        return pack
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        col = 0
+        for p in self.parts:
+            r = p.a.shape[0]
+            self.a[col:col + r].copy_(p.a)
+            self.b[p.start:p.end, col:col + r].copy_(p.b).mul_(p.scale)
+            col += r
+
+    def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """`y` (the engine tensor's output for input `x`) with the adapters' output added in place."""
+        xa = torch.nn.functional.linear(x, self.a)
+        y.view(-1, y.shape[-1]).addmm_(xa.view(-1, xa.shape[-1]), self.b.t())
+        return y
+
+
+@dataclass
 class LayerWeights:
     """One decoder layer (model/families.py says which tensors a family has).
 
@@ -75,8 +112,8 @@ class LayerWeights:
     experts_down_bias: torch.Tensor | None = None
     kind: LayerKind = field(default_factory=LayerKind)
     # unmerged LoRA adapters by engine tensor ("qkv", "o", "gate_up", "down"): an engine sharing a LoRA
-    # policy's weights (shared_weights.adopt_parameters); not in named_tensors (the trainer owns them)
-    lora: dict[str, list[LoraPart]] = field(default_factory=dict)
+    # policy's weights (shared_weights.adopt_parameters); not in named_tensors (no HF name loads into them)
+    lora: dict[str, LoraPack] = field(default_factory=dict)
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
         return {k: getattr(self, k) for k in _LAYER_TENSORS if getattr(self, k) is not None}
@@ -97,7 +134,15 @@ class ModelWeights:
         for i, layer in enumerate(self.layers):
             for k, v in layer.named_tensors().items():
                 out[f"{i}.{k}"] = v
+            for k, pack in layer.lora.items():
+                out[f"{i}.lora.{k}.a"], out[f"{i}.lora.{k}.b"] = pack.a, pack.b
         return out
+
+    def refresh_lora(self) -> None:
+        """Copy the trainer's LoRA adapters into the packs the engine applies (after a weight update)."""
+        for layer in self.layers:
+            for pack in layer.lora.values():
+                pack.refresh()
 
     def replace_tensors(self, new: dict[str, torch.Tensor]) -> None:
         tied = self.lm_head is self.embed
@@ -106,6 +151,8 @@ class ModelWeights:
         for i, layer in enumerate(self.layers):
             for k in layer.named_tensors():
                 setattr(layer, k, new[f"{i}.{k}"])
+            for k, pack in layer.lora.items():
+                pack.a, pack.b = new[f"{i}.lora.{k}.a"], new[f"{i}.lora.{k}.b"]
 
 
 LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
