@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 43's one-GPU runs (bench/rl_step.py, random Qwen2.5 shapes, 128-token prompts, 256 new tokens, gradient
+# The one-GPU runs (bench/rl_step.py, random Qwen2.5 shapes, 128-token prompts, 256 new tokens, gradient
 # checkpointing):
 #   bash bench/run_one_gpu_full.sh OUTDIR [VARIANT...]
 #   shared / copy   7B full-parameter GRPO, 16 prompts x 8 samples, 8-bit AdamW states and bf16 weights with
@@ -8,9 +8,12 @@
 #   lora            7B LoRA rank 64 on every linear layer, 16 x 8, the engine serving base + adapters unmerged
 #   lora_fast       the same for speed where memory allows: the engine's own merged copy, no gradient
 #                   checkpointing (76 GiB at peak on an H100)
+#   lora_fast_shared  lora_fast with the engine serving base + adapters unmerged (no copy of its own)
+#   shared_fast     shared without gradient checkpointing, micro-batches of 8
 #   load32          host memory of loading the 32B LoRA policy onto the GPU (bench/load_memory.py)
 #   lora32          the 32B shape, LoRA rank 16, 8 x 8, the same, the engine's KV cache freed while training
 #                   (--vllm_enable_sleep), the random weights in float8 on disk (the device's disk is 64 GiB)
+# EXTRA_FLAGS: more train_ppo flags for every variant (e.g. --torch_compile); TAG: appended to the file names.
 set -uo pipefail
 out=${1:?output directory}
 shift
@@ -26,6 +29,9 @@ for variant in "${@:-shared}"; do
     lora) extra="--lora_rank 64 --lora_alpha 128 --target_modules all-linear --engine_weights shared" ;;
     lora_fast) extra="--lora_rank 64 --lora_alpha 128 --target_modules all-linear --engine_weights copy"
                gc=off ;;
+    lora_fast_shared) extra="--lora_rank 64 --lora_alpha 128 --target_modules all-linear --engine_weights shared"
+                      gc=off ;;
+    shared_fast) extra="$lean --engine_weights shared" gc=off micro=8 ;;
     lora32) extra="--lora_rank 16 --lora_alpha 32 --target_modules all-linear --engine_weights shared --vllm_enable_sleep"
             shape=qwen2.5-32b prompts=8 micro=4 disk=fp8 ;;
     load32) timeout 400 python3 bench/load_memory.py --shape qwen2.5-32b --model_dir /tmp/bench_qwen2.5-32b \
@@ -35,6 +41,6 @@ for variant in "${@:-shared}"; do
   esac
   timeout ${RUN_TIMEOUT:-540} python3 bench/rl_step.py --model $shape --model_dir /tmp/bench_${shape} --prompts $prompts --n 8 --disk_dtype $disk \
     --prompt_len 128 --new_tokens 256 --steps 3 --warmup_steps 1 --skip_trl --gradient_checkpointing $gc \
-    --micro_train_batch_size $micro --micro_rollout_batch_size 32 --rlhfkit_flags="$extra" \
-    --out "$out/grpo_1gpu_${variant}_${gpu}.json" 2>&1 | grep -vE "^\s*$" | tail -25
+    --micro_train_batch_size $micro --micro_rollout_batch_size 32 --rlhfkit_flags="$extra ${EXTRA_FLAGS:-}" \
+    --out "$out/grpo_1gpu_${variant}${TAG:-}_${gpu}.json" 2>&1 | grep -vE "^\s*$" | tail -25
 done
