@@ -158,7 +158,7 @@ class EngineMemory:
     kind: str = "builtin"  # builtin | hf | vllm
     gpu_memory_utilization: float = 0.9
     shares_weights: bool = False  # train_ppo's builtin engine serving the policy's own weights (--engine_weights)
-    lora_rank: int = 0  # the rank of the adapters such an engine serves unmerged (packed copies of its own)
+    lora_rank: int = default_of(ModelFlags, "lora_rank")  # of the adapters such an engine serves unmerged (packed)
 
 
 @dataclass(frozen=True)
