@@ -125,6 +125,10 @@ def import_gguf(gguf_path: str, save_path: str, param_dtype: str = "bf16", flag:
     require("gguf", "import_gguf")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # a transformers that keeps it elsewhere: the random init runs, to no effect
+        from contextlib import nullcontext as no_init_weights
 
     from rlhfkit.fileio import new_staging_dir, publish_staged
     from rlhfkit.models.hf_files import resolve_dtype
@@ -143,7 +147,8 @@ def import_gguf(gguf_path: str, save_path: str, param_dtype: str = "bf16", flag:
     settings = quantized.config.to_dict()
     settings.pop("quantization_config", None)
     config = type(quantized.config).from_dict(settings)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with no_init_weights():  # every parameter is loaded next (strict): a random init would be thrown away
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(quantized.state_dict(), strict=True)
     del quantized
     model.tie_weights()
