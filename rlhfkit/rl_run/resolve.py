@@ -82,6 +82,10 @@ def _complete(args: argparse.Namespace, world_size: int, given: GivenModels) -> 
         raise UsageError("--pretrain is required (the policy: a model directory or hub id)")
     if not args.prompt_data:
         raise UsageError("--prompt_data is required")
+    if args.load_in_4bit:  # before the package check: installing bitsandbytes would not make it run
+        raise UsageError("--load_in_4bit: the RL trainers have no 4-bit base yet (the rollout engines serve bf16 "
+                         "weights); --lora_rank without it trains adapters over one bf16 base that the builtin "
+                         "engine shares (a 32B policy fits one 80 GB GPU: docs/performance.md, One GPU)")
     check_backend_flags(args)
     check_packages(args)
     check_vlm_rl_flags(args)
