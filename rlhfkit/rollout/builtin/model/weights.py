@@ -33,8 +33,8 @@ _LAYER_TENSORS = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_b
 class LoraPart:
     """A LoRA adapter on rows `start:end` of a fused engine tensor (q, k or v of `qkv`; gate or up of
     `gate_up`; all of `o` or `down`): the layer's output there gains `scale * (x @ a.T) @ b.T`. `a [r, in]`
-    and `b [end - start, r]` are the trainer's own adapter tensors (detached views), so an optimizer step is
-    served at once."""
+    and `b [end - start, r]` are the trainer's own adapter tensors (detached views), which the tensor's
+    `LoraPack` copies from at each weight update."""
 
     start: int
     end: int
