@@ -26,12 +26,14 @@ import os
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from helpers import read_run, rl_flags, write_rl_data
 
 from rlhfkit.cli import train_ppo
 from rlhfkit.cli.common import UsageError
 from rlhfkit.distributed.memory_plan import ModelShape
 from rlhfkit.rollout.builtin import BuiltinEngine, BuiltinEngineConfig
+from rlhfkit.rollout.builtin.model import decoder
 from rlhfkit.types import GenerationRequest, SamplingParams
 
 PROMPTS = [[5, 9, 14, 3], [7, 7, 2], [11, 4, 6, 8, 10]]
@@ -45,6 +47,19 @@ def _greedy(engine: BuiltinEngine) -> list[list[int]]:
 def _engine(model, share: bool) -> BuiltinEngine:
     return BuiltinEngine(model, device="cpu", dtype=torch.float32, share_weights=share,
                          config=BuiltinEngineConfig(max_num_seqs=4, max_model_len=64))
+
+
+class _AtenOps(TorchDispatchMode):
+    """The aten ops run inside (views left out)."""
+
+    def __enter__(self):
+        self.names: list[str] = []
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:
+            self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
 
 
 def _storages(tensors) -> dict[int, int]:
@@ -141,6 +156,10 @@ def test_lora_adapters_are_served_unmerged(tiny_model_dir):
     torch.testing.assert_close(qkv.b[:q.out_features, :4], q.lora_B["default"].weight * 2.0)
     packed = sum(p.a.numel() + p.b.numel() for lw in engine.model.weights.layers for p in lw.lora.values())
     assert ModelShape.from_config(base.config).lora_pack_params(4) == packed  # what the memory plan counts
+    x, y = torch.randn(3, layer.qkv.shape[1]), torch.zeros(3, layer.qkv.shape[0])
+    with _AtenOps() as ops, torch.no_grad():  # the three adapters on qkv: one GEMM for A, one addmm for B
+        decoder._lora(layer, "qkv", x, y)
+    assert sorted(ops.names) == ["aten.addmm_.default", "aten.mm.default"], ops.names
     tokens, lp = run(engine)
     assert tokens == want_tokens
     torch.testing.assert_close(lp, want_lp, atol=1e-5, rtol=0)
