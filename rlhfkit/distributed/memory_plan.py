@@ -158,7 +158,6 @@ class EngineMemory:
     kind: str = "builtin"  # builtin | hf | vllm
     gpu_memory_utilization: float = 0.9
     shares_weights: bool = False  # train_ppo's builtin engine serving the policy's own weights (--engine_weights)
-    lora_rank: int = default_of(ModelFlags, "lora_rank")  # of the adapters such an engine serves unmerged (packed)
 
 
 @dataclass(frozen=True)
@@ -295,10 +294,12 @@ def _context(member: str, x: MemoryInputs, roles: dict[str, RoleMemory]) -> int:
     return CONTEXT_SHARDED_BYTES if roles[member].world > 1 else CONTEXT_BYTES
 
 
-def _engine_parts(e: EngineMemory, b: int, device_bytes: int | None) -> tuple[dict[str, int], dict[str, int]]:
-    """(asleep, awake) component bytes on one GPU of an engine."""
+def _engine_parts(e: EngineMemory, b: int, device_bytes: int | None,
+                  lora_rank: int) -> tuple[dict[str, int], dict[str, int]]:
+    """(asleep, awake) component bytes on one GPU of an engine (`lora_rank`: the policy's adapters, which an
+    engine sharing its weights serves packed)."""
     s = e.shape
-    weights = b * s.lora_pack_params(e.lora_rank) if e.shares_weights else b * s.num_params() // e.tp
+    weights = b * s.lora_pack_params(lora_rank) if e.shares_weights else b * s.num_params() // e.tp
     kv = 2 * s.layers * e.max_num_seqs * math.ceil(s.kv_heads / e.tp) * e.max_model_len * s.hd * b
     if e.kind == "vllm" and device_bytes:
         kv = max(kv, int(e.gpu_memory_utilization * device_bytes) - weights)
@@ -342,7 +343,7 @@ def plan_memory(x: MemoryInputs, device_bytes: int | None = None) -> MemoryPlan:
         for m in members:
             if m == "engine":
                 assert x.engine is not None
-                asleep, awake = _engine_parts(x.engine, x.param_bytes, device_bytes)
+                asleep, awake = _engine_parts(x.engine, x.param_bytes, device_bytes, x.lora_rank)
                 pool.parts[m] = {**awake, "context": _context(m, x, roles)}
             else:
                 rest[m], active[m] = _role_parts(roles[m], x)

@@ -51,8 +51,7 @@ def memory_inputs(args: argparse.Namespace, slots: dict[str, int], local: bool =
                           num_engines=engines, max_num_seqs=S.engine_max_num_seqs(args, engines),
                           max_model_len=args.max_len, tp=tp, kind=args.rollout_engine,
                           gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                          shares_weights=(shares := local and S.flags_block_sharing(args, world) is None),
-                          lora_rank=(getattr(args, "lora_rank", 0) or 0) if shares else 0)
+                          shares_weights=local and S.flags_block_sharing(args, world) is None)
     train_tokens = (args.train_max_tokens_per_gpu if args.use_dynamic_batch
                     else args.micro_train_batch_size * args.max_len)
     return MemoryInputs(roles=roles, engine=engine, param_bytes=DTYPES[args.param_dtype].itemsize,
