@@ -176,10 +176,11 @@ ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
 
 def use_expandable_segments(device: str) -> None:
     """On a GPU `device`, the caching allocator of this process grows its segments in place (expandable
-    segments) unless the user's PYTORCH_CUDA_ALLOC_CONF says otherwise. A trainer's allocations change shape every micro-batch
-    (token budgets, gathered blocks, the engine's KV cache beside them): without it the allocator keeps
-    gigabytes of free blocks of the wrong sizes, which the memory plan (rlhfkit/distributed/memory_plan.py)
-    does not count. Applies to this process's allocations that follow, also after CUDA was first touched.
+    segments) unless the user's PYTORCH_CUDA_ALLOC_CONF says otherwise. A trainer's allocations change shape
+    every micro-batch (token budgets, gathered blocks, the engine's KV cache beside them): without it the
+    allocator keeps gigabytes of free blocks of the wrong sizes, which the memory plan
+    (rlhfkit/distributed/memory_plan.py) does not count. Applies to this process's allocations that follow,
+    also after CUDA was first touched.
     Not for a process that runs vLLM: its sleep mode's memory pool refuses expandable segments."""
     if not device.startswith("cuda") or ALLOC_CONF in os.environ:
         return
