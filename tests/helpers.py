@@ -53,10 +53,32 @@ def reward_func(queries, prompts, labels):
 '''
 
 
+# Ports for the tests' servers and rendezvous: below the kernel's ephemeral range (32768 and up, where a port
+# just freed by bind(0) can be handed to anyone's next outgoing or listening socket) and above Ray's worker
+# ports (10002-19999), in one slice per pytest-xdist worker, so two workers never pick the same port.
+_PORT_BASE, _PORT_SLICE, _PORT_SLICES = 20000, 3000, 4
+_port_next: list[int] = []
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port nothing listens on now, from this process's slice of 20000-31999, a different one each call."""
+    import random
+
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    idx = int(worker[2:]) % _PORT_SLICES if worker[2:].isdigit() else _PORT_SLICES - 1
+    lo = _PORT_BASE + idx * _PORT_SLICE
+    if not _port_next:
+        _port_next.append(random.randrange(_PORT_SLICE))  # not the same ports as a run just before
+    for _ in range(_PORT_SLICE):
+        port = lo + _port_next[0] % _PORT_SLICE
+        _port_next[0] += 1
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {lo}-{lo + _PORT_SLICE - 1}")
 
 
 def listening_pid(port: int) -> int | None:

@@ -3,11 +3,11 @@ sync path (values worked out by hand), plus a gloo broadcast group of 3 ranks in
 
 from __future__ import annotations
 
-import socket
 import threading
 
 import pytest
 import torch
+from helpers import free_port
 
 from rlhfkit.weightsync.broadcast import BroadcastTransport
 from rlhfkit.weightsync.buckets import ALIGN, iter_buckets, pack_bucket, unpack_bucket
@@ -133,9 +133,7 @@ def test_choose_transport():
 
 def test_gloo_group_broadcasts_buckets_in_threads():
     """Rank 0 + 2 receivers in threads of this process: bit-identical buckets, own store."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     spec = GroupSpec("127.0.0.1", port, 3, "gloo", timeout_s=30)
     flat, metas = pack_bucket(mixed(), "cpu")
     got: dict[int, torch.Tensor] = {}
@@ -166,9 +164,7 @@ def test_gloo_group_broadcasts_buckets_in_threads():
 def test_missing_peer_times_out_instead_of_hanging():
     import time
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     t0 = time.monotonic()
     with pytest.raises(Exception) as e:  # noqa: B017 - the store / gloo error type differs across torch versions
         make_group(GroupSpec("127.0.0.1", port, 2, "gloo", timeout_s=2), 0)  # rank 1 never comes
