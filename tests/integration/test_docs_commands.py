@@ -11,10 +11,11 @@ every ```python block with this venv's python, with this venv's bin/ first on PA
 - a block marked `<!-- docs-test: skip (reason) -->` (on the line before the fence, blank lines
   allowed) is not run (it needs GPUs, a cluster, or a network); each one is reported as a skipped
   test with its reason, and still has to parse (`bash -n`, or Python's compiler);
-- a block marked `<!-- docs-test: model (HUB_ID) -->` names a hub model: it runs (with the Python block
-  after it) with HUB_ID replaced by the tests' pretrained model (SmolLM2-135M-Instruct,
-  tests/real_model.py) where that is present, as `make test` has it, and otherwise, in its page's run,
-  by the set-up's ./tiny (the same commands twice, on two models, would check the same thing twice).
+- a block marked `<!-- docs-test: model (HUB_ID) -->` names a hub model: it runs in its page's run with
+  HUB_ID replaced by the set-up's ./tiny. What the commands do on a real pretrained model (the chat
+  template, SFT, DPO, GRPO, the export read by transformers) is tested on SmolLM2-135M-Instruct by
+  tests/integration/test_real_model.py; the same commands on it here would check those things again
+  at ten times the cost.
 
 The README itself is a user's page: at most README_MAX_LINES lines, and its first commands are the
 two that set up a fresh machine (`make demo`, `make test`).
@@ -107,11 +108,11 @@ def env() -> dict[str, str]:
     return e
 
 
-def run_block(block: Block, cwd: str, model: str = "./tiny") -> None:
-    """Run `block` in `cwd`; a `model` block with its hub id replaced by `model`."""
+def run_block(block: Block, cwd: str) -> None:
+    """Run `block` in `cwd`; a `model` block with its hub id replaced by the set-up's ./tiny."""
     script = os.path.join(cwd, f".docs_block_{block.line}.{'py' if block.lang == 'python' else 'sh'}")
     with open(script, "w") as f:
-        f.write(block.text.replace(block.reason, model) if block.kind == "model" else block.text)
+        f.write(block.text.replace(block.reason, "./tiny") if block.kind == "model" else block.text)
     cmd = [sys.executable, script] if block.lang == "python" else ["bash", "-euo", "pipefail", script]
     try:
         proc = subprocess.run(cmd, cwd=cwd, env=env(), capture_output=True, text=True, timeout=BLOCK_TIMEOUT)
@@ -132,57 +133,15 @@ def prepared(tmp_path_factory) -> str:
     return d
 
 
-def has_real_model() -> bool:
-    """Whether the tests' pretrained model is there (RLHFKIT_REAL_MODEL naming no model fails the model test)."""
-    from real_model import real_model_path
-
-    try:
-        real_model_path()
-    except pytest.skip.Exception:
-        return False
-    return True
-
-
-def on_the_real_model(blocks: list[Block]) -> set[int]:
-    """The indices of `blocks` that test_model_block_runs_on_the_pretrained_model runs: each model block and the
-    Python block right after it."""
-    out = set()
-    for i, b in enumerate(blocks):
-        if b.kind == "model":
-            out.add(i)
-            if i + 1 < len(blocks) and blocks[i + 1].lang == "python" and blocks[i + 1].kind == "run":
-                out.add(i + 1)
-    return out
-
-
 @pytest.mark.slow
 @pytest.mark.xdist_group("docs_pages")  # with `--dist loadgroup` (make test) one worker runs every page: one set-up
 @pytest.mark.parametrize("page", [p for p in pages() if any(b.kind == "run" for b in blocks_of(p))])
 def test_page_commands_run(page, prepared, tmp_path):
     work = str(tmp_path / "work")
     shutil.copytree(prepared, work, symlinks=True)
-    blocks = blocks_of(page)
-    elsewhere = on_the_real_model(blocks) if has_real_model() else set()
-    for i, block in enumerate(blocks):
-        if block.kind in ("run", "model") and i not in elsewhere:
+    for block in blocks_of(page):
+        if block.kind in ("run", "model"):
             run_block(block, work)
-
-
-@pytest.mark.slow
-@pytest.mark.xdist_group("docs_pages")
-@pytest.mark.parametrize("where", [b.where for b in ALL_BLOCKS if b.kind == "model"])
-def test_model_block_runs_on_the_pretrained_model(where, prepared, tmp_path):
-    """A `model` block with the tests' pretrained model in place of its hub id, then the Python block after it."""
-    from real_model import real_model_path
-
-    model = real_model_path()  # skips without `make real-model`
-    work = str(tmp_path / "work")
-    shutil.copytree(prepared, work, symlinks=True)
-    blocks = blocks_of(where.split(":")[0])
-    i = next(k for k, b in enumerate(blocks) if b.where == where)
-    run_block(blocks[i], work, model)
-    if i + 1 < len(blocks) and blocks[i + 1].lang == "python" and blocks[i + 1].kind == "run":
-        run_block(blocks[i + 1], work)
 
 
 @pytest.mark.parametrize("where", [b.where for b in ALL_BLOCKS if b.kind == "skip"])
@@ -228,13 +187,6 @@ def test_extract_reads_marks_and_order():
                    (21, "model", "org/m", "ls org/m\n", "bash")]
     with pytest.raises(ValueError, match="t.md:2: a docs-test skip needs its"):
         extract("<!-- docs-test: skip -->\n```bash\nx\n```\n", "t.md")
-
-
-def test_model_block_and_its_python_run_on_the_real_model_only():
-    text = ("<!-- docs-test: model (org/m) -->\n```bash\nls org/m\n```\n```python\nprint(1)\n```\n"
-            "```bash\necho after\n```\n<!-- docs-test: model (org/m) -->\n```bash\nls org/m\n```\n"
-            "<!-- docs-test: skip (a GPU) -->\n```python\nprint(2)\n```\n")
-    assert on_the_real_model(extract(text, "t.md")) == {0, 1, 3}
 
 
 WORKFLOW_PAGES = ("sft", "rm", "dpo", "kto", "prm", "kd", "rl", "agents", "ray", "lora", "batch_inference",
