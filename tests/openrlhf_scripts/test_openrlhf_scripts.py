@@ -73,8 +73,9 @@ pair, on the tiny models with their vocabulary padded to 104 (TP_MODEL, TP_RM_MO
 `test_tensor_parallel_script` checks that the log shows the split and that the exported model holds full
 (gathered) tensors.
 
-Ray: the Ray cases share one Ray head (`ray start --block`, started on first use and stopped at the end):
-with `--dist loadgroup` they run on one xdist worker (RAY_GROUP), so Ray starts once per run.
+Ray: the Ray cases share one Ray head (`ray start --block`, started on first use and stopped when the
+worker leaves this module): with `--dist loadgroup` they run on one xdist worker (RAY_GROUP), one after
+another, so Ray starts once per run.
 
 Run alone: pytest tests/openrlhf_scripts -n 2 (part of `make test`)
 """
@@ -256,7 +257,7 @@ class RayHead:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # stopped when its worker moves on to another module, not at the run's end
 def ray_head():
     heads: list[RayHead] = []
 
