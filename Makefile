@@ -17,14 +17,18 @@ $(VPY):
 # Left to compile when first imported: packages' own tests, the installers, the model families of
 # transformers and the Ray libraries that rlhfkit does not use, and openai's type stubs (half the files).
 NO_PRECOMPILE := /(tests?|pip|setuptools|virtualenv|fontTools)/|/transformers/models/(?!(auto|llama|qwen|mistral|mixtral))|/ray/(rllib|tune|train|data|serve|llm|air|workflow)/|/openai/types/
-# The bytecode is compiled in the background (about 20 s on 2 cores) while what follows runs (the
-# pretrained model's import, the quickstart); `make test` waits for it (COMPILED) before pytest starts.
+# The bytecode is compiled in the background: a first pass on one core while pip installs the packages
+# (pip keeps the other core busy), from torch's files on; a second pass on every core (the files the first
+# did not reach, or read while pip still wrote them) while what follows runs (the pretrained model's
+# import, the quickstart). `make test` waits for it (COMPILED) before pytest starts.
 COMPILED := $(VENV)/.compiled
+PRECOMPILE = $(VPY) -m compileall -q -j $(1) -x '$(NO_PRECOMPILE)' $$($(VPY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") > /dev/null 2>&1
 $(STAMP): $(VPY) pyproject.toml
-	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q --no-compile torch==2.13.0
-	$(VPY) -m pip install -q --no-compile -e ".[$(EXTRAS)]"
 	rm -f $(COMPILED)
-	( $(VPY) -m compileall -q -j 0 -x '$(NO_PRECOMPILE)' $$($(VPY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") > /dev/null 2>&1; touch $(COMPILED) ) &
+	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q --no-compile torch==2.13.0
+	$(call PRECOMPILE,1) & echo $$! > $(VENV)/.compiling
+	$(VPY) -m pip install -q --no-compile -e ".[$(EXTRAS)]"
+	( while kill -0 $$(cat $(VENV)/.compiling) 2>/dev/null; do sleep 0.2; done; $(call PRECOMPILE,0); touch $(COMPILED) ) &
 	touch $(STAMP)
 
 venv: $(STAMP)
