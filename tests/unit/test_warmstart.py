@@ -218,3 +218,19 @@ def test_the_trace_reports_each_childs_cpu_time(warm, tmp_path):
     assert len(ended) == 1, log[-2000:]
     cpu = float(ended[0].split(" after ")[1].split(" s of CPU")[0])
     assert 0.28 <= cpu < 0.65, ended[0]
+
+
+def test_rays_daemons_run_on_the_real_interpreter():
+    """Ray's daemons (they watch their parent) and its client server (one a head, in an environment of its
+    own) are not run warm; a Ray worker and an rlhfkit command are."""
+    keys = warmstart.tool("warm_keys")
+    site = os.path.dirname(os.path.dirname(os.path.abspath(keys.__file__)))  # any folder: only the path's tail counts
+    ray = os.path.join(site, "ray", "_private")
+    assert keys.parse_command([os.path.join(ray, "log_monitor.py"), "--session-dir=x"]) is None
+    assert keys.parse_command([os.path.join(ray, "workers", "setup_worker.py"), "-m", "ray.util.client.server",
+                               "--port=10001"]) is None
+    worker = os.path.join(ray, "workers", "default_worker.py")
+    assert keys.parse_command([worker, "--node-ip-address=127.0.0.1"]) == ([], "script", worker,
+                                                                           ["--node-ip-address=127.0.0.1"])
+    assert keys.parse_command(["-u", "-m", "rlhfkit.cli.train_sft", "--x"]) == (["-u"], "module",
+                                                                                "rlhfkit.cli.train_sft", ["--x"])

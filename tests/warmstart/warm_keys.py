@@ -9,7 +9,8 @@ the fresh one would have imported the same things the same way. Two things decid
 
 - The command line. `[-u|-B]... (-m MODULE | SCRIPT) ARGS...`: the forms CPython runs the same way
   after a fork (`parse_command`). Any other option (-E, -I, -S, -O, -W, -X, -c ...) is run by the real
-  interpreter, and so are the scripts of Ray's own daemons (`DAEMON_SCRIPTS`), which watch their parent.
+  interpreter, and so are the scripts of Ray's own daemons (`DAEMON_SCRIPTS`), which watch their parent,
+  and its client server (`DAEMON_MODULES`).
 - The environment that modules read while they are imported (`IMPORT_ENV_PREFIXES`: Python's own
   variables, locale, the torch / Hugging Face / numerics / Ray-free library settings, library paths).
   A warm interpreter is keyed by those variables (`env_key`); a process whose variables differ gets
@@ -38,6 +39,9 @@ RUNTIME_ENV_PREFIXES = ("TORCHELASTIC_", "TORCH_NCCL_", "RLHFKIT_WARM_", "TORCHI
 # Ray's daemons check that their parent is the process that started them: never forked from here
 DAEMON_SCRIPTS = ("/ray/dashboard/", "/ray/_private/log_monitor.py", "/ray/autoscaler/",
                   "/ray/_private/runtime_env/agent/")
+# Ray's client server: one a head, in an environment of its own (Ray's allocator preloaded): a warm
+# interpreter started for it (about 10 CPU-seconds of imports) would never serve another process
+DAEMON_MODULES = ("ray.util.client.server",)
 RAY_WORKER = "/ray/_private/workers/default_worker.py"
 
 
@@ -73,7 +77,7 @@ def parse_command(args: list[str]) -> tuple[list[str], str, str, list[str]] | No
     script = args[i]
     if script == "-" or not script.endswith(".py") and not _is_console_script(script):
         return None
-    if any(d in os.path.abspath(script) for d in DAEMON_SCRIPTS):
+    if any(d in os.path.abspath(script) for d in DAEMON_SCRIPTS) or any(m in args[i + 1:] for m in DAEMON_MODULES):
         return None
     return opts, "script", script, args[i + 1:]
 
