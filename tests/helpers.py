@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import urllib.error
 import urllib.request
@@ -62,8 +63,6 @@ _port_next: list[int] = []
 
 def free_port() -> int:
     """A TCP port nothing listens on now, from this process's slice of 20000-31999, a different one each call."""
-    import random
-
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     idx = int(worker[2:]) % _PORT_SLICES if worker[2:].isdigit() else _PORT_SLICES - 1
     lo = _PORT_BASE + idx * _PORT_SLICE
