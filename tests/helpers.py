@@ -4,6 +4,7 @@ flag list and run reader, and JSON over HTTP."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -58,7 +59,7 @@ def reward_func(queries, prompts, labels):
 # just freed by bind(0) can be handed to anyone's next outgoing or listening socket) and above Ray's worker
 # ports (10002-19999), in one slice per pytest-xdist worker, so two workers never pick the same port.
 _PORT_BASE, _PORT_SLICE, _PORT_SLICES = 20000, 3000, 4
-_port_next: list[int] = []
+_port_offsets = itertools.count(random.randrange(_PORT_SLICE))  # not the same ports as a run just before
 
 
 def free_port() -> int:
@@ -66,11 +67,8 @@ def free_port() -> int:
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     idx = int(worker[2:]) % _PORT_SLICES if worker[2:].isdigit() else _PORT_SLICES - 1
     lo = _PORT_BASE + idx * _PORT_SLICE
-    if not _port_next:
-        _port_next.append(random.randrange(_PORT_SLICE))  # not the same ports as a run just before
     for _ in range(_PORT_SLICE):
-        port = lo + _port_next[0] % _PORT_SLICE
-        _port_next[0] += 1
+        port = lo + next(_port_offsets) % _PORT_SLICE
         with socket.socket() as s:
             try:
                 s.bind(("", port))
