@@ -32,6 +32,9 @@ Activations of a training call, T tokens per micro-batch, per layer and token
     A = 16 H [two RMSNorms' fp32 input and normalised copies]
         + b (2 H + 3 q + 3 kv + 4 I) [norm outputs, q k v, rotated q k, attention output; gate, up,
                                       act(gate), act(gate) * up]
+    Under --torch_compile a trained model's blocks keep no fp32 copies of their norms: inductor fuses each
+    RMSNorm into one kernel that saves one fp32 scale a token, so A = 8 + b (...) in its training calls
+    (measured on one H100: docs/performance.md, "One GPU, full size").
     T L A + T A, or with --gradient_checkpointing T (L b H + 2 A) [block inputs; one block recomputed
     and the gradients of its activations], plus one chunk of the fused log-prob head's logits
     (min(HEAD_CHUNK_BYTES, T V b)). A forward-only call: T A + the chunk. A sharded trainable role
@@ -119,9 +122,10 @@ class ModelShape:
         b = 3 * rank * (q + 2 * kv) + rank * h + 2 * rank * 2 * i + rank * h
         return self.layers * (a + b)
 
-    def activation_bytes_per_token_layer(self, b: int) -> int:
+    def activation_bytes_per_token_layer(self, b: int, compiled: bool = False) -> int:
         h, q, kv = self.hidden, self.heads * self.hd, self.kv_heads * self.hd
-        return 16 * h + b * (2 * h + 3 * q + 3 * kv + 4 * self.intermediate)
+        norms = 2 * 4 if compiled else 16 * h  # two RMSNorms: a fused kernel's fp32 scale, or eager's fp32 copies
+        return norms + b * (2 * h + 3 * q + 3 * kv + 4 * self.intermediate)
 
     @classmethod
     def from_config(cls, cfg: Any, value_head: bool = False) -> "ModelShape":
@@ -168,6 +172,7 @@ class MemoryInputs:
     zero_stage: int = default_of(BackendFlags, "zero_stage")
     adam_offload: bool = default_of(BackendFlags, "adam_offload")
     gradient_checkpointing: bool = default_of(ModelFlags, "gradient_checkpointing")
+    torch_compile: bool = default_of(ModelFlags, "torch_compile")  # the trained models' blocks compiled
     train_tokens: int = 2048
     forward_tokens: int = 2048
     colocate_all: bool = False
@@ -248,6 +253,7 @@ def _role_parts(r: RoleMemory, x: MemoryInputs) -> tuple[dict[str, int], dict[st
         held = b * P if x.zero_stage < 3 or r.world == 1 else b * (P // S + s.root_params())
         return {"weights": held}, {"weights": max(held, gathered), "activations": forward_act}
     tokens = x.train_tokens
+    act_layer = s.activation_bytes_per_token_layer(b, compiled=x.torch_compile)
     if x.gradient_checkpointing:
         train_act = tokens * (s.layers * b * s.hidden + 2 * act_layer)
     else:

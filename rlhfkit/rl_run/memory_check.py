@@ -56,7 +56,8 @@ def memory_inputs(args: argparse.Namespace, slots: dict[str, int], local: bool =
                     else args.micro_train_batch_size * args.max_len)
     return MemoryInputs(roles=roles, engine=engine, param_bytes=DTYPES[args.param_dtype].itemsize,
                         zero_stage=args.zero_stage, adam_offload=args.adam_offload,
-                        gradient_checkpointing=args.gradient_checkpointing, train_tokens=train_tokens,
+                        gradient_checkpointing=args.gradient_checkpointing, torch_compile=args.torch_compile,
+                        train_tokens=train_tokens,
                         forward_tokens=S.rollout_max_tokens(args) or args.micro_rollout_batch_size * args.max_len,
                         colocate_all=local or args.colocate_all_models, colocate_actor_ref=args.colocate_actor_ref,
                         colocate_critic_reward=args.colocate_critic_reward,

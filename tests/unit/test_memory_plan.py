@@ -223,3 +223,22 @@ def test_train_ppo_engine_serving_the_policy_weights_holds_none_of_its_own():
     assert "torchrun --nproc_per_node 2" in msg and "--actor_num_gpus" not in msg
     asleep = plan_memory(replace(local(True), engine_sleep=True)).pools[0]
     assert shared.phases["policy"] - asleep.phases["policy"] == kv
+
+
+def test_torch_compile_keeps_no_fp32_norm_copies_in_the_trained_blocks():
+    # compiled: two fused RMSNorms keep one fp32 scale a token each: A = 8 + 190,464 = 190,472
+    compiled = 8 + 2 * (2 * 3584 + 3 * 3584 + 3 * 512 + 4 * 18944)
+    assert QWEN7B.activation_bytes_per_token_layer(2, compiled=True) == compiled == 190_472
+    assert QWEN7B.activation_bytes_per_token_layer(2) == A
+    tokens = 16 * 384  # 16 sequences of 384 tokens, no checkpointing: every block's activations + the head's
+    head = min(GiB, tokens * 152064 * 2)
+    x = grpo_7b(roles=(RoleMemory("policy", QWEN7B, 1), RoleMemory("ref", QWEN7B, 1)), gradient_checkpointing=False,
+                train_tokens=tokens, torch_compile=True)
+    pool = plan_memory(x).pools[0]
+    assert pool.parts["policy"]["activations"] == tokens * 29 * compiled + head
+    eager = plan_memory(replace(x, torch_compile=False)).pools[0]
+    assert eager.parts["policy"]["activations"] == tokens * 29 * A + head
+    assert pool.parts["ref"] == eager.parts["ref"]  # an untrained model's forward is not compiled
+    # with checkpointing: the block inputs + one block recomputed with its activations' gradients
+    ckpt = plan_memory(replace(x, gradient_checkpointing=True)).pools[0]
+    assert ckpt.parts["policy"]["activations"] == tokens * (28 * 2 * 3584 + 2 * compiled) + head
