@@ -253,11 +253,11 @@ def _role_parts(r: RoleMemory, x: MemoryInputs) -> tuple[dict[str, int], dict[st
         held = b * P if x.zero_stage < 3 or r.world == 1 else b * (P // S + s.root_params())
         return {"weights": held}, {"weights": max(held, gathered), "activations": forward_act}
     tokens = x.train_tokens
-    act_layer = s.activation_bytes_per_token_layer(b, compiled=x.torch_compile)
+    train_layer = s.activation_bytes_per_token_layer(b, compiled=x.torch_compile)  # forwards above run eager
     if x.gradient_checkpointing:
-        train_act = tokens * (s.layers * b * s.hidden + 2 * act_layer)
+        train_act = tokens * (s.layers * b * s.hidden + 2 * train_layer)
     else:
-        train_act = tokens * (s.layers + 1) * act_layer
+        train_act = tokens * (s.layers + 1) * train_layer
     train_act += min(HEAD_CHUNK_BYTES, tokens * s.vocab * b)
     host = x.adam_offload
     wb, ob = _optimizer_bytes(r.name, x)  # bytes a trainable parameter: stored weight (= its gradient), state
