@@ -13,7 +13,8 @@
 #   load32          host memory of loading the 32B LoRA policy onto the GPU (bench/load_memory.py)
 #   lora32          the 32B shape, LoRA rank 16, 8 x 8, the same, the engine's KV cache freed while training
 #                   (--vllm_enable_sleep), the random weights in float8 on disk (the device's disk is 64 GiB)
-# EXTRA_FLAGS: more train_ppo flags for every variant (e.g. --torch_compile); TAG: appended to the file names.
+# EXTRA_FLAGS: more train_ppo flags for every variant (e.g. --torch_compile); TAG: appended to the file names;
+# STEPS, WARMUP: timed and warm-up steps (3 and 1).
 set -uo pipefail
 out=${1:?output directory}
 shift
@@ -40,7 +41,7 @@ for variant in "${@:-shared}"; do
     *) echo "unknown variant $variant"; exit 2 ;;
   esac
   timeout ${RUN_TIMEOUT:-540} python3 bench/rl_step.py --model $shape --model_dir /tmp/bench_${shape} --prompts $prompts --n 8 --disk_dtype $disk \
-    --prompt_len 128 --new_tokens 256 --steps 3 --warmup_steps 1 --skip_trl --gradient_checkpointing $gc \
+    --prompt_len 128 --new_tokens 256 --steps ${STEPS:-3} --warmup_steps ${WARMUP:-1} --skip_trl --gradient_checkpointing $gc \
     --micro_train_batch_size $micro --micro_rollout_batch_size 32 --rlhfkit_flags="$extra ${EXTRA_FLAGS:-}" \
     --out "$out/grpo_1gpu_${variant}${TAG:-}_${gpu}.json" 2>&1 | grep -vE "^\s*$" | tail -25
 done
