@@ -10,6 +10,9 @@
 #                   checkpointing (76 GiB at peak on an H100)
 #   lora_fast_shared  lora_fast with the engine serving base + adapters unmerged (no copy of its own)
 #   shared_fast     shared without gradient checkpointing, micro-batches of 8
+#   qlora           lora with the base in 4-bit NF4 (--load_in_4bit), the engine dequantizing it a layer at a time
+#   qlora32         lora32 with the base in 4-bit NF4
+#   qlora32_fast    qlora32 in 2 micro-batches of 32 sequences (a quarter of the dequantizations), KV cache kept
 #   load32          host memory of loading the 32B LoRA policy onto the GPU (bench/load_memory.py)
 #   lora32          the 32B shape, LoRA rank 16, 8 x 8, the same, the engine's KV cache freed while training
 #                   (--vllm_enable_sleep), the random weights in float8 on disk (the device's disk is 64 GiB)
@@ -35,6 +38,11 @@ for variant in "${@:-shared}"; do
     shared_fast) extra="$lean --engine_weights shared" gc=off micro=8 ;;
     lora32) extra="--lora_rank 16 --lora_alpha 32 --target_modules all-linear --engine_weights shared --vllm_enable_sleep"
             shape=qwen2.5-32b prompts=8 micro=4 disk=fp8 ;;
+    qlora) extra="--lora_rank 64 --lora_alpha 128 --target_modules all-linear --load_in_4bit --engine_weights shared" ;;
+    qlora32) extra="--lora_rank 16 --lora_alpha 32 --target_modules all-linear --load_in_4bit --engine_weights shared --vllm_enable_sleep"
+             shape=qwen2.5-32b prompts=8 micro=4 disk=fp8 ;;
+    qlora32_fast) extra="--lora_rank 16 --lora_alpha 32 --target_modules all-linear --load_in_4bit --engine_weights shared"
+                  shape=qwen2.5-32b prompts=8 micro=32 disk=fp8 ;;
     load32) timeout 400 python3 bench/load_memory.py --shape qwen2.5-32b --model_dir /tmp/bench_qwen2.5-32b \
               --disk_dtype fp8 --path backend --lora_rank 16 --out "$out/load_memory_32b_lora_${gpu}.json" 2>&1 | tail -3
             continue ;;

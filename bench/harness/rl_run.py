@@ -109,6 +109,8 @@ def summarize_rlhfkit(walls: list[float], metrics: list[dict], completions: int)
         "response_length": resp, "truncated_rate": mean([m["truncated_rate"] for m in metrics]),
         "reward": mean([m["reward"] for m in metrics]),
         "skipped_zero_advantage_steps": sum(int(m.get("skipped_zero_advantage", 0)) for m in metrics),
+        # KL of the engine's sampling log-probs from the trainer's: near 0 when both run the same weights
+        "engine_trainer_kl_each": [m.get("vllm_kl") for m in metrics],
     }
 
 

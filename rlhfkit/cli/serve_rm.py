@@ -84,7 +84,7 @@ def build_parser() -> FlagParser:
     with p.group("model loading and device"):
         add_fields(p, ModelFlags, ["param_dtype", "attn_implementation", "load_in_4bit", "disable_fast_tokenizer"],
                    help={"param_dtype": "compute dtype on GPU; CPU computes in fp32",
-                         "load_in_4bit": "load the weights in 4-bit NF4 (needs bitsandbytes and CUDA)"})
+                         "load_in_4bit": "load the weights in 4-bit NF4 (needs bitsandbytes; on CPU 0.48 or newer)"})
         add_packing_flag(p, "OpenRLHF: pack queries into one row", inert="serve_rm pads its batches")
         add_fields(p, ModelFlags, ["experts_implementation", "use_ms"],
                    help={"use_ms": "download --reward_pretrain from ModelScope (needs modelscope)"})

@@ -107,7 +107,7 @@ class ModelFlags:
     lora_dropout: float = flag(0.0, "--ds.lora.dropout", help="dropout probability on the LoRA adapters' input")
     load_in_4bit: bool = flag(
         False, "--ds.load_in_4bit",
-        help="QLoRA: load the frozen base weights in 4-bit NF4 (needs bitsandbytes and CUDA; use with --lora_rank)")
+        help="QLoRA: load the frozen base weights in 4-bit NF4 (needs bitsandbytes; on CPU 0.48 or newer; use with --lora_rank)")
 
 
 @dataclass

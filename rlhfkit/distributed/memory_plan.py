@@ -22,10 +22,14 @@ One GPU of a role group of W ranks; b = bytes of --param_dtype; S = W at ZeRO st
         the optimizer column (rlhfkit/backend/lean_adamw.py). The --critic_* flags set the critic's.
     --lora_rank r (the policy): the frozen base b P / S, and master, optimizer and grads of the adapters'
         n = L r (2 (H + q) + 2 (H + kv) + 3 (H + I)) parameters in place of P's.
+    --load_in_4bit (QLoRA; one process): the blocks' linear weights Q = L (2 H q + 2 H kv + 3 H I) in
+        bitsandbytes NF4 with nested scales, NF4_BYTES a value; the rest (embeddings, head, norms, biases) b
+        each. While a call runs, one linear weight dequantized (b H I, the largest) beside the 4-bit weights.
     ref (frozen, stored in the compute dtype): b P / S resident; b P gathered while and after it runs
         at stages < 3 (a no-grad forward leaves the blocks gathered until an offload reshards them).
     reward (a plain module on every rank): b P.
-    engine (one GPU of its tensor-parallel group of T): weights b P / T; KV cache
+    engine (one GPU of its tensor-parallel group of T): weights b P / T (serving the policy's own weights:
+        only the packed LoRA adapters, and over a 4-bit base one layer's dequantized projections); KV cache
         2 x layers x max_num_seqs x ceil(kv_heads / T) x max_model_len x head_dim x b (builtin / hf);
         vllm reserves --vllm_gpu_memory_utilization of the GPU (weights included) when it is known.
 Activations of a training call, T tokens per micro-batch, per layer and token
@@ -67,6 +71,9 @@ from rlhfkit.config.rl_flags import PlacementFlags
 
 GiB = 2**30
 QUANT_BLOCK = 256  # values per fp32 maximum of --optim adamw_8bit (rlhfkit.backend.lean_adamw.BLOCK; no torch here)
+# bitsandbytes NF4 with nested scales (--load_in_4bit): 4 bits a value, a uint8 scale per 64 values and an fp32
+# per 256 scales
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
 CONTEXT_BYTES = 3 * GiB // 4  # CUDA context of one process
 CONTEXT_SHARDED_BYTES = 11 * GiB // 4  # a sharded trainable rank: context, NCCL buffers, cuBLAS workspaces
 ENGINE_WORKSPACE_BYTES = 3 * GiB // 2  # an engine: CUDA graphs' pool, sampling and logits buffers
@@ -108,6 +115,16 @@ class ModelShape:
 
     def num_params(self) -> int:
         return self.layers * self.layer_params() + self.root_params()
+
+    def linear_params(self) -> int:
+        """The blocks' linear weights (q, k, v, o, gate, up, down): what --load_in_4bit quantizes."""
+        h, q, kv = self.hidden, self.heads * self.hd, self.kv_heads * self.hd
+        return self.layers * (2 * h * q + 2 * h * kv + 3 * h * self.intermediate)
+
+    def base_bytes(self, b: int, four_bit: bool) -> int:
+        """A frozen base's bytes: every parameter in b bytes, or the linear weights in NF4 (--load_in_4bit)."""
+        p = self.num_params()
+        return int(NF4_BYTES * self.linear_params()) + b * (p - self.linear_params()) if four_bit else b * p
 
     def lora_params(self, rank: int) -> int:
         """Adapter parameters of rank `rank` on every linear layer of the blocks (--target_modules all-linear)."""
@@ -182,6 +199,7 @@ class MemoryInputs:
     train_sleep: bool = False
     # trainable roles train adapters of this rank over a frozen base (--lora_rank)
     lora_rank: int = default_of(ModelFlags, "lora_rank")
+    load_in_4bit: bool = default_of(ModelFlags, "load_in_4bit")  # the policy's (and a reference's) base in NF4
     # (--optim, --master_weights) of the policy and of the critic (--critic_optim, --critic_master_weights)
     optimizers: tuple[tuple[str, str, str], ...] = (("policy", "adam", "fp32"), ("critic", "adam", "fp32"))
     local: bool = False  # train_ppo: every role and the engine in each rank's process (no Ray pools; only the engine sleeps)
@@ -249,9 +267,14 @@ def _role_parts(r: RoleMemory, x: MemoryInputs) -> tuple[dict[str, int], dict[st
     if r.name == "reward":
         return {"weights": b * P}, {"weights": b * P, "activations": forward_act}
     gathered = b * P if x.zero_stage < 3 else b * (s.root_params() + 2 * s.layer_params())
+    four_bit = x.load_in_4bit and r.name in ("policy", "ref")
+    dequantized = b * s.hidden * s.intermediate if four_bit else 0  # one linear weight at a time, while it runs
+    if four_bit:
+        gathered = s.base_bytes(b, True)
     if r.name not in TRAINABLE:  # ref
         held = b * P if x.zero_stage < 3 or r.world == 1 else b * (P // S + s.root_params())
-        return {"weights": held}, {"weights": max(held, gathered), "activations": forward_act}
+        held = gathered if four_bit else held
+        return {"weights": held}, {"weights": max(held, gathered) + dequantized, "activations": forward_act}
     tokens = x.train_tokens
     train_layer = s.activation_bytes_per_token_layer(b, compiled=x.torch_compile)  # forwards above run eager
     if x.gradient_checkpointing:
@@ -261,12 +284,13 @@ def _role_parts(r: RoleMemory, x: MemoryInputs) -> tuple[dict[str, int], dict[st
     train_act += min(HEAD_CHUNK_BYTES, tokens * s.vocab * b)
     host = x.adam_offload
     wb, ob = _optimizer_bytes(r.name, x)  # bytes a trainable parameter: stored weight (= its gradient), state
-    if x.lora_rank > 0 and r.name == "policy":  # a frozen base in the compute dtype + the adapters
+    if x.lora_rank > 0 and r.name == "policy":  # a frozen base in the compute dtype (or NF4) + the adapters
         n = s.lora_params(x.lora_rank)
-        resident = {"weights": b * P // S, "master": 0 if host else int(wb * n) // S,
+        base = s.base_bytes(b, four_bit) // S
+        resident = {"weights": base, "master": 0 if host else int(wb * n) // S,
                     "optimizer": 0 if host else int(ob * n) // S}
-        return resident, {**resident, "weights": max(b * P // S, gathered), "grads": 0 if host else int(wb * n) // S,
-                          "activations": train_act}
+        return resident, {**resident, "weights": max(base, gathered) + dequantized,
+                          "grads": 0 if host else int(wb * n) // S, "activations": train_act}
     if r.world == 1 and not host:  # one process: bf16 module + fp32 masters, or the bf16 weights alone
         resident = {"weights": b * P if wb == 4 else 0, "master": int(wb * P), "optimizer": int(ob * P)}
         return resident, {**resident, "grads": int(wb * P), "activations": train_act}
@@ -301,11 +325,14 @@ def _context(member: str, x: MemoryInputs, roles: dict[str, RoleMemory]) -> int:
 
 
 def _engine_parts(e: EngineMemory, b: int, device_bytes: int | None,
-                  lora_rank: int) -> tuple[dict[str, int], dict[str, int]]:
+                  lora_rank: int, four_bit: bool = False) -> tuple[dict[str, int], dict[str, int]]:
     """(asleep, awake) component bytes on one GPU of an engine (`lora_rank`: the policy's adapters, which an
-    engine sharing its weights serves packed)."""
+    engine sharing its weights serves packed; `four_bit`: the shared base is NF4, dequantized a layer at a
+    time into one layer's projections)."""
     s = e.shape
     weights = b * s.lora_pack_params(lora_rank) if e.shares_weights else b * s.num_params() // e.tp
+    if e.shares_weights and four_bit:
+        weights += b * s.linear_params() // s.layers
     kv = 2 * s.layers * e.max_num_seqs * math.ceil(s.kv_heads / e.tp) * e.max_model_len * s.hd * b
     if e.kind == "vllm" and device_bytes:
         kv = max(kv, int(e.gpu_memory_utilization * device_bytes) - weights)
@@ -349,7 +376,7 @@ def plan_memory(x: MemoryInputs, device_bytes: int | None = None) -> MemoryPlan:
         for m in members:
             if m == "engine":
                 assert x.engine is not None
-                asleep, awake = _engine_parts(x.engine, x.param_bytes, device_bytes, x.lora_rank)
+                asleep, awake = _engine_parts(x.engine, x.param_bytes, device_bytes, x.lora_rank, x.load_in_4bit)
                 pool.parts[m] = {**awake, "context": _context(m, x, roles)}
             else:
                 rest[m], active[m] = _role_parts(roles[m], x)

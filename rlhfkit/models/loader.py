@@ -8,7 +8,7 @@
         attention          --attn_implementation (sdpa default; flash_attention_2 needs `flash_attn`)
         checkpointing      --gradient_checkpointing [--gradient_checkpointing_use_reentrant]
         LoRA               --lora_rank > 0 (peft; see rlhfkit.models.lora)
-        QLoRA              --load_in_4bit (bitsandbytes NF4, CUDA only)
+        QLoRA              --load_in_4bit (bitsandbytes NF4; on CPU bitsandbytes >= 0.48)
         vision tower       --freeze_visual_encoder (a VLM's vision tower does not train; rlhfkit.models.vlm)
     (reward / critic models: rlhfkit.models.value.load_value_model)
 
@@ -36,13 +36,37 @@ def quantization_config(cfg: ModelConfig, skip_modules: list[str] | None = None)
     if not cfg.load_in_4bit:
         return None
     require("bitsandbytes", "--load_in_4bit")
-    if not torch.cuda.is_available():
-        raise RuntimeError("--load_in_4bit needs a CUDA device (bitsandbytes 4-bit kernels)")
+    import bitsandbytes
+
+    if not torch.cuda.is_available() and _version(bitsandbytes.__version__) < (0, 48):
+        raise RuntimeError(f"--load_in_4bit without a CUDA device needs bitsandbytes 0.48 or newer (its CPU "
+                           f"4-bit kernels), got {bitsandbytes.__version__}")
     from transformers import BitsAndBytesConfig
 
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                               bnb_4bit_compute_dtype=resolve_dtype(cfg.param_dtype),
                               llm_int8_skip_modules=skip_modules)
+
+
+def keep_4bit_layout(model: torch.nn.Module) -> None:
+    """Keep every bitsandbytes 4-bit weight in the layout it was loaded in. On a CPU with AVX512-BF16,
+    bitsandbytes repacks a 4-bit weight for its CPU kernel at the first forward pass in eval mode without
+    gradients (the reference's or the engine's), after which the weight no longer trains and a rollout
+    engine sharing the packed tensor would hold the old one beside the new."""
+    for m in model.modules():
+        if hasattr(m, "support_avx512bf16_for_cpu"):
+            m.support_avx512bf16_for_cpu = False
+
+
+def _version(text: str) -> tuple[int, ...]:
+    """'0.48.1.dev0' -> (0, 48, 1)."""
+    parts = []
+    for piece in text.split(".")[:3]:
+        digits = "".join(c for c in piece if c.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
 
 
 def enable_gradient_checkpointing(model: torch.nn.Module, use_reentrant: bool, need_input_grads: bool) -> None:
@@ -115,7 +139,8 @@ def pretrained_kwargs(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.
     qcfg = quantization_config(cfg, skip_quantization)
     if qcfg is not None:
         kw["quantization_config"] = qcfg
-        kw["device_map"] = {"": torch.device(device) if device is not None else torch.cuda.current_device()}
+        here = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"  # quantized where it runs
+        kw["device_map"] = {"": torch.device(device) if device is not None else here}
     return kw
 
 
@@ -182,6 +207,8 @@ def load_causal_lm(cfg: ModelConfig, device: str | torch.device | None = None,
             materialize(model, device)
     if model is None:
         model = auto.from_pretrained(path, **pretrained_kwargs(cfg, dtype, device, path=path))
+    if cfg.load_in_4bit:
+        keep_4bit_layout(model)
     if vlm and cfg.freeze_visual_encoder:
         freeze_visual_encoder(model)
     return finish_model(model, cfg, device, causal=True)

@@ -63,6 +63,7 @@ def memory_inputs(args: argparse.Namespace, slots: dict[str, int], local: bool =
                         colocate_critic_reward=args.colocate_critic_reward,
                         engine_sleep=args.vllm_enable_sleep,
                         train_sleep=not local and args.deepspeed_enable_sleep, local=local, lora_rank=getattr(args, "lora_rank", 0) or 0,
+                        load_in_4bit=bool(getattr(args, "load_in_4bit", False)),
                         optimizers=(("policy", getattr(args, "optim", "adam"), getattr(args, "master_weights", "fp32")),
                                     ("critic", getattr(args, "critic_optim", "adam"),
                                      getattr(args, "critic_master_weights", "fp32"))))

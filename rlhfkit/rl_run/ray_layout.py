@@ -46,6 +46,10 @@ def role_shapes(args) -> dict[str, Any]:
 def check_ray_flags(args, shapes: dict[str, Any]) -> None:
     from rlhfkit.distributed.placement import plan_pools
 
+    if args.load_in_4bit:
+        raise UsageError("--load_in_4bit: train_ppo_ray's engines are actors of their own, which cannot serve the "
+                         "policy's 4-bit base; QLoRA RL runs in train_ppo (one process, the builtin engine serving "
+                         "the policy's weights)")
     plan_pools(shapes, args.vllm_num_engines, args.vllm_tensor_parallel_size, colocate_all=args.colocate_all_models,
                colocate_actor_ref=args.colocate_actor_ref, colocate_critic_reward=args.colocate_critic_reward)
     if args.async_train and args.vllm_enable_sleep and not args.colocate_all_models:

@@ -25,7 +25,7 @@ from rlhfkit.config.flag_parser import derive
 from rlhfkit.config.notes import note_once
 from rlhfkit.config.rl_flags import CRITIC_OPTIM, EMA_BETA, PTX_COEF
 from rlhfkit.models.given import NONE, GivenModels
-from rlhfkit.rl_run.builders import critic_path, reward_server_urls
+from rlhfkit.rl_run.builders import critic_path, flags_block_sharing, reward_server_urls
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,24 @@ def resolve(args: argparse.Namespace, world_size: int, given: GivenModels = NONE
     return _freeze(flags)
 
 
+def _check_qlora(args: argparse.Namespace, world_size: int) -> None:
+    """QLoRA RL (--load_in_4bit): LoRA adapters over a 4-bit base computing in bf16."""
+    if args.lora_rank <= 0:
+        raise UsageError("--load_in_4bit keeps the frozen base in 4 bits under LoRA adapters: it needs --lora_rank")
+    if args.param_dtype != "bf16":
+        raise UsageError(f"--load_in_4bit computes in bf16: it needs --param_dtype bf16, got {args.param_dtype}")
+
+
+def _check_qlora_engine(args: argparse.Namespace, world_size: int) -> None:
+    """QLoRA RL's engine (after --rollout_engine is resolved): only the builtin engine serving the policy's own
+    weights generates from a 4-bit base (model/quantized.py)."""
+    why = flags_block_sharing(args, world_size)
+    if why is not None:
+        raise UsageError(f"--load_in_4bit: the rollout engine generates from a 4-bit base only by serving the "
+                         f"policy's own weights (train_ppo, one process, --rollout_engine builtin, --engine_weights "
+                         f"auto or shared); here {why}")
+
+
 def _complete(args: argparse.Namespace, world_size: int, given: GivenModels) -> None:
     """Fill derived defaults into `args` (resolve's copy) and reject inconsistent settings with the flags'
     names."""
@@ -83,9 +101,7 @@ def _complete(args: argparse.Namespace, world_size: int, given: GivenModels) -> 
     if not args.prompt_data:
         raise UsageError("--prompt_data is required")
     if args.load_in_4bit:  # before the package check: installing bitsandbytes would not make it run
-        raise UsageError("--load_in_4bit: the RL trainers have no 4-bit base yet (the rollout engines serve bf16 "
-                         "weights); --lora_rank without it trains adapters over one bf16 base that the builtin "
-                         "engine shares (a 32B policy fits one 80 GB GPU: docs/performance.md, One GPU)")
+        _check_qlora(args, world_size)
     check_backend_flags(args)
     check_packages(args)
     check_vlm_rl_flags(args)
@@ -151,6 +167,8 @@ def _complete(args: argparse.Namespace, world_size: int, given: GivenModels) -> 
         check_positions(policy, args.max_len, f"--prompt_max_len {args.prompt_max_len} + --generate_max_len "
                         f"{args.generate_max_len} = {args.max_len} (the default --max_len)")
     resolve_rollout_engine(args, args.max_len, pictures=vlm_mode(args), model=given.policy)
+    if args.load_in_4bit:
+        _check_qlora_engine(args, world_size)
     if given.policy is not None and args.rollout_engine == "vllm":
         raise UsageError("--rollout_engine vllm loads the policy's weights from a directory; a model given in "
                          "memory generates with the builtin or hf engine")

@@ -199,7 +199,9 @@ def parse(extra: list[str]):
     (["--remote_rm_url", ""], 1, "--reward_pretrain"),
     (["--advantage_estimator", "gae", "--n_samples_per_prompt", "1", "--train_batch_size", "8",
       "--dynamic_filtering"], 1, "--dynamic_filtering needs --n_samples_per_prompt > 1"),
-    (["--lora_rank", "16", "--load_in_4bit"], 1, "--load_in_4bit: the RL trainers have no 4-bit base yet"),
+    (["--load_in_4bit"], 1, "--load_in_4bit keeps the frozen base in 4 bits under LoRA adapters: it needs --lora_rank"),
+    (["--lora_rank", "16", "--load_in_4bit"], 2, "--load_in_4bit: the rollout engine generates from a 4-bit base only "
+                                                 "by serving the policy's own weights"),
 ])
 def test_resolve_names_the_flag(extra, world, needle, model_dir_m):
     with pytest.raises(UsageError) as e:

@@ -51,8 +51,7 @@ Left out (they need what a CPU cannot give, or are not OpenRLHF training scripts
 
 | OpenRLHF script | reason |
 | --- | --- |
-| train_sft_jamba_qlora.sh, any --load_in_4bit | QLoRA 4-bit: bitsandbytes CUDA kernels |
-| train_sft_jamba_lora.sh | Jamba (Mamba layers): CUDA kernels (mamba-ssm / causal-conv1d) |
+| train_sft_jamba_lora.sh, train_sft_jamba_qlora.sh | Jamba (Mamba layers): CUDA kernels (mamba-ssm / causal-conv1d) |
 | train_sft_llama_ring_attn.sh, train_dpo_ring_llama.sh, train_ppo_llama_ray_ring.sh | not copied yet; ring attention (--ring_attn_size 2) runs in the reinforce_baseline scripts above and in tests/distributed/test_context_parallel*.py |
 | ckpt_ds_zero_to_universal.sh, test_sft_deepspeed.sh, compare_backends.sh | DeepSpeed checkpoint / backend tooling |
 | install_flash_attn.sh, upgrade_flash_attn.sh, nvidia_docker_install.sh, docker_run.sh | installs flash-attn / CUDA docker |

@@ -51,6 +51,7 @@ import torch.nn.functional as F
 
 from rlhfkit.rollout.builtin.kernels import triton_attention, triton_gemm, triton_launch, triton_norm  # triton_gemm registers the GEMM ops
 from rlhfkit.rollout.builtin.model.experts import routed
+from rlhfkit.rollout.builtin.model.quantized import dequantize_layer
 from rlhfkit.rollout.builtin.model.spec import ModelSpec
 from rlhfkit.rollout.builtin.model.weights import LayerWeights, ModelWeights
 
@@ -326,6 +327,8 @@ def decode_layer(spec: ModelSpec, layer: LayerWeights, k_cache: torch.Tensor, v_
     residual-add + RMSNorm kernel, `triton_gemm.residual_rmsnorm`, as the o projection's are).
     """
     nrows = x.shape[0]
+    if layer.quant:
+        dequantize_layer(layer)
     if gemm == "triton" and delta.dim() == 3:  # the residual add + RMSNorm kernel sums the partials
         x, h = torch.ops.rlhfkit.residual_rmsnorm(x, delta, layer.input_norm, spec.rms_norm_eps)
     elif delta.dim() == x.dim() + 1:
@@ -371,6 +374,8 @@ def prefill_layer(spec: ModelSpec, layer: LayerWeights, x: torch.Tensor, cos: to
     With `last [b]` (each prompt's last position; used for the final layer) only those positions
     go on past the K/V projection: the output is `[b, H]`, the hidden state the logits need, and
     the attention, o projection and MLP of every other position are skipped."""
+    if layer.quant:
+        dequantize_layer(layer)
     q, k, v = _qkv(layer, spec, _norm(spec, layer.input_norm, x), cos, sin)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, heads, P, D]
     window, plen = layer.kind.window, x.shape[1]

@@ -2,7 +2,8 @@
 batch_inference): `adopt_parameters(model, dtype, device)` builds the engine's tensors from an HF module and
 makes each of its parameters that lands whole in one of them (or in a row block of a fused one: q, k and v
 of `qkv`, gate and up of `gate_up`) a view of it, so one copy serves training and generation; a peft LoRA
-model's base is shared alike and its adapters are applied unmerged (`LayerWeights.lora`).
+model's base is shared alike and its adapters are applied unmerged (`LayerWeights.lora`); a 4-bit (QLoRA) base
+stays 4-bit, dequantized a layer at a time into a scratch all layers share (model/quantized.py).
 `sharing_blocker(model)` says beforehand when that cannot be done; `weight_name` maps a parameter's name to
 the base model's name the engine shares it under.
 """
@@ -10,10 +11,12 @@ the base model's name the engine shares it under.
 from __future__ import annotations
 
 import re
+from typing import Sequence
 
 import torch
 
 from rlhfkit.rollout.builtin.model.families import EXPERT_RE
+from rlhfkit.rollout.builtin.model.quantized import QuantPart, is_quantized, quantized_shape
 from rlhfkit.rollout.builtin.model.spec import ModelSpec
 from rlhfkit.rollout.builtin.model.weights import (ALL_ROWS, LAYER_RE, Coverage, LoraPack, LoraPart,
                                                    ModelWeights, allocate_weights, copy_into, keyed_targets,
@@ -60,7 +63,7 @@ def sharing_blocker(model: torch.nn.Module, dtype: torch.dtype | None = None,
     if is_vlm_config(model.config):
         return "a vision-language model's tower is not shared"
     if dtype is not None:
-        have = {p.dtype for p in model.parameters()}
+        have = {p.dtype for p in model.parameters() if not is_quantized(p)}
         if have != {dtype}:
             return (f"the policy's weights are {'/'.join(sorted(str(d).removeprefix('torch.') for d in have))}, "
                     f"the engine's {str(dtype).removeprefix('torch.')}")
@@ -72,6 +75,10 @@ def sharing_blocker(model: torch.nn.Module, dtype: torch.dtype | None = None,
             return f"a module trained in full beside LoRA ({name})"
         if ".lora_" in name and not _LORA_RE.match(name):
             return f"a LoRA parameter of another kind ({name})"
+    for name, p in model.named_parameters():
+        if is_quantized(p):
+            if isinstance(_lora_place(spec, _peft_base_name(name).removesuffix(".weight")), str):
+                return "a 4-bit weight outside the attention and dense MLP projections (" + name + ")"
     for module, (_, fan_in_fan_out) in lora_layers(model).items():
         place = _lora_place(spec, module)
         if isinstance(place, str):
@@ -140,8 +147,13 @@ def adopt_parameters(model: torch.nn.Module, dtype: torch.dtype,
     weights = allocate_weights(spec, {_peft_base_name(n) for n, _ in named}, dtype, torch.device("meta"))
     coverage = Coverage()
     shared: set[str] = set()
+    quantized = [(n, p) for n, p in named if is_quantized(p)]
+    if quantized:
+        _adopt_quantized(weights, spec, quantized, device, coverage, shared)
     with torch.no_grad():
         for peft_name, param in named:
+            if is_quantized(param):
+                continue
             name = _peft_base_name(peft_name)
             _materialize_part(weights, name, device)
             found = keyed_targets(weights, spec, name)
@@ -168,3 +180,33 @@ def adopt_parameters(model: torch.nn.Module, dtype: torch.dtype,
     for (li, attr), ps in parts.items():
         weights.layers[li].lora[attr] = LoraPack.of(ps, getattr(weights.layers[li], attr).shape[0])
     return spec, weights, frozenset(shared)
+
+
+def _adopt_quantized(weights: ModelWeights, spec: ModelSpec, quantized: Sequence[tuple[str, torch.Tensor]],
+                     device: torch.device, coverage: Coverage, shared: set[str]) -> None:
+    """Point each engine tensor that 4-bit weights fill at a scratch every layer shares (one per tensor and
+    shape) and record the weights as its `QuantPart`s (model/quantized.py): nothing is copied."""
+    scratch: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+    for peft_name, param in quantized:
+        if param.device.type != device.type:
+            raise ValueError(f"the engine cannot share these weights: the 4-bit {peft_name} is on {param.device}, "
+                             f"the engine on {device}")
+        name = _peft_base_name(peft_name)
+        place = _lora_place(spec, name.removesuffix(".weight"))
+        assert not isinstance(place, str)  # sharing_blocker checked every 4-bit weight
+        li, attr, start, end = place
+        layer = weights.layers[li]
+        full = getattr(layer, attr)
+        end = full.shape[0] if end < 0 else end
+        if tuple(quantized_shape(param)) != (end - start, full.shape[1]):
+            raise ValueError(f"weight {peft_name!r}: 4-bit shape {tuple(quantized_shape(param))} does not match "
+                             f"the engine's {(end - start, full.shape[1])}")
+        if full.is_meta:
+            key = (attr, tuple(full.shape))
+            if key not in scratch:
+                scratch[key] = torch.empty(full.shape, dtype=full.dtype, device=device)
+            setattr(layer, attr, scratch[key])
+        layer.quant.setdefault(attr, []).append(QuantPart(start, end, param.data, param.quant_state))  # type: ignore[attr-defined]
+        coverage.filled[f"{li}.{attr}"] = coverage.filled.get(f"{li}.{attr}", 0) + (end - start) * full.shape[1]
+        coverage.names.add(normalized_name(name))
+        shared.add(normalized_name(name))

@@ -2,7 +2,8 @@
 
 The engine's weights have q/k/v fused into one matrix and gate/up into another (two GEMMs fewer per
 layer and step), and each MoE layer's experts as two `[E, out, in]` tensors for grouped GEMMs; they are
-a copy of their own, or the training module's parameters themselves (model/shared_weights.py). `targets` maps every Hugging Face parameter name to a view of an engine
+a copy of their own, or the training module's parameters themselves (model/shared_weights.py; a 4-bit
+base is dequantized a layer at a time: model/quantized.py). `targets` maps every Hugging Face parameter name to a view of an engine
 tensor, so loading and `update_weights` are one code path: `copy_` into that view, in place. The
 tensors never move while the engine is awake, so CUDA graphs captured over them stay valid after a
 weight update.
@@ -22,6 +23,7 @@ import torch
 
 from rlhfkit.models.vlm import is_vision_name
 from rlhfkit.rollout.builtin.model.families import EXPERT_RE, LayerKind
+from rlhfkit.rollout.builtin.model.quantized import QuantPart
 from rlhfkit.rollout.builtin.model.spec import VLM_MODEL_TYPES, ModelSpec, shard_spec
 
 _LAYER_TENSORS = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias", "sinks", "attn_out_norm",
@@ -114,6 +116,9 @@ class LayerWeights:
     # unmerged LoRA adapters by engine tensor ("qkv", "o", "gate_up", "down"): an engine sharing a LoRA
     # policy's weights (shared_weights.adopt_parameters); not in named_tensors (no HF name loads into them)
     lora: dict[str, LoraPack] = field(default_factory=dict)
+    # 4-bit weights by engine tensor (an engine sharing a QLoRA policy's base: model/quantized.py); each such
+    # tensor is a scratch that every layer shares and `quantized.dequantize_layer` fills before the layer runs
+    quant: dict[str, list[QuantPart]] = field(default_factory=dict)
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
         return {k: getattr(self, k) for k in _LAYER_TENSORS if getattr(self, k) is not None}
