@@ -150,11 +150,14 @@ def check_output_path(path: str | None) -> str:
 def load_engine(args: argparse.Namespace, tokenizer: Any, device: str, max_model_len: int) -> Any:
     """The --rollout_engine for --pretrain (builtin/hf get a module loaded by rlhfkit's loader; the builtin
     engine takes the module's weights over rather than copying them, where it can)."""
+    import torch
+
     from rlhfkit.config.configs import ModelConfig, from_args
     from rlhfkit.models.loader import load_causal_lm
     from rlhfkit.rollout import build_engine
 
-    dtype = run_dtype(args.param_dtype, device)
+    # a 4-bit module computes in bf16 (bitsandbytes), also on a CPU: the engine serving it does too
+    dtype = torch.bfloat16 if args.load_in_4bit else run_dtype(args.param_dtype, device)
     if args.rollout_engine == "vllm":
         return build_engine("vllm", args.pretrain, tokenizer, dtype=dtype, seed=args.seed,
                             max_model_len=max_model_len, enable_prefix_caching=args.enable_prefix_caching,
@@ -172,8 +175,13 @@ def load_engine(args: argparse.Namespace, tokenizer: Any, device: str, max_model
         return build_engine("hf", model, tokenizer, device=device, max_batch_size=args.max_num_seqs)
     from rlhfkit.rollout.builtin.model.shared_weights import sharing_blocker
 
-    # the loaded module's parameters move into the engine's tensors (one copy of the weights, not two)
-    share = sharing_blocker(model, dtype, device) is None
+    # the loaded module's parameters move into the engine's tensors (one copy of the weights, not two); a 4-bit
+    # module's stay 4-bit, dequantized a layer at a time (rollout/builtin/model/quantized.py)
+    why = sharing_blocker(model, dtype, device)
+    if why is not None and args.load_in_4bit:
+        raise UsageError(f"--load_in_4bit: the builtin engine serves a 4-bit model only by sharing its weights, and "
+                         f"here it cannot: {why}; --rollout_engine hf generates from it")
+    share = why is None
     return build_engine("builtin", model, tokenizer, device=device, dtype=dtype, share_weights=share,
                         max_num_seqs=args.max_num_seqs, max_model_len=max_model_len)
 
@@ -245,9 +253,11 @@ def check_args(args: argparse.Namespace) -> None:
     if args.lora_rank > 0:
         raise UsageError("--lora_rank: batch_inference loads full models; merge an adapter with lora_combiner")
     check_engine_tp(args)
-    if args.load_in_4bit and args.eval_task != "rm":
-        raise UsageError("--load_in_4bit is supported for --eval_task rm only (the rollout engines need "
-                         "unquantised weights)")
+    if args.load_in_4bit and args.eval_task != "rm" and (args.rollout_engine == "vllm" or args.tp_size > 1):
+        raise UsageError("--load_in_4bit generates with the builtin engine (serving the loaded 4-bit module) or "
+                         "the hf engine on one device; "
+                         + ("--rollout_engine vllm" if args.rollout_engine == "vllm" else f"--tp_size {args.tp_size}")
+                         + " loads unquantised weights")
     check_output_path(args.output_path)
 
 

@@ -75,7 +75,7 @@ def resolve(args: argparse.Namespace, world_size: int, given: GivenModels = NONE
     return _freeze(flags)
 
 
-def _check_qlora(args: argparse.Namespace, world_size: int) -> None:
+def _check_qlora(args: argparse.Namespace) -> None:
     """QLoRA RL (--load_in_4bit): LoRA adapters over a 4-bit base computing in bf16."""
     if args.lora_rank <= 0:
         raise UsageError("--load_in_4bit keeps the frozen base in 4 bits under LoRA adapters: it needs --lora_rank")
@@ -101,7 +101,7 @@ def _complete(args: argparse.Namespace, world_size: int, given: GivenModels) -> 
     if not args.prompt_data:
         raise UsageError("--prompt_data is required")
     if args.load_in_4bit:  # before the package check: installing bitsandbytes would not make it run
-        _check_qlora(args, world_size)
+        _check_qlora(args)
     check_backend_flags(args)
     check_packages(args)
     check_vlm_rl_flags(args)

@@ -10,6 +10,7 @@ engine serves that 4-bit base itself, dequantizing a layer at a time (rlhfkit/ro
                   its log-probs agree with the trainer's (train/vllm_kl), the adapters train, and the base's
                   4-bit weights are what was loaded
     refusals      --load_in_4bit without --lora_rank, with --engine_weights copy, and in train_ppo_ray
+    batch_inference  --load_in_4bit generation: the builtin engine serving the 4-bit module equals the HF engine
     memory plan   the 4-bit base and the engine's one-layer scratch, counted by hand
 """
 
@@ -156,3 +157,38 @@ def test_memory_plan_counts_the_4bit_base():
     assert plain["policy"]["weights"] == 2 * s.num_params()
     assert quant["policy"]["weights"] == base + 2 * 64 * 128  # + one dequantized gate/up/down weight
     assert quant["engine"]["weights"] - plain["engine"]["weights"] == 2 * linear // 2  # one layer's projections
+
+
+def test_batch_inference_generates_from_a_4bit_model(tiny_qwen2_dir, tmp_path, capsys):
+    """batch_inference --load_in_4bit: the builtin engine serves the loaded 4-bit module (no bf16 copy) and its
+    greedy completions equal the HF engine's (transformers' generate on the same 4-bit model); vLLM is refused."""
+    import json
+
+    from rlhfkit.cli.batch_inference import main
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"q": f"{i} plus {i}"}) + "\n" for i in range(3)))
+
+    def rows(engine: str) -> list[dict]:
+        out = tmp_path / f"{engine}.jsonl"
+        main(["--eval_task", "generate_vllm", "--pretrain", tiny_qwen2_dir, "--dataset", str(prompts), "--input_key",
+              "q", "--max_new_tokens", "8", "--greedy_sampling", "--load_in_4bit", "--rollout_engine", engine,
+              "--output_path", str(out), "--disable_progress"])
+        return [json.loads(line) for line in out.read_text().splitlines()]
+
+    builtin = rows("builtin")
+    assert len(builtin) == 3 and builtin == rows("hf")
+    from transformers import AutoTokenizer
+
+    from rlhfkit.cli.batch_inference import build_parser, load_engine
+
+    args = build_parser().parse(["--eval_task", "generate", "--pretrain", tiny_qwen2_dir, "--dataset", str(prompts),
+                                 "--output_path", "unused.jsonl", "--load_in_4bit"])
+    engine = load_engine(args, AutoTokenizer.from_pretrained(tiny_qwen2_dir), "cpu", 64)
+    assert all(len(lw.quant) == 4 for lw in engine.model.weights.layers)  # the module's 4-bit weights, served
+    engine.close()
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["--eval_task", "generate_vllm", "--pretrain", tiny_qwen2_dir, "--dataset", str(prompts), "--input_key",
+              "q", "--load_in_4bit", "--rollout_engine", "vllm", "--output_path", str(tmp_path / "v.jsonl")])
+    assert "--rollout_engine vllm loads unquantised weights" in capsys.readouterr().err
