@@ -37,8 +37,9 @@ def quantization_config(cfg: ModelConfig, skip_modules: list[str] | None = None)
         return None
     require("bitsandbytes", "--load_in_4bit")
     import bitsandbytes
+    from packaging.version import Version
 
-    if not torch.cuda.is_available() and _version(bitsandbytes.__version__) < (0, 48):
+    if not torch.cuda.is_available() and Version(bitsandbytes.__version__) < Version("0.48"):
         raise RuntimeError(f"--load_in_4bit without a CUDA device needs bitsandbytes 0.48 or newer (its CPU "
                            f"4-bit kernels), got {bitsandbytes.__version__}")
     from transformers import BitsAndBytesConfig
@@ -56,17 +57,6 @@ def keep_4bit_layout(model: torch.nn.Module) -> None:
     for m in model.modules():
         if hasattr(m, "support_avx512bf16_for_cpu"):
             m.support_avx512bf16_for_cpu = False
-
-
-def _version(text: str) -> tuple[int, ...]:
-    """'0.48.1.dev0' -> (0, 48, 1)."""
-    parts = []
-    for piece in text.split(".")[:3]:
-        digits = "".join(c for c in piece if c.isdigit())
-        if not digits:
-            break
-        parts.append(int(digits))
-    return tuple(parts)
 
 
 def enable_gradient_checkpointing(model: torch.nn.Module, use_reentrant: bool, need_input_grads: bool) -> None:

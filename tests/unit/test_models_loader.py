@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 
 import pytest
 import torch
@@ -60,8 +61,8 @@ def test_attention_names():
         check_attn_implementation("fast")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is not None, reason="bitsandbytes is installed")
-def test_4bit_without_bitsandbytes(tiny_model_dir):
+def test_4bit_without_bitsandbytes(tiny_model_dir, monkeypatch):
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # as if not installed (the dev extra installs it)
     with pytest.raises(ImportError, match="--load_in_4bit needs the `bitsandbytes`"):
         load_causal_lm(_cfg(tiny_model_dir, param_dtype="bf16", load_in_4bit=True, lora_rank=4))
 
