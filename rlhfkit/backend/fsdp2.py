@@ -65,7 +65,8 @@ from rlhfkit.backend.ema import EMAWeights
 from rlhfkit.backend.guard import StepGuard
 from rlhfkit.backend.master import MasterWeights
 from rlhfkit.backend.optim_step import decide_and_step, step_grad_norm
-from rlhfkit.backend.model_prep import autocast_forward, cast_params
+from rlhfkit.backend.model_prep import (autocast_forward, cast_params, four_bit_weights, is_four_bit_key,
+                                       without_four_bit)
 from rlhfkit.backend.backend_sleep import StateOffloader
 from rlhfkit.backend.offload import MoveStats
 from rlhfkit.backend.optim import build_optimizer, build_scheduler, param_groups
@@ -132,6 +133,7 @@ class FSDP2Backend:
             D.init_single_rank_group(dist.device)  # FSDP2's CPUOffloadPolicy needs a process group
         self.is_sharded = dist.has_process_group
         self._unsynced = False
+        self.four_bit = four_bit_weights(model)  # a QLoRA base: kept out of checkpoints (model_prep.py)
         master = torch.float32 if self.trainable and not self.bf16_weights else self.compute_dtype
         cast_params(model, master, trainable_only=self.trainable)
         if self.trainable:  # frozen weights (a LoRA base, a frozen vision tower) have no masters: compute dtype
@@ -448,6 +450,7 @@ class FSDP2Backend:
             sd = {"model": get_model_state_dict(self.model)}
             if with_optimizer:
                 sd["optim"] = get_optimizer_state_dict(self.model, opt)
+        sd["model"] = without_four_bit(sd["model"], self.four_bit)
         if self.ema is not None and with_ema:
             sd["ema"] = self.ema.state_dict()
         return sd
@@ -463,7 +466,7 @@ class FSDP2Backend:
             if "optim" in sd:
                 self.master.load_optimizer_state_dict(opt, sd["optim"])
         else:
-            set_model_state_dict(self.model, sd["model"])
+            _set_model_state(self.model, sd["model"], self.four_bit)
             if "optim" in sd:
                 set_optimizer_state_dict(self.model, opt, sd["optim"])
         if "optim" not in sd:
@@ -484,3 +487,17 @@ class FSDP2Backend:
     def load_checkpoint(self, ckpt_root: str, tag: str | None = None) -> dict | None:
         self._require_optimizer()
         return ckpt.load_checkpoint(self, ckpt_root, tag)
+
+
+def _set_model_state(model: nn.Module, sd: dict[str, Any], four_bit: frozenset[str]) -> None:
+    """`set_model_state_dict`; a model with a 4-bit base (whose entries checkpoints leave out) loads the rest,
+    and anything else missing is still an error."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if not four_bit:
+        set_model_state_dict(model, sd)
+        return
+    missing, unexpected = set_model_state_dict(model, sd, options=StateDictOptions(strict=False))
+    missing = [k for k in missing if not is_four_bit_key(k, four_bit)]
+    if missing or unexpected:
+        raise RuntimeError(f"the checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")

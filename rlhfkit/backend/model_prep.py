@@ -1,5 +1,6 @@
 """How the training backend sets a model's precision in place: parameter dtype casts and a forward
-under autocast. Used by FSDP2Backend (parallelism is applied by rlhfkit.parallel.apply)."""
+under autocast; which entries of a 4-bit (QLoRA) model checkpoints leave out. Used by FSDP2Backend
+(parallelism is applied by rlhfkit.parallel.apply)."""
 
 from __future__ import annotations
 
@@ -30,3 +31,21 @@ def autocast_forward(model: nn.Module, device_type: str, dtype: torch.dtype) -> 
 
     model.forward = forward  # type: ignore[method-assign]
 
+
+
+def four_bit_weights(model: nn.Module) -> frozenset[str]:
+    """State-dict names of the model's bitsandbytes 4-bit weights (--load_in_4bit: a frozen base). Their
+    entries (the packed values, and their quantization state under the same name + ".") stay out of training
+    checkpoints: the base is loaded and quantized again from --pretrain when a run resumes."""
+    return frozenset(name for name, p in model.named_parameters() if getattr(p, "quant_state", None) is not None)
+
+
+def is_four_bit_key(key: str, names: frozenset[str]) -> bool:
+    """Whether state-dict entry `key` belongs to one of the 4-bit weights `names`."""
+    cut = key.find(".weight.")
+    return key in names or (cut >= 0 and key[:cut + len(".weight")] in names)
+
+
+def without_four_bit(sd: dict[str, Any], names: frozenset[str]) -> dict[str, Any]:
+    """`sd` without the entries of the 4-bit weights `names`."""
+    return {k: v for k, v in sd.items() if not is_four_bit_key(k, names)} if names else sd

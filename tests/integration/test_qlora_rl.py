@@ -9,6 +9,8 @@ engine serves that 4-bit base itself, dequantizing a layer at a time (rlhfkit/ro
     train_ppo     GRPO with --load_in_4bit, 3 steps: the engine serves the policy's own 4-bit base and adapters,
                   its log-probs agree with the trainer's (train/vllm_kl), the adapters train, and the base's
                   4-bit weights are what was loaded
+    resume        a QLoRA run resumed from its step-2 checkpoint ends as the uninterrupted run (adapters bit for
+                  bit); the checkpoints hold the adapters and the rest, never the 4-bit base (loaded from --pretrain)
     refusals      --load_in_4bit without --lora_rank, with --engine_weights copy, and in train_ppo_ray
     batch_inference  --load_in_4bit generation: the builtin engine serving the 4-bit module equals the HF engine
     memory plan   the 4-bit base and the engine's one-layer scratch, counted by hand
@@ -123,6 +125,35 @@ def test_qlora_grpo_trains_adapters_over_the_4bit_base(tiny_qwen2_dir, tmp_path,
     adapters = load_file(os.path.join(save, "adapter_model.safetensors"))
     assert all(".lora_" in k for k in adapters) and len(adapters) == 2 * 7 * 2
     assert max(t.abs().max().item() for k, t in adapters.items() if "lora_B" in k) > 0  # B trained from zero
+
+
+def test_qlora_resumed_equals_uninterrupted(tiny_qwen2_dir, tmp_path):
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    d = write_rl_data(str(tmp_path))
+    qlora = ("--lora_rank", "4", "--lora_alpha", "8", "--load_in_4bit", "--param_dtype", "bf16", "--save_steps", "1")
+
+    def run(name: str, ckpt: str, *extra: str) -> dict:
+        save = str(tmp_path / name)
+        train_ppo.run.__wrapped__(*_parsed(rl_flags(tiny_qwen2_dir, d, save, *qlora, "--ckpt_path", ckpt,
+                                                    "--max_ckpt_num", "5", *extra, steps=3)))
+        return load_file(os.path.join(save, "adapter_model.safetensors"))
+
+    whole = run("whole", str(tmp_path / "ck"))
+    keys = list(dcp.FileSystemReader(str(tmp_path / "ck" / "actor" / "global_step2" / "dcp")).read_metadata()
+                .state_dict_metadata)
+    assert any(".lora_A." in k for k in keys) and any("layernorm" in k for k in keys)
+    assert not any("_proj.base_layer.weight" in k for k in keys), keys  # no 4-bit weight, no quantization state
+    shutil.copytree(tmp_path / "ck", tmp_path / "ck2")
+    shutil.rmtree(tmp_path / "ck2" / "actor" / "global_step3")
+    (tmp_path / "ck2" / "actor" / "latest").write_text("global_step2")
+    resumed = run("resumed", str(tmp_path / "ck2"), "--load_checkpoint")
+    assert whole.keys() == resumed.keys()
+    for k in whole:
+        assert torch.equal(whole[k], resumed[k]), k
 
 
 def test_qlora_refusals(tiny_qwen2_dir, tmp_path):
