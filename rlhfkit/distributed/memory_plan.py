@@ -20,8 +20,9 @@ One GPU of a role group of W ranks; b = bytes of --param_dtype; S = W at ZeRO st
     --optim adamw_8bit: optimizer (2 + 8/256) P instead of 8 P; --master_weights bf16_stochastic: the
         weights and grads 2P (and no separate bf16 module), bf16_kahan: the same + 2P of compensation in
         the optimizer column (rlhfkit/backend/lean_adamw.py). The --critic_* flags set the critic's.
-    --lora_rank r (the policy): the frozen base b P / S, and master, optimizer and grads of the adapters'
-        n = L r (2 (H + q) + 2 (H + kv) + 3 (H + I)) parameters in place of P's.
+    --lora_rank r (the policy, and a critic, which trains adapters too): the frozen base b P / S, and master,
+        optimizer and grads of the adapters' n = L r (2 (H + q) + 2 (H + kv) + 3 (H + I)) parameters in
+        place of P's.
     --load_in_4bit (QLoRA; one process): the blocks' linear weights Q = L (2 H q + 2 H kv + 3 H I) in
         bitsandbytes NF4 with nested scales, NF4_BYTES a value; the rest (embeddings, head, norms, biases) b
         each. While a call runs, one linear weight dequantized (b H I, the largest) beside the 4-bit weights.
@@ -199,7 +200,7 @@ class MemoryInputs:
     train_sleep: bool = False
     # trainable roles train adapters of this rank over a frozen base (--lora_rank)
     lora_rank: int = default_of(ModelFlags, "lora_rank")
-    load_in_4bit: bool = default_of(ModelFlags, "load_in_4bit")  # the policy's (and a reference's) base in NF4
+    load_in_4bit: bool = default_of(ModelFlags, "load_in_4bit")  # the policy's, a reference's and a critic's base in NF4
     # (--optim, --master_weights) of the policy and of the critic (--critic_optim, --critic_master_weights)
     optimizers: tuple[tuple[str, str, str], ...] = (("policy", "adam", "fp32"), ("critic", "adam", "fp32"))
     local: bool = False  # train_ppo: every role and the engine in each rank's process (no Ray pools; only the engine sleeps)
@@ -267,7 +268,7 @@ def _role_parts(r: RoleMemory, x: MemoryInputs) -> tuple[dict[str, int], dict[st
     if r.name == "reward":
         return {"weights": b * P}, {"weights": b * P, "activations": forward_act}
     gathered = b * P if x.zero_stage < 3 else b * (s.root_params() + 2 * s.layer_params())
-    four_bit = x.load_in_4bit and r.name in ("policy", "ref")
+    four_bit = x.load_in_4bit and r.name in ("policy", "ref", "critic")
     dequantized = b * s.hidden * s.intermediate if four_bit else 0  # one linear weight at a time, while it runs
     if four_bit:
         gathered = s.base_bytes(b, True)
@@ -284,7 +285,7 @@ def _role_parts(r: RoleMemory, x: MemoryInputs) -> tuple[dict[str, int], dict[st
     train_act += min(HEAD_CHUNK_BYTES, tokens * s.vocab * b)
     host = x.adam_offload
     wb, ob = _optimizer_bytes(r.name, x)  # bytes a trainable parameter: stored weight (= its gradient), state
-    if x.lora_rank > 0 and r.name == "policy":  # a frozen base in the compute dtype (or NF4) + the adapters
+    if x.lora_rank > 0:  # (a trainable role) a frozen base in the compute dtype (or NF4) + the adapters
         n = s.lora_params(x.lora_rank)
         base = s.base_bytes(b, four_bit) // S
         resident = {"weights": base, "master": 0 if host else int(wb * n) // S,

@@ -136,9 +136,12 @@ def pretrained_kwargs(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.
 
 def finish_model(model: Any, cfg: ModelConfig, device: str | torch.device | None,
                  modules_to_save: list[str] | None = None, causal: bool = True) -> Any:
-    """Move to `device`, then gradient checkpointing, then LoRA (the order peft expects)."""
+    """Move to `device`, then gradient checkpointing, then LoRA (the order peft expects); a 4-bit model keeps
+    its weights' layout (`keep_4bit_layout`)."""
     if device is not None and not cfg.load_in_4bit:
         model = model.to(device)
+    if cfg.load_in_4bit:
+        keep_4bit_layout(model)
     use_lora = cfg.lora_rank > 0
     if cfg.load_in_4bit and use_lora:  # QLoRA; a 4-bit model without LoRA is for inference only
         require("peft", "--lora_rank")
@@ -197,8 +200,6 @@ def load_causal_lm(cfg: ModelConfig, device: str | torch.device | None = None,
             materialize(model, device)
     if model is None:
         model = auto.from_pretrained(path, **pretrained_kwargs(cfg, dtype, device, path=path))
-    if cfg.load_in_4bit:
-        keep_4bit_layout(model)
     if vlm and cfg.freeze_visual_encoder:
         freeze_visual_encoder(model)
     return finish_model(model, cfg, device, causal=True)

@@ -13,7 +13,8 @@ engine serves that 4-bit base itself, dequantizing a layer at a time (rlhfkit/ro
                   bit); the checkpoints hold the adapters and the rest, never the 4-bit base (loaded from --pretrain)
     refusals      --load_in_4bit without --lora_rank, with --engine_weights copy, and in train_ppo_ray
     batch_inference  --load_in_4bit generation: the builtin engine serving the 4-bit module equals the HF engine
-    memory plan   the 4-bit base and the engine's one-layer scratch, counted by hand
+    memory plan   the 4-bit base and the engine's one-layer scratch, counted by hand; a QLoRA critic's adapters
+    ppo           PPO with GAE and --load_in_4bit: the critic trains adapters over its own 4-bit base
 """
 
 from __future__ import annotations
@@ -188,6 +189,14 @@ def test_memory_plan_counts_the_4bit_base():
     assert plain["policy"]["weights"] == 2 * s.num_params()
     assert quant["policy"]["weights"] == base + 2 * 64 * 128  # + one dequantized gate/up/down weight
     assert quant["engine"]["weights"] - plain["engine"]["weights"] == 2 * linear // 2  # one layer's projections
+    # a critic (PPO with GAE) trains adapters over its own 4-bit base too: masters and AdamW for the adapters only
+    critic = ModelShape(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=100, qkv_bias=True,
+                        value_head=True)
+    parts = plan_memory(MemoryInputs(**{**x.__dict__, "load_in_4bit": True, "roles": (
+        RoleMemory("policy", s, 1), RoleMemory("critic", critic, 1))})).pools[0].parts["critic"]
+    n = critic.lora_params(4)
+    assert parts["master"] == 4 * n and parts["optimizer"] == 8 * n and parts["grads"] == 4 * n
+    assert parts["weights"] == int(NF4_BYTES * linear) + 2 * (critic.num_params() - linear) + 2 * 64 * 128
 
 
 def test_batch_inference_generates_from_a_4bit_model(tiny_qwen2_dir, tmp_path, capsys):
@@ -223,3 +232,18 @@ def test_batch_inference_generates_from_a_4bit_model(tiny_qwen2_dir, tmp_path, c
         main(["--eval_task", "generate_vllm", "--pretrain", tiny_qwen2_dir, "--dataset", str(prompts), "--input_key",
               "q", "--load_in_4bit", "--rollout_engine", "vllm", "--output_path", str(tmp_path / "v.jsonl")])
     assert "--rollout_engine vllm loads unquantised weights" in capsys.readouterr().err
+
+
+def test_qlora_ppo_with_a_critic(tiny_qwen2_dir, tmp_path):
+    """GAE: the critic is loaded with the policy's --load_in_4bit and --lora_rank and trains (its value loss is
+    finite and its forward, with and without gradients, keeps the 4-bit layout it was loaded in)."""
+    import json
+
+    d = write_rl_data(str(tmp_path))
+    save = str(tmp_path / "run")
+    train_ppo.run.__wrapped__(*_parsed(rl_flags(tiny_qwen2_dir, d, save, "--lora_rank", "4", "--lora_alpha", "8",
+                                                "--load_in_4bit", "--param_dtype", "bf16", "--advantage_estimator",
+                                                "gae", "--critic_learning_rate", "1e-3", steps=2)))
+    with open(os.path.join(save, "metrics.jsonl")) as f:
+        recs = [json.loads(line) for line in f]
+    assert len(recs) == 2 and all(r["train/value_loss"] == r["train/value_loss"] for r in recs)  # not NaN
