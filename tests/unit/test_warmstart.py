@@ -182,6 +182,19 @@ def test_signals_reach_the_child_and_a_killed_client_takes_it_along(warm, probe,
     assert not _alive(pid)
 
 
+def test_a_child_killed_outright_ends_its_client_alike(warm, probe):
+    """A warm child ended by SIGKILL (as Ray ends its workers) ends its client by SIGKILL too: no traceback
+    from resetting a handler SIGKILL cannot have, no exit status 1 in its place."""
+    env_warm, _, python = warm
+    p = subprocess.Popen([python, probe, "sleep"], env=env_warm, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    pid = int([p.stdout.readline() for _ in range(3)][-1])
+    assert pid != p.pid
+    os.kill(pid, signal.SIGKILL)
+    assert p.wait(30) == -signal.SIGKILL
+    assert "Traceback" not in p.stderr.read()
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
