@@ -32,7 +32,6 @@ def autocast_forward(model: nn.Module, device_type: str, dtype: torch.dtype) -> 
     model.forward = forward  # type: ignore[method-assign]
 
 
-
 def four_bit_weights(model: nn.Module) -> frozenset[str]:
     """State-dict names of the model's bitsandbytes 4-bit weights (--load_in_4bit: a frozen base). Their
     entries (the packed values, and their quantization state under the same name + ".") stay out of training

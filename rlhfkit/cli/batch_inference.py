@@ -159,6 +159,9 @@ def load_engine(args: argparse.Namespace, tokenizer: Any, device: str, max_model
     # a 4-bit module computes in bf16 (bitsandbytes), also on a CPU: the engine serving it does too
     dtype = torch.bfloat16 if args.load_in_4bit else run_dtype(args.param_dtype, device)
     if args.rollout_engine == "vllm":
+        if args.load_in_4bit:  # (--rollout_engine auto fell back to vLLM: the builtin engine cannot run this model)
+            raise UsageError("--load_in_4bit: vLLM loads unquantised weights; --rollout_engine hf generates from the "
+                             "4-bit model")
         return build_engine("vllm", args.pretrain, tokenizer, dtype=dtype, seed=args.seed,
                             max_model_len=max_model_len, enable_prefix_caching=args.enable_prefix_caching,
                             tensor_parallel_size=args.tp_size, max_num_seqs=args.max_num_seqs)
