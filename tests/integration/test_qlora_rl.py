@@ -15,6 +15,7 @@ engine serves that 4-bit base itself, dequantizing a layer at a time (rlhfkit/ro
     batch_inference  --load_in_4bit generation: the builtin engine serving the 4-bit module equals the HF engine
     memory plan   the 4-bit base and the engine's one-layer scratch, counted by hand; a QLoRA critic's adapters
     ppo           PPO with GAE and --load_in_4bit: the critic trains adapters over its own 4-bit base
+    moe           a tiny Qwen3-MoE: attention in 4 bits, the router and experts (3-D tensors) in bf16, all served
 """
 
 from __future__ import annotations
@@ -247,3 +248,37 @@ def test_qlora_ppo_with_a_critic(tiny_qwen2_dir, tmp_path):
     with open(os.path.join(save, "metrics.jsonl")) as f:
         recs = [json.loads(line) for line in f]
     assert len(recs) == 2 and all(r["train/value_loss"] == r["train/value_loss"] for r in recs)  # not NaN
+
+
+def test_qlora_grpo_on_a_mixture_of_experts(tiny_qwen2_dir, tmp_path):
+    """Qwen3-MoE under --load_in_4bit: bitsandbytes quantizes the attention projections (linear layers) and leaves
+    the router and the experts (3-D tensors) in bf16; the engine serves both kinds of weight from the policy and
+    samples what the trainer scores."""
+    import json
+
+    from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from rlhfkit.rollout.builtin.model.quantized import is_quantized
+
+    tok = AutoTokenizer.from_pretrained(tiny_qwen2_dir)
+    cfg = Qwen3MoeConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+                         num_experts_per_tok=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    model_dir = str(tmp_path / "moe")
+    Qwen3MoeForCausalLM(cfg).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    from rlhfkit.config.configs import ModelConfig
+    from rlhfkit.models.loader import load_causal_lm
+
+    loaded = load_causal_lm(ModelConfig(pretrain=model_dir, load_in_4bit=True, lora_rank=4, param_dtype="bf16"))
+    four_bit = {n for n, p in loaded.named_parameters() if is_quantized(p)}
+    assert any("self_attn.q_proj" in n for n in four_bit)
+    assert not any("experts" in n or "mlp.gate" in n for n in four_bit)
+    d = write_rl_data(str(tmp_path))
+    save = str(tmp_path / "run")
+    train_ppo.run.__wrapped__(*_parsed(rl_flags(model_dir, d, save, "--lora_rank", "4", "--lora_alpha", "8",
+                                                "--load_in_4bit", "--param_dtype", "bf16", steps=2)))
+    with open(os.path.join(save, "metrics.jsonl")) as f:
+        recs = [json.loads(line) for line in f]
+    assert len(recs) == 2 and all(abs(r["train/vllm_kl"]) < 2e-3 for r in recs), [r["train/vllm_kl"] for r in recs]
