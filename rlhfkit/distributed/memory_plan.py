@@ -9,6 +9,10 @@
 Parameters (`ModelShape.num_params`), with q = heads x head_dim, kv = kv_heads x head_dim:
     per decoder layer  2 H q [q, o] + 2 H kv [k, v] (+ q + 2 kv biases) + 3 H I [gate, up, down] + 2 H [norms]
     root               V H [embedding] + H [final norm] + V H [head, untied] (a value model: H x 1 score)
+    a MoE layer        the router E H and E experts' 3 H I_e in place of the dense MLP (E routed experts of
+                       intermediate size I_e; Qwen3-MoE's mlp_only_layers stay dense); LoRA and --load_in_4bit
+                       reach only its linear layers (attention), and its activations hold each token's k routed
+                       copies (2 H + 4 I_e each) and E router logits in place of the dense MLP's 4 I
 
 One GPU of a role group of W ranks; b = bytes of --param_dtype; S = W at ZeRO stage >= 1, else 1:
     trainable (policy, critic) under FSDP2 (W > 1, or --adam_offload: a one-rank group):
@@ -99,28 +103,53 @@ class ModelShape:
     qkv_bias: bool = False
     qk_norm: bool = False  # Qwen3: an RMSNorm over each head's q and k
     value_head: bool = False  # critic / reward model: a 1-output score head instead of the LM head
+    # a mixture of experts: routed experts per MoE layer (0: a dense model), each expert's intermediate size, the
+    # experts a token is routed to, and how many layers keep a dense MLP (e.g. Qwen3-MoE's mlp_only_layers)
+    experts: int = 0
+    expert_intermediate: int = 0
+    experts_per_token: int = 0
+    dense_layers: int = 0
 
     @property
     def hd(self) -> int:
         return self.head_dim or self.hidden // self.heads
 
-    def layer_params(self) -> int:
+    @property
+    def moe_layers(self) -> int:
+        return self.layers - self.dense_layers if self.experts else 0
+
+    def _attention_linear(self) -> int:
         h, q, kv = self.hidden, self.heads * self.hd, self.kv_heads * self.hd
-        n = 2 * h * q + 2 * h * kv + 3 * h * self.intermediate + 2 * h
-        n += (q + 2 * kv) if self.qkv_bias else 0
-        return n + (2 * self.hd if self.qk_norm else 0)
+        return 2 * h * q + 2 * h * kv
+
+    def _layer_rest(self) -> int:
+        """A layer's norms and attention biases."""
+        q, kv = self.heads * self.hd, self.kv_heads * self.hd
+        return 2 * self.hidden + ((q + 2 * kv) if self.qkv_bias else 0) + (2 * self.hd if self.qk_norm else 0)
+
+    def layer_params(self, moe: bool = False) -> int:
+        """A dense layer's parameters; `moe`: a MoE layer's (the router and every expert's gate, up and down in
+        place of the dense MLP)."""
+        h = self.hidden
+        mlp = self.experts * (h + 3 * h * self.expert_intermediate) if moe else 3 * h * self.intermediate
+        return self._attention_linear() + mlp + self._layer_rest()
+
+    def largest_layer_params(self) -> int:
+        return max(self.layer_params(), self.layer_params(moe=True)) if self.moe_layers else self.layer_params()
 
     def root_params(self) -> int:
         head = self.hidden if self.value_head else (0 if self.tied else self.vocab * self.hidden)
         return self.vocab * self.hidden + self.hidden + head
 
     def num_params(self) -> int:
-        return self.layers * self.layer_params() + self.root_params()
+        dense = self.layers - self.moe_layers
+        return dense * self.layer_params() + self.moe_layers * self.layer_params(moe=True) + self.root_params()
 
     def linear_params(self) -> int:
-        """The blocks' linear weights (q, k, v, o, gate, up, down): what --load_in_4bit quantizes."""
-        h, q, kv = self.hidden, self.heads * self.hd, self.kv_heads * self.hd
-        return self.layers * (2 * h * q + 2 * h * kv + 3 * h * self.intermediate)
+        """The blocks' linear layers (q, k, v, o, and a dense MLP's gate, up, down): what --load_in_4bit quantizes
+        (a MoE layer's router and experts are not linear layers: they stay in the compute dtype)."""
+        dense = self.layers - self.moe_layers
+        return self.layers * self._attention_linear() + dense * 3 * self.hidden * self.intermediate
 
     def base_bytes(self, b: int, four_bit: bool) -> int:
         """A frozen base's bytes: every parameter in b bytes, or the linear weights in NF4 (--load_in_4bit)."""
@@ -128,39 +157,55 @@ class ModelShape:
         return int(NF4_BYTES * self.linear_params()) + b * (p - self.linear_params()) if four_bit else b * p
 
     def lora_params(self, rank: int) -> int:
-        """Adapter parameters of rank `rank` on every linear layer of the blocks (--target_modules all-linear)."""
+        """Adapter parameters of rank `rank` on every linear layer of the blocks (--target_modules all-linear;
+        a MoE layer's experts are not linear layers)."""
         h, q, kv, i = self.hidden, self.heads * self.hd, self.kv_heads * self.hd, self.intermediate
-        return self.layers * rank * ((h + q) * 2 + (h + kv) * 2 + (h + i) * 3)
+        dense = self.layers - self.moe_layers
+        return rank * (self.layers * ((h + q) * 2 + (h + kv) * 2) + dense * (h + i) * 3)
 
     def lora_pack_params(self, rank: int) -> int:
         """What an engine serving those adapters unmerged holds of its own (rollout weights.LoraPack): the A
         of each tensor's parts stacked, and their B on the tensor's rows and every part's rank columns."""
         h, q, kv, i = self.hidden, self.heads * self.hd, self.kv_heads * self.hd, self.intermediate
-        a = rank * (3 * h + q + 2 * h + i)
-        b = 3 * rank * (q + 2 * kv) + rank * h + 2 * rank * 2 * i + rank * h
-        return self.layers * (a + b)
+        attention = rank * (3 * h + q) + 3 * rank * (q + 2 * kv) + rank * h
+        mlp = rank * (2 * h + i) + 2 * rank * 2 * i + rank * h
+        return self.layers * attention + (self.layers - self.moe_layers) * mlp
 
     def activation_bytes_per_token_layer(self, b: int, compiled: bool = False) -> int:
+        """A layer's saved activations a token (the larger of a dense and a MoE layer's): a MoE layer keeps each
+        routed copy of the token (its input and output, gate, up, act(gate), act(gate) * up) and the router's
+        logits."""
         h, q, kv = self.hidden, self.heads * self.hd, self.kv_heads * self.hd
         norms = 2 * 4 if compiled else 16 * h  # two RMSNorms: a fused kernel's fp32 scale, or eager's fp32 copies
-        return norms + b * (2 * h + 3 * q + 3 * kv + 4 * self.intermediate)
+        mlp = 4 * self.intermediate if self.moe_layers < self.layers else 0
+        if self.moe_layers:
+            mlp = max(mlp, self.experts_per_token * (2 * h + 4 * self.expert_intermediate) + self.experts)
+        return norms + b * (2 * h + 3 * q + 3 * kv + mlp)
 
     @classmethod
     def from_config(cls, cfg: Any, value_head: bool = False) -> "ModelShape":
-        """From a Hugging Face config (object or dict) of a Llama / Qwen2 / Qwen3 / Mistral-like model; a
-        vision-language model's language model (its `text_config`; the vision tower is not counted)."""
+        """From a Hugging Face config (object or dict) of a Llama / Qwen2 / Qwen3 / Mistral-like model, dense or
+        a mixture of experts (Qwen3-MoE, Mixtral: routed experts of `moe_intermediate_size`, else
+        `intermediate_size`); a vision-language model's language model (its `text_config`; the vision tower is
+        not counted)."""
         get: Callable[..., Any] = cfg.get if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
         if get("vision_config", None) is not None and get("text_config", None) is not None:
             return cls.from_config(get("text_config"), value_head)
         kind = get("model_type", "")
         bias = get("attention_bias", None)
         heads = get("num_attention_heads")
-        return cls(hidden=get("hidden_size"), layers=get("num_hidden_layers"), heads=heads,
+        layers = get("num_hidden_layers")
+        experts = get("num_experts", None) or get("num_local_experts", None) or 0
+        return cls(hidden=get("hidden_size"), layers=layers, heads=heads,
                    kv_heads=get("num_key_value_heads", None) or heads, intermediate=get("intermediate_size"),
                    vocab=get("vocab_size"), tied=bool(get("tie_word_embeddings", False)),
                    head_dim=get("head_dim", None),
                    qkv_bias=bool(bias) if bias is not None else kind in ("qwen2", "qwen2_vl_text", "qwen2_5_vl_text"),
-                   qk_norm=kind in ("qwen3", "qwen3_vl_text"), value_head=value_head)
+                   qk_norm=kind in ("qwen3", "qwen3_vl_text", "qwen3_moe"), value_head=value_head,
+                   experts=experts,
+                   expert_intermediate=(get("moe_intermediate_size", None) or get("intermediate_size")) if experts else 0,
+                   experts_per_token=(get("num_experts_per_tok", None) or 0) if experts else 0,
+                   dense_layers=len(get("mlp_only_layers", None) or []) if experts else 0)
 
 
 @dataclass(frozen=True)
@@ -267,7 +312,7 @@ def _role_parts(r: RoleMemory, x: MemoryInputs) -> tuple[dict[str, int], dict[st
     forward_act = x.forward_tokens * act_layer + head
     if r.name == "reward":
         return {"weights": b * P}, {"weights": b * P, "activations": forward_act}
-    gathered = b * P if x.zero_stage < 3 else b * (s.root_params() + 2 * s.layer_params())
+    gathered = b * P if x.zero_stage < 3 else b * (s.root_params() + 2 * s.largest_layer_params())
     four_bit = x.load_in_4bit and r.name in ("policy", "ref", "critic")
     dequantized = b * s.hidden * s.intermediate if four_bit else 0  # one linear weight at a time, while it runs
     if four_bit:

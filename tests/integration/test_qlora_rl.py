@@ -272,9 +272,15 @@ def test_qlora_grpo_on_a_mixture_of_experts(tiny_qwen2_dir, tmp_path):
     from rlhfkit.models.loader import load_causal_lm
 
     loaded = load_causal_lm(ModelConfig(pretrain=model_dir, load_in_4bit=True, lora_rank=4, param_dtype="bf16"))
-    four_bit = {n for n, p in loaded.named_parameters() if is_quantized(p)}
+    four_bit = {n: p for n, p in loaded.named_parameters() if is_quantized(p)}
     assert any("self_attn.q_proj" in n for n in four_bit)
     assert not any("experts" in n or "mlp.gate" in n for n in four_bit)
+    from rlhfkit.distributed.memory_plan import ModelShape
+    from rlhfkit.rollout.builtin.model.quantized import quantized_shape
+
+    shape = ModelShape.from_config(cfg)  # what the memory plan counts in 4 bits, and the adapters it counts
+    assert sum(quantized_shape(p).numel() for p in four_bit.values()) == shape.linear_params()
+    assert sum(p.numel() for n, p in loaded.named_parameters() if ".lora_" in n) == shape.lora_params(4)
     d = write_rl_data(str(tmp_path))
     save = str(tmp_path / "run")
     train_ppo.run.__wrapped__(*_parsed(rl_flags(model_dir, d, save, "--lora_rank", "4", "--lora_alpha", "8",

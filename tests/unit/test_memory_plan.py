@@ -35,6 +35,26 @@ def test_qwen25_7b_parameter_count_by_hand():
     assert ModelShape.from_config({**cfg_dict(), "model_type": "qwen2"}, value_head=True).num_params() == critic
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_moe_dense_first", "mixtral"])
+def test_parameter_count_of_a_mixture_of_experts(arch):
+    """Routed experts (each expert's gate, up and down, and the router) in place of a MoE layer's dense MLP;
+    Qwen3-MoE's mlp_only_layers keep a dense one."""
+    import transformers
+
+    small = dict(hidden_size=96, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
+                 intermediate_size=160, vocab_size=500)
+    if arch == "mixtral":
+        cfg = transformers.MixtralConfig(**small, num_local_experts=4, num_experts_per_tok=2)
+    else:
+        cfg = transformers.Qwen3MoeConfig(**small, moe_intermediate_size=48, num_experts=4, num_experts_per_tok=2,
+                                          mlp_only_layers=[0] if arch.endswith("first") else [])
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    shape = ModelShape.from_config(cfg)
+    assert shape.moe_layers == (2 if arch.endswith("first") else 3) and shape.experts_per_token == 2
+    assert shape.num_params() == sum(p.numel() for p in model.parameters())
+
+
 def cfg_dict() -> dict:
     return dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
                 intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False)
