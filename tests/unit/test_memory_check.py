@@ -104,3 +104,25 @@ def test_a_plan_with_room_prints_the_dynamic_batch_hint_once(tiny_model_dir, tmp
     M.check_memory(args, {"policy": 1, "ref": 1}, device_bytes=80 * GiB)
     M.check_memory(parse(tiny_model_dir, tmp_path), {"policy": 1, "ref": 1}, device_bytes=None)  # no GPU here
     assert "--use_dynamic_batch" not in capsys.readouterr().out
+
+
+def test_a_mixture_of_experts_plan_says_it_under_counts(tiny_model_dir, tmp_path, capsys):
+    """The plan of a MoE policy counts its experts and says in one line that its peak is not yet a promise."""
+    import shutil
+
+    from transformers import AutoConfig, Qwen3MoeConfig
+
+    moe = tmp_path / "moe"
+    shutil.copytree(tiny_model_dir, moe)
+    dense = AutoConfig.from_pretrained(tiny_model_dir)
+    Qwen3MoeConfig(vocab_size=dense.vocab_size, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=8,
+                   num_experts_per_tok=2).save_pretrained(moe)
+    args = changed(parse(tiny_model_dir, tmp_path), pretrain=str(moe))
+    x = M.memory_inputs(args, {"policy": 1, "ref": 1})
+    assert x.roles[0].shape.experts == 8 and x.roles[0].shape.num_params() > 8 * 2 * 3 * 64 * 32
+    M.check_memory(args, {"policy": 1, "ref": 1}, device_bytes=80 * GiB)
+    assert "mixture-of-experts model counts its weights exactly but under-counts its peak" in capsys.readouterr().out
+    capsys.readouterr()
+    M.check_memory(parse(tiny_model_dir, tmp_path), {"policy": 1, "ref": 1}, device_bytes=80 * GiB)
+    assert "mixture-of-experts" not in capsys.readouterr().out
