@@ -36,7 +36,9 @@ def four_bit_weights(model: nn.Module) -> frozenset[str]:
     """State-dict names of the model's bitsandbytes 4-bit weights (--load_in_4bit: a frozen base). Their
     entries (the packed values, and their quantization state under the same name + ".") stay out of training
     checkpoints: the base is loaded and quantized again from --pretrain when a run resumes."""
-    return frozenset(name for name, p in model.named_parameters() if getattr(p, "quant_state", None) is not None)
+    from rlhfkit.models.loader import is_4bit
+
+    return frozenset(name for name, p in model.named_parameters() if is_4bit(p))
 
 
 def is_four_bit_key(key: str, names: frozenset[str]) -> bool:

@@ -159,9 +159,6 @@ def load_engine(args: argparse.Namespace, tokenizer: Any, device: str, max_model
     # a 4-bit module computes in bf16 (bitsandbytes), also on a CPU: the engine serving it does too
     dtype = torch.bfloat16 if args.load_in_4bit else run_dtype(args.param_dtype, device)
     if args.rollout_engine == "vllm":
-        if args.load_in_4bit:  # (--rollout_engine auto fell back to vLLM: the builtin engine cannot run this model)
-            raise UsageError("--load_in_4bit: vLLM loads unquantised weights; --rollout_engine hf generates from the "
-                             "4-bit model")
         return build_engine("vllm", args.pretrain, tokenizer, dtype=dtype, seed=args.seed,
                             max_model_len=max_model_len, enable_prefix_caching=args.enable_prefix_caching,
                             tensor_parallel_size=args.tp_size, max_num_seqs=args.max_num_seqs)
@@ -226,6 +223,7 @@ def run_generate(args: argparse.Namespace) -> list[dict[str, str]] | None:
     device = resolve_device(args)
     resolve_rollout_engine(args, longest + 1)
     check_engine_tp(args)
+    check_4bit_engine(args)  # (auto may have become vllm)
     engine = load_engine(args, tokenizer, device, max_model_len=longest + 1)
     if getattr(engine, "tp", None) is not None and engine.tp.rank > 0:
         engine.serve()  # the other shards run shard 0's steps until it closes the engine
@@ -246,6 +244,16 @@ def check_engine_tp(args: argparse.Namespace) -> None:
                          "(under torchrun) or vllm")
 
 
+def check_4bit_engine(args: argparse.Namespace) -> None:
+    """--load_in_4bit generation needs an engine that takes the loaded 4-bit module (builtin, hf) on one device;
+    checked on the flags as given and again once --rollout_engine auto is resolved."""
+    if args.load_in_4bit and args.eval_task != "rm" and (args.rollout_engine == "vllm" or args.tp_size > 1):
+        raise UsageError("--load_in_4bit generates with the builtin engine (serving the loaded 4-bit module) or "
+                         "the hf engine on one device; "
+                         + ("--rollout_engine vllm" if args.rollout_engine == "vllm" else f"--tp_size {args.tp_size}")
+                         + " loads unquantised weights")
+
+
 def check_args(args: argparse.Namespace) -> None:
     if args.eval_task is None:
         raise UsageError(f"--eval_task is required: one of {', '.join(TASKS)}")
@@ -256,11 +264,7 @@ def check_args(args: argparse.Namespace) -> None:
     if args.lora_rank > 0:
         raise UsageError("--lora_rank: batch_inference loads full models; merge an adapter with lora_combiner")
     check_engine_tp(args)
-    if args.load_in_4bit and args.eval_task != "rm" and (args.rollout_engine == "vllm" or args.tp_size > 1):
-        raise UsageError("--load_in_4bit generates with the builtin engine (serving the loaded 4-bit module) or "
-                         "the hf engine on one device; "
-                         + ("--rollout_engine vllm" if args.rollout_engine == "vllm" else f"--tp_size {args.tp_size}")
-                         + " loads unquantised weights")
+    check_4bit_engine(args)
     check_output_path(args.output_path)
 
 

@@ -318,8 +318,10 @@ def _role_parts(r: RoleMemory, x: MemoryInputs) -> tuple[dict[str, int], dict[st
     if four_bit:
         gathered = s.base_bytes(b, True)
     if r.name not in TRAINABLE:  # ref
-        held = b * P if x.zero_stage < 3 or r.world == 1 else b * (P // S + s.root_params())
-        held = gathered if four_bit else held
+        if four_bit:  # a 4-bit base is held whole
+            held = gathered
+        else:
+            held = b * P if x.zero_stage < 3 or r.world == 1 else b * (P // S + s.root_params())
         return {"weights": held}, {"weights": max(held, gathered) + dequantized, "activations": forward_act}
     tokens = x.train_tokens
     train_layer = s.activation_bytes_per_token_layer(b, compiled=x.torch_compile)  # forwards above run eager

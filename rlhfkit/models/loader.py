@@ -49,6 +49,11 @@ def quantization_config(cfg: ModelConfig, skip_modules: list[str] | None = None)
                               llm_int8_skip_modules=skip_modules)
 
 
+def is_4bit(param: torch.Tensor) -> bool:
+    """Whether `param` is a bitsandbytes 4-bit weight (--load_in_4bit: packed values with a `quant_state`)."""
+    return getattr(param, "quant_state", None) is not None
+
+
 def keep_4bit_layout(model: torch.nn.Module) -> None:
     """Keep every bitsandbytes 4-bit weight in the layout it was loaded in. On a CPU with AVX512-BF16,
     bitsandbytes repacks a 4-bit weight for its CPU kernel at the first forward pass in eval mode without

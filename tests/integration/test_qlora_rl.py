@@ -75,13 +75,14 @@ def _check_against_forward(model, engine: BuiltinEngine) -> None:
 def test_engine_serves_the_4bit_base_it_shares(tiny_qwen2_dir):
     import bitsandbytes.functional as bnb_f
 
-    from rlhfkit.rollout.builtin.model.quantized import dequantize_layer, is_quantized
+    from rlhfkit.models.loader import is_4bit
+    from rlhfkit.rollout.builtin.model.quantized import dequantize_layer
 
     model = _qlora_model(tiny_qwen2_dir)
     engine = BuiltinEngine(model, device="cpu", dtype=torch.bfloat16, share_weights=True,
                            config=BuiltinEngineConfig(max_num_seqs=4, max_model_len=64))
     layers = engine.model.weights.layers
-    four_bit = {n: p for n, p in model.named_parameters() if is_quantized(p)}
+    four_bit = {n: p for n, p in model.named_parameters() if is_4bit(p)}
     assert len(four_bit) == 7 * len(layers)  # q k v o gate up down of every layer
     held = {p.packed.untyped_storage().data_ptr() for lw in layers for parts in lw.quant.values() for p in parts}
     assert held == {p.untyped_storage().data_ptr() for p in four_bit.values()}  # the trainer's tensors, not copies
@@ -258,7 +259,7 @@ def test_qlora_grpo_on_a_mixture_of_experts(tiny_qwen2_dir, tmp_path):
 
     from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from rlhfkit.rollout.builtin.model.quantized import is_quantized
+    from rlhfkit.models.loader import is_4bit
 
     tok = AutoTokenizer.from_pretrained(tiny_qwen2_dir)
     cfg = Qwen3MoeConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
@@ -272,7 +273,7 @@ def test_qlora_grpo_on_a_mixture_of_experts(tiny_qwen2_dir, tmp_path):
     from rlhfkit.models.loader import load_causal_lm
 
     loaded = load_causal_lm(ModelConfig(pretrain=model_dir, load_in_4bit=True, lora_rank=4, param_dtype="bf16"))
-    four_bit = {n: p for n, p in loaded.named_parameters() if is_quantized(p)}
+    four_bit = {n: p for n, p in loaded.named_parameters() if is_4bit(p)}
     assert any("self_attn.q_proj" in n for n in four_bit)
     assert not any("experts" in n or "mlp.gate" in n for n in four_bit)
     from rlhfkit.distributed.memory_plan import ModelShape

@@ -8,7 +8,7 @@ layer runs, `dequantize_layer` writes its q, k, v (gate, up) into row blocks of 
 layer's GEMMs and unmerged LoRA adapters run as for a bf16 model. The scratch costs one layer's bf16
 projections; the dequantization reads 0.5 bytes and writes 2 bytes a weight per forward pass.
 
-    is_quantized(param)          a bitsandbytes 4-bit parameter (it carries a `quant_state`)
+    (which parameters are 4-bit: rlhfkit.models.loader.is_4bit)
     QuantPart                    one 4-bit weight: its rows of a fused engine tensor
     dequantize_layer(layer)      fill the layer's scratch from its 4-bit weights (before the layer runs)
 """
@@ -19,11 +19,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-
-def is_quantized(param: torch.Tensor) -> bool:
-    """Whether `param` is a bitsandbytes 4-bit weight (packed values with a `quant_state`)."""
-    return getattr(param, "quant_state", None) is not None
 
 
 def quantized_shape(param: torch.Tensor) -> torch.Size:

@@ -16,7 +16,8 @@ from typing import Sequence
 import torch
 
 from rlhfkit.rollout.builtin.model.families import EXPERT_RE
-from rlhfkit.rollout.builtin.model.quantized import QuantPart, is_quantized, quantized_shape
+from rlhfkit.models.loader import is_4bit
+from rlhfkit.rollout.builtin.model.quantized import QuantPart, quantized_shape
 from rlhfkit.rollout.builtin.model.spec import ModelSpec
 from rlhfkit.rollout.builtin.model.weights import (ALL_ROWS, LAYER_RE, Coverage, LoraPack, LoraPart,
                                                    ModelWeights, allocate_weights, copy_into, keyed_targets,
@@ -63,7 +64,7 @@ def sharing_blocker(model: torch.nn.Module, dtype: torch.dtype | None = None,
     if is_vlm_config(model.config):
         return "a vision-language model's tower is not shared"
     if dtype is not None:
-        have = {p.dtype for p in model.parameters() if not is_quantized(p)}
+        have = {p.dtype for p in model.parameters() if not is_4bit(p)}
         if have != {dtype}:
             return (f"the policy's weights are {'/'.join(sorted(str(d).removeprefix('torch.') for d in have))}, "
                     f"the engine's {str(dtype).removeprefix('torch.')}")
@@ -76,7 +77,7 @@ def sharing_blocker(model: torch.nn.Module, dtype: torch.dtype | None = None,
         if ".lora_" in name and not _LORA_RE.match(name):
             return f"a LoRA parameter of another kind ({name})"
     for name, p in model.named_parameters():
-        if is_quantized(p):
+        if is_4bit(p):
             if isinstance(_lora_place(spec, _peft_base_name(name).removesuffix(".weight")), str):
                 return "a 4-bit weight outside the attention and dense MLP projections (" + name + ")"
     for module, (_, fan_in_fan_out) in lora_layers(model).items():
@@ -147,12 +148,12 @@ def adopt_parameters(model: torch.nn.Module, dtype: torch.dtype,
     weights = allocate_weights(spec, {_peft_base_name(n) for n, _ in named}, dtype, torch.device("meta"))
     coverage = Coverage()
     shared: set[str] = set()
-    quantized = [(n, p) for n, p in named if is_quantized(p)]
+    quantized = [(n, p) for n, p in named if is_4bit(p)]
     if quantized:
         _adopt_quantized(weights, spec, quantized, device, coverage, shared)
     with torch.no_grad():
         for peft_name, param in named:
-            if is_quantized(param):
+            if is_4bit(param):
                 continue
             name = _peft_base_name(peft_name)
             _materialize_part(weights, name, device)
