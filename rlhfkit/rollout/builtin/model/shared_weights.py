@@ -71,15 +71,13 @@ def sharing_blocker(model: torch.nn.Module, dtype: torch.dtype | None = None,
     if device is not None and any(p.device.type != torch.device(device).type for p in model.parameters()):
         return f"the weights are not all on {device}"
     spec = ModelSpec.from_hf_config(model.config)
-    for name, _ in model.named_parameters():
+    for name, p in model.named_parameters():
         if ".modules_to_save." in name or ".original_module." in name:
             return f"a module trained in full beside LoRA ({name})"
         if ".lora_" in name and not _LORA_RE.match(name):
             return f"a LoRA parameter of another kind ({name})"
-    for name, p in model.named_parameters():
-        if is_4bit(p):
-            if isinstance(_lora_place(spec, _peft_base_name(name).removesuffix(".weight")), str):
-                return "a 4-bit weight outside the attention and dense MLP projections (" + name + ")"
+        if is_4bit(p) and isinstance(_lora_place(spec, _peft_base_name(name).removesuffix(".weight")), str):
+            return f"a 4-bit weight outside the attention and dense MLP projections ({name})"
     for module, (_, fan_in_fan_out) in lora_layers(model).items():
         place = _lora_place(spec, module)
         if isinstance(place, str):
